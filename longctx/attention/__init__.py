@@ -1,0 +1,118 @@
+"""Attention registry: the only place that knows every method's name.
+
+    from longctx import attention
+    attention.names()
+    cfg = attention.default_config("dense")
+    core = attention.build("dense", cfg, num_heads=4, head_dim=64, causal=True, rngs=nnx.Rngs(0))
+    out, state = core(q, k, v, state=None)
+
+Adding a method: one file in this package defining an ``AttentionCore`` subclass,
+plus one line in ``_METHODS`` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import ml_collections
+from flax import nnx
+
+from longctx.attention.base import AttentionCore, Aux, NonGradState, check_qkv, require
+from longctx.errors import ConfigError
+
+# name -> "module:ClassName". One line per method.
+_METHODS: dict[str, str] = {
+    "dense": "longctx.attention.dense:DenseAttention",
+}
+
+_loaded: dict[str, type[AttentionCore]] = {}
+
+
+def register(name: str, target: str) -> None:
+    """Register a method defined outside this package (``"pkg.module:Class"``)."""
+    _METHODS[name] = target
+    _loaded.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_METHODS))
+
+
+def get_class(name: str) -> type[AttentionCore]:
+    if name not in _METHODS:
+        raise ConfigError(f"unknown attention method {name!r}; allowed: {', '.join(names())}")
+    if name not in _loaded:
+        module_name, cls_name = _METHODS[name].split(":")
+        _loaded[name] = getattr(importlib.import_module(module_name), cls_name)
+    return _loaded[name]
+
+
+def default_config(name: str) -> ml_collections.ConfigDict:
+    return get_class(name).default_config()
+
+
+def validate(name: str, cfg: ml_collections.ConfigDict, *, causal: bool, prefix: str = "attention") -> None:
+    """Validate a method config: unknown keys, wrong types and bad values raise ConfigError."""
+    cls = get_class(name)
+    if causal and not cls.supports_causal:
+        raise ConfigError(f"{prefix}: method {name!r} has no causal form; use it in an encoder (model.causal=False)")
+    if not causal and not cls.supports_bidirectional:
+        raise ConfigError(f"{prefix}: method {name!r} has no bidirectional form; use it in a decoder (model.causal=True)")
+    defaults = cls.default_config()
+    _check_keys(defaults, cfg, prefix)
+    cls.validate_config(cfg, causal=causal)
+
+
+def _check_keys(defaults: ml_collections.ConfigDict, cfg: ml_collections.ConfigDict, prefix: str) -> None:
+    for key in cfg.keys():
+        if key not in defaults:
+            allowed = ", ".join(sorted(defaults.keys())) or "(none)"
+            raise ConfigError(f"{prefix}.{key}: unknown key; allowed keys: {allowed}")
+        want, got = defaults[key], cfg[key]
+        if isinstance(want, ml_collections.ConfigDict):
+            _check_keys(want, got, f"{prefix}.{key}")
+        elif want is not None and got is not None and not _same_kind(want, got):
+            raise ConfigError(
+                f"{prefix}.{key}: expected {type(want).__name__}, got {type(got).__name__} ({got!r})"
+            )
+
+
+def _same_kind(want, got) -> bool:
+    if isinstance(want, bool) or isinstance(got, bool):
+        return isinstance(want, bool) and isinstance(got, bool)
+    if isinstance(want, float):
+        return isinstance(got, (int, float))
+    return isinstance(got, type(want))
+
+
+def build(
+    name: str,
+    cfg: ml_collections.ConfigDict | None = None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    causal: bool,
+    rngs: nnx.Rngs,
+    value_dim: int | None = None,
+) -> AttentionCore:
+    cls = get_class(name)
+    merged = cls.default_config()
+    if cfg is not None:
+        merged.update(cfg)
+    validate(name, merged, causal=causal)
+    return cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+
+
+__all__ = [
+    "AttentionCore",
+    "Aux",
+    "NonGradState",
+    "build",
+    "check_qkv",
+    "default_config",
+    "get_class",
+    "names",
+    "register",
+    "require",
+    "validate",
+]

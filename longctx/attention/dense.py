@@ -1,0 +1,197 @@
+"""Exact softmax attention, the baseline every method is compared with.
+
+Two paths compute the same function:
+
+* ``naive``: materializes the [Tq, Tk] score matrix.
+* ``blockwise``: online softmax over key blocks inside query blocks, so memory
+  is O(block_q * block_k) per head; causal key blocks wholly in the future are
+  skipped. Runs 65k-token forwards on a CPU.
+
+The state is a KV cache of fixed capacity (``init_state(batch, max_len)``);
+slots are right-aligned, so slot j of a cache of capacity M that has seen
+``length`` tokens holds absolute position ``length - M + j`` (invalid when < 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from longctx.attention.base import AttentionCore, check_qkv, require
+
+NEG_INF = -1e30
+
+
+def positions_mask(q_pos, k_pos, k_valid, causal: bool):
+    """[Tq, Tk] boolean: key visible to query."""
+    mask = k_valid[None, :]
+    if causal:
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])
+    return mask
+
+
+def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool):
+    """Reference exact attention with explicit positions. Shapes as the contract."""
+    scale = q.shape[-1] ** -0.5
+    s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    mask = positions_mask(q_pos, k_pos, k_valid, causal)
+    s = jnp.where(mask, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(m)), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32)) / jnp.maximum(den, 1e-30)
+    return out.astype(v.dtype)
+
+
+def _pad_axis(x, axis: int, multiple: int, value=0):
+    n = x.shape[axis]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int):
+    """Exact attention by online softmax over key blocks (memory O(block_q*block_k))."""
+    B, H, Tq, D = q.shape
+    Tk, Dv = k.shape[2], v.shape[-1]
+    bq, bk = min(block_q, Tq), min(block_k, Tk)
+    scale = D**-0.5
+    qp = _pad_axis(q.astype(jnp.float32) * scale, 2, bq)
+    qpos = _pad_axis(q_pos, 0, bq, value=jnp.iinfo(jnp.int32).max // 2)
+    kp = _pad_axis(k.astype(jnp.float32), 2, bk)
+    vp = _pad_axis(v.astype(jnp.float32), 2, bk)
+    kpos = _pad_axis(k_pos, 0, bk)
+    kval = _pad_axis(k_valid, 0, bk, value=False)
+    nq, nk = qp.shape[2] // bq, kp.shape[2] // bk
+    qb = qp.reshape(B, H, nq, bq, D).transpose(2, 0, 1, 3, 4)
+    qposb = qpos.reshape(nq, bq)
+    kb = kp.reshape(B, H, nk, bk, D).transpose(2, 0, 1, 3, 4)
+    vb = vp.reshape(B, H, nk, bk, Dv).transpose(2, 0, 1, 3, 4)
+    kposb = kpos.reshape(nk, bk)
+    kvalb = kval.reshape(nk, bk)
+    # earliest valid key position per block, to skip wholly-future blocks
+    kmin = jnp.min(jnp.where(kvalb, kposb, jnp.iinfo(jnp.int32).max), axis=1)
+
+    def one_query_block(args):
+        qi, qpi = args
+
+        @jax.checkpoint
+        def step(carry, xs):
+            m, l, acc = carry
+            ki, vi, kpi, kvi, kmi = xs
+
+            def compute(carry):
+                m, l, acc = carry
+                s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
+                mask = positions_mask(qpi, kpi, kvi, causal)
+                s = jnp.where(mask, s, NEG_INF)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                l_new = l * corr + jnp.sum(p, axis=-1)
+                acc_new = acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
+                return m_new, l_new, acc_new
+
+            if causal:
+                carry = jax.lax.cond(kmi <= jnp.max(qpi), compute, lambda c: c, (m, l, acc))
+            else:
+                carry = compute((m, l, acc))
+            return carry, None
+
+        init = (
+            jnp.full((B, H, bq), NEG_INF, jnp.float32),
+            jnp.zeros((B, H, bq), jnp.float32),
+            jnp.zeros((B, H, bq, Dv), jnp.float32),
+        )
+        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kposb, kvalb, kmin))
+        return acc / jnp.maximum(l, 1e-30)[..., None]
+
+    out = jax.lax.map(one_query_block, (qb, qposb))  # [nq, B, H, bq, Dv]
+    out = out.transpose(1, 2, 0, 3, 4).reshape(B, H, nq * bq, Dv)[:, :, :Tq]
+    return out.astype(v.dtype)
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl: str, block_q: int, block_k: int, auto_threshold: int):
+    if impl == "auto":
+        impl = "blockwise" if q.shape[2] * k.shape[2] > auto_threshold else "naive"
+    if impl == "naive":
+        return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal)
+    return blockwise_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k)
+
+
+class DenseAttention(AttentionCore):
+    """Exact softmax attention; causal state = fixed-capacity KV cache."""
+
+    name = "dense"
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                "impl": "auto",  # 'naive' | 'blockwise' | 'auto' (blockwise when Tq*Tk > auto_threshold)
+                "block_q": 512,
+                "block_k": 512,
+                "auto_threshold": 4096 * 4096,
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        allowed = ("naive", "blockwise", "auto")
+        require(cfg.impl in allowed, f"attention.dense.impl={cfg.impl!r}; allowed: {', '.join(allowed)}")
+        require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
+        require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
+
+    def _attend(self, q, k, v, q_pos, k_pos, k_valid):
+        c = self.cfg
+        return attend(
+            q, k, v, q_pos, k_pos, k_valid,
+            causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
+        )
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("dense: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("dense: init_state needs max_len (the KV-cache capacity in tokens)")
+        H, D, Dv = self.num_heads, self.head_dim, self.value_dim
+        return {
+            "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
+            "v": jnp.zeros((batch_size, H, max_len, Dv), jnp.float32),
+            "length": jnp.zeros((), jnp.int32),
+        }
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        T = q.shape[2]
+        pos = jnp.arange(T, dtype=jnp.int32)
+        if state is None:
+            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool))
+            new_state = (
+                {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "length": jnp.asarray(T, jnp.int32)}
+                if self.causal
+                else None
+            )
+            return out, new_state
+        if not self.causal:
+            raise ValueError("dense: a bidirectional core takes no state")
+        M = state["k"].shape[2]
+        length = state["length"]
+        q_pos = length + pos
+        k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
+        k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)
+        v_all = jnp.concatenate([state["v"].astype(v.dtype), v], axis=2)
+        out = self._attend(q, k_all, v_all, q_pos, k_pos, k_pos >= 0)
+        new_state = {
+            "k": k_all[:, :, -M:].astype(jnp.float32),
+            "v": v_all[:, :, -M:].astype(jnp.float32),
+            "length": length + T,
+        }
+        return out, new_state
+
+
+__all__ = ["DenseAttention", "attend", "blockwise_attention", "naive_attention", "positions_mask"]

@@ -1,0 +1,89 @@
+"""Residual blocks, chosen by ``model.block`` through a registry.
+
+Block interface (every block type follows it)::
+
+    block = cls(cfg, layer_index=i, rngs=rngs)      # cfg: the `model` ConfigDict
+    x, state = block(x, state, positions=pos, deterministic=True, key=None, aux=aux)
+    state = block.init_state(batch_size, max_len)
+    block.apply_stats(stats)                         # non-gradient updates (aux.stats of this layer)
+
+x: [B, T, d_model]; positions: [T] int32 absolute positions of x's tokens;
+aux: a ``longctx.attention.Aux`` for this layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+from flax import nnx
+
+from longctx import attention
+from longctx.errors import ConfigError
+from longctx.models.layers import MLP, apply_rotary, dropout, make_norm
+
+# name -> "module:Class". One line per block type.
+_BLOCKS: dict[str, str] = {
+    "transformer": "longctx.models.blocks:TransformerBlock",
+}
+
+
+def block_names() -> tuple[str, ...]:
+    return tuple(sorted(_BLOCKS))
+
+
+def get_block(name: str):
+    if name not in _BLOCKS:
+        raise ConfigError(f"model.block={name!r} is unknown; allowed: {', '.join(block_names())}")
+    module_name, cls_name = _BLOCKS[name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def split_key(key, n: int):
+    if key is None:
+        return [None] * n
+    return list(jax.random.split(key, n))
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-LN block: x + Drop(Attn(LN(x))); x + Drop(MLP(LN(x))). Multi-head attention
+    whose mixer is the configured attention core."""
+
+    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
+        d, H, Dh = cfg.d_model, cfg.num_heads, cfg.head_dim
+        self.num_heads, self.head_dim = H, Dh
+        self.rotary = cfg.positions == "rotary"
+        self.dropout_rate = cfg.dropout
+        self.norm1 = make_norm(cfg.norm, d, rngs)
+        self.norm2 = make_norm(cfg.norm, d, rngs)
+        self.qkv = nnx.Linear(d, 3 * H * Dh, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(H * Dh, d, use_bias=False, rngs=rngs)
+        name = cfg.attention.name
+        self.core = attention.build(
+            name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
+        )
+        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs)
+
+    def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
+        B, T, _ = x.shape
+        k_core, k_attn, k_mlp, k_res = split_key(key, 4)
+        h = self.norm1(x)
+        qkv = self.qkv(h).reshape(B, T, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.rotary:
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+        o, state = self.core(q, k, v, state, deterministic=deterministic, key=k_core, aux=aux)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.head_dim)
+        x = x + dropout(self.out(o.astype(x.dtype)), self.dropout_rate, deterministic, k_attn)
+        h = self.mlp(self.norm2(x), deterministic=deterministic, key=k_mlp)
+        x = x + dropout(h, self.dropout_rate, deterministic, k_res)
+        return x, state
+
+    def init_state(self, batch_size: int, max_len: int | None):
+        return self.core.init_state(batch_size, max_len)
+
+    def apply_stats(self, stats) -> None:
+        self.core.apply_stats(stats)
+
+
+

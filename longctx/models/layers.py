@@ -1,0 +1,81 @@
+"""Small building blocks: norms, MLP, position encodings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * g (+ b), computed in fp32."""
+
+    def __init__(self, dim: int, *, use_bias: bool = False, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if use_bias else None
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * self.scale[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
+    if kind == "layernorm":
+        return nnx.LayerNorm(dim, rngs=rngs)
+    if kind == "rmsnorm":
+        return RMSNorm(dim)
+    raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
+
+
+class MLP(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs):
+        self.up = nnx.Linear(dim, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, rngs=rngs)
+        self.dropout = dropout
+
+    def __call__(self, x, *, deterministic: bool, key=None):
+        h = jax.nn.gelu(self.up(x))
+        h = dropout(h, self.dropout, deterministic, key)
+        return self.down(h)
+
+
+def dropout(x, rate: float, deterministic: bool, key):
+    """Functional dropout driven by an explicit key (None or deterministic: identity)."""
+    if deterministic or rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def sinusoidal_table(positions, dim: int, base: float = 10_000.0):
+    """[..., dim] table: [sin(p w_k) | cos(p w_k)], w_k = base^(-2k/dim)."""
+    half = dim // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)
+    ang = positions.astype(jnp.float32)[..., None] * freqs
+    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+
+
+def apply_rotary(x, positions, base: float = 10_000.0):
+    """Rotary position embedding on [B, H, T, D] with absolute positions [T] (half-split form)."""
+    D = x.shape[-1]
+    half = D // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / D)
+    ang = positions.astype(jnp.float32)[:, None] * freqs  # [T, half]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+    rot = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, xf[..., 2 * half :]], axis=-1)
+    return rot.astype(x.dtype)
+
+
+def normal_init(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+def fan_in_init():
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
+
