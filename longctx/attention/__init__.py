@@ -23,6 +23,7 @@ from longctx.errors import ConfigError
 # name -> "module:ClassName". One line per method.
 _METHODS: dict[str, str] = {
     "dense": "longctx.attention.dense:DenseAttention",
+    "eva": "longctx.attention.eva:EVAAttention",
 }
 
 _loaded: dict[str, type[AttentionCore]] = {}

@@ -1,0 +1,637 @@
+"""EVA: efficient attention via control variates (Zheng et al., ICLR 2023).
+
+Spec: ``shared/specs/eva.md``. Each query ``n`` sees
+
+* a local block ``E_n`` (exact softmax terms, T5 relative-position bias), and
+* ``C`` contiguous chunks ``P_c`` summarized by a representative key
+  ``k̂_c = LN(Linear(mean_{P_c} k))`` (chunk logit ``s q_n·k̂_c``) and a
+  query-independent control-variate coefficient ``β_c`` = a one-sample RFA over
+  the chunk (Phase A, §2.3),
+
+combined by one log-sum-exp normalised softmax over ``[local logits ; chunk
+logits]`` (eq. 16, Phase B, §2.4).
+
+Pure functions do the math; :class:`EVAAttention` only owns the parameters and
+the decoding state. Both the full forward and the streaming/decoding path call
+the same tile function :func:`attend_tile` with explicit absolute positions, so
+every mask (local window, causal, chunk visibility ``c < ⌊n/P⌋``, ``disjoint``
+partition) and the relative-position bias are functions of positions only; that
+is what makes "streamed in any split == one full pass" hold.
+
+Randomness: ``key`` -> ``noise_key, drop_key = jax.random.split(key)``; chunk
+``c`` (absolute index) draws ``normal(fold_in(noise_key, c), (B, H, d))``
+(spec §4.4 / §9.4), in the full forward and when a chunk is finished during
+streaming alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from longctx.attention.base import AttentionCore, check_qkv, require
+
+NEG = -1e30  # finite mask value (spec §2.7): -inf gives NaN for all-padding chunks
+LN_EPS = 1e-5
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------
+# static options
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EVAOptions:
+    """Static (hashable) options of the pure functions."""
+
+    causal: bool
+    W: int  # local block size; 0 = no local part (test-only)
+    e_l: int  # left window extension
+    e_r: int  # right window extension
+    partition: str  # 'full' | 'disjoint'
+    chunk_logit: str  # 'rep' | 'exact_lse'
+    chunk_rep: str  # 'learned' | 'identity'
+    adaptive_proj: str  # 'qk' | 'no-ln' | 'none'
+    mu_mode: str  # 'sum' | 'half'
+    rf_scale: str  # 'released' | 'principled'
+    use_rpe: bool
+    rpe_buckets: int
+    rpe_max_distance: int
+    attn_dropout: float
+    logit_budget: int  # max materialized logits (B*H*Tq*(Tk+C)) per lax.map step
+
+
+def geometry(opts: EVAOptions, L: int, chunk_size: int, num_chunks: int):
+    """(L_pad, P, C, query tile size) for a full pass over L tokens (spec §2.1)."""
+    W = opts.W
+    if num_chunks > 0 and not opts.causal:
+        mult = W if W > 0 else num_chunks
+        L_pad = -(-L // mult) * mult
+        P = L_pad // num_chunks
+    else:
+        P = chunk_size
+        mult = W if W > 0 else P
+        L_pad = -(-L // mult) * mult
+    C = L_pad // P
+    tile = W if W > 0 else P
+    return L_pad, P, C, tile
+
+
+# ---------------------------------------------------------------------------
+# relative position bias (spec §2.6)
+# ---------------------------------------------------------------------------
+
+
+def rpe_num_buckets(W: int, e: int) -> int:
+    return int(min(max((W + e) // 2, 16), 64))
+
+
+def t5_bucket(delta, num_buckets: int, max_distance: int, causal: bool):
+    """T5 bucket of ``delta = key_pos - query_pos`` (int array)."""
+    delta = delta.astype(jnp.int32)
+    if causal:
+        n, offset, t = num_buckets, 0, jnp.maximum(-delta, 0)
+    else:
+        n = num_buckets // 2
+        offset = jnp.where(delta > 0, n, 0)
+        t = jnp.abs(delta)
+    me = max(n // 2, 1)
+    denom = max(math.log(max_distance / me), 1e-6)
+    tf = jnp.maximum(t, me).astype(jnp.float32)
+    large = me + jnp.floor(jnp.log(tf / me) / denom * (n - me)).astype(jnp.int32)
+    large = jnp.minimum(large, n - 1)
+    return jnp.where(t < me, t, large) + offset
+
+
+def rpe_bias(table, q_pos, k_pos, opts: EVAOptions, scale: float):
+    """[Hb, Tq, Tk] bias ``s * θ[bucket(k_pos - q_pos)]``; Hb = 1 (causal, shared) or H."""
+    b = t5_bucket(k_pos[None, :] - q_pos[:, None], opts.rpe_buckets, opts.rpe_max_distance, opts.causal)
+    if table.ndim == 1:
+        return scale * table[b][None]
+    return scale * jnp.moveaxis(table[b], -1, 0)
+
+
+# ---------------------------------------------------------------------------
+# masks from absolute positions (spec §2.4, §2.5)
+# ---------------------------------------------------------------------------
+
+
+def window_bounds(q_pos, opts: EVAOptions):
+    """[lo, hi) of the local window E_w of each query's block."""
+    if opts.W == 0:
+        z = jnp.zeros_like(q_pos)
+        return z, z
+    blk = q_pos // opts.W
+    lo = jnp.maximum(blk * opts.W - opts.e_l, 0)
+    hi = (blk + 1) * opts.W + opts.e_r
+    return lo, hi
+
+
+def local_mask(q_pos, k_pos, k_valid, opts: EVAOptions):
+    """[Tq, Tk] bool: key in the query's window (and not in its future when causal)."""
+    lo, hi = window_bounds(q_pos, opts)
+    m = k_valid[None, :] & (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] < hi[:, None])
+    if opts.causal:
+        m = m & (k_pos[None, :] <= q_pos[:, None])
+    return m
+
+
+def chunk_mask(q_pos, chunk_ids, chunk_valid, P: int, opts: EVAOptions):
+    """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
+    'disjoint': additionally drop chunks intersecting the query's window."""
+    m = jnp.broadcast_to(chunk_valid[None, :], (q_pos.shape[0], chunk_ids.shape[0]))
+    if opts.causal:
+        m = m & (chunk_ids[None, :] < (q_pos // P)[:, None])
+    if opts.partition == "disjoint" and opts.W > 0:
+        lo, hi = window_bounds(q_pos, opts)
+        inter = (chunk_ids[None, :] * P < hi[:, None]) & ((chunk_ids[None, :] + 1) * P > lo[:, None])
+        m = m & ~inter
+    return m
+
+
+# ---------------------------------------------------------------------------
+# Phase A: chunk statistics (spec §2.3)
+# ---------------------------------------------------------------------------
+
+
+def layer_norm(x, scale, bias):
+    x = x.astype(jnp.float32)
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + LN_EPS) * scale + bias
+
+
+def rf_log_feature(x, omega, scale: float, rf_scale: str):
+    """log ξ(x, ω) of the positive random feature, with the layer's scaling (spec §9.2).
+
+    'released':   s (ω·x − ½‖x‖²);   'principled': √s ω·x − (s/2)‖x‖²;   scale=1: ω·x − ½‖x‖².
+    x: [..., P, d]; omega: [..., d] (broadcast over P)."""
+    dot = jnp.einsum("...pd,...d->...p", x, omega, precision=HIGHEST)
+    sq = 0.5 * jnp.sum(x * x, axis=-1)
+    if rf_scale == "released":
+        return scale * (dot - sq)
+    return math.sqrt(scale) * dot - scale * sq
+
+
+def representatives(q_bar, k_bar, params, opts: EVAOptions):
+    """(k̂_c, µ_c) from the chunk means [B,H,C,d]. Linear (+LN) shared across heads."""
+    if opts.chunk_rep == "identity":
+        k_hat, q_hat = k_bar, q_bar
+    else:
+
+        def proj(x, w, b, g, beta, use_ln):
+            y = jnp.einsum("...d,de->...e", x, w, precision=HIGHEST) + b
+            return layer_norm(y, g, beta) if use_ln else y
+
+        use_ln = opts.adaptive_proj != "no-ln"
+        k_hat = proj(k_bar, params["k_w"], params["k_b"], params["k_ln_scale"], params["k_ln_bias"], use_ln)
+        if opts.adaptive_proj == "none":
+            return k_hat, jnp.zeros_like(k_hat)
+        q_hat = proj(q_bar, params["q_w"], params["q_b"], params["q_ln_scale"], params["q_ln_bias"], use_ln)
+    mu = q_hat + k_hat if opts.mu_mode == "sum" else 0.5 * (q_hat + k_hat)
+    return k_hat, mu
+
+
+def chunk_beta(omega, k_ch, v_ch, k_valid, scale: float, rf_scale: str):
+    """β_c = Σ_p softmax_p(log ξ(k_p, ω_c)) v_p. k_ch: [B,H,C,P,d], omega [B,H,C,d],
+    k_valid [C,P] (or broadcastable to [B,H,C,P])."""
+    logits = jnp.where(k_valid, rf_log_feature(k_ch, omega, scale, rf_scale), NEG)
+    w = jax.nn.softmax(logits, axis=-1)
+    w = jnp.where(k_valid, w, 0.0)
+    return jnp.einsum("...p,...pd->...d", w, v_ch, precision=HIGHEST)
+
+
+def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float):
+    """Phase A. q_ch, k_ch: [B,H,C,P,d]; v_ch: [B,H,C,P,dv] (padding rows zero);
+    k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ).
+    Returns (k̂ [B,H,C,d], β [B,H,C,dv]). Chunk means divide by P even if padded (§9.11)."""
+    P = q_ch.shape[-2]
+    q_bar = jnp.sum(q_ch, axis=-2) / P
+    k_bar = jnp.sum(k_ch, axis=-2) / P
+    k_hat, mu = representatives(q_bar, k_bar, params, opts)
+    omega = mu if noise is None else mu + noise
+    return k_hat, chunk_beta(omega, k_ch, v_ch, k_valid, scale, opts.rf_scale)
+
+
+def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
+    """ε [B,H,C,d]: chunk c draws normal(fold_in(noise_key, c), (B,H,d)) (spec §4.4)."""
+    eps = jax.vmap(lambda c: jax.random.normal(jax.random.fold_in(noise_key, c), (batch, heads, dim)))(chunk_ids)
+    return jnp.moveaxis(eps, 0, 2)
+
+
+# ---------------------------------------------------------------------------
+# Phase B: one tile of queries (spec §2.4)
+# ---------------------------------------------------------------------------
+
+
+def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
+    """[B,H,Tq,C]: s q·k̂_c (eq. 16) or, 'exact_lse', logsumexp_{m∈P_c} s q·k_m (eq. 13)."""
+    if chunk_logit == "rep":
+        return scale * jnp.einsum("bhqd,bhcd->bhqc", q, k_hat, precision=HIGHEST)
+    s = scale * jnp.einsum("bhqd,bhcpd->bhqcp", q, k_raw, precision=HIGHEST)
+    s = jnp.where(k_raw_valid[:, None], s, NEG)  # k_raw_valid: [B|1, 1, C, P] -> broadcast
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, drop_key,
+                opts: EVAOptions, scale: float):
+    """Outputs [B,H,Tq,dv] of a tile of queries at absolute positions q_pos [Tq].
+
+    Local candidates k, v [B,H,Tk,*] at positions k_pos [Tk] (k_valid: real key);
+    chunks = (k̂ [B,H,C,d], β [B,H,C,dv], k_raw, k_raw_valid) with absolute ids chunk_ids [C].
+    One max-subtracted softmax over [local ; chunk] logits (eq. 16 in log-sum-exp form)."""
+    k_hat, beta, k_raw, k_raw_valid = chunks
+    lmask = local_mask(q_pos, k_pos, k_valid, opts)
+    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
+    if opts.use_rpe and rpe_table is not None:
+        a_loc = a_loc + rpe_bias(rpe_table, q_pos, k_pos, opts, scale)
+    a_loc = jnp.where(lmask, a_loc, NEG)
+    cmask = chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts)
+    a_ch = jnp.where(cmask, chunk_logits(q, k_hat, k_raw, k_raw_valid, scale, opts.chunk_logit), NEG)
+    m = jnp.maximum(jnp.max(a_loc, axis=-1, initial=NEG), jnp.max(a_ch, axis=-1, initial=NEG))
+    m = jax.lax.stop_gradient(m)[..., None]
+    p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
+    p_ch = jnp.where(cmask, jnp.exp(a_ch - m), 0.0)
+    denom = jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1)
+    if drop_key is not None and opts.attn_dropout > 0.0:
+        # dropout on the joint normalized weights == drop unnormalized p, keep the normalizer (§9.12)
+        kl, kc = jax.random.split(drop_key)
+        keep = 1.0 - opts.attn_dropout
+        p_loc = jnp.where(jax.random.bernoulli(kl, keep, p_loc.shape), p_loc / keep, 0.0)
+        p_ch = jnp.where(jax.random.bernoulli(kc, keep, p_ch.shape), p_ch / keep, 0.0)
+    num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v, precision=HIGHEST)
+    num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta, precision=HIGHEST)
+    return num / jnp.maximum(denom, 1e-30)[..., None]  # empty rows (only if W = 0) give 0
+
+
+def _map_tiles(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
+    """Apply fn over the leading tile axis: vmap when all tiles fit the logit budget, else lax.map in batches."""
+    bs = max(1, budget // max(cost_per_tile, 1))
+    if bs >= n_tiles:
+        return jax.vmap(fn)(*xs)
+    return jax.lax.map(lambda a: fn(*a), xs, batch_size=bs)
+
+
+def _gather_tiles(x, idx):
+    """x [B,H,L,d], idx [N, K] (clipped) -> [N,B,H,K,d]."""
+    g = jnp.take(x, idx.reshape(-1), axis=2)
+    return jnp.moveaxis(g.reshape(x.shape[:2] + idx.shape + x.shape[3:]), 2, 0)
+
+
+def _tile_keys(drop_key, n_tiles):
+    if drop_key is None:
+        return None
+    return jax.vmap(lambda i: jax.random.fold_in(drop_key, i))(jnp.arange(n_tiles))
+
+
+def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
+                num_chunks: int, stats_fn=None):
+    """Full pass over L tokens (no prefix). q,k [B,H,L,d], v [B,H,L,dv] -> (out [B,H,L,dv], extras).
+
+    Query tiles are the blocks of W tokens; tile w's local candidates are positions
+    [wW − e_l, (w+1)W + e_r) (out-of-range masked). Phase A over all C chunks of the padded
+    sequence. ``stats_fn`` replaces the jnp Phase A (Pallas kernel), same signature as
+    :func:`chunk_summaries`."""
+    B, H, L, d = q.shape
+    dv = v.shape[-1]
+    scale = d**-0.5
+    L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)
+    pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
+    qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
+    valid = jnp.arange(L_pad) < L
+    # Phase A
+    k_valid_ch = valid.reshape(C, P)
+    q_ch, k_ch, v_ch = (x.reshape(B, H, C, P, x.shape[-1]) for x in (qf, kf, vf))
+    noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
+    k_hat, beta = (stats_fn or chunk_summaries)(q_ch, k_ch, v_ch, k_valid_ch, params, noise, opts, scale)
+    exact = opts.chunk_logit == "exact_lse"
+    chunks = (k_hat, beta, k_ch if exact else None, k_valid_ch[None, None] if exact else None)
+    chunk_ids = jnp.arange(C)
+    chunk_valid = jnp.any(k_valid_ch, axis=-1)  # [ours] all-padding chunks masked (bidirectional)
+    # Phase B over query tiles
+    n_tiles = L_pad // tile
+    q_pos = jnp.arange(L_pad).reshape(n_tiles, tile)
+    Tk = (tile + opts.e_l + opts.e_r) if opts.W > 0 else 0
+    k_pos = jnp.arange(n_tiles)[:, None] * tile - opts.e_l + jnp.arange(Tk)[None, :]
+    k_val = (k_pos >= 0) & (k_pos < L)
+    idx = jnp.clip(k_pos, 0, L_pad - 1)
+    q_t = jnp.moveaxis(qf.reshape(B, H, n_tiles, tile, d), 2, 0)
+    k_t, v_t = _gather_tiles(kf, idx), _gather_tiles(vf, idx)
+    keys = _tile_keys(drop_key, n_tiles)
+
+    def one(qt, qp, kt, vt, kp, kv, dk):
+        return attend_tile(qt, qp, kt, vt, kp, kv, chunks, chunk_ids, chunk_valid, P, rpe_table, dk, opts, scale)
+
+    cost = B * H * tile * (Tk + C * (P if exact else 1))
+    out = _map_tiles(one, (q_t, q_pos, k_t, v_t, k_pos, k_val, keys), n_tiles, cost, opts.logit_budget)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, L_pad, dv)[:, :, :L]
+    return out, {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
+
+
+# ---------------------------------------------------------------------------
+# decoding / streaming state (spec §4; causal only)
+# ---------------------------------------------------------------------------
+
+
+def empty_state(B, H, d, dv, R, P, C_max, exact: bool):
+    z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    st = {
+        "pos": jnp.zeros((), jnp.int32),
+        "win_k": z(B, H, R, d),  # last R tokens, chronological: slot j <-> position pos - R + j
+        "win_v": z(B, H, R, dv),
+        "cur_q": z(B, H, P, d),  # members of the unfinished chunk ⌊pos/P⌋, slot j <-> ⌊pos/P⌋P + j
+        "cur_k": z(B, H, P, d),
+        "cur_v": z(B, H, P, dv),
+        "mem_khat": z(B, H, C_max, d),  # finished chunks c < ⌊pos/P⌋
+        "mem_beta": z(B, H, C_max, dv),
+    }
+    if exact:
+        st["mem_kraw"] = z(B, H, C_max, P, d)
+    return st
+
+
+def _last(x, R):
+    """Last R entries along axis 2, zero-filled at the front when shorter."""
+    n = x.shape[2]
+    if n >= R:
+        return x[:, :, n - R:]
+    return jnp.pad(x, ((0, 0), (0, 0), (R - n, 0), (0, 0)))
+
+
+def state_from_forward(extras, L: int, R: int, exact: bool):
+    """The state the step path would have built after L tokens (spec §4.3)."""
+    qf, kf, vf = extras["padded"]
+    P = extras["P"]
+    c_cur = L // P
+    cur = [jnp.pad(x, ((0, 0), (0, 0), (0, P), (0, 0)))[:, :, c_cur * P:(c_cur + 1) * P] for x in (qf, kf, vf)]
+    st = {
+        "pos": jnp.asarray(L, jnp.int32),
+        "win_k": _last(kf[:, :, :L], R),
+        "win_v": _last(vf[:, :, :L], R),
+        "cur_q": cur[0], "cur_k": cur[1], "cur_v": cur[2],
+        "mem_khat": extras["k_hat"],
+        "mem_beta": extras["beta"],
+    }
+    if exact:
+        B, H, _, d = kf.shape
+        st["mem_kraw"] = kf.reshape(B, H, -1, P, d)
+    return st
+
+
+def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,
+               stats_fn=None):
+    """Causal EVA over T new tokens at positions [pos, pos+T) given the prefix state.
+
+    1. Chunks completed by these tokens are summarized (Phase A, same formulas and noise
+       rule as the full pass) and stored at their absolute index;
+    2. queries attend to the updated chunk memory (visibility c < ⌊n/P⌋ keeps the own and
+       later chunks hidden) and to local candidates = the last R prefix tokens + new tokens;
+    3. the ring, current-chunk buffer and pos advance."""
+    B, H, T, d = q.shape
+    dv = v.shape[-1]
+    scale = d**-0.5
+    R = state["win_k"].shape[2]
+    C_max = state["mem_khat"].shape[2]
+    exact = opts.chunk_logit == "exact_lse"
+    pos = state["pos"]
+    _check_capacity(pos, T, P, C_max)
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+    # -- 1. finish chunks -------------------------------------------------------------
+    c0, r = pos // P, pos % P
+    n_ext = -(-(P + T) // P)
+    ext = []
+    for cur, new in ((state["cur_q"], qf), (state["cur_k"], kf), (state["cur_v"], vf)):
+        buf = jnp.zeros((B, H, n_ext * P, new.shape[-1]), jnp.float32).at[:, :, :P].set(cur)
+        ext.append(jax.lax.dynamic_update_slice(buf, new, (0, 0, r, 0)))
+    n_have = r + T  # ext slot j <-> position c0*P + j, valid for j < n_have
+    ext_valid = (jnp.arange(n_ext * P) < n_have).reshape(n_ext, P)
+    ext_ids = c0 + jnp.arange(n_ext)
+    q_ch, k_ch, v_ch = (x.reshape(B, H, n_ext, P, x.shape[-1]) for x in ext)
+    noise = None if noise_key is None else chunk_noise(noise_key, ext_ids, B, H, d)
+    k_hat, beta = (stats_fn or chunk_summaries)(q_ch, k_ch, v_ch, ext_valid, params, noise, opts, scale)
+    complete = (jnp.arange(n_ext) + 1) * P <= n_have
+    slot = jnp.where(complete, ext_ids, C_max)  # out of range -> dropped
+    mem_khat = state["mem_khat"].at[:, :, slot].set(k_hat, mode="drop")
+    mem_beta = state["mem_beta"].at[:, :, slot].set(beta, mode="drop")
+    new_state = {"mem_khat": mem_khat, "mem_beta": mem_beta}
+    if exact:
+        new_state["mem_kraw"] = state["mem_kraw"].at[:, :, slot].set(k_ch, mode="drop")
+    off = (n_have // P) * P
+    for name, x in zip(("cur_q", "cur_k", "cur_v"), ext):
+        new_state[name] = jax.lax.dynamic_slice_in_dim(x, off, P, axis=2)
+    # -- 2. attend --------------------------------------------------------------------
+    tile = min(T, opts.W if opts.W > 0 else P)
+    n_tiles = -(-T // tile)
+    k_cat = jnp.concatenate([state["win_k"], kf], axis=2)
+    v_cat = jnp.concatenate([state["win_v"], vf], axis=2)
+    tail = n_tiles * tile - T
+    k_ext = jnp.pad(k_cat, ((0, 0), (0, 0), (0, tail), (0, 0)))
+    v_ext = jnp.pad(v_cat, ((0, 0), (0, 0), (0, tail), (0, 0)))
+    j = jnp.arange(tile + R)
+    kidx = jnp.arange(n_tiles)[:, None] * tile + j[None, :]  # [n_tiles, tile+R] into k_ext
+    k_pos = pos - R + kidx
+    k_val = (k_pos >= 0) & (kidx < R + T)
+    q_pos = pos + jnp.arange(n_tiles * tile).reshape(n_tiles, tile)
+    q_t = jnp.moveaxis(jnp.pad(qf, ((0, 0), (0, 0), (0, tail), (0, 0))).reshape(B, H, n_tiles, tile, d), 2, 0)
+    k_t, v_t = _gather_tiles(k_ext, kidx), _gather_tiles(v_ext, kidx)
+    kraw = new_state.get("mem_kraw")
+    chunks = (mem_khat, mem_beta, kraw, jnp.ones((1, 1, C_max, P), bool) if exact else None)
+    chunk_ids = jnp.arange(C_max)
+    chunk_valid = jnp.ones((C_max,), bool)
+    keys = _tile_keys(drop_key, n_tiles)
+
+    def one(qt, qp, kt, vt, kp, kv, dk):
+        return attend_tile(qt, qp, kt, vt, kp, kv, chunks, chunk_ids, chunk_valid, P, rpe_table, dk, opts, scale)
+
+    cost = B * H * tile * (tile + R + C_max * (P if exact else 1))
+    out = _map_tiles(one, (q_t, q_pos, k_t, v_t, k_pos, k_val, keys), n_tiles, cost, opts.logit_budget)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_tiles * tile, dv)[:, :, :T]
+    # -- 3. advance ---------------------------------------------------------------------
+    new_state["win_k"] = k_cat[:, :, T:T + R]
+    new_state["win_v"] = v_cat[:, :, T:T + R]
+    new_state["pos"] = pos + T
+    return out, new_state
+
+
+def _check_capacity(pos, T, P, C_max):
+    """Eager-mode check that the chunk memory can hold every chunk finished by these tokens
+    (under jit the shapes are fixed and the check cannot run: size max_len correctly)."""
+    if isinstance(pos, jax.core.Tracer):
+        return
+    need = (int(pos) + T) // P
+    if need > C_max:
+        raise ValueError(
+            f"eva: decoding state holds {C_max} chunk slots ({C_max * P} tokens) but {int(pos) + T} tokens were fed; "
+            "build the state with core.init_state(batch_size, max_len) with a larger max_len"
+        )
+
+
+# ---------------------------------------------------------------------------
+# the core
+# ---------------------------------------------------------------------------
+
+
+class EVAAttention(AttentionCore):
+    """EVA attention core (causal: App. D; bidirectional: eq. 16). See module docstring."""
+
+    name = "eva"
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                "window_size": 128,  # W: local block (|E| = W + overlap); 0 = no local part (test-only)
+                "chunk_size": 8,  # P (causal; bidirectional when num_chunks == 0); W % P == 0
+                "num_chunks": 0,  # C (bidirectional only; >0 overrides chunk_size; needs C | W); causal rejects it
+                "overlap_window": False,  # causal: window extends W to the left; bidirectional: W/2 each side
+                "partition": "full",  # 'full' (released: chunks may overlap the block, double count) | 'disjoint'
+                "chunk_logit": "rep",  # 'rep' (eq. 16: s q·k̂_c) | 'exact_lse' (eq. 13, test-only, O(L²))
+                "chunk_rep": "learned",  # 'learned' (Linear(+LN) of the chunk mean) | 'identity' (mean, test-only)
+                "adaptive_proj": "qk",  # 'qk' (Linear+LN) | 'no-ln' (Linear) | 'none' (µ = 0, bidirectional only)
+                "mu_mode": "auto",  # 'auto' (causal q̂+k̂, bidirectional ½(q̂+k̂)) | 'sum' | 'half'
+                "rf_scale": "released",  # 'released' s(ω·k−½‖k‖²) | 'principled' √s ω·k − (s/2)‖k‖²
+                "use_rpe": True,  # T5 relative position bias inside the local block
+                "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
+                "impl": "auto",  # Phase A: 'xla' | 'pallas' | 'auto' (Pallas on GPU/TPU, XLA on CPU)
+                "logit_budget": 1 << 24,  # max materialized logits per lax.map step (memory knob)
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        p = "attention.eva"
+        W, P, C = cfg.window_size, cfg.chunk_size, cfg.num_chunks
+        require(W >= 0, f"{p}.window_size={W}; must be >= 0 (0 disables the local block, test-only)")
+        require(C >= 0, f"{p}.num_chunks={C}; must be >= 0")
+        if causal:
+            require(C == 0, f"{p}.num_chunks={C}: a causal EVA layer needs a fixed chunk_size (num_chunks makes "
+                            "the partition depend on the total length and leaks the future); set num_chunks=0")
+            require(P > 0, f"{p}.chunk_size={P}; must be > 0")
+            require(W == 0 or W % P == 0, f"{p}: window_size={W} must be a multiple of chunk_size={P}")
+        else:
+            if C > 0:
+                require(W == 0 or W % C == 0, f"{p}: num_chunks={C} must divide window_size={W} "
+                                              "(so P = L_pad / C is an integer)")
+            else:
+                require(P > 0, f"{p}.chunk_size={P}; must be > 0 when num_chunks == 0")
+                require(W == 0 or W % P == 0, f"{p}: window_size={W} must be a multiple of chunk_size={P}")
+        require(not (cfg.overlap_window and W == 0), f"{p}.overlap_window needs window_size > 0")
+        require(not (cfg.overlap_window and not causal and W % 2), f"{p}: bidirectional overlap needs an even window_size")
+        for key, allowed in (
+            ("partition", ("full", "disjoint")),
+            ("chunk_logit", ("rep", "exact_lse")),
+            ("chunk_rep", ("learned", "identity")),
+            ("adaptive_proj", ("qk", "no-ln", "none")),
+            ("mu_mode", ("auto", "sum", "half")),
+            ("rf_scale", ("released", "principled")),
+            ("impl", ("xla", "pallas", "auto")),
+        ):
+            require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        require(not (causal and cfg.adaptive_proj == "none"),
+                f"{p}.adaptive_proj='none' exists only for bidirectional layers; use 'qk' or 'no-ln'")
+        require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
+        require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        c = self.cfg
+        d = head_dim
+        W = c.window_size
+        e = (W if causal else W // 2) if c.overlap_window else 0
+        mu_mode = c.mu_mode if c.mu_mode != "auto" else ("sum" if causal else "half")
+        self.opts = EVAOptions(
+            causal=causal, W=W, e_l=e, e_r=0 if causal else e, partition=c.partition, chunk_logit=c.chunk_logit,
+            chunk_rep=c.chunk_rep, adaptive_proj=c.adaptive_proj, mu_mode=mu_mode, rf_scale=c.rf_scale,
+            use_rpe=c.use_rpe and W > 0, rpe_buckets=rpe_num_buckets(W, e), rpe_max_distance=max(W + e, 1),
+            attn_dropout=float(c.attn_dropout), logit_budget=int(c.logit_budget),
+        )
+        # released inits (spec §3.1): causal Xavier-uniform gain 2^-1/2, bidirectional trunc-normal 0.02; biases 0
+        if causal:
+            w_init = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
+        else:
+            w_init = nnx.initializers.truncated_normal(0.02)
+        self.q_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32))
+        self.k_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32))
+        self.q_b, self.k_b = nnx.Param(jnp.zeros((d,))), nnx.Param(jnp.zeros((d,)))
+        self.q_ln_scale, self.k_ln_scale = nnx.Param(jnp.ones((d,))), nnx.Param(jnp.ones((d,)))
+        self.q_ln_bias, self.k_ln_bias = nnx.Param(jnp.zeros((d,))), nnx.Param(jnp.zeros((d,)))
+        if self.opts.use_rpe:
+            shape = (self.opts.rpe_buckets,) if causal else (self.opts.rpe_buckets, num_heads)
+            self.rpe_table = nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32))
+        else:
+            self.rpe_table = None
+
+    # -- helpers --------------------------------------------------------------------
+    def chunk_params(self):
+        names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
+        return {n: getattr(self, n)[...] for n in names}
+
+    def _stats_fn(self):
+        impl = self.cfg.impl
+        on_accel = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+        if impl == "xla" or (impl == "auto" and not on_accel):
+            return None
+        from pallas_kernels import eva_chunks
+
+        interpret = not on_accel
+        if interpret:
+            warnings.warn("eva: impl='pallas' on CPU runs the Pallas kernel in interpret mode (slow)", stacklevel=3)
+        return eva_chunks.make_stats_fn(interpret=interpret)
+
+    def _keys(self, deterministic, key):
+        if deterministic:
+            return None, None
+        if key is None:
+            raise ValueError("eva: deterministic=False needs a PRNG `key` (one ω sample per chunk, dropout)")
+        noise_key, drop_key = jax.random.split(key)
+        return noise_key, drop_key
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("eva: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("eva: init_state needs max_len (tokens; sizes the finished-chunk memory)")
+        P = self.cfg.chunk_size
+        R = self.opts.W + self.opts.e_l
+        return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, R, P, -(-max_len // P),
+                           self.opts.chunk_logit == "exact_lse")
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        noise_key, drop_key = self._keys(deterministic, key)
+        rpe = self.rpe_table[...] if self.rpe_table is not None else None
+        c = self.cfg
+        if state is None:
+            out, extras = eva_forward(q, k, v, self.chunk_params(), rpe, noise_key, drop_key, self.opts,
+                                      chunk_size=c.chunk_size, num_chunks=c.num_chunks, stats_fn=self._stats_fn())
+            new_state = None
+            if self.causal:
+                new_state = state_from_forward(extras, q.shape[2], self.opts.W + self.opts.e_l,
+                                               self.opts.chunk_logit == "exact_lse")
+            return out.astype(v.dtype), new_state
+        if not self.causal:
+            raise ValueError("eva: a bidirectional core takes no state")
+        out, new_state = eva_stream(q, k, v, state, self.chunk_params(), rpe, noise_key, drop_key, self.opts,
+                                    P=c.chunk_size, stats_fn=self._stats_fn())
+        return out.astype(v.dtype), new_state
+
+
+__all__ = [
+    "EVAAttention",
+    "EVAOptions",
+    "attend_tile",
+    "chunk_beta",
+    "chunk_noise",
+    "chunk_summaries",
+    "eva_forward",
+    "eva_stream",
+    "rf_log_feature",
+    "t5_bucket",
+]
