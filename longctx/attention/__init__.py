@@ -23,6 +23,7 @@ from longctx.errors import ConfigError
 # name -> "module:ClassName". One line per method.
 _METHODS: dict[str, str] = {
     "dense": "longctx.attention.dense:DenseAttention",
+    "transformer_vq": "longctx.attention.transformer_vq:TransformerVQAttention",
     "eva": "longctx.attention.eva:EVAAttention",
 }
 
