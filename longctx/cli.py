@@ -1,0 +1,50 @@
+"""Command-line entry points: longctx-train (longctx-eval and longctx-sample live
+in evaluate.py and sample.py)."""
+
+from __future__ import annotations
+
+import sys
+
+from longctx.errors import ConfigError
+
+
+def load_config(argv: list[str]):
+    """Parse --config=FILE [--config.a.b=value ...] --workdir=DIR in the config_flags idiom."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv, lock_config=True)
+    flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
+    flags.DEFINE_integer("max_steps", None, "stop after this many steps in this invocation (for tests)", flag_values=fv)
+    flags.DEFINE_bool("progress", True, "show progress bars", flag_values=fv)
+    try:
+        fv([argv[0]] + argv[1:])
+        cfg = fv.config
+    except flags.IllegalFlagValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    except AttributeError as e:
+        msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ")
+        raise ConfigError(f"unknown config key: {msg}") from None
+    except (OSError, ImportError, SyntaxError) as e:
+        first = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise ConfigError(f"cannot load the config file: {' '.join(first[-2:])}") from None
+    except flags.Error as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if not fv.workdir:
+        raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
+    return cfg, fv.workdir, fv.max_steps, fv.progress
+
+
+def train_main(argv=None) -> int:
+    from longctx import config as config_lib
+    from longctx.runtime import user_errors
+    from longctx.train.loop import train
+
+    argv = list(sys.argv if argv is None else argv)
+    with user_errors():
+        cfg, workdir, max_steps, progress = load_config(argv)
+        config_lib.check_against_base(cfg)
+        summary = train(cfg, workdir, progress=progress, max_steps=max_steps)
+        print(f"done: step {summary['step']}, last valid bits/token {summary['last_valid_bits_per_token']}")
+    return 0

@@ -1,0 +1,234 @@
+"""Base config and validation.
+
+Every experiment file in ``configs/`` starts from :func:`base_config` and states
+only what differs. :func:`validate` turns a config into one resolved, frozen
+ConfigDict or raises :class:`ConfigError` with one actionable line.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from longctx import attention
+from longctx.errors import ConfigError
+
+FORMAT_VERSION = 1
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "builtin"  # see longctx.data.sources.names()
+    c.data.path = ""  # dataset file or folder for real datasets
+    c.data.cache_dir = ""  # '' -> $LONGCTX_CACHE or ~/.cache/longctx
+    c.data.tokenizer = "bytes"  # see longctx.data.tokenizers.names()
+    c.data.options = ml_collections.ConfigDict({"txl_compat": False, "raw": False, "vocab_size": 32000})
+
+    c.model = ml_collections.ConfigDict()
+    c.model.kind = "decoder"  # 'decoder' (causal LM)
+    c.model.vocab_size = 0  # 0 -> the tokenizer's vocabulary size
+    c.model.d_model = 256
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.head_dim = 64
+    c.model.d_ff = 1024
+    c.model.block = "transformer"  # see longctx.models.blocks.block_names()
+    c.model.norm = "layernorm"  # 'layernorm' | 'rmsnorm'
+    c.model.positions = "rotary"  # 'none' | 'learned' | 'sinusoidal' | 'rotary'
+    c.model.max_len = 0  # learned positions: table size (0 -> train.seq_len)
+    c.model.dropout = 0.0
+    c.model.tie_embeddings = True
+    c.model.causal = True
+    c.model.gau_expansion = 2  # GAU blocks: value width = gau_expansion * d_model
+    c.model.attention = ml_collections.ConfigDict()
+    c.model.attention.name = "dense"
+    for name in attention.names():
+        c.model.attention[name] = attention.default_config(name)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.seed = 0
+    c.train.steps = 2000  # optimizer updates (windows), a multiple of seq_len // window
+    c.train.batch_size = 16
+    c.train.seq_len = 256
+    c.train.window = 0  # 0 -> seq_len (plain full-sequence training)
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 100
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.01
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0
+    c.train.on_nonfinite = "stop"  # 'stop' | 'skip'
+    c.train.log_every = 25
+    c.train.eval_every = 500
+    c.train.eval_tokens = 32768  # tokens scored by the periodic validation
+    c.train.ckpt_every = 500
+    c.train.keep_checkpoints = 3
+    c.train.async_checkpoints = True
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.split = "valid"
+    c.eval.protocol = "stream"  # 'stream' (windows, state carried) | 'sliding' (context C, stride S)
+    c.eval.reset = "document"  # stream: reset state at 'document' starts (and every row_len), 'row', or 'never'
+    c.eval.row_len = 0  # stream: reset every row_len tokens (0 -> train.seq_len; -1 -> never within a document)
+    c.eval.window = 0  # stream: tokens per forward call (0 -> train window)
+    c.eval.context = 0  # sliding: context C (0 -> train.seq_len)
+    c.eval.stride = 0  # sliding: stride S (0 -> context // 2)
+    c.eval.max_tokens = 0  # 0 -> the full split; else score this many tokens (stated in the result)
+    c.eval.batch_size = 8
+
+    c.sample = ml_collections.ConfigDict()
+    c.sample.prompt = "def "
+    c.sample.num_tokens = 256
+    c.sample.temperature = 0.8
+    c.sample.top_k = 0
+    c.sample.top_p = 0.95
+    c.sample.seed = 0
+
+    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    return c
+
+
+_CHOICES = {
+    "model.kind": ("decoder",),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.positions": ("none", "learned", "sinusoidal", "rotary"),
+    "train.on_nonfinite": ("stop", "skip"),
+    "eval.split": ("train", "valid", "test"),
+    "eval.protocol": ("stream", "sliding"),
+    "eval.reset": ("document", "row", "never"),
+}
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_against_base(cfg: ml_collections.ConfigDict, base: ml_collections.ConfigDict | None = None, prefix=""):
+    """Unknown keys and wrong types, reported with the allowed keys."""
+    base = base_config() if base is None else base
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in base:
+            allowed = ", ".join(sorted(base.keys()))
+            raise ConfigError(f"config key {path!r} is unknown; allowed keys here: {allowed}")
+        want, got = base[key], cfg[key]
+        if isinstance(want, ml_collections.ConfigDict):
+            if not isinstance(got, ml_collections.ConfigDict):
+                raise ConfigError(f"config {path} must be a section, got {got!r}")
+            if path == "model.attention":
+                continue  # checked by the attention registry
+            check_against_base(got, want, prefix=path + ".")
+        elif not _same_kind(want, got):
+            raise ConfigError(f"config {path}={got!r}: expected {type(want).__name__}, got {type(got).__name__}")
+
+
+def _same_kind(want, got) -> bool:
+    if isinstance(want, bool) or isinstance(got, bool):
+        return isinstance(want, bool) and isinstance(got, bool)
+    if isinstance(want, float):
+        return isinstance(got, (int, float))
+    return isinstance(got, type(want))
+
+
+def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Check keys, types, values and combinations; return a resolved frozen copy."""
+    check_against_base(cfg)
+    c = ml_collections.ConfigDict(cfg.to_dict())
+    for path, allowed in _CHOICES.items():
+        val = _get(c, path)
+        if val not in allowed:
+            raise ConfigError(f"config {path}={val!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+    from longctx.data import sources, tokenizers
+    from longctx.models import blocks
+
+    if c.data.source not in sources.names():
+        raise ConfigError(f"data.source={c.data.source!r} is unknown; allowed: {', '.join(sources.names())}")
+    if c.data.tokenizer not in tokenizers.names():
+        raise ConfigError(f"data.tokenizer={c.data.tokenizer!r} is unknown; allowed: {', '.join(tokenizers.names())}")
+    blocks.get_block(c.model.block)
+
+    m, t, e = c.model, c.train, c.eval
+    for path in ("model.d_model", "model.num_layers", "model.num_heads", "model.head_dim", "model.d_ff",
+                 "train.steps", "train.batch_size", "train.seq_len", "eval.batch_size"):
+        if _get(c, path) <= 0:
+            raise ConfigError(f"config {path}={_get(c, path)} must be a positive integer")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"config model.dropout={m.dropout} must be in [0, 1)")
+    if m.positions == "rotary" and m.head_dim % 2:
+        raise ConfigError(f"model.positions='rotary' needs an even model.head_dim, got {m.head_dim}")
+    if m.positions == "sinusoidal" and m.d_model % 2:
+        raise ConfigError(f"model.positions='sinusoidal' needs an even model.d_model, got {m.d_model}")
+
+    name = m.attention.name
+    if name not in attention.names():
+        raise ConfigError(f"model.attention.name={name!r} is unknown; allowed: {', '.join(attention.names())}")
+    for key in m.attention.keys():
+        if key != "name" and key not in attention.names():
+            raise ConfigError(f"config key 'model.attention.{key}' is unknown; allowed: name, {', '.join(attention.names())}")
+    method_cfg = attention.default_config(name)
+    method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
+    attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
+    for other in list(m.attention.keys()):
+        if other not in ("name", name):
+            del m.attention[other]
+    m.attention[name] = method_cfg
+
+    if t.window == 0:
+        t.window = t.seq_len
+    if t.window < 0 or t.seq_len % t.window:
+        raise ConfigError(
+            f"train.window={t.window} must divide train.seq_len={t.seq_len} (e.g. {t.seq_len // 4}); 0 means the whole sequence"
+        )
+    n_windows = t.seq_len // t.window
+    if t.steps % n_windows:
+        raise ConfigError(
+            f"train.steps={t.steps} counts optimizer updates and must be a multiple of seq_len/window={n_windows}"
+        )
+    if m.positions == "learned":
+        if m.max_len == 0:
+            m.max_len = t.seq_len
+        if m.max_len < t.seq_len:
+            raise ConfigError(f"model.max_len={m.max_len} is shorter than train.seq_len={t.seq_len} (learned positions)")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive")
+    for path in ("train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints"):
+        if _get(c, path) <= 0:
+            raise ConfigError(f"config {path}={_get(c, path)} must be a positive integer")
+
+    if e.window == 0:
+        e.window = t.window
+    if e.row_len == 0:
+        e.row_len = t.seq_len
+    if e.context == 0:
+        e.context = t.seq_len
+    if e.stride == 0:
+        e.stride = max(1, e.context // 2)
+    if e.stride > e.context:
+        raise ConfigError(f"eval.stride={e.stride} must be at most eval.context={e.context}")
+    if e.protocol == "stream" and not m.causal:
+        raise ConfigError("eval.protocol='stream' needs a causal model (model.causal=True)")
+    if e.max_tokens < 0:
+        raise ConfigError(f"eval.max_tokens={e.max_tokens} must be >= 0 (0 = the full split)")
+
+    if c.sample.temperature < 0 or not 0 < c.sample.top_p <= 1 or c.sample.top_k < 0:
+        raise ConfigError("sample: temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
+    for axis in ("fsdp", "tensor"):
+        if c.mesh[axis] != 1:
+            raise ConfigError(f"mesh.{axis}={c.mesh[axis]}: only data parallelism is implemented; set mesh.{axis}=1")
+    c.lock()
+    return c
+
+
+def n_windows(cfg) -> int:
+    return cfg.train.seq_len // cfg.train.window

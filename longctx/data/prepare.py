@@ -1,0 +1,163 @@
+"""Token files: a source's split tokenized once into the cache directory.
+
+Layout of ``<cache_dir>/<source>-<tokenizer>-<hash12>/``::
+
+    <split>.bin         tokens, raw little-endian array of the tokenizer's dtype
+    <split>.docs.npy    int64 document start offsets, plus the total at the end
+    <split>.json        manifest: counts, dtype, sha256 of the .bin, source metadata
+
+Files are written under temporary names and renamed into place, the manifest
+last, so an interrupted preparation never leaves files that look complete.
+Preparing again is a no-op when the manifest and sizes match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from longctx.errors import DataError
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LONGCTX_CACHE") or Path.home() / ".cache" / "longctx")
+
+
+@dataclasses.dataclass
+class TokenData:
+    """One prepared split: memory-mapped tokens and document boundaries."""
+
+    tokens: np.ndarray  # [N] memmap
+    doc_starts: np.ndarray  # [n_docs + 1] int64, last = N
+    manifest: dict
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc_starts.shape[0] - 1)
+
+    def doc_ids(self) -> np.ndarray:
+        ids = np.zeros(self.num_tokens, np.int32)
+        ids[self.doc_starts[1:-1]] = 1
+        return np.cumsum(ids, dtype=np.int32)
+
+
+def cache_path(source_meta: dict, tokenizer_name: str, cache_dir: str | os.PathLike | None, extra: str = "") -> Path:
+    key = hashlib.sha256((source_meta["content_hash"] + tokenizer_name + extra).encode()).hexdigest()[:12]
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return root / f"{source_meta['source']}-{tokenizer_name}-{key}"
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def _atomic_write_bytes(path: Path, writer) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def is_prepared(directory: Path, split: str) -> bool:
+    man = directory / f"{split}.json"
+    if not man.exists():
+        return False
+    try:
+        manifest = json.loads(man.read_text())
+        size = (directory / f"{split}.bin").stat().st_size
+        docs = np.load(directory / f"{split}.docs.npy")
+    except (OSError, ValueError, json.JSONDecodeError):
+        return False
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    return size == manifest["num_tokens"] * itemsize and docs.shape[0] == manifest["num_docs"] + 1
+
+
+def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta: dict, progress: bool = True) -> Path:
+    """Tokenize one split of ``source`` into ``directory`` (no-op if already prepared)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if is_prepared(directory, split):
+        return directory
+    bin_path = directory / f"{split}.bin"
+    starts = [0]
+    h = hashlib.sha256()
+
+    def write_tokens(f):
+        total = 0
+        docs = source.documents(split)
+        for _name, payload in tqdm(docs, desc=f"prepare {split}", unit="doc", disable=not progress, leave=False):
+            ids = np.ascontiguousarray(tokenizer.encode(payload), dtype=tokenizer.dtype)
+            b = ids.tobytes()
+            f.write(b)
+            h.update(b)
+            total += ids.shape[0]
+            starts.append(total)
+
+    _atomic_write_bytes(bin_path, write_tokens)
+    docs = np.asarray(starts, np.int64)
+    _atomic_write_bytes(directory / f"{split}.docs.npy", lambda f: np.save(f, docs))
+    manifest = {
+        "split": split,
+        "num_tokens": int(docs[-1]),
+        "num_docs": int(docs.shape[0] - 1),
+        "dtype": np.dtype(tokenizer.dtype).name,
+        "vocab_size": int(tokenizer.vocab_size),
+        "tokenizer": tokenizer.name,
+        "sha256": h.hexdigest(),
+        "source": source_meta,
+    }
+    _atomic_write_bytes(directory / f"{split}.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    return directory
+
+
+def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenData:
+    if not is_prepared(directory, split):
+        raise DataError(f"no prepared token file for split {split!r} in {directory}; run longctx-prepare first")
+    manifest = json.loads((directory / f"{split}.json").read_text())
+    if verify and _sha256_file(directory / f"{split}.bin") != manifest["sha256"]:
+        raise DataError(f"{directory / (split + '.bin')}: checksum mismatch; delete {directory} and prepare again")
+    tokens = np.memmap(directory / f"{split}.bin", dtype=manifest["dtype"], mode="r", shape=(manifest["num_tokens"],))
+    return TokenData(tokens=tokens, doc_starts=np.load(directory / f"{split}.docs.npy"), manifest=manifest)
+
+
+def prepare(data_cfg, splits=None, *, progress: bool = True):
+    """Build the source and tokenizer of ``data_cfg``; prepare and load the splits.
+
+    Returns (tokenizer, {split: TokenData}, directory).
+    """
+    from longctx.data import sources, tokenizers
+
+    source = sources.build(data_cfg)
+    meta = source.metadata()
+    tok_kwargs = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=json.dumps(tok_kwargs, sort_keys=True, default=str))
+    if hasattr(source, "build_tokenizer"):
+        tokenizer = source.build_tokenizer(data_cfg, directory)
+    else:
+        tokenizer = tokenizers.build(data_cfg.tokenizer, **tok_kwargs)
+    out = {}
+    for split in splits or source.splits:
+        prepare_split(source, tokenizer, split, directory, source_meta=meta, progress=progress)
+        out[split] = load_split(directory, split)
+    return tokenizer, out, directory

@@ -1,0 +1,50 @@
+"""Tokenizers, chosen by ``data.tokenizer`` through a registry.
+
+A tokenizer has ``vocab_size``, ``encode(text_or_bytes) -> np.ndarray`` and
+``decode(ids) -> str``, plus ``dtype`` (the numpy dtype of token files), and
+``bytes_per_token_exact`` (True when one token is one byte, so bits per token are
+bits per byte).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from longctx.errors import ConfigError
+
+
+class ByteTokenizer:
+    """Token id = byte value; vocabulary 256."""
+
+    name = "bytes"
+    vocab_size = 256
+    dtype = np.uint8
+    one_token_per_byte = True
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8).copy()
+
+    def decode(self, ids) -> str:
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist())
+
+
+_TOKENIZERS = {"bytes": ByteTokenizer}
+
+
+def register(name: str, factory) -> None:
+    _TOKENIZERS[name] = factory
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_TOKENIZERS))
+
+
+def build(name: str, **kwargs):
+    if name not in _TOKENIZERS:
+        raise ConfigError(f"data.tokenizer={name!r} is unknown; allowed: {', '.join(names())}")
+    return _TOKENIZERS[name](**kwargs)

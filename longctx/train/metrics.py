@@ -1,0 +1,72 @@
+"""Metrics sinks: JSONL, TensorBoard event files, and a PNG loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, workdir: Path, *, resume_step: int = 0, tensorboard: bool = True):
+        self.path = Path(workdir) / "metrics.jsonl"
+        if self.path.exists():  # drop records past the resumed step, so the curve stays one run
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(workdir) / "tb"))
+            except ImportError:
+                self.tb = None
+
+    def write(self, step: int, split: str, values: dict) -> None:
+        rec = {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in values.items():
+                if math.isfinite(float(v)):
+                    self.tb.add_scalar(f"{split}/{k}", float(v), step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def plot_losses(workdir: Path, *, key: str = "bits_per_token") -> Path | None:
+    """Train and valid curves of ``key`` against step, saved as loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(workdir)
+    if not recs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for split, style in (("train", "-"), ("valid", "o-")):
+        pts = [(r["step"], r[key]) for r in recs if r["split"] == split and key in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, style, label=split, markersize=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(key.replace("_", " "))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(workdir) / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,108 @@
+"""Pure train and eval step functions over split NNX state.
+
+The model is split once into ``graphdef`` and three states: ``params``
+(nnx.Param, trained), ``nongrad`` (NonGradState, e.g. VQ codebook statistics,
+updated from ``aux['stats']`` after each optimizer update) and ``rest``
+(anything else, carried unchanged).
+
+Windowed training (DESIGN.md section 4): a row of T tokens is processed in T/W
+windows, the model state carried under stop-gradient, one optimizer update
+(and one non-gradient update) per window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from longctx.attention import NonGradState
+
+
+def split_model(model):
+    return nnx.split(model, nnx.Param, NonGradState, ...)
+
+
+def token_nll(logits, targets):
+    """Per-token negative log-likelihood in nats, [B, T] (fp32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def make_loss_fn(graphdef):
+    def loss_fn(params, nongrad, rest, inputs, targets, state, key):
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        logits, new_state, aux = model(inputs, state, deterministic=False, key=key)
+        ce = jnp.mean(token_nll(logits, targets))
+        extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
+        return ce + extra, (ce, new_state, aux)
+
+    return loss_fn
+
+
+def _where_tree(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool):
+    """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics)."""
+    n_windows = seq_len // window
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef), has_aux=True)
+
+    def update(carry, xs):
+        params, nongrad, rest, opt_state, state = carry
+        inputs, targets, key = xs
+        (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, inputs, targets, state, key)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, new_params, nongrad, rest)
+        model.apply_stats(aux["stats"])
+        new_nongrad = nnx.state(model, NonGradState)
+        if skip_nonfinite:
+            new_params = _where_tree(finite, new_params, params)
+            new_opt = _where_tree(finite, new_opt, opt_state)
+            new_nongrad = _where_tree(finite, new_nongrad, nongrad)
+        metrics = {
+            "loss": loss,
+            "ce": ce,
+            "grad_norm": grad_norm,
+            "loss_finite": jnp.isfinite(loss),
+            "grad_finite": jnp.isfinite(grad_norm),
+            **{f"aux/{k}": v for k, v in aux["losses"].items()},
+            **aux["metrics"],
+        }
+        new_state = jax.lax.stop_gradient(new_state)
+        return (new_params, new_nongrad, rest, new_opt, new_state), metrics
+
+    def step(params, nongrad, rest, opt_state, tokens, key):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if n_windows == 1:
+            (params, nongrad, _, opt_state, _), metrics = update(
+                (params, nongrad, rest, opt_state, None), (inputs, targets, jax.random.fold_in(key, 0))
+            )
+            return params, nongrad, opt_state, jax.tree.map(lambda m: m[None], metrics)
+        B = tokens.shape[0]
+        state0 = nnx.merge(graphdef, params, nongrad, rest).init_state(B, seq_len)
+        xs = (
+            inputs.reshape(B, n_windows, window).transpose(1, 0, 2),
+            targets.reshape(B, n_windows, window).transpose(1, 0, 2),
+            jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_windows)),
+        )
+        (params, nongrad, _, opt_state, _), metrics = jax.lax.scan(update, (params, nongrad, rest, opt_state, state0), xs)
+        return params, nongrad, opt_state, metrics
+
+    return step
+
+
+def make_forward(graphdef):
+    """forward(params, nongrad, rest, inputs, state) -> (logits, new_state), deterministic."""
+
+    def forward(params, nongrad, rest, inputs, state):
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        logits, new_state, _ = model(inputs, state, deterministic=True)
+        return logits, new_state
+
+    return forward
