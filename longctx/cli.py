@@ -21,6 +21,9 @@ def load_config(argv: list[str]):
     try:
         fv([argv[0]] + argv[1:])
         cfg = fv.config
+        cfg.keys()  # a config file that failed to load raises here
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(_unknown_flag_message(e, argv)) from None
     except flags.IllegalFlagValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     except AttributeError as e:
@@ -34,6 +37,27 @@ def load_config(argv: list[str]):
     if not fv.workdir:
         raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
     return cfg, fv.workdir, fv.max_steps, fv.progress
+
+
+def _unknown_flag_message(err, argv) -> str:
+    import difflib
+    import runpy
+
+    name = getattr(err, "flagname", "") or str(err)
+    if not name.startswith("config."):
+        return f"unknown flag --{name}; allowed: --config, --config.<key>=<value>, --workdir, --max_steps, --progress"
+    parts = name.split(".")[1:]
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "configs/default.py")
+    try:
+        node = runpy.run_path(path)["get_config"]()
+        for p in parts[:-1]:
+            node = node[p]
+        keys = sorted(node.keys())
+    except Exception:  # the key path itself is wrong higher up
+        return f"unknown config key {'.'.join(parts)!r}"
+    close = difflib.get_close_matches(parts[-1], keys, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {'.'.join(parts)!r}{hint}; allowed keys there: {', '.join(keys)}"
 
 
 def train_main(argv=None) -> int:

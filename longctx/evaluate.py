@@ -246,3 +246,7 @@ def main(argv=None) -> int:
     return 0
 
 
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,496 @@
+"""Transformer-VQ: the spec's section-7 checks 1-11 (check 10's multi-device part lives in
+test_transformer_vq_multidevice.py; check 12 in tests/kernels/test_vq_cache.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx import attention
+from longctx.attention import Aux
+from longctx.attention import transformer_vq as tvq
+from longctx.errors import ConfigError
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_inputs(seed=0, B=2, H=2, T=12, Dk=4, Dv=3, S=5, M=3, dtype=jnp.float64, signed=False, C=None, k=None):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    q = jax.random.normal(ks[0], (B, H, T, Dk), dtype)
+    if k is None:
+        k = jax.random.normal(ks[1], (B, H, T, Dk), dtype)
+    v = jax.random.normal(ks[2], (B, H, T, Dv), dtype)
+    if C is None:
+        C = jax.random.normal(ks[3], (H, S, Dk), dtype)
+    u = 0.3 * jax.random.normal(ks[4], (H, Dk), dtype)
+    vb = 0.3 * jax.random.normal(ks[5], (H, Dk), dtype)
+    r = jax.random.normal(ks[6], ((2 * M + 1) if signed else (M + 1), H, Dk), dtype)
+    return dict(q=q, k=k, v=v, C=C, u=u, vb=vb, r=r)
+
+
+def derived(d):
+    q_u = d["q"] + d["u"][None, :, None]
+    q_v = d["q"] + d["vb"][None, :, None]
+    return q_u, q_v, tvq.band_scores(q_v, d["r"])
+
+
+def np_reference(q_u, q_v, k, v, r, M, causal=True, valid=None):
+    """Independent loop implementation of softmax attention with the local XL bias."""
+    q_u, q_v, k, v, r = (np.asarray(x, np.float64) for x in (q_u, q_v, k, v, r))
+    B, H, T, _ = q_u.shape
+    out = np.zeros(v.shape)
+    for b, h, i in itertools.product(range(B), range(H), range(T)):
+        s, vals = [], []
+        for j in range(T):
+            if causal and j > i or (valid is not None and not valid[j]):
+                continue
+            d = i - j
+            sij = q_u[b, h, i] @ k[b, h, j]
+            if causal and 0 <= d <= M:
+                sij += q_v[b, h, i] @ r[d, h]
+            if not causal and abs(d) <= M:
+                sij += q_v[b, h, i] @ r[d + M, h]
+            s.append(sij)
+            vals.append(v[b, h, j])
+        s = np.array(s)
+        p = np.exp(s - s.max())
+        out[b, h, i] = (p / p.sum()) @ np.array(vals)
+    return out
+
+
+def empty(d, M):
+    B, H, _, Dk = d["q"].shape
+    return tvq.empty_state(B, H, M, d["C"].shape[1], Dk, d["v"].shape[-1], d["q"].dtype)
+
+
+def small_core(causal=True, dtype=jnp.float32, **over):
+    cfg = attention.default_config("transformer_vq")
+    cfg.update(dict(codebook_size=8, block_len=4, **over))
+    core = attention.build("transformer_vq", cfg, num_heads=2, head_dim=8, causal=causal, rngs=nnx.Rngs(0))
+    core.W_R[...] = jax.random.normal(jax.random.PRNGKey(7), core.W_R[...].shape)  # make the bias matter
+    core.u[...] = 0.2 * jax.random.normal(jax.random.PRNGKey(8), core.u[...].shape)
+    core.v[...] = 0.2 * jax.random.normal(jax.random.PRNGKey(9), core.v[...].shape)
+    # a codebook on the scale of normalized keys (norm Dk^1/4), so several codes are used
+    core.c_sum[...] = 1.4 * jax.random.normal(jax.random.PRNGKey(10), core.c_sum[...].shape) * 8 ** -0.25
+    return core
+
+
+def qkv(seed=1, B=2, H=2, T=12, D=8, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return tuple(jax.random.normal(kk, (B, H, T, D), dtype) for kk in ks)
+
+
+def max_err(a, b):
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float64) - jnp.asarray(b, jnp.float64))))
+
+
+# ---------------------------------------------------------------------- check 1: lossless codebook
+@pytest.mark.parametrize("dtype,atol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
+def test_lossless_codebook_equals_dense(x64, dtype, atol):
+    B, H, T, Dk, M = 2, 2, 12, 4, 3
+    key = jax.random.PRNGKey(3)
+    protos = jax.random.normal(key, (H, 7, Dk), dtype)
+    idx = jax.random.randint(jax.random.PRNGKey(4), (B, H, T), 0, 7)
+    k = jax.vmap(lambda p, i: p[i], in_axes=(0, 1), out_axes=1)(protos, idx)
+    filler = 100.0 + jax.random.normal(jax.random.PRNGKey(5), (H, 9, Dk), dtype)
+    C = jnp.concatenate([filler[:, :4], protos, filler[:, 4:]], axis=1)  # codes 4..10 are the prototypes
+    d = make_inputs(T=T, M=M, dtype=dtype, C=C, k=k)
+    k_hat, z, err2, _ = tvq.stvq(k, C)
+    assert jnp.array_equal(k_hat, k) and jnp.all(z == idx + 4)
+    q_u, q_v, bd = derived(d)
+    want = np_reference(q_u, q_v, k, d["v"], d["r"], M)  # raw (unquantized) keys
+    for L in (3, 4, 6):
+        for red in ("serial", "matmul", "assoc"):
+            o, _ = tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], C, empty(d, M), L=L, M=M, reduction=red)
+            assert max_err(o, want) < atol, (L, red)
+    o, _ = tvq.causal_stream(q_u, bd, k_hat, z, d["v"], C, empty(d, M), L=2, M=M)
+    assert max_err(o, want) < atol
+
+
+def test_quadratic_reference_matches_loops(x64):
+    d = make_inputs(M=3)
+    q_u, q_v, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    assert max_err(tvq.quadratic_reference(q_u, bd, k_hat, d["v"], M=3),
+                   np_reference(q_u, q_v, k_hat, d["v"], d["r"], 3)) < 1e-12
+
+
+# ---------------------------------------------------------------------- check 2: linear == quadratic
+def _pairs(T):
+    return [(L, M) for L in divisors(T) for M in divisors(T) if M <= L]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_linear_equals_quadratic(x64, dtype):
+    T = 12
+    d64 = make_inputs(T=T, M=T)
+    d = {k: v.astype(dtype) for k, v in d64.items()}  # rounded inputs
+    d64 = {k: v.astype(jnp.float64) for k, v in d.items()}
+    for L, M in _pairs(T):
+        dd, ref_in = ({k: (v[: M + 1] if k == "r" else v) for k, v in x.items()} for x in (d, d64))
+        q_u, _, bd = derived(ref_in)
+        k_hat, z, _, _ = tvq.stvq(ref_in["k"], ref_in["C"])
+        ref = tvq.quadratic_reference(q_u, bd, k_hat, ref_in["v"], M=M)
+        q_u_x, _, bd_x = derived(dd)
+        k_hat_x, z_x, _, _ = tvq.stvq(dd["k"], dd["C"])
+        for red in ("serial", "matmul", "assoc"):
+            o, _ = tvq.causal_parallel(q_u_x, bd_x, k_hat_x, z_x, dd["v"], dd["C"], empty(dd, M),
+                                       L=L, M=M, reduction=red)
+            if dtype == "float64":
+                assert max_err(o, ref) < 1e-10, (L, M, red)
+            elif dtype == "float32":
+                np.testing.assert_allclose(np.asarray(o), np.asarray(ref), rtol=1e-5, atol=1e-6)
+            else:
+                o = o.astype(jnp.bfloat16)
+                rel = max_err(o, ref) / float(jnp.max(jnp.abs(ref)))
+                assert rel < 2e-2, (L, M, red, rel)
+
+
+def test_ragged_length_and_carried_state(x64):
+    d = make_inputs(T=10, M=3)
+    q_u, _, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    ref = tvq.quadratic_reference(q_u, bd, k_hat, d["v"], M=3)
+    for L in (3, 4, 7, 16):
+        o, st = tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, 3), L=L, M=3)
+        assert o.shape == d["v"].shape and max_err(o, ref) < 1e-10, L
+        assert int(st["pos"]) == 10 and float(st["agg_n"].sum()) == 2 * 2 * 7  # B*H*(T-M) tokens in agg
+
+
+# ---------------------------------------------------------------------- check 3: streaming == quadratic
+def _stream_sweep(T, Ls, Ms, seed=0):
+    d = make_inputs(T=T, M=max(Ms), seed=seed)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    for M in Ms:
+        dd = dict(d, r=d["r"][: M + 1])
+        q_u, _, bd = derived(dd)
+        ref = tvq.quadratic_reference(q_u, bd, k_hat, d["v"], M=M)
+        for L in Ls:
+            o, st = tvq.causal_stream(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)
+            assert max_err(o, ref) < 1e-10, (L, M)
+            assert int(st["pos"]) == T
+
+
+def test_stream_equals_quadratic(x64):
+    _stream_sweep(12, Ls=(1, 2, 3, 5, 12), Ms=(1, 4, 7, 15))  # incl. L = 1, M > L, M > T
+
+
+@pytest.mark.slow
+def test_stream_equals_quadratic_full_sweep(x64):
+    _stream_sweep(48, Ls=divisors(48), Ms=divisors(48))
+
+
+# ---------------------------------------------------------------------- check 4: no future leak
+@pytest.mark.parametrize("over", [dict(reduction="serial"), dict(reduction="matmul"), dict(reduction="assoc"),
+                                  dict(form="stream"), dict(form="stream", block_len=3, mem_len=5)])
+def test_no_future_leak(over):
+    core = small_core(**over)
+    q, k, v = qkv(T=12)
+    t = 6
+
+    def f(q, k, v):
+        return core(q, k, v)[0][:, :, t]
+
+    jac = jax.jacfwd(f, argnums=(0, 1, 2))(q, k, v)  # each [B,H,Dv, B,H,T,D]
+    for j in jac:
+        assert float(jnp.abs(j[..., t + 1:, :]).max()) == 0.0
+        assert float(jnp.abs(j[..., : t + 1, :]).max()) > 0.0
+    # key-gradient also reaches the past two blocks only through the local band (spec 2.7 caveat), so
+    # check explicitly that an older key still gets some gradient (q . k_hat of the present block)
+    assert float(jnp.abs(jac[1][..., t, :]).max()) > 0.0
+    out = core(q, k, v)[0]
+    noise = jax.random.normal(jax.random.PRNGKey(5), q.shape) * (jnp.arange(12) > t)[:, None]
+    out2 = core(q + noise, k - noise, v + 3 * noise)[0]
+    assert jnp.array_equal(out[:, :, : t + 1], out2[:, :, : t + 1])
+    assert not jnp.array_equal(out[:, :, t + 1:], out2[:, :, t + 1:])
+
+
+# ---------------------------------------------------------------------- check 5: block-size invariance
+def test_block_size_invariance(x64):
+    T, M = 12, 2
+    d = make_inputs(T=T, M=M)
+    q_u, _, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    outs = [tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)[0] for L in (2, 3, 4, 5, 12)]
+    outs += [tvq.causal_stream(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)[0] for L in (1, 2, 5, 7)]
+    for o in outs[1:]:
+        assert max_err(o, outs[0]) < 1e-10
+
+
+# ---------------------------------------------------------------------- check 6: cache carry
+def _assert_states_close(a, b, atol):
+    assert int(a["pos"]) == int(b["pos"])
+    for name in ("band_k", "band_v", "agg_mu", "agg_n"):
+        assert max_err(a[name], b[name]) < atol, name
+    assert jnp.array_equal(a["band_z"], b["band_z"])
+
+
+def test_cache_carry_pure_functions(x64):
+    T, L, M = 12, 3, 3
+    d = make_inputs(T=T, M=M)
+    q_u, _, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    full, st_full = tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)
+    sl = lambda x, a, b: x[:, :, a:b]
+    for cut in (3, 6, 9):
+        o1, s1 = tvq.causal_parallel(*(sl(x, 0, cut) for x in (q_u, bd, k_hat, z, d["v"])), d["C"], empty(d, M), L=L, M=M)
+        o2, s2 = tvq.causal_parallel(*(sl(x, cut, T) for x in (q_u, bd, k_hat, z, d["v"])), d["C"], s1, L=L, M=M)
+        assert max_err(jnp.concatenate([o1, o2], 2), full) < 1e-10
+        _assert_states_close(s2, st_full, 1e-10)
+    # streaming splits anywhere, and its final state equals the parallel one
+    o1, s1 = tvq.causal_stream(*(sl(x, 0, 5) for x in (q_u, bd, k_hat, z, d["v"])), d["C"], empty(d, M), L=2, M=M)
+    o2, s2 = tvq.causal_stream(*(sl(x, 5, T) for x in (q_u, bd, k_hat, z, d["v"])), d["C"], s1, L=4, M=M)
+    assert max_err(jnp.concatenate([o1, o2], 2), full) < 1e-10
+    _assert_states_close(s2, st_full, 1e-10)
+
+
+@pytest.mark.parametrize("over", [dict(), dict(mem_len=2), dict(mem_len=6, form="stream")])
+def test_core_any_split_and_decode(over):
+    core = small_core(**over)
+    q, k, v = qkv(T=13)
+    full, st_full = core(q, k, v)
+    for splits in ([4, 9], [5, 8], [1, 3, 4, 5], [1] * 13):
+        st, outs, a = None, [], 0
+        for n in splits:
+            o, st = core(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], st)
+            outs.append(o)
+            a += n
+        assert max_err(jnp.concatenate(outs, 2), full) < 2e-5, splits
+        _assert_states_close(st, st_full, 2e-5)
+
+
+def _gau_cfg(**over):
+    return ml_collections.ConfigDict(dict(
+        d_model=16, num_heads=1, head_dim=8, d_ff=32, norm="rmsnorm", positions="none", dropout=0.0, causal=True,
+        gau_expansion=2.0, gau_layerdrop=0.0,
+        attention=dict(name="transformer_vq", transformer_vq=dict(codebook_size=8, block_len=4, **over))))
+
+
+def test_gau_stack_carry_and_decode():
+    from longctx.models.blocks import get_block
+
+    cfg = _gau_cfg()
+    blocks = [get_block("gau")(cfg, layer_index=i, rngs=nnx.Rngs(i)) for i in range(2)]
+    for b in blocks:
+        b.core.W_R[...] = jax.random.normal(jax.random.PRNGKey(3), b.core.W_R[...].shape)
+    assert blocks[0].value_dim == 32 and blocks[0].core.rel_dim == 16 and not blocks[0].core.cfg.qk_norm
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 11, 16))
+
+    def run(x, states, start):
+        new = []
+        for b, s in zip(blocks, states):
+            x, s = b(x, s, positions=start + jnp.arange(x.shape[1]), aux=Aux())
+            new.append(s)
+        return x, new
+
+    full, st_full = run(x, [None, None], 0)
+    for splits in ([4, 7], [1] * 11):
+        st, outs, a = [None, None], [], 0
+        for n in splits:
+            y, st = run(x[:, a:a + n], st, a)
+            outs.append(y)
+            a += n
+        assert max_err(jnp.concatenate(outs, 1), full) < 2e-5, splits
+        for s1, s2 in zip(st, st_full):
+            _assert_states_close(s1, s2, 2e-5)
+
+
+# ---------------------------------------------------------------------- check 7: STVQ
+def test_stvq_forward_jacobian_and_commit_grad(x64):
+    d = make_inputs(B=1, H=2, T=3, Dk=4, S=6)
+    k, C = d["k"], d["C"]
+    k_hat, z, err2, c_z = tvq.stvq(k, C)
+    dist = jnp.sum((k[..., None, :] - C[None, :, None]) ** 2, -1)
+    assert jnp.array_equal(z, jnp.argmin(dist, -1))
+    assert max_err(k_hat, c_z) < 1e-12 and max_err(err2, jnp.min(dist, -1)) < 1e-10
+    jac = jax.jacfwd(lambda kk: tvq.stvq(kk, C)[0])(k)
+    assert max_err(jac.reshape(k.size, k.size), jnp.eye(k.size)) == 0.0
+    beta = 1e-4
+    B, T = k.shape[0], k.shape[2]
+    g_k, g_C = jax.grad(lambda kk, cc: beta * tvq.commit_loss(kk, tvq.stvq(kk, cc)[3]), argnums=(0, 1))(k, C)
+    assert max_err(g_k, 2 * beta * (k - c_z) / (B * T)) < 1e-15
+    assert float(jnp.abs(g_C).max()) == 0.0
+    # ties go to the lowest index
+    C2 = jnp.concatenate([C[:, :1], C[:, :1], C[:, 1:]], axis=1)
+    z2 = tvq.stvq(C[None, :, :1], C2)[1]
+    assert int(z2.max()) == 0
+
+
+def test_core_reports_commit_and_stats():
+    core = small_core()
+    q, k, v = qkv(T=8)
+    mask = jnp.ones((2, 8), bool).at[1, 5:].set(False)
+    aux = Aux()
+    core(q, k, v, aux=aux, mask=mask)
+    kn = 8 ** -0.25 * tvq.rms_normalize(k)
+    _, z, _, c_z = tvq.stvq(kn, core.codebook())
+    per_tok = jnp.sum((kn - c_z) ** 2, axis=(1, 3))
+    want = 1e-4 * jnp.sum(per_tok * mask) / jnp.sum(mask)
+    assert max_err(aux.losses["commit"], want) < 1e-9
+    st = aux.stats["codebook"]
+    assert float(st["count"].sum()) == 2 * 13  # heads * unmasked tokens
+    assert max_err(st["sum"].sum(1), jnp.einsum("bhtd,bt->hd", kn, mask.astype(jnp.float32))) < 1e-4
+
+
+# ---------------------------------------------------------------------- check 8: gradients
+@pytest.mark.parametrize("form,L,M", [("parallel", 3, 3), ("parallel", 4, 2), ("stream", 3, 3)])
+def test_gradients_match_reference(x64, form, L, M):
+    d = make_inputs(T=12, M=M, Dv=3)
+    g = jax.random.normal(jax.random.PRNGKey(11), d["v"].shape, jnp.float64)
+    w = jax.random.normal(jax.random.PRNGKey(12), d["v"].shape, jnp.float64)
+
+    def loss(q, k, v, u, vb, r, G, which):
+        dd = dict(d, q=q, v=v, u=u, vb=vb, r=r)
+        q_u, _, bd = derived(dd)
+        k_hat, z, _, _ = tvq.stvq(k, d["C"])
+        if which == "ref":
+            o = tvq.quadratic_reference(q_u, bd, k_hat, v, M=M, sg_far_block=L)
+        elif form == "parallel":
+            o = tvq.causal_parallel(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+        else:
+            o = tvq.causal_stream(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+        return jnp.sum(jnp.sin(o * G) * w)
+
+    args = (d["q"], d["k"], d["v"], d["u"], d["vb"], d["r"], g)
+    g_lin = jax.grad(loss, argnums=tuple(range(7)))(*args, "lin")
+    g_ref = jax.grad(loss, argnums=tuple(range(7)))(*args, "ref")
+    for name, a, b in zip(("q", "k", "v", "u", "v'", "r", "G"), g_lin, g_ref):
+        assert max_err(a, b) < 1e-10, name
+        assert float(jnp.abs(b).max()) > 0, name
+
+
+def test_far_key_gradient_is_absent(x64):
+    """Spec 2.7 caveat: keys older than the two local blocks get no score gradient in the linear form."""
+    L = M = 3
+    d = make_inputs(T=12, M=M)
+    q_u, _, bd = derived(d)
+
+    def f(k):
+        k_hat, z, _, _ = tvq.stvq(k, d["C"])
+        return tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)[0][:, :, 11].sum()
+
+    gk = jax.grad(f)(d["k"])
+    assert float(jnp.abs(gk[:, :, :6]).max()) == 0.0 and float(jnp.abs(gk[:, :, 6:]).max()) > 0.0
+
+
+# ---------------------------------------------------------------------- check 9: stable form == U/L form
+def test_stable_form_equals_ul_form(x64):
+    d = make_inputs(T=12, M=2)
+    q_u, _, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    a = tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, 2), L=2, M=2, reduction="serial")[0]
+    b = tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, 2), L=2, M=2, reduction="sum")[0]
+    assert max_err(a, b) < 1e-12
+
+
+def test_stable_reduction_survives_bf16(x64):
+    R, S, Dv = 64, 4, 8
+    key = jax.random.split(jax.random.PRNGKey(0), 2)
+    n = jnp.round(jax.random.uniform(key[0], (1, 1, R, S), minval=200, maxval=600))
+    mu = 100.0 + jax.random.normal(key[1], (1, 1, R, S, Dv))
+    ref_mu, _ = tvq.prefix_reduce(mu.astype(jnp.float64), n.astype(jnp.float64), "sum")
+    errs = {}
+    for red in ("serial", "assoc", "matmul", "sum"):
+        m, _ = tvq.prefix_reduce(mu.astype(jnp.bfloat16), n.astype(jnp.bfloat16), red)
+        errs[red] = max_err(m, ref_mu) / 100.0
+    assert errs["serial"] < 0.02 and errs["assoc"] < 0.02, errs
+    assert errs["sum"] > 3 * max(errs["serial"], errs["assoc"]), errs
+
+
+# ---------------------------------------------------------------------- check 10: EMA (single device)
+def test_ema_update_closed_form_and_masking():
+    core = small_core()
+    c_sum0, c_count0 = core.c_sum[...], core.c_count[...]
+    q, k, v = qkv(T=12)
+    mask = jnp.ones((2, 12), bool).at[0, 9:].set(False)
+    # a window of three blocks processed in three calls: summed stats == one call on the window
+    aux_w, aux_1, st = Aux(), Aux(), None
+    for a in (0, 4, 8):
+        _, st = core(q[:, :, a:a + 4], k[:, :, a:a + 4], v[:, :, a:a + 4], st, aux=aux_w, mask=mask[:, a:a + 4])
+    core(q, k, v, aux=aux_1, mask=mask)
+    for name in ("count", "sum"):
+        assert max_err(aux_w.stats["codebook"][name], aux_1.stats["codebook"][name]) < 1e-5
+    kn = np.asarray(8 ** -0.25 * tvq.rms_normalize(k), np.float64)
+    Cb = np.asarray(core.codebook(), np.float64)
+    cnt, tot = np.zeros((2, 8)), np.zeros((2, 8, 8))
+    for b, h, t in itertools.product(range(2), range(2), range(12)):
+        if not mask[b, t]:
+            continue
+        s = int(np.argmin(((kn[b, h, t] - Cb[h]) ** 2).sum(-1)))
+        cnt[h, s] += 1
+        tot[h, s] += kn[b, h, t]
+    core.apply_stats(aux_1.stats)
+    g = 0.99
+    np.testing.assert_allclose(core.c_count[...], g * np.asarray(c_count0) + (1 - g) * cnt, rtol=1e-6)
+    np.testing.assert_allclose(core.c_sum[...], g * np.asarray(c_sum0) + (1 - g) * tot, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(core.codebook(), core.c_sum[...] / np.maximum(core.c_count[...], 0.01)[..., None],
+                               rtol=1e-6)
+    # a code that is never used decays; below 0.01 counts the clamp kicks in
+    cs, cc = tvq.ema_update(jnp.ones((1, 1, 2)), jnp.full((1, 1), 0.005), {"sum": jnp.zeros((1, 1, 2)),
+                                                                            "count": jnp.zeros((1, 1))}, 0.99)
+    assert max_err(tvq.codebook_from_stats(cs, cc), 0.99 / 0.01 * jnp.ones((1, 1, 2))) < 1e-5
+
+
+# ---------------------------------------------------------------------- check 11: encoder
+@pytest.mark.parametrize("T,L,M", [(12, 3, 3), (12, 4, 2), (10, 3, 2), (12, 12, 5), (14, 2, 1)])
+def test_encoder_equals_dense_bidirectional(x64, T, L, M):
+    d = make_inputs(T=T, M=M, signed=True)
+    q_u, q_v, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+    want = np_reference(q_u, q_v, k_hat, d["v"], d["r"], M, causal=False)
+    o = tvq.encoder_parallel(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=True)
+    assert max_err(o, want) < 1e-10
+    assert max_err(tvq.quadratic_reference(q_u, bd, k_hat, d["v"], M=M, causal=False), want) < 1e-10
+    # Thm 3.5: no band, no bias
+    want0 = np_reference(q_u, q_v, k_hat, d["v"], 0 * d["r"], M, causal=False)
+    o0 = tvq.encoder_parallel(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=False)
+    assert max_err(o0, want0) < 1e-10
+    valid = jnp.arange(T) < T - 3  # padded keys are excluded
+    want_v = np_reference(q_u, q_v, k_hat, d["v"], d["r"], M, causal=False, valid=np.asarray(valid))
+    o_v = tvq.encoder_parallel(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=True, valid=valid)
+    assert max_err(o_v, want_v) < 1e-10
+
+
+def test_encoder_core_module():
+    core = small_core(causal=False, mem_len=2)
+    q, k, v = qkv(T=10)
+    o, st = core(q, k, v)
+    assert st is None and o.shape == v.shape and bool(jnp.all(jnp.isfinite(o)))
+    with pytest.raises(ValueError):
+        core.init_state(2)
+
+
+# ---------------------------------------------------------------------- config validation, long forward
+@pytest.mark.parametrize("over,causal", [(dict(reduction="cumsum"), True), (dict(mem_len=8, form="parallel"), True),
+                                         (dict(mem_len=8), False), (dict(gamma=1.0), True),
+                                         (dict(impl="pallas", mem_len=2), True), (dict(form="x"), True)])
+def test_config_validation(over, causal):
+    cfg = attention.default_config("transformer_vq")
+    cfg.update(dict(block_len=4, **over))
+    with pytest.raises(ConfigError):
+        attention.validate("transformer_vq", cfg, causal=causal)
+
+
+@pytest.mark.slow
+def test_long_forward_65536():
+    cfg = attention.default_config("transformer_vq")
+    cfg.update(dict(codebook_size=64, block_len=128))
+    core = attention.build("transformer_vq", cfg, num_heads=1, head_dim=32, causal=True, rngs=nnx.Rngs(0))
+    q, k, v = qkv(B=1, H=1, T=65536, D=32)
+    o, st = jax.jit(lambda q, k, v: core(q, k, v))(q, k, v)
+    assert o.shape == (1, 1, 65536, 32) and bool(jnp.all(jnp.isfinite(o)))
+    assert int(st["pos"]) == 65536 and float(st["agg_n"].sum()) == 65536 - 128

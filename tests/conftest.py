@@ -1,0 +1,58 @@
+import os
+import random
+
+import ml_collections
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+
+def write_corpus(root, n_files=40, seed=0):
+    """A folder of small Python-like files, laid out like the built-in corpus."""
+    rng = random.Random(seed)
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "None", "True", "x", "y"]
+    for i in range(n_files):
+        sub = root / ("pkg" if i % 3 else "") / f"mod_{i:03d}.py"
+        sub.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"# module {i}"]
+        for j in range(rng.randint(20, 60)):
+            lines.append("    " * (j % 3) + " ".join(rng.choice(words) for _ in range(rng.randint(2, 8))))
+        sub.write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus")
+
+
+def tiny_config(corpus, cache, **train):
+    from longctx.config import base_config
+
+    c = base_config()
+    c.data.path = str(corpus)
+    c.data.cache_dir = str(cache)
+    c.model.d_model = 32
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.head_dim = 16
+    c.model.d_ff = 64
+    c.train.steps = 8
+    c.train.batch_size = 4
+    c.train.seq_len = 32
+    c.train.warmup_steps = 2
+    c.train.log_every = 1
+    c.train.eval_every = 4
+    c.train.eval_tokens = 256
+    c.train.ckpt_every = 4
+    c.train.async_checkpoints = False
+    c.eval.max_tokens = 512
+    c.sample.num_tokens = 16
+    for k, v in train.items():
+        c.train[k] = v
+    return ml_collections.ConfigDict(c.to_dict())
+
+
+@pytest.fixture
+def tiny_cfg(tiny_corpus, tmp_path):
+    return tiny_config(tiny_corpus, tmp_path / "cache")

@@ -1,0 +1,82 @@
+"""Bad configs and missing checkpoints give one-line, actionable errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from longctx import config as config_lib
+from longctx.cli import load_config
+from longctx.errors import CheckpointError, ConfigError
+from longctx.runtime import Runner
+
+
+def test_unknown_key_is_named_with_a_suggestion():
+    with pytest.raises(ConfigError, match="stepz.*steps"):
+        load_config(["x", "--config=configs/default.py", "--config.train.stepz=3", "--workdir=/tmp/x"])
+
+
+def test_bad_value_type():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(["x", "--config=configs/default.py", "--config.train.steps=abc", "--workdir=/tmp/x"])
+
+
+def test_missing_config_file_and_missing_workdir_flag():
+    with pytest.raises(ConfigError, match="nope.py"):
+        load_config(["x", "--config=configs/nope.py", "--workdir=/tmp/x"])
+    with pytest.raises(ConfigError, match="--workdir"):
+        load_config(["x", "--config=configs/default.py"])
+
+
+@pytest.mark.parametrize(
+    "path,value,pattern",
+    [
+        ("train.window", 100, "window=100 must divide"),
+        ("model.positions", "alibi", "choose one of"),
+        ("model.attention.name", "flash", "allowed: .*dense"),
+        ("model.block", "mamba", "allowed: .*transformer"),
+        ("train.steps", 7, "multiple of"),
+        ("data.source", "imagenet", "allowed"),
+        ("model.dropout", 1.5, r"\[0, 1\)"),
+        ("eval.stride", 10_000, "at most eval.context"),
+    ],
+)
+def test_impossible_values_and_combinations(path, value, pattern):
+    c = config_lib.base_config()
+    if path == "train.steps":
+        c.train.window = 64
+    section, key = path.rsplit(".", 1)
+    node = c
+    for part in section.split("."):
+        node = node[part]
+    node[key] = value
+    with pytest.raises(ConfigError, match=pattern):
+        config_lib.validate(c)
+
+
+def test_unknown_attention_option_lists_allowed_keys():
+    c = config_lib.base_config()
+    c.model.attention.dense.flash = True
+    with pytest.raises(ConfigError, match="allowed keys"):
+        config_lib.validate(c)
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="train first"):
+        Runner.from_workdir(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="train first"):
+        Runner.from_workdir(tmp_path / "empty")
+
+
+def test_cli_prints_one_line(tmp_path):
+    cmds = [
+        [sys.executable, "-m", "longctx.evaluate", "--workdir", str(tmp_path / "none")],
+        [sys.executable, "-c", "from longctx.cli import train_main; train_main()", "--config=configs/default.py",
+         "--config.train.window=100", f"--workdir={tmp_path / 'w'}"],
+    ]
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
