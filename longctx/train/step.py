@@ -54,7 +54,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         params, nongrad, rest, opt_state, state = carry
         inputs, targets, key = xs
         (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, inputs, targets, state, key)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -1,0 +1,78 @@
+"""SIGTERM mid-run writes a checkpoint; rerunning resumes and reproduces the
+losses of an uninterrupted run exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import tiny_config
+
+
+def write_cfg(path: Path, cfg) -> Path:
+    path.write_text(
+        "import ml_collections\n"
+        f"def get_config():\n    return ml_collections.ConfigDict({cfg.to_dict()!r})\n"
+    )
+    return path
+
+
+def run(cfg_file, workdir, *extra, wait=True):
+    cmd = [sys.executable, "-c", "from longctx.cli import train_main; train_main()", f"--config={cfg_file}",
+           f"--workdir={workdir}", "--progress=false", *extra]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def train_losses(workdir):
+    recs = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
+
+
+def test_sigterm_then_resume_matches_uninterrupted(tiny_corpus, tmp_path):
+    steps = 60
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=steps, ckpt_every=1000, eval_every=1000)
+    cfg_file = write_cfg(tmp_path / "cfg.py", cfg)
+
+    ref = run(cfg_file, tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_losses = train_losses(tmp_path / "ref")
+    assert sorted(ref_losses) == list(range(1, steps + 1))
+
+    proc = run(cfg_file, tmp_path / "run", wait=False)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 10:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "checkpoint saved" in out
+    stopped_at = max(train_losses(tmp_path / "run"))
+    assert 10 <= stopped_at < steps, stopped_at
+    assert (tmp_path / "run" / "checkpoints" / str(stopped_at)).exists()
+
+    again = run(cfg_file, tmp_path / "run")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from the checkpoint at step {stopped_at}" in again.stdout
+    resumed = train_losses(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, steps + 1))
+    after = [s for s in range(stopped_at + 1, steps + 1)]
+    np.testing.assert_allclose([resumed[s] for s in after], [ref_losses[s] for s in after], rtol=1e-6)
+
+
+def test_nonfinite_loss_stops_with_the_step(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=8, lr=1e30, warmup_steps=0, grad_clip=0.0)
+    r = run(write_cfg(tmp_path / "cfg.py", cfg), tmp_path / "w")
+    assert r.returncode == 2
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "non-finite values at step" in line[0], r.stderr[-2000:]
