@@ -33,7 +33,10 @@ class ByteTokenizer:
         return bytes(np.asarray(ids, dtype=np.uint8).tolist())
 
 
-_TOKENIZERS = {"bytes": ByteTokenizer}
+# name -> "module:Class" (or a factory). One line per tokenizer.
+_TOKENIZERS: dict = {
+    "bytes": "longctx.data.tokenizers:ByteTokenizer",
+}
 
 
 def register(name: str, factory) -> None:
@@ -47,4 +50,10 @@ def names() -> tuple[str, ...]:
 def build(name: str, **kwargs):
     if name not in _TOKENIZERS:
         raise ConfigError(f"data.tokenizer={name!r} is unknown; allowed: {', '.join(names())}")
-    return _TOKENIZERS[name](**kwargs)
+    factory = _TOKENIZERS[name]
+    if isinstance(factory, str):
+        import importlib
+
+        module_name, cls_name = factory.split(":")
+        factory = getattr(importlib.import_module(module_name), cls_name)
+    return factory(**kwargs)
