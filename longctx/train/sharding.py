@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from longctx.errors import ConfigError
 
 
-def make_mesh(mesh_cfg) -> Mesh:
-    devices = jax.devices()
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
     data = mesh_cfg.data if mesh_cfg.data > 0 else len(devices) // (mesh_cfg.fsdp * mesh_cfg.tensor)
     shape = (data, mesh_cfg.fsdp, mesh_cfg.tensor)
     if int(np.prod(shape)) != len(devices):
