@@ -23,7 +23,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.path = ""  # dataset file or folder for real datasets
     c.data.cache_dir = ""  # '' -> $LONGCTX_CACHE or ~/.cache/longctx
     c.data.tokenizer = "bytes"  # see longctx.data.tokenizers.names()
-    c.data.options = ml_collections.ConfigDict({"txl_compat": False, "raw": False, "vocab_size": 32000})
+    c.data.options = ml_collections.ConfigDict({
+        "txl_compat": False,  # enwik8: drop newline bytes (Transformer-XL convention)
+        "raw": False,  # wikitext103: read wiki.*.raw instead of wiki.*.tokens
+        "vocab_size": 32000,  # sentencepiece: number of pieces
+        "verify": True,  # check sizes / checksums / official counts of real dataset files
+        "tfds": False,  # pg19: read through tensorflow_datasets' pg19 builder
+        "spm_max_chars": 1_000_000_000,  # sentencepiece: train on the first N characters of train
+    })
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "decoder"  # 'decoder' (causal LM)

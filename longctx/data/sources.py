@@ -20,6 +20,9 @@ from longctx.errors import ConfigError
 # name -> "module:Class". One line per source.
 _SOURCES: dict[str, str] = {
     "builtin": "longctx.data.builtin:BuiltinSource",
+    "enwik8": "longctx.data.enwik8:Enwik8Source",
+    "wikitext103": "longctx.data.wikitext103:WikiText103Source",
+    "pg19": "longctx.data.pg19:PG19Source",
 }
 
 

@@ -36,6 +36,8 @@ class ByteTokenizer:
 # name -> "module:Class" (or a factory). One line per tokenizer.
 _TOKENIZERS: dict = {
     "bytes": "longctx.data.tokenizers:ByteTokenizer",
+    "words": "longctx.data.wordvocab:WordTokenizer",
+    "sentencepiece": "longctx.data.spm:SentencePieceTokenizer",
 }
 
 
