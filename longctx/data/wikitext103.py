@@ -139,7 +139,7 @@ class WikiText103Source:
         n = 0
         for line in self.lines(split):
             if is_title(line) and buf:
-                cut = len(buf) - 1 if prev_blank and len(buf) > 1 else len(buf)
+                cut = len(buf) - 1 if prev_blank else len(buf)
                 if cut > 0:
                     yield f"{split}/{n:06d}", buf[:cut]
                     n += 1
