@@ -1,0 +1,375 @@
+"""`longctx-bench attention`: forward and forward+backward time, memory, FLOP rate and
+scaling exponent of every registered attention core (and exact attention in both its
+naive and blockwise forms) over sequence lengths, causal and bidirectional.
+
+Per (variant, direction, length) cell:
+* the program is lowered and compiled first; XLA's compiled memory analysis
+  (arguments + outputs + temporaries − aliased) is compared with ``--mem_budget_gb``
+  and the cell is skipped (and says so) when it would exceed it;
+* a cell is also skipped when the time extrapolated from the two largest measured
+  lengths times (warm-up + repeats) exceeds ``--max_cell_s`` (so quadratic methods
+  stop where they would take minutes per call);
+* time = median of ``--repeats`` calls after ``--warmup`` calls, each ended by
+  ``block_until_ready``; inputs are standard-normal q, k, v (never all zeros);
+* forward: deterministic=True; forward+backward: gradient of sum(out * w) (w Gaussian)
+  plus the core's auxiliary losses with respect to q, k, v and the core's parameters,
+  deterministic=False with a key (the training path);
+* peak RSS: the process's resident set sampled every 5 ms during the timed calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from longctx.bench import common as C
+from longctx.bench.cores import CoreFns, build_core, variants
+from longctx.errors import ConfigError
+
+DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,128k"
+TORCH = "torch_sdpa"
+
+
+def add_args(p):
+    p.add_argument("--methods", default="", help="comma list of methods or variants (e.g. dense,eva or dense:naive); "
+                   f"default: every registered method (+ {TORCH} when torch is importable)")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma list of sequence lengths (k = 1024)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
+    p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--mem_budget_gb", type=float, default=16.0)
+    p.add_argument("--max_cell_s", type=float, default=120.0,
+                   help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")
+    p.add_argument("--no_backward", action="store_true", help="forward only")
+    p.add_argument("--matmul_n", type=int, default=4096, help="size of the reference f32 matmul (0: skip)")
+    p.add_argument("--no_torch", action="store_true", help=f"do not time {TORCH} even if torch is importable")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
+    """4·B·H·T²·D (two T×T×D matmuls), halved when causal."""
+    f = 4.0 * B * H * T * T * D
+    return f / 2 if causal else f
+
+
+def _torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        return torch, F
+    except Exception:
+        return None, None
+
+
+def run(args) -> dict:
+    out = C.out_dir(args.out)
+    lengths = C.parse_ints(args.lengths)
+    requested = C.parse_names(args.methods)
+    core_requested = [r for r in requested if r != TORCH] if requested else None
+    methods = C.select_methods(core_requested) if (core_requested or not requested) else []
+    dtype = C.dtype_of(args.dtype)
+    budget = args.mem_budget_gb * C.GB
+    B, H, D = args.batch, args.heads, args.head_dim
+    torch, F = (None, None) if args.no_torch else _torch()
+    with_torch = torch is not None and (not requested or TORCH in requested or "dense" in requested)
+
+    cells = []  # (method, label, overrides)
+    for m in methods:
+        for label, ov in variants(m):
+            if C.variant_selected(requested, m, label):
+                cells.append((m, label, ov))
+    dirs = C.directions(args)
+    res = {"header": C.header(args, "attention"), "rows": [], "skipped_variants": [], "exponents": []}
+    if args.matmul_n > 0:
+        res["matmul"] = C.matmul_rate(args.matmul_n, repeats=max(1, min(args.repeats, 3)))
+    n_total = len(dirs) * (len(cells) + (1 if with_torch else 0)) * len(lengths)
+    bar = C.progress_bar(n_total, "attention", args.progress)
+    for causal in dirs:
+        dname = C.dir_name(causal)
+        for method, label, ov in cells:
+            try:
+                core = build_core(method, ov, heads=H, head_dim=D, causal=causal, seed=args.seed)
+            except ConfigError as e:
+                res["skipped_variants"].append({"variant": label, "direction": dname, "reason": str(e)})
+                bar.write(f"skip {label} ({dname}): {e}")
+                bar.update(len(lengths))
+                continue
+            rows = _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar)
+            res["rows"] += rows
+        if with_torch:
+            res["rows"] += _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar)
+    bar.close()
+    for causal in dirs:
+        dname = C.dir_name(causal)
+        for label in dict.fromkeys(r["variant"] for r in res["rows"] if r["direction"] == dname):
+            rs = [r for r in res["rows"] if r["variant"] == label and r["direction"] == dname]
+            e = {"variant": label, "direction": dname}
+            for kind in ("fwd", "fwdbwd"):
+                pts = [(r["length"], r[f"{kind}_s"]) for r in rs if r.get(f"{kind}_s")]
+                e[f"{kind}_exponent"] = C.fit_exponent([p[0] for p in pts], [p[1] for p in pts])
+                e[f"{kind}_lengths"] = sorted(p[0] for p in pts)[-3:]
+            res["exponents"].append(e)
+    C.write_json(out / "attention.json", res)
+    (out / "attention.md").write_text(markdown(res))
+    plots(res, out)
+    return res
+
+
+def _skip_reason_time(prev_L, prev_t, T, n_calls, limit):
+    pred = C.predict_time(prev_L, prev_t, T)
+    if pred is not None and pred * n_calls > limit:
+        return f"skipped: predicted {pred:.1f} s/call × {n_calls} calls > --max_cell_s {limit:g}"
+    return None
+
+
+def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar):
+    fns = CoreFns(core)
+    fwd, grads = fns.forward(), fns.grads()
+    B, H, D = args.batch, args.heads, args.head_dim
+    Dv = core.value_dim
+    dname = C.dir_name(causal)
+    rows = []
+    hist = {"fwd": ([], []), "fwdbwd": ([], [])}
+    blocked = {"fwd": None, "fwdbwd": None}  # a budget skip carries over to longer lengths
+    n_calls = args.warmup + args.repeats
+    for T in lengths:
+        bar.set_postfix_str(f"{label} {dname} T={C.fmt_len(T)}")
+        row = {"method": method, "variant": label, "direction": dname, "length": T, "batch": B, "heads": H,
+               "head_dim": D, "dtype": args.dtype}
+        if method == "dense":
+            row["analytic_flops_fwd"] = analytic_dense_flops(B, H, T, D, causal)
+            row["analytic_flops_fwdbwd"] = 3.5 * row["analytic_flops_fwd"]
+        q, k, v = C.random_qkv(args.seed + T, B, H, T, D, dtype, Dv)
+        w = jax.random.normal(jax.random.key(args.seed + 7), (B, H, T, Dv), jnp.float32)
+        key = jax.random.key(args.seed + 11)
+        kinds = [("fwd", fwd, (fns.params, fns.rest, q, k, v))]
+        if not args.no_backward:
+            kinds.append(("fwdbwd", grads, (fns.params, fns.rest, q, k, v, w, key)))
+        for kind, fn, fargs in kinds:
+            status = blocked[kind] or _skip_reason_time(*hist[kind], T, n_calls, args.max_cell_s)
+            if status is None:
+                try:
+                    t0 = time.perf_counter()
+                    compiled = jax.jit(fn).lower(*fargs).compile()
+                    row[f"{kind}_compile_s"] = time.perf_counter() - t0
+                    mem = C.memory_stats(compiled)
+                    row[f"{kind}_xla_mem"] = mem
+                    if mem.get("total", 0) > budget:
+                        status = (f"skipped: XLA estimate {mem['total'] / C.GB:.1f} GB > --mem_budget_gb "
+                                  f"{args.mem_budget_gb:g}")
+                        blocked[kind] = f"skipped: over the memory budget at {C.fmt_len(T)} or shorter"
+                    else:
+                        fl = C.xla_flops(compiled)
+                        row[f"{kind}_xla_flops"] = fl["flops"]
+                        row[f"{kind}_xla_flops_has_loops"] = fl.get("has_loops")
+                        with C.RssSampler() as rss:
+                            t = C.time_calls(compiled, *fargs, repeats=args.repeats, warmup=args.warmup)
+                        row[f"{kind}_s"] = t["median_s"]
+                        row[f"{kind}_times"] = t
+                        row[f"{kind}_rss_peak_bytes"] = rss.peak
+                        row[f"{kind}_rss_start_bytes"] = rss.start
+                        if fl["flops"]:
+                            row[f"{kind}_xla_gflops_per_s"] = fl["flops"] / t["median_s"] / 1e9
+                        if row.get(f"analytic_flops_{kind}"):
+                            row[f"{kind}_analytic_gflops_per_s"] = row[f"analytic_flops_{kind}"] / t["median_s"] / 1e9
+                        hist[kind][0].append(T)
+                        hist[kind][1].append(t["median_s"])
+                        status = "ok"
+                    del compiled
+                except Exception as e:  # noqa: BLE001 -- a failing cell is reported, the run goes on
+                    status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            row[f"{kind}_status"] = status
+        row["ru_maxrss_bytes"] = C.ru_maxrss_bytes()
+        rows.append(row)
+        bar.update(1)
+    return rows
+
+
+def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar):
+    """torch.nn.functional.scaled_dot_product_attention on the same shapes (external reference)."""
+    import numpy as np
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dname = C.dir_name(causal)
+    rows = []
+    hist = {"fwd": ([], []), "fwdbwd": ([], [])}
+    n_calls = args.warmup + args.repeats
+    for T in lengths:
+        bar.set_postfix_str(f"{TORCH} {dname} T={C.fmt_len(T)}")
+        row = {"method": TORCH, "variant": TORCH, "direction": dname, "length": T, "batch": B, "heads": H,
+               "head_dim": D, "dtype": args.dtype, "torch_version": torch.__version__,
+               "torch_threads": torch.get_num_threads(),
+               "analytic_flops_fwd": analytic_dense_flops(B, H, T, D, causal)}
+        row["analytic_flops_fwdbwd"] = 3.5 * row["analytic_flops_fwd"]
+        q, k, v = (torch.from_numpy(np.asarray(x, np.float32)).to(tdt) for x in C.random_qkv(args.seed + T, B, H, T, D))
+        w = torch.randn(B, H, T, D, dtype=tdt)
+        # inputs, output and (fwd+bwd) gradients; SDPA's CPU kernel is blockwise (no T×T buffer)
+        est = {"fwd": 4 * B * H * T * D * q.element_size(), "fwdbwd": 10 * B * H * T * D * q.element_size()}
+
+        def f_fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def f_bwd():
+            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+            o.backward(w)
+            return qq.grad
+
+        for kind, fn in (("fwd", f_fwd), ("fwdbwd", f_bwd)):
+            if kind == "fwdbwd" and args.no_backward:
+                continue
+            status = _skip_reason_time(*hist[kind], T, n_calls, args.max_cell_s)
+            if status is None and est[kind] > budget:
+                status = f"skipped: estimate {est[kind] / C.GB:.1f} GB > --mem_budget_gb {args.mem_budget_gb:g}"
+            if status is None:
+                try:
+                    for _ in range(args.warmup):
+                        fn()
+                    times = []
+                    with C.RssSampler() as rss:
+                        for _ in range(max(1, args.repeats)):
+                            t0 = time.perf_counter()
+                            fn()
+                            times.append(time.perf_counter() - t0)
+                    med = float(np.median(times))
+                    row[f"{kind}_s"] = med
+                    row[f"{kind}_times"] = {"median_s": med, "min_s": min(times), "max_s": max(times), "n": len(times)}
+                    row[f"{kind}_rss_peak_bytes"] = rss.peak
+                    row[f"{kind}_rss_start_bytes"] = rss.start
+                    row[f"{kind}_analytic_gflops_per_s"] = row[f"analytic_flops_{kind}"] / med / 1e9
+                    hist[kind][0].append(T)
+                    hist[kind][1].append(med)
+                    status = "ok"
+                except Exception as e:  # noqa: BLE001
+                    status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            row[f"{kind}_status"] = status
+        rows.append(row)
+        bar.update(1)
+    return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def _mb(x):
+    return None if x is None else x / C.MB
+
+
+def markdown(res: dict) -> str:
+    a = res["header"]["args"]
+    parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}; "
+             f"median of {a['repeats']} runs after {a['warmup']} warm-up; memory budget {a['mem_budget_gb']:g} GB; "
+             f"cells predicted to take > {a['max_cell_s']:g} s are skipped.\n"]
+    mm = res.get("matmul")
+    if mm:
+        parts.append(f"\nMeasured f32 matmul rate ({mm['n']}×{mm['n']}): jax.jit(jnp.matmul) "
+                     f"**{mm['jax_gflops']:.1f} GFLOP/s**, numpy **{mm['numpy_gflops']:.1f} GFLOP/s**.\n")
+    for s in res["skipped_variants"]:
+        parts.append(f"\n- `{s['variant']}` {s['direction']}: not run — {s['reason']}")
+    if res["skipped_variants"]:
+        parts.append("\n")
+    headers = ["variant", "T", "fwd ms", "fwd+bwd ms", "XLA mem fwd MB", "XLA mem fwd+bwd MB", "peak RSS MB",
+               "GFLOP/s fwd (analytic)", "GFLOP/s fwd (XLA)", "GFLOP/s fwd+bwd (analytic)", "GFLOP/s fwd+bwd (XLA)",
+               "status"]
+    for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
+        rows = []
+        for r in (r for r in res["rows"] if r["direction"] == dname):
+            st = [r.get("fwd_status")] + ([r.get("fwdbwd_status")] if "fwdbwd_status" in r else [])
+            status = "ok" if all(s == "ok" for s in st) else "; ".join(
+                f"{k}: {s}" for k, s in zip(("fwd", "fwd+bwd"), st) if s != "ok")
+            xf = r.get("fwd_xla_gflops_per_s")
+            xb = r.get("fwdbwd_xla_gflops_per_s")
+            rss = max([x for x in (r.get("fwd_rss_peak_bytes"), r.get("fwdbwd_rss_peak_bytes")) if x] or [0]) or None
+            rows.append([
+                r["variant"], C.fmt_len(r["length"]), _ms(r.get("fwd_s")), _ms(r.get("fwdbwd_s")),
+                _mb((r.get("fwd_xla_mem") or {}).get("total")), _mb((r.get("fwdbwd_xla_mem") or {}).get("total")),
+                _mb(rss), r.get("fwd_analytic_gflops_per_s"),
+                (f"≥{xf:.3g}" if r.get("fwd_xla_flops_has_loops") else xf) if xf else None,
+                r.get("fwdbwd_analytic_gflops_per_s"),
+                (f"≥{xb:.3g}" if r.get("fwdbwd_xla_flops_has_loops") else xb) if xb else None,
+                status,
+            ])
+        parts.append(f"\n### {dname}\n\n" + C.md_table(headers, rows))
+    parts.append("\nGFLOP/s (analytic): dense count 4·B·H·T²·D (÷2 causal) forward, ×3.5 forward+backward "
+                 "(backward = 2.5× forward, recomputation not counted). GFLOP/s (XLA): flops from "
+                 "`compiled.cost_analysis()` (XLA HloCostAnalysis) / time; '≥' marks programs with while loops, "
+                 "whose bodies XLA counts once, so the count is a lower bound. XLA mem = arguments + outputs + "
+                 "temporaries − aliased from `compiled.memory_analysis()`; peak RSS = the whole process "
+                 "(includes the JAX runtime and inputs), sampled every 5 ms during the timed calls.\n")
+    ex = [[e["variant"], e["direction"], e.get("fwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwd_lengths", []))),
+           e.get("fwdbwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwdbwd_lengths", [])))] for e in res["exponents"]]
+    parts.append("\n### Scaling exponent (log-log least squares of time vs length, largest 3 measured lengths)\n\n")
+    parts.append(C.md_table(["variant", "direction", "fwd exponent", "fwd lengths", "fwd+bwd exponent",
+                             "fwd+bwd lengths"], ex))
+    return "".join(parts)
+
+
+def plots(res: dict, out) -> list[str]:
+    files = []
+    for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
+        rs = [r for r in res["rows"] if r["direction"] == dname]
+        labels = list(dict.fromkeys(r["variant"] for r in rs))
+        fig, axes = C.new_figure(2)
+        for ax, kind, title in ((axes[0], "fwd_s", "forward"), (axes[1], "fwdbwd_s", "forward+backward")):
+            for lab in labels:
+                pts = sorted((r["length"], r[kind]) for r in rs if r["variant"] == lab and r.get(kind))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=lab)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("seconds (median)")
+            ax.set_title(f"{title}, {dname}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        path = out / f"attention_time_{dname}.png"
+        C.save_figure(fig, path)
+        files.append(path.name)
+        fig, axes = C.new_figure(2)
+        for ax, kind, title in ((axes[0], "xla", "XLA compiled memory (fwd+bwd, else fwd)"),
+                                (axes[1], "rss", "peak process RSS")):
+            for lab in labels:
+                pts = []
+                for r in rs:
+                    if r["variant"] != lab:
+                        continue
+                    if kind == "xla":
+                        m = (r.get("fwdbwd_xla_mem") or r.get("fwd_xla_mem") or {}).get("total")
+                        ok = r.get("fwdbwd_status") == "ok" or r.get("fwd_status") == "ok"
+                        val = m if ok else None
+                    else:
+                        val = max([x for x in (r.get("fwd_rss_peak_bytes"), r.get("fwdbwd_rss_peak_bytes")) if x] or [0])
+                    if val:
+                        pts.append((r["length"], val / C.MB))
+                if pts:
+                    ax.plot([p[0] for p in sorted(pts)], [p[1] for p in sorted(pts)], "o-", label=lab)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("MB")
+            ax.set_title(f"{title}, {dname}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        path = out / f"attention_memory_{dname}.png"
+        C.save_figure(fig, path)
+        files.append(path.name)
+    return files
+
+
+__all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run", "math", "os"]

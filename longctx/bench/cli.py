@@ -1,0 +1,44 @@
+"""`longctx-bench`: benchmark sub-commands, each writing <name>.json, <name>.md and PNG plots into --out.
+
+    longctx-bench attention --out bench_out --methods dense,eva --lengths 1k,4k
+    longctx-bench decode    --out bench_out --positions 1k,8k,32k
+    longctx-bench quality   --out bench_out --lengths 1k,4k --workdir runs/bench_quality
+    longctx-bench train     --out bench_out --steps 200
+    longctx-bench report    --out bench_out            (assembles BENCHMARKS.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from longctx.bench import attention_bench, decode_bench, quality_bench, report, train_bench
+
+    p = argparse.ArgumentParser(prog="longctx-bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, mod, help_ in (
+        ("attention", attention_bench, "forward / forward+backward time, memory, FLOP rate vs length"),
+        ("decode", decode_bench, "per-token decoding latency and state size vs context position"),
+        ("quality", quality_bench, "relative error against exact softmax attention"),
+        ("train", train_bench, "training tokens/s, peak memory and validation bits/byte per method"),
+        ("report", report, "assemble BENCHMARKS.md from the JSON outputs"),
+    ):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--out", default="bench_out", help="output folder (JSON, markdown, PNG)")
+        if name != "report":
+            sp.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+        mod.add_args(sp)
+        sp.set_defaults(func=mod.run)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

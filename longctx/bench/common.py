@@ -1,0 +1,369 @@
+"""Shared pieces of the benchmarks: method selection through the registry, inputs,
+timing, XLA memory/cost analysis, RSS sampling, machine description, output files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longctx import attention
+
+MB = 1 << 20
+GB = 1 << 30
+
+
+# ----------------------------------------------------------------------------- argument helpers
+def parse_ints(text: str | None) -> list[int]:
+    if not text:
+        return []
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("k"):
+            part, mult = part[:-1], 1024
+        out.append(int(float(part) * mult))
+    return out
+
+
+def parse_names(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    return [p.strip() for p in str(text).split(",") if p.strip()]
+
+
+def select_methods(requested: list[str] | None) -> list[str]:
+    """Registered methods (registry order), filtered by ``--methods`` (a request may name a
+    variant such as ``dense:naive``; the method part selects it here)."""
+    names = list(attention.names())
+    if not requested:
+        return names
+    bases = {r.split(":")[0] for r in requested}
+    unknown = sorted(bases - set(names))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(names)}")
+    return [n for n in names if n in bases]
+
+
+def variant_selected(requested: list[str] | None, method: str, label: str) -> bool:
+    """``--methods dense`` keeps every dense variant; ``--methods dense:naive`` only that one."""
+    if not requested:
+        return True
+    return method in requested or label in requested
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+            "float16": jnp.float16, "fp16": jnp.float16}[name]
+
+
+def directions(args) -> list[bool]:
+    """[causal?] from --causal/--bidirectional (neither given: both)."""
+    want_c, want_b = getattr(args, "causal", False), getattr(args, "bidirectional", False)
+    if not want_c and not want_b:
+        return [True, False]
+    return ([True] if want_c else []) + ([False] if want_b else [])
+
+
+def dir_name(causal: bool) -> str:
+    return "causal" if causal else "bidirectional"
+
+
+# ----------------------------------------------------------------------------- inputs
+def random_qkv(seed: int, B: int, H: int, T: int, D: int, dtype=jnp.float32, Dv: int | None = None):
+    """Gaussian q, k, v [B, H, T, D] (standard normal: never all zeros)."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (B, H, T, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, H, T, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, H, T, Dv or D), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+                   if hasattr(x, "shape") and hasattr(x, "dtype")))
+
+
+# ----------------------------------------------------------------------------- timing
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def time_calls(fn, *args, repeats: int, warmup: int = 1) -> dict:
+    """Median wall time of ``fn(*args)`` (block_until_ready) over ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        block(fn(*args))
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+
+
+def fit_exponent(lengths, times, last: int = 3) -> float | None:
+    """Least-squares slope of log(time) vs log(length) over the largest ``last`` measured lengths."""
+    pts = sorted((L, t) for L, t in zip(lengths, times) if t is not None and t > 0)[-last:]
+    if len(pts) < 2:
+        return None
+    x = np.log([p[0] for p in pts])
+    y = np.log([p[1] for p in pts])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def predict_time(lengths, times, target: int, default_exponent: float = 2.0) -> float | None:
+    """Extrapolate the time at ``target`` from the two largest measured points (slope >= 1),
+    or from one point with ``default_exponent``."""
+    pts = sorted((L, t) for L, t in zip(lengths, times) if t is not None and t > 0)
+    if not pts:
+        return None
+    if len(pts) >= 2:
+        (l0, t0), (l1, t1) = pts[-2], pts[-1]
+        e = max(1.0, math.log(t1 / t0) / math.log(l1 / l0)) if l1 != l0 and t0 > 0 else default_exponent
+    else:
+        (l1, t1), e = pts[-1], default_exponent
+    return t1 * (target / l1) ** e
+
+
+# ----------------------------------------------------------------------------- XLA analysis
+def memory_stats(compiled) -> dict:
+    """Bytes from XLA's compiled memory analysis; ``total`` = arguments + outputs + temporaries − aliased."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception as e:  # some backends do not implement it
+        return {"error": f"{type(e).__name__}: {e}"}
+    if m is None:
+        return {"error": "memory_analysis() returned None"}
+    d = {k: int(getattr(m, k + "_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias", "generated_code")}
+    d["total"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    return d
+
+
+def xla_flops(compiled) -> dict:
+    """Flops from ``compiled.cost_analysis()`` ('flops' key of XLA's HloCostAnalysis). XLA counts a
+    while-loop body once, not times its trip count, so for programs with loops (scan, lax.map,
+    fori_loop) the number is a lower bound: ``has_loops`` says so."""
+    out = {"counter": "jax compiled.cost_analysis()['flops'] (XLA HloCostAnalysis)", "flops": None}
+    try:
+        ca = compiled.cost_analysis()
+        if isinstance(ca, (list, tuple)):
+            ca = ca[0] if ca else {}
+        if ca and "flops" in ca:
+            out["flops"] = float(ca["flops"])
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    try:
+        out["has_loops"] = "while(" in compiled.as_text()
+    except Exception:
+        out["has_loops"] = None
+    return out
+
+
+# ----------------------------------------------------------------------------- memory sampling
+def ru_maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) * (1 if platform.system() == "Darwin" else 1024)
+
+
+class RssSampler:
+    """Peak resident set size of a process (default: this one), sampled every ``interval`` s
+    by a background thread while the ``with`` block runs."""
+
+    def __init__(self, pid: int | None = None, interval: float = 0.005):
+        import psutil
+
+        self.proc = psutil.Process(pid or os.getpid())
+        self.interval = interval
+        self.peak = 0
+        self.start = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _rss(self) -> int:
+        try:
+            rss = self.proc.memory_info().rss
+            for ch in self.proc.children(recursive=True) if self.proc.pid != os.getpid() else ():
+                rss += ch.memory_info().rss
+            return rss
+        except Exception:
+            return 0
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self.start = self._rss()
+        self.peak = self.start
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    def as_dict(self) -> dict:
+        return {"rss_start_bytes": int(self.start), "rss_peak_bytes": int(self.peak)}
+
+
+# ----------------------------------------------------------------------------- machine
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info() -> dict:
+    import psutil
+
+    lscpu = _run(["lscpu"])
+    fields = {}
+    for line in lscpu.splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            fields[k.strip()] = v.strip()
+    keep = ("Architecture", "Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "Socket(s)",
+            "L1d cache", "L2 cache", "L3 cache", "Flags")
+    info = {
+        "lscpu": {k: fields[k] for k in keep if k in fields and k != "Flags"},
+        "avx512": "avx512f" in fields.get("Flags", ""),
+        "nproc": (_run(["nproc"]).strip() or str(os.cpu_count())),
+        "mem_total_gb": round(psutil.virtual_memory().total / GB, 1),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    try:
+        import flax
+
+        info["flax"] = flax.__version__
+    except ImportError:
+        pass
+    info["numpy"] = np.__version__
+    return info
+
+
+def matmul_rate(n: int = 4096, repeats: int = 3) -> dict:
+    """This machine's measured f32 matmul rate (2 n^3 flops per product): jnp under jit and numpy."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    t = time_calls(mm, a, b, repeats=repeats)
+    flops = 2.0 * n**3
+    an, bn = np.asarray(a), np.asarray(b)
+    an @ bn
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        an @ bn
+        times.append(time.perf_counter() - t0)
+    tn = statistics.median(times)
+    return {"n": n, "flops": flops, "jax_s": t["median_s"], "jax_gflops": flops / t["median_s"] / 1e9,
+            "numpy_s": tn, "numpy_gflops": flops / tn / 1e9}
+
+
+# ----------------------------------------------------------------------------- outputs
+def out_dir(path) -> Path:
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    return x
+
+
+def write_json(path: Path, payload: dict) -> None:
+    Path(path).write_text(json.dumps(_jsonable(payload), indent=1, allow_nan=False) + "\n")
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            if v == 0:
+                return "0"
+            if abs(v) >= 1000:
+                return f"{v:,.0f}"
+            if abs(v) >= 10:
+                return f"{v:.1f}"
+            if abs(v) >= 0.01:
+                return f"{v:.3g}"
+            return f"{v:.2e}"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def fmt_len(T: int) -> str:
+    return f"{T // 1024}k" if T >= 1024 and T % 1024 == 0 else str(T)
+
+
+def new_figure(ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.2), squeeze=False)
+    return fig, axes[0]
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def header(args, command: str) -> dict:
+    """Run description stored at the top of every JSON output."""
+    return {
+        "command": command,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": machine_info(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_sha": _run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"]).strip(),
+    }
