@@ -8,13 +8,17 @@ import sys
 from longctx.errors import ConfigError
 
 
-def load_config(argv: list[str]):
-    """Parse --config=FILE [--config.a.b=value ...] --workdir=DIR in the config_flags idiom."""
+def load_config(argv: list[str], *, require_workdir: bool = True):
+    """Parse --config=FILE [--config.a.b=value ...] --workdir=DIR in the config_flags idiom.
+
+    ``require_workdir=False`` (longctx-prepare) makes --workdir optional."""
     from absl import flags
     from ml_collections import config_flags
 
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv, lock_config=True)
+    # sys_argv: config_flags finds the --config.* overrides in it (by default it reads sys.argv, not argv)
+    config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv, lock_config=True,
+                                    sys_argv=list(argv))
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
     flags.DEFINE_integer("max_steps", None, "stop after this many steps in this invocation (for tests)", flag_values=fv)
     flags.DEFINE_bool("progress", True, "show progress bars", flag_values=fv)
@@ -34,7 +38,7 @@ def load_config(argv: list[str]):
         raise ConfigError(f"cannot load the config file: {' '.join(first[-2:])}") from None
     except flags.Error as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    if not fv.workdir:
+    if require_workdir and not fv.workdir:
         raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
     return cfg, fv.workdir, fv.max_steps, fv.progress
 

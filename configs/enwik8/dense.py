@@ -1,0 +1,45 @@
+"""enwik8, byte level, a Transformer-XL-base-sized 12-layer dense decoder.
+
+Transformer-XL base on enwik8 (Dai et al. 2019; kimiyoung/transformer-xl
+pytorch/run_enwik8_base.sh): 12 layers, d_model 512, 8 heads of 64, d_inner 2048,
+dropout 0.1, train tgt_len 512 / mem_len 512, batch 22, lr 2.5e-4, 400k steps,
+~41M parameters, 1.06 test bpc (eval tgt_len 80, mem_len 2100, clamp_len 820).
+Here: the same widths and depth with rotary positions and no recurrence memory, so
+it is evaluated with a sliding window (context 512, stride 128) instead.
+
+    longctx-prepare --config configs/enwik8/dense.py --config.data.path=/data/enwik8.zip
+    longctx-train   --config configs/enwik8/dense.py --config.data.path=/data/enwik8.zip --workdir runs/enwik8
+    longctx-eval    --workdir runs/enwik8 --split test
+
+Metric: bits per byte over all 5,000,000 test bytes (newlines included); set
+data.options.txl_compat=True to drop newlines as Transformer-XL does.
+"""
+
+from longctx.config import base_config as base
+
+
+def get_config():
+    c = base()
+    c.data.source = "enwik8"
+    c.data.tokenizer = "bytes"
+    c.data.path = ""  # set on the command line: --config.data.path=/path/to/enwik8.zip
+    c.model.d_model = 512
+    c.model.num_layers = 12
+    c.model.num_heads = 8
+    c.model.head_dim = 64
+    c.model.d_ff = 2048
+    c.model.dropout = 0.1
+    c.model.tie_embeddings = False
+    c.train.seq_len = 512
+    c.train.batch_size = 22
+    c.train.steps = 400_000
+    c.train.lr = 2.5e-4
+    c.train.warmup_steps = 4000
+    c.train.min_lr_ratio = 0.0
+    c.train.eval_every = 4000
+    c.train.ckpt_every = 4000
+    c.eval.protocol = "sliding"
+    c.eval.reset = "never"
+    c.eval.context = 512
+    c.eval.stride = 128
+    return c

@@ -1,0 +1,42 @@
+"""PG-19, SentencePiece BPE 32k (trained on the train split), a 12-layer dense decoder.
+
+Reference points: Rae et al. 2020 (Compressive Transformer, 36 layers, d_model 1024,
+seq 512 + memories, 33.6 test word-level ppl) and Transformer-VQ (1.3B parameters, T=8192,
+26.6). This config is a mid-size dense baseline: 12 layers, d_model 768, 12 heads of 64,
+d_ff 3072, sequences of 2048 tokens (each inside one book).
+
+    longctx-prepare --config configs/pg19/dense.py --config.data.path=/data/pg19
+    longctx-train   --config configs/pg19/dense.py --config.data.path=/data/pg19 --workdir runs/pg19
+    longctx-eval    --workdir runs/pg19 --split test
+
+Metric: word-level perplexity exp(total NLL / 6,966,499) on test (3,007,061 on valid),
+the official constants; one EOS per book is part of the scored stream; books reset state.
+"""
+
+from longctx.config import base_config as base
+
+
+def get_config():
+    c = base()
+    c.data.source = "pg19"
+    c.data.tokenizer = "sentencepiece"
+    c.data.path = ""  # set on the command line: --config.data.path=/path/to/deepmind-gutenberg
+    c.data.options.vocab_size = 32000
+    c.model.d_model = 768
+    c.model.num_layers = 12
+    c.model.num_heads = 12
+    c.model.head_dim = 64
+    c.model.d_ff = 3072
+    c.model.dropout = 0.1
+    c.train.seq_len = 2048
+    c.train.batch_size = 32
+    c.train.steps = 250_000
+    c.train.lr = 3e-4
+    c.train.warmup_steps = 4000
+    c.train.eval_every = 5000
+    c.train.ckpt_every = 5000
+    c.eval.protocol = "sliding"
+    c.eval.reset = "document"
+    c.eval.context = 2048
+    c.eval.stride = 512
+    return c

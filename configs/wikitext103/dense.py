@@ -1,0 +1,50 @@
+"""WikiText-103, word level (267,735 words), a Transformer-XL-base-sized decoder.
+
+Transformer-XL base on WT-103 (Dai et al. 2019; pytorch/run_wt103_base.sh): 16 layers,
+d_model 410, 10 heads of 41, d_inner 2100, dropout 0.1, train tgt_len 150 / mem_len 150,
+batch 60, lr 2.5e-4, 200k steps, adaptive softmax with cutoffs 20k/40k/200k,
+~151M parameters, 24.0 test ppl (eval tgt_len 64, mem_len 640, clamp_len 400).
+Here: the same sizes with rotary positions (head_dim 42, rotary needs an even width)
+and no recurrence memory, so it is evaluated with a sliding window over the whole
+test stream (context 512, stride 64; eval.reset='never': articles do not reset).
+
+PENDING: this size needs the adaptive softmax output layer
+(longctx/models/adaptive_softmax.py, cutoffs (20000, 40000, 200000)), which is not yet
+wired into the decoder: until it is, the model uses a full 267,735-way softmax, which
+is exact but slow and memory-hungry.
+
+    longctx-prepare --config configs/wikitext103/dense.py --config.data.path=/data/wikitext-103
+    longctx-train   --config configs/wikitext103/dense.py --config.data.path=/data/wikitext-103 --workdir runs/wt103
+    longctx-eval    --workdir runs/wt103 --split test
+
+Metric: perplexity over all test tokens (words and one <eos> per line, 245,569).
+"""
+
+from longctx.config import base_config as base
+
+
+def get_config():
+    c = base()
+    c.data.source = "wikitext103"
+    c.data.tokenizer = "words"
+    c.data.path = ""  # set on the command line: --config.data.path=/path/to/wikitext-103
+    c.model.d_model = 410
+    c.model.num_layers = 16
+    c.model.num_heads = 10
+    c.model.head_dim = 42
+    c.model.d_ff = 2100
+    c.model.dropout = 0.1
+    c.model.tie_embeddings = True
+    c.train.seq_len = 150
+    c.train.batch_size = 60
+    c.train.steps = 200_000
+    c.train.lr = 2.5e-4
+    c.train.warmup_steps = 2000
+    c.train.min_lr_ratio = 0.0
+    c.train.eval_every = 4000
+    c.train.ckpt_every = 4000
+    c.eval.protocol = "sliding"
+    c.eval.reset = "never"
+    c.eval.context = 512
+    c.eval.stride = 64
+    return c

@@ -1,0 +1,105 @@
+"""``longctx-prepare``: tokenize every split of a config's data source once.
+
+    longctx-prepare --config configs/enwik8/dense_tiny.py --config.data.path=/data/enwik8.zip
+
+Same flags as ``longctx-train`` (``--workdir`` is not needed; ``--noprogress`` hides the
+bars). Prepares train, valid and test into ``<cache_dir>/<source>-<tokenizer>-<hash>/`` and
+prints a summary: tokens, documents, sha256 and words per split, and the directory.
+Running it again is a no-op. Temporary files left in that directory by a killed run
+(``.<name>.tmp-<pid>`` whose process is gone) are removed first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for p in directory.glob(".*.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+def target_directory(data_cfg) -> Path:
+    """The directory ``prepare`` will use (computed the same way)."""
+    import json
+
+    from longctx.data import sources
+    from longctx.data.prepare import cache_path
+
+    source = sources.build(data_cfg)
+    meta = source.metadata()
+    kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    return cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=json.dumps(kw, sort_keys=True, default=str))
+
+
+def summary(tokenizer, data: dict, directory: Path) -> str:
+    any_split = next(iter(data.values()))
+    meta = any_split.manifest.get("source", {})
+    lines = [f"source {meta.get('source', '?')}, tokenizer {tokenizer.name} (vocabulary {tokenizer.vocab_size:,}, "
+             f"{any_split.manifest['dtype']})"]
+    words = meta.get("word_counts") or {}
+    for split, d in data.items():
+        m = d.manifest
+        extra = f"  words {words[split]:,}" if split in words else ""
+        lines.append(f"  {split:<5} {m['num_tokens']:>14,} tokens {m['num_docs']:>9,} docs  sha256 {m['sha256']}{extra}")
+    lines.append(f"directory {directory}")
+    return "\n".join(lines)
+
+
+def join_config_flag(argv: list[str]) -> list[str]:
+    """``--config FILE`` -> ``--config=FILE`` (config_flags needs the file before the overrides)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def main(argv=None) -> int:
+    from longctx import config as config_lib
+    from longctx.cli import load_config
+    from longctx.data.prepare import prepare
+    from longctx.runtime import user_errors
+
+    argv = join_config_flag(list(sys.argv if argv is None else argv))
+    with user_errors():
+        cfg, _workdir, _max_steps, progress = load_config(argv, require_workdir=False)
+        cfg = config_lib.validate(cfg)
+        removed = remove_stale_temporaries(target_directory(cfg.data))
+        if removed:
+            print(f"removed {len(removed)} temporary file(s) left by an interrupted run")
+        tokenizer, data, directory = prepare(cfg.data, progress=progress)
+        print(summary(tokenizer, data, directory))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
