@@ -1,0 +1,166 @@
+"""`longctx-bench train`: for each registered method, train the full model (configs/default.py with
+``model.attention.name`` set, or ``configs/builtin/<method>.py`` when it exists) for ``--steps``
+steps with ``longctx.train.loop.train`` in a child process, and report
+
+* training tokens/s: median of the run's metrics.jsonl ``tokens_per_sec`` records after the first
+  (the first interval includes compilation);
+* peak memory: the child's peak RSS (sampled every 50 ms) and XLA's compiled memory analysis of the
+  jitted train step;
+* validation bits per byte: the final eval of the run (byte tokenizer: 1 token = 1 byte).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from longctx.bench import common as C
+from longctx.bench import configs
+from longctx.errors import ConfigError
+
+
+def add_args(p):
+    p.add_argument("--methods", default="", help="comma list of methods (default: all registered)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq_len", type=int, default=0, help="context (train.seq_len); 0: the config's")
+    p.add_argument("--batch_size", type=int, default=0, help="0: the config's")
+    p.add_argument("--d_model", type=int, default=0, help="model size; 0: the config's")
+    p.add_argument("--num_layers", type=int, default=0, help="0: the config's")
+    p.add_argument("--eval_tokens", type=int, default=32768, help="tokens scored by the final validation")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to every method (repeatable)")
+    p.add_argument("--runs", default="", help="folder of the training runs (default: <out>/train_runs)")
+    p.add_argument("--no_xla_mem", dest="xla_mem", action="store_false",
+                   help="skip XLA's memory analysis of the train step (one extra compile per method)")
+
+
+def run_config(method: str, args):
+    cfg, src = configs.method_config(method)
+    tc = cfg.train
+    tc.steps = args.steps
+    tc.eval_every = args.steps
+    tc.ckpt_every = args.steps
+    tc.log_every = max(1, args.steps // 10)
+    tc.warmup_steps = max(1, min(tc.warmup_steps, args.steps // 10))
+    tc.async_checkpoints = False
+    tc.eval_tokens = args.eval_tokens
+    if args.seq_len:
+        tc.seq_len = args.seq_len
+    if args.batch_size:
+        tc.batch_size = args.batch_size
+    if args.d_model:
+        cfg.model.d_model = args.d_model
+    if args.num_layers:
+        cfg.model.num_layers = args.num_layers
+    cfg = configs.with_overrides(cfg, args.set)
+    from longctx import config as config_lib
+
+    config_lib.validate(cfg)
+    return cfg, src
+
+
+def read_metrics(workdir: Path) -> dict:
+    recs = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in recs if r["split"] == "train"]
+    valid = [r for r in recs if r["split"] == "valid"]
+    tps = [r["tokens_per_sec"] for r in train[1:]] or [r["tokens_per_sec"] for r in train]
+    out = {"tokens_per_s": statistics.median(tps) if tps else None, "tokens_per_s_records": len(tps),
+           "tokens_per_s_includes_compile": len(train) <= 1,
+           "final_train_bits_per_token": train[-1]["bits_per_token"] if train else None}
+    if valid:
+        out["valid_bits_per_token"] = valid[-1]["bits_per_token"]
+        out["valid_step"] = valid[-1]["step"]
+    return out
+
+
+def run(args) -> dict:
+    out = C.out_dir(args.out)
+    methods = C.select_methods(C.parse_names(args.methods))
+    root = Path(args.runs) if args.runs else out / "train_runs"
+    res = {"header": C.header(args, "train"), "rows": []}
+    bar = C.progress_bar(len(methods), "train", args.progress)
+    for method in methods:
+        bar.set_postfix_str(method)
+        row = {"method": method}
+        try:
+            cfg, src = run_config(method, args)
+        except ConfigError as e:
+            row["status"] = f"not run: {e}"
+            res["rows"].append(row)
+            bar.update(1)
+            continue
+        m = cfg.model
+        row.update({"config_file": src, "block": m.block, "d_model": m.d_model, "num_layers": m.num_layers,
+                    "num_heads": m.num_heads, "head_dim": m.head_dim, "seq_len": cfg.train.seq_len,
+                    "window": cfg.train.window or cfg.train.seq_len, "batch_size": cfg.train.batch_size,
+                    "steps": cfg.train.steps, "tokenizer": cfg.data.tokenizer})
+        wd = root / method
+        if wd.exists():
+            shutil.rmtree(wd)
+        wd.mkdir(parents=True)
+        (wd / "bench_config.json").write_text(cfg.to_json(indent=1))
+        cmd = [sys.executable, "-m", "longctx.bench.train_worker", str(wd / "bench_config.json"), str(wd),
+               str(wd / "bench_result.json")] + (["--xla_mem"] if args.xla_mem else [])
+        t0 = time.time()
+        with open(wd / "train.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            with C.RssSampler(pid=proc.pid, interval=0.05) as rss:
+                rc = proc.wait()
+        row["wall_s"] = time.time() - t0
+        row["rss_peak_bytes"] = rss.peak
+        if rc != 0:
+            tail = (wd / "train.log").read_text().strip().splitlines()[-1:] or [""]
+            row["status"] = f"error: exit {rc}: {tail[0][:200]} (see {wd / 'train.log'})"
+        else:
+            r = json.loads((wd / "bench_result.json").read_text())
+            row["params"] = r["summary"].get("params")
+            row["xla_train_step_mem"] = r.get("xla_train_step_mem")
+            row["train_wall_s"] = r.get("train_wall_s")
+            row.update(read_metrics(wd))
+            if cfg.data.tokenizer == "bytes" and row.get("valid_bits_per_token") is not None:
+                row["valid_bits_per_byte"] = row["valid_bits_per_token"]
+            row["status"] = "ok"
+        res["rows"].append(row)
+        bar.update(1)
+    bar.close()
+    C.write_json(out / "train.json", res)
+    (out / "train.md").write_text(markdown(res))
+    plots(res, out)
+    return res
+
+
+def markdown(res: dict) -> str:
+    a = res["header"]["args"]
+    parts = [f"{a['steps']} steps per method; tokens/s = median of the metrics.jsonl records after the first "
+             "(the first includes compilation); peak RSS = the training process; validation bits/byte from the "
+             f"final eval ({a['eval_tokens']} tokens).\n\n"]
+    rows = []
+    for r in res["rows"]:
+        xm = (r.get("xla_train_step_mem") or {}).get("total")
+        rows.append([r["method"], r.get("config_file"), r.get("block"), r.get("params"), r.get("seq_len"),
+                     r.get("batch_size"), r.get("tokens_per_s"), r["rss_peak_bytes"] / C.MB if r.get("rss_peak_bytes")
+                     else None, xm / C.MB if xm else None, r.get("valid_bits_per_byte", r.get("valid_bits_per_token")),
+                     r.get("status")])
+    parts.append(C.md_table(["method", "config", "block", "params", "context", "batch", "train tokens/s",
+                             "peak RSS MB", "XLA train-step MB", "valid bits/byte", "status"], rows))
+    return "".join(parts)
+
+
+def plots(res: dict, out):
+    rs = [r for r in res["rows"] if r.get("status") == "ok"]
+    fig, axes = C.new_figure(3)
+    names = [r["method"] for r in rs]
+    for ax, key, title, scale in ((axes[0], "tokens_per_s", "train tokens/s", 1.0),
+                                  (axes[1], "rss_peak_bytes", "peak RSS (MB)", 1 / C.MB),
+                                  (axes[2], "valid_bits_per_token", "validation bits/byte", 1.0)):
+        vals = [(r.get(key) or 0) * scale for r in rs]
+        ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    C.save_figure(fig, out / "train.png")
