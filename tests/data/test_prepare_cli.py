@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longctx.data import enwik8, prepare_cli, sources
+from longctx.data import prepare_cli, sources
 from longctx.data.prepare import cache_path, load_split, prepare, prepare_split
 
 ROOT = Path(__file__).resolve().parents[2]
