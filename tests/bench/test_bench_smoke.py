@@ -1,0 +1,88 @@
+"""Smoke test of every `longctx-bench` sub-command on tiny sizes: the JSON, markdown and PNG
+files are written and well-formed. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import write_corpus
+from longctx.bench import cli
+
+TINY_MODEL = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64",
+              "train.seq_len=32", "train.batch_size=2", "eval.max_tokens=256"]
+
+
+def _sets(corpus, cache):
+    out = []
+    for s in [f"data.path={corpus}", f"data.cache_dir={cache}"] + TINY_MODEL:
+        out += ["--set", s]
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    corpus = write_corpus(root / "corpus")
+    out = root / "out"
+    sets = _sets(corpus, root / "cache")
+    common = ["--out", str(out), "--no_progress"]
+    assert cli.main(["attention", *common, "--methods", "dense", "--lengths", "64,128", "--repeats", "1",
+                     "--causal", "--matmul_n", "128", "--no_torch"]) == 0
+    assert cli.main(["decode", *common, "--methods", "dense", "--positions", "64,128", "--steps", "2",
+                     "--warmup", "1", "--prefill_chunk", "64"]) == 0
+    assert cli.main(["quality", *common, "--methods", "dense,eva", "--lengths", "64", "--seeds", "2", "--causal",
+                     "--workdir", str(root / "qrun"), "--train_steps", "2", *sets]) == 0
+    assert cli.main(["train", *common, "--methods", "dense", "--steps", "2", "--eval_tokens", "128",
+                     "--no_xla_mem", *sets]) == 0
+    assert cli.main(["report", "--out", str(out), "--output", str(root / "BENCHMARKS.md")]) == 0
+    return out, root
+
+
+def _png_ok(path):
+    data = path.read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+@pytest.mark.parametrize("name,pngs", [
+    ("attention", ["attention_time_causal.png", "attention_memory_causal.png"]),
+    ("decode", ["decode.png"]),
+    ("quality", ["quality_causal.png"]),
+    ("train", ["train.png"]),
+])
+def test_outputs(bench_out, name, pngs):
+    out, _ = bench_out
+    res = json.loads((out / f"{name}.json").read_text())
+    assert res["header"]["command"] == name and res["rows"]
+    assert all(r.get("status", r.get("fwd_status")) for r in res["rows"])
+    md = (out / f"{name}.md").read_text()
+    assert md.count("|") > 10 and "---" in md
+    for p in pngs:
+        assert _png_ok(out / p), p
+
+
+def test_contents(bench_out):
+    out, _ = bench_out
+    att = json.loads((out / "attention.json").read_text())
+    assert {r["variant"] for r in att["rows"]} == {"dense:naive", "dense:blockwise"}
+    assert all(r["fwd_status"] == "ok" and r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 for r in att["rows"])
+    assert all(r["fwd_xla_mem"]["total"] > 0 for r in att["rows"]) and att["matmul"]["jax_gflops"] > 0
+    dec = json.loads((out / "decode.json").read_text())
+    assert all(r["status"] == "ok" and r["state_bytes"] > 0 for r in dec["rows"])
+    q = json.loads((out / "quality.json").read_text())
+    by = {(r["variant"], r["source"]): r for r in q["rows"]}
+    assert by[("dense:naive", "gaussian")]["rel_err"] == 0.0
+    assert by[("dense:blockwise", "captured")]["rel_err"] < 1e-4
+    assert by[("eva", "gaussian")]["status"] == "ok" and by[("eva", "gaussian")]["randomized"]
+    assert len(by[("eva", "gaussian")]["rel_err_seeds"]) == 2
+    tr = json.loads((out / "train.json").read_text())
+    assert tr["rows"][0]["status"] == "ok" and tr["rows"][0]["valid_bits_per_byte"] > 0
+
+
+def test_report(bench_out):
+    _, root = bench_out
+    text = (root / "BENCHMARKS.md").read_text()
+    assert "<!-- reading: to be written by hand -->" in text
+    for s in ("## Machine", "## Attention", "## Decoding", "## Quality", "## Training", ".png)"):
+        assert s in text
