@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every table and plot of BENCHMARKS.md. Sized for ~40 minutes on an idle 2-core CPU
+# (rough budget: attention ~20 min, decode ~5, quality ~8 incl. a 300-step dense run, train ~6).
+# Cells that would exceed the memory budget or the per-cell time limit are skipped and say so
+# (128k runs only for the methods that fit). Run on an otherwise idle machine.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-bench_out}"
+BENCH=".venv/bin/longctx-bench"
+
+# 1. attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents
+$BENCH attention --out "$OUT" --lengths 1k,2k,4k,8k,16k,32k,64k,128k \
+  --batch 1 --heads 4 --head_dim 64 --dtype float32 --repeats 3 --warmup 1 \
+  --mem_budget_gb 16 --max_cell_s 45 --matmul_n 4096
+
+# 2. decoding: per-token latency and state size at context positions
+$BENCH decode --out "$OUT" --positions 1k,8k,32k,128k --batch 1 --heads 4 --head_dim 64 \
+  --steps 32 --warmup 3 --prefill_chunk 4096 --mem_budget_gb 16 --max_prefill_s 120
+
+# 3. quality vs exact attention: Gaussian q/k/v and q/k/v of layer 0 of a dense model trained here
+$BENCH quality --out "$OUT" --lengths 1k,2k,4k,8k --heads 4 --head_dim 64 --seeds 5 \
+  --workdir "$OUT/quality_dense_run" --train_steps 300 --layer 0
+
+# 4. full-model training: tokens/s, peak memory, validation bits/byte after a fixed number of steps
+$BENCH train --out "$OUT" --steps 150 --seq_len 512 --batch_size 8 --eval_tokens 32768
+
+# 5. BENCHMARKS.md at the repository root (links the PNGs in $OUT)
+$BENCH report --out "$OUT" --output BENCHMARKS.md
