@@ -19,8 +19,6 @@ Per (variant, direction, length) cell:
 
 from __future__ import annotations
 
-import math
-import os
 import time
 
 import jax
@@ -79,7 +77,6 @@ def run(args) -> dict:
     methods = C.select_methods(core_requested) if (core_requested or not requested) else []
     dtype = C.dtype_of(args.dtype)
     budget = args.mem_budget_gb * C.GB
-    B, H, D = args.batch, args.heads, args.head_dim
     torch, F = (None, None) if args.no_torch else _torch()
     with_torch = torch is not None and (not requested or TORCH in requested or "dense" in requested)
 
@@ -98,7 +95,7 @@ def run(args) -> dict:
         dname = C.dir_name(causal)
         for method, label, ov in cells:
             try:
-                core = build_core(method, ov, heads=H, head_dim=D, causal=causal, seed=args.seed)
+                core = build_core(method, ov, heads=args.heads, head_dim=args.head_dim, causal=causal, seed=args.seed)
             except ConfigError as e:
                 res["skipped_variants"].append({"variant": label, "direction": dname, "reason": str(e)})
                 bar.write(f"skip {label} ({dname}): {e}")
@@ -212,16 +209,16 @@ def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar):
                "torch_threads": torch.get_num_threads(),
                "analytic_flops_fwd": analytic_dense_flops(B, H, T, D, causal)}
         row["analytic_flops_fwdbwd"] = 3.5 * row["analytic_flops_fwd"]
-        q, k, v = (torch.from_numpy(np.asarray(x, np.float32)).to(tdt) for x in C.random_qkv(args.seed + T, B, H, T, D))
+        q, k, v = (torch.from_numpy(np.array(x, np.float32)).to(tdt) for x in C.random_qkv(args.seed + T, B, H, T, D))
         w = torch.randn(B, H, T, D, dtype=tdt)
         # inputs, output and (fwd+bwd) gradients; SDPA's CPU kernel is blockwise (no T×T buffer)
         est = {"fwd": 4 * B * H * T * D * q.element_size(), "fwdbwd": 10 * B * H * T * D * q.element_size()}
 
-        def f_fwd():
+        def f_fwd(q=q, k=k, v=v):
             with torch.no_grad():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-        def f_bwd():
+        def f_bwd(q=q, k=k, v=v, w=w):
             qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
             o.backward(w)
@@ -372,4 +369,4 @@ def plots(res: dict, out) -> list[str]:
     return files
 
 
-__all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run", "math", "os"]
+__all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run"]
