@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside the pure-JAX reference it must match (DESIGN.md §3)."""
