@@ -1,0 +1,29 @@
+"""WikiText-103 word-level LM with causal EVA attention (Zheng et al. 2023, §5.2 / App. E.3):
+32 layers, ~450M parameters (the Kasai et al. 2021 setting); the paper also used LayerDrop 0.2,
+which longctx does not implement.
+
+Departures from the paper (framework limits, stated rather than guessed): optimizer AdamW
+instead of NAG (lr 1.0, momentum 0.99, cosine with restarts); no activation dropout; the
+adaptive input embedding is replaced by a plain embedding + an untied adaptive softmax
+(model.output='adaptive'); blocks are always pre-LN with a final LN.
+
+    longctx-prepare --config configs/wikitext103/eva_32l.py --config.data.path=/data/wikitext-103
+    longctx-train   --config configs/wikitext103/eva_32l.py --config.data.path=/data/wikitext-103 --workdir runs/wt103_eva32
+    longctx-eval    --workdir runs/wt103_eva32 --split test              # context 480
+    longctx-eval    --workdir runs/wt103_eva32 --split test --set eval.stride=256   # context 256
+"""
+
+import importlib.util
+import pathlib
+
+
+def _common():
+    path = pathlib.Path(__file__).resolve().parent / "_eva_common.py"
+    spec = importlib.util.spec_from_file_location("_longctx_eva_wt103_common", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def get_config():
+    return _common().eva_wt103(num_layers=32)
