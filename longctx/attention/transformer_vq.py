@@ -297,7 +297,8 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
     vx = jnp.concatenate([_pad_left(state["band_v"], 2, L), _pad_to(v.astype(dt), 2, Tp)], axis=2)
     zx = jnp.concatenate([_pad_left(state["band_z"], 2, L), _pad_to(z, 2, Tp)], axis=2)
     band_pos = state["pos"] - L + jnp.arange(L)
-    validx = jnp.concatenate([band_pos >= 0, jnp.arange(Tp) < T])  # [(R+1) L]
+    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
+    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T])  # [(R+1) L]
     kx, vx, zx = (x.reshape(x.shape[:2] + (R + 1, L) + x.shape[3:]) for x in (kx, vx, zx))
     validx = validx.reshape(R + 1, L)
 
@@ -410,7 +411,8 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
 
     def shift(x, by):  # out[n] = x[n + by] or zeros
         z0 = jnp.zeros_like(x[:, :, : abs(by)])
-        return jnp.concatenate([z0, x[:, :, :-by]], 2) if by < 0 else jnp.concatenate([x[:, :, by:], z0], 2)
+        n = x.shape[2] - abs(by)
+        return jnp.concatenate([z0, x[:, :, :n]], 2) if by < 0 else jnp.concatenate([x[:, :, by:], z0], 2)
 
     if R > 2:
         fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))

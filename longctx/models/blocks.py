@@ -25,6 +25,7 @@ from longctx.models.layers import MLP, apply_rotary, dropout, make_norm
 # name -> "module:Class". One line per block type.
 _BLOCKS: dict[str, str] = {
     "transformer": "longctx.models.blocks:TransformerBlock",
+    "gau": "longctx.models.gau:GAUBlock",
 }
 
 

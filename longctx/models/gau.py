@@ -1,0 +1,101 @@
+"""Gated attention unit (GAU) block: the Transformer-VQ paper's sublayer (spec section 2.1).
+
+One GAU is one residual unit; the paper's "layer" is two GAUs and has no MLP, so for a GAU model
+``model.num_layers`` counts GAUs (the paper's 24 layers = ``num_layers=48``)::
+
+    x~ = RMSNorm(x) * g + b                      (g=1, b=0 at init; fp32 then cast back)
+    Q  = tau^-1/2 RMSNorm(x~ W_Q)                [B, T, H, Dk]   (no gain/bias; tau = sqrt(Dk))
+    K  = tau^-1/2 RMSNorm(x~ W_K)                [B, T, H, Dk]   (pre-quantization: the core does STVQ)
+    V  = SiLU(x~ W_V)  [B, T, H, Dv]             G = SiLU(x~ W_G)  [B, T, H*Dv]
+    O  = core(Q, K, V) * G
+    x  + LayerDrop(Dropout(O W_O))
+
+W_K, W_V, W_G are one fused Dense of width H*(Dk + 2*Dv); all Dense layers have no bias and
+N(0, 1/fan_in) kernels. Model-config keys read here (with defaults):
+``gau_expansion`` (2.0: H*Dv = gau_expansion * d_model) and ``gau_layerdrop`` (0.0: per-example
+probability of dropping the residual branch; kept branches scaled by 1/(1-p)). ``model.dropout`` is the
+residual dropout. Positions live inside the attention core (Transformer-XL bias), so ``positions`` is unused.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx import attention
+from longctx.errors import ConfigError
+from longctx.models.layers import RMSNorm, dropout, fan_in_init
+
+
+def _split_key(key, n):
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+class GAUBlock(nnx.Module):
+    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
+        d, H, Dk = cfg.d_model, cfg.num_heads, cfg.head_dim
+        expansion = float(cfg.get("gau_expansion", 2.0))
+        dv_total = int(round(expansion * d))
+        if dv_total <= 0 or dv_total % H != 0 or abs(dv_total - expansion * d) > 1e-6:
+            raise ConfigError(
+                f"model.gau_expansion={expansion}: gau_expansion * d_model ({expansion * d}) must be a positive "
+                f"integer divisible by num_heads={H}"
+            )
+        Dv = dv_total // H
+        self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
+        self.dropout_rate = float(cfg.dropout)
+        self.layerdrop = float(cfg.get("gau_layerdrop", 0.0))
+        if not 0.0 <= self.layerdrop < 1.0:
+            raise ConfigError(f"model.gau_layerdrop={self.layerdrop}; allowed: 0 <= p < 1")
+        self.norm = RMSNorm(d, use_bias=True)
+        init = fan_in_init()
+        self.wq = nnx.Linear(d, H * Dk, use_bias=False, kernel_init=init, rngs=rngs)
+        self.wkvg = nnx.Linear(d, H * (Dk + 2 * Dv), use_bias=False, kernel_init=init, rngs=rngs)
+        self.wo = nnx.Linear(H * Dv, d, use_bias=False, kernel_init=init, rngs=rngs)
+        name = cfg.attention.name
+        core_cfg = attention.default_config(name)
+        if cfg.attention.get(name) is not None:
+            core_cfg.update(cfg.attention.get(name))
+        if "qk_norm" in core_cfg:  # the GAU normalizes q and k itself (spec 2.1)
+            core_cfg.qk_norm = False
+        if "rel_dim" in core_cfg and not core_cfg.rel_dim:  # the sinusoid table has width d_model
+            core_cfg.rel_dim = d
+        self.core = attention.build(name, core_cfg, num_heads=H, head_dim=Dk, value_dim=Dv,
+                                    causal=cfg.causal, rngs=rngs)
+        self._core_takes_mask = name == "transformer_vq"
+
+    def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None):
+        """mask: optional [B, T] bool of tokens that count in the VQ commit loss / codebook statistics."""
+        B, T, _ = x.shape
+        H, Dk, Dv = self.num_heads, self.head_dim, self.value_dim
+        k_core, k_res, k_ld = _split_key(key, 3)
+        h = self.norm(x)
+        q = self.wq(h).reshape(B, T, H, Dk)
+        kvg = self.wkvg(h)
+        k = kvg[..., : H * Dk].reshape(B, T, H, Dk)
+        v = jax.nn.silu(kvg[..., H * Dk: H * (Dk + Dv)]).reshape(B, T, H, Dv)
+        g = jax.nn.silu(kvg[..., H * (Dk + Dv):])
+        scale = Dk ** -0.25  # tau^-1/2, tau = sqrt(Dk)
+        q = scale * _rms(q)
+        k = scale * _rms(k)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        extra = {"mask": mask} if (self._core_takes_mask and mask is not None) else {}
+        o, state = self.core(q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **extra)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv).astype(x.dtype) * g
+        y = dropout(self.wo(o), self.dropout_rate, deterministic, k_res)
+        if not deterministic and self.layerdrop > 0.0 and k_ld is not None:
+            keep = jax.random.bernoulli(k_ld, 1.0 - self.layerdrop, (B, 1, 1))
+            y = jnp.where(keep, y / (1.0 - self.layerdrop), 0.0).astype(y.dtype)
+        return x + y, state
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        return self.core.init_state(batch_size, max_len)
+
+    def apply_stats(self, stats) -> None:
+        self.core.apply_stats(stats)
+
+
+def _rms(x, eps: float = 1e-6):
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
