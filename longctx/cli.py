@@ -64,12 +64,25 @@ def _unknown_flag_message(err, argv) -> str:
     return f"unknown config key {'.'.join(parts)!r}{hint}; allowed keys there: {', '.join(keys)}"
 
 
+def join_config_flag(argv: list[str]) -> list[str]:
+    """``--config FILE`` -> ``--config=FILE`` (config_flags needs the file before the overrides)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            out.append(f"--config={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def train_main(argv=None) -> int:
     from longctx import config as config_lib
     from longctx.runtime import user_errors
     from longctx.train.loop import train
 
-    argv = list(sys.argv if argv is None else argv)
+    argv = join_config_flag(list(sys.argv if argv is None else argv))
     with user_errors():
         cfg, workdir, max_steps, progress = load_config(argv)
         config_lib.check_against_base(cfg)

@@ -46,6 +46,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.max_len = 0  # learned positions: table size (0 -> train.seq_len)
     c.model.dropout = 0.0
     c.model.tie_embeddings = True
+    c.model.output = "dense"  # 'dense' (full softmax) | 'adaptive' (adaptive softmax, large vocabularies)
+    c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
+    c.model.adaptive_cutoffs = (20000, 40000, 200000)
+    c.model.adaptive_div = 4.0
     c.model.causal = True
     c.model.gau_expansion = 2  # GAU blocks: value width = gau_expansion * d_model
     c.model.attention = ml_collections.ConfigDict()
@@ -102,6 +106,7 @@ _CHOICES = {
     "model.kind": ("decoder",),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("none", "learned", "sinusoidal", "rotary"),
+    "model.output": ("dense", "adaptive"),
     "train.on_nonfinite": ("stop", "skip"),
     "eval.split": ("train", "valid", "test"),
     "eval.protocol": ("stream", "sliding"),
@@ -140,6 +145,8 @@ def _same_kind(want, got) -> bool:
         return isinstance(want, bool) and isinstance(got, bool)
     if isinstance(want, float):
         return isinstance(got, (int, float))
+    if isinstance(want, (tuple, list)):  # JSON round trips turn tuples into lists
+        return isinstance(got, (tuple, list))
     return isinstance(got, type(want))
 
 
@@ -172,6 +179,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"model.positions='rotary' needs an even model.head_dim, got {m.head_dim}")
     if m.positions == "sinusoidal" and m.d_model % 2:
         raise ConfigError(f"model.positions='sinusoidal' needs an even model.d_model, got {m.d_model}")
+
+    if m.output == "adaptive":
+        cuts = list(m.adaptive_cutoffs)
+        if m.tie_embeddings:
+            raise ConfigError("model.output='adaptive' has its own output weights; set model.tie_embeddings=False")
+        if not cuts or cuts != sorted(set(cuts)) or cuts[0] <= 0 or (m.vocab_size and cuts[-1] >= m.vocab_size):
+            raise ConfigError(
+                f"model.adaptive_cutoffs={tuple(cuts)} must be strictly increasing, positive and below the vocabulary size"
+            )
+        if m.adaptive_div < 1:
+            raise ConfigError(f"model.adaptive_div={m.adaptive_div} must be >= 1")
+    if m.loss_chunk < 0:
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0 = full logits)")
 
     name = m.attention.name
     if name not in attention.names():

@@ -26,8 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from longctx.train.step import token_nll
-
 LN2 = math.log(2.0)
 
 
@@ -95,7 +93,7 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
              init_state=None, progress: bool = True, desc: str = "eval"):
     """Score jobs; returns (nll_sum, count, per-position sums, per-position counts).
 
-    ``forward(params, inputs[B, W], state) -> (logits, state)``; ``init_state(B, max_len)``
+    ``forward(params, inputs[B, W], targets[B, W], state) -> (nll[B, W], state)``; ``init_state(B, max_len)``
     gives the empty state when a job is longer than one window (state carried)."""
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].n)
     longest = max((j.n for j in jobs), default=0)
@@ -122,8 +120,8 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
         losses = []
         for w in range(n_win):
             sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
-            logits, state = forward(params, jnp.asarray(inputs[:, sl]), state)
-            losses.append(np.asarray(token_nll(logits, jnp.asarray(targets[:, sl]))))
+            nll_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
+            losses.append(np.asarray(nll_w))
         nll = np.concatenate(losses, axis=1)
         nll_sum += float(np.sum(nll, where=mask))
         count += int(mask.sum())
@@ -185,8 +183,9 @@ def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressor
         runner.forward, runner.params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
         init_state=runner.init_state, progress=progress, desc=desc,
     )
-    res = summarize(nll_sum, count, one_token_per_byte=runner.tokenizer_is_bytes, protocol=protocol,
-                    word_count=runner.word_count(data))
+    # word-level perplexity divides by the split's official word count: only meaningful on the full split
+    words = runner.word_count(data) if ecfg.max_tokens == 0 else None
+    res = summarize(nll_sum, count, one_token_per_byte=runner.tokenizer_is_bytes, protocol=protocol, word_count=words)
     res["seconds"] = time.time() - t0
     if compressors and runner.tokenizer_is_bytes:
         scored = np.concatenate([np.asarray(data.tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs])

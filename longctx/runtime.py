@@ -81,7 +81,7 @@ class Runner:
         self.params = (params, nongrad, rest)
         self.tokenizer = tokenizer
         fwd = jax.jit(make_forward(graphdef))
-        self.forward = lambda p, inputs, state: fwd(*p, inputs, state)
+        self.forward = lambda p, inputs, targets, state: fwd(*p, inputs, targets, state)
 
     @property
     def tokenizer_is_bytes(self) -> bool:

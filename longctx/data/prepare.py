@@ -80,6 +80,33 @@ def _atomic_write_bytes(path: Path, writer) -> None:
             tmp.unlink()
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for p in directory.glob(".*.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
 def is_prepared(directory: Path, split: str) -> bool:
     man = directory / f"{split}.json"
     if not man.exists():
@@ -156,6 +183,7 @@ def prepare(data_cfg, splits=None, *, progress: bool = True):
         tokenizer = source.build_tokenizer(data_cfg, directory)
     else:
         tokenizer = tokenizers.build(data_cfg.tokenizer, **tok_kwargs)
+    remove_stale_temporaries(directory)
     out = {}
     for split in splits or source.splits:
         prepare_split(source, tokenizer, split, directory, source_meta=meta, progress=progress)

@@ -16,33 +16,6 @@ import sys
 from pathlib import Path
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: Path) -> list[str]:
-    removed = []
-    if not directory.is_dir():
-        return removed
-    for p in directory.glob(".*.tmp-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            p.unlink(missing_ok=True)
-            removed.append(p.name)
-    return removed
-
-
 def target_directory(data_cfg) -> Path:
     """The directory ``prepare`` will use (computed the same way)."""
     import json
@@ -70,23 +43,10 @@ def summary(tokenizer, data: dict, directory: Path) -> str:
     return "\n".join(lines)
 
 
-def join_config_flag(argv: list[str]) -> list[str]:
-    """``--config FILE`` -> ``--config=FILE`` (config_flags needs the file before the overrides)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            out.append(f"--config={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
-
-
 def main(argv=None) -> int:
     from longctx import config as config_lib
-    from longctx.cli import load_config
-    from longctx.data.prepare import prepare
+    from longctx.cli import join_config_flag, load_config
+    from longctx.data.prepare import prepare, remove_stale_temporaries
     from longctx.runtime import user_errors
 
     argv = join_config_flag(list(sys.argv if argv is None else argv))

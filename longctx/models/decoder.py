@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from longctx.attention import Aux
+from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, split_key
 from longctx.models.layers import make_norm, sinusoidal_table
 
@@ -32,7 +34,18 @@ class DecoderLM(nnx.Module):
         block_cls = get_block(cfg.block)
         self.blocks = nnx.List([block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
-        self.head = None if cfg.tie_embeddings else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+        self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
+        adaptive = cfg.output == "adaptive"
+        self.adaptive = (
+            AdaptiveSoftmax(cfg.d_model, cfg.vocab_size, tuple(cfg.adaptive_cutoffs), cfg.adaptive_div, rngs=rngs)
+            if adaptive
+            else None
+        )
+        self.head = (
+            nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+            if not adaptive and not cfg.tie_embeddings
+            else None
+        )
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         return {
@@ -49,9 +62,22 @@ class DecoderLM(nnx.Module):
         return x
 
     def logits(self, h):
+        """[B, T, V] fp32 logits (log-probabilities for the adaptive softmax)."""
+        if self.adaptive is not None:
+            return self.adaptive.log_probs(h)
         if self.head is None:
             return self.embed.attend(h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
+
+    def nll(self, h, targets):
+        """Per-token negative log-likelihood [B, T] in nats, exact for every output kind."""
+        if self.adaptive is not None:
+            return self.adaptive.nll(h, targets)
+        if self.loss_chunk > 0:
+            W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+            return chunked_softmax_nll(h, W, targets, chunk=self.loss_chunk)
+        logp = jax.nn.log_softmax(self.logits(h), axis=-1)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
     def hidden(self, tokens, state=None, *, deterministic: bool = True, key=None):
         """Final-norm hidden states [B, T, d_model] (for heads other than the dense one)."""

@@ -33,8 +33,8 @@ def token_nll(logits, targets):
 def make_loss_fn(graphdef):
     def loss_fn(params, nongrad, rest, inputs, targets, state, key):
         model = nnx.merge(graphdef, params, nongrad, rest)
-        logits, new_state, aux = model(inputs, state, deterministic=False, key=key)
-        ce = jnp.mean(token_nll(logits, targets))
+        h, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
+        ce = jnp.mean(model.nll(h, targets))
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
         return ce + extra, (ce, new_state, aux)
 
@@ -98,11 +98,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
 
 
 def make_forward(graphdef):
-    """forward(params, nongrad, rest, inputs, state) -> (logits, new_state), deterministic."""
+    """forward(params, nongrad, rest, inputs, targets, state) -> (nll [B, T], new_state), deterministic."""
 
-    def forward(params, nongrad, rest, inputs, state):
+    def forward(params, nongrad, rest, inputs, targets, state):
         model = nnx.merge(graphdef, params, nongrad, rest)
-        logits, new_state, _ = model(inputs, state, deterministic=True)
-        return logits, new_state
+        h, new_state, _ = model.hidden(inputs, state, deterministic=True)
+        return model.nll(h, targets), new_state
 
     return forward

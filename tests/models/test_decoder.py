@@ -55,3 +55,24 @@ def test_dropout_needs_key_and_is_reproducible():
     d = model(tokens)[0]
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.allclose(np.asarray(a), np.asarray(c)) and not np.allclose(np.asarray(a), np.asarray(d))
+
+
+def test_chunked_output_loss_equals_full_softmax_loss():
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 50)
+    for tie in (True, False):
+        full = build_model(small_model_cfg(tie_embeddings=tie), seed=0)
+        chunked = build_model(small_model_cfg(tie_embeddings=tie, loss_chunk=16), seed=0)
+        h, _, _ = full.hidden(tokens[:, :-1])
+        logp = jax.nn.log_softmax(full(tokens[:, :-1])[0], -1)
+        ref = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        np.testing.assert_allclose(np.asarray(chunked.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_output_nll_matches_its_log_probs_and_decodes():
+    model = build_model(small_model_cfg(output="adaptive", tie_embeddings=False, adaptive_cutoffs=(10, 30)), seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 50)
+    h, _, _ = model.hidden(tokens[:, :-1])
+    logp = model.logits(h)
+    np.testing.assert_allclose(np.asarray(jnp.exp(logp).sum(-1)), 1.0, rtol=1e-5)
+    ref = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(model.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -80,3 +80,25 @@ def test_cli_prints_one_line(tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
         assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+
+
+def test_adaptive_output_rules():
+    c = config_lib.base_config()
+    c.model.output = "adaptive"
+    with pytest.raises(ConfigError, match="tie_embeddings=False"):
+        config_lib.validate(c)
+    c.model.tie_embeddings = False
+    c.model.vocab_size = 100
+    c.model.adaptive_cutoffs = (50, 20)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        config_lib.validate(c)
+
+
+def test_saved_config_round_trips_through_json():
+    import ml_collections
+
+    from longctx.runtime import cfg_unlocked_base
+
+    cfg = config_lib.validate(config_lib.base_config())
+    again = config_lib.validate(cfg_unlocked_base(ml_collections.ConfigDict(__import__("json").loads(cfg.to_json()))))
+    assert again.to_json() == cfg.to_json() or list(again.model.adaptive_cutoffs) == list(cfg.model.adaptive_cutoffs)
