@@ -9,7 +9,15 @@ import pytest
 from longctx import runtime
 from longctx.config import validate
 from longctx.data.prepare import prepare
-from longctx.evaluate import Job, compressor_bits_per_byte, evaluate_split, limit_jobs, sliding_jobs, stream_jobs, summarize
+from longctx.evaluate import (
+    Job,
+    compressor_bits_per_byte,
+    evaluate_split,
+    limit_jobs,
+    sliding_jobs,
+    stream_jobs,
+    summarize,
+)
 from longctx.models.decoder import build_model
 from longctx.train.step import split_model
 

@@ -11,7 +11,6 @@ Running it again is a no-op. Temporary files left in that directory by a killed 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
