@@ -14,12 +14,12 @@ def get_config():
     c.model.head_dim = 64
     c.model.d_ff = 1024
     c.model.attention.name = "dense"
-    c.train.steps = 1500
+    c.train.steps = 400
     c.train.batch_size = 16
     c.train.seq_len = 256
     c.train.lr = 2e-3
-    c.train.warmup_steps = 100
-    c.train.eval_every = 500
-    c.train.ckpt_every = 250
+    c.train.warmup_steps = 50
+    c.train.eval_every = 200
+    c.train.ckpt_every = 100
     c.eval.max_tokens = 262144
     return c
