@@ -243,7 +243,10 @@ def _final_state(state, k_hat, z, v, T: int, M: int, S: int):
 
 # ----------------------------------------------------------------------------- cross-block reductions
 def prefix_reduce(mu, n, reduction: str):
-    """Inclusive prefix merge along axis 2 of (mu [B,H,R,S,Dv], n [B,H,R,S]) -> same shapes."""
+    """Inclusive prefix merge along axis 2 of (mu [B,H,R,S,Dv], n [B,H,R,S]) -> same shapes.
+    Computed in the wider of the two dtypes (the core always passes fp32 or fp64)."""
+    dt = jnp.result_type(mu, n)
+    mu, n = mu.astype(dt), n.astype(dt)
     if reduction == "serial":
         def step(carry, x):
             carry = merge(carry, x)
@@ -514,6 +517,7 @@ class TransformerVQAttention(AttentionCore):
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        self.cfg = ml_collections.FrozenConfigDict(self.cfg)  # hashable, so the module's graphdef is a jit key
         c = self.cfg
         H, Dk, S = num_heads, head_dim, c.codebook_size
         self.S, self.L = S, c.block_len
