@@ -364,20 +364,21 @@ def test_gau_stack_carry_and_decode():
 def test_stvq_forward_jacobian_and_commit_grad(x64):
     d = make_inputs(B=1, H=2, T=3, Dk=4, S=6)
     k, C = d["k"], d["C"]
-    k_hat, z, err2, c_z = STVQ(k, C)
+    k_hat, z, err2, c_z = tvq.stvq(k, C)
     dist = jnp.sum((k[..., None, :] - C[None, :, None]) ** 2, -1)
     assert jnp.array_equal(z, jnp.argmin(dist, -1))
     assert max_err(k_hat, c_z) < 1e-12 and max_err(err2, jnp.min(dist, -1)) < 1e-10
-    jac = jax.jacfwd(lambda kk: STVQ(kk, C)[0])(k)
+    jac = jax.jit(jax.jacfwd(lambda kk: tvq.stvq(kk, C)[0]), compiler_options=FAST)(k)
     assert max_err(jac.reshape(k.size, k.size), jnp.eye(k.size)) == 0.0
     beta = 1e-4
     B, T = k.shape[0], k.shape[2]
-    g_k, g_C = jax.grad(lambda kk, cc: beta * tvq.commit_loss(kk, STVQ(kk, cc)[3]), argnums=(0, 1))(k, C)
+    g_k, g_C = jax.jit(jax.grad(lambda kk, cc: beta * tvq.commit_loss(kk, tvq.stvq(kk, cc)[3]), argnums=(0, 1)),
+                       compiler_options=FAST)(k, C)
     assert max_err(g_k, 2 * beta * (k - c_z) / (B * T)) < 1e-15
     assert float(jnp.abs(g_C).max()) == 0.0
     # ties go to the lowest index
     C2 = jnp.concatenate([C[:, :1], C[:, :1], C[:, 1:]], axis=1)
-    z2 = STVQ(C[None, :, :1], C2)[1]
+    z2 = tvq.stvq(C[None, :, :1], C2)[1]
     assert int(z2.max()) == 0
 
 
@@ -388,7 +389,7 @@ def test_core_reports_commit_and_stats():
     aux = Aux()
     core(q, k, v, aux=aux, mask=mask)
     kn = 8 ** -0.25 * tvq.rms_normalize(k)
-    _, z, _, c_z = STVQ(kn, core.codebook())
+    _, z, _, c_z = tvq.stvq(kn, core.codebook())
     per_tok = jnp.sum((kn - c_z) ** 2, axis=(1, 3))
     want = 1e-4 * jnp.sum(per_tok * mask) / jnp.sum(mask)
     assert max_err(aux.losses["commit"], want) < 1e-9
@@ -407,18 +408,19 @@ def test_gradients_match_reference(x64, form, L, M):
     def loss(q, k, v, u, vb, r, G, which):
         dd = dict(d, q=q, v=v, u=u, vb=vb, r=r)
         q_u, _, bd = derived(dd)
-        k_hat, z, _, _ = STVQ(k, d["C"])
+        k_hat, z, _, _ = tvq.stvq(k, d["C"])
         if which == "ref":
-            o = QUAD(q_u, bd, k_hat, v, M=M, sg_far_block=L)
+            o = tvq.quadratic_reference(q_u, bd, k_hat, v, M=M, sg_far_block=L)
         elif form == "parallel":
-            o = PAR(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+            o = tvq.causal_parallel(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
         else:
-            o = STREAM(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+            o = tvq.causal_stream(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
         return jnp.sum(jnp.sin(o * G) * w)
 
     args = (d["q"], d["k"], d["v"], d["u"], d["vb"], d["r"], g)
-    g_lin = jax.grad(loss, argnums=tuple(range(7)))(*args, "lin")
-    g_ref = jax.grad(loss, argnums=tuple(range(7)))(*args, "ref")
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(7))), static_argnums=7, compiler_options=FAST)
+    g_lin = grad(*args, "lin")
+    g_ref = grad(*args, "ref")
     for name, a, b in zip(("q", "k", "v", "u", "v'", "r", "G"), g_lin, g_ref):
         assert max_err(a, b) < 1e-10, name
         assert float(jnp.abs(b).max()) > 0, name
@@ -431,10 +433,10 @@ def test_far_key_gradient_is_absent(x64):
     q_u, _, bd = derived(d)
 
     def f(k):
-        k_hat, z, _, _ = STVQ(k, d["C"])
-        return PAR(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)[0][:, :, 11].sum()
+        k_hat, z, _, _ = tvq.stvq(k, d["C"])
+        return tvq.causal_parallel(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)[0][:, :, 11].sum()
 
-    gk = jax.grad(f)(d["k"])
+    gk = jax.jit(jax.grad(f), compiler_options=FAST)(d["k"])
     assert float(jnp.abs(gk[:, :, :6]).max()) == 0.0 and float(jnp.abs(gk[:, :, 6:]).max()) > 0.0
 
 
