@@ -1,0 +1,33 @@
+"""Transformer-VQ on the built-in corpus: configs/default.py's model size (d_model 256), with GAU blocks
+(two GAUs per paper layer, so num_layers counts GAUs: 8 GAUs ~ the 4-layer dense default) and the
+transformer_vq core (S = 64 codes, L = M = 64, serial reduction)."""
+
+import importlib.util
+import pathlib
+
+
+def default_config():
+    """The sibling config this one starts from, loaded by path (works from any working directory)."""
+    path = pathlib.Path(__file__).resolve().parent / "../default.py"
+    spec = importlib.util.spec_from_file_location("_vq_base_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def get_config():
+    c = default_config()
+    c.model.block = "gau"
+    c.model.num_layers = 8  # GAUs (= 4 paper layers)
+    c.model.num_heads = 1
+    c.model.head_dim = 128
+    c.model.gau_expansion = 2
+    c.model.norm = "rmsnorm"
+    c.model.positions = "none"  # the XL relative bias lives inside the core
+    c.model.attention.name = "transformer_vq"
+    vq = c.model.attention.transformer_vq
+    vq.codebook_size = 64
+    vq.block_len = 64
+    vq.mem_len = 0  # = block_len
+    c.train.window = c.train.seq_len // 2  # windows carry the compressed cache (spec 2.7)
+    return c

@@ -1,0 +1,33 @@
+"""PG-19, a tiny Transformer-VQ (4 GAUs, S = L = M = 32) for a 2-core CPU smoke run."""
+
+import importlib.util
+import pathlib
+
+
+def dense_tiny():
+    """The sibling config this one starts from, loaded by path (works from any working directory)."""
+    path = pathlib.Path(__file__).resolve().parent / "dense_tiny.py"
+    spec = importlib.util.spec_from_file_location("_vq_base_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def get_config():
+    c = dense_tiny()
+    c.model.block = "gau"
+    c.model.num_layers = 4
+    c.model.num_heads = 1
+    c.model.head_dim = 64
+    c.model.gau_expansion = 2
+    c.model.norm = "rmsnorm"
+    c.model.positions = "none"
+    c.model.attention.name = "transformer_vq"
+    vq = c.model.attention.transformer_vq
+    vq.codebook_size = 32
+    vq.block_len = 32
+    vq.mem_len = 0
+    c.train.window = c.train.seq_len // 2
+    c.eval.reset = "row"
+    c.eval.row_len = 0
+    return c
