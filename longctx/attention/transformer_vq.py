@@ -33,7 +33,6 @@ agg = running mean of values per code and the count of every older token (fp32).
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -510,10 +509,10 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
         require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
-        if cfg.impl == "pallas":
-            require(causal and M == cfg.block_len and cfg.form != "stream",
-                    f"{p}.impl='pallas' needs a causal model, mem_len == block_len and form != 'stream' "
-                    "(the fused kernel folds whole blocks); use impl='xla' or 'auto'")
+        # The spec-9 Pallas kernel (pallas_kernels/vq_cache.py) is not written yet: 'pallas' is refused here
+        # rather than silently running XLA; 'auto' resolves to the XLA path on every backend until it exists.
+        require(cfg.impl != "pallas", f"{p}.impl='pallas': the Pallas VQ-cache kernel is not available yet; "
+                "use impl='xla' or 'auto' (both run the XLA block-parallel form)")
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
@@ -564,10 +563,7 @@ class TransformerVQAttention(AttentionCore):
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "bd": band_scores(q + vb[None, :, None], r)}
 
     def _use_pallas(self) -> bool:
-        impl = self.cfg.impl
-        if impl == "auto":
-            return jax.default_backend() in ("gpu", "tpu") and self.M == self.L and self.cfg.form != "stream"
-        return impl == "pallas"
+        return False  # no Pallas kernel yet ('pallas' is rejected by validate_config; 'auto' -> XLA)
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
@@ -584,12 +580,7 @@ class TransformerVQAttention(AttentionCore):
             form = self.cfg.form
             if form == "auto":
                 form = "parallel" if (M <= L and T >= L) else "stream"
-            if form == "parallel" and self._use_pallas():
-                from pallas_kernels.vq_cache import vq_cache_attention
-
-                o, new_state = vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
-                                                  interpret=jax.default_backend() == "cpu")
-            elif form == "parallel":
+            if form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)
             else:
@@ -606,10 +597,6 @@ class TransformerVQAttention(AttentionCore):
             aux.add_metric("vq_rel_err", jnp.mean(jnp.sqrt(err2)) / jnp.maximum(
                 jnp.mean(jnp.linalg.norm(sg(pre["k"]), axis=-1)), 1e-12))
         return o.astype(v.dtype), new_state
-
-
-def _warn_interpret():
-    warnings.warn("transformer_vq: impl='pallas' on CPU runs the Pallas kernel in interpret mode (slow)")
 
 
 __all__ = [
