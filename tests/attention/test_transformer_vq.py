@@ -543,8 +543,7 @@ def test_config_validation(over, causal):
         attention.validate("transformer_vq", cfg, causal=causal)
 
 
-@pytest.mark.slow
-def test_long_forward_65536():
+def test_long_forward_65536():  # ~5 s on CPU
     cfg = attention.default_config("transformer_vq")
     cfg.update(dict(codebook_size=64, block_len=128))
     core = attention.build("transformer_vq", cfg, num_heads=1, head_dim=32, causal=True, rngs=nnx.Rngs(0))
