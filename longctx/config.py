@@ -51,7 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.adaptive_div = 4.0
     c.model.causal = True
-    c.model.gau_expansion = 2  # GAU blocks: value width = gau_expansion * d_model
+    c.model.gau_expansion = 2.0  # GAU blocks: value width H*Dv = gau_expansion * d_model
+    c.model.gau_layerdrop = 0.0  # GAU blocks: per-example probability of dropping a GAU's residual branch
     c.model.attention = ml_collections.ConfigDict()
     c.model.attention.name = "dense"
     for name in attention.names():
@@ -199,6 +200,11 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for key in m.attention.keys():
         if key != "name" and key not in attention.names():
             raise ConfigError(f"config key 'model.attention.{key}' is unknown; allowed: name, {', '.join(attention.names())}")
+    allowed_pos = attention.get_class(name).allowed_positions
+    if allowed_pos is not None and m.positions not in allowed_pos:
+        raise ConfigError(
+            f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
+        )
     method_cfg = attention.default_config(name)
     method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
     attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")

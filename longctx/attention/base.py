@@ -74,6 +74,7 @@ class AttentionCore(nnx.Module):
     name: str = "base"
     supports_causal: bool = True
     supports_bidirectional: bool = True
+    allowed_positions: tuple[str, ...] | None = None  # model.positions this core works with (None: any)
 
     def __init__(
         self,

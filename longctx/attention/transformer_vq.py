@@ -469,6 +469,9 @@ class TransformerVQAttention(AttentionCore):
     """
 
     name = "transformer_vq"
+    # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
+    # signal is the XL relative bias inside the core, optionally with absolute embeddings.
+    allowed_positions = ("none", "learned", "sinusoidal")
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
