@@ -8,10 +8,8 @@ Here: the same sizes with rotary positions (head_dim 42, rotary needs an even wi
 and no recurrence memory, so it is evaluated with a sliding window over the whole
 test stream (context 512, stride 64; eval.reset='never': articles do not reset).
 
-PENDING: this size needs the adaptive softmax output layer
-(longctx/models/adaptive_softmax.py, cutoffs (20000, 40000, 200000)), which is not yet
-wired into the decoder: until it is, the model uses a full 267,735-way softmax, which
-is exact but slow and memory-hungry.
+Output layer: the adaptive softmax (model.output='adaptive', cutoffs 20k/40k/200k, div 4),
+untied from the plain input embedding (Transformer-XL ties it to an adaptive input).
 
     longctx-prepare --config configs/wikitext103/dense.py --config.data.path=/data/wikitext-103
     longctx-train   --config configs/wikitext103/dense.py --config.data.path=/data/wikitext-103 --workdir runs/wt103
@@ -34,7 +32,10 @@ def get_config():
     c.model.head_dim = 42
     c.model.d_ff = 2100
     c.model.dropout = 0.1
-    c.model.tie_embeddings = True
+    c.model.tie_embeddings = False  # the adaptive softmax owns its output weights
+    c.model.output = "adaptive"
+    c.model.adaptive_cutoffs = (20000, 40000, 200000)
+    c.model.adaptive_div = 4.0
     c.train.seq_len = 150
     c.train.batch_size = 60
     c.train.steps = 200_000
