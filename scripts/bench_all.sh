@@ -7,6 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-bench_out}"
+# QUALITY_WORKDIR: a dense checkpoint to capture q/k/v from (default: trained here, 300 steps)
 BENCH=".venv/bin/longctx-bench"
 
 # 1. attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents
@@ -20,7 +21,7 @@ $BENCH decode --out "$OUT" --positions 1k,8k,32k,128k --batch 1 --heads 4 --head
 
 # 3. quality vs exact attention: Gaussian q/k/v and q/k/v of layer 0 of a dense model trained here
 $BENCH quality --out "$OUT" --lengths 1k,2k,4k,8k --heads 4 --head_dim 64 --seeds 5 \
-  --workdir "$OUT/quality_dense_run" --train_steps 300 --layer 0
+  --workdir "${QUALITY_WORKDIR:-$OUT/quality_dense_run}" --train_steps 300 --layer 0
 
 # 4. full-model training: tokens/s, peak memory, validation bits/byte after a fixed number of steps
 $BENCH train --out "$OUT" --steps 150 --seq_len 512 --batch_size 8 --eval_tokens 32768
