@@ -32,3 +32,44 @@ def test_second_window_sees_the_first_as_context():
     assert int(opt[1][0].count) == 3  # three optimizer updates
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), new_params, params)
     assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_transformer_vq_windows_apply_one_codebook_update_per_window():
+    """GAU + transformer_vq through the real train step: the EMA codebook state moves once per
+    window, from the statistics of that window only, and is left out of the optimizer."""
+    from flax import nnx
+
+    from longctx.attention.transformer_vq import ema_update
+
+    c = base_config()
+    c.model.vocab_size = 40
+    c.model.block, c.model.positions, c.model.norm = "gau", "none", "rmsnorm"
+    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim = 32, 2, 1, 16
+    c.model.attention.name = "transformer_vq"
+    c.model.attention.transformer_vq.codebook_size = 8
+    c.model.attention.transformer_vq.block_len = 4
+    c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = 16, 8, 2, 20, 5
+    cfg = validate(c)
+    model = build_model(cfg.model, seed=0)
+    graphdef, params, nongrad, rest = split_model(model)
+    assert len(jax.tree.leaves(nongrad)) == 2 * cfg.model.num_layers  # c_sum, c_count per layer
+    tx = make_optimizer(cfg.train)
+    step = jax.jit(make_train_step(graphdef, tx, seq_len=16, window=8, skip_nonfinite=False))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 40)
+    _, new_nongrad, _, metrics = step(params, nongrad, rest, tx.init(params), tokens, jax.random.key(0))
+    assert np.all(np.asarray(metrics["aux/commit"]) > 0)
+
+    # replay: window 1 from the empty state, update, window 2 from the carried state, update
+    m = nnx.merge(graphdef, params, nongrad, rest)
+    core = m.blocks[0].core
+    state = m.init_state(2, 16)
+    c_sum, c_count = core.c_sum[...], core.c_count[...]
+    for w in range(2):
+        _, state, aux = m(tokens[:, w * 8 : (w + 1) * 8], state)
+        c_sum, c_count = ema_update(c_sum, c_count, aux["stats"][0]["codebook"], cfg.model.attention.transformer_vq.gamma)
+        m.apply_stats(aux["stats"])
+    got = nnx.merge(graphdef, params, new_nongrad, rest).blocks[0].core
+    # warm-up starts at lr 0, so window 2 sees unchanged params and the replay is exact
+    np.testing.assert_allclose(np.asarray(got.c_count[...]), np.asarray(c_count), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.c_sum[...]), np.asarray(c_sum), rtol=1e-4, atol=1e-6)
+    assert not np.allclose(np.asarray(got.c_count[...]), 1.0)  # moved away from the initial counts
