@@ -263,5 +263,18 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def load_sibling(config_file: str, relpath: str):
+    """Import the config module at ``relpath`` next to ``config_file`` by path, so that a config
+    can start from another one from any working directory (config_flags loads files by path)."""
+    import importlib.util
+    import pathlib
+
+    path = (pathlib.Path(config_file).resolve().parent / relpath).resolve()
+    spec = importlib.util.spec_from_file_location(f"_longctx_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def n_windows(cfg) -> int:
     return cfg.train.seq_len // cfg.train.window

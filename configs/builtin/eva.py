@@ -6,16 +6,11 @@ position bias inside the block, the released 'full' partition.
     longctx-train --config configs/builtin/eva.py --workdir runs/eva
 """
 
-import importlib.util
-import pathlib
+from longctx.config import load_sibling
 
 
 def _default():
-    path = pathlib.Path(__file__).resolve().parents[1] / "default.py"
-    spec = importlib.util.spec_from_file_location("_longctx_default_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_sibling(__file__, "../default.py").get_config()
 
 
 def get_config():

@@ -3,17 +3,12 @@
 value width 1.5 * d_model so the parameter count matches the dense default's) and the
 transformer_vq core (S = 64 codes, L = M = 64, serial reduction)."""
 
-import importlib.util
-import pathlib
+from longctx.config import load_sibling
 
 
 def default_config():
     """The sibling config this one starts from, loaded by path (works from any working directory)."""
-    path = pathlib.Path(__file__).resolve().parent / "../default.py"
-    spec = importlib.util.spec_from_file_location("_vq_base_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_sibling(__file__, "../default.py").get_config()
 
 
 def get_config():

@@ -3,17 +3,12 @@
     longctx-train --config configs/enwik8/transformer_vq_tiny.py --config.data.path=/data/enwik8.zip --workdir runs/vq_tiny
 """
 
-import importlib.util
-import pathlib
+from longctx.config import load_sibling
 
 
 def dense_tiny():
     """The sibling config this one starts from, loaded by path (works from any working directory)."""
-    path = pathlib.Path(__file__).resolve().parent / "dense_tiny.py"
-    spec = importlib.util.spec_from_file_location("_vq_base_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_sibling(__file__, "dense_tiny.py").get_config()
 
 
 def get_config():

@@ -1,16 +1,11 @@
 """PG-19, a tiny Transformer-VQ (4 GAUs, S = L = M = 32) for a 2-core CPU smoke run."""
 
-import importlib.util
-import pathlib
+from longctx.config import load_sibling
 
 
 def dense_tiny():
     """The sibling config this one starts from, loaded by path (works from any working directory)."""
-    path = pathlib.Path(__file__).resolve().parent / "dense_tiny.py"
-    spec = importlib.util.spec_from_file_location("_vq_base_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_sibling(__file__, "dense_tiny.py").get_config()
 
 
 def get_config():

@@ -12,16 +12,11 @@ adaptive input embedding is replaced by a plain embedding + an untied adaptive s
     longctx-eval    --workdir runs/wt103_eva16 --split test --set eval.stride=256   # context 256
 """
 
-import importlib.util
-import pathlib
+from longctx.config import load_sibling
 
 
 def _common():
-    path = pathlib.Path(__file__).resolve().parent / "_eva_common.py"
-    spec = importlib.util.spec_from_file_location("_longctx_eva_wt103_common", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_sibling(__file__, "_eva_common.py")
 
 
 def get_config():
