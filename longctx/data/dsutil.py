@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
+
+from longctx.data.prepare import atomic_write_with, sha256_file  # noqa: F401  (re-exported)
 
 
 def option(data_cfg, key: str, default):
@@ -22,29 +22,10 @@ def data_path(data_cfg) -> str:
     return str(getattr(data_cfg, "path", "") or "") if data_cfg is not None else ""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
-
-
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_with(path, lambda f: f.write(data))
 
 
 def drop_manifests(directory: Path) -> None:

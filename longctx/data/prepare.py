@@ -57,7 +57,7 @@ def cache_path(source_meta: dict, tokenizer_name: str, cache_dir: str | os.PathL
     return root / f"{source_meta['source']}-{tokenizer_name}-{key}"
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -67,7 +67,7 @@ def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:
             h.update(b)
 
 
-def _atomic_write_bytes(path: Path, writer) -> None:
+def atomic_write_with(path: Path, writer) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -141,9 +141,9 @@ def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta
             total += ids.shape[0]
             starts.append(total)
 
-    _atomic_write_bytes(bin_path, write_tokens)
+    atomic_write_with(bin_path, write_tokens)
     docs = np.asarray(starts, np.int64)
-    _atomic_write_bytes(directory / f"{split}.docs.npy", lambda f: np.save(f, docs))
+    atomic_write_with(directory / f"{split}.docs.npy", lambda f: np.save(f, docs))
     manifest = {
         "split": split,
         "num_tokens": int(docs[-1]),
@@ -154,7 +154,7 @@ def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta
         "sha256": h.hexdigest(),
         "source": source_meta,
     }
-    _atomic_write_bytes(directory / f"{split}.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    atomic_write_with(directory / f"{split}.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     return directory
 
 
@@ -162,7 +162,7 @@ def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenDat
     if not is_prepared(directory, split):
         raise DataError(f"no prepared token file for split {split!r} in {directory}; run longctx-prepare first")
     manifest = json.loads((directory / f"{split}.json").read_text())
-    if verify and _sha256_file(directory / f"{split}.bin") != manifest["sha256"]:
+    if verify and sha256_file(directory / f"{split}.bin") != manifest["sha256"]:
         raise DataError(f"{directory / (split + '.bin')}: checksum mismatch; delete {directory} and prepare again")
     tokens = np.memmap(directory / f"{split}.bin", dtype=manifest["dtype"], mode="r", shape=(manifest["num_tokens"],))
     return TokenData(tokens=tokens, doc_starts=np.load(directory / f"{split}.docs.npy"), manifest=manifest)
