@@ -18,7 +18,6 @@ from longctx.attention import Aux
 from longctx.attention import transformer_vq as tvq
 from longctx.errors import ConfigError
 
-
 # jitted entry points: eager lax.scan retraces (and recompiles) on every call, so tests call these.
 # Cheap XLA compiles: tests are compile-bound on CPU.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
