@@ -152,7 +152,6 @@ def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform):
     B, H, C, P, _ = q_ch.shape
-    dv = v_ch.shape[-1]
     C_pad = -(-C // G) * G
     padc = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, C_pad - C)) + ((0, 0),) * (x.ndim - 3))  # noqa: E731
     flat = lambda x: padc(x).reshape(B, H, C_pad * P, x.shape[-1])  # noqa: E731
