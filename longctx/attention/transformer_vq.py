@@ -33,6 +33,7 @@ agg = running mean of values per code and the count of every older token (fp32).
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -460,6 +461,11 @@ def commit_loss(k, c_z, mask=None):
 
 
 # ----------------------------------------------------------------------------- the core
+def _warn_interpret():
+    warnings.warn("transformer_vq: impl='pallas' off TPU runs the Pallas kernel in interpret mode (slow)",
+                  stacklevel=3)
+
+
 class TransformerVQAttention(AttentionCore):
     """Transformer-VQ core. Inside the standard multi-head ``TransformerBlock`` it is the release's
     throughput variant (MHA, one codebook per head); inside ``GAUBlock`` the paper's single-head GAU.
@@ -514,8 +520,8 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
         # The spec-9 Pallas kernel (pallas_kernels/vq_cache.py) is not written yet: 'pallas' is refused here
         # rather than silently running XLA; 'auto' resolves to the XLA path on every backend until it exists.
-        require(cfg.impl != "pallas", f"{p}.impl='pallas': the Pallas VQ-cache kernel is not available yet; "
-                "use impl='xla' or 'auto' (both run the XLA block-parallel form)")
+        require(cfg.impl != "pallas" or cfg.reduction == "serial",
+                f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
@@ -566,7 +572,15 @@ class TransformerVQAttention(AttentionCore):
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "bd": band_scores(q + vb[None, :, None], r)}
 
     def _use_pallas(self) -> bool:
-        return False  # no Pallas kernel yet ('pallas' is rejected by validate_config; 'auto' -> XLA)
+        """impl='pallas': the kernel of pallas_kernels/vq_cache.py (interpret mode off TPU, with a warning);
+        'auto': the kernel on TPU, where it exists, and the XLA block-parallel form elsewhere (the kernel
+        has no GPU lowering yet). Either way the same method is computed."""
+        backend = jax.default_backend()
+        if self.cfg.impl == "pallas":
+            if backend != "tpu":
+                _warn_interpret()
+            return True
+        return self.cfg.impl == "auto" and backend == "tpu"
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
@@ -583,7 +597,12 @@ class TransformerVQAttention(AttentionCore):
             form = self.cfg.form
             if form == "auto":
                 form = "parallel" if (M <= L and T >= L) else "stream"
-            if form == "parallel":
+            if form == "parallel" and self._use_pallas() and self.cfg.reduction == "serial":
+                from pallas_kernels.vq_cache import vq_cache_attention
+
+                o, new_state = vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
+                                                  interpret=jax.default_backend() != "tpu")
+            elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)
             else:

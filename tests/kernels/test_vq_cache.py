@@ -95,3 +95,30 @@ def test_unsupported_raise_clear_errors():
         vq_cache.vq_cache_attention(*args, L=L, M=L, platform="cpu")
     with pytest.raises(ValueError, match="M <= L"):
         vq_cache.vq_cache_attention(*args, L=4, M=L, interpret=True)
+
+
+def test_core_impl_pallas_equals_xla_with_a_warning():
+    """transformer_vq with impl='pallas' runs this kernel (interpret mode on CPU, with a warning)
+    and gives the XLA block-parallel output, carried state included."""
+    import warnings
+
+    import numpy as np
+    from flax import nnx
+
+    from longctx import attention
+
+    def build(impl):
+        cfg = attention.default_config("transformer_vq")
+        cfg.update({"impl": impl, "codebook_size": 16, "block_len": 8})
+        return attention.build("transformer_vq", cfg, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(kk, (1, 2, 20, 16)) for kk in ks)
+    ref, ref_state = build("xla")(q, k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, state = build("pallas")(q, k, v)
+    assert any("interpret" in str(w.message) for w in caught)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5)
