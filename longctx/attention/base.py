@@ -66,6 +66,32 @@ class NonGradState(nnx.Variable):
     """
 
 
+@dataclasses.dataclass(frozen=True)
+class ContractCase:
+    """A small configuration at which the shared contract suite
+    (``tests/attention/test_contract.py``) runs a method. A method contributes
+    these through ``AttentionCore.contract_cases()``, never test code.
+
+    cfg:        overrides of ``default_config()`` (keep shapes small: the suite compiles each once).
+    length:     tokens per test sequence; long enough that every part of the carried state is
+                populated, i.e. at least three blocks / chunks / levels beyond the local window.
+    directions: which of ``("causal", "bidirectional")`` this case runs in.
+    num_heads, head_dim, value_dim: the core's shape (value_dim None means head_dim).
+    atol, rtol: fp32 tolerance of the equalities (streamed = full, decoded = full); a wrong
+                implementation must not be able to meet it.
+    """
+
+    cfg: dict = dataclasses.field(default_factory=dict)
+    length: int = 64
+    directions: tuple[str, ...] = ("causal", "bidirectional")
+    num_heads: int = 2
+    head_dim: int = 8
+    value_dim: int | None = None
+    atol: float = 2e-5
+    rtol: float = 2e-5
+    slow: bool = False
+
+
 class AttentionCore(nnx.Module):
     """Base class of every attention core. Subclasses set ``name`` and implement
     ``__call__`` and ``init_state``; they validate their config in
@@ -75,6 +101,9 @@ class AttentionCore(nnx.Module):
     supports_causal: bool = True
     supports_bidirectional: bool = True
     allowed_positions: tuple[str, ...] | None = None  # model.positions this core works with (None: any)
+    # Uses ``key`` when ``deterministic=False`` (samples, hashes). The contract suite then checks that the
+    # same key reproduces, another key differs, and that streaming with one key equals the full pass.
+    randomized: bool = False
 
     def __init__(
         self,
@@ -101,6 +130,12 @@ class AttentionCore(nnx.Module):
     def validate_config(cls, cfg: ml_collections.ConfigDict, *, causal: bool) -> None:
         """Raise ConfigError naming what is wrong and what is allowed."""
 
+    @classmethod
+    def contract_cases(cls) -> dict[str, ContractCase]:
+        """Named small configurations for the shared contract suite. Every registered method
+        must return at least one; each ``impl`` the method offers on CPU gets its own case."""
+        return {}
+
     def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux: Aux | None = None):
         raise NotImplementedError
 
@@ -110,6 +145,29 @@ class AttentionCore(nnx.Module):
     def apply_stats(self, stats: dict[str, Any]) -> None:
         """Apply non-gradient updates from statistics gathered in ``Aux.stats``
         (summed over the global batch). Default: nothing to update."""
+
+
+# -- logical axis names ---------------------------------------------------------
+# Every parameter and non-gradient state of every core, block and model names its axes with
+# these logical names (``out_sharding`` metadata, no eager sharding); the mesh placement lives
+# only in the rules table of ``longctx/train/sharding.py``. Vocabulary:
+#   'embed' (d_model), 'mlp' (hidden of the MLP), 'vocab', 'heads', 'head_dim' (per-head q/k width),
+#   'value_dim' (per-head v width), 'qkv' (a fused projection's output), 'codebook', 'norm' (vectors
+#   of a norm), 'position' (position tables), 'kernel_size' (conv taps), None (never sharded).
+# State convention: every array leaf of a carried attention state has the batch on axis 0 (and
+# the heads on axis 1 where it has heads); scalar leaves (token counters) are shared by the batch.
+LOGICAL_AXES = ("embed", "mlp", "vocab", "heads", "head_dim", "value_dim", "qkv", "codebook", "norm",
+                "position", "kernel_size", "layers")
+
+
+def logical(init, *names):
+    """Wrap an initializer so the variable it makes carries logical axis ``names``."""
+    return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+
+
+def axes(*names) -> dict:
+    """Metadata for a variable built directly: ``nnx.Param(value, **axes('heads', None))``."""
+    return {"out_sharding": tuple(names), "eager_sharding": False}
 
 
 def require(cond: bool, message: str) -> None:
