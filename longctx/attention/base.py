@@ -170,6 +170,33 @@ def axes(*names) -> dict:
     return {"out_sharding": tuple(names), "eager_sharding": False}
 
 
+class CapacityError(ValueError):
+    """A static-capacity state was given more tokens than it holds."""
+
+
+def check_capacity(needed, capacity: int, message: str) -> None:
+    """Refuse to overflow a static-capacity state (DESIGN §2: never drop silently).
+
+    ``needed`` (tokens or slots the state must hold after this call) may be a Python int, a
+    concrete array or a tracer. Concrete: raise :class:`CapacityError` here. Traced (under jit,
+    scan, vmap): a host callback raises the same error when the compiled program runs, so the
+    run stops with ``message`` instead of returning a silently different answer.
+    ``message`` may use ``{needed}`` and ``{capacity}``.
+    """
+    if not isinstance(needed, jax.core.Tracer):
+        n = int(needed) if getattr(needed, "ndim", 0) == 0 else int(max(needed.tolist() if hasattr(needed, "tolist") else needed))
+        if n > capacity:
+            raise CapacityError(message.format(needed=n, capacity=capacity))
+        return
+
+    def _host(n):
+        n = int(jax.numpy.max(n)) if getattr(n, "ndim", 0) else int(n)
+        if n > capacity:
+            raise CapacityError(message.format(needed=n, capacity=capacity))
+
+    jax.debug.callback(_host, needed)
+
+
 def require(cond: bool, message: str) -> None:
     """Raise ConfigError(message) unless cond holds."""
     if not cond:

@@ -10,6 +10,10 @@ Two paths compute the same function:
 The state is a KV cache of fixed capacity (``init_state(batch, max_len)``);
 slots are right-aligned, so slot j of a cache of capacity M that has seen
 ``length`` tokens holds absolute position ``length - M + j`` (invalid when < 0).
+Feeding more than ``max_len`` tokens in total raises :class:`CapacityError`
+(under jit too), unless ``kv_window=True`` names the sliding-window cache as
+a feature: then the cache keeps the newest ``max_len`` keys and older ones are
+dropped by design (Transformer-XL-style memory, not exact attention).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from longctx.attention.base import AttentionCore, check_qkv, require
+from longctx.attention.base import AttentionCore, ContractCase, check_capacity, check_qkv, require
 
 NEG_INF = -1e30
 
@@ -136,6 +140,9 @@ class DenseAttention(AttentionCore):
                 "block_q": 512,
                 "block_k": 512,
                 "auto_threshold": 4096 * 4096,
+                # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
+                # newest init_state(max_len) keys (older keys are dropped on purpose).
+                "kv_window": False,
             }
         )
 
@@ -145,6 +152,13 @@ class DenseAttention(AttentionCore):
         require(cfg.impl in allowed, f"attention.dense.impl={cfg.impl!r}; allowed: {', '.join(allowed)}")
         require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
         require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
+
+    @classmethod
+    def contract_cases(cls):
+        return {
+            "naive": ContractCase(cfg={"impl": "naive"}, length=40),
+            "blockwise": ContractCase(cfg={"impl": "blockwise", "block_q": 8, "block_k": 8}, length=40),
+        }
 
     def _attend(self, q, k, v, q_pos, k_pos, k_valid):
         c = self.cfg
@@ -181,6 +195,10 @@ class DenseAttention(AttentionCore):
             raise ValueError("dense: a bidirectional core takes no state")
         M = state["k"].shape[2]
         length = state["length"]
+        if not self.cfg.kv_window:
+            check_capacity(length + T, M, "dense: the KV cache holds {capacity} tokens (init_state max_len) but "
+                           "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
+                           "for a sliding window that drops the oldest keys")
         q_pos = length + pos
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
         k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)

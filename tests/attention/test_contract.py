@@ -1,0 +1,328 @@
+"""The attention contract (DESIGN.md §2) as one executable suite.
+
+Every registered method runs every law below, in each direction it supports, at each small
+configuration it declares through ``AttentionCore.contract_cases()``. A method contributes that
+configuration only, never test code: registering a new method gives it the whole suite.
+
+Laws (tolerances from the case; a wrong implementation cannot meet them):
+  * shapes and dtypes; jit == eager; vmap == per-example calls
+  * streamed in uneven chunks (1 token, borders that are multiples of no block size) == one full pass
+  * token-by-token decoding == full pass, over a length that populates every part of the state
+  * no future leak, by perturbation and by Jacobian, at a late query whose carried state is populated;
+    and a query does see the distant past (its gradient reaches the first quarter of the row)
+  * bidirectional: a query sees later tokens
+  * finite gradients (inputs and parameters) in fp32 and bf16 with logits scaled x30
+  * ragged lengths: a causal pass over a prefix equals the full pass's first outputs
+  * randomized methods: same key reproduces, another key differs, deterministic mode ignores the key
+  * capacity: a state smaller than the stream needs raises CapacityError (eager and under jit), or the
+    answer is right; never a silently different one
+  * every parameter and non-gradient variable names its logical axes
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx import attention
+from longctx.attention.base import LOGICAL_AXES, CapacityError
+
+B = 2
+SPLIT_SIZES = (13, 1, 3, 7, 1, 5)  # first chunk spans a block border; none is a multiple of 8 but 1
+
+
+def _cases():
+    out = []
+    for name in attention.names():
+        cls = attention.get_class(name)
+        for cname, case in cls.contract_cases().items():
+            for direction in case.directions:
+                if direction == "causal" and not cls.supports_causal:
+                    continue
+                if direction == "bidirectional" and not cls.supports_bidirectional:
+                    continue
+                marks = [pytest.mark.slow] if case.slow else []
+                out.append(pytest.param(name, cname, direction, id=f"{name}-{cname}-{direction}", marks=marks))
+    return out
+
+
+ALL = _cases()
+CAUSAL = [p for p in ALL if p.values[2] == "causal"]
+BIDIR = [p for p in ALL if p.values[2] == "bidirectional"]
+
+
+class Harness:
+    """One built core per (method, case, direction) with jitted calls reused across laws."""
+
+    def __init__(self, name, cname, direction):
+        self.cls = attention.get_class(name)
+        self.case = self.cls.contract_cases()[cname]
+        self.causal = direction == "causal"
+        c = self.case
+        self.core = attention.build(name, ml_collections.ConfigDict(dict(c.cfg)), num_heads=c.num_heads,
+                                    head_dim=c.head_dim, value_dim=c.value_dim, causal=self.causal,
+                                    rngs=nnx.Rngs(0))
+        self.graphdef, self.variables = nnx.split(self.core)
+        self.T = c.length
+        self.dv = c.value_dim or c.head_dim
+        self.call = jax.jit(self._raw, static_argnames=("deterministic",))
+
+    def _raw(self, variables, q, k, v, state, key, deterministic=True):
+        return nnx.merge(self.graphdef, variables)(q, k, v, state, deterministic=deterministic, key=key)
+
+    def __call__(self, q, k, v, state=None, key=None, variables=None):
+        deterministic = key is None
+        return self.call(self.variables if variables is None else variables, q, k, v, state, key,
+                         deterministic=deterministic)
+
+    def qkv(self, seed=0, T=None, dtype=jnp.float32, batch=B):
+        c = self.case
+        T = self.T if T is None else T
+        ks = jax.random.split(jax.random.key(seed), 3)
+        shape = (batch, c.num_heads, T)
+        return (jax.random.normal(ks[0], shape + (c.head_dim,)).astype(dtype),
+                jax.random.normal(ks[1], shape + (c.head_dim,)).astype(dtype),
+                jax.random.normal(ks[2], shape + (self.dv,)).astype(dtype))
+
+    def key(self):
+        return jax.random.key(7) if self.cls.randomized else None
+
+    def stream(self, q, k, v, sizes, state=None, key=None, capacity=None):
+        if state is None:
+            state = self.core.init_state(q.shape[0], capacity or q.shape[2])
+        outs, a, i = [], 0, 0
+        T = q.shape[2]
+        while a < T:
+            b = min(T, a + sizes[i % len(sizes)])
+            o, state = self(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, key=key)
+            outs.append(o)
+            a, i = b, i + 1
+        return jnp.concatenate(outs, axis=2), state
+
+    def close(self, got, want, msg=""):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   atol=self.case.atol, rtol=self.case.rtol, err_msg=msg)
+
+
+@functools.cache
+def harness(name, cname, direction) -> Harness:
+    return Harness(name, cname, direction)
+
+
+@functools.cache
+def full_output(name, cname, direction, randomized_key: bool):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    out, _ = h(q, k, v, key=h.key() if randomized_key else None)
+    return out
+
+
+# ----------------------------------------------------------------------------- registry-level laws
+def test_every_method_declares_contract_cases():
+    for name in attention.names():
+        cls = attention.get_class(name)
+        cases = cls.contract_cases()
+        assert cases, f"{name}: contract_cases() is empty; every registered method must declare at least one"
+        for cname, case in cases.items():
+            assert set(case.directions) <= {"causal", "bidirectional"}, (name, cname)
+            merged = cls.default_config()
+            merged.update(case.cfg)
+            attention.validate(name, merged, causal="causal" in case.directions)
+
+
+@pytest.mark.parametrize("name,cname,direction", ALL)
+def test_parameters_name_their_logical_axes(name, cname, direction):
+    h = harness(name, cname, direction)
+    variables = jax.tree.leaves(nnx.state(h.core, nnx.Variable), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, var in nnx.iter_graph(h.core):
+        if not isinstance(var, nnx.Variable):
+            continue
+        names = var.get_metadata().get("out_sharding")
+        assert names is not None, f"{name}: variable {'/'.join(map(str, path))} has no logical axis names"
+        assert len(names) == var[...].ndim, f"{name}: {path} names {names} for shape {var[...].shape}"
+        assert all(n is None or n in LOGICAL_AXES for n in names), f"{name}: {path} unknown axis in {names}"
+    assert variables is not None
+
+
+# ----------------------------------------------------------------------------- both directions
+@pytest.mark.parametrize("name,cname,direction", ALL)
+def test_shapes_dtypes_jit_and_vmap(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    out = full_output(name, cname, direction, False)
+    assert out.shape == (B, h.case.num_heads, h.T, h.dv)
+    assert out.dtype == v.dtype
+    assert bool(jnp.all(jnp.isfinite(out)))
+    eager, _ = h.core(q, k, v, None, deterministic=True)
+    h.close(eager, out, "jit != eager")
+    # vmap over an extra leading axis == per-example calls
+    qs, ks, vs = (jnp.stack([a, jnp.flip(a, axis=0)]) for a in (q, k, v))
+    vm = jax.vmap(lambda a, b, c: h._raw(h.variables, a, b, c, None, None)[0])(qs, ks, vs)
+    h.close(vm[0], out, "vmap[0]")
+    h.close(vm[1], h(qs[1], ks[1], vs[1])[0], "vmap[1]")
+
+
+@pytest.mark.parametrize("name,cname,direction", ALL)
+def test_finite_gradients_fp32_and_bf16_with_large_logits(name, cname, direction):
+    h = harness(name, cname, direction)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = h.qkv(seed=1, dtype=dtype)
+        q = (q.astype(jnp.float32) * 30.0).astype(dtype)
+        w = jax.random.normal(jax.random.key(3), (B, h.case.num_heads, h.T, h.dv))
+        key = h.key()
+
+        def loss(variables, q, k, v):
+            out, _ = h._raw(variables, q, k, v, None, key, deterministic=key is None)
+            assert out.dtype == dtype, f"{name}: output dtype {out.dtype} for {dtype} inputs"
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        gd, params, rest = nnx.split(h.core, nnx.Param, ...)
+
+        def loss_p(params, q, k, v):
+            return loss(nnx.split(nnx.merge(gd, params, rest))[1], q, k, v)
+
+        grads = jax.jit(jax.grad(loss_p, argnums=(0, 1, 2, 3)))(params, q, k, v)
+        for leaf in jax.tree.leaves(grads):
+            assert bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32)))), f"{name} {dtype}: non-finite gradient"
+        gq, gk, gv = grads[1:]
+        assert float(jnp.max(jnp.abs(gv.astype(jnp.float32)))) > 0.0, f"{name} {dtype}: zero gradient wrt v"
+
+
+# ----------------------------------------------------------------------------- bidirectional
+@pytest.mark.parametrize("name,cname,direction", BIDIR)
+def test_bidirectional_sees_later_tokens(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    out = full_output(name, cname, direction, False)
+    k2 = k.at[:, :, -3:].add(3.0)
+    v2 = v.at[:, :, -3:].add(3.0)
+    out2, _ = h(q, k2, v2)
+    assert float(jnp.max(jnp.abs(out2[:, :, :4] - out[:, :, :4]))) > 1e-4, "early outputs ignore later tokens"
+    with pytest.raises((ValueError, TypeError)):
+        h.core(q, k, v, {"not": "a state"})
+
+
+@pytest.mark.parametrize("name,cname,direction", BIDIR)
+def test_bidirectional_ragged_lengths(name, cname, direction):
+    h = harness(name, cname, direction)
+    for T in (1, h.T - 3):
+        q, k, v = h.qkv(seed=5, T=T)
+        out, _ = h(q, k, v)
+        assert out.shape == (B, h.case.num_heads, T, h.dv)
+        assert bool(jnp.all(jnp.isfinite(out)))
+
+
+# ----------------------------------------------------------------------------- causal
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_streamed_uneven_chunks_equal_full(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    for randomized in sorted({False, h.cls.randomized}):
+        key = h.key() if randomized else None
+        full = full_output(name, cname, direction, randomized)
+        streamed, _ = h.stream(q, k, v, SPLIT_SIZES, key=key)
+        h.close(streamed, full, f"streamed != full (key={randomized})")
+    # one big chunk then a few more tokens through the carried state == a full pass over both
+    q2, k2, v2 = h.qkv(seed=9, T=5)
+    _, state = h.stream(q, k, v, (h.T,), capacity=h.T + 5)
+    cont, _ = h(q2, k2, v2, state)
+    qa, ka, va = (jnp.concatenate(p, axis=2) for p in ((q, q2), (k, k2), (v, v2)))
+    both, _ = h(qa, ka, va)
+    h.close(cont, both[:, :, -5:], "continuation after a full chunk != full pass")
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_token_by_token_decoding_equals_full(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    key = h.key()
+    full = full_output(name, cname, direction, key is not None)
+    decoded, _ = h.stream(q, k, v, (1,), key=key)
+    h.close(decoded, full, "decoded token by token != full")
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_no_future_leak_by_perturbation_and_jacobian(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    T, t0 = h.T, h.T - 6
+    out = full_output(name, cname, direction, False)
+    noise = h.qkv(seed=11)
+    qp, kp, vp = (a.at[:, :, t0 + 1:].set(3.0 * n[:, :, t0 + 1:]) for a, n in zip((q, k, v), noise))
+    out_p, _ = h(qp, kp, vp)
+    np.testing.assert_allclose(np.asarray(out_p[:, :, :t0 + 1]), np.asarray(out[:, :, :t0 + 1]), atol=1e-6, rtol=0,
+                               err_msg="perturbing the future changed a past output")
+    assert float(jnp.max(jnp.abs(out_p[:, :, t0 + 1:] - out[:, :, t0 + 1:]))) > 1e-3
+    # Jacobian of the output at t0 (every batch row and head) w.r.t. all inputs
+    ct = jax.random.normal(jax.random.key(2), (B, h.case.num_heads, h.dv))
+    _, vjp = jax.vjp(lambda a, b, c: h._raw(h.variables, a, b, c, None, None)[0][:, :, t0], q, k, v)
+    gq, gk, gv = vjp(ct)
+    for g, nm in ((gq, "q"), (gk, "k"), (gv, "v")):
+        assert float(jnp.max(jnp.abs(g[:, :, t0 + 1:]))) == 0.0, f"d out[{t0}] / d {nm}[>{t0}] is not zero"
+    early = slice(0, T // 4)
+    assert float(jnp.max(jnp.abs(gv[:, :, early]))) > 1e-6, "the output at t0 does not depend on the distant past"
+    assert float(jnp.max(jnp.abs(gq[:, :, t0]))) > 1e-6
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_ragged_prefix_equals_full(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    full = full_output(name, cname, direction, False)
+    for T in (1, h.T - 3):
+        out, _ = h(q[:, :, :T], k[:, :, :T], v[:, :, :T])
+        h.close(out, full[:, :, :T], f"pass over the first {T} tokens != full pass's first {T} outputs")
+
+
+@pytest.mark.parametrize("name,cname,direction", ALL)
+def test_randomness_comes_from_the_key(name, cname, direction):
+    h = harness(name, cname, direction)
+    if not h.cls.randomized:
+        pytest.skip(f"{name} declares no randomness (randomized=False)")
+    q, k, v = h.qkv()
+    a, _ = h(q, k, v, key=jax.random.key(1))
+    a2, _ = h(q, k, v, key=jax.random.key(1))
+    b, _ = h(q, k, v, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))
+    assert float(jnp.max(jnp.abs(a - b))) > 1e-4, "another key gives the same output"
+    d1, _ = h.core(q, k, v, None, deterministic=True, key=jax.random.key(1))
+    d2, _ = h.core(q, k, v, None, deterministic=True, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_state_capacity_is_never_exceeded_silently(name, cname, direction):
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    full = full_output(name, cname, direction, False)
+    small = h.T // 2
+    # eager: the first call that overflows raises on the host
+    try:
+        out, _ = _eager_stream(h, q, k, v, small)
+    except CapacityError:
+        pass
+    else:
+        h.close(out, full, "an undersized state gave a different answer (eager)")
+    # jitted: the compiled program raises through its host callback
+    try:
+        out, _ = h.stream(q, k, v, (8,), state=h.core.init_state(B, small))
+        jax.block_until_ready(out)
+    except Exception as e:  # JaxRuntimeError wrapping the host callback's CapacityError
+        assert isinstance(e, CapacityError) or "CapacityError" in str(e), f"unexpected error: {e!r}"
+    else:
+        h.close(out, full, "an undersized state gave a different answer (jit)")
+
+
+def _eager_stream(h, q, k, v, capacity):
+    state = h.core.init_state(q.shape[0], capacity)
+    outs = []
+    for a in range(0, q.shape[2], 8):
+        o, state = h.core(q[:, :, a:a + 8], k[:, :, a:a + 8], v[:, :, a:a + 8], state, deterministic=True)
+        outs.append(o)
+    return jnp.concatenate(outs, axis=2), state
