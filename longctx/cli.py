@@ -1,67 +1,51 @@
-"""Command-line entry points: longctx-train (longctx-eval and longctx-sample live
-in evaluate.py and sample.py)."""
+"""Command-line entry points, all in one style (absl flags + ml_collections ``config_flags``).
+
+    longctx-train   --config=configs/default.py --config.train.steps=1000 --workdir=runs/mine
+    longctx-prepare --config=configs/enwik8/dense_tiny.py --config.data.path=/data/enwik8.zip
+    longctx-eval    --workdir=runs/mine --split=test --config.eval.protocol=sliding
+    longctx-sample  --workdir=runs/mine --prompt="def " --num_tokens=400 [--config.sample.top_k=40]
+
+``train`` and ``prepare`` read a config file (``--config=FILE``, then ``--config.KEY=VALUE``
+overrides); ``eval`` and ``sample`` read the config saved with the run's checkpoint and take
+``--config.eval.*``, ``--config.sample.*``, ``--config.data.path`` and ``--config.data.cache_dir``
+overrides of it (the short flags ``--split``, ``--prompt``, ``--num_tokens``, ``--temperature``,
+``--top_k``, ``--top_p`` and ``--seed`` are the same overrides). Every command takes
+``--noprogress``. Each entry point parses its flags and calls one function; a user error is one
+line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
-from longctx.errors import ConfigError
+from longctx.errors import ConfigError, LongctxError
 
 
-def load_config(argv: list[str], *, require_workdir: bool = True):
-    """Parse --config=FILE [--config.a.b=value ...] --workdir=DIR in the config_flags idiom.
+def _quiet_closed_event_loop(hook):
+    """After a failed read, Orbax's async machinery can fire callbacks on its closed event loop at
+    exit; Python then prints 'Exception ignored ... Event loop is closed' tracebacks. Drop only those."""
 
-    ``require_workdir=False`` (longctx-prepare) makes --workdir optional."""
-    from absl import flags
-    from ml_collections import config_flags
+    def quiet(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        hook(unraisable)
 
-    fv = flags.FlagValues()
-    # sys_argv: config_flags finds the --config.* overrides in it (by default it reads sys.argv, not argv)
-    config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv, lock_config=True,
-                                    sys_argv=list(argv))
-    flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
-    flags.DEFINE_integer("max_steps", None, "stop after this many steps in this invocation (for tests)", flag_values=fv)
-    flags.DEFINE_bool("progress", True, "show progress bars", flag_values=fv)
+    return quiet
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Turn framework errors into one line on stderr and exit status 2."""
+    if not getattr(sys.unraisablehook, "_longctx", False):
+        sys.unraisablehook = _quiet_closed_event_loop(sys.unraisablehook)
+        sys.unraisablehook._longctx = True
     try:
-        fv([argv[0]] + argv[1:])
-        cfg = fv.config
-        cfg.keys()  # a config file that failed to load raises here
-    except flags.UnrecognizedFlagError as e:
-        raise ConfigError(_unknown_flag_message(e, argv)) from None
-    except flags.IllegalFlagValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    except AttributeError as e:
-        msg = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ")
-        raise ConfigError(f"unknown config key: {msg}") from None
-    except (OSError, ImportError, SyntaxError) as e:
-        first = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        raise ConfigError(f"cannot load the config file: {' '.join(first[-2:])}") from None
-    except flags.Error as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    if require_workdir and not fv.workdir:
-        raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
-    return cfg, fv.workdir, fv.max_steps, fv.progress
-
-
-def _unknown_flag_message(err, argv) -> str:
-    import difflib
-    import runpy
-
-    name = getattr(err, "flagname", "") or str(err)
-    if not name.startswith("config."):
-        return f"unknown flag --{name}; allowed: --config, --config.<key>=<value>, --workdir, --max_steps, --progress"
-    parts = name.split(".")[1:]
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "configs/default.py")
-    try:
-        node = runpy.run_path(path)["get_config"]()
-        for p in parts[:-1]:
-            node = node[p]
-        keys = sorted(node.keys())
-    except Exception:  # the key path itself is wrong higher up
-        return f"unknown config key {'.'.join(parts)!r}"
-    close = difflib.get_close_matches(parts[-1], keys, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown config key {'.'.join(parts)!r}{hint}; allowed keys there: {', '.join(keys)}"
+        yield
+    except LongctxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def join_config_flag(argv: list[str]) -> list[str]:
@@ -77,15 +61,189 @@ def join_config_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def train_main(argv=None) -> int:
+def _flag_names(fv) -> str:
+    names = sorted(n for n in fv if not n.startswith("config.") and n not in ("config", "help", "helpfull", "helpshort",
+                                                                               "helpxml", "flagfile", "undefok"))
+    return ", ".join(f"--{n}" for n in names)
+
+
+def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = True):
+    """Parse ``argv`` (``sys.argv`` layout, program name first) for ``prog``.
+
+    ``config='file'``: ``--config=FILE`` (default ``configs/default.py``) and its overrides;
+    returns (flags, config). ``config='run'``: overrides of a trained run's saved config;
+    returns (flags, {dotted key: value}). ``define(fv)`` adds the command's own flags.
+    ``--workdir`` and ``--[no]progress`` are common to all."""
+    from absl import flags
+    from ml_collections import config_flags
+
     from longctx import config as config_lib
-    from longctx.runtime import user_errors
-    from longctx.train.loop import train
 
     argv = join_config_flag(list(sys.argv if argv is None else argv))
+    fv = flags.FlagValues()
+    if config == "file":
+        # sys_argv: config_flags finds the --config.* overrides in it (by default it reads sys.argv)
+        config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv,
+                                        lock_config=True, sys_argv=argv)
+    else:
+        if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+            raise ConfigError(f"{prog} reads the config saved in --workdir; change it with --config.KEY=VALUE")
+        config_flags.DEFINE_config_dict("config", config_lib.base_config(), "overrides of the run's saved config",
+                                        flag_values=fv, lock_config=True, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
+    flags.DEFINE_bool("progress", True, "show progress bars (--noprogress hides them)", flag_values=fv)
+    if define is not None:
+        define(fv)
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(f"usage: {prog} [flags]\n\n{fv.get_help()}")
+        raise SystemExit(0)
+    try:
+        rest = fv(argv)
+        cfg = fv.config
+        cfg.keys()  # a config file that failed to load raises here
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(_unknown_flag_message(e, argv, fv, prog)) from None
+    except flags.IllegalFlagValueError as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    except AttributeError as e:
+        import re
+
+        m = re.search(r"'(\w+)'", str(e).replace("\\'", "'"))
+        flag = next((a[2:].split("=", 1)[0] for a in argv if m and a.startswith("--config.")
+                     and a.split("=", 1)[0].endswith("." + m.group(1))), None)
+        if flag:
+            err = flags.UnrecognizedFlagError(flag)
+            raise ConfigError(_unknown_flag_message(err, argv, fv, prog)) from None
+        msg = " ".join(str(e).replace("\\'", "'").strip("'\"").split())
+        raise ConfigError(f"unknown config key: {msg}") from None
+    except (OSError, ImportError, SyntaxError) as e:
+        first = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise ConfigError(f"cannot load the config file: {' '.join(first[-2:])}") from None
+    except flags.Error as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    if len(rest) > 1:
+        raise ConfigError(f"{prog}: unexpected argument {rest[1]!r}; flags look like --name=value ({_flag_names(fv)})")
+    if require_workdir and not fv.workdir:
+        raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
+    if config == "file":
+        return fv, cfg
+    return fv, dict(config_flags.get_override_values(fv["config"]))
+
+
+def _unknown_flag_message(err, argv, fv, prog) -> str:
+    import difflib
+    import runpy
+
+    name = getattr(err, "flagname", "") or str(err)
+    if not name.startswith("config."):
+        close = difflib.get_close_matches(name, [n for n in fv if not n.startswith("config.")], n=1)
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        return f"{prog}: unknown flag --{name}{hint}; allowed: {_flag_names(fv)}, --config.<key>=<value>"
+    parts = name.split(".")[1:]
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    try:
+        if path is None:
+            from longctx.config import base_config
+
+            node = base_config()
+        else:
+            node = runpy.run_path(path)["get_config"]()
+        for p in parts[:-1]:
+            node = node[p]
+        keys = sorted(node.keys())
+    except Exception:  # noqa: BLE001 -- the key path itself is wrong higher up
+        return f"unknown config key {'.'.join(parts)!r}"
+    close = difflib.get_close_matches(parts[-1], keys, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {'.'.join(parts)!r}{hint}; allowed keys there: {', '.join(keys)}"
+
+
+def _run_flag(fv, overrides: dict, flag: str, key: str) -> None:
+    """A short flag (``--temperature``) is the override ``--config.sample.temperature``."""
+    value = fv[flag].value
+    if value is not None:
+        if key in overrides and overrides[key] != value:
+            raise ConfigError(f"--{flag}={value} and --config.{key}={overrides[key]} disagree; give one of them")
+        overrides[key] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+
+
+def train_main(argv=None) -> int:
+    """``longctx-train``: validate the config, train (resuming if the workdir holds checkpoints)."""
+    from absl import flags
+
+    def define(fv):
+        flags.DEFINE_integer("max_steps", None, "stop after this many steps in this invocation", flag_values=fv)
+
     with user_errors():
-        cfg, workdir, max_steps, progress = load_config(argv)
-        config_lib.check_against_base(cfg)
-        summary = train(cfg, workdir, progress=progress, max_steps=max_steps)
+        fv, cfg = parse(argv, "longctx-train", config="file", define=define)
+        from longctx.train.loop import train
+
+        summary = train(cfg, fv.workdir, progress=fv.progress, max_steps=fv.max_steps)
         print(f"done: step {summary['step']}, last valid bits/token {summary['last_valid_bits_per_token']}")
+    return 0
+
+
+def prepare_main(argv=None) -> int:
+    """``longctx-prepare``: tokenize every split of the config's data source once."""
+    with user_errors():
+        fv, cfg = parse(argv, "longctx-prepare", config="file", require_workdir=False)
+        from longctx.data.prepare_cli import prepare_all
+
+        prepare_all(cfg, progress=fv.progress)
+    return 0
+
+
+def eval_main(argv=None) -> int:
+    """``longctx-eval``: score a trained run on a split."""
+    from absl import flags
+
+    def define(fv):
+        flags.DEFINE_enum("split", None, ["train", "valid", "test"], "split to score (= --config.eval.split)",
+                          flag_values=fv)
+        flags.DEFINE_integer("step", None, "checkpoint step (default: the newest valid one)", flag_values=fv)
+
+    with user_errors():
+        fv, overrides = parse(argv, "longctx-eval", config="run", define=define)
+        _run_flag(fv, overrides, "split", "eval.split")
+        from longctx.evaluate import evaluate_run
+
+        evaluate_run(fv.workdir, step=fv.step, overrides=overrides, progress=fv.progress)
+    return 0
+
+
+def sample_main(argv=None) -> int:
+    """``longctx-sample``: sample text from a trained run with stateful decoding."""
+    from absl import flags
+
+    short = {"prompt": "sample.prompt", "num_tokens": "sample.num_tokens", "temperature": "sample.temperature",
+             "top_k": "sample.top_k", "top_p": "sample.top_p", "seed": "sample.seed"}
+
+    def define(fv):
+        flags.DEFINE_integer("step", None, "checkpoint step (default: the newest valid one)", flag_values=fv)
+        flags.DEFINE_string("prompt", None, "prompt text (= --config.sample.prompt)", flag_values=fv)
+        flags.DEFINE_string("prompt_file", None, "read the prompt from this UTF-8 file", flag_values=fv)
+        flags.DEFINE_integer("num_tokens", None, "tokens to generate, > 0 (= --config.sample.num_tokens)",
+                             flag_values=fv)
+        flags.DEFINE_float("temperature", None, "sampling temperature, >= 0; 0 = greedy", flag_values=fv)
+        flags.DEFINE_integer("top_k", None, "keep the k most likely tokens, >= 0; 0 = all", flag_values=fv)
+        flags.DEFINE_float("top_p", None, "nucleus mass, in (0, 1]", flag_values=fv)
+        flags.DEFINE_integer("seed", None, "sampling seed", flag_values=fv)
+        flags.DEFINE_string("output", None, "file for the sample (must not exist; default: WORKDIR/samples/...)",
+                            flag_values=fv)
+        flags.DEFINE_bool("quiet", False, "do not stream the text", flag_values=fv)
+
+    with user_errors():
+        fv, overrides = parse(argv, "longctx-sample", config="run", define=define)
+        for flag, key in short.items():
+            _run_flag(fv, overrides, flag, key)
+        if fv.prompt is not None and fv.prompt_file is not None:
+            raise ConfigError("give --prompt or --prompt_file, not both")
+        from longctx.sample import sample_run
+
+        sample_run(fv.workdir, step=fv.step, overrides=overrides, prompt_file=fv.prompt_file, output=fv.output,
+                   quiet=fv.quiet, progress=fv.progress)
     return 0

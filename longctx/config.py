@@ -181,16 +181,14 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.positions == "sinusoidal" and m.d_model % 2:
         raise ConfigError(f"model.positions='sinusoidal' needs an even model.d_model, got {m.d_model}")
 
+    if not 0.0 <= m.gau_layerdrop < 1.0:
+        raise ConfigError(f"config model.gau_layerdrop={m.gau_layerdrop} must be in [0, 1)")
     if m.output == "adaptive":
-        cuts = list(m.adaptive_cutoffs)
         if m.tie_embeddings:
             raise ConfigError("model.output='adaptive' has its own output weights; set model.tie_embeddings=False")
-        if not cuts or cuts != sorted(set(cuts)) or cuts[0] <= 0 or (m.vocab_size and cuts[-1] >= m.vocab_size):
-            raise ConfigError(
-                f"model.adaptive_cutoffs={tuple(cuts)} must be strictly increasing, positive and below the vocabulary size"
-            )
         if m.adaptive_div < 1:
             raise ConfigError(f"model.adaptive_div={m.adaptive_div} must be >= 1")
+    _check_vocab(m)
     if m.loss_chunk < 0:
         raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0 = full logits)")
 
@@ -254,13 +252,104 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if e.max_tokens < 0:
         raise ConfigError(f"eval.max_tokens={e.max_tokens} must be >= 0 (0 = the full split)")
 
-    if c.sample.temperature < 0 or not 0 < c.sample.top_p <= 1 or c.sample.top_k < 0:
-        raise ConfigError("sample: temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
+    sc = c.sample
+    if sc.temperature < 0:
+        raise ConfigError(f"sample.temperature={sc.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < sc.top_p <= 1:
+        raise ConfigError(f"sample.top_p={sc.top_p} must be in (0, 1]")
+    if sc.top_k < 0:
+        raise ConfigError(f"sample.top_k={sc.top_k} must be >= 0 (0 = no top-k filter)")
+    if sc.num_tokens <= 0:
+        raise ConfigError(f"sample.num_tokens={sc.num_tokens} must be a positive integer")
     for axis in ("fsdp", "tensor"):
         if c.mesh[axis] != 1:
             raise ConfigError(f"mesh.{axis}={c.mesh[axis]}: only data parallelism is implemented; set mesh.{axis}=1")
     c.lock()
     return c
+
+
+def _check_vocab(m) -> None:
+    """The rules that involve the vocabulary size (skipped while it is 0, i.e. not known yet)."""
+    if m.output == "adaptive":
+        cuts = list(m.adaptive_cutoffs)
+        if not cuts or cuts != sorted(set(cuts)) or cuts[0] <= 0 or (m.vocab_size and cuts[-1] >= m.vocab_size):
+            raise ConfigError(
+                f"model.adaptive_cutoffs={tuple(cuts)} must be strictly increasing, positive and below the vocabulary size"
+                + (f" {m.vocab_size}" if m.vocab_size else "")
+            )
+
+
+def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int) -> ml_collections.ConfigDict:
+    """A validated config with ``model.vocab_size`` filled in from the tokenizer (0 -> ``vocab_size``).
+
+    Checks only the rules that involve the vocabulary; the rest was checked by :func:`validate`,
+    which runs once on the way into training."""
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = int(vocab_size)
+    elif cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    _check_vocab(cfg.model)
+    cfg.lock()
+    return cfg
+
+
+def parse_value(text: str, like):
+    """``text`` as the type of ``like`` (bool, int, float or str)."""
+    if isinstance(like, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"expected true/false, got {text!r}")
+    if isinstance(like, int):
+        return int(text)
+    if isinstance(like, float):
+        return float(text)
+    return text
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: list[str], *, allowed_sections=("eval", "sample")):
+    """A copy of ``cfg`` with ``section.key=value`` strings applied (``longctx-bench --set``)."""
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        path, text = item.split("=", 1)
+        parts = path.split(".")
+        if parts[0] not in allowed_sections:
+            raise ConfigError(f"override {path}: only {', '.join(allowed_sections)} settings can be changed here")
+        node = cfg
+        for p in parts[:-1]:
+            if p not in node:
+                raise ConfigError(f"override {path}: unknown section {p!r}; allowed: {', '.join(sorted(node.keys()))}")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ConfigError(f"override {path}: unknown key; allowed: {', '.join(sorted(node.keys()))}")
+        try:
+            node[parts[-1]] = parse_value(text, node[parts[-1]])
+        except ValueError as e:
+            raise ConfigError(f"override {path}={text!r}: {e}") from None
+    return cfg
+
+
+def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
+    """A saved (resolved) config merged over the current base, so that validation sees every key
+    (a run saved before a key was added to the base gets the key's default)."""
+    import json
+
+    merged = json.loads(base_config().to_json())
+    saved = json.loads(saved.to_json()) if isinstance(saved, ml_collections.ConfigDict) else saved
+
+    def deep(dst, src):
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                deep(dst[k], v)
+            else:
+                dst[k] = v
+
+    deep(merged, saved)
+    return ml_collections.ConfigDict(merged)
 
 
 def load_sibling(config_file: str, relpath: str):

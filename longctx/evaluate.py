@@ -1,197 +1,66 @@
-"""Evaluation protocols and the ``longctx-eval`` entry point.
+"""``longctx-eval``: score a trained run on a split under the protocol of its config
+(:mod:`longctx.protocols`), print the result and write JSON and a loss-versus-position plot
+to ``WORKDIR/eval/``.
 
-Two protocols, each recorded in every result:
-
-* ``stream``: the text is cut into segments at reset points (document starts and
-  every ``row_len`` tokens, every ``row_len`` tokens of the stream, or never);
-  each segment is run in windows of ``window`` tokens with the model state
-  carried. Consecutive segments overlap by one token, so every token but the
-  first of each document (or of the stream) is scored exactly once.
-* ``sliding``: windows of context C advancing by stride S; only the last S
-  positions of each window are scored (all of the first window's), so every
-  token is again scored exactly once.
+    longctx-eval --workdir runs/vq --split test --config.eval.protocol=sliding --config.eval.context=512
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gzip
 import json
-import lzma
 import math
-import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
+
+from longctx.protocols import score_split
 
 LN2 = math.log(2.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """Inputs tokens[start : start + n], targets tokens[start + 1 : start + n + 1];
-    predictions with index >= score_from are scored."""
-
-    start: int
-    n: int
-    score_from: int = 0
-
-
-def unit_ranges(doc_starts: np.ndarray, reset: str) -> list[tuple[int, int]]:
-    """Token ranges that never share context: documents, or the whole stream."""
-    if reset == "never" or reset == "row":
-        return [(0, int(doc_starts[-1]))]
-    return [(int(a), int(b)) for a, b in zip(doc_starts[:-1], doc_starts[1:])]
-
-
-def stream_jobs(doc_starts, *, reset: str, row_len: int) -> list[Job]:
-    jobs = []
-    for a, b in unit_ranges(doc_starts, reset):
-        n_pred = b - a - 1
-        if n_pred <= 0:
-            continue
-        step = n_pred if row_len <= 0 or reset == "never" else row_len
-        for off in range(0, n_pred, step):
-            jobs.append(Job(a + off, min(step, n_pred - off)))
-    return jobs
-
-
-def sliding_jobs(doc_starts, *, reset: str, context: int, stride: int) -> list[Job]:
-    jobs = []
-    for a, b in unit_ranges(doc_starts, "never" if reset == "never" else "document"):
-        n_pred = b - a - 1
-        if n_pred <= 0:
-            continue
-        end = min(context, n_pred)
-        jobs.append(Job(a, end, 0))
-        while end < n_pred:
-            new_end = min(end + stride, n_pred)
-            start = new_end - min(context, new_end)
-            jobs.append(Job(a + start, new_end - start, end - start))
-            end = new_end
-    return jobs
-
-
-def limit_jobs(jobs: list[Job], max_tokens: int) -> list[Job]:
-    if max_tokens <= 0:
-        return jobs
-    out, total = [], 0
-    for j in jobs:
-        scored = j.n - j.score_from
-        if total + scored >= max_tokens:
-            keep = max_tokens - total
-            out.append(Job(j.start, j.score_from + keep, j.score_from))
-            return out
-        out.append(j)
-        total += scored
-    return out
-
-
-def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: int, batch_size: int,
-             init_state=None, progress: bool = True, desc: str = "eval"):
-    """Score jobs; returns (nll_sum, count, per-position sums, per-position counts).
-
-    ``forward(params, inputs[B, W], targets[B, W], state) -> (nll[B, W], state)``; ``init_state(B, max_len)``
-    gives the empty state when a job is longer than one window (state carried)."""
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].n)
-    longest = max((j.n for j in jobs), default=0)
-    pos_sum = np.zeros(longest, np.float64)
-    pos_cnt = np.zeros(longest, np.int64)
-    nll_sum, count = 0.0, 0
-    total = sum(j.n - j.score_from for j in jobs)
-    bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
-    for b0 in range(0, len(order), batch_size):
-        batch = [jobs[i] for i in order[b0 : b0 + batch_size]]
-        B = batch_size
-        n_max = max(j.n for j in batch)
-        n_win = -(-n_max // window) if window > 0 else 1
-        width = n_win * window if window > 0 else n_max
-        inputs = np.zeros((B, width), np.int32)
-        targets = np.zeros((B, width), np.int32)
-        mask = np.zeros((B, width), bool)
-        for r, j in enumerate(batch):
-            seg = np.asarray(tokens[j.start : j.start + j.n + 1], np.int32)
-            inputs[r, : j.n] = seg[:-1]
-            targets[r, : j.n] = seg[1:]
-            mask[r, j.score_from : j.n] = True
-        state = None if n_win == 1 else init_state(B, width)
-        losses = []
-        for w in range(n_win):
-            sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
-            nll_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
-            losses.append(np.asarray(nll_w))
-        nll = np.concatenate(losses, axis=1)
-        nll_sum += float(np.sum(nll, where=mask))
-        count += int(mask.sum())
-        m = mask[:, :longest]
-        pos_sum[: m.shape[1]] += np.where(m, nll[:, : m.shape[1]], 0).sum(0)
-        pos_cnt[: m.shape[1]] += m.sum(0)
-        bar.update(int(mask.sum()))
-    bar.close()
-    return nll_sum, count, pos_sum, pos_cnt
-
-
-def compressor_bits_per_byte(data: bytes) -> dict:
-    if not data:
-        return {}
-    return {
-        "gzip-9": 8.0 * len(gzip.compress(data, compresslevel=9)) / len(data),
-        "xz-9e": 8.0 * len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) / len(data),
-    }
-
-
-def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol: dict, word_count: int | None = None) -> dict:
-    mean = nll_sum / max(count, 1)
-    out = {
-        "tokens_scored": count,
-        "nll_sum_nats": nll_sum,
-        "loss_nats_per_token": mean,
-        "bits_per_token": mean / LN2,
-        "token_perplexity": math.exp(min(mean, 700.0)),
-        "protocol": protocol,
-    }
-    if one_token_per_byte:
-        out["bits_per_byte"] = mean / LN2
-    if word_count:
-        out["word_count"] = word_count
-        out["word_perplexity"] = math.exp(min(nll_sum / word_count, 700.0))
-        out["tokens_per_word"] = count / word_count
-    return out
-
-
-def make_jobs(ecfg, doc_starts):
-    if ecfg.protocol == "stream":
-        jobs = stream_jobs(doc_starts, reset=ecfg.reset, row_len=ecfg.row_len)
-        protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": ecfg.reset, "row_len": ecfg.row_len}
-        window = ecfg.window
-    else:
-        jobs = sliding_jobs(doc_starts, reset=ecfg.reset, context=ecfg.context, stride=ecfg.stride)
-        protocol = {"mode": "sliding-window", "context": ecfg.context, "stride": ecfg.stride, "reset": ecfg.reset}
-        window = 0
-    jobs = limit_jobs(jobs, ecfg.max_tokens)
-    protocol["max_tokens"] = ecfg.max_tokens or "full split"
-    return jobs, window, protocol
-
-
 def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressors=False) -> tuple[dict, np.ndarray]:
     """Evaluate ``runner`` (a :class:`longctx.runtime.Runner`) on a prepared split."""
-    jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
-    t0 = time.time()
-    nll_sum, count, pos_sum, pos_cnt = run_jobs(
-        runner.forward, runner.params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
-        init_state=runner.init_state, progress=progress, desc=desc,
-    )
-    # word-level perplexity divides by the split's official word count: only meaningful on the full split
-    words = runner.word_count(data) if ecfg.max_tokens == 0 else None
-    res = summarize(nll_sum, count, one_token_per_byte=runner.tokenizer_is_bytes, protocol=protocol, word_count=words)
-    res["seconds"] = time.time() - t0
-    if compressors and runner.tokenizer_is_bytes:
-        scored = np.concatenate([np.asarray(data.tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs])
-        res["compressors_bits_per_byte"] = compressor_bits_per_byte(scored.astype(np.uint8).tobytes())
-    curve = pos_sum / np.maximum(pos_cnt, 1)
-    return res, curve[pos_cnt > 0]
+    return score_split(runner.forward, runner.params, data, ecfg, init_state=runner.init_state,
+                       one_token_per_byte=runner.tokenizer_is_bytes, word_count=runner.word_count(data),
+                       progress=progress, desc=desc, compressors=compressors)
+
+
+def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, overrides: dict | None = None,
+                 progress: bool = True) -> dict:
+    """Restore ``workdir``'s newest valid checkpoint (or ``step``), score ``split`` (default:
+    ``eval.split``), print the result and write ``eval/<split>_step<N>.json`` and its plot."""
+    from longctx.runtime import Runner
+
+    overrides = dict(overrides or {})
+    if split is not None:
+        overrides["eval.split"] = split
+    runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
+    ecfg = runner.cfg.eval
+    split = ecfg.split
+    data = runner.load_split(split, progress=progress)
+    res, curve = evaluate_split(runner, data, ecfg, progress=progress, desc=f"eval {split}", compressors=True)
+    res.update({"split": split, "step": runner.step, "workdir": str(workdir)})
+    out_dir = Path(workdir) / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{split}_step{runner.step}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot_position_curve(curve, out_dir / f"{stem}_loss_vs_position.png", title=f"{split}, step {runner.step}")
+    print(format_eval(res))
+    print(f"wrote {out_dir / (stem + '.json')} and {stem}_loss_vs_position.png")
+    return res
+
+
+def format_eval(res: dict) -> str:
+    p = res["protocol"]
+    lines = [f"{res.get('split', '?')} @ step {res.get('step', '?')}: {res['tokens_scored']:,} tokens scored ({p})"]
+    if "bits_per_byte" in res:
+        lines.append(f"  bits per byte   {res['bits_per_byte']:.4f}")
+    lines.append(f"  bits per token  {res['bits_per_token']:.4f}   token perplexity {res['token_perplexity']:.3f}")
+    if "word_perplexity" in res:
+        lines.append(f"  word perplexity {res['word_perplexity']:.3f}  ({res['word_count']:,} words, {res['tokens_per_word']:.3f} tokens/word)")
+    for name, bpb in res.get("compressors_bits_per_byte", {}).items():
+        lines.append(f"  {name:<8} {bpb:.4f} bits per byte on the same bytes")
+    return "\n".join(lines)
 
 
 def plot_position_curve(curve: np.ndarray, path: Path, *, title: str) -> None:
@@ -217,34 +86,9 @@ def plot_position_curve(curve: np.ndarray, path: Path, *, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
+    from longctx import cli
 
-    from longctx import runtime
-
-    p = argparse.ArgumentParser(prog="longctx-eval", description="Evaluate a checkpoint (bits per byte / perplexity).")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--split", default=None, choices=["train", "valid", "test"])
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--set", action="append", default=[], metavar="eval.KEY=VALUE",
-                   help="override an eval setting, e.g. --set eval.protocol=sliding --set eval.max_tokens=100000")
-    args = p.parse_args(argv)
-    with runtime.user_errors():
-        runner = runtime.Runner.from_workdir(args.workdir, step=args.step, overrides=args.set)
-        ecfg = runner.cfg.eval
-        split = args.split or ecfg.split
-        data = runner.load_split(split)
-        res, curve = evaluate_split(runner, data, ecfg, desc=f"eval {split}", compressors=True)
-        res.update({"split": split, "step": runner.step, "workdir": str(args.workdir)})
-        out_dir = Path(args.workdir) / "eval"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"{split}_step{runner.step}"
-        (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
-        plot_position_curve(curve, out_dir / f"{stem}_loss_vs_position.png", title=f"{split}, step {runner.step}")
-        print(runtime.format_eval(res))
-        print(f"wrote {out_dir / (stem + '.json')} and {stem}_loss_vs_position.png")
-    return 0
-
-
+    return cli.eval_main(argv)
 
 
 if __name__ == "__main__":

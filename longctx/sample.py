@@ -1,10 +1,17 @@
 """``longctx-sample``: prefill a prompt, then decode token by token with the
-model's own state (never re-running the prefix), streaming the text."""
+model's own state (never re-running the prefix), streaming the text.
+
+    longctx-sample --workdir runs/vq --prompt "def " --num_tokens 8192 --temperature 0.8
+
+Each run writes a new ``WORKDIR/samples/step<N>_seed<S>[-<k>].txt`` (and ``.json``); an existing
+sample is never overwritten."""
 
 from __future__ import annotations
 
 import codecs
+import errno
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,78 +79,110 @@ def generate(runner, prompt_ids: np.ndarray, num_tokens: int, *, temperature=0.8
     return np.asarray(out), np.asarray(times)
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    from longctx import runtime
+def new_output_path(workdir, step: int, seed: int, output: str | None) -> Path:
+    """Where this run's sample goes: ``output`` if given (it must not exist), else the first free
+    ``WORKDIR/samples/step<N>_seed<S>[-<k>].txt``. The file is created here (exclusively), so two
+    runs never write the same file."""
     from longctx.errors import ConfigError
 
-    p = argparse.ArgumentParser(prog="longctx-sample", description="Sample text from a checkpoint with stateful decoding.")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--step", type=int, default=None)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt_file", default=None)
-    p.add_argument("--num_tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--output", default=None, help="file for the sample (default: WORKDIR/samples/...)")
-    p.add_argument("--quiet", action="store_true", help="do not stream the text")
-    args = p.parse_args(argv)
-    with runtime.user_errors():
-        runner = runtime.Runner.from_workdir(args.workdir, step=args.step)
-        sc = runner.cfg.sample
-        tok = runner.tokenizer
-        if tok is None:
-            from longctx.data.prepare import prepare
+    if output:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise ConfigError(f"--output {path} exists; samples are never overwritten, choose a new name") from None
+        return path
+    folder = Path(workdir) / "samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 100_000):
+        path = folder / (f"step{step}_seed{seed}.txt" if k == 1 else f"step{step}_seed{seed}-{k}.txt")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return path
+        except OSError as e:
+            if e.errno != errno.EEXIST:
+                raise
+    raise ConfigError(f"{folder} holds too many samples of step {step}, seed {seed}; use --output")
 
-            tok, _, _ = prepare(runner.cfg.data, [runner.cfg.eval.split])
-        prompt = sc.prompt if args.prompt is None else args.prompt
-        if args.prompt_file:
-            try:
-                prompt = Path(args.prompt_file).read_text()
-            except OSError as e:
-                raise ConfigError(f"cannot read --prompt_file: {e}") from None
+
+def encode_prompt(tok, prompt: str) -> np.ndarray:
+    from longctx.errors import ConfigError, LongctxError
+
+    try:
         ids = np.asarray(tok.encode(prompt), np.int32)
-        if ids.size == 0:
-            raise ConfigError("the prompt is empty; give --prompt TEXT or --prompt_file FILE")
-        n = sc.num_tokens if args.num_tokens is None else args.num_tokens
-        settings = {
-            "temperature": sc.temperature if args.temperature is None else args.temperature,
-            "top_k": sc.top_k if args.top_k is None else args.top_k,
-            "top_p": sc.top_p if args.top_p is None else args.top_p,
-            "seed": sc.seed if args.seed is None else args.seed,
-        }
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        one_byte = getattr(tok, "one_token_per_byte", False)
+    except (UnicodeError, LongctxError, ValueError) as e:
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ConfigError(f"the prompt cannot be encoded by the {tok.name!r} tokenizer ({why}); "
+                          "give text in UTF-8 that the tokenizer covers") from None
+    if ids.size == 0:
+        raise ConfigError("the prompt is empty; give --prompt TEXT or --prompt_file FILE")
+    return ids
 
-        def on_token(t):
-            if args.quiet:
-                return
-            text = decoder.decode(bytes([t])) if one_byte else tok.decode([t])
-            sys.stdout.write(text)
-            sys.stdout.flush()
 
-        if not args.quiet:
-            sys.stdout.write(prompt)
-        t0 = time.time()
-        out, times = generate(runner, ids, n, on_token=on_token, **settings)
-        total = time.time() - t0
-        text = prompt + (tok.decode_bytes(out).decode("utf-8", errors="replace") if one_byte else tok.decode(out))
-        k = max(1, min(256, n // 8))
-        first, last = float(np.median(times[1 : k + 1] if n > k + 1 else times)), float(np.median(times[-k:]))
-        report = {
-            "step": runner.step, "prompt_tokens": int(ids.size), "num_tokens": int(n), "seconds": total,
-            "tokens_per_sec": n / total, "median_token_seconds_start": first, "median_token_seconds_end": last,
-            "end_over_start": last / first, "attention": runner.cfg.model.attention.name, **settings,
-        }
-        out_path = Path(args.output) if args.output else Path(args.workdir) / "samples" / f"step{runner.step}_seed{settings['seed']}.txt"
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(text)
-        out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        print(f"\n\n[{n} tokens in {total:.1f}s: {report['tokens_per_sec']:.1f} tokens/s; per-token time "
-              f"{first * 1e3:.2f} ms at the start, {last * 1e3:.2f} ms at the end (x{report['end_over_start']:.2f}); "
-              f"wrote {out_path}]")
-    return 0
+def read_prompt_file(path: str) -> str:
+    from longctx.errors import ConfigError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt_file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror or e}") from None
+
+
+def sample_run(workdir, *, step: int | None = None, overrides: dict | None = None, prompt_file: str | None = None,
+               output: str | None = None, quiet: bool = False, progress: bool = True) -> dict:
+    """Restore ``workdir``'s newest valid checkpoint (or ``step``), sample per its ``sample``
+    config with ``overrides`` (``{'sample.temperature': 0.5, ...}``), stream the text unless
+    ``quiet``, and write the sample and a JSON report to a new file."""
+    from longctx.runtime import Runner
+
+    prompt_text = read_prompt_file(prompt_file) if prompt_file else None
+    runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
+    sc = runner.cfg.sample
+    tok = runner.load_tokenizer(progress=progress)
+    prompt = sc.prompt if prompt_text is None else prompt_text
+    ids = encode_prompt(tok, prompt)
+    n = sc.num_tokens
+    settings = {"temperature": sc.temperature, "top_k": sc.top_k, "top_p": sc.top_p, "seed": sc.seed}
+    out_path = new_output_path(workdir, runner.step, sc.seed, output)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    one_byte = getattr(tok, "one_token_per_byte", False)
+
+    def on_token(t):
+        if quiet:
+            return
+        text = decoder.decode(bytes([t])) if one_byte else tok.decode([t])
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if not quiet:
+        sys.stdout.write(prompt)
+    t0 = time.time()
+    out, times = generate(runner, ids, n, on_token=on_token, **settings)
+    total = time.time() - t0
+    text = prompt + (tok.decode_bytes(out).decode("utf-8", errors="replace") if one_byte else tok.decode(out))
+    k = max(1, min(256, n // 8))
+    first, last = float(np.median(times[1 : k + 1] if n > k + 1 else times)), float(np.median(times[-k:]))
+    report = {
+        "step": runner.step, "prompt_tokens": int(ids.size), "num_tokens": int(n), "seconds": total,
+        "tokens_per_sec": n / total, "median_token_seconds_start": first, "median_token_seconds_end": last,
+        "end_over_start": last / first, "attention": runner.cfg.model.attention.name, **settings,
+    }
+    out_path.write_text(text)
+    out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    print(f"\n\n[{n} tokens in {total:.1f}s: {report['tokens_per_sec']:.1f} tokens/s; per-token time "
+          f"{first * 1e3:.2f} ms at the start, {last * 1e3:.2f} ms at the end (x{report['end_over_start']:.2f}); "
+          f"wrote {out_path}]")
+    return {**report, "path": str(out_path)}
+
+
+def main(argv=None) -> int:
+    from longctx import cli
+
+    return cli.sample_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,8 +6,9 @@ For every chunk ``c`` of ``P`` tokens (query-independent control-variate statist
     ω_c = µ_c + ε_c                                     µ_c = q̂_c + k̂_c (or ½(·), or 0)
     ℓ_{c,p} = log ξ(k_{c,p}, ω_c)                       β_c = Σ_p softmax_p(ℓ_{c,·}) v_{c,p}
 
-The reference it must match is :func:`longctx.attention.eva.chunk_summaries` (pure jnp,
-re-exported here as :func:`eva_chunk_stats_reference`).
+The reference it must match is :func:`pallas_kernels.eva_chunks_ref.chunk_summaries` (pure jnp,
+also EVA's XLA path; re-exported here as :func:`eva_chunk_stats_reference`). This module imports only
+JAX and that reference.
 
 Kernel layout: grid ``(B, H, C_pad / G)``; one step handles ``G`` chunks = ``T = G·P``
 tokens. The chunk means and β use a ``(G, T)`` segment matrix built from iota
@@ -16,13 +17,17 @@ total). ε is drawn outside by the per-chunk ``fold_in`` rule (zeros in determin
 Padding: a ``(1, T)`` validity row per tile masks ``ℓ`` (never -inf: all-padding chunks give β = 0).
 
 Backward: ``custom_vjp`` whose backward is ``jax.vjp`` of the jnp reference (Phase A is
-``O(L·d)``; a hand-written backward kernel would not pay off).
+``O(L·d)``; a hand-written backward kernel would not pay off). So there is no kernel backward to test:
+the kernel test skips its gradient check and says so.
+
+Dtypes: fp32 and bf16 inputs; everything is computed in fp32 (inputs are upcast on load) and the
+outputs are fp32, like the reference.
 
 Platforms: TPU (Mosaic) and GPU (Triton) lowering are exercised by
 ``tests/kernels/test_eva_chunks.py`` through ``jax.export``; on CPU the kernel runs only in
 interpret mode. Triton needs power-of-two block dims: ``P`` and the head dims must be
-powers of two on GPU (``G = 16`` makes ``T`` one as well); :func:`check_supported` raises a
-clear error otherwise.
+powers of two on GPU (``G = 16`` makes ``T`` one as well). :func:`unsupported_reasons` lists why a
+platform or shape is refused (the shared implementation-selection rule).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from longctx.attention.eva import LN_EPS, NEG, EVAOptions, chunk_summaries
+from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_summaries
 
 GROUP = 16  # chunks per kernel step (multiple of 8 for TPU sublanes, >= 16 for Triton dots)
 
@@ -44,13 +49,49 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+PLATFORMS = ("tpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+VMEM_LIMIT_BYTES = 16 * 2**20  # Mosaic's default scoped VMEM limit (this kernel sets none)
+
+
+def vmem_bytes(*, P: int, d: int, dv: int, group: int = GROUP) -> int:
+    """VMEM estimate of one step: double-buffered blocks (q, k, v, validity, ε in; k̂, β out), the
+    parameter blocks, and the (G, T) f32 temporaries (segment matrix, logits, weights); fp32 blocks."""
+    T = group * P
+    pad = lambda r, c: (-(-r // 8) * 8) * (-(-c // 128) * 128) * 4  # noqa: E731
+    blocks = 2 * pad(T, d) + pad(T, dv) + pad(1, T) + pad(group, d) + pad(group, d) + pad(group, dv)
+    params = 2 * pad(d, d) + 6 * pad(1, d)
+    return 2 * (blocks + params) + 3 * pad(group, T)
+
+
+def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, dtype=jnp.float32,
+                        group: int = GROUP) -> list[str]:
+    """Why the kernel cannot serve these sizes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret');
+    empty when it can."""
+    reasons = []
+    if jnp.dtype(dtype).name not in DTYPES:
+        reasons.append(f"dtype {jnp.dtype(dtype).name} not supported (allowed: {', '.join(DTYPES)})")
+    if platform == "interpret":
+        return reasons
+    if platform not in PLATFORMS:
+        return reasons + [f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})"]
+    if platform == "cuda" and not (_is_pow2(P) and _is_pow2(d) and _is_pow2(dv)):
+        reasons.append(f"GPU (Triton) blocks need power-of-two chunk_size and head dims; got P={P}, d={d}, dv={dv}")
+    if platform == "tpu":
+        need = vmem_bytes(P=P, d=d, dv=dv, group=group)
+        if need > VMEM_LIMIT_BYTES:
+            reasons.append(f"VMEM estimate {need / 2**20:.1f} MiB exceeds the {VMEM_LIMIT_BYTES / 2**20:.0f} MiB "
+                           f"default limit (P={P}, d={d}, dv={dv}, group={group})")
+    return reasons
+
+
 def check_supported(P: int, d: int, dv: int, platform: str) -> None:
     """Raise ValueError when the kernel cannot be lowered for ``platform`` with these sizes."""
-    if platform in ("cuda", "rocm", "gpu") and not (_is_pow2(P) and _is_pow2(d) and _is_pow2(dv)):
-        raise ValueError(
-            f"eva_chunk_stats on GPU needs power-of-two chunk_size and head dims (Triton blocks); got P={P}, "
-            f"d={d}, dv={dv}. Use attention.eva.impl='xla' for these sizes."
-        )
+    plat = "cuda" if platform in ("gpu", "cuda") else platform
+    reasons = unsupported_reasons(plat, P=P, d=d, dv=dv)
+    if reasons:
+        raise ValueError("eva_chunk_stats cannot run: " + "; ".join(reasons)
+                         + ". Use attention.eva.impl='xla' for these sizes.")
 
 
 def _layer_norm(x, g, b):
@@ -181,7 +222,7 @@ _stats.defvjp(_stats_fwd, _stats_bwd)
 
 def eva_chunk_stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float, *,
                     group: int = GROUP, interpret: bool = False, platform: str | None = None):
-    """Same contract as :func:`longctx.attention.eva.chunk_summaries` (q_ch, k_ch [B,H,C,P,d],
+    """Same contract as :func:`pallas_kernels.eva_chunks_ref.chunk_summaries` (q_ch, k_ch [B,H,C,P,d],
     v_ch [B,H,C,P,dv], k_valid [C,P], noise [B,H,C,d] or None) -> (k̂ [B,H,C,d], β [B,H,C,dv]).
 
     ``platform`` ('tpu' | 'cuda' | 'gpu' | 'rocm'; default: the default backend) picks the compiler
@@ -196,14 +237,15 @@ def eva_chunk_stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, 
     return _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, group, interpret, platform)
 
 
-def make_stats_fn(*, interpret: bool = False, group: int = GROUP):
-    """A drop-in ``stats_fn`` for :func:`longctx.attention.eva.eva_forward` / ``eva_stream``."""
+def make_stats_fn(*, interpret: bool = False, group: int = GROUP, platform: str | None = None):
+    """A drop-in ``stats_fn`` for EVA's ``eva_forward`` / ``eva_stream``."""
 
     def stats_fn(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale):
         return eva_chunk_stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, group=group,
-                               interpret=interpret)
+                               interpret=interpret, platform=platform)
 
     return stats_fn
 
 
-__all__ = ["GROUP", "check_supported", "eva_chunk_stats", "eva_chunk_stats_reference", "make_stats_fn"]
+__all__ = ["DTYPES", "GROUP", "PLATFORMS", "check_supported", "eva_chunk_stats", "eva_chunk_stats_reference",
+           "make_stats_fn", "unsupported_reasons", "vmem_bytes"]

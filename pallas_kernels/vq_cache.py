@@ -1,34 +1,40 @@
-"""Transformer-VQ "compressive VQ cache attention" as a Pallas kernel (spec transformer-vq.md §9, v1 forward).
+"""Transformer-VQ "compressive VQ cache attention" as Pallas TPU kernels (spec transformer-vq.md §9).
 
-The reference it must match is :func:`longctx.attention.transformer_vq.causal_parallel` with
-``reduction='serial'`` (spec §2.6: lag-2 per-code cache, exact previous block, causal present block,
-one shared softmax), re-exported here as :func:`vq_cache_attention_reference`.
+The reference it must match is :func:`pallas_kernels.vq_cache_ref.vq_cache_attention_reference`
+(``causal_parallel`` with ``reduction='serial'``: lag-2 per-code cache, exact previous block, causal present
+block, one shared softmax). This module imports only JAX, NumPy and that reference.
 
-Kernel layout: grid ``(B·H, R)``, dimension semantics ``("parallel", "arbitrary")``; step ``r`` computes
-query block ``r``. The carried band is prepended to ``k̂, v, z`` as extended block 0 (so extended block
-``e`` is block ``e-1``); step ``r`` reads extended blocks ``r`` (previous, with a validity row) and ``r+1``
-(present). VMEM scratch carries the per-code running mean ``μ [S, Dv]`` and the count ``N`` (as a row
-``[8, S]`` for the logits and as a column ``[S, 128]`` for the fold), initialised from the carried state at
-``r = 0``. Body per step:
+Layout. Stage 0 stays in XLA (and is differentiated by JAX): the blocked queries, the extended key/value/code
+arrays (the carried band is prepended as extended block 0, so extended block ``e`` is block ``e-1``) and the
+band bias split into its previous-block and present-block halves ``BP, BR [B·H, R, L, L]``. Because the bias
+and the band validity are precomputed, any ``1 <= M <= L`` works. The kernels:
 
-1. ``s^c = q_u·Cᵀ + ℓ(N)`` (``ℓ = log N``, ``-1e30`` where ``N = 0``), the cache state after block ``r-2``;
-2. ``s^p = q_u·k̂_{r-1}ᵀ + BD[:, :L]`` masked by the previous block's validity (band / start of sequence);
-3. ``s^r = q_u·k̂_rᵀ + BD[:, L:]`` with the causal mask and the ragged-tail validity;
-4. one softmax (row max, ``a = exp(s - m)``, ``den``), ``o = Σ (a/den)·values``;
-5. fold block ``r-1`` into ``(μ, N)`` through a one-hot ``[S, L]`` matmul (after the output: lag 2).
+* **forward** -- grid ``(B·H, R, Dv/tv)``, semantics ``("parallel", "arbitrary", "arbitrary")``. At ``j = 0``
+  of query block ``r`` the probabilities of the three groups (cache ``q_u·Cᵀ + log N``, previous block,
+  causal present block; one softmax) are computed once into VMEM scratch; every Dv tile ``j`` then reads them
+  (no logit recomputation per tile), writes ``o[:, tile j]`` and folds block ``r-1`` into its slice of the
+  per-code running mean ``μ`` (VMEM scratch ``[Dv/tv, S, tv]`` f32) through a one-hot ``[S, L]`` matmul
+  (after the output: lag 2). The counts ``N`` advance at the last tile. ``μ`` and ``N`` start from the carried
+  state at ``r = 0``; the final ``μ, N`` are written at the last step.
+* **backward** (flash-style, recomputing the probabilities; no ``[R, S, Dv]`` tensor is ever stored):
+  pass 1, same grid and order as the forward (it needs ``μ_r``), accumulates ``dP = dO·Vᵀ`` over the Dv
+  tiles, writes the local ``dv = Pᵀ·dO`` per tile and, at the last tile, ``dS = P ⊙ (dP − rowsum(P ⊙ dP))``,
+  ``dq, dk̂`` (previous / present halves), ``dBP, dBR`` and the row log-sum-exp; pass 2 runs the query
+  blocks in reverse (grid ``(B·H, Dv/tv, R)``) and carries ``h_r = ∂/∂μ_r / max(N_r, 1)`` to give the fold's
+  ``dv`` (``onehotᵀ·h_{r+1}``) and ``∂/∂μ_0``: ``h_r = (P_cᵀ·dO_r + N_r h_{r+1}) / max(N_r, 1)``, with the
+  counts stepped back exactly. No gradient reaches the codebook or the counts (spec §9).
 
-Stage 0 stays in XLA: the blocked queries, the extended key/value/code arrays and the band bias
-``BD [B·H, R, L, 2L]`` (``rel_bias`` of the ``[T, M+1]`` band scores, i.e. zero beyond ``d > M``).
-Because BD and the band validity are precomputed, any ``1 <= M <= L`` works (spec §9 only needs ``M = L``).
+Dtypes: inputs fp32 or bf16 (q, k̂, v stored in bf16 when all three are bf16); the bf16 ``q·k̂ᵀ`` and one-hot
+folds use bf16 MXU operands with fp32 accumulation, everything else (softmax, ``μ``, P·V) is fp32. The output
+and state are in ``promote(dtype, float32)`` like the reference.
 
-Final state: when ``T % L == 0`` and ``M == L`` the kernel's last fold *is* the new carried aggregate
-(written at the last step); otherwise the new aggregate is computed in XLA (``_final_state``).
+Final state: when ``T % L == 0`` and ``M == L`` the kernel's last fold *is* the new carried aggregate;
+otherwise the aggregate is computed in XLA by the reference's ``final_state``.
 
-Backward (v1): ``custom_vjp`` whose backward is ``jax.vjp`` of the jnp reference (recomputation).
-No lse output yet (only needed by a v2 flash-style backward).
-
-Limits: Dv is one full block (no Dv tiling), fp32 compute (inputs are cast; the output is cast back to
-the reference dtype); CPU runs only with ``interpret=True``; the GPU two-phase design of §9 is not here.
+Support (:func:`unsupported_reasons`): TPU (Mosaic) only, with ``L % 8 == 0`` and a VMEM estimate computed from
+the kernels' block shapes (double-buffered) plus scratch and the main in-body temporaries, against
+``VMEM_LIMIT_BYTES``; ``tv`` is the largest of 512/256/128 dividing Dv that fits (Dv itself when it is not a
+multiple of 128). CPU runs only in interpret mode; the GPU two-phase design of §9 is not written.
 """
 
 from __future__ import annotations
@@ -40,62 +46,154 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from longctx.attention.transformer_vq import (
+from pallas_kernels.vq_cache_ref import (
     NEG,
-    _final_state,
-    _pad_left,
-    _pad_to,
-    causal_parallel,
+    final_state,
     float_dtype,
+    pad_left,
+    pad_to,
     rel_bias,
+    vq_cache_attention_reference,
 )
-
-vq_cache_attention_reference = functools.partial(causal_parallel, reduction="serial")
 
 LANES = 128
 SUB = 8
+VMEM_LIMIT_BYTES = 48 * 2**20  # passed to Mosaic as vmem_limit_bytes; the estimate must stay below it
+TV_CANDIDATES = (512, 256, 128)
+PLATFORMS = ("tpu",)
+DTYPES = ("float32", "bfloat16")
+f32 = jnp.float32
 
 
+# ----------------------------------------------------------------------------- block plans (VMEM budget)
+def _padded_bytes(shape, dtype) -> int:
+    """Bytes of one VMEM buffer of this block: the last two dims rounded up to the (8, 128) tile."""
+    shape = tuple(shape)
+    if len(shape) == 1:
+        shape = (1,) + shape
+    lead = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    rows = -(-shape[-2] // SUB) * SUB
+    cols = -(-shape[-1] // LANES) * LANES
+    return lead * rows * cols * jnp.dtype(dtype).itemsize
+
+
+def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype):
+    """(input blocks, output blocks, scratch, temporaries) as lists of (name, shape, dtype) for one kernel.
+    The pallas_calls below build their BlockSpecs and scratch from these same shapes."""
+    n_tv = Dv // tv
+    idt = jnp.dtype(in_dtype)
+    common_in = [("q", (L, Dk), idt), ("k_prev", (L, Dk), idt), ("k_pres", (L, Dk), idt),
+                 ("v_prev", (L, tv), idt), ("v_pres", (L, tv), idt), ("z_prev", (1, L), jnp.int32),
+                 ("valid_prev", (1, L), f32), ("valid_pres", (1, L), f32), ("C", (S, Dk), f32),
+                 ("bias_prev", (L, L), f32), ("bias_pres", (L, L), f32), ("mu0", (S, tv), f32),
+                 ("n0_row", (SUB, S), f32), ("n0_col", (S, LANES), f32)]
+    state_scratch = [("mu", (n_tv, S, tv), f32), ("n_row", (SUB, S), f32), ("n_col", (S, LANES), f32)]
+    probs = [("p_cache", (L, S), f32), ("p_prev", (L, L), f32), ("p_pres", (L, L), f32)]
+    logits_tmp = [("logits", (L, S + 2 * L), f32), ("exp", (L, S + 2 * L), f32), ("onehot", (S, L), f32)]
+    if kind == "fwd":
+        outs = [("o", (L, tv), f32), ("mu_fin", (S, tv), f32), ("n_fin", (SUB, S), f32)]
+        return common_in, outs, state_scratch + probs, logits_tmp + [("acc", (L, tv), f32)]
+    if kind == "bwd1":
+        ins = common_in + [("do", (L, tv), f32)]
+        outs = [("lse", (L, LANES), f32), ("dq", (L, Dk), f32), ("dk_prev", (L, Dk), f32),
+                ("dk_pres", (L, Dk), f32), ("dbias_prev", (L, L), f32), ("dbias_pres", (L, L), f32),
+                ("dv_prev", (L, tv), f32), ("dv_pres", (L, tv), f32)]
+        dprobs = [("dp_cache", (L, S), f32), ("dp_prev", (L, L), f32), ("dp_pres", (L, L), f32)]
+        return ins, outs, state_scratch + probs + dprobs, logits_tmp + [("ds", (L, S + 2 * L), f32)]
+    if kind == "bwd2":
+        ins = [("q", (L, Dk), idt), ("C", (S, Dk), f32), ("z_prev", (1, L), jnp.int32), ("valid_prev", (1, L), f32),
+               ("lse", (L, LANES), f32), ("do", (L, tv), f32), ("gmu_fin", (S, tv), f32),
+               ("n_fin_row", (SUB, S), f32), ("n_fin_col", (S, LANES), f32)]
+        outs = [("dv_fold", (L, tv), f32), ("dmu0", (S, tv), f32)]
+        scratch = [("h", (S, tv), f32), ("n_row", (SUB, S), f32), ("n_col", (S, LANES), f32)]
+        return ins, outs, scratch, [("p_cache", (L, S), f32), ("onehot", (S, L), f32), ("dmu", (S, tv), f32)]
+    raise ValueError(kind)
+
+
+def vmem_bytes(kind: str, *, L, S, Dk, Dv, tv, in_dtype=f32) -> int:
+    """VMEM estimate of one kernel: 2 × (input + output blocks) for double buffering, plus scratch, plus the
+    main in-body temporaries (logits, exponentials, one-hot), each padded to the (8, 128) tile."""
+    ins, outs, scratch, tmp = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype)
+    blocks = sum(_padded_bytes(s, d) for _, s, d in ins + outs)
+    return 2 * blocks + sum(_padded_bytes(s, d) for _, s, d in scratch + tmp)
+
+
+def _tv_options(Dv: int):
+    opts = [t for t in TV_CANDIDATES if Dv % t == 0]
+    return opts or [Dv]
+
+
+def choose_block_v(*, L, S, Dk, Dv, in_dtype=f32, with_grad=True, limit=VMEM_LIMIT_BYTES):
+    """(tv, bytes): the largest Dv tile whose kernels fit ``limit`` (bytes of the worst kernel), or (None, bytes
+    of the smallest tile) when none fits."""
+    kinds = ("fwd", "bwd1", "bwd2") if with_grad else ("fwd",)
+    best = None
+    for tv in _tv_options(Dv):
+        need = max(vmem_bytes(k, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype) for k in kinds)
+        best = (tv, need)
+        if need <= limit:
+            return tv, need
+    return None, best[1]
+
+
+def _dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype=f32,
+                        with_grad: bool = True) -> list[str]:
+    """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret');
+    empty when it can. 'interpret' (CPU, Pallas interpret mode) checks only what the kernel computes."""
+    reasons = []
+    if not 1 <= M <= L:
+        reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
+    if _dtype_name(dtype) not in DTYPES:
+        reasons.append(f"dtype {_dtype_name(dtype)} not supported (allowed: {', '.join(DTYPES)})")
+    if platform == "interpret":
+        return reasons
+    if platform not in PLATFORMS:
+        reasons.append(f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)}; the GPU two-phase "
+                       "kernel of spec §9 is not written)")
+        return reasons
+    if L % SUB:
+        reasons.append(f"TPU blocks need block_len % 8 == 0 (got L={L})")
+    in_dtype = jnp.bfloat16 if _dtype_name(dtype) == "bfloat16" else f32
+    tv, need = choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=in_dtype, with_grad=with_grad)
+    if tv is None:
+        reasons.append(f"VMEM estimate {need / 2**20:.1f} MiB at the smallest Dv tile exceeds the "
+                       f"{VMEM_LIMIT_BYTES / 2**20:.0f} MiB limit (L={L}, S={S}, Dk={Dk}, Dv={Dv}, {_dtype_name(dtype)})")
+    return reasons
+
+
+# ----------------------------------------------------------------------------- kernel bodies
 def _nt(a, b):
     """a @ b.T (contract the last dims), f32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
 
 
 def _nn(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=f32)
 
 
-def _kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, bias_ref,
-            mu0_ref, n0row_ref, n0col_ref,
-            o_ref, mufin_ref, nfin_ref,
-            mu_s, nrow_s, ncol_s, *, L: int, S: int):
-    r = pl.program_id(1)
+def _tn(a, b):
+    """a.T @ b, f32 accumulation."""
+    return jnp.dot(a.T, b, preferred_element_type=f32)
 
-    @pl.when(r == 0)
-    def _init():
-        mu_s[...] = mu0_ref[...]
-        nrow_s[...] = n0row_ref[...]
-        ncol_s[...] = n0col_ref[...]
 
-    q = q_ref[...]
-    vp = vp_ref[...]
-    vr = vr_ref[...]
-    valid_p = validp_ref[...] > 0.5  # (1, L)
-    valid_r = validr_ref[...] > 0.5  # (1, L)
+def _cache_logits(q, c, n_row):
+    has = n_row > 0.0  # (1, S)
+    s_c = _nt(q.astype(f32), c) + jnp.where(has, jnp.log(jnp.maximum(n_row, 1.0)), NEG)
+    return jnp.where(has, s_c, NEG), has
 
-    # 1. cache logits over the state after block r-2
-    n_row = nrow_s[0:1, :]  # (1, S)
-    has = n_row > 0.0
-    s_c = _nt(q, c_ref[...]) + jnp.where(has, jnp.log(jnp.maximum(n_row, 1.0)), NEG)
-    # 2. previous block (exact), 3. present block (causal)
-    s_p = _nt(q, kp_ref[...]) + bias_ref[:, :L]
-    s_r = _nt(q, kr_ref[...]) + bias_ref[:, L:]
+
+def _probs(q, kp, kr, c, bp, br, n_row, valid_p, valid_r, L):
+    """Normalized probabilities of the three groups (same op order as the reference's softmax_mix)."""
+    s_c, has = _cache_logits(q, c, n_row)
+    s_p = _nt(q, kp) + bp
+    s_r = _nt(q, kr) + br
     row = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
     mask_r = (col <= row) & valid_r
-
-    # 4. one softmax over the three groups (same op order as the reference's _softmax_mix)
-    s_c = jnp.where(has, s_c, NEG)
     s_p = jnp.where(valid_p, s_p, NEG)
     s_r = jnp.where(mask_r, s_r, NEG)
     m = jnp.maximum(jnp.maximum(jnp.max(s_c, axis=1, keepdims=True), jnp.max(s_p, axis=1, keepdims=True)),
@@ -103,180 +201,382 @@ def _kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_re
     a_c = jnp.where(has, jnp.exp(s_c - m), 0.0)
     a_p = jnp.where(valid_p, jnp.exp(s_p - m), 0.0)
     a_r = jnp.where(mask_r, jnp.exp(s_r - m), 0.0)
-    den = (jnp.sum(a_c, axis=1, keepdims=True) + jnp.sum(a_p, axis=1, keepdims=True)
-           + jnp.sum(a_r, axis=1, keepdims=True))
-    inv = 1.0 / jnp.maximum(den, 1e-30)
-    mu = mu_s[...]
-    out = _nn(a_c * inv, mu) + _nn(a_p * inv, vp) + _nn(a_r * inv, vr)
-    o_ref[...] = out.astype(o_ref.dtype)
+    den = jnp.maximum(jnp.sum(a_c, axis=1, keepdims=True) + jnp.sum(a_p, axis=1, keepdims=True)
+                      + jnp.sum(a_r, axis=1, keepdims=True), 1e-30)
+    inv = 1.0 / den
+    return a_c * inv, a_p * inv, a_r * inv, m + jnp.log(den)
 
-    # 5. fold block r-1 (extended block r) into (mu, N): lag 2 for the next query block
+
+def _onehot(z_row, valid_row, S, L):
     codes = jax.lax.broadcasted_iota(jnp.int32, (S, L), 0)
-    onehot_t = ((codes == zp_ref[...]) & valid_p).astype(jnp.float32)  # [S, L]
-    blk_sum = _nn(onehot_t, vp)  # [S, Dv]
-    cnt_row = _nt(jnp.ones((SUB, L), jnp.float32), onehot_t)  # [8, S], all rows equal
-    cnt_col = _nn(onehot_t, jnp.ones((L, LANES), jnp.float32))  # [S, 128], all lanes equal
-    n_old = ncol_s[...]
-    n_new = n_old + cnt_col
-    scale_old = n_old[:, 0:1] / jnp.maximum(n_new[:, 0:1], 1.0)
-    mu_s[...] = mu * scale_old + blk_sum / jnp.maximum(n_new[:, 0:1], 1.0)
-    ncol_s[...] = n_new
-    nrow_s[...] = nrow_s[...] + cnt_row
-
-    @pl.when(r == pl.num_programs(1) - 1)
-    def _final():
-        mufin_ref[...] = mu_s[...]
-        nfin_ref[...] = nrow_s[...]
+    return (codes == z_row) & valid_row  # [S, L] bool
 
 
-def _compiler_params(platform):
+def _fold(mu_s, j, onehot, vp, ncol_old):
+    """μ[j] ← μ[j]·N/max(N',1) + onehot·v / max(N',1) for block r-1; returns the per-code count column."""
+    blk = _nn(onehot.astype(vp.dtype), vp)  # [S, tv], exact one-hot sums, f32 accumulation
+    cnt_col = _nn(onehot.astype(f32), jnp.ones((onehot.shape[1], LANES), f32))  # [S, 128]
+    n_new = ncol_old[:, 0:1] + cnt_col[:, 0:1]
+    inv = 1.0 / jnp.maximum(n_new, 1.0)
+    mu_s[j] = mu_s[j] * (ncol_old[:, 0:1] * inv) + blk * inv
+    return cnt_col
+
+
+def _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref):
+    @pl.when(r == 0)
+    def _():
+        mu_s[j] = mu0_ref[...]
+
+    @pl.when((r == 0) & (j == 0))
+    def _():
+        nrow_s[...] = n0row_ref[...]
+        ncol_s[...] = n0col_ref[...]
+
+
+def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, bp_ref, br_ref,
+                mu0_ref, n0row_ref, n0col_ref,
+                o_ref, mufin_ref, nfin_ref,
+                mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, *, L: int, S: int):
+    r, j = pl.program_id(1), pl.program_id(2)
+    last_r, last_j = pl.num_programs(1) - 1, pl.num_programs(2) - 1
+    _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
+    valid_p = validp_ref[...] > 0.5
+
+    @pl.when(j == 0)
+    def _():
+        pc, pp, pr, _ = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], bp_ref[...], br_ref[...],
+                               nrow_s[0:1, :], valid_p, validr_ref[...] > 0.5, L)
+        pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
+
+    vp, vr = vp_ref[...], vr_ref[...]
+    out = _nn(pc_s[...], mu_s[j]) + _nn(pp_s[...], vp.astype(f32)) + _nn(pr_s[...], vr.astype(f32))
+    o_ref[...] = out.astype(o_ref.dtype)
+    onehot = _onehot(zp_ref[...], valid_p, S, L)
+    cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])  # lag 2: after the output
+
+    @pl.when(r == last_r)
+    def _():
+        mufin_ref[...] = mu_s[j]
+
+    @pl.when(j == last_j)
+    def _():
+        ncol_s[...] = ncol_s[...] + cnt_col
+        nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+
+        @pl.when(r == last_r)
+        def _():
+            nfin_ref[...] = nrow_s[...]
+
+
+def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, bp_ref, br_ref,
+                 mu0_ref, n0row_ref, n0col_ref, do_ref,
+                 lse_ref, dq_ref, dkp_ref, dkr_ref, dbp_ref, dbr_ref, dvp_ref, dvr_ref,
+                 mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, dpc_s, dpp_s, dpr_s, *, L: int, S: int):
+    r, j = pl.program_id(1), pl.program_id(2)
+    last_j = pl.num_programs(2) - 1
+    _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
+    valid_p = validp_ref[...] > 0.5
+
+    @pl.when(j == 0)
+    def _():
+        pc, pp, pr, lse = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], bp_ref[...], br_ref[...],
+                                 nrow_s[0:1, :], valid_p, validr_ref[...] > 0.5, L)
+        pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
+        lse_ref[...] = jnp.broadcast_to(lse, (L, LANES))
+        dpc_s[...] = jnp.zeros_like(pc)
+        dpp_s[...] = jnp.zeros_like(pp)
+        dpr_s[...] = jnp.zeros_like(pr)
+
+    do = do_ref[...]
+    vp, vr = vp_ref[...], vr_ref[...]
+    dpc_s[...] += _nt(do, mu_s[j])
+    dpp_s[...] += _nt(do, vp.astype(f32))
+    dpr_s[...] += _nt(do, vr.astype(f32))
+    dvp_ref[...] = _tn(pp_s[...], do)
+    dvr_ref[...] = _tn(pr_s[...], do)
+    onehot = _onehot(zp_ref[...], valid_p, S, L)
+    cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])
+
+    @pl.when(j == last_j)
+    def _():
+        pc, pp, pr = pc_s[...], pp_s[...], pr_s[...]
+        dpc, dpp, dpr = dpc_s[...], dpp_s[...], dpr_s[...]
+        delta = (jnp.sum(pc * dpc, axis=1, keepdims=True) + jnp.sum(pp * dpp, axis=1, keepdims=True)
+                 + jnp.sum(pr * dpr, axis=1, keepdims=True))  # = rowsum(dO ⊙ O)
+        dsc, dsp, dsr = pc * (dpc - delta), pp * (dpp - delta), pr * (dpr - delta)
+        q = q_ref[...].astype(f32)
+        kp, kr = kp_ref[...].astype(f32), kr_ref[...].astype(f32)
+        dq_ref[...] = _nn(dsc, c_ref[...]) + _nn(dsp, kp) + _nn(dsr, kr)
+        dkp_ref[...] = _tn(dsp, q)
+        dkr_ref[...] = _tn(dsr, q)
+        dbp_ref[...] = dsp
+        dbr_ref[...] = dsr
+        ncol_s[...] = ncol_s[...] + cnt_col
+        nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+
+
+def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nrow_fin_ref, ncol_fin_ref,
+                 dvf_ref, dmu0_ref,
+                 h_s, nrow_s, ncol_s, *, L: int, S: int):
+    rr = pl.program_id(2)  # query block r = R - 1 - rr
+
+    @pl.when(rr == 0)
+    def _():
+        nrow_s[...] = nrow_fin_ref[...]
+        ncol_s[...] = ncol_fin_ref[...]
+        h_s[...] = gmu_ref[...] / jnp.maximum(ncol_fin_ref[:, 0:1], 1.0)
+
+    onehot = _onehot(zp_ref[...], validp_ref[...] > 0.5, S, L).astype(f32)  # block r-1, folded at step r
+    h_next = h_s[...]  # h_{r+1}
+    dvf_ref[...] = _tn(onehot, h_next)
+    nrow_s[...] = nrow_s[...] - _nt(jnp.ones((SUB, L), f32), onehot)  # counts are integers: exact
+    ncol = ncol_s[...] - _nn(onehot, jnp.ones((L, LANES), f32))
+    ncol_s[...] = ncol
+    s_c, has = _cache_logits(q_ref[...], c_ref[...], nrow_s[0:1, :])
+    pc = jnp.where(has, jnp.exp(s_c - lse_ref[:, 0:1]), 0.0)
+    n_r = ncol[:, 0:1]
+    h = (_tn(pc, do_ref[...]) + n_r * h_next) / jnp.maximum(n_r, 1.0)
+    h_s[...] = h
+
+    @pl.when(rr == pl.num_programs(2) - 1)
+    def _():
+        dmu0_ref[...] = h * jnp.maximum(n_r, 1.0)
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+def _compiler_params(platform, semantics):
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
-        return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=48 * 2**20)
+        return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES)
     return None
 
 
-def _scratch(S, Dv):
+def _scratch(shapes):
     from jax.experimental.pallas import tpu as pltpu
 
-    return [pltpu.VMEM((S, Dv), jnp.float32), pltpu.VMEM((SUB, S), jnp.float32),
-            pltpu.VMEM((S, LANES), jnp.float32)]
+    return [pltpu.VMEM(s, d) for _, s, d in shapes]
 
 
-def _pallas_forward(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, *, H, L, interpret, platform):
-    """qb [BH, R·L, Dk]; kx [BH, (R+1)L, Dk]; vx [BH, (R+1)L, Dv]; zx [BH, R+1, 1, L] int32;
-    validx [R+1, 1, L] f32; C [H, S, Dk]; bias [BH, R, L, 2L]; mu0 [BH, S, Dv]; n0row [BH, 8, S];
-    n0col [BH, S, 128]. Returns o [BH, R·L, Dv], μ_fin [BH, S, Dv], N_fin [BH, 8, S]."""
-    BH, RL, Dk = qb.shape
-    R = RL // L
-    S = C.shape[1]
-    Dv = vx.shape[-1]
-    blk = lambda dim, off: pl.BlockSpec((None, L, dim), lambda b, r: (b, r + off, 0))  # noqa: E731
-    per_bh = lambda shape: pl.BlockSpec((None,) + shape, lambda b, r: (b, 0, 0))  # noqa: E731
-    in_specs = [
-        blk(Dk, 0),  # q_u block r
-        blk(Dk, 0), blk(Dk, 1),  # k̂: extended blocks r (previous) and r+1 (present)
-        blk(Dv, 0), blk(Dv, 1),  # v
-        pl.BlockSpec((None, None, 1, L), lambda b, r: (b, r, 0, 0)),  # z of the previous block, lane-dense
-        pl.BlockSpec((None, 1, L), lambda b, r: (r, 0, 0)),  # validity, previous
-        pl.BlockSpec((None, 1, L), lambda b, r: (r + 1, 0, 0)),  # validity, present
-        pl.BlockSpec((None, S, Dk), lambda b, r: (jax.lax.rem(b, H), 0, 0)),  # codebook of head b % H
-        pl.BlockSpec((None, None, L, 2 * L), lambda b, r: (b, r, 0, 0)),  # band bias
-        per_bh((S, Dv)), per_bh((SUB, S)), per_bh((S, LANES)),  # initial state
+def _in_specs(H, L, S, Dk, R, tv, n_tv):
+    blk = lambda off: pl.BlockSpec((None, L, Dk), lambda b, r, j: (b, r + off, 0))  # noqa: E731
+    vblk = lambda off: pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r + off, j))  # noqa: E731
+    per_bh = lambda shape: pl.BlockSpec((None,) + shape, lambda b, r, j: (b, 0, 0))  # noqa: E731
+    return [
+        blk(0),  # q_u, block r
+        blk(0), blk(1),  # k̂: extended blocks r (previous) and r+1 (present)
+        vblk(0), vblk(1),  # v tiles
+        pl.BlockSpec((None, None, 1, L), lambda b, r, j: (b, r, 0, 0)),  # z of the previous block, lane-dense
+        pl.BlockSpec((None, 1, L), lambda b, r, j: (r, 0, 0)),  # validity, previous
+        pl.BlockSpec((None, 1, L), lambda b, r, j: (r + 1, 0, 0)),  # validity, present
+        pl.BlockSpec((None, S, Dk), lambda b, r, j: (jax.lax.rem(b, H), 0, 0)),  # codebook of head b % H
+        pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0)),  # band bias, previous half
+        pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0)),  # band bias, present half
+        # initial μ tile j: only read at r = 0; afterwards the index stays put (no DMA)
+        pl.BlockSpec((None, S, tv), lambda b, r, j: (b, 0, jnp.where(r == 0, j, n_tv - 1))),
+        per_bh((SUB, S)), per_bh((S, LANES)),  # initial counts (row and column layouts)
     ]
-    out_specs = (blk(Dv, 0), per_bh((S, Dv)), per_bh((SUB, S)))
-    out_shape = (jax.ShapeDtypeStruct((BH, RL, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, S, Dv), jnp.float32),
-                 jax.ShapeDtypeStruct((BH, SUB, S), jnp.float32))
+
+
+def _check_plan(kind, specs, *, L, S, Dk, Dv, tv, in_dtype):
+    """The BlockSpecs passed to pallas_call are exactly the block shapes the VMEM estimate counts."""
+    ins, outs, _, _ = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype)
+    want = [tuple(s) for _, s, _ in ins + outs]
+    got = [tuple(d for d in sp.block_shape if d is not None) for sp in specs]
+    if want != got:
+        raise AssertionError(f"vq_cache {kind}: BlockSpecs {got} differ from the VMEM plan {want}")
+
+
+def _fwd_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, *, H, L, tv, interpret, platform):
+    """qb [BH, R·L, Dk]; kx [BH, (R+1)L, Dk]; vx [BH, (R+1)L, Dv]; zx [BH, R+1, 1, L] int32; validx [R+1, 1, L];
+    C [H, S, Dk]; bp, br [BH, R, L, L]; mu0 [BH, S, Dv]; n0row [BH, 8, S]; n0col [BH, S, 128]."""
+    BH, RL, Dk = qb.shape
+    R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
+    n_tv = Dv // tv
+    in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv)
+    out_specs = [pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j)),
+                 pl.BlockSpec((None, S, tv), lambda b, r, j: (b, 0, jnp.where(r == R - 1, j, 0))),
+                 pl.BlockSpec((None, SUB, S), lambda b, r, j: (b, 0, 0))]
+    _check_plan("fwd", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    _, _, scratch, _ = _plan("fwd", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
     return pl.pallas_call(
-        functools.partial(_kernel, L=L, S=S),
-        out_shape=out_shape,
-        grid=(BH, R),
+        functools.partial(_fwd_kernel, L=L, S=S),
+        out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, S, Dv), f32),
+                   jax.ShapeDtypeStruct((BH, SUB, S), f32)),
+        grid=(BH, R, n_tv),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=_scratch(S, Dv),
+        scratch_shapes=_scratch(scratch),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(platform),
-        name="vq_cache_attention",
-    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col)
+        compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
+        name="vq_cache_fwd",
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bp, br, mu0, n0row, n0col)
 
 
-def _forward(q_u, bd, k_hat, v, C, agg_mu, agg_n, band_k, band_v, z, band_z, pos, *, L, M, interpret, platform):
-    """Kernel forward: returns (o [B,H,T,Dv], new agg_mu, new agg_n) in the reference dtype."""
+def _bwd1_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, do, *, H, L, tv, interpret, platform):
+    BH, RL, Dk = qb.shape
+    R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
+    n_tv = Dv // tv
+    in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv) + [pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))]
+    row = lambda w: pl.BlockSpec((None, L, w), lambda b, r, j: (b, r, 0))  # noqa: E731
+    sq = pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0))
+    tile = pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))
+    out_specs = [row(LANES), row(Dk), row(Dk), row(Dk), sq, sq, tile, tile]
+    _check_plan("bwd1", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    _, _, scratch, _ = _plan("bwd1", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_bwd1_kernel, L=L, S=S),
+        out_shape=(shp(BH, RL, LANES), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, R, L, L),
+                   shp(BH, R, L, L), shp(BH, RL, Dv), shp(BH, RL, Dv)),
+        grid=(BH, R, n_tv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=_scratch(scratch),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
+        name="vq_cache_bwd_logits",
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bp, br, mu0, n0row, n0col, do)
+
+
+def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv, interpret, platform):
+    BH, RL, Dk = qb.shape
+    R, S, Dv = RL // L, C.shape[1], do.shape[-1]
+    n_tv = Dv // tv
+    rev = lambda rr: R - 1 - rr  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, L, Dk), lambda b, j, rr: (b, rev(rr), 0)),
+        pl.BlockSpec((None, S, Dk), lambda b, j, rr: (jax.lax.rem(b, H), 0, 0)),
+        pl.BlockSpec((None, None, 1, L), lambda b, j, rr: (b, rev(rr), 0, 0)),
+        pl.BlockSpec((None, 1, L), lambda b, j, rr: (rev(rr), 0, 0)),
+        pl.BlockSpec((None, L, LANES), lambda b, j, rr: (b, rev(rr), 0)),
+        pl.BlockSpec((None, L, tv), lambda b, j, rr: (b, rev(rr), j)),
+        pl.BlockSpec((None, S, tv), lambda b, j, rr: (b, 0, j)),
+        pl.BlockSpec((None, SUB, S), lambda b, j, rr: (b, 0, 0)),
+        pl.BlockSpec((None, S, LANES), lambda b, j, rr: (b, 0, 0)),
+    ]
+    out_specs = [pl.BlockSpec((None, L, tv), lambda b, j, rr: (b, rev(rr), j)),
+                 pl.BlockSpec((None, S, tv), lambda b, j, rr: (b, 0, j))]
+    _check_plan("bwd2", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    _, _, scratch, _ = _plan("bwd2", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    return pl.pallas_call(
+        functools.partial(_bwd2_kernel, L=L, S=S),
+        out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, S, Dv), f32)),
+        grid=(BH, n_tv, R),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=_scratch(scratch),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(platform, ("parallel", "parallel", "arbitrary")),
+        name="vq_cache_bwd_fold",
+    )(qb, C, zx, validx, lse, do, gmu, nfin_row, nfin_col)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
+def _attend(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg):
+    H, L, tv, interpret, platform = cfg
+    return _fwd_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, H=H, L=L, tv=tv, interpret=interpret,
+                     platform=platform)
+
+
+def _attend_fwd(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg):
+    out = _attend(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg)
+    return out, (qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, out[2])
+
+
+def _attend_bwd(cfg, res, g):
+    H, L, tv, interpret, platform = cfg
+    qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, nfin = res
+    do, gmu, _ = g
+    kw = dict(H=H, L=L, tv=tv, interpret=interpret, platform=platform)
+    lse, dq, dkp, dkr, dbp, dbr, dvp, dvr = _bwd1_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col,
+                                                       do.astype(f32), **kw)
+    BH, S = nfin.shape[0], nfin.shape[2]
+    nfin_col = jnp.broadcast_to(nfin[:, 0, :, None], (BH, S, LANES))
+    dvf, dmu0 = _bwd2_call(qb, zx, validx, C, lse, do.astype(f32), gmu.astype(f32), nfin, nfin_col, **kw)
+    zeros = jnp.zeros((BH, L) + dkp.shape[2:], f32)
+    dkx = jnp.concatenate([dkp, zeros], axis=1) + jnp.concatenate([zeros, dkr], axis=1)
+    zv = jnp.zeros((BH, L, vx.shape[-1]), f32)
+    dvx = jnp.concatenate([dvp + dvf, zv], axis=1) + jnp.concatenate([zv, dvr], axis=1)
+    return (dq.astype(qb.dtype), dkx.astype(kx.dtype), dvx.astype(vx.dtype), dbp, dbr, dmu0,
+            None, None, None, None, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _storage_dtype(*xs):
+    return jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in xs) else f32
+
+
+def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
+                       platform: str | None = None, block_v: int | None = None):
+    """Same contract as ``vq_cache_attention_reference(q_u, bd, k_hat, z, v, C, state, L=L, M=M)``:
+    q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T]; v [B,H,T,Dv]; C [H,S,Dk]; state with a band of M
+    tokens. Requires 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
+
+    ``platform`` ('tpu'; default: the default backend) picks the Mosaic compiler parameters; ignored when
+    ``interpret=True``. ``block_v`` (Dv tile) defaults to :func:`choose_block_v`. Forward and backward are
+    Pallas kernels (see the module docstring)."""
     B, H, T, Dk = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
     dt = float_dtype(q_u, v)
-    f32 = jnp.float32
+    platform = platform or jax.default_backend()
+    reasons = unsupported_reasons("interpret" if interpret else platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dt)
+    if not interpret and platform == "cpu":
+        reasons = ["Pallas runs on CPU only with interpret=True"] + reasons
+    if reasons:
+        raise ValueError("vq_cache_attention cannot run: " + "; ".join(reasons))
+    sdt = _storage_dtype(q_u, k_hat, v, state["band_k"], state["band_v"])  # never round a wider input
+    if block_v is None:
+        block_v = choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=sdt)[0] or _tv_options(Dv)[-1]
+    if Dv % block_v:
+        raise ValueError(f"vq_cache_attention: block_v={block_v} must divide Dv={Dv}")
     R = -(-T // L)
     Tp = R * L
     BH = B * H
+    pos = state["pos"]
+    band_k, band_v = state["band_k"].astype(dt), state["band_v"].astype(dt)
+    agg_mu, agg_n = state["agg_mu"].astype(dt), state["agg_n"].astype(dt)
 
     def flat(x):
         return x.reshape((BH,) + x.shape[2:])
 
-    qb = flat(_pad_to(q_u.astype(f32), 2, Tp))
-    kx = flat(jnp.concatenate([_pad_left(band_k.astype(f32), 2, L), _pad_to(k_hat.astype(f32), 2, Tp)], axis=2))
-    vx = flat(jnp.concatenate([_pad_left(band_v.astype(f32), 2, L), _pad_to(v.astype(f32), 2, Tp)], axis=2))
-    zx = flat(jnp.concatenate([_pad_left(band_z, 2, L), _pad_to(z, 2, Tp)], axis=2).astype(jnp.int32))
-    zx = zx.reshape(BH, R + 1, 1, L)
+    qb = flat(pad_to(q_u.astype(sdt), 2, Tp))
+    kx = flat(jnp.concatenate([pad_left(band_k.astype(sdt), 2, L), pad_to(k_hat.astype(sdt), 2, Tp)], axis=2))
+    vx = flat(jnp.concatenate([pad_left(band_v.astype(sdt), 2, L), pad_to(v.astype(sdt), 2, Tp)], axis=2))
+    zx = jnp.concatenate([pad_left(state["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2).astype(jnp.int32)
+    zx = flat(zx).reshape(BH, R + 1, 1, L)
     band_pos = pos - L + jnp.arange(L)
     band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)
     validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).astype(f32).reshape(R + 1, 1, L)
-    bdb = _pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
+    bdb = pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
     i = jnp.arange(L)[:, None]
     jj = jnp.arange(2 * L)[None, :]
     bias = flat(rel_bias(bdb, L + i - jj, M))  # [BH, R, L, 2L]
-    n0 = flat(agg_n.astype(f32))
+    n0 = jax.lax.stop_gradient(flat(agg_n.astype(f32)))
     n0row = jnp.broadcast_to(n0[:, None, :], (BH, SUB, S))
     n0col = jnp.broadcast_to(n0[:, :, None], (BH, S, LANES))
-    o, mu_fin, n_fin = _pallas_forward(qb, kx, vx, zx, validx, jax.lax.stop_gradient(C).astype(f32), bias,
-                                       flat(agg_mu.astype(f32)), n0row, n0col, H=H, L=L, interpret=interpret,
-                                       platform=platform)
+    cfg = (H, L, int(block_v), bool(interpret), platform)
+    o, mu_fin, n_fin = _attend(qb, kx, vx, bias[..., :L], bias[..., L:], flat(agg_mu.astype(f32)), zx, validx,
+                               jax.lax.stop_gradient(C).astype(f32), n0row, n0col, cfg)
     o = o.reshape(B, H, Tp, Dv)[:, :, :T].astype(dt)
+    ek = jnp.concatenate([band_k, k_hat.astype(dt)], axis=2)
+    ev = jnp.concatenate([band_v, v.astype(dt)], axis=2)
+    ez = jnp.concatenate([state["band_z"], z], axis=2)
     if T % L == 0 and M == L:  # the kernel's last fold is exactly the new carried aggregate
         new_mu = mu_fin.reshape(B, H, S, Dv).astype(dt)
-        new_n = n_fin[:, 0].reshape(B, H, S).astype(dt)
+        new_n = jax.lax.stop_gradient(n_fin[:, 0]).reshape(B, H, S).astype(dt)
     else:
-        state = {"pos": pos, "band_k": band_k.astype(dt), "band_v": band_v.astype(dt), "band_z": band_z,
-                 "agg_mu": agg_mu.astype(dt), "agg_n": agg_n.astype(dt)}
-        st = _final_state(state, k_hat.astype(dt), z, v.astype(dt), T, M, S)
+        st = {"pos": pos, "band_k": band_k, "band_v": band_v, "band_z": state["band_z"], "agg_mu": agg_mu,
+              "agg_n": agg_n}
+        st = final_state(st, k_hat.astype(dt), z, v.astype(dt), T, M, S)
         new_mu, new_n = st["agg_mu"], st["agg_n"]
-    return o, new_mu, new_n
-
-
-def _reference(q_u, bd, k_hat, v, C, agg_mu, agg_n, band_k, band_v, z, band_z, pos, *, L, M):
-    state = {"pos": pos, "band_k": band_k, "band_v": band_v, "band_z": band_z, "agg_mu": agg_mu, "agg_n": agg_n}
-    o, st = causal_parallel(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
-    return o, st["agg_mu"], st["agg_n"]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13, 14, 15))
-def _core(q_u, bd, k_hat, v, C, agg_mu, agg_n, band_k, band_v, z, band_z, pos, L, M, interpret, platform):
-    return _forward(q_u, bd, k_hat, v, C, agg_mu, agg_n, band_k, band_v, z, band_z, pos, L=L, M=M,
-                    interpret=interpret, platform=platform)
-
-
-def _core_fwd(*args):
-    return _core(*args), args[:12]
-
-
-def _core_bwd(L, M, interpret, platform, res, g):
-    floats, ints = res[:9], res[9:]
-    _, vjp = jax.vjp(lambda *fl: _reference(*fl, *ints, L=L, M=M), *floats)
-    zero_int = tuple(np.zeros(np.shape(x), jax.dtypes.float0) for x in ints)
-    return tuple(vjp(g)) + zero_int
-
-
-_core.defvjp(_core_fwd, _core_bwd)
-
-
-def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
-                       platform: str | None = None):
-    """Same contract as ``causal_parallel(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction='serial')``:
-    q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T]; v [B,H,T,Dv]; C [H,S,Dk]; state as in
-    ``transformer_vq.empty_state`` (band of M tokens). Requires 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
-
-    ``platform`` ('tpu'; default: the default backend) picks the Mosaic compiler parameters; ignored when
-    ``interpret=True``. The backward pass is ``jax.vjp`` of the jnp reference (spec §9 v1)."""
-    if not 1 <= M <= L:
-        raise ValueError(f"vq_cache_attention needs 1 <= M <= L, got M={M}, L={L}")
-    platform = platform or jax.default_backend()
-    if not interpret and platform == "cpu":
-        raise ValueError("vq_cache_attention: Pallas runs on CPU only with interpret=True")
-    if not interpret and platform != "tpu":
-        raise ValueError(f"vq_cache_attention: only the TPU (Mosaic) kernel exists; got platform={platform!r}")
-    T = q_u.shape[2]
-    dt = float_dtype(q_u, v)
-    o, agg_mu, agg_n = _core(q_u, bd, k_hat, v, C, state["agg_mu"].astype(dt), state["agg_n"].astype(dt),
-                             state["band_k"].astype(dt), state["band_v"].astype(dt), z, state["band_z"],
-                             state["pos"], L, M, interpret, platform)
-    ek = jnp.concatenate([state["band_k"].astype(dt), k_hat.astype(dt)], axis=2)
-    ev = jnp.concatenate([state["band_v"].astype(dt), v.astype(dt)], axis=2)
-    ez = jnp.concatenate([state["band_z"], z], axis=2)
-    new_state = {"pos": state["pos"] + T, "band_k": ek[:, :, T:], "band_v": ev[:, :, T:], "band_z": ez[:, :, T:],
-                 "agg_mu": agg_mu, "agg_n": agg_n}
+    new_state = {"pos": pos + T, "band_k": ek[:, :, T:], "band_v": ev[:, :, T:], "band_z": ez[:, :, T:],
+                 "agg_mu": new_mu, "agg_n": new_n}
     return o, new_state
 
 
-__all__ = ["vq_cache_attention", "vq_cache_attention_reference"]
+__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "choose_block_v", "unsupported_reasons", "vmem_bytes",
+           "vq_cache_attention", "vq_cache_attention_reference"]

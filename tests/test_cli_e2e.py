@@ -12,16 +12,24 @@ def test_train_eval_sample(tiny_cfg, tmp_path, capsys):
     assert summary["step"] == 8
     assert (wd / "loss.png").exists() and (wd / "metrics.jsonl").exists() and (wd / "config.json").exists()
     assert list((wd / "tb").iterdir())
-    assert evaluate.main(["--workdir", str(wd), "--split", "test"]) == 0
+    assert evaluate.main(["longctx-eval", "--workdir", str(wd), "--split", "test"]) == 0
     res = json.loads((wd / "eval" / "test_step8.json").read_text())
     assert res["tokens_scored"] == 512 and res["protocol"]["mode"] == "stream-with-state"
     assert res["bits_per_byte"] < 8.0 and "gzip-9" in res["compressors_bits_per_byte"]
     assert (wd / "eval" / "test_step8_loss_vs_position.png").exists()
-    assert evaluate.main(["--workdir", str(wd), "--set", "eval.protocol=sliding", "--set", "eval.max_tokens=100"]) == 0
-    assert sample.main(["--workdir", str(wd), "--prompt", "def f", "--num_tokens", "20", "--quiet"]) == 0
+    assert evaluate.main(["longctx-eval", "--workdir", str(wd), "--config.eval.protocol=sliding",
+                          "--config.eval.max_tokens=100", "--noprogress"]) == 0
+    res = json.loads((wd / "eval" / "valid_step8.json").read_text())
+    assert res["tokens_scored"] == 100 and res["protocol"]["mode"] == "sliding-window"
+    assert sample.main(["longctx-sample", "--workdir", str(wd), "--prompt", "def f", "--num_tokens", "20", "--quiet"]) == 0
     rep = json.loads((wd / "samples" / "step8_seed0.json").read_text())
     assert rep["num_tokens"] == 20 and rep["tokens_per_sec"] > 0
     text = (wd / "samples" / "step8_seed0.txt").read_text()
     assert text.startswith("def f")
+    # a second run never overwrites the first sample
+    assert sample.main(["longctx-sample", "--workdir", str(wd), "--prompt", "class", "--num_tokens", "5", "--quiet",
+                        "--noprogress"]) == 0
+    assert (wd / "samples" / "step8_seed0.txt").read_text() == text
+    assert (wd / "samples" / "step8_seed0-2.txt").read_text().startswith("class")
     out = capsys.readouterr().out
     assert "bits per byte" in out

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from longctx import runtime
-from longctx.config import validate
+from longctx.config import resolve_vocab, validate
 from longctx.data.prepare import prepare
-from longctx.evaluate import (
+from longctx.evaluate import evaluate_split
+from longctx.protocols import (
     Job,
     compressor_bits_per_byte,
-    evaluate_split,
     limit_jobs,
     sliding_jobs,
     stream_jobs,
@@ -64,7 +64,7 @@ def test_metric_arithmetic():
 
 
 def make_runner(tiny_cfg):
-    cfg = validate(runtime.resolve_vocab(tiny_cfg, 256))
+    cfg = resolve_vocab(validate(tiny_cfg), 256)
     model = build_model(cfg.model, seed=0)
     graphdef, params, nongrad, rest = split_model(model)
     tok, data, _ = prepare(cfg.data, ["valid"], progress=False)

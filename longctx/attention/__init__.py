@@ -25,6 +25,9 @@ _METHODS: dict[str, str] = {
     "dense": "longctx.attention.dense:DenseAttention",
     "transformer_vq": "longctx.attention.transformer_vq:TransformerVQAttention",
     "eva": "longctx.attention.eva:EVAAttention",
+    "fma": "longctx.attention.fma:FMAAttention",
+    "fma_linear": "longctx.attention.fma:FMALinearAttention",
+    "kdeformer": "longctx.attention.kdeformer:KDEformerAttention",
 }
 
 _loaded: dict[str, type[AttentionCore]] = {}

@@ -67,6 +67,18 @@ class NonGradState(nnx.Variable):
 
 
 @dataclasses.dataclass(frozen=True)
+class DropIn:
+    """A method's training-free setting for the quality benchmark (see ``AttentionCore.drop_in``).
+
+    overrides: method-config overrides.  setup: optional ``(core, q, k, v, k_fit, seed) -> (q, k, v)``
+    that adjusts the built core in place (e.g. fits a codebook on held-out keys ``k_fit``)."""
+
+    description: str
+    overrides: dict = dataclasses.field(default_factory=dict)
+    setup: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ContractCase:
     """A small configuration at which the shared contract suite
     (``tests/attention/test_contract.py``) runs a method. A method contributes
@@ -104,6 +116,9 @@ class AttentionCore(nnx.Module):
     # Uses ``key`` when ``deterministic=False`` (samples, hashes). The contract suite then checks that the
     # same key reproduces, another key differs, and that streaming with one key equals the full pass.
     randomized: bool = False
+    # -- capabilities: what a core needs from its block, model and tools (asked, never its name) --
+    exact: bool = False  # computes exact softmax attention: the reference benchmarks compare against
+    takes_token_mask: bool = False  # __call__ accepts mask=[B, T] bool: tokens that count in aux losses/stats
 
     def __init__(
         self,
@@ -129,6 +144,26 @@ class AttentionCore(nnx.Module):
     @classmethod
     def validate_config(cls, cfg: ml_collections.ConfigDict, *, causal: bool) -> None:
         """Raise ConfigError naming what is wrong and what is allowed."""
+
+    @classmethod
+    def configure_for_block(cls, cfg: ml_collections.ConfigDict, *, normalizes_qk: bool,
+                            d_model: int) -> ml_collections.ConfigDict:
+        """Adjust the method config to the block it sits in: ``normalizes_qk`` when the block
+        RMS-normalizes and scales q and k itself (the GAU); ``d_model`` the model width.
+        Default: nothing to adjust."""
+        return cfg
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, dict]:
+        """Variants the benchmarks time: label suffix -> config overrides ('' is the default config)."""
+        return {"": {}}
+
+    @classmethod
+    def drop_in(cls) -> "DropIn | None":
+        """Training-free setting in which the quality benchmark compares this method with exact
+        attention on the same q, k, v; None when the method has learned parts and no such setting
+        (a parameter-free method runs as it is)."""
+        return None
 
     @classmethod
     def contract_cases(cls) -> dict[str, ContractCase]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from longctx.attention.base import AttentionCore, ContractCase, check_capacity, check_qkv, require
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
 
 NEG_INF = -1e30
 
@@ -131,6 +131,7 @@ class DenseAttention(AttentionCore):
     """Exact softmax attention; causal state = fixed-capacity KV cache."""
 
     name = "dense"
+    exact = True
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -152,6 +153,14 @@ class DenseAttention(AttentionCore):
         require(cfg.impl in allowed, f"attention.dense.impl={cfg.impl!r}; allowed: {', '.join(allowed)}")
         require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
         require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
+
+    @classmethod
+    def bench_variants(cls):
+        return {"naive": {"impl": "naive"}, "blockwise": {"impl": "blockwise"}}
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn("parameter-free: used as is")
 
     @classmethod
     def contract_cases(cls):

@@ -26,46 +26,30 @@ streaming alike.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from longctx.attention.base import AttentionCore, check_qkv, require
+from longctx.attention import dispatch
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, axes, check_capacity, check_qkv, require
+from pallas_kernels import eva_chunks
 
-NEG = -1e30  # finite mask value (spec §2.7): -inf gives NaN for all-padding chunks
-LN_EPS = 1e-5
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-# ---------------------------------------------------------------------------
-# static options
-# ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class EVAOptions:
-    """Static (hashable) options of the pure functions."""
-
-    causal: bool
-    W: int  # local block size; 0 = no local part (test-only)
-    e_l: int  # left window extension
-    e_r: int  # right window extension
-    partition: str  # 'full' | 'disjoint'
-    chunk_logit: str  # 'rep' | 'exact_lse'
-    chunk_rep: str  # 'learned' | 'identity'
-    adaptive_proj: str  # 'qk' | 'no-ln' | 'none'
-    mu_mode: str  # 'sum' | 'half'
-    rf_scale: str  # 'released' | 'principled'
-    use_rpe: bool
-    rpe_buckets: int
-    rpe_max_distance: int
-    attn_dropout: float
-    logit_budget: int  # max materialized logits (B*H*Tq*(Tk+C)) per lax.map step
+# Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
+# them (pallas_kernels/eva_chunks_ref.py, DESIGN.md section 3); this file imports them: one copy of the math.
+from pallas_kernels.eva_chunks_ref import (  # noqa: F401  (re-exported names)
+    HIGHEST,
+    LN_EPS,
+    NEG,
+    EVAOptions,
+    chunk_beta,
+    chunk_summaries,
+    layer_norm,
+    representatives,
+    rf_log_feature,
+)
 
 
 def geometry(opts: EVAOptions, L: int, chunk_size: int, num_chunks: int):
@@ -157,67 +141,8 @@ def chunk_mask(q_pos, chunk_ids, chunk_valid, P: int, opts: EVAOptions):
 
 
 # ---------------------------------------------------------------------------
-# Phase A: chunk statistics (spec §2.3)
+# Phase A: chunk statistics (spec §2.3): chunk_summaries & co. in pallas_kernels/eva_chunks_ref.py
 # ---------------------------------------------------------------------------
-
-
-def layer_norm(x, scale, bias):
-    x = x.astype(jnp.float32)
-    mu = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(var + LN_EPS) * scale + bias
-
-
-def rf_log_feature(x, omega, scale: float, rf_scale: str):
-    """log ξ(x, ω) of the positive random feature, with the layer's scaling (spec §9.2).
-
-    'released':   s (ω·x − ½‖x‖²);   'principled': √s ω·x − (s/2)‖x‖²;   scale=1: ω·x − ½‖x‖².
-    x: [..., P, d]; omega: [..., d] (broadcast over P)."""
-    dot = jnp.einsum("...pd,...d->...p", x, omega, precision=HIGHEST)
-    sq = 0.5 * jnp.sum(x * x, axis=-1)
-    if rf_scale == "released":
-        return scale * (dot - sq)
-    return math.sqrt(scale) * dot - scale * sq
-
-
-def representatives(q_bar, k_bar, params, opts: EVAOptions):
-    """(k̂_c, µ_c) from the chunk means [B,H,C,d]. Linear (+LN) shared across heads."""
-    if opts.chunk_rep == "identity":
-        k_hat, q_hat = k_bar, q_bar
-    else:
-
-        def proj(x, w, b, g, beta, use_ln):
-            y = jnp.einsum("...d,de->...e", x, w, precision=HIGHEST) + b
-            return layer_norm(y, g, beta) if use_ln else y
-
-        use_ln = opts.adaptive_proj != "no-ln"
-        k_hat = proj(k_bar, params["k_w"], params["k_b"], params["k_ln_scale"], params["k_ln_bias"], use_ln)
-        if opts.adaptive_proj == "none":
-            return k_hat, jnp.zeros_like(k_hat)
-        q_hat = proj(q_bar, params["q_w"], params["q_b"], params["q_ln_scale"], params["q_ln_bias"], use_ln)
-    mu = q_hat + k_hat if opts.mu_mode == "sum" else 0.5 * (q_hat + k_hat)
-    return k_hat, mu
-
-
-def chunk_beta(omega, k_ch, v_ch, k_valid, scale: float, rf_scale: str):
-    """β_c = Σ_p softmax_p(log ξ(k_p, ω_c)) v_p. k_ch: [B,H,C,P,d], omega [B,H,C,d],
-    k_valid [C,P] (or broadcastable to [B,H,C,P])."""
-    logits = jnp.where(k_valid, rf_log_feature(k_ch, omega, scale, rf_scale), NEG)
-    w = jax.nn.softmax(logits, axis=-1)
-    w = jnp.where(k_valid, w, 0.0)
-    return jnp.einsum("...p,...pd->...d", w, v_ch, precision=HIGHEST)
-
-
-def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float):
-    """Phase A. q_ch, k_ch: [B,H,C,P,d]; v_ch: [B,H,C,P,dv] (padding rows zero);
-    k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ).
-    Returns (k̂ [B,H,C,d], β [B,H,C,dv]). Chunk means divide by P even if padded (§9.11)."""
-    P = q_ch.shape[-2]
-    q_bar = jnp.sum(q_ch, axis=-2) / P
-    k_bar = jnp.sum(k_ch, axis=-2) / P
-    k_hat, mu = representatives(q_bar, k_bar, params, opts)
-    omega = mu if noise is None else mu + noise
-    return k_hat, chunk_beta(omega, k_ch, v_ch, k_valid, scale, opts.rf_scale)
 
 
 def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
@@ -461,16 +386,12 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
 
 
 def _check_capacity(pos, T, P, C_max):
-    """Eager-mode check that the chunk memory can hold every chunk finished by these tokens
-    (under jit the shapes are fixed and the check cannot run: size max_len correctly)."""
-    if isinstance(pos, jax.core.Tracer):
-        return
-    need = (int(pos) + T) // P
-    if need > C_max:
-        raise ValueError(
-            f"eva: decoding state holds {C_max} chunk slots ({C_max * P} tokens) but {int(pos) + T} tokens were fed; "
-            "build the state with core.init_state(batch_size, max_len) with a larger max_len"
-        )
+    """The chunk memory must hold every chunk finished by these tokens: a clear error otherwise,
+    on the host when ``pos`` is concrete and through a raising host callback under jit."""
+    check_capacity((pos + T) // P, C_max,
+                   "eva: the decoding state holds {capacity} finished-chunk slots (init_state max_len) but the "
+                   "tokens fed so far finish {needed} chunks; build it with core.init_state(batch_size, max_len) "
+                   "with a larger max_len")
 
 
 # ---------------------------------------------------------------------------
@@ -482,6 +403,7 @@ class EVAAttention(AttentionCore):
     """EVA attention core (causal: App. D; bidirectional: eq. 16). See module docstring."""
 
     name = "eva"
+    randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -499,7 +421,7 @@ class EVAAttention(AttentionCore):
                 "rf_scale": "released",  # 'released' s(ω·k−½‖k‖²) | 'principled' √s ω·k − (s/2)‖k‖²
                 "use_rpe": True,  # T5 relative position bias inside the local block
                 "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
-                "impl": "auto",  # Phase A: 'xla' | 'pallas' | 'auto' (Pallas on GPU/TPU, XLA on CPU)
+                "impl": "auto",  # Phase A: 'xla' | 'pallas' | 'auto' (longctx/attention/dispatch.py)
                 "logit_budget": 1 << 24,  # max materialized logits per lax.map step (memory knob)
             }
         )
@@ -557,33 +479,53 @@ class EVAAttention(AttentionCore):
             w_init = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
         else:
             w_init = nnx.initializers.truncated_normal(0.02)
-        self.q_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32))
-        self.k_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32))
-        self.q_b, self.k_b = nnx.Param(jnp.zeros((d,))), nnx.Param(jnp.zeros((d,)))
-        self.q_ln_scale, self.k_ln_scale = nnx.Param(jnp.ones((d,))), nnx.Param(jnp.ones((d,)))
-        self.q_ln_bias, self.k_ln_bias = nnx.Param(jnp.zeros((d,))), nnx.Param(jnp.zeros((d,)))
+        mat, vec = axes(None, "head_dim"), axes("head_dim")  # shared by all heads: [d_in, d_out], [d]
+        self.q_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32), **mat)
+        self.k_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32), **mat)
+        self.q_b, self.k_b = nnx.Param(jnp.zeros((d,)), **vec), nnx.Param(jnp.zeros((d,)), **vec)
+        self.q_ln_scale, self.k_ln_scale = nnx.Param(jnp.ones((d,)), **vec), nnx.Param(jnp.ones((d,)), **vec)
+        self.q_ln_bias, self.k_ln_bias = nnx.Param(jnp.zeros((d,)), **vec), nnx.Param(jnp.zeros((d,)), **vec)
         if self.opts.use_rpe:
             shape = (self.opts.rpe_buckets,) if causal else (self.opts.rpe_buckets, num_heads)
-            self.rpe_table = nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32))
+            names = (None,) if causal else (None, "heads")
+            self.rpe_table = nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32), **axes(*names))
         else:
             self.rpe_table = None
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn(
+            "chunk_rep='identity' (k̂_c = chunk mean of k, µ_c from chunk means of q and k; no learned projection), "
+            "use_rpe=False (no learned position bias); other options default",
+            {"chunk_rep": "identity", "use_rpe": False},
+        )
+
+    @classmethod
+    def contract_cases(cls):
+        # window 8, chunk 4, 48 tokens: the carried state holds 8+ finished chunks beyond the window
+        small = {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.0, "impl": "xla"}
+        return {
+            "xla": ContractCase(cfg=small, length=48),
+            "xla_overlap_disjoint": ContractCase(cfg={**small, "overlap_window": True, "partition": "disjoint"},
+                                                 length=48, directions=("causal",)),
+            # Phase A through the Pallas kernel (interpret mode on CPU)
+            "pallas": ContractCase(cfg={**small, "impl": "pallas"}, length=48),
+        }
 
     # -- helpers --------------------------------------------------------------------
     def chunk_params(self):
         names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
         return {n: getattr(self, n)[...] for n in names}
 
-    def _stats_fn(self):
-        impl = self.cfg.impl
-        on_accel = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-        if impl == "xla" or (impl == "auto" and not on_accel):
+    def _stats_fn(self, P: int):
+        """Phase A runs the Pallas kernel of pallas_kernels/eva_chunks.py or the XLA ``chunk_summaries``, by the
+        shared rule of ``longctx.attention.dispatch`` (the kernel declares its platforms and sizes in
+        ``eva_chunks.unsupported_reasons``). Returns a ``stats_fn`` or None (XLA)."""
+        choice = dispatch.resolve(self.cfg.impl, method="eva", kernel="eva_chunk_stats",
+                                  reasons_fn=eva_chunks.unsupported_reasons, P=P, d=self.head_dim, dv=self.value_dim)
+        if not choice.use_kernel:
             return None
-        from pallas_kernels import eva_chunks
-
-        interpret = not on_accel
-        if interpret:
-            warnings.warn("eva: impl='pallas' on CPU runs the Pallas kernel in interpret mode (slow)", stacklevel=3)
-        return eva_chunks.make_stats_fn(interpret=interpret)
+        return eva_chunks.make_stats_fn(interpret=choice.interpret, platform=choice.platform)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -610,7 +552,9 @@ class EVAAttention(AttentionCore):
         c = self.cfg
         if state is None:
             out, extras = eva_forward(q, k, v, self.chunk_params(), rpe, noise_key, drop_key, self.opts,
-                                      chunk_size=c.chunk_size, num_chunks=c.num_chunks, stats_fn=self._stats_fn())
+                                      chunk_size=c.chunk_size, num_chunks=c.num_chunks,
+                                      stats_fn=self._stats_fn(geometry(self.opts, q.shape[2], c.chunk_size,
+                                                                       c.num_chunks)[1]))
             new_state = None
             if self.causal:
                 new_state = state_from_forward(extras, q.shape[2], self.opts.W + self.opts.e_l,
@@ -619,7 +563,7 @@ class EVAAttention(AttentionCore):
         if not self.causal:
             raise ValueError("eva: a bidirectional core takes no state")
         out, new_state = eva_stream(q, k, v, state, self.chunk_params(), rpe, noise_key, drop_key, self.opts,
-                                    P=c.chunk_size, stats_fn=self._stats_fn())
+                                    P=c.chunk_size, stats_fn=self._stats_fn(c.chunk_size))
         return out.astype(v.dtype), new_state
 
 

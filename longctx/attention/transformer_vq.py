@@ -33,24 +33,40 @@ agg = running mean of values per code and the count of every older token (fp32).
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from longctx.attention.base import AttentionCore, NonGradState, check_qkv, require
+from longctx.attention import dispatch
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, NonGradState, axes, check_qkv, require
+from pallas_kernels import vq_cache
 
-NEG = -1e30
+# The block-parallel causal form (spec 2.6) and its helpers live beside the Pallas kernel that must match them
+# (pallas_kernels/vq_cache_ref.py, DESIGN.md section 3); this file imports them: one copy of the math.
+from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
+    NEG,
+    REDUCTIONS,
+    causal_parallel,
+    code_summary,
+    empty_state,
+    float_dtype,
+    log_count,
+    merge,
+    prefix_reduce,
+    rel_bias,
+)
+from pallas_kernels.vq_cache_ref import cast_state as _cast_state
+from pallas_kernels.vq_cache_ref import final_state as _final_state  # noqa: F401
+from pallas_kernels.vq_cache_ref import pad_left as _pad_left  # noqa: F401
+from pallas_kernels.vq_cache_ref import pad_to as _pad_to
+from pallas_kernels.vq_cache_ref import softmax_mix as _softmax_mix
+
 sg = jax.lax.stop_gradient
-
-REDUCTIONS = ("serial", "matmul", "assoc", "sum")  # "sum" = unstable U/L cumsum, a test oracle only
 
 
 # ----------------------------------------------------------------------------- helpers
-def float_dtype(*xs):
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
 def rms_normalize(x, eps: float = 1e-6):
@@ -72,66 +88,6 @@ def codebook_from_stats(c_sum, c_count):
     return c_sum / jnp.maximum(c_count, 0.01)[..., None]
 
 
-def merge(a, b):
-    """Count-weighted mean merge of (mean [..., S, Dv], count [..., S]); associative."""
-    (mu_a, n_a), (mu_b, n_b) = a, b
-    n = n_a + n_b
-    mu = (n_a[..., None] * mu_a + n_b[..., None] * mu_b) / jnp.maximum(n, 1.0)[..., None]
-    return mu, n
-
-
-def code_summary(z, v, valid, S: int):
-    """Per-code (mean, count) of values v [..., L, Dv] with codes z [..., L] and validity [..., L]."""
-    onehot = jax.nn.one_hot(z, S, dtype=v.dtype) * valid[..., None].astype(v.dtype)  # [..., L, S]
-    cnt = jnp.sum(onehot, axis=-2)
-    tot = jnp.einsum("...ls,...ld->...sd", onehot, v)
-    return tot / jnp.maximum(cnt, 1.0)[..., None], cnt
-
-
-def log_count(n):
-    """l = log N where N > 0, else -1e30 (via where + clip: no log(0), no NaN gradient)."""
-    return jnp.where(n > 0, jnp.log(jnp.maximum(n, 1.0)), NEG)
-
-
-def rel_bias(bd, idx, max_index: int):
-    """bias[..., i, j] = bd[..., i, idx[i, j]] if 0 <= idx <= max_index else 0. bd: [..., Lq, D]."""
-    ok = (idx >= 0) & (idx <= max_index)
-    full = jnp.broadcast_to(jnp.clip(idx, 0, max_index), bd.shape[:-1] + idx.shape[-1:])
-    return jnp.where(ok, jnp.take_along_axis(bd, full, axis=-1), 0.0)
-
-
-def _pad_to(x, axis: int, n: int, value=0):
-    pad = n - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _pad_left(x, axis: int, n: int, value=0):
-    pad = n - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (pad, 0)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _softmax_mix(groups):
-    """groups: list of (scores [..., Lq, n], mask broadcastable, values [..., n, Dv]).
-    One shared normalizer with a stop-gradient row max; a divided by den before the value matmuls."""
-    m = None
-    for s, mask, _ in groups:
-        gm = jnp.max(jnp.where(mask, s, NEG), axis=-1)
-        m = gm if m is None else jnp.maximum(m, gm)
-    m = sg(m)[..., None]
-    probs = [jnp.where(mask, jnp.exp(jnp.where(mask, s, NEG) - m), 0.0) for s, mask, _ in groups]
-    den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
-    den = jnp.maximum(den, 1e-30)
-    out = sum(jnp.einsum("...qn,...nd->...qd", p / den, vals) for p, (_, _, vals) in zip(probs, groups))
-    lse = (m + jnp.log(den))[..., 0]
-    return out, lse
 
 
 # ----------------------------------------------------------------------------- STVQ
@@ -205,127 +161,8 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
     return out
 
 
-# ----------------------------------------------------------------------------- states
-def empty_state(B, H, M, S, Dk, Dv, dtype=jnp.float32):
-    return {
-        "pos": jnp.zeros((), jnp.int32),
-        "band_k": jnp.zeros((B, H, M, Dk), dtype),
-        "band_v": jnp.zeros((B, H, M, Dv), dtype),
-        "band_z": jnp.zeros((B, H, M), jnp.int32),
-        "agg_mu": jnp.zeros((B, H, S, Dv), dtype),
-        "agg_n": jnp.zeros((B, H, S), dtype),
-    }
-
-
-def _cast_state(state, dt):
-    return {k: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x) for k, x in state.items()}
-
-
-def _final_state(state, k_hat, z, v, T: int, M: int, S: int):
-    """New canonical state after T real tokens: band = newest M of [band; x], agg += everything older."""
-    pos = state["pos"]
-    ek = jnp.concatenate([state["band_k"], k_hat[:, :, :T]], axis=2)
-    ev = jnp.concatenate([state["band_v"], v[:, :, :T]], axis=2)
-    ez = jnp.concatenate([state["band_z"], z[:, :, :T]], axis=2)
-    epos = pos - M + jnp.arange(M + T)
-    n_old = T  # entries [0, T) leave the band
-    mu, n = code_summary(ez[:, :, :n_old], ev[:, :, :n_old], epos[:n_old] >= 0, S)
-    agg_mu, agg_n = merge((state["agg_mu"], state["agg_n"]), (mu, n))
-    return {
-        "pos": pos + T,
-        "band_k": ek[:, :, n_old:],
-        "band_v": ev[:, :, n_old:],
-        "band_z": ez[:, :, n_old:],
-        "agg_mu": agg_mu,
-        "agg_n": agg_n,
-    }
-
-
-# ----------------------------------------------------------------------------- cross-block reductions
-def prefix_reduce(mu, n, reduction: str):
-    """Inclusive prefix merge along axis 2 of (mu [B,H,R,S,Dv], n [B,H,R,S]) -> same shapes.
-    Computed in the wider of the two dtypes (the core always passes fp32 or fp64)."""
-    dt = jnp.result_type(mu, n)
-    mu, n = mu.astype(dt), n.astype(dt)
-    if reduction == "serial":
-        def step(carry, x):
-            carry = merge(carry, x)
-            return carry, carry
-
-        init = (jnp.zeros_like(mu[:, :, 0]), jnp.zeros_like(n[:, :, 0]))
-        _, (pm, pn) = jax.lax.scan(step, init, (jnp.moveaxis(mu, 2, 0), jnp.moveaxis(n, 2, 0)))
-        return jnp.moveaxis(pm, 0, 2), jnp.moveaxis(pn, 0, 2)
-    if reduction == "assoc":
-        return jax.lax.associative_scan(merge, (mu, n), axis=2)
-    if reduction == "matmul":
-        R = n.shape[2]
-        tri = jnp.tril(jnp.ones((R, R), mu.dtype))  # [n, g]: g <= n
-        N = jnp.einsum("ng,bhgs->bhns", tri, n)
-        w = tri[None, None, :, :, None] * n[:, :, None, :, :] / jnp.maximum(N, 1.0)[:, :, :, None, :]
-        return jnp.einsum("bhngs,bhgsd->bhnsd", w, mu), N
-    if reduction == "sum":  # U/L form (raw sums): unstable in low precision, test oracle only
-        U = jnp.cumsum(n[..., None] * mu, axis=2)
-        N = jnp.cumsum(n, axis=2)
-        return U / jnp.maximum(N, 1.0)[..., None], N
-    raise ValueError(f"unknown reduction {reduction!r}; allowed: {', '.join(REDUCTIONS)}")
-
-
-# ----------------------------------------------------------------------------- causal block-parallel form
-def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
-                    return_lse: bool = False):
-    """Linear-time causal form (spec 2.6) from a carried state; requires 1 <= M <= L.
-
-    The carried band (M keys, left-padded with invalid slots to L) acts as block -1 and the carried agg as the
-    summary of everything before it, so query block n uses agg (+) blocks -1..n-2 (lag 2), attends exactly to
-    block n-1 and (causally) to block n, with the band bias for d <= M. T need not be a multiple of L.
-    Returns (o [B,H,T,Dv], new_state) (+ lse [B,H,T] if return_lse).
-    """
-    if not 1 <= M <= L:
-        raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
-    B, H, T, Dk = q_u.shape
-    Dv, S = v.shape[-1], C.shape[1]
-    dt = float_dtype(q_u, v)
-    state = _cast_state(state, dt)
-    R = -(-T // L)
-    Tp = R * L
-    Cs = sg(C).astype(dt)
-
-    def blocks(x):  # [B, H, Tp, ...] -> [B, H, R, L, ...]
-        return x.reshape(x.shape[:2] + (R, L) + x.shape[3:])
-
-    qb = blocks(_pad_to(q_u.astype(dt), 2, Tp))
-    bdb = blocks(_pad_to(bd.astype(dt), 2, Tp))
-    # extended blocks: index 0 = carried band (block -1), index e = block e-1
-    kx = jnp.concatenate([_pad_left(state["band_k"], 2, L), _pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
-    vx = jnp.concatenate([_pad_left(state["band_v"], 2, L), _pad_to(v.astype(dt), 2, Tp)], axis=2)
-    zx = jnp.concatenate([_pad_left(state["band_z"], 2, L), _pad_to(z, 2, Tp)], axis=2)
-    band_pos = state["pos"] - L + jnp.arange(L)
-    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
-    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T])  # [(R+1) L]
-    kx, vx, zx = (x.reshape(x.shape[:2] + (R + 1, L) + x.shape[3:]) for x in (kx, vx, zx))
-    validx = validx.reshape(R + 1, L)
-
-    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2
-    bmu, bn = code_summary(zx[:, :, : R], vx[:, :, : R], validx[:R], S)  # ext 0..R-1
-    items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
-    items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
-    cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
-
-    i = jnp.arange(L)[:, None]
-    jj = jnp.arange(2 * L)[None, :]
-    bias = rel_bias(bdb, L + i - jj, M)  # [B,H,R,L,2L]
-    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(cn)[:, :, :, None, :]
-    s_p = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, :R]) + bias[..., :L]
-    s_r = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, 1:]) + bias[..., L:]
-    mask_c = (cn > 0)[:, :, :, None, :]
-    mask_p = validx[:R][:, None, :]
-    mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
-    o, lse = _softmax_mix([(s_c, mask_c, cmu), (s_p, mask_p, vx[:, :, :R]), (s_r, mask_r, vx[:, :, 1:])])
-    o = o.reshape(B, H, Tp, Dv)[:, :, :T]
-    new_state = _final_state(state, k_hat.astype(dt), z, v.astype(dt), T, M, S)
-    if return_lse:
-        return o, new_state, lse.reshape(B, H, Tp)[:, :, :T]
-    return o, new_state
+# states (empty_state), cross-block reductions (prefix_reduce) and the causal block-parallel form
+# (causal_parallel): pallas_kernels/vq_cache_ref.py, imported above.
 
 
 # ----------------------------------------------------------------------------- streaming form
@@ -461,11 +298,6 @@ def commit_loss(k, c_z, mask=None):
 
 
 # ----------------------------------------------------------------------------- the core
-def _warn_interpret():
-    warnings.warn("transformer_vq: impl='pallas' off TPU runs the Pallas kernel in interpret mode (slow)",
-                  stacklevel=3)
-
-
 class TransformerVQAttention(AttentionCore):
     """Transformer-VQ core. Inside the standard multi-head ``TransformerBlock`` it is the release's
     throughput variant (MHA, one codebook per head); inside ``GAUBlock`` the paper's single-head GAU.
@@ -473,6 +305,8 @@ class TransformerVQAttention(AttentionCore):
     Owns: the codebook statistics (``c_sum`` [H,S,Dk], ``c_count`` [H,S]; :class:`NonGradState`), and the
     Transformer-XL relative-bias parameters ``u``, ``v`` ([H, Dk], zero-init) and ``W_R`` [rel_dim, H*Dk].
     """
+
+    takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
 
     name = "transformer_vq"
     # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
@@ -518,8 +352,8 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
         require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
-        # The spec-9 Pallas kernel (pallas_kernels/vq_cache.py) is not written yet: 'pallas' is refused here
-        # rather than silently running XLA; 'auto' resolves to the XLA path on every backend until it exists.
+        # impl='pallas' runs the spec-9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
+        # reduction; 'auto' picks it or XLA by the shared rule of longctx/attention/dispatch.py.
         require(cfg.impl != "pallas" or cfg.reduction == "serial",
                 f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
 
@@ -534,11 +368,48 @@ class TransformerVQAttention(AttentionCore):
         require(rel_dim % 2 == 0, f"attention.transformer_vq.rel_dim={rel_dim} must be even")
         self.rel_dim = rel_dim
         # Flax variance scaling, fan-in, on [H, S, Dk]: fan_in = S*H, so var = 1/(S*H).
-        self.c_sum = NonGradState(jax.random.normal(rngs.params(), (H, S, Dk), jnp.float32) / math.sqrt(S * H))
-        self.c_count = NonGradState(jnp.ones((H, S), jnp.float32))
-        self.u = nnx.Param(jnp.zeros((H, Dk), jnp.float32))
-        self.v = nnx.Param(jnp.zeros((H, Dk), jnp.float32))
-        self.W_R = nnx.Param(jax.random.normal(rngs.params(), (rel_dim, H * Dk), jnp.float32) / math.sqrt(rel_dim))
+        self.c_sum = NonGradState(jax.random.normal(rngs.params(), (H, S, Dk), jnp.float32) / math.sqrt(S * H),
+                                  **axes("heads", "codebook", "head_dim"))
+        self.c_count = NonGradState(jnp.ones((H, S), jnp.float32), **axes("heads", "codebook"))
+        self.u = nnx.Param(jnp.zeros((H, Dk), jnp.float32), **axes("heads", "head_dim"))
+        self.v = nnx.Param(jnp.zeros((H, Dk), jnp.float32), **axes("heads", "head_dim"))
+        self.W_R = nnx.Param(jax.random.normal(rngs.params(), (rel_dim, H * Dk), jnp.float32) / math.sqrt(rel_dim),
+                             **axes(None, "qkv"))
+
+    @classmethod
+    def configure_for_block(cls, cfg, *, normalizes_qk, d_model):
+        cfg = ml_collections.ConfigDict(cfg.to_dict())
+        if normalizes_qk:  # the GAU normalizes q and k itself (spec 2.1)
+            cfg.qk_norm = False
+        if not cfg.rel_dim:  # the sinusoid table has width d_model
+            cfg.rel_dim = d_model
+        return cfg
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn(
+            "qk_norm=False with q·Dk^-1/2, Transformer-XL bias off (W_R=u=v=0), codebook = per-head k-means "
+            "(10 iterations) of held-out keys",
+            {"qk_norm": False},
+            _drop_in_setup,
+        )
+
+    @classmethod
+    def contract_cases(cls):
+        # block 8, codebook 16, 48 tokens = 6 blocks: the compressive cache holds 4 blocks when the last is read
+        small = {"codebook_size": 16, "block_len": 8, "impl": "xla"}
+        return {
+            "serial": ContractCase(cfg=small, length=48, atol=5e-5, rtol=5e-5),
+            "matmul": ContractCase(cfg={**small, "reduction": "matmul"}, length=48, atol=5e-5, rtol=5e-5,
+                                   directions=("causal",)),
+            "assoc": ContractCase(cfg={**small, "reduction": "assoc"}, length=48, atol=5e-5, rtol=5e-5,
+                                  directions=("causal",)),
+            "stream_short_band": ContractCase(cfg={**small, "mem_len": 3, "form": "stream"}, length=48,
+                                              atol=5e-5, rtol=5e-5, directions=("causal",)),
+            # the Pallas kernel (interpret mode on CPU) serves the causal block-parallel form; the encoder is XLA
+            "pallas": ContractCase(cfg={**small, "impl": "pallas"}, length=48, atol=5e-5, rtol=5e-5,
+                                   directions=("causal",)),
+        }
 
     # -- state ---------------------------------------------------------------
     def init_state(self, batch_size: int, max_len: int | None = None):
@@ -571,16 +442,17 @@ class TransformerVQAttention(AttentionCore):
         vb = tau_m14 * self.v[...].astype(dt)
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "bd": band_scores(q + vb[None, :, None], r)}
 
-    def _use_pallas(self) -> bool:
-        """impl='pallas': the kernel of pallas_kernels/vq_cache.py (interpret mode off TPU, with a warning);
-        'auto': the kernel on TPU, where it exists, and the XLA block-parallel form elsewhere (the kernel
-        has no GPU lowering yet). Either way the same method is computed."""
-        backend = jax.default_backend()
-        if self.cfg.impl == "pallas":
-            if backend != "tpu":
-                _warn_interpret()
-            return True
-        return self.cfg.impl == "auto" and backend == "tpu"
+    def _kernel_choice(self, dtype) -> dispatch.Choice:
+        """The block-parallel causal form runs the Pallas kernel of pallas_kernels/vq_cache.py (spec 9, forward
+        and backward) or the XLA ``causal_parallel``, by the shared rule of ``longctx.attention.dispatch``:
+        the kernel declares its platforms, shapes and VMEM budget (``vq_cache.unsupported_reasons``). The
+        streaming form (short calls, decoding) and the encoder always run XLA. Either way the same method is
+        computed."""
+        extra = [] if self.cfg.reduction == "serial" else [
+            f"reduction={self.cfg.reduction!r} (the kernel computes the serial reduction)"]
+        return dispatch.resolve(self.cfg.impl, method="transformer_vq", kernel="vq_cache",
+                                reasons_fn=vq_cache.unsupported_reasons, extra_reasons=extra, L=self.L, M=self.M,
+                                S=self.S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype)
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
@@ -597,11 +469,10 @@ class TransformerVQAttention(AttentionCore):
             form = self.cfg.form
             if form == "auto":
                 form = "parallel" if (M <= L and T >= L) else "stream"
-            if form == "parallel" and self._use_pallas() and self.cfg.reduction == "serial":
-                from pallas_kernels.vq_cache import vq_cache_attention
-
-                o, new_state = vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
-                                                  interpret=jax.default_backend() != "tpu")
+            choice = self._kernel_choice(vv.dtype) if form == "parallel" else None
+            if choice is not None and choice.use_kernel:
+                o, new_state = vq_cache.vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L,
+                                                           M=M, interpret=choice.interpret, platform=choice.platform)
             elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)
@@ -621,8 +492,45 @@ class TransformerVQAttention(AttentionCore):
         return o.astype(v.dtype), new_state
 
 
+def kmeans(x, S: int, *, iters: int = 10, seed: int = 0):
+    """Per-head Lloyd k-means. x [H, N, D] -> centroids [H, S, D] (init: S points sampled from x)."""
+    H, N, D = x.shape
+    idx = jax.random.choice(jax.random.key(seed), N, (S,), replace=N < S)
+    c = x[:, idx]
+
+    @jax.jit
+    def step(c):
+        d = jnp.sum(x * x, -1)[..., None] - 2 * jnp.einsum("hnd,hsd->hns", x, c) + jnp.sum(c * c, -1)[:, None]
+        z = jnp.argmin(d, axis=-1)
+        onehot = jax.nn.one_hot(z, S, dtype=x.dtype)
+        cnt = jnp.sum(onehot, axis=1)
+        sums = jnp.einsum("hns,hnd->hsd", onehot, x)
+        return jnp.where(cnt[..., None] > 0, sums / jnp.maximum(cnt, 1.0)[..., None], c)
+
+    for _ in range(iters):
+        c = step(c)
+    return c
+
+
+def _drop_in_setup(core, q, k, v, k_fit, seed):
+    """Training-free setting: no learned position bias (W_R = u = v = 0), qk_norm off with q pre-scaled
+    by Dk^-1/2 (logits q·k/sqrt(Dk) as in exact attention), codebook = per-head k-means (10 Lloyd
+    iterations) of held-out keys ``k_fit`` (same distribution, different sample)."""
+    D = q.shape[-1]
+    for name in ("W_R", "u", "v"):
+        var = getattr(core, name)
+        var[...] = jnp.zeros_like(var[...])
+    H = k_fit.shape[1]
+    x = jnp.moveaxis(k_fit.astype(jnp.float32), 1, 0).reshape(H, -1, D)
+    cents = kmeans(x, int(core.cfg.codebook_size), seed=seed)
+    core.c_sum[...] = cents.astype(core.c_sum[...].dtype)
+    core.c_count[...] = jnp.ones_like(core.c_count[...])
+    return q * D**-0.5, k, v
+
+
 __all__ = [
     "TransformerVQAttention",
+    "kmeans",
     "causal_parallel",
     "causal_stream",
     "code_summary",

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx.bench import common as C
-from longctx.bench.cores import CoreFns, build_core, variants
+from longctx.bench.cores import CoreFns, build_core, is_exact, variants
 from longctx.errors import ConfigError
 
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,128k"
@@ -143,7 +143,7 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar):
         bar.set_postfix_str(f"{label} {dname} T={C.fmt_len(T)}")
         row = {"method": method, "variant": label, "direction": dname, "length": T, "batch": B, "heads": H,
                "head_dim": D, "dtype": args.dtype}
-        if method == "dense":
+        if is_exact(method):
             row["analytic_flops_fwd"] = analytic_dense_flops(B, H, T, D, causal)
             row["analytic_flops_fwdbwd"] = 3.5 * row["analytic_flops_fwd"]
         q, k, v = C.random_qkv(args.seed + T, B, H, T, D, dtype, Dv)

@@ -1,8 +1,7 @@
 """q/k/v of a trained model's layer, for the quality benchmark.
 
-Runs the model's blocks before ``layer`` whole, then the pieces of block ``layer`` up to
-its attention core (TransformerBlock: norm1 -> qkv Linear -> reshape -> rotary), without
-touching ``longctx/models/blocks.py``."""
+Runs the model's blocks before ``layer`` whole, then ``block.project`` of block ``layer``:
+the q, k, v the block hands its attention core (any block type)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import numpy as np
 from flax import nnx
 
 from longctx.bench import configs
-from longctx.models.layers import apply_rotary
 
 
 def has_checkpoint(workdir: str | Path) -> bool:
@@ -55,10 +53,6 @@ class Capturer:
         blocks = self.model.blocks
         if not 0 <= layer < len(blocks):
             raise ValueError(f"--layer {layer}: the model has {len(blocks)} blocks")
-        blk = blocks[layer]
-        for attr in ("norm1", "qkv", "num_heads", "head_dim", "rotary"):
-            if not hasattr(blk, attr):
-                raise ValueError(f"block {layer} ({type(blk).__name__}) is not a TransformerBlock (no {attr})")
         self.tokens = np.asarray(self.runner.load_split(split).tokens)
         self.step = self.runner.step
         self.cfg = self.runner.cfg
@@ -70,13 +64,7 @@ class Capturer:
             x = model.embed_tokens(tokens, positions)
             for b in list(model.blocks)[:layer]:
                 x, _ = b(x, None, positions=positions)
-            b = model.blocks[layer]
-            B = tokens.shape[0]
-            h = b.norm1(x)
-            qkv = b.qkv(h).reshape(B, T, 3, b.num_heads, b.head_dim).transpose(2, 0, 3, 1, 4)
-            q, k, v = qkv[0], qkv[1], qkv[2]
-            if b.rotary:
-                q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+            q, k, v = model.blocks[layer].project(x, positions)
             return q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
 
         self._run = _run

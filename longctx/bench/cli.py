@@ -13,11 +13,18 @@ import argparse
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line on stderr, exit status 2 (as every longctx command)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from longctx.bench import attention_bench, decode_bench, quality_bench, report, train_bench
 
-    p = argparse.ArgumentParser(prog="longctx-bench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="longctx-bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, mod, help_ in (
         ("attention", attention_bench, "forward / forward+backward time, memory, FLOP rate vs length"),
         ("decode", decode_bench, "per-token decoding latency and state size vs context position"),
@@ -28,15 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--out", default="bench_out", help="output folder (JSON, markdown, PNG)")
         if name != "report":
-            sp.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
+            sp.add_argument("--noprogress", "--no_progress", dest="progress", action="store_false",
+                            help="no progress bar")
         mod.add_args(sp)
         sp.set_defaults(func=mod.run)
     return p
 
 
 def main(argv=None) -> int:
+    from longctx.cli import user_errors
+
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    args.func(args)
+    with user_errors():
+        args.func(args)
     return 0
 
 

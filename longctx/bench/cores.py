@@ -21,16 +21,17 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import Aux
 
-# Extra variants benchmarked for a method (label, config overrides). A method not listed
-# here is benchmarked once, with its default config -- so methods registered later
-# appear without editing this file.
-EXTRA_VARIANTS: dict[str, list[tuple[str, dict]]] = {
-    "dense": [("dense:naive", {"impl": "naive"}), ("dense:blockwise", {"impl": "blockwise"})],
-}
-
 
 def variants(name: str) -> list[tuple[str, dict]]:
-    return EXTRA_VARIANTS.get(name, [(name, {})])
+    """(label, config overrides) of each variant a method asks to be benchmarked in
+    (``AttentionCore.bench_variants``; default: its default config, labelled by its name)."""
+    return [(f"{name}:{suffix}" if suffix else name, dict(over))
+            for suffix, over in attention.get_class(name).bench_variants().items()]
+
+
+def is_exact(name: str) -> bool:
+    """The method computes exact softmax attention (the reference the benchmarks compare with)."""
+    return bool(attention.get_class(name).exact)
 
 
 def method_config(name: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

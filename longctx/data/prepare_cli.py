@@ -11,7 +11,6 @@ Running it again is a no-op. Temporary files left in that directory by a killed 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 
@@ -42,22 +41,23 @@ def summary(tokenizer, data: dict, directory: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def prepare_all(cfg, *, progress: bool = True) -> None:
+    """Validate ``cfg``, remove temporaries of killed runs, prepare every split, print the summary."""
     from longctx import config as config_lib
-    from longctx.cli import join_config_flag, load_config
     from longctx.data.prepare import prepare, remove_stale_temporaries
-    from longctx.runtime import user_errors
 
-    argv = join_config_flag(list(sys.argv if argv is None else argv))
-    with user_errors():
-        cfg, _workdir, _max_steps, progress = load_config(argv, require_workdir=False)
-        cfg = config_lib.validate(cfg)
-        removed = remove_stale_temporaries(target_directory(cfg.data))
-        if removed:
-            print(f"removed {len(removed)} temporary file(s) left by an interrupted run")
-        tokenizer, data, directory = prepare(cfg.data, progress=progress)
-        print(summary(tokenizer, data, directory))
-    return 0
+    cfg = config_lib.validate(cfg)
+    removed = remove_stale_temporaries(target_directory(cfg.data))
+    if removed:
+        print(f"removed {len(removed)} temporary file(s) left by an interrupted run")
+    tokenizer, data, directory = prepare(cfg.data, progress=progress)
+    print(summary(tokenizer, data, directory))
+
+
+def main(argv=None) -> int:
+    from longctx import cli
+
+    return cli.prepare_main(argv)
 
 
 if __name__ == "__main__":

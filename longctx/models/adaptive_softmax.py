@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from longctx.models.layers import linear
+
 _NEG = -1e30
 
 
@@ -97,13 +99,15 @@ class AdaptiveSoftmax(nnx.Module):
         self.bounds = [0] + cutoffs + [vocab_size]
         self.n_tails = len(cutoffs)
         init = nnx.initializers.normal(0.02)
-        self.head = nnx.Linear(d_model, cutoffs[0] + self.n_tails, kernel_init=init, param_dtype=param_dtype, rngs=rngs)
+        self.head = linear(d_model, cutoffs[0] + self.n_tails, ("embed", "vocab"), kernel_init=init,
+                           param_dtype=param_dtype, rngs=rngs)
         projs, outs = [], []
         for i in range(1, self.n_tails + 1):
             d_i = max(1, int(d_model // (self.div_val ** i)))
             size = self.bounds[i + 1] - self.bounds[i]
-            projs.append(nnx.Linear(d_model, d_i, use_bias=False, kernel_init=init, param_dtype=param_dtype, rngs=rngs))
-            outs.append(nnx.Linear(d_i, size, kernel_init=init, param_dtype=param_dtype, rngs=rngs))
+            projs.append(linear(d_model, d_i, ("embed", None), use_bias=False, kernel_init=init,
+                                param_dtype=param_dtype, rngs=rngs))
+            outs.append(linear(d_i, size, (None, "vocab"), kernel_init=init, param_dtype=param_dtype, rngs=rngs))
         self.tail_proj = nnx.List(projs)
         self.tail_out = nnx.List(outs)
 

@@ -6,6 +6,7 @@ Block interface (every block type follows it)::
     x, state = block(x, state, positions=pos, deterministic=True, key=None, aux=aux)
     state = block.init_state(batch_size, max_len)
     block.apply_stats(stats)                         # non-gradient updates (aux.stats of this layer)
+    q, k, v = block.project(x, positions)            # what the block hands its attention core
 
 x: [B, T, d_model]; positions: [T] int32 absolute positions of x's tokens;
 aux: a ``longctx.attention.Aux`` for this layer.
@@ -20,7 +21,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.errors import ConfigError
-from longctx.models.layers import MLP, apply_rotary, dropout, make_norm
+from longctx.models.layers import MLP, apply_rotary, dropout, linear, make_norm
 
 # name -> "module:Class". One line per block type.
 _BLOCKS: dict[str, str] = {
@@ -57,8 +58,8 @@ class TransformerBlock(nnx.Module):
         self.dropout_rate = cfg.dropout
         self.norm1 = make_norm(cfg.norm, d, rngs)
         self.norm2 = make_norm(cfg.norm, d, rngs)
-        self.qkv = nnx.Linear(d, 3 * H * Dh, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(H * Dh, d, use_bias=False, rngs=rngs)
+        self.qkv = linear(d, 3 * H * Dh, ("embed", "qkv"), use_bias=False, rngs=rngs)
+        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=False, rngs=rngs)
         name = cfg.attention.name
         self.core = attention.build(
             name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
@@ -68,17 +69,23 @@ class TransformerBlock(nnx.Module):
     def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
         B, T, _ = x.shape
         k_core, k_attn, k_mlp, k_res = split_key(key, 4)
-        h = self.norm1(x)
-        qkv = self.qkv(h).reshape(B, T, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        if self.rotary:
-            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+        q, k, v = self.project(x, positions)
         o, state = self.core(q, k, v, state, deterministic=deterministic, key=k_core, aux=aux)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.head_dim)
         x = x + dropout(self.out(o.astype(x.dtype)), self.dropout_rate, deterministic, k_attn)
         h = self.mlp(self.norm2(x), deterministic=deterministic, key=k_mlp)
         x = x + dropout(h, self.dropout_rate, deterministic, k_res)
         return x, state
+
+    def project(self, x, positions):
+        """The q, k, v [B, H, T, Dh] this block hands its attention core."""
+        B, T, _ = x.shape
+        h = self.norm1(x)
+        qkv = self.qkv(h).reshape(B, T, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.rotary:
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+        return q, k, v
 
     def init_state(self, batch_size: int, max_len: int | None):
         return self.core.init_state(batch_size, max_len)

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx.attention import Aux
+from longctx.attention.base import logical
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, split_key
-from longctx.models.layers import make_norm, sinusoidal_table
+from longctx.models.layers import linear, make_norm, sinusoidal_table
 
 
 class DecoderLM(nnx.Module):
@@ -25,9 +26,12 @@ class DecoderLM(nnx.Module):
         self.cfg_positions = cfg.positions
         self.d_model = cfg.d_model
         self.vocab_size = cfg.vocab_size
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                               embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs)
         if cfg.positions == "learned":
-            self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+            self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model,
+                                       embedding_init=logical(nnx.initializers.normal(0.02), "position", "embed"),
+                                       rngs=rngs)
             self.max_len = cfg.max_len
         else:
             self.pos_embed = None
@@ -42,7 +46,7 @@ class DecoderLM(nnx.Module):
             else None
         )
         self.head = (
-            nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs)
             if not adaptive and not cfg.tie_embeddings
             else None
         )

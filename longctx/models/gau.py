@@ -25,7 +25,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.errors import ConfigError
-from longctx.models.layers import RMSNorm, dropout, fan_in_init
+from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
 
 
 def _split_key(key, n):
@@ -50,26 +50,38 @@ class GAUBlock(nnx.Module):
             raise ConfigError(f"model.gau_layerdrop={self.layerdrop}; allowed: 0 <= p < 1")
         self.norm = RMSNorm(d, use_bias=True)
         init = fan_in_init()
-        self.wq = nnx.Linear(d, H * Dk, use_bias=False, kernel_init=init, rngs=rngs)
-        self.wkvg = nnx.Linear(d, H * (Dk + 2 * Dv), use_bias=False, kernel_init=init, rngs=rngs)
-        self.wo = nnx.Linear(H * Dv, d, use_bias=False, kernel_init=init, rngs=rngs)
+        self.wq = linear(d, H * Dk, ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs)
+        self.wkvg = linear(d, H * (Dk + 2 * Dv), ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs)
+        self.wo = linear(H * Dv, d, ("qkv", "embed"), use_bias=False, kernel_init=init, rngs=rngs)
         name = cfg.attention.name
+        core_cls = attention.get_class(name)
         core_cfg = attention.default_config(name)
         if cfg.attention.get(name) is not None:
             core_cfg.update(cfg.attention.get(name))
-        if "qk_norm" in core_cfg:  # the GAU normalizes q and k itself (spec 2.1)
-            core_cfg.qk_norm = False
-        if "rel_dim" in core_cfg and not core_cfg.rel_dim:  # the sinusoid table has width d_model
-            core_cfg.rel_dim = d
+        # the GAU RMS-normalizes and scales q and k itself (spec 2.1); the core adapts through its capability
+        core_cfg = core_cls.configure_for_block(core_cfg, normalizes_qk=True, d_model=d)
         self.core = attention.build(name, core_cfg, num_heads=H, head_dim=Dk, value_dim=Dv,
                                     causal=cfg.causal, rngs=rngs)
-        self._core_takes_mask = name == "transformer_vq"
+        self._core_takes_mask = bool(core_cls.takes_token_mask)
 
     def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool of tokens that count in the VQ commit loss / codebook statistics."""
         B, T, _ = x.shape
-        H, Dk, Dv = self.num_heads, self.head_dim, self.value_dim
+        H, Dv = self.num_heads, self.value_dim
         k_core, k_res, k_ld = _split_key(key, 3)
+        q, k, v, g = self._project(x)
+        extra = {"mask": mask} if (self._core_takes_mask and mask is not None) else {}
+        o, state = self.core(q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **extra)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv).astype(x.dtype) * g
+        y = dropout(self.wo(o), self.dropout_rate, deterministic, k_res)
+        if not deterministic and self.layerdrop > 0.0 and k_ld is not None:
+            keep = jax.random.bernoulli(k_ld, 1.0 - self.layerdrop, (B, 1, 1))
+            y = jnp.where(keep, y / (1.0 - self.layerdrop), 0.0).astype(y.dtype)
+        return x + y, state
+
+    def _project(self, x):
+        B, T, _ = x.shape
+        H, Dk, Dv = self.num_heads, self.head_dim, self.value_dim
         h = self.norm(x)
         q = self.wq(h).reshape(B, T, H, Dk)
         kvg = self.wkvg(h)
@@ -80,14 +92,11 @@ class GAUBlock(nnx.Module):
         q = scale * _rms(q)
         k = scale * _rms(k)
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        extra = {"mask": mask} if (self._core_takes_mask and mask is not None) else {}
-        o, state = self.core(q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **extra)
-        o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv).astype(x.dtype) * g
-        y = dropout(self.wo(o), self.dropout_rate, deterministic, k_res)
-        if not deterministic and self.layerdrop > 0.0 and k_ld is not None:
-            keep = jax.random.bernoulli(k_ld, 1.0 - self.layerdrop, (B, 1, 1))
-            y = jnp.where(keep, y / (1.0 - self.layerdrop), 0.0).astype(y.dtype)
-        return x + y, state
+        return q, k, v, g
+
+    def project(self, x, positions=None):
+        """The q, k, v [B, H, T, *] this block hands its attention core (for capture tools)."""
+        return self._project(x)[:3]
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         return self.core.init_state(batch_size, max_len)

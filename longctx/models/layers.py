@@ -6,13 +6,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from longctx.attention.base import axes, logical
+
 
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * g (+ b), computed in fp32."""
 
     def __init__(self, dim: int, *, use_bias: bool = False, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if use_bias else None
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **axes("norm"))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), **axes("norm")) if use_bias else None
         self.eps = eps
 
     def __call__(self, x):
@@ -25,7 +27,8 @@ class RMSNorm(nnx.Module):
 
 def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
     if kind == "layernorm":
-        return nnx.LayerNorm(dim, rngs=rngs)
+        return nnx.LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
+                             bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs)
     if kind == "rmsnorm":
         return RMSNorm(dim)
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
@@ -33,14 +36,22 @@ def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
 
 class MLP(nnx.Module):
     def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs):
-        self.up = nnx.Linear(dim, hidden, rngs=rngs)
-        self.down = nnx.Linear(hidden, dim, rngs=rngs)
+        self.up = linear(dim, hidden, ("embed", "mlp"), rngs=rngs)
+        self.down = linear(hidden, dim, ("mlp", "embed"), rngs=rngs)
         self.dropout = dropout
 
     def __call__(self, x, *, deterministic: bool, key=None):
         h = jax.nn.gelu(self.up(x))
         h = dropout(h, self.dropout, deterministic, key)
         return self.down(h)
+
+
+def linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs,
+           **kw) -> nnx.Linear:
+    """nnx.Linear whose kernel [d_in, d_out] carries logical axis ``names`` (the bias: ``names[1]``)."""
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=logical(kernel_init, *names),
+                      bias_init=logical(nnx.initializers.zeros, names[1]), rngs=rngs, **kw)
 
 
 def dropout(x, rate: float, deterministic: bool, key):

@@ -1,20 +1,43 @@
 """Orbax checkpoints: params, optimizer state, non-gradient model state, step,
-resolved config, git SHA and a format version; async saves, keep-last-N."""
+resolved config, git SHA and a format version; async saves, keep-last-N.
+
+What is read is checked, and what is written is whole:
+
+* Orbax writes each checkpoint into ``<step>.orbax-checkpoint-tmp`` and renames it to
+  ``<step>`` only when every file is written, so a kill at any moment (SIGKILL during an
+  async save included) leaves at most a temporary directory, which is never listed as a
+  step and is removed when training opens the directory again.
+* Every checkpoint's metadata holds a CRC32 of each saved item (params, nongrad, opt_state),
+  computed from the values on the host before writing; only finite values are written.
+* :func:`restore` tries the newest checkpoint first and falls back to the newest one that
+  reads, matches its CRCs and is finite, printing one warning that names each skipped step
+  and why; if none is valid it raises one :class:`CheckpointError` listing them.
+* A failed write (disk full, ...) raises :class:`CheckpointError` saying which step could
+  not be written; the previous checkpoints are untouched.
+
+Nothing in a checkpoint is executed: the state is Orbax/TensorStore arrays, the metadata JSON.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import subprocess
+import sys
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from longctx.config import FORMAT_VERSION
 from longctx.errors import CheckpointError
 
-logging.getLogger("absl").setLevel(logging.ERROR)
+# orbax logs a full traceback for a failed async write before re-raising it; we report it in one line
+logging.getLogger("absl").setLevel(logging.CRITICAL)
+logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # and asyncio logs each failed write future again
 
 
 def git_sha() -> str:
@@ -28,26 +51,84 @@ def git_sha() -> str:
 
 
 def manager(workdir: str | Path, *, keep: int = 3, async_save: bool = True, create: bool = True) -> ocp.CheckpointManager:
+    """``create=True`` (training): make the directory and remove temporary directories left by a
+    killed save. ``create=False`` (eval, sample): read only; a missing directory is an error."""
     directory = Path(workdir).resolve() / "checkpoints"
     if not create and not directory.exists():
         raise CheckpointError(f"no checkpoints in {Path(workdir)}: train first (longctx-train --workdir {workdir})")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=create)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=create,
+                                           cleanup_tmp_directories=create)
     return ocp.CheckpointManager(directory, options=options)
 
 
+def _host_leaves(tree) -> list[tuple[str, np.ndarray]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in flat]
+
+
+def fingerprint(tree) -> int:
+    """CRC32 over every leaf's path, dtype, shape and bytes, in tree order."""
+    crc = 0
+    for name, x in _host_leaves(tree):
+        crc = zlib.crc32(f"{name}:{x.dtype}:{x.shape};".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8).reshape(-1), crc)
+    return crc
+
+
+def nonfinite_leaves(tree) -> list[str]:
+    """Paths of the floating-point leaves that hold a NaN or an infinity."""
+    return [name for name, x in _host_leaves(tree)
+            if np.issubdtype(x.dtype, np.floating) and not bool(np.all(np.isfinite(x)))]
+
+
 def save(mngr: ocp.CheckpointManager, step: int, tree: dict, *, config, extra: dict | None = None) -> None:
+    """Start writing ``tree`` (a dict of items) as checkpoint ``step``. Refuses non-finite values.
+    Errors of an earlier async write surface here or in :func:`wait` as :class:`CheckpointError`."""
+    bad = [f"{item}{name}" for item, sub in tree.items() for name in nonfinite_leaves(sub)]
+    if bad:
+        raise CheckpointError(f"refusing to write checkpoint {step}: non-finite values in {', '.join(bad[:3])}")
     meta = {
         "step": int(step),
         "format_version": FORMAT_VERSION,
         "git_sha": git_sha(),
         "config": json.loads(config.to_json()),
+        "crc32": {item: fingerprint(sub) for item, sub in tree.items()},
         **(extra or {}),
     }
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
+    if step in mngr.all_steps():  # a step found invalid earlier and now trained again
+        mngr.delete(step)
+    try:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)),
+                  force=True)
+    except Exception as e:  # noqa: BLE001 -- any write failure becomes one line
+        raise write_error(mngr, step, e) from None
 
 
-def read_meta(mngr: ocp.CheckpointManager, step: int | None = None) -> dict:
-    step = latest(mngr) if step is None else step
+def wait(mngr: ocp.CheckpointManager) -> None:
+    """Block until pending async writes are committed; a failed one raises :class:`CheckpointError`."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+        raise write_error(mngr, None, e) from None
+
+
+def write_error(mngr, step, err: Exception) -> CheckpointError:
+    text = " ".join(str(err).split())
+    if "No space left" in text or "RESOURCE_EXHAUSTED" in text:
+        why = "the disk is full"
+    else:
+        why = f"{type(err).__name__}: {text[:160]}"
+    try:
+        done = sorted(mngr.all_steps(read=True))
+    except Exception:  # noqa: BLE001
+        done = []
+    which = f"checkpoint {step}" if step is not None else "a checkpoint"
+    kept = f"the checkpoint at step {done[-1]} is intact" if done else "no earlier checkpoint exists"
+    return CheckpointError(f"could not write {which} in {mngr.directory} ({why}); {kept}. "
+                           "Free space or fix the directory, then run the same command to resume")
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
@@ -58,12 +139,22 @@ def latest(mngr: ocp.CheckpointManager) -> int:
     return step
 
 
-def restore(mngr: ocp.CheckpointManager, target: dict, step: int | None = None, *, partial: bool = False) -> tuple[dict, dict]:
-    """Restore into the structure (and shardings) of ``target``; returns (tree, meta).
-    ``partial``: ``target`` names a subset of the saved items (e.g. params only)."""
-    step = latest(mngr) if step is None else step
-    if step not in mngr.all_steps():
-        raise CheckpointError(f"checkpoint step {step} not found in {mngr.directory}; available: {sorted(mngr.all_steps())}")
+def _short(err: Exception) -> str:
+    import re
+
+    text = re.sub(r'Error opening "\w+" driver: ', "", " ".join(str(err).split()))
+    return f"{type(err).__name__}: {text[:140]}"
+
+
+def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dict]:
+    """Read, check format, CRCs and finiteness of one checkpoint. Raises ``_Invalid`` with the reason."""
+    try:
+        meta = read_meta(mngr, step)
+    except Exception as e:  # noqa: BLE001
+        raise _Invalid(f"metadata unreadable ({_short(e)})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise _Invalid(f"format {meta.get('format_version')}, this code reads {FORMAT_VERSION}")
+    target = make_target(meta) if callable(make_target) else make_target
 
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
@@ -76,13 +167,53 @@ def restore(mngr: ocp.CheckpointManager, target: dict, step: int | None = None, 
     else:
         state_args = ocp.args.StandardRestore(item)
     try:
-        out = mngr.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
-    except ValueError as e:
-        first = str(e).splitlines()[0][:200]
-        raise CheckpointError(f"checkpoint {step} in {mngr.directory} does not match this model ({first})") from None
-    meta = out["meta"]
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint format {meta.get('format_version')} in {mngr.directory}, this code reads {FORMAT_VERSION}"
-        )
-    return out["state"], meta
+        tree = mngr.restore(step, args=ocp.args.Composite(state=state_args))["state"]
+    except Exception as e:  # noqa: BLE001 -- truncated or corrupt files, or a different model
+        raise _Invalid(f"unreadable or not this model ({_short(e)})") from None
+    crcs = meta.get("crc32", {})
+    for name in target:
+        if name in crcs and fingerprint(tree[name]) != crcs[name]:
+            raise _Invalid(f"{name} do not match the checksum written with them")
+        bad = nonfinite_leaves(tree[name])
+        if bad:
+            raise _Invalid(f"non-finite values in {name}{bad[0]}")
+    return tree, meta
+
+
+class _Invalid(Exception):
+    pass
+
+
+def restore(mngr: ocp.CheckpointManager, target: dict | Callable[[dict], dict], step: int | None = None, *,
+            partial: bool = False, warn=None) -> tuple[dict, dict]:
+    """Restore into the structure (and shardings) of ``target``; returns (tree, meta).
+
+    ``target`` is a dict of items, or a function of the checkpoint's metadata that returns one
+    (e.g. a model built from the saved config). ``partial``: ``target`` names a subset of the saved
+    items. With ``step=None`` the newest valid checkpoint is used and each newer invalid one is
+    reported by one warning line (``warn``, default: stderr); an explicit ``step`` must be valid."""
+    steps = sorted(mngr.all_steps(read=True), reverse=True)
+    if not steps:
+        latest(mngr)  # raises the "train first" error
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"checkpoint step {step} not found in {mngr.directory}; available: {sorted(steps)}")
+        steps = [step]
+    skipped = []
+    for s in steps:
+        try:
+            tree, meta = _restore_one(mngr, s, target, partial)
+        except _Invalid as e:
+            skipped.append((s, str(e)))
+            continue
+        if skipped:
+            why = "; ".join(f"step {k}: {r}" for k, r in skipped)
+            (warn or _stderr)(f"warning: skipped invalid checkpoint(s) in {mngr.directory} ({why}); "
+                              f"using step {s}")
+        return tree, meta
+    why = "; ".join(f"step {k}: {r}" for k, r in skipped)
+    raise CheckpointError(f"no valid checkpoint in {mngr.directory} ({why}); train again in a new --workdir")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,4 +1,8 @@
-"""The training loop: resume, steps, periodic eval, checkpoints, signals, logs."""
+"""The training loop: resume, steps, periodic eval, checkpoints, signals, logs.
+
+The config is validated once, here, on the way in. The loop imports no entry point and no
+evaluation command: periodic validation scores through :mod:`longctx.protocols`.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,19 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from longctx import config as config_lib
 from longctx.data.batching import Batcher
 from longctx.data.prepare import prepare
-from longctx.errors import ConfigError, NonFiniteError
+from longctx.errors import CheckpointError, ConfigError, NonFiniteError
 from longctx.models.decoder import build_model
+from longctx.protocols import score_split
 from longctx.train import checkpoint, sharding
 from longctx.train.metrics import MetricsWriter, plot_losses
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_train_step, split_model
+from longctx.train.step import make_forward, make_train_step, split_model
 
 LN2 = math.log(2.0)
 
@@ -48,6 +54,27 @@ class StopFlag:
             signal.signal(s, h)
 
 
+# train-step metrics the loop reports itself; every other key (the model's aux losses and metrics,
+# e.g. a method's per-layer diagnostics) is logged as it comes, averaged over the step's windows
+_CORE_METRICS = ("loss", "ce", "grad_norm", "loss_finite", "grad_finite")
+
+
+def crossed(prev_step: int, step: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in (prev_step, step]: the step advances by the number of
+    windows per row, so "every N steps" fires when a multiple is crossed, not only when hit."""
+    return step // every > prev_step // every
+
+
+def extra_metrics(metrics: dict) -> dict:
+    return {k: float(np.mean(v)) for k, v in metrics.items() if k not in _CORE_METRICS}
+
+
+def first_nonfinite_window(metrics: dict) -> int | None:
+    ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else None
+
+
 def nonfinite_message(step: int, metrics: dict) -> str | None:
     bad = []
     if not bool(np.all(metrics["loss_finite"])):
@@ -66,21 +93,23 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
     now = json.loads(cfg.to_json())
     for section in ("model", "data"):
         if saved.get(section) != now.get(section):
+            keys = sorted(k for k in set(saved.get(section, {})) | set(now.get(section, {}))
+                          if saved.get(section, {}).get(k) != now.get(section, {}).get(k))
             raise ConfigError(
-                f"the workdir holds a run with a different {section} config; use a new --workdir or the same config"
+                f"the workdir holds a run with a different {section} config (differs in {', '.join(keys[:4])}); "
+                "use a new --workdir or the same config"
             )
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool = True, max_steps: int | None = None) -> dict:
-    """Train per ``cfg`` in ``workdir`` (resuming if it holds checkpoints). Returns a summary."""
+    """Train per ``cfg`` in ``workdir`` (resuming from its newest valid checkpoint). Returns a summary."""
     workdir = Path(workdir)
-    config_lib.validate(cfg)  # fail fast, before any data work
+    cfg = config_lib.validate(cfg)  # once, before any data work
+    if max_steps is not None and max_steps <= 0:
+        raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, data, data_dir = prepare(cfg.data, ["train", cfg.eval.split], progress=progress)
-    from longctx.runtime import Runner, resolve_vocab
-
-    cfg = config_lib.validate(resolve_vocab(cfg, tokenizer.vocab_size))
-    (workdir / "config.json").write_text(cfg.to_json(indent=1))
+    cfg = config_lib.resolve_vocab(cfg, tokenizer.vocab_size)
     tc = cfg.train
     n_win = config_lib.n_windows(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -91,96 +120,132 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     params, nongrad, rest, opt_state = sharding.replicate(mesh, (params, nongrad, rest, opt_state))
 
     mngr = checkpoint.manager(workdir, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
-    step = 0
-    if mngr.latest_step() is not None:
-        meta = checkpoint.read_meta(mngr)
-        check_resume_config(meta["config"], cfg)
-        tree, meta = checkpoint.restore(mngr, {"params": params, "nongrad": nongrad, "opt_state": opt_state})
+    step, last_saved = 0, None
+    if mngr.all_steps():
+        def target(meta):
+            check_resume_config(meta["config"], cfg)
+            return {"params": params, "nongrad": nongrad, "opt_state": opt_state}
+
+        tree, meta = checkpoint.restore(mngr, target)
         params, nongrad, opt_state = tree["params"], tree["nongrad"], tree["opt_state"]
-        step = meta["step"]
+        step = last_saved = meta["step"]
         print(f"resuming from the checkpoint at step {step} in {workdir}")
+    (workdir / "config.json").write_text(cfg.to_json(indent=1))
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     batcher = Batcher(data["train"], row_len=tc.seq_len + 1, batch_size=tc.batch_size, seed=tc.seed,
                       shard=(jax.process_index(), jax.process_count()))
-    train_step = jax.jit(
-        make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=tc.on_nonfinite == "skip"),
-        donate_argnums=(0, 1, 3),
-    )
+    # 'stop' also compiles the skipping step: a non-finite update is not applied, so the state at
+    # the stop is the last finite one and can be checkpointed
+    train_step = jax.jit(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True),
+                         donate_argnums=(0, 1, 3))
+    fwd = jax.jit(make_forward(graphdef))
     writer = MetricsWriter(workdir, resume_step=step)
     base_key = jax.random.key(tc.seed)
     tokens_per_step = tc.batch_size * tc.window
-    end = tc.steps if max_steps is None else min(tc.steps, max_steps)
+    end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
           f"data: {data['train'].num_tokens:,} train tokens ({batcher.tokens_usable:,} in documents >= {tc.seq_len + 1} tokens)")
 
     def evaluate_now(at_step):
-        from longctx.evaluate import evaluate_split
-
-        runner = Runner(cfg, graphdef, params, nongrad, rest, tokenizer=tokenizer, step=at_step)
         ecfg = ml_collections.ConfigDict(cfg.eval.to_dict())
         ecfg.max_tokens = tc.eval_tokens if cfg.eval.max_tokens == 0 else min(cfg.eval.max_tokens, tc.eval_tokens)
-        res, _ = evaluate_split(runner, data[cfg.eval.split], ecfg, progress=False)
+        split = data[cfg.eval.split]
+        res, _ = score_split(
+            lambda p, inputs, targets, state: fwd(*p, inputs, targets, state), (params, nongrad, rest), split, ecfg,
+            init_state=lambda b, n: nnx.merge(graphdef, params, nongrad, rest).init_state(b, n),
+            one_token_per_byte=bool(getattr(tokenizer, "one_token_per_byte", False)), progress=False,
+        )
         writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"]})
         return res
 
     def save(at_step):
+        nonlocal last_saved
         checkpoint.save(mngr, at_step, {"params": params, "nongrad": nongrad, "opt_state": opt_state}, config=cfg,
                         extra={"data_dir": str(data_dir)})
+        last_saved = at_step
+
+    def save_now(at_step):
+        save(at_step)
+        checkpoint.wait(mngr)
+
+    def close():
+        bar.close()
+        writer.close()
+        try:
+            mngr.close()
+        except Exception:  # noqa: BLE001 -- a failed async write was already reported
+            pass
 
     last_valid = None
     t_last, tok_since = time.time(), 0
-    with StopFlag() as stop:
-        while step < end:
-            batch = batcher.batch(step // n_win)
-            tokens = sharding.shard_batch(mesh, batch["tokens"])
-            key = jax.random.fold_in(base_key, step)
-            params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
-            step += n_win
-            tok_since += tokens_per_step * n_win
-            if tc.on_nonfinite == "stop" or step % tc.log_every == 0 or step >= end:
-                metrics = jax.device_get(metrics)
-                msg = nonfinite_message(step, metrics) if tc.on_nonfinite == "stop" else None
-                if msg:
-                    bar.close()
-                    writer.close()
-                    mngr.close()
-                    raise NonFiniteError(msg)
-            if step % tc.log_every == 0 or step >= end:
-                ce = float(np.mean(metrics["ce"]))
-                dt = time.time() - t_last
-                rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])),
-                       "tokens_per_sec": tok_since / max(dt, 1e-9)}
-                rec.update({k: float(np.mean(v)) for k, v in metrics.items() if k.startswith("aux/")})
-                writer.write(step, "train", rec)
-                t_last, tok_since = time.time(), 0
-                bar.set_postfix(loss=f"{ce:.3f}", bpt=f"{ce / LN2:.3f}", tok_s=f"{rec['tokens_per_sec']:.0f}",
-                                valid=f"{last_valid:.3f}" if last_valid else "-")
-            bar.update(n_win)
-            if step % tc.eval_every == 0 or step >= tc.steps:
-                last_valid = evaluate_now(step)["bits_per_token"]
-                bar.set_postfix_str(f"{bar.postfix}, valid bpt={last_valid:.3f}")
-                plot_losses(workdir)
-            if step % tc.ckpt_every == 0 or step >= tc.steps:
-                save(step)
-            if stop.signum is not None:
-                bar.close()
-                if mngr.latest_step() != step:
+    try:
+        with StopFlag() as stop:
+            while step < end:
+                batch = batcher.batch(step // n_win)
+                tokens = sharding.shard_batch(mesh, batch["tokens"])
+                key = jax.random.fold_in(base_key, step)
+                params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
+                prev, step = step, step + n_win
+                tok_since += tokens_per_step * n_win
+                log_now = crossed(prev, step, tc.log_every) or step >= end
+                if tc.on_nonfinite == "stop" or log_now:
+                    metrics = jax.device_get(metrics)
+                    msg = nonfinite_message(step, metrics) if tc.on_nonfinite == "stop" else None
+                    if msg:
+                        raise NonFiniteError(msg + stop_on_nonfinite(prev, metrics, save_now, last_saved))
+                if log_now:
+                    ce = float(np.mean(metrics["ce"]))
+                    dt = time.time() - t_last
+                    rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])),
+                           "tokens_per_sec": tok_since / max(dt, 1e-9), **extra_metrics(metrics)}
+                    writer.write(step, "train", rec)
+                    t_last, tok_since = time.time(), 0
+                    bar.set_postfix(loss=f"{ce:.3f}", bpt=f"{ce / LN2:.3f}", tok_s=f"{rec['tokens_per_sec']:.0f}",
+                                    valid=f"{last_valid:.3f}" if last_valid else "-")
+                bar.update(n_win)
+                if crossed(prev, step, tc.eval_every) or step >= tc.steps:
+                    last_valid = evaluate_now(step)["bits_per_token"]
+                    bar.set_postfix_str(f"{bar.postfix}, valid bpt={last_valid:.3f}")
+                    plot_losses(workdir)
+                if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
                     save(step)
-                mngr.wait_until_finished()
-                print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved in {workdir}. "
-                      "Run the same command again to resume.")
-                writer.close()
-                mngr.close()
-                raise SystemExit(128 + stop.signum)
-    bar.close()
-    if mngr.latest_step() != step:
-        save(step)
-    mngr.wait_until_finished()
-    mngr.close()
-    writer.close()
+                if stop.signum is not None:
+                    bar.close()
+                    if last_saved != step:
+                        save(step)
+                    checkpoint.wait(mngr)
+                    print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved in {workdir}. "
+                          "Run the same command again to resume.")
+                    close()
+                    raise SystemExit(128 + stop.signum)
+        if last_saved != step:
+            save(step)
+        checkpoint.wait(mngr)
+    except (CheckpointError, NonFiniteError):
+        close()
+        raise
+    close()
     plot_losses(workdir)
     return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid}
 
 
+def stop_on_nonfinite(prev_step: int, metrics: dict, save, last_saved) -> str:
+    """Checkpoint the last finite state when the stop leaves it exact, and say where it is.
+
+    The step skipped every non-finite update; if every window from the first non-finite one on was
+    non-finite, the state is exactly that of step ``prev_step + first`` (else later windows moved it
+    and the newest checkpoint stays the last finite one)."""
+    first = first_nonfinite_window(metrics)
+    ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+    at = prev_step + first
+    if first is not None and not ok[first:].any() and at > 0 and at != last_saved:
+        try:
+            save(at)
+            return f". Saved the last finite state as the checkpoint at step {at}"
+        except CheckpointError:
+            pass
+    if last_saved is not None:
+        return f". The checkpoint at step {last_saved} holds the last finite values"
+    return ""

@@ -1,0 +1,662 @@
+"""KDEformer (Zandieh, Han, Daliri, Karbasi, ICML 2023) as read in ``shared/specs/kdeformer.md``.
+
+Softmax attention ``D⁻¹AV`` (``A = exp(σQKᵀ)``) is estimated as an exact "heavy" part on the
+(query, key) pairs an angular LSH puts together, plus an importance-sampled estimate of the
+residual ``A − A_spar`` from ``m`` i.i.d. key columns weighted ``1/(m p_j)``. The normaliser
+``D̃`` is estimated by the same estimator (the released code's ones column appended to ``V``);
+numerator and normaliser share one log-space stabiliser, so the output of every row is
+``Σ_t softmax(row)_t · value_t`` over the union of its heavy, local and sampled entries
+(spec §2.3h), with importance weights entering as additive log-weights ``ω = −log(m p)``.
+
+Bidirectional (spec §2.3, the estimator the released code runs)
+    1. ``W ∈ [B,H,d,r]`` i.i.d. N(0,1); code ``h(x) = Σ_t 1[⟨w_t,x⟩>0] 2^t`` (unscaled q, k, fp32).
+    2. Sort key = the code's position in the reflected Gray sequence, ``G⁻¹(z)`` (paper, default)
+       or ``G(z)`` (``gray_order='forward'``: the released code's table lookup). Stable argsort.
+    3. Cut the sorted keys and sorted queries into ``N/b`` equal blocks; the heavy part is the
+       exact block-diagonal ``σ Q_s K_sᵀ`` [B,H,nb,b,b].
+    4. ``p_j = (1/N + ‖ṽ_j‖/λ)/Z`` with ``ṽ_j = [v_j; 1]``, ``λ = ‖Ṽ‖²_op`` (20 power iterations on
+       the Gram, deterministic start), norm not squared ('ref'); drawn as the mixture of a uniform
+       index and an index ∝ integer-quantised norms ``u_j = min(⌊‖ṽ_j‖·2⁶⌋+1, 2¹³)`` and ``p`` is
+       computed from the same quantised weights, so the importance weights are exact. One set
+       of ``m`` samples per (batch, head), with replacement, duplicates kept.
+    5. A sample in the query's own block is masked (already counted exactly).
+    ``sampling='uniform'``: ``p = 1/N``; ``num_samples=0``: pure sorted-LSH block attention;
+    ``residual='exact'`` (debug): every non-block column with weight 1 (= dense attention, O(N²)).
+
+The theoretical estimator (spec §2.2, paper Alg. 1–3) is documented, not run: ``D̃`` from a
+weighted exponential KDE ``WExpKDE(K/d^¼, Q/d^¼, 1, ε/3)``, reduced to a Gaussian KDE by the
+augmentation ``x' = [x; w]``, ``w_i = sqrt(2 log(Z_u/(u_i e^{‖x_i‖²/2})))`` (Eq. 7–8), with
+Charikar et al.'s hashing-based KDE and the adaptive density-lower-bound loop of Alg. 2; the
+sampling probabilities ``p_j ∝ β_j + γ‖v_j‖²`` with ``β_j ≈ ‖(D̃⁻¹A)_{:,j}‖²`` from a second
+KDE at ``√2·Q, √2·K`` with weights ``α_i⁻²``; Alg. 3 subtracts the colliding pairs from ``β``.
+That machinery has data-dependent control flow and sizes; the released code does not run it
+either (spec §2.3). An O(n²) oracle of ``WExpKDE`` lives in the tests only.
+
+Causal (spec §4, ours: the paper and code are non-causal)
+    Chunks of ``c`` positions; query ``i`` in chunk ``g``, prefix end ``L_g = max(0,(g−nl+1)c)``:
+    * local: exact over keys ``[L_g, i]``;
+    * heavy: ``Hv(i)`` = the ≤ ``b_h`` most recent keys ``j < L_g`` with ``h(k_j) = h(q_i)``
+      (hash equality with a capacity, found by a sort on ``κ_j = h(k_j)·M + j`` and two
+      ``searchsorted`` per query: static shapes, spec §4.2);
+    * sampled residual: per chunk ``m`` i.i.d. indices in ``[0, L_g)`` drawn from
+      ``fold_in(k_S, g)`` (absolute chunk index, so decoding reproduces them), uniform (default)
+      or 'ref' over the prefix (spec §4.3); a sample in ``Hv(i)`` is masked for query ``i``.
+    The decoding state holds the KV cache, the code cache, the projections ``W`` and the token
+    count (``init_state(batch, max_len)``). A call with a state treats the cache as the sequence
+    so far and runs the same tile function as the full pass, so any split into consecutive
+    chunks equals one full pass. Feeding more tokens than ``max_len`` raises (host check when
+    the count is concrete, ``jax.debug.callback`` under jit).
+
+Gradient policy (spec §6): :func:`bidir_plan` / :func:`causal_plan` (hashes, permutations,
+sample indices, log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` /
+:func:`causal_apply` are differentiable. Gradients are those of the estimator with its draws
+frozen (``p`` is frozen too: differentiating through ``ω`` alone adds a biased term).
+
+Randomness (spec §2.4): only from the explicit ``key``: ``k_W, k_S = split(key)``; ``W`` from
+``k_W`` (or from ``PRNGKey(lsh_seed)`` when ``fixed_projections``), samples from ``k_S``.
+``deterministic=True`` (evaluation, decoding) uses the fixed key ``PRNGKey(eval_rng_seed)``:
+the same estimator with frozen draws, never exact attention.
+
+Departures from the spec, named:
+* ``fixed_projections`` derives ``W`` from ``PRNGKey(lsh_seed)`` only (the core does not know its
+  layer index, so all layers share it), and likewise the deterministic key is shared by layers.
+* A causal state keeps the projections ``W`` of the first call of its stream (the token count is
+  0 then); later calls of that stream hash with it whatever their key, so windowed training with
+  a fresh key per window keeps the code cache consistent. Samples use the current call's key.
+* ``sampling='paper_mc'`` (spec §2.3i, optional) is not implemented.
+* Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
+* Masked logits use a finite ``-1e30`` and an explicit mask (``where``), and a row without any
+  finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
+
+NEG = -1e30
+HIGHEST = jax.lax.Precision.HIGHEST
+NORM_SHIFT = 6  # integer norm weights u = ⌊‖ṽ‖·2^6⌋ + 1 (spec §4.3)
+U_MAX = 1 << 13
+INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+# ---------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BidirOptions:
+    bucket_size: int
+    num_samples: int
+    num_projs: int
+    gray_order: str  # 'inverse' | 'forward'
+    sampling: str  # 'ref' | 'uniform'
+    residual: str  # 'sampled' | 'exact'
+    power_iters: int
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalOptions:
+    chunk_size: int
+    local_chunks: int
+    heavy_capacity: int
+    num_projs: int
+    num_samples: int
+    sampling: str  # 'uniform' | 'ref'
+    residual: str  # 'sampled' | 'exact'
+    power_iters: int
+    scale: float
+    tile_budget: int  # logits per lax.map step
+
+
+# ---------------------------------------------------------------------------
+# hashing (spec §2.3a, b)
+# ---------------------------------------------------------------------------
+
+
+def draw_projections(key, batch: int, heads: int, dim: int, num_projs: int):
+    """W [B,H,d,r], i.i.d. N(0,1), fp32."""
+    return jax.random.normal(key, (batch, heads, dim, num_projs), jnp.float32)
+
+
+def lsh_codes(x, W):
+    """Sign-random-projection code h(x) = Σ_t 1[⟨w_t,x⟩ > 0] 2^t. x [B,H,N,d], W [B,H,d,r] -> int32 [B,H,N]."""
+    r = W.shape[-1]
+    W = jnp.broadcast_to(W, x.shape[:2] + W.shape[2:])
+    proj = jnp.einsum("bhnd,bhdr->bhnr", x.astype(jnp.float32), W.astype(jnp.float32), precision=HIGHEST)
+    bits = (proj > 0).astype(jnp.int32)
+    return jnp.sum(bits << jnp.arange(r, dtype=jnp.int32), axis=-1).astype(jnp.int32)
+
+
+def gray_rank(z, num_projs: int, order: str = "inverse"):
+    """Sort key of code z. 'inverse': position of z in the reflected Gray sequence, G⁻¹(z) =
+    z ⊕ (z>>1) ⊕ … ⊕ (z>>(r−1)) (paper; consecutive ranks differ in one bit). 'forward': G(z) =
+    z ⊕ (z>>1) (the released code's table lookup)."""
+    if order == "forward":
+        return z ^ (z >> 1)
+    out = z
+    for s in range(1, max(num_projs, 1)):
+        out = out ^ (z >> s)
+    return out
+
+
+def inverse_permutation(perm):
+    """perm [..., N] -> inv with inv[..., perm[..., t]] = t."""
+    idx = jnp.broadcast_to(jnp.arange(perm.shape[-1], dtype=perm.dtype), perm.shape)
+    return jnp.put_along_axis(jnp.zeros_like(perm), perm, idx, axis=-1, inplace=False)
+
+
+def _ftype(x):
+    """Compute dtype: fp32, or fp64 for fp64 inputs (reference tests under jax_enable_x64)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _take(x, idx):
+    """x [B,H,N,...], idx [B,H,K] -> [B,H,K,...] (gather along axis 2)."""
+    ix = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
+    return jnp.take_along_axis(x, ix, axis=2)
+
+
+_ssorted = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left")))
+_ssorted_right = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="right")))
+
+
+# ---------------------------------------------------------------------------
+# the 'ref' sampler (spec §2.3e, §4.3)
+# ---------------------------------------------------------------------------
+
+
+def norm_weights(v, valid):
+    """Integer weights u_j = min(⌊‖[v_j;1]‖·2^6⌋ + 1, 2^13) (0 where not valid). v [B,H,N,dv]."""
+    nrm = jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1) + 1.0)
+    u = jnp.minimum(jnp.floor(nrm * (1 << NORM_SHIFT)) + 1, U_MAX).astype(jnp.int32)
+    return jnp.where(valid, u, 0)
+
+
+def augmented_gram(v, valid):
+    """Σ_j [v_j;1][v_j;1]ᵀ over valid rows. v [..., N, dv], valid broadcastable to [..., N]."""
+    va = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
+    va = jnp.where(valid[..., None], va, 0.0)
+    return jnp.einsum("...ne,...nf->...ef", va, va, precision=HIGHEST)
+
+
+def power_lambda(gram, iters: int):
+    """‖Ṽ‖²_op from ``iters`` power iterations on the Gram (start 1/√e; deterministic)."""
+    e = gram.shape[-1]
+    x = jnp.full(gram.shape[:-1], e**-0.5, jnp.float32)
+
+    def body(_, x):
+        y = jnp.einsum("...ef,...f->...e", gram, x, precision=HIGHEST)
+        return y / jnp.maximum(jnp.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
+
+    x = jax.lax.fori_loop(0, iters, body, x)
+    return jnp.einsum("...e,...ef,...f->...", x, gram, x, precision=HIGHEST)
+
+
+def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None):
+    """m i.i.d. indices per (b,h) in [0, n_prefix) and their probabilities p.
+
+    n_prefix: int32 [B,H] (≥ 1). 'uniform': p = 1/n. 'ref' (needs cum [B,H,M] = inclusive cumsum of
+    the integer weights u [B,H,M], lam [B,H] = λ): mixture of uniform (prob. π_u = 1/(1 + T 2^-6/λ))
+    and ∝ u, with T = cum[n−1]; p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw."""
+    B, H = n_prefix.shape
+    nf = n_prefix.astype(jnp.float32)[..., None]
+    if sampling == "uniform":
+        idx = jax.random.randint(key, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
+        return idx, jnp.broadcast_to(1.0 / nf, (B, H, m))
+    k1, k2, k3 = jax.random.split(key, 3)
+    tot = jnp.take_along_axis(cum, (n_prefix - 1)[..., None], axis=-1)  # [B,H,1]
+    totf = tot.astype(jnp.float32)
+    pi_u = 1.0 / (1.0 + totf * 2.0**-NORM_SHIFT / jnp.maximum(lam[..., None], 1e-30))
+    bit = jax.random.bernoulli(k1, pi_u, (B, H, m))
+    uni = jax.random.randint(k2, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
+    t = jax.random.randint(k3, (B, H, m), 0, tot, dtype=jnp.int32)
+    nidx = _ssorted_right(cum, t).astype(jnp.int32)
+    idx = jnp.where(bit, uni, nidx)
+    p = pi_u / nf + (1.0 - pi_u) * jnp.take_along_axis(u, idx, axis=-1).astype(jnp.float32) / totf
+    return idx, p
+
+
+def _combine(parts):
+    """One log-space softmax over the union of entry groups.
+
+    parts: list of (logits [..., n_i], mask (broadcastable), value_fn) where value_fn(p) gives
+    Σ_t p_t value_t [..., dv]. Returns (out [..., dv], lse [...]); rows without a valid entry
+    give out 0 and lse −1e30."""
+    ss = [jnp.where(mk, s, NEG) for s, mk, _ in parts]
+    mx = ss[0].max(axis=-1)
+    for s in ss[1:]:
+        mx = jnp.maximum(mx, s.max(axis=-1))
+    mx = jax.lax.stop_gradient(mx)
+    den, num = 0.0, 0.0
+    for s, (_, mk, vf) in zip(ss, parts):
+        p = jnp.where(mk, jnp.exp(s - mx[..., None]), 0.0)
+        den = den + jnp.sum(p, axis=-1)
+        num = num + vf(p)
+    out = num / jnp.maximum(den, 1e-30)[..., None]
+    lse = mx + jnp.log(jnp.maximum(den, 1e-30))
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# bidirectional (spec §2.3)
+# ---------------------------------------------------------------------------
+
+
+def bidir_plan(q, k, v, W, key_s, n_valid: int, opts: BidirOptions):
+    """Hashes, permutations, samples and log-weights (all stop_gradient).
+
+    q, k, v: [B,H,Np,·] padded to a multiple of the bucket size; rows ≥ n_valid are padding."""
+    B, H, Np, _ = q.shape
+    b, r, m = opts.bucket_size, opts.num_projs, opts.num_samples
+    q, k, v = (jax.lax.stop_gradient(x) for x in (q, k, v))
+    valid = jnp.arange(Np) < n_valid
+    sentinel = 1 << r
+    rq = jnp.where(valid, gray_rank(lsh_codes(q, W), r, opts.gray_order), sentinel)
+    rk = jnp.where(valid, gray_rank(lsh_codes(k, W), r, opts.gray_order), sentinel)
+    perm_q = jnp.argsort(rq, axis=-1, stable=True).astype(jnp.int32)
+    perm_k = jnp.argsort(rk, axis=-1, stable=True).astype(jnp.int32)
+    kblk = inverse_permutation(perm_k) // b  # block id of every key [B,H,Np]
+    plan = {"perm_q": perm_q, "perm_k": perm_k, "kblk": kblk}
+    if m > 0 and opts.residual == "sampled":
+        n = jnp.full((B, H), n_valid, jnp.int32)
+        if opts.sampling == "uniform":
+            idx, p = draw_samples(key_s, m, n, "uniform")
+        else:
+            u = norm_weights(v, valid)
+            lam = power_lambda(augmented_gram(v, valid[None, None]), opts.power_iters)
+            idx, p = draw_samples(key_s, m, n, "ref", cum=jnp.cumsum(u, axis=-1), u=u, lam=lam)
+        plan["idx"] = idx
+        plan["omega"] = -jnp.log(m * p)
+        plan["sblk"] = jnp.take_along_axis(kblk, idx, axis=-1)
+    return jax.tree.map(jax.lax.stop_gradient, plan)
+
+
+def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions):
+    """Differentiable part. Returns (out [B,H,Np,dv] in original order, lse [B,H,Np] = log D̃)."""
+    B, H, Np, d = q.shape
+    dv = v.shape[-1]
+    b, m = opts.bucket_size, opts.num_samples
+    nb = Np // b
+    sig = opts.scale
+    q, k, v = (x.astype(_ftype(q)) for x in (q, k, v))
+    valid = jnp.arange(Np) < n_valid
+    perm_q, perm_k = plan["perm_q"], plan["perm_k"]
+    Qs = _take(q, perm_q).reshape(B, H, nb, b, d)
+    Ks = _take(k, perm_k).reshape(B, H, nb, b, d)
+    Vs = _take(v, perm_k).reshape(B, H, nb, b, dv)
+    kval_s = valid[perm_k].reshape(B, H, nb, 1, b)
+    s_h = sig * jnp.einsum("bhnqd,bhnkd->bhnqk", Qs, Ks, precision=HIGHEST)
+    parts = [(s_h, kval_s, lambda p: jnp.einsum("bhnqk,bhnkd->bhnqd", p, Vs, precision=HIGHEST))]
+    blk = jnp.arange(nb, dtype=jnp.int32)[None, None, :, None, None]
+    if opts.residual == "exact":
+        s_r = sig * jnp.einsum("bhnqd,bhkd->bhnqk", Qs, k, precision=HIGHEST)
+        mask = (plan["kblk"][:, :, None, None, :] != blk) & valid[None, None, None, None, :]
+        parts.append((s_r, mask, lambda p: jnp.einsum("bhnqk,bhkd->bhnqd", p, v, precision=HIGHEST)))
+    elif m > 0:
+        Kl, Vl = _take(k, plan["idx"]), _take(v, plan["idx"])
+        s_s = sig * jnp.einsum("bhnqd,bhmd->bhnqm", Qs, Kl, precision=HIGHEST)
+        s_s = s_s + plan["omega"][:, :, None, None, :]
+        mask = plan["sblk"][:, :, None, None, :] != blk
+        parts.append((s_s, mask, lambda p: jnp.einsum("bhnqm,bhmd->bhnqd", p, Vl, precision=HIGHEST)))
+    out_s, lse_s = _combine(parts)
+    inv_q = inverse_permutation(perm_q)
+    out = _take(out_s.reshape(B, H, Np, dv), inv_q)
+    lse = jnp.take_along_axis(lse_s.reshape(B, H, Np), inv_q, axis=-1)
+    return out, lse
+
+
+def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = False):
+    """Full bidirectional estimator. q,k [B,H,N,d], v [B,H,N,dv] -> out [B,H,N,dv] (fp32)."""
+    N = q.shape[2]
+    b = opts.bucket_size
+    Np = -(-N // b) * b
+    pad = ((0, 0), (0, 0), (0, Np - N), (0, 0))
+    qp, kp, vp = (jnp.pad(x.astype(_ftype(q)), pad) for x in (q, k, v))
+    plan = bidir_plan(qp, kp, vp, W, key_s, N, opts)
+    out, lse = bidir_apply(qp, kp, vp, plan, N, opts)
+    if return_lse:
+        return out[:, :, :N], lse[:, :, :N], plan
+    return out[:, :, :N]
+
+
+# ---------------------------------------------------------------------------
+# causal (spec §4)
+# ---------------------------------------------------------------------------
+
+
+def _prefix_end(g, opts: CausalOptions):
+    return jnp.maximum(0, (g - opts.local_chunks + 1) * opts.chunk_size).astype(jnp.int32)
+
+
+def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOptions):
+    """Heavy sets and samples of query tiles (all stop_gradient).
+
+    hq_tiles: int32 [n_t,B,H,c] query codes; tile_ids: int32 [n_t] absolute chunk indices.
+    Kc, Vc, HKc: the sequence so far [B,H,M,·] (positions ≥ n_valid are not keys yet).
+    Returns a dict of [n_t, ...] arrays: hidx/hvalid [B,H,c,b_h], sidx/omega [B,H,m], smask [B,H,c,m]."""
+    B, H, M = HKc.shape
+    c, bh, m = opts.chunk_size, opts.heavy_capacity, opts.num_samples
+    if (1 << opts.num_projs) * M >= 2**31:
+        raise ValueError(f"kdeformer: 2^num_projs * length = {(1 << opts.num_projs) * M} overflows int32; "
+                         "lower causal.num_projs or the length")
+    pos = jnp.arange(M, dtype=jnp.int32)
+    kappa = jnp.where(pos < n_valid, HKc * M + pos, INT_MAX)
+    order = jnp.argsort(kappa, axis=-1).astype(jnp.int32)
+    kappa_s = jnp.take_along_axis(kappa, order, axis=-1)
+    spos = inverse_permutation(order)
+    ref = opts.sampling == "ref" and m > 0 and opts.residual == "sampled"
+    if ref:
+        vvalid = pos < n_valid
+        u = norm_weights(Vc, vvalid)
+        cum = jnp.cumsum(u, axis=-1)
+        Mc = -(-M // c) * c
+        vpad = jnp.pad(Vc.astype(jnp.float32), ((0, 0), (0, 0), (0, Mc - M), (0, 0)))
+        vval = jnp.pad(vvalid, (0, Mc - M)).reshape(Mc // c, c)
+        grams = augmented_gram(vpad.reshape(B, H, Mc // c, c, -1), vval[None, None])
+        gram_cum = jnp.cumsum(grams, axis=2)  # [B,H,Gm,e,e]
+
+    def one(hq, g):
+        L = _prefix_end(g, opts)
+        out = {}
+        # heavy: up to b_h most recent keys j < L with the query's code
+        e = _ssorted(kappa_s, hq * M + L)
+        st = _ssorted(kappa_s, hq * M)
+        t = e[..., None] - bh + jnp.arange(bh, dtype=jnp.int32)
+        out["hvalid"] = t >= st[..., None]
+        out["hidx"] = jnp.take_along_axis(order, jnp.clip(t, 0, M - 1).reshape(B, H, -1), axis=-1).reshape(t.shape)
+        if m > 0 and opts.residual == "sampled":
+            kg = jax.random.fold_in(key_s, g)
+            n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
+            if ref:
+                gi = jnp.maximum(L // c - 1, 0)
+                lam = power_lambda(jax.lax.dynamic_index_in_dim(gram_cum, gi, axis=2, keepdims=False),
+                                   opts.power_iters)
+                idx, p = draw_samples(kg, m, n, "ref", cum=cum, u=u, lam=lam)
+            else:
+                idx, p = draw_samples(kg, m, n, "uniform")
+            hk_l = jnp.take_along_axis(HKc, idx, axis=-1)
+            cnt = _ssorted(kappa_s, hk_l * M + L) - jnp.take_along_axis(spos, idx, axis=-1) - 1
+            x = jnp.where(cnt < bh, hk_l, -1)  # code of the heavy sets the sample belongs to
+            out["sidx"] = idx
+            out["omega"] = -jnp.log(m * p)
+            out["smask"] = (L > 0) & (x[:, :, None, :] != hq[..., None])
+        elif opts.residual == "exact":
+            # every prefix key j < L not in Hv(i), weight 1 (debug only, O(N²))
+            cnt = _ssorted(kappa_s, HKc * M + L) - spos - 1
+            x = jnp.where(cnt < bh, HKc, -1)
+            out["rmask"] = (pos < L)[None, None, None, :] & (x[:, :, None, :] != hq[..., None])
+        return out
+
+    plan = jax.vmap(one)(hq_tiles, tile_ids)
+    return jax.tree.map(jax.lax.stop_gradient, plan)
+
+
+def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
+    """Differentiable part: (outputs [n_t,B,H,c,dv], lse = log D̃ [n_t,B,H,c]) of query tiles
+    [n_t,B,H,c,d] at absolute chunks tile_ids."""
+    n_t, B, H, c, d = q_tiles.shape
+    dv = Vc.shape[-1]
+    nl, sig = opts.local_chunks, opts.scale
+    w = nl * c
+    M = Kc.shape[2]
+    # front pad so tile g's window [(g−nl+1)c, (g+1)c) starts at index g·c; back pad keeps slices in range
+    back = -(-M // c) * c - M + 2 * c
+    Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
+    Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
+
+    @jax.checkpoint
+    def one(qt, g, pl):
+        qpos = g * c + jnp.arange(c, dtype=jnp.int32)
+        kpos = (g - nl + 1) * c + jnp.arange(w, dtype=jnp.int32)
+        kl = jax.lax.dynamic_slice_in_dim(Kf, g * c, w, axis=2)
+        vl = jax.lax.dynamic_slice_in_dim(Vf, g * c, w, axis=2)
+        lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        s_l = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, kl, precision=HIGHEST)
+        parts = [(s_l, lmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, vl, precision=HIGHEST))]
+        if opts.heavy_capacity > 0:
+            hidx = pl["hidx"].reshape(B, H, -1)
+            kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
+            vh = _take(Vc, hidx).reshape(B, H, c, -1, dv)
+            s_h = sig * jnp.einsum("bhqd,bhqjd->bhqj", qt, kh, precision=HIGHEST)
+            parts.append((s_h, pl["hvalid"], lambda p: jnp.einsum("bhqj,bhqjd->bhqd", p, vh, precision=HIGHEST)))
+        if "sidx" in pl:
+            ks, vs = _take(Kc, pl["sidx"]), _take(Vc, pl["sidx"])
+            s_s = sig * jnp.einsum("bhqd,bhmd->bhqm", qt, ks, precision=HIGHEST) + pl["omega"][:, :, None, :]
+            parts.append((s_s, pl["smask"], lambda p: jnp.einsum("bhqm,bhmd->bhqd", p, vs, precision=HIGHEST)))
+        if "rmask" in pl:
+            s_r = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, Kc, precision=HIGHEST)
+            parts.append((s_r, pl["rmask"], lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
+        return _combine(parts)
+
+    per_tile = B * H * c * (w + opts.heavy_capacity + opts.num_samples + (M if "rmask" in plan else 0))
+    bs = max(1, opts.tile_budget // max(per_tile, 1))
+    if bs >= n_t:
+        return jax.vmap(one)(q_tiles, tile_ids, plan)
+    return jax.lax.map(lambda a: one(*a), (q_tiles, tile_ids, plan), batch_size=bs)
+
+
+def _check_capacity(n_after, capacity: int):
+    """More tokens than the state holds raise, eagerly or (under jit) from a host callback."""
+
+    def host(n):
+        if int(n) > capacity:
+            raise ValueError(f"kdeformer: the decoding state holds {capacity} tokens but {int(n)} were fed; build "
+                             "it with core.init_state(batch_size, max_len) with a larger max_len")
+
+    if isinstance(n_after, jax.core.Tracer):
+        jax.debug.callback(host, n_after)
+    else:
+        host(n_after)
+
+
+def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None):
+    """Causal estimator over T new tokens at positions [length, length+T).
+
+    cache=None: a full pass from position 0 (the sequence itself is the cache). Otherwise
+    cache = (K [B,H,M,d], V [B,H,M,dv], HK [B,H,M]) holds positions < length.
+    Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
+    B, H, T, d = q.shape
+    c = opts.chunk_size
+    qf, kf, vf = (x.astype(_ftype(q)) for x in (q, k, v))
+    hq, hk = lsh_codes(qf, W), lsh_codes(kf, W)
+    if cache is None:
+        n_t = -(-T // c)
+        Np = n_t * c
+        pad = ((0, 0), (0, 0), (0, Np - T))
+        Kc, Vc = jnp.pad(kf, pad + ((0, 0),)), jnp.pad(vf, pad + ((0, 0),))
+        HKc = jnp.pad(hk, pad)
+        q_buf, hq_buf = jnp.pad(qf, pad + ((0, 0),)), jnp.pad(hq, pad)
+        g0, r0, n_valid = 0, 0, T
+    else:
+        K0, V0, HK0 = cache
+        P0 = length
+        Kc = jax.lax.dynamic_update_slice(K0, kf.astype(K0.dtype), (0, 0, P0, 0))
+        Vc = jax.lax.dynamic_update_slice(V0, vf.astype(V0.dtype), (0, 0, P0, 0))
+        HKc = jax.lax.dynamic_update_slice(HK0, hk, (0, 0, P0))
+        n_t = -(-(T + c - 1) // c)
+        g0, r0, n_valid = P0 // c, P0 % c, P0 + T
+        q_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c, d), qf.dtype), qf, (0, 0, r0, 0))
+        hq_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c), jnp.int32), hq, (0, 0, r0))
+    tile_ids = (g0 + jnp.arange(n_t)).astype(jnp.int32)
+    q_tiles = jnp.moveaxis(q_buf.reshape(B, H, n_t, c, d), 2, 0)
+    hq_tiles = jnp.moveaxis(hq_buf.reshape(B, H, n_t, c), 2, 0)
+    plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts)
+    out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
+    out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
+    return out, (Kc, Vc, HKc), n_valid
+
+
+# ---------------------------------------------------------------------------
+# the core
+# ---------------------------------------------------------------------------
+
+
+class KDEformerAttention(AttentionCore):
+    """KDEformer attention core (bidirectional: the released estimator; causal: spec §4)."""
+
+    name = "kdeformer"
+    randomized = True
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                # bidirectional (spec §2.3; our encoder defaults r=7, b=32, m=96, spec §3)
+                "bucket_size": 32,  # b: keys (and queries) per sorted block
+                "num_samples": 96,  # m: sampled key columns per (batch, head); 0 = block attention only
+                "num_projs": 7,  # r: hash bits
+                "gray_order": "inverse",  # 'inverse' (paper, G⁻¹) | 'forward' (released code, G)
+                "sampling": "ref",  # 'ref' (1/N + ‖ṽ‖/‖Ṽ‖²_op) | 'uniform'
+                "residual": "sampled",  # 'sampled' | 'exact' (debug: all non-block columns = dense, O(N²))
+                "power_iters": 20,
+                # shared
+                "fixed_projections": False,  # W from PRNGKey(lsh_seed), shared by batch, heads and calls
+                "lsh_seed": 0,
+                "logit_scale": 0.0,  # σ; 0 -> head_dim^-1/2
+                "eval_rng_seed": 0,  # deterministic=True uses PRNGKey(eval_rng_seed)
+                "tile_budget": 1 << 22,  # causal: logits materialized per lax.map step (memory knob)
+                # causal (spec §4)
+                "causal": ml_collections.ConfigDict({
+                    "chunk_size": 128,  # c
+                    "local_chunks": 2,  # nl: exact window = the own chunk and nl-1 before it
+                    "heavy_capacity": 64,  # b_h: most recent same-code keys before the window
+                    "num_projs": 6,
+                    "num_samples": 128,  # m per chunk
+                    "sampling": "uniform",  # 'uniform' | 'ref'
+                    "residual": "sampled",  # 'sampled' | 'exact' (debug: all non-heavy prefix keys = dense)
+                }),
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        p = "attention.kdeformer"
+        require(cfg.bucket_size > 0, f"{p}.bucket_size={cfg.bucket_size}; must be > 0")
+        require(cfg.num_samples >= 0, f"{p}.num_samples={cfg.num_samples}; must be >= 0")
+        require(0 <= cfg.num_projs <= 16, f"{p}.num_projs={cfg.num_projs}; must be in [0, 16]")
+        require(cfg.power_iters >= 1, f"{p}.power_iters must be >= 1")
+        require(cfg.logit_scale >= 0.0, f"{p}.logit_scale={cfg.logit_scale}; must be >= 0 (0 = head_dim^-1/2)")
+        require(cfg.tile_budget > 0, f"{p}.tile_budget must be positive")
+        for key, allowed in (("gray_order", ("inverse", "forward")), ("sampling", ("ref", "uniform")),
+                             ("residual", ("sampled", "exact"))):
+            require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        cc = cfg.causal
+        require(cc.chunk_size > 0, f"{p}.causal.chunk_size={cc.chunk_size}; must be > 0")
+        require(cc.local_chunks >= 1, f"{p}.causal.local_chunks={cc.local_chunks}; must be >= 1")
+        require(cc.heavy_capacity >= 0, f"{p}.causal.heavy_capacity={cc.heavy_capacity}; must be >= 0")
+        require(0 <= cc.num_projs <= 12, f"{p}.causal.num_projs={cc.num_projs}; must be in [0, 12]")
+        require(cc.num_samples >= 0, f"{p}.causal.num_samples={cc.num_samples}; must be >= 0")
+        for key, allowed in (("sampling", ("uniform", "ref")), ("residual", ("sampled", "exact"))):
+            require(cc[key] in allowed, f"{p}.causal.{key}={cc[key]!r}; allowed: {', '.join(allowed)}")
+
+    @classmethod
+    def contract_cases(cls) -> dict[str, ContractCase]:
+        small = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}
+        return {
+            "causal_uniform": ContractCase(cfg={"causal": dict(small)}, length=64, directions=("causal",)),
+            "causal_ref": ContractCase(cfg={"causal": dict(small, sampling="ref")}, length=64, directions=("causal",)),
+            "bidirectional": ContractCase(cfg={"bucket_size": 8, "num_samples": 8, "num_projs": 3}, length=64,
+                                          directions=("bidirectional",)),
+        }
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        c = self.cfg
+        scale = float(c.logit_scale) if c.logit_scale > 0 else head_dim**-0.5
+        self.bidir_opts = BidirOptions(
+            bucket_size=c.bucket_size, num_samples=c.num_samples, num_projs=c.num_projs, gray_order=c.gray_order,
+            sampling=c.sampling, residual=c.residual, power_iters=c.power_iters, scale=scale)
+        cc = c.causal
+        self.causal_opts = CausalOptions(
+            chunk_size=cc.chunk_size, local_chunks=cc.local_chunks, heavy_capacity=cc.heavy_capacity,
+            num_projs=cc.num_projs, num_samples=cc.num_samples, sampling=cc.sampling, residual=cc.residual,
+            power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget)
+
+    # -- randomness -----------------------------------------------------------------
+    def _keys(self, deterministic, key):
+        if deterministic:
+            key = jax.random.PRNGKey(self.cfg.eval_rng_seed)
+        elif key is None:
+            raise ValueError("kdeformer: deterministic=False needs a PRNG `key` (hash projections and samples)")
+        return jax.random.split(key)
+
+    def _projections(self, k_w, batch):
+        r = self.causal_opts.num_projs if self.causal else self.bidir_opts.num_projs
+        if self.cfg.fixed_projections:
+            W = draw_projections(jax.random.PRNGKey(self.cfg.lsh_seed), 1, 1, self.head_dim, r)
+            return jnp.broadcast_to(W, (batch, self.num_heads, self.head_dim, r))
+        return draw_projections(k_w, batch, self.num_heads, self.head_dim, r)
+
+    # -- contract -------------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("kdeformer: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("kdeformer: init_state needs max_len (the KV / code cache capacity in tokens)")
+        B, H, D, Dv = batch_size, self.num_heads, self.head_dim, self.value_dim
+        return {
+            "k": jnp.zeros((B, H, max_len, D), jnp.float32),
+            "v": jnp.zeros((B, H, max_len, Dv), jnp.float32),
+            "codes": jnp.zeros((B, H, max_len), jnp.int32),
+            "proj": jnp.zeros((B, H, D, self.causal_opts.num_projs), jnp.float32),
+            "length": jnp.zeros((), jnp.int32),
+        }
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        if v.shape[-1] != self.value_dim or q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
+            raise ValueError(f"kdeformer: expected {self.num_heads} heads, head_dim {self.head_dim}, value_dim "
+                             f"{self.value_dim}; got q {q.shape}, v {v.shape}")
+        k_w, k_s = self._keys(deterministic, key)
+        B = q.shape[0]
+        W = self._projections(k_w, B)
+        if not self.causal:
+            if state is not None:
+                raise ValueError("kdeformer: a bidirectional core takes no state")
+            return bidir_forward(q, k, v, W, k_s, self.bidir_opts).astype(v.dtype), None
+        if state is None:
+            out, (Kc, Vc, HKc), n = causal_forward(q, k, v, W, k_s, self.causal_opts)
+            T = q.shape[2]
+            new_state = {"k": Kc[:, :, :T], "v": Vc[:, :, :T], "codes": HKc[:, :, :T], "proj": W,
+                         "length": jnp.asarray(T, jnp.int32)}
+            return out.astype(v.dtype), new_state
+        length = state["length"]
+        M = state["k"].shape[2]
+        if q.shape[2] > M:  # static: more new tokens than the whole state holds
+            raise ValueError(f"kdeformer: the decoding state holds {M} tokens but {q.shape[2]} new tokens were fed; "
+                             "build it with core.init_state(batch_size, max_len) with a larger max_len")
+        _check_capacity(length + q.shape[2], M)
+        W = jnp.where(length > 0, state["proj"], W)  # the stream keeps its first call's projections
+        out, (Kc, Vc, HKc), n = causal_forward(q, k, v, W, k_s, self.causal_opts,
+                                               cache=(state["k"], state["v"], state["codes"]), length=length)
+        new_state = {"k": Kc, "v": Vc, "codes": HKc, "proj": W, "length": jnp.asarray(n, jnp.int32)}
+        return out.astype(v.dtype), new_state
+
+
+__all__ = [
+    "BidirOptions",
+    "CausalOptions",
+    "KDEformerAttention",
+    "bidir_apply",
+    "bidir_forward",
+    "bidir_plan",
+    "causal_apply",
+    "causal_forward",
+    "causal_plan",
+    "draw_projections",
+    "draw_samples",
+    "gray_rank",
+    "lsh_codes",
+    "power_lambda",
+]

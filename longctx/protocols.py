@@ -1,0 +1,203 @@
+"""Evaluation protocols: which tokens each forward call sees and which it scores.
+
+Two protocols, each recorded in every result:
+
+* ``stream``: the text is cut into segments at reset points (document starts and
+  every ``row_len`` tokens, every ``row_len`` tokens of the stream, or never);
+  each segment is run in windows of ``window`` tokens with the model state
+  carried. Consecutive segments overlap by one token, so every token but the
+  first of each document (or of the stream) is scored exactly once.
+* ``sliding``: windows of context C advancing by stride S; only the last S
+  positions of each window are scored (all of the first window's), so every
+  token is again scored exactly once.
+
+Pure functions over a ``forward`` callable: no checkpoints, files or flags. Used by
+``longctx-eval`` (:mod:`longctx.evaluate`) and by the trainer's periodic validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import lzma
+import math
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Inputs tokens[start : start + n], targets tokens[start + 1 : start + n + 1];
+    predictions with index >= score_from are scored."""
+
+    start: int
+    n: int
+    score_from: int = 0
+
+
+def unit_ranges(doc_starts: np.ndarray, reset: str) -> list[tuple[int, int]]:
+    """Token ranges that never share context: documents, or the whole stream."""
+    if reset == "never" or reset == "row":
+        return [(0, int(doc_starts[-1]))]
+    return [(int(a), int(b)) for a, b in zip(doc_starts[:-1], doc_starts[1:])]
+
+
+def stream_jobs(doc_starts, *, reset: str, row_len: int) -> list[Job]:
+    jobs = []
+    for a, b in unit_ranges(doc_starts, reset):
+        n_pred = b - a - 1
+        if n_pred <= 0:
+            continue
+        step = n_pred if row_len <= 0 or reset == "never" else row_len
+        for off in range(0, n_pred, step):
+            jobs.append(Job(a + off, min(step, n_pred - off)))
+    return jobs
+
+
+def sliding_jobs(doc_starts, *, reset: str, context: int, stride: int) -> list[Job]:
+    jobs = []
+    for a, b in unit_ranges(doc_starts, "never" if reset == "never" else "document"):
+        n_pred = b - a - 1
+        if n_pred <= 0:
+            continue
+        end = min(context, n_pred)
+        jobs.append(Job(a, end, 0))
+        while end < n_pred:
+            new_end = min(end + stride, n_pred)
+            start = new_end - min(context, new_end)
+            jobs.append(Job(a + start, new_end - start, end - start))
+            end = new_end
+    return jobs
+
+
+def limit_jobs(jobs: list[Job], max_tokens: int) -> list[Job]:
+    if max_tokens <= 0:
+        return jobs
+    out, total = [], 0
+    for j in jobs:
+        scored = j.n - j.score_from
+        if total + scored >= max_tokens:
+            keep = max_tokens - total
+            out.append(Job(j.start, j.score_from + keep, j.score_from))
+            return out
+        out.append(j)
+        total += scored
+    return out
+
+
+def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: int, batch_size: int,
+             init_state=None, progress: bool = True, desc: str = "eval"):
+    """Score jobs; returns (nll_sum, count, per-position sums, per-position counts).
+
+    ``forward(params, inputs[B, W], targets[B, W], state) -> (nll[B, W], state)``; ``init_state(B, max_len)``
+    gives the empty state when a job is longer than one window (state carried)."""
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].n)
+    longest = max((j.n for j in jobs), default=0)
+    pos_sum = np.zeros(longest, np.float64)
+    pos_cnt = np.zeros(longest, np.int64)
+    nll_sum, count = 0.0, 0
+    total = sum(j.n - j.score_from for j in jobs)
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
+    for b0 in range(0, len(order), batch_size):
+        batch = [jobs[i] for i in order[b0 : b0 + batch_size]]
+        B = batch_size
+        n_max = max(j.n for j in batch)
+        n_win = -(-n_max // window) if window > 0 else 1
+        width = n_win * window if window > 0 else n_max
+        inputs = np.zeros((B, width), np.int32)
+        targets = np.zeros((B, width), np.int32)
+        mask = np.zeros((B, width), bool)
+        for r, j in enumerate(batch):
+            seg = np.asarray(tokens[j.start : j.start + j.n + 1], np.int32)
+            inputs[r, : j.n] = seg[:-1]
+            targets[r, : j.n] = seg[1:]
+            mask[r, j.score_from : j.n] = True
+        state = None if n_win == 1 else init_state(B, width)
+        losses = []
+        for w in range(n_win):
+            sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
+            nll_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
+            losses.append(np.asarray(nll_w))
+        nll = np.concatenate(losses, axis=1)
+        nll_sum += float(np.sum(nll, where=mask))
+        count += int(mask.sum())
+        m = mask[:, :longest]
+        pos_sum[: m.shape[1]] += np.where(m, nll[:, : m.shape[1]], 0).sum(0)
+        pos_cnt[: m.shape[1]] += m.sum(0)
+        bar.update(int(mask.sum()))
+    bar.close()
+    return nll_sum, count, pos_sum, pos_cnt
+
+
+def compressor_bits_per_byte(data: bytes) -> dict:
+    if not data:
+        return {}
+    return {
+        "gzip-9": 8.0 * len(gzip.compress(data, compresslevel=9)) / len(data),
+        "xz-9e": 8.0 * len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) / len(data),
+    }
+
+
+def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol: dict, word_count: int | None = None) -> dict:
+    mean = nll_sum / max(count, 1)
+    out = {
+        "tokens_scored": count,
+        "nll_sum_nats": nll_sum,
+        "loss_nats_per_token": mean,
+        "bits_per_token": mean / LN2,
+        "token_perplexity": math.exp(min(mean, 700.0)),
+        "protocol": protocol,
+    }
+    if one_token_per_byte:
+        out["bits_per_byte"] = mean / LN2
+    if word_count:
+        out["word_count"] = word_count
+        out["word_perplexity"] = math.exp(min(nll_sum / word_count, 700.0))
+        out["tokens_per_word"] = count / word_count
+    return out
+
+
+def make_jobs(ecfg, doc_starts):
+    if ecfg.protocol == "stream":
+        jobs = stream_jobs(doc_starts, reset=ecfg.reset, row_len=ecfg.row_len)
+        protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": ecfg.reset, "row_len": ecfg.row_len}
+        window = ecfg.window
+    else:
+        jobs = sliding_jobs(doc_starts, reset=ecfg.reset, context=ecfg.context, stride=ecfg.stride)
+        protocol = {"mode": "sliding-window", "context": ecfg.context, "stride": ecfg.stride, "reset": ecfg.reset}
+        window = 0
+    jobs = limit_jobs(jobs, ecfg.max_tokens)
+    protocol["max_tokens"] = ecfg.max_tokens or "full split"
+    return jobs, window, protocol
+
+
+def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool, word_count: int | None = None,
+                progress: bool = True, desc: str = "eval", compressors: bool = False) -> tuple[dict, np.ndarray]:
+    """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
+    (a validated ``eval`` section). Returns (result, mean loss per position in the context)."""
+    jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
+    t0 = time.time()
+    nll_sum, count, pos_sum, pos_cnt = run_jobs(
+        forward, params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
+        init_state=init_state, progress=progress, desc=desc,
+    )
+    # word-level perplexity divides by the split's official word count: only meaningful on the full split
+    words = word_count if ecfg.max_tokens == 0 else None
+    res = summarize(nll_sum, count, one_token_per_byte=one_token_per_byte, protocol=protocol, word_count=words)
+    res["seconds"] = time.time() - t0
+    if compressors and one_token_per_byte:
+        scored = np.concatenate([np.asarray(data.tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs])
+        res["compressors_bits_per_byte"] = compressor_bits_per_byte(scored.astype(np.uint8).tobytes())
+    curve = pos_sum / np.maximum(pos_cnt, 1)
+    return res, curve[pos_cnt > 0]
+
+
+def split_word_count(data) -> int | None:
+    """The official word count of a prepared split, where the dataset defines one."""
+    counts = data.manifest.get("source", {}).get("word_counts") or {}
+    return counts.get(data.manifest["split"])

@@ -1,0 +1,108 @@
+"""Pure-JAX reference of EVA's Phase A, the per-chunk control-variate statistics (spec eva.md §2.3, §8.1).
+
+This is the computation :mod:`pallas_kernels.eva_chunks` must match and the XLA path of
+EVA attention method (which imports it from here: one copy of the math). It imports only JAX.
+:class:`EVAOptions` (the static options of EVA's pure functions) lives here because the reference
+takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # finite mask value (spec §2.7): -inf gives NaN for all-padding chunks
+LN_EPS = 1e-5
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------
+# static options
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EVAOptions:
+    """Static (hashable) options of the pure functions."""
+
+    causal: bool
+    W: int  # local block size; 0 = no local part (test-only)
+    e_l: int  # left window extension
+    e_r: int  # right window extension
+    partition: str  # 'full' | 'disjoint'
+    chunk_logit: str  # 'rep' | 'exact_lse'
+    chunk_rep: str  # 'learned' | 'identity'
+    adaptive_proj: str  # 'qk' | 'no-ln' | 'none'
+    mu_mode: str  # 'sum' | 'half'
+    rf_scale: str  # 'released' | 'principled'
+    use_rpe: bool
+    rpe_buckets: int
+    rpe_max_distance: int
+    attn_dropout: float
+    logit_budget: int  # max materialized logits (B*H*Tq*(Tk+C)) per lax.map step
+
+def layer_norm(x, scale, bias):
+    x = x.astype(jnp.float32)
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + LN_EPS) * scale + bias
+
+
+def rf_log_feature(x, omega, scale: float, rf_scale: str):
+    """log ξ(x, ω) of the positive random feature, with the layer's scaling (spec §9.2).
+
+    'released':   s (ω·x − ½‖x‖²);   'principled': √s ω·x − (s/2)‖x‖²;   scale=1: ω·x − ½‖x‖².
+    x: [..., P, d]; omega: [..., d] (broadcast over P)."""
+    dot = jnp.einsum("...pd,...d->...p", x, omega, precision=HIGHEST)
+    sq = 0.5 * jnp.sum(x * x, axis=-1)
+    if rf_scale == "released":
+        return scale * (dot - sq)
+    return math.sqrt(scale) * dot - scale * sq
+
+
+def representatives(q_bar, k_bar, params, opts: EVAOptions):
+    """(k̂_c, µ_c) from the chunk means [B,H,C,d]. Linear (+LN) shared across heads."""
+    if opts.chunk_rep == "identity":
+        k_hat, q_hat = k_bar, q_bar
+    else:
+
+        def proj(x, w, b, g, beta, use_ln):
+            y = jnp.einsum("...d,de->...e", x, w, precision=HIGHEST) + b
+            return layer_norm(y, g, beta) if use_ln else y
+
+        use_ln = opts.adaptive_proj != "no-ln"
+        k_hat = proj(k_bar, params["k_w"], params["k_b"], params["k_ln_scale"], params["k_ln_bias"], use_ln)
+        if opts.adaptive_proj == "none":
+            return k_hat, jnp.zeros_like(k_hat)
+        q_hat = proj(q_bar, params["q_w"], params["q_b"], params["q_ln_scale"], params["q_ln_bias"], use_ln)
+    mu = q_hat + k_hat if opts.mu_mode == "sum" else 0.5 * (q_hat + k_hat)
+    return k_hat, mu
+
+
+def chunk_beta(omega, k_ch, v_ch, k_valid, scale: float, rf_scale: str):
+    """β_c = Σ_p softmax_p(log ξ(k_p, ω_c)) v_p. k_ch: [B,H,C,P,d], omega [B,H,C,d],
+    k_valid [C,P] (or broadcastable to [B,H,C,P])."""
+    logits = jnp.where(k_valid, rf_log_feature(k_ch, omega, scale, rf_scale), NEG)
+    w = jax.nn.softmax(logits, axis=-1)
+    w = jnp.where(k_valid, w, 0.0)
+    return jnp.einsum("...p,...pd->...d", w, v_ch, precision=HIGHEST)
+
+
+def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float):
+    """Phase A. q_ch, k_ch: [B,H,C,P,d]; v_ch: [B,H,C,P,dv] (padding rows zero);
+    k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ).
+    Returns (k̂ [B,H,C,d], β [B,H,C,dv]). Chunk means divide by P even if padded (§9.11)."""
+    P = q_ch.shape[-2]
+    q_bar = jnp.sum(q_ch, axis=-2) / P
+    k_bar = jnp.sum(k_ch, axis=-2) / P
+    k_hat, mu = representatives(q_bar, k_bar, params, opts)
+    omega = mu if noise is None else mu + noise
+    return k_hat, chunk_beta(omega, k_ch, v_ch, k_valid, scale, opts.rf_scale)
+
+eva_chunk_stats_reference = chunk_summaries
+
+__all__ = ["HIGHEST", "LN_EPS", "NEG", "EVAOptions", "chunk_beta", "chunk_summaries", "eva_chunk_stats_reference",
+           "layer_norm", "representatives", "rf_log_feature"]

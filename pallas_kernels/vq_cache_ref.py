@@ -1,0 +1,235 @@
+"""Pure-JAX reference of the compressive VQ-cache attention (spec transformer-vq.md §2.6, §9).
+
+This is the computation :mod:`pallas_kernels.vq_cache` must match, and it is also the XLA path of
+the transformer_vq attention method (which imports it from here: one copy of the math). It imports
+only JAX.
+
+* :func:`causal_parallel` -- block-wise linear form, lag-2 per-code cache, serial/matmul/assoc/sum
+  reductions, carried initial state, ragged T (requires 1 <= M <= L);
+* :func:`vq_cache_attention_reference` -- ``causal_parallel`` with ``reduction='serial'``: what the kernel computes.
+
+Notation: ``q_u = q + u'`` (content query), ``bd[..., i, d] = (q_i + v')·r'_d`` for d = 0..M, ``C`` the codebook
+[H, S, Dk] (always read under stop_gradient). State (constant size)::
+
+    {"pos": int32[], "band_k": [B,H,M,Dk], "band_v": [B,H,M,Dv], "band_z": int32[B,H,M],
+     "agg_mu": [B,H,S,Dv], "agg_n": [B,H,S]}
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30
+sg = jax.lax.stop_gradient
+
+REDUCTIONS = ("serial", "matmul", "assoc", "sum")  # "sum" = unstable U/L cumsum, a test oracle only
+
+
+def float_dtype(*xs):
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def merge(a, b):
+    """Count-weighted mean merge of (mean [..., S, Dv], count [..., S]); associative."""
+    (mu_a, n_a), (mu_b, n_b) = a, b
+    n = n_a + n_b
+    mu = (n_a[..., None] * mu_a + n_b[..., None] * mu_b) / jnp.maximum(n, 1.0)[..., None]
+    return mu, n
+
+
+def code_summary(z, v, valid, S: int):
+    """Per-code (mean, count) of values v [..., L, Dv] with codes z [..., L] and validity [..., L]."""
+    onehot = jax.nn.one_hot(z, S, dtype=v.dtype) * valid[..., None].astype(v.dtype)  # [..., L, S]
+    cnt = jnp.sum(onehot, axis=-2)
+    tot = jnp.einsum("...ls,...ld->...sd", onehot, v)
+    return tot / jnp.maximum(cnt, 1.0)[..., None], cnt
+
+
+def log_count(n):
+    """l = log N where N > 0, else -1e30 (via where + clip: no log(0), no NaN gradient)."""
+    return jnp.where(n > 0, jnp.log(jnp.maximum(n, 1.0)), NEG)
+
+
+def rel_bias(bd, idx, max_index: int):
+    """bias[..., i, j] = bd[..., i, idx[i, j]] if 0 <= idx <= max_index else 0. bd: [..., Lq, D]."""
+    ok = (idx >= 0) & (idx <= max_index)
+    full = jnp.broadcast_to(jnp.clip(idx, 0, max_index), bd.shape[:-1] + idx.shape[-1:])
+    return jnp.where(ok, jnp.take_along_axis(bd, full, axis=-1), 0.0)
+
+
+def pad_to(x, axis: int, n: int, value=0):
+    pad = n - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_left(x, axis: int, n: int, value=0):
+    pad = n - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (pad, 0)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def softmax_mix(groups):
+    """groups: list of (scores [..., Lq, n], mask broadcastable, values [..., n, Dv]).
+    One shared normalizer with a stop-gradient row max; a divided by den before the value matmuls."""
+    m = None
+    for s, mask, _ in groups:
+        gm = jnp.max(jnp.where(mask, s, NEG), axis=-1)
+        m = gm if m is None else jnp.maximum(m, gm)
+    m = sg(m)[..., None]
+    probs = [jnp.where(mask, jnp.exp(jnp.where(mask, s, NEG) - m), 0.0) for s, mask, _ in groups]
+    den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    den = jnp.maximum(den, 1e-30)
+    out = sum(jnp.einsum("...qn,...nd->...qd", p / den, vals) for p, (_, _, vals) in zip(probs, groups))
+    lse = (m + jnp.log(den))[..., 0]
+    return out, lse
+
+
+def empty_state(B, H, M, S, Dk, Dv, dtype=jnp.float32):
+    return {
+        "pos": jnp.zeros((), jnp.int32),
+        "band_k": jnp.zeros((B, H, M, Dk), dtype),
+        "band_v": jnp.zeros((B, H, M, Dv), dtype),
+        "band_z": jnp.zeros((B, H, M), jnp.int32),
+        "agg_mu": jnp.zeros((B, H, S, Dv), dtype),
+        "agg_n": jnp.zeros((B, H, S), dtype),
+    }
+
+
+def cast_state(state, dt):
+    return {k: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x) for k, x in state.items()}
+
+
+def final_state(state, k_hat, z, v, T: int, M: int, S: int):
+    """New canonical state after T real tokens: band = newest M of [band; x], agg += everything older."""
+    pos = state["pos"]
+    ek = jnp.concatenate([state["band_k"], k_hat[:, :, :T]], axis=2)
+    ev = jnp.concatenate([state["band_v"], v[:, :, :T]], axis=2)
+    ez = jnp.concatenate([state["band_z"], z[:, :, :T]], axis=2)
+    epos = pos - M + jnp.arange(M + T)
+    n_old = T  # entries [0, T) leave the band
+    mu, n = code_summary(ez[:, :, :n_old], ev[:, :, :n_old], epos[:n_old] >= 0, S)
+    agg_mu, agg_n = merge((state["agg_mu"], state["agg_n"]), (mu, n))
+    return {
+        "pos": pos + T,
+        "band_k": ek[:, :, n_old:],
+        "band_v": ev[:, :, n_old:],
+        "band_z": ez[:, :, n_old:],
+        "agg_mu": agg_mu,
+        "agg_n": agg_n,
+    }
+
+
+def prefix_reduce(mu, n, reduction: str):
+    """Inclusive prefix merge along axis 2 of (mu [B,H,R,S,Dv], n [B,H,R,S]) -> same shapes.
+    Computed in the wider of the two dtypes (the core always passes fp32 or fp64)."""
+    dt = jnp.result_type(mu, n)
+    mu, n = mu.astype(dt), n.astype(dt)
+    if reduction == "serial":
+        def step(carry, x):
+            carry = merge(carry, x)
+            return carry, carry
+
+        init = (jnp.zeros_like(mu[:, :, 0]), jnp.zeros_like(n[:, :, 0]))
+        _, (pm, pn) = jax.lax.scan(step, init, (jnp.moveaxis(mu, 2, 0), jnp.moveaxis(n, 2, 0)))
+        return jnp.moveaxis(pm, 0, 2), jnp.moveaxis(pn, 0, 2)
+    if reduction == "assoc":
+        return jax.lax.associative_scan(merge, (mu, n), axis=2)
+    if reduction == "matmul":
+        R = n.shape[2]
+        tri = jnp.tril(jnp.ones((R, R), mu.dtype))  # [n, g]: g <= n
+        N = jnp.einsum("ng,bhgs->bhns", tri, n)
+        w = tri[None, None, :, :, None] * n[:, :, None, :, :] / jnp.maximum(N, 1.0)[:, :, :, None, :]
+        return jnp.einsum("bhngs,bhgsd->bhnsd", w, mu), N
+    if reduction == "sum":  # U/L form (raw sums): unstable in low precision, test oracle only
+        U = jnp.cumsum(n[..., None] * mu, axis=2)
+        N = jnp.cumsum(n, axis=2)
+        return U / jnp.maximum(N, 1.0)[..., None], N
+    raise ValueError(f"unknown reduction {reduction!r}; allowed: {', '.join(REDUCTIONS)}")
+
+
+def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
+                    return_lse: bool = False):
+    """Linear-time causal form (spec 2.6) from a carried state; requires 1 <= M <= L.
+
+    The carried band (M keys, left-padded with invalid slots to L) acts as block -1 and the carried agg as the
+    summary of everything before it, so query block n uses agg (+) blocks -1..n-2 (lag 2), attends exactly to
+    block n-1 and (causally) to block n, with the band bias for d <= M. T need not be a multiple of L.
+    Returns (o [B,H,T,Dv], new_state) (+ lse [B,H,T] if return_lse).
+    """
+    if not 1 <= M <= L:
+        raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
+    B, H, T, Dk = q_u.shape
+    Dv, S = v.shape[-1], C.shape[1]
+    dt = float_dtype(q_u, v)
+    state = cast_state(state, dt)
+    R = -(-T // L)
+    Tp = R * L
+    Cs = sg(C).astype(dt)
+
+    def blocks(x):  # [B, H, Tp, ...] -> [B, H, R, L, ...]
+        return x.reshape(x.shape[:2] + (R, L) + x.shape[3:])
+
+    qb = blocks(pad_to(q_u.astype(dt), 2, Tp))
+    bdb = blocks(pad_to(bd.astype(dt), 2, Tp))
+    # extended blocks: index 0 = carried band (block -1), index e = block e-1
+    kx = jnp.concatenate([pad_left(state["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
+    vx = jnp.concatenate([pad_left(state["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
+    zx = jnp.concatenate([pad_left(state["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
+    band_pos = state["pos"] - L + jnp.arange(L)
+    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
+    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T])  # [(R+1) L]
+    kx, vx, zx = (x.reshape(x.shape[:2] + (R + 1, L) + x.shape[3:]) for x in (kx, vx, zx))
+    validx = validx.reshape(R + 1, L)
+
+    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2
+    bmu, bn = code_summary(zx[:, :, : R], vx[:, :, : R], validx[:R], S)  # ext 0..R-1
+    items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
+    items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
+    cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
+
+    i = jnp.arange(L)[:, None]
+    jj = jnp.arange(2 * L)[None, :]
+    bias = rel_bias(bdb, L + i - jj, M)  # [B,H,R,L,2L]
+    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(cn)[:, :, :, None, :]
+    s_p = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, :R]) + bias[..., :L]
+    s_r = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, 1:]) + bias[..., L:]
+    mask_c = (cn > 0)[:, :, :, None, :]
+    mask_p = validx[:R][:, None, :]
+    mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
+    o, lse = softmax_mix([(s_c, mask_c, cmu), (s_p, mask_p, vx[:, :, :R]), (s_r, mask_r, vx[:, :, 1:])])
+    o = o.reshape(B, H, Tp, Dv)[:, :, :T]
+    new_state = final_state(state, k_hat.astype(dt), z, v.astype(dt), T, M, S)
+    if return_lse:
+        return o, new_state, lse.reshape(B, H, Tp)[:, :, :T]
+    return o, new_state
+
+vq_cache_attention_reference = functools.partial(causal_parallel, reduction="serial")
+
+__all__ = [
+    "NEG",
+    "REDUCTIONS",
+    "causal_parallel",
+    "cast_state",
+    "code_summary",
+    "empty_state",
+    "final_state",
+    "float_dtype",
+    "log_count",
+    "merge",
+    "pad_left",
+    "pad_to",
+    "prefix_reduce",
+    "rel_bias",
+    "softmax_mix",
+    "vq_cache_attention_reference",
+]

@@ -1,0 +1,324 @@
+"""Fast Multipole Attention: spec shared/specs/fma.md §6 checks 1-9 (7, Pallas == blocked, lives in
+tests/kernels/test_fma_blocks.py). The shared laws (streamed == full, decoding, capacity, axes) run in
+tests/attention/test_contract.py."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx import attention
+from longctx.attention import fma as F
+from longctx.attention.base import CapacityError
+from longctx.attention.dense import naive_attention
+from longctx.errors import ConfigError
+
+
+def build(name="fma", causal=True, heads=2, d=8, dv=None, **cfg):
+    base = {"m": 4, "p": 2, "max_len": 64, "impl": "xla"}
+    base.update(cfg)
+    return attention.build(name, ml_collections.ConfigDict(base), num_heads=heads, head_dim=d, value_dim=dv,
+                           causal=causal, rngs=nnx.Rngs(0))
+
+
+def qkv(n, heads=2, d=8, dv=None, seed=0, batch=1, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (batch, heads, n, d), dtype),
+            jax.random.normal(ks[1], (batch, heads, n, d), dtype),
+            jax.random.normal(ks[2], (batch, heads, n, dv or d), dtype))
+
+
+def randomize_params(core, seed=1, scale=0.3):
+    """'Trained-style' parameters: every downsampling weight random (not the init's structure)."""
+    gd, params, rest = nnx.split(core, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return nnx.merge(gd, jax.tree.unflatten(tree, leaves), rest)
+
+
+def dense_attention(q, k, v, causal):
+    n = q.shape[2]
+    pos = jnp.arange(n)
+    return naive_attention(q, k, v, pos, pos, jnp.ones((n,), bool), causal=causal)
+
+
+# ----------------------------------------------------------------------------- 1. partition
+@pytest.mark.parametrize("n,m,L", [(64, 4, 3), (128, 8, 3), (96, 4, 4), (37, 4, 3), (256, 16, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_partition_covers_every_pair_exactly_once(n, m, L, causal):
+    cnt = F.cover_count(n, m, L, causal)
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    want = np.where(j > i, 0, 1) if causal else np.ones((n, n), int)
+    if -(-n // m) <= 2 ** (L + 1):  # the levels reach the whole row
+        np.testing.assert_array_equal(cnt, want)
+    lev = F.level_matrix(n, m, L, causal)
+    np.testing.assert_array_equal(lev, F.level_matrix_parity(n, m, L, causal))
+
+
+def test_paper_eq4_without_parent_condition_double_covers():
+    """Paper eq. (4) as printed ({D_l in {2,3}}, no D_{l+1} <= 1) counts pairs twice."""
+    cnt = F.cover_count(64, 4, 3, causal=True, parent_condition=False)
+    assert cnt.max() >= 2
+    # e.g. an even level-1 query group a: group a-3 is also in a level-2 partner
+    m = 4
+    i, j = 4 * m, 1 * m  # a = 4, a-3 = 1
+    assert cnt[i, j] == 2
+
+
+# ----------------------------------------------------------------------------- 2. exact limit, L = 0
+@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_no_coarse_levels_is_exact_attention(name, causal):
+    core = randomize_params(build(name, causal, m=8, max_len=16))  # max_len = 2m -> L = 0
+    assert core.opts.L == 0
+    for n in (16, 11):
+        q, k, v = qkv(n, seed=n)
+        out, _ = core(q, k, v)
+        np.testing.assert_allclose(out, dense_attention(q, k, v, causal), atol=2e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 3. exact limit, structured
+def piecewise(x, width):
+    """Constant on every interval of `width` tokens (the interval's first value)."""
+    n = x.shape[2]
+    return jnp.repeat(x[:, :, ::width], width, axis=2)[:, :, :n]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("op", [{"downsample": "avgpool"}, {"downsample_init": "subinterval_mean"}])
+def test_structured_input_is_exact_only_with_multiplicity(causal, op):
+    n, m, p = 64, 4, 2
+    q, k, v = qkv(n, seed=3)
+    w = n // (4 * p)  # K, V constant on every interval of n/(4p) tokens
+    k, v = piecewise(k, w), piecewise(v, w)
+    exact = dense_attention(q, k, v, causal)
+    on = build("fma", causal, m=m, p=p, max_len=n, **op)
+    out, _ = on(q, k, v)
+    np.testing.assert_allclose(out, exact, atol=2e-5, rtol=2e-5)
+    off = build("fma", causal, m=m, p=p, max_len=n, multiplicity_weighting=False, **op)
+    out_off, _ = off(q, k, v)
+    assert float(jnp.max(jnp.abs(out_off - exact))) > 0.1, "the multiplicity guard: beta_l = 0 must be visibly wrong"
+
+
+def test_fma_linear_joint_is_exact_on_piecewise_constant_qkv():
+    n, p = 64, 2
+    q, k, v = (piecewise(x, n // (4 * p)) for x in qkv(n, seed=4))
+    core = build("fma_linear", False, p=p, max_len=n, downsample="avgpool")
+    out, _ = core(q, k, v)
+    np.testing.assert_allclose(out, dense_attention(q, k, v, False), atol=2e-5, rtol=2e-5)
+    per_level = build("fma_linear", False, p=p, max_len=n, downsample="avgpool", fma_linear_normalization="per_level")
+    out_pl, _ = per_level(q, k, v)
+    assert float(jnp.max(jnp.abs(out_pl - out))) > 0.1  # eq. (11): the weights sum to L+1
+
+
+# ----------------------------------------------------------------------------- 4. blocked == dense reference
+SWEEP = [(64, 8, 2), (128, 8, 4), (256, 16, 4), (128, 4, 1), (1024, 64, 4)]
+
+
+@pytest.mark.parametrize("n,m,p", SWEEP)
+@pytest.mark.parametrize("causal", [True, False])
+def test_blocked_equals_dense_reference(n, m, p, causal):
+    q, k, v = qkv(n, heads=1, d=8, seed=n + m)
+    for mult in (True, False):
+        core = randomize_params(build("fma", causal, heads=1, m=m, p=p, max_len=n, multiplicity_weighting=mult))
+        ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
+        out, _ = core(q, k, v)
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5, err_msg=f"multiplicity={mult}")
+
+
+@pytest.mark.parametrize("name,cfg", [
+    ("fma_linear", {}), ("fma_linear", {"fma_linear_normalization": "per_level"}),
+    ("fma", {"downsample": "dense_conv", "share_downsample_across_heads": False}),
+    ("fma", {"logit_budget": 2000}),  # query blocks in several lax.map groups
+])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n", [64, 45])
+def test_blocked_equals_dense_reference_variants(name, cfg, causal, n):
+    q, k, v = qkv(n, dv=6, seed=7)
+    core = randomize_params(build(name, causal, dv=6, **cfg))
+    ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
+    out, _ = core(q, k, v)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 5. no future leak
+def _leak(core, n=56, t0=40):
+    q, k, v = qkv(n, seed=5)
+    out, _ = core(q, k, v)
+    noise = qkv(n, seed=6)
+    qp, kp, vp = (a.at[:, :, t0 + 1:].set(3.0 * b[:, :, t0 + 1:]) for a, b in zip((q, k, v), noise))
+    out_p, _ = core(qp, kp, vp)
+    same = bool(jnp.all(out_p[:, :, :t0 + 1] == out[:, :, :t0 + 1]))
+    jac = jax.jacrev(lambda a, b, c: core(a, b, c)[0][0, 0, t0], argnums=(0, 1, 2))(q, k, v)
+    zero_above = all(float(jnp.max(jnp.abs(g[:, :, :, t0 + 1:]))) == 0.0 for g in jac)
+    nonzero_below = float(jnp.max(jnp.abs(jac[2][:, :, :, :8]))) > 0.0
+    return same, zero_above, nonzero_below
+
+
+@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+def test_no_future_leak(name):
+    same, zero_above, nonzero_below = _leak(randomize_params(build(name, True)))
+    assert same and zero_above and nonzero_below
+
+
+@pytest.mark.xfail(strict=True, reason="the paper's causal FMA-linear summarises queries over their whole group: "
+                                       "future tokens change past outputs (spec §2.5); kept as a regression test")
+def test_paper_leaky_fma_linear_leaks():
+    core = randomize_params(build("fma_linear", True, causal_query_summary="paper_leaky", allow_paper_leaky=True))
+    same, zero_above, _ = _leak(core)
+    assert same and zero_above
+
+
+def test_paper_leaky_is_rejected_in_causal_configs_and_cannot_decode():
+    with pytest.raises(ConfigError, match="paper_leaky"):
+        build("fma_linear", True, causal_query_summary="paper_leaky")
+    build("fma_linear", False, causal_query_summary="paper_leaky")  # bidirectional: the literal rows, fine
+    core = build("fma_linear", True, causal_query_summary="paper_leaky", allow_paper_leaky=True)
+    with pytest.raises(ValueError, match="paper_leaky"):
+        core.init_state(1, 64)
+
+
+# ----------------------------------------------------------------------------- 6. gradients
+@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_finite_with_masked_segments_and_large_logits(name, causal):
+    core = build(name, causal)
+    gd, params, rest = nnx.split(core, nnx.Param, ...)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = qkv(48, seed=8, dtype=dtype)
+        q = (q.astype(jnp.float32) * 30).astype(dtype)
+
+        def loss(params, q, k, v):
+            out, _ = nnx.merge(gd, params, rest)(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v)
+        leaves = jax.tree.leaves(grads)
+        assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves)
+        # every downsampling parameter gets a gradient (early blocks have fully masked coarse segments)
+        assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads[0]))
+
+
+@pytest.mark.parametrize("name,causal", [("fma", True), ("fma", False), ("fma_linear", True)])
+def test_gradients_match_finite_differences_f64(name, causal):
+    from jax.experimental import enable_x64
+    from jax.test_util import check_grads
+
+    with enable_x64():
+        core = randomize_params(build(name, causal, heads=1, d=4, m=2, p=1, max_len=16))
+        ds = jax.tree.map(lambda x: x.astype(jnp.float64), core.ds_params())
+        q, k, v = (x.astype(jnp.float64) for x in qkv(13, heads=1, d=4, seed=9))
+
+        def f(q, k, v, ds):
+            return F.fma_forward(q, k, v, ds, core.opts)
+
+        assert f(q, k, v, ds).dtype == jnp.float64
+        check_grads(f, (q, k, v, ds), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 8. decode == forward
+@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+def test_prefill_then_decode_equals_forward(name):
+    core = randomize_params(build(name, True))
+    n, n_prompt = 61, 23  # prompt not a multiple of m
+    q, k, v = qkv(n, seed=10)
+    full, _ = core(q, k, v)
+    out, state = core(q[:, :, :n_prompt], k[:, :, :n_prompt], v[:, :, :n_prompt])  # prefill = full pass
+    step = jax.jit(lambda s, a, b, c: core(a, b, c, s))
+    outs = [out]
+    for t in range(n_prompt, n):
+        o, state = step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=2), full, atol=1e-5, rtol=1e-5)
+    assert int(state["pos"]) == n
+
+
+def test_state_is_bounded_and_past_max_len_needs_truncation():
+    core = build("fma", True)
+    st = core.init_state(1, 64)
+    sizes = {x.size for x in jax.tree.leaves(st)}
+    assert max(sizes) <= 2 * 4 * 2 * 8  # O(m d + p d L): nothing grows with the context
+    q, k, v = qkv(72, seed=11)
+    with pytest.raises(ValueError, match="max_len"):
+        core(q, k, v)
+    with pytest.raises(ValueError, match="max_len"):
+        core.init_state(1, 128)
+    _, st = core(q[:, :, :60], k[:, :, :60], v[:, :, :60])
+    with pytest.raises(CapacityError):
+        core(q[:, :, 60:], k[:, :, 60:], v[:, :, 60:], st)
+
+
+def test_truncated_window_streams_past_max_len():
+    core = randomize_params(build("fma", True, allow_truncated_window=True))
+    n = 150
+    q, k, v = qkv(n, seed=12)
+    full, _ = core(q, k, v)
+    ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
+    np.testing.assert_allclose(full, ref, atol=1e-5, rtol=1e-5)
+    state, outs = core.init_state(1, 10**6), []
+    for a in range(0, n, 17):
+        o, state = core(q[:, :, a:a + 17], k[:, :, a:a + 17], v[:, :, a:a + 17], state)
+        outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=2), full, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 9. shapes and params
+@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+def test_parameter_shapes_and_output_shape(name):
+    d, dv, m, p, n = 8, 6, 4, 2, 64
+    core = build(name, True, d=d, dv=dv, m=m, p=p, max_len=n)
+    L = int(math.log2(n // m)) - 1
+    assert core.opts.L == L == 3
+    params = nnx.state(core, nnx.Param)
+    flat = {"/".join(map(str, k)): v[...].shape for k, v in nnx.to_flat_state(params)}
+    want = {}
+    for nm, f in (("k", d), ("v", dv)) + ((("q", d),) if name == "fma_linear" else ()):
+        for l in range(1, L + 1):
+            want[f"ds_{nm}_{l}/kernel"] = (m << (l - 1), f, p)
+            want[f"ds_{nm}_{l}/bias"] = (f, p)
+    assert flat == want
+    # spec §3 count for K and V: 2 p d (n/2 - m) + 2 L p d (d = dv)
+    sq = build("fma", True, d=d, dv=d, m=m, p=p, max_len=n)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(sq, nnx.Param)))
+    assert count == 2 * p * d * (n // 2 - m) + 2 * L * p * d
+    q, k, v = qkv(n, d=d, dv=dv, batch=2)
+    assert core(q, k, v)[0].shape == (2, 2, n, dv)
+    assert build(name, True, d=d, dv=dv, downsample="avgpool").ds_params()["k"] == [None] * L
+
+
+def test_spec_parameter_count_example():
+    """Spec §3: n=1024, m=64, p=4, d=64 -> 230,912 downsampling parameters per layer."""
+    core = attention.build("fma", ml_collections.ConfigDict({"m": 64, "p": 4, "max_len": 1024}), num_heads=12,
+                           head_dim=64, causal=True, rngs=nnx.Rngs(0))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(core, nnx.Param))) == 230_912
+
+
+def test_config_errors():
+    for bad, match in (({"p": 3}, "divide"), ({"max_len": 96}, "power of two"), ({"num_levels": 2}, "truncat"),
+                       ({"downsample": "fft"}, "downsample"), ({"impl": "pallas", "attn_dropout": 0.1}, "dropout")):
+        with pytest.raises(ConfigError, match=match):
+            build("fma", True, **bad)
+
+
+@pytest.mark.slow
+def test_131k_forward_compiles_under_4gb():
+    """The blocked path's compiled 131,072-token forward (B=1, 4 heads of 64, defaults m=64 p=4) needs < 4 GB
+    of temporaries + arguments (XLA's memory analysis of the compiled program; nothing is run)."""
+    core = attention.build("fma", attention.default_config("fma"), num_heads=4, head_dim=64, causal=True,
+                           rngs=nnx.Rngs(0))
+    gd, params, rest = nnx.split(core, nnx.Param, ...)
+    shape = jax.ShapeDtypeStruct((1, 4, 131072, 64), jnp.float32)
+
+    def f(params, q, k, v):
+        return nnx.merge(gd, params, rest)(q, k, v)[0]
+
+    mem = jax.jit(f).lower(params, shape, shape, shape).compile().memory_analysis()
+    total = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    assert total < 4 * 2**30, total

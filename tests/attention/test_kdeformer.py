@@ -1,0 +1,628 @@
+"""KDEformer (spec shared/specs/kdeformer.md §6, checks 1-11). fp32, small sizes, seeded."""
+
+from __future__ import annotations
+
+import os
+
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import functools  # noqa: E402
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+
+from longctx import attention  # noqa: E402
+from longctx.attention import kdeformer as kd  # noqa: E402
+from longctx.attention.dense import naive_attention  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
+
+B, H, D = 2, 2, 8
+SMALL = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}
+
+
+def make(is_causal=True, **cfg):
+    return attention.build("kdeformer", cfg, num_heads=H, head_dim=D, causal=is_causal, rngs=nnx.Rngs(0))
+
+
+@functools.partial(nnx.jit, static_argnames=("deterministic",))
+def run(core, q, k, v, state=None, deterministic=True, key=None):
+    return core(q, k, v, state, deterministic=deterministic, key=key)
+
+
+def qkv(L, seed=0, scale=1.0, b=B, h=H, d=D, dv=None):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = scale * jax.random.normal(ks[0], (b, h, L, d))
+    k = scale * jax.random.normal(ks[1], (b, h, L, d))
+    v = jax.random.normal(ks[2], (b, h, L, dv or d))
+    return q, k, v
+
+
+def dense(q, k, v, is_causal):
+    L = q.shape[2]
+    pos = jnp.arange(L)
+    return naive_attention(q, k, v, pos, pos, jnp.ones((L,), bool), causal=is_causal)
+
+
+def maxdiff(a, b):
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def bopts(**kw):
+    base = dict(bucket_size=8, num_samples=8, num_projs=3, gray_order="inverse", sampling="ref", residual="sampled",
+                power_iters=20, scale=D**-0.5)
+    base.update(kw)
+    return kd.BidirOptions(**base)
+
+
+def copts(**kw):
+    base = dict(chunk_size=8, local_chunks=2, heavy_capacity=4, num_projs=3, num_samples=8, sampling="uniform",
+                residual="sampled", power_iters=20, scale=D**-0.5, tile_budget=1 << 22)
+    base.update(kw)
+    return kd.CausalOptions(**base)
+
+
+def causal_pieces(q, k, v, W, key_s, opts):
+    """The full-pass tiles and plan (T a multiple of the chunk size)."""
+    Bq, Hq, T, d = q.shape
+    c = opts.chunk_size
+    n_t = T // c
+    hq, hk = kd.lsh_codes(q, W), kd.lsh_codes(k, W)
+    q_t = jnp.moveaxis(q.reshape(Bq, Hq, n_t, c, d), 2, 0)
+    hq_t = jnp.moveaxis(hq.reshape(Bq, Hq, n_t, c), 2, 0)
+    ids = jnp.arange(n_t, dtype=jnp.int32)
+    plan = kd.causal_plan(hq_t, ids, k, v, hk, T, key_s, opts)
+    return q_t, ids, plan, hq, hk
+
+
+def untile(x):
+    n_t, Bq, Hq, c = x.shape[:4]
+    return jnp.moveaxis(x, 0, 2).reshape((Bq, Hq, n_t * c) + x.shape[4:])
+
+
+# --------------------------------------------------------------------------- §6.1 Gray rank
+
+
+@pytest.mark.parametrize("r", range(1, 11))
+def test_gray_rank_is_a_bijection_with_one_bit_steps(r):
+    z = jnp.arange(1 << r, dtype=jnp.int32)
+    rank = np.asarray(kd.gray_rank(z, r, "inverse"))
+    assert sorted(rank.tolist()) == list(range(1 << r))
+    codes_in_rank_order = np.argsort(rank)  # code at each rank
+    diff = codes_in_rank_order[1:] ^ codes_in_rank_order[:-1]
+    assert all(bin(int(x)).count("1") == 1 for x in diff)
+    # the forward map G is the Gray sequence itself: G(rank(z)) = z
+    assert np.array_equal(np.asarray(kd.gray_rank(jnp.asarray(rank), r, "forward")), np.asarray(z))
+
+
+def test_forward_gray_order_reproduces_the_released_table():
+    z = jnp.arange(8, dtype=jnp.int32)
+    assert np.asarray(kd.gray_rank(z, 3, "forward")).tolist() == [0, 1, 3, 2, 6, 7, 5, 4]
+    # and differs from the paper order for r = 3 (codes 4..7)
+    assert not np.array_equal(np.asarray(kd.gray_rank(z, 3, "inverse")), np.asarray(kd.gray_rank(z, 3, "forward")))
+
+
+# --------------------------------------------------------------------------- §6.2 collision rate
+
+
+@pytest.mark.parametrize("theta", [0.3, 1.0, 2.0])
+def test_lsh_collision_rate_matches_angle_formula(theta):
+    d, r, n = 16, 3, 20000
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=d)
+    x /= np.linalg.norm(x)
+    o = rng.normal(size=d)
+    o -= o @ x * x
+    o /= np.linalg.norm(o)
+    y = 3.0 * (math.cos(theta) * x + math.sin(theta) * o)  # norm does not matter
+    pts = jnp.asarray(np.stack([x, y]), jnp.float32)[None, None]  # [1,1,2,d]
+    W = kd.draw_projections(jax.random.PRNGKey(1), n, 1, d, r)
+    codes = np.asarray(kd.lsh_codes(jnp.broadcast_to(pts, (n, 1, 2, d)), W))[:, 0]
+    rate = np.mean(codes[:, 0] == codes[:, 1])
+    p = (1 - theta / math.pi) ** r
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(rate - p) < 4 * sd, (rate, p, sd)
+    # a one-bit (r = 1) formula would be far outside the band
+    assert abs(rate - (1 - theta / math.pi)) > 4 * sd
+
+
+# --------------------------------------------------------------------------- §6.3 exact limits
+
+
+@pytest.mark.parametrize("L", [64, 45])
+def test_bidirectional_exact_limits(L):
+    q, k, v = qkv(L)
+    ref = dense(q, k, v, False)
+    b_all = -(-L // 8) * 8
+    # one block holding every key: all samples are masked, for any m
+    for m in (0, 8, 64):
+        out, _ = run(make(False, bucket_size=b_all, num_samples=m), q, k, v, deterministic=False,
+                     key=jax.random.PRNGKey(m))
+        assert maxdiff(out, ref) < 1e-5
+    out, _ = run(make(False, bucket_size=8, residual="exact"), q, k, v)
+    assert maxdiff(out, ref) < 1e-5
+    # the approximation itself is not exact
+    out, _ = run(make(False, bucket_size=8, num_samples=8), q, k, v)
+    assert maxdiff(out, ref) > 1e-2
+
+
+@pytest.mark.parametrize("L", [64, 45])
+def test_causal_exact_limits(L):
+    q, k, v = qkv(L)
+    ref = dense(q, k, v, True)
+    for cc in (dict(SMALL, chunk_size=64), dict(SMALL, num_projs=0, heavy_capacity=64),
+               dict(SMALL, residual="exact")):
+        out, _ = run(make(True, causal=cc), q, k, v, deterministic=False, key=jax.random.PRNGKey(2))
+        assert maxdiff(out, ref) < 1e-5, cc
+    out, _ = run(make(True, causal=SMALL), q, k, v)
+    assert maxdiff(out, ref) > 1e-2
+
+
+# --------------------------------------------------------------------------- §6.4 partition
+
+
+def test_bidirectional_partition_by_one_hot_values():
+    """v = one-hot(j): the weight of key j in query i's output is exactly e^{s_ij}/D̃_i if j is in i's
+    block, (count of j among the samples)·e^{s_ij}/(m p_j)/D̃_i otherwise; never both, never missing."""
+    N, b, m = 48, 8, 16
+    q, k, _ = qkv(N, seed=3, b=1, h=1)
+    v = jnp.eye(N)[None, None]
+    opts = bopts(bucket_size=b, num_samples=m)
+    W = kd.draw_projections(jax.random.PRNGKey(5), 1, 1, D, 3)
+    plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(6), N, opts)
+    out, lse = kd.bidir_apply(q, k, v, plan, N, opts)
+    out, lse = np.asarray(out[0, 0], np.float64), np.asarray(lse[0, 0], np.float64)
+    s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
+    qblk = np.asarray(kd.inverse_permutation(plan["perm_q"]))[0, 0] // b
+    kblk = np.asarray(plan["kblk"])[0, 0]
+    idx, omega = np.asarray(plan["idx"])[0, 0], np.asarray(plan["omega"])[0, 0]
+    want = np.zeros((N, N))
+    for i in range(N):
+        heavy = kblk == qblk[i]
+        assert heavy.sum() == b  # equal blocks
+        want[i, heavy] += np.exp(s[i, heavy] - lse[i])
+        for j, w in zip(idx, omega):
+            if not heavy[j]:
+                want[i, j] += np.exp(s[i, j] + w - lse[i])
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(out.sum(-1), 1.0, atol=1e-5)  # D̃ is the sum of exactly these terms
+    # a sample drawn in a query's own block contributes nothing (not counted twice)
+    assert any(kblk[j] == qblk[i] for i in range(N) for j in idx)
+
+
+def _brute_heavy(hk, hq, i, L, bh):
+    same = [j for j in range(L) if hk[j] == hq[i]]
+    return set(same[-bh:]) if bh > 0 else set()
+
+
+def test_causal_partition_and_heavy_sets_by_one_hot_values():
+    N, c, bh, m = 64, 8, 3, 8
+    opts = copts(chunk_size=c, heavy_capacity=bh, num_projs=2, num_samples=m)
+    q, k, _ = qkv(N, seed=4, b=1, h=1)
+    v = jnp.eye(N)[None, None]
+    W = kd.draw_projections(jax.random.PRNGKey(7), 1, 1, D, 2)
+    q_t, ids, plan, hq, hk = causal_pieces(q, k, v, W, jax.random.PRNGKey(8), opts)
+    out, lse = kd.causal_apply(q_t, ids, k, v, plan, opts)
+    out, lse = np.asarray(untile(out)[0, 0], np.float64), np.asarray(untile(lse)[0, 0], np.float64)
+    s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
+    hq, hk = np.asarray(hq[0, 0]), np.asarray(hk[0, 0])
+    sidx, omega = np.asarray(plan["sidx"])[:, 0, 0], np.asarray(plan["omega"])[:, 0, 0]
+    want = np.zeros((N, N))
+    n_heavy = 0
+    for i in range(N):
+        g = i // c
+        L = max(0, (g - 1) * c)
+        hv = _brute_heavy(hk, hq, i, L, bh)
+        n_heavy += len(hv)
+        for j in list(range(L, i + 1)) + sorted(hv):
+            want[i, j] += np.exp(s[i, j] - lse[i])
+        if L > 0:
+            for j, w in zip(sidx[g], omega[g]):
+                assert 0 <= j < L
+                if j not in hv:
+                    want[i, j] += np.exp(s[i, j] + w - lse[i])
+    assert n_heavy > 0
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(out.sum(-1), 1.0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- §6.5 fp64 reference
+
+
+def test_bidirectional_equals_literal_reference_formula_in_fp64():
+    N, b, m, dv = 64, 8, 24, 5
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(N, seed=9, b=1, h=1, dv=dv))
+        opts = bopts(bucket_size=b, num_samples=m)
+        W = kd.draw_projections(jax.random.PRNGKey(10), 1, 1, D, 3)
+        plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(11), N, opts)
+        out, _ = kd.bidir_apply(q, k, v, plan, N, opts)
+        assert out.dtype == jnp.float64
+        out = np.asarray(out[0, 0])
+    Q, K, V = (np.asarray(x[0, 0], np.float64) for x in (q, k, v))
+    Vt = np.concatenate([V, np.ones((N, 1))], axis=1)
+    A = np.exp(Q @ K.T * opts.scale)
+    qblk = np.asarray(kd.inverse_permutation(plan["perm_q"]))[0, 0] // b
+    kblk = np.asarray(plan["kblk"])[0, 0]
+    coll = qblk[:, None] == kblk[None, :]
+    A_spar = A * coll
+    A_res = A - A_spar
+    idx = np.asarray(plan["idx"])[0, 0]
+    p = np.exp(-np.asarray(plan["omega"], np.float64)[0, 0]) / m
+    Pi = np.zeros((m, N))
+    Pi[np.arange(m), idx] = 1.0 / np.sqrt(m * p)
+    num = A_spar @ Vt + A_res @ Pi.T @ Pi @ Vt
+    ref = num[:, :dv] / num[:, dv:]
+    np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_ref_sampling_probabilities_are_the_law_of_the_draw():
+    """p_j = π_u/N + (1-π_u) u_j/T (integer weights): empirical frequencies over many draws match."""
+    N, m = 16, 200_000
+    v = jax.random.normal(jax.random.PRNGKey(0), (1, 1, N, 4)) * jnp.arange(N)[None, None, :, None] / 4
+    valid = jnp.ones((N,), bool)
+    u = kd.norm_weights(v, valid)
+    lam = kd.power_lambda(kd.augmented_gram(v, valid[None, None]), 20)
+    idx, p = kd.draw_samples(jax.random.PRNGKey(1), m, jnp.full((1, 1), N, jnp.int32), "ref",
+                             cum=jnp.cumsum(u, -1), u=u, lam=lam)
+    idx, p = np.asarray(idx[0, 0]), np.asarray(p[0, 0], np.float64)
+    pj = np.zeros(N)
+    pj[idx] = p
+    assert abs(pj.sum() - 1.0) < 1e-5
+    freq = np.bincount(idx, minlength=N) / m
+    sd = np.sqrt(pj * (1 - pj) / m)
+    assert np.max(np.abs(freq - pj) / sd) < 5
+    # λ is ‖Ṽ‖²_op
+    Vt = np.concatenate([np.asarray(v[0, 0]), np.ones((N, 1))], 1)
+    assert abs(float(lam[0, 0]) - np.linalg.norm(Vt, 2) ** 2) < 1e-3 * np.linalg.norm(Vt, 2) ** 2
+
+
+# --------------------------------------------------------------------------- §6.6 unbiased normaliser
+
+
+def _zscores(est, exact):
+    """est [T, ...] draws, exact [...] -> per-entry z and the z of their average (correlated rows)."""
+    est, exact = np.asarray(est, np.float64), np.asarray(exact, np.float64)
+    T = est.shape[0]
+    sd = est.std(axis=0, ddof=1)
+    z = (est.mean(0) - exact) / (sd / np.sqrt(T))
+    agg = ((est - exact) / sd).reshape(T, -1).mean(-1)  # one statistic per draw
+    z_agg = agg.mean() / (agg.std(ddof=1) / np.sqrt(T))
+    return z, z_agg
+
+
+@pytest.mark.parametrize("sampling", ["ref", "uniform"])
+def test_bidirectional_normaliser_and_numerator_are_unbiased(sampling):
+    N, b, m, T = 64, 8, 8, 4096
+    q, k, v = qkv(N, seed=12, b=1, h=1, dv=3)
+    v = v + 1.0
+    opts = bopts(bucket_size=b, num_samples=m, sampling=sampling)
+    W = kd.draw_projections(jax.random.PRNGKey(13), 1, 1, D, 3)
+
+    @jax.jit
+    def draws(keys, shift):
+        def one(key):
+            plan = kd.bidir_plan(q, k, v, W, key, N, opts)
+            plan = dict(plan, omega=plan["omega"] + shift)
+            out, lse = kd.bidir_apply(q, k, v, plan, N, opts)
+            Dt = jnp.exp(lse[0, 0])
+            return Dt, Dt[:, None] * out[0, 0]
+        return jax.vmap(one)(keys)
+
+    keys = jax.random.split(jax.random.PRNGKey(14), T)
+    s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
+    Dx = np.exp(s).sum(-1)
+    Nx = np.exp(s) @ np.asarray(v[0, 0], np.float64)
+    Dt, Nt = draws(keys, 0.0)
+    for est, ex in ((Dt, Dx), (Nt, Nx)):
+        z, z_agg = _zscores(est, ex)
+        assert np.max(np.abs(z)) < 6 and abs(z_agg) < 5, (np.max(np.abs(z)), z_agg)
+    # power: weights 10% too large are detected by the same statistic
+    Dt_bad, _ = draws(keys, math.log(1.1))
+    z, z_agg = _zscores(Dt_bad, Dx)
+    assert np.max(np.abs(z)) > 6
+
+
+def test_causal_normaliser_is_unbiased():
+    N, T = 64, 4096
+    opts = copts(chunk_size=8, heavy_capacity=2, num_projs=2, num_samples=4)
+    q, k, v = qkv(N, seed=15, b=1, h=1)
+    W = kd.draw_projections(jax.random.PRNGKey(16), 1, 1, D, 2)
+
+    @jax.jit
+    def draws(keys):
+        def one(key):
+            q_t, ids, plan, _, _ = causal_pieces(q, k, v, W, key, opts)
+            _, lse = kd.causal_apply(q_t, ids, k, v, plan, opts)
+            return jnp.exp(untile(lse)[0, 0])
+        return jax.vmap(one)(keys)
+
+    Dt = draws(jax.random.split(jax.random.PRNGKey(17), T))
+    s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
+    Dx = np.sum(np.exp(s) * np.tri(N), axis=-1)
+    z, z_agg = _zscores(Dt[:, 16:], Dx[16:])  # rows < 16 are exact (no prefix beyond the window)
+    assert np.max(np.abs(z)) < 6 and abs(z_agg) < 5
+    np.testing.assert_allclose(np.asarray(Dt[0, :16]), Dx[:16], rtol=1e-5)
+
+
+def test_exp_kde_to_gaussian_kde_reduction_identity():
+    """Eq. 7-8: Σ_i u_i e^{⟨x_i,y⟩} = n Z_u e^{‖y‖²/2} μ_{X'}([y;0]) with x'_i = [x_i; w_i] (O(n²) oracle)."""
+    rng = np.random.default_rng(0)
+    n, d = 50, 6
+    X, Y = rng.normal(size=(n, d)) * 0.7, rng.normal(size=(7, d)) * 0.7
+    u = rng.uniform(0.1, 2.0, size=n)
+    lhs = np.exp(Y @ X.T) @ u
+    Zu = np.sum(u * np.exp(0.5 * np.sum(X * X, 1)))
+    w = np.sqrt(2 * np.log(Zu / (u * np.exp(0.5 * np.sum(X * X, 1)))))
+    Xa = np.concatenate([X, w[:, None]], 1)
+    Ya = np.concatenate([Y, np.zeros((7, 1))], 1)
+    mu = np.mean(np.exp(-0.5 * np.sum((Ya[:, None] - Xa[None]) ** 2, -1)), -1)
+    rhs = n * Zu * np.exp(0.5 * np.sum(Y * Y, 1)) * mu
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- §6.7 error vs samples
+
+
+@pytest.mark.slow
+def test_error_decreases_like_inverse_sqrt_samples():
+    N, d, dv, b, n_keys = 1024, 16, 16, 32, 8
+    ks = jax.random.split(jax.random.PRNGKey(20), 3)
+    q = math.sqrt(2.0) * jax.random.normal(ks[0], (1, 1, N, d))
+    k = math.sqrt(2.0) * jax.random.normal(ks[1], (1, 1, N, d))
+    v = 1.0 + jax.random.normal(ks[2], (1, 1, N, dv))
+    ref = np.asarray(dense(q, k, v, False)[0, 0], np.float64)
+    ref_norm = np.linalg.norm(ref, 2)
+    errs = []
+    for m in (32, 128, 512, 2048):
+        opts = bopts(bucket_size=b, num_samples=m, scale=d**-0.5, num_projs=7)
+
+        @jax.jit
+        def f(key):
+            kw, ksamp = jax.random.split(key)
+            W = kd.draw_projections(kw, 1, 1, d, 7)
+            return kd.bidir_forward(q, k, v, W, ksamp, opts)[0, 0]
+
+        e = [np.linalg.norm(np.asarray(f(jax.random.PRNGKey(100 + s)), np.float64) - ref, 2) / ref_norm
+             for s in range(n_keys)]
+        errs.append(float(np.mean(e)))
+    assert all(a > b_ for a, b_ in zip(errs, errs[1:])), errs
+    ratios = [b_ / a for a, b_ in zip(errs, errs[1:])]
+    assert all(0.3 <= r <= 0.8 for r in ratios), (errs, ratios)
+
+
+# --------------------------------------------------------------------------- §6.8 no leak
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "ref"])
+def test_causal_no_future_leak(sampling):
+    L, t = 64, 37
+    core = make(True, causal=dict(SMALL, sampling=sampling))
+    q, k, v = qkv(L, seed=21)
+    key = jax.random.PRNGKey(22)
+    out, _ = run(core, q, k, v, deterministic=False, key=key)
+    q2, k2, v2 = qkv(L, seed=23, scale=3.0)
+    fut = jnp.arange(L) > t
+    mix = lambda a, b_: jnp.where(fut[None, None, :, None], b_, a)  # noqa: E731
+    out2, _ = run(core, mix(q, q2), mix(k, k2), mix(v, v2), deterministic=False, key=key)
+    assert maxdiff(out[:, :, : t + 1], out2[:, :, : t + 1]) <= 1e-6
+    assert maxdiff(out[:, :, t + 1:], out2[:, :, t + 1:]) > 1e-3
+
+    w = jax.random.normal(jax.random.PRNGKey(24), out.shape[:2] + out.shape[3:])
+
+    @jax.jit
+    def loss(q, k, v):
+        o, _ = core(q, k, v, deterministic=False, key=key)
+        return jnp.sum(o[:, :, t] * w)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for gr in grads:
+        assert float(jnp.max(jnp.abs(gr[:, :, t + 1:]))) == 0.0
+        assert float(jnp.max(jnp.abs(gr[:, :, : t + 1]))) > 0.0
+
+
+# --------------------------------------------------------------------------- §6.9 decode == full
+
+
+def test_decode_token_by_token_equals_full_forward():
+    N = 512
+    cc = {"chunk_size": 64, "local_chunks": 2, "heavy_capacity": 16, "num_projs": 4, "num_samples": 32,
+          "sampling": "uniform"}
+    core = make(True, causal=cc)
+    q, k, v = qkv(N, seed=25, b=1)
+    key = jax.random.PRNGKey(26)
+    full, _ = run(core, q, k, v, deterministic=False, key=key)
+
+    graphdef, st = nnx.split(core)
+
+    @jax.jit
+    def step(state, qt, kt, vt):
+        o, state = nnx.merge(graphdef, st)(qt, kt, vt, state, deterministic=False, key=key)
+        return o, state
+
+    state = core.init_state(1, N)
+    outs = []
+    for i in range(N):
+        o, state = step(state, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1])
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, 2), full) <= 1e-5
+    assert maxdiff(full, dense(q, k, v, True)) > 1e-2  # the approximation is active
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "ref"])
+def test_streaming_in_uneven_chunks_equals_full(sampling):
+    core = make(True, causal=dict(SMALL, sampling=sampling))
+    q, k, v = qkv(64, seed=27)
+    for det, key in ((True, None), (False, jax.random.PRNGKey(28))):
+        full, _ = run(core, q, k, v, deterministic=det, key=key)
+        state = core.init_state(B, 64)
+        outs, p = [], 0
+        for n in (13, 1, 50):
+            o, state = run(core, q[:, :, p:p + n], k[:, :, p:p + n], v[:, :, p:p + n], state, deterministic=det,
+                           key=key)
+            outs.append(o)
+            p += n
+        assert maxdiff(jnp.concatenate(outs, 2), full) <= 2e-5
+        assert int(state["length"]) == 64
+
+
+def test_model_level_decode_equals_full():
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+
+    c = base_config().model
+    c.vocab_size = 50
+    c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = 32, 2, 2, 16, 64
+    c.attention.name = "kdeformer"
+    c.attention.kdeformer.causal.update(SMALL)
+    model = build_model(c, seed=1)
+    tokens = jax.random.randint(jax.random.key(0), (1, 48), 0, 50)
+    full, _, _ = nnx.jit(lambda m, t: m(t))(model, tokens)
+    step = nnx.jit(lambda m, t, s: m(t, s))
+    state = model.init_state(1, 48)
+    outs = []
+    for i in range(48):
+        lo, state, _ = step(model, tokens[:, i:i + 1], state)
+        outs.append(lo)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-3)
+
+
+def test_capacity_overflow_raises_eagerly_and_under_jit():
+    core = make(True, causal=SMALL)
+    q, k, v = qkv(24, seed=29)
+    state = core.init_state(B, 16)
+    with pytest.raises(ValueError, match="holds 16 tokens"):
+        core(q, k, v, state)
+    with pytest.raises(ValueError, match="holds 16 tokens"):
+        run(core, q, k, v, state)  # more new tokens than the capacity: found at trace time
+    _, state = run(core, q[:, :, :8], k[:, :, :8], v[:, :, :8], state)
+    with pytest.raises(Exception, match="holds 16 tokens but 20"):  # 8 + 12 > 16: found at run time
+        out, st = run(core, q[:, :, 8:20], k[:, :, 8:20], v[:, :, 8:20], state)
+        jax.block_until_ready((out, st))
+
+
+# --------------------------------------------------------------------------- §6.10 gradients
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_finite_with_large_logits(is_causal, dtype):
+    core = make(is_causal, causal=SMALL, bucket_size=8, num_samples=8, num_projs=3)
+    q, k, v = qkv(64, seed=30)
+    q, k, v = (30.0 * q).astype(dtype), k.astype(dtype), v.astype(dtype)
+
+    @jax.jit
+    def loss(q, k, v):
+        o, _ = core(q, k, v, deterministic=False, key=jax.random.PRNGKey(31))
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for gr in grads:
+        assert bool(jnp.all(jnp.isfinite(gr.astype(jnp.float32))))
+        assert float(jnp.max(jnp.abs(gr.astype(jnp.float32)))) > 0
+
+
+def test_gradients_with_the_plan_frozen_pass_check_grads():
+    from jax.test_util import check_grads
+
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(32, seed=32, b=1, h=1))
+        W = kd.draw_projections(jax.random.PRNGKey(33), 1, 1, D, 3)
+        o = bopts(bucket_size=8, num_samples=8)
+        plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(34), 32, o)
+        check_grads(lambda q, k, v: kd.bidir_apply(q, k, v, plan, 32, o)[0], (q, k, v), order=1, modes=["rev"],
+                    atol=1e-6, rtol=1e-6)
+        co = copts()
+        q_t, ids, cplan, _, _ = causal_pieces(q, k, v, W, jax.random.PRNGKey(35), co)
+        check_grads(lambda q_t, k, v: kd.causal_apply(q_t, ids, k, v, cplan, co)[0], (q_t, k, v), order=1,
+                    modes=["rev"], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", ["ref", "uniform"])
+def test_gradient_does_not_flow_through_the_plan(sampling):
+    """The full forward's gradient equals that of `apply` with the plan held fixed: p (which depends
+    on v for 'ref'), the permutations and the samples are stop_gradient."""
+    N = 48
+    q, k, v = qkv(N, seed=36, b=1, h=1)
+    W = kd.draw_projections(jax.random.PRNGKey(37), 1, 1, D, 3)
+    o = bopts(bucket_size=8, num_samples=8, sampling=sampling)
+    key = jax.random.PRNGKey(38)
+    w = jax.random.normal(jax.random.PRNGKey(39), (1, 1, N, D))
+    g_full = jax.grad(lambda q, k, v: jnp.sum(kd.bidir_forward(q, k, v, W, key, o) * w), argnums=(0, 1, 2))(q, k, v)
+    plan = kd.bidir_plan(q, k, v, W, key, N, o)
+    g_plan = jax.grad(lambda q, k, v: jnp.sum(kd.bidir_apply(q, k, v, plan, N, o)[0] * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b_ in zip(g_full, g_plan):
+        assert maxdiff(a, b_) < 1e-6
+    # the plan's own outputs carry no gradient
+    jac = jax.jacrev(lambda v: kd.bidir_plan(q, k, v, W, key, N, o)["omega"])(v)
+    assert float(jnp.max(jnp.abs(jac))) == 0.0
+
+
+# --------------------------------------------------------------------------- §6.11 determinism / jit
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_keys_determinism_and_no_recompilation(is_causal):
+    core = make(is_causal, causal=SMALL, bucket_size=8, num_samples=8, num_projs=3)
+    q, k, v = qkv(64, seed=40)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, key):
+        traces.append(1)
+        return core(q, k, v, deterministic=False, key=key)[0]
+
+    a, a2, b_ = f(q, k, v, jax.random.PRNGKey(1)), f(q, k, v, jax.random.PRNGKey(1)), f(q, k, v, jax.random.PRNGKey(2))
+    assert len(traces) == 1
+    assert bool(jnp.array_equal(a, a2))
+    assert maxdiff(a, b_) > 1e-3
+    d1, _ = run(core, q, k, v)
+    d2, _ = run(core, q, k, v)
+    assert bool(jnp.array_equal(d1, d2))
+    with pytest.raises(ValueError, match="needs a PRNG"):
+        core(q, k, v, deterministic=False)
+
+
+def test_padded_keys_get_zero_weight_and_zero_gradient():
+    N, Np = 45, 48
+    o = bopts(bucket_size=8, num_samples=8)
+    q, k, v = qkv(Np, seed=41, b=1, h=1)
+    W = kd.draw_projections(jax.random.PRNGKey(42), 1, 1, D, 3)
+    key = jax.random.PRNGKey(43)
+    pad = jnp.arange(Np) >= N
+
+    def f(q, k, v):
+        plan = kd.bidir_plan(q, k, v, W, key, N, o)
+        return kd.bidir_apply(q, k, v, plan, N, o)[0][:, :, :N]
+
+    base = f(q, k, v)
+    junk = lambda x: jnp.where(pad[None, None, :, None], 1e3, x)  # noqa: E731
+    assert maxdiff(f(q, junk(k), junk(v)), base) == 0.0
+    gk, gv = jax.grad(lambda k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1))(k, v)
+    assert float(jnp.max(jnp.abs(gk[:, :, N:]))) == 0.0 and float(jnp.max(jnp.abs(gv[:, :, N:]))) == 0.0
+    # the public path pads internally: non-multiples run and stay close to the padded computation
+    q, k, v = qkv(N, seed=44)
+    out, _ = run(make(False, bucket_size=8, num_samples=8), q, k, v)
+    assert out.shape == (B, H, N, D) and bool(jnp.all(jnp.isfinite(out)))
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("bad", [{"bucket_size": 0}, {"gray_order": "up"}, {"sampling": "paper_mc"},
+                                 {"causal": {"chunk_size": 0}}, {"causal": {"local_chunks": 0}},
+                                 {"causal": {"sampling": "ref2"}}, {"num_projs": 40}])
+def test_bad_config_raises(bad):
+    with pytest.raises(ConfigError):
+        make(True, **bad)
+
+
+def test_bidirectional_core_takes_no_state():
+    core = make(False)
+    with pytest.raises(ValueError):
+        core.init_state(1, 8)

@@ -1,0 +1,200 @@
+"""One shared test base for every Pallas kernel (DESIGN.md §3, STYLE §1–2, house rules 2–3).
+
+A kernel's test subclasses :class:`KernelTestBase` and fills in data, never test code:
+
+* ``kernel(*args, interpret, platform, **static)`` and ``reference(*args, **static)``: same outputs (a pytree);
+* ``make_inputs(shape, dtype)`` -> ``(args, static)`` for a named entry of ``SHAPES`` (ragged lengths, carried
+  state, ...); ``DIFF_ARGNUMS``: the float arguments the gradient test differentiates;
+* ``FORWARD_CASES`` / ``GRAD_CASES``: ``(shape name, dtype name)`` pairs; ``TOLERANCES`` / ``GRAD_TOLERANCES``:
+  per dtype ``(atol, rtol)`` (rtol is relative to the largest reference magnitude of that output);
+* ``STATE``: a function picking the final state out of the outputs (None if the kernel returns none);
+* ``KERNEL_BACKWARD``: False when the kernel's backward is the reference's own VJP; its gradient test is then an
+  explicit skip ("backward is the reference VJP, no kernel backward to test"), because comparing the
+  reference's VJP with itself cannot fail;
+* ``EXPORT_CASES``: ``(platform, shape name, dtype name)``; the kernel is lowered with
+  ``jax.export.export(jax.jit(f), platforms=[platform])`` (forward, and the VJP when the kernel has a backward).
+  Where the kernel's ``unsupported_reasons`` refuse the platform/shape, the test instead expects the kernel to
+  raise a ``ValueError`` naming them.
+
+``INTERPRET`` (default: True on CPU) runs the kernels in Pallas interpret mode; on an accelerator a subclass
+with ``INTERPRET = False`` runs the same tests compiled. Each (shape, dtype) compiles once: forward outputs
+are cached per class and shared by the forward and final-state tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # compile-bound tests
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+from typing import Any, Callable  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+NO_KERNEL_BACKWARD = "backward is the reference VJP, no kernel backward to test"
+
+
+def max_rel_err(ref, out) -> float:
+    """max |out - ref| / max(1, max |ref|) over one array."""
+    ref = np.asarray(ref, np.float64)
+    out = np.asarray(out, np.float64)
+    return float(np.max(np.abs(out - ref))) / max(1.0, float(np.max(np.abs(ref))))
+
+
+def assert_close(ref, out, tol, what: str) -> None:
+    atol, rtol = tol
+    ref_l, out_l = jax.tree.leaves(ref), jax.tree.leaves(out)
+    assert len(ref_l) == len(out_l), f"{what}: {len(out_l)} leaves vs {len(ref_l)} in the reference"
+    for i, (a, b) in enumerate(zip(ref_l, out_l)):
+        assert np.shape(a) == np.shape(b), f"{what}[{i}]: shape {np.shape(b)} vs reference {np.shape(a)}"
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(b64)), f"{what}[{i}]: non-finite values"
+        err = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
+        bound = atol + rtol * (float(np.max(np.abs(a64))) if a64.size else 0.0)
+        assert err <= bound, f"{what}[{i}]: max abs error {err:.3e} > {bound:.3e} (atol {atol}, rtol {rtol})"
+
+
+def _weights(x, salt: int):
+    n = int(np.prod(np.shape(x))) if np.shape(x) else 1
+    return jnp.cos(jnp.arange(n, dtype=jnp.float32) * 0.37 + salt).reshape(np.shape(x))
+
+
+def weighted_sum(tree) -> jax.Array:
+    """A loss that weighs every float output element differently (so no gradient can hide in a symmetry)."""
+    total = jnp.float32(0.0)
+    for i, x in enumerate(jax.tree.leaves(tree)):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            total = total + jnp.sum(x.astype(jnp.float32) * _weights(x, i))
+    return total
+
+
+class KernelTestBase:
+    INTERPRET: bool = jax.default_backend() == "cpu"
+    SHAPES: dict[str, dict] = {}
+    FORWARD_CASES: tuple[tuple[str, str], ...] = ()
+    GRAD_CASES: tuple[tuple[str, str], ...] = ()
+    EXPORT_CASES: tuple[tuple[str, str, str], ...] = ()
+    TOLERANCES: dict[str, tuple[float, float]] = {"float32": (2e-5, 2e-5), "bfloat16": (2e-2, 2e-2)}
+    GRAD_TOLERANCES: dict[str, tuple[float, float]] = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}
+    DIFF_ARGNUMS: tuple[int, ...] = ()
+    KERNEL_BACKWARD: bool = True
+    STATE: Callable[[Any], Any] | None = None
+
+    _cache: dict = {}
+
+    # -- to fill --------------------------------------------------------------------------------------------
+    def make_inputs(self, shape: dict, dtype) -> tuple[tuple, dict]:
+        raise NotImplementedError
+
+    def kernel(self, *args, interpret: bool, platform: str | None = None, **static):
+        raise NotImplementedError
+
+    def reference(self, *args, **static):
+        raise NotImplementedError
+
+    def unsupported_reasons(self, platform: str, shape: dict, dtype) -> list[str]:
+        return []
+
+    def export_disabled_checks(self, platform: str) -> list:
+        return []
+
+    # -- parametrization ----------------------------------------------------------------------------------------
+    def pytest_generate_tests(self, metafunc):
+        params = {
+            "forward_case": [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in self.FORWARD_CASES],
+            "grad_case": [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in self.GRAD_CASES],
+            "export_case": [pytest.param(c, id=f"{c[0]}-{c[1]}-{c[2]}") for c in self.EXPORT_CASES],
+        }
+        for name, values in params.items():
+            if name in metafunc.fixturenames:
+                metafunc.parametrize(name, values)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def _skip_if_not_runnable(self):
+        if not self.INTERPRET and jax.default_backend() == "cpu":
+            pytest.skip("compiled Pallas kernels need an accelerator (set INTERPRET = True on CPU)")
+
+    def _forward_pair(self, shape_name: str, dtype_name: str):
+        key = (type(self).__name__, shape_name, dtype_name)
+        if key not in KernelTestBase._cache:
+            args, static = self.make_inputs(self.SHAPES[shape_name], DTYPES[dtype_name])
+            ref = jax.jit(lambda *a: self.reference(*a, **static))(*args)
+            out = jax.jit(lambda *a: self.kernel(*a, interpret=self.INTERPRET, **static))(*args)
+            KernelTestBase._cache[key] = (ref, out)
+        return KernelTestBase._cache[key]
+
+    # -- shared tests -----------------------------------------------------------------------------------------
+    def test_forward_matches_reference(self, forward_case):
+        self._skip_if_not_runnable()
+        shape_name, dtype_name = forward_case
+        ref, out = self._forward_pair(shape_name, dtype_name)
+        assert_close(ref, out, self.TOLERANCES[dtype_name], f"{shape_name}/{dtype_name} outputs")
+        # the comparison is not trivially between zeros
+        assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(ref) if x.size) > 1e-2
+
+    def test_final_state_matches_reference(self, forward_case):
+        if self.STATE is None:
+            pytest.skip("this kernel returns no final state")
+        self._skip_if_not_runnable()
+        shape_name, dtype_name = forward_case
+        ref, out = self._forward_pair(shape_name, dtype_name)
+        st_ref, st_out = type(self).STATE(ref), type(self).STATE(out)
+        assert jax.tree.structure(st_ref) == jax.tree.structure(st_out)
+        assert_close(st_ref, st_out, self.TOLERANCES[dtype_name], f"{shape_name}/{dtype_name} final state")
+
+    def test_gradient_matches_autodiff_of_reference(self, grad_case):
+        if not self.KERNEL_BACKWARD:
+            pytest.skip(NO_KERNEL_BACKWARD)
+        self._skip_if_not_runnable()
+        shape_name, dtype_name = grad_case
+        args, static = self.make_inputs(self.SHAPES[shape_name], DTYPES[dtype_name])
+
+        def grads(fn):
+            def loss(*diff):
+                full = list(args)
+                for i, x in zip(self.DIFF_ARGNUMS, diff):
+                    full[i] = x
+                return weighted_sum(fn(*full))
+
+            return jax.jit(jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS)))))(
+                *(args[i] for i in self.DIFF_ARGNUMS))
+
+        g_ref = grads(lambda *a: self.reference(*a, **static))
+        g_ker = grads(lambda *a: self.kernel(*a, interpret=self.INTERPRET, **static))
+        tol = self.GRAD_TOLERANCES[dtype_name]
+        for i, (a, b) in enumerate(zip(g_ref, g_ker)):
+            assert_close(a, b, tol, f"{shape_name}/{dtype_name} d/d(arg {self.DIFF_ARGNUMS[i]})")
+        assert any(float(jnp.max(jnp.abs(a))) > 1e-3 for a in jax.tree.leaves(g_ref)), "all gradients ~0"
+
+    def test_export_lowering(self, export_case):
+        platform, shape_name, dtype_name = export_case
+        args, static = self.make_inputs(self.SHAPES[shape_name], DTYPES[dtype_name])
+        fwd = lambda *a: self.kernel(*a, interpret=False, platform=platform, **static)  # noqa: E731
+        reasons = self.unsupported_reasons(platform, self.SHAPES[shape_name], DTYPES[dtype_name])
+        if reasons:  # a refused platform/shape must be a clear error naming the reasons, never a wrong answer
+            with pytest.raises(ValueError) as err:
+                jax.export.export(jax.jit(fwd), platforms=[platform])(*args)
+            for r in reasons:
+                assert r in str(err.value)
+            return
+        disabled = self.export_disabled_checks(platform)
+        exp = jax.export.export(jax.jit(fwd), platforms=[platform], disabled_checks=disabled)(*args)
+        marker = "tpu_custom_call" if platform == "tpu" else "triton"
+        assert marker in exp.mlir_module()
+        if self.KERNEL_BACKWARD:
+            def loss(*diff):
+                full = list(args)
+                for i, x in zip(self.DIFF_ARGNUMS, diff):
+                    full[i] = x
+                return weighted_sum(fwd(*full))
+
+            g = jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS))))
+            exp_b = jax.export.export(jax.jit(g), platforms=[platform], disabled_checks=disabled)(
+                *(args[i] for i in self.DIFF_ARGNUMS))
+            n_fwd = exp.mlir_module().count(marker)
+            assert exp_b.mlir_module().count(marker) > n_fwd  # the backward kernels are in the lowered module

@@ -1,0 +1,209 @@
+"""Checkpoints: restore checks what it reads and falls back to the newest valid one (train,
+eval and sample); a killed save is never used; a failed write keeps the previous checkpoint
+and stops with one line; non-finite values are never written."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from longctx import cli
+from longctx.errors import CheckpointError, NonFiniteError
+from longctx.runtime import Runner
+from longctx.train import checkpoint
+from longctx.train.loop import train
+from tests.conftest import tiny_config, write_corpus
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run with checkpoints at steps 4 and 8 (train losses recorded)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg = tiny_config(write_corpus(root / "corpus"), root / "cache", steps=8, ckpt_every=4, eval_every=100)
+    train(cfg, root / "run", progress=False)
+    return cfg, root / "run"
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def truncate_data_files(step_dir: Path) -> None:
+    files = [p for p in step_dir.rglob("*") if p.is_file() and "/d/" in str(p)]
+    assert files, list(step_dir.rglob("*"))
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def losses(workdir):
+    recs = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_eval_and_sample_fall_back_from_a_truncated_newest_checkpoint(trained, tmp_path, capsys):
+    _, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    truncate_data_files(wd / "checkpoints" / "8")
+    assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: skipped invalid checkpoint") == 1 and "step 8" in err and "using step 4" in err, err
+    assert (wd / "eval" / "valid_step4.json").exists()
+    assert cli.sample_main(["longctx-sample", f"--workdir={wd}", "--num_tokens=4", "--quiet", "--noprogress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: skipped invalid checkpoint") == 1 and "using step 4" in err, err
+    assert (wd / "samples" / "step4_seed0.txt").exists()
+
+
+def test_train_resumes_from_the_newest_valid_checkpoint_and_matches(trained, tmp_path, capsys):
+    cfg, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    truncate_data_files(wd / "checkpoints" / "8")
+    ref = losses(run)
+    train(cfg, wd, progress=False)
+    out = capsys.readouterr()
+    assert "resuming from the checkpoint at step 4" in out.out
+    assert out.err.count("warning: skipped invalid checkpoint") == 1
+    got = losses(wd)
+    assert sorted(got) == list(range(1, 9))
+    np.testing.assert_allclose([got[s] for s in range(5, 9)], [ref[s] for s in range(5, 9)], rtol=1e-6)
+    # the rewritten step 8 is valid again
+    _, meta = checkpoint.restore(checkpoint.manager(wd, create=False), lambda m: _params_target(cfg, m), partial=True)
+    assert meta["step"] == 8
+
+
+def _params_target(cfg, meta):
+    from flax import nnx
+
+    from longctx import config as config_lib
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    c = config_lib.validate(config_lib.merge_over_base(meta["config"]))
+    _, params, nongrad, _ = split_model(nnx.eval_shape(lambda: build_model(c.model, seed=0)))
+    return {"params": params, "nongrad": nongrad}
+
+
+def test_no_valid_checkpoint_is_one_clear_error(trained, tmp_path):
+    _, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    for step in (4, 8):
+        truncate_data_files(wd / "checkpoints" / str(step))
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint .*step 8: .*step 4: "):
+        Runner.from_workdir(wd)
+    r = subprocess.run([*_cmd("longctx.evaluate"), f"--workdir={wd}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "no valid checkpoint" in one_error_line(r.stderr)
+
+
+def _cmd(module):
+    import sys
+
+    return [sys.executable, "-m", module]
+
+
+def test_checksum_mismatch_and_nonfinite_values_are_rejected(trained, tmp_path, capsys):
+    """A checkpoint that reads but holds other values than were written, or non-finite ones, is skipped."""
+    _, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    meta_file = next((wd / "checkpoints" / "8").rglob("meta/metadata"))
+    meta = json.loads(meta_file.read_text())
+    meta["crc32"]["params"] ^= 1
+    meta_file.write_text(json.dumps(meta))
+    runner = Runner.from_workdir(wd)
+    assert runner.step == 4
+    assert "params do not match the checksum" in capsys.readouterr().err
+
+
+def test_a_killed_save_leaves_only_a_temporary_directory_that_is_never_used(trained, tmp_path, capsys):
+    cfg, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    # what a SIGKILL during an async save leaves: the step's files under a temporary name, half written
+    tmp = wd / "checkpoints" / "12.orbax-checkpoint-tmp"
+    shutil.copytree(wd / "checkpoints" / "8", tmp)
+    truncate_data_files(tmp)
+    assert Runner.from_workdir(wd).step == 8
+    assert "warning" not in capsys.readouterr().err
+    cfg12 = tiny_config(Path(cfg.data.path), Path(cfg.data.cache_dir), steps=12, ckpt_every=4, eval_every=100)
+    train(cfg12, wd, progress=False)
+    assert not tmp.exists()  # removed when training opened the directory
+    assert Runner.from_workdir(wd).step == 12
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_in_one_line(trained, tmp_path, monkeypatch):
+    """Disk full while saving (the write error injected): the run stops naming the step it could not
+    write and the intact one; resuming works from that one."""
+    cfg, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    cfg12 = tiny_config(Path(cfg.data.path), Path(cfg.data.cache_dir), steps=12, ckpt_every=4, eval_every=100)
+    real_save = checkpoint.ocp.CheckpointManager.save
+
+    def full_disk(self, step, *a, **k):
+        if step == 12:
+            raise OSError(28, "No space left on device")
+        return real_save(self, step, *a, **k)
+
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint 12 .*the disk is full.*step 8 is intact"):
+        train(cfg12, wd, progress=False)
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", real_save)
+    assert Runner.from_workdir(wd).step == 8
+    train(cfg12, wd, progress=False)
+    assert Runner.from_workdir(wd).step == 12
+
+
+def test_a_full_disk_on_a_small_tmpfs(tiny_corpus, tmp_path):
+    """The real thing where the machine lets us mount a small tmpfs (root): the async write fails
+    with ENOSPC, the run stops with one line and the previous checkpoint stays usable."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=40, ckpt_every=4, eval_every=100, keep_checkpoints=50,
+                          async_checkpoints=True)
+        cfg.model.d_model, cfg.model.d_ff = 64, 256  # ~1 MB of params + Adam state per checkpoint after compression
+        cfg.train.warmup_steps = 2
+        with pytest.raises(CheckpointError, match=r"could not write .*the disk is full"):
+            train(cfg, mnt / "run", progress=False)
+        steps = sorted(int(p.name) for p in (mnt / "run" / "checkpoints").iterdir() if p.name.isdigit())
+        if steps:
+            assert Runner.from_workdir(mnt / "run").step == steps[-1]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_nonfinite_stop_names_the_step_and_checkpoints_the_last_finite_state(tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=8, lr=1e30, warmup_steps=0, grad_clip=0.0,
+                      ckpt_every=1000, eval_every=1000)
+    wd = tmp_path / "w"
+    with pytest.raises(NonFiniteError, match=r"non-finite values at step (\d+).*checkpoint at step (\d+)") as e:
+        train(cfg, wd, progress=False)
+    import re
+
+    bad, saved = map(int, re.search(r"at step (\d+).*checkpoint at step (\d+)", str(e.value)).groups())
+    assert saved == bad - 1
+    runner = Runner.from_workdir(wd)
+    assert runner.step == saved
+    import jax
+
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(runner.params[0]))
+
+
+def test_save_refuses_nonfinite_values(trained, tmp_path):
+    import ml_collections
+
+    mngr = checkpoint.manager(tmp_path / "w", async_save=False)
+    with pytest.raises(CheckpointError, match="non-finite values in params"):
+        checkpoint.save(mngr, 1, {"params": {"w": np.array([1.0, np.nan], np.float32)}},
+                        config=ml_collections.ConfigDict({"a": 1}))
+    assert mngr.all_steps() == []
