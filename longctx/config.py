@@ -99,7 +99,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample.top_p = 0.95
     c.sample.seed = 0
 
-    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    # data x fsdp split the batch; fsdp and tensor split parameters by their logical axis names;
+    # sequence splits the token axis of the activations. rules: "name=axis[+axis],..." overrides
+    # the logical-axis -> mesh-axis table of longctx/train/sharding.py.
+    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1, "rules": ""})
     return c
 
 
@@ -261,9 +264,15 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"sample.top_k={sc.top_k} must be >= 0 (0 = no top-k filter)")
     if sc.num_tokens <= 0:
         raise ConfigError(f"sample.num_tokens={sc.num_tokens} must be a positive integer")
-    for axis in ("fsdp", "tensor"):
-        if c.mesh[axis] != 1:
-            raise ConfigError(f"mesh.{axis}={c.mesh[axis]}: only data parallelism is implemented; set mesh.{axis}=1")
+    from longctx.train import sharding as sharding_lib  # local: config is imported by everything
+
+    for axis in ("fsdp", "tensor", "sequence"):
+        if c.mesh[axis] < 1:
+            raise ConfigError(f"mesh.{axis}={c.mesh[axis]} must be >= 1")
+    sharding_lib.parse_rules(c.mesh.rules)
+    window = c.train.window or c.train.seq_len
+    if c.mesh.sequence > 1 and window % c.mesh.sequence:
+        raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")
     c.lock()
     return c
 

@@ -10,6 +10,7 @@ from longctx import runtime
 from longctx.config import resolve_vocab, validate
 from longctx.data.prepare import prepare
 from longctx.evaluate import evaluate_split
+from longctx.models.decoder import build_model
 from longctx.protocols import (
     Job,
     compressor_bits_per_byte,
@@ -18,7 +19,6 @@ from longctx.protocols import (
     stream_jobs,
     summarize,
 )
-from longctx.models.decoder import build_model
 from longctx.train.step import split_model
 
 

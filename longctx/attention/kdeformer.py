@@ -161,9 +161,8 @@ def _ftype(x):
 
 
 def _take(x, idx):
-    """x [B,H,N,...], idx [B,H,K] -> [B,H,K,...] (gather along axis 2)."""
-    ix = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
-    return jnp.take_along_axis(x, ix, axis=2)
+    """x [B,H,N,...], idx [B,H,K] -> [B,H,K,...] (row gather along axis 2; slices of whole rows)."""
+    return jax.vmap(jax.vmap(lambda a, i: jnp.take(a, i, axis=0, mode="clip")))(x, idx)
 
 
 _ssorted = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left")))

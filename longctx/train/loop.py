@@ -117,7 +117,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     graphdef, params, nongrad, rest = split_model(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)
-    params, nongrad, rest, opt_state = sharding.replicate(mesh, (params, nongrad, rest, opt_state))
+    plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
+    params, nongrad, rest, opt_state = plan.put(params, nongrad, rest, opt_state)
 
     mngr = checkpoint.manager(workdir, keep=tc.keep_checkpoints, async_save=tc.async_checkpoints)
     step, last_saved = 0, None
@@ -137,8 +138,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
                       shard=(jax.process_index(), jax.process_count()))
     # 'stop' also compiles the skipping step: a non-finite update is not applied, so the state at
     # the stop is the last finite one and can be checkpointed
-    train_step = jax.jit(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True),
-                         donate_argnums=(0, 1, 3))
+    train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
+                                               skip_nonfinite=True, constrain=plan.constrain))
     fwd = jax.jit(make_forward(graphdef))
     writer = MetricsWriter(workdir, resume_step=step)
     base_key = jax.random.key(tc.seed)

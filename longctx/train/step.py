@@ -30,8 +30,10 @@ def token_nll(logits, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def make_loss_fn(graphdef):
+def make_loss_fn(graphdef, constrain=None):
     def loss_fn(params, nongrad, rest, inputs, targets, state, key):
+        if constrain is not None:  # place rows / tokens on the mesh (sharding.constrain_tokens)
+            inputs, targets = constrain(inputs), constrain(targets)
         model = nnx.merge(graphdef, params, nongrad, rest)
         h, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
         ce = jnp.mean(model.nll(h, targets))
@@ -45,10 +47,12 @@ def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool):
-    """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics)."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
+                    constrain=None):
+    """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
+    ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step."""
     n_windows = seq_len // window
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef), has_aux=True)
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, constrain), has_aux=True)
 
     def update(carry, xs):
         params, nongrad, rest, opt_state, state = carry

@@ -161,6 +161,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_in_one_line(trai
     assert Runner.from_workdir(wd).step == 12
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_a_small_tmpfs(tiny_corpus, tmp_path):
     """The real thing where the machine lets us mount a small tmpfs (root): the async write fails
     with ENOSPC, the run stops with one line and the previous checkpoint stays usable."""

@@ -1,4 +1,6 @@
-"""A data-parallel train step on 8 simulated CPU devices equals the single-device step."""
+"""Sharded train steps on 8 simulated CPU devices equal the single-device step: every registered
+method (at its first contract case) on the meshes (data, fsdp, tensor, sequence) of the scale-out
+issue, parameters really sharded, and the plan's errors."""
 
 import os
 import subprocess
@@ -6,9 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
-    import jax, numpy as np, ml_collections
+    import sys, jax, numpy as np, ml_collections
+    from longctx import attention
     from longctx.config import base_config, validate
     from longctx.models.decoder import build_model
     from longctx.train import sharding
@@ -16,36 +21,103 @@ SCRIPT = textwrap.dedent(
     from longctx.train.step import make_train_step, split_model
 
     assert jax.device_count() == 8, jax.devices()
-    c = base_config()
-    c.model.vocab_size = 64
-    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
-    c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = 32, 16, 8, 10, 1
-    c.model.dropout = 0.1
-    cfg = validate(c)
+    methods = sys.argv[1].split(",")
+    meshes = [tuple(int(x) for x in m.split("x")) for m in sys.argv[2].split(",")]
     tokens = np.random.default_rng(0).integers(0, 64, (8, 33)).astype(np.int32)
-    results = []
-    for devices in (jax.devices()[:1], jax.devices()):
-        mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}), devices)
-        graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0))
-        tx = make_optimizer(cfg.train)
-        opt = tx.init(params)
-        params, nongrad, rest, opt = sharding.replicate(mesh, (params, nongrad, rest, opt))
-        step = jax.jit(make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False))
-        batch = sharding.shard_batch(mesh, tokens)
-        assert len(batch.sharding.device_set) == len(devices)
-        p, n, o, m = step(params, nongrad, rest, opt, batch, jax.random.key(0))
-        results.append((jax.device_get(p), jax.device_get(m["loss"])))
-    (p1, l1), (p8, l8) = results
-    np.testing.assert_allclose(l1, l8, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    print("OK", l1)
+    for method in methods:
+        case = next(iter(attention.get_class(method).contract_cases().values()))
+        c = base_config()
+        c.model.vocab_size = 64
+        c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
+        c.model.positions = "none"
+        c.model.attention.name = method
+        c.model.attention[method] = dict(case.cfg)
+        c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = 32, 16, 8, 10, 1
+        c.model.dropout = 0.0
+        cfg = validate(c)
+        results = []
+        for shape in [(1, 1, 1, 1)] + meshes:
+            n = int(np.prod(shape))
+            mc = ml_collections.ConfigDict(dict(zip(sharding.AXES, shape)))
+            mesh = sharding.make_mesh(mc, jax.devices()[:n])
+            graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0))
+            tx = make_optimizer(cfg.train)
+            opt = tx.init(params)
+            plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt)
+            params, nongrad, rest, opt = plan.put(params, nongrad, rest, opt)
+            if shape[1] * shape[2] > 1:
+                assert any(sharding.is_sharded(x) for x in jax.tree.leaves(params)), (method, shape, "nothing sharded")
+            step = plan.jit_step(make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False,
+                                                 constrain=plan.constrain), donate=False)
+            batch = sharding.shard_batch(mesh, tokens)
+            p, ng, o, m = step(params, nongrad, rest, opt, batch, jax.random.key(0))
+            results.append((shape, jax.device_get(p), jax.device_get(ng), jax.device_get(m["loss"])))
+        _, p1, n1, l1 = results[0]
+        for shape, p, ng, l in results[1:]:
+            np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{method} {shape} loss")
+            for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p1)):
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{method} {shape} params")
+            for a, b in zip(jax.tree.leaves(ng), jax.tree.leaves(n1)):
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{method} {shape} non-grad state")
+        print("OK", method, l1)
     """
 )
 
+MESHES = "8x1x1x1,2x2x2x1,1x4x2x1,2x1x1x4"
 
-def test_sharded_step_equals_single_device():
+
+def _run(methods, meshes):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes], capture_output=True, text=True,
+                       timeout=1800, env=env)
+    assert r.returncode == 0 and r.stdout.count("OK") == len(methods.split(",")), r.stderr[-4000:]
+
+
+def test_sharded_steps_equal_single_device_fast():
+    """Default run: exact attention and one compressive method on two meshes."""
+    _run("dense,transformer_vq", "2x2x2x1,2x1x1x4")
+
+
+@pytest.mark.slow
+def test_every_method_on_every_mesh_equals_single_device():
+    from longctx import attention
+
+    _run(",".join(attention.names()), MESHES)
+
+
+def test_plan_errors_name_the_dimension():
+    from longctx.errors import ConfigError
+    from longctx.train import sharding
+
+    with pytest.raises(ConfigError, match="unknown logical axis"):
+        sharding.parse_rules("emb=fsdp")
+    with pytest.raises(ConfigError, match="unknown mesh axis"):
+        sharding.parse_rules("embed=model")
+    assert sharding.parse_rules("vocab=,embed=fsdp+tensor")["embed"] == ("fsdp", "tensor")
+    assert sharding.mesh_shape({"data": -1, "fsdp": 2, "tensor": 1, "sequence": 2}, 8) == (2, 2, 1, 2)
+    with pytest.raises(ConfigError, match="available"):
+        sharding.mesh_shape({"data": 3, "fsdp": 2, "tensor": 1, "sequence": 1}, 8)
+
+
+def test_indivisible_dimension_is_a_config_error_naming_it():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    code = textwrap.dedent("""
+        import jax, ml_collections
+        from longctx.config import base_config
+        from longctx.models.decoder import build_model
+        from longctx.train import sharding
+        from longctx.train.step import split_model
+        from longctx.errors import ConfigError
+        c = base_config().model
+        c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = 64, 30, 1, 2, 16, 64
+        g, p, n, r = split_model(build_model(c))
+        mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 4, "tensor": 1, "sequence": 1}))
+        try:
+            sharding.Plan(mesh, p, n, r)
+        except ConfigError as e:
+            print("ERR", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "ERR" in r.stdout and "'embed' of size 30" in r.stdout and "fsdp" in r.stdout, r.stdout + r.stderr[-2000:]
