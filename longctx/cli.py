@@ -177,9 +177,18 @@ def train_main(argv=None) -> int:
 
     def define(fv):
         flags.DEFINE_integer("max_steps", None, "stop after this many steps in this invocation", flag_values=fv)
+        flags.DEFINE_bool("dry_run", False, "compile the train step for the configured mesh and print per-device "
+                          "memory and FLOPs; touches no data and writes nothing", flag_values=fv)
 
     with user_errors():
-        fv, cfg = parse(argv, "longctx-train", config="file", define=define)
+        fv, cfg = parse(argv, "longctx-train", config="file", define=define, require_workdir=False)
+        if not fv.dry_run and not fv.workdir:
+            raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
+        if fv.dry_run:
+            from longctx.train import dry_run
+
+            print(dry_run.report(dry_run.plan(cfg)))
+            return 0
         from longctx.train.loop import train
 
         summary = train(cfg, fv.workdir, progress=fv.progress, max_steps=fv.max_steps)

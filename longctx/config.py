@@ -33,7 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
     })
 
     c.model = ml_collections.ConfigDict()
-    c.model.kind = "decoder"  # 'decoder' (causal LM)
+    c.model.kind = "decoder"  # 'decoder' (causal LM) | 'encoder' (masked LM, bidirectional blocks; see the mlm section)
     c.model.vocab_size = 0  # 0 -> the tokenizer's vocabulary size
     c.model.d_model = 256
     c.model.num_layers = 4
@@ -91,6 +91,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.max_tokens = 0  # 0 -> the full split; else score this many tokens (stated in the result)
     c.eval.batch_size = 8
 
+    # masked-language-model training and evaluation (model.kind='encoder'); longctx/data/masking.py
+    c.mlm = ml_collections.ConfigDict()
+    c.mlm.masking = "bert"  # 'bert' (uniform) | 'span' (contiguous spans) | 'clustered' (VCC, specs/vcc.md 3.2)
+    c.mlm.rate = 0.15  # predicted positions per row: round(rate * row length), exactly
+    c.mlm.mask_prob = 0.8  # a predicted position's input becomes the mask token ...
+    c.mlm.random_prob = 0.1  # ... or a random text token (else it stays unchanged)
+    c.mlm.span_len = 3.0  # span: mean span length (geometric)
+    c.mlm.max_span_len = 10  # span: longest span
+    c.mlm.clusters = (4, 16)  # clustered: number of centres per row, drawn uniformly in this range
+    c.mlm.cluster_sigma = (32.0, 64.0)  # clustered: width of the clusters in tokens, drawn uniformly
+    c.mlm.eval_seed = 1234  # evaluation: one fixed masking of the split, the same for every run and method
+    c.mlm.mask_id = -1  # the mask token: -1 -> the tokenizer's vocabulary size (one id beyond its vocabulary)
+
     c.sample = ml_collections.ConfigDict()
     c.sample.prompt = "def "
     c.sample.num_tokens = 256
@@ -107,7 +120,8 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 _CHOICES = {
-    "model.kind": ("decoder",),
+    "model.kind": ("decoder", "encoder"),
+    "mlm.masking": ("bert", "span", "clustered"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("none", "learned", "sinusoidal", "rotary"),
     "model.output": ("dense", "adaptive"),
@@ -195,6 +209,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.loss_chunk < 0:
         raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0 = full logits)")
 
+    if m.kind == "encoder":
+        _check_encoder(c)
+
     name = m.attention.name
     if name not in attention.names():
         raise ConfigError(f"model.attention.name={name!r} is unknown; allowed: {', '.join(attention.names())}")
@@ -250,7 +267,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         e.stride = max(1, e.context // 2)
     if e.stride > e.context:
         raise ConfigError(f"eval.stride={e.stride} must be at most eval.context={e.context}")
-    if e.protocol == "stream" and not m.causal:
+    if e.protocol == "stream" and not m.causal and m.kind == "decoder":
         raise ConfigError("eval.protocol='stream' needs a causal model (model.causal=True)")
     if e.max_tokens < 0:
         raise ConfigError(f"eval.max_tokens={e.max_tokens} must be >= 0 (0 = the full split)")
@@ -277,6 +294,31 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def _check_encoder(c) -> None:
+    """An encoder's rules; resolves ``model.causal`` to False (its blocks are bidirectional)."""
+    m, t, e, mlm = c.model, c.train, c.eval, c.mlm
+    m.causal = False
+    if t.window not in (0, t.seq_len):
+        raise ConfigError(f"train.window={t.window}: windows do not apply to encoders (model.kind='encoder' sees "
+                          "the whole row); leave train.window=0")
+    if e.protocol == "sliding":
+        raise ConfigError("eval.protocol='sliding' is for decoders; an encoder is scored on a fixed masking of "
+                          "rows of eval.context tokens (leave eval.protocol at its default)")
+    if not 0.0 < mlm.rate < 1.0:
+        raise ConfigError(f"mlm.rate={mlm.rate} must be in (0, 1)")
+    if mlm.mask_prob < 0 or mlm.random_prob < 0 or mlm.mask_prob + mlm.random_prob > 1.0:
+        raise ConfigError(f"mlm.mask_prob={mlm.mask_prob} and mlm.random_prob={mlm.random_prob} must be >= 0 "
+                          "with a sum of at most 1")
+    if mlm.span_len < 1 or mlm.max_span_len < 1:
+        raise ConfigError(f"mlm.span_len={mlm.span_len} and mlm.max_span_len={mlm.max_span_len} must be >= 1")
+    lo, hi = (list(mlm.clusters) + [0, 0])[:2]
+    if len(mlm.clusters) != 2 or not 1 <= lo <= hi:
+        raise ConfigError(f"mlm.clusters={tuple(mlm.clusters)} must be (low, high) with 1 <= low <= high")
+    slo, shi = (list(mlm.cluster_sigma) + [0, 0])[:2]
+    if len(mlm.cluster_sigma) != 2 or not 0 < slo <= shi:
+        raise ConfigError(f"mlm.cluster_sigma={tuple(mlm.cluster_sigma)} must be (low, high) with 0 < low <= high")
+
+
 def _check_vocab(m) -> None:
     """The rules that involve the vocabulary size (skipped while it is 0, i.e. not known yet)."""
     if m.output == "adaptive":
@@ -294,6 +336,14 @@ def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int) -> ml_collect
     Checks only the rules that involve the vocabulary; the rest was checked by :func:`validate`,
     which runs once on the way into training."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
+    if cfg.model.kind == "encoder":  # one more id: the mask token, just beyond the tokenizer's vocabulary
+        if cfg.mlm.mask_id == -1:
+            cfg.mlm.mask_id = int(vocab_size)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = cfg.mlm.mask_id + 1
+        if not vocab_size <= cfg.mlm.mask_id < cfg.model.vocab_size:
+            raise ConfigError(f"mlm.mask_id={cfg.mlm.mask_id} must be at least the tokenizer's vocabulary size "
+                              f"{vocab_size} and below model.vocab_size={cfg.model.vocab_size} (-1: {vocab_size})")
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = int(vocab_size)
     elif cfg.model.vocab_size < vocab_size:

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -787,20 +786,19 @@ class FMAAttention(AttentionCore):
         return out
 
     def _attend_fn(self):
-        impl = self.cfg.impl
-        on_accel = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-        if impl == "xla" or (impl == "auto" and not on_accel):
+        """The block function: the Pallas kernel where the shared impl rule picks it, else None (XLA)."""
+        from longctx.attention import dispatch
+        from pallas_kernels import fma_blocks
+
+        choice = dispatch.resolve(
+            self.cfg.impl, method=self.name, kernel="fma_blocks", reasons_fn=fma_blocks.unsupported_reasons,
+            m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
+            dropout=self.opts.attn_dropout,
+        )
+        if not choice.use_kernel:
             return None
-        try:
-            from pallas_kernels import fma_blocks
-        except ImportError as e:  # pragma: no cover
-            if impl == "pallas":
-                raise ValueError(f"{self.name}: impl='pallas' but the kernel is unavailable: {e}") from e
-            return None
-        if not on_accel:
-            warnings.warn(f"{self.name}: impl='pallas' on CPU runs the Pallas kernel in interpret mode (slow)",
-                          stacklevel=3)
-        return fma_blocks.make_attend(interpret=not on_accel, strict=impl == "pallas")
+        return fma_blocks.make_attend(interpret=choice.interpret,
+                                      platform="interpret" if choice.interpret else choice.platform)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:

@@ -64,6 +64,9 @@ Departures from the spec, named:
   0 then); later calls of that stream hash with it whatever their key, so windowed training with
   a fresh key per window keeps the code cache consistent. Samples use the current call's key.
 * ``sampling='paper_mc'`` (spec §2.3i, optional) is not implemented.
+* Causal heavy logits for short caches (``heavy_impl='auto'``, ≤ 1024 tokens) are computed as one
+  [c, M] matmul per chunk and kept only on the heavy set (the same entries as gathering the keys,
+  which is memory-bound on CPU); longer caches gather the ≤ b_h keys of every query (spec §4.2).
 * Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
 * Masked logits use a finite ``-1e30`` and an explicit mask (``where``), and a row without any
   finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
@@ -72,13 +75,12 @@ Departures from the spec, named:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
+from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
 
 NEG = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -116,6 +118,8 @@ class CausalOptions:
     power_iters: int
     scale: float
     tile_budget: int  # logits per lax.map step
+    heavy_impl: str = "auto"  # 'gather' | 'scores' | 'auto'
+    heavy_scores_max_len: int = 1024
 
 
 # ---------------------------------------------------------------------------
@@ -408,12 +412,14 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
     nl, sig = opts.local_chunks, opts.scale
     w = nl * c
     M = Kc.shape[2]
+    heavy_route = opts.heavy_impl
+    if heavy_route == "auto":
+        heavy_route = "scores" if M <= opts.heavy_scores_max_len else "gather"
     # front pad so tile g's window [(g−nl+1)c, (g+1)c) starts at index g·c; back pad keeps slices in range
     back = -(-M // c) * c - M + 2 * c
     Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
     Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
 
-    @jax.checkpoint
     def one(qt, g, pl):
         qpos = g * c + jnp.arange(c, dtype=jnp.int32)
         kpos = (g - nl + 1) * c + jnp.arange(w, dtype=jnp.int32)
@@ -422,12 +428,19 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
         lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
         s_l = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, kl, precision=HIGHEST)
         parts = [(s_l, lmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, vl, precision=HIGHEST))]
-        if opts.heavy_capacity > 0:
+        if opts.heavy_capacity > 0 and heavy_route == "scores":
+            # same heavy logits, computed as one [c, M] matmul and kept only on Hv(i) (short caches)
+            hmask = jax.vmap(jax.vmap(jax.vmap(
+                lambda ix, ok: jnp.zeros((M,), bool).at[ix].max(ok))))(pl["hidx"], pl["hvalid"])
+            s_h = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, Kc, precision=HIGHEST)
+            parts.append((s_h, hmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
+        elif opts.heavy_capacity > 0:
             hidx = pl["hidx"].reshape(B, H, -1)
             kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
             vh = _take(Vc, hidx).reshape(B, H, c, -1, dv)
-            s_h = sig * jnp.einsum("bhqd,bhqjd->bhqj", qt, kh, precision=HIGHEST)
-            parts.append((s_h, pl["hvalid"], lambda p: jnp.einsum("bhqj,bhqjd->bhqd", p, vh, precision=HIGHEST)))
+            # per-query key sets: elementwise products (batched tiny matvecs are slow on XLA:CPU)
+            s_h = sig * jnp.sum(qt[:, :, :, None, :] * kh, axis=-1)
+            parts.append((s_h, pl["hvalid"], lambda p: jnp.sum(p[..., None] * vh, axis=-2)))
         if "sidx" in pl:
             ks, vs = _take(Kc, pl["sidx"]), _take(Vc, pl["sidx"])
             s_s = sig * jnp.einsum("bhqd,bhmd->bhqm", qt, ks, precision=HIGHEST) + pl["omega"][:, :, None, :]
@@ -437,25 +450,17 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
             parts.append((s_r, pl["rmask"], lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
         return _combine(parts)
 
-    per_tile = B * H * c * (w + opts.heavy_capacity + opts.num_samples + (M if "rmask" in plan else 0))
+    per_tile = B * H * c * (w + opts.heavy_capacity + opts.num_samples
+                            + (M if "rmask" in plan or heavy_route == "scores" else 0))
     bs = max(1, opts.tile_budget // max(per_tile, 1))
     if bs >= n_t:
         return jax.vmap(one)(q_tiles, tile_ids, plan)
-    return jax.lax.map(lambda a: one(*a), (q_tiles, tile_ids, plan), batch_size=bs)
+    # long sequences: tiles in groups, each group's logits recomputed in the backward pass
+    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan), batch_size=bs)
 
 
-def _check_capacity(n_after, capacity: int):
-    """More tokens than the state holds raise, eagerly or (under jit) from a host callback."""
-
-    def host(n):
-        if int(n) > capacity:
-            raise ValueError(f"kdeformer: the decoding state holds {capacity} tokens but {int(n)} were fed; build "
-                             "it with core.init_state(batch_size, max_len) with a larger max_len")
-
-    if isinstance(n_after, jax.core.Tracer):
-        jax.debug.callback(host, n_after)
-    else:
-        host(n_after)
+CAPACITY_MESSAGE = ("kdeformer: the decoding state holds {capacity} tokens but {needed} were fed; build it with "
+                    "core.init_state(batch_size, max_len) with a larger max_len")
 
 
 def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None):
@@ -525,6 +530,11 @@ class KDEformerAttention(AttentionCore):
                 "logit_scale": 0.0,  # σ; 0 -> head_dim^-1/2
                 "eval_rng_seed": 0,  # deterministic=True uses PRNGKey(eval_rng_seed)
                 "tile_budget": 1 << 22,  # causal: logits materialized per lax.map step (memory knob)
+                # causal heavy logits: 'gather' the ≤ b_h keys of every query (O(N b_h d)), or 'scores':
+                # one [c, M] matmul per chunk kept only on the heavy set (same entries; fast for short
+                # caches on CPU, quadratic); 'auto': 'scores' while the cache has ≤ heavy_scores_max_len
+                "heavy_impl": "auto",
+                "heavy_scores_max_len": 1024,
                 # causal (spec §4)
                 "causal": ml_collections.ConfigDict({
                     "chunk_size": 128,  # c
@@ -547,6 +557,8 @@ class KDEformerAttention(AttentionCore):
         require(cfg.power_iters >= 1, f"{p}.power_iters must be >= 1")
         require(cfg.logit_scale >= 0.0, f"{p}.logit_scale={cfg.logit_scale}; must be >= 0 (0 = head_dim^-1/2)")
         require(cfg.tile_budget > 0, f"{p}.tile_budget must be positive")
+        require(cfg.heavy_impl in ("auto", "gather", "scores"),
+                f"{p}.heavy_impl={cfg.heavy_impl!r}; allowed: auto, gather, scores")
         for key, allowed in (("gray_order", ("inverse", "forward")), ("sampling", ("ref", "uniform")),
                              ("residual", ("sampled", "exact"))):
             require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
@@ -580,7 +592,8 @@ class KDEformerAttention(AttentionCore):
         self.causal_opts = CausalOptions(
             chunk_size=cc.chunk_size, local_chunks=cc.local_chunks, heavy_capacity=cc.heavy_capacity,
             num_projs=cc.num_projs, num_samples=cc.num_samples, sampling=cc.sampling, residual=cc.residual,
-            power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget)
+            power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget, heavy_impl=c.heavy_impl,
+            heavy_scores_max_len=c.heavy_scores_max_len)
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):
@@ -633,9 +646,8 @@ class KDEformerAttention(AttentionCore):
         length = state["length"]
         M = state["k"].shape[2]
         if q.shape[2] > M:  # static: more new tokens than the whole state holds
-            raise ValueError(f"kdeformer: the decoding state holds {M} tokens but {q.shape[2]} new tokens were fed; "
-                             "build it with core.init_state(batch_size, max_len) with a larger max_len")
-        _check_capacity(length + q.shape[2], M)
+            raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=q.shape[2]))
+        check_capacity(length + q.shape[2], M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
         W = jnp.where(length > 0, state["proj"], W)  # the stream keeps its first call's projections
         out, (Kc, Vc, HKc), n = causal_forward(q, k, v, W, k_s, self.causal_opts,
                                                cache=(state["k"], state["v"], state["codes"]), length=length)

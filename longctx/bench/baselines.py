@@ -77,7 +77,7 @@ def reformer_lsh(q, k, v, key, chunk: int, n_hashes: int = 2):
     for kr in jax.random.split(key, n_hashes):
         rot = jax.random.normal(kr, (B, H, d, n_buckets // 2), jnp.float32)
 
-        def bucket(x):
+        def bucket(x, rot=rot):
             r = jnp.einsum("bhnd,bhdr->bhnr", x, rot, precision=HIGHEST)
             return jnp.argmax(jnp.concatenate([r, -r], axis=-1), axis=-1).astype(jnp.int32)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.dense import naive_attention
+from longctx.bench import baselines as BL
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core, variants
 from longctx.errors import ConfigError
@@ -44,6 +45,10 @@ def add_args(p):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override of the tiny dense run's config (repeatable), e.g. --set train.batch_size=8")
     p.add_argument("--layer", type=int, default=0, help="block whose q/k/v are captured")
+    p.add_argument("--baselines", default="performer,reformer_lsh",
+                   help="benchmark-only bidirectional baselines (longctx/bench/baselines.py); '' for none")
+    p.add_argument("--budget", type=int, default=128,
+                   help="baselines: keys / random features per query (kdeformer's default b + m = 32 + 96)")
 
 
 def rel_err(a, b) -> float:
@@ -121,6 +126,9 @@ def run(args) -> dict:
                         row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     res["rows"].append(row)
                     bar.update(1)
+                if not causal:
+                    for name in C.parse_names(args.baselines) or []:
+                        res["rows"].append(_baseline(name, src, T, q, k, v, ref, args))
     bar.close()
     C.write_json(out / "quality.json", res)
     (out / "quality.md").write_text(markdown(res))
@@ -139,7 +147,8 @@ def _one(method, ov, causal, q, k, v, k_fit, ref, args, dropin) -> dict:
         qi, ki, vi = spec.setup(core, q, k, v, k_fit, args.seed)
     fns = CoreFns(core)
     det = jax.jit(fns.forward())(fns.params, fns.rest, qi, ki, vi)
-    row = {"setting": spec.description, "rel_err": rel_err(det, ref), "finite": bool(jnp.all(jnp.isfinite(det)))}
+    row = {"setting": spec.description, "rel_err": rel_err(det, ref), "finite": bool(jnp.all(jnp.isfinite(det))),
+           "rel_err_op": BL.op_rel_err(det, ref)}
     rnd = jax.jit(fns.forward_random())
     o0 = rnd(fns.params, fns.rest, qi, ki, vi, jax.random.key(0))
     o1 = rnd(fns.params, fns.rest, qi, ki, vi, jax.random.key(1))
@@ -148,10 +157,35 @@ def _one(method, ov, causal, q, k, v, k_fit, ref, args, dropin) -> dict:
     if randomized and args.seeds > 0:
         errs = [rel_err(o0, ref) if s == 0 else rel_err(o1, ref) if s == 1 else
                 rel_err(rnd(fns.params, fns.rest, qi, ki, vi, jax.random.key(s)), ref) for s in range(args.seeds)]
+        ops = [BL.op_rel_err(o0 if s == 0 else o1 if s == 1 else
+                             rnd(fns.params, fns.rest, qi, ki, vi, jax.random.key(s)), ref) for s in range(args.seeds)]
+        row.update({"rel_err_op_mean": statistics.fmean(ops), "rel_err_op_std": statistics.pstdev(ops)})
         row.update({"rel_err_seeds": errs, "rel_err_mean": statistics.fmean(errs),
                     "rel_err_std": statistics.pstdev(errs) if len(errs) > 1 else 0.0,
                     "rel_err_min": min(errs), "rel_err_max": max(errs)})
     row["status"] = "ok"
+    return row
+
+
+def _baseline(name, src, T, q, k, v, ref, args) -> dict:
+    """One benchmark-only baseline row (bidirectional): errors over --seeds keys (at least one)."""
+    H, D = q.shape[1], q.shape[-1]
+    row = {"method": f"baseline:{name}", "variant": f"baseline:{name}", "direction": C.dir_name(False),
+           "source": src, "length": T, "heads": H, "head_dim": D}
+    try:
+        fn = jax.jit(BL.make(name, args.budget))
+        outs = [fn(q, k, v, jax.random.key(s)) for s in range(max(args.seeds, 1))]
+        errs = [rel_err(o, ref) for o in outs]
+        ops = [BL.op_rel_err(o, ref) for o in outs]
+        row.update({"setting": BL.describe(name, args.budget), "rel_err": errs[0], "rel_err_op": ops[0],
+                    "randomized": True, "finite": bool(jnp.all(jnp.isfinite(outs[0]))),
+                    "rel_err_seeds": errs, "rel_err_mean": statistics.fmean(errs),
+                    "rel_err_std": statistics.pstdev(errs) if len(errs) > 1 else 0.0,
+                    "rel_err_min": min(errs), "rel_err_max": max(errs),
+                    "rel_err_op_mean": statistics.fmean(ops), "rel_err_op_std": statistics.pstdev(ops),
+                    "status": "ok"})
+    except Exception as e:  # noqa: BLE001
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return row
 
 
@@ -175,7 +209,8 @@ def markdown(res: dict) -> str:
         parts.append(f"- `{m}`: {s}\n")
     parts.append(f"\nRandomized methods: deterministic=False over {a['seeds']} keys (mean ± std [min, max]); "
                  "'det' = deterministic=True.\n")
-    headers = ["variant", "source", "T", "rel err (det)", "rel err over seeds", "status"]
+    headers = ["variant", "source", "T", "rel err (det)", "rel err over seeds", "op-norm err (det / key 0)",
+               "op-norm err over seeds", "status"]
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         rows = []
         for r in (r for r in res["rows"] if r["direction"] == dname):
@@ -184,8 +219,11 @@ def markdown(res: dict) -> str:
                 seeds = (f"{r['rel_err_mean']:.3g} ± {r['rel_err_std']:.2g} "
                          f"[{r['rel_err_min']:.3g}, {r['rel_err_max']:.3g}]")
             status = r.get("status")
+            op_seeds = None
+            if r.get("rel_err_op_mean") is not None:
+                op_seeds = f"{r['rel_err_op_mean']:.3g} ± {r['rel_err_op_std']:.2g}"
             rows.append([r["variant"], r["source"], C.fmt_len(r["length"]), r.get("rel_err"), seeds,
-                         "ok" if status == "ok" else status])
+                         r.get("rel_err_op"), op_seeds, "ok" if status == "ok" else status])
         parts.append(f"\n### {dname}\n\n" + C.md_table(headers, rows))
     return "".join(parts)
 

@@ -117,7 +117,7 @@ def state_specs(state, mesh: Mesh, rules=None):
                 return P()
             raise ConfigError(f"{pstr}: an array that is not an annotated variable")
         names = var.get_metadata().get("out_sharding")
-        value = var[...]
+        value = var.get_value()
         if names is None:
             if getattr(value, "ndim", 0) == 0:
                 return var.replace(P())

@@ -47,17 +47,15 @@ def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None):
-    """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
-    ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step."""
-    n_windows = seq_len // window
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, constrain), has_aux=True)
+def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
+    """One optimizer update (and non-gradient update): ``update(carry, (*batch, key))`` with
+    carry = (params, nongrad, rest, opt_state, model state) and
+    ``grad_fn(params, nongrad, rest, *batch, state, key) -> ((loss, (ce, new_state, aux)), grads)``."""
 
     def update(carry, xs):
         params, nongrad, rest, opt_state, state = carry
-        inputs, targets, key = xs
-        (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, inputs, targets, state, key)
+        *batch, key = xs
+        (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, *batch, state, key)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
@@ -81,6 +79,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         new_state = jax.lax.stop_gradient(new_state)
         return (new_params, new_nongrad, rest, new_opt, new_state), metrics
 
+    return update
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
+                    constrain=None):
+    """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
+    ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step."""
+    n_windows = seq_len // window
+    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, constrain), has_aux=True)
+    update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
+
     def step(params, nongrad, rest, opt_state, tokens, key):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if n_windows == 1:
@@ -99,6 +108,55 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         return params, nongrad, opt_state, metrics
 
     return step
+
+
+def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None):
+    """Masked-LM loss: mean NLL over the masked positions only (gathered by index, ``num_masked`` per row)."""
+
+    def loss_fn(params, nongrad, rest, batch, state, key):
+        inputs, targets, mask = batch["inputs"], batch["targets"], batch["mask"]
+        if constrain is not None:
+            inputs, targets, mask = constrain(inputs), constrain(targets), constrain(mask)
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        h, aux = model.hidden(inputs, mask, deterministic=False, key=key)
+        nll, valid, _ = model.masked_nll(h, targets, mask, num_masked)
+        ce = jnp.sum(nll) / jnp.maximum(jnp.sum(valid), 1)
+        extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
+        return ce + extra, (ce, None, aux)
+
+    return loss_fn
+
+
+def make_mlm_train_step(graphdef, tx: optax.GradientTransformation, *, num_masked: int, skip_nonfinite: bool,
+                        constrain=None):
+    """Encoder (masked-LM) step: step(params, nongrad, rest, opt_state, batch, key) -> (params, nongrad, opt_state,
+    metrics) with batch = {'inputs', 'targets': [B, T] int32, 'mask': [B, T] bool} (longctx.data.masking).
+    One update per row batch: windows do not apply to encoders."""
+    grad_fn = jax.value_and_grad(make_mlm_loss_fn(graphdef, num_masked, constrain), has_aux=True)
+    update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
+
+    def step(params, nongrad, rest, opt_state, batch, key):
+        (params, nongrad, _, opt_state, _), metrics = update(
+            (params, nongrad, rest, opt_state, None), (batch, jax.random.fold_in(key, 0))
+        )
+        return params, nongrad, opt_state, jax.tree.map(lambda m: m[None], metrics)
+
+    return step
+
+
+def make_mlm_forward(graphdef, num_masked: int):
+    """forward(params, nongrad, rest, inputs, targets, mask) -> (nll, correct, valid, idx), each [B, num_masked]:
+    deterministic NLL (nats) and argmax-accuracy at the masked positions, and where they are."""
+
+    def forward(params, nongrad, rest, inputs, targets, mask):
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        h, _ = model.hidden(inputs, mask, deterministic=True)
+        hg, tg, valid, idx = model.masked_hidden(h, targets, mask, num_masked)
+        nll = jnp.where(valid, model.nll(hg, tg), 0.0)
+        correct = (jnp.argmax(model.logits(hg), axis=-1) == tg) & valid
+        return nll, correct, valid, idx
+
+    return forward
 
 
 def make_forward(graphdef):

@@ -208,10 +208,9 @@ def test_gradients_finite_with_masked_segments_and_large_logits(name, causal):
 
 @pytest.mark.parametrize("name,causal", [("fma", True), ("fma", False), ("fma_linear", True)])
 def test_gradients_match_finite_differences_f64(name, causal):
-    from jax.experimental import enable_x64
     from jax.test_util import check_grads
 
-    with enable_x64():
+    with jax.enable_x64(True):
         core = randomize_params(build(name, causal, heads=1, d=4, m=2, p=1, max_len=16))
         ds = jax.tree.map(lambda x: x.astype(jnp.float64), core.ds_params())
         q, k, v = (x.astype(jnp.float64) for x in qkv(13, heads=1, d=4, seed=9))

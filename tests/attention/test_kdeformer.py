@@ -16,9 +16,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-
 from longctx import attention  # noqa: E402
 from longctx.attention import kdeformer as kd  # noqa: E402
+from longctx.attention.base import CapacityError  # noqa: E402
 from longctx.attention.dense import naive_attention  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
@@ -161,6 +161,15 @@ def test_causal_exact_limits(L):
         assert maxdiff(out, ref) < 1e-5, cc
     out, _ = run(make(True, causal=SMALL), q, k, v)
     assert maxdiff(out, ref) > 1e-2
+
+
+def test_heavy_routes_gather_and_scores_agree():
+    q, k, v = qkv(64, seed=45)
+    key = jax.random.PRNGKey(46)
+    a, _ = run(make(True, causal=SMALL, heavy_impl="gather"), q, k, v, deterministic=False, key=key)
+    b_, _ = run(make(True, causal=SMALL, heavy_impl="scores"), q, k, v, deterministic=False, key=key)
+    assert maxdiff(a, b_) < 1e-5
+    assert maxdiff(a, dense(q, k, v, True)) > 1e-2
 
 
 # --------------------------------------------------------------------------- §6.4 partition
@@ -383,7 +392,7 @@ def test_error_decreases_like_inverse_sqrt_samples():
         opts = bopts(bucket_size=b, num_samples=m, scale=d**-0.5, num_projs=7)
 
         @jax.jit
-        def f(key):
+        def f(key, opts=opts):
             kw, ksamp = jax.random.split(key)
             W = kd.draw_projections(kw, 1, 1, d, 7)
             return kd.bidir_forward(q, k, v, W, ksamp, opts)[0, 0]
@@ -496,9 +505,9 @@ def test_capacity_overflow_raises_eagerly_and_under_jit():
     core = make(True, causal=SMALL)
     q, k, v = qkv(24, seed=29)
     state = core.init_state(B, 16)
-    with pytest.raises(ValueError, match="holds 16 tokens"):
+    with pytest.raises(CapacityError, match="holds 16 tokens"):
         core(q, k, v, state)
-    with pytest.raises(ValueError, match="holds 16 tokens"):
+    with pytest.raises(CapacityError, match="holds 16 tokens"):
         run(core, q, k, v, state)  # more new tokens than the capacity: found at trace time
     _, state = run(core, q[:, :, :8], k[:, :, :8], v[:, :, :8], state)
     with pytest.raises(Exception, match="holds 16 tokens but 20"):  # 8 + 12 > 16: found at run time

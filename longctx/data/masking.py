@@ -1,0 +1,122 @@
+"""Masked-language-model corruption as a pure function of (seed, step, row).
+
+The masks of row r at step s depend only on (seed, s, r) (a NumPy generator seeded with them),
+never on the batch size, the host, or what ran before, so a resumed run draws the same masks as
+an uninterrupted one, and evaluation uses one fixed masking of the split (``mlm.eval_seed``,
+row = the row's index in the split).
+
+Each row of T tokens gets exactly ``num_masked(T, mlm.rate)`` predicted positions (a static count,
+so the loss gathers them by index). Which positions, by ``mlm.masking``:
+
+* ``bert``: uniformly at random without replacement (BERT: rate 0.15).
+* ``span``: contiguous spans at random starts, lengths geometric with mean ``mlm.span_len`` and
+  at most ``mlm.max_span_len`` (SpanBERT-style), until the count is reached (the last span is cut).
+* ``clustered``: VCC's pretraining masking (shared/specs/vcc.md §3.2): a number of centres
+  uniform in ``mlm.clusters`` and a width sigma uniform in ``mlm.cluster_sigma`` are drawn per row;
+  a position's weight is the mean over centres of exp(-(t - c)^2 / (2 sigma^2)), and the positions
+  are drawn by weight without replacement (Gumbel top-k). (VCC's collator also shuffles 8-32
+  document segments of a row; rows here are one contiguous piece of one document, unshuffled.)
+
+Then each predicted position's input is replaced by the mask token with probability
+``mlm.mask_prob``, by a uniformly random text token with probability ``mlm.random_prob``, and left
+unchanged otherwise (BERT's 80/10/10). The mask token id is ``mask_id``, one beyond the
+tokenizer's vocabulary; random tokens are drawn from the tokenizer's ids ``[0, mask_id)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from longctx.errors import ConfigError
+
+SCHEMES = ("bert", "span", "clustered")
+_SALT = 0x4D4C4D  # separates the masking stream from the batcher's (seed, step) stream
+
+
+def num_masked(row_len: int, rate: float) -> int:
+    """Predicted positions per row: round(rate * row_len), at least 1 and at most row_len."""
+    return int(min(row_len, max(1, round(rate * row_len))))
+
+
+def row_rng(seed: int, step: int, row: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), int(step), int(row), _SALT])
+
+
+def _bert_positions(rng, T: int, n: int) -> np.ndarray:
+    return rng.choice(T, size=n, replace=False)
+
+
+def _span_positions(rng, T: int, n: int, mean_len: float, max_len: int) -> np.ndarray:
+    covered = np.zeros(T, bool)
+    count = 0
+    for _ in range(16 * T):  # enough for any n <= T in practice; the fallback below finishes the rest
+        if count >= n:
+            break
+        length = int(min(rng.geometric(1.0 / mean_len), max_len, T))
+        start = int(rng.integers(0, T - length + 1))
+        new = np.flatnonzero(~covered[start : start + length]) + start
+        new = new[: n - count]
+        covered[new] = True
+        count += len(new)
+    if count < n:
+        free = np.flatnonzero(~covered)
+        covered[rng.choice(free, size=n - count, replace=False)] = True
+    return np.flatnonzero(covered)
+
+
+def _clustered_positions(rng, T: int, n: int, clusters, sigma) -> np.ndarray:
+    n_centres = int(rng.integers(int(clusters[0]), int(clusters[1]) + 1))
+    width = float(rng.uniform(float(sigma[0]), float(sigma[1])))
+    centres = rng.integers(0, T, size=n_centres).astype(np.float64)
+    t = np.arange(T, dtype=np.float64)
+    weight = np.exp(-((t[:, None] - centres[None, :]) ** 2) / (2.0 * width**2)).mean(axis=1)
+    scores = np.log(weight + 1e-6) + rng.gumbel(size=T)
+    return np.argsort(-scores, kind="stable")[:n]
+
+
+def choose_positions(rng, T: int, mcfg) -> np.ndarray:
+    """Sorted predicted positions of one row of ``T`` tokens (``num_masked(T, mcfg.rate)`` of them)."""
+    n = num_masked(T, mcfg.rate)
+    if mcfg.masking == "bert":
+        pos = _bert_positions(rng, T, n)
+    elif mcfg.masking == "span":
+        pos = _span_positions(rng, T, n, float(mcfg.span_len), int(mcfg.max_span_len))
+    elif mcfg.masking == "clustered":
+        pos = _clustered_positions(rng, T, n, mcfg.clusters, mcfg.cluster_sigma)
+    else:
+        raise ConfigError(f"mlm.masking={mcfg.masking!r} is unknown; allowed: {', '.join(SCHEMES)}")
+    return np.sort(pos)
+
+
+def corrupt_row(rng, row: np.ndarray, positions: np.ndarray, mcfg, mask_id: int) -> np.ndarray:
+    """The input row: predicted positions -> mask token / random token / unchanged (80/10/10)."""
+    out = np.array(row, np.int32, copy=True)
+    u = rng.random(len(positions))
+    to_mask = positions[u < mcfg.mask_prob]
+    to_random = positions[(u >= mcfg.mask_prob) & (u < mcfg.mask_prob + mcfg.random_prob)]
+    out[to_mask] = mask_id
+    out[to_random] = rng.integers(0, mask_id, size=len(to_random))
+    return out
+
+
+def mask_rows(tokens: np.ndarray, mcfg, *, seed: int, step: int, rows, mask_id: int) -> dict[str, np.ndarray]:
+    """Corrupt a batch of rows.
+
+    tokens: [B, T] int token ids; rows: the B global row indices (``row0 + arange(B)`` for a
+    host's shard of a training batch, the row's index in the split for evaluation).
+    Returns {'inputs': [B, T] int32 corrupted ids, 'targets': [B, T] int32 (= tokens),
+    'mask': [B, T] bool predicted positions}.
+    """
+    tokens = np.asarray(tokens, np.int32)
+    B, T = tokens.shape
+    rows = np.asarray(rows)
+    if rows.shape != (B,):
+        raise ValueError(f"rows must hold one index per row ({B}), got shape {rows.shape}")
+    inputs = np.empty_like(tokens)
+    mask = np.zeros((B, T), bool)
+    for b in range(B):
+        rng = row_rng(seed, step, int(rows[b]))
+        pos = choose_positions(rng, T, mcfg)
+        mask[b, pos] = True
+        inputs[b] = corrupt_row(rng, tokens[b], pos, mcfg, mask_id)
+    return {"inputs": inputs, "targets": tokens, "mask": mask}

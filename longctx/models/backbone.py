@@ -1,0 +1,129 @@
+"""The token backbone shared by every model: embedding, positions, a stack of blocks, final norm,
+and the output head over the vocabulary (tied to the embedding, untied, or adaptive).
+
+:class:`longctx.models.decoder.DecoderLM` (causal LM) and :class:`longctx.models.encoder.EncoderMLM`
+(masked LM) are this module with their own call; they differ only in the ``causal`` flag their
+blocks are built with and in what they predict.
+
+    h, new_state, aux = backbone.run(tokens, state, deterministic=True, key=None, important=None)
+
+``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} or None (no prefix).
+``aux`` = {'losses': {name: scalar summed over layers}, 'stats': [per-layer stats], 'metrics': {...}}.
+``important``: optional [B, T] bool of tokens a method may treat specially (VCC's VIP tokens, e.g.
+an encoder's masked positions); it reaches every block whose call takes an ``important`` keyword,
+and the others never see it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx.attention import Aux
+from longctx.attention.base import logical
+from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
+from longctx.models.blocks import get_block, split_key
+from longctx.models.layers import linear, make_norm, sinusoidal_table
+
+
+def takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class Backbone(nnx.Module):
+    """Embedding -> positions -> blocks (built with ``cfg.causal``) -> norm, plus the vocabulary head."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg_positions = cfg.positions
+        self.d_model = cfg.d_model
+        self.vocab_size = cfg.vocab_size
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                               embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs)
+        if cfg.positions == "learned":
+            self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model,
+                                       embedding_init=logical(nnx.initializers.normal(0.02), "position", "embed"),
+                                       rngs=rngs)
+            self.max_len = cfg.max_len
+        else:
+            self.pos_embed = None
+        block_cls = get_block(cfg.block)
+        self.blocks = nnx.List([block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)])
+        self._block_takes_important = takes_keyword(block_cls.__call__, "important")
+        self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
+        self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
+        adaptive = cfg.output == "adaptive"
+        self.adaptive = (
+            AdaptiveSoftmax(cfg.d_model, cfg.vocab_size, tuple(cfg.adaptive_cutoffs), cfg.adaptive_div, rngs=rngs)
+            if adaptive
+            else None
+        )
+        self.head = (
+            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs)
+            if not adaptive and not cfg.tie_embeddings
+            else None
+        )
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        return {
+            "pos": jnp.zeros((), jnp.int32),
+            "layers": [b.init_state(batch_size, max_len) for b in self.blocks],
+        }
+
+    def embed_tokens(self, tokens, positions):
+        x = self.embed(tokens)
+        if self.cfg_positions == "learned":
+            x = x + self.pos_embed(jnp.minimum(positions, self.max_len - 1))[None]
+        elif self.cfg_positions == "sinusoidal":
+            x = x + sinusoidal_table(positions, self.d_model)[None].astype(x.dtype)
+        return x
+
+    def logits(self, h):
+        """[..., V] fp32 logits (log-probabilities for the adaptive softmax)."""
+        if self.adaptive is not None:
+            return self.adaptive.log_probs(h)
+        if self.head is None:
+            return self.embed.attend(h).astype(jnp.float32)
+        return self.head(h).astype(jnp.float32)
+
+    def nll(self, h, targets):
+        """Per-token negative log-likelihood [B, T] in nats, exact for every output kind."""
+        if self.adaptive is not None:
+            return self.adaptive.nll(h, targets)
+        if self.loss_chunk > 0:
+            W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+            return chunked_softmax_nll(h, W, targets, chunk=self.loss_chunk)
+        logp = jax.nn.log_softmax(self.logits(h), axis=-1)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+    def run(self, tokens, state=None, *, deterministic: bool = True, key=None, important=None):
+        """Final-norm hidden states [B, T, d_model], the new state and the blocks' aux."""
+        T = tokens.shape[1]
+        pos0 = jnp.zeros((), jnp.int32) if state is None else state["pos"]
+        positions = pos0 + jnp.arange(T, dtype=jnp.int32)
+        x = self.embed_tokens(tokens, positions)
+        layer_states = [None] * len(self.blocks) if state is None else state["layers"]
+        keys = split_key(key, len(self.blocks))
+        extra = {"important": important} if important is not None and self._block_takes_important else {}
+        new_states, losses, stats, metrics = [], {}, [], {}
+        for i, (block, st, k) in enumerate(zip(self.blocks, layer_states, keys)):
+            aux = Aux()
+            x, st = block(x, st, positions=positions, deterministic=deterministic, key=k, aux=aux, **extra)
+            new_states.append(st)
+            for name, val in aux.losses.items():
+                losses[name] = losses.get(name, 0.0) + val
+            stats.append(aux.stats)
+            for name, val in aux.metrics.items():
+                metrics[f"layer{i}/{name}"] = val
+        h = self.norm(x)
+        new_state = {"pos": pos0 + T, "layers": new_states}
+        return h, new_state, {"losses": losses, "stats": stats, "metrics": metrics}
+
+    def apply_stats(self, stats) -> None:
+        for block, st in zip(self.blocks, stats):
+            if st:
+                block.apply_stats(st)

@@ -1,0 +1,97 @@
+"""Memory and FLOPs plan of a training run before any data is touched (``longctx-train --dry_run``).
+
+The train step is lowered and compiled ahead of time for the configured mesh with abstract
+inputs (``jax.ShapeDtypeStruct`` carrying the shardings of ``longctx.train.sharding.Plan``);
+XLA's ``memory_analysis`` gives the per-device bytes of arguments, temporaries and outputs,
+and ``cost_analysis`` the FLOPs of one step. The model is built abstractly (``nnx.eval_shape``),
+so even a model that does not fit on the host can be planned.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from longctx import config as config_lib
+from longctx.errors import ConfigError
+from longctx.models.decoder import build_model
+from longctx.train import sharding
+from longctx.train.optim import make_optimizer
+from longctx.train.step import make_train_step, split_model
+
+MiB = 1 << 20
+
+
+def known_vocab_size(cfg) -> int:
+    """The vocabulary size without reading data: from the config, or fixed by the tokenizer."""
+    if cfg.model.vocab_size > 0:
+        return int(cfg.model.vocab_size)
+    if cfg.data.tokenizer == "bytes":
+        return 256
+    if cfg.data.tokenizer == "sentencepiece":
+        return int(cfg.data.options.vocab_size)
+    raise ConfigError(f"--dry_run: data.tokenizer={cfg.data.tokenizer!r} learns its vocabulary from the data; "
+                      "set --config.model.vocab_size to plan without reading data")
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
+    """Compile one train step for ``cfg``'s mesh; return per-device memory (bytes) and FLOPs."""
+    cfg = config_lib.validate(cfg)
+    cfg = config_lib.resolve_vocab(cfg, known_vocab_size(cfg))
+    tc = cfg.train
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, seed=tc.seed))
+    graphdef, params, nongrad, rest = split_model(abstract_model)
+    tx = make_optimizer(tc)
+    opt_state = jax.eval_shape(tx.init, params)
+    p = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
+    step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
+                                      constrain=p.constrain))
+    args = (
+        _abstract(params, p.params), _abstract(nongrad, p.nongrad), _abstract(rest, p.rest),
+        _abstract(opt_state, p.opt_state),
+        jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len + 1), np.int32, sharding=p.batch),
+        jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=p.scalar),
+    )
+    compiled = step.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    out = {
+        "devices": int(np.prod(list(mesh.shape.values()))),
+        "mesh": dict(mesh.shape),
+        "parameters": n_params,
+        "argument_bytes": int(getattr(mem, "argument_size_in_bytes", 0)),
+        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0)),
+        "output_bytes": int(getattr(mem, "output_size_in_bytes", 0)),
+        "alias_bytes": int(getattr(mem, "alias_size_in_bytes", 0)),
+        "generated_code_bytes": int(getattr(mem, "generated_code_size_in_bytes", 0)),
+        "flops_per_step": float(cost.get("flops", 0.0)),
+        "tokens_per_step": tc.batch_size * tc.seq_len,
+    }
+    # donated inputs are reused for the outputs: peak ~ arguments + temporaries (+ outputs not aliased)
+    out["peak_bytes_estimate"] = out["argument_bytes"] + out["temp_bytes"] + max(
+        0, out["output_bytes"] - out["alias_bytes"])
+    return out
+
+
+def report(res: dict) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in res["mesh"].items())
+    return "\n".join([
+        f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
+        "per device (XLA memory analysis of the compiled train step):",
+        f"  arguments    {res['argument_bytes'] / MiB:10.1f} MiB  (parameters, optimizer, non-grad state, batch)",
+        f"  temporaries  {res['temp_bytes'] / MiB:10.1f} MiB",
+        f"  outputs      {res['output_bytes'] / MiB:10.1f} MiB  ({res['alias_bytes'] / MiB:.1f} MiB aliased to "
+        "donated inputs)",
+        f"  peak (est.)  {res['peak_bytes_estimate'] / MiB:10.1f} MiB",
+        f"FLOPs per step per device: {res['flops_per_step']:.3e} "
+        f"({res['tokens_per_step']:,} tokens per step, whole batch)",
+    ])
