@@ -4,6 +4,7 @@
     longctx-prepare --config=configs/enwik8/dense_tiny.py --config.data.path=/data/enwik8.zip
     longctx-eval    --workdir=runs/mine --split=test --config.eval.protocol=sliding
     longctx-sample  --workdir=runs/mine --prompt="def " --num_tokens=400 [--config.sample.top_k=40]
+    longctx-fill    --workdir=runs/mlm --text="def f(x):\\n    return ____"   (encoder runs)
 
 ``train`` and ``prepare`` read a config file (``--config=FILE``, then ``--config.KEY=VALUE``
 overrides); ``eval`` and ``sample`` read the config saved with the run's checkpoint and take
@@ -255,4 +256,40 @@ def sample_main(argv=None) -> int:
 
         sample_run(fv.workdir, step=fv.step, overrides=overrides, prompt_file=fv.prompt_file, output=fv.output,
                    quiet=fv.quiet, progress=fv.progress)
+    return 0
+
+
+def fill_main(argv=None) -> int:
+    """``longctx-fill``: fill the masked bytes of a text with a trained encoder (masked LM)."""
+    from absl import flags
+
+    def define(fv):
+        flags.DEFINE_integer("step", None, "checkpoint step (default: the newest valid one)", flag_values=fv)
+        flags.DEFINE_string("text", None, "text whose --mask_char bytes are filled (\\n, \\t, \\\\ are escapes)",
+                            flag_values=fv)
+        flags.DEFINE_string("text_file", None, "read the text from this UTF-8 file", flag_values=fv)
+        flags.DEFINE_string("mask_char", "_", "the character that marks a masked byte", flag_values=fv)
+        flags.DEFINE_string("mask_spans", None, "mask these byte ranges instead, e.g. 4:8,12:15 (end excluded)",
+                            flag_values=fv)
+        flags.DEFINE_integer("per_pass", 1, "masked bytes filled per forward pass (most confident first)",
+                             flag_values=fv)
+        flags.DEFINE_bool("escapes", True, "read \\n, \\t and \\\\ in --text as escapes", flag_values=fv)
+
+    with user_errors():
+        fv, overrides = parse(argv, "longctx-fill", config="run", define=define)
+        if overrides:
+            raise ConfigError("longctx-fill takes no --config.* overrides; it uses the run's saved config")
+        if (fv.text is None) == (fv.text_file is None):
+            raise ConfigError("give the text to fill with --text or --text_file (one of them)")
+        if fv.text_file is not None:
+            try:
+                text = open(fv.text_file, encoding="utf-8").read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--text_file={fv.text_file}: cannot read it as UTF-8 text ({e})") from None
+        else:
+            text = fv.text
+        from longctx.fill import fill_run
+
+        fill_run(fv.workdir, text, step=fv.step, mask_char=fv.mask_char, mask_spans=fv.mask_spans,
+                 per_pass=fv.per_pass, escapes=fv.escapes and fv.text is not None)
     return 0

@@ -13,13 +13,19 @@ from pathlib import Path
 
 import numpy as np
 
-from longctx.protocols import score_split
+from longctx.protocols import score_mlm_split, score_split
 
 LN2 = math.log(2.0)
 
 
 def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressors=False) -> tuple[dict, np.ndarray]:
-    """Evaluate ``runner`` (a :class:`longctx.runtime.Runner`) on a prepared split."""
+    """Evaluate ``runner`` (a :class:`longctx.runtime.Runner`) on a prepared split. An encoder is
+    scored on masked tokens under one fixed, seeded masking of the split (loss, accuracy)."""
+    if runner.is_encoder:
+        cfg = runner.cfg
+        return score_mlm_split(runner.forward, runner.params, data, ecfg, cfg.mlm, context=ecfg.context,
+                               mask_id=cfg.mlm.mask_id, one_token_per_byte=runner.tokenizer_is_bytes,
+                               progress=progress, desc=desc)
     return score_split(runner.forward, runner.params, data, ecfg, init_state=runner.init_state,
                        one_token_per_byte=runner.tokenizer_is_bytes, word_count=runner.word_count(data),
                        progress=progress, desc=desc, compressors=compressors)
@@ -52,10 +58,13 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
 
 def format_eval(res: dict) -> str:
     p = res["protocol"]
-    lines = [f"{res.get('split', '?')} @ step {res.get('step', '?')}: {res['tokens_scored']:,} tokens scored ({p})"]
+    what = res.get("scored", "tokens")
+    lines = [f"{res.get('split', '?')} @ step {res.get('step', '?')}: {res['tokens_scored']:,} {what} scored ({p})"]
     if "bits_per_byte" in res:
-        lines.append(f"  bits per byte   {res['bits_per_byte']:.4f}")
+        lines.append(f"  bits per {'masked ' if what == 'masked tokens' else ''}byte   {res['bits_per_byte']:.4f}")
     lines.append(f"  bits per token  {res['bits_per_token']:.4f}   token perplexity {res['token_perplexity']:.3f}")
+    if "accuracy" in res:
+        lines.append(f"  accuracy        {res['accuracy']:.4f}  (argmax at the masked positions)")
     if "word_perplexity" in res:
         lines.append(f"  word perplexity {res['word_perplexity']:.3f}  ({res['word_count']:,} words, {res['tokens_per_word']:.3f} tokens/word)")
     for name, bpb in res.get("compressors_bits_per_byte", {}).items():

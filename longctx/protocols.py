@@ -201,3 +201,82 @@ def split_word_count(data) -> int | None:
     """The official word count of a prepared split, where the dataset defines one."""
     counts = data.manifest.get("source", {}).get("word_counts") or {}
     return counts.get(data.manifest["split"])
+
+
+# ----------------------------------------------------------------------------------------------
+# encoders (masked LM): one fixed, seeded masking of the split
+
+
+def mlm_rows(doc_starts, *, context: int, max_tokens: int = 0) -> np.ndarray:
+    """Start offsets of the evaluation rows: consecutive, non-overlapping rows of ``context`` tokens
+    inside each document, in split order (a document's last partial row is left out: an encoder
+    row is always full). ``max_tokens > 0`` keeps the first ceil(max_tokens / context) rows."""
+    starts = [np.arange(a, b - context + 1, context) for a, b in zip(doc_starts[:-1], doc_starts[1:])
+              if b - a >= context]
+    rows = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    if max_tokens > 0:
+        rows = rows[: -(-max_tokens // context)]
+    return rows
+
+
+def mlm_protocol(ecfg, mcfg, *, context: int, n_rows: int) -> dict:
+    from longctx.data.masking import num_masked
+
+    return {
+        "mode": "masked-token", "context": context, "rows": n_rows,
+        "masking": mcfg.masking, "rate": mcfg.rate, "masked_per_row": num_masked(context, mcfg.rate),
+        "mask_prob": mcfg.mask_prob, "random_prob": mcfg.random_prob, "mask_seed": mcfg.eval_seed,
+        **({"span_len": mcfg.span_len, "max_span_len": mcfg.max_span_len} if mcfg.masking == "span" else {}),
+        **({"clusters": list(mcfg.clusters), "cluster_sigma": list(mcfg.cluster_sigma)}
+           if mcfg.masking == "clustered" else {}),
+        "max_tokens": ecfg.max_tokens or "full split",
+    }
+
+
+def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id: int, one_token_per_byte: bool,
+                    progress: bool = True, desc: str = "eval") -> tuple[dict, np.ndarray]:
+    """Masked-token loss and accuracy of an encoder on a prepared split.
+
+    The split is cut into rows of ``context`` tokens (:func:`mlm_rows`); row i is masked by
+    :func:`longctx.data.masking.mask_rows` with seed ``mlm.eval_seed``, step 0 and row i, so every run
+    and method scores the same tokens in the same corrupted contexts, whatever the batch size.
+    ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
+    masked positions). Returns (result, mean loss by position in the row)."""
+    from longctx.data.masking import mask_rows
+
+    rows = mlm_rows(data.doc_starts, context=context, max_tokens=ecfg.max_tokens)
+    if len(rows) == 0:
+        from longctx.errors import DataError
+
+        raise DataError(f"the split has no document of {context} tokens to evaluate an encoder on; "
+                        "lower eval.context (or train.seq_len)")
+    t0 = time.time()
+    B = ecfg.batch_size
+    nll_sum, count, correct_sum = 0.0, 0, 0
+    pos_sum = np.zeros(context, np.float64)
+    pos_cnt = np.zeros(context, np.int64)
+    bar = tqdm(total=len(rows), desc=desc, unit="row", disable=not progress, leave=False)
+    for b0 in range(0, len(rows), B):
+        idx_rows = np.arange(b0, min(b0 + B, len(rows)))
+        tok = np.zeros((B, context), np.int32)
+        for r, i in enumerate(idx_rows):
+            tok[r] = np.asarray(data.tokens[rows[i] : rows[i] + context], np.int32)
+        ids = np.concatenate([idx_rows, np.zeros(B - len(idx_rows), idx_rows.dtype)])  # padding rows: not counted
+        batch = mask_rows(tok, mcfg, seed=mcfg.eval_seed, step=0, rows=ids, mask_id=mask_id)
+        batch["mask"][len(idx_rows):] = False
+        nll, correct, valid, where = (np.asarray(a) for a in forward(
+            params, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]), jnp.asarray(batch["mask"])))
+        nll_sum += float(nll[valid].sum())
+        count += int(valid.sum())
+        correct_sum += int(correct[valid].sum())
+        np.add.at(pos_sum, where[valid], nll[valid])
+        np.add.at(pos_cnt, where[valid], 1)
+        bar.update(len(idx_rows))
+    bar.close()
+    protocol = mlm_protocol(ecfg, mcfg, context=context, n_rows=len(rows))
+    res = summarize(nll_sum, count, one_token_per_byte=one_token_per_byte, protocol=protocol)
+    res["accuracy"] = correct_sum / max(count, 1)
+    res["scored"] = "masked tokens"
+    res["seconds"] = time.time() - t0
+    curve = pos_sum / np.maximum(pos_cnt, 1)
+    return res, curve[pos_cnt > 0]

@@ -15,7 +15,7 @@ from longctx.errors import CheckpointError, ConfigError
 from longctx.models.decoder import build_model
 from longctx.protocols import split_word_count
 from longctx.train import checkpoint
-from longctx.train.step import make_forward, split_model
+from longctx.train.step import make_forward, make_mlm_forward, split_model
 
 # what --config.KEY=VALUE may change when a trained run is evaluated or sampled
 RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir")
@@ -37,8 +37,20 @@ class Runner:
         self.cfg, self.graphdef, self.step = cfg, graphdef, step
         self.params = (params, nongrad, rest)
         self.tokenizer = tokenizer
-        fwd = jax.jit(make_forward(graphdef))
-        self.forward = lambda p, inputs, targets, state: fwd(*p, inputs, targets, state)
+        if cfg.model.kind == "encoder":
+            # forward(params, inputs, targets, mask) -> (nll, correct, valid, idx) at the masked positions
+            from longctx.data.masking import num_masked
+
+            self.num_masked = num_masked(cfg.eval.context, cfg.mlm.rate)
+            fwd = jax.jit(make_mlm_forward(graphdef, self.num_masked))
+            self.forward = lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask)
+        else:
+            fwd = jax.jit(make_forward(graphdef))
+            self.forward = lambda p, inputs, targets, state: fwd(*p, inputs, targets, state)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.cfg.model.kind == "encoder"
 
     @property
     def tokenizer_is_bytes(self) -> bool:

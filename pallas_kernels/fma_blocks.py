@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks
@@ -112,12 +111,32 @@ def _kernel(*refs, m: int, causal: bool, n_valid: int, has_coarse: bool):
     o_ref[...] = (acc / li).astype(o_ref.dtype)
 
 
-def fma_blocks_forward(q, k, v, kc, vc, cbias, *, m: int, causal: bool, n_valid: int, interpret: bool = False):
+def _compiler_params(platform):
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    if platform in ("gpu", "cuda"):
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+
+def fma_blocks_forward(q, k, v, kc, vc, cbias, *, m: int, causal: bool, n_valid: int, interpret: bool = False,
+                       platform: str | None = None):
     """q, k [BH, n_pad, d] (q pre-scaled), v [BH, n_pad, dv]; kc [BH, nb, C_pad, d], vc [BH, nb, C_pad, dv],
-    cbias [nb, 1, C_pad] (or kc = None: fine level only). Returns o [BH, n_pad, dv] f32."""
+    cbias [nb, 1, C_pad] (or kc = None: fine level only). Returns o [BH, n_pad, dv] f32.
+    ``platform`` ('tpu' | 'cuda'; None: the default backend) picks the lowering's compiler parameters;
+    shapes the kernel does not support there raise ValueError naming the reasons."""
     BH, n_pad, d = q.shape
     dv = v.shape[-1]
     nb = n_pad // m
+    if not interpret:
+        platform = platform or {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+        reasons = unsupported_reasons(platform, m=m, d=d, dv=dv)
+        if reasons:
+            raise ValueError(f"fma_blocks: unsupported on {platform}: " + "; ".join(reasons))
     cur = lambda bh, b: (bh, b, 0)  # noqa: E731
     prev = lambda bh, b: (bh, jnp.maximum(b - 1, 0), 0)  # noqa: E731
     nxt = lambda bh, b: (bh, jnp.minimum(b + 1, nb - 1), 0)  # noqa: E731
@@ -135,11 +154,6 @@ def fma_blocks_forward(q, k, v, kc, vc, cbias, *, m: int, causal: bool, n_valid:
                   pl.BlockSpec((None, 1, C), lambda bh, b: (b, 0, 0))]
         args += [kc, vc, cbias]
     kernel = functools.partial(_kernel, m=m, causal=causal, n_valid=n_valid, has_coarse=has_coarse)
-    extra = {}
-    if not interpret and jax.default_backend() == "gpu":
-        from jax.experimental.pallas import triton as plgpu
-
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
     return pl.pallas_call(
         kernel,
         grid=(BH, nb),
@@ -147,7 +161,7 @@ def fma_blocks_forward(q, k, v, kc, vc, cbias, *, m: int, causal: bool, n_valid:
         out_specs=pl.BlockSpec((None, m, dv), cur),
         out_shape=jax.ShapeDtypeStruct((BH, n_pad, dv), jnp.float32),
         interpret=interpret,
-        **extra,
+        compiler_params=None if interpret else _compiler_params(platform),
     )(*args)
 
 
@@ -173,17 +187,19 @@ def _ref_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, logit_budget):
     return out.reshape(BH, n_pad, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def fma_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget):
-    return fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def fma_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget, platform=None):
+    return fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret,
+                              platform=platform)
 
 
-def _fwd(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget):
-    out = fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret)
+def _fwd(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget, platform):
+    out = fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret,
+                             platform=platform)
     return out, (q, k, v, kc, vc, cbias)
 
 
-def _bwd(m, causal, n_valid, interpret, logit_budget, res, g):
+def _bwd(m, causal, n_valid, interpret, logit_budget, platform, res, g):
     q, k, v, kc, vc, cbias = res
     _, vjp = jax.vjp(lambda *a: _ref_blocks(*a, cbias, m, causal, n_valid, logit_budget), q, k, v, kc, vc)
     return vjp(g) + (None if cbias is None else jnp.zeros_like(cbias),)
@@ -193,6 +209,7 @@ fma_blocks.defvjp(_fwd, _bwd)
 
 
 def make_attend(*, interpret: bool, platform: str = "interpret"):
+    platform_ = None if platform == "interpret" else platform
     """An ``attend_blocks``-compatible function that runs the kernel on full-pass FMA operands
     (static block offset 0, packed or no coarse slots, no dropout) and the reference otherwise
     (streaming steps, FMA-linear statistics) -- the caller resolved that the kernel applies."""
@@ -219,7 +236,7 @@ def make_attend(*, interpret: bool, platform: str = "interpret"):
             cb = jnp.pad(bias, ((0, 0), (0, Cp - C)), constant_values=NEG)[:, None, :]
             kc = jnp.take(kall, idx.reshape(-1), axis=2).reshape(BH, nb, Cp, d)
             vc = jnp.take(vall, idx.reshape(-1), axis=2).reshape(BH, nb, Cp, dv)
-        out = fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, logit_budget)
+        out = fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, logit_budget, platform_)
         return out.reshape(B, H, nb, m, dv)
 
     return attend

@@ -28,10 +28,9 @@ the finite ``NEG`` (never -inf: a fully masked segment would give exp(-inf - -in
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG = -1e30
 

@@ -75,7 +75,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from longctx.attention.base import AttentionCore, ContractCase, check_capacity, check_qkv, logical, require
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, logical, require
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
 
 # ---------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
         num = jnp.einsum("bharc,bhacf->bharf", e, vc)
         rep = ml // p
 
-        def expand(x):
+        def expand(x, N=N, p=p, rep=rep):
             x = x.reshape((B, H, N * p) + x.shape[4:])
             return jnp.repeat(x, rep, axis=2)[:, :, :n_pad]
 
@@ -775,7 +775,16 @@ class FMAAttention(AttentionCore):
             "xla_per_head_dense_conv": ContractCase(
                 cfg={**base, "share_downsample_across_heads": False, "downsample": "dense_conv"},
                 length=40, num_heads=2, head_dim=4, directions=("causal",), slow=True),
+            # the Pallas kernel in interpret mode (full passes; streaming steps use the reference)
+            "pallas": ContractCase(cfg={**base, "impl": "pallas"}, length=56, num_heads=2, head_dim=8, value_dim=6,
+                                   slow=True),
         }
+
+    @classmethod
+    def drop_in(cls) -> DropIn:
+        # parameter-free summaries (mean of each sub-interval of m_l/p tokens): FMA on given q, k, v, untrained
+        return DropIn(description="summaries = sub-interval means (downsample='avgpool'), no training",
+                      overrides={"downsample": "avgpool"})
 
     # -- helpers ----------------------------------------------------------------
     def ds_params(self):

@@ -19,15 +19,16 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from longctx import config as config_lib
+from longctx.data import masking
 from longctx.data.batching import Batcher
 from longctx.data.prepare import prepare
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError
 from longctx.models.decoder import build_model
-from longctx.protocols import score_split
+from longctx.protocols import score_mlm_split, score_split
 from longctx.train import checkpoint, sharding
 from longctx.train.metrics import MetricsWriter, plot_losses
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_forward, make_train_step, split_model
+from longctx.train.step import make_forward, make_mlm_forward, make_mlm_train_step, make_train_step, split_model
 
 LN2 = math.log(2.0)
 
@@ -134,13 +135,21 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     (workdir / "config.json").write_text(cfg.to_json(indent=1))
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    batcher = Batcher(data["train"], row_len=tc.seq_len + 1, batch_size=tc.batch_size, seed=tc.seed,
-                      shard=(jax.process_index(), jax.process_count()))
+    encoder = cfg.model.kind == "encoder"  # masked LM: rows of seq_len tokens, masks = f(seed, step, row)
+    batcher = Batcher(data["train"], row_len=tc.seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
+                      seed=tc.seed, shard=(jax.process_index(), jax.process_count()))
     # 'stop' also compiles the skipping step: a non-finite update is not applied, so the state at
     # the stop is the last finite one and can be checkpointed
-    train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
-                                               skip_nonfinite=True, constrain=plan.constrain))
-    fwd = jax.jit(make_forward(graphdef))
+    if encoder:
+        n_mask = masking.num_masked(tc.seq_len, cfg.mlm.rate)
+        train_step = plan.jit_step(make_mlm_train_step(graphdef, tx, num_masked=n_mask, skip_nonfinite=True,
+                                                       constrain=plan.constrain))
+        fwd = jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
+        row0 = batcher.shard_index * tc.batch_size // batcher.num_shards  # this host's first global row
+    else:
+        train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
+                                                   skip_nonfinite=True, constrain=plan.constrain))
+        fwd = jax.jit(make_forward(graphdef))
     writer = MetricsWriter(workdir, resume_step=step)
     base_key = jax.random.key(tc.seed)
     tokens_per_step = tc.batch_size * tc.window
@@ -153,6 +162,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         ecfg = ml_collections.ConfigDict(cfg.eval.to_dict())
         ecfg.max_tokens = tc.eval_tokens if cfg.eval.max_tokens == 0 else min(cfg.eval.max_tokens, tc.eval_tokens)
         split = data[cfg.eval.split]
+        if encoder:
+            res, _ = score_mlm_split(
+                lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask), (params, nongrad, rest), split, ecfg,
+                cfg.mlm, context=cfg.eval.context, mask_id=cfg.mlm.mask_id,
+                one_token_per_byte=bool(getattr(tokenizer, "one_token_per_byte", False)), progress=False,
+            )
+            writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"],
+                                            "accuracy": res["accuracy"]})
+            return res
         res, _ = score_split(
             lambda p, inputs, targets, state: fwd(*p, inputs, targets, state), (params, nongrad, rest), split, ecfg,
             init_state=lambda b, n: nnx.merge(graphdef, params, nongrad, rest).init_state(b, n),
@@ -185,7 +203,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         with StopFlag() as stop:
             while step < end:
                 batch = batcher.batch(step // n_win)
-                tokens = sharding.shard_batch(mesh, batch["tokens"])
+                if encoder:
+                    rows = row0 + np.arange(len(batch["tokens"]))
+                    corrupted = masking.mask_rows(batch["tokens"], cfg.mlm, seed=tc.seed, step=step, rows=rows,
+                                                  mask_id=cfg.mlm.mask_id)
+                    tokens = {k: sharding.shard_batch(mesh, v) for k, v in corrupted.items()}
+                else:
+                    tokens = sharding.shard_batch(mesh, batch["tokens"])
                 key = jax.random.fold_in(base_key, step)
                 params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
                 prev, step = step, step + n_win

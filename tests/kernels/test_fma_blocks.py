@@ -1,0 +1,111 @@
+"""FMA multilevel-blocks Pallas kernel (spec fma.md §8) on the shared kernel test base: interpret-mode forward
+against the pure-JAX reference (causal and bidirectional, ragged lengths, fine level only, fp32 and bf16),
+TPU / CUDA lowering through jax.export (and a clear refusal of shapes a platform cannot take), and the method
+with impl='pallas' equal to impl='xla' in value and gradient (spec §6 check 7). The kernel's backward is v1 of
+the spec: the reference's VJP, so the base skips its gradient test and says so."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from kernel_test_base import KernelTestBase  # noqa: I001
+
+from longctx import attention
+from pallas_kernels import fma_blocks
+from pallas_kernels.fma_blocks_ref import NEG
+
+BH = 3
+
+
+class TestFMABlocks(KernelTestBase):
+    SHAPES = {
+        "causal_ragged": dict(n=64, m=8, d=8, dv=6, C=12, causal=True, n_valid=59),
+        "bidir_ragged": dict(n=64, m=8, d=8, dv=8, C=16, causal=False, n_valid=61),
+        "fine_only": dict(n=32, m=8, d=8, dv=8, C=0, causal=True, n_valid=32),
+        "export": dict(n=512, m=64, d=64, dv=64, C=32, causal=True, n_valid=509),
+        "export_bidir": dict(n=512, m=64, d=64, dv=64, C=32, causal=False, n_valid=512),
+        "export_odd_d": dict(n=256, m=64, d=48, dv=48, C=32, causal=True, n_valid=256),
+    }
+    FORWARD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
+                     ("causal_ragged", "bfloat16"))
+    GRAD_CASES = (("causal_ragged", "float32"),)
+    EXPORT_CASES = (("tpu", "export", "float32"), ("cuda", "export", "float32"), ("tpu", "export_bidir", "float32"),
+                    ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"))
+    TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}  # both upcast to f32 inside
+    DIFF_ARGNUMS = (0, 1, 2, 3, 4)
+    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (spec §8, v1)
+
+    def make_inputs(self, shape, dtype):
+        n, m, d, dv, C = shape["n"], shape["m"], shape["d"], shape["dv"], shape["C"]
+        nb = n // m
+        ks = jax.random.split(jax.random.key(n + C), 6)
+        q = (jax.random.normal(ks[0], (BH, n, d)) * d**-0.5).astype(dtype)
+        k = jax.random.normal(ks[1], (BH, n, d)).astype(dtype)
+        v = jax.random.normal(ks[2], (BH, n, dv)).astype(dtype)
+        kc = vc = cb = None
+        if C:
+            kc = jax.random.normal(ks[3], (BH, nb, C, d)).astype(dtype)
+            vc = jax.random.normal(ks[4], (BH, nb, C, dv)).astype(dtype)
+            rng = np.random.default_rng(C)
+            bias = np.where(rng.random((nb, 1, C)) < 0.3, NEG, np.log(4.0)).astype(np.float32)
+            bias[0] = NEG  # a block with every coarse slot masked
+            cb = jnp.asarray(bias)
+        return (q, k, v, kc, vc, cb), dict(m=m, causal=shape["causal"], n_valid=shape["n_valid"])
+
+    def kernel(self, q, k, v, kc, vc, cb, *, interpret, platform=None, m, causal, n_valid):
+        return fma_blocks.fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, 1 << 24, platform)
+
+    def reference(self, q, k, v, kc, vc, cb, *, m, causal, n_valid):
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+        return fma_blocks._ref_blocks(f32(q), f32(k), f32(v), f32(kc), f32(vc), cb, m, causal, n_valid, 1 << 24)
+
+    def unsupported_reasons(self, platform, shape, dtype):
+        return fma_blocks.unsupported_reasons(platform, m=shape["m"], d=shape["d"], dv=shape["dv"])
+
+    def export_disabled_checks(self, platform):
+        return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
+
+
+def test_unsupported_reasons():
+    assert fma_blocks.unsupported_reasons("cuda", m=64, d=64, dv=64) == []
+    assert any("powers of two" in r for r in fma_blocks.unsupported_reasons("cuda", m=64, d=48, dv=48))
+    assert any("FMA-linear" in r for r in fma_blocks.unsupported_reasons("interpret", m=8, d=8, dv=8,
+                                                                          coarse_kind="stats"))
+    assert any("dropout" in r for r in fma_blocks.unsupported_reasons("tpu", m=64, d=64, dv=64, dropout=0.1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_method_pallas_equals_xla_forward_and_vjp(causal):
+    """Spec §6 check 7: the core with impl='pallas' (interpret mode here) == impl='xla', value and VJP."""
+    n = 45
+    cfg = {"m": 8, "p": 2, "max_len": 64}
+
+    def mk(impl):
+        return attention.build("fma", ml_collections.ConfigDict({**cfg, "impl": impl}), num_heads=2, head_dim=8,
+                               value_dim=6, causal=causal, rngs=nnx.Rngs(0))
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k = (jax.random.normal(kk, (1, 2, n, 8)) for kk in ks[:2])
+    v = jax.random.normal(ks[2], (1, 2, n, 6))
+    w = jax.random.normal(ks[3], (1, 2, n, 6))
+    outs, grads = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for impl in ("xla", "pallas"):
+            core = mk(impl)
+            gd, params, rest = nnx.split(core, nnx.Param, ...)
+
+            def loss(params, q, k, v, gd=gd, rest=rest):
+                return jnp.sum(nnx.merge(gd, params, rest)(q, k, v)[0] * w)
+
+            outs.append(nnx.merge(gd, params, rest)(q, k, v)[0])
+            grads.append(jax.grad(loss, argnums=(0, 1, 2, 3))(params, q, k, v))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
