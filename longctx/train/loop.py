@@ -25,7 +25,7 @@ from longctx.data.prepare import prepare
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError
 from longctx.models.decoder import build_model
 from longctx.protocols import score_mlm_split, score_split
-from longctx.train import checkpoint, sharding
+from longctx.train import checkpoint, distributed, sharding
 from longctx.train.metrics import MetricsWriter, plot_losses
 from longctx.train.optim import make_optimizer
 from longctx.train.step import make_forward, make_mlm_forward, make_mlm_train_step, make_train_step, split_model
@@ -105,6 +105,8 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool = True, max_steps: int | None = None) -> dict:
     """Train per ``cfg`` in ``workdir`` (resuming from its newest valid checkpoint). Returns a summary."""
     workdir = Path(workdir)
+    distributed.initialize_from_env()
+    progress = progress and distributed.is_primary()
     cfg = config_lib.validate(cfg)  # once, before any data work
     if max_steps is not None and max_steps <= 0:
         raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
@@ -150,7 +152,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
                                                    skip_nonfinite=True, constrain=plan.constrain))
         fwd = jax.jit(make_forward(graphdef))
-    writer = MetricsWriter(workdir, resume_step=step)
+    writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
     base_key = jax.random.key(tc.seed)
     tokens_per_step = tc.batch_size * tc.window
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
@@ -233,7 +235,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
                 if crossed(prev, step, tc.eval_every) or step >= tc.steps:
                     last_valid = evaluate_now(step)["bits_per_token"]
                     bar.set_postfix_str(f"{bar.postfix}, valid bpt={last_valid:.3f}")
-                    plot_losses(workdir)
+                    if distributed.is_primary():
+                        plot_losses(workdir)
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
                     save(step)
                 if stop.signum is not None:
@@ -252,7 +255,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         close()
         raise
     close()
-    plot_losses(workdir)
+    if distributed.is_primary():
+        plot_losses(workdir)
     return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid}
 
 

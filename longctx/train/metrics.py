@@ -8,8 +8,13 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, workdir: Path, *, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, workdir: Path, *, resume_step: int = 0, tensorboard: bool = True, enabled: bool = True):
+        """``enabled=False`` (every process but 0 of a multi-host job): write nothing."""
+        self.enabled = enabled
         self.path = Path(workdir) / "metrics.jsonl"
+        self.file, self.tb = None, None
+        if not enabled:
+            return
         if self.path.exists():  # drop records past the resumed step, so the curve stays one run
             keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in keep))
@@ -24,6 +29,8 @@ class MetricsWriter:
                 self.tb = None
 
     def write(self, step: int, split: str, values: dict) -> None:
+        if not self.enabled:
+            return
         rec = {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}}
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
@@ -33,7 +40,8 @@ class MetricsWriter:
                     self.tb.add_scalar(f"{split}/{k}", float(v), step)
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
 
