@@ -11,7 +11,7 @@ from longctx.config import base_config
 from longctx.data import enwik8, sources
 from longctx.data.prepare import prepare
 from longctx.errors import DataError
-from longctx.evaluate import summarize
+from longctx.protocols import summarize
 
 
 def fixture_bytes(n=4000, seed=0):

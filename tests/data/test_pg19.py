@@ -13,7 +13,7 @@ from longctx.config import base_config
 from longctx.data import pg19, sources, spm, tokenizers
 from longctx.data.prepare import prepare
 from longctx.errors import ConfigError, DataError
-from longctx.evaluate import summarize
+from longctx.protocols import summarize
 
 WORDS = ("the of and to a in that was he it his is with as had for you be at on not her him said which "
          "but this have from by they all my she were so one an would there their what me no when if who "

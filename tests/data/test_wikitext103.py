@@ -10,7 +10,7 @@ from longctx.config import base_config
 from longctx.data import sources, tokenizers, wikitext103, wordvocab
 from longctx.data.prepare import prepare
 from longctx.errors import ConfigError, DataError
-from longctx.evaluate import summarize
+from longctx.protocols import summarize
 
 TRAIN = (
     " \n"

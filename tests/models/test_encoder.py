@@ -25,6 +25,8 @@ from tests.models.test_logical_axes import _unnamed
 
 ROOT = Path(__file__).resolve().parents[2]
 BIDIRECTIONAL = [n for n in attention.names() if attention.get_class(n).supports_bidirectional]
+# dense in the default run, every other method with -m slow (eager approximate cores are slow on CPU)
+BY_METHOD = [m if m == "dense" else pytest.param(m, marks=pytest.mark.slow) for m in BIDIRECTIONAL]
 
 
 def bidir_case(method):
@@ -64,7 +66,7 @@ def test_build_model_refuses_unknown_kind():
         build_model(c)
 
 
-@pytest.mark.parametrize("method", BIDIRECTIONAL)
+@pytest.mark.parametrize("method", BY_METHOD)
 def test_encoder_sees_the_whole_row(method):
     """Perturbing the last token changes the first position's output (the decoder's does not move)."""
     T = bidir_case(method).length
@@ -136,7 +138,7 @@ def test_important_reaches_blocks_that_take_it(monkeypatch):
                                   np.asarray(plain(jnp.ones((1, 10), jnp.int32))[0]))
 
 
-@pytest.mark.parametrize("method", BIDIRECTIONAL)
+@pytest.mark.parametrize("method", BY_METHOD)
 def test_every_encoder_variable_has_logical_axes(method):
     try:
         model = build_model(model_cfg(method), seed=0)
