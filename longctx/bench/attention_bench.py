@@ -78,7 +78,8 @@ def run(args) -> dict:
     dtype = C.dtype_of(args.dtype)
     budget = args.mem_budget_gb * C.GB
     torch, F = (None, None) if args.no_torch else _torch()
-    with_torch = torch is not None and (not requested or TORCH in requested or "dense" in requested)
+    with_torch = torch is not None and (not requested or TORCH in requested
+                                        or any(is_exact(r.split(":")[0]) for r in core_requested or ()))
 
     cells = []  # (method, label, overrides)
     for m in methods:

@@ -19,10 +19,17 @@ def has_checkpoint(workdir: str | Path) -> bool:
     return d.exists() and any(p.name.isdigit() for p in d.iterdir())
 
 
+def exact_method() -> str:
+    """The registered method that computes exact softmax attention (asked by capability)."""
+    from longctx import attention
+
+    return next(n for n in attention.names() if attention.get_class(n).exact)
+
+
 def tiny_dense_config(steps: int, sets: list[str] | None = None):
     """configs/default.py (dense attention) with ``steps`` steps, eval/checkpoint at the end only."""
     cfg = configs.default_config()
-    cfg.model.attention.name = "dense"
+    cfg.model.attention.name = exact_method()
     cfg.train.steps = steps
     cfg.train.warmup_steps = max(1, min(cfg.train.warmup_steps, steps // 10))
     cfg.train.eval_every = steps
