@@ -76,6 +76,9 @@ CASES = [
     Case("pg19 metadata.csv with a bad row", "train",
          (*T, "--config.data.source=pg19", "--config.data.tokenizer=bytes", "--config.data.path={tmp}/pg19"),
          r"metadata.csv line 1 has 2 fields"),
+    Case("pg19 metadata.csv not UTF-8", "train",
+         (*T, "--config.data.source=pg19", "--config.data.tokenizer=bytes", "--config.data.path={tmp}/pg19latin1"),
+         r"pg19: .*metadata.csv is not valid UTF-8 .*copy it again"),
     Case("wikitext103 folder without its files", "train",
          (*T, "--config.data.source=wikitext103", "--config.data.tokenizer=words", "--config.data.path={tmp}/nofiles"),
          r"wikitext103: missing"),
@@ -130,7 +133,8 @@ def make_context(root: Path) -> dict:
         train(cfg, root / "run", progress=False)
     shutil.copytree(root / "run", root / "other")
     tmp = root / "tmp"
-    for d in ("nofiles", "empty", "truncated", "pg19/train", "pg19/validation", "pg19/test"):
+    for d in ("nofiles", "empty", "truncated", *(f"{p}/{s}" for p in ("pg19", "pg19latin1")
+                                                  for s in ("train", "validation", "test"))):
         (tmp / d).mkdir(parents=True, exist_ok=True)
     (tmp / "empty" / "enwik8.zip").write_bytes(b"")
     import zipfile
@@ -139,6 +143,7 @@ def make_context(root: Path) -> dict:
         z.writestr("enwik8", bytes(range(256)) * 400)
     (tmp / "truncated" / "enwik8.zip").write_bytes((tmp / "full.zip").read_bytes()[:300])
     (tmp / "pg19" / "metadata.csv").write_text("123,Title\n")
+    (tmp / "pg19latin1" / "metadata.csv").write_bytes("123,Caf\xe9 au lait,1900,http://x\n".encode("latin-1"))
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "a.txt").write_text("a")
     return {"cfg": str(cfg_file), "run": str(root / "run"), "other": str(root / "other"), "tmp": str(tmp)}
@@ -182,6 +187,10 @@ def test_bad_input_is_one_line_and_exit_2(case, ctx):
     assert re.search(case.expect, line), line
     if case.cmd == "sample":
         assert not (Path(ctx["run"]) / "samples").exists()  # nothing written
+    # the docs/errors.md row is the one generated from this message (no row edited by hand)
+    row = doc_row(case, err, ctx)
+    doc = (ROOT / "docs" / "errors.md").read_text().splitlines()
+    assert row in doc, f"regenerate docs/errors.md (python -m tests.test_bad_inputs > docs/errors.md): {row}"
 
 
 def test_errors_doc_lists_every_case():
@@ -199,6 +208,13 @@ def command_line(case: Case) -> str:
     return f"longctx-{case.cmd} {args}".replace("|", "\\|")
 
 
+def doc_row(case: Case, stderr: str, ctx: dict) -> str:
+    line = (error_line(stderr) or "(no single error line)").removeprefix("error: ")
+    for key, value in ctx.items():
+        line = line.replace(str(Path(value).resolve()), PLACEHOLDERS[key]).replace(value, PLACEHOLDERS[key])
+    return f"| {case.id} | `{command_line(case)}` | {line.replace('|', '/')} |"
+
+
 def generate_doc() -> str:
     import tempfile
 
@@ -207,15 +223,13 @@ def generate_doc() -> str:
         rows = []
         for case in CASES:
             _, err = run_case(case, ctx)
-            line = (error_line(err) or "(no single error line)").removeprefix("error: ")
-            for key, value in ctx.items():
-                line = line.replace(str(Path(value).resolve()), PLACEHOLDERS[key]).replace(value, PLACEHOLDERS[key])
-            rows.append(f"| {case.id} | `{command_line(case)}` | {line.replace('|', '/')} |")
+            rows.append(doc_row(case, err, ctx))
     head = ("# Errors\n\nEvery bad input is answered with one line on stderr (`error: ...`, what is wrong and what is\n"
             "allowed) and exit status 2, never a traceback. This table is generated from the cases of\n"
             "`tests/test_bad_inputs.py` (`.venv/bin/python -m tests.test_bad_inputs > docs/errors.md`), which\n"
             "checks each of them. `tiny.py` is a tiny config, `runs/tiny` a trained run, `/tmp/x` a folder of\n"
-            "bad files (an empty or truncated `enwik8.zip`, a `metadata.csv` with a bad row, a Latin-1 prompt).\n\n"
+            "bad files (an empty or truncated `enwik8.zip`, a `metadata.csv` with a bad row or in Latin-1, a\n"
+            "Latin-1 prompt).\n\n"
             "| case | command | message |\n|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 

@@ -166,7 +166,10 @@ class DenseAttention(AttentionCore):
     def contract_cases(cls):
         return {
             "naive": ContractCase(cfg={"impl": "naive"}, length=40),
-            "blockwise": ContractCase(cfg={"impl": "blockwise", "block_q": 8, "block_k": 8}, length=40),
+            "blockwise": ContractCase(cfg={"impl": "blockwise", "block_q": 8, "block_k": 8}, length=40,
+                                      directions=("causal",)),
+            "blockwise_bidirectional": ContractCase(cfg={"impl": "blockwise", "block_q": 8, "block_k": 8}, length=40,
+                                                    directions=("bidirectional",), slow=True),
         }
 
     def _attend(self, q, k, v, q_pos, k_pos, k_valid):

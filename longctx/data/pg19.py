@@ -50,7 +50,11 @@ WHERE = ("PG-19 is published by DeepMind in the public bucket gs://deepmind-gute
 def read_metadata(path: Path) -> dict[int, tuple[str, str, str]]:
     if not path.is_file():
         raise DataError(f"pg19: expected {path} (no header, 4 fields per row). {WHERE}")
-    text = path.read_bytes().decode("utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"pg19: {path} is not valid UTF-8 ({e.reason} at byte {e.start}); expected the bucket's "
+                        f"UTF-8 metadata.csv (no header, 4 fields per row): copy it again. {WHERE}") from None
     out = {}
     for lineno, row in enumerate(csv.reader(io.StringIO(text)), 1):
         if not row:

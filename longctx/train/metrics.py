@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -16,8 +17,11 @@ class MetricsWriter:
         if not enabled:
             return
         if self.path.exists():  # drop records past the resumed step, so the curve stays one run
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in keep))
+            keep = [line for line in self.path.read_text().splitlines() if (_parse(line) or {}).get("step", 1e18) <= resume_step]
+            # written aside and renamed, so a kill (or a full disk) during the rewrite keeps the history
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, self.path)
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
@@ -46,11 +50,19 @@ class MetricsWriter:
             self.tb.close()
 
 
+def _parse(line: str) -> dict | None:
+    """One record, or None for a line cut short (a kill or a full disk while it was written)."""
+    try:
+        return json.loads(line) if line else None
+    except json.JSONDecodeError:
+        return None
+
+
 def read_metrics(workdir: Path) -> list[dict]:
     path = Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [rec for rec in map(_parse, path.read_text().splitlines()) if rec is not None]
 
 
 def plot_losses(workdir: Path, *, key: str = "bits_per_token") -> Path | None:
