@@ -29,7 +29,7 @@ class MetricsWriter:
                 from tensorboardX import SummaryWriter
 
                 self.tb = SummaryWriter(str(Path(workdir) / "tb"))
-            except ImportError:
+            except Exception:  # noqa: BLE001 -- a broken optional install (e.g. torch) must not stop training
                 self.tb = None
 
     def write(self, step: int, split: str, values: dict) -> None:
