@@ -48,7 +48,7 @@ def add_args(p):
     p.add_argument("--baselines", default="performer,reformer_lsh",
                    help="benchmark-only bidirectional baselines (longctx/bench/baselines.py); '' for none")
     p.add_argument("--budget", type=int, default=128,
-                   help="baselines: keys / random features per query (kdeformer's default b + m = 32 + 96)")
+                   help="baselines: keys / random features per query (compare methods configured at the same budget)")
 
 
 def rel_err(a, b) -> float:

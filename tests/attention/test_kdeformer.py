@@ -209,9 +209,10 @@ def _brute_heavy(hk, hq, i, L, bh):
     return set(same[-bh:]) if bh > 0 else set()
 
 
-def test_causal_partition_and_heavy_sets_by_one_hot_values():
+@pytest.mark.parametrize("heavy_impl", ["scores", "gather"])
+def test_causal_partition_and_heavy_sets_by_one_hot_values(heavy_impl):
     N, c, bh, m = 64, 8, 3, 8
-    opts = copts(chunk_size=c, heavy_capacity=bh, num_projs=2, num_samples=m)
+    opts = copts(chunk_size=c, heavy_capacity=bh, num_projs=2, num_samples=m, heavy_impl=heavy_impl)
     q, k, _ = qkv(N, seed=4, b=1, h=1)
     v = jnp.eye(N)[None, None]
     W = kd.draw_projections(jax.random.PRNGKey(7), 1, 1, D, 2)
