@@ -3,7 +3,8 @@
 at several lengths, on
 
 (a) ``gaussian``: standard-normal q, k, v;
-(b) ``captured``: q, k, v of layer ``--layer`` of a dense model trained on the built-in corpus
+(b) ``captured``: q, k, v of layer ``--layer`` of a model trained on the built-in corpus (by default a
+    tiny exact-attention model, trained here if ``--workdir`` holds no checkpoint)
     (``--workdir``; a tiny run of configs/default.py with ``--train_steps`` steps is trained there
     first if it holds no checkpoint), on consecutive validation tokens.
 
@@ -94,8 +95,9 @@ def run(args) -> dict:
         mc = cap.cfg.model
         info.update({"step": cap.step, "layer": args.layer, "heads": mc.num_heads, "head_dim": mc.head_dim,
                      "d_model": mc.d_model, "num_layers": mc.num_layers, "valid_tokens": int(len(cap.tokens)),
-                     "fit_offset": maxT, "note": "q/k/v of validation tokens [0, T); transformer_vq codebooks are "
-                     "fitted on the keys of tokens [maxT, maxT + T)"})
+                     "fit_offset": maxT, "attention": mc.attention.name, "block": mc.block,
+                     "note": "q/k/v of validation tokens [0, T); drop-in setups that fit state (e.g. codebooks) use "
+                     "the keys of tokens [maxT, maxT + T)"})
         res["sources"]["captured"] = info
 
         def cap_fn(T):
@@ -197,7 +199,8 @@ def markdown(res: dict) -> str:
             parts.append(f"- gaussian: standard-normal q, k, v, batch {info['batch']}, heads {info['heads']}, "
                          f"head_dim {info['head_dim']}.\n")
         else:
-            parts.append(f"- captured: layer {info['layer']} of a dense model (d_model {info['d_model']}, "
+            parts.append(f"- captured: layer {info['layer']} of a model with `{info.get('attention', '?')}` attention "
+                         f"(`{info.get('block', '?')}` blocks, d_model {info['d_model']}, "
                          f"{info['num_layers']} layers, {info['heads']} heads × {info['head_dim']}) trained "
                          f"{info['step']} steps on the built-in corpus (`{info['workdir']}`); {info['note']}.\n")
     settings = {}
