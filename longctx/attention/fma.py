@@ -199,6 +199,33 @@ def level_summaries(x, prm, ml: int, opts: FMAOptions):
     return summarize(_pad_to(x, ml), prm, ml, opts)
 
 
+def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
+    """``[level_summaries(x, prms[l-1], m_l, opts) for l = 1..Lu]``, computed faster.
+
+    For the paper's operator (depthwise, weights shared across heads) the features go to the front
+    once, ``[f, B H, n_pad]``, and each level is one batched matmul over f, ``[B H N_l, m_l] @ [m_l,
+    p]``, reading the sequence in its stored order. The per-level einsum with the features last
+    made XLA:CPU transpose the whole sequence for every level, which dominated the forward from
+    32k tokens on (measured: 1.10 s -> 0.73 s forward, 2.14 s -> 0.83 s gradient, 8 levels at
+    32k). Other operators keep the per-level path."""
+    if Lu == 0:
+        return []
+    if opts.downsample != "depthwise_conv" or not opts.shared:
+        return [level_summaries(x, prms[l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
+    B, H, n, f = x.shape
+    top = opts.m_l(Lu)
+    xt = jnp.moveaxis(_pad_to(x, top), -1, 0).reshape(f, B * H, -1)  # [f, BH, n_pad]
+    n_pad = xt.shape[-1]
+    out = []
+    for l in range(1, Lu + 1):
+        ml, prm = opts.m_l(l), prms[l - 1]
+        W = jnp.moveaxis(prm["kernel"], 1, 0).astype(xt.dtype)  # [f, ml, p]
+        y = jax.lax.dot_general(xt.reshape(f, B * H * (n_pad // ml), ml), W, (((2,), (1,)), ((0,), (0,))))
+        y = jnp.moveaxis(y, 0, -1).reshape(B, H, n_pad // ml, opts.p, f)[:, :, : -(-n // ml)]
+        out.append(y + _bias_rows(prm, opts))
+    return out
+
+
 def _lagged(qh):
     """Query summaries of group a-1 at group a (zeros at a = 0): the leak-free causal FMA-linear rows."""
     return jnp.pad(qh, ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))[:, :, :-1]
@@ -302,8 +329,8 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=None):
     back = n_pad - n + (0 if opts.causal else m)
     kp = jnp.pad(kf, ((0, 0), (0, 0), (m, back), (0, 0)))
     vp = jnp.pad(vf, ((0, 0), (0, 0), (m, back), (0, 0)))
-    kh = [level_summaries(kf, ds["k"][l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
-    vh = [level_summaries(vf, ds["v"][l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
+    kh = all_level_summaries(kf, ds["k"], Lu, opts)
+    vh = all_level_summaries(vf, ds["v"], Lu, opts)
     coarse = None
     if Lu > 0 and not opts.linear:
         n_groups = [x.shape[2] for x in kh]
@@ -315,7 +342,7 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=None):
                                  n_groups=n_groups, n_rows=int(offsets[-1]))
         coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
     elif Lu > 0:
-        qh = [level_summaries(qf, ds["q"][l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
+        qh = all_level_summaries(qf, ds["q"], Lu, opts)
         coarse = _to_blocks(linear_coarse_full(qf, kh, vh, qh, n_pad, Lu, drop_key, opts), nb, m)
     out = attend(qb, kp, vp, coarse, q_block0=0, n_valid=n, causal=opts.causal, drop_key=drop_key,
                  attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)

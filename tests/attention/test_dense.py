@@ -124,6 +124,7 @@ def test_blockwise_gradients_equal_naive_and_finite():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_blockwise_runs_65536_token_forward():
     T = 65536
     q, k, v = rand_qkv(T, B=1, H=1, D=16, seed=1)

@@ -192,6 +192,7 @@ LEAK_CFG = dict(window_size=16, chunk_size=4)
 TRAIN = dict(deterministic=False, key=jax.random.PRNGKey(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap,train", [(False, False), (True, True)])
 def test_no_future_leak_perturbation(overlap, train):
     core = make(overlap_window=overlap, **LEAK_CFG)
@@ -219,6 +220,7 @@ def test_prefix_forward_equals_prefix_of_full():
         assert maxdiff(pre, full_train[:, :, :n]) < 1e-5, n
 
 
+@pytest.mark.slow
 def test_no_future_leak_jacobian():
     L, Dm = 24, 8
     core = make(window_size=8, chunk_size=2, overlap_window=True)
@@ -241,7 +243,7 @@ def test_no_future_leak_jacobian():
 # --------------------------------------------------------------------------- streaming law / §6.7
 
 
-@pytest.mark.parametrize("overlap,train", [(False, False), (True, True)])
+@pytest.mark.parametrize("overlap,train", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)])
 def test_streamed_in_chunks_equals_full(overlap, train):
     L = 45
     core = make(overlap_window=overlap, **LEAK_CFG)
@@ -257,7 +259,7 @@ def test_streamed_in_chunks_equals_full(overlap, train):
     assert int(state["pos"]) == L
 
 
-@pytest.mark.parametrize("overlap,train", [(False, False), (True, True)])
+@pytest.mark.parametrize("overlap,train", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)])
 def test_token_by_token_decoding_equals_full(overlap, train):
     """Prefill t0 tokens, then decode one token at a time to T (T not a multiple of W or P)."""
     T, W, P = 27, 8, 4
@@ -311,6 +313,7 @@ def test_exact_lse_streams_too():
         (False, dict(window_size=16, num_chunks=4), 37, 1.0, jnp.float32, False),
     ],
 )
+@pytest.mark.slow
 def test_gradients_finite(causal, cfg, L, scale, dtype, train):
     core = make(causal, **cfg)
     q, k, v = (x.astype(dtype) for x in qkv(L, seed=10, scale=scale))
@@ -394,6 +397,7 @@ def test_config_validation():
             attention.validate("eva", cfg, causal=causal)
 
 
+@pytest.mark.slow
 def test_long_forward_65k():
     L = 65_536
     core = attention.build("eva", dict(window_size=128, chunk_size=32), num_heads=1, head_dim=16, causal=True,

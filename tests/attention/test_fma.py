@@ -119,7 +119,8 @@ def test_fma_linear_joint_is_exact_on_piecewise_constant_qkv():
 
 
 # ----------------------------------------------------------------------------- 4. blocked == dense reference
-SWEEP = [(64, 8, 2), (128, 8, 4), (256, 16, 4), (128, 4, 1), (1024, 64, 4)]
+SWEEP = [(64, 8, 2), pytest.param(128, 8, 4, marks=pytest.mark.slow), (256, 16, 4),
+         pytest.param(128, 4, 1, marks=pytest.mark.slow), (1024, 64, 4)]
 
 
 @pytest.mark.parametrize("n,m,p", SWEEP)
@@ -139,7 +140,7 @@ def test_blocked_equals_dense_reference(n, m, p, causal):
     ("fma", {"logit_budget": 2000}),  # query blocks in several lax.map groups
 ])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("n", [64, 45])
+@pytest.mark.parametrize("n", [64, pytest.param(45, marks=pytest.mark.slow)])
 def test_blocked_equals_dense_reference_variants(name, cfg, causal, n):
     q, k, v = qkv(n, dv=6, seed=7)
     core = randomize_params(build(name, causal, dv=6, **cfg))
@@ -162,6 +163,7 @@ def _leak(core, n=56, t0=40):
     return same, zero_above, nonzero_below
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fma", "fma_linear"])
 def test_no_future_leak(name):
     same, zero_above, nonzero_below = _leak(randomize_params(build(name, True)))
@@ -206,7 +208,8 @@ def test_gradients_finite_with_masked_segments_and_large_logits(name, causal):
         assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads[0]))
 
 
-@pytest.mark.parametrize("name,causal", [("fma", True), ("fma", False), ("fma_linear", True)])
+@pytest.mark.parametrize("name,causal", [("fma", True), pytest.param("fma", False, marks=pytest.mark.slow),
+                                         pytest.param("fma_linear", True, marks=pytest.mark.slow)])
 def test_gradients_match_finite_differences_f64(name, causal):
     from jax.test_util import check_grads
 
@@ -223,7 +226,7 @@ def test_gradients_match_finite_differences_f64(name, causal):
 
 
 # ----------------------------------------------------------------------------- 8. decode == forward
-@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+@pytest.mark.parametrize("name", ["fma", pytest.param("fma_linear", marks=pytest.mark.slow)])
 def test_prefill_then_decode_equals_forward(name):
     core = randomize_params(build(name, True))
     n, n_prompt = 61, 23  # prompt not a multiple of m
@@ -254,6 +257,7 @@ def test_state_is_bounded_and_past_max_len_needs_truncation():
         core(q[:, :, 60:], k[:, :, 60:], v[:, :, 60:], st)
 
 
+@pytest.mark.slow
 def test_truncated_window_streams_past_max_len():
     core = randomize_params(build("fma", True, allow_truncated_window=True))
     n = 150
@@ -269,7 +273,7 @@ def test_truncated_window_streams_past_max_len():
 
 
 # ----------------------------------------------------------------------------- 9. shapes and params
-@pytest.mark.parametrize("name", ["fma", "fma_linear"])
+@pytest.mark.parametrize("name", ["fma", pytest.param("fma_linear", marks=pytest.mark.slow)])
 def test_parameter_shapes_and_output_shape(name):
     d, dv, m, p, n = 8, 6, 4, 2, 64
     core = build(name, True, d=d, dv=dv, m=m, p=p, max_len=n)

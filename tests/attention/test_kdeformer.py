@@ -134,7 +134,7 @@ def test_lsh_collision_rate_matches_angle_formula(theta):
 # --------------------------------------------------------------------------- §6.3 exact limits
 
 
-@pytest.mark.parametrize("L", [64, 45])
+@pytest.mark.parametrize("L", [64, pytest.param(45, marks=pytest.mark.slow)])
 def test_bidirectional_exact_limits(L):
     q, k, v = qkv(L)
     ref = dense(q, k, v, False)
@@ -151,7 +151,7 @@ def test_bidirectional_exact_limits(L):
     assert maxdiff(out, ref) > 1e-2
 
 
-@pytest.mark.parametrize("L", [64, 45])
+@pytest.mark.parametrize("L", [64, pytest.param(45, marks=pytest.mark.slow)])
 def test_causal_exact_limits(L):
     q, k, v = qkv(L)
     ref = dense(q, k, v, True)
@@ -209,7 +209,7 @@ def _brute_heavy(hk, hq, i, L, bh):
     return set(same[-bh:]) if bh > 0 else set()
 
 
-@pytest.mark.parametrize("heavy_impl", ["scores", "gather"])
+@pytest.mark.parametrize("heavy_impl", ["scores", pytest.param("gather", marks=pytest.mark.slow)])
 def test_causal_partition_and_heavy_sets_by_one_hot_values(heavy_impl):
     N, c, bh, m = 64, 8, 3, 8
     opts = copts(chunk_size=c, heavy_capacity=bh, num_projs=2, num_samples=m, heavy_impl=heavy_impl)
@@ -409,6 +409,7 @@ def test_error_decreases_like_inverse_sqrt_samples():
 # --------------------------------------------------------------------------- §6.8 no leak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["uniform", "ref"])
 def test_causal_no_future_leak(sampling):
     L, t = 64, 37
@@ -439,6 +440,7 @@ def test_causal_no_future_leak(sampling):
 # --------------------------------------------------------------------------- §6.9 decode == full
 
 
+@pytest.mark.slow
 def test_decode_token_by_token_equals_full_forward():
     N = 512
     cc = {"chunk_size": 64, "local_chunks": 2, "heavy_capacity": 16, "num_projs": 4, "num_samples": 32,
@@ -464,6 +466,7 @@ def test_decode_token_by_token_equals_full_forward():
     assert maxdiff(full, dense(q, k, v, True)) > 1e-2  # the approximation is active
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["uniform", "ref"])
 def test_streaming_in_uneven_chunks_equals_full(sampling):
     core = make(True, causal=dict(SMALL, sampling=sampling))
@@ -481,6 +484,7 @@ def test_streaming_in_uneven_chunks_equals_full(sampling):
         assert int(state["length"]) == 64
 
 
+@pytest.mark.slow
 def test_model_level_decode_equals_full():
     from longctx.config import base_config
     from longctx.models.decoder import build_model
@@ -502,6 +506,7 @@ def test_model_level_decode_equals_full():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_capacity_overflow_raises_eagerly_and_under_jit():
     core = make(True, causal=SMALL)
     q, k, v = qkv(24, seed=29)
@@ -519,6 +524,7 @@ def test_capacity_overflow_raises_eagerly_and_under_jit():
 # --------------------------------------------------------------------------- §6.10 gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gradients_finite_with_large_logits(is_causal, dtype):
@@ -537,6 +543,7 @@ def test_gradients_finite_with_large_logits(is_causal, dtype):
         assert float(jnp.max(jnp.abs(gr.astype(jnp.float32)))) > 0
 
 
+@pytest.mark.slow
 def test_gradients_with_the_plan_frozen_pass_check_grads():
     from jax.test_util import check_grads
 
@@ -553,7 +560,7 @@ def test_gradients_with_the_plan_frozen_pass_check_grads():
                     modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("sampling", ["ref", "uniform"])
+@pytest.mark.parametrize("sampling", [pytest.param("ref", marks=pytest.mark.slow), "uniform"])
 def test_gradient_does_not_flow_through_the_plan(sampling):
     """The full forward's gradient equals that of `apply` with the plan held fixed: p (which depends
     on v for 'ref'), the permutations and the samples are stop_gradient."""

@@ -120,7 +120,7 @@ def max_err(a, b):
 
 
 # ---------------------------------------------------------------------- check 1: lossless codebook
-@pytest.mark.parametrize("dtype,atol", [(jnp.float64, 1e-10), (jnp.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,atol", [(jnp.float64, 1e-10), pytest.param(jnp.float32, 1e-5, marks=pytest.mark.slow)])
 def test_lossless_codebook_equals_dense(x64, dtype, atol):
     B, H, T, Dk, M = 2, 2, 12, 4, 3
     key = jax.random.PRNGKey(3)
@@ -205,6 +205,7 @@ def test_reductions_agree(x64):
     assert max_err(o, ref) < 1e-10
 
 
+@pytest.mark.slow
 def test_ragged_length_and_carried_state(x64):
     d = make_inputs(T=10, M=3)
     q_u, _, bd = derived(d)
@@ -243,6 +244,7 @@ def test_stream_equals_quadratic_full_sweep(x64):
 # ---------------------------------------------------------------------- check 4: no future leak
 @pytest.mark.parametrize("over", [dict(reduction="serial"), dict(reduction="matmul"), dict(reduction="assoc"),
                                   dict(form="stream"), dict(form="stream", block_len=3, mem_len=5)])
+@pytest.mark.slow
 def test_no_future_leak(over):
     core = small_core(**over)
     q, k, v = qkv(T=12)
@@ -304,6 +306,7 @@ def test_cache_carry_pure_functions(x64):
     _assert_states_close(s2, st_full, 1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over", [dict(), dict(mem_len=2), dict(mem_len=6, form="stream")])
 def test_core_any_split_and_decode(over):
     core = small_core(**over)
@@ -542,6 +545,7 @@ def test_config_validation(over, causal):
         attention.validate("transformer_vq", cfg, causal=causal)
 
 
+@pytest.mark.slow
 def test_long_forward_65536():  # ~5 s on CPU
     cfg = attention.default_config("transformer_vq")
     cfg.update(dict(codebook_size=64, block_len=128))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from longctx.attention.dense import naive_attention
 from longctx.bench import baselines as bl
@@ -26,6 +27,7 @@ def test_orthogonal_features_blocks_are_orthogonal():
     np.testing.assert_allclose(g - np.diag(np.diag(g)), 0.0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_performer_error_shrinks_with_features():
     q, k, v = _qkv(64)
     q, k, v = 0.5 * q, 0.5 * k, 1.0 + v  # mean-one values: ‖Att‖_op is not tiny

@@ -94,9 +94,9 @@ def test_core_impl_pallas_on_cpu_warns_and_matches_xla():
     key = jax.random.PRNGKey(2)
     ref = mk("xla")(q, k, v, deterministic=False, key=key)[0]
     core = mk("pallas")
+    call = jax.jit(lambda q, k, v, s: core(q, k, v, s, deterministic=False, key=key))  # warns while tracing
     with pytest.warns(UserWarning, match="interpret"):
-        out, state = core(q[:, :, :13], k[:, :, :13], v[:, :, :13], core.init_state(B, 21), deterministic=False,
-                          key=key)
+        out, state = call(q[:, :, :13], k[:, :, :13], v[:, :, :13], core.init_state(B, 21))
     with pytest.warns(UserWarning, match="interpret"):
-        out2, _ = core(q[:, :, 13:], k[:, :, 13:], v[:, :, 13:], state, deterministic=False, key=key)
+        out2, _ = call(q[:, :, 13:], k[:, :, 13:], v[:, :, 13:], state)
     assert float(jnp.max(jnp.abs(jnp.concatenate([out, out2], 2) - ref))) < 1e-5

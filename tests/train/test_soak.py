@@ -14,7 +14,8 @@ same command again after each kill until the run completes. Then:
 * the work redone per kill (steps whose loss had been logged before the kill and were computed
   again after it) is the work since the newest committed checkpoint: at most one checkpoint
   interval, plus, when the kill cut an async save, the steps trained while that save was being
-  written (at most one more interval: the next save waits for it); a SIGTERM redoes nothing (the
+  written (at most one more interval: the next save waits for it; with ``async_checkpoints=False``
+  the bound is one interval, checked by a second slow run); a SIGTERM redoes nothing (the
   run stops at a step boundary with a checkpoint there). The restart after the truncation also
   redoes the truncated checkpoint's interval.
 
@@ -128,11 +129,11 @@ def _plan(rng: random.Random, n_kills: int) -> tuple[list[tuple[int, str]], int]
 
 
 def soak(root: Path, *, steps: int, ckpt_every: int, eval_every: int, n_kills: int, seed: int,
-         timeout: float = 600) -> dict:
+         async_checkpoints: bool = True, timeout: float = 600) -> dict:
     rng = random.Random(seed)
     corpus = write_corpus(root / "corpus")
     cfg = tiny_config(corpus, root / "cache", steps=steps, ckpt_every=ckpt_every, eval_every=eval_every,
-                      async_checkpoints=True, keep_checkpoints=3)
+                      async_checkpoints=async_checkpoints, keep_checkpoints=3)
     cfg_file = write_cfg(root / "cfg.py", cfg)
     env = _env(root / "jax_cache")
     logs = root / "logs"
@@ -211,7 +212,7 @@ def soak(root: Path, *, steps: int, ckpt_every: int, eval_every: int, n_kills: i
             assert not warned, (kill, err[-3000:])  # a committed checkpoint was never found half-written
         assert "Traceback" not in err, err[-3000:]
     return {"cfg": cfg, "ref": root / "ref", "run": wd, "kills": kills, "plan": plan, "steps": steps,
-            "ckpt_every": ckpt_every}
+            "ckpt_every": ckpt_every, "async_checkpoints": async_checkpoints}
 
 
 def _restore_final(workdir: Path):
@@ -263,12 +264,15 @@ def check_and_report(res: dict, *, min_kills: int) -> dict:
             k["in_flight"] = max(0, last - first_save)
             assert k["in_flight"] <= every, k
         assert last - c <= every + k["in_flight"], k
+        if not res["async_checkpoints"]:
+            assert k["in_flight"] == 0 and last - c <= every, k  # synchronous saves: one interval at most
         extra = c - k["resumed"] if k["corrupted"] is not None else 0  # the truncated checkpoint's work
         assert k["redone"] == last - c + extra, k
 
     by_signal = {s: sum(k["signal"] == s for k in kills) for s in ("SIGKILL", "SIGTERM")}
     counts = {
         "steps": steps,
+        "async_checkpoints": res["async_checkpoints"],
         "ckpt_every": every,
         "kills": len(kills),
         "kills_by_signal": by_signal,
@@ -303,6 +307,15 @@ def test_soak_1000_steps(tmp_path):
     res = soak(tmp_path, steps=1000, ckpt_every=20, eval_every=250, n_kills=12, seed=1)
     counts = check_and_report(res, min_kills=10)
     assert counts["sigkills_that_cut_a_save"] >= 2, counts
+
+
+@pytest.mark.slow
+def test_soak_1000_steps_synchronous_saves(tmp_path):
+    """With ``train.async_checkpoints=False`` the save commits before training goes on, so a kill
+    redoes at most one checkpoint interval (the async default can redo up to two: see above)."""
+    res = soak(tmp_path, steps=1000, ckpt_every=20, eval_every=250, n_kills=12, seed=2, async_checkpoints=False)
+    counts = check_and_report(res, min_kills=10)
+    assert counts["sigkills_that_cut_a_save"] >= 1, counts
 
 
 def test_loss_history_survives_a_failure_while_it_is_rewritten_on_resume(tmp_path, monkeypatch):
