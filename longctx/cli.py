@@ -5,6 +5,8 @@
     longctx-eval    --workdir=runs/mine --split=test --config.eval.protocol=sliding
     longctx-sample  --workdir=runs/mine --prompt="def " --num_tokens=400 [--config.sample.top_k=40]
     longctx-fill    --workdir=runs/mlm --text="def f(x):\\n    return ____"   (encoder runs)
+    longctx-recall  --workdir=runs/recall/dense [--task=passkey --length=1024]   (recall by distance)
+    longctx-recall-report --runs=runs/recall/dense,runs/recall/eva --out=bench_out/recall
 
 ``train`` and ``prepare`` read a config file (``--config=FILE``, then ``--config.KEY=VALUE``
 overrides); ``eval`` and ``sample`` read the config saved with the run's checkpoint and take
@@ -292,4 +294,51 @@ def fill_main(argv=None) -> int:
 
         fill_run(fv.workdir, text, step=fv.step, mask_char=fv.mask_char, mask_spans=fv.mask_spans,
                  per_pass=fv.per_pass, escapes=fv.escapes and fv.text is not None)
+    return 0
+
+
+def recall_main(argv=None) -> int:
+    """``longctx-recall``: accuracy and answer loss by distance on a generated recall task."""
+    from absl import flags
+
+    def define(fv):
+        flags.DEFINE_string("task", None, "generated task: mqar, passkey or copy (default: the task the run was "
+                            "trained on, else passkey)", flag_values=fv)
+        flags.DEFINE_integer("length", None, "tokens per evaluation row (default: train.seq_len); longer rows "
+                             "probe distances beyond the training length", flag_values=fv)
+        flags.DEFINE_integer("rows", None, "evaluation rows (= --config.data.synthetic.eval_rows)", flag_values=fv)
+        flags.DEFINE_integer("bins", None, "distance bins (= --config.data.synthetic.bins)", flag_values=fv)
+        flags.DEFINE_integer("step", None, "checkpoint step (default: the newest valid one)", flag_values=fv)
+        flags.DEFINE_string("out", None, "folder for the JSON and the plot (default: WORKDIR/recall)", flag_values=fv)
+
+    with user_errors():
+        fv, overrides = parse(argv, "longctx-recall", config="run", define=define)
+        from longctx.recall import recall_run
+
+        recall_run(fv.workdir, task=fv.task, length=fv.length, rows=fv.rows, bins=fv.bins, step=fv.step,
+                   overrides=overrides, progress=fv.progress, out=fv.out)
+    return 0
+
+
+def recall_report_main(argv=None) -> int:
+    """``longctx-recall-report``: one markdown table and one plot from several runs' recall results."""
+    from absl import flags
+
+    def define(fv):
+        flags.DEFINE_list("runs", None, "run directories, comma-separated", flag_values=fv)
+        flags.DEFINE_string("out", "bench_out/recall", "folder for recall.md, recall.json and recall.png",
+                            flag_values=fv)
+        flags.DEFINE_string("task", None, "use each run's newest result for this task", flag_values=fv)
+        flags.DEFINE_integer("length", None, "... and this row length", flag_values=fv)
+        flags.DEFINE_string("title", "", "heading of the table and the plot", flag_values=fv)
+
+    with user_errors():
+        fv, overrides = parse(argv, "longctx-recall-report", config="run", define=define, require_workdir=False)
+        if overrides:
+            raise ConfigError("longctx-recall-report takes no --config.* overrides")
+        if not fv.runs:
+            raise ConfigError("--runs is required: the run directories to tabulate, comma-separated")
+        from longctx.recall import report
+
+        report(fv.runs, fv.out, task=fv.task, length=fv.length, title=fv.title)
     return 0

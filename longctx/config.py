@@ -31,6 +31,21 @@ def base_config() -> ml_collections.ConfigDict:
         "tfds": False,  # pg19: read through tensorflow_datasets' pg19 builder
         "spm_max_chars": 1_000_000_000,  # sentencepiece: train on the first N characters of train
     })
+    # generated recall tasks (data.source = 'mqar' | 'passkey' | 'copy'; longctx/data/synthetic.py)
+    c.data.synthetic = ml_collections.ConfigDict({
+        "num_pairs": 16,  # mqar: key-value pairs opening each row
+        "num_queries": 0,  # mqar: keys queried later in the row (0 -> num_pairs); each at most once
+        "num_keys": 64,  # mqar: key ids [0, num_keys)
+        "num_values": 64,  # mqar: value ids num_keys + [0, num_values); the ids above are filler
+        "fused_pairs": False,  # mqar: each pair is one token (id key * num_values + value, ids below the keys')
+        "passkey_len": 5,  # passkey: digits of the pass key
+        "copy_len": 8,  # copy: tokens of the segment to repeat
+        "copy_vocab": 64,  # copy: segment ids [0, copy_vocab); filler ids above; 255 marks the copy
+        "distance": (0, 0),  # passkey / copy: answer distances drawn in [lo, hi] (0 -> shortest / longest that fits)
+        "eval_rows": 256,  # evaluation: rows scored (seed eval_seed, step 0, row i; spread over the bins)
+        "eval_seed": 4321,
+        "bins": 8,  # evaluation: distance bins
+    })
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "decoder"  # 'decoder' (causal LM) | 'encoder' (masked LM, bidirectional blocks; see the mlm section)
@@ -64,6 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.batch_size = 16
     c.train.seq_len = 256
     c.train.window = 0  # 0 -> seq_len (plain full-sequence training)
+    # staged training (Shortformer-style length curriculum): the first short_steps updates use rows of
+    # short_seq_len tokens, the rest rows of seq_len; 0 = off. Needs full-row training (window = seq_len).
+    c.train.short_steps = 0
+    c.train.short_seq_len = 0
     c.train.lr = 3e-3
     c.train.warmup_steps = 100
     c.train.min_lr_ratio = 0.1
@@ -211,6 +230,18 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     if m.kind == "encoder":
         _check_encoder(c)
+    if sources.is_generated(c.data.source):
+        if m.kind == "encoder":
+            raise ConfigError(f"data.source={c.data.source!r} is a causal recall task; it needs model.kind='decoder'")
+        if c.data.tokenizer != "bytes":
+            raise ConfigError(f"data.source={c.data.source!r} generates byte ids; set data.tokenizer='bytes'")
+        syn = c.data.synthetic
+        if len(syn.distance) != 2 or min(syn.distance) < 0:
+            raise ConfigError(f"data.synthetic.distance={tuple(syn.distance)} must be (lo, hi) with 0 meaning "
+                              "the shortest / longest distance that fits")
+        if syn.eval_rows <= 0 or syn.bins <= 0:
+            raise ConfigError("data.synthetic.eval_rows and data.synthetic.bins must be positive integers")
+        sources.build(c.data).check(t.seq_len)  # the task's settings fit rows of seq_len tokens
 
     name = m.attention.name
     if name not in attention.names():
@@ -242,6 +273,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(
             f"train.steps={t.steps} counts optimizer updates and must be a multiple of seq_len/window={n_windows}"
         )
+    if t.short_steps:
+        if t.short_steps < 0 or t.short_steps >= t.steps:
+            raise ConfigError(f"train.short_steps={t.short_steps} must be in [0, train.steps={t.steps}) (0 = off)")
+        if not 0 < t.short_seq_len < t.seq_len:
+            raise ConfigError(f"train.short_seq_len={t.short_seq_len} must be in (0, train.seq_len={t.seq_len}) "
+                              "when train.short_steps > 0")
+        if n_windows != 1 or m.kind == "encoder":
+            raise ConfigError("train.short_steps (staged training) needs a decoder trained on whole rows "
+                              "(train.window = train.seq_len)")
+        if c.mesh.sequence > 1 and t.short_seq_len % c.mesh.sequence:
+            raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide train.short_seq_len={t.short_seq_len}")
+        if sources.is_generated(c.data.source):
+            sources.build(c.data).check(t.short_seq_len)
     if m.positions == "learned":
         if m.max_len == 0:
             m.max_len = t.seq_len

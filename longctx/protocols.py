@@ -280,3 +280,73 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     res["seconds"] = time.time() - t0
     curve = pos_sum / np.maximum(pos_cnt, 1)
     return res, curve[pos_cnt > 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# generated recall tasks (longctx.data.synthetic): answers scored by distance
+
+
+def score_answers(forward, params, rows: dict, edges: np.ndarray, *, window: int, batch_size: int, init_state,
+                  progress: bool = True, desc: str = "recall") -> dict:
+    """Exact match and loss of the answers of generated rows, overall and by distance bin.
+
+    ``rows``: :func:`longctx.data.synthetic.pack`'s arrays (tokens [N, L+1], answer [N, L] = the
+    answer's index in its row or -1, distance [N, A]); ``edges``: the bin edges (bin i holds
+    distances in [edges[i], edges[i+1])). ``forward(params, inputs, targets, state) -> (nll, correct,
+    state)`` ([B, W] each); rows longer than ``window`` (> 0) run in windows with the state carried
+    (``init_state(B, L)``), so any method reads the context through its own state. An answer is
+    correct when every one of its tokens is the argmax prediction given the true prefix (= greedy
+    decoding reproduces it)."""
+    tokens, answer, distance = rows["tokens"], rows["answer"], rows["distance"]
+    N, L = answer.shape
+    A = distance.shape[1]
+    ans_nll = np.zeros((N, A), np.float64)
+    ans_len = np.zeros((N, A), np.int64)
+    ans_ok = np.ones((N, A), bool)
+    n_win = -(-L // window) if 0 < window < L else 1
+    width = n_win * window if n_win > 1 else L
+    t0 = time.time()
+    bar = tqdm(total=N, desc=desc, unit="row", disable=not progress, leave=False)
+    for b0 in range(0, N, batch_size):
+        idx = np.arange(b0, min(b0 + batch_size, N))
+        inputs = np.zeros((batch_size, width), np.int32)
+        targets = np.zeros((batch_size, width), np.int32)
+        inputs[: len(idx), :L] = tokens[idx, :-1]
+        targets[: len(idx), :L] = tokens[idx, 1:]
+        state = None if n_win == 1 else init_state(batch_size, width)
+        nlls, oks = [], []
+        for w in range(n_win):
+            sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
+            nll_w, ok_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
+            nlls.append(np.asarray(nll_w))
+            oks.append(np.asarray(ok_w))
+        nll = np.concatenate(nlls, axis=1)[: len(idx), :L]
+        ok = np.concatenate(oks, axis=1)[: len(idx), :L]
+        r, t = np.nonzero(answer[idx] >= 0)
+        a = answer[idx][r, t]
+        np.add.at(ans_nll, (idx[r], a), nll[r, t])
+        np.add.at(ans_len, (idx[r], a), 1)
+        np.logical_and.at(ans_ok, (idx[r], a), ok[r, t])
+        bar.update(len(idx))
+    bar.close()
+    have = distance >= 0
+    d, nll_sum, n_tok, ok = distance[have], ans_nll[have], ans_len[have], ans_ok[have]
+    bins = []
+    for i in range(len(edges) - 1):
+        sel = (d >= edges[i]) & (d < edges[i + 1])
+        bins.append({
+            "lo": int(edges[i]), "hi": int(edges[i + 1]) - 1, "answers": int(sel.sum()),
+            "accuracy": float(ok[sel].mean()) if sel.any() else None,
+            "loss_nats_per_token": float(nll_sum[sel].sum() / max(n_tok[sel].sum(), 1)) if sel.any() else None,
+        })
+    tok = int(n_tok.sum())
+    return {
+        "answers": int(have.sum()), "tokens_scored": tok,
+        "accuracy": float(ok.mean()) if ok.size else 0.0,
+        "loss_nats_per_token": float(nll_sum.sum() / max(tok, 1)),
+        "bits_per_token": float(nll_sum.sum() / max(tok, 1) / LN2),
+        "by_distance": bins, "seconds": time.time() - t0,
+        "protocol": {"mode": "answers-by-distance", "row_len": int(L), "rows": int(N),
+                     "window": int(window) if n_win > 1 else int(L), "state_carried": n_win > 1,
+                     "scored": "answer tokens (exact match: every token the argmax given the true prefix)"},
+    }

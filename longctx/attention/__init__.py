@@ -28,6 +28,7 @@ _METHODS: dict[str, str] = {
     "fma": "longctx.attention.fma:FMAAttention",
     "fma_linear": "longctx.attention.fma:FMALinearAttention",
     "kdeformer": "longctx.attention.kdeformer:KDEformerAttention",
+    "vcc": "longctx.attention.vcc:VCCAttention",
 }
 
 _loaded: dict[str, type[AttentionCore]] = {}

@@ -91,6 +91,9 @@ class ContractCase:
     num_heads, head_dim, value_dim: the core's shape (value_dim None means head_dim).
     atol, rtol: fp32 tolerance of the equalities (streamed = full, decoded = full); a wrong
                 implementation must not be able to meet it.
+    level:      'core' (the q/k/v suite, tests/attention/test_contract.py) or 'model': the laws are
+                checked on a tiny model built with the case's config (tests/models/test_model_contract.py),
+                for methods whose core runs only inside their stack wrapper (``stack_wrapper``).
     """
 
     cfg: dict = dataclasses.field(default_factory=dict)
@@ -102,6 +105,7 @@ class ContractCase:
     atol: float = 2e-5
     rtol: float = 2e-5
     slow: bool = False
+    level: str = "core"
 
 
 class AttentionCore(nnx.Module):
@@ -163,6 +167,13 @@ class AttentionCore(nnx.Module):
         """Training-free setting in which the quality benchmark compares this method with exact
         attention on the same q, k, v; None when the method has learned parts and no such setting
         (a parameter-free method runs as it is)."""
+        return None
+
+    @classmethod
+    def stack_wrapper(cls, *, causal: bool) -> str | None:
+        """``"module:Class"`` of a stack wrapper that replaces the backbone's plain loop over its
+        blocks, for a method that acts on whole layers (DESIGN §2; VCC's compression). The wrapper
+        runs the same blocks (same parameter tree); None (default): the plain loop."""
         return None
 
     @classmethod

@@ -8,7 +8,9 @@ A source is built from the ``data`` config section and offers::
     source.metadata()           # dict describing the content, with a 'content_hash'
     source.documents(split)     # iterator of (doc_name, bytes | str)
 
-``longctx.data.prepare`` turns a source into token files once.
+``longctx.data.prepare`` turns a source into token files once. A *generated* source
+(``source.generated``, :mod:`longctx.data.synthetic`) has no token files: it makes each batch
+row as a pure function of (seed, step, row) and says which targets are scored.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ _SOURCES: dict[str, str] = {
     "enwik8": "longctx.data.enwik8:Enwik8Source",
     "wikitext103": "longctx.data.wikitext103:WikiText103Source",
     "pg19": "longctx.data.pg19:PG19Source",
+    # generated on the fly (longctx/data/synthetic.py): rows, not token files
+    "mqar": "longctx.data.synthetic:MQARSource",
+    "passkey": "longctx.data.synthetic:PasskeySource",
+    "copy": "longctx.data.synthetic:CopySource",
 }
 
 
@@ -32,6 +38,11 @@ def register(name: str, target: str) -> None:
 
 def names() -> tuple[str, ...]:
     return tuple(sorted(_SOURCES))
+
+
+def is_generated(name: str) -> bool:
+    """Whether ``data.source=name`` generates rows on the fly (no token files to prepare)."""
+    return _SOURCES.get(name, "").startswith("longctx.data.synthetic:")
 
 
 def build(data_cfg):

@@ -12,16 +12,22 @@ blocks are built with and in what they predict.
 ``important``: optional [B, T] bool of tokens a method may treat specially (VCC's VIP tokens, e.g.
 an encoder's masked positions); it reaches every block whose call takes an ``important`` keyword,
 and the others never see it.
+
+A method that acts on whole layers rather than on q, k, v (``AttentionCore.stack_wrapper``, e.g.
+VCC's compression) replaces the plain loop over the blocks by its stack wrapper, which runs the
+same blocks (same parameter tree) and always receives ``important``.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from longctx import attention
 from longctx.attention import Aux
 from longctx.attention.base import logical
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
@@ -54,6 +60,12 @@ class Backbone(nnx.Module):
         block_cls = get_block(cfg.block)
         self.blocks = nnx.List([block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)])
         self._block_takes_important = takes_keyword(block_cls.__call__, "important")
+        wrapper = attention.get_class(cfg.attention.name).stack_wrapper(causal=cfg.causal)
+        if wrapper:
+            module_name, cls_name = wrapper.split(":")
+            self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
+        else:
+            self.stack = None
         self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
         adaptive = cfg.output == "adaptive"
@@ -71,7 +83,8 @@ class Backbone(nnx.Module):
     def init_state(self, batch_size: int, max_len: int | None = None):
         return {
             "pos": jnp.zeros((), jnp.int32),
-            "layers": [b.init_state(batch_size, max_len) for b in self.blocks],
+            "layers": (self.stack.init_state(self.blocks, batch_size, max_len) if self.stack is not None
+                       else [b.init_state(batch_size, max_len) for b in self.blocks]),
         }
 
     def embed_tokens(self, tokens, positions):
@@ -107,6 +120,14 @@ class Backbone(nnx.Module):
         positions = pos0 + jnp.arange(T, dtype=jnp.int32)
         x = self.embed_tokens(tokens, positions)
         layer_states = [None] * len(self.blocks) if state is None else state["layers"]
+        if self.stack is not None:
+            aux = Aux()
+            x, new_states = self.stack(self.blocks, x, layer_states, positions=positions, important=important,
+                                       deterministic=deterministic, key=key, aux=aux)
+            h = self.norm(x)
+            metrics = {f"stack/{name}": val for name, val in aux.metrics.items()}
+            return h, {"pos": pos0 + T, "layers": new_states}, {
+                "losses": dict(aux.losses), "stats": [{} for _ in self.blocks], "metrics": metrics}
         keys = split_key(key, len(self.blocks))
         extra = {"important": important} if important is not None and self._block_takes_important else {}
         new_states, losses, stats, metrics = [], {}, [], {}

@@ -19,16 +19,23 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from longctx import config as config_lib
-from longctx.data import masking
+from longctx.data import masking, sources, tokenizers
 from longctx.data.batching import Batcher
 from longctx.data.prepare import prepare
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError
 from longctx.models.decoder import build_model
-from longctx.protocols import score_mlm_split, score_split
+from longctx.protocols import score_answers, score_mlm_split, score_split
 from longctx.train import checkpoint, distributed, sharding
 from longctx.train.metrics import MetricsWriter, plot_losses
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_forward, make_mlm_forward, make_mlm_train_step, make_train_step, split_model
+from longctx.train.step import (
+    make_forward,
+    make_mlm_forward,
+    make_mlm_train_step,
+    make_scored_forward,
+    make_train_step,
+    split_model,
+)
 
 LN2 = math.log(2.0)
 
@@ -90,8 +97,17 @@ def nonfinite_message(step: int, metrics: dict) -> str | None:
     )
 
 
+def _over(defaults: dict, saved: dict) -> dict:
+    out = dict(defaults)
+    for k, v in saved.items():
+        out[k] = _over(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
     now = json.loads(cfg.to_json())
+    # data keys added to the base config since the run was saved (e.g. data.synthetic) take their defaults
+    saved = {**saved, "data": _over(json.loads(config_lib.base_config().data.to_json()), saved.get("data", {}))}
     for section in ("model", "data"):
         if saved.get(section) != now.get(section):
             keys = sorted(k for k in set(saved.get(section, {})) | set(now.get(section, {}))
@@ -111,7 +127,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     if max_steps is not None and max_steps <= 0:
         raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
     workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer, data, data_dir = prepare(cfg.data, ["train", cfg.eval.split], progress=progress)
+    generated = sources.is_generated(cfg.data.source)  # rows made on the fly, answers scored (synthetic.py)
+    if generated:
+        source = sources.build(cfg.data)
+        tokenizer, data, data_dir = tokenizers.build(cfg.data.tokenizer), None, None
+    else:
+        tokenizer, data, data_dir = prepare(cfg.data, ["train", cfg.eval.split], progress=progress)
     cfg = config_lib.resolve_vocab(cfg, tokenizer.vocab_size)
     tc = cfg.train
     n_win = config_lib.n_windows(cfg)
@@ -138,8 +159,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     encoder = cfg.model.kind == "encoder"  # masked LM: rows of seq_len tokens, masks = f(seed, step, row)
-    batcher = Batcher(data["train"], row_len=tc.seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
-                      seed=tc.seed, shard=(jax.process_index(), jax.process_count()))
+    def make_batcher(seq_len):
+        if generated:
+            from longctx.data.synthetic import RowBatcher
+
+            return RowBatcher(source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed,
+                              shard=(jax.process_index(), jax.process_count()))
+        return Batcher(data["train"], row_len=seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
+                       seed=tc.seed, shard=(jax.process_index(), jax.process_count()))
+
+    batcher = make_batcher(tc.seq_len)
+    # staged training (train.short_steps): the first updates see rows of train.short_seq_len tokens
+    short_batcher = make_batcher(tc.short_seq_len) if tc.short_steps > 0 else None
     # 'stop' also compiles the skipping step: a non-finite update is not applied, so the state at
     # the stop is the last finite one and can be checkpointed
     if encoder:
@@ -150,17 +181,37 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         row0 = batcher.shard_index * tc.batch_size // batcher.num_shards  # this host's first global row
     else:
         train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
-                                                   skip_nonfinite=True, constrain=plan.constrain))
-        fwd = jax.jit(make_forward(graphdef))
+                                                   skip_nonfinite=True, constrain=plan.constrain, weighted=generated))
+        fwd = jax.jit(make_scored_forward(graphdef) if generated else make_forward(graphdef))
     writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
     base_key = jax.random.key(tc.seed)
-    tokens_per_step = tc.batch_size * tc.window
+    def tokens_per_step(at_step):
+        return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    data_line = (f"{cfg.data.source} rows generated on the fly ({source.options()}), loss on the answer tokens"
+                 if generated else f"{data['train'].num_tokens:,} train tokens ({batcher.tokens_usable:,} in "
+                 f"documents >= {tc.seq_len + 1} tokens)")
     print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
-          f"data: {data['train'].num_tokens:,} train tokens ({batcher.tokens_usable:,} in documents >= {tc.seq_len + 1} tokens)")
+          f"data: {data_line}")
+
+    eval_set = None
 
     def evaluate_now(at_step):
+        nonlocal eval_set
+        if generated:  # the fixed evaluation rows of the task: answer loss and exact match
+            syn = cfg.data.synthetic
+            if eval_set is None:
+                eval_set = source.eval_rows(row_len=tc.seq_len, n_rows=syn.eval_rows, bins=syn.bins,
+                                            split=cfg.eval.split, seed=syn.eval_seed)
+            res = score_answers(
+                lambda p, inputs, targets, state: fwd(*p, inputs, targets, state), (params, nongrad, rest),
+                *eval_set, window=cfg.eval.window, batch_size=cfg.eval.batch_size,
+                init_state=lambda b, n: nnx.merge(graphdef, params, nongrad, rest).init_state(b, n), progress=False,
+            )
+            writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"],
+                                            "accuracy": res["accuracy"]})
+            return res
         ecfg = ml_collections.ConfigDict(cfg.eval.to_dict())
         ecfg.max_tokens = tc.eval_tokens if cfg.eval.max_tokens == 0 else min(cfg.eval.max_tokens, tc.eval_tokens)
         split = data[cfg.eval.split]
@@ -184,7 +235,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     def save(at_step):
         nonlocal last_saved
         checkpoint.save(mngr, at_step, {"params": params, "nongrad": nongrad, "opt_state": opt_state}, config=cfg,
-                        extra={"data_dir": str(data_dir)})
+                        extra={"data_dir": str(data_dir) if data_dir is not None else ""})
         last_saved = at_step
 
     def save_now(at_step):
@@ -204,18 +255,20 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     try:
         with StopFlag() as stop:
             while step < end:
-                batch = batcher.batch(step // n_win)
+                batch = (short_batcher if step < tc.short_steps else batcher).batch(step // n_win)
                 if encoder:
                     rows = row0 + np.arange(len(batch["tokens"]))
                     corrupted = masking.mask_rows(batch["tokens"], cfg.mlm, seed=tc.seed, step=step, rows=rows,
                                                   mask_id=cfg.mlm.mask_id)
                     tokens = {k: sharding.shard_batch(mesh, v) for k, v in corrupted.items()}
+                elif generated:
+                    tokens = {k: sharding.shard_batch(mesh, batch[k]) for k in ("tokens", "weights")}
                 else:
                     tokens = sharding.shard_batch(mesh, batch["tokens"])
                 key = jax.random.fold_in(base_key, step)
                 params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
                 prev, step = step, step + n_win
-                tok_since += tokens_per_step * n_win
+                tok_since += tokens_per_step(prev) * n_win
                 log_now = crossed(prev, step, tc.log_every) or step >= end
                 if tc.on_nonfinite == "stop" or log_now:
                     metrics = jax.device_get(metrics)

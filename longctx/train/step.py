@@ -43,6 +43,23 @@ def make_loss_fn(graphdef, constrain=None):
     return loss_fn
 
 
+def make_weighted_loss_fn(graphdef, constrain=None):
+    """The LM loss over the scored targets only: sum(w * nll) / sum(w) with per-target weights ``w``
+    (a generated source's answer tokens; a window without scored targets contributes 0)."""
+
+    def loss_fn(params, nongrad, rest, inputs, targets, weights, state, key):
+        if constrain is not None:
+            inputs, targets, weights = constrain(inputs), constrain(targets), constrain(weights)
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        h, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
+        w = weights.astype(jnp.float32)
+        ce = jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
+        extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
+        return ce + extra, (ce, new_state, aux)
+
+    return loss_fn
+
+
 def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -83,25 +100,30 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None):
+                    constrain=None, weighted: bool = False):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
-    ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step."""
+    ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
+    ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
+    mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`)."""
     n_windows = seq_len // window
-    grad_fn = jax.value_and_grad(make_loss_fn(graphdef, constrain), has_aux=True)
+    loss = make_weighted_loss_fn(graphdef, constrain) if weighted else make_loss_fn(graphdef, constrain)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
     update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
 
     def step(params, nongrad, rest, opt_state, tokens, key):
+        if weighted:
+            tokens, weights = tokens["tokens"], tokens["weights"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        per_target = (inputs, targets, weights) if weighted else (inputs, targets)
         if n_windows == 1:
             (params, nongrad, _, opt_state, _), metrics = update(
-                (params, nongrad, rest, opt_state, None), (inputs, targets, jax.random.fold_in(key, 0))
+                (params, nongrad, rest, opt_state, None), (*per_target, jax.random.fold_in(key, 0))
             )
             return params, nongrad, opt_state, jax.tree.map(lambda m: m[None], metrics)
         B = tokens.shape[0]
         state0 = nnx.merge(graphdef, params, nongrad, rest).init_state(B, seq_len)
         xs = (
-            inputs.reshape(B, n_windows, window).transpose(1, 0, 2),
-            targets.reshape(B, n_windows, window).transpose(1, 0, 2),
+            *(a.reshape(B, n_windows, window).transpose(1, 0, 2) for a in per_target),
             jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_windows)),
         )
         (params, nongrad, _, opt_state, _), metrics = jax.lax.scan(update, (params, nongrad, rest, opt_state, state0), xs)
@@ -155,6 +177,19 @@ def make_mlm_forward(graphdef, num_masked: int):
         nll = jnp.where(valid, model.nll(hg, tg), 0.0)
         correct = (jnp.argmax(model.logits(hg), axis=-1) == tg) & valid
         return nll, correct, valid, idx
+
+    return forward
+
+
+def make_scored_forward(graphdef):
+    """forward(params, nongrad, rest, inputs, targets, state) -> (nll [B, T], correct [B, T], new_state):
+    deterministic NLL (nats) and whether the argmax prediction is the target (exact-match scoring)."""
+
+    def forward(params, nongrad, rest, inputs, targets, state):
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        h, new_state, _ = model.hidden(inputs, state, deterministic=True)
+        correct = jnp.argmax(model.logits(h), axis=-1) == targets
+        return model.nll(h, targets), correct, new_state
 
     return forward
 

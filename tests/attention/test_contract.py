@@ -43,12 +43,16 @@ def _cases():
     for name in attention.names():
         cls = attention.get_class(name)
         for cname, case in cls.contract_cases().items():
+            if case.level != "core":  # model-level cases: tests/models/test_model_contract.py
+                continue
             for direction in case.directions:
                 if direction == "causal" and not cls.supports_causal:
                     continue
                 if direction == "bidirectional" and not cls.supports_bidirectional:
                     continue
-                marks = [pytest.mark.slow] if case.slow else []
+                # one xdist worker per (method, case): the cached harness and its compilations are reused
+                marks = [pytest.mark.xdist_group(f"contract-{name}-{cname}")]
+                marks += [pytest.mark.slow] if case.slow else []
                 out.append(pytest.param(name, cname, direction, id=f"{name}-{cname}-{direction}", marks=marks))
     return out
 
@@ -132,6 +136,9 @@ def test_every_method_declares_contract_cases():
         assert cases, f"{name}: contract_cases() is empty; every registered method must declare at least one"
         for cname, case in cases.items():
             assert set(case.directions) <= {"causal", "bidirectional"}, (name, cname)
+            assert case.level in ("core", "model"), (name, cname, case.level)
+            assert case.level == "core" or cls.stack_wrapper(causal="causal" in case.directions), (
+                f"{name}/{cname}: a model-level case is for a method whose core runs inside a stack wrapper")
             merged = cls.default_config()
             merged.update(case.cfg)
             attention.validate(name, merged, causal="causal" in case.directions)

@@ -1,0 +1,44 @@
+"""The main job (configs/default.py: byte-level decoder on the built-in corpus, same sizes, schedule
+and context, hence the same parameter count: VCC adds no parameters) with VCC-LM, our causal
+extension of VIP-token centric compression (spec shared/specs/vcc.md §4.2). Each attention layer
+reads, for a query in window j (32 bytes), the 32 bytes before the window and the window itself
+exactly (causal), and the older history at two resolutions: 4 of its 8-byte blocks, chosen by the
+queries of the 16 bytes before the window (past anchors: no look-ahead), at byte resolution, every
+other old block as one mean key with a +log 8 logit bias. At the last window of a 256-byte row that
+is 64 band + 32 fine + 20 coarse keys instead of up to 256. Training explores a random selection
+with probability 0.1 and trains the selection through the straight-through gate.
+
+    longctx-train --config configs/builtin/vcc.py --workdir runs/vcc
+    longctx-eval  --workdir runs/vcc --split test
+
+``--config configs/builtin/vcc.py:tiny`` (or configs/builtin/vcc_tiny.py) is a 2-layer smoke run.
+"""
+
+from longctx.config import load_sibling
+
+
+def get_config(arg: str | None = None):
+    c = load_sibling(__file__, "../default.py").get_config()
+    c.model.attention.name = "vcc"
+    lc = c.model.attention.vcc.causal
+    lc.window, lc.local, lc.block_size, lc.num_fine_blocks, lc.anchors = 32, 32, 8, 4, 16
+    if arg == "tiny":
+        c.model.d_model = 64
+        c.model.num_layers = 2
+        c.model.num_heads = 2
+        c.model.head_dim = 32
+        c.model.d_ff = 256
+        c.train.seq_len = 128
+        c.train.batch_size = 4
+        c.train.steps = 40
+        c.train.warmup_steps = 5
+        c.train.log_every = 10
+        c.train.eval_every = 20
+        c.train.eval_tokens = 4096
+        c.train.ckpt_every = 20
+        c.eval.max_tokens = 16384
+        c.eval.batch_size = 4
+        lc.window, lc.local, lc.block_size, lc.num_fine_blocks, lc.anchors = 16, 16, 4, 2, 8
+    elif arg:
+        raise ValueError(f"configs/builtin/vcc.py: unknown variant {arg!r}; allowed: tiny")
+    return c

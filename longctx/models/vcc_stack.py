@@ -1,0 +1,598 @@
+"""The VCC stacks (shared/specs/vcc.md): the encoder stack (§2, §4.1) and VCC-LM (§4.2, our causal
+extension), stack wrappers over the backbone's own pre-LN transformer blocks (same parameter tree:
+a dense checkpoint loads unchanged).
+
+Encoder
+-------
+
+    y, states = stack(blocks, x, None, positions=pos, important=vip, deterministic=True, key=None, aux=aux)
+
+x: [B, n, d] embedded tokens; positions: [n] (or [B, n]) absolute positions; important: [B, n] bool
+VIP tokens (the encoder's masked positions); ``valid`` ([B, n] bool, default all) marks padding.
+
+Pipeline (spec §2.8):
+  1. the first ``num_dense_layers`` blocks run as plain layers, each on consecutive segments of
+     ``dense_segment_len`` tokens independently (no cross-segment attention);
+  2. format (§2.9): a stable sort puts the VIP tokens first; the first ``num_vip`` slots are P
+     (fewer VIPs: the earliest other tokens fill the slots, with imp = 0; more: the surplus is
+     compressed with the rest, counted in the ``vip_overflow`` metric), the rest C is cut into
+     nb = (n - n_p)/k blocks of k tokens and stored as T(C) in two levels: ``coarse`` [B, nb, d]
+     (masked block means) and ``diff`` [B, nb, k, d] = coarse - token (§2.7);
+  3. every other block is one VCC layer (:func:`vcc_layer`): selection of h blocks by the VIP rows'
+     attention to the block means (§2.4: the layer's own LN, W_Q, W_K; per-head softmax over blocks,
+     head mean, imp-masked mean over the n_p slots, log(. + 1e-5)); in training with probability
+     ``explore_prob`` per example a random ranking instead, and the straight-through gate δ; then
+     the unchanged layer on the rows [P; all nb block means; h·k fine tokens] with key bias
+     0 / log k + δ_c / δ_f, selected means masked as keys (masked-coarse layout, §2.9), the update
+     multiplied by (1 + δ); decompression: VIP rows and fine tokens get their own update, every
+     token of an unselected block its block's update (only ``coarse`` moves; ``diff`` is unchanged
+     there), fine blocks rewrite their mean and diffs by scatter;
+  4. materialize the tokens (coarse - diff), un-permute.
+
+Rows of any length work: a rest that is not a whole number of blocks is padded with invalid
+tokens (masked keys, excluded from means, dropped on output); when a row has no more blocks than
+the fine budget every block is fine (nothing to compress: the layer is exact).
+
+Positions travel with rows: rotary models rotate a block mean at the round-half-to-even mean of
+its valid members' positions (spec §4.1, §8.9); learned / sinusoidal positions were added at the
+input.
+
+Departures from the paper / reference code (spec decisions marked [ours] in the spec):
+  * selection score: the reference code's per-head softmax form, not the paper's Eq. 53 (§8.1);
+  * two resolutions (k, 1) only; the L-level version (§2.10) is not implemented;
+  * means divide by max(count, 1) (reference: count + 1e-4); biases are exactly log k and δ
+    (reference: log(· + 1e-4));
+  * masked-coarse layout and scatter in place of the reference's complement set and diff bank
+    (§2.9; same values up to float summation order);
+  * all-padding blocks get ℓ = -1e30 after the log, so they never outrank a valid block at eval;
+  * the VCC layers are a Python loop over the backbone's separate blocks, not ``nn.scan`` over
+    stacked parameters (§2.9), so the parameter tree stays the dense model's; no remat;
+  * attention inside a layer has no probability dropout (the project's block has none); the
+    block's residual dropouts apply to the compressed rows.
+
+VCC-LM (decoder)
+----------------
+:class:`VCCDecoderStack`: in every layer a query in window j (positions [t0, t0 + w)) attends to
+the band [t0 - g, t] exactly, to the tokens of h old blocks (before t0 - g) chosen by the past
+anchors' queries [t0 - a, t0) (§4.2's ℓ_j, top-h; exploration and the straight-through δ in
+training), and to every other old block as one key/value W_K,V LN_a(mean of the block's layer
+inputs) at RoPE angle of the block centre with a +log k bias. Projections and FFN run on every
+token (history rows are never updated). One function, :func:`lm_layer`, serves the parallel pass
+(a chunk from an empty state, windows under ``lax.map`` with remat), chunked training/evaluation
+and token-by-token decoding; the state (:func:`lm_init_state`) has a static capacity and raises
+:class:`CapacityError` when fed more.
+
+Departures from spec §4.2 (ours):
+  * the block accumulator keeps the last k layer inputs ([B, k, d]) instead of a running sum, and the
+    anchor ring the last a queries; the key/value cache carries g front and w back padding slots so a
+    window's band is one fixed-length slice;
+  * the selected fine keys/values are gathered from the key/value cache at every step (not cached
+    apart at the window start), and the selection is evaluated at every call for every window the
+    call touches (kept only where the window starts in the call): the same values, more reads while
+    decoding (O(a·T_max/k·d) per token instead of per window);
+  * the "first_token" anchor option is not implemented (past anchors only);
+  * a window that started in an earlier call reuses the carried selection with δ = 0 (the carried
+    state is stop-gradient anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx import attention
+from longctx.attention.base import Aux, check_capacity
+from longctx.errors import ConfigError
+from longctx.models.blocks import TransformerBlock, get_block, split_key
+from longctx.models.layers import apply_rotary, dropout
+
+NEG = -1e9  # masked keys in fp32 logits
+NEG_ELL = -1e30  # selection logits of all-padding blocks
+EPS = 1e-5  # ℓ = log(p̄ + EPS) (reference)
+
+
+# ----------------------------------------------------------------------------- one pre-LN layer on given rows
+def project(block, y, pos, rotary: bool):
+    """q, k, v [B, H, R, Dh] of rows y [B, R, d] at per-row positions pos [B, R] (the block's LN_a, W_qkv)."""
+    B, R, _ = y.shape
+    H, Dh = block.num_heads, block.head_dim
+    qkv = block.qkv(block.norm1(y)).reshape(B, R, 3, H, Dh).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    if rotary:
+        q = jax.vmap(apply_rotary)(q, pos)
+        k = jax.vmap(apply_rotary)(k, pos)
+    return q, k, v
+
+
+def finish(block, y, q, k, v, key_bias, gate, *, deterministic: bool, keys):
+    """y + (A + F) · gate: the block's attention (through its core, with ``key_bias`` [B, R]) and
+    MLP on rows y; gate [B, R] or None (= 1)."""
+    B, R, _ = y.shape
+    _, k_attn, k_mlp, k_res = keys
+    o, _ = block.core(q, k, v, None, key_bias=key_bias)
+    o = o.transpose(0, 2, 1, 3).reshape(B, R, block.num_heads * block.head_dim)
+    a = dropout(block.out(o.astype(y.dtype)), block.dropout_rate, deterministic, k_attn)
+    if gate is None:
+        y1 = y + a
+        f = block.mlp(block.norm2(y1), deterministic=deterministic, key=k_mlp)
+        return y1 + dropout(f, block.dropout_rate, deterministic, k_res)
+    f = block.mlp(block.norm2(y + a), deterministic=deterministic, key=k_mlp)
+    u = a + dropout(f, block.dropout_rate, deterministic, k_res)
+    return y + u * gate[..., None].astype(u.dtype)
+
+
+def dense_layer(block, y, pos, valid, *, rotary: bool, deterministic: bool, key):
+    """The plain layer on rows y [B, R, d] (keys masked where not ``valid``)."""
+    keys = split_key(key, 4)
+    q, k, v = project(block, y, pos, rotary)
+    return finish(block, y, q, k, v, jnp.where(valid, 0.0, NEG), None, deterministic=deterministic, keys=keys)
+
+
+def segment_local_layer(block, x, pos, valid, seg: int, *, rotary: bool, deterministic: bool, key):
+    """The plain layer run independently on consecutive segments of ``seg`` tokens (spec §2.8);
+    the last segment is padded (padding keys masked) when ``seg`` does not divide n."""
+    B, n, d = x.shape
+    s = min(seg, n)
+    pad = (-n) % s
+    xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    pp = jnp.pad(pos, ((0, 0), (0, pad)))
+    vp = jnp.pad(valid, ((0, 0), (0, pad)))
+    G = (n + pad) // s
+    y = dense_layer(block, xp.reshape(B * G, s, d), pp.reshape(B * G, s), vp.reshape(B * G, s), rotary=rotary,
+                    deterministic=deterministic, key=key)
+    return y.reshape(B, n + pad, d)[:, :n]
+
+
+# ----------------------------------------------------------------------------- format / T(C) / materialize
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VCCState:
+    """The VIP rows and the two-level T(C) of the rest (spec §2.7, §2.9). Token recovery:
+    C[b·k + j] = (coarse[b] - diff[b, j]) · tok_valid[b, j]."""
+
+    P: jax.Array  # [B, n_p, d]
+    coarse: jax.Array  # [B, nb, d]   masked mean of each block's valid tokens
+    diff: jax.Array  # [B, nb, k, d] coarse - valid · token
+    vip_valid: jax.Array  # [B, n_p] bool  the slot holds a real (non-padding) token
+    imp: jax.Array  # [B, n_p] bool  the slot holds a real VIP token (counts in the selection score)
+    vip_pos: jax.Array  # [B, n_p] int32
+    tok_valid: jax.Array  # [B, nb, k] bool
+    tok_pos: jax.Array  # [B, nb, k] int32
+    block_valid: jax.Array  # [B, nb] bool (>= 1 valid token)
+    coarse_pos: jax.Array  # [B, nb] int32  round-half-to-even mean of the valid members' positions
+    perm: jax.Array  # [B, n] int32: row i of [P; C] is token perm[i]
+
+
+def masked_mean(x, valid, axis):
+    """Mean of x over ``axis`` counting only ``valid`` entries (max(count, 1) divisor, spec §8.4)."""
+    w = valid.astype(x.dtype)[..., None]
+    cnt = jnp.sum(valid, axis=axis).astype(x.dtype)
+    return jnp.sum(w * x, axis=axis) / jnp.maximum(cnt, 1)[..., None]
+
+
+def format_rows(x, vip, valid, pos, num_vip: int, k: int) -> tuple[VCCState, jax.Array]:
+    """(state, overflow [B]): VIP-first permutation and T(C) (spec §2.8, §2.9)."""
+    B, n, d = x.shape
+    n_c = n - num_vip
+    if n_c < 0 or n_c % k:
+        raise ValueError(f"vcc: a row of {n} tokens with num_vip={num_vip} leaves {n_c} tokens, not a positive "
+                         f"multiple of block_size={k}; choose num_vip so that (row length - num_vip) % block_size == 0")
+    nb = n_c // k
+    vip = vip & valid
+    x = x * valid[..., None].astype(x.dtype)  # padding tokens are zeroed
+    perm = jnp.argsort(jnp.where(vip, 0, 1), axis=1, stable=True).astype(jnp.int32)
+
+    def take(a):
+        return jnp.take_along_axis(a, perm.reshape(perm.shape + (1,) * (a.ndim - 2)), axis=1)
+
+    xs, vs, ps, ims = take(x), take(valid), take(pos), take(vip)
+    Cb = xs[:, num_vip:].reshape(B, nb, k, d)
+    tok_valid = vs[:, num_vip:].reshape(B, nb, k)
+    tok_pos = ps[:, num_vip:].reshape(B, nb, k)
+    coarse = masked_mean(Cb, tok_valid, 2)
+    diff = coarse[:, :, None] - tok_valid[..., None].astype(Cb.dtype) * Cb
+    cnt = jnp.sum(tok_valid, -1)
+    mean_pos = jnp.sum(jnp.where(tok_valid, tok_pos, 0), -1) / jnp.maximum(cnt, 1)
+    state = VCCState(
+        P=xs[:, :num_vip], coarse=coarse, diff=diff, vip_valid=vs[:, :num_vip], imp=ims[:, :num_vip],
+        vip_pos=ps[:, :num_vip], tok_valid=tok_valid, tok_pos=tok_pos, block_valid=cnt > 0,
+        coarse_pos=jnp.round(mean_pos).astype(jnp.int32), perm=perm)
+    overflow = jnp.maximum(jnp.sum(vip, 1) - num_vip, 0)
+    return state, overflow
+
+
+def tokens_of(state: VCCState):
+    """The rest tokens C [B, nb, k, d] recovered from T(C)."""
+    return (state.coarse[:, :, None] - state.diff) * state.tok_valid[..., None].astype(state.diff.dtype)
+
+
+def materialize(state: VCCState):
+    """[B, n, d] in the original token order (spec §2.9 'Materialize')."""
+    B, nb, k, d = state.diff.shape
+    X = jnp.concatenate([state.P, tokens_of(state).reshape(B, nb * k, d)], axis=1)
+    inv = jnp.argsort(state.perm, axis=1)
+    return jnp.take_along_axis(X, inv[..., None], axis=1)
+
+
+# ----------------------------------------------------------------------------- selection (spec §2.4)
+def selection_logits(q_vip, k_coarse, imp, block_valid):
+    """ℓ [B, nb] fp32: log(p̄ + 1e-5), p̄_b = (1/n_p) Σ_i imp_i (1/H) Σ_η softmax_b(q·κ/√d_h + mask_b);
+    all-padding blocks get -1e30 (never outrank a valid block)."""
+    B, H, n_p, D = q_vip.shape
+    s = jnp.einsum("bhid,bhjd->bhij", q_vip.astype(jnp.float32), k_coarse.astype(jnp.float32)) * D**-0.5
+    s = s + jnp.where(block_valid, 0.0, NEG)[:, None, None, :]
+    pi = jax.nn.softmax(s, axis=-1)
+    pbar = jnp.einsum("bhij,bi->bj", pi, imp.astype(jnp.float32)) / (H * max(n_p, 1))
+    return jnp.where(block_valid, jnp.log(pbar + EPS), NEG_ELL)
+
+
+def choose_blocks(ell, h: int, *, explore_prob: float, deterministic: bool, key):
+    """fine_idx [B, h] int32: top-h of ℓ (ties: lower index); in training, per example with
+    probability ``explore_prob``, the top-h of a uniformly random ranking instead."""
+    ranked = ell
+    if not deterministic and explore_prob > 0.0:
+        if key is None:
+            raise ValueError("vcc: training (deterministic=False) with explore_prob > 0 needs a PRNG key")
+        ke, ku = jax.random.split(key)
+        explore = jax.random.bernoulli(ke, explore_prob, (ell.shape[0],))
+        ranked = jnp.where(explore[:, None], jax.random.uniform(ku, ell.shape), ell)
+    return jax.lax.top_k(ranked, h)[1].astype(jnp.int32)
+
+
+def ste_delta(ell, sel):
+    """δ [B, nb]: g - stop_gradient(g) with g = softmax(ℓ) on selected blocks, 1 - softmax(ℓ) on the
+    others (forward value exactly 0; it only gives ℓ a gradient)."""
+    pt = jax.nn.softmax(ell, axis=-1)
+    g = jnp.where(sel, pt, 1.0 - pt)
+    return g - jax.lax.stop_gradient(g)
+
+
+def _gather_blocks(a, idx):
+    """a [B, nb, ...] at idx [B, h] -> [B, h, ...]."""
+    return jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def _scatter_blocks(a, idx, val):
+    bidx = jnp.arange(a.shape[0])[:, None]
+    return a.at[bidx, idx].set(val, unique_indices=True)
+
+
+def compression_matrices(fine_idx, nb: int, k: int):
+    """The dense-matrix form of one example's compression (spec §2.3), for references and tests:
+    (S_c [r_c, n_c], S_c^† [n_c, r_c], D [r_c]) with rows = the unselected blocks in order, then the
+    tokens of the selected blocks (in ``fine_idx`` order); r_c = nb - h + h·k. NumPy, host-side."""
+    import numpy as np
+
+    fine = [int(b) for b in np.asarray(fine_idx)]
+    coarse = [b for b in range(nb) if b not in fine]
+    rows = []  # (start token, length)
+    rows += [(b * k, k) for b in coarse]
+    rows += [(b * k + j, 1) for b in fine for j in range(k)]
+    S = np.zeros((len(rows), nb * k))
+    S_dag = np.zeros((nb * k, len(rows)))  # one-hot: token -> the row that holds it
+    for r, (a, s) in enumerate(rows):
+        S[r, a:a + s] = 1.0 / s
+        S_dag[a:a + s, r] = 1.0
+    D = np.array([float(s) for _, s in rows])
+    return S, S_dag, D
+
+
+# ----------------------------------------------------------------------------- one VCC layer (spec §2.9)
+def vcc_layer(block, st: VCCState, *, h: int, rotary: bool, scale_correction: bool, ste_gate: bool,
+              explore_prob: float, deterministic: bool, key, probe=None, fine_idx=None):
+    """One VCC layer on T(C): returns (new state, info {'fine_idx', 'sel', 'ell'}).
+
+    ``probe`` ([B, nb], tests): added to ℓ, so its gradient is d loss / d ℓ. ``fine_idx`` ([B, h],
+    tests): a forced selection instead of the ranking."""
+    B, n_p, d = st.P.shape
+    nb, k = st.diff.shape[1], st.diff.shape[2]
+    k_sel, k_attn, k_mlp, k_res = split_key(key, 4)
+    # 1. rows [P; coarse]: LN, Q, K, V once
+    Yc = jnp.concatenate([st.P, st.coarse], axis=1)
+    qc, kc, vc = project(block, Yc, jnp.concatenate([st.vip_pos, st.coarse_pos], axis=1), rotary)
+    # 2-3. selection
+    ell = selection_logits(qc[:, :, :n_p], kc[:, :, n_p:], st.imp, st.block_valid)
+    if probe is not None:
+        ell = ell + probe
+    if fine_idx is None:
+        fine_idx = choose_blocks(jax.lax.stop_gradient(ell), h, explore_prob=explore_prob,
+                                 deterministic=deterministic, key=k_sel)
+    bidx = jnp.arange(B)[:, None]
+    sel = jnp.zeros((B, nb), bool).at[bidx, fine_idx].set(True)
+    delta = ste_delta(ell, sel) if (ste_gate and not deterministic) else jnp.zeros((B, nb))
+    delta_f = jnp.take_along_axis(delta, fine_idx, axis=1)  # [B, h]
+    # 4. fine rows of the selected blocks, rebuilt from T(C)
+    f_valid = _gather_blocks(st.tok_valid, fine_idx)  # [B, h, k]
+    Fb = (_gather_blocks(st.coarse, fine_idx)[:, :, None] - _gather_blocks(st.diff, fine_idx))
+    Fb = Fb * f_valid[..., None].astype(Fb.dtype)
+    Yf = Fb.reshape(B, h * k, d)
+    qf, kf, vf = project(block, Yf, _gather_blocks(st.tok_pos, fine_idx).reshape(B, h * k), rotary)
+    # 5. key bias and gate of the rows [P (n_p); coarse (nb); fine (h·k)]
+    logk = math.log(k) if scale_correction else 0.0
+    bias = jnp.concatenate([
+        jnp.where(st.vip_valid, 0.0, NEG),
+        jnp.where(st.block_valid & ~sel, logk + delta, NEG),
+        jnp.where(f_valid.reshape(B, h * k), jnp.repeat(delta_f, k, axis=1), NEG),
+    ], axis=1)
+    gate = jnp.concatenate([jnp.ones((B, n_p)), 1.0 + delta, 1.0 + jnp.repeat(delta_f, k, axis=1)], axis=1)
+    # 6. the layer on the compressed rows
+    Y = jnp.concatenate([Yc, Yf], axis=1)
+    q, kk, v = (jnp.concatenate(t, axis=2) for t in ((qc, qf), (kc, kf), (vc, vf)))
+    Yn = finish(block, Y, q, kk, v, bias, gate, deterministic=deterministic, keys=(None, k_attn, k_mlp, k_res))
+    # 7. decompression into T(C)
+    Fn = Yn[:, n_p + nb:].reshape(B, h, k, d)
+    m = masked_mean(Fn, f_valid, 2)
+    coarse = _scatter_blocks(Yn[:, n_p:n_p + nb], fine_idx, m)
+    diff = _scatter_blocks(st.diff, fine_idx, m[:, :, None] - f_valid[..., None].astype(Fn.dtype) * Fn)
+    new = dataclasses.replace(st, P=Yn[:, :n_p], coarse=coarse, diff=diff)
+    return new, {"fine_idx": fine_idx, "sel": sel, "ell": ell}
+
+
+# ----------------------------------------------------------------------------- the stack
+class VCCEncoderStack(nnx.Module):
+    """Runs the backbone's blocks as n_dense segment-local layers + VCC layers (module docstring)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
+        name = cfg.attention.name
+        vc = attention.default_config(name)
+        vc.update(cfg.attention.get(name) or {})
+        if cfg.causal:
+            raise ConfigError(f"model.attention.name={name!r}: the VCC encoder stack is bidirectional; "
+                              "VCC-LM (spec §4.2) is not implemented")
+        if not issubclass(get_block(cfg.block), TransformerBlock):
+            raise ConfigError(f"model.attention.name={name!r} wraps the pre-LN transformer block (it needs the "
+                              f"residual form x + γ(x)); model.block={cfg.block!r} is not one")
+        if vc.num_dense_layers > cfg.num_layers:
+            raise ConfigError(f"model.attention.{name}.num_dense_layers={vc.num_dense_layers} exceeds "
+                              f"model.num_layers={cfg.num_layers}")
+        self.num_vip, self.block_size, self.num_fine = vc.num_vip, vc.block_size, vc.num_fine_blocks
+        self.num_dense, self.segment_len = vc.num_dense_layers, vc.dense_segment_len
+        self.explore_prob, self.scale_correction, self.ste_gate = vc.explore_prob, vc.scale_correction, vc.ste_gate
+        self.rotary = cfg.positions == "rotary"
+
+    def init_state(self, blocks, batch_size: int, max_len: int | None = None):
+        raise ValueError("vcc: the encoder stack (bidirectional) has no prefix state")
+
+    def layer_kwargs(self, deterministic: bool, h: int):
+        return dict(h=h, rotary=self.rotary, scale_correction=self.scale_correction,
+                    ste_gate=self.ste_gate, explore_prob=self.explore_prob, deterministic=deterministic)
+
+    def __call__(self, blocks, x, states=None, *, positions, important=None, valid=None, deterministic=True,
+                 key=None, aux: Aux | None = None, return_info: bool = False):
+        if states is not None and any(s is not None for s in states):
+            raise ValueError("vcc: the encoder stack takes no carried state")
+        B, n, _ = x.shape
+        pos = jnp.broadcast_to(positions, (B, n)).astype(jnp.int32)
+        valid = jnp.ones((B, n), bool) if valid is None else valid
+        vip = jnp.zeros((B, n), bool) if important is None else important.astype(bool)
+        # a row whose rest is not a whole number of blocks is padded with invalid tokens (masked keys,
+        # excluded from block means, dropped on output); a row with no more blocks than the fine
+        # budget keeps every block at token resolution (nothing to compress: the layer is exact)
+        n_pad = self.num_vip + max(1, -(-(n - self.num_vip) // self.block_size)) * self.block_size
+        if n_pad != n:
+            pad = ((0, 0), (0, n_pad - n))
+            x = jnp.pad(x, pad + ((0, 0),))
+            pos = jnp.pad(pos, pad, mode="edge") if n else jnp.zeros((B, n_pad), jnp.int32)
+            valid, vip = jnp.pad(valid, pad), jnp.pad(vip, pad)
+        h = min(self.num_fine, (n_pad - self.num_vip) // self.block_size)
+        keys = split_key(key, len(blocks))
+        for i in range(self.num_dense):
+            x = segment_local_layer(blocks[i], x, pos, valid, self.segment_len, rotary=self.rotary,
+                                    deterministic=deterministic, key=keys[i])
+        st, overflow = format_rows(x, vip, valid, pos, self.num_vip, self.block_size)
+        infos = []
+        for i in range(self.num_dense, len(blocks)):
+            st, info = vcc_layer(blocks[i], st, key=keys[i], **self.layer_kwargs(deterministic, h))
+            infos.append(info)
+        y = materialize(st)[:, :n]
+        if aux is not None:
+            aux.add_metric("vip_overflow", jnp.sum(overflow))
+        states = [None] * len(blocks)
+        return (y, states, infos) if return_info else (y, states)
+
+
+
+
+# ============================================================================= VCC-LM (spec §4.2)
+@dataclasses.dataclass(frozen=True)
+class LMOptions:
+    """Static settings of a VCC-LM layer: window w, local band g, block size k (k | w, k | g), fine
+    budget h, anchors a (the queries of the a positions before a window choose its fine blocks)."""
+
+    window: int
+    local: int
+    block_size: int
+    num_fine: int
+    anchors: int
+    rotary: bool
+    scale_correction: bool
+    ste_gate: bool
+    explore_prob: float
+
+
+def lm_init_state(block, opts: LMOptions, batch_size: int, max_len: int, d_model: int):
+    """Empty per-layer VCC-LM state for ``max_len`` tokens (spec §4.2's table). The key/value cache
+    has ``local`` slots of front padding and ``window`` slots of back padding so a window's band
+    [t0 - g, t0 + w) is one fixed-length slice; ``xbuf``/``qbuf`` hold the last k layer inputs and
+    the last a queries (block means and anchors that straddle a chunk border)."""
+    H, Dh, k = block.num_heads, block.head_dim, opts.block_size
+    nbmax = -(-max_len // k)
+    h = min(opts.num_fine, nbmax)
+    B, g, w = batch_size, opts.local, opts.window
+    return {
+        "k": jnp.zeros((B, H, g + max_len + w, Dh), jnp.float32),
+        "v": jnp.zeros((B, H, g + max_len + w, Dh), jnp.float32),
+        "ck": jnp.zeros((B, H, nbmax, Dh), jnp.float32),
+        "cv": jnp.zeros((B, H, nbmax, Dh), jnp.float32),
+        "xbuf": jnp.zeros((B, k, d_model), jnp.float32),
+        "qbuf": jnp.zeros((B, H, opts.anchors, Dh), jnp.float32),
+        "sel": jnp.zeros((B, h), jnp.int32),
+        "length": jnp.zeros((), jnp.int32),
+    }
+
+
+def lm_select(anchors, anchor_valid, ck, nb_j, h: int, *, explore_prob: float, deterministic: bool, key):
+    """Fine blocks of one window from its past anchors (spec §4.2): ℓ(b) = log(mean over heads and
+    valid anchors of softmax_{b' < nb_j}(q·κ_{b'}/√d_h) + 1e-5) for b < nb_j, top-h (exploration in
+    training). anchors [B, H, a, Dh], anchor_valid [a], ck [B, H, nbmax, Dh] -> (sel [B, h], ℓ [B, nbmax])."""
+    B, H, a, Dh = anchors.shape
+    nbmax = ck.shape[2]
+    old = jnp.arange(nbmax) < nb_j
+    s = jnp.einsum("bhad,bhjd->bhaj", anchors.astype(jnp.float32), ck.astype(jnp.float32)) * Dh**-0.5
+    pi = jax.nn.softmax(jnp.where(old, s, NEG), axis=-1)
+    w = anchor_valid.astype(jnp.float32)
+    pbar = jnp.einsum("bhaj,a->bj", pi, w) / (H * jnp.maximum(jnp.sum(w), 1.0))
+    ell = jnp.where(old, jnp.log(pbar + EPS), NEG_ELL)
+    sel = choose_blocks(jax.lax.stop_gradient(ell), h, explore_prob=explore_prob, deterministic=deterministic,
+                        key=key)
+    return sel, ell
+
+
+def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned: bool):
+    """One VCC-LM layer on a chunk x [B, T, d] that follows the prefix summarized by ``st``: returns
+    (y, new state, info). The same function serves the parallel pass (one chunk from an empty state,
+    ``aligned``: it starts at a window border), chunked training/evaluation and token-by-token
+    decoding, so they agree up to float summation order (and select the same blocks)."""
+    B, T, d = x.shape
+    H, Dh = block.num_heads, block.head_dim
+    k, w, g, a = opts.block_size, opts.window, opts.local, opts.anchors
+    nbmax = st["ck"].shape[2]
+    h = st["sel"].shape[1]
+    M = st["k"].shape[2] - g - w
+    s = st["length"]
+    check_capacity(s + T, M, "vcc: the VCC-LM state holds {capacity} tokens (init_state max_len) but {needed} "
+                   "were fed; build it with a larger max_len")
+    k_sel, k_attn, k_mlp, k_res = split_key(key, 4)
+    pos = s + jnp.arange(T, dtype=jnp.int32)
+    q, kk, v = project(block, x, jnp.broadcast_to(pos, (B, T)), opts.rotary)
+    Kc = jax.lax.dynamic_update_slice(st["k"], kk.astype(jnp.float32), (0, 0, g + s, 0))
+    Vc = jax.lax.dynamic_update_slice(st["v"], v.astype(jnp.float32), (0, 0, g + s, 0))
+    # blocks completed in this chunk: mean layer input -> the layer's LN, W_K, W_V (RoPE at the centre)
+    xcat = jnp.concatenate([st["xbuf"], x.astype(jnp.float32)], axis=1)  # positions [s - k, s + T)
+    nc = T // k + 1
+    bidx = s // k + jnp.arange(nc, dtype=jnp.int32)
+    complete = ((bidx + 1) * k <= s + T) & ((bidx + 1) * k > s)
+    rows = jnp.clip((bidx * k - (s - k))[:, None] + jnp.arange(k), 0, k + T - 1)  # [nc, k]
+    xm = jnp.mean(xcat[:, rows], axis=2).astype(x.dtype)  # [B, nc, d]
+    centre = (bidx * k).astype(jnp.float32) + (k - 1) / 2.0
+    _, cK, cV = project(block, xm, jnp.broadcast_to(centre, (B, nc)), opts.rotary)
+    where = jnp.where(complete, bidx, nbmax + 1)  # incomplete blocks: dropped
+    CK = st["ck"].at[:, :, where].set(cK.astype(jnp.float32), mode="drop")
+    CV = st["cv"].at[:, :, where].set(cV.astype(jnp.float32), mode="drop")
+    qcat = jnp.concatenate([st["qbuf"], q.astype(jnp.float32)], axis=2)  # positions [s - a, s + T)
+    # queries regrouped by window: window j0 + i holds positions [(j0 + i) w, (j0 + i + 1) w)
+    j0 = s // w
+    offset = s - j0 * w
+    nwin = -(-T // w) if aligned else -(-(w - 1 + T) // w)
+    Qp = jax.lax.dynamic_update_slice(jnp.zeros((B, H, nwin * w, Dh), q.dtype), q, (0, 0, offset, 0))
+    Qw = Qp.reshape(B, H, nwin, w, Dh).transpose(2, 0, 1, 3, 4)
+    logk = math.log(k) if opts.scale_correction else 0.0
+    train = not deterministic
+
+    def one_window(args):
+        i, qw = args
+        j = j0 + i
+        t0 = j * w
+        nb_j = jnp.maximum(0, (t0 - g) // k)
+        # selection from the past anchors [t0 - a, t0) (recomputed only when the window starts here)
+        a_idx = jnp.clip(t0 - s + jnp.arange(a), 0, a + T - 1)
+        anchors = qcat[:, :, a_idx]
+        wkey = None if k_sel is None else jax.random.fold_in(k_sel, j)
+        sel_new, ell = lm_select(anchors, t0 - a + jnp.arange(a) >= 0, CK, nb_j, h, explore_prob=opts.explore_prob,
+                                 deterministic=deterministic, key=wkey)
+        started_before = t0 < s
+        sel = jnp.where(started_before, st["sel"], sel_new)
+        sel_valid = sel < nb_j
+        selmask = jnp.zeros((B, nbmax), bool).at[jnp.arange(B)[:, None], sel].max(sel_valid)
+        if train and opts.ste_gate:
+            delta = jnp.where(started_before, 0.0, ste_delta(ell, selmask))
+        else:
+            delta = jnp.zeros((B, nbmax))
+        delta_f = jnp.take_along_axis(delta, sel, axis=1)
+        # keys: coarse blocks (old, unselected) | tokens of the selected blocks | the band [t0 - g, t0 + w)
+        fpos = (sel[:, :, None] * k + jnp.arange(k)).reshape(B, h * k)
+        fK = jnp.take_along_axis(Kc, (g + fpos)[:, None, :, None], axis=2)
+        fV = jnp.take_along_axis(Vc, (g + fpos)[:, None, :, None], axis=2)
+        bK = jax.lax.dynamic_slice_in_dim(Kc, t0, g + w, axis=2)
+        bV = jax.lax.dynamic_slice_in_dim(Vc, t0, g + w, axis=2)
+        upos = t0 - g + jnp.arange(g + w)
+        tpos = t0 + jnp.arange(w)
+        band = (upos[None, :] <= tpos[:, None]) & (upos[None, :] >= 0)  # [w, g + w]
+        old = jnp.arange(nbmax) < nb_j
+        cbias = jnp.where(old & ~selmask, logk + delta, NEG)  # [B, nbmax]
+        fbias = jnp.where(jnp.repeat(sel_valid, k, axis=1), jnp.repeat(delta_f, k, axis=1), NEG)  # [B, h k]
+        qf = qw.astype(jnp.float32) * Dh**-0.5
+        logits = jnp.concatenate([
+            jnp.einsum("bhqd,bhkd->bhqk", qf, CK) + cbias[:, None, None, :],
+            jnp.einsum("bhqd,bhkd->bhqk", qf, fK) + fbias[:, None, None, :],
+            jnp.where(band[None, None], jnp.einsum("bhqd,bhkd->bhqk", qf, bK), NEG),
+        ], axis=-1)
+        p = jax.nn.softmax(logits, axis=-1)
+        out = (jnp.einsum("bhqk,bhkd->bhqd", p[..., :nbmax], CV)
+               + jnp.einsum("bhqk,bhkd->bhqd", p[..., nbmax:nbmax + h * k], fV)
+               + jnp.einsum("bhqk,bhkd->bhqd", p[..., nbmax + h * k:], bV))
+        return out, sel
+
+    if nwin == 1:
+        outs, sels = jax.tree.map(lambda t: t[None], one_window((jnp.int32(0), Qw[0])))
+    else:
+        outs, sels = jax.lax.map(jax.checkpoint(one_window), (jnp.arange(nwin, dtype=jnp.int32), Qw))
+    o = outs.transpose(1, 2, 0, 3, 4).reshape(B, H, nwin * w, Dh)
+    o = jax.lax.dynamic_slice_in_dim(o, offset, T, axis=2).astype(x.dtype)
+    o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
+    y1 = x + dropout(block.out(o), block.dropout_rate, deterministic, k_attn)
+    f = block.mlp(block.norm2(y1), deterministic=deterministic, key=k_mlp)
+    y = y1 + dropout(f, block.dropout_rate, deterministic, k_res)
+    last = (offset + T - 1) // w
+    new = {"k": Kc, "v": Vc, "ck": CK, "cv": CV, "xbuf": xcat[:, T:T + k], "qbuf": qcat[:, :, T:T + a],
+           "sel": jax.lax.dynamic_index_in_dim(sels, last, axis=0, keepdims=False), "length": s + T}
+    return y, new, {"sel": sels}
+
+
+class VCCDecoderStack(nnx.Module):
+    """VCC-LM (spec §4.2, our causal extension): every block's attention reads the old history
+    (before the window's local band) at two resolutions chosen by the window's past anchors; the
+    FFN and projections run on every token as in a dense layer. Runs the backbone's own blocks
+    (same parameter tree as dense) and carries one state per layer (:func:`lm_init_state`)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
+        name = cfg.attention.name
+        vc = attention.default_config(name)
+        vc.update(cfg.attention.get(name) or {})
+        if not issubclass(get_block(cfg.block), TransformerBlock):
+            raise ConfigError(f"model.attention.name={name!r} wraps the pre-LN transformer block; "
+                              f"model.block={cfg.block!r} is not one")
+        lc = vc.causal
+        self.opts = LMOptions(window=lc.window, local=lc.local, block_size=lc.block_size, num_fine=lc.num_fine_blocks,
+                              anchors=lc.anchors, rotary=cfg.positions == "rotary",
+                              scale_correction=vc.scale_correction, ste_gate=vc.ste_gate,
+                              explore_prob=vc.explore_prob)
+        self.d_model = cfg.d_model
+
+    def init_state(self, blocks, batch_size: int, max_len: int | None = None):
+        if max_len is None or max_len <= 0:
+            raise ValueError("vcc: init_state needs max_len (the state's capacity in tokens)")
+        return [lm_init_state(b, self.opts, batch_size, max_len, self.d_model) for b in blocks]
+
+    def __call__(self, blocks, x, states=None, *, positions, important=None, valid=None, deterministic=True,
+                 key=None, aux: Aux | None = None, return_info: bool = False):
+        B, T, _ = x.shape
+        aligned = states is None or all(st is None for st in states)
+        if aligned:
+            states = self.init_state(blocks, B, T)
+        keys = split_key(key, len(blocks))
+        new_states, infos = [], []
+        for block, st, kl in zip(blocks, states, keys):
+            x, st, info = lm_layer(block, x, st, self.opts, deterministic=deterministic, key=kl, aligned=aligned)
+            new_states.append(st)
+            infos.append(info)
+        return (x, new_states, infos) if return_info else (x, new_states)
+
+
+__all__ = ["LMOptions", "VCCDecoderStack", "VCCEncoderStack", "VCCState", "choose_blocks", "compression_matrices",
+           "format_rows", "lm_init_state", "lm_layer", "lm_select", "materialize", "selection_logits", "ste_delta",
+           "tokens_of", "vcc_layer"]

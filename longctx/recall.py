@@ -1,0 +1,284 @@
+"""``longctx-recall``: does a trained model use its context? Accuracy (exact match of the answer
+tokens) and answer loss as a function of distance, on a generated recall task
+(:mod:`longctx.data.synthetic`), with a plot; ``longctx-recall-report`` tabulates several runs.
+
+    longctx-recall --workdir runs/recall/dense                     # its own task, at its training length
+    longctx-recall --workdir runs/default --task=passkey --length=1024   # zero-shot probe of a text LM
+    longctx-recall-report --runs=runs/recall/dense,runs/recall/eva --out=bench_out/recall
+
+A run trained on a recall task is scored on that task's fixed evaluation rows (``data.synthetic``
+settings of the run, overridable with ``--config.data.synthetic.*``); any byte-level decoder can be
+probed on any task (``--task``), e.g. the passkey task on a language model trained on text, at rows
+up to several times its training length (``--length``). Rows longer than ``eval.window`` run in
+windows with the model's state carried, so each method reads the context through its own state; a
+method whose state has a static capacity that the row exceeds is reported as such (status
+``capacity``), never truncated silently.
+
+Writes ``WORKDIR/recall/<task>_len<L>_step<N>.json`` and ``..._by_distance.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import ml_collections
+
+from longctx.errors import ConfigError
+
+LN2 = math.log(2.0)
+RUNNER_OVERRIDES = ("eval.", "data.path", "data.cache_dir")  # the rest of --config.* must be data.synthetic.*
+
+
+def capacity_message(exc: BaseException) -> str | None:
+    """The message when ``exc`` says a state with a static capacity was given more than it holds
+    (raised on the host, or from inside a compiled program through a host callback)."""
+    from longctx.attention.base import CapacityError
+
+    if isinstance(exc, CapacityError):
+        return str(exc)
+    text = str(exc)
+    if "CapacityError" in text:
+        lines = [ln for ln in text.splitlines() if "CapacityError" in ln]
+        return lines[-1].split("CapacityError:", 1)[-1].strip() if lines else text
+    return None
+
+
+def recall_run(workdir, *, task: str | None = None, length: int | None = None, rows: int | None = None,
+               bins: int | None = None, step: int | None = None, overrides: dict | None = None,
+               progress: bool = True, write: bool = True, out: str | Path | None = None) -> dict:
+    """Score ``workdir``'s newest valid checkpoint (or ``step``) on a generated task; print and
+    write the result. ``overrides``: ``--config.*`` values (``eval.*``, ``data.path``,
+    ``data.cache_dir`` for the run; ``data.synthetic.*`` for the task). ``out``: the folder for the
+    JSON and the plot (default ``WORKDIR/recall``)."""
+    import jax
+
+    from longctx.data import sources
+    from longctx.protocols import score_answers
+    from longctx.runtime import Runner
+    from longctx.train.step import make_scored_forward
+
+    overrides = dict(overrides or {})
+    syn_over = {k: v for k, v in overrides.items() if k.startswith("data.synthetic.")}
+    run_over = {k: v for k, v in overrides.items() if k not in syn_over}
+    for k in run_over:
+        if not k.startswith(RUNNER_OVERRIDES):
+            raise ConfigError(f"--config.{k}: longctx-recall takes --config.eval.*, --config.data.synthetic.*, "
+                              "--config.data.path and --config.data.cache_dir")
+    runner = Runner.from_workdir(workdir, step=step, overrides=run_over)
+    cfg = runner.cfg
+    if runner.is_encoder:
+        raise ConfigError("longctx-recall scores causal models; this run is an encoder (model.kind='encoder')")
+    if cfg.data.tokenizer != "bytes":
+        raise ConfigError(f"the recall tasks are byte-level; this run's tokenizer is {cfg.data.tokenizer!r}")
+    trained_on = cfg.data.source if sources.is_generated(cfg.data.source) else None
+    task = task or trained_on or "passkey"
+    if not sources.is_generated(task):
+        allowed = [n for n in sources.names() if sources.is_generated(n)]
+        raise ConfigError(f"--task={task!r} is not a generated recall task; allowed: {', '.join(allowed)}")
+    dcfg = ml_collections.ConfigDict(cfg.data.to_dict())
+    dcfg.source = task
+    dcfg.synthetic.distance = (0, 0)  # evaluation: every distance that fits, unless asked
+    for k, v in syn_over.items():
+        dcfg.synthetic[k.split(".", 2)[2]] = tuple(v) if isinstance(v, list) else v
+    syn = dcfg.synthetic
+    source = sources.build(dcfg)
+    L = int(length or cfg.train.seq_len)
+    n_rows, n_bins = int(rows or syn.eval_rows), int(bins or syn.bins)
+    if L <= 0 or n_rows <= 0 or n_bins <= 0:
+        raise ConfigError("--length, --rows and --bins must be positive integers")
+    source.check(L) if not source.controls_distance else source.distance_range(L)
+    eval_set, edges = source.eval_rows(row_len=L, n_rows=n_rows, bins=n_bins, split=cfg.eval.split,
+                                       seed=syn.eval_seed, distance=tuple(syn.distance))
+    fwd = jax.jit(make_scored_forward(runner.graphdef))
+
+    def init_state(b, n):
+        from longctx.attention.base import CapacityError
+
+        try:
+            return runner.init_state(b, n)
+        except ValueError as e:  # a state that cannot be built for n tokens (e.g. levels built for fewer)
+            raise CapacityError(str(e)) from e
+
+    method = cfg.model.attention.name
+    head = {"task": task, "options": source.options(), "trained_on": trained_on, "length": L,
+            "train_seq_len": int(cfg.train.seq_len), "attention": method, "block": cfg.model.block,
+            "step": runner.step, "workdir": str(workdir), "split": cfg.eval.split}
+    try:
+        res = score_answers(lambda p, i, t, s: fwd(*p, i, t, s), runner.params, eval_set, edges,
+                            window=cfg.eval.window, batch_size=cfg.eval.batch_size, init_state=init_state,
+                            progress=progress, desc=f"recall {task} L={L}")
+        res = {**head, "status": "ok", **res}
+    except Exception as e:  # noqa: BLE001 -- only a capacity refusal is a result; anything else re-raises
+        msg = capacity_message(e)
+        if msg is None:
+            raise
+        res = {**head, "status": "capacity", "message": msg}
+    if write:
+        out_dir = Path(out) if out else Path(workdir) / "recall"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{task}_len{L}_step{runner.step}"
+        (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        if res["status"] == "ok":
+            plot_by_distance({f"{method} ({cfg.model.block})": res}, out_dir / f"{stem}_by_distance.png",
+                             title=f"{task}, rows of {L} tokens (trained at {cfg.train.seq_len}), step {runner.step}")
+        res["json"] = str(out_dir / f"{stem}.json")
+    print(format_recall(res))
+    return res
+
+
+def format_recall(res: dict) -> str:
+    head = (f"{res['task']} {res['options']} @ step {res['step']}, rows of {res['length']} tokens "
+            f"(trained at {res['train_seq_len']}{', on ' + res['trained_on'] if res['trained_on'] else ', on text'}), "
+            f"attention={res['attention']}")
+    if res["status"] != "ok":
+        return (f"{head}\n  not measured: the method's state has a static capacity that rows of {res['length']} "
+                f"tokens exceed ({res['message']}). Evaluate shorter rows (--length) or build the state larger "
+                "(the method's capacity setting) and retrain if its parameters depend on it.")
+    lines = [head, f"  {res['answers']:,} answers ({res['tokens_scored']:,} tokens) in {res['protocol']['rows']} rows: "
+                   f"accuracy {res['accuracy']:.4f}, answer loss {res['bits_per_token']:.4f} bits/token",
+             "  distance          answers  accuracy  loss (bits/token)"]
+    for b in res["by_distance"]:
+        acc = "-" if b["accuracy"] is None else f"{b['accuracy']:.3f}"
+        loss = "-" if b["loss_nats_per_token"] is None else f"{b['loss_nats_per_token'] / LN2:.3f}"
+        lines.append(f"  {b['lo']:>6} - {b['hi']:<7}  {b['answers']:>7}  {acc:>8}  {loss:>8}")
+    return "\n".join(lines)
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError:  # plotting is optional: the JSON and the table carry the numbers
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_by_distance(results: dict, path: Path, *, title: str) -> bool:
+    """Accuracy and answer loss against distance, one line per labelled result. False when
+    matplotlib is not installed (nothing written)."""
+    plt = _matplotlib()
+    if plt is None:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, res in results.items():
+        bins = [b for b in res["by_distance"] if b["answers"]]
+        xs = [(b["lo"] + b["hi"]) / 2 for b in bins]
+        ax1.plot(xs, [b["accuracy"] for b in bins], ".-", label=label)
+        ax2.plot(xs, [b["loss_nats_per_token"] / LN2 for b in bins], ".-", label=label)
+    ax1.set_ylabel("accuracy (exact match of the answer)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax2.set_ylabel("answer loss (bits per token)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("distance to the recalled token (tokens)")
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# several runs: one table and one plot
+
+
+def newest_result(workdir, task: str | None = None, length: int | None = None) -> dict | None:
+    """The newest ``recall/*.json`` of a run (optionally for one task / row length); ``workdir`` may
+    also be a folder of results itself (``longctx-recall --out``)."""
+    wd = Path(workdir)
+    folder = wd / "recall" if (wd / "recall").is_dir() else wd if not (wd / "config.json").exists() else None
+    files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder else []
+    for p in reversed(files):
+        res = json.loads(p.read_text())
+        if "task" not in res or "status" not in res:
+            continue
+        if (task is None or res["task"] == task) and (length is None or res["length"] == length):
+            return res
+    return None
+
+
+def run_summary(workdir) -> dict:
+    """Parameter count, steps and training time of a run (from its metrics and config)."""
+    wd = Path(workdir)
+    out = {}
+    cfg = json.loads((wd / "config.json").read_text()) if (wd / "config.json").exists() else {}
+    if cfg:
+        out["seq_len"] = cfg["train"]["seq_len"]
+        out["steps"] = cfg["train"]["steps"]
+        out["batch_size"] = cfg["train"]["batch_size"]
+    timing = wd / "recall_train_seconds.txt"
+    if timing.exists():
+        out["train_seconds"] = float(timing.read_text().split()[0])
+    log = wd / "train.log"
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.startswith("model: ") and " parameters" in line:
+                out["params"] = int(line.split()[1].replace(",", ""))
+    return out
+
+
+def report(workdirs: list[str], out: str | Path, *, task: str | None = None, length: int | None = None,
+           title: str = "") -> str:
+    """Write ``OUT/recall.md`` (a markdown table: accuracy per distance bin, overall accuracy and answer
+    loss per run) and ``OUT/recall.png`` from the runs' newest recall results. Returns the table."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, rows = {}, []
+    for wd in workdirs:
+        res = newest_result(wd, task, length)
+        if res is None:
+            rows.append((wd, None, run_summary(wd)))
+            continue
+        rows.append((wd, res, run_summary(wd)))
+        if res["status"] == "ok":
+            results[f"{res['attention']} ({res['block']})"] = res
+    ok = [r for _, r, _ in rows if r and r["status"] == "ok"]
+    if not ok and not rows:
+        raise ConfigError("no runs given (--runs=DIR,DIR,...)")
+    edges = [(b["lo"], b["hi"]) for b in ok[0]["by_distance"]] if ok else []
+    head = ["method", "block", "params", "steps", "train s", "accuracy", "answer loss (bits)"]
+    head += [f"d {lo}-{hi}" for lo, hi in edges]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for wd, res, summ in rows:
+        name = res["attention"] if res else Path(wd).name
+        cells = [name, res["block"] if res else "-", f"{summ.get('params', 0):,}" if "params" in summ else "-",
+                 str(summ.get("steps", "-")), f"{summ['train_seconds']:.0f}" if "train_seconds" in summ else "-"]
+        if res is None:
+            cells += ["no result"] + ["-"] * (1 + len(edges))
+        elif res["status"] != "ok":
+            cells += [f"capacity: {res['message'][:80]}"] + ["-"] * (1 + len(edges))
+        else:
+            by = {(b["lo"], b["hi"]): b for b in res["by_distance"]}
+            cells += [f"{res['accuracy']:.3f}", f"{res['bits_per_token']:.3f}"]
+            cells += ["-" if by.get(e, {}).get("accuracy") is None else f"{by[e]['accuracy']:.2f}" for e in edges]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = ok[0] if ok else None
+    desc = ""
+    if first:
+        desc = (f"Task `{first['task']}` {first['options']}, rows of {first['length']} tokens, "
+                f"{first['protocol']['rows']} evaluation rows ({first['split']} stream), {first['answers']:,} answers "
+                "per method; accuracy = exact match of every answer token (argmax given the true prefix); "
+                "columns `d lo-hi`: accuracy of the answers whose distance to the recalled token is in that range.\n\n")
+    table = desc + "\n".join(lines) + "\n"
+    (out / "recall.md").write_text((f"## {title}\n\n" if title else "") + table)
+    (out / "recall.json").write_text(json.dumps({str(wd): res for wd, res, _ in rows}, indent=1))
+    if results:
+        plot_by_distance(results, out / "recall.png",
+                         title=title or f"{first['task']}, rows of {first['length']} tokens")
+    print(table)
+    return table
+
+
+def main(argv=None) -> int:
+    from longctx import cli
+
+    return cli.recall_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

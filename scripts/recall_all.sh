@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The recall benchmark (issue 18): train every registered causal attention method on the same
+# associative-recall task (configs/recall/<method>.py: rows of 1,024 tokens, same parameter count,
+# steps and schedule), score each with longctx-recall (accuracy and answer loss by distance), and
+# write one markdown table and one plot. Sized for ~30 minutes on an idle 2-core CPU.
+#
+#   scripts/recall_all.sh                      # -> bench_out/recall/{recall.md,recall.png,recall.json}
+#   OUT=/tmp/r RUNS=/tmp/runs scripts/recall_all.sh
+#   LM_RUNS="runs/default runs/eva" scripts/recall_all.sh   # + zero-shot passkey probe of text LMs
+#
+# The methods come from the registry (longctx.attention.names(), those with a causal form); a
+# method without configs/recall/<method>.py is reported and skipped. Re-running resumes finished
+# or interrupted runs from their checkpoints (a finished run is only re-scored).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PY:-.venv/bin/python}"
+OUT="${OUT:-bench_out/recall}"
+RUNS="${RUNS:-runs/recall}"
+mkdir -p "$OUT" "$RUNS"
+# the console scripts, without needing them installed (pip install -e . adds longctx-recall*)
+train() { "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' "$@"; }
+recall() { "$PY" -c 'import sys; from longctx.cli import recall_main; sys.exit(recall_main())' "$@"; }
+report() { "$PY" -c 'import sys; from longctx.cli import recall_report_main; sys.exit(recall_report_main())' "$@"; }
+
+METHODS=$("$PY" -c 'from longctx import attention
+print(" ".join(n for n in attention.names() if attention.get_class(n).supports_causal))')
+T0=$(date +%s)
+done_runs=()
+for m in $METHODS; do
+  cfg="configs/recall/$m.py"
+  if [ ! -f "$cfg" ]; then
+    echo "== $m: no $cfg, skipped" | tee -a "$OUT/skipped.txt"
+    continue
+  fi
+  wd="$RUNS/$m"
+  mkdir -p "$wd"
+  echo "== $m: training ($cfg)"
+  t=$(date +%s)
+  train --config="$cfg" --workdir="$wd" --noprogress 2>&1 | tee "$wd/train.log" | grep -E "^(model|done|error)" || true
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "training $m failed; see $wd/train.log"; continue; }
+  echo "$(( $(date +%s) - t )) seconds (wall, this invocation)" > "$wd/recall_train_seconds.txt"
+  echo "== $m: scoring"
+  recall --workdir="$wd" --noprogress | tee "$wd/recall.log"
+  done_runs+=("$wd")
+done
+runs=$(IFS=,; echo "${done_runs[*]}")
+report --runs="$runs" --out="$OUT" --task=mqar --length=1024 \
+  --title="Associative recall (fused-pair MQAR) at 1,024 tokens, by distance"
+
+# optional: zero-shot passkey probe of language models trained on text, at 1x, 2x and 4x their
+# training length (a method whose state cannot hold the row is reported as 'capacity')
+if [ -n "${LM_RUNS:-}" ]; then
+  for lm in $LM_RUNS; do
+    seq=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['train']['seq_len'])" "$lm/config.json")
+    name=$(basename "$lm")
+    for mult in 1 2 4; do
+      recall --workdir="$lm" --task=passkey --length=$(( seq * mult )) --rows=64 --bins=4 --noprogress \
+        --out="$OUT/passkey_$name" | tee -a "$OUT/passkey_$name.log"
+    done
+    dirs="${dirs:+$dirs,}$OUT/passkey_$name"
+  done
+  # one table per length multiple (assumes the LMs share their training length)
+  for mult in 1 2 4; do
+    report --runs="$dirs" --task=passkey --length=$(( seq * mult )) --out="$OUT/passkey_x$mult" \
+      --title="Zero-shot passkey probe of text LMs, rows of $(( seq * mult )) tokens (${mult}x training)"
+  done
+fi
+echo "total wall time: $(( $(date +%s) - T0 )) s" | tee "$OUT/wall_time.txt"

@@ -1,0 +1,564 @@
+"""VCC encoder stack (spec shared/specs/vcc.md §6, checks 1-6, 8, 9 for the encoder). fp32 unless
+stated, tiny shapes, seeded. The model-level contract laws run in tests/models/test_model_contract.py."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx.config import base_config
+from longctx.errors import ConfigError
+from longctx.models import vcc_stack as vs
+from longctx.models.decoder import build_model
+
+B, V, D_MODEL = 2, 64, 16
+NAME = "vcc"
+
+
+def model_cfg(method=NAME, *, num_layers=3, positions="rotary", **vc):
+    c = base_config().model
+    c.kind, c.causal = "encoder", False
+    c.vocab_size = V
+    c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = D_MODEL, num_layers, 2, 8, 32
+    c.positions = positions
+    c.max_len = 128
+    c.attention.name = method
+    if method == NAME:
+        base = {"num_vip": 8, "block_size": 4, "num_fine_blocks": 2, "num_dense_layers": 1, "dense_segment_len": 64,
+                "query_chunk": 0}
+        base.update(vc)
+        c.attention[NAME] = base
+    return c
+
+
+def build(method=NAME, **kw):
+    return build_model(model_cfg(method, **kw), seed=0)
+
+
+def inputs(T, seed=0, rate=0.15, batch=B):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.randint(k1, (batch, T), 0, V - 1), jax.random.bernoulli(k2, rate, (batch, T))
+
+
+def stack_hidden(model, tokens, imp, valid=None, *, deterministic=True, key=None, embedded=None, info=False):
+    """Pre-final-norm stack output (and per-layer selection info)."""
+    T = tokens.shape[1]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    x = model.embed_tokens(tokens, pos) if embedded is None else embedded
+    y, _, infos = model.stack(model.blocks, x, None, positions=pos, important=imp, valid=valid,
+                              deterministic=deterministic, key=key, return_info=True)
+    return (y, infos) if info else y
+
+
+def dense_hidden(model, tokens):
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = model.embed_tokens(tokens, pos)
+    for block in model.blocks:
+        x, _ = block(x, None, positions=pos)
+    return x
+
+
+def layer_kw(model, h=None, deterministic=True):
+    return model.stack.layer_kwargs(deterministic, model.stack.num_fine if h is None else h)
+
+
+# ----------------------------------------------------------------------------- 1. no compression = dense
+def test_parameter_tree_is_the_dense_models():
+    dense, vcc = build("dense"), build()
+    pd, pv = nnx.state(dense, nnx.Param), nnx.state(vcc, nnx.Param)
+    assert jax.tree.structure(pd) == jax.tree.structure(pv)
+    for a, b in zip(jax.tree.leaves(pd), jax.tree.leaves(pv)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+@pytest.mark.parametrize("kind", ["all_blocks_fine", "block_size_1"])
+def test_no_compression_equals_dense(kind, positions):
+    T = 40
+    vc = {"num_fine_blocks": 8} if kind == "all_blocks_fine" else {"block_size": 1, "num_fine_blocks": 3}
+    dense, vcc = build("dense", positions=positions), build(positions=positions, **vc)
+    tokens, imp = inputs(T)
+    want, _ = dense(tokens, imp)
+    got, _ = vcc(tokens, imp)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # training mode (exploration, straight-through gate): the forward value is still dense's
+    got_t = stack_hidden(vcc, tokens, imp, deterministic=False, key=jax.random.key(3))
+    np.testing.assert_allclose(np.asarray(got_t), np.asarray(dense_hidden(dense, tokens)), atol=1e-5, rtol=1e-5)
+    # and compression does change it (the test can fail)
+    lossy = build(positions=positions, num_fine_blocks=1)
+    assert float(jnp.max(jnp.abs(lossy(tokens, imp)[0] - want))) > 1e-3
+
+
+def test_segment_local_dense_layers_are_dense_per_segment():
+    T, seg = 48, 16
+    vcc = build(positions="none", num_dense_layers=3, dense_segment_len=seg)
+    dense = build("dense", positions="none")
+    tokens, imp = inputs(T)
+    got = stack_hidden(vcc, tokens, imp)
+    want = jnp.concatenate([dense_hidden(dense, tokens[:, a:a + seg]) for a in range(0, T, seg)], axis=1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert float(jnp.max(jnp.abs(dense_hidden(dense, tokens) - want))) > 1e-3  # segments really are cut
+
+
+# ----------------------------------------------------------------------------- 2. dense-matrix reference
+def _gamma_reference(block, Y, bias):
+    """γ_D(Y) = A + F of the pre-LN block with a per-key logit bias, written out from its weights."""
+    R = Y.shape[0]
+    H, Dh = block.num_heads, block.head_dim
+    qkv = block.qkv(block.norm1(Y[None]))[0].reshape(R, 3, H, Dh)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    s = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(Dh) + bias[None, None, :]
+    a = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v).reshape(R, H * Dh)
+    A = block.out(a[None])[0]
+    F = block.mlp(block.norm2((Y + A)[None]), deterministic=True)[0]
+    return A + F
+
+
+def test_dense_matrix_reference():
+    T, n_p, k, h = 64, 8, 4, 3
+    nb = (T - n_p) // k
+    model = build(num_layers=1, num_dense_layers=0, num_vip=n_p, block_size=k, num_fine_blocks=h, positions="none")
+    tokens, imp = inputs(T, seed=4)
+    x = model.embed_tokens(tokens, jnp.arange(T))
+    got, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
+    st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
+    for b in range(B):
+        fine = np.asarray(infos[0]["fine_idx"][b])
+        S_c, S_dag, D = vs.compression_matrices(fine, nb, k)
+        perm = np.asarray(st.perm[b])
+        X = np.asarray(x[b])[perm]
+        P, C = X[:n_p], X[n_p:]
+        SX = np.concatenate([P, S_c @ C])
+        bias = np.concatenate([np.zeros(n_p), np.log(D)])
+        U = np.asarray(_gamma_reference(model.blocks[0], jnp.asarray(SX, jnp.float32), jnp.asarray(bias, jnp.float32)))
+        X_new = X + np.concatenate([U[:n_p], S_dag @ U[n_p:]])
+        want = np.empty_like(X_new)
+        want[perm] = X_new
+        np.testing.assert_allclose(np.asarray(got[b]), want, atol=1e-5, rtol=1e-5)
+        assert len(set(fine.tolist())) == h
+
+
+# ----------------------------------------------------------------------------- 3. compression algebra
+def test_compression_algebra():
+    nb, k = 6, 4
+    rng = np.random.default_rng(0)
+    fine = rng.choice(nb, size=2, replace=False)
+    S, S_dag, D = vs.compression_matrices(fine, nb, k)
+    assert S.shape == (nb - 2 + 2 * k, nb * k)
+    np.testing.assert_allclose(S @ S_dag, np.eye(S.shape[0]), atol=1e-12)
+    np.testing.assert_allclose(S_dag, S.T * D[None, :], atol=1e-12)
+    assert ((S_dag == 0) | (S_dag == 1)).all() and (S_dag.sum(1) == 1).all()  # one-hot rows
+    Pr = S_dag @ S
+    np.testing.assert_allclose(Pr, Pr.T, atol=1e-12)
+    np.testing.assert_allclose(Pr @ Pr, Pr, atol=1e-12)
+    # exp(P (S C)^T) D S == exp(<P_i, mean of the segment containing j>)  (MRA's "exp of the mean logit")
+    Pv, C = rng.normal(size=(3, 5)), rng.normal(size=(nb * k, 5))
+    lhs = np.exp(Pv @ (S @ C).T) * D[None, :] @ S
+    seg_mean = S_dag @ (S @ C)  # each token -> its segment's mean
+    np.testing.assert_allclose(lhs, np.exp(Pv @ seg_mean.T), rtol=1e-10)
+
+
+def test_format_materialize_round_trip_and_block_update_reaches_every_token():
+    T, n_p, k = 40, 8, 4
+    x = jax.random.normal(jax.random.key(0), (B, T, D_MODEL))
+    vip = jax.random.bernoulli(jax.random.key(1), 0.2, (B, T))
+    valid = jnp.ones((B, T), bool).at[1, -6:].set(False)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    st, _ = vs.format_rows(x, vip, valid, pos, n_p, k)
+    want = x * valid[..., None]
+    np.testing.assert_allclose(np.asarray(vs.materialize(st)), np.asarray(want), atol=1e-6)
+    # an update of block b's mean reaches all k of its tokens (and nothing else)
+    u = jax.random.normal(jax.random.key(2), (D_MODEL,))
+    st2 = vs.VCCState(**{**st.__dict__, "coarse": st.coarse.at[0, 3].add(u)})
+    moved = np.asarray(vs.materialize(st2) - vs.materialize(st))[0]
+    members = np.asarray(st.perm[0, n_p + 3 * k: n_p + 4 * k])
+    np.testing.assert_allclose(moved[members], np.broadcast_to(np.asarray(u), (k, D_MODEL)), atol=1e-6)
+    others = np.setdiff1d(np.arange(T), members)
+    assert np.abs(moved[others]).max() == 0.0
+
+
+# ----------------------------------------------------------------------------- 4. T(C) consistency
+def test_tree_consistency_after_every_layer():
+    T, n_p, k = 40, 8, 4
+    model = build(num_layers=4, num_dense_layers=1)
+    tokens, imp = inputs(T, seed=2)
+    valid = jnp.ones((B, T), bool).at[1, -10:].set(False)  # two whole blocks of row 1 are padding
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    x = model.embed_tokens(tokens, jnp.arange(T))
+    x = vs.segment_local_layer(model.blocks[0], x, pos, valid, 64, rotary=True, deterministic=True, key=None)
+    st, _ = vs.format_rows(x, imp, valid, pos, n_p, k)
+    for i in range(1, 4):
+        st, info = vs.vcc_layer(model.blocks[i], st, key=None, **layer_kw(model))
+        toks = vs.tokens_of(st)
+        bv = np.asarray(st.block_valid)
+        mean = np.asarray(vs.masked_mean(toks, st.tok_valid, 2))
+        np.testing.assert_allclose(np.asarray(st.coarse)[bv], mean[bv], atol=1e-5)
+        tv = np.asarray(st.tok_valid)[..., None]
+        np.testing.assert_allclose(np.asarray(st.diff) * tv,
+                                   (np.asarray(st.coarse)[:, :, None] - np.asarray(toks)) * tv, atol=1e-5)
+        np.testing.assert_allclose((np.asarray(st.diff) * tv).sum(2)[bv], 0.0, atol=1e-5)
+        # the incremental update equals rebuilding T(C) from the materialized tokens
+        rebuilt, _ = vs.format_rows(vs.materialize(st), imp, valid, pos, n_p, k)
+        np.testing.assert_allclose(np.asarray(rebuilt.coarse)[bv], np.asarray(st.coarse)[bv], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(rebuilt.diff) * tv, np.asarray(st.diff) * tv, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(rebuilt.P), np.asarray(st.P) * np.asarray(st.vip_valid)[..., None])
+        assert not np.asarray(info["sel"])[~bv].any(), "an all-padding block was selected at eval"
+
+
+# ----------------------------------------------------------------------------- 5. selection
+def _numpy_selection(qv, kc, imp, block_valid):
+    qv, kc = np.asarray(qv, np.float64), np.asarray(kc, np.float64)
+    Bn, H, n_p, D = qv.shape
+    out = np.zeros((Bn, kc.shape[2]))
+    for b in range(Bn):
+        pbar = np.zeros(kc.shape[2])
+        for e in range(H):
+            for i in range(n_p):
+                s = kc[b, e] @ qv[b, e, i] / math.sqrt(D)
+                s = np.where(block_valid[b], s, -1e9)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                pbar += float(imp[b, i]) * p
+        pbar /= H * n_p
+        out[b] = np.where(block_valid[b], np.log(pbar + 1e-5), -1e30)
+    return out
+
+
+def test_selection_matches_numpy_and_ignores_non_vip_slots():
+    ks = jax.random.split(jax.random.key(0), 3)
+    qv = jax.random.normal(ks[0], (B, 2, 6, 8)) * 2
+    kc = jax.random.normal(ks[1], (B, 2, 7, 8)) * 2
+    imp = np.array([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 1]], bool)
+    bv = np.ones((B, 7), bool)
+    bv[1, 5:] = False
+    ell = vs.selection_logits(qv, kc, jnp.asarray(imp), jnp.asarray(bv))
+    np.testing.assert_allclose(np.asarray(ell), _numpy_selection(qv, kc, imp, bv), rtol=1e-5, atol=1e-5)
+    qv2 = jnp.where(jnp.asarray(imp)[:, None, :, None], qv, 5.0 * jax.random.normal(ks[2], qv.shape))
+    np.testing.assert_array_equal(np.asarray(vs.selection_logits(qv2, kc, jnp.asarray(imp), jnp.asarray(bv))),
+                                  np.asarray(ell))
+    fine = vs.choose_blocks(ell, 5, explore_prob=0.1, deterministic=True, key=None)
+    assert set(np.asarray(fine[1]).tolist()) == {0, 1, 2, 3, 4}  # padding blocks never beat valid ones
+    np.testing.assert_array_equal(np.asarray(fine[0]), np.argsort(-np.asarray(ell[0]), kind="stable")[:5])
+
+
+def test_exploration_is_uniform_and_has_the_configured_rate():
+    nb, h, N = 8, 2, 4000
+    ell = jnp.broadcast_to(jnp.linspace(0.0, -3.0, nb), (N, nb))
+    fine = vs.choose_blocks(ell, h, explore_prob=1.0, deterministic=False, key=jax.random.key(0))
+    counts = np.bincount(np.asarray(fine).ravel(), minlength=nb)
+    expected = N * h / nb
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 24.3, (chi2, counts)  # chi^2(7 dof) 0.999 quantile
+    fine = vs.choose_blocks(ell, h, explore_prob=0.3, deterministic=False, key=jax.random.key(1))
+    moved = np.any(np.sort(np.asarray(fine), 1) != np.array([0, 1]), axis=1).mean()
+    rate = 0.3 * (1 - 1 / math.comb(nb, h))
+    assert abs(moved - rate) < 4 * math.sqrt(rate * (1 - rate) / N), moved
+    top = vs.choose_blocks(ell, h, explore_prob=0.3, deterministic=True, key=jax.random.key(1))
+    assert (np.sort(np.asarray(top), 1) == [0, 1]).all()
+
+
+def test_straight_through_gate_changes_gradients_not_values():
+    T = 40
+    tokens, imp = inputs(T, seed=5)
+    outs, grads = {}, {}
+    for ste in (True, False):
+        model = build(num_layers=2, num_dense_layers=0, ste_gate=ste, explore_prob=0.1)
+        key = jax.random.key(9)
+        outs[ste] = stack_hidden(model, tokens, imp, deterministic=False, key=key)
+        x = model.embed_tokens(tokens, jnp.arange(T))
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+        st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), pos, 8, 4)
+        kw = layer_kw(model, deterministic=False)
+        kw["explore_prob"] = 0.0
+
+        def loss(probe, st=st, model=model, kw=kw):
+            new, _ = vs.vcc_layer(model.blocks[0], st, key=jax.random.key(1), probe=probe, **kw)
+            return jnp.sum(vs.materialize(new) ** 2)
+
+        grads[ste] = jax.grad(loss)(jnp.zeros((B, 8)))
+    np.testing.assert_array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
+    assert float(jnp.max(jnp.abs(grads[True]))) > 1e-6, "no gradient reaches the selection logits with the gate"
+    assert float(jnp.max(jnp.abs(grads[False]))) == 0.0
+
+
+def test_eval_is_deterministic_and_training_explores():
+    T = 40
+    model = build(explore_prob=0.5)
+    tokens, imp = inputs(T, seed=6)
+    a, ia = stack_hidden(model, tokens, imp, info=True)
+    b, ib = stack_hidden(model, tokens, imp, info=True, key=jax.random.key(1))  # deterministic ignores the key
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sels = [np.asarray(stack_hidden(model, tokens, imp, deterministic=False, key=jax.random.key(s), info=True)[1][0]
+                       ["fine_idx"]) for s in range(6)]
+    assert any((np.sort(s, 1) != np.sort(np.asarray(ia[0]["fine_idx"]), 1)).any() for s in sels)
+
+
+# ----------------------------------------------------------------------------- 6. format
+def test_format_vip_order_underflow_and_overflow():
+    T, n_p, k = 24, 4, 4
+    x = jax.random.normal(jax.random.key(0), (B, T, 3))
+    vip = np.zeros((B, T), bool)
+    vip[0, [3, 9, 17]] = True  # fewer than n_p
+    vip[1, [1, 2, 5, 11, 20, 23]] = True  # more than n_p
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    st, overflow = vs.format_rows(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos, n_p, k)
+    perm = np.asarray(st.perm)
+    assert perm[0, :4].tolist() == [3, 9, 17, 0]  # VIP in order, then the earliest other token
+    assert np.asarray(st.imp)[0].tolist() == [True, True, True, False]
+    assert perm[1, :4].tolist() == [1, 2, 5, 11] and np.asarray(st.imp)[1].all()
+    assert sorted(perm[1, 4:].tolist()) == sorted(set(range(T)) - {1, 2, 5, 11})  # surplus VIPs compressed
+    assert np.asarray(overflow).tolist() == [0, 2]
+    np.testing.assert_allclose(np.asarray(vs.materialize(st)), np.asarray(x), atol=1e-6)
+    model = build(num_vip=n_p)
+    _, aux = model(jax.random.randint(jax.random.key(1), (B, T), 0, V - 1), jnp.asarray(vip))
+    assert int(aux["metrics"]["stack/vip_overflow"]) == 2
+
+
+def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
+    model = build()
+    for T in (1, 9, 23, 41):
+        tokens, imp = inputs(T, seed=T)
+        out, _ = model(tokens, imp)
+        assert out.shape == (B, T, V) and bool(jnp.all(jnp.isfinite(out)))
+    dense = build("dense")
+    tokens, imp = inputs(14, seed=1)  # 8 VIP slots + 2 blocks <= 2 fine blocks: exact
+    np.testing.assert_allclose(np.asarray(model(tokens, imp)[0]), np.asarray(dense(tokens, imp)[0]), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 8. gradients
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["padding", "no_vip", "all_fine", "one_fine"])
+def test_gradients_are_finite(variant, dtype):
+    T = 40
+    h = {"all_fine": 8, "one_fine": 1}.get(variant, 2)
+    model = build(num_fine_blocks=h)
+    tokens, imp = inputs(T, seed=7)
+    if variant == "no_vip":
+        imp = jnp.zeros_like(imp)
+    valid = jnp.ones((B, T), bool).at[0, -13:].set(False) if variant == "padding" else None
+    gd, params, rest = nnx.split(model, nnx.Param, ...)
+    dt = jnp.dtype(dtype)
+    params = jax.tree.map(lambda p: p.astype(dt), params)
+
+    def loss(p):
+        m = nnx.merge(gd, p, rest)
+        y = stack_hidden(m, tokens, imp, valid, deterministic=False, key=jax.random.key(0))
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss)(params)
+    leaves = [g.astype(jnp.float32) for g in jax.tree.leaves(grads)]
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+    assert max(float(jnp.max(jnp.abs(g))) for g in leaves) > 0.0
+
+
+def test_gradient_reaches_a_token_of_an_unselected_block():
+    T, n_p, k = 40, 8, 4
+    model = build(num_layers=1, num_dense_layers=0)
+    tokens, imp = inputs(T, seed=8)
+    x = model.embed_tokens(tokens, jnp.arange(T))
+    _, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
+    st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
+    unselected = [b for b in range(8) if b not in np.asarray(infos[0]["fine_idx"][0]).tolist()][0]
+    tok = int(st.perm[0, n_p + unselected * k + 1])
+    vip_rows = np.asarray(st.perm[0, :n_p])[np.asarray(st.imp[0])]
+
+    def loss(x):  # the loss reads only the VIP outputs of row 0
+        return jnp.sum(stack_hidden(model, tokens, imp, embedded=x)[0, vip_rows] ** 2)
+
+    g = jax.grad(loss)(x)
+    assert float(jnp.max(jnp.abs(g[0, tok]))) > 1e-6
+
+
+# ----------------------------------------------------------------------------- 9. one compilation per shape
+def test_one_compilation_per_shape():
+    model = build()
+    gd, state = nnx.split(model)
+    traces = []
+
+    @jax.jit
+    def fwd(state, tokens, imp):
+        traces.append(1)
+        return nnx.merge(gd, state)(tokens, imp)[0]
+
+    for seed, rate in ((0, 0.05), (1, 0.3), (2, 0.6)):  # different VIP counts (under- and overflow)
+        tokens, imp = inputs(40, seed=seed, rate=rate)
+        jax.block_until_ready(fwd(state, tokens, imp))
+    assert len(traces) == 1
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_refusals():
+    c = lm_cfg(block_size=3)
+    with pytest.raises(ConfigError, match="must divide window"):
+        build_model(c)
+    c = model_cfg(levels=(16, 1))
+    with pytest.raises(ConfigError, match="levels"):
+        build_model(c)
+    c = model_cfg()
+    c.block = "gau"
+    with pytest.raises(ConfigError, match="pre-LN"):
+        build_model(c)
+    c = model_cfg(num_dense_layers=5)
+    with pytest.raises(ConfigError, match="num_dense_layers"):
+        build_model(c)
+
+
+def test_the_core_refuses_to_run_without_its_wrapper():
+    model = build()
+    q = jnp.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="stack wrapper"):
+        model.blocks[0].core(q, q, q)
+    with pytest.raises(ValueError, match="stack wrapper"):
+        model.blocks[0](jnp.zeros((1, 4, D_MODEL)), None, positions=jnp.arange(4))
+
+
+# ============================================================================= VCC-LM (spec §4.2, §6.7)
+LM = {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4}
+
+
+def lm_cfg(method=NAME, *, positions="rotary", explore_prob=0.1, ste_gate=True, num_layers=2, **lc):
+    c = base_config().model
+    c.vocab_size = V
+    c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = D_MODEL, num_layers, 2, 8, 32
+    c.positions = positions
+    c.attention.name = method
+    if method == NAME:
+        c.attention[NAME] = {"causal": dict(LM, **lc), "explore_prob": explore_prob, "ste_gate": ste_gate}
+    return c
+
+
+def lm(method=NAME, **kw):
+    return build_model(lm_cfg(method, **kw), seed=0)
+
+
+def lm_hidden(model, tokens, state=None, *, deterministic=True, key=None, embedded=None):
+    """Stack output (before the final norm), new states and per-layer info, from tokens or embeddings."""
+    T = tokens.shape[1]
+    s0 = 0 if state is None else state[0]["length"]
+    pos = s0 + jnp.arange(T, dtype=jnp.int32)
+    x = model.embed_tokens(tokens, pos) if embedded is None else embedded
+    return model.stack(model.blocks, x, state, positions=pos, deterministic=deterministic, key=key, return_info=True)
+
+
+def test_lm_parameter_tree_is_the_dense_decoders():
+    pd, pv = nnx.state(lm("dense"), nnx.Param), nnx.state(lm(), nnx.Param)
+    assert jax.tree.structure(pd) == jax.tree.structure(pv)
+    for a, b in zip(jax.tree.leaves(pd), jax.tree.leaves(pv)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kind", ["all_old_blocks_fine", "block_size_1"])
+def test_lm_reduces_to_dense_causal(kind):
+    T = 64
+    kw = {"num_fine_blocks": (T - 8 - 8) // 4} if kind == "all_old_blocks_fine" else {"block_size": 1}
+    tokens, _ = inputs(T, seed=1)
+    want = lm("dense")(tokens)[0]
+    np.testing.assert_allclose(np.asarray(lm(**kw)(tokens)[0]), np.asarray(want), atol=1e-5, rtol=1e-5)
+    got = lm(**kw)
+    y, _, _ = lm_hidden(got, tokens, deterministic=False, key=jax.random.key(2))  # training mode too
+    np.testing.assert_allclose(np.asarray(got.logits(got.norm(y))), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_lm_first_windows_are_dense_and_later_ones_compressed():
+    T, w, g, k = 64, 8, 8, 4
+    tokens, _ = inputs(T, seed=2)
+    want, got = lm("dense")(tokens)[0], lm()(tokens)[0]
+    exact = w + g + k  # windows whose old history holds no complete block: t0 - g < k
+    np.testing.assert_allclose(np.asarray(got[:, :exact]), np.asarray(want[:, :exact]), atol=1e-5, rtol=1e-5)
+    assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
+
+
+def test_lm_parallel_chunked_and_decoded_agree_with_identical_selections():
+    T, w = 64, 8
+    model = lm()
+    tokens, _ = inputs(T, seed=3)
+    full, _, infos = lm_hidden(model, tokens)
+    # chunked (uneven chunks that straddle windows and blocks)
+    state, outs, a = model.init_state(B, T)["layers"], [], 0
+    for size in (13, 1, 7, 11, 5, 27):
+        y, state, _ = lm_hidden(model, tokens[:, a:a + size], state)
+        outs.append(y)
+        a += size
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-4, rtol=1e-4)
+    # token by token: the state's selection right after each window's first token
+    step = jax.jit(lambda t, s: lm_hidden(model, t, s)[:2])
+    state, outs = model.init_state(B, T)["layers"], []
+    for t in range(T):
+        y, state = step(tokens[:, t:t + 1], state)
+        outs.append(y)
+        if t % w == 0:
+            for layer in range(2):
+                np.testing.assert_array_equal(np.asarray(state[layer]["sel"]),
+                                              np.asarray(infos[layer]["sel"][t // w]),
+                                              err_msg=f"selection of window {t // w}, layer {layer}")
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-4, rtol=1e-4)
+
+
+def test_lm_no_future_leak_in_training_mode():
+    T, t_star = 64, 45
+    model = lm(explore_prob=0.5)
+    tokens, _ = inputs(T, seed=4)
+    key = jax.random.key(5)
+    y, _, _ = lm_hidden(model, tokens, deterministic=False, key=key)
+    pert = tokens.at[:, t_star].set((tokens[:, t_star] + 9) % (V - 1))
+    y2, _, _ = lm_hidden(model, pert, deterministic=False, key=key)
+    np.testing.assert_array_equal(np.asarray(y[:, :t_star]), np.asarray(y2[:, :t_star]))
+    assert float(jnp.max(jnp.abs(y[:, t_star:] - y2[:, t_star:]))) > 1e-4
+    x = model.embed_tokens(tokens, jnp.arange(T))
+    for t in (20, 41, 62):
+        def out_t(x, t=t):
+            return lm_hidden(model, tokens, deterministic=False, key=key, embedded=x)[0][:, t]
+
+        _, vjp = jax.vjp(out_t, x)
+        (g,) = vjp(jax.random.normal(jax.random.key(t), (B, D_MODEL)))
+        assert float(jnp.max(jnp.abs(g[:, t + 1:]))) == 0.0, f"d y[{t}] / d x[> {t}] is not zero"
+        assert float(jnp.max(jnp.abs(g[:, :4]))) > 0.0
+
+
+def _numpy_lm_selection(anchors, valid, ck, nb_j):
+    anchors, ck = np.asarray(anchors, np.float64), np.asarray(ck, np.float64)
+    Bn, H, a, D = anchors.shape
+    out = np.full((Bn, ck.shape[2]), -1e30)
+    for b in range(Bn):
+        pbar = np.zeros(nb_j)
+        for e in range(H):
+            for i in range(a):
+                if not valid[i]:
+                    continue
+                s = ck[b, e, :nb_j] @ anchors[b, e, i] / math.sqrt(D)
+                p = np.exp(s - s.max())
+                pbar += p / p.sum()
+        out[b, :nb_j] = np.log(pbar / (H * max(valid.sum(), 1)) + 1e-5)
+    return out
+
+
+def test_lm_selection_matches_numpy():
+    ks = jax.random.split(jax.random.key(0), 2)
+    anchors = 2 * jax.random.normal(ks[0], (B, 2, 4, 8))
+    ck = 2 * jax.random.normal(ks[1], (B, 2, 10, 8))
+    valid = np.array([False, True, True, True])
+    sel, ell = vs.lm_select(anchors, jnp.asarray(valid), ck, 6, 3, explore_prob=0.1, deterministic=True, key=None)
+    want = _numpy_lm_selection(anchors, valid, ck, 6)
+    np.testing.assert_allclose(np.asarray(ell), want, rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        assert sorted(np.asarray(sel[b]).tolist()) == sorted(np.argsort(-want[b], kind="stable")[:3].tolist())
+        assert (np.asarray(sel[b]) < 6).all()  # only old blocks
+
+
+def test_lm_capacity_is_never_exceeded_silently():
+    from longctx.attention.base import CapacityError
+
+    model = lm()
+    tokens, _ = inputs(24, seed=6)
+    state = model.init_state(B, 16)
+    with pytest.raises(CapacityError):
+        model(tokens, state)
+    step = jax.jit(lambda t, s: model(t, s)[:2])
+    _, state = step(tokens[:, :12], model.init_state(B, 16))
+    with pytest.raises(Exception, match="CapacityError|holds 16 tokens"):
+        jax.block_until_ready(step(tokens[:, 12:], state))
