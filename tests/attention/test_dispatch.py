@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -118,8 +119,10 @@ def test_methods_use_the_resolver(monkeypatch):
     core = attention.build("transformer_vq", {"impl": "auto", "codebook_size": 8, "block_len": 4}, num_heads=1,
                            head_dim=8, causal=True, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 1, 8, 8))
-    core(x, x, x)
+    graphdef, state = nnx.split(core)
+    jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, x, x)[0])(state, x)  # the resolver is asked while tracing
     core = attention.build("eva", {"impl": "auto", "window_size": 8, "chunk_size": 4}, num_heads=1, head_dim=8,
                            causal=True, rngs=nnx.Rngs(0))
-    core(x, x, x)
+    graphdef, state = nnx.split(core)
+    jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, x, x)[0])(state, x)
     assert seen == ["vq_cache", "eva_chunk_stats"]

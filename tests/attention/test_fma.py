@@ -170,6 +170,7 @@ def test_no_future_leak(name):
     assert same and zero_above and nonzero_below
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="the paper's causal FMA-linear summarises queries over their whole group: "
                                        "future tokens change past outputs (spec §2.5); kept as a regression test")
 def test_paper_leaky_fma_linear_leaks():

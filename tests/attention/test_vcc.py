@@ -76,8 +76,8 @@ def test_parameter_tree_is_the_dense_models():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("positions", ["rotary", "learned"])
-@pytest.mark.parametrize("kind", ["all_blocks_fine", "block_size_1"])
+@pytest.mark.parametrize("positions", ["rotary", pytest.param("learned", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["all_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow)])
 def test_no_compression_equals_dense(kind, positions):
     T = 40
     vc = {"num_fine_blocks": 8} if kind == "all_blocks_fine" else {"block_size": 1, "num_fine_blocks": 3}
@@ -319,6 +319,7 @@ def test_format_vip_order_underflow_and_overflow():
     assert int(aux["metrics"]["stack/vip_overflow"]) == 2
 
 
+@pytest.mark.slow
 def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
     model = build()
     for T in (1, 9, 23, 41):
@@ -332,7 +333,8 @@ def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
 
 # ----------------------------------------------------------------------------- 8. gradients
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["padding", "no_vip", "all_fine", "one_fine"])
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) for v in ("padding", "no_vip", "all_fine")]
+                         + ["one_fine"])
 def test_gradients_are_finite(variant, dtype):
     T = 40
     h = {"all_fine": 8, "one_fine": 1}.get(variant, 2)
@@ -452,7 +454,7 @@ def test_lm_parameter_tree_is_the_dense_decoders():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kind", ["all_old_blocks_fine", "block_size_1"])
+@pytest.mark.parametrize("kind", ["all_old_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow)])
 def test_lm_reduces_to_dense_causal(kind):
     T = 64
     kw = {"num_fine_blocks": (T - 8 - 8) // 4} if kind == "all_old_blocks_fine" else {"block_size": 1}
@@ -473,6 +475,7 @@ def test_lm_first_windows_are_dense_and_later_ones_compressed():
     assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
 
 
+@pytest.mark.slow  # the model-level contract runs streamed = decoded = full for vcc-lm by default
 def test_lm_parallel_chunked_and_decoded_agree_with_identical_selections():
     T, w = 64, 8
     model = lm()
@@ -499,6 +502,7 @@ def test_lm_parallel_chunked_and_decoded_agree_with_identical_selections():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the model-level contract runs the no-leak law for vcc-lm by default
 def test_lm_no_future_leak_in_training_mode():
     T, t_star = 64, 45
     model = lm(explore_prob=0.5)

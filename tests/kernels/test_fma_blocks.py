@@ -80,7 +80,8 @@ def test_unsupported_reasons():
     assert any("dropout" in r for r in fma_blocks.unsupported_reasons("tpu", m=64, d=64, dv=64, dropout=0.1))
 
 
-@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.slow  # the kernel tests above check the kernel; this one runs it through the method
+@pytest.mark.parametrize("causal", [True, False])
 def test_method_pallas_equals_xla_forward_and_vjp(causal):
     """Spec §6 check 7: the core with impl='pallas' (interpret mode here) == impl='xla', value and VJP."""
     n = 45
