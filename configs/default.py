@@ -23,3 +23,12 @@ def get_config():
     c.train.ckpt_every = 100
     c.eval.max_tokens = 262144
     return c
+
+
+def tiny(c):
+    """Shrink a decoder config built from this one to a 2-layer smoke run (the ``:tiny`` variants)."""
+    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 64, 2, 2, 32, 256
+    c.train.seq_len, c.train.batch_size, c.train.steps, c.train.warmup_steps = 128, 4, 40, 5
+    c.train.log_every, c.train.eval_every, c.train.eval_tokens, c.train.ckpt_every = 10, 20, 4096, 20
+    c.eval.max_tokens, c.eval.batch_size = 16384, 4
+    return c

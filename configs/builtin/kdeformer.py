@@ -31,21 +31,7 @@ def get_config(arg: str | None = None):
     kc.num_samples = 32
     kc.sampling = "uniform"
     if arg == "tiny":
-        c.model.d_model = 64
-        c.model.num_layers = 2
-        c.model.num_heads = 2
-        c.model.head_dim = 32
-        c.model.d_ff = 256
-        c.train.seq_len = 128
-        c.train.batch_size = 4
-        c.train.steps = 40
-        c.train.warmup_steps = 5
-        c.train.log_every = 10
-        c.train.eval_every = 20
-        c.train.eval_tokens = 4096
-        c.train.ckpt_every = 20
-        c.eval.max_tokens = 16384
-        c.eval.batch_size = 4
+        load_sibling(__file__, "../default.py").tiny(c)
         kc.chunk_size = 16
         kc.heavy_capacity = 8
         kc.num_projs = 4
