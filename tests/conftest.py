@@ -1,10 +1,33 @@
 import os
 import random
+import shutil
+import tempfile
 
 import ml_collections
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+
+def pytest_configure(config):
+    """One JAX persistent compilation cache per test session for the subprocesses the tests start
+    (the CLI tests launch the same tiny train step several times), removed at the end, so each
+    session starts cold and nothing stale survives it. The test processes themselves do not use it:
+    its lookup on every small eager compile cost more than it saved."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    config._longctx_jax_cache = tempfile.mkdtemp(prefix="longctx-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = config._longctx_jax_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_longctx_jax_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def write_corpus(root, n_files=40, seed=0):

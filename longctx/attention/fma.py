@@ -262,16 +262,27 @@ def _row_stats(s, valid, vc, drop_key, opts: FMAOptions):
     return M, e, den
 
 
+def _repeat_rows(acc, rep: int, n_rows: int):
+    """Each row of a running coarse part (axis 2) repeated ``rep`` times, cut to ``n_rows``."""
+    return (acc[0],) + tuple(jnp.repeat(x, rep, axis=2)[:, :, :n_rows] for x in acc[1:])
+
+
 def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAOptions):
     """FMA-linear coarse part of a full pass (§2.5): per level, scores of the N_l p query-summary rows
-    against their group's partner summaries (a [N_l, p, C_l] tile), local softmax statistics, broadcast
-    to the queries of each sub-interval (m_l/p tokens), combined across levels."""
+    against their group's partner summaries (a [N_l, p, C_l] tile) and local softmax statistics.
+
+    Row R of level l covers tokens [R m_l/p, (R+1) m_l/p), exactly rows 2R and 2R+1 of level l-1, so
+    the levels are combined coarse to fine at row resolution (level l's running part repeated twice,
+    then folded with level l-1's rows) and broadcast to the tokens once, from level 1's rows (m/p
+    tokens each). Broadcasting every level to the tokens first cost L passes over [n, dv] arrays, the
+    superlinear term of the forward (measured in BENCHMARKS.md); the combination is associative, so
+    the result is the same."""
     B, H = qf.shape[:2]
     d = qf.shape[-1]
     scale = d**-0.5
     acc = None
-    for l in range(1, Lu + 1):
-        ml, p = opts.m_l(l), opts.p
+    for l in range(Lu, 0, -1):
+        p = opts.p
         K, V, Q = kh[l - 1], vh[l - 1], qh[l - 1]
         N = K.shape[2]
         if opts.causal and opts.query_summary == "lagged":
@@ -286,14 +297,11 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = _row_stats(s, vmask, vc, key, opts)
         num = jnp.einsum("bharc,bhacf->bharf", e, vc)
-        rep = ml // p
-
-        def expand(x, N=N, p=p, rep=rep):
-            x = x.reshape((B, H, N * p) + x.shape[4:])
-            return jnp.repeat(x, rep, axis=2)[:, :, :n_pad]
-
-        acc = _combine(acc, (expand(M), expand(num), expand(den)), opts)
-    return acc
+        flat = tuple(x.reshape((B, H, N * p) + x.shape[4:]) for x in (M, num, den))
+        if acc is not None:
+            acc = _repeat_rows(acc, 2, N * p)
+        acc = _combine(acc, flat, opts)
+    return _repeat_rows(acc, opts.m // opts.p, n_pad)
 
 
 def _to_blocks(coarse, nb: int, m: int):

@@ -3,6 +3,7 @@ stated, tiny shapes, seeded. The model-level contract laws run in tests/models/t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -46,15 +47,33 @@ def inputs(T, seed=0, rate=0.15, batch=B):
 
 
 def stack_hidden(model, tokens, imp, valid=None, *, deterministic=True, key=None, embedded=None, info=False):
-    """Pre-final-norm stack output (and per-layer selection info)."""
+    """Pre-final-norm stack output (and per-layer selection info), jitted (eager dispatch of the stack's
+    many small ops cost most of this file's time)."""
+    traced = any(isinstance(a, jax.core.Tracer) for a in (tokens, imp, embedded))
+    fn = _stack_hidden_eager if traced else _stack_hidden  # nnx.jit cannot take an outer module inside a trace
+    y, infos = fn(model, tokens, imp, valid, key, embedded, deterministic)
+    return (y, infos) if info else y
+
+
+def _stack_hidden_eager(model, tokens, imp, valid, key, embedded, deterministic):
     T = tokens.shape[1]
     pos = jnp.arange(T, dtype=jnp.int32)
     x = model.embed_tokens(tokens, pos) if embedded is None else embedded
     y, _, infos = model.stack(model.blocks, x, None, positions=pos, important=imp, valid=valid,
                               deterministic=deterministic, key=key, return_info=True)
-    return (y, infos) if info else y
+    return y, infos
 
 
+_stack_hidden = nnx.jit(_stack_hidden_eager, static_argnames=("deterministic",))
+
+
+@nnx.jit
+def call(model, tokens, imp):
+    """model(tokens, imp), jitted."""
+    return model(tokens, imp)
+
+
+@nnx.jit
 def dense_hidden(model, tokens):
     pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = model.embed_tokens(tokens, pos)
@@ -83,15 +102,15 @@ def test_no_compression_equals_dense(kind, positions):
     vc = {"num_fine_blocks": 8} if kind == "all_blocks_fine" else {"block_size": 1, "num_fine_blocks": 3}
     dense, vcc = build("dense", positions=positions), build(positions=positions, **vc)
     tokens, imp = inputs(T)
-    want, _ = dense(tokens, imp)
-    got, _ = vcc(tokens, imp)
+    want, _ = call(dense, tokens, imp)
+    got, _ = call(vcc, tokens, imp)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     # training mode (exploration, straight-through gate): the forward value is still dense's
     got_t = stack_hidden(vcc, tokens, imp, deterministic=False, key=jax.random.key(3))
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(dense_hidden(dense, tokens)), atol=1e-5, rtol=1e-5)
     # and compression does change it (the test can fail)
     lossy = build(positions=positions, num_fine_blocks=1)
-    assert float(jnp.max(jnp.abs(lossy(tokens, imp)[0] - want))) > 1e-3
+    assert float(jnp.max(jnp.abs(call(lossy, tokens, imp)[0] - want))) > 1e-3
 
 
 def test_segment_local_dense_layers_are_dense_per_segment():
@@ -193,7 +212,7 @@ def test_tree_consistency_after_every_layer():
     x = vs.segment_local_layer(model.blocks[0], x, pos, valid, 64, rotary=True, deterministic=True, key=None)
     st, _ = vs.format_rows(x, imp, valid, pos, n_p, k)
     for i in range(1, 4):
-        st, info = vs.vcc_layer(model.blocks[i], st, key=None, **layer_kw(model))
+        st, info = jax.jit(lambda s, i=i: vs.vcc_layer(model.blocks[i], s, key=None, **layer_kw(model)))(st)
         toks = vs.tokens_of(st)
         bv = np.asarray(st.block_valid)
         mean = np.asarray(vs.masked_mean(toks, st.tok_valid, 2))
@@ -280,7 +299,7 @@ def test_straight_through_gate_changes_gradients_not_values():
             new, _ = vs.vcc_layer(model.blocks[0], st, key=jax.random.key(1), probe=probe, **kw)
             return jnp.sum(vs.materialize(new) ** 2)
 
-        grads[ste] = jax.grad(loss)(jnp.zeros((B, 8)))
+        grads[ste] = jax.jit(jax.grad(loss))(jnp.zeros((B, 8)))
     np.testing.assert_array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
     assert float(jnp.max(jnp.abs(grads[True]))) > 1e-6, "no gradient reaches the selection logits with the gate"
     assert float(jnp.max(jnp.abs(grads[False]))) == 0.0
@@ -315,7 +334,7 @@ def test_format_vip_order_underflow_and_overflow():
     assert np.asarray(overflow).tolist() == [0, 2]
     np.testing.assert_allclose(np.asarray(vs.materialize(st)), np.asarray(x), atol=1e-6)
     model = build(num_vip=n_p)
-    _, aux = model(jax.random.randint(jax.random.key(1), (B, T), 0, V - 1), jnp.asarray(vip))
+    _, aux = call(model, jax.random.randint(jax.random.key(1), (B, T), 0, V - 1), jnp.asarray(vip))
     assert int(aux["metrics"]["stack/vip_overflow"]) == 2
 
 
@@ -352,7 +371,7 @@ def test_gradients_are_finite(variant, dtype):
         y = stack_hidden(m, tokens, imp, valid, deterministic=False, key=jax.random.key(0))
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     leaves = [g.astype(jnp.float32) for g in jax.tree.leaves(grads)]
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
     assert max(float(jnp.max(jnp.abs(g))) for g in leaves) > 0.0
@@ -372,7 +391,7 @@ def test_gradient_reaches_a_token_of_an_unselected_block():
     def loss(x):  # the loss reads only the VIP outputs of row 0
         return jnp.sum(stack_hidden(model, tokens, imp, embedded=x)[0, vip_rows] ** 2)
 
-    g = jax.grad(loss)(x)
+    g = jax.jit(jax.grad(loss))(x)
     assert float(jnp.max(jnp.abs(g[0, tok]))) > 1e-6
 
 

@@ -10,7 +10,7 @@ from conftest import write_corpus
 
 from longctx.bench import cli
 
-pytestmark = pytest.mark.xdist_group("bench_smoke")  # one module fixture: keep its tests on one worker
+pytestmark = pytest.mark.xdist_group("bench_smoke")  # one shared fixture: keep its tests on one worker
 
 TINY_MODEL = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64",
               "train.seq_len=32", "train.batch_size=2", "eval.max_tokens=256"]
@@ -23,7 +23,7 @@ def _sets(corpus, cache):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: xdist may interleave other modules between these tests
 def bench_out(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     corpus = write_corpus(root / "corpus")
