@@ -199,6 +199,7 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
     w = 2 if causal else 3
     C = coarse[3].shape[-1] if (coarse is not None and coarse[0] == "packed") else 0
     G = max(1, min(nq, logit_budget // max(1, B * H * m * (w * m + C + 1))))
+    G = -(-nq // -(-nq // G))  # as many groups as the budget needs, of equal size (least padding)
     if G >= nq:
         return attend_group(qb, kp, vp, _slice_coarse(coarse, 0, nq), blk0=q_block0, n_valid=n_valid,
                             causal=causal, drop_key=drop_key, attn_dropout=attn_dropout)

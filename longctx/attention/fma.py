@@ -202,27 +202,25 @@ def level_summaries(x, prm, ml: int, opts: FMAOptions):
 def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
     """``[level_summaries(x, prms[l-1], m_l, opts) for l = 1..Lu]``, computed faster.
 
-    For the paper's operator (depthwise, weights shared across heads) the features go to the front
-    once, ``[f, B H, n_pad]``, and each level is one batched matmul over f, ``[B H N_l, m_l] @ [m_l,
-    p]``, reading the sequence in its stored order. The per-level einsum with the features last
-    made XLA:CPU transpose the whole sequence for every level, which dominated the forward from
-    32k tokens on (measured: 1.10 s -> 0.73 s forward, 2.14 s -> 0.83 s gradient, 8 levels at
-    32k). Other operators keep the per-level path."""
+    For the paper's operator (depthwise, weights shared across heads) each level is one fused
+    multiply-and-reduce over the group's tokens, ``sum_t x[g, t, f] W[t, f, r]``, reading the
+    sequence in its stored order (features minor). Two earlier forms were slower on XLA:CPU: the
+    per-level einsum transposed the whole sequence for every level, and so did a batched matmul over
+    the features after one explicit transpose (XLA made the transpose a layout change and redid it in
+    every level's dot): 0.70 s against 0.31 s for the 9 levels of one [4 heads, 64k, 64] tensor
+    (BENCHMARKS.md). Other operators keep the per-level path."""
     if Lu == 0:
         return []
     if opts.downsample != "depthwise_conv" or not opts.shared:
         return [level_summaries(x, prms[l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
     B, H, n, f = x.shape
-    top = opts.m_l(Lu)
-    xt = jnp.moveaxis(_pad_to(x, top), -1, 0).reshape(f, B * H, -1)  # [f, BH, n_pad]
-    n_pad = xt.shape[-1]
     out = []
     for l in range(1, Lu + 1):
         ml, prm = opts.m_l(l), prms[l - 1]
-        W = jnp.moveaxis(prm["kernel"], 1, 0).astype(xt.dtype)  # [f, ml, p]
-        y = jax.lax.dot_general(xt.reshape(f, B * H * (n_pad // ml), ml), W, (((2,), (1,)), ((0,), (0,))))
-        y = jnp.moveaxis(y, 0, -1).reshape(B, H, n_pad // ml, opts.p, f)[:, :, : -(-n // ml)]
-        out.append(y + _bias_rows(prm, opts))
+        xg = _pad_to(x, ml).reshape(B * H, -1, 1, ml, f)
+        W = jnp.moveaxis(prm["kernel"], -1, 0).astype(x.dtype)  # [p, ml, f]
+        y = jnp.sum(xg * W[None, None], axis=3)  # [BH, N_l, p, f]
+        out.append(y.reshape(B, H, -1, opts.p, f) + _bias_rows(prm, opts))
     return out
 
 

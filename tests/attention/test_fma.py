@@ -131,7 +131,9 @@ def test_blocked_equals_dense_reference(n, m, p, causal):
         core = randomize_params(build("fma", causal, heads=1, m=m, p=p, max_len=n, multiplicity_weighting=mult))
         ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
         out, _ = core(q, k, v)
-        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5, err_msg=f"multiplicity={mult}")
+        # fp32: the level summaries reduce up to n/2 products in another order than the reference's
+        # einsum (at n = 1024 two of 8,192 outputs differ by 1.9e-5)
+        np.testing.assert_allclose(out, ref, atol=3e-5, rtol=1e-5, err_msg=f"multiplicity={mult}")
 
 
 @pytest.mark.parametrize("name,cfg", [
