@@ -17,7 +17,8 @@ Coarse entries come in one of three forms:
   summary rows, concatenated) by ``idx [nq, C]``, with a static bias ``bias [nq, C]`` = the
   log-multiplicity ``ln(m_l/p)`` on valid slots and ``NEG`` on masked ones (parity rule, out of range).
 * ``stats`` (FMA-linear, joint normalisation): per query the coarse part's running max ``M``,
-  numerator ``num`` and denominator ``den``, combined with the fine part by log-sum-exp rescaling.
+  numerator ``num`` and denominator ``den``, combined with the fine part by log-sum-exp rescaling
+  (per query, ``[B,H,nq,m,...]``, or per row of ``m/r`` queries, ``[B,H,nq,r,...]``).
 * ``normed`` (FMA-linear, per-level normalisation, paper eq. 11): the coarse part's already
   normalised output, added to the separately normalised fine part.
 
@@ -107,6 +108,10 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     ("normed", out [B,H,G,m,dv])."""
     B, H, G, m, d = qg.shape
     w = kg.shape[2] // m - G + 1
+    if coarse is not None and coarse[0] in ("stats", "normed") and coarse[1].shape[3] != m:
+        # per-row coarse parts (r rows per block, m/r queries each): broadcast to the queries here
+        rep = m // coarse[1].shape[3]
+        coarse = (coarse[0],) + tuple(jnp.repeat(x, rep, axis=3) for x in coarse[1:])
     kwin, vwin = _blocks_of(kg, G, w, m), _blocks_of(vg, G, w, m)
     s_f = jnp.einsum("bhgid,bhgjd->bhgij", qg, kwin)
     c = jnp.arange(G)

@@ -271,10 +271,10 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
 
     Row R of level l covers tokens [R m_l/p, (R+1) m_l/p), exactly rows 2R and 2R+1 of level l-1, so
     the levels are combined coarse to fine at row resolution (level l's running part repeated twice,
-    then folded with level l-1's rows) and broadcast to the tokens once, from level 1's rows (m/p
-    tokens each). Broadcasting every level to the tokens first cost L passes over [n, dv] arrays, the
-    superlinear term of the forward (measured in BENCHMARKS.md); the combination is associative, so
-    the result is the same."""
+    then folded with level l-1's rows). The result stays at level 1's rows ([B, H, nb p, ...], m/p
+    tokens each); the block function broadcasts them to its queries. Broadcasting every level to
+    the tokens first cost L passes over [n, dv] arrays, the superlinear term of the forward
+    (measured in BENCHMARKS.md); the combination is associative, so the result is the same."""
     B, H = qf.shape[:2]
     d = qf.shape[-1]
     scale = d**-0.5
@@ -299,16 +299,16 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
         if acc is not None:
             acc = _repeat_rows(acc, 2, N * p)
         acc = _combine(acc, flat, opts)
-    return _repeat_rows(acc, opts.m // opts.p, n_pad)
+    return acc  # level 1's rows: p per fine block; attend_group broadcasts them to the block's queries
 
 
 def _to_blocks(coarse, nb: int, m: int):
     if coarse is None:
         return None
     out = [coarse[0]]
-    for x in coarse[1:]:
+    for x in coarse[1:]:  # per query (m per block) or per level-1 row (p per block)
         B, H = x.shape[:2]
-        out.append(x.reshape((B, H, nb, m) + x.shape[3:]))
+        out.append(x.reshape((B, H, nb, x.shape[2] // nb) + x.shape[3:]))
     return tuple(out)
 
 
