@@ -18,6 +18,8 @@ dropped by design (Transformer-XL-style memory, not exact attention).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -58,34 +60,47 @@ def _pad_axis(x, axis: int, multiple: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int):
-    """Exact attention by online softmax over key blocks (memory O(block_q*block_k))."""
-    B, H, Tq, D = q.shape
-    Tk, Dv = k.shape[2], v.shape[-1]
-    bq, bk = min(block_q, Tq), min(block_k, Tk)
-    scale = D**-0.5
-    qp = _pad_axis(q.astype(jnp.float32) * scale, 2, bq)
+def _blocks(x, n_blocks: int, block: int):
+    """[B, H, n*block, D] -> [n, B, H, block, D]."""
+    B, H, _, D = x.shape
+    return x.reshape(B, H, n_blocks, block, D).transpose(2, 0, 1, 3, 4)
+
+
+def _unblocks(x, length: int):
+    """[n, B, H, block, ...] -> [B, H, length, ...] (the inverse of _blocks, padding cut)."""
+    n, B, H, block = x.shape[:4]
+    return jnp.moveaxis(x, 0, 2).reshape(B, H, n * block, *x.shape[4:])[:, :, :length]
+
+
+def _layout(q_pos, k_pos, k_valid, bq: int, bk: int):
+    """Padded, blocked positions: query positions [nq, bq], key positions/validity [nk, bk], and the
+    earliest valid key position of each key block [nk] (to skip blocks wholly in the future)."""
     qpos = _pad_axis(q_pos, 0, bq, value=jnp.iinfo(jnp.int32).max // 2)
-    kp = _pad_axis(k.astype(jnp.float32), 2, bk)
-    vp = _pad_axis(v.astype(jnp.float32), 2, bk)
     kpos = _pad_axis(k_pos, 0, bk)
     kval = _pad_axis(k_valid, 0, bk, value=False)
-    nq, nk = qp.shape[2] // bq, kp.shape[2] // bk
-    qb = qp.reshape(B, H, nq, bq, D).transpose(2, 0, 1, 3, 4)
-    qposb = qpos.reshape(nq, bq)
-    kb = kp.reshape(B, H, nk, bk, D).transpose(2, 0, 1, 3, 4)
-    vb = vp.reshape(B, H, nk, bk, Dv).transpose(2, 0, 1, 3, 4)
-    kposb = kpos.reshape(nk, bk)
-    kvalb = kval.reshape(nk, bk)
-    # earliest valid key position per block, to skip wholly-future blocks
+    qposb, kposb, kvalb = qpos.reshape(-1, bq), kpos.reshape(-1, bk), kval.reshape(-1, bk)
     kmin = jnp.min(jnp.where(kvalb, kposb, jnp.iinfo(jnp.int32).max), axis=1)
+    return qposb, kposb, kvalb, kmin
+
+
+def _visit(step, causal: bool, qpi, kmi, carry, skipped):
+    """Run ``step(carry)`` unless the key block lies wholly after every query of the block (causal)."""
+    if not causal:
+        return step(carry)
+    return jax.lax.cond(kmi <= jnp.max(qpi), step, skipped, carry)
+
+
+def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
+    """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked.
+    Returns the output blocks [nq, B, H, bq, Dv] and the log-sum-exp [nq, B, H, bq]
+    (NEG_INF for a query that sees no key)."""
+    _, B, H, bq, _ = qb.shape
+    Dv = vb.shape[-1]
 
     def one_query_block(args):
         qi, qpi = args
 
-        @jax.checkpoint
         def step(carry, xs):
-            m, l, acc = carry
             ki, vi, kpi, kvi, kmi = xs
 
             def compute(carry):
@@ -100,11 +115,7 @@ def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q
                 acc_new = acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
                 return m_new, l_new, acc_new
 
-            if causal:
-                carry = jax.lax.cond(kmi <= jnp.max(qpi), compute, lambda c: c, (m, l, acc))
-            else:
-                carry = compute((m, l, acc))
-            return carry, None
+            return _visit(compute, causal, qpi, kmi, carry, lambda c: c), None
 
         init = (
             jnp.full((B, H, bq), NEG_INF, jnp.float32),
@@ -112,10 +123,81 @@ def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q
             jnp.zeros((B, H, bq, Dv), jnp.float32),
         )
         (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kposb, kvalb, kmin))
-        return acc / jnp.maximum(l, 1e-30)[..., None]
+        out = acc / jnp.maximum(l, 1e-30)[..., None]
+        lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), NEG_INF)
+        return out, lse
 
-    out = jax.lax.map(one_query_block, (qb, qposb))  # [nq, B, H, bq, Dv]
-    out = out.transpose(1, 2, 0, 3, 4).reshape(B, H, nq * bq, Dv)[:, :, :Tq]
+    return jax.lax.map(one_query_block, (qb, qposb))
+
+
+def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal: bool):
+    """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
+    each visible (query block, key block) pair recomputes its probabilities once and adds its share
+    of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
+    delta = jnp.sum(dob * ob, axis=-1)  # [nq, B, H, bq]: rowsum(dO * O)
+    zeros_k, zeros_v = jnp.zeros(kb.shape[1:], jnp.float32), jnp.zeros(vb.shape[1:], jnp.float32)
+
+    def query_block(dkv, xs):
+        qi, doi, lsei, di, qpi = xs
+
+        def key_block(dq, ys):
+            ki, vi, kpi, kvi, kmi = ys
+
+            def compute(dq):
+                s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
+                mask = positions_mask(qpi, kpi, kvi, causal)
+                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)
+                dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vi)
+                ds = p * (dp - di[..., None])
+                dv = jnp.einsum("bhqk,bhqd->bhkd", p, doi)
+                dk = jnp.einsum("bhqk,bhqd->bhkd", ds, qi)
+                return dq + jnp.einsum("bhqk,bhkd->bhqd", ds, ki), (dk, dv)
+
+            return _visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
+
+        dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros_like(qi), (kb, vb, kposb, kvalb, kmin))
+        return (dkv[0] + dk, dkv[1] + dv), dq
+
+    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    (dk, dv), dq = jax.lax.scan(query_block, init, (qb, dob, lseb, delta, qposb))
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _blockwise(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk):
+    return _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk)[0]
+
+
+def _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk):
+    Tq, D = q.shape[2], q.shape[3]
+    qb = _blocks(_pad_axis(q * D**-0.5, 2, bq), -(-Tq // bq), bq)
+    kb = _blocks(_pad_axis(k, 2, bk), -(-k.shape[2] // bk), bk)
+    vb = _blocks(_pad_axis(v, 2, bk), -(-k.shape[2] // bk), bk)
+    layout = _layout(q_pos, k_pos, k_valid, bq, bk)
+    ob, lseb = _flash_forward(qb, kb, vb, *layout, causal)
+    return _unblocks(ob, Tq), (qb, kb, vb, ob, lseb, layout, k_valid)
+
+
+def _blockwise_bwd(causal, bq, bk, res, dout):
+    qb, kb, vb, ob, lseb, layout, k_valid = res
+    Tq, Tk, D = dout.shape[2], k_valid.shape[0], qb.shape[-1]
+    dob = _blocks(_pad_axis(dout, 2, bq), ob.shape[0], bq)
+    dq, dk, dv = _flash_backward(qb, kb, vb, ob, lseb, dob, *layout, causal)
+    return _unblocks(dq, Tq) * D**-0.5, _unblocks(dk, Tk), _unblocks(dv, Tk), None, None, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int):
+    """Exact attention by online softmax over key blocks (memory O(block_q*block_k)), with
+    FlashAttention-2's backward: only the output and the per-query log-sum-exp are saved, and the
+    backward recomputes each visible block's probabilities once."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    bq, bk = min(block_q, Tq), min(block_k, Tk)
+    f32 = lambda x: x.astype(jnp.float32)
+    out = _blockwise(f32(q), f32(k), f32(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
+                     causal, bq, bk)
     return out.astype(v.dtype)
 
 
