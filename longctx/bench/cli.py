@@ -4,6 +4,7 @@
     longctx-bench decode    --out bench_out --positions 1k,8k,32k
     longctx-bench quality   --out bench_out --lengths 1k,4k --workdir runs/bench_quality
     longctx-bench train     --out bench_out --steps 200
+    longctx-bench step      --out bench_out --config configs/default.py --lengths 1k,4k,16k
     longctx-bench report    --out bench_out            (assembles BENCHMARKS.md)
 """
 
@@ -21,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from longctx.bench import attention_bench, decode_bench, quality_bench, report, train_bench
+    from longctx.bench import attention_bench, decode_bench, quality_bench, report, step_bench, train_bench
 
     p = _Parser(prog="longctx-bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("decode", decode_bench, "per-token decoding latency and state size vs context position"),
         ("quality", quality_bench, "relative error against exact softmax attention"),
         ("train", train_bench, "training tokens/s, peak memory and validation bits/byte per method"),
+        ("step", step_bench, "whole-model training step time of any config at given lengths (interleaved)"),
         ("report", report, "assemble BENCHMARKS.md from the JSON outputs"),
     ):
         sp = sub.add_parser(name, help=help_)

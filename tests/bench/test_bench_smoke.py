@@ -38,6 +38,8 @@ def bench_out(tmp_path_factory):
                      "--workdir", str(root / "qrun"), "--train_steps", "2", *sets]) == 0
     assert cli.main(["train", *common, "--methods", "dense", "--steps", "2", "--eval_tokens", "128",
                      "--no_xla_mem", *sets]) == 0
+    assert cli.main(["step", *common, "--lengths", "32,64", "--batch_size", "2", "--repeats", "2", "--warmup", "0",
+                     *[a for s in TINY_MODEL[:5] for a in ("--set", s)]]) == 0
     assert cli.main(["report", "--out", str(out), "--output", str(root / "BENCHMARKS.md")]) == 0
     return out, root
 
@@ -52,6 +54,7 @@ def _png_ok(path):
     ("decode", ["decode.png"]),
     ("quality", ["quality_causal.png"]),
     ("train", ["train.png"]),
+    ("step", ["step_tokens_per_s.png"]),
 ])
 def test_outputs(bench_out, name, pngs):
     out, _ = bench_out
@@ -80,6 +83,9 @@ def test_contents(bench_out):
     assert len(by[("eva", "gaussian")]["rel_err_seeds"]) == 2
     tr = json.loads((out / "train.json").read_text())
     assert tr["rows"][0]["status"] == "ok" and tr["rows"][0]["valid_bits_per_byte"] > 0
+    st = json.loads((out / "step.json").read_text())
+    assert [r["T"] for r in st["rows"]] == [32, 64] and all(len(r["step_s_all"]) == 2 for r in st["rows"])
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["params"] > 0 for r in st["rows"])
 
 
 def test_report(bench_out):
