@@ -1,5 +1,6 @@
 """The main job (scripts/main.sh): the recipe that reached the lowest test bits per byte on the built-in
-corpus (the Python standard library's sources) for about 11 minutes of training on a 2-core CPU.
+corpus (the Python standard library's sources) in about 15 minutes of training on a 2-core CPU:
+test 1.5824 bits per byte against gzip -9's 1.5850 on the same 262,144 bytes (xz -9e: 1.3994).
 
 Transformer-VQ with GAU blocks (configs/builtin/transformer_vq.py: d_model 256, one head with Dk 128,
 value width 384, codebook 64, blocks of 64) at 4 GAUs, trained on rows of 1024 bytes in windows of
@@ -11,7 +12,8 @@ How it was chosen (equal wall time, about 4 minutes of training each, validation
 8 GAUs, batch 16, lr 2e-3: 2.147; 4 GAUs, batch 16, lr 2e-3: 2.031; the same at lr 5e-3: 2.024;
 4 GAUs, batch 8, lr 5e-3: 2.001; the dense default's block at d_model 128, lr 5e-3: 2.219 (at full size,
 configs/default.py: 2.68 after 200 steps). A smaller, faster model that sees more bytes wins at this
-budget.
+budget. With these settings, 3,000 updates (9 min of training) gave 1.666 on the test bytes; 5,200
+(15.5 min) gave 1.5824.
 """
 
 from longctx.config import load_sibling
