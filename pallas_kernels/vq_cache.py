@@ -52,7 +52,7 @@ from pallas_kernels.vq_cache_ref import (
     float_dtype,
     pad_left,
     pad_to,
-    rel_bias,
+    skew_bias,
     vq_cache_attention_reference,
 )
 
@@ -552,9 +552,7 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)
     validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).astype(f32).reshape(R + 1, 1, L)
     bdb = pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
-    i = jnp.arange(L)[:, None]
-    jj = jnp.arange(2 * L)[None, :]
-    bias = flat(rel_bias(bdb, L + i - jj, M))  # [BH, R, L, 2L]
+    bias = flat(skew_bias(bdb, L, 2 * L))  # [BH, R, L, 2L]
     n0 = jax.lax.stop_gradient(flat(agg_n.astype(f32)))
     n0row = jnp.broadcast_to(n0[:, None, :], (BH, SUB, S))
     n0col = jnp.broadcast_to(n0[:, :, None], (BH, S, LANES))

@@ -60,6 +60,26 @@ def rel_bias(bd, idx, max_index: int):
     return jnp.where(ok, jnp.take_along_axis(bd, full, axis=-1), 0.0)
 
 
+def skew_bias(bd, offset: int, width: int):
+    """The same banded bias as ``rel_bias(bd, offset + i - j, D - 1)`` for j < width, built without a gather.
+
+    bd [..., Lq, D]. Row i of the result holds bd[i, ::-1] starting at column offset - (D - 1) + i and zeros
+    elsewhere: pad each row, flatten, drop Lq trailing entries and reshape with one more column per row (the
+    Transformer-XL relative shift). Forward and backward are pads, reshapes and slices (a gather's backward is
+    a scatter-add, slow on CPU).
+    """
+    Lq, D = bd.shape[-2:]
+    c0 = offset - (D - 1)  # column of bd[i, D-1] in row 0
+    left, start = max(c0, 0), max(-c0, 0)
+    right = max(0, start + width - (left + D + Lq - 1))
+    n = left + D + right
+    lead = bd.shape[:-2]
+    x = jnp.pad(bd[..., ::-1], [(0, 0)] * len(lead) + [(0, 0), (left, right + Lq)])  # [..., Lq, n + Lq]
+    x = x.reshape(lead + (Lq * (n + Lq),))[..., : Lq * (n + Lq - 1)]
+    x = x.reshape(lead + (Lq, n + Lq - 1))  # row i shifted right by i
+    return x[..., start: start + width]
+
+
 def pad_to(x, axis: int, n: int, value=0):
     pad = n - x.shape[axis]
     if pad == 0:
@@ -157,6 +177,43 @@ def prefix_reduce(mu, n, reduction: str):
     raise ValueError(f"unknown reduction {reduction!r}; allowed: {', '.join(REDUCTIONS)}")
 
 
+def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial"):
+    """The blocked operands of the causal block-parallel form (spec 2.6); requires 1 <= M <= L.
+
+    Returns a dict: ``qb`` [B,H,R,L,Dk] and ``bdb`` [B,H,R,L,M+1] (queries in R blocks of L, zero-padded);
+    ``kx``, ``vx`` [B,H,R+1,L,.], ``zx`` and ``validx`` [R+1,L] (extended blocks: index 0 is the carried
+    band left-padded to L, index e is block e-1); ``cmu`` [B,H,R,S,Dv] and ``cn`` [B,H,R,S] (the lag-2 cache
+    of block n: carried agg merged with extended blocks 0..n-1); ``Cs`` = sg(C) in the compute dtype.
+    """
+    if not 1 <= M <= L:
+        raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
+    B, H, T, Dk = q_u.shape
+    S = C.shape[1]
+    dt = float_dtype(q_u, v)
+    state = cast_state(state, dt)
+    R = -(-T // L)
+    Tp = R * L
+
+    def blocks(x, n):  # [B, H, n*L, ...] -> [B, H, n, L, ...]
+        return x.reshape(x.shape[:2] + (n, L) + x.shape[3:])
+
+    kx = jnp.concatenate([pad_left(state["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
+    vx = jnp.concatenate([pad_left(state["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
+    zx = jnp.concatenate([pad_left(state["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
+    band_pos = state["pos"] - L + jnp.arange(L)
+    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
+    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
+    kx, vx, zx = blocks(kx, R + 1), blocks(vx, R + 1), blocks(zx, R + 1)
+    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2
+    bmu, bn = code_summary(zx[:, :, :R], vx[:, :, :R], validx[:R], S)  # ext 0..R-1
+    items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
+    items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
+    cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
+    return {"qb": blocks(pad_to(q_u.astype(dt), 2, Tp), R), "bdb": blocks(pad_to(bd.astype(dt), 2, Tp), R),
+            "kx": kx, "vx": vx, "zx": zx, "validx": validx, "cmu": cmu, "cn": cn, "Cs": sg(C).astype(dt),
+            "state": state}
+
+
 def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
                     return_lse: bool = False):
     """Linear-time causal form (spec 2.6) from a carried state; requires 1 <= M <= L.
@@ -166,57 +223,30 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
     block n-1 and (causally) to block n, with the band bias for d <= M. T need not be a multiple of L.
     Returns (o [B,H,T,Dv], new_state) (+ lse [B,H,T] if return_lse).
     """
-    if not 1 <= M <= L:
-        raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
-    B, H, T, Dk = q_u.shape
+    B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    dt = float_dtype(q_u, v)
-    state = cast_state(state, dt)
-    R = -(-T // L)
-    Tp = R * L
-    Cs = sg(C).astype(dt)
-
-    def blocks(x):  # [B, H, Tp, ...] -> [B, H, R, L, ...]
-        return x.reshape(x.shape[:2] + (R, L) + x.shape[3:])
-
-    qb = blocks(pad_to(q_u.astype(dt), 2, Tp))
-    bdb = blocks(pad_to(bd.astype(dt), 2, Tp))
-    # extended blocks: index 0 = carried band (block -1), index e = block e-1
-    kx = jnp.concatenate([pad_left(state["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
-    vx = jnp.concatenate([pad_left(state["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
-    zx = jnp.concatenate([pad_left(state["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
-    band_pos = state["pos"] - L + jnp.arange(L)
-    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
-    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T])  # [(R+1) L]
-    kx, vx, zx = (x.reshape(x.shape[:2] + (R + 1, L) + x.shape[3:]) for x in (kx, vx, zx))
-    validx = validx.reshape(R + 1, L)
-
-    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2
-    bmu, bn = code_summary(zx[:, :, : R], vx[:, :, : R], validx[:R], S)  # ext 0..R-1
-    items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
-    items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
-    cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
-
-    i = jnp.arange(L)[:, None]
-    jj = jnp.arange(2 * L)[None, :]
-    bias = rel_bias(bdb, L + i - jj, M)  # [B,H,R,L,2L]
-    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(cn)[:, :, :, None, :]
+    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction=reduction)
+    qb, kx, vx, validx, cn, R = p["qb"], p["kx"], p["vx"], p["validx"], p["cn"], p["qb"].shape[2]
+    bias = skew_bias(p["bdb"], L, 2 * L)  # [B,H,R,L,2L]: bd[i, L + i - j] for 0 <= L + i - j <= M
+    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
     s_p = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, :R]) + bias[..., :L]
     s_r = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, 1:]) + bias[..., L:]
     mask_c = (cn > 0)[:, :, :, None, :]
     mask_p = validx[:R][:, None, :]
     mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
-    o, lse = softmax_mix([(s_c, mask_c, cmu), (s_p, mask_p, vx[:, :, :R]), (s_r, mask_r, vx[:, :, 1:])])
-    o = o.reshape(B, H, Tp, Dv)[:, :, :T]
-    new_state = final_state(state, k_hat.astype(dt), z, v.astype(dt), T, M, S)
+    o, lse = softmax_mix([(s_c, mask_c, p["cmu"]), (s_p, mask_p, vx[:, :, :R]), (s_r, mask_r, vx[:, :, 1:])])
+    o = o.reshape(B, H, R * L, Dv)[:, :, :T]
+    dt = qb.dtype
+    new_state = final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S)
     if return_lse:
-        return o, new_state, lse.reshape(B, H, Tp)[:, :, :T]
+        return o, new_state, lse.reshape(B, H, R * L)[:, :, :T]
     return o, new_state
 
 vq_cache_attention_reference = functools.partial(causal_parallel, reduction="serial")
 
 __all__ = [
     "NEG",
+    "block_inputs",
     "REDUCTIONS",
     "causal_parallel",
     "cast_state",
@@ -230,6 +260,7 @@ __all__ = [
     "pad_to",
     "prefix_reduce",
     "rel_bias",
+    "skew_bias",
     "softmax_mix",
     "vq_cache_attention_reference",
 ]

@@ -12,6 +12,8 @@ Pure functions (all shapes [B, H, T, .]; every float computed in
 * :func:`quadratic_reference`        -- full [T, T] softmax over K_hat with the XL band bias (2.4)
 * :func:`causal_parallel`            -- block-wise linear form, lag-2 cache, serial/matmul/assoc/sum
                                         reductions, carried initial state, ragged T (2.6; M <= L)
+* :func:`causal_blocks`              -- the same form (serial reduction) one query block at a time, with a
+                                        recomputing backward (the XLA training path; 2.6)
 * :func:`causal_stream`              -- streaming form over chunks of any L >= 1 and any M (2.7)
 * :func:`encoder_parallel`           -- bidirectional form, with or without the symmetric band (2.5)
 * :func:`ema_update`                 -- EMA k-means codebook update (3)
@@ -32,6 +34,7 @@ agg = running mean of values per code and the count of every older token (fp32).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -48,6 +51,7 @@ from pallas_kernels import vq_cache
 from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
     NEG,
     REDUCTIONS,
+    block_inputs,
     causal_parallel,
     code_summary,
     empty_state,
@@ -56,6 +60,7 @@ from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
     merge,
     prefix_reduce,
     rel_bias,
+    skew_bias,
 )
 from pallas_kernels.vq_cache_ref import cast_state as _cast_state
 from pallas_kernels.vq_cache_ref import final_state as _final_state  # noqa: F401
@@ -165,6 +170,100 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 # (causal_parallel): pallas_kernels/vq_cache_ref.py, imported above.
 
 
+# ----------------------------------------------------------------------------- block-parallel form, blocked
+def causal_blocks(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
+    """``causal_parallel(..., reduction='serial')`` computed one query block at a time (a ``lax.scan``), with a
+    FlashAttention-style backward that recomputes each block's probabilities from the saved log-sum-exp.
+
+    Same operands, result and state. Each block attends to S codes (values = the lag-2 cache), the previous
+    block and the causal present: one [L, S + 2L] score tile whose working set stays in cache, instead of
+    [T, S + 2L] scores, probabilities and masks held for autodiff. Returns (o [B,H,T,Dv], new_state).
+    """
+    B, H, T, _ = q_u.shape
+    Dv, S = v.shape[-1], C.shape[1]
+    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
+    o = _vq_blocks(p["qb"], p["kx"], p["vx"], p["bdb"], p["cmu"], log_count(p["cn"]), p["Cs"], p["validx"])
+    o = o.reshape(B, H, -1, Dv)[:, :, :T]
+    dt = p["qb"].dtype
+    return o, _final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S)
+
+
+def _block_tile(qr, kp, kc, vp, vc, bdr, cm, lcr, Cs, valid_p, valid_c):
+    """Scores [B,H,L,S+2L] (masked entries = NEG), the keys and the values of one query block."""
+    B, H, L, _ = qr.shape
+    S = Cs.shape[1]
+    K = jnp.concatenate([jnp.broadcast_to(Cs[None], (B,) + Cs.shape), kp, kc], axis=2)
+    V = jnp.concatenate([cm, vp, vc], axis=2)
+    bias = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :], (B, H, L, S)), skew_bias(bdr, L, 2 * L)], -1)
+    causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]
+    mask = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :] > NEG / 2, (B, H, L, S)),
+                            jnp.broadcast_to(valid_p[None, None, None, :], (B, H, L, L)),
+                            jnp.broadcast_to(causal & valid_c[None, :], (B, H, L, L))], axis=-1)
+    s = jnp.where(mask, jnp.einsum("bhld,bhnd->bhln", qr, K) + bias, NEG)
+    return s, K, V
+
+
+def _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx):
+    R = qb.shape[2]
+
+    def body(_, r):
+        at = functools.partial(jax.lax.dynamic_index_in_dim, index=r, axis=2, keepdims=False)
+        at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=r + 1, axis=2, keepdims=False)
+        s, _, V = _block_tile(at(qb), at(kx), at1(kx), at(vx), at1(vx), at(bdb), at(cmu), at(lc), Cs,
+                              validx[r], validx[r + 1])
+        m = jnp.max(s, axis=-1, keepdims=True)
+        pr = jnp.exp(s - m)
+        den = jnp.sum(pr, axis=-1, keepdims=True)
+        o = jnp.einsum("bhln,bhnd->bhld", pr, V) / den
+        return None, (o, (m + jnp.log(den))[..., 0])
+
+    _, (o, lse) = jax.lax.scan(body, None, jnp.arange(R))
+    return jnp.moveaxis(o, 0, 2), jnp.moveaxis(lse, 0, 2)  # [B,H,R,L,Dv], [B,H,R,L]
+
+
+@jax.custom_vjp
+def _vq_blocks(qb, kx, vx, bdb, cmu, lc, Cs, validx):
+    return _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx)[0]
+
+
+def _vq_blocks_fwd(qb, kx, vx, bdb, cmu, lc, Cs, validx):
+    o, lse = _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx)
+    return o, (qb, kx, vx, bdb, cmu, lc, Cs, validx, o, lse)
+
+
+def _vq_blocks_bwd(res, do):
+    qb, kx, vx, bdb, cmu, lc, Cs, validx, o, lse = res
+    R, L, S = qb.shape[2], qb.shape[3], Cs.shape[1]
+    delta = jnp.sum(do * o, axis=-1)  # [B,H,R,L]
+
+    def body(_, r):
+        at = functools.partial(jax.lax.dynamic_index_in_dim, index=r, axis=2, keepdims=False)
+        at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=r + 1, axis=2, keepdims=False)
+        qr, bdr, dor = at(qb), at(bdb), at(do)
+        s, K, V = _block_tile(qr, at(kx), at1(kx), at(vx), at1(vx), bdr, at(cmu), at(lc), Cs,
+                              validx[r], validx[r + 1])
+        pr = jnp.exp(s - at(lse)[..., None])  # masked entries: exp(NEG - lse) = 0
+        ds = pr * (jnp.einsum("bhld,bhnd->bhln", dor, V) - at(delta)[..., None])
+        dq = jnp.einsum("bhln,bhnd->bhld", ds, K)
+        dk = jnp.einsum("bhln,bhld->bhnd", ds[..., S:], qr)  # the codebook takes no gradient
+        dv = jnp.einsum("bhln,bhld->bhnd", pr, dor)
+        _, skew_t = jax.vjp(lambda b: skew_bias(b, L, 2 * L), bdr)
+        (dbd,) = skew_t(ds[..., S:])
+        return None, (dq, dk[:, :, :L], dk[:, :, L:], dv[:, :, :S], dv[:, :, S:S + L], dv[:, :, S + L:], dbd)
+
+    _, (dq, dkp, dkc, dcm, dvp, dvc, dbd) = jax.lax.scan(body, None, jnp.arange(R))
+
+    def ext(prev, cur):  # [R, B,H,L,.] contributions to extended blocks r (prev) and r+1 (cur)
+        z0 = jnp.zeros_like(prev[:1])
+        return jnp.moveaxis(jnp.concatenate([prev, z0], 0) + jnp.concatenate([z0, cur], 0), 0, 2)
+
+    mv = functools.partial(jnp.moveaxis, source=0, destination=2)
+    return mv(dq), ext(dkp, dkc), ext(dvp, dvc), mv(dbd), mv(dcm), None, None, None
+
+
+_vq_blocks.defvjp(_vq_blocks_fwd, _vq_blocks_bwd)
+
+
 # ----------------------------------------------------------------------------- streaming form
 def _stream_step(state, q_u, bd, k_hat, z, v, Cs, M: int, S: int):
     """One step over Lc new tokens: attend to band (M) + present (Lc) + agg, then fold the oldest Lc into agg."""
@@ -177,7 +276,7 @@ def _stream_step(state, q_u, bd, k_hat, z, v, Cs, M: int, S: int):
     qi = jnp.arange(Lc)[:, None]
     kj = jnp.arange(M + Lc)[None, :]
     mask = (kpos[None, :] >= 0) & (kj - M <= qi)
-    s_l = jnp.einsum("bhqd,bhkd->bhqk", q_u, K) + rel_bias(bd, qi + M - kj, M)
+    s_l = jnp.einsum("bhqd,bhkd->bhqk", q_u, K) + skew_bias(bd, M, M + Lc)
     s_c = jnp.einsum("bhqd,hsd->bhqs", q_u, Cs) + log_count(state["agg_n"])[:, :, None, :]
     o, _ = _softmax_mix([(s_c, (state["agg_n"] > 0)[:, :, None, :], state["agg_mu"]), (s_l, mask, V)])
     mu, n = code_summary(Z[:, :, :Lc], V[:, :, :Lc], kpos[:Lc] >= 0, S)
@@ -261,9 +360,7 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
     local_k = jnp.concatenate([kx[:, :, :R], kx[:, :, 1:R + 1], kx[:, :, 2:]], axis=3)  # [B,H,R,3L,Dk]
     local_v = jnp.concatenate([vx[:, :, :R], vx[:, :, 1:R + 1], vx[:, :, 2:]], axis=3)
     local_valid = jnp.concatenate([vpad[:R], vpad[1:R + 1], vpad[2:]], axis=1)  # [R, 3L]
-    i = jnp.arange(L)[:, None]
-    jj = jnp.arange(3 * L)[None, :]
-    s_l = jnp.einsum("bhrld,bhrjd->bhrlj", qb, local_k) + rel_bias(bdb, L + i - jj + M, 2 * M)
+    s_l = jnp.einsum("bhrld,bhrjd->bhrlj", qb, local_k) + skew_bias(bdb, L + M, 3 * L)  # bd[i, L+M+i-j]
     s_c = jnp.einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
     o, _ = _softmax_mix([(s_c, (fn > 0)[:, :, :, None, :], fmu), (s_l, local_valid[:, None, :], local_v)])
     return o.reshape(B, H, Tp, Dv)[:, :, :T]
