@@ -570,6 +570,8 @@ class TransformerVQAttention(AttentionCore):
             if choice is not None and choice.use_kernel:
                 o, new_state = vq_cache.vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L,
                                                            M=M, interpret=choice.interpret, platform=choice.platform)
+            elif form == "parallel" and self.cfg.reduction == "serial":
+                o, new_state = causal_blocks(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M)
             elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)

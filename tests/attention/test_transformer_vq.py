@@ -253,7 +253,7 @@ def test_no_future_leak(over):
     def f(q, k, v):
         return core(q, k, v)[0][:, :, t]
 
-    jac = jax.jit(jax.jacfwd(f, argnums=(0, 1, 2)))(q, k, v)  # each [B,H,Dv, B,H,T,D]
+    jac = jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(q, k, v)  # each [B,H,Dv, B,H,T,D] (reverse mode: custom VJP)
     for j in jac:
         assert float(jnp.abs(j[..., t + 1:, :]).max()) == 0.0
         assert float(jnp.abs(j[..., : t + 1, :]).max()) > 0.0
