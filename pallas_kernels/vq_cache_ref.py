@@ -42,9 +42,11 @@ def merge(a, b):
 
 def code_summary(z, v, valid, S: int):
     """Per-code (mean, count) of values v [..., L, Dv] with codes z [..., L] and validity [..., L]."""
-    onehot = jax.nn.one_hot(z, S, dtype=v.dtype) * valid[..., None].astype(v.dtype)  # [..., L, S]
-    cnt = jnp.sum(onehot, axis=-2)
-    tot = jnp.einsum("...ls,...ld->...sd", onehot, v)
+    # code-major one-hot [..., S, L]: the sum over L is a plain matmul (no transposed operand)
+    onehot = (z[..., None, :] == jnp.arange(S, dtype=z.dtype)[:, None]) & valid[..., None, :]
+    onehot = onehot.astype(v.dtype)
+    cnt = jnp.sum(onehot, axis=-1)
+    tot = jnp.einsum("...sl,...ld->...sd", onehot, v)
     return tot / jnp.maximum(cnt, 1.0)[..., None], cnt
 
 
@@ -184,6 +186,7 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
     ``kx``, ``vx`` [B,H,R+1,L,.], ``zx`` and ``validx`` [R+1,L] (extended blocks: index 0 is the carried
     band left-padded to L, index e is block e-1); ``cmu`` [B,H,R,S,Dv] and ``cn`` [B,H,R,S] (the lag-2 cache
     of block n: carried agg merged with extended blocks 0..n-1); ``Cs`` = sg(C) in the compute dtype.
+    ``bd=None`` leaves ``bdb`` out (None).
     """
     if not 1 <= M <= L:
         raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
@@ -209,7 +212,8 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
     items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
     items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
     cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
-    return {"qb": blocks(pad_to(q_u.astype(dt), 2, Tp), R), "bdb": blocks(pad_to(bd.astype(dt), 2, Tp), R),
+    bdb = None if bd is None else blocks(pad_to(bd.astype(dt), 2, Tp), R)
+    return {"qb": blocks(pad_to(q_u.astype(dt), 2, Tp), R), "bdb": bdb,
             "kx": kx, "vx": vx, "zx": zx, "validx": validx, "cmu": cmu, "cn": cn, "Cs": sg(C).astype(dt),
             "state": state}
 

@@ -96,24 +96,33 @@ def codebook_from_stats(c_sum, c_count):
 
 
 # ----------------------------------------------------------------------------- STVQ
-def stvq(k, C):
+def stvq(k, C, *, chunk: int = 512):
     """Straight-through VQ. k: [B, H, T, Dk]; C: [H, S, Dk] (read under stop_gradient).
 
     Returns (k_hat, z, err2, c_z): k_hat = k + sg(c_z - k) (value c_z, Jacobian I),
     z = argmin_s ||k - c_s||^2 in >= fp32 (ties -> lowest index), err2 = relu(min d^2), c_z = sg(C)[z].
+    The search runs over ``chunk`` keys at a time (a [chunk, S] distance tile that stays in cache; one
+    [T, S] tensor costs more in memory traffic than in arithmetic).
     """
     dt = float_dtype(k, C)
     kf, Cf = k.astype(dt), sg(C).astype(dt)
-    d2 = (
-        jnp.sum(kf * kf, -1)[..., None]
-        - 2.0 * jnp.einsum("bhtd,hsd->bhts", kf, Cf)
-        + jnp.sum(Cf * Cf, -1)[None, :, None, :]
-    )
-    z = jnp.argmin(d2, axis=-1).astype(jnp.int32)
+    B, H, T, Dk = kf.shape
+    half_c2 = 0.5 * jnp.sum(Cf * Cf, -1)[None, :, None, :]
+
+    def nearest(kc):  # argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2); d^2 = |k|^2 - 2 max(.)
+        g = jnp.einsum("bhtd,hsd->bhts", kc, Cf) - half_c2
+        return jax.lax.argmax(g, 3, jnp.int32), jnp.sum(kc * kc, -1) - 2.0 * jnp.max(g, -1)
+
+    if T <= chunk:
+        z, d2min = nearest(kf)
+    else:
+        n = -(-T // chunk)
+        kc = jnp.moveaxis(_pad_to(kf, 2, n * chunk).reshape(B, H, n, chunk, Dk), 2, 0)
+        z, d2min = jax.lax.map(nearest, kc)
+        z, d2min = (jnp.moveaxis(x, 0, 2).reshape(B, H, n * chunk)[:, :, :T] for x in (z, d2min))
     c_z = _gather_codes(Cf, z)
     k_hat = kf + sg(c_z - kf)
-    err2 = jax.nn.relu(jnp.min(d2, axis=-1))
-    return k_hat, z, err2, c_z
+    return k_hat, z, jax.nn.relu(d2min), c_z
 
 
 def _gather_codes(C, z):
@@ -171,94 +180,140 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked
-def causal_blocks(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
-    """``causal_parallel(..., reduction='serial')`` computed one query block at a time (a ``lax.scan``), with a
-    FlashAttention-style backward that recomputes each block's probabilities from the saved log-sum-exp.
+def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256):
+    """``causal_parallel(q_u, band_scores(q_v, r), ..., reduction='serial')`` computed one tile of
+    ``q_tile`` queries at a time (nested ``lax.scan`` over blocks and the tiles of a block), with a
+    FlashAttention-style backward that recomputes each tile's probabilities from the saved log-sum-exp.
 
-    Same operands, result and state. Each block attends to S codes (values = the lag-2 cache), the previous
-    block and the causal present: one [L, S + 2L] score tile whose working set stays in cache, instead of
-    [T, S + 2L] scores, probabilities and masks held for autodiff. Returns (o [B,H,T,Dv], new_state).
+    q_v = q + v' [B,H,T,Dk] and r = r' [M+1, H, Dk]: each tile forms its own band scores q_v r'^T
+    [q_tile, M+1] and their relative shift, so the [T, M+1] band tensor is never stored. A tile attends to
+    S codes (values = the lag-2 cache), the previous block and the causal present: a [q_tile, S + 2L]
+    score tile whose working set stays in cache, instead of [T, S + 2L] scores, probabilities and masks
+    held for autodiff (on a CPU that traffic, not the arithmetic, set the time). ``q_tile`` is reduced to
+    a divisor of L. Same result and state as ``causal_parallel``. Returns (o [B,H,T,Dv], new_state).
     """
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
-    o = _vq_blocks(p["qb"], p["kx"], p["vx"], p["bdb"], p["cmu"], log_count(p["cn"]), p["Cs"], p["validx"])
+    p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
+    qb = p["qb"]
+    qvb = _pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
+    rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)  # [H, M+1, Dk]: head-major for the per-tile batched matmuls
+    q_tile = math.gcd(L, max(1, min(q_tile, L)))
+    o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), p["Cs"], p["validx"], q_tile)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
-    dt = p["qb"].dtype
-    return o, _final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S)
+    return o, _final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S)
 
 
-def _block_tile(qr, kp, kc, vp, vc, bdr, cm, lcr, Cs, valid_p, valid_c):
-    """Scores [B,H,L,S+2L] (masked entries = NEG), the keys and the values of one query block."""
-    B, H, L, _ = qr.shape
+def _tile_bias(bdr, off, L: int):
+    """Band bias [.., Lq, 2L] of the queries off..off+Lq-1 of a block (off traced): bd[i, L + off + i - j]."""
+    extra = L - bdr.shape[-2]
+    wide = skew_bias(bdr, L + extra, 2 * L + extra)
+    return jax.lax.dynamic_slice_in_dim(wide, extra - off, 2 * L, axis=-1)
+
+
+def _tile_scores(qt, qvt, off, r, K, lcr, valid_p, valid_c):
+    """Scores [B,H,Lq,S+2L] of the queries off..off+Lq-1 of a block and their band scores [B,H,Lq,M+1].
+    K = [codes; previous block; present block] [B,H,S+2L,Dk]; r: [H, M+1, Dk]. Masked entries get NEG added
+    (empty codes already have log count NEG), so exp(s - max) is exactly 0 there and so is their gradient:
+    an additive mask costs no select over the tile."""
+    B, H, Lq, _ = qt.shape
+    L = valid_c.shape[0]
+    S = K.shape[2] - 2 * L
+    bdt = jnp.einsum("bhld,hnd->bhln", qvt, r)
+    causal = jnp.arange(L)[None, :] <= (off + jnp.arange(Lq))[:, None]
+    keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :]], axis=-1)
+    band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
+    bias = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :], (B, H, Lq, S)), band], -1)
+    return jnp.einsum("bhld,bhnd->bhln", qt, K) + bias, bdt
+
+
+def _block_kv(ops, Cs, i):
+    """Keys [B,H,S+2L,Dk], values [B,H,S+2L,Dv], log counts and validities of block i."""
+    qb, qvb, kx, vx, cmu, lc, validx = ops
+    at = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
+    at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=i + 1, axis=2, keepdims=False)
+    B = qb.shape[0]
+    K = jnp.concatenate([jnp.broadcast_to(Cs[None], (B,) + Cs.shape), at(kx), at1(kx)], axis=2)
+    V = jnp.concatenate([at(cmu), at(vx), at1(vx)], axis=2)
+    return K, V, at(lc), validx[i], validx[i + 1]
+
+
+def _tile_rows(x, i, c, Lq):
+    """Rows c*Lq..(c+1)*Lq-1 of block i of x [B,H,R,L,...]."""
+    return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False), c * Lq, Lq, 2)
+
+
+def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
+    B, H, R, L, _ = qb.shape
+    ops = (qb, qvb, kx, vx, cmu, lc, validx)
+
+    def block(_, i):
+        K, V, lcr, valid_p, valid_c = _block_kv(ops, Cs, i)
+
+        def tile(_, c):
+            s, _ = _tile_scores(_tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), c * Lq, r, K, lcr,
+                                valid_p, valid_c)
+            m = jnp.max(s, axis=-1, keepdims=True)
+            pr = jnp.exp(s - m)
+            den = jnp.sum(pr, axis=-1, keepdims=True)
+            return None, (jnp.einsum("bhln,bhnd->bhld", pr, V) / den, (m + jnp.log(den))[..., 0])
+
+        return None, jax.lax.scan(tile, None, jnp.arange(L // Lq))[1]
+
+    _, (o, lse) = jax.lax.scan(block, None, jnp.arange(R))  # [R, nt, B,H,Lq,.]
+    o = jnp.moveaxis(o, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
+    return o, jnp.moveaxis(lse, (0, 1), (2, 3)).reshape(B, H, R, L)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _vq_blocks(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
+    return _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq)[0]
+
+
+def _vq_blocks_fwd(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
+    o, lse = _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq)
+    return o, (qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse)
+
+
+def _vq_blocks_bwd(Lq, res, do):
+    qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse = res
+    B, H, R, L, Dk = qb.shape
     S = Cs.shape[1]
-    K = jnp.concatenate([jnp.broadcast_to(Cs[None], (B,) + Cs.shape), kp, kc], axis=2)
-    V = jnp.concatenate([cm, vp, vc], axis=2)
-    bias = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :], (B, H, L, S)), skew_bias(bdr, L, 2 * L)], -1)
-    causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]
-    mask = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :] > NEG / 2, (B, H, L, S)),
-                            jnp.broadcast_to(valid_p[None, None, None, :], (B, H, L, L)),
-                            jnp.broadcast_to(causal & valid_c[None, :], (B, H, L, L))], axis=-1)
-    s = jnp.where(mask, jnp.einsum("bhld,bhnd->bhln", qr, K) + bias, NEG)
-    return s, K, V
-
-
-def _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx):
-    R = qb.shape[2]
-
-    def body(_, r):
-        at = functools.partial(jax.lax.dynamic_index_in_dim, index=r, axis=2, keepdims=False)
-        at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=r + 1, axis=2, keepdims=False)
-        s, _, V = _block_tile(at(qb), at(kx), at1(kx), at(vx), at1(vx), at(bdb), at(cmu), at(lc), Cs,
-                              validx[r], validx[r + 1])
-        m = jnp.max(s, axis=-1, keepdims=True)
-        pr = jnp.exp(s - m)
-        den = jnp.sum(pr, axis=-1, keepdims=True)
-        o = jnp.einsum("bhln,bhnd->bhld", pr, V) / den
-        return None, (o, (m + jnp.log(den))[..., 0])
-
-    _, (o, lse) = jax.lax.scan(body, None, jnp.arange(R))
-    return jnp.moveaxis(o, 0, 2), jnp.moveaxis(lse, 0, 2)  # [B,H,R,L,Dv], [B,H,R,L]
-
-
-@jax.custom_vjp
-def _vq_blocks(qb, kx, vx, bdb, cmu, lc, Cs, validx):
-    return _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx)[0]
-
-
-def _vq_blocks_fwd(qb, kx, vx, bdb, cmu, lc, Cs, validx):
-    o, lse = _vq_blocks_fwd_impl(qb, kx, vx, bdb, cmu, lc, Cs, validx)
-    return o, (qb, kx, vx, bdb, cmu, lc, Cs, validx, o, lse)
-
-
-def _vq_blocks_bwd(res, do):
-    qb, kx, vx, bdb, cmu, lc, Cs, validx, o, lse = res
-    R, L, S = qb.shape[2], qb.shape[3], Cs.shape[1]
     delta = jnp.sum(do * o, axis=-1)  # [B,H,R,L]
+    ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
-    def body(_, r):
-        at = functools.partial(jax.lax.dynamic_index_in_dim, index=r, axis=2, keepdims=False)
-        at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=r + 1, axis=2, keepdims=False)
-        qr, bdr, dor = at(qb), at(bdb), at(do)
-        s, K, V = _block_tile(qr, at(kx), at1(kx), at(vx), at1(vx), bdr, at(cmu), at(lc), Cs,
-                              validx[r], validx[r + 1])
-        pr = jnp.exp(s - at(lse)[..., None])  # masked entries: exp(NEG - lse) = 0
-        ds = pr * (jnp.einsum("bhld,bhnd->bhln", dor, V) - at(delta)[..., None])
-        dq = jnp.einsum("bhln,bhnd->bhld", ds, K)
-        dk = jnp.einsum("bhln,bhld->bhnd", ds[..., S:], qr)  # the codebook takes no gradient
-        dv = jnp.einsum("bhln,bhld->bhnd", pr, dor)
-        _, skew_t = jax.vjp(lambda b: skew_bias(b, L, 2 * L), bdr)
-        (dbd,) = skew_t(ds[..., S:])
-        return None, (dq, dk[:, :, :L], dk[:, :, L:], dv[:, :, :S], dv[:, :, S:S + L], dv[:, :, S + L:], dbd)
+    def block(dr, i):
+        K, V, lcr, valid_p, valid_c = _block_kv(ops, Cs, i)
 
-    _, (dq, dkp, dkc, dcm, dvp, dvc, dbd) = jax.lax.scan(body, None, jnp.arange(R))
+        def tile(carry, c):
+            dr, dK, dV = carry
+            qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
+            s, bdt = _tile_scores(qt, qvt, c * Lq, r, K, lcr, valid_p, valid_c)
+            pr = jnp.exp(s - _tile_rows(lse, i, c, Lq)[..., None])  # masked entries: exp(NEG - lse) = 0
+            ds = pr * (jnp.einsum("bhld,bhnd->bhln", dot, V) - _tile_rows(delta, i, c, Lq)[..., None])
+            dq = jnp.einsum("bhln,bhnd->bhld", ds, K)
+            dK = dK + jnp.einsum("bhln,bhld->bhnd", ds[..., S:], qt)  # the codebook takes no gradient
+            dV = dV + jnp.einsum("bhln,bhld->bhnd", pr, dot)
+            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
+            (dbd,) = bias_t(ds[..., S:])
+            dqv = jnp.einsum("bhln,hnd->bhld", dbd, r)
+            dr = dr + jnp.einsum("bhln,bhld->hnd", dbd, qvt)
+            return (dr, dK, dV), (dq, dqv)
+
+        zero = (dr, jnp.zeros((B, H, 2 * L, Dk), qb.dtype), jnp.zeros((B, H, S + 2 * L, V.shape[-1]), qb.dtype))
+        (dr, dK, dV), (dq, dqv) = jax.lax.scan(tile, zero, jnp.arange(L // Lq))
+        return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dV[:, :, :S], dV[:, :, S:S + L], dV[:, :, S + L:])
+
+    dr, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(r), jnp.arange(R))
 
     def ext(prev, cur):  # [R, B,H,L,.] contributions to extended blocks r (prev) and r+1 (cur)
         z0 = jnp.zeros_like(prev[:1])
         return jnp.moveaxis(jnp.concatenate([prev, z0], 0) + jnp.concatenate([z0, cur], 0), 0, 2)
 
-    mv = functools.partial(jnp.moveaxis, source=0, destination=2)
-    return mv(dq), ext(dkp, dkc), ext(dvp, dvc), mv(dbd), mv(dcm), None, None, None
+    def rows(x):  # [R, nt, B,H,Lq,.] -> [B,H,R,L,.]
+        return jnp.moveaxis(x, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
+
+    return (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2), None, None, None)
 
 
 _vq_blocks.defvjp(_vq_blocks_fwd, _vq_blocks_bwd)
@@ -371,10 +426,10 @@ def vq_stats(k, z, S: int, mask=None):
     """EMA statistics of one call: per-code counts [H, S] and key sums [H, S, Dk] (pre-quantization keys,
     fp32 or wider, masked tokens excluded), summed over batch and time, under stop_gradient."""
     kf = sg(k).astype(float_dtype(k))
-    onehot = jax.nn.one_hot(z, S, dtype=kf.dtype)  # [B,H,T,S]
+    onehot = (z[:, :, None, :] == jnp.arange(S, dtype=z.dtype)[:, None]).astype(kf.dtype)  # [B,H,S,T]
     if mask is not None:
-        onehot = onehot * mask[:, None, :, None].astype(kf.dtype)
-    return {"count": jnp.sum(onehot, axis=(0, 2)), "sum": jnp.einsum("bhts,bhtd->hsd", onehot, kf)}
+        onehot = onehot * mask[:, None, None, :].astype(kf.dtype)
+    return {"count": jnp.sum(onehot, axis=(0, 3)), "sum": jnp.einsum("bhst,bhtd->hsd", onehot, kf)}
 
 
 def ema_update(c_sum, c_count, stats, gamma: float):
@@ -537,7 +592,7 @@ class TransformerVQAttention(AttentionCore):
                       dtype=dt, dropout_key=drop_key, p_drop=self.cfg.p_dropsin).reshape(-1, H, Dk)
         u = tau_m14 * self.u[...].astype(dt)
         vb = tau_m14 * self.v[...].astype(dt)
-        return {"q": q, "k": k, "q_u": q + u[None, :, None], "bd": band_scores(q + vb[None, :, None], r)}
+        return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
     def _kernel_choice(self, dtype) -> dispatch.Choice:
         """The block-parallel causal form runs the Pallas kernel of pallas_kernels/vq_cache.py (spec 9, forward
@@ -560,6 +615,7 @@ class TransformerVQAttention(AttentionCore):
         pre = self.prepare(q, k, deterministic=deterministic, key=key)
         C = self.codebook()
         k_hat, z, err2, c_z = stvq(pre["k"], C)
+        bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
         vv = v.astype(float_dtype(v, pre["q"]))
         if self.causal:
             state = self.init_state(B) if state is None else state
@@ -568,20 +624,20 @@ class TransformerVQAttention(AttentionCore):
                 form = "parallel" if (M <= L and T >= L) else "stream"
             choice = self._kernel_choice(vv.dtype) if form == "parallel" else None
             if choice is not None and choice.use_kernel:
-                o, new_state = vq_cache.vq_cache_attention(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L,
+                o, new_state = vq_cache.vq_cache_attention(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L,
                                                            M=M, interpret=choice.interpret, platform=choice.platform)
             elif form == "parallel" and self.cfg.reduction == "serial":
-                o, new_state = causal_blocks(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M)
+                o, new_state = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, vv, C, state, L=L, M=M)
             elif form == "parallel":
-                o, new_state = causal_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, state, L=L, M=M,
+                o, new_state = causal_parallel(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)
             else:
-                o, new_state = causal_stream(pre["q_u"], pre["bd"], k_hat, z, vv, C, state,
+                o, new_state = causal_stream(pre["q_u"], bd(), k_hat, z, vv, C, state,
                                              L=min(L, T) if self.cfg.form == "auto" else L, M=M)
         else:
             if state is not None:
                 raise ValueError("transformer_vq: a bidirectional core takes no state")
-            o = encoder_parallel(pre["q_u"], pre["bd"], k_hat, z, vv, C, L=L, M=M, band=self.cfg.encoder_band)
+            o = encoder_parallel(pre["q_u"], bd(), k_hat, z, vv, C, L=L, M=M, band=self.cfg.encoder_band)
             new_state = None
         if aux is not None:
             aux.add_loss("commit", self.cfg.beta * commit_loss(pre["k"], c_z, mask))

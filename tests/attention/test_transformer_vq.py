@@ -401,7 +401,8 @@ def test_core_reports_commit_and_stats():
 
 
 # ---------------------------------------------------------------------- check 8: gradients
-@pytest.mark.parametrize("form,L,M", [("parallel", 3, 3), ("parallel", 4, 2), ("stream", 3, 3)])
+@pytest.mark.parametrize("form,L,M", [("parallel", 3, 3), ("parallel", 4, 2), ("stream", 3, 3), ("blocks", 3, 3),
+                                      ("blocks", 4, 2)])
 def test_gradients_match_reference(x64, form, L, M):
     d = make_inputs(T=12, M=M, Dv=3)
     g = jax.random.normal(jax.random.PRNGKey(11), d["v"].shape, jnp.float64)
@@ -409,10 +410,12 @@ def test_gradients_match_reference(x64, form, L, M):
 
     def loss(q, k, v, u, vb, r, G, which):
         dd = dict(d, q=q, v=v, u=u, vb=vb, r=r)
-        q_u, _, bd = derived(dd)
+        q_u, q_v, bd = derived(dd)
         k_hat, z, _, _ = tvq.stvq(k, d["C"])
         if which == "ref":
             o = tvq.quadratic_reference(q_u, bd, k_hat, v, M=M, sg_far_block=L)
+        elif form == "blocks":  # tiles of 2 query rows (1 when L = 3): the tile loop and its offsets
+            o = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], empty(d, M), L=L, M=M, q_tile=2)[0]
         elif form == "parallel":
             o = tvq.causal_parallel(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
         else:
@@ -425,6 +428,43 @@ def test_gradients_match_reference(x64, form, L, M):
     g_ref = grad(*args, "ref")
     for name, a, b in zip(("q", "k", "v", "u", "v'", "r", "G"), g_lin, g_ref):
         assert max_err(a, b) < 1e-10, name
+        assert float(jnp.abs(b).max()) > 0, name
+
+
+@pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), (5, 4, 4, 4), (16, 8, 8, 4)])
+def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile):
+    """causal_blocks (tiled scan, recomputing backward) == causal_parallel (serial): output, new state and
+    the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0."""
+    d = make_inputs(T=T, M=M, S=6, Dv=3)
+    B, H, _, Dk = d["q"].shape
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    st = dict(empty(d, M), pos=jnp.asarray(2 * L + 1, jnp.int32),
+              band_k=jax.random.normal(ks[0], (B, H, M, Dk)), band_v=jax.random.normal(ks[1], (B, H, M, 3)),
+              band_z=jax.random.randint(ks[2], (B, H, M), 0, 6),
+              agg_mu=jax.random.normal(ks[3], (B, H, 6, 3)),
+              agg_n=jax.random.randint(ks[4], (B, H, 6), 0, 3).astype(jnp.float64))
+    w = jax.random.normal(jax.random.PRNGKey(12), d["v"].shape, jnp.float64)
+    q_u, q_v, bd = derived(d)
+    k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
+
+    def run(which, q_u, q_v, r, k_hat, v, band_v, agg_mu):
+        s = dict(st, band_v=band_v, agg_mu=agg_mu)
+        if which == "blocks":
+            o, ns = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile)
+        else:
+            o, ns = tvq.causal_parallel(q_u, tvq.band_scores(q_v, r), k_hat, z, v, d["C"], s, L=L, M=M)
+        return jnp.sum(o * w) + jnp.sum(jnp.sin(ns["agg_mu"])) + jnp.sum(ns["band_v"] ** 2), (o, ns)
+
+    f = jax.jit(jax.value_and_grad(run, argnums=tuple(range(1, 8)), has_aux=True), static_argnums=0,
+                compiler_options=FAST)
+    args = (q_u, q_v, d["r"], k_hat, d["v"], st["band_v"], st["agg_mu"])
+    (_, (o1, n1)), g1 = f("blocks", *args)
+    (_, (o2, n2)), g2 = f("parallel", *args)
+    assert max_err(o1, o2) < 1e-12
+    for key in n1:
+        assert max_err(n1[key], n2[key]) < 1e-12, key
+    for name, a, b in zip(("q_u", "q_v", "r", "k_hat", "v", "band_v", "agg_mu"), g1, g2):
+        assert max_err(a, b) < 1e-11, name
         assert float(jnp.abs(b).max()) > 0, name
 
 
