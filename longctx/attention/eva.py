@@ -216,6 +216,19 @@ def _tile_keys(drop_key, n_tiles):
     return jax.vmap(lambda i: jax.random.fold_in(drop_key, i))(jnp.arange(n_tiles))
 
 
+def tile_groups(n_tiles: int, tile: int, P: int, C: int, causal: bool, groups: int = 8):
+    """Causal skip: [(first tile, end tile, chunks passed)] for up to ``groups`` contiguous groups of query
+    tiles. A causal query at n sees chunks c < n // P only, so a group whose last query is n_max is given
+    chunks 0..(n_max // P) - 1 and the chunks hidden from all of its queries are never scored (about
+    (G+1)/(2G) of the chunk work for G groups). The chunks dropped are exactly ones the mask would
+    zero, so the result is unchanged. Bidirectional: one group with all C chunks."""
+    if not causal:
+        return [(0, n_tiles, C)]
+    g = max(1, min(groups, n_tiles))
+    bounds = [round(i * n_tiles / g) for i in range(g + 1)]
+    return [(lo, hi, max(1, min(C, (hi * tile - 1) // P))) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
                 num_chunks: int, stats_fn=None):
     """Full pass over L tokens (no prefix). q,k [B,H,L,d], v [B,H,L,dv] -> (out [B,H,L,dv], extras).
@@ -251,11 +264,18 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     k_t, v_t = _gather_tiles(kf, idx), _gather_tiles(vf, idx)
     keys = _tile_keys(drop_key, n_tiles)
 
-    def one(qt, qp, kt, vt, kp, kv, dk):
-        return attend_tile(qt, qp, kt, vt, kp, kv, chunks, chunk_ids, chunk_valid, P, rpe_table, dk, opts, scale)
+    xs = (q_t, q_pos, k_t, v_t, k_pos, k_val, keys)
+    outs = []
+    for lo, hi, nc in tile_groups(n_tiles, tile, P, C, opts.causal):
+        def one(qt, qp, kt, vt, kp, kv, dk, nc=nc):
+            ch = tuple(None if x is None else x[:, :, :nc] for x in chunks)
+            return attend_tile(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, dk,
+                               opts, scale)
 
-    cost = B * H * tile * (Tk + C * (P if exact else 1))
-    out = _map_tiles(one, (q_t, q_pos, k_t, v_t, k_pos, k_val, keys), n_tiles, cost, opts.logit_budget)
+        cost = B * H * tile * (Tk + nc * (P if exact else 1))
+        group = tuple(None if x is None else x[lo:hi] for x in xs)
+        outs.append(_map_tiles(one, group, hi - lo, cost, opts.logit_budget))
+    out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, L_pad, dv)[:, :, :L]
     return out, {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
 
