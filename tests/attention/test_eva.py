@@ -413,3 +413,21 @@ def test_long_forward_65k():
     short = run(core, q[:, :, :300], k[:, :, :300], v[:, :, :300])[0]
     assert maxdiff(out[:, :, :300], short) < 1e-5
     print(f"65k forward {time.time() - t:.1f}s")
+
+
+@pytest.mark.parametrize("n_tiles,tile,P", [(1, 8, 4), (5, 8, 4), (64, 128, 8), (13, 6, 4), (3, 4, 8)])
+def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P):
+    """The causal skip passes each group of query tiles every chunk its queries can see (c < n // P) and,
+    with several groups, strictly fewer than all chunks to the early ones; bidirectional passes all."""
+    from longctx.attention.eva import tile_groups
+
+    C = -(-n_tiles * tile // P)
+    groups = tile_groups(n_tiles, tile, P, C, causal=True)
+    assert groups[0][0] == 0 and groups[-1][1] == n_tiles
+    assert all(a[1] == b[0] for a, b in zip(groups[:-1], groups[1:]))  # contiguous, no gaps
+    for lo, hi, nc in groups:
+        last_query = hi * tile - 1
+        assert 1 <= nc <= C and nc >= min(C, last_query // P)
+    if len(groups) > 2:
+        assert groups[0][2] < C
+    assert tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
