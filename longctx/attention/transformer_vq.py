@@ -211,31 +211,31 @@ def _tile_bias(bdr, off, L: int):
     return jax.lax.dynamic_slice_in_dim(wide, extra - off, 2 * L, axis=-1)
 
 
-def _tile_scores(qt, qvt, off, r, K, lcr, valid_p, valid_c):
-    """Scores [B,H,Lq,S+2L] of the queries off..off+Lq-1 of a block and their band scores [B,H,Lq,M+1].
-    K = [codes; previous block; present block] [B,H,S+2L,Dk]; r: [H, M+1, Dk]. Masked entries get NEG added
-    (empty codes already have log count NEG), so exp(s - max) is exactly 0 there and so is their gradient:
-    an additive mask costs no select over the tile."""
-    B, H, Lq, _ = qt.shape
+def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
+    """Scores of the queries off..off+Lq-1 of a block: against the S codes [B,H,Lq,S] (plus their log counts,
+    NEG for empty codes) and against the previous and present blocks [B,H,Lq,2L] (plus the band bias), and
+    the band scores [B,H,Lq,M+1]. K = [previous block; present block] [B,H,2L,Dk]; r: [H, M+1, Dk]. Masked
+    entries get NEG added, so exp(s - max) is exactly 0 there and so is their gradient (an additive mask
+    costs no select over the tile); the two parts share one normalizer and are never concatenated."""
+    Lq = qt.shape[2]
     L = valid_c.shape[0]
-    S = K.shape[2] - 2 * L
+    s_c = jnp.einsum("bhld,hsd->bhls", qt, Cs) + lcr[:, :, None, :]
     bdt = jnp.einsum("bhld,hnd->bhln", qvt, r)
     causal = jnp.arange(L)[None, :] <= (off + jnp.arange(Lq))[:, None]
     keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :]], axis=-1)
     band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
-    bias = jnp.concatenate([jnp.broadcast_to(lcr[:, :, None, :], (B, H, Lq, S)), band], -1)
-    return jnp.einsum("bhld,bhnd->bhln", qt, K) + bias, bdt
+    return s_c, jnp.einsum("bhld,bhnd->bhln", qt, K) + band, bdt
 
 
-def _block_kv(ops, Cs, i):
-    """Keys [B,H,S+2L,Dk], values [B,H,S+2L,Dv], log counts and validities of block i."""
+def _block_kv(ops, i):
+    """Keys and values of the previous and present blocks [B,H,2L,.], cache means [B,H,S,Dv], log counts and
+    validities of block i."""
     qb, qvb, kx, vx, cmu, lc, validx = ops
     at = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
     at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=i + 1, axis=2, keepdims=False)
-    B = qb.shape[0]
-    K = jnp.concatenate([jnp.broadcast_to(Cs[None], (B,) + Cs.shape), at(kx), at1(kx)], axis=2)
-    V = jnp.concatenate([at(cmu), at(vx), at1(vx)], axis=2)
-    return K, V, at(lc), validx[i], validx[i + 1]
+    K = jnp.concatenate([at(kx), at1(kx)], axis=2)
+    V = jnp.concatenate([at(vx), at1(vx)], axis=2)
+    return K, V, at(cmu), at(lc), validx[i], validx[i + 1]
 
 
 def _tile_rows(x, i, c, Lq):
@@ -248,15 +248,16 @@ def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
     def block(_, i):
-        K, V, lcr, valid_p, valid_c = _block_kv(ops, Cs, i)
+        K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
         def tile(_, c):
-            s, _ = _tile_scores(_tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), c * Lq, r, K, lcr,
-                                valid_p, valid_c)
-            m = jnp.max(s, axis=-1, keepdims=True)
-            pr = jnp.exp(s - m)
-            den = jnp.sum(pr, axis=-1, keepdims=True)
-            return None, (jnp.einsum("bhln,bhnd->bhld", pr, V) / den, (m + jnp.log(den))[..., 0])
+            s_c, s_l, _ = _tile_scores(_tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), c * Lq, r, Cs, lcr, K,
+                                       valid_p, valid_c)
+            m = jnp.maximum(jnp.max(s_c, axis=-1, keepdims=True), jnp.max(s_l, axis=-1, keepdims=True))
+            p_c, p_l = jnp.exp(s_c - m), jnp.exp(s_l - m)
+            den = jnp.sum(p_c, axis=-1, keepdims=True) + jnp.sum(p_l, axis=-1, keepdims=True)
+            o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V)
+            return None, (o / den, (m + jnp.log(den))[..., 0])
 
         return None, jax.lax.scan(tile, None, jnp.arange(L // Lq))[1]
 
@@ -278,31 +279,34 @@ def _vq_blocks_fwd(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
 def _vq_blocks_bwd(Lq, res, do):
     qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse = res
     B, H, R, L, Dk = qb.shape
-    S = Cs.shape[1]
     delta = jnp.sum(do * o, axis=-1)  # [B,H,R,L]
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
     def block(dr, i):
-        K, V, lcr, valid_p, valid_c = _block_kv(ops, Cs, i)
+        K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
         def tile(carry, c):
-            dr, dK, dV = carry
+            dr, dK, dV, dcm = carry
             qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
-            s, bdt = _tile_scores(qt, qvt, c * Lq, r, K, lcr, valid_p, valid_c)
-            pr = jnp.exp(s - _tile_rows(lse, i, c, Lq)[..., None])  # masked entries: exp(NEG - lse) = 0
-            ds = pr * (jnp.einsum("bhld,bhnd->bhln", dot, V) - _tile_rows(delta, i, c, Lq)[..., None])
-            dq = jnp.einsum("bhln,bhnd->bhld", ds, K)
-            dK = dK + jnp.einsum("bhln,bhld->bhnd", ds[..., S:], qt)  # the codebook takes no gradient
-            dV = dV + jnp.einsum("bhln,bhld->bhnd", pr, dot)
+            s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
+            lse_t = _tile_rows(lse, i, c, Lq)[..., None]
+            delta_t = _tile_rows(delta, i, c, Lq)[..., None]
+            p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
+            ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
+            ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, V) - delta_t)
+            dq = jnp.einsum("bhls,hsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, K)
+            dK = dK + jnp.einsum("bhln,bhld->bhnd", ds_l, qt)  # the codebook takes no gradient
+            dV = dV + jnp.einsum("bhln,bhld->bhnd", p_l, dot)
+            dcm = dcm + jnp.einsum("bhls,bhld->bhsd", p_c, dot)
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
-            (dbd,) = bias_t(ds[..., S:])
+            (dbd,) = bias_t(ds_l)
             dqv = jnp.einsum("bhln,hnd->bhld", dbd, r)
             dr = dr + jnp.einsum("bhln,bhld->hnd", dbd, qvt)
-            return (dr, dK, dV), (dq, dqv)
+            return (dr, dK, dV, dcm), (dq, dqv)
 
-        zero = (dr, jnp.zeros((B, H, 2 * L, Dk), qb.dtype), jnp.zeros((B, H, S + 2 * L, V.shape[-1]), qb.dtype))
-        (dr, dK, dV), (dq, dqv) = jax.lax.scan(tile, zero, jnp.arange(L // Lq))
-        return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dV[:, :, :S], dV[:, :, S:S + L], dV[:, :, S + L:])
+        zero = (dr, jnp.zeros_like(K), jnp.zeros_like(V), jnp.zeros_like(cm))
+        (dr, dK, dV, dcm), (dq, dqv) = jax.lax.scan(tile, zero, jnp.arange(L // Lq))
+        return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dcm, dV[:, :, :L], dV[:, :, L:])
 
     dr, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(r), jnp.arange(R))
 
