@@ -1,0 +1,189 @@
+"""Time our EVA attention against the released PyTorch EVA (HKUNLP/efficient-attention), interleaved.
+
+Both sides run the same layer: q/k/v projections of x [T, B, 256] into 4 heads of 64, causal EVA
+(window 128, chunk 8, adaptive 'qk' projections, T5-style relative bias, no overlap window), output
+projection. Timed: forward, and forward+backward of sum(out * w) with respect to the input and every
+parameter, batch 1, fp32, on the CPU threads of this process. The released code is read from a checkout
+(``--release_repo``, a git directory) and put on ``sys.path`` from a temporary export; nothing of it is
+kept in this repository. It needs ``torch`` and ``einops`` in the running environment (neither is a
+project dependency: ``pip install torch --index-url https://download.pytorch.org/whl/cpu einops``).
+
+    .venv/bin/python scripts/peer_eva_release.py --lengths 4k,8k,16k --repeats 3 --out bench_out/peer_eva
+
+Per length, the calls alternate: released forward, ours forward, released forward+backward, ours
+forward+backward, repeated; medians are reported. Writes peer_eva.json and peer_eva.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT_REPO = "/work/.mirror/HKUNLP+efficient-attention/repo"
+
+
+def parse_len(s: str) -> int:
+    s = s.strip().lower()
+    return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
+
+
+def export_release(repo: str, dest: str) -> str:
+    """git archive the released package into dest; returns the folder to put on sys.path."""
+    sub = "efficient-attention"
+    archive = subprocess.run(["git", "-C", repo, "archive", "HEAD", sub], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return os.path.join(dest, sub)
+
+
+def release_layer(torch, path: str, d_model: int, heads: int, window: int, chunk: int):
+    # The package's __init__ imports every attention variant (and timm); register the package without
+    # running it, so only causal_eva.py and attn_utils.py are imported. add_nested_argument serves only
+    # its command-line registration, which is not used here.
+    pkg = types.ModuleType("efficient_attention")
+    pkg.__path__ = [os.path.join(path, "efficient_attention")]
+    pkg.add_nested_argument = lambda *a, **k: None
+    sys.modules["efficient_attention"] = pkg
+    from efficient_attention.causal_eva import CausalEVAttention  # noqa: E402  (the peer under test)
+
+    args = types.SimpleNamespace(window_size=window, overlap_window=False, causal=True, num_chunks=None,
+                                 chunk_size=chunk, use_t5_rpe=True, adaptive_proj="qk")
+    torch.manual_seed(0)
+    return CausalEVAttention(d_model, heads, self_attention=True, attn_args=args)
+
+
+def our_layer(d_model: int, heads: int, window: int, chunk: int):
+    """(params, f_fwd, f_grad): projections + our EVA core + output projection, as pure jitted functions."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from longctx import attention
+
+    cfg = attention.default_config("eva")
+    cfg.update({"window_size": window, "chunk_size": chunk, "overlap_window": False, "use_rpe": True,
+                "adaptive_proj": "qk"})
+    D = d_model // heads
+    core = attention.build("eva", cfg, num_heads=heads, head_dim=D, causal=True, rngs=nnx.Rngs(0))
+    graphdef, core_params, rest = nnx.split(core, nnx.Param, ...)
+    ks = jax.random.split(jax.random.key(0), 4)
+    proj = {n: (jax.random.normal(k, (d_model, d_model)) * d_model ** -0.5, jnp.zeros((d_model,)))
+            for n, k in zip(("q", "k", "v", "o"), ks)}
+    params = {"core": core_params, "proj": proj}
+
+    def layer(params, x):  # x [B, T, d_model]
+        B, T, _ = x.shape
+        heads_of = lambda y: y.reshape(B, T, heads, D).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = (heads_of(x @ params["proj"][n][0] + params["proj"][n][1]) for n in ("q", "k", "v"))
+        o, _ = nnx.merge(graphdef, params["core"], rest)(q, k, v)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, d_model)
+        return o @ params["proj"]["o"][0] + params["proj"]["o"][1]
+
+    f_fwd = jax.jit(layer)
+    f_grad = jax.jit(jax.grad(lambda p, x, w: jnp.sum(layer(p, x) * w), argnums=(0, 1)))
+    return params, f_fwd, f_grad
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="4k,8k,16k")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--d_model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--release_repo", default=DEFAULT_REPO)
+    p.add_argument("--out", default="bench_out/peer_eva")
+    a = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tmp = tempfile.mkdtemp(prefix="peer_eva_")
+    theirs = release_layer(torch, export_release(a.release_repo, tmp), a.d_model, a.heads, a.window, a.chunk)
+    theirs.train()  # the training path (their noise on the chunk projections); no dropout configured
+    params, f_fwd, f_grad = our_layer(a.d_model, a.heads, a.window, a.chunk)
+    n_theirs = sum(x.numel() for x in theirs.parameters())
+    n_ours = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    print(f"parameters: released {n_theirs:,}  ours {n_ours:,}", flush=True)
+
+    rows = []
+    for T in [parse_len(s) for s in a.lengths.split(",")]:
+        rng = np.random.default_rng(T)
+        x_np = rng.standard_normal((1, T, a.d_model)).astype(np.float32)
+        w_np = rng.standard_normal((1, T, a.d_model)).astype(np.float32)
+        xt = torch.from_numpy(x_np.transpose(1, 0, 2).copy()).requires_grad_(True)  # [T, B, C]
+        wt = torch.from_numpy(w_np.transpose(1, 0, 2).copy())
+        xj, wj = jnp.asarray(x_np), jnp.asarray(w_np)
+
+        def t_fwd():
+            with torch.no_grad():
+                theirs(xt, xt, xt)
+
+        def t_bwd():
+            theirs.zero_grad(set_to_none=True)
+            xt.grad = None
+            out, _ = theirs(xt, xt, xt)
+            (out * wt).sum().backward()
+
+        def o_fwd():
+            jax.block_until_ready(f_fwd(params, xj))
+
+        def o_bwd():
+            jax.block_until_ready(f_grad(params, xj, wj))
+
+        calls = {"released fwd": t_fwd, "ours fwd": o_fwd, "released fwd+bwd": t_bwd, "ours fwd+bwd": o_bwd}
+        for fn in calls.values():  # compile / warm up
+            for _ in range(a.warmup):
+                fn()
+        times = {k: [] for k in calls}
+        for _ in range(a.repeats):
+            for k, fn in calls.items():
+                times[k].append(timed(fn))
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        row = {"T": T, **{f"{k} s": v for k, v in med.items()}, "times": times,
+               "speedup fwd": med["released fwd"] / med["ours fwd"],
+               "speedup fwd+bwd": med["released fwd+bwd"] / med["ours fwd+bwd"],
+               "ours bwd/fwd": (med["ours fwd+bwd"] - med["ours fwd"]) / med["ours fwd"],
+               "released bwd/fwd": (med["released fwd+bwd"] - med["released fwd"]) / med["released fwd"]}
+        rows.append(row)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "times"}),
+              flush=True)
+
+    lines = ["| T | released fwd ms | ours fwd ms | released fwd+bwd ms | ours fwd+bwd ms | speed-up fwd | "
+             "speed-up fwd+bwd | ours bwd/fwd | released bwd/fwd |", "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['T'] // 1024}k | {r['released fwd s'] * 1e3:,.0f} | {r['ours fwd s'] * 1e3:,.0f} | "
+                     f"{r['released fwd+bwd s'] * 1e3:,.0f} | {r['ours fwd+bwd s'] * 1e3:,.0f} | "
+                     f"x{r['speedup fwd']:.2f} | x{r['speedup fwd+bwd']:.2f} | {r['ours bwd/fwd']:.2f} | "
+                     f"{r['released bwd/fwd']:.2f} |")
+    md = "\n".join(lines)
+    print(md)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv, "parameters_released": n_theirs, "parameters_ours": n_ours,
+            "torch": torch.__version__, "jax": jax.__version__}
+    (out / "peer_eva.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "peer_eva.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
