@@ -179,6 +179,14 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 # (causal_parallel): pallas_kernels/vq_cache_ref.py, imported above.
 
 
+# form='auto' runs the tiled causal_blocks when a call's score tensor B*H*T*(S+2L) has at least this many
+# entries (64 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
+# tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trains at
+# half the tokens/s through the tiles), above it
+# autodiff's [T, S+2L] residuals make causal_parallel memory-bound (BENCHMARKS.md, issue 15).
+TILED_MIN_SCORES = 1 << 24
+
+
 # ----------------------------------------------------------------------------- block-parallel form, blocked
 def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256):
     """``causal_parallel(q_u, band_scores(q_v, r), ..., reduction='serial')`` computed one tile of
@@ -477,7 +485,7 @@ class TransformerVQAttention(AttentionCore):
                 "block_len": 512,  # L
                 "mem_len": 0,  # M, the exact band carrying the bias; 0 means M = block_len
                 "reduction": "serial",  # 'serial' | 'matmul' | 'assoc' (cross-block cache reduction)
-                "form": "auto",  # 'auto' | 'parallel' | 'stream' (causal only; see __call__)
+                "form": "auto",  # 'auto' | 'parallel' | 'blocks' | 'stream' (causal only; see __call__)
                 "beta": 1e-4,  # commit-loss weight (reported already multiplied)
                 "gamma": 0.99,  # EMA decay of the codebook statistics
                 "qk_norm": True,  # RMS-normalize q, k and scale each by Dk^-1/4 (False: caller did it)
@@ -498,8 +506,11 @@ class TransformerVQAttention(AttentionCore):
         M = cfg.mem_len or cfg.block_len
         allowed = ("serial", "matmul", "assoc")
         require(cfg.reduction in allowed, f"{p}.reduction={cfg.reduction!r}; allowed: {', '.join(allowed)}")
-        require(cfg.form in ("auto", "parallel", "stream"), f"{p}.form={cfg.form!r}; allowed: auto, parallel, stream")
-        if cfg.form == "parallel" or not causal:
+        forms = ("auto", "parallel", "blocks", "stream")
+        require(cfg.form in forms, f"{p}.form={cfg.form!r}; allowed: {', '.join(forms)}")
+        require(cfg.form != "blocks" or cfg.reduction == "serial",
+                f"{p}.form='blocks' computes the serial reduction; set {p}.reduction='serial'")
+        if cfg.form in ("parallel", "blocks") or not causal:
             require(M <= cfg.block_len, f"{p}: the block-parallel{'' if causal else ' encoder'} form needs "
                     f"mem_len <= block_len (got {M} > {cfg.block_len}); use form='stream' or a smaller mem_len")
         require(0.0 <= cfg.gamma < 1.0, f"{p}.gamma={cfg.gamma}; allowed: 0 <= gamma < 1")
@@ -556,6 +567,9 @@ class TransformerVQAttention(AttentionCore):
         small = {"codebook_size": 16, "block_len": 8, "impl": "xla"}
         return {
             "serial": ContractCase(cfg=small, length=48, atol=5e-5, rtol=5e-5),
+            # the tiled form with its recomputing backward (form='auto' picks it for large calls only)
+            "blocks": ContractCase(cfg={**small, "form": "blocks"}, length=48, atol=5e-5, rtol=5e-5,
+                                   directions=("causal",)),
             "matmul": ContractCase(cfg={**small, "reduction": "matmul"}, length=48, atol=5e-5, rtol=5e-5,
                                    directions=("causal",)),
             "assoc": ContractCase(cfg={**small, "reduction": "assoc"}, length=48, atol=5e-5, rtol=5e-5,
@@ -626,11 +640,14 @@ class TransformerVQAttention(AttentionCore):
             form = self.cfg.form
             if form == "auto":
                 form = "parallel" if (M <= L and T >= L) else "stream"
-            choice = self._kernel_choice(vv.dtype) if form == "parallel" else None
+                big = B * H * T * (S + 2 * L) >= TILED_MIN_SCORES
+                if form == "parallel" and self.cfg.reduction == "serial" and big:
+                    form = "blocks"
+            choice = self._kernel_choice(vv.dtype) if form in ("parallel", "blocks") else None
             if choice is not None and choice.use_kernel:
                 o, new_state = vq_cache.vq_cache_attention(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L,
                                                            M=M, interpret=choice.interpret, platform=choice.platform)
-            elif form == "parallel" and self.cfg.reduction == "serial":
+            elif form == "blocks":
                 o, new_state = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, vv, C, state, L=L, M=M)
             elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L, M=M,

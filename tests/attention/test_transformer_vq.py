@@ -242,7 +242,8 @@ def test_stream_equals_quadratic_full_sweep(x64):
 
 
 # ---------------------------------------------------------------------- check 4: no future leak
-@pytest.mark.parametrize("over", [dict(reduction="serial"), dict(reduction="matmul"), dict(reduction="assoc"),
+@pytest.mark.parametrize("over", [dict(reduction="serial"), dict(form="blocks"), dict(reduction="matmul"),
+                                  dict(reduction="assoc"),
                                   dict(form="stream"), dict(form="stream", block_len=3, mem_len=5)])
 @pytest.mark.slow
 def test_no_future_leak(over):
