@@ -181,8 +181,8 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 
 # form='auto' runs the tiled causal_blocks when a call's score tensor B*H*T*(S+2L) has at least this many
 # entries (64 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
-# tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trains at
-# half the tokens/s through the tiles), above it
+# tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trained at
+# ~5,300 tokens/s through the tiles against ~6,400 without), above it
 # autodiff's [T, S+2L] residuals make causal_parallel memory-bound (BENCHMARKS.md, issue 15).
 TILED_MIN_SCORES = 1 << 24
 
