@@ -134,20 +134,20 @@ def main(argv=None):
         wt = torch.from_numpy(w_np.transpose(1, 0, 2).copy())
         xj, wj = jnp.asarray(x_np), jnp.asarray(w_np)
 
-        def t_fwd():
+        def t_fwd(xt=xt):
             with torch.no_grad():
                 theirs(xt, xt, xt)
 
-        def t_bwd():
+        def t_bwd(xt=xt, wt=wt):
             theirs.zero_grad(set_to_none=True)
             xt.grad = None
             out, _ = theirs(xt, xt, xt)
             (out * wt).sum().backward()
 
-        def o_fwd():
+        def o_fwd(xj=xj):
             jax.block_until_ready(f_fwd(params, xj))
 
-        def o_bwd():
+        def o_bwd(xj=xj, wj=wj):
             jax.block_until_ready(f_grad(params, xj, wj))
 
         calls = {"released fwd": t_fwd, "ours fwd": o_fwd, "released fwd+bwd": t_bwd, "ours fwd+bwd": o_bwd}

@@ -425,7 +425,7 @@ def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P):
     groups = tile_groups(n_tiles, tile, P, C, causal=True)
     assert groups[0][0] == 0 and groups[-1][1] == n_tiles
     assert all(a[1] == b[0] for a, b in zip(groups[:-1], groups[1:]))  # contiguous, no gaps
-    for lo, hi, nc in groups:
+    for _lo, hi, nc in groups:
         last_query = hi * tile - 1
         assert 1 <= nc <= C and nc >= min(C, last_query // P)
     if len(groups) > 2:

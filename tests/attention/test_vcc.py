@@ -3,7 +3,6 @@ stated, tiny shapes, seeded. The model-level contract laws run in tests/models/t
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
