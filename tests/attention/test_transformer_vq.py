@@ -595,3 +595,19 @@ def test_long_forward_65536():  # ~5 s on CPU
     o, st = jax.jit(lambda q, k, v: core(q, k, v))(q, k, v)
     assert o.shape == (1, 1, 65536, 32) and bool(jnp.all(jnp.isfinite(o)))
     assert int(st["pos"]) == 65536 and float(st["agg_n"].sum()) == 65536 - 128
+
+
+def test_auto_form_picks_tiles_by_call_size(monkeypatch):
+    """form='auto' runs causal_blocks only for calls with >= TILED_MIN_SCORES score entries, else
+    causal_parallel; both give the same output."""
+    q, k, v = qkv(T=12)
+    calls = []
+    for name in ("causal_blocks", "causal_parallel"):
+        fn = getattr(tvq, name)
+        monkeypatch.setattr(tvq, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    core = small_core()
+    small = core(q, k, v)[0]  # B*H*T*(S+2L) = 2*2*12*16 entries: far below the threshold
+    monkeypatch.setattr(tvq, "TILED_MIN_SCORES", 1)
+    big = core(q, k, v)[0]
+    assert calls == ["causal_parallel", "causal_blocks"]
+    assert max_err(small, big) < 1e-5
