@@ -79,6 +79,18 @@ class DropIn:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelBench:
+    """How ``longctx-bench kernels`` times one Pallas kernel of a method (``AttentionCore.kernel_benches``):
+    config overrides that route the core through the kernel (``pallas``) and through the XLA path the
+    kernel must match (``xla``), and the directions the kernel serves. Both cores are built with the same
+    seed, so they hold the same parameters."""
+
+    xla: dict
+    pallas: dict
+    directions: tuple[str, ...] = ("causal", "bidirectional")
+
+
+@dataclasses.dataclass(frozen=True)
 class ContractCase:
     """A small configuration at which the shared contract suite
     (``tests/attention/test_contract.py``) runs a method. A method contributes
@@ -161,6 +173,12 @@ class AttentionCore(nnx.Module):
     def bench_variants(cls) -> dict[str, dict]:
         """Variants the benchmarks time: label suffix -> config overrides ('' is the default config)."""
         return {"": {}}
+
+    @classmethod
+    def kernel_benches(cls) -> dict[str, KernelBench]:
+        """Pallas kernels of this method the kernels benchmark times against their XLA path: kernel name
+        -> :class:`KernelBench`. Default: none."""
+        return {}
 
     @classmethod
     def drop_in(cls) -> "DropIn | None":

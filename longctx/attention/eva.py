@@ -34,7 +34,16 @@ import ml_collections
 from flax import nnx
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, axes, check_capacity, check_qkv, require
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    KernelBench,
+    axes,
+    check_capacity,
+    check_qkv,
+    require,
+)
 from pallas_kernels import eva_chunks
 
 # Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
@@ -511,6 +520,10 @@ class EVAAttention(AttentionCore):
             self.rpe_table = nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32), **axes(*names))
         else:
             self.rpe_table = None
+
+    @classmethod
+    def kernel_benches(cls):
+        return {"eva_chunk_stats": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
 
     @classmethod
     def drop_in(cls):

@@ -75,7 +75,16 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, logical, require
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    KernelBench,
+    check_capacity,
+    check_qkv,
+    logical,
+    require,
+)
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
 
 # ---------------------------------------------------------------------------
@@ -814,6 +823,10 @@ class FMAAttention(AttentionCore):
         }
 
     @classmethod
+    def kernel_benches(cls):
+        return {"fma_blocks": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+
+    @classmethod
     def drop_in(cls) -> DropIn:
         # parameter-free summaries (mean of each sub-interval of m_l/p tokens): FMA on given q, k, v, untrained
         return DropIn(description="summaries = sub-interval means (downsample='avgpool'), no training",
@@ -882,6 +895,10 @@ class FMALinearAttention(FMAAttention):
 
     name = "fma_linear"
     linear = True
+
+    @classmethod
+    def kernel_benches(cls):
+        return {}  # the fma_blocks kernel computes FMA's packed coarse slots, not FMA-linear's statistics
 
     @classmethod
     def contract_cases(cls) -> dict[str, ContractCase]:

@@ -43,7 +43,16 @@ import ml_collections
 from flax import nnx
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, NonGradState, axes, check_qkv, require
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    KernelBench,
+    NonGradState,
+    axes,
+    check_qkv,
+    require,
+)
 from pallas_kernels import vq_cache
 
 # The block-parallel causal form (spec 2.6) and its helpers live beside the Pallas kernel that must match them
@@ -551,6 +560,12 @@ class TransformerVQAttention(AttentionCore):
         if not cfg.rel_dim:  # the sinusoid table has width d_model
             cfg.rel_dim = d_model
         return cfg
+
+    @classmethod
+    def kernel_benches(cls):
+        # the kernel computes causal_parallel's serial reduction: time it against that XLA form
+        return {"vq_cache": KernelBench(xla={"impl": "xla", "form": "parallel"},
+                                        pallas={"impl": "pallas", "form": "parallel"}, directions=("causal",))}
 
     @classmethod
     def drop_in(cls):

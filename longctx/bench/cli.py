@@ -5,6 +5,7 @@
     longctx-bench quality   --out bench_out --lengths 1k,4k --workdir runs/bench_quality
     longctx-bench train     --out bench_out --steps 200
     longctx-bench step      --out bench_out --config configs/default.py --lengths 1k,4k,16k
+    longctx-bench kernels   --out bench_out --lengths 8k,16k,32k   (Pallas kernels vs their XLA paths)
     longctx-bench report    --out bench_out            (assembles BENCHMARKS.md)
 """
 
@@ -22,7 +23,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from longctx.bench import attention_bench, decode_bench, quality_bench, report, step_bench, train_bench
+    from longctx.bench import (
+        attention_bench,
+        decode_bench,
+        kernel_bench,
+        quality_bench,
+        report,
+        step_bench,
+        train_bench,
+    )
 
     p = _Parser(prog="longctx-bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -32,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("quality", quality_bench, "relative error against exact softmax attention"),
         ("train", train_bench, "training tokens/s, peak memory and validation bits/byte per method"),
         ("step", step_bench, "whole-model training step time of any config at given lengths (interleaved)"),
+        ("kernels", kernel_bench, "each Pallas kernel against the XLA path it must match: time and differences"),
         ("report", report, "assemble BENCHMARKS.md from the JSON outputs"),
     ):
         sp = sub.add_parser(name, help=help_)

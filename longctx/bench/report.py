@@ -14,7 +14,7 @@ from pathlib import Path
 from longctx.bench import common as C
 from longctx.bench.configs import REPO
 
-SECTIONS = ("attention", "decode", "quality", "train")
+SECTIONS = ("attention", "decode", "quality", "train", "kernels")
 READING_MARKER = "<!-- reading: to be written by hand -->"
 
 
@@ -181,7 +181,8 @@ def build(out: Path, output: Path, script: Path) -> str:
         parts.append(f"## Commands\n\n`{os.path.relpath(script, output.parent)}`:\n\n```bash\n"
                      + script.read_text().strip() + "\n```\n")
     titles = {"attention": "Attention cores: time, memory, FLOP rate", "decode": "Decoding: latency and state size",
-              "quality": "Quality: relative error against exact attention", "train": "Training: throughput and bits/byte"}
+              "quality": "Quality: relative error against exact attention", "train": "Training: throughput and bits/byte",
+              "kernels": "Pallas kernels against their XLA paths"}
     for name in SECTIONS:
         if name not in res:
             continue

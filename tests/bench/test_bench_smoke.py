@@ -40,6 +40,8 @@ def bench_out(tmp_path_factory):
                      "--no_xla_mem", *sets]) == 0
     assert cli.main(["step", *common, "--lengths", "32,64", "--batch_size", "2", "--repeats", "2", "--warmup", "0",
                      *[a for s in TINY_MODEL[:5] for a in ("--set", s)]]) == 0
+    assert cli.main(["kernels", *common, "--methods", "eva", "--lengths", "48", "--causal", "--heads", "2",
+                     "--head_dim", "16", "--repeats", "1", "--warmup", "0"]) == 0
     assert cli.main(["report", "--out", str(out), "--output", str(root / "BENCHMARKS.md")]) == 0
     return out, root
 
@@ -55,6 +57,7 @@ def _png_ok(path):
     ("quality", ["quality_causal.png"]),
     ("train", ["train.png"]),
     ("step", ["step_tokens_per_s.png"]),
+    ("kernels", ["kernels.png"]),
 ])
 def test_outputs(bench_out, name, pngs):
     out, _ = bench_out
@@ -69,6 +72,12 @@ def test_outputs(bench_out, name, pngs):
 
 def test_contents(bench_out):
     out, _ = bench_out
+    ker = json.loads((out / "kernels.json").read_text())
+    assert [(r["method"], r["kernel"], r["direction"], r["mode"]) for r in ker["rows"]] == [
+        ("eva", "eva_chunk_stats", "causal", "interpret")]
+    (kr,) = ker["rows"]
+    assert all(kr[f"{i}_{k}_status"] == "ok" and kr[f"{i}_{k}_s"] > 0 for i in ("xla", "pallas") for k in ("fwd", "fwdbwd"))
+    assert 0 < kr["max_abs_diff_out"] < 1e-4 and 0 < kr["max_rel_diff_grad"] < 1e-4  # two paths, one function
     att = json.loads((out / "attention.json").read_text())
     assert {r["variant"] for r in att["rows"]} == {"dense:naive", "dense:blockwise"}
     assert all(r["fwd_status"] == "ok" and r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 for r in att["rows"])
@@ -92,5 +101,13 @@ def test_report(bench_out):
     _, root = bench_out
     text = (root / "BENCHMARKS.md").read_text()
     assert "<!-- reading: to be written by hand -->" in text
-    for s in ("## Machine", "## Attention", "## Decoding", "## Quality", "## Training", ".png)"):
+    for s in ("## Machine", "## Attention", "## Decoding", "## Quality", "## Training", "## Pallas kernels", ".png)"):
         assert s in text
+
+
+def test_kernels_rejects_a_method_without_a_kernel(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["kernels", "--out", str(tmp_path), "--methods", "dense", "--no_progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "dense declare(s) no Pallas kernel" in err and "transformer_vq" in err

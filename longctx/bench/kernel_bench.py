@@ -1,0 +1,237 @@
+"""`longctx-bench kernels`: every Pallas kernel a method declares (``AttentionCore.kernel_benches``)
+against the XLA path it must match, over sequence lengths: forward and forward+backward time, and how
+far the kernel's output and gradients are from the XLA path's.
+
+On a CPU the kernels run in Pallas interpret mode, so their times there say nothing about the
+kernel's speed on its hardware: numbers for correctness only (the table's ``mode`` column says
+which). On a GPU or TPU the kernel is compiled. Per (method, kernel, direction, length) cell:
+
+* both cores are built from the same seed (same parameters) and get the same standard-normal q, k, v;
+* time = median of ``--repeats`` calls after ``--warmup``, each ended by ``block_until_ready``;
+  forward: deterministic=True; forward+backward: gradient of sum(out * w) (w Gaussian) with respect
+  to q, k, v and the core's parameters, deterministic=True, so both paths compute the same function;
+* ``max_abs_diff_out``: max |out_kernel - out_xla|; ``max_rel_diff_grad``: over the gradient leaves,
+  max |g_kernel - g_xla| / max |g_xla|;
+* a cell whose time, extrapolated from the two longest measured lengths, would exceed
+  ``--max_cell_s`` (warm-up + repeats) is skipped and says so; a kernel that cannot run a shape
+  (``impl='pallas'`` raises with its reasons) is reported with the reason, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx import attention
+from longctx.bench import common as C
+from longctx.bench.cores import build_core
+from longctx.errors import ConfigError
+
+CPU_LENGTHS = "256,1k,4k"
+ACCEL_LENGTHS = "8k,16k,32k,64k"
+IMPLS = ("xla", "pallas")
+
+
+def add_args(p):
+    p.add_argument("--methods", default="", help="comma list of methods (default: every method that declares a kernel)")
+    p.add_argument("--lengths", default=None,
+                   help=f"comma list of sequence lengths (k = 1024); default {CPU_LENGTHS} on cpu "
+                        f"(interpret mode), {ACCEL_LENGTHS} on a GPU or TPU")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
+    p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max_cell_s", type=float, default=120.0,
+                   help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")
+    p.add_argument("--no_backward", action="store_true", help="forward only")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.base.KernelBench]]:
+    """(method, kernel, KernelBench) of every registered method's declared kernels; unknown names are
+    an error, a requested method that declares none is reported by the caller."""
+    methods = C.select_methods(requested)
+    return [(m, kname, kb) for m in methods for kname, kb in attention.get_class(m).kernel_benches().items()]
+
+
+def _fns(core):
+    graphdef, params, rest = nnx.split(core, nnx.Param, ...)
+
+    def fwd(params, rest, q, k, v):
+        out, _ = nnx.merge(graphdef, params, rest)(q, k, v, deterministic=True)
+        return out
+
+    def loss(params, q, k, v, rest, w):
+        return jnp.sum(fwd(params, rest, q, k, v).astype(jnp.float32) * w)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    return params, rest, jax.jit(fwd), jax.jit(lambda p, r, q, k, v, w: grad(p, q, k, v, r, w))
+
+
+def _max_abs(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def _max_rel(ga, gb) -> float:
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        worst = max(worst, _max_abs(a, b) / max(scale, 1e-30))
+    return worst
+
+
+def _skip_reason(hist, T, n_calls, limit):
+    pred = C.predict_time(hist[0], hist[1], T)
+    if pred is not None and pred * n_calls > limit:
+        return f"skipped: predicted {pred:.1f} s/call × {n_calls} calls > --max_cell_s {limit:g}"
+    return None
+
+
+def _error(e: Exception) -> str:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:240]}"
+
+
+def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar):
+    dname = C.dir_name(causal)
+    cores = {}
+    for impl in IMPLS:
+        try:
+            cores[impl] = _fns(build_core(method, getattr(kb, impl), heads=args.heads, head_dim=args.head_dim,
+                                          causal=causal, seed=args.seed))
+        except ConfigError as e:
+            bar.update(len(lengths))
+            return [{"method": method, "kernel": kname, "direction": dname, "status": _error(e)}]
+    B, H, D = args.batch, args.heads, args.head_dim
+    hist = {(impl, kind): ([], []) for impl in IMPLS for kind in ("fwd", "fwdbwd")}
+    n_calls = args.warmup + args.repeats
+    kinds = ("fwd",) if args.no_backward else ("fwd", "fwdbwd")
+    rows = []
+    for T in lengths:
+        bar.set_postfix_str(f"{method}/{kname} {dname} T={C.fmt_len(T)}")
+        row = {"method": method, "kernel": kname, "direction": dname, "length": T, "batch": B, "heads": H,
+               "head_dim": D, "dtype": args.dtype, "platform": jax.default_backend(),
+               "mode": "interpret" if jax.default_backend() == "cpu" else "compiled"}
+        q, k, v = C.random_qkv(args.seed + T, B, H, T, D, dtype)
+        w = jax.random.normal(jax.random.key(args.seed + 7), (B, H, T, D), jnp.float32)
+        results = {}
+        for kind in kinds:
+            for impl in IMPLS:
+                params, rest, fwd, grad = cores[impl]
+                fn, fargs = (fwd, (params, rest, q, k, v)) if kind == "fwd" else (grad, (params, rest, q, k, v, w))
+                status = _skip_reason(hist[(impl, kind)], T, n_calls, args.max_cell_s)
+                if status is None:
+                    try:
+                        t0 = time.perf_counter()
+                        results[(impl, kind)] = C.block(fn(*fargs))
+                        row[f"{impl}_{kind}_first_call_s"] = time.perf_counter() - t0
+                        t = C.time_calls(fn, *fargs, repeats=args.repeats, warmup=max(0, args.warmup - 1))
+                        row[f"{impl}_{kind}_s"] = t["median_s"]
+                        row[f"{impl}_{kind}_times"] = t
+                        hist[(impl, kind)][0].append(T)
+                        hist[(impl, kind)][1].append(t["median_s"])
+                        status = "ok"
+                    except Exception as e:  # noqa: BLE001 -- a failing cell is reported, the run goes on
+                        status = _error(e)
+                row[f"{impl}_{kind}_status"] = status
+            if row.get(f"xla_{kind}_s") and row.get(f"pallas_{kind}_s"):
+                row[f"{kind}_kernel_over_xla"] = row[f"pallas_{kind}_s"] / row[f"xla_{kind}_s"]
+        sts = [v for key, v in row.items() if key.endswith("_status")]
+        row["status"] = "ok" if all(x == "ok" for x in sts) else "; ".join(dict.fromkeys(x for x in sts if x != "ok"))
+        if ("xla", "fwd") in results and ("pallas", "fwd") in results:
+            row["max_abs_diff_out"] = _max_abs(results[("pallas", "fwd")], results[("xla", "fwd")])
+        if ("xla", "fwdbwd") in results and ("pallas", "fwdbwd") in results:
+            row["max_rel_diff_grad"] = _max_rel(results[("pallas", "fwdbwd")], results[("xla", "fwdbwd")])
+        rows.append(row)
+        bar.update(1)
+    return rows
+
+
+def run(args) -> dict:
+    out = C.out_dir(args.out)
+    requested = C.parse_names(args.methods)
+    cells = kernel_cells(requested)
+    if requested:
+        none = [m for m in requested if m not in {c[0] for c in cells}]
+        if none:
+            raise ConfigError(f"longctx-bench kernels: {', '.join(none)} declare(s) no Pallas kernel; methods with "
+                              f"kernels: {', '.join(dict.fromkeys(c[0] for c in kernel_cells(None)))}")
+    default = CPU_LENGTHS if jax.default_backend() == "cpu" else ACCEL_LENGTHS
+    lengths = C.parse_ints(args.lengths or default)
+    dtype = C.dtype_of(args.dtype)
+    dirs = C.directions(args)
+    todo = [(m, kn, kb, c) for m, kn, kb in cells for c in dirs if C.dir_name(c) in kb.directions]
+    res = {"header": C.header(args, "kernels"), "rows": []}
+    bar = C.progress_bar(len(todo) * len(lengths), "kernels", args.progress)
+    with warnings.catch_warnings():  # interpret mode is recorded per row; one warning per trace is noise
+        warnings.filterwarnings("ignore", message=".*interpret mode.*")
+        for method, kname, kb, causal in todo:
+            res["rows"] += _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar)
+    bar.close()
+    C.write_json(out / "kernels.json", res)
+    (out / "kernels.md").write_text(markdown(res))
+    plots(res, out)
+    return res
+
+
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def markdown(res: dict) -> str:
+    a = res["header"]["args"]
+    rows = res["rows"]
+    modes = sorted({r["mode"] for r in rows if "mode" in r})
+    lines = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}; "
+             f"median of {a['repeats']} runs after {a['warmup']} warm-up; platform "
+             f"{res['header']['machine'].get('jax_backend')}.\n"]
+    if "interpret" in modes:
+        lines.append("**Interpret mode (cpu): the kernel times below measure Pallas's interpreter, not the kernel "
+                     "on its hardware. They are here for correctness (the difference columns) only.**\n")
+    headers = ["method", "kernel", "direction", "T", "mode", "XLA fwd ms", "kernel fwd ms", "kernel/XLA fwd",
+               "XLA fwd+bwd ms", "kernel fwd+bwd ms", "kernel/XLA fwd+bwd", "max abs Δout", "max rel Δgrad",
+               "status"]
+    table = []
+    for r in rows:
+        if "length" not in r:
+            table.append([r["method"], r["kernel"], r["direction"]] + [None] * 10 + [r["status"]])
+            continue
+        table.append([r["method"], r["kernel"], r["direction"], C.fmt_len(r["length"]), r["mode"],
+                      _ms(r.get("xla_fwd_s")), _ms(r.get("pallas_fwd_s")), r.get("fwd_kernel_over_xla"),
+                      _ms(r.get("xla_fwdbwd_s")), _ms(r.get("pallas_fwdbwd_s")), r.get("fwdbwd_kernel_over_xla"),
+                      r.get("max_abs_diff_out"), r.get("max_rel_diff_grad"), r["status"]])
+    lines.append(C.md_table(headers, table))
+    lines.append("\nkernel/XLA < 1: the kernel is faster. Forward+backward: gradient of sum(out·w) with respect to "
+                 "q, k, v and the parameters, deterministic.\n")
+    return "\n".join(lines)
+
+
+def plots(res: dict, out) -> None:
+    series = dict.fromkeys((r["method"], r["kernel"], r["direction"]) for r in res["rows"] if "length" in r)
+    if not series:
+        return
+    kind = "fwdbwd" if any(r.get("xla_fwdbwd_s") for r in res["rows"]) else "fwd"
+    fig, (ax,) = C.new_figure(1)
+    for m, kn, d in series:
+        rs = sorted((r for r in res["rows"] if (r["method"], r["kernel"], r["direction"]) == (m, kn, d)
+                     and "length" in r), key=lambda r: r["length"])
+        for impl, style in (("xla", "-o"), ("pallas", "--s")):
+            pts = [(r["length"], r[f"{impl}_{kind}_s"]) for r in rs if r.get(f"{impl}_{kind}_s")]
+            if pts:
+                ax.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], style,
+                        label=f"{m}/{kn} {d} {'kernel' if impl == 'pallas' else 'XLA'}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel(f"{'forward+backward' if kind == 'fwdbwd' else 'forward'} time (ms)")
+    modes = sorted({r["mode"] for r in res["rows"] if "mode" in r})
+    ax.set_title(f"Pallas kernels vs XLA ({', '.join(modes)})")
+    ax.legend(fontsize=7)
+    C.save_figure(fig, out / "kernels.png")
