@@ -1,5 +1,5 @@
 """Sharded train steps on 8 simulated CPU devices equal the single-device step: every registered
-method (at its first contract case) on the meshes (data, fsdp, tensor, sequence) of the scale-out
+method (at its first contract case; transformer_vq and dense also in GAU blocks) on the meshes (data, fsdp, tensor, sequence) of the scale-out
 issue, parameters really sharded, and the plan's errors."""
 
 import os
@@ -24,9 +24,12 @@ SCRIPT = textwrap.dedent(
     methods = sys.argv[1].split(",")
     meshes = [tuple(int(x) for x in m.split("x")) for m in sys.argv[2].split(",")]
     tokens = np.random.default_rng(0).integers(0, 64, (8, 33)).astype(np.int32)
-    for method in methods:
+    for spec in methods:
+        method, _, block = spec.partition("@")  # name@gau: the method inside GAU blocks
         case = next(iter(attention.get_class(method).contract_cases().values()))
         c = base_config()
+        if block:
+            c.model.block = block
         c.model.vocab_size = 64
         c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
         c.model.positions = "none"
@@ -46,7 +49,7 @@ SCRIPT = textwrap.dedent(
             plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt)
             params, nongrad, rest, opt = plan.put(params, nongrad, rest, opt)
             if shape[1] * shape[2] > 1:
-                assert any(sharding.is_sharded(x) for x in jax.tree.leaves(params)), (method, shape, "nothing sharded")
+                assert any(sharding.is_sharded(x) for x in jax.tree.leaves(params)), (spec, shape, "nothing sharded")
             step = plan.jit_step(make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False,
                                                  constrain=plan.constrain), donate=False)
             batch = sharding.shard_batch(mesh, tokens)
@@ -54,12 +57,12 @@ SCRIPT = textwrap.dedent(
             results.append((shape, jax.device_get(p), jax.device_get(ng), jax.device_get(m["loss"])))
         _, p1, n1, l1 = results[0]
         for shape, p, ng, l in results[1:]:
-            np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{method} {shape} loss")
+            np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{spec} {shape} loss")
             for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p1)):
-                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{method} {shape} params")
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{spec} {shape} params")
             for a, b in zip(jax.tree.leaves(ng), jax.tree.leaves(n1)):
-                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{method} {shape} non-grad state")
-        print("OK", method, l1)
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{spec} {shape} non-grad state")
+        print("OK", spec, l1)
     """
 )
 
@@ -84,7 +87,8 @@ def test_sharded_steps_equal_single_device_fast():
 def test_every_method_on_every_mesh_equals_single_device():
     from longctx import attention
 
-    _run(",".join(attention.names()), MESHES)
+    # every method in transformer blocks, plus GAU blocks (the paper's block of transformer_vq; dense beside it)
+    _run(",".join(list(attention.names()) + ["transformer_vq@gau", "dense@gau"]), MESHES)
 
 
 def test_plan_errors_name_the_dimension():
