@@ -135,7 +135,8 @@ def test_model_shapes_and_vmap(name, cname, direction):
     flip = (jnp.flip(tokens, 0), None if imp is None else jnp.flip(imp, 0))
     ts = jnp.stack([tokens, flip[0]])
     ims = None if imp is None else jnp.stack([imp, flip[1]])
-    vm = jax.vmap(lambda t, i: h._raw(h.params, t, i, None, None)[0], in_axes=(0, None if imp is None else 0))(ts, ims)
+    vm = jax.jit(jax.vmap(lambda t, i: h._raw(h.params, t, i, None, None)[0],
+                          in_axes=(0, None if imp is None else 0)))(ts, ims)  # jitted: an eager vmap runs op by op
     h.close(vm[0], out, "vmap[0] != call")
     h.close(vm[1], h(*flip)[0], "vmap[1] != call")
 
