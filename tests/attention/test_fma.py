@@ -159,7 +159,7 @@ def _leak(core, n=56, t0=40):
     qp, kp, vp = (a.at[:, :, t0 + 1:].set(3.0 * b[:, :, t0 + 1:]) for a, b in zip((q, k, v), noise))
     out_p, _ = core(qp, kp, vp)
     same = bool(jnp.all(out_p[:, :, :t0 + 1] == out[:, :, :t0 + 1]))
-    jac = jax.jacrev(lambda a, b, c: core(a, b, c)[0][0, 0, t0], argnums=(0, 1, 2))(q, k, v)
+    jac = jax.jit(jax.jacrev(lambda a, b, c: core(a, b, c)[0][0, 0, t0], argnums=(0, 1, 2)))(q, k, v)
     zero_above = all(float(jnp.max(jnp.abs(g[:, :, :, t0 + 1:]))) == 0.0 for g in jac)
     nonzero_below = float(jnp.max(jnp.abs(jac[2][:, :, :, :8]))) > 0.0
     return same, zero_above, nonzero_below

@@ -431,7 +431,7 @@ def test_causal_no_future_leak(sampling):
         o, _ = core(q, k, v, deterministic=False, key=key)
         return jnp.sum(o[:, :, t] * w)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for gr in grads:
         assert float(jnp.max(jnp.abs(gr[:, :, t + 1:]))) == 0.0
         assert float(jnp.max(jnp.abs(gr[:, :, : t + 1]))) > 0.0
@@ -537,7 +537,7 @@ def test_gradients_finite_with_large_logits(is_causal, dtype):
         o, _ = core(q, k, v, deterministic=False, key=jax.random.PRNGKey(31))
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for gr in grads:
         assert bool(jnp.all(jnp.isfinite(gr.astype(jnp.float32))))
         assert float(jnp.max(jnp.abs(gr.astype(jnp.float32)))) > 0
@@ -570,13 +570,14 @@ def test_gradient_does_not_flow_through_the_plan(sampling):
     o = bopts(bucket_size=8, num_samples=8, sampling=sampling)
     key = jax.random.PRNGKey(38)
     w = jax.random.normal(jax.random.PRNGKey(39), (1, 1, N, D))
-    g_full = jax.grad(lambda q, k, v: jnp.sum(kd.bidir_forward(q, k, v, W, key, o) * w), argnums=(0, 1, 2))(q, k, v)
+    g_full = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kd.bidir_forward(q, k, v, W, key, o) * w), argnums=(0, 1, 2)))(q, k, v)
     plan = kd.bidir_plan(q, k, v, W, key, N, o)
-    g_plan = jax.grad(lambda q, k, v: jnp.sum(kd.bidir_apply(q, k, v, plan, N, o)[0] * w), argnums=(0, 1, 2))(q, k, v)
+    g_plan = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kd.bidir_apply(q, k, v, plan, N, o)[0] * w),
+                            argnums=(0, 1, 2)))(q, k, v)
     for a, b_ in zip(g_full, g_plan):
         assert maxdiff(a, b_) < 1e-6
     # the plan's own outputs carry no gradient
-    jac = jax.jacrev(lambda v: kd.bidir_plan(q, k, v, W, key, N, o)["omega"])(v)
+    jac = jax.jit(jax.jacrev(lambda v: kd.bidir_plan(q, k, v, W, key, N, o)["omega"]))(v)
     assert float(jnp.max(jnp.abs(jac))) == 0.0
 
 
@@ -620,7 +621,7 @@ def test_padded_keys_get_zero_weight_and_zero_gradient():
     base = f(q, k, v)
     junk = lambda x: jnp.where(pad[None, None, :, None], 1e3, x)  # noqa: E731
     assert maxdiff(f(q, junk(k), junk(v)), base) == 0.0
-    gk, gv = jax.grad(lambda k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1))(k, v)
+    gk, gv = jax.jit(jax.grad(lambda k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1)))(k, v)
     assert float(jnp.max(jnp.abs(gk[:, :, N:]))) == 0.0 and float(jnp.max(jnp.abs(gv[:, :, N:]))) == 0.0
     # the public path pads internally: non-multiples run and stay close to the padded computation
     q, k, v = qkv(N, seed=44)
