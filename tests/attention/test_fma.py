@@ -225,7 +225,7 @@ def test_gradients_match_finite_differences_f64(name, causal):
             return F.fma_forward(q, k, v, ds, core.opts)
 
         assert f(q, k, v, ds).dtype == jnp.float64
-        check_grads(f, (q, k, v, ds), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+        check_grads(jax.jit(f), (q, k, v, ds), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- 8. decode == forward

@@ -67,7 +67,7 @@ def copts(**kw):
     return kd.CausalOptions(**base)
 
 
-def causal_pieces(q, k, v, W, key_s, opts):
+def _causal_pieces(q, k, v, W, key_s, opts):
     """The full-pass tiles and plan (T a multiple of the chunk size)."""
     Bq, Hq, T, d = q.shape
     c = opts.chunk_size
@@ -78,6 +78,13 @@ def causal_pieces(q, k, v, W, key_s, opts):
     ids = jnp.arange(n_t, dtype=jnp.int32)
     plan = kd.causal_plan(hq_t, ids, k, v, hk, T, key_s, opts)
     return q_t, ids, plan, hq, hk
+
+
+# jitted once per shape and options (the tests call these many times; eager dispatch ran op by op)
+causal_pieces = jax.jit(_causal_pieces, static_argnums=5)
+bidir_plan = jax.jit(kd.bidir_plan, static_argnums=(5, 6))
+bidir_apply = jax.jit(kd.bidir_apply, static_argnums=(4, 5))
+causal_apply = jax.jit(kd.causal_apply, static_argnums=5)
 
 
 def untile(x):
@@ -183,8 +190,8 @@ def test_bidirectional_partition_by_one_hot_values():
     v = jnp.eye(N)[None, None]
     opts = bopts(bucket_size=b, num_samples=m)
     W = kd.draw_projections(jax.random.PRNGKey(5), 1, 1, D, 3)
-    plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(6), N, opts)
-    out, lse = kd.bidir_apply(q, k, v, plan, N, opts)
+    plan = bidir_plan(q, k, v, W, jax.random.PRNGKey(6), N, opts)
+    out, lse = bidir_apply(q, k, v, plan, N, opts)
     out, lse = np.asarray(out[0, 0], np.float64), np.asarray(lse[0, 0], np.float64)
     s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
     qblk = np.asarray(kd.inverse_permutation(plan["perm_q"]))[0, 0] // b
@@ -217,7 +224,7 @@ def test_causal_partition_and_heavy_sets_by_one_hot_values(heavy_impl):
     v = jnp.eye(N)[None, None]
     W = kd.draw_projections(jax.random.PRNGKey(7), 1, 1, D, 2)
     q_t, ids, plan, hq, hk = causal_pieces(q, k, v, W, jax.random.PRNGKey(8), opts)
-    out, lse = kd.causal_apply(q_t, ids, k, v, plan, opts)
+    out, lse = causal_apply(q_t, ids, k, v, plan, opts)
     out, lse = np.asarray(untile(out)[0, 0], np.float64), np.asarray(untile(lse)[0, 0], np.float64)
     s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
     hq, hk = np.asarray(hq[0, 0]), np.asarray(hk[0, 0])
@@ -250,8 +257,8 @@ def test_bidirectional_equals_literal_reference_formula_in_fp64():
         q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(N, seed=9, b=1, h=1, dv=dv))
         opts = bopts(bucket_size=b, num_samples=m)
         W = kd.draw_projections(jax.random.PRNGKey(10), 1, 1, D, 3)
-        plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(11), N, opts)
-        out, _ = kd.bidir_apply(q, k, v, plan, N, opts)
+        plan = bidir_plan(q, k, v, W, jax.random.PRNGKey(11), N, opts)
+        out, _ = bidir_apply(q, k, v, plan, N, opts)
         assert out.dtype == jnp.float64
         out = np.asarray(out[0, 0])
     Q, K, V = (np.asarray(x[0, 0], np.float64) for x in (q, k, v))
@@ -317,9 +324,9 @@ def test_bidirectional_normaliser_and_numerator_are_unbiased(sampling):
     @jax.jit
     def draws(keys, shift):
         def one(key):
-            plan = kd.bidir_plan(q, k, v, W, key, N, opts)
+            plan = bidir_plan(q, k, v, W, key, N, opts)
             plan = dict(plan, omega=plan["omega"] + shift)
-            out, lse = kd.bidir_apply(q, k, v, plan, N, opts)
+            out, lse = bidir_apply(q, k, v, plan, N, opts)
             Dt = jnp.exp(lse[0, 0])
             return Dt, Dt[:, None] * out[0, 0]
         return jax.vmap(one)(keys)
@@ -348,7 +355,7 @@ def test_causal_normaliser_is_unbiased():
     def draws(keys):
         def one(key):
             q_t, ids, plan, _, _ = causal_pieces(q, k, v, W, key, opts)
-            _, lse = kd.causal_apply(q_t, ids, k, v, plan, opts)
+            _, lse = causal_apply(q_t, ids, k, v, plan, opts)
             return jnp.exp(untile(lse)[0, 0])
         return jax.vmap(one)(keys)
 
@@ -551,12 +558,12 @@ def test_gradients_with_the_plan_frozen_pass_check_grads():
         q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(32, seed=32, b=1, h=1))
         W = kd.draw_projections(jax.random.PRNGKey(33), 1, 1, D, 3)
         o = bopts(bucket_size=8, num_samples=8)
-        plan = kd.bidir_plan(q, k, v, W, jax.random.PRNGKey(34), 32, o)
-        check_grads(lambda q, k, v: kd.bidir_apply(q, k, v, plan, 32, o)[0], (q, k, v), order=1, modes=["rev"],
-                    atol=1e-6, rtol=1e-6)
+        plan = bidir_plan(q, k, v, W, jax.random.PRNGKey(34), 32, o)
+        check_grads(jax.jit(lambda q, k, v: bidir_apply(q, k, v, plan, 32, o)[0]), (q, k, v), order=1,
+                    modes=["rev"], atol=1e-6, rtol=1e-6)
         co = copts()
         q_t, ids, cplan, _, _ = causal_pieces(q, k, v, W, jax.random.PRNGKey(35), co)
-        check_grads(lambda q_t, k, v: kd.causal_apply(q_t, ids, k, v, cplan, co)[0], (q_t, k, v), order=1,
+        check_grads(jax.jit(lambda q_t, k, v: causal_apply(q_t, ids, k, v, cplan, co)[0]), (q_t, k, v), order=1,
                     modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
@@ -571,13 +578,13 @@ def test_gradient_does_not_flow_through_the_plan(sampling):
     key = jax.random.PRNGKey(38)
     w = jax.random.normal(jax.random.PRNGKey(39), (1, 1, N, D))
     g_full = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kd.bidir_forward(q, k, v, W, key, o) * w), argnums=(0, 1, 2)))(q, k, v)
-    plan = kd.bidir_plan(q, k, v, W, key, N, o)
-    g_plan = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kd.bidir_apply(q, k, v, plan, N, o)[0] * w),
+    plan = bidir_plan(q, k, v, W, key, N, o)
+    g_plan = jax.jit(jax.grad(lambda q, k, v: jnp.sum(bidir_apply(q, k, v, plan, N, o)[0] * w),
                             argnums=(0, 1, 2)))(q, k, v)
     for a, b_ in zip(g_full, g_plan):
         assert maxdiff(a, b_) < 1e-6
     # the plan's own outputs carry no gradient
-    jac = jax.jit(jax.jacrev(lambda v: kd.bidir_plan(q, k, v, W, key, N, o)["omega"]))(v)
+    jac = jax.jit(jax.jacrev(lambda v: bidir_plan(q, k, v, W, key, N, o)["omega"]))(v)
     assert float(jnp.max(jnp.abs(jac))) == 0.0
 
 
@@ -615,8 +622,8 @@ def test_padded_keys_get_zero_weight_and_zero_gradient():
     pad = jnp.arange(Np) >= N
 
     def f(q, k, v):
-        plan = kd.bidir_plan(q, k, v, W, key, N, o)
-        return kd.bidir_apply(q, k, v, plan, N, o)[0][:, :, :N]
+        plan = bidir_plan(q, k, v, W, key, N, o)
+        return bidir_apply(q, k, v, plan, N, o)[0][:, :, :N]
 
     base = f(q, k, v)
     junk = lambda x: jnp.where(pad[None, None, :, None], 1e3, x)  # noqa: E731
