@@ -115,6 +115,28 @@ def qkv(seed=1, B=2, H=2, T=12, D=8, dtype=jnp.float32):
     return tuple(jax.random.normal(kk, (B, H, T, D), dtype) for kk in ks)
 
 
+def jcall(core, q, k, v, state=None, *, aux=None, mask=None):
+    """``core(q, k, v, state, aux=aux, mask=mask)`` under jit (eager dispatch runs op by op); the aux outputs
+    are added to ``aux`` outside, as an eager call would."""
+    gd, st = nnx.split(core)
+
+    @jax.jit
+    def f(st, q, k, v, state, mask):
+        a = Aux()
+        out, new = nnx.merge(gd, st)(q, k, v, state, aux=a, mask=mask)
+        return out, new, a.as_dict()
+
+    out, new, a = f(st, q, k, v, state, mask)
+    if aux is not None:
+        for n, x in a["losses"].items():
+            aux.add_loss(n, x)
+        for n, x in a["stats"].items():
+            aux.add_stats(n, x)
+        for n, x in a["metrics"].items():
+            aux.add_metric(n, x)
+    return out, new
+
+
 def max_err(a, b):
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float64) - jnp.asarray(b, jnp.float64))))
 
@@ -390,7 +412,7 @@ def test_core_reports_commit_and_stats():
     q, k, v = qkv(T=8)
     mask = jnp.ones((2, 8), bool).at[1, 5:].set(False)
     aux = Aux()
-    core(q, k, v, aux=aux, mask=mask)
+    jcall(core, q, k, v, aux=aux, mask=mask)
     kn = 8 ** -0.25 * tvq.rms_normalize(k)
     _, z, _, c_z = tvq.stvq(kn, core.codebook())
     per_tok = jnp.sum((kn - c_z) ** 2, axis=(1, 3))
@@ -521,8 +543,8 @@ def test_ema_update_closed_form_and_masking():
     # a window of three blocks processed in three calls: summed stats == one call on the window
     aux_w, aux_1, st = Aux(), Aux(), None
     for a in (0, 4, 8):
-        _, st = core(q[:, :, a:a + 4], k[:, :, a:a + 4], v[:, :, a:a + 4], st, aux=aux_w, mask=mask[:, a:a + 4])
-    core(q, k, v, aux=aux_1, mask=mask)
+        _, st = jcall(core, q[:, :, a:a + 4], k[:, :, a:a + 4], v[:, :, a:a + 4], st, aux=aux_w, mask=mask[:, a:a + 4])
+    jcall(core, q, k, v, aux=aux_1, mask=mask)
     for name in ("count", "sum"):
         assert max_err(aux_w.stats["codebook"][name], aux_1.stats["codebook"][name]) < 1e-5
     kn = np.asarray(8 ** -0.25 * tvq.rms_normalize(k), np.float64)
