@@ -226,9 +226,12 @@ def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
     out = []
     for l in range(1, Lu + 1):
         ml, prm = opts.m_l(l), prms[l - 1]
-        xg = _pad_to(x, ml).reshape(B * H, -1, 1, ml, f)
+        # one leading axis for (batch, head, group): the same product with separate [BH, N_l, 1, ...] axes is
+        # miscompiled by XLA:CPU (jax 0.10.2) when B*H = 1 (wrong sums under jit, right eagerly; see
+        # tests/attention/test_fma.py::test_level_summaries_under_jit_equal_the_einsum_form)
+        xg = _pad_to(x, ml).reshape(-1, 1, ml, f)
         W = jnp.moveaxis(prm["kernel"], -1, 0).astype(x.dtype)  # [p, ml, f]
-        y = jnp.sum(xg * W[None, None], axis=3)  # [BH, N_l, p, f]
+        y = jnp.sum(xg * W[None], axis=2)  # [BH N_l, p, f]
         out.append(y.reshape(B, H, -1, opts.p, f) + _bias_rows(prm, opts))
     return out
 

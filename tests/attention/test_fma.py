@@ -34,6 +34,14 @@ def qkv(n, heads=2, d=8, dv=None, seed=0, batch=1, dtype=jnp.float32):
             jax.random.normal(ks[2], (batch, heads, n, dv or d), dtype))
 
 
+dense_reference = jax.jit(F.fma_dense_reference, static_argnums=4)  # jitted: eager runs op by op
+
+
+def jit_out(core, q, k, v):
+    """``core(q, k, v)[0]`` under jit."""
+    return jax.jit(lambda a, b, c: core(a, b, c)[0])(q, k, v)
+
+
 def randomize_params(core, seed=1, scale=0.3):
     """'Trained-style' parameters: every downsampling weight random (not the init's structure)."""
     gd, params, rest = nnx.split(core, nnx.Param, ...)
@@ -123,14 +131,29 @@ SWEEP = [(64, 8, 2), pytest.param(128, 8, 4, marks=pytest.mark.slow), (256, 16, 
          pytest.param(128, 4, 1, marks=pytest.mark.slow), (1024, 64, 4)]
 
 
+@pytest.mark.parametrize("B,H,n,m,p,d", [(1, 1, 256, 16, 4, 8), (1, 1, 128, 8, 2, 64), (2, 1, 64, 4, 2, 16),
+                                           (1, 4, 128, 16, 4, 32)])
+def test_level_summaries_under_jit_equal_the_einsum_form(B, H, n, m, p, d):
+    """The fused summaries, jitted, equal the per-level einsum (regression: with B*H = 1 XLA:CPU once
+    miscompiled the fused form's [BH, N, 1, m_l, d] product, off by O(10) under jit only)."""
+    core = randomize_params(build("fma", True, heads=H, d=d, m=m, p=p, max_len=n))
+    x = jax.random.normal(jax.random.key(3), (B, H, n, d))
+    Lu = F.levels_used(n, core.opts)
+    ds = core.ds_params()["k"]
+    got = jax.jit(lambda x, ds: F.all_level_summaries(x, ds, Lu, core.opts))(x, ds)
+    for l, g in enumerate(got, start=1):
+        want = F.level_summaries(x, ds[l - 1], core.opts.m_l(l), core.opts)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=2e-5, rtol=2e-5, err_msg=f"level {l}")
+
+
 @pytest.mark.parametrize("n,m,p", SWEEP)
 @pytest.mark.parametrize("causal", [True, False])
 def test_blocked_equals_dense_reference(n, m, p, causal):
     q, k, v = qkv(n, heads=1, d=8, seed=n + m)
     for mult in (True, False):
         core = randomize_params(build("fma", causal, heads=1, m=m, p=p, max_len=n, multiplicity_weighting=mult))
-        ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
-        out, _ = core(q, k, v)
+        ref = dense_reference(q, k, v, core.ds_params(), core.opts)
+        out = jit_out(core, q, k, v)
         # fp32: the level summaries reduce up to n/2 products in another order than the reference's
         # einsum (at n = 1024 two of 8,192 outputs differ by 1.9e-5)
         np.testing.assert_allclose(out, ref, atol=3e-5, rtol=1e-5, err_msg=f"multiplicity={mult}")
@@ -146,8 +169,8 @@ def test_blocked_equals_dense_reference(n, m, p, causal):
 def test_blocked_equals_dense_reference_variants(name, cfg, causal, n):
     q, k, v = qkv(n, dv=6, seed=7)
     core = randomize_params(build(name, causal, dv=6, **cfg))
-    ref = F.fma_dense_reference(q, k, v, core.ds_params(), core.opts)
-    out, _ = core(q, k, v)
+    ref = dense_reference(q, k, v, core.ds_params(), core.opts)
+    out = jit_out(core, q, k, v)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
