@@ -24,11 +24,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from longctx import attention
 from longctx.bench import common as C
-from longctx.bench.cores import build_core
+from longctx.bench.attention_bench import _skip_reason_time
+from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
 
 CPU_LENGTHS = "256,1k,4k"
@@ -63,17 +63,15 @@ def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.
 
 
 def _fns(core):
-    graphdef, params, rest = nnx.split(core, nnx.Param, ...)
-
-    def fwd(params, rest, q, k, v):
-        out, _ = nnx.merge(graphdef, params, rest)(q, k, v, deterministic=True)
-        return out
+    """(params, rest, jitted forward, jitted deterministic gradient of sum(out * w)) of one core."""
+    fns = CoreFns(core)
+    fwd = fns.forward()
 
     def loss(params, q, k, v, rest, w):
         return jnp.sum(fwd(params, rest, q, k, v).astype(jnp.float32) * w)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
-    return params, rest, jax.jit(fwd), jax.jit(lambda p, r, q, k, v, w: grad(p, q, k, v, r, w))
+    return fns.params, fns.rest, jax.jit(fwd), jax.jit(lambda p, r, q, k, v, w: grad(p, q, k, v, r, w))
 
 
 def _max_abs(a, b) -> float:
@@ -86,13 +84,6 @@ def _max_rel(ga, gb) -> float:
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         worst = max(worst, _max_abs(a, b) / max(scale, 1e-30))
     return worst
-
-
-def _skip_reason(hist, T, n_calls, limit):
-    pred = C.predict_time(hist[0], hist[1], T)
-    if pred is not None and pred * n_calls > limit:
-        return f"skipped: predicted {pred:.1f} s/call × {n_calls} calls > --max_cell_s {limit:g}"
-    return None
 
 
 def _error(e: Exception) -> str:
@@ -126,7 +117,7 @@ def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar):
             for impl in IMPLS:
                 params, rest, fwd, grad = cores[impl]
                 fn, fargs = (fwd, (params, rest, q, k, v)) if kind == "fwd" else (grad, (params, rest, q, k, v, w))
-                status = _skip_reason(hist[(impl, kind)], T, n_calls, args.max_cell_s)
+                status = _skip_reason_time(*hist[(impl, kind)], T, n_calls, args.max_cell_s)
                 if status is None:
                     try:
                         t0 = time.perf_counter()
