@@ -18,6 +18,8 @@ two-value return of the contract holds for every method.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -203,6 +205,22 @@ class AttentionCore(nnx.Module):
     def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux: Aux | None = None):
         raise NotImplementedError
 
+    # -- sequence parallelism by composed states (longctx/attention/sequence.py) --------------
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        """None when a row split into slices of ``slice_len`` tokens can run with composed states
+        (``sequence_origin`` + ``compose_states``); otherwise why not. Default: not declared."""
+        return "its carried state declares no composition (sequence_origin / compose_states)"
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        """The state from which a slice starting at absolute position ``start`` (traced int32)
+        summarizes only its own tokens."""
+        raise NotImplementedError
+
+    def compose_states(self, a, b):
+        """The state after ``a``'s tokens then ``b``'s (``b`` run from the origin at ``a``'s end).
+        Associative; the empty state is a left identity."""
+        raise NotImplementedError
+
     def init_state(self, batch_size: int, max_len: int | None = None):
         raise NotImplementedError
 
@@ -238,6 +256,22 @@ class CapacityError(ValueError):
     """A static-capacity state was given more tokens than it holds."""
 
 
+_TRACED_CHECKS = contextvars.ContextVar("longctx_traced_capacity_checks", default=True)
+
+
+@contextlib.contextmanager
+def capacity_guaranteed_by_caller():
+    """Skip the traced (host-callback) branch of :func:`check_capacity` while tracing inside this
+    block: for a caller that sizes every state for the tokens it feeds by construction (the
+    sequence-parallel train step) and runs where host callbacks cannot lower (a shard_map that is
+    manual over some mesh axes only). Concrete checks still raise."""
+    token = _TRACED_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _TRACED_CHECKS.reset(token)
+
+
 def check_capacity(needed, capacity: int, message: str) -> None:
     """Refuse to overflow a static-capacity state (DESIGN §2: never drop silently).
 
@@ -251,6 +285,9 @@ def check_capacity(needed, capacity: int, message: str) -> None:
         n = int(needed) if getattr(needed, "ndim", 0) == 0 else int(max(needed.tolist() if hasattr(needed, "tolist") else needed))
         if n > capacity:
             raise CapacityError(message.format(needed=n, capacity=capacity))
+        return
+
+    if not _TRACED_CHECKS.get():
         return
 
     def _host(n):

@@ -273,6 +273,24 @@ class DenseAttention(AttentionCore):
             "length": jnp.zeros((), jnp.int32),
         }
 
+    # -- sequence parallelism: the KV cache composes by concatenation --------------------------
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if not self.causal:
+            return "bidirectional attention carries no state"
+        if self.cfg.kv_window:
+            return "kv_window=True keeps only the newest max_len keys; composition needs the whole cache"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "length": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # both caches are right-aligned (slot j <-> position length - M + j) and zero outside their
+        # own tokens: move a's keys left by the number of b's tokens and add (an exact concatenation)
+        shift = b["length"] - a["length"]
+        moved = {name: jnp.roll(a[name], -shift, axis=2) for name in ("k", "v")}
+        return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "length": b["length"]}
+
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
         check_qkv(q, k, v)
         T = q.shape[2]

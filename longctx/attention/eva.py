@@ -581,6 +581,31 @@ class EVAAttention(AttentionCore):
         return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, R, P, -(-max_len // P),
                            self.opts.chunk_logit == "exact_lse")
 
+    # -- sequence parallelism: chunk summaries sit at absolute slots, the window is the newest R --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if not self.causal:
+            return "bidirectional attention carries no state"
+        if slice_len % self.cfg.chunk_size:
+            return f"a slice of {slice_len} tokens is not a multiple of chunk_size={self.cfg.chunk_size}"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # b ran from an empty state at a's end (a chunk border): its finished chunks occupy slots a's
+        # are zero in, its window holds zeros where a's newest tokens belong, its chunk buffer is current
+        out = dict(b)
+        for name in a:
+            if name.startswith("mem_"):
+                out[name] = a[name] + b[name]
+        R = a["win_k"].shape[2]
+        shift = jnp.minimum(b["pos"] - a["pos"], R)
+        for name in ("win_k", "win_v"):
+            padded = jnp.concatenate([a[name], jnp.zeros_like(a[name])], axis=2)
+            out[name] = b[name] + jax.lax.dynamic_slice_in_dim(padded, shift, R, axis=2)
+        return out
+
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
         check_qkv(q, k, v)
         noise_key, drop_key = self._keys(deterministic, key)

@@ -870,6 +870,44 @@ class FMAAttention(AttentionCore):
             )
         return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, self.opts)
 
+    # -- sequence parallelism: rings of the newest groups per level, a window of the newest keys --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if not self.causal:
+            return "bidirectional attention carries no state"
+        if self.opts.leaky:
+            return "causal_query_summary='paper_leaky' cannot be streamed"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # b ran from zeros at a's end: its window and rings hold zeros where a's newest keys and groups
+        # belong, and the group open at a's end lacks a's part of its (linear) conv sum, a's acc
+        def newest(old, new, shift):
+            n = old.shape[2]
+            padded = jnp.concatenate([old, jnp.zeros_like(old)], axis=2)
+            return new + jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(shift, n), n, axis=2)
+
+        out = dict(b)
+        for name in ("win_k", "win_v"):
+            out[name] = newest(a[name], b[name], b["pos"] - a["pos"])
+        for name in a:
+            if not name.startswith("ring_"):
+                continue
+            acc_name = "acc_" + name[len("ring_"):]
+            rings, accs = [], []
+            for l, (ra, rb, acc_a, acc_b) in enumerate(zip(a[name], b[name], a[acc_name], b[acc_name])):
+                ml = self.opts.m_l(l + 1)
+                shift = b["pos"] // ml - a["pos"] // ml  # groups finished by b's tokens
+                ring = newest(ra, rb, shift)
+                # the group open at a's end finished in b: it sits at ring slot RING - shift (if still kept)
+                at = (jnp.arange(RING) == RING - shift).astype(ring.dtype)
+                rings.append(ring + at[None, None, :, None, None] * acc_a[:, :, None])
+                accs.append(acc_b + jnp.where(shift == 0, acc_a, 0.0))
+            out[name], out[acc_name] = tuple(rings), tuple(accs)
+        return out
+
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
         check_qkv(q, k, v)
         drop_key = None

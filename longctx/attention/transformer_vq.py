@@ -602,6 +602,25 @@ class TransformerVQAttention(AttentionCore):
             raise ValueError("transformer_vq: a bidirectional core has no prefix state")
         return empty_state(batch_size, self.num_heads, self.M, self.S, self.head_dim, self.value_dim)
 
+    # -- sequence parallelism: the band is the newest M tokens, the cache a count-weighted merge --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if not self.causal:
+            return "a bidirectional core carries no state"
+        if slice_len < self.M:
+            return f"a slice of {slice_len} tokens is shorter than the band of mem_len={self.M} tokens"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return self.init_state(batch_size, max_len)  # the cache is position-free: a true empty state
+
+    def compose_states(self, a, b):
+        # b started empty; a's band leaves the band when b's (>= M) tokens arrive and joins the cache
+        M = self.M
+        valid = a["pos"] - M + jnp.arange(M) >= 0
+        band = code_summary(a["band_z"], a["band_v"], valid, self.S)
+        agg_mu, agg_n = merge(merge((a["agg_mu"], a["agg_n"]), band), (b["agg_mu"], b["agg_n"]))
+        return {**b, "pos": a["pos"] + b["pos"], "agg_mu": agg_mu, "agg_n": agg_n}
+
     def codebook(self):
         return codebook_from_stats(self.c_sum[...], self.c_count[...])
 

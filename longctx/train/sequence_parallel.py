@@ -2,18 +2,19 @@
 
 Device ``i`` of the ``sequence`` axis holds tokens ``[i*T/D, (i+1)*T/D)`` of every row, so the
 activations of a row too long for one device are spread over ``D`` devices. The prefix state a
-device needs is the carried attention state (``model.init_state``) of all tokens before its
-slice. This module composes it generically, for every causal method and block type, by passing
-states around the ring: in round ``r`` every device runs its slice from the state it holds and
-sends the resulting state to its right neighbour (``ppermute``); device ``i``'s input state is
-exact from round ``i`` on, and its output of that round is kept. ``D`` rounds, ``D - 1`` state
-exchanges; autodiff goes through the exchanges, so gradients are exact too.
+device needs is the carried attention state of all tokens before its slice. Two ways to get it:
 
-Cost: every device computes its slice ``D`` times, so the ring buys memory (activations and
-KV split ``D`` ways), not time. Methods whose state summaries compose associatively (VQ cache
-sums and counts, EVA chunk summaries, FMA level summaries, KV concatenation) can replace the
-ring by a prefix scan over devices (``log2 D`` exchanges, each slice computed twice); that
-composition is per method and not written yet.
+* ``compose`` (every core of the model declares state composition,
+  ``AttentionCore.sequence_refusal``): layer by layer, each device summarizes its own slice, the
+  summaries are combined by a prefix scan over the devices (``1 + ceil(log2 D)`` ``ppermute``
+  exchanges) and each slice runs once more from its prefix (``longctx/attention/sequence.py``).
+  Every slice is computed twice per layer, whatever ``D``.
+* ``ring`` (any causal model): states are passed around the ring: in round ``r`` every device runs
+  its slice from the state it holds and sends the resulting state to its right neighbour; device
+  ``i``'s input state is exact from round ``i`` on. ``D`` rounds: the ring buys memory, not time.
+
+``mode='auto'`` takes ``compose`` where every core accepts the slice length, else ``ring``
+(:func:`plan` says why). Autodiff goes through the exchanges, so gradients are exact either way.
 """
 
 from __future__ import annotations
@@ -25,7 +26,33 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from longctx.attention import AttentionCore, SequenceShard
+from longctx.attention.base import capacity_guaranteed_by_caller
+
 AXIS = "sequence"
+MODES = ("auto", "compose", "ring")
+
+
+def attention_cores(model) -> list[AttentionCore]:
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, AttentionCore)]
+
+
+def plan(model, slice_len: int, mode: str = "auto") -> tuple[str, list[str]]:
+    """(the mode that runs, the reasons ``compose`` is refused: one line per refusing core)."""
+    if mode not in MODES:
+        raise ValueError(f"sequence parallelism: mode={mode!r}; allowed: {', '.join(MODES)}")
+    reasons = []
+    for core in attention_cores(model):
+        why = core.sequence_refusal(slice_len)
+        if why is not None and f"{core.name}: {why}" not in reasons:
+            reasons.append(f"{core.name}: {why}")
+    if getattr(model, "stack", None) is not None:
+        reasons.append("the model's blocks run inside a stack wrapper")
+    if mode == "compose" and reasons:
+        raise ValueError("sequence parallelism: mode='compose' refused: " + "; ".join(reasons))
+    if mode == "auto":
+        mode = "ring" if reasons else "compose"
+    return mode, reasons
 
 
 def _ring_shift(tree, n: int):
@@ -33,7 +60,7 @@ def _ring_shift(tree, n: int):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, perm), tree)
 
 
-def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None):
+def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None, mode: str = "auto"):
     """Deterministic final hidden states [B, T, d] of ``tokens`` [B, T] with the row split over
     ``mesh``'s ``sequence`` axis (T divisible by its size). ``variables``: ``nnx.split`` state of the
     model (replicated). Equals ``model.hidden(tokens)`` up to float rounding."""
@@ -41,13 +68,18 @@ def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None):
     B, T = tokens.shape
     if T % D:
         raise ValueError(f"sequence parallelism: the row length {T} must be divisible by mesh.sequence={D}")
-    cap = max_len or T
+    n, cap = T // D, max_len or T
+    mode, _ = plan(nnx.merge(graphdef, variables), n, mode)
 
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P(None, AXIS),
                        check_vma=False)
     def run(variables, local):
         model = nnx.merge(graphdef, variables)
         me = jax.lax.axis_index(AXIS)
+        if mode == "compose":
+            shard = SequenceShard(axis=AXIS, size=D, batch_size=B, slice_len=n, max_len=cap)
+            state = {"pos": (me * n).astype(jnp.int32), "layers": [shard] * len(model.blocks)}
+            return model.hidden(local, state, deterministic=True)[0]
         empty = model.init_state(B, cap)
         state = empty
         out = None
@@ -60,3 +92,78 @@ def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None):
         return out
 
     return run(variables, tokens)
+
+
+TRAIN_MODES = ("auto", "compose", "xla")
+
+
+def train_plan(model, mesh, window: int, mode: str = "auto") -> str:
+    """How the train step splits a row over ``mesh.sequence``: 'compose' (the composed-state hook of
+    :func:`make_hidden`) or 'xla' (tokens constrained to the axis, XLA's partitioner moves the data).
+    'auto' takes 'compose' for a causal model whose cores all compose; 'compose' where they do not is
+    a ConfigError naming each core and its reason."""
+    from longctx.errors import ConfigError
+
+    if mode not in TRAIN_MODES:
+        raise ConfigError(f"mesh.sequence_mode={mode!r}; allowed: {', '.join(TRAIN_MODES)}")
+    if mesh is None or mesh.shape[AXIS] == 1 or mode == "xla":
+        return "xla"
+    reasons = plan(model, window // mesh.shape[AXIS])[1]
+    if reasons and mode == "compose":
+        raise ConfigError("mesh.sequence_mode='compose' cannot run: " + "; ".join(reasons)
+                          + " (use mesh.sequence_mode=auto or xla)")
+    return "xla" if reasons else "compose"
+
+
+def train_hidden(model, mesh, *, window: int, seq_len: int, mode: str = "auto", fold_key: bool = True):
+    """(the mode, the ``hidden`` hook for ``make_train_step`` or None): what the trainer calls."""
+    mode = train_plan(model, mesh, window, mode)
+    return mode, (make_hidden(mesh, seq_len, fold_key=fold_key) if mode == "compose" else None)
+
+
+def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
+    """``hidden(model, tokens, state, *, deterministic, key) -> (h, new_state, aux)`` for the train
+    step, equal to ``model.hidden`` with the row split over ``mesh.sequence`` by composed states.
+    Only ``sequence`` is manual inside (``shard_map(axis_names={'sequence'})``): the batch and the
+    parameters keep their data/fsdp/tensor shardings. ``fold_key``: the key is folded with the device
+    index, so dropout masks differ between slices (False: every slice gets the step's key, which
+    reproduces the single-device step exactly where randomness is keyed by absolute position, as
+    EVA's per-chunk samples are, and dropout is off; with dropout on, masks would repeat per slice);
+    aux losses and metrics are averaged over the devices (equal token counts), statistics summed;
+    the new state is the last device's."""
+    D = mesh.shape[AXIS]
+
+    def hidden(model, tokens, state=None, *, deterministic: bool = True, key=None):
+        B, T = tokens.shape
+        n = T // D
+        if T % D or T > (max_len or T):
+            raise ValueError(f"sequence parallelism: a window of {T} tokens over mesh.sequence={D} with states "
+                             f"for {max_len} tokens")
+        graphdef, variables = nnx.split(model)
+        has_key = key is not None
+
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS), P(), P()),
+                           out_specs=(P(None, AXIS), P(), P()), axis_names={AXIS}, check_vma=False)
+        def run(variables, local, state, key):
+            model = nnx.merge(graphdef, variables)
+            me = jax.lax.axis_index(AXIS)
+            offset = jnp.zeros((), jnp.int32) if state is None else state["pos"]
+            layers = [None] * len(model.blocks) if state is None else state["layers"]
+            shards = [SequenceShard(axis=AXIS, size=D, batch_size=B, slice_len=n, max_len=max_len or T,
+                                    initial=st, offset=offset) for st in layers]
+            with capacity_guaranteed_by_caller():  # states sized for max_len >= offset + T by the step
+                h, new_state, aux = model.hidden(local, {"pos": offset + me * n, "layers": shards},
+                                                 deterministic=deterministic,
+                                                 key=(jax.random.fold_in(key, me) if fold_key else key)
+                                                 if has_key else None)
+            last = me == D - 1
+            new_state = jax.tree.map(lambda x: jax.lax.psum(jnp.where(last, x, jnp.zeros_like(x)), AXIS),
+                                     {**new_state, "pos": offset + T})
+            aux = {"losses": jax.tree.map(lambda x: jax.lax.pmean(x, AXIS), aux["losses"]),
+                   "stats": jax.tree.map(lambda x: jax.lax.psum(x, AXIS), aux["stats"]),
+                   "metrics": jax.tree.map(lambda x: jax.lax.pmean(x, AXIS), aux["metrics"])}
+            return h, new_state, aux
+
+        return run(variables, tokens, state, key if has_key else jnp.zeros((), jnp.uint32))
+
+    return hidden

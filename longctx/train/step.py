@@ -12,6 +12,8 @@ windows, the model state carried under stop-gradient, one optimizer update
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,12 +32,18 @@ def token_nll(logits, targets):
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def make_loss_fn(graphdef, constrain=None):
+def _hidden(model, hidden):
+    """``model.hidden``, or ``hidden(model, ...)`` (the sequence-parallel hook of
+    ``longctx.train.sequence_parallel.make_hidden``)."""
+    return model.hidden if hidden is None else functools.partial(hidden, model)
+
+
+def make_loss_fn(graphdef, constrain=None, hidden=None):
     def loss_fn(params, nongrad, rest, inputs, targets, state, key):
         if constrain is not None:  # place rows / tokens on the mesh (sharding.constrain_tokens)
             inputs, targets = constrain(inputs), constrain(targets)
         model = nnx.merge(graphdef, params, nongrad, rest)
-        h, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
+        h, new_state, aux = _hidden(model, hidden)(inputs, state, deterministic=False, key=key)
         ce = jnp.mean(model.nll(h, targets))
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
         return ce + extra, (ce, new_state, aux)
@@ -43,7 +51,7 @@ def make_loss_fn(graphdef, constrain=None):
     return loss_fn
 
 
-def make_weighted_loss_fn(graphdef, constrain=None):
+def make_weighted_loss_fn(graphdef, constrain=None, hidden=None):
     """The LM loss over the scored targets only: sum(w * nll) / sum(w) with per-target weights ``w``
     (a generated source's answer tokens; a window without scored targets contributes 0)."""
 
@@ -51,7 +59,7 @@ def make_weighted_loss_fn(graphdef, constrain=None):
         if constrain is not None:
             inputs, targets, weights = constrain(inputs), constrain(targets), constrain(weights)
         model = nnx.merge(graphdef, params, nongrad, rest)
-        h, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
+        h, new_state, aux = _hidden(model, hidden)(inputs, state, deterministic=False, key=key)
         w = weights.astype(jnp.float32)
         ce = jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
@@ -100,13 +108,14 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None, weighted: bool = False):
+                    constrain=None, weighted: bool = False, hidden=None):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
     ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
     ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
-    mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`)."""
+    mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`).
+    ``hidden``: optional replacement of ``model.hidden`` taking the model first (sequence parallelism)."""
     n_windows = seq_len // window
-    loss = make_weighted_loss_fn(graphdef, constrain) if weighted else make_loss_fn(graphdef, constrain)
+    loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
 

@@ -14,6 +14,8 @@ Laws (tolerances from the case; a wrong implementation cannot meet them):
   * finite gradients (inputs and parameters) in fp32 and bf16 with logits scaled x30
   * ragged lengths: a causal pass over a prefix equals the full pass's first outputs
   * randomized methods: same key reproduces, another key differs, deterministic mode ignores the key
+  * composed slice states (sequence parallelism): slices summarized from their origins and composed
+    left to right give the full pass; the composition is associative
   * capacity: a state smaller than the stream needs raises CapacityError (eager and under jit), or the
     answer is right; never a silently different one
   * every parameter and non-gradient variable names its logical axes
@@ -31,7 +33,7 @@ import pytest
 from flax import nnx
 
 from longctx import attention
-from longctx.attention.base import LOGICAL_AXES, CapacityError
+from longctx.attention.base import LOGICAL_AXES, AttentionCore, CapacityError
 
 B = 2
 SPLIT_SIZES = (13, 1, 7)  # the first chunk spans block borders; no size is a multiple of a block size but 1
@@ -241,6 +243,46 @@ def test_streamed_uneven_chunks_equal_full(name, cname, direction):
     # a long prefill, then a chunk through the carried state (the sampler's path) == full
     prefilled, _ = h.stream(q, k, v, (h.T - CHUNK, CHUNK))
     h.close(prefilled, full_output(name, cname, direction, False), "prefill + continuation != full pass")
+
+
+def _composition_slice(h) -> int | None:
+    """The longest slice length the core composes states for that cuts the case's row into at
+    least three slices (else two); None when the core declares no composition."""
+    if type(h.core).compose_states is AttentionCore.compose_states:
+        return None
+    for parts in (3, 2):
+        for n in range(h.T // parts, 0, -1):
+            if h.core.sequence_refusal(n) is None:
+                return n
+    pytest.fail(f"{h.cls.name} declares state composition but refuses every slice of its contract case: "
+                f"{h.core.sequence_refusal(h.T // 2)}")
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_composed_slice_states_equal_full(name, cname, direction):
+    """Sequence parallelism's law: each slice summarized from its own origin, the summaries composed
+    left to right, each slice run from the composition of those before it == the full pass; and
+    the composition is associative."""
+    h = harness(name, cname, direction)
+    n = _composition_slice(h)
+    if n is None:
+        pytest.skip(f"{name} declares no state composition ({h.core.sequence_refusal(h.T)})")
+    q, k, v = h.qkv()
+    parts = [slice(i, i + n) for i in range(0, h.T - n + 1, n)]  # a causal prefix of the row: whole slices
+    deltas = [h(q[:, :, s], k[:, :, s], v[:, :, s], h.core.sequence_origin(B, h.T, jnp.asarray(s.start, jnp.int32)))[1]
+              for s in parts]
+    compose = jax.jit(h.core.compose_states)
+    prefix, outs = h.core.init_state(B, h.T), []
+    for s, delta in zip(parts, deltas):
+        outs.append(h(q[:, :, s], k[:, :, s], v[:, :, s], prefix)[0])
+        prefix = compose(prefix, delta)
+    h.close(jnp.concatenate(outs, axis=2), full_output(name, cname, direction, False)[:, :, :parts[-1].stop],
+            "slices run from composed prefix states != full pass")
+    if len(deltas) >= 3:
+        left = compose(compose(deltas[0], deltas[1]), deltas[2])
+        right = compose(deltas[0], compose(deltas[1], deltas[2]))
+        for a, b in zip(jax.tree.leaves(left), jax.tree.leaves(right)):
+            h.close(a, b, "compose_states is not associative")
 
 
 @pytest.mark.parametrize("name,cname,direction", CAUSAL)

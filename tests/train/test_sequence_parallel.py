@@ -1,6 +1,6 @@
 """Sequence parallelism: forward and gradient of a 4,096-token row split over 4 and 8 simulated
-devices equal the single-device result (transformer block with dense, eva, fma; GAU block with
-transformer_vq)."""
+devices equal the single-device result (transformer block with every causal method; GAU block with
+transformer_vq), by composed states where the cores declare them, else by the ring."""
 
 import os
 import subprocess
@@ -44,30 +44,62 @@ SCRIPT = textwrap.dedent(
             mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, "sequence": D}),
                                       jax.devices()[:D])
 
-            def loss_sp(v):
-                h = sp.hidden(graphdef, v, tokens, mesh)
-                return jnp.sum(h * w), h
+            for mode in sys.argv[4].split(","):
+                used, reasons = sp.plan(model, T // D, mode)
+                print("MODE", spec, D, used, reasons)
+                if mode == "auto" and method in sys.argv[5].split(","):
+                    assert used == "compose", (spec, D, mode, reasons)
 
-            (lD, hD), gD = jax.jit(jax.value_and_grad(loss_sp, has_aux=True))(variables)
-            np.testing.assert_allclose(np.asarray(hD), np.asarray(h1), atol=2e-4, rtol=2e-4, err_msg=f"{spec} D={D}")
-            for a, b in zip(jax.tree.leaves(gD), jax.tree.leaves(g1)):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-3, rtol=2e-3,
-                                           err_msg=f"{spec} D={D} grad")
+                def loss_sp(v):
+                    h = sp.hidden(graphdef, v, tokens, mesh, mode=mode)
+                    return jnp.sum(h * w), h
+
+                (lD, hD), gD = jax.jit(jax.value_and_grad(loss_sp, has_aux=True))(variables)
+                np.testing.assert_allclose(np.asarray(hD), np.asarray(h1), atol=2e-4, rtol=2e-4,
+                                           err_msg=f"{spec} D={D} {used}")
+                for a, b in zip(jax.tree.leaves(gD), jax.tree.leaves(g1)):
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-3, rtol=2e-3,
+                                               err_msg=f"{spec} D={D} {used} grad")
         print("OK", spec)
     """
 )
 
 
-def _run(specs, T, devices="4,8"):
+# the methods whose carried states compose (the prefix scan over devices, not the ring)
+COMPOSING = "dense,transformer_vq,eva,fma,fma_linear"
+
+
+def _run(specs, T, devices="4,8", modes="auto"):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, specs, str(T), devices], capture_output=True, text=True,
-                       timeout=3000, env=env)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, specs, str(T), devices, modes, COMPOSING], capture_output=True,
+                       text=True, timeout=3000, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == len(specs.split(",")), r.stdout + r.stderr[-4000:]
+    return r.stdout
 
 
 def test_sequence_parallel_equals_single_device_short_row():
-    _run("dense:transformer,transformer_vq:gau", 256, devices="4")
+    out = _run("dense:transformer,transformer_vq:gau", 256, devices="4", modes="auto,ring")
+    assert out.count(" compose ") == 2 and out.count(" ring ") == 2, out
+
+
+def test_compose_mode_refusal_names_the_core_and_the_reason():
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+    from longctx.train import sequence_parallel as sp
+
+    c = base_config().model
+    c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = 64, 16, 1, 2, 8, 32
+    c.attention.name = "eva"
+    model = build_model(c, seed=0)
+    chunk = model.blocks[0].core.cfg.chunk_size
+    assert sp.plan(model, 4 * chunk) == ("compose", [])
+    mode, reasons = sp.plan(model, 4 * chunk + 1)
+    assert mode == "ring" and reasons and "chunk_size" in reasons[0], reasons
+    with pytest.raises(ValueError, match="eva: a slice of .* not a multiple of chunk_size"):
+        sp.plan(model, 4 * chunk + 1, "compose")
+    with pytest.raises(ValueError, match="allowed: auto, compose, ring"):
+        sp.plan(model, 4 * chunk, "scan")
 
 
 @pytest.mark.slow
