@@ -134,7 +134,12 @@ def base_config() -> ml_collections.ConfigDict:
     # data x fsdp split the batch; fsdp and tensor split parameters by their logical axis names;
     # sequence splits the token axis of the activations. rules: "name=axis[+axis],..." overrides
     # the logical-axis -> mesh-axis table of longctx/train/sharding.py.
-    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1, "rules": ""})
+    # sequence_mode: how a row is split over mesh.sequence in training: 'compose' (per-layer prefix
+    # scan of carried attention states over the devices, longctx/train/sequence_parallel.py), 'xla'
+    # (tokens constrained to the axis, XLA's partitioner moves the data), 'auto' (compose where
+    # every attention core composes its state at that slice length, else xla).
+    c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1, "rules": "",
+                                        "sequence_mode": "auto"})
     return c
 
 
@@ -331,6 +336,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if c.mesh[axis] < 1:
             raise ConfigError(f"mesh.{axis}={c.mesh[axis]} must be >= 1")
     sharding_lib.parse_rules(c.mesh.rules)
+    from longctx.train.sequence_parallel import TRAIN_MODES
+
+    if c.mesh.sequence_mode not in TRAIN_MODES:
+        raise ConfigError(f"mesh.sequence_mode={c.mesh.sequence_mode!r}; allowed: {', '.join(TRAIN_MODES)}")
     window = c.train.window or c.train.seq_len
     if c.mesh.sequence > 1 and window % c.mesh.sequence:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")

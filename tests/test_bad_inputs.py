@@ -63,6 +63,8 @@ CASES = [
     Case("warm-up longer than the run", "train", (*T, "--config.train.warmup_steps=100"), r"warmup_steps=100 must be in"),
     Case("stride longer than context", "train", (*T, "--config.eval.stride=1000"), r"at most eval.context"),
     Case("mesh axis below 1", "train", (*T, "--config.mesh.tensor=0"), r"mesh.tensor=0 must be >= 1"),
+    Case("unknown sequence mode", "train", (*T, "--config.mesh.sequence_mode=ring"),
+         r"mesh.sequence_mode='ring'; allowed: auto, compose, xla"),
     Case("unknown data source", "train", (*T, "--config.data.source=imagenet"), r"allowed"),
     Case("unknown tokenizer", "train", (*T, "--config.data.tokenizer=chars"), r"allowed"),
     # data files

@@ -137,6 +137,9 @@ class AttentionCore(nnx.Module):
     # -- capabilities: what a core needs from its block, model and tools (asked, never its name) --
     exact: bool = False  # computes exact softmax attention: the reference benchmarks compare against
     takes_token_mask: bool = False  # __call__ accepts mask=[B, T] bool: tokens that count in aux losses/stats
+    # the trainer's mesh.sequence_mode='auto' takes composed states for this core (when it composes);
+    # False where XLA's partitioner splits the row better (measured: README, sequence parallelism)
+    sequence_compose_in_training: bool = True
 
     def __init__(
         self,

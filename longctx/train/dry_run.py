@@ -17,7 +17,7 @@ from flax import nnx
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
-from longctx.train import sharding
+from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import make_optimizer
 from longctx.train.step import make_train_step, split_model
 
@@ -51,8 +51,10 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     tx = make_optimizer(tc)
     opt_state = jax.eval_shape(tx.init, params)
     p = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
+    seq_mode, seq_hidden = sequence_parallel.train_hidden(abstract_model, mesh, window=tc.window, seq_len=tc.seq_len,
+                                                          mode=cfg.mesh.sequence_mode)
     step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
-                                      constrain=p.constrain))
+                                      constrain=p.constrain, hidden=seq_hidden))
     args = (
         _abstract(params, p.params), _abstract(nongrad, p.nongrad), _abstract(rest, p.rest),
         _abstract(opt_state, p.opt_state),

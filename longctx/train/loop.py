@@ -25,7 +25,7 @@ from longctx.data.prepare import prepare
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError
 from longctx.models.decoder import build_model
 from longctx.protocols import score_answers, score_mlm_split, score_split
-from longctx.train import checkpoint, distributed, sharding
+from longctx.train import checkpoint, distributed, sequence_parallel, sharding
 from longctx.train.metrics import MetricsWriter, plot_losses
 from longctx.train.optim import make_optimizer
 from longctx.train.step import (
@@ -180,8 +180,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         fwd = jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
         row0 = batcher.shard_index * tc.batch_size // batcher.num_shards  # this host's first global row
     else:
+        seq_mode, seq_hidden = sequence_parallel.train_hidden(
+            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if tc.short_steps > 0 else ()),
+            seq_len=tc.seq_len, mode=cfg.mesh.sequence_mode)
+        if mesh.shape["sequence"] > 1:
+            print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
         train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
-                                                   skip_nonfinite=True, constrain=plan.constrain, weighted=generated))
+                                                   skip_nonfinite=True, constrain=plan.constrain, weighted=generated,
+                                                   hidden=seq_hidden))
         fwd = jax.jit(make_scored_forward(graphdef) if generated else make_forward(graphdef))
     writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
     base_key = jax.random.key(tc.seed)

@@ -97,26 +97,35 @@ def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None, mod
 TRAIN_MODES = ("auto", "compose", "xla")
 
 
-def train_plan(model, mesh, window: int, mode: str = "auto") -> str:
-    """How the train step splits a row over ``mesh.sequence``: 'compose' (the composed-state hook of
+def train_plan(model, mesh, window, mode: str = "auto") -> str:
+    """How the train step splits a row over ``mesh.sequence`` (``window``: the row length the step
+    sees, or a tuple of them): 'compose' (the composed-state hook of
     :func:`make_hidden`) or 'xla' (tokens constrained to the axis, XLA's partitioner moves the data).
     'auto' takes 'compose' for a causal model whose cores all compose; 'compose' where they do not is
-    a ConfigError naming each core and its reason."""
+    a ConfigError naming each core and its reason. 'auto' also takes 'xla' where a core says the
+    partitioner splits it better (``AttentionCore.sequence_compose_in_training``)."""
     from longctx.errors import ConfigError
 
     if mode not in TRAIN_MODES:
         raise ConfigError(f"mesh.sequence_mode={mode!r}; allowed: {', '.join(TRAIN_MODES)}")
     if mesh is None or mesh.shape[AXIS] == 1 or mode == "xla":
         return "xla"
-    reasons = plan(model, window // mesh.shape[AXIS])[1]
+    reasons = []
+    for length in ((window,) if isinstance(window, int) else window):  # every row length the step sees
+        reasons += [r for r in plan(model, length // mesh.shape[AXIS])[1] if r not in reasons]
+    if mode == "auto" and not reasons:
+        prefer_xla = sorted({c.name for c in attention_cores(model) if not c.sequence_compose_in_training})
+        if prefer_xla:
+            return "xla"  # e.g. exact attention: the partitioner's split of the queries is the better one
     if reasons and mode == "compose":
         raise ConfigError("mesh.sequence_mode='compose' cannot run: " + "; ".join(reasons)
                           + " (use mesh.sequence_mode=auto or xla)")
     return "xla" if reasons else "compose"
 
 
-def train_hidden(model, mesh, *, window: int, seq_len: int, mode: str = "auto", fold_key: bool = True):
-    """(the mode, the ``hidden`` hook for ``make_train_step`` or None): what the trainer calls."""
+def train_hidden(model, mesh, *, window, seq_len: int, mode: str = "auto", fold_key: bool = True):
+    """(the mode, the ``hidden`` hook for ``make_train_step`` or None): what the trainer calls
+    (``window``: the row length(s) the step sees, ``seq_len``: the longest, which sizes the states)."""
     mode = train_plan(model, mesh, window, mode)
     return mode, (make_hidden(mesh, seq_len, fold_key=fold_key) if mode == "compose" else None)
 

@@ -108,3 +108,28 @@ def test_sequence_parallel_4096_tokens_every_causal_method():
 
     specs = [f"{m}:transformer" for m in attention.names() if attention.get_class(m).supports_causal]
     _run(",".join(specs + ["transformer_vq:gau"]), 4096)
+
+
+def test_train_plan_modes_and_the_compose_refusal():
+    import types
+
+    from longctx.config import base_config
+    from longctx.errors import ConfigError
+    from longctx.models.decoder import build_model
+    from longctx.train import sequence_parallel as sp
+
+    mesh = types.SimpleNamespace(shape={"sequence": 4})  # train_plan reads the axis size only
+    c = base_config().model
+    c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = 64, 16, 1, 2, 8, 32
+    for name, mode in (("eva", "compose"), ("dense", "xla")):  # dense: the partitioner's split is better
+        c.attention.name = name
+        assert sp.train_plan(build_model(c), mesh, 64) == mode, name
+    c.attention.name = "eva"
+    model = build_model(c)
+    assert sp.train_plan(model, mesh, 64, "xla") == "xla"
+    assert sp.train_plan(model, types.SimpleNamespace(shape={"sequence": 1}), 64, "compose") == "xla"
+    with pytest.raises(ConfigError, match="sequence_mode='compose' cannot run: eva: a slice of 17 tokens"):
+        sp.train_plan(model, mesh, (64, 68), "compose")
+    c.attention.name, c.causal = "kdeformer", False
+    with pytest.raises(ConfigError, match="kdeformer: .*declares no composition"):
+        sp.train_plan(build_model(c), mesh, 64, "compose")

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     from longctx import attention
     from longctx.config import base_config, validate
     from longctx.models.decoder import build_model
-    from longctx.train import sharding
+    from longctx.train import sequence_parallel, sharding
     from longctx.train.optim import make_optimizer
     from longctx.train.step import make_train_step, split_model
 
@@ -43,7 +43,11 @@ SCRIPT = textwrap.dedent(
             n = int(np.prod(shape))
             mc = ml_collections.ConfigDict(dict(zip(sharding.AXES, shape)))
             mesh = sharding.make_mesh(mc, jax.devices()[:n])
-            graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0))
+            model = build_model(cfg.model, seed=0)
+            # the trainer's choice: composed states over 'sequence' where the cores compose, else XLA
+            mode, hidden = sequence_parallel.train_hidden(model, mesh, window=16, seq_len=32, mode=sys.argv[3],
+                                                          fold_key=False)
+            graphdef, params, nongrad, rest = split_model(model)
             tx = make_optimizer(cfg.train)
             opt = tx.init(params)
             plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt)
@@ -51,10 +55,12 @@ SCRIPT = textwrap.dedent(
             if shape[1] * shape[2] > 1:
                 assert any(sharding.is_sharded(x) for x in jax.tree.leaves(params)), (spec, shape, "nothing sharded")
             step = plan.jit_step(make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False,
-                                                 constrain=plan.constrain), donate=False)
+                                                 constrain=plan.constrain, hidden=hidden), donate=False)
             batch = sharding.shard_batch(mesh, tokens)
             p, ng, o, m = step(params, nongrad, rest, opt, batch, jax.random.key(0))
             results.append((shape, jax.device_get(p), jax.device_get(ng), jax.device_get(m["loss"])))
+            if shape[3] > 1:
+                print("MODE", spec, shape, mode)
         _, p1, n1, l1 = results[0]
         for shape, p, ng, l in results[1:]:
             np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{spec} {shape} loss")
@@ -69,18 +75,22 @@ SCRIPT = textwrap.dedent(
 MESHES = "8x1x1x1,2x2x2x1,1x4x2x1,2x1x1x4"
 
 
-def _run(methods, meshes):
+def _run(methods, meshes, mode="auto"):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes, mode], capture_output=True, text=True,
                        timeout=1800, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == len(methods.split(",")), r.stderr[-4000:]
+    return r.stdout
 
 
 def test_sharded_steps_equal_single_device_fast():
     """Default run: exact attention on an fsdp x tensor mesh and a sequence mesh (every method on every
-    mesh runs under -m slow)."""
-    _run("dense", "2x2x2x1,2x1x1x4")
+    mesh runs under -m slow); the sequence mesh runs the composed-state path, two windows carrying state."""
+    out = _run("dense", "2x2x2x1,2x1x1x4")
+    assert "MODE dense (2, 1, 1, 4) xla" in out, out  # auto: the partitioner's split for exact attention
+    out = _run("dense", "2x1x1x4", mode="compose")
+    assert "MODE dense (2, 1, 1, 4) compose" in out, out
 
 
 @pytest.mark.slow
@@ -112,7 +122,7 @@ def test_indivisible_dimension_is_a_config_error_naming_it():
         import jax, ml_collections
         from longctx.config import base_config
         from longctx.models.decoder import build_model
-        from longctx.train import sharding
+        from longctx.train import sequence_parallel, sharding
         from longctx.train.step import split_model
         from longctx.errors import ConfigError
         c = base_config().model
