@@ -79,8 +79,8 @@ def _run(specs, T, devices="4,8", modes="auto"):
 
 
 def test_sequence_parallel_equals_single_device_short_row():
-    out = _run("dense:transformer,transformer_vq:gau", 256, devices="4", modes="auto,ring")
-    assert out.count(" compose ") == 2 and out.count(" ring ") == 2, out
+    out = _run("dense:transformer,transformer_vq:gau", 256, devices="4")
+    assert out.count(" compose ") == 2, out  # the ring runs for the cores that refuse, in the slow test
 
 
 def test_compose_mode_refusal_names_the_core_and_the_reason():

@@ -22,7 +22,9 @@ SCRIPT = textwrap.dedent(
 
     assert jax.device_count() == 8, jax.devices()
     methods = sys.argv[1].split(",")
-    meshes = [tuple(int(x) for x in m.split("x")) for m in sys.argv[2].split(",")]
+    # "2x1x1x4" (mesh.sequence_mode auto) or "2x1x1x4:compose"
+    meshes = [(tuple(int(x) for x in m.partition(":")[0].split("x")), m.partition(":")[2] or "auto")
+              for m in sys.argv[2].split(",")]
     tokens = np.random.default_rng(0).integers(0, 64, (8, 33)).astype(np.int32)
     for spec in methods:
         method, _, block = spec.partition("@")  # name@gau: the method inside GAU blocks
@@ -39,13 +41,13 @@ SCRIPT = textwrap.dedent(
         c.model.dropout = 0.0
         cfg = validate(c)
         results = []
-        for shape in [(1, 1, 1, 1)] + meshes:
+        for shape, seq_mode in [((1, 1, 1, 1), "auto")] + meshes:
             n = int(np.prod(shape))
             mc = ml_collections.ConfigDict(dict(zip(sharding.AXES, shape)))
             mesh = sharding.make_mesh(mc, jax.devices()[:n])
             model = build_model(cfg.model, seed=0)
             # the trainer's choice: composed states over 'sequence' where the cores compose, else XLA
-            mode, hidden = sequence_parallel.train_hidden(model, mesh, window=16, seq_len=32, mode=sys.argv[3],
+            mode, hidden = sequence_parallel.train_hidden(model, mesh, window=16, seq_len=32, mode=seq_mode,
                                                           fold_key=False)
             graphdef, params, nongrad, rest = split_model(model)
             tx = make_optimizer(cfg.train)
@@ -75,10 +77,10 @@ SCRIPT = textwrap.dedent(
 MESHES = "8x1x1x1,2x2x2x1,1x4x2x1,2x1x1x4"
 
 
-def _run(methods, meshes, mode="auto"):
+def _run(methods, meshes):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes, mode], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes], capture_output=True, text=True,
                        timeout=1800, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == len(methods.split(",")), r.stderr[-4000:]
     return r.stdout
@@ -87,9 +89,8 @@ def _run(methods, meshes, mode="auto"):
 def test_sharded_steps_equal_single_device_fast():
     """Default run: exact attention on an fsdp x tensor mesh and a sequence mesh (every method on every
     mesh runs under -m slow); the sequence mesh runs the composed-state path, two windows carrying state."""
-    out = _run("dense", "2x2x2x1,2x1x1x4")
+    out = _run("dense", "2x2x2x1,2x1x1x4,2x1x1x4:compose")
     assert "MODE dense (2, 1, 1, 4) xla" in out, out  # auto: the partitioner's split for exact attention
-    out = _run("dense", "2x1x1x4", mode="compose")
     assert "MODE dense (2, 1, 1, 4) compose" in out, out
 
 

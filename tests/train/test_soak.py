@@ -19,7 +19,8 @@ same command again after each kill until the run completes. Then:
   run stops at a step boundary with a checkpoint there). The restart after the truncation also
   redoes the truncated checkpoint's interval.
 
-The short version runs in the default suite; the 1,000-step one is marked slow. The counts are
+Both are marked slow (``scripts/test.sh -m slow``): the default suite keeps the SIGTERM-and-resume
+and truncated-checkpoint tests of ``test_resume.py`` and ``test_checkpoint.py``. The counts are
 printed (run with ``-s`` to see them).
 
 The subprocesses share a JAX persistent compilation cache (filled by the uninterrupted run first)
@@ -297,6 +298,7 @@ def check_and_report(res: dict, *, min_kills: int) -> dict:
     return counts
 
 
+@pytest.mark.slow
 def test_soak_short(tmp_path):
     res = soak(tmp_path, steps=60, ckpt_every=5, eval_every=20, n_kills=3, seed=0)
     check_and_report(res, min_kills=3)
