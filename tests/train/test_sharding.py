@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent(
     # "2x1x1x4" (mesh.sequence_mode auto) or "2x1x1x4:compose"
     meshes = [(tuple(int(x) for x in m.partition(":")[0].split("x")), m.partition(":")[2] or "auto")
               for m in sys.argv[2].split(",")]
-    tokens = np.random.default_rng(0).integers(0, 64, (8, 33)).astype(np.int32)
+    seq_len, window = (int(x) for x in sys.argv[3].split("/"))  # two windows carry the state
+    tokens = np.random.default_rng(0).integers(0, 64, (8, seq_len + 1)).astype(np.int32)
     for spec in methods:
         method, _, block = spec.partition("@")  # name@gau: the method inside GAU blocks
         case = next(iter(attention.get_class(method).contract_cases().values()))
@@ -37,7 +38,9 @@ SCRIPT = textwrap.dedent(
         c.model.positions = "none"
         c.model.attention.name = method
         c.model.attention[method] = dict(case.cfg)
-        c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = 32, 16, 8, 10, 1
+        if c.model.attention[method].get("max_len", seq_len) < seq_len:  # levels sized for the row (fma)
+            c.model.attention[method].max_len = seq_len
+        c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = seq_len, window, 8, 10, 1
         c.model.dropout = 0.0
         cfg = validate(c)
         results = []
@@ -47,7 +50,7 @@ SCRIPT = textwrap.dedent(
             mesh = sharding.make_mesh(mc, jax.devices()[:n])
             model = build_model(cfg.model, seed=0)
             # the trainer's choice: composed states over 'sequence' where the cores compose, else XLA
-            mode, hidden = sequence_parallel.train_hidden(model, mesh, window=16, seq_len=32, mode=seq_mode,
+            mode, hidden = sequence_parallel.train_hidden(model, mesh, window=window, seq_len=seq_len, mode=seq_mode,
                                                           fold_key=False)
             graphdef, params, nongrad, rest = split_model(model)
             tx = make_optimizer(cfg.train)
@@ -56,7 +59,7 @@ SCRIPT = textwrap.dedent(
             params, nongrad, rest, opt = plan.put(params, nongrad, rest, opt)
             if shape[1] * shape[2] > 1:
                 assert any(sharding.is_sharded(x) for x in jax.tree.leaves(params)), (spec, shape, "nothing sharded")
-            step = plan.jit_step(make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False,
+            step = plan.jit_step(make_train_step(graphdef, tx, seq_len=seq_len, window=window, skip_nonfinite=False,
                                                  constrain=plan.constrain, hidden=hidden), donate=False)
             batch = sharding.shard_batch(mesh, tokens)
             p, ng, o, m = step(params, nongrad, rest, opt, batch, jax.random.key(0))
@@ -77,10 +80,10 @@ SCRIPT = textwrap.dedent(
 MESHES = "8x1x1x1,2x2x2x1,1x4x2x1,2x1x1x4"
 
 
-def _run(methods, meshes):
+def _run(methods, meshes, lengths="32/16"):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes, lengths], capture_output=True, text=True,
                        timeout=1800, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == len(methods.split(",")), r.stderr[-4000:]
     return r.stdout
@@ -100,6 +103,16 @@ def test_every_method_on_every_mesh_equals_single_device():
 
     # every method in transformer blocks, plus GAU blocks (the paper's block of transformer_vq; dense beside it)
     _run(",".join(list(attention.names()) + ["transformer_vq@gau", "dense@gau"]), MESHES)
+
+
+@pytest.mark.slow
+def test_composed_state_steps_equal_single_device():
+    """Slices of 16 tokens (rows of 128 in two windows of 64 over sequence = 4): every method whose
+    cores compose runs the composed-state train step (transformer_vq's codebook statistics summed
+    over the slices), and equals one device."""
+    specs = "transformer_vq@gau,transformer_vq,eva,fma,fma_linear"
+    out = _run(specs, "2x1x1x4,1x2x1x4", lengths="128/64")
+    assert out.count(" compose") == 2 * len(specs.split(",")), out
 
 
 def test_plan_errors_name_the_dimension():
