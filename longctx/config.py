@@ -340,6 +340,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     if c.mesh.sequence_mode not in TRAIN_MODES:
         raise ConfigError(f"mesh.sequence_mode={c.mesh.sequence_mode!r}; allowed: {', '.join(TRAIN_MODES)}")
+    if c.mesh.sequence_mode == "compose" and c.model.kind == "encoder":
+        raise ConfigError("mesh.sequence_mode='compose' composes carried (causal) states; an encoder has none: "
+                          "use auto or xla")
     window = c.train.window or c.train.seq_len
     if c.mesh.sequence > 1 and window % c.mesh.sequence:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")

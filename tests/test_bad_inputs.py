@@ -65,6 +65,9 @@ CASES = [
     Case("mesh axis below 1", "train", (*T, "--config.mesh.tensor=0"), r"mesh.tensor=0 must be >= 1"),
     Case("unknown sequence mode", "train", (*T, "--config.mesh.sequence_mode=ring"),
          r"mesh.sequence_mode='ring'; allowed: auto, compose, xla"),
+    Case("composed states for an encoder", "train",
+         (*T, "--config.model.kind=encoder", "--config.model.causal=false", "--config.mesh.sequence_mode=compose"),
+         r"an encoder has none"),
     Case("unknown data source", "train", (*T, "--config.data.source=imagenet"), r"allowed"),
     Case("unknown tokenizer", "train", (*T, "--config.data.tokenizer=chars"), r"allowed"),
     # data files
