@@ -591,7 +591,7 @@ def test_encoder_equals_dense_bidirectional(x64, T, L, M):
 def test_encoder_core_module():
     core = small_core(causal=False, mem_len=2)
     q, k, v = qkv(T=10)
-    o, st = core(q, k, v)
+    o, st = jcall(core, q, k, v)
     assert st is None and o.shape == v.shape and bool(jnp.all(jnp.isfinite(o)))
     with pytest.raises(ValueError):
         core.init_state(2)
@@ -628,8 +628,9 @@ def test_auto_form_picks_tiles_by_call_size(monkeypatch):
         fn = getattr(tvq, name)
         monkeypatch.setattr(tvq, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     core = small_core()
-    small = core(q, k, v)[0]  # B*H*T*(S+2L) = 2*2*12*16 entries: far below the threshold
+    # jitted (the form is picked at trace time; an eager call compiles op by op: 18 s of this test)
+    small = jax.jit(lambda *a: core(*a)[0])(q, k, v)  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
     monkeypatch.setattr(tvq, "TILED_MIN_SCORES", 1)
-    big = core(q, k, v)[0]
+    big = jax.jit(lambda *a: core(*a)[0])(q, k, v)
     assert calls == ["causal_parallel", "causal_blocks"]
     assert max_err(small, big) < 1e-5
