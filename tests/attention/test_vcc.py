@@ -324,14 +324,16 @@ def test_format_vip_order_underflow_and_overflow():
     vip[0, [3, 9, 17]] = True  # fewer than n_p
     vip[1, [1, 2, 5, 11, 20, 23]] = True  # more than n_p
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    st, overflow = vs.format_rows(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos, n_p, k)
+    # jitted: an eager call dispatches op by op (most of this test's time)
+    st, overflow = jax.jit(vs.format_rows, static_argnums=(4, 5))(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos,
+                                                                 n_p, k)
     perm = np.asarray(st.perm)
     assert perm[0, :4].tolist() == [3, 9, 17, 0]  # VIP in order, then the earliest other token
     assert np.asarray(st.imp)[0].tolist() == [True, True, True, False]
     assert perm[1, :4].tolist() == [1, 2, 5, 11] and np.asarray(st.imp)[1].all()
     assert sorted(perm[1, 4:].tolist()) == sorted(set(range(T)) - {1, 2, 5, 11})  # surplus VIPs compressed
     assert np.asarray(overflow).tolist() == [0, 2]
-    np.testing.assert_allclose(np.asarray(vs.materialize(st)), np.asarray(x), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(vs.materialize)(st)), np.asarray(x), atol=1e-6)
     model = build(num_vip=n_p)
     _, aux = call(model, jax.random.randint(jax.random.key(1), (B, T), 0, V - 1), jnp.asarray(vip))
     assert int(aux["metrics"]["stack/vip_overflow"]) == 2
