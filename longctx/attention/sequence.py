@@ -15,8 +15,9 @@ Then one layer on device ``i`` is: run the slice from its origin (its *delta* st
 discarded), shift the deltas one device to the right, take an inclusive prefix scan with
 ``compose_states`` over the devices (``ceil(log2 D)`` ``ppermute`` exchanges, Hillis-Steele, as
 MaxText's context-parallel gated delta net does), and run the slice once more from the composed
-prefix. Each slice is computed twice per layer and the layers stay exact, since the layer above
-sees exact activations. Autodiff goes through the exchanges, so gradients are exact too.
+prefix. The first run's attention output is unused, so XLA drops it: what each slice pays extra per
+layer is its state summary and the exchanges. The layers stay exact, since the layer above sees
+exact activations; autodiff goes through the exchanges, so gradients are exact too.
 
 The hook is selected by the layer state: a block that receives a :class:`SequenceShard` in place
 of a carried state calls :func:`call_core`, which does the above. Outside ``shard_map`` nothing

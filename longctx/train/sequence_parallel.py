@@ -7,8 +7,8 @@ device needs is the carried attention state of all tokens before its slice. Two 
 * ``compose`` (every core of the model declares state composition,
   ``AttentionCore.sequence_refusal``): layer by layer, each device summarizes its own slice, the
   summaries are combined by a prefix scan over the devices (``1 + ceil(log2 D)`` ``ppermute``
-  exchanges) and each slice runs once more from its prefix (``longctx/attention/sequence.py``).
-  Every slice is computed twice per layer, whatever ``D``.
+  exchanges) and each slice runs from its prefix (``longctx/attention/sequence.py``): one extra
+  state summary per slice and layer, whatever ``D``.
 * ``ring`` (any causal model): states are passed around the ring: in round ``r`` every device runs
   its slice from the state it holds and sends the resulting state to its right neighbour; device
   ``i``'s input state is exact from round ``i`` on. ``D`` rounds: the ring buys memory, not time.
@@ -137,7 +137,8 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
     parameters keep their data/fsdp/tensor shardings. ``fold_key``: the key is folded with the device
     index, so dropout masks differ between slices (False: every slice gets the step's key, which
     reproduces the single-device step exactly where randomness is keyed by absolute position, as
-    EVA's per-chunk samples are, and dropout is off; with dropout on, masks would repeat per slice);
+    per-chunk samples keyed by the chunk index are, and dropout is off; with dropout on, masks would
+    repeat per slice);
     aux losses and metrics are averaged over the devices (equal token counts), statistics summed;
     the new state is the last device's."""
     D = mesh.shape[AXIS]
