@@ -92,7 +92,8 @@ def test_core_impl_pallas_on_cpu_warns_and_matches_xla():
     ks = jax.random.split(jax.random.PRNGKey(1), 3)
     q, k, v = (jax.random.normal(kk, (B, H, 21, D)) for kk in ks)
     key = jax.random.PRNGKey(2)
-    ref = mk("xla")(q, k, v, deterministic=False, key=key)[0]
+    xla = mk("xla")
+    ref = jax.jit(lambda q, k, v: xla(q, k, v, deterministic=False, key=key)[0])(q, k, v)  # eager: op by op
     core = mk("pallas")
     call = jax.jit(lambda q, k, v, s: core(q, k, v, s, deterministic=False, key=key))  # warns while tracing
     with pytest.warns(UserWarning, match="interpret"):

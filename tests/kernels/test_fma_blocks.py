@@ -105,8 +105,10 @@ def test_method_pallas_equals_xla_forward_and_vjp(causal):
             def loss(params, q, k, v, gd=gd, rest=rest):
                 return jnp.sum(nnx.merge(gd, params, rest)(q, k, v)[0] * w)
 
-            outs.append(nnx.merge(gd, params, rest)(q, k, v)[0])
-            grads.append(jax.grad(loss, argnums=(0, 1, 2, 3))(params, q, k, v))
+            # jitted (eager dispatch, interpret mode above all, runs op by op)
+            outs.append(jax.jit(lambda params, q, k, v, gd=gd, rest=rest: nnx.merge(gd, params, rest)(q, k, v)[0])(
+                params, q, k, v))
+            grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v))
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)

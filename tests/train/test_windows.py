@@ -60,12 +60,16 @@ def test_transformer_vq_windows_apply_one_codebook_update_per_window():
     assert np.all(np.asarray(metrics["aux/commit"]) > 0)
 
     # replay: window 1 from the empty state, update, window 2 from the carried state, update
+    @jax.jit  # the replay's forward (an eager call dispatches op by op: most of this test's time)
+    def forward(nongrad, toks, state):
+        return nnx.merge(graphdef, params, nongrad, rest)(toks, state)[1:]
+
     m = nnx.merge(graphdef, params, nongrad, rest)
     core = m.blocks[0].core
     state = m.init_state(2, 16)
     c_sum, c_count = core.c_sum[...], core.c_count[...]
     for w in range(2):
-        _, state, aux = m(tokens[:, w * 8 : (w + 1) * 8], state)
+        state, aux = forward(split_model(m)[2], tokens[:, w * 8 : (w + 1) * 8], state)
         c_sum, c_count = ema_update(c_sum, c_count, aux["stats"][0]["codebook"], cfg.model.attention.transformer_vq.gamma)
         m.apply_stats(aux["stats"])
     got = nnx.merge(graphdef, params, new_nongrad, rest).blocks[0].core
