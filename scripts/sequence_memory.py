@@ -9,23 +9,16 @@ compiled ahead of time, nothing runs). Usage, on simulated CPU devices:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 
 import jax
 
 from longctx import attention
+from longctx.bench.configs import load_config_file
 from longctx.errors import ConfigError
 from longctx.train import dry_run
 
 MiB = 2**20
-
-
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("sequence_memory_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def main(argv=None) -> None:
@@ -45,7 +38,7 @@ def main(argv=None) -> None:
     for method in methods:
         cells, flops = [], []
         for devices, mode in ((1, "xla"), (args.devices, "xla"), (args.devices, "compose")):
-            c = load(args.config)
+            c = load_config_file(args.config)
             c.model.vocab_size = c.model.vocab_size if c.model.vocab_size > 0 else 256
             c.model.attention.name = method
             allowed = attention.get_class(method).allowed_positions

@@ -18,7 +18,6 @@ import ml_collections
 from flax import nnx
 
 from longctx.attention.base import AttentionCore, Aux, NonGradState, check_qkv, require
-from longctx.attention.sequence import SequenceShard, call_core
 from longctx.errors import ConfigError
 
 # name -> "module:ClassName". One line per method.
@@ -116,9 +115,7 @@ __all__ = [
     "AttentionCore",
     "Aux",
     "NonGradState",
-    "SequenceShard",
     "build",
-    "call_core",
     "check_qkv",
     "default_config",
     "get_class",

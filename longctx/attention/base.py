@@ -208,10 +208,11 @@ class AttentionCore(nnx.Module):
     def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux: Aux | None = None):
         raise NotImplementedError
 
-    # -- sequence parallelism by composed states (longctx/attention/sequence.py) --------------
+    # -- sequence parallelism by composed states (longctx/models/sequence_shard.py) --------------
     def sequence_refusal(self, slice_len: int) -> str | None:
         """None when a row split into slices of ``slice_len`` tokens can run with composed states
-        (``sequence_origin`` + ``compose_states``); otherwise why not. Default: not declared."""
+        (``sequence_origin`` + ``compose_states``); otherwise why not. Asked of causal cores only (a
+        bidirectional one carries no state). Default: not declared."""
         return "its carried state declares no composition (sequence_origin / compose_states)"
 
     def sequence_origin(self, batch_size: int, max_len: int, start):

@@ -279,8 +279,6 @@ class DenseAttention(AttentionCore):
 
     # -- sequence parallelism: the KV cache composes by concatenation --------------------------
     def sequence_refusal(self, slice_len: int) -> str | None:
-        if not self.causal:
-            return "bidirectional attention carries no state"
         if self.cfg.kv_window:
             return "kv_window=True keeps only the newest max_len keys; composition needs the whole cache"
         return None

@@ -583,8 +583,6 @@ class EVAAttention(AttentionCore):
 
     # -- sequence parallelism: chunk summaries sit at absolute slots, the window is the newest R --
     def sequence_refusal(self, slice_len: int) -> str | None:
-        if not self.causal:
-            return "bidirectional attention carries no state"
         if slice_len % self.cfg.chunk_size:
             return f"a slice of {slice_len} tokens is not a multiple of chunk_size={self.cfg.chunk_size}"
         return None

@@ -872,8 +872,6 @@ class FMAAttention(AttentionCore):
 
     # -- sequence parallelism: rings of the newest groups per level, a window of the newest keys --
     def sequence_refusal(self, slice_len: int) -> str | None:
-        if not self.causal:
-            return "bidirectional attention carries no state"
         if self.opts.leaky:
             return "causal_query_summary='paper_leaky' cannot be streamed"
         return None

@@ -604,8 +604,6 @@ class TransformerVQAttention(AttentionCore):
 
     # -- sequence parallelism: the band is the newest M tokens, the cache a count-weighted merge --
     def sequence_refusal(self, slice_len: int) -> str | None:
-        if not self.causal:
-            return "a bidirectional core carries no state"
         if slice_len < self.M:
             return f"a slice of {slice_len} tokens is shorter than the band of mem_len={self.M} tokens"
         return None

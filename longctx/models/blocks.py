@@ -22,6 +22,7 @@ from flax import nnx
 from longctx import attention
 from longctx.errors import ConfigError
 from longctx.models.layers import MLP, apply_rotary, dropout, linear, make_norm
+from longctx.models.sequence_shard import call_core
 
 # name -> "module:Class". One line per block type.
 _BLOCKS: dict[str, str] = {
@@ -70,7 +71,7 @@ class TransformerBlock(nnx.Module):
         B, T, _ = x.shape
         k_core, k_attn, k_mlp, k_res = split_key(key, 4)
         q, k, v = self.project(x, positions)
-        o, state = attention.call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux)
+        o, state = call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.head_dim)
         x = x + dropout(self.out(o.astype(x.dtype)), self.dropout_rate, deterministic, k_attn)
         h = self.mlp(self.norm2(x), deterministic=deterministic, key=k_mlp)

@@ -26,6 +26,7 @@ from flax import nnx
 from longctx import attention
 from longctx.errors import ConfigError
 from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
+from longctx.models.sequence_shard import call_core
 
 
 def _split_key(key, n):
@@ -71,8 +72,7 @@ class GAUBlock(nnx.Module):
         k_core, k_res, k_ld = _split_key(key, 3)
         q, k, v, g = self._project(x)
         extra = {"mask": mask} if (self._core_takes_mask and mask is not None) else {}
-        o, state = attention.call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux,
-                                       **extra)
+        o, state = call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **extra)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv).astype(x.dtype) * g
         y = dropout(self.wo(o), self.dropout_rate, deterministic, k_res)
         if not deterministic and self.layerdrop > 0.0 and k_ld is not None:

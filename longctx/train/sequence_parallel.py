@@ -7,7 +7,7 @@ device needs is the carried attention state of all tokens before its slice. Two 
 * ``compose`` (every core of the model declares state composition,
   ``AttentionCore.sequence_refusal``): layer by layer, each device summarizes its own slice, the
   summaries are combined by a prefix scan over the devices (``1 + ceil(log2 D)`` ``ppermute``
-  exchanges) and each slice runs from its prefix (``longctx/attention/sequence.py``): one extra
+  exchanges) and each slice runs from its prefix (``longctx/models/sequence_shard.py``): one extra
   state summary per slice and layer, whatever ``D``.
 * ``ring`` (any causal model): states are passed around the ring: in round ``r`` every device runs
   its slice from the state it holds and sends the resulting state to its right neighbour; device
@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from longctx.attention import AttentionCore, SequenceShard
+from longctx.attention import AttentionCore
 from longctx.attention.base import capacity_guaranteed_by_caller
+from longctx.models.sequence_shard import SequenceShard, refusal
 
 AXIS = "sequence"
 MODES = ("auto", "compose", "ring")
@@ -43,7 +44,7 @@ def plan(model, slice_len: int, mode: str = "auto") -> tuple[str, list[str]]:
         raise ValueError(f"sequence parallelism: mode={mode!r}; allowed: {', '.join(MODES)}")
     reasons = []
     for core in attention_cores(model):
-        why = core.sequence_refusal(slice_len)
+        why = refusal(core, slice_len)
         if why is not None and f"{core.name}: {why}" not in reasons:
             reasons.append(f"{core.name}: {why}")
     if getattr(model, "stack", None) is not None:

@@ -131,5 +131,8 @@ def test_train_plan_modes_and_the_compose_refusal():
     with pytest.raises(ConfigError, match="sequence_mode='compose' cannot run: eva: a slice of 17 tokens"):
         sp.train_plan(model, mesh, (64, 68), "compose")
     c.attention.name, c.causal = "kdeformer", False
+    with pytest.raises(ConfigError, match="kdeformer: bidirectional attention carries no state"):
+        sp.train_plan(build_model(c), mesh, 64, "compose")
+    c.causal = True
     with pytest.raises(ConfigError, match="kdeformer: .*declares no composition"):
         sp.train_plan(build_model(c), mesh, 64, "compose")

@@ -1,7 +1,7 @@
 """Sequence parallelism by composed states: the per-layer hook, generic over cores (DESIGN §5).
 
 A row split over a mesh axis of size ``D`` puts tokens ``[i*n, (i+1)*n)`` on device ``i``. A core
-whose carried state *composes* declares three capabilities (``AttentionCore``):
+whose causal carried state *composes* declares three capabilities (``AttentionCore``):
 
 * ``sequence_refusal(slice_len)``: ``None`` when it can run this way with slices of ``slice_len``
   tokens, else the reason (the default: it declares no composition);
@@ -71,12 +71,19 @@ def exclusive_prefix(core, delta, shard: SequenceShard):
     return acc
 
 
+def refusal(core, slice_len: int) -> str | None:
+    """Why ``core`` cannot run this way with slices of ``slice_len`` tokens (None: it can)."""
+    if not core.causal:
+        return "bidirectional attention carries no state"
+    return core.sequence_refusal(slice_len)
+
+
 def call_core(core, q, k, v, state, **kwargs):
     """``core(q, k, v, state, **kwargs)``; with a :class:`SequenceShard` as ``state``, the composed
     sequence-parallel call described in the module docstring."""
     if not isinstance(state, SequenceShard):
         return core(q, k, v, state, **kwargs)
-    reason = core.sequence_refusal(state.slice_len)
+    reason = refusal(core, state.slice_len)
     if reason is not None:
         raise ValueError(f"{core.name}: cannot run sequence-parallel by composed states: {reason}")
     if q.shape[2] != state.slice_len:
@@ -89,4 +96,4 @@ def call_core(core, q, k, v, state, **kwargs):
     return core(q, k, v, prefix, **kwargs)
 
 
-__all__ = ["SequenceShard", "call_core", "exclusive_prefix"]
+__all__ = ["SequenceShard", "call_core", "exclusive_prefix", "refusal"]
