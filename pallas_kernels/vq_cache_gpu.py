@@ -1,0 +1,602 @@
+"""Transformer-VQ "compressive VQ cache attention", GPU form: Pallas-Triton kernels (spec transformer-vq.md §9,
+"GPU (Pallas-Triton, H100)" and "Backward (v2)").
+
+It computes exactly what :func:`pallas_kernels.vq_cache_ref.vq_cache_attention_reference` computes (the §2.6 serial
+form: lag-2 per-code cache, exact previous block, causal present block, one shared softmax) and has the same
+contract as :func:`pallas_kernels.vq_cache.vq_cache_attention` (which calls this module for ``platform='cuda'``).
+It imports only JAX, NumPy, Pallas and the reference module.
+
+The TPU kernel folds block ``n-1`` into a ``[S, tv]`` VMEM carry after each query block (a sequential grid axis).
+Triton grids are parallel and a ``[S, tv]`` f32 carry does not fit in registers, so the GPU form has two phases:
+
+* **Phase 1 (XLA, differentiated by JAX).** Per-block per-code means and counts of the values (the reference's
+  ``code_summary``: a one-hot ``[S, L]`` matmul per block), the serial prefix merge over the blocks starting from
+  the carried ``agg_mu, agg_n`` (``prefix_reduce(..., 'serial')``), lagged by two blocks exactly as the reference:
+  query block ``n`` reads ``μ̄_n, N̄_n`` = carried agg ⊕ band ⊕ blocks ``0..n-2``. It gives ``μ̄ [BH, R, S_p, Dv]``
+  (stored in the storage dtype: bf16 when the inputs and the state are bf16) and ``ℓ = log N̄ [BH, R, S_p]`` f32
+  (``NEG`` where ``N̄ = 0`` and on the padded codes; ``S_p`` = S rounded up to the code chunk). The band bias is the
+  reference's ``skew_bias`` split into ``BP, BR [BH, R, L, L]`` f32 with the validity folded in as ``NEG``
+  (invalid band slots and padding keys in ``BP``/``BR``, the causal mask in ``BR``).
+* **Phase 2 forward kernel** ``vq_cache_gpu_fwd``: grid ``(BH, R·L/tq, Dv/tv)``, all parallel. One online softmax
+  (running max ``m``, sum ``l``, accumulator ``[tq, tv]``, all f32) over the codes in chunks of ``ts`` (scores
+  ``q_u·Cᵀ + ℓ``, values ``μ̄``), then the previous block in key tiles of ``tq`` (``+ BP``), then the present block
+  up to the diagonal tile (``+ BR``). Writes ``o`` (f32) and the row log-sum-exp.
+
+**Backward** (``jax.custom_vjp``; flash-style recompute of the probabilities from the saved ``lse``,
+``Δ = rowsum(dO ⊙ O)`` in XLA, ``dS = P ⊙ (dP − Δ)``). Every program owns its output blocks, so no kernel relies
+on a sequential grid:
+
+* ``vq_cache_gpu_bwd_q`` -- grid ``(BH, R·L/tq)``, query-major: ``dP = dO·Wᵀ`` accumulated over the Dv tiles for
+  each code chunk / key tile, ``dq = dS^c·C + dS^p·k̂_{n-1} + dS^r·k̂_n`` and ``dBP, dBR = dS^{p,r}`` (the
+  tiles above the diagonal are written as zeros);
+* ``vq_cache_gpu_bwd_kv`` -- grid ``(BH, (R+1)·L/tq, Dv/tv)``, key-tile-major over the extended key array (band
+  prepended): a key tile of extended block ``e`` is seen by query block ``e`` (as previous block) and by query
+  block ``e-1`` (as present block, the query tiles at or below the diagonal); it loops over exactly those query
+  tiles for ``dv_local = Pᵀ·dO`` (its Dv tile) and, in the ``Dv``-tile-0 program, ``dk̂ = dSᵀ·q_u`` read from
+  ``dBP, dBR``;
+* ``vq_cache_gpu_bwd_mu`` -- grid ``(BH, R, S_p/ts, Dv/tv)``, code-chunk-major: ``dμ̄_n = P^{c}ᵀ·dO`` over the
+  query tiles of block ``n``; it flows back to ``v`` and the carried ``agg_mu`` through Phase 1 by JAX autodiff.
+
+No gradient reaches the codebook, the codes or the counts (as in the TPU kernel and spec §9). The new carried
+state is computed in XLA by the reference's ``final_state``.
+
+Dtypes: q_u, k̂, v (and the band) are stored in bf16 when all of them are bf16, otherwise f32 (never round a
+wider input); the custom_vjp takes them in f32 so every cotangent is f32 and rounded once at the input.
+``q·k̂ᵀ``, ``P·V``, ``P·μ̄``, ``dO·Vᵀ``, ``Pᵀ·dO`` and ``dSᵀ·q`` use storage-dtype operands with f32 accumulation
+(bf16 tensor cores); the cache scores ``q_u·Cᵀ`` and ``dS^c·C`` use the f32 codebook (as the reference); softmax
+statistics, ``dS``, ``dq``, ``dk̂``, ``dv``, ``dμ̄`` and ``o`` are f32. With bf16 storage the kernel therefore
+differs from the f32 reference by bf16 rounding of ``μ̄``, ``P`` and ``dO`` (about 2⁻⁹ relative), not more.
+
+**Tiles and budget** (:func:`choose_tiles`, :func:`tile_budget`). ``tq`` (query rows = key-tile width) is the
+largest of 64/32/16 dividing L, ``ts = min(64, next_pow2(S))`` codes per chunk, ``tv`` the largest of
+128/64/32/16 dividing Dv whose four kernels fit the budget; ``num_warps`` 4, or 8 where the register estimate
+needs it; ``num_stages = 2``. Per program the estimate counts (a) shared memory: the resident operands (q tile and
+its f32 copy, or the key tile / code chunk) plus ``num_stages`` × the dot operands loaded per loop step (key or code
+tile, value / μ̄ / dO tiles, bias tile), against ``SMEM_LIMIT_BYTES`` = 227 KiB (H100's per-block maximum), and
+(b) registers: the live f32 tiles (accumulators, scores, probabilities, dP, dS) divided over ``32·num_warps``
+threads, against ``REG_WORDS_LIMIT`` = 128 words per thread (half of the 255 hardware registers, the rest left to
+addresses, MMA fragments and temporaries). At the paper's shapes (L = S = 512, Dk = 128, Dv = 1536 or 4096;
+``tq = ts = 64``, ``tv = 128``) the worst kernel is the fp32 ``bwd_q`` at about 208 KiB of shared memory; the
+forward needs about 192 KiB (fp32) or 144 KiB (bf16) and 64 words per thread at 8 warps. It is an estimate for
+refusing clearly-too-large tiles, not a measurement (there was no GPU to measure on).
+
+Support (:func:`unsupported_reasons`): ``'cuda'`` needs ``L % 16 == 0`` (``tq ≥ 16``, the Triton dot minimum),
+``Dk`` a power of two ≥ 16 (loaded whole), ``Dv % 16 == 0`` and a tile plan within the budget; ``'interpret'``
+(CPU, Pallas interpret mode) takes any shape (tiles fall back to the whole block).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.vq_cache_ref import (
+    NEG,
+    cast_state,
+    code_summary,
+    final_state,
+    float_dtype,
+    log_count,
+    pad_left,
+    pad_to,
+    prefix_reduce,
+    skew_bias,
+)
+
+f32 = jnp.float32
+HALF_NEG = NEG / 2  # a bias / log-count below this is a masked entry
+DTYPES = ("float32", "bfloat16")
+SMEM_LIMIT_BYTES = 227 * 1024  # H100: maximum dynamic shared memory per thread block
+REG_WORDS_LIMIT = 128  # live f32 tile words per thread the estimate allows (of 255 registers)
+TQ_CANDIDATES = (64, 32, 16)
+TV_CANDIDATES = (128, 64, 32, 16)
+TS_MAX = 64
+NUM_STAGES = 2
+KINDS = ("fwd", "bwd_q", "bwd_kv", "bwd_mu")
+
+
+# ----------------------------------------------------------------------------- tiles and budget
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def tile_budget(kind: str, *, tq: int, ts: int, tv: int, Dk: int, in_dtype=f32, num_warps: int = 4,
+                num_stages: int = NUM_STAGES) -> tuple[int, float]:
+    """(shared-memory bytes, live f32 tile words per thread) of one program of kernel ``kind`` (see the module
+    docstring for what is counted)."""
+    isz = jnp.dtype(in_dtype).itemsize
+    q_res = tq * Dk * isz + (tq * Dk * 4 if isz != 4 else 0)  # q tile and its f32 copy (cache scores)
+    if kind == "fwd":
+        stage = max(ts * Dk * 4 + ts * tv * isz + ts * 4,  # code chunk, μ̄ chunk, ℓ
+                    tq * Dk * isz + tq * tv * isz + tq * tq * 4)  # key tile, value tile, bias tile
+        smem = q_res + num_stages * stage
+        words = tq * tv + 2 * tq * max(ts, tq) + 2 * tq  # acc, scores + probabilities, m and l
+    elif kind == "bwd_q":
+        inner = tq * tv * isz + max(ts, tq) * tv * isz  # dO tile and μ̄ / v tile of the dP loop
+        outer = max(ts * Dk * 4, tq * Dk * isz + tq * tq * 4)  # code chunk or key tile + bias tile
+        smem = q_res + num_stages * inner + outer
+        words = tq * Dk + 4 * tq * max(ts, tq)  # dq, scores/probabilities, dP, dS
+    elif kind == "bwd_kv":
+        stage = tq * Dk * isz + tq * tv * isz + 2 * tq * tq * 4  # q tile, dO tile, bias and dS tiles
+        smem = tq * Dk * isz + num_stages * stage
+        words = max(tq * tv + 2 * tq * tq, tq * Dk + tq * tq)  # dv loop, then dk loop
+    elif kind == "bwd_mu":
+        stage = tq * Dk * 4 + tq * tv * isz + tq * 4  # q tile (f32), dO tile, lse
+        smem = ts * Dk * 4 + ts * 4 + num_stages * stage
+        words = ts * tv + 2 * tq * ts  # dμ̄ accumulator, scores + probabilities
+    else:
+        raise ValueError(f"unknown kernel {kind!r}; allowed: {', '.join(KINDS)}")
+    return int(smem), words / (32 * num_warps)
+
+
+def _warps_for(kind, **kw) -> tuple[int, int, float]:
+    """(num_warps, smem bytes, words per thread): 4 warps, or 8 where 4 exceed the register estimate."""
+    for w in (4, 8):
+        smem, words = tile_budget(kind, num_warps=w, **kw)
+        if words <= REG_WORDS_LIMIT:
+            return w, smem, words
+    return 8, smem, words
+
+
+def _fits(*, tq, ts, tv, Dk, in_dtype, kinds) -> tuple[bool, dict]:
+    plan = {}
+    ok = True
+    for kind in kinds:
+        w, smem, words = _warps_for(kind, tq=tq, ts=ts, tv=tv, Dk=Dk, in_dtype=in_dtype)
+        plan[kind] = {"num_warps": w, "smem_bytes": smem, "words_per_thread": words}
+        ok &= smem <= SMEM_LIMIT_BYTES and words <= REG_WORDS_LIMIT
+    return ok, plan
+
+
+def choose_tiles(*, L: int, S: int, Dk: int, Dv: int, in_dtype=f32, with_grad: bool = True,
+                 block_q: int | None = None, block_s: int | None = None, block_v: int | None = None) -> dict:
+    """The tile plan: ``tq`` (query rows and key-tile width), ``ts`` (codes per chunk), ``tv`` (Dv tile), the padded
+    code count ``Sp``, per-kernel ``num_warps`` / budget (``plan``) and ``fits`` (every kernel within the budget).
+    Explicit ``block_*`` arguments override the choice (tests use small tiles in interpret mode)."""
+    tq = block_q or next((t for t in TQ_CANDIDATES if L % t == 0), L)
+    ts = block_s or min(TS_MAX, max(16, _next_pow2(S)) if S >= 16 else _next_pow2(S))
+    kinds = KINDS if with_grad else ("fwd",)
+    if block_v is not None:
+        tvs = [block_v]
+    else:
+        tvs = [t for t in TV_CANDIDATES if Dv % t == 0] or [Dv]
+    for tv in tvs:
+        ok, plan = _fits(tq=tq, ts=ts, tv=tv, Dk=Dk, in_dtype=in_dtype, kinds=kinds)
+        if ok:
+            break
+    Sp = -(-S // ts) * ts
+    return {"tq": tq, "ts": ts, "tv": tv, "Sp": Sp, "fits": ok, "plan": plan, "num_stages": NUM_STAGES}
+
+
+def _dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype=f32,
+                        with_grad: bool = True) -> list[str]:
+    """Why the GPU form cannot serve these shapes on ``platform`` ('cuda' | 'interpret'); empty when it can."""
+    reasons = []
+    if not 1 <= M <= L:
+        reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
+    if _dtype_name(dtype) not in DTYPES:
+        reasons.append(f"dtype {_dtype_name(dtype)} not supported (allowed: {', '.join(DTYPES)})")
+    if platform == "interpret":
+        return reasons
+    if platform != "cuda":
+        reasons.append(f"the GPU form has no {platform} lowering (Pallas-Triton, cuda only)")
+        return reasons
+    if L % 16:
+        reasons.append(f"Triton tiles need block_len % 16 == 0 (got L={L})")
+    if Dk < 16 or Dk & (Dk - 1):
+        reasons.append(f"Triton needs a power-of-two key dim >= 16 (got Dk={Dk})")
+    if Dv % 16:
+        reasons.append(f"Triton needs value dim % 16 == 0 (got Dv={Dv})")
+    if not reasons:
+        in_dtype = jnp.bfloat16 if _dtype_name(dtype) == "bfloat16" else f32
+        t = choose_tiles(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=in_dtype, with_grad=with_grad)
+        if not t["fits"]:
+            worst = max(t["plan"].values(), key=lambda p: p["smem_bytes"])
+            reasons.append(f"GPU tile budget exceeded at the smallest Dv tile tv={t['tv']} (tq={t['tq']}, "
+                           f"ts={t['ts']}, Dk={Dk}): {worst['smem_bytes'] / 1024:.0f} KiB shared memory "
+                           f"(limit {SMEM_LIMIT_BYTES // 1024} KiB) / {worst['words_per_thread']:.0f} words per "
+                           f"thread (limit {REG_WORDS_LIMIT})")
+    return reasons
+
+
+# ----------------------------------------------------------------------------- kernel bodies
+def _dot(a, b):
+    """a @ b, f32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=f32)
+
+
+def _dot_nt(a, b):
+    """a @ b.T, f32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+
+def _dot_tn(a, b):
+    """a.T @ b, f32 accumulation."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+
+
+def _ds(i, n):
+    return pl.ds(pl.multiple_of(i * n, n), n)
+
+
+def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, bp_ref, kr_ref, vr_ref, br_ref, o_ref, lse_ref,
+                *, tq: int, ts: int, n_s: int, nq: int):
+    it = jax.lax.rem(pl.program_id(1), nq)  # query tile inside its block
+    q = q_ref[...]
+    qf = q.astype(f32)
+    tv = o_ref.shape[-1]
+
+    def update(carry, s, valid, vals):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+        acc = alpha[:, None] * acc + _dot(p.astype(vals.dtype), vals)
+        return m_new, alpha * l + jnp.sum(p, axis=1), acc
+
+    def cache(c, carry):
+        el = ell_ref[_ds(c, ts)][None, :]
+        s = _dot_nt(qf, c_ref[_ds(c, ts), :]) + el
+        return update(carry, s, el > HALF_NEG, mu_ref[_ds(c, ts), :])
+
+    def local(k_ref, v_ref, b_ref):
+        def body(kt, carry):
+            b = b_ref[:, _ds(kt, tq)]
+            s = _dot_nt(q, k_ref[_ds(kt, tq), :]) + b
+            return update(carry, s, b > HALF_NEG, v_ref[_ds(kt, tq), :])
+
+        return body
+
+    carry = (jnp.full((tq,), NEG, f32), jnp.zeros((tq,), f32), jnp.zeros((tq, tv), f32))
+    carry = jax.lax.fori_loop(0, n_s, cache, carry)
+    carry = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, bp_ref), carry)
+    carry = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, br_ref), carry)  # up to the diagonal tile
+    m, l, acc = carry
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, bp_ref, kr_ref, vr_ref, br_ref, lse_ref,
+                  dl_ref, do_ref, dq_ref, dbp_ref, dbr_ref, *, tq: int, ts: int, tv: int, n_s: int, nq: int,
+                  n_tv: int):
+    it = jax.lax.rem(pl.program_id(1), nq)
+    q = q_ref[...]
+    qf = q.astype(f32)
+    lse = lse_ref[...][:, None]
+    dl = dl_ref[...][:, None]
+
+    def dp(w_ref, r, n):  # dO · w[rows r]ᵀ accumulated over the Dv tiles: [tq, n]
+        def body(j, acc):
+            return acc + _dot_nt(do_ref[:, _ds(j, tv)], w_ref[r, _ds(j, tv)])
+
+        return jax.lax.fori_loop(0, n_tv, body, jnp.zeros((tq, n), f32))
+
+    def cache(c, dq):
+        el = ell_ref[_ds(c, ts)][None, :]
+        ck = c_ref[_ds(c, ts), :]
+        p = jnp.where(el > HALF_NEG, jnp.exp(_dot_nt(qf, ck) + el - lse), 0.0)
+        ds = p * (dp(mu_ref, _ds(c, ts), ts) - dl)
+        return dq + _dot(ds, ck)
+
+    def local(k_ref, v_ref, b_ref, db_ref):
+        def body(kt, dq):
+            b = b_ref[:, _ds(kt, tq)]
+            k = k_ref[_ds(kt, tq), :]
+            p = jnp.where(b > HALF_NEG, jnp.exp(_dot_nt(q, k) + b - lse), 0.0)
+            ds = p * (dp(v_ref, _ds(kt, tq), tq) - dl)
+            db_ref[:, _ds(kt, tq)] = ds
+            return dq + _dot(ds.astype(k.dtype), k)
+
+        return body
+
+    def zero(kt, carry):  # present-block tiles above the diagonal: dBR = 0
+        dbr_ref[:, _ds(kt, tq)] = jnp.zeros((tq, tq), f32)
+        return carry
+
+    dq = jax.lax.fori_loop(0, n_s, cache, jnp.zeros(dq_ref.shape, f32))
+    dq = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, bp_ref, dbp_ref), dq)
+    dq = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, br_ref, dbr_ref), dq)
+    jax.lax.fori_loop(it + 1, nq, zero, jnp.int32(0))
+    dq_ref[...] = dq
+
+
+def _bwd_kv_kernel(k_ref, qp_ref, lsep_ref, dop_ref, bp_ref, dbp_ref, qr_ref, lser_ref, dor_ref, br_ref, dbr_ref,
+                   dk_ref, dv_ref, *, tq: int, nq: int, R: int):
+    u, j = pl.program_id(1), pl.program_id(2)
+    e = jax.lax.div(u, nq)  # extended block of this key tile (0: the carried band)
+    kt = jax.lax.rem(u, nq)
+    n_prev = jnp.where(e < R, nq, 0)  # query block e sees it as its previous block (all its query tiles)
+    lo_pres = jnp.where(e >= 1, kt, nq)  # query block e-1 sees it as present block: query tiles kt..nq-1
+    k = k_ref[...]
+
+    def dv_body(q_ref, lse_ref, do_ref, b_ref):
+        def body(qt, dv):
+            r = _ds(qt, tq)
+            b = b_ref[r, :]
+            s = _dot_nt(q_ref[r, :], k) + b
+            p = jnp.where(b > HALF_NEG, jnp.exp(s - lse_ref[r][:, None]), 0.0)
+            do = do_ref[r, :]
+            return dv + _dot_tn(p.astype(do.dtype), do)
+
+        return body
+
+    dv = jax.lax.fori_loop(0, n_prev, dv_body(qp_ref, lsep_ref, dop_ref, bp_ref), jnp.zeros(dv_ref.shape, f32))
+    dv = jax.lax.fori_loop(lo_pres, nq, dv_body(qr_ref, lser_ref, dor_ref, br_ref), dv)
+    dv_ref[...] = dv
+
+    @pl.when(j == 0)
+    def _():
+        def dk_body(q_ref, db_ref):
+            def body(qt, dk):
+                r = _ds(qt, tq)
+                qq = q_ref[r, :]
+                return dk + _dot_tn(db_ref[r, :].astype(qq.dtype), qq)
+
+            return body
+
+        dk = jax.lax.fori_loop(0, n_prev, dk_body(qp_ref, dbp_ref), jnp.zeros(dk_ref.shape, f32))
+        dk_ref[...] = jax.lax.fori_loop(lo_pres, nq, dk_body(qr_ref, dbr_ref), dk)
+
+
+def _bwd_mu_kernel(c_ref, ell_ref, q_ref, lse_ref, do_ref, dmu_ref, *, tq: int, nq: int):
+    ck = c_ref[...]
+    el = ell_ref[...][None, :]
+    valid = el > HALF_NEG
+
+    def body(qt, acc):
+        r = _ds(qt, tq)
+        s = _dot_nt(q_ref[r, :].astype(f32), ck) + el
+        p = jnp.where(valid, jnp.exp(s - lse_ref[r][:, None]), 0.0)
+        do = do_ref[r, :]
+        return acc + _dot_tn(p.astype(do.dtype), do)
+
+    dmu_ref[...] = jax.lax.fori_loop(0, nq, body, jnp.zeros(dmu_ref.shape, f32))
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+def _params(cfg, kind):
+    if cfg["interpret"]:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=dict(cfg["warps"]).get(kind, 4), num_stages=cfg["num_stages"])
+
+
+def _fwd_call(q, C, mu, ell, kx, vx, bp, br, cfg):
+    """q [BH, R·L, Dk]; C [H, Sp, Dk] f32; mu [BH, R, Sp, Dv]; ell [BH, R, Sp] f32; kx [BH, (R+1)L, Dk];
+    vx [BH, (R+1)L, Dv]; bp, br [BH, R, L, L] f32. Returns o [BH, R·L, Dv] f32, lse [BH, R·L] f32."""
+    BH, RL, Dk = q.shape
+    H, L, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "tq", "ts", "tv", "Sp"))
+    Dv = vx.shape[-1]
+    nq = L // tq
+    blk = lambda t: jax.lax.div(t, nq)  # noqa: E731  (query block of query tile t)
+    in_specs = [
+        pl.BlockSpec((None, tq, Dk), lambda b, t, j: (b, t, 0)),
+        pl.BlockSpec((None, Sp, Dk), lambda b, t, j: (jax.lax.rem(b, H), 0, 0)),
+        pl.BlockSpec((None, None, Sp, tv), lambda b, t, j: (b, blk(t), 0, j)),
+        pl.BlockSpec((None, None, Sp), lambda b, t, j: (b, blk(t), 0)),
+        pl.BlockSpec((None, L, Dk), lambda b, t, j: (b, blk(t), 0)),  # previous block = extended block n
+        pl.BlockSpec((None, L, tv), lambda b, t, j: (b, blk(t), j)),
+        pl.BlockSpec((None, None, tq, L), lambda b, t, j: (b, blk(t), jax.lax.rem(t, nq), 0)),
+        pl.BlockSpec((None, L, Dk), lambda b, t, j: (b, blk(t) + 1, 0)),  # present block = extended block n+1
+        pl.BlockSpec((None, L, tv), lambda b, t, j: (b, blk(t) + 1, j)),
+        pl.BlockSpec((None, None, tq, L), lambda b, t, j: (b, blk(t), jax.lax.rem(t, nq), 0)),
+    ]
+    out_specs = [pl.BlockSpec((None, tq, tv), lambda b, t, j: (b, t, j)),
+                 pl.BlockSpec((None, tq), lambda b, t, j: (b, t))]  # every Dv tile writes the same lse
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, tq=tq, ts=ts, n_s=Sp // ts, nq=nq),
+        out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, RL), f32)),
+        grid=(BH, RL // tq, Dv // tv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=cfg["interpret"],
+        compiler_params=_params(cfg, "fwd"),
+        name="vq_cache_gpu_fwd",
+    )(q, C, mu, ell, kx, vx, bp, kx, vx, br)
+
+
+def _bwd_q_call(q, C, mu, ell, kx, vx, bp, br, lse, delta, do, cfg):
+    BH, RL, Dk = q.shape
+    H, L, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "tq", "ts", "tv", "Sp"))
+    Dv = vx.shape[-1]
+    nq = L // tq
+    R = RL // L
+    blk = lambda t: jax.lax.div(t, nq)  # noqa: E731
+    rows = lambda w: pl.BlockSpec((None, tq, w), lambda b, t: (b, t, 0))  # noqa: E731
+    bias = pl.BlockSpec((None, None, tq, L), lambda b, t: (b, blk(t), jax.lax.rem(t, nq), 0))
+    vec = pl.BlockSpec((None, tq), lambda b, t: (b, t))
+    in_specs = [
+        rows(Dk),
+        pl.BlockSpec((None, Sp, Dk), lambda b, t: (jax.lax.rem(b, H), 0, 0)),
+        pl.BlockSpec((None, None, Sp, Dv), lambda b, t: (b, blk(t), 0, 0)),
+        pl.BlockSpec((None, None, Sp), lambda b, t: (b, blk(t), 0)),
+        pl.BlockSpec((None, L, Dk), lambda b, t: (b, blk(t), 0)),
+        pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t), 0)),
+        bias,
+        pl.BlockSpec((None, L, Dk), lambda b, t: (b, blk(t) + 1, 0)),
+        pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t) + 1, 0)),
+        bias, vec, vec, rows(Dv),
+    ]
+    out_specs = [rows(Dk), bias, bias]
+    shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_bwd_q_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, nq=nq, n_tv=Dv // tv),
+        out_shape=(shp(BH, RL, Dk), shp(BH, R, L, L), shp(BH, R, L, L)),
+        grid=(BH, RL // tq),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=cfg["interpret"],
+        compiler_params=_params(cfg, "bwd_q"),
+        name="vq_cache_gpu_bwd_q",
+    )(q, C, mu, ell, kx, vx, bp, kx, vx, br, lse, delta, do)
+
+
+def _bwd_kv_call(q, kx, lse, do, bp, dbp, br, dbr, cfg):
+    BH, RL, Dk = q.shape
+    L, tq, tv = cfg["L"], cfg["tq"], cfg["tv"]
+    Dv = do.shape[-1]
+    nq = L // tq
+    R = RL // L
+    prev = lambda u: jnp.minimum(jax.lax.div(u, nq), R - 1)  # noqa: E731  (query block e, clamped)
+    pres = lambda u: jnp.maximum(jax.lax.div(u, nq) - 1, 0)  # noqa: E731  (query block e-1, clamped)
+
+    def role(blk):
+        return [pl.BlockSpec((None, L, Dk), lambda b, u, j: (b, blk(u), 0)),
+                pl.BlockSpec((None, L), lambda b, u, j: (b, blk(u))),
+                pl.BlockSpec((None, L, tv), lambda b, u, j: (b, blk(u), j)),
+                pl.BlockSpec((None, None, L, tq), lambda b, u, j: (b, blk(u), 0, jax.lax.rem(u, nq))),
+                pl.BlockSpec((None, None, L, tq), lambda b, u, j: (b, blk(u), 0, jax.lax.rem(u, nq)))]
+
+    in_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u, j: (b, u, 0))] + role(prev) + role(pres)
+    out_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u, j: (b, u, 0)),  # written by the Dv-tile-0 program
+                 pl.BlockSpec((None, tq, tv), lambda b, u, j: (b, u, j))]
+    n_ext = RL + L
+    return pl.pallas_call(
+        functools.partial(_bwd_kv_kernel, tq=tq, nq=nq, R=R),
+        out_shape=(jax.ShapeDtypeStruct((BH, n_ext, Dk), f32), jax.ShapeDtypeStruct((BH, n_ext, Dv), f32)),
+        grid=(BH, n_ext // tq, Dv // tv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=cfg["interpret"],
+        compiler_params=_params(cfg, "bwd_kv"),
+        name="vq_cache_gpu_bwd_kv",
+    )(kx, q, lse, do, bp, dbp, q, lse, do, br, dbr)
+
+
+def _bwd_mu_call(q, C, ell, lse, do, cfg):
+    BH, RL, Dk = q.shape
+    H, L, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "tq", "ts", "tv", "Sp"))
+    Dv = do.shape[-1]
+    R = RL // L
+    in_specs = [
+        pl.BlockSpec((None, ts, Dk), lambda b, n, c, j: (jax.lax.rem(b, H), c, 0)),
+        pl.BlockSpec((None, None, ts), lambda b, n, c, j: (b, n, c)),
+        pl.BlockSpec((None, L, Dk), lambda b, n, c, j: (b, n, 0)),
+        pl.BlockSpec((None, L), lambda b, n, c, j: (b, n)),
+        pl.BlockSpec((None, L, tv), lambda b, n, c, j: (b, n, j)),
+    ]
+    return pl.pallas_call(
+        functools.partial(_bwd_mu_kernel, tq=tq, nq=L // tq),
+        out_shape=jax.ShapeDtypeStruct((BH, R, Sp, Dv), f32),
+        grid=(BH, R, Sp // ts, Dv // tv),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, ts, tv), lambda b, n, c, j: (b, n, c, j)),
+        interpret=cfg["interpret"],
+        compiler_params=_params(cfg, "bwd_mu"),
+        name="vq_cache_gpu_bwd_mu",
+    )(C, ell, q, lse, do)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+class _Cfg(dict):
+    """Static kernel configuration (hashable, for nondiff_argnums)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+def _store(cfg, *xs):
+    sdt = jnp.dtype(cfg["sdt"])
+    return tuple(x.astype(sdt) for x in xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attend(q, kx, vx, bp, br, mu, ell, C, cfg):
+    q, kx, vx, mu = _store(cfg, q, kx, vx, mu)
+    return _fwd_call(q, C, mu, ell, kx, vx, bp, br, cfg)[0]
+
+
+def _attend_fwd(q, kx, vx, bp, br, mu, ell, C, cfg):
+    q, kx, vx, mu = _store(cfg, q, kx, vx, mu)
+    o, lse = _fwd_call(q, C, mu, ell, kx, vx, bp, br, cfg)
+    return o, (q, kx, vx, bp, br, mu, ell, C, o, lse)
+
+
+def _attend_bwd(cfg, res, do):
+    q, kx, vx, bp, br, mu, ell, C, o, lse = res
+    do = do.astype(f32)
+    delta = jnp.sum(do * o, axis=-1)  # Δ = rowsum(dO ⊙ O)
+    (do_s,) = _store(cfg, do)
+    dq, dbp, dbr = _bwd_q_call(q, C, mu, ell, kx, vx, bp, br, lse, delta, do_s, cfg)
+    dkx, dvx = _bwd_kv_call(q, kx, lse, do_s, bp, dbp, br, dbr, cfg)
+    dmu = _bwd_mu_call(q, C, ell, lse, do_s, cfg)
+    return dq, dkx, dvx, dbp, dbr, dmu, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _storage_dtype(*xs):
+    return jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in xs) else f32
+
+
+def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
+                       block_q: int | None = None, block_s: int | None = None, block_v: int | None = None):
+    """Same contract as ``vq_cache_attention_reference(q_u, bd, k_hat, z, v, C, state, L=L, M=M)`` and
+    :func:`pallas_kernels.vq_cache.vq_cache_attention`: q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T];
+    v [B,H,T,Dv]; C [H,S,Dk]; state with a band of M tokens; 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
+
+    Compiled for 'cuda' (Triton) unless ``interpret=True`` (Pallas interpret mode, any backend). ``block_q``,
+    ``block_s``, ``block_v`` override the tiles of :func:`choose_tiles`."""
+    B, H, T, Dk = q_u.shape
+    Dv, S = v.shape[-1], C.shape[1]
+    dt = float_dtype(q_u, v)
+    reasons = unsupported_reasons("interpret" if interpret else "cuda", L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dt)
+    if reasons:
+        raise ValueError("vq_cache_attention (GPU form) cannot run: " + "; ".join(reasons))
+    sdt = _storage_dtype(q_u, k_hat, v, state["band_k"], state["band_v"])  # never round a wider input
+    tiles = choose_tiles(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=sdt, block_q=block_q, block_s=block_s, block_v=block_v)
+    tq, ts, tv, Sp = tiles["tq"], tiles["ts"], tiles["tv"], tiles["Sp"]
+    if L % tq or Dv % tv:
+        raise ValueError(f"vq_cache_attention (GPU form): block_q={tq} must divide L={L} and block_v={tv} Dv={Dv}")
+    R = -(-T // L)
+    Tp = R * L
+    BH = B * H
+    st = cast_state(state, dt)
+    pos = st["pos"]
+
+    # Stage 0 / Phase 1 (XLA): extended arrays (band = extended block 0), lag-2 per-code cache, band bias.
+    kx = jnp.concatenate([pad_left(st["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
+    vx = jnp.concatenate([pad_left(st["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
+    zx = jnp.concatenate([pad_left(st["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
+    band_pos = pos - L + jnp.arange(L)
+    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
+    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
+    vb = vx.reshape(B, H, R + 1, L, Dv)[:, :, :R]
+    zb = zx.reshape(B, H, R + 1, L)[:, :, :R]
+    bmu, bn = code_summary(zb, vb, validx[:R], S)  # extended blocks 0..R-1
+    agg_n = jax.lax.stop_gradient(st["agg_n"])
+    items_mu = jnp.concatenate([st["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
+    items_n = jnp.concatenate([agg_n[:, :, None], bn[:, :, : R - 1]], axis=2)
+    cmu, cn = prefix_reduce(items_mu, items_n, "serial")  # [B,H,R,S,Dv], [B,H,R,S]: cache of query block n
+    ell = pad_to(log_count(jax.lax.stop_gradient(cn)).astype(f32), 3, Sp, NEG)
+    cmu = pad_to(cmu, 3, Sp)
+    Cp = pad_to(jax.lax.stop_gradient(C).astype(f32), 1, Sp)
+    bdb = pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
+    bias = skew_bias(bdb, L, 2 * L)  # [B,H,R,L,2L]
+    causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]
+    bp = jnp.where(validx[:R][:, None, :], bias[..., :L], NEG)
+    br = jnp.where(causal[None] & validx[1:][:, None, :], bias[..., L:], NEG)
+
+    def flat(x):
+        return x.reshape((BH,) + x.shape[2:])
+
+    cfg = _Cfg(H=H, L=L, tq=tq, ts=ts, tv=tv, Sp=Sp, sdt=jnp.dtype(sdt).name, interpret=bool(interpret),
+               num_stages=tiles["num_stages"], warps=tuple((k, p["num_warps"]) for k, p in tiles["plan"].items()))
+    o = _attend(flat(pad_to(q_u.astype(dt), 2, Tp)), flat(kx), flat(vx), flat(bp), flat(br),
+                flat(cmu.astype(f32)), flat(ell), Cp, cfg)
+    o = o.reshape(B, H, Tp, Dv)[:, :, :T].astype(dt)
+    new_state = final_state(st, k_hat.astype(dt), z, v.astype(dt), T, M, S)
+    return o, new_state
+
+
+__all__ = ["DTYPES", "REG_WORDS_LIMIT", "SMEM_LIMIT_BYTES", "choose_tiles", "tile_budget", "unsupported_reasons",
+           "vq_cache_attention"]
