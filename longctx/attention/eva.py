@@ -26,6 +26,7 @@ streaming alike.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -44,7 +45,7 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from pallas_kernels import eva_chunks
+from pallas_kernels import eva_attend, eva_attend_ref, eva_chunks
 
 # Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
 # them (pallas_kernels/eva_chunks_ref.py, DESIGN.md section 3); this file imports them: one copy of the math.
@@ -117,36 +118,28 @@ def rpe_bias(table, q_pos, k_pos, opts: EVAOptions, scale: float):
 
 
 def window_bounds(q_pos, opts: EVAOptions):
-    """[lo, hi) of the local window E_w of each query's block."""
-    if opts.W == 0:
-        z = jnp.zeros_like(q_pos)
-        return z, z
-    blk = q_pos // opts.W
-    lo = jnp.maximum(blk * opts.W - opts.e_l, 0)
-    hi = (blk + 1) * opts.W + opts.e_r
-    return lo, hi
+    """[lo, hi) of the local window E_w of each query's block (pallas_kernels/eva_attend_ref.py)."""
+    return eva_attend_ref.window_bounds(q_pos, opts.W, opts.e_l, opts.e_r)
 
 
 def local_mask(q_pos, k_pos, k_valid, opts: EVAOptions):
     """[Tq, Tk] bool: key in the query's window (and not in its future when causal)."""
-    lo, hi = window_bounds(q_pos, opts)
-    m = k_valid[None, :] & (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] < hi[:, None])
-    if opts.causal:
-        m = m & (k_pos[None, :] <= q_pos[:, None])
-    return m
+    return eva_attend_ref.local_mask(q_pos, k_pos, k_valid, W=opts.W, e_l=opts.e_l, e_r=opts.e_r, causal=opts.causal)
 
 
 def chunk_mask(q_pos, chunk_ids, chunk_valid, P: int, opts: EVAOptions):
     """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
     'disjoint': additionally drop chunks intersecting the query's window."""
-    m = jnp.broadcast_to(chunk_valid[None, :], (q_pos.shape[0], chunk_ids.shape[0]))
-    if opts.causal:
-        m = m & (chunk_ids[None, :] < (q_pos // P)[:, None])
-    if opts.partition == "disjoint" and opts.W > 0:
-        lo, hi = window_bounds(q_pos, opts)
-        inter = (chunk_ids[None, :] * P < hi[:, None]) & ((chunk_ids[None, :] + 1) * P > lo[:, None])
-        m = m & ~inter
-    return m
+    return eva_attend_ref.chunk_mask(q_pos, chunk_ids, chunk_valid, P=P, W=opts.W, e_l=opts.e_l, e_r=opts.e_r,
+                                     causal=opts.causal, disjoint=opts.partition == "disjoint")
+
+
+def local_bias_tiles(table, opts: EVAOptions, scale: float):
+    """The Phase B kernel's bias operand [Hb, n_lt, W, W]: one tile per key-block offset of the window (the bias
+    depends on ``offset·W + column − row`` only)."""
+    r = jnp.arange(opts.W)
+    tiles = [rpe_bias(table, r, o * opts.W + r, opts, scale) for o in eva_attend_ref.local_offsets(opts.e_l, opts.e_r)]
+    return jnp.stack(tiles, axis=1)
 
 
 # ---------------------------------------------------------------------------
@@ -239,13 +232,15 @@ def tile_groups(n_tiles: int, tile: int, P: int, C: int, causal: bool, groups: i
 
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
-                num_chunks: int, stats_fn=None):
+                num_chunks: int, stats_fn=None, attend_fn=None):
     """Full pass over L tokens (no prefix). q,k [B,H,L,d], v [B,H,L,dv] -> (out [B,H,L,dv], extras).
 
     Query tiles are the blocks of W tokens; tile w's local candidates are positions
     [wW − e_l, (w+1)W + e_r) (out-of-range masked). Phase A over all C chunks of the padded
     sequence. ``stats_fn`` replaces the jnp Phase A (Pallas kernel), same signature as
-    :func:`chunk_summaries`."""
+    :func:`chunk_summaries`; ``attend_fn`` replaces Phase B (the Pallas kernel
+    ``pallas_kernels.eva_attend.eva_attend``, same contract as ``eva_attend_reference``;
+    no attention dropout, ``rep`` chunk logits, W > 0)."""
     B, H, L, d = q.shape
     dv = v.shape[-1]
     scale = d**-0.5
@@ -260,6 +255,14 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     k_hat, beta = (stats_fn or chunk_summaries)(q_ch, k_ch, v_ch, k_valid_ch, params, noise, opts, scale)
     exact = opts.chunk_logit == "exact_lse"
     chunks = (k_hat, beta, k_ch if exact else None, k_valid_ch[None, None] if exact else None)
+    extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
+    if attend_fn is not None:  # Phase B in the Pallas kernel
+        bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
+        flat = lambda x: x.reshape((B * H,) + x.shape[2:])  # noqa: E731
+        o, _ = attend_fn(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W,
+                         e_l=opts.e_l, e_r=opts.e_r, P=P, L=L, causal=opts.causal,
+                         disjoint=opts.partition == "disjoint", heads=H)
+        return o.reshape(B, H, L_pad, dv)[:, :, :L], extras
     chunk_ids = jnp.arange(C)
     chunk_valid = jnp.any(k_valid_ch, axis=-1)  # [ours] all-padding chunks masked (bidirectional)
     # Phase B over query tiles
@@ -289,7 +292,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
         outs.append(_map_tiles(one, group, hi - lo, cost, opts.logit_budget))
     out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, L_pad, dv)[:, :, :L]
-    return out, {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
+    return out, extras
 
 
 # ---------------------------------------------------------------------------
@@ -453,7 +456,9 @@ class EVAAttention(AttentionCore):
                 "rf_scale": "released",  # 'released' s(ω·k−½‖k‖²) | 'principled' √s ω·k − (s/2)‖k‖²
                 "use_rpe": True,  # T5 relative position bias inside the local block
                 "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
-                "impl": "auto",  # Phase A: 'xla' | 'pallas' | 'auto' (longctx/attention/dispatch.py)
+                # Phase A and Phase B kernels: 'xla' | 'pallas' | 'auto' (longctx/attention/dispatch.py); steps with
+                # attention dropout (attn_dropout > 0, deterministic=False) run Phase B in XLA
+                "impl": "auto",
                 "logit_budget": 1 << 24,  # max materialized logits per lax.map step (memory knob)
             }
         )
@@ -526,7 +531,8 @@ class EVAAttention(AttentionCore):
 
     @classmethod
     def kernel_benches(cls):
-        return {"eva_chunk_stats": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+        # impl='pallas' runs both kernels (chunk statistics and the chunk + local attention)
+        return {"eva_chunk_stats+eva_attend": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
 
     @classmethod
     def drop_in(cls):
@@ -544,7 +550,7 @@ class EVAAttention(AttentionCore):
             "xla": ContractCase(cfg=small, length=48),
             "xla_overlap_disjoint": ContractCase(cfg={**small, "overlap_window": True, "partition": "disjoint"},
                                                  length=48, directions=("causal",), slow=True),
-            # Phase A through the Pallas kernel (interpret mode on CPU)
+            # Phase A and Phase B through the Pallas kernels (interpret mode on CPU)
             "pallas": ContractCase(cfg={**small, "impl": "pallas"}, length=48, slow=True),  # interpret mode
         }
 
@@ -562,6 +568,22 @@ class EVAAttention(AttentionCore):
         if not choice.use_kernel:
             return None
         return eva_chunks.make_stats_fn(interpret=choice.interpret, platform=choice.platform)
+
+    def _attend_fn(self, L: int, dropout: bool):
+        """Phase B of a full pass runs the Pallas kernel of pallas_kernels/eva_attend.py or the XLA tiles, by the
+        shared rule (``eva_attend.unsupported_reasons``). A step with attention dropout runs XLA (the kernel has
+        none; spec §8.3). Returns an ``attend_fn`` or None (XLA)."""
+        if dropout:
+            return None
+        o = self.opts
+        C = geometry(o, L, self.cfg.chunk_size, self.cfg.num_chunks)[2]
+        choice = dispatch.resolve(self.cfg.impl, method="eva", kernel="eva_attend",
+                                  reasons_fn=eva_attend.unsupported_reasons, W=o.W, d=self.head_dim,
+                                  dv=self.value_dim, C=C, e_l=o.e_l, e_r=o.e_r, chunk_logit=o.chunk_logit)
+        if not choice.use_kernel:
+            return None
+        return functools.partial(eva_attend.eva_attend, interpret=choice.interpret,
+                                 platform=None if choice.interpret else choice.platform)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -613,7 +635,8 @@ class EVAAttention(AttentionCore):
             out, extras = eva_forward(q, k, v, self.chunk_params(), rpe, noise_key, drop_key, self.opts,
                                       chunk_size=c.chunk_size, num_chunks=c.num_chunks,
                                       stats_fn=self._stats_fn(geometry(self.opts, q.shape[2], c.chunk_size,
-                                                                       c.num_chunks)[1]))
+                                                                       c.num_chunks)[1]),
+                                      attend_fn=self._attend_fn(q.shape[2], drop_key is not None and c.attn_dropout > 0))
             new_state = None
             if self.causal:
                 new_state = state_from_forward(extras, q.shape[2], self.opts.W + self.opts.e_l,

@@ -1,0 +1,521 @@
+"""Pallas kernel "eva_attend": EVA's Phase B, chunk scores and the local window in one online softmax
+(spec eva.md §8.3), forward and backward kernels, lowered for TPU (Mosaic) and GPU (Triton).
+
+The reference it must match is :func:`pallas_kernels.eva_attend_ref.eva_attend_reference` (operands described
+there: ``q`` pre-scaled, ``k, v``, chunk summaries ``k̂, β`` from Phase A, local bias tiles). This module imports
+only JAX and that reference.
+
+Kernels (``W`` = window = query tile, ``Tc`` = chunk tile, ``nq = Lp / W``, offsets = the key blocks a window
+touches: ``(0,)``, ``(−1, 0)`` causal with overlap, ``(−1, 0, 1)`` bidirectional with overlap):
+
+* **forward**, grid ``(BH, nq)``, both parallel: one query block; its local key blocks arrive through clamped
+  index maps (out-of-range blocks masked); the chunk summaries are one full block each and the kernel loops over
+  the chunk tiles its queries may see (causal: ``⌈min(C, (i+1)W/P − 1) / Tc⌉`` tiles, so chunks no query of the
+  block sees are never scored); running max, sum and accumulator in fp32. Writes ``o`` and ``lse``.
+* **backward** (flash-style, probabilities recomputed from the saved ``lse``, ``Δ = rowsum(dO ⊙ O)``):
+  ``dq`` kernel (grid and loop of the forward); local ``dk, dv`` kernel, grid ``(BH, nq)`` over key blocks, each
+  taking the ≤ 3 query blocks that see it through clamped index maps, also writing its blocks' bias gradient
+  (summed over batch and blocks in XLA); chunk ``dk̂, dβ`` kernel in two forms over the same tile update: TPU grid
+  ``(BH, Cp/Tc, nq)`` with the query axis ``arbitrary`` accumulating in the resident output block (query blocks
+  that see no chunk of the tile are skipped), GPU grid ``(BH, Cp/Tc)`` looping over the query blocks that see the
+  tile (Triton grids have no sequential axis). ``dk̂, dβ`` then flow through Phase A by JAX autodiff.
+
+Dtypes: fp32 or bf16 operands; scores by dots with fp32 accumulation, softmax statistics and accumulators fp32;
+outputs fp32. No attention dropout (EVA runs its XLA path for training steps with ``attn_dropout > 0``) and only
+the ``rep`` chunk logit (eq. 16).
+
+Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128]; TPU:
+``W % 8 == 0``, ``d``, ``dv`` multiples of 128 or 64, and a VMEM estimate of the largest kernel's blocks
+(double-buffered) below :data:`VMEM_LIMIT_BYTES` -- the chunk summaries are whole blocks, so this bounds ``C``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offsets
+
+f32 = jnp.float32
+VMEM_LIMIT_BYTES = 48 * 2**20
+PLATFORMS = ("tpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+
+
+# ----------------------------------------------------------------------------- support
+def chunk_tile(C: int) -> int:
+    """Chunk tile Tc: a power of two in [16, 128] (Triton dots; TPU sublane-aligned)."""
+    return int(min(128, max(16, 1 << max(C - 1, 1).bit_length())))
+
+
+def _padded_bytes(rows: int, cols: int, itemsize: int) -> int:
+    return (-(-rows // 8) * 8) * (-(-cols // 128) * 128) * itemsize
+
+
+def vmem_bytes(*, W: int, d: int, dv: int, C: int, n_lt: int, itemsize: int = 4) -> int:
+    """VMEM of the forward / dq kernels on TPU (the largest): double-buffered blocks + in-body temporaries."""
+    Cp = -(-C // chunk_tile(C)) * chunk_tile(C)
+    blocks = (_padded_bytes(W, d, itemsize) * (1 + n_lt) + _padded_bytes(W, dv, itemsize) * (n_lt + 1)
+              + _padded_bytes(Cp, d, itemsize) + _padded_bytes(Cp, dv, itemsize)
+              + n_lt * _padded_bytes(W, W, 4) + 3 * _padded_bytes(W, 1, 4) + _padded_bytes(W, max(d, dv), 4))
+    temps = 4 * _padded_bytes(W, max(W, chunk_tile(C)), 4) + 3 * _padded_bytes(W, max(d, dv), 4)
+    return 2 * blocks + temps
+
+
+def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: int = 0, e_r: int = 0,
+                        chunk_logit: str = "rep", dtype=f32, **_) -> list[str]:
+    """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret')."""
+    out = []
+    if W <= 0:
+        out.append("needs a local window (window_size > 0)")
+    if chunk_logit != "rep":
+        out.append(f"chunk_logit={chunk_logit!r}: the kernel computes the representative-key logit 'rep' only")
+    if e_l > W or e_r > W:
+        out.append(f"window extensions e_l={e_l}, e_r={e_r} larger than the window W={W}")
+    if jnp.dtype(dtype).name not in DTYPES:
+        out.append(f"dtype {jnp.dtype(dtype).name} not supported (allowed: {', '.join(DTYPES)})")
+    if platform == "interpret" or out:
+        return out
+    if platform not in PLATFORMS:
+        out.append(f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})")
+        return out
+    if platform == "cuda":
+        for name, x in (("window_size", W), ("head_dim", d), ("value_dim", dv)):
+            if x & (x - 1) or not 16 <= x <= 128:
+                out.append(f"{name}={x}: GPU (Triton) blocks need a power of two in [16, 128]")
+    else:
+        if W % 8:
+            out.append(f"window_size={W}: TPU blocks need a multiple of 8")
+        for name, x in (("head_dim", d), ("value_dim", dv)):
+            if x % 128 and x != 64:
+                out.append(f"{name}={x}: TPU blocks want a multiple of 128 (or 64)")
+        need = vmem_bytes(W=W, d=d, dv=dv, C=C, n_lt=len(local_offsets(e_l, e_r)),
+                          itemsize=jnp.dtype(dtype).itemsize)
+        if need > VMEM_LIMIT_BYTES:
+            out.append(f"VMEM estimate {need / 2**20:.1f} MiB exceeds the {VMEM_LIMIT_BYTES / 2**20:.0f} MiB limit "
+                       f"(C={C} chunk summaries are whole blocks; a shorter sequence or larger chunk_size fits)")
+    return out
+
+
+# ----------------------------------------------------------------------------- shared tile math
+def _nt(a, b):
+    """a @ b.T, fp32 accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+
+def _nn(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=f32)
+
+
+def _tn(a, b):
+    """a.T @ b."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+
+
+def _div(a, b: int):
+    """a // b for non-negative traced ints (truncating division: Mosaic has no floor-division lowering here)."""
+    return jax.lax.div(a, jnp.asarray(b, jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geo:
+    """Static geometry: window W, chunk size P, valid length L, valid chunks C, chunk tile Tc, key-block offsets."""
+
+    W: int
+    P: int
+    L: int
+    C: int
+    Tc: int
+    offsets: tuple[int, ...]
+    causal: bool
+    disjoint: bool
+    e_l: int
+    e_r: int
+    has_bias: bool
+
+
+def _local_scores(g: _Geo, q, k, bias, i, blk, in_range):
+    """Scores and mask of query block ``i`` against key block ``blk`` (traced ints): [W, W]."""
+    W = g.W
+    s = _nt(q, k)
+    if bias is not None:
+        s = s + bias
+    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, W), 0)
+    kpos = blk * W + jax.lax.broadcasted_iota(jnp.int32, (W, W), 1)
+    valid = (kpos >= i * W - g.e_l) & (kpos < (i + 1) * W + g.e_r) & (kpos >= 0) & (kpos < g.L) & in_range
+    if g.causal:
+        valid = valid & (kpos <= qpos)
+    return jnp.where(valid, s, NEG), valid
+
+
+def _chunk_scores(g: _Geo, q, kh, i, c0):
+    """Scores and mask of query block ``i`` against chunks ``c0 .. c0+Tc-1``: [W, Tc]."""
+    W, Tc, P = g.W, g.Tc, g.P
+    s = _nt(q, kh)
+    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, Tc), 0)
+    cid = c0 + jax.lax.broadcasted_iota(jnp.int32, (W, Tc), 1)
+    valid = cid < g.C
+    if g.causal:
+        valid = valid & (cid < _div(qpos, P))
+    if g.disjoint:
+        lo, hi = jnp.maximum(i * W - g.e_l, 0), (i + 1) * W + g.e_r
+        valid = valid & ~((cid * P < hi) & ((cid + 1) * P > lo))
+    return jnp.where(valid, s, NEG), valid
+
+
+def _n_chunk_tiles(g: _Geo, i):
+    """Chunk tiles query block ``i`` may see (causal: chunks c < ⌊n/P⌋ for its last query n)."""
+    if not g.causal:
+        return -(-g.C // g.Tc)
+    nv = jnp.minimum(g.C, _div((i + 1) * g.W - 1, g.P))
+    return _div(nv + g.Tc - 1, g.Tc)
+
+
+def _first_query_block(g: _Geo, j):
+    """The first query block that sees a chunk of tile ``j`` (causal); 0 bidirectional."""
+    if not g.causal:
+        return 0
+    return _div((j * g.Tc + 1) * g.P, g.W)
+
+
+def _online(carry, s, valid, vals):
+    m, lsum, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    lsum = alpha * lsum + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + _nn(p, vals.astype(f32))
+    return m_new, lsum, acc
+
+
+def _split_refs(g: _Geo, refs, n_extra_in: int, n_out: int):
+    """(q, [(k, v) per offset], kh, beta, bias, extra inputs, outputs)."""
+    n_lt = len(g.offsets)
+    q_ref = refs[0]
+    kv = [(refs[1 + 2 * t], refs[2 + 2 * t]) for t in range(n_lt)]
+    rest = refs[1 + 2 * n_lt:]
+    kh_ref, beta_ref = rest[0], rest[1]
+    rest = rest[2:]
+    bias_ref = None
+    if g.has_bias:
+        bias_ref, rest = rest[0], rest[1:]
+    return q_ref, kv, kh_ref, beta_ref, bias_ref, rest[:n_extra_in], rest[n_extra_in:n_extra_in + n_out]
+
+
+def _local_blocks(g: _Geo, i):
+    nq = pl.num_programs(1)
+    return [(i + o, (i + o >= 0) & (i + o < nq)) for o in g.offsets]
+
+
+# ----------------------------------------------------------------------------- forward / dq kernels
+def _fwd_kernel(*refs, g: _Geo):
+    q_ref, kv, kh_ref, beta_ref, bias_ref, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
+    i = pl.program_id(1)
+    W, dv = g.W, o_ref.shape[-1]
+    q = q_ref[...]
+    carry = (jnp.full((W, 1), NEG, f32), jnp.zeros((W, 1), f32), jnp.zeros((W, dv), f32))
+    for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
+        s, valid = _local_scores(g, q, k_ref[...], None if bias_ref is None else bias_ref[t].astype(f32), i, blk, ok)
+        carry = _online(carry, s, valid, v_ref[...])
+
+    def body(j, carry):
+        c0 = pl.multiple_of(j * g.Tc, g.Tc)
+        s, valid = _chunk_scores(g, q, kh_ref[pl.ds(c0, g.Tc), :], i, c0)
+        return _online(carry, s, valid, beta_ref[pl.ds(c0, g.Tc), :])
+
+    m, lsum, acc = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, carry)
+    lsum = jnp.maximum(lsum, 1e-30)
+    o_ref[...] = (acc / lsum).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(lsum)
+
+
+def _dq_kernel(*refs, g: _Geo):
+    q_ref, kv, kh_ref, beta_ref, bias_ref, (do_ref, lse_ref, dl_ref), (dq_ref,) = _split_refs(g, refs, 3, 1)
+    i = pl.program_id(1)
+    q = q_ref[...]
+    do = do_ref[...].astype(f32)
+    lse, delta = lse_ref[...], dl_ref[...]
+
+    def grad_q(dq, s, valid, keys, vals):
+        p = jnp.where(valid, jnp.exp(s - lse), 0.0)
+        ds = p * (_nt(do, vals.astype(f32)) - delta)
+        return dq + _nn(ds, keys.astype(f32))
+
+    dq = jnp.zeros(dq_ref.shape, f32)
+    for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
+        k = k_ref[...]
+        s, valid = _local_scores(g, q, k, None if bias_ref is None else bias_ref[t].astype(f32), i, blk, ok)
+        dq = grad_q(dq, s, valid, k, v_ref[...])
+
+    def body(j, dq):
+        c0 = pl.multiple_of(j * g.Tc, g.Tc)
+        kh = kh_ref[pl.ds(c0, g.Tc), :]
+        s, valid = _chunk_scores(g, q, kh, i, c0)
+        return grad_q(dq, s, valid, kh, beta_ref[pl.ds(c0, g.Tc), :])
+
+    dq_ref[...] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq)
+
+
+# ----------------------------------------------------------------------------- local dk, dv (and bias) kernel
+def _dlocal_kernel(*refs, g: _Geo):
+    # refs: k, v (key block j), then per offset t: q, do, lse, delta of query block j - offsets[t]; bias; outputs
+    n_lt = len(g.offsets)
+    k_ref, v_ref = refs[0], refs[1]
+    per = [refs[2 + 4 * t: 6 + 4 * t] for t in range(n_lt)]
+    rest = refs[2 + 4 * n_lt:]
+    bias_ref = None
+    if g.has_bias:
+        bias_ref, rest = rest[0], rest[1:]
+    dk_ref, dv_ref = rest[0], rest[1]
+    db_ref = rest[2] if g.has_bias else None
+    j = pl.program_id(1)
+    nq = pl.num_programs(1)
+    k, v = k_ref[...], v_ref[...].astype(f32)
+    dk = jnp.zeros(dk_ref.shape, f32)
+    dv = jnp.zeros(dv_ref.shape, f32)
+    for t, o in enumerate(g.offsets):
+        q_ref, do_ref, lse_ref, dl_ref = per[t]
+        i = j - o
+        ok = (i >= 0) & (i < nq)
+        q, do = q_ref[...], do_ref[...].astype(f32)
+        s, valid = _local_scores(g, q, k, None if bias_ref is None else bias_ref[t].astype(f32), i, j, ok)
+        p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)
+        dv = dv + _tn(p, do)
+        ds = p * (_nt(do, v) - dl_ref[...])
+        dk = dk + _tn(ds, q.astype(f32))
+        if db_ref is not None:
+            db_ref[t] = ds
+    if db_ref is not None:
+        for t in range(n_lt, db_ref.shape[0]):  # tiles padded to a power-of-two count
+            db_ref[t] = jnp.zeros(db_ref.shape[1:], f32)
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+
+
+# ----------------------------------------------------------------------------- chunk dk̂, dβ kernels
+def _chunk_grad_tile(g: _Geo, q, do, lse, delta, kh, beta, i, c0):
+    """Contribution of query block ``i`` to the gradients of chunks ``c0 .. c0+Tc-1``: (dk̂, dβ)."""
+    s, valid = _chunk_scores(g, q, kh, i, c0)
+    p = jnp.where(valid, jnp.exp(s - lse), 0.0)
+    dbeta = _tn(p, do)
+    ds = p * (_nt(do, beta.astype(f32)) - delta)
+    return _tn(ds, q.astype(f32)), dbeta
+
+
+def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_ref, dbeta_ref, *, g: _Geo):
+    j, i = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(i == 0)
+    def _():
+        dkh_ref[...] = jnp.zeros(dkh_ref.shape, f32)
+        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, f32)
+
+    @pl.when(i >= _first_query_block(g, j))
+    def _():
+        dkh, dbeta = _chunk_grad_tile(g, q_ref[...], do_ref[...].astype(f32), lse_ref[...], dl_ref[...],
+                                      kh_ref[...], beta_ref[...], i, j * g.Tc)
+        dkh_ref[...] += dkh
+        dbeta_ref[...] += dbeta
+
+
+def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_ref, dbeta_ref, *, g: _Geo, nq: int):
+    j = pl.program_id(1)
+    kh, beta = kh_ref[...], beta_ref[...]
+    W = g.W
+
+    def body(i, acc):
+        r0 = pl.multiple_of(i * W, W)
+        rows = pl.ds(r0, W)
+        dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
+                                      dl_ref[rows, :], kh, beta, i, j * g.Tc)
+        return acc[0] + dkh, acc[1] + dbeta
+
+    init = (jnp.zeros(dkh_ref.shape, f32), jnp.zeros(dbeta_ref.shape, f32))
+    dkh, dbeta = jax.lax.fori_loop(_first_query_block(g, j), nq, body, init)
+    dkh_ref[...] = dkh
+    dbeta_ref[...] = dbeta
+
+
+# ----------------------------------------------------------------------------- pallas_call wrappers
+def _compiler_params(platform, semantics):
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES)
+    if platform in ("gpu", "cuda"):
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, platform, semantics):
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret,
+                          compiler_params=None if interpret else _compiler_params(platform, semantics))
+
+
+def _qside(g: _Geo, q, k, v, kh, beta, bias, heads, extra, kernel, outs, interpret, platform):
+    """Run a kernel on grid (BH, nq) with the query block, its local key blocks, the whole chunk summaries,
+    the bias tiles and ``extra`` per-query-block inputs ``[(array, cols)]``."""
+    BH, Lp, d = q.shape
+    dv, Cp, W = v.shape[-1], kh.shape[1], g.W
+    nq = Lp // W
+    specs = [pl.BlockSpec((None, W, d), lambda bh, i: (bh, i, 0))]
+    args = [q]
+    for o in g.offsets:
+        blk = lambda bh, i, o=o: (bh, jnp.clip(i + o, 0, nq - 1), 0)  # noqa: E731
+        specs += [pl.BlockSpec((None, W, d), blk), pl.BlockSpec((None, W, dv), blk)]
+        args += [k, v]
+    specs += [pl.BlockSpec((None, Cp, d), lambda bh, i: (bh, 0, 0)),
+              pl.BlockSpec((None, Cp, dv), lambda bh, i: (bh, 0, 0))]
+    args += [kh, beta]
+    if bias is not None:
+        Hb = bias.shape[0]
+        hmap = (lambda bh, i: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, i: (0, 0, 0, 0))
+        specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
+        args.append(bias)
+    for arr in extra:
+        specs.append(pl.BlockSpec((None, W, arr.shape[-1]), lambda bh, i: (bh, i, 0)))
+        args.append(arr)
+    out_specs = [pl.BlockSpec((None, W, s.shape[-1]), lambda bh, i: (bh, i, 0)) for s in outs]
+    return _call(functools.partial(kernel, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
+                 ("parallel", "parallel"))(*args)
+
+
+def _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform):
+    BH, Lp, _ = q.shape
+    outs = [jax.ShapeDtypeStruct((BH, Lp, v.shape[-1]), f32), jax.ShapeDtypeStruct((BH, Lp, 1), f32)]
+    return _qside(g, q, k, v, kh, beta, bias, heads, [], _fwd_kernel, outs, interpret, platform)
+
+
+def _dq(g, q, k, v, kh, beta, bias, heads, do, lse, delta, interpret, platform):
+    outs = [jax.ShapeDtypeStruct(q.shape, f32)]
+    return _qside(g, q, k, v, kh, beta, bias, heads, [do, lse, delta], _dq_kernel, outs, interpret, platform)[0]
+
+
+def _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform):
+    BH, Lp, d = q.shape
+    dv, W = v.shape[-1], g.W
+    nq = Lp // W
+    own = lambda bh, j: (bh, j, 0)  # noqa: E731
+    specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
+    args = [k, v]
+    for o in g.offsets:
+        blk = lambda bh, j, o=o: (bh, jnp.clip(j - o, 0, nq - 1), 0)  # noqa: E731
+        specs += [pl.BlockSpec((None, W, d), blk), pl.BlockSpec((None, W, dv), blk),
+                  pl.BlockSpec((None, W, 1), blk), pl.BlockSpec((None, W, 1), blk)]
+        args += [q, do, lse, delta]
+    outs = [jax.ShapeDtypeStruct((BH, Lp, d), f32), jax.ShapeDtypeStruct((BH, Lp, dv), f32)]
+    out_specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
+    if bias is not None:
+        Hb, n_lt = bias.shape[0], bias.shape[1]
+        hmap = (lambda bh, j: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, j: (0, 0, 0, 0))
+        specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
+        args.append(bias)
+        outs.append(jax.ShapeDtypeStruct((BH, nq, n_lt, W, W), f32))
+        out_specs.append(pl.BlockSpec((None, None, n_lt, W, W), lambda bh, j: (bh, j, 0, 0, 0)))
+    res = _call(functools.partial(_dlocal_kernel, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
+                ("parallel", "parallel"))(*args)
+    return res[0], res[1], (res[2] if bias is not None else None)
+
+
+def _dchunk(g, q, kh, beta, do, lse, delta, interpret, platform, form):
+    BH, Lp, d = q.shape
+    Cp, dv, W, Tc = kh.shape[1], beta.shape[-1], g.W, g.Tc
+    nq, nct = Lp // W, Cp // Tc
+    outs = [jax.ShapeDtypeStruct((BH, Cp, d), f32), jax.ShapeDtypeStruct((BH, Cp, dv), f32)]
+    if form == "tpu":
+        def qmap(bh, j, i):
+            # blocks before the first that sees the tile are never read: fetch the first one once
+            return (bh, jnp.minimum(jnp.maximum(i, _first_query_block(g, j)), nq - 1), 0)
+
+        cmap = lambda bh, j, i: (bh, j, 0)  # noqa: E731
+        specs = [pl.BlockSpec((None, W, d), qmap), pl.BlockSpec((None, W, dv), qmap),
+                 pl.BlockSpec((None, W, 1), qmap), pl.BlockSpec((None, W, 1), qmap),
+                 pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)]
+        out_specs = [pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)]
+        return _call(functools.partial(_dchunk_kernel_tpu, g=g), (BH, nct, nq), specs, out_specs, outs, interpret,
+                     platform, ("parallel", "parallel", "arbitrary"))(q, do, lse, delta, kh, beta)
+    whole = lambda bh, j: (bh, 0, 0)  # noqa: E731
+    cmap2 = lambda bh, j: (bh, j, 0)  # noqa: E731
+    specs = [pl.BlockSpec((None, Lp, d), whole), pl.BlockSpec((None, Lp, dv), whole),
+             pl.BlockSpec((None, Lp, 1), whole), pl.BlockSpec((None, Lp, 1), whole),
+             pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)]
+    out_specs = [pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)]
+    return _call(functools.partial(_dchunk_kernel_loop, g=g, nq=nq), (BH, nct), specs, out_specs, outs, interpret,
+                 platform, ("parallel", "parallel"))(q, do, lse, delta, kh, beta)
+
+
+# ----------------------------------------------------------------------------- differentiable entry
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attend(q, k, v, kh, beta, bias, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform)
+    return o, lse
+
+
+def _attend_fwd(q, k, v, kh, beta, bias, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform)
+    return (o, lse), (q, k, v, kh, beta, bias, o, lse)
+
+
+def _attend_bwd(g, heads, interpret, platform, form, res, cts):
+    q, k, v, kh, beta, bias, o, lse = res
+    do = cts[0].astype(f32)
+    # dS = P ⊙ (dP − Δ) + P ⊙ dlse: a cotangent on the log-sum-exp enters as a shift of Δ
+    delta = jnp.sum(do * o, axis=-1, keepdims=True) - cts[1].astype(f32)
+    dq = _dq(g, q, k, v, kh, beta, bias, heads, do, lse, delta, interpret, platform)
+    dk, dv, db = _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform)
+    dkh, dbeta = _dchunk(g, q, kh, beta, do, lse, delta, interpret, platform, form)
+    dbias = None
+    if bias is not None:
+        BH = q.shape[0]
+        db = db.reshape((BH // heads, heads) + db.shape[1:]).sum(axis=(0, 2))  # [H, n_lt, W, W]
+        dbias = (db if bias.shape[0] > 1 else db.sum(axis=0, keepdims=True)).astype(bias.dtype)
+    cast = lambda x, ref: x.astype(ref.dtype)  # noqa: E731
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
+               disjoint: bool, heads: int, interpret: bool = False, platform: str | None = None):
+    """Phase B by the kernels; same contract as :func:`eva_attend_reference` (kernel operands, ``q`` pre-scaled):
+    returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
+
+    ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters and the form of
+    the chunk-gradient kernel; in interpret mode it picks only that form (default the TPU one)."""
+    BH, Lp, d = q.shape
+    dv = v.shape[-1]
+    C = -(-L // P)
+    Tc = chunk_tile(C)
+    if Lp % W or Lp < L:
+        raise ValueError(f"eva_attend: padded length {Lp} must be a multiple of W={W} and >= L={L}")
+    plat = platform or {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    reasons = unsupported_reasons("interpret" if interpret else plat, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r,
+                                  dtype=jnp.promote_types(q.dtype, v.dtype))
+    if not interpret and plat == "cpu":
+        reasons = ["Pallas runs on CPU only with interpret=True"] + reasons
+    if reasons:
+        raise ValueError("eva_attend cannot run: " + "; ".join(reasons))
+    Cp = -(-C // Tc) * Tc
+    kh = jnp.pad(k_hat[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
+    bt = jnp.pad(beta[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
+    offsets = local_offsets(e_l, e_r)
+    if bias is not None and bias.shape[1] != len(offsets):
+        raise ValueError(f"eva_attend: bias has {bias.shape[1]} tiles for {len(offsets)} key-block offsets")
+    if bias is not None and len(offsets) & (len(offsets) - 1):  # Triton blocks: a power-of-two tile count
+        bias = jnp.pad(bias, ((0, 0), (0, (1 << (len(offsets) - 1).bit_length()) - len(offsets)), (0, 0), (0, 0)))
+    g = _Geo(W, P, L, C, Tc, offsets, causal, disjoint, e_l, e_r, bias is not None)
+    form = "loop" if plat in ("cuda", "gpu") else "tpu"
+    o, lse = _attend(q, k, v, kh, bt, bias, g, heads, interpret, None if interpret else plat, form)
+    return o, lse[..., 0]
+
+
+__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "chunk_tile", "eva_attend", "eva_attend_reference",
+           "unsupported_reasons", "vmem_bytes"]

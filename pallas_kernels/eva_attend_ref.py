@@ -1,0 +1,105 @@
+"""Pure-JAX reference of EVA's Phase B on the operands of the Pallas kernel "eva_attend" (spec eva.md §8.1, §8.3).
+
+Phase B: every query ``n`` takes one softmax over its local window (exact logits ``q·k`` plus the relative-position
+bias) and the chunks it may see (logit ``q·k̂_c``, value ``β_c``), eq. 16. The masks are functions of absolute
+positions only; :func:`window_bounds`, :func:`local_mask` and :func:`chunk_mask` are the one copy of them (EVA's
+XLA path imports them from here).
+
+Kernel operands, all flattened over batch × heads (``BH``) and padded to whole windows (``Lp = nq·W``):
+``q`` (already multiplied by the logit scale ``s``, so local logits are ``q·k`` and chunk logits ``q·k̂``),
+``k [BH, Lp, d]``, ``v [BH, Lp, dv]``, ``k_hat [BH, Cp, d]``, ``beta [BH, Cp, dv]`` (chunks ``c >= ⌈L/P⌉`` are
+padding) and the local bias ``bias [Hb, n_lt, W, W]`` (``s·θ[bucket]`` of query row ``r`` and key column ``c`` in key block
+``i + offsets[t]`` of query block ``i``; it depends on ``offsets[t]·W + c − r`` only, so one tile per offset
+serves every block; ``Hb`` is 1 (shared by heads) or the number of heads). The reference materialises the
+``[BH, Lp, Lp + Cp]`` logits, so it is for tests (small ``Lp``) only. This module imports only JAX.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # finite mask value, never -inf (spec §9.11)
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def local_offsets(e_l: int, e_r: int) -> tuple[int, ...]:
+    """Key blocks (relative to the query block) a window ``[iW − e_l, (i+1)W + e_r)`` touches, for e_l, e_r <= W."""
+    return tuple(o for o, used in ((-1, e_l > 0), (0, True), (1, e_r > 0)) if used)
+
+
+def window_bounds(q_pos, W: int, e_l: int, e_r: int):
+    """[lo, hi) of the local window E_w of each query's block."""
+    if W == 0:
+        z = jnp.zeros_like(q_pos)
+        return z, z
+    blk = q_pos // W
+    lo = jnp.maximum(blk * W - e_l, 0)
+    hi = (blk + 1) * W + e_r
+    return lo, hi
+
+
+def local_mask(q_pos, k_pos, k_valid, *, W: int, e_l: int, e_r: int, causal: bool):
+    """[Tq, Tk] bool: key in the query's window (and not in its future when causal)."""
+    lo, hi = window_bounds(q_pos, W, e_l, e_r)
+    m = k_valid[None, :] & (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] < hi[:, None])
+    if causal:
+        m = m & (k_pos[None, :] <= q_pos[:, None])
+    return m
+
+
+def chunk_mask(q_pos, chunk_ids, chunk_valid, *, P: int, W: int, e_l: int, e_r: int, causal: bool, disjoint: bool):
+    """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
+    ``disjoint``: additionally drop chunks intersecting the query's window."""
+    m = jnp.broadcast_to(chunk_valid[None, :], (q_pos.shape[0], chunk_ids.shape[0]))
+    if causal:
+        m = m & (chunk_ids[None, :] < (q_pos // P)[:, None])
+    if disjoint and W > 0:
+        lo, hi = window_bounds(q_pos, W, e_l, e_r)
+        inter = (chunk_ids[None, :] * P < hi[:, None]) & ((chunk_ids[None, :] + 1) * P > lo[:, None])
+        m = m & ~inter
+    return m
+
+
+def full_bias(bias, Lp: int, W: int, offsets) -> jax.Array:
+    """The tiles ``[Hb, n_lt, W, W]`` placed at their block offsets: ``[Hb, Lp, Lp]`` (zero elsewhere)."""
+    pos = jnp.arange(Lp)
+    rel = pos[None, :] // W - pos[:, None] // W  # key block - query block
+    t = jnp.zeros_like(rel)
+    hit = jnp.zeros(rel.shape, bool)
+    for j, o in enumerate(offsets):
+        t = jnp.where(rel == o, j, t)
+        hit = hit | (rel == o)
+    b = bias[:, t, pos[:, None] % W, pos[None, :] % W]  # [Hb, Lp, Lp]
+    return jnp.where(hit[None], b, 0.0)
+
+
+def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
+                         disjoint: bool, heads: int):
+    """Phase B on kernel operands (see the module docstring). Returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32:
+    the normalised output and the log-sum-exp of each query's logits over its local and chunk candidates."""
+    f32 = jnp.float32
+    q, k, v, k_hat, beta = (x.astype(f32) for x in (q, k, v, k_hat, beta))
+    BH, Lp, _ = q.shape
+    Cp = k_hat.shape[1]
+    pos = jnp.arange(Lp)
+    lmask = local_mask(pos, pos, pos < L, W=W, e_l=e_l, e_r=e_r, causal=causal)
+    a_loc = jnp.einsum("bqd,bkd->bqk", q, k, precision=HIGHEST)
+    if bias is not None:
+        fb = full_bias(bias.astype(f32), Lp, W, local_offsets(e_l, e_r))  # [Hb, Lp, Lp]
+        head = jnp.arange(BH) % heads if fb.shape[0] > 1 else jnp.zeros((BH,), jnp.int32)
+        a_loc = a_loc + fb[head]
+    cids = jnp.arange(Cp)
+    cmask = chunk_mask(pos, cids, cids * P < L, P=P, W=W, e_l=e_l, e_r=e_r, causal=causal, disjoint=disjoint)
+    a_ch = jnp.einsum("bqd,bcd->bqc", q, k_hat, precision=HIGHEST)
+    logits = jnp.concatenate([jnp.where(lmask, a_loc, NEG), jnp.where(cmask, a_ch, NEG)], axis=-1)
+    mask = jnp.concatenate([lmask, cmask], axis=-1)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1), precision=HIGHEST) / den
+    return o, (m + jnp.log(den))[..., 0]
+
+
+__all__ = ["HIGHEST", "NEG", "chunk_mask", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
+           "window_bounds"]

@@ -1,0 +1,145 @@
+"""EVA chunk + local attention Pallas kernel "eva_attend" (spec eva.md §8.3) on the shared kernel test base:
+interpret-mode forward and the Pallas backward kernels against autodiff of the jnp reference (causal and
+bidirectional, with and without window overlap, shared / per-head relative-position bias, the disjoint partition,
+ragged lengths, both forms of the chunk-gradient kernel, fp32 and bf16), TPU / CUDA lowering at the WikiText-103
+shapes through jax.export (a clear refusal where Triton cannot take the head size), the VMEM budget, and the method
+running both EVA kernels with impl='pallas'."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from kernel_test_base import KernelTestBase  # noqa: I001
+
+from longctx import attention
+from pallas_kernels import eva_attend, eva_attend_ref
+
+H = 2
+
+
+class TestEVAAttend(KernelTestBase):
+    # W window, P chunk size, L valid tokens (ragged unless stated), e_l/e_r window extensions, hb: bias heads
+    # (0: no bias), form: the chunk-gradient kernel's form in interpret mode ('tpu' grid-accumulation, 'cuda' loop)
+    SHAPES = {
+        "causal_rpe": dict(L=45, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=True, hb=1, form="tpu"),
+        "causal_overlap_loop": dict(L=45, W=8, P=4, d=16, dv=8, e_l=8, e_r=0, causal=True, hb=1, form="cuda"),
+        "causal_overlap_disjoint": dict(L=45, W=8, P=4, d=16, dv=16, e_l=8, e_r=0, causal=True, hb=0, form="tpu",
+                                        disjoint=True),
+        "bidir_overlap_loop": dict(L=43, W=8, P=2, d=16, dv=16, e_l=4, e_r=4, causal=False, hb=H, form="cuda"),
+        "bidir_plain": dict(L=40, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=False, hb=0, form="tpu"),
+        # WikiText-103 (spec §8.3): window 128, chunk 8, head 64, 512 tokens; and a long row
+        "wt103": dict(L=512, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),
+        "wt103_bidir_overlap": dict(L=512, W=128, P=8, d=64, dv=64, e_l=64, e_r=64, causal=False, hb=H, B=1),
+        "long_8k": dict(L=8192, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),
+        "odd_head": dict(L=512, W=128, P=8, d=48, dv=48, e_l=0, e_r=0, causal=True, hb=1, B=1),
+    }
+    FORWARD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
+                     ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
+                     ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("bidir_overlap_loop", "bfloat16"))
+    GRAD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
+                  ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
+                  ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"))
+    EXPORT_CASES = (("tpu", "wt103", "float32"), ("cuda", "wt103", "float32"), ("tpu", "wt103", "bfloat16"),
+                    ("cuda", "wt103", "bfloat16"), ("tpu", "wt103_bidir_overlap", "float32"),
+                    ("cuda", "wt103_bidir_overlap", "float32"), ("tpu", "long_8k", "float32"),
+                    ("cuda", "odd_head", "float32"))
+    # bf16 operands are exact in the fp32 reference and the kernel's dots accumulate in fp32: fp32-like outputs;
+    # gradients with respect to bf16 inputs are rounded to bf16 (reference and kernel alike)
+    TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (5e-5, 5e-5)}
+    GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
+    DIFF_ARGNUMS = (0, 1, 2, 3, 4, 5)  # q, k, v, k̂, β, bias
+    KERNEL_BACKWARD = True
+
+    def make_inputs(self, shape, dtype):
+        L, W, P, d, dv = (shape[k] for k in ("L", "W", "P", "d", "dv"))
+        BH = shape.get("B", 2) * H
+        Lp, Cp = -(-L // W) * W, -(-L // W) * W // P
+        ks = jax.random.split(jax.random.PRNGKey(L + 7 * W + P), 6)
+        q = (0.5 * jax.random.normal(ks[0], (BH, Lp, d))).astype(dtype)
+        k = jax.random.normal(ks[1], (BH, Lp, d)).astype(dtype)
+        v = jax.random.normal(ks[2], (BH, Lp, dv)).astype(dtype)
+        kh = jax.random.normal(ks[3], (BH, Cp, d)).astype(dtype)
+        beta = jax.random.normal(ks[4], (BH, Cp, dv)).astype(dtype)
+        n_lt = len(eva_attend_ref.local_offsets(shape["e_l"], shape["e_r"]))
+        bias = jax.random.normal(ks[5], (shape["hb"], n_lt, W, W)) if shape["hb"] else None
+        static = dict(W=W, e_l=shape["e_l"], e_r=shape["e_r"], P=P, L=L, causal=shape["causal"],
+                      disjoint=shape.get("disjoint", False), heads=H, form=shape.get("form"))
+        return (q, k, v, kh, beta, bias), static
+
+    def kernel(self, q, k, v, kh, beta, bias, *, interpret, platform=None, form=None, **static):
+        return eva_attend.eva_attend(q, k, v, kh, beta, bias, **static, interpret=interpret,
+                                     platform=platform or (form if interpret else None))
+
+    def reference(self, q, k, v, kh, beta, bias, *, form=None, **static):
+        return eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **static)
+
+    def unsupported_reasons(self, platform, shape, dtype):
+        C = -(-shape["L"] // shape["P"])
+        return eva_attend.unsupported_reasons(platform, W=shape["W"], d=shape["d"], dv=shape["dv"], C=C,
+                                              e_l=shape["e_l"], e_r=shape["e_r"], dtype=dtype)
+
+    def export_disabled_checks(self, platform):
+        return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
+
+
+def test_reference_padding_rows_and_chunks_carry_no_weight():
+    """The reference (what the kernel must match) gives padding keys and all-padding chunks zero weight:
+    changing them leaves every real query's output unchanged."""
+    t = TestEVAAttend()
+    (q, k, v, kh, beta, bias), st = t.make_inputs(TestEVAAttend.SHAPES["bidir_overlap_loop"], jnp.float32)
+    st.pop("form")
+    L, P = st["L"], st["P"]
+    o1, _ = eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **st)
+    pad = (jnp.arange(q.shape[1]) >= L)[None, :, None]
+    cpad = (jnp.arange(kh.shape[1]) * P >= L)[None, :, None]
+    o2, _ = eva_attend_ref.eva_attend_reference(q, jnp.where(pad, 9.0, k), jnp.where(pad, 9.0, v),
+                                                jnp.where(cpad, 9.0, kh), jnp.where(cpad, 9.0, beta), bias, **st)
+    np.testing.assert_allclose(np.asarray(o1[:, :L]), np.asarray(o2[:, :L]), atol=1e-6)
+
+
+@pytest.mark.parametrize("L, fits", [(512, True), (32768, True), (65536, True), (1 << 20, False)])
+def test_vmem_budget_bounds_the_chunk_count(L, fits):
+    """TPU: the chunk summaries are whole VMEM blocks, so the estimate grows with C = L / P; WikiText-103 shapes
+    (W 128, P 8, head 64) fit up to 64k tokens in fp32 and the refusal names the VMEM limit beyond."""
+    reasons = eva_attend.unsupported_reasons("tpu", W=128, d=64, dv=64, C=L // 8)
+    assert (reasons == []) == fits, reasons
+    if not fits:
+        assert any("VMEM" in r for r in reasons)
+    assert eva_attend.vmem_bytes(W=128, d=64, dv=64, C=L // 8, n_lt=1) < 2 * eva_attend.vmem_bytes(
+        W=128, d=64, dv=64, C=L // 4, n_lt=1)
+
+
+def test_refusals_name_their_reasons():
+    assert any("power of two" in r for r in eva_attend.unsupported_reasons("cuda", W=128, d=48, dv=64, C=64))
+    assert any("window" in r for r in eva_attend.unsupported_reasons("interpret", W=0, d=64, dv=64, C=64))
+    assert any("exact_lse" in r for r in eva_attend.unsupported_reasons("tpu", W=128, d=64, dv=64, C=64,
+                                                                         chunk_logit="exact_lse"))
+    assert any("rocm" in r for r in eva_attend.unsupported_reasons("rocm", W=128, d=64, dv=64, C=64))
+
+
+def test_method_runs_both_kernels_and_falls_back_for_dropout(monkeypatch):
+    """impl='pallas' routes a full pass through eva_attend (counted), equal to impl='xla'; a step with attention
+    dropout runs Phase B in XLA (the kernel has no dropout) without an error."""
+    calls = []
+    real = eva_attend.eva_attend
+    monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.1}
+    xla = attention.build("eva", {**cfg, "impl": "xla"}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+    pal = attention.build("eva", {**cfg, "impl": "pallas"}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 2, 37, 16)) for i in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = jax.jit(lambda q, k, v: pal(q, k, v)[0])(q, k, v)
+        assert len(calls) == 1
+        np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(lambda q, k, v: xla(q, k, v)[0])(q, k, v)),
+                                   atol=2e-5)
+        key = jax.random.PRNGKey(5)
+        drop = jax.jit(lambda core, q, k, v: core(q, k, v, deterministic=False, key=key)[0], static_argnums=0)
+        a = drop(pal, q, k, v)
+        assert len(calls) == 1  # dropout step: XLA Phase B
+        np.testing.assert_allclose(np.asarray(a), np.asarray(drop(xla, q, k, v)), atol=2e-5)
