@@ -1,8 +1,16 @@
-"""Transformer-VQ "compressive VQ cache attention" as Pallas TPU kernels (spec transformer-vq.md §9).
+"""Transformer-VQ "compressive VQ cache attention" as Pallas kernels (spec transformer-vq.md §9): the TPU (Mosaic)
+kernels here, and the entry point for both forms.
 
-The reference it must match is :func:`pallas_kernels.vq_cache_ref.vq_cache_attention_reference`
+Which form runs where (:func:`vq_cache_attention`): ``platform='tpu'`` (or None / the default backend on TPU) runs
+the TPU kernels of this module; ``platform='cuda'`` (or ``'gpu'``) runs the two-phase Pallas-Triton form of
+:mod:`pallas_kernels.vq_cache_gpu` (per-code cache prefix in XLA, then parallel-grid forward and backward kernels).
+``interpret=True`` runs the same form in Pallas interpret mode: the GPU form with ``platform='cuda'``, the TPU form
+otherwise (platform None, 'tpu' or 'cpu'). :func:`unsupported_reasons` answers for both ('tpu' here, 'cuda' from
+``vq_cache_gpu.unsupported_reasons``).
+
+The reference both must match is :func:`pallas_kernels.vq_cache_ref.vq_cache_attention_reference`
 (``causal_parallel`` with ``reduction='serial'``: lag-2 per-code cache, exact previous block, causal present
-block, one shared softmax). This module imports only JAX, NumPy and that reference.
+block, one shared softmax). This module imports only JAX, NumPy, that reference and the GPU form.
 
 Layout. Stage 0 stays in XLA (and is differentiated by JAX): the blocked queries, the extended key/value/code
 arrays (the carried band is prepended as extended block 0, so extended block ``e`` is block ``e-1``) and the
@@ -31,10 +39,11 @@ and state are in ``promote(dtype, float32)`` like the reference.
 Final state: when ``T % L == 0`` and ``M == L`` the kernel's last fold *is* the new carried aggregate;
 otherwise the aggregate is computed in XLA by the reference's ``final_state``.
 
-Support (:func:`unsupported_reasons`): TPU (Mosaic) only, with ``L % 8 == 0`` and a VMEM estimate computed from
+Support (:func:`unsupported_reasons`): on TPU (Mosaic), ``L % 8 == 0`` and a VMEM estimate computed from
 the kernels' block shapes (double-buffered) plus scratch and the main in-body temporaries, against
 ``VMEM_LIMIT_BYTES``; ``tv`` is the largest of 512/256/128 dividing Dv that fits (Dv itself when it is not a
-multiple of 128). CPU runs only in interpret mode; the GPU two-phase design of §9 is not written.
+multiple of 128). On CUDA, the GPU form's reasons (Triton tile shapes, shared-memory / register estimate; see
+:mod:`pallas_kernels.vq_cache_gpu`). No ROCm lowering. CPU runs only in interpret mode.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import vq_cache_gpu
 from pallas_kernels.vq_cache_ref import (
     NEG,
     final_state,
@@ -60,7 +70,7 @@ LANES = 128
 SUB = 8
 VMEM_LIMIT_BYTES = 48 * 2**20  # passed to Mosaic as vmem_limit_bytes; the estimate must stay below it
 TV_CANDIDATES = (512, 256, 128)
-PLATFORMS = ("tpu",)
+PLATFORMS = ("tpu", "cuda")  # 'tpu': the kernels of this module; 'cuda': pallas_kernels.vq_cache_gpu
 DTYPES = ("float32", "bfloat16")
 f32 = jnp.float32
 
@@ -143,7 +153,10 @@ def _dtype_name(dtype) -> str:
 def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype=f32,
                         with_grad: bool = True) -> list[str]:
     """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret');
-    empty when it can. 'interpret' (CPU, Pallas interpret mode) checks only what the kernel computes."""
+    empty when it can. 'interpret' (CPU, Pallas interpret mode) checks only what the kernel computes; 'cuda'
+    returns the GPU form's reasons (:func:`pallas_kernels.vq_cache_gpu.unsupported_reasons`)."""
+    if platform == "cuda":
+        return vq_cache_gpu.unsupported_reasons("cuda", L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype, with_grad=with_grad)
     reasons = []
     if not 1 <= M <= L:
         reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
@@ -152,8 +165,7 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
     if platform == "interpret":
         return reasons
     if platform not in PLATFORMS:
-        reasons.append(f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)}; the GPU two-phase "
-                       "kernel of spec §9 is not written)")
+        reasons.append(f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})")
         return reasons
     if L % SUB:
         reasons.append(f"TPU blocks need block_len % 8 == 0 (got L={L})")
@@ -516,13 +528,19 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T]; v [B,H,T,Dv]; C [H,S,Dk]; state with a band of M
     tokens. Requires 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
 
-    ``platform`` ('tpu'; default: the default backend) picks the Mosaic compiler parameters; ignored when
-    ``interpret=True``. ``block_v`` (Dv tile) defaults to :func:`choose_block_v`. Forward and backward are
-    Pallas kernels (see the module docstring)."""
+    ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the form: 'cuda' (or 'gpu') runs the
+    Pallas-Triton form of :mod:`pallas_kernels.vq_cache_gpu` (in interpret mode when ``interpret=True``), anything
+    else the TPU kernels of this module (Mosaic compiler parameters; interpret mode when ``interpret=True``).
+    ``block_v`` (Dv tile) defaults to :func:`choose_block_v` (TPU) or ``vq_cache_gpu.choose_tiles`` (GPU).
+    Forward and backward are Pallas kernels (see the module docstring)."""
+    platform = platform or jax.default_backend()
+    platform = {"gpu": "cuda"}.get(platform, platform)
+    if platform == "cuda":
+        return vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, state, L=L, M=M, interpret=interpret,
+                                               block_v=block_v)
     B, H, T, Dk = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
     dt = float_dtype(q_u, v)
-    platform = platform or jax.default_backend()
     reasons = unsupported_reasons("interpret" if interpret else platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dt)
     if not interpret and platform == "cpu":
         reasons = ["Pallas runs on CPU only with interpret=True"] + reasons

@@ -56,9 +56,11 @@ tile, value / μ̄ / dO tiles, bias tile), against ``SMEM_LIMIT_BYTES`` = 227 Ki
 (b) registers: the live f32 tiles (accumulators, scores, probabilities, dP, dS) divided over ``32·num_warps``
 threads, against ``REG_WORDS_LIMIT`` = 128 words per thread (half of the 255 hardware registers, the rest left to
 addresses, MMA fragments and temporaries). At the paper's shapes (L = S = 512, Dk = 128, Dv = 1536 or 4096;
-``tq = ts = 64``, ``tv = 128``) the worst kernel is the fp32 ``bwd_q`` at about 208 KiB of shared memory; the
-forward needs about 192 KiB (fp32) or 144 KiB (bf16) and 64 words per thread at 8 warps. It is an estimate for
-refusing clearly-too-large tiles, not a measurement (there was no GPU to measure on).
+``tq = ts = 64``, ``tv = 128``) the worst kernel is the fp32 ``bwd_q`` at about 208 KiB of shared memory (bf16:
+144 KiB); the forward needs about 192 KiB (fp32) or 145 KiB (bf16) and 64.5 words per thread at 8 warps; the
+``bwd_kv`` and ``bwd_mu`` kernels run 4 warps at 128 words per thread. It is an estimate for refusing clearly
+too large tiles, not a measurement: these kernels were lowered (``jax.export`` for 'cuda') but not yet compiled
+or timed on a GPU.
 
 Support (:func:`unsupported_reasons`): ``'cuda'`` needs ``L % 16 == 0`` (``tq ≥ 16``, the Triton dot minimum),
 ``Dk`` a power of two ≥ 16 (loaded whole), ``Dv % 16 == 0`` and a tile plan within the budget; ``'interpret'``
@@ -120,7 +122,7 @@ def tile_budget(kind: str, *, tq: int, ts: int, tv: int, Dk: int, in_dtype=f32, 
         smem = q_res + num_stages * inner + outer
         words = tq * Dk + 4 * tq * max(ts, tq)  # dq, scores/probabilities, dP, dS
     elif kind == "bwd_kv":
-        stage = tq * Dk * isz + tq * tv * isz + 2 * tq * tq * 4  # q tile, dO tile, bias and dS tiles
+        stage = tq * Dk * isz + max(tq * tv * isz + tq * tq * 4, tq * tq * 4)  # q + (dO, bias) or (dS) tiles
         smem = tq * Dk * isz + num_stages * stage
         words = max(tq * tv + 2 * tq * tq, tq * Dk + tq * tq)  # dv loop, then dk loop
     elif kind == "bwd_mu":

@@ -1,10 +1,12 @@
 """Transformer-VQ compressive VQ-cache Pallas kernels (spec transformer-vq.md §9) on the shared kernel test base:
 forward, final state and the Pallas backward kernels against autodiff of the jnp §2.6 serial reference (ragged T,
-carried state, M < L, Dv tiles, fp32 and bf16), TPU lowering (and a clear refusal for CUDA), the VMEM budget at
-the paper's shapes, and the method running the kernel with impl='pallas'."""
+carried state, M < L, Dv tiles, fp32 and bf16), TPU lowering (CUDA runs the GPU form, tested in
+test_vq_cache_gpu.py; its lowering of these shapes is checked here too), the VMEM budget at the paper's shapes, and
+the method running the kernel with impl='pallas'. :func:`make_vq_inputs` is shared with test_vq_cache_gpu.py."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -18,8 +20,48 @@ from pallas_kernels import vq_cache, vq_cache_ref
 B, H = 1, 2
 
 
-def _gather(C, z):
-    return jax.vmap(lambda c, zz: c[zz], in_axes=(0, 1), out_axes=1)(C, z)
+def make_vq_inputs(shape, dtype):
+    """(args, static) for the kernel tests: q_u, bd, k̂ = C[z], z, v, C and the six state leaves (pos, band_z,
+    band_k, band_v, agg_mu, agg_n). ``shape``: T, L, M, S, Dk, Dv, warm (tokens already folded into the carried
+    state by the reference), block_v; optional ``state_dtype='input'`` casts the state's floats to ``dtype`` (by
+    default the state is fp32). Every other key of ``shape`` starting with ``block_`` is passed on as static."""
+    dims = tuple(shape[k] for k in ("T", "L", "M", "S", "Dk", "Dv", "warm"))
+    q_u, bd, k_hat, z, v, C, *st = _vq_inputs_f32(*dims)
+    if shape["warm"] > shape["M"]:  # a populated carried state: non-empty cache
+        assert float(np.sum(st[-1])) > 0
+    cast = lambda x: x.astype(dtype)  # noqa: E731  (NumPy casts: no XLA compile per array)
+    q_u, bd, k_hat, v = map(cast, (q_u, bd, k_hat, v))
+    if shape.get("state_dtype") == "input":
+        st[2:] = map(cast, st[2:])  # band_k, band_v, agg_mu, agg_n
+    args = (q_u, bd, k_hat, z, v, C, *st)
+    return args, dict(L=shape["L"], M=shape["M"], **{k: x for k, x in shape.items() if k.startswith("block_")})
+
+
+@functools.lru_cache(maxsize=None)
+def _vq_inputs_f32(T, L, M, S, Dk, Dv, warm):
+    """The fp32 inputs of one shape as NumPy arrays (NumPy's generator: no XLA compile per random array), kept per
+    shape; the warm state comes from the jitted reference."""
+    rng = np.random.default_rng(T + 7 * M + S)
+    normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    C = normal(H, S, Dk)
+    z = rng.integers(0, S, (B, H, T), dtype=np.int32)
+    q_u, bd, v = normal(B, H, T, Dk), normal(B, H, T, M + 1), normal(B, H, T, Dv)
+    k_hat = C[np.arange(H)[None, :, None], z]  # C[h, z[b, h, t]]
+    st = (np.zeros((), np.int32), np.zeros((B, H, M), np.int32), np.zeros((B, H, M, Dk), np.float32),
+          np.zeros((B, H, M, Dv), np.float32), np.zeros((B, H, S, Dv), np.float32), np.zeros((B, H, S), np.float32))
+    if warm:  # a populated carried state: a valid band (and a non-empty cache when warm > M)
+        zw = rng.integers(0, S, (B, H, warm), dtype=np.int32)
+        kw = C[np.arange(H)[None, :, None], zw]
+        st = tuple(np.asarray(x) for x in _warm_state(L, M, normal(B, H, warm, Dk), normal(B, H, warm, M + 1), kw,
+                                                       zw, normal(B, H, warm, Dv), C, *st))
+    return (q_u, bd, k_hat, z, v, C) + st
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _warm_state(L, M, q_u, bd, k_hat, z, v, C, pos, band_z, band_k, band_v, agg_mu, agg_n):
+    state = {"pos": pos, "band_z": band_z, "band_k": band_k, "band_v": band_v, "agg_mu": agg_mu, "agg_n": agg_n}
+    _, new = vq_cache_ref.causal_parallel(q_u, bd, k_hat, z, v, C, state, L=L, M=M)
+    return tuple(new[k] for k in ("pos", "band_z", "band_k", "band_v", "agg_mu", "agg_n"))
 
 
 class TestVQCache(KernelTestBase):
@@ -37,6 +79,7 @@ class TestVQCache(KernelTestBase):
                      ("short_band_ragged", "float32"), ("carried_kernel_state", "bfloat16"))
     GRAD_CASES = (("carried_kernel_state", "float32"), ("short_band_ragged", "float32"),
                   ("carried_kernel_state", "bfloat16"))
+    # ("cuda", ...) lowers the GPU form (pallas_kernels/vq_cache_gpu.py) through this module's entry point
     EXPORT_CASES = (("tpu", "tpu_blocks", "float32"), ("tpu", "tpu_ragged_short_band", "bfloat16"),
                     ("tpu", "enwik8_paper", "float32"), ("tpu", "pg19_paper", "float32"),
                     ("tpu", "pg19_paper", "bfloat16"), ("cuda", "tpu_blocks", "float32"))
@@ -54,25 +97,7 @@ class TestVQCache(KernelTestBase):
         return out[1]
 
     def make_inputs(self, shape, dtype):
-        T, L, M, S, Dk, Dv, warm = (shape[k] for k in ("T", "L", "M", "S", "Dk", "Dv", "warm"))
-        ks = jax.random.split(jax.random.PRNGKey(T + 7 * M + S), 10)
-        C = jax.random.normal(ks[0], (H, S, Dk))
-        z = jax.random.randint(ks[1], (B, H, T), 0, S)
-        q_u = jax.random.normal(ks[2], (B, H, T, Dk)).astype(dtype)
-        bd = jax.random.normal(ks[3], (B, H, T, M + 1)).astype(dtype)
-        v = jax.random.normal(ks[4], (B, H, T, Dv)).astype(dtype)
-        k_hat = _gather(C, z).astype(dtype)
-        state = vq_cache_ref.empty_state(B, H, M, S, Dk, Dv)
-        if warm:  # a populated carried state: non-empty cache and a valid band
-            zw = jax.random.randint(ks[5], (B, H, warm), 0, S)
-            _, state = vq_cache_ref.causal_parallel(
-                jax.random.normal(ks[6], (B, H, warm, Dk)), jax.random.normal(ks[7], (B, H, warm, M + 1)),
-                _gather(C, zw), zw, jax.random.normal(ks[8], (B, H, warm, Dv)), C, state, L=L, M=M)
-            assert float(jnp.sum(state["agg_n"])) > 0
-        st = state
-        args = (q_u, bd, k_hat, z, v, C, st["pos"], st["band_z"], st["band_k"], st["band_v"], st["agg_mu"],
-                st["agg_n"])
-        return args, dict(L=L, M=M, block_v=shape["block_v"])
+        return make_vq_inputs(shape, dtype)
 
     @staticmethod
     def _state(pos, band_z, band_k, band_v, agg_mu, agg_n):
@@ -88,6 +113,9 @@ class TestVQCache(KernelTestBase):
     def unsupported_reasons(self, platform, shape, dtype):
         return vq_cache.unsupported_reasons(platform, L=shape["L"], M=shape["M"], S=shape["S"], Dk=shape["Dk"],
                                             Dv=shape["Dv"], dtype=dtype)
+
+    def export_disabled_checks(self, platform):
+        return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
 
 
 # -- VMEM budget at the paper's shapes (Transformer-VQ enwik8: Dv = 1536; PG-19: Dv = 4096; L = S = 512, Dk = 128)
@@ -118,7 +146,9 @@ def test_vmem_estimate_counts_the_block_specs():
 def test_refusals_name_their_reasons():
     r = vq_cache.unsupported_reasons("tpu", L=512, M=512, S=4096, Dk=128, Dv=4096, dtype=jnp.float32)
     assert len(r) == 1 and "VMEM estimate" in r[0] and "MiB" in r[0] and "S=4096" in r[0]
-    assert any("no cuda lowering" in s for s in vq_cache.unsupported_reasons("cuda", L=8, M=8, S=6, Dk=8, Dv=8))
+    assert any("no rocm lowering" in s for s in vq_cache.unsupported_reasons("rocm", L=8, M=8, S=6, Dk=8, Dv=8))
+    # 'cuda' answers with the GPU form's reasons (Triton tiles), no longer a missing lowering
+    assert any("block_len % 16" in s for s in vq_cache.unsupported_reasons("cuda", L=8, M=8, S=6, Dk=8, Dv=8))
     assert any("mem_len <= block_len" in s for s in vq_cache.unsupported_reasons("interpret", L=4, M=8, S=6, Dk=8,
                                                                                 Dv=8))
     assert any("float64" in s for s in vq_cache.unsupported_reasons("interpret", L=8, M=8, S=6, Dk=8, Dv=8,

@@ -1,0 +1,184 @@
+"""The GPU (Pallas-Triton) form of the Transformer-VQ compressive VQ-cache kernel (pallas_kernels/vq_cache_gpu.py,
+spec transformer-vq.md §9) on the shared kernel test base: forward, final state and the Pallas backward kernels in
+interpret mode against the jnp §2.6 serial reference and its autodiff (ragged T, carried state, M < L, several query
+tiles per block, several code chunks, two Dv tiles, fp32 and bf16 storage), its 'cuda' lowering (jax.export, forward
+and VJP) at the paper's shapes, the shared-memory / register budget there, the refusals, and the entry point of
+pallas_kernels/vq_cache.py picking the form by platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from kernel_test_base import KernelTestBase  # noqa: I001
+from test_vq_cache import make_vq_inputs
+
+from pallas_kernels import vq_cache, vq_cache_gpu, vq_cache_ref
+
+# tiny interpret-mode tiles: L = 16 in two query tiles of 8; S = 24 (or 20) padded to two code chunks of 16;
+# Dk = 16; Dv = 32 in two tiles of 16. state_dtype='input': bf16 runs store q, k̂, v and μ̄ in bf16.
+TINY = dict(L=16, S=24, Dk=16, Dv=32, block_q=8, block_s=16, block_v=16, state_dtype="input")
+
+
+class TestVQCacheGPU(KernelTestBase):
+    SHAPES = {
+        "ragged_fresh": dict(TINY, T=40, M=16, warm=0),
+        "carried": dict(TINY, T=32, M=16, warm=23),
+        "short_band_ragged": dict(TINY, T=37, M=11, S=20, warm=27),
+        # bf16 inputs with an fp32 carried state: stored in fp32 (never round a wider input)
+        "carried_f32_state": dict(TINY, T=32, M=16, warm=23, state_dtype=None),
+        # the default tile choice through pallas_kernels.vq_cache.vq_cache_attention(platform='cuda')
+        "entry_default_tiles": dict(T=50, L=16, M=16, S=24, Dk=16, Dv=32, warm=21, state_dtype="input"),
+        # 'cuda' lowering: ragged T, M < L, three Dv tiles of 64, S padded to the code chunk
+        "cuda_ragged_short_band": dict(T=200, L=64, M=40, S=100, Dk=64, Dv=192, warm=0, state_dtype="input"),
+        "enwik8_paper": dict(T=1024, L=512, M=512, S=512, Dk=128, Dv=1536, warm=0, state_dtype="input"),
+        "pg19_paper": dict(T=1024, L=512, M=512, S=512, Dk=128, Dv=4096, warm=0, state_dtype="input"),
+        "refused_block_len": dict(T=48, L=24, M=24, S=32, Dk=32, Dv=32, warm=0),
+    }
+    FORWARD_CASES = (("ragged_fresh", "float32"), ("carried", "float32"), ("short_band_ragged", "float32"),
+                     ("carried", "bfloat16"), ("short_band_ragged", "bfloat16"), ("carried_f32_state", "bfloat16"),
+                     ("entry_default_tiles", "float32"))
+    GRAD_CASES = (("carried", "float32"), ("short_band_ragged", "float32"), ("ragged_fresh", "float32"),
+                  ("short_band_ragged", "bfloat16"))
+    EXPORT_CASES = (("cuda", "cuda_ragged_short_band", "float32"), ("cuda", "enwik8_paper", "float32"),
+                    ("cuda", "enwik8_paper", "bfloat16"), ("cuda", "pg19_paper", "float32"),
+                    ("cuda", "pg19_paper", "bfloat16"), ("cuda", "refused_block_len", "float32"))
+    # bf16 storage rounds μ̄, the probabilities (P·V, P·μ̄ operands) and dO to bf16 (about 2^-9 relative); the
+    # reference is fp32 throughout. fp32 storage matches to fp32 rounding.
+    TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-3, 2e-3)}
+    # gradients w.r.t. bf16 inputs are bf16 (reference and kernel alike): about one bf16 ulp of room
+    GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
+    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: spec §9)
+    DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
+    KERNEL_BACKWARD = True
+
+    @staticmethod
+    def STATE(out):
+        return out[1]
+
+    def make_inputs(self, shape, dtype):
+        return make_vq_inputs(shape, dtype)
+
+    @staticmethod
+    def _state(pos, band_z, band_k, band_v, agg_mu, agg_n):
+        return {"pos": pos, "band_z": band_z, "band_k": band_k, "band_v": band_v, "agg_mu": agg_mu, "agg_n": agg_n}
+
+    def kernel(self, q_u, bd, k_hat, z, v, C, *st, interpret, platform="cuda", L, M, block_q=None, block_s=None,
+               block_v=None):
+        if block_q is None and block_s is None:  # the integrated entry point, which picks the form by platform
+            return vq_cache.vq_cache_attention(q_u, bd, k_hat, z, v, C, self._state(*st), L=L, M=M,
+                                               interpret=interpret, platform=platform or "cuda", block_v=block_v)
+        return vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, self._state(*st), L=L, M=M,
+                                               interpret=interpret, block_q=block_q, block_s=block_s,
+                                               block_v=block_v)
+
+    def reference(self, q_u, bd, k_hat, z, v, C, *st, L, M, **_):
+        return vq_cache.vq_cache_attention_reference(q_u, bd, k_hat, z, v, C, self._state(*st), L=L, M=M)
+
+    def unsupported_reasons(self, platform, shape, dtype):
+        return vq_cache.unsupported_reasons(platform, L=shape["L"], M=shape["M"], S=shape["S"], Dk=shape["Dk"],
+                                            Dv=shape["Dv"], dtype=dtype)
+
+    def export_disabled_checks(self, platform):
+        return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+# -- shared-memory / register budget at the paper's shapes (L = S = 512, Dk = 128; enwik8 Dv = 1536, PG-19 4096)
+@pytest.mark.parametrize("Dv", [1536, 4096])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tile_budget_fits_at_paper_shapes(Dv, dtype):
+    t = vq_cache_gpu.choose_tiles(L=512, S=512, Dk=128, Dv=Dv, in_dtype=dtype)
+    assert t["fits"] and t["tq"] in (64, 128) and t["tv"] in (64, 128) and Dv % t["tv"] == 0
+    assert t["ts"] <= 128 and t["Sp"] == 512
+    assert set(t["plan"]) == set(vq_cache_gpu.KINDS)
+    for p in t["plan"].values():
+        assert p["smem_bytes"] <= vq_cache_gpu.SMEM_LIMIT_BYTES
+        assert p["words_per_thread"] <= vq_cache_gpu.REG_WORDS_LIMIT
+        assert p["num_warps"] in (4, 8)
+    assert vq_cache.unsupported_reasons("cuda", L=512, M=512, S=512, Dk=128, Dv=Dv, dtype=dtype) == []
+    # one Dv-wide tile would not fit: the Dv tiling is what makes the kernels fit
+    assert not vq_cache_gpu.choose_tiles(L=512, S=512, Dk=128, Dv=Dv, in_dtype=dtype, block_v=Dv)["fits"]
+
+
+def test_tile_budget_counts_the_tiles():
+    """The forward's shared memory is q (+ its f32 copy) plus num_stages × the larger loop step; a wider Dv tile
+    adds num_stages × (a [tq, Δtv] value tile); bf16 halves the stored tiles."""
+    kw = dict(tq=64, ts=64, Dk=128)
+    a, _ = vq_cache_gpu.tile_budget("fwd", tv=64, **kw)
+    b, _ = vq_cache_gpu.tile_budget("fwd", tv=128, **kw)
+    assert b - a == vq_cache_gpu.NUM_STAGES * 64 * 64 * 4
+    assert a == 64 * 128 * 4 + vq_cache_gpu.NUM_STAGES * (64 * 128 * 4 + 64 * 64 * 4 + 64 * 64 * 4)
+    c, words = vq_cache_gpu.tile_budget("fwd", tv=64, in_dtype=jnp.bfloat16, num_warps=8, **kw)
+    assert c < a and words == (64 * 64 + 2 * 64 * 64 + 2 * 64) / 256
+
+
+def test_refusals_name_their_reasons():
+    def reasons(platform="cuda", **kw):
+        shape = dict(L=64, M=64, S=64, Dk=64, Dv=64) | kw
+        return vq_cache.unsupported_reasons(platform, **shape)
+
+    assert reasons() == []
+    assert any("block_len % 16" in r for r in reasons(L=24, M=24))
+    assert any("power-of-two key dim" in r for r in reasons(Dk=48))
+    assert any("value dim % 16" in r for r in reasons(Dv=40))
+    r = reasons(Dk=1024)
+    assert len(r) == 1 and "GPU tile budget exceeded" in r[0] and "KiB" in r[0]
+    assert any("no rocm lowering" in r for r in reasons("rocm"))
+    assert any("mem_len <= block_len" in r for r in reasons("interpret", M=65))
+    assert any("float64" in r for r in reasons(dtype=jnp.float64))
+    assert vq_cache_gpu.unsupported_reasons("interpret", L=8, M=8, S=6, Dk=8, Dv=8) == []
+    args, static = make_vq_inputs(dict(T=16, L=8, M=8, S=6, Dk=8, Dv=8, warm=0), jnp.float32)
+    with pytest.raises(ValueError, match="block_len % 16"):
+        TestVQCacheGPU().kernel(*args, interpret=False, **static)
+
+
+def test_entry_point_picks_the_form_by_platform():
+    """vq_cache.vq_cache_attention runs the GPU kernels for platform 'cuda' (also 'gpu', and in interpret mode) and
+    the TPU kernels otherwise (traced only)."""
+    args, static = make_vq_inputs(dict(T=16, L=8, M=8, S=6, Dk=8, Dv=16, warm=0), jnp.float32)
+    kern = TestVQCacheGPU()
+
+    def kernels(platform, interpret=True):
+        f = lambda *a: vq_cache.vq_cache_attention(*a[:6], kern._state(*a[6:]), **static, interpret=interpret,  # noqa: E731
+                                                   platform=platform)
+        return str(jax.make_jaxpr(f)(*args))
+
+    for plat in ("cuda", "gpu"):
+        jaxpr = kernels(plat)
+        assert "vq_cache_gpu_fwd" in jaxpr and "name=vq_cache_fwd" not in jaxpr
+    for plat in (None, "tpu"):
+        jaxpr = kernels(plat)
+        assert "name=vq_cache_fwd" in jaxpr and "vq_cache_gpu" not in jaxpr
+    assert vq_cache.PLATFORMS == ("tpu", "cuda")
+
+
+def test_phase1_cache_is_the_reference_lag2_prefix():
+    """Phase 1 (XLA) gives every query block the reference's lag-2 cache: carried agg ⊕ band ⊕ blocks 0..n-2."""
+    shape = dict(T=40, L=8, M=6, S=6, Dk=8, Dv=8, warm=13)
+    args, _ = make_vq_inputs(shape, jnp.float32)
+    q_u, bd, k_hat, z, v, C = args[:6]
+    st = TestVQCacheGPU._state(*args[6:])
+    p = vq_cache_ref.block_inputs(q_u, bd, k_hat, z, v, C, st, L=8, M=6)
+    captured = {}
+    orig = vq_cache_gpu._attend
+
+    def spy(q, kx, vx, bp, br, mu, ell, Cp, cfg):  # Phase 2 not run: only its inputs are checked
+        captured.update(mu=mu, ell=ell)
+        return jnp.zeros(q.shape[:2] + vx.shape[-1:], jnp.float32)
+
+    def phase1(*a):
+        vq_cache_gpu.vq_cache_attention(*a[:6], TestVQCacheGPU._state(*a[6:]), L=8, M=6, interpret=True)
+        return captured["mu"], captured["ell"]
+
+    vq_cache_gpu._attend = spy
+    try:
+        mu, ell = jax.jit(phase1)(*args)
+    finally:
+        vq_cache_gpu._attend = orig
+    R, S = p["cn"].shape[2], 6
+    mu = mu.reshape(p["cmu"].shape[:3] + mu.shape[-2:])[..., :S, :]
+    ell = ell.reshape(p["cn"].shape[:3] + ell.shape[-1:])
+    assert jnp.allclose(mu, p["cmu"], atol=1e-6)
+    assert jnp.allclose(ell[..., :S], vq_cache_ref.log_count(p["cn"]))
+    assert bool(jnp.all(ell[..., S:] == vq_cache_ref.NEG))  # padded codes are masked
+    assert R == 5 and float(jnp.max(p["cn"][:, :, 0])) > 0  # the carried state fills the cache of block 0
