@@ -89,7 +89,10 @@ def test_vq_cache_refuses_beyond_its_vmem_budget_with_the_number():
                          reasons_fn=vq_cache.unsupported_reasons, **kw)
     c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
                          platform="cuda", Dv=1536, dtype=jnp.float32, **PAPER)
-    assert not c.use_kernel and "no cuda lowering" in c.reasons[0]
+    assert c.use_kernel  # the GPU (Pallas-Triton) form, pallas_kernels/vq_cache_gpu.py
+    c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
+                         platform="rocm", Dv=1536, dtype=jnp.float32, **PAPER)
+    assert not c.use_kernel and "no rocm lowering" in c.reasons[0]
 
 
 def test_eva_chunks_declarations():
