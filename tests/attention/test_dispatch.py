@@ -128,4 +128,4 @@ def test_methods_use_the_resolver(monkeypatch):
                            causal=True, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(core)
     jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, x, x)[0])(state, x)
-    assert seen == ["vq_cache", "eva_chunk_stats"]
+    assert seen == ["vq_cache", "eva_chunk_stats", "eva_attend"]

@@ -74,7 +74,7 @@ def test_contents(bench_out):
     out, _ = bench_out
     ker = json.loads((out / "kernels.json").read_text())
     assert [(r["method"], r["kernel"], r["direction"], r["mode"]) for r in ker["rows"]] == [
-        ("eva", "eva_chunk_stats", "causal", "interpret")]
+        ("eva", "eva_chunk_stats+eva_attend", "causal", "interpret")]
     (kr,) = ker["rows"]
     assert all(kr[f"{i}_{k}_status"] == "ok" and kr[f"{i}_{k}_s"] > 0 for i in ("xla", "pallas") for k in ("fwd", "fwdbwd"))
     assert 0 < kr["max_abs_diff_out"] < 1e-4 and 0 < kr["max_rel_diff_grad"] < 1e-4  # two paths, one function
