@@ -24,7 +24,12 @@ Dtypes: fp32 or bf16 operands; scores by dots with fp32 accumulation, softmax st
 outputs fp32. No attention dropout (EVA runs its XLA path for training steps with ``attn_dropout > 0``) and only
 the ``rep`` chunk logit (eq. 16).
 
-Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128]; TPU:
+Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up to 128 chunks; on GPU local
+blocks are scored in key sub-tiles of :data:`GPU_KEY_TILE` and chunk tiles hold up to 64 chunks, so a score tile is
+at most ``[W, 64]``, with 4 or 8 warps by a register estimate (:func:`gpu_plan`).
+
+Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128] and the
+register estimate within :data:`REG_WORDS_LIMIT`; TPU:
 ``W % 8 == 0``, ``d``, ``dv`` multiples of 128 or 64, and a VMEM estimate of the largest kernel's blocks
 (double-buffered) below :data:`VMEM_LIMIT_BYTES` -- the chunk summaries are whole blocks, so this bounds ``C``.
 """
@@ -42,14 +47,29 @@ from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offse
 
 f32 = jnp.float32
 VMEM_LIMIT_BYTES = 48 * 2**20
+GPU_KEY_TILE = 64  # local keys per score tile on GPU (a [W, 64] fp32 tile per dot at W = 128)
+REG_WORDS_LIMIT = 192  # live f32 tile words per thread the GPU estimate allows (of 255 registers)
 PLATFORMS = ("tpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 
 
 # ----------------------------------------------------------------------------- support
-def chunk_tile(C: int) -> int:
-    """Chunk tile Tc: a power of two in [16, 128] (Triton dots; TPU sublane-aligned)."""
-    return int(min(128, max(16, 1 << max(C - 1, 1).bit_length())))
+def chunk_tile(C: int, cap: int = 128) -> int:
+    """Chunk tile Tc: a power of two in [16, cap] (Triton dots; TPU sublane-aligned); cap 64 on GPU."""
+    return int(min(cap, max(16, 1 << max(C - 1, 1).bit_length())))
+
+
+def gpu_plan(*, W: int, d: int, dv: int, Tk: int, Tc: int) -> tuple[int, float]:
+    """(num_warps, live f32 words per thread) of the costliest GPU kernel, dq: two [W, max(Tk, Tc)] tiles (scores
+    then probabilities; dP then dS), dO [W, dv], the dq accumulator and the query [W, d]. 8 warps where 4 would
+    exceed :data:`REG_WORDS_LIMIT`. An estimate for choosing warps and refusing clearly too large tiles, not a
+    measurement (no GPU has compiled these kernels yet): WikiText-103's W = 128, d = 64 gives 160 words at 8
+    warps; d = 128 at W = 128 (256) is refused."""
+    words = 2 * W * max(Tk, Tc) + W * dv + 2 * W * d
+    for warps in (4, 8):
+        if words / (32 * warps) <= REG_WORDS_LIMIT:
+            break
+    return warps, words / (32 * warps)
 
 
 def _padded_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -87,6 +107,11 @@ def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: 
         for name, x in (("window_size", W), ("head_dim", d), ("value_dim", dv)):
             if x & (x - 1) or not 16 <= x <= 128:
                 out.append(f"{name}={x}: GPU (Triton) blocks need a power of two in [16, 128]")
+        if not out:
+            warps, words = gpu_plan(W=W, d=d, dv=dv, Tk=min(W, GPU_KEY_TILE), Tc=chunk_tile(C, 64))
+            if words > REG_WORDS_LIMIT:
+                out.append(f"register estimate {words:.0f} f32 words per thread at {warps} warps exceeds "
+                           f"{REG_WORDS_LIMIT} (window {W}, head {d}, value {dv})")
     else:
         if W % 8:
             out.append(f"window_size={W}: TPU blocks need a multiple of 8")
@@ -130,6 +155,8 @@ class _Geo:
     L: int
     C: int
     Tc: int
+    Tk: int  # key sub-tile of a local block (W on TPU; at most 64 on GPU, so a [W, Tk] score tile fits registers)
+    num_warps: int  # GPU only
     offsets: tuple[int, ...]
     causal: bool
     disjoint: bool
@@ -138,14 +165,15 @@ class _Geo:
     has_bias: bool
 
 
-def _local_scores(g: _Geo, q, k, bias, i, blk, in_range):
-    """Scores and mask of query block ``i`` against key block ``blk`` (traced ints): [W, W]."""
-    W = g.W
+def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int):
+    """Scores and mask of query block ``i`` against keys ``c0 .. c0+Tk-1`` of key block ``blk`` (traced ints):
+    [W, Tk]."""
+    W, Tk = g.W, g.Tk
     s = _nt(q, k)
     if bias is not None:
         s = s + bias
-    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, W), 0)
-    kpos = blk * W + jax.lax.broadcasted_iota(jnp.int32, (W, W), 1)
+    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, Tk), 0)
+    kpos = blk * W + c0 + jax.lax.broadcasted_iota(jnp.int32, (W, Tk), 1)
     valid = (kpos >= i * W - g.e_l) & (kpos < (i + 1) * W + g.e_r) & (kpos >= 0) & (kpos < g.L) & in_range
     if g.causal:
         valid = valid & (kpos <= qpos)
@@ -206,6 +234,10 @@ def _split_refs(g: _Geo, refs, n_extra_in: int, n_out: int):
     return q_ref, kv, kh_ref, beta_ref, bias_ref, rest[:n_extra_in], rest[n_extra_in:n_extra_in + n_out]
 
 
+def _bias(bias_ref, t: int, cols: slice):
+    return None if bias_ref is None else bias_ref[t, :, cols].astype(f32)
+
+
 def _local_blocks(g: _Geo, i):
     nq = pl.num_programs(1)
     return [(i + o, (i + o >= 0) & (i + o < nq)) for o in g.offsets]
@@ -219,8 +251,10 @@ def _fwd_kernel(*refs, g: _Geo):
     q = q_ref[...]
     carry = (jnp.full((W, 1), NEG, f32), jnp.zeros((W, 1), f32), jnp.zeros((W, dv), f32))
     for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
-        s, valid = _local_scores(g, q, k_ref[...], None if bias_ref is None else bias_ref[t].astype(f32), i, blk, ok)
-        carry = _online(carry, s, valid, v_ref[...])
+        for c0 in range(0, W, g.Tk):
+            cols = slice(c0, c0 + g.Tk)
+            s, valid = _local_scores(g, q, k_ref[cols, :], _bias(bias_ref, t, cols), i, blk, ok, c0)
+            carry = _online(carry, s, valid, v_ref[cols, :])
 
     def body(j, carry):
         c0 = pl.multiple_of(j * g.Tc, g.Tc)
@@ -247,9 +281,11 @@ def _dq_kernel(*refs, g: _Geo):
 
     dq = jnp.zeros(dq_ref.shape, f32)
     for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
-        k = k_ref[...]
-        s, valid = _local_scores(g, q, k, None if bias_ref is None else bias_ref[t].astype(f32), i, blk, ok)
-        dq = grad_q(dq, s, valid, k, v_ref[...])
+        for c0 in range(0, g.W, g.Tk):
+            cols = slice(c0, c0 + g.Tk)
+            k = k_ref[cols, :]
+            s, valid = _local_scores(g, q, k, _bias(bias_ref, t, cols), i, blk, ok, c0)
+            dq = grad_q(dq, s, valid, k, v_ref[cols, :])
 
     def body(j, dq):
         c0 = pl.multiple_of(j * g.Tc, g.Tc)
@@ -274,26 +310,28 @@ def _dlocal_kernel(*refs, g: _Geo):
     db_ref = rest[2] if g.has_bias else None
     j = pl.program_id(1)
     nq = pl.num_programs(1)
-    k, v = k_ref[...], v_ref[...].astype(f32)
-    dk = jnp.zeros(dk_ref.shape, f32)
-    dv = jnp.zeros(dv_ref.shape, f32)
-    for t, o in enumerate(g.offsets):
-        q_ref, do_ref, lse_ref, dl_ref = per[t]
-        i = j - o
-        ok = (i >= 0) & (i < nq)
-        q, do = q_ref[...], do_ref[...].astype(f32)
-        s, valid = _local_scores(g, q, k, None if bias_ref is None else bias_ref[t].astype(f32), i, j, ok)
-        p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)
-        dv = dv + _tn(p, do)
-        ds = p * (_nt(do, v) - dl_ref[...])
-        dk = dk + _tn(ds, q.astype(f32))
-        if db_ref is not None:
-            db_ref[t] = ds
+    for c0 in range(0, g.W, g.Tk):  # key sub-tiles of block j
+        cols = slice(c0, c0 + g.Tk)
+        k, v = k_ref[cols, :], v_ref[cols, :].astype(f32)
+        dk = jnp.zeros((g.Tk, dk_ref.shape[-1]), f32)
+        dv = jnp.zeros((g.Tk, dv_ref.shape[-1]), f32)
+        for t, o in enumerate(g.offsets):
+            q_ref, do_ref, lse_ref, dl_ref = per[t]
+            i = j - o
+            ok = (i >= 0) & (i < nq)
+            q, do = q_ref[...], do_ref[...].astype(f32)
+            s, valid = _local_scores(g, q, k, _bias(bias_ref, t, cols), i, j, ok, c0)
+            p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)
+            dv = dv + _tn(p, do)
+            ds = p * (_nt(do, v) - dl_ref[...])
+            dk = dk + _tn(ds, q.astype(f32))
+            if db_ref is not None:
+                db_ref[t, :, cols] = ds
+        dk_ref[cols, :] = dk
+        dv_ref[cols, :] = dv
     if db_ref is not None:
         for t in range(n_lt, db_ref.shape[0]):  # tiles padded to a power-of-two count
             db_ref[t] = jnp.zeros(db_ref.shape[1:], f32)
-    dk_ref[...] = dk
-    dv_ref[...] = dv
 
 
 # ----------------------------------------------------------------------------- chunk dk̂, dβ kernels
@@ -341,7 +379,7 @@ def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_re
 
 
 # ----------------------------------------------------------------------------- pallas_call wrappers
-def _compiler_params(platform, semantics):
+def _compiler_params(platform, semantics, g: _Geo | None = None):
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -349,14 +387,16 @@ def _compiler_params(platform, semantics):
     if platform in ("gpu", "cuda"):
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+        warps = 4 if g is None else g.num_warps
+        return pltriton.CompilerParams(num_warps=warps, num_stages=2)
     return None
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, platform, semantics):
+    g = kernel.keywords["g"]
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret,
-                          compiler_params=None if interpret else _compiler_params(platform, semantics))
+                          compiler_params=None if interpret else _compiler_params(platform, semantics, g))
 
 
 def _qside(g: _Geo, q, k, v, kh, beta, bias, heads, extra, kernel, outs, interpret, platform):
@@ -484,16 +524,17 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
-               disjoint: bool, heads: int, interpret: bool = False, platform: str | None = None):
+               disjoint: bool, heads: int, interpret: bool = False, platform: str | None = None,
+               key_tile: int | None = None):
     """Phase B by the kernels; same contract as :func:`eva_attend_reference` (kernel operands, ``q`` pre-scaled):
     returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
 
     ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters and the form of
-    the chunk-gradient kernel; in interpret mode it picks only that form (default the TPU one)."""
+    the chunk-gradient kernel and the tiles (GPU: key and chunk tiles of at most 64); in interpret mode it
+    picks only those (default the TPU form). ``key_tile`` overrides the local key sub-tile (tests)."""
     BH, Lp, d = q.shape
     dv = v.shape[-1]
     C = -(-L // P)
-    Tc = chunk_tile(C)
     if Lp % W or Lp < L:
         raise ValueError(f"eva_attend: padded length {Lp} must be a multiple of W={W} and >= L={L}")
     plat = platform or {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
@@ -503,6 +544,8 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
         reasons = ["Pallas runs on CPU only with interpret=True"] + reasons
     if reasons:
         raise ValueError("eva_attend cannot run: " + "; ".join(reasons))
+    gpu = plat in ("cuda", "gpu")
+    Tc = chunk_tile(C, 64 if gpu else 128)
     Cp = -(-C // Tc) * Tc
     kh = jnp.pad(k_hat[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
     bt = jnp.pad(beta[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
@@ -511,8 +554,12 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
         raise ValueError(f"eva_attend: bias has {bias.shape[1]} tiles for {len(offsets)} key-block offsets")
     if bias is not None and len(offsets) & (len(offsets) - 1):  # Triton blocks: a power-of-two tile count
         bias = jnp.pad(bias, ((0, 0), (0, (1 << (len(offsets) - 1).bit_length()) - len(offsets)), (0, 0), (0, 0)))
-    g = _Geo(W, P, L, C, Tc, offsets, causal, disjoint, e_l, e_r, bias is not None)
-    form = "loop" if plat in ("cuda", "gpu") else "tpu"
+    Tk = key_tile or (min(W, GPU_KEY_TILE) if gpu else W)
+    if W % Tk:
+        raise ValueError(f"eva_attend: key_tile={Tk} must divide W={W}")
+    warps = gpu_plan(W=W, d=d, dv=dv, Tk=Tk, Tc=Tc)[0]
+    g = _Geo(W, P, L, C, Tc, Tk, warps, offsets, causal, disjoint, e_l, e_r, bias is not None)
+    form = "loop" if gpu else "tpu"
     o, lse = _attend(q, k, v, kh, bt, bias, g, heads, interpret, None if interpret else plat, form)
     return o, lse[..., 0]
 

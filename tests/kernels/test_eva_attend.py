@@ -27,10 +27,12 @@ class TestEVAAttend(KernelTestBase):
     # (0: no bias), form: the chunk-gradient kernel's form in interpret mode ('tpu' grid-accumulation, 'cuda' loop)
     SHAPES = {
         "causal_rpe": dict(L=45, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=True, hb=1, form="tpu"),
-        "causal_overlap_loop": dict(L=45, W=8, P=4, d=16, dv=8, e_l=8, e_r=0, causal=True, hb=1, form="cuda"),
+        "causal_overlap_loop": dict(L=45, W=8, P=4, d=16, dv=8, e_l=8, e_r=0, causal=True, hb=1, form="cuda",
+                                    key_tile=4),  # local blocks in two key sub-tiles (GPU tiling)
         "causal_overlap_disjoint": dict(L=45, W=8, P=4, d=16, dv=16, e_l=8, e_r=0, causal=True, hb=0, form="tpu",
                                         disjoint=True),
-        "bidir_overlap_loop": dict(L=43, W=8, P=2, d=16, dv=16, e_l=4, e_r=4, causal=False, hb=H, form="cuda"),
+        "bidir_overlap_loop": dict(L=43, W=8, P=2, d=16, dv=16, e_l=4, e_r=4, causal=False, hb=H, form="cuda",
+                                   key_tile=4),
         "bidir_plain": dict(L=40, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=False, hb=0, form="tpu"),
         # WikiText-103 (spec §8.3): window 128, chunk 8, head 64, 512 tokens; and a long row
         "wt103": dict(L=512, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),
@@ -68,14 +70,15 @@ class TestEVAAttend(KernelTestBase):
         n_lt = len(eva_attend_ref.local_offsets(shape["e_l"], shape["e_r"]))
         bias = jax.random.normal(ks[5], (shape["hb"], n_lt, W, W)) if shape["hb"] else None
         static = dict(W=W, e_l=shape["e_l"], e_r=shape["e_r"], P=P, L=L, causal=shape["causal"],
-                      disjoint=shape.get("disjoint", False), heads=H, form=shape.get("form"))
+                      disjoint=shape.get("disjoint", False), heads=H, form=shape.get("form"),
+                      key_tile=shape.get("key_tile"))
         return (q, k, v, kh, beta, bias), static
 
     def kernel(self, q, k, v, kh, beta, bias, *, interpret, platform=None, form=None, **static):
         return eva_attend.eva_attend(q, k, v, kh, beta, bias, **static, interpret=interpret,
                                      platform=platform or (form if interpret else None))
 
-    def reference(self, q, k, v, kh, beta, bias, *, form=None, **static):
+    def reference(self, q, k, v, kh, beta, bias, *, form=None, key_tile=None, **static):
         return eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **static)
 
     def unsupported_reasons(self, platform, shape, dtype):
@@ -92,7 +95,7 @@ def test_reference_padding_rows_and_chunks_carry_no_weight():
     changing them leaves every real query's output unchanged."""
     t = TestEVAAttend()
     (q, k, v, kh, beta, bias), st = t.make_inputs(TestEVAAttend.SHAPES["bidir_overlap_loop"], jnp.float32)
-    st.pop("form")
+    st.pop("form"), st.pop("key_tile")
     L, P = st["L"], st["P"]
     o1, _ = eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **st)
     pad = (jnp.arange(q.shape[1]) >= L)[None, :, None]
@@ -120,6 +123,10 @@ def test_refusals_name_their_reasons():
     assert any("exact_lse" in r for r in eva_attend.unsupported_reasons("tpu", W=128, d=64, dv=64, C=64,
                                                                          chunk_logit="exact_lse"))
     assert any("rocm" in r for r in eva_attend.unsupported_reasons("rocm", W=128, d=64, dv=64, C=64))
+    # GPU register estimate: WikiText-103's window 128 with heads of 64 fits at 8 warps, heads of 128 do not
+    assert eva_attend.gpu_plan(W=128, d=64, dv=64, Tk=64, Tc=64) == (8, 160.0)
+    assert any("register" in r for r in eva_attend.unsupported_reasons("cuda", W=128, d=128, dv=128, C=64))
+    assert eva_attend.unsupported_reasons("cuda", W=64, d=128, dv=128, C=64) == []
 
 
 def test_method_runs_both_kernels_and_falls_back_for_dropout(monkeypatch):
