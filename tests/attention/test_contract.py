@@ -5,7 +5,7 @@ configuration it declares through ``AttentionCore.contract_cases()``. A method c
 configuration only, never test code: registering a new method gives it the whole suite.
 
 Laws (tolerances from the case; a wrong implementation cannot meet them):
-  * shapes and dtypes; jit == eager; vmap == per-example calls
+  * shapes and dtypes; jit == eager (on each method's first case); vmap == per-example calls
   * streamed in uneven chunks (1 token, borders that are multiples of no block size) == one full pass
   * token-by-token decoding == full pass, over a length that populates every part of the state
   * no future leak, by perturbation and by Jacobian, at a late query whose carried state is populated;
@@ -62,6 +62,11 @@ def _cases():
 ALL = _cases()
 CAUSAL = [p for p in ALL if p.values[2] == "causal"]
 BIDIR = [p for p in ALL if p.values[2] == "bidirectional"]
+# jit == eager is checked on each method's first default case: an eager call dispatches op by op and costs 5-9 s
+# for the larger methods, and what it can catch (Python-side branches on concrete values) does not depend on the
+# case; every other law runs jitted on every case
+EAGER = {next(p.values for p in ALL if p.values[0] == n and not any(m.name == "slow" for m in p.marks))
+         for n in {p.values[0] for p in ALL if not any(m.name == "slow" for m in p.marks)}}
 
 
 class Harness:
@@ -173,8 +178,9 @@ def test_shapes_dtypes_jit_and_vmap(name, cname, direction):
     assert out.shape == (B, h.case.num_heads, h.T, h.dv)
     assert out.dtype == v.dtype
     assert bool(jnp.all(jnp.isfinite(out)))
-    eager, _ = h.core(q, k, v, None, deterministic=True)
-    h.close(eager, out, "jit != eager")
+    if (name, cname, direction) in EAGER:
+        eager, _ = h.core(q, k, v, None, deterministic=True)
+        h.close(eager, out, "jit != eager")
     # vmap over an extra leading axis == per-example calls
     qs, ks, vs = (jnp.stack([a, jnp.flip(a, axis=0)]) for a in (q, k, v))
     # under jit, as a vmap is used (an eager vmap dispatches op by op: 8 s of the 19 s of eva's case)

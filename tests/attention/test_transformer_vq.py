@@ -454,7 +454,9 @@ def test_gradients_match_reference(x64, form, L, M):
         assert float(jnp.abs(b).max()) > 0, name
 
 
-@pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), (5, 4, 4, 4), (16, 8, 8, 4)])
+# (21, 4, 3, 2): ragged T, a band shorter than the block, two tiles per block; the others run under -m slow
+@pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), pytest.param(5, 4, 4, 4, marks=pytest.mark.slow),
+                                          pytest.param(16, 8, 8, 4, marks=pytest.mark.slow)])
 def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile):
     """causal_blocks (tiled scan, recomputing backward) == causal_parallel (serial): output, new state and
     the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0."""
