@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import os
+import functools
+import time
 
-# The suite is dominated by XLA:CPU compile time of many small shapes; LLVM opt level 0 halves it
-# (numerics unchanged). Takes effect only if no test initialized the CPU backend before this module.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
 
-import functools  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from longctx import attention  # noqa: E402
-from longctx.attention import eva  # noqa: E402
-from longctx.attention.dense import naive_attention  # noqa: E402
-from longctx.errors import ConfigError  # noqa: E402
+from longctx import attention
+from longctx.attention import eva
+from longctx.attention.dense import naive_attention
+from longctx.errors import ConfigError
 
 B, H, D = 2, 2, 16
 

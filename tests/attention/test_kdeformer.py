@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import os
+import functools
+import math
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
 
-import functools  # noqa: E402
-import math  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from longctx import attention  # noqa: E402
-from longctx.attention import kdeformer as kd  # noqa: E402
-from longctx.attention.base import CapacityError  # noqa: E402
-from longctx.attention.dense import naive_attention  # noqa: E402
-from longctx.errors import ConfigError  # noqa: E402
+from longctx import attention
+from longctx.attention import kdeformer as kd
+from longctx.attention.base import CapacityError
+from longctx.attention.dense import naive_attention
+from longctx.errors import ConfigError
 
 B, H, D = 2, 2, 8
 SMALL = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}

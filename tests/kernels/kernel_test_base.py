@@ -23,17 +23,12 @@ are cached per class and shared by the forward and final-state tests.
 
 from __future__ import annotations
 
-import os
+from typing import Any, Callable
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # compile-bound tests
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
-from typing import Any, Callable  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NO_KERNEL_BACKWARD = "backward is the reference VJP, no kernel backward to test"
