@@ -221,11 +221,13 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     return o, _final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S)
 
 
-def _tile_bias(bdr, off, L: int):
-    """Band bias [.., Lq, 2L] of the queries off..off+Lq-1 of a block (off traced): bd[i, L + off + i - j]."""
+def _tile_bias(bdr, off: int, L: int):
+    """Band bias [.., Lq, L + off + Lq] of the queries off..off+Lq-1 of a block (off static): bd[i, L + off + i - j]
+    for the previous block and the present keys 0..off+Lq-1 (the later present keys are in every query's
+    future and are not scored)."""
     extra = L - bdr.shape[-2]
     wide = skew_bias(bdr, L + extra, 2 * L + extra)
-    return jax.lax.dynamic_slice_in_dim(wide, extra - off, 2 * L, axis=-1)
+    return wide[..., extra - off: extra - off + L + off + bdr.shape[-2]]
 
 
 def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
@@ -236,12 +238,13 @@ def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
     costs no select over the tile); the two parts share one normalizer and are never concatenated."""
     Lq = qt.shape[2]
     L = valid_c.shape[0]
+    n_pres = off + Lq  # present keys any query of the tile can see
     s_c = jnp.einsum("bhld,hsd->bhls", qt, Cs) + lcr[:, :, None, :]
     bdt = jnp.einsum("bhld,hnd->bhln", qvt, r)
-    causal = jnp.arange(L)[None, :] <= (off + jnp.arange(Lq))[:, None]
-    keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :]], axis=-1)
+    causal = jnp.arange(n_pres)[None, :] <= (off + jnp.arange(Lq))[:, None]
+    keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :n_pres]], axis=-1)
     band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
-    return s_c, jnp.einsum("bhld,bhnd->bhln", qt, K) + band, bdt
+    return s_c, jnp.einsum("bhld,bhnd->bhln", qt, K[:, :, :L + n_pres]) + band, bdt
 
 
 def _block_kv(ops, i):
@@ -267,16 +270,17 @@ def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
     def block(_, i):
         K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
-        def tile(_, c):
+        def tile(c):  # c static: tile c scores the previous block and present keys 0..(c+1)Lq-1
             s_c, s_l, _ = _tile_scores(_tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), c * Lq, r, Cs, lcr, K,
                                        valid_p, valid_c)
             m = jnp.maximum(jnp.max(s_c, axis=-1, keepdims=True), jnp.max(s_l, axis=-1, keepdims=True))
             p_c, p_l = jnp.exp(s_c - m), jnp.exp(s_l - m)
             den = jnp.sum(p_c, axis=-1, keepdims=True) + jnp.sum(p_l, axis=-1, keepdims=True)
-            o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V)
-            return None, (o / den, (m + jnp.log(den))[..., 0])
+            o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V[:, :, :s_l.shape[-1]])
+            return o / den, (m + jnp.log(den))[..., 0]
 
-        return None, jax.lax.scan(tile, None, jnp.arange(L // Lq))[1]
+        outs = [tile(c) for c in range(L // Lq)]
+        return None, tuple(jnp.stack(x) for x in zip(*outs))
 
     _, (o, lse) = jax.lax.scan(block, None, jnp.arange(R))  # [R, nt, B,H,Lq,.]
     o = jnp.moveaxis(o, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
@@ -302,18 +306,20 @@ def _vq_blocks_bwd(Lq, res, do):
     def block(dr, i):
         K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
-        def tile(carry, c):
+        def tile(carry, c):  # c static, as in the forward: keys beyond the tile's last query are not scored
             dr, dK, dV, dcm = carry
             qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
             s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
+            nk = s_l.shape[-1]
+            Kt, Vt = K[:, :, :nk], V[:, :, :nk]
             lse_t = _tile_rows(lse, i, c, Lq)[..., None]
             delta_t = _tile_rows(delta, i, c, Lq)[..., None]
             p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
             ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
-            ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, V) - delta_t)
-            dq = jnp.einsum("bhls,hsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, K)
-            dK = dK + jnp.einsum("bhln,bhld->bhnd", ds_l, qt)  # the codebook takes no gradient
-            dV = dV + jnp.einsum("bhln,bhld->bhnd", p_l, dot)
+            ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, Vt) - delta_t)
+            dq = jnp.einsum("bhls,hsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
+            dK = dK.at[:, :, :nk].add(jnp.einsum("bhln,bhld->bhnd", ds_l, qt))  # the codebook takes no gradient
+            dV = dV.at[:, :, :nk].add(jnp.einsum("bhln,bhld->bhnd", p_l, dot))
             dcm = dcm + jnp.einsum("bhls,bhld->bhsd", p_c, dot)
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
             (dbd,) = bias_t(ds_l)
@@ -321,8 +327,13 @@ def _vq_blocks_bwd(Lq, res, do):
             dr = dr + jnp.einsum("bhln,bhld->hnd", dbd, qvt)
             return (dr, dK, dV, dcm), (dq, dqv)
 
-        zero = (dr, jnp.zeros_like(K), jnp.zeros_like(V), jnp.zeros_like(cm))
-        (dr, dK, dV, dcm), (dq, dqv) = jax.lax.scan(tile, zero, jnp.arange(L // Lq))
+        carry = (dr, jnp.zeros_like(K), jnp.zeros_like(V), jnp.zeros_like(cm))
+        grads = []
+        for c in range(L // Lq):
+            carry, g = tile(carry, c)
+            grads.append(g)
+        dr, dK, dV, dcm = carry
+        dq, dqv = (jnp.stack(x) for x in zip(*grads))
         return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dcm, dV[:, :, :L], dV[:, :, L:])
 
     dr, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(r), jnp.arange(R))
