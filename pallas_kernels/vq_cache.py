@@ -57,9 +57,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import vq_cache_gpu
 from pallas_kernels.vq_cache_ref import (
+    KERNEL_DTYPES,
     NEG,
     final_state,
     float_dtype,
+    input_reasons,
     pad_left,
     pad_to,
     skew_bias,
@@ -71,7 +73,7 @@ SUB = 8
 VMEM_LIMIT_BYTES = 48 * 2**20  # passed to Mosaic as vmem_limit_bytes; the estimate must stay below it
 TV_CANDIDATES = (512, 256, 128)
 PLATFORMS = ("tpu", "cuda")  # 'tpu': the kernels of this module; 'cuda': pallas_kernels.vq_cache_gpu
-DTYPES = ("float32", "bfloat16")
+DTYPES = KERNEL_DTYPES
 f32 = jnp.float32
 
 
@@ -157,11 +159,7 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
     returns the GPU form's reasons (:func:`pallas_kernels.vq_cache_gpu.unsupported_reasons`)."""
     if platform == "cuda":
         return vq_cache_gpu.unsupported_reasons("cuda", L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype, with_grad=with_grad)
-    reasons = []
-    if not 1 <= M <= L:
-        reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
-    if _dtype_name(dtype) not in DTYPES:
-        reasons.append(f"dtype {_dtype_name(dtype)} not supported (allowed: {', '.join(DTYPES)})")
+    reasons = input_reasons(L=L, M=M, dtype=dtype)
     if platform == "interpret":
         return reasons
     if platform not in PLATFORMS:

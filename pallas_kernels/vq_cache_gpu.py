@@ -76,11 +76,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.vq_cache_ref import (
+    KERNEL_DTYPES,
     NEG,
     cast_state,
     code_summary,
     final_state,
     float_dtype,
+    input_reasons,
     log_count,
     pad_left,
     pad_to,
@@ -90,7 +92,7 @@ from pallas_kernels.vq_cache_ref import (
 
 f32 = jnp.float32
 HALF_NEG = NEG / 2  # a bias / log-count below this is a masked entry
-DTYPES = ("float32", "bfloat16")
+DTYPES = KERNEL_DTYPES
 SMEM_LIMIT_BYTES = 227 * 1024  # H100: maximum dynamic shared memory per thread block
 REG_WORDS_LIMIT = 128  # live f32 tile words per thread the estimate allows (of 255 registers)
 TQ_CANDIDATES = (64, 32, 16)
@@ -180,11 +182,7 @@ def _dtype_name(dtype) -> str:
 def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype=f32,
                         with_grad: bool = True) -> list[str]:
     """Why the GPU form cannot serve these shapes on ``platform`` ('cuda' | 'interpret'); empty when it can."""
-    reasons = []
-    if not 1 <= M <= L:
-        reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
-    if _dtype_name(dtype) not in DTYPES:
-        reasons.append(f"dtype {_dtype_name(dtype)} not supported (allowed: {', '.join(DTYPES)})")
+    reasons = input_reasons(L=L, M=M, dtype=dtype)
     if platform == "interpret":
         return reasons
     if platform != "cuda":

@@ -248,7 +248,24 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
 
 vq_cache_attention_reference = functools.partial(causal_parallel, reduction="serial")
 
+KERNEL_DTYPES = ("float32", "bfloat16")
+
+
+def input_reasons(*, L: int, M: int, dtype) -> list[str]:
+    """What every VQ-cache kernel form (TPU, GPU) refuses whatever the platform: the band longer than a block,
+    and dtypes other than :data:`KERNEL_DTYPES`."""
+    reasons = []
+    if not 1 <= M <= L:
+        reasons.append(f"needs 1 <= mem_len <= block_len (got M={M}, L={L})")
+    name = jnp.dtype(dtype).name
+    if name not in KERNEL_DTYPES:
+        reasons.append(f"dtype {name} not supported (allowed: {', '.join(KERNEL_DTYPES)})")
+    return reasons
+
+
 __all__ = [
+    "KERNEL_DTYPES",
+    "input_reasons",
     "NEG",
     "block_inputs",
     "REDUCTIONS",

@@ -64,7 +64,29 @@ def _warm_state(L, M, q_u, bd, k_hat, z, v, C, pos, band_z, band_k, band_v, agg_
     return tuple(new[k] for k in ("pos", "band_z", "band_k", "band_v", "agg_mu", "agg_n"))
 
 
-class TestVQCache(KernelTestBase):
+class VQCacheKernelCases(KernelTestBase):
+    """What both forms of the kernel (TPU: this file; GPU: test_vq_cache_gpu.py) share: inputs, the final
+    state, the differentiated arguments and the gradient tolerances."""
+
+    # gradients w.r.t. bf16 inputs are bf16 (reference and kernel alike): one bf16 ulp of room
+    GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
+    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: spec §9)
+    DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
+    KERNEL_BACKWARD = True
+
+    @staticmethod
+    def STATE(out):
+        return out[1]
+
+    def make_inputs(self, shape, dtype):
+        return make_vq_inputs(shape, dtype)
+
+    @staticmethod
+    def _state(pos, band_z, band_k, band_v, agg_mu, agg_n):
+        return {"pos": pos, "band_z": band_z, "band_k": band_k, "band_v": band_v, "agg_mu": agg_mu, "agg_n": agg_n}
+
+
+class TestVQCache(VQCacheKernelCases):
     # L = 8, S = 6, Dk = 8, Dv = 16 with Dv tiles of 8 (two tiles) unless stated; warm = tokens already in the state
     SHAPES = {
         "ragged_fresh": dict(T=20, L=8, M=8, S=6, Dk=8, Dv=16, warm=0, block_v=8),
@@ -86,22 +108,6 @@ class TestVQCache(KernelTestBase):
     # bf16 inputs are exact in the fp32 reference; the kernel computes in fp32 (bf16 q·k̂ and one-hot MXU
     # operands, fp32 accumulation), so bf16 needs only a little more room than fp32.
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (1e-4, 1e-4)}
-    # gradients w.r.t. bf16 inputs are bf16 (reference and kernel alike): one bf16 ulp of room
-    GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
-    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: spec §9)
-    DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
-    KERNEL_BACKWARD = True
-
-    @staticmethod
-    def STATE(out):
-        return out[1]
-
-    def make_inputs(self, shape, dtype):
-        return make_vq_inputs(shape, dtype)
-
-    @staticmethod
-    def _state(pos, band_z, band_k, band_v, agg_mu, agg_n):
-        return {"pos": pos, "band_z": band_z, "band_k": band_k, "band_v": band_v, "agg_mu": agg_mu, "agg_n": agg_n}
 
     def kernel(self, q_u, bd, k_hat, z, v, C, *st, interpret, platform=None, L, M, block_v):
         return vq_cache.vq_cache_attention(q_u, bd, k_hat, z, v, C, self._state(*st), L=L, M=M,

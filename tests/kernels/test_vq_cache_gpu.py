@@ -10,8 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from kernel_test_base import KernelTestBase  # noqa: I001
-from test_vq_cache import make_vq_inputs
+from test_vq_cache import VQCacheKernelCases, make_vq_inputs
 
 from pallas_kernels import vq_cache, vq_cache_gpu, vq_cache_ref
 
@@ -20,7 +19,7 @@ from pallas_kernels import vq_cache, vq_cache_gpu, vq_cache_ref
 TINY = dict(L=16, S=24, Dk=16, Dv=32, block_q=8, block_s=16, block_v=16, state_dtype="input")
 
 
-class TestVQCacheGPU(KernelTestBase):
+class TestVQCacheGPU(VQCacheKernelCases):
     SHAPES = {
         "ragged_fresh": dict(TINY, T=40, M=16, warm=0),
         "carried": dict(TINY, T=32, M=16, warm=23),
@@ -46,22 +45,6 @@ class TestVQCacheGPU(KernelTestBase):
     # bf16 storage rounds μ̄, the probabilities (P·V, P·μ̄ operands) and dO to bf16 (about 2^-9 relative); the
     # reference is fp32 throughout. fp32 storage matches to fp32 rounding.
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-3, 2e-3)}
-    # gradients w.r.t. bf16 inputs are bf16 (reference and kernel alike): about one bf16 ulp of room
-    GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
-    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: spec §9)
-    DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
-    KERNEL_BACKWARD = True
-
-    @staticmethod
-    def STATE(out):
-        return out[1]
-
-    def make_inputs(self, shape, dtype):
-        return make_vq_inputs(shape, dtype)
-
-    @staticmethod
-    def _state(pos, band_z, band_k, band_v, agg_mu, agg_n):
-        return {"pos": pos, "band_z": band_z, "band_k": band_k, "band_v": band_v, "agg_mu": agg_mu, "agg_n": agg_n}
 
     def kernel(self, q_u, bd, k_hat, z, v, C, *st, interpret, platform="cuda", L, M, block_q=None, block_s=None,
                block_v=None):
