@@ -81,7 +81,9 @@ def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = 
     from ml_collections import config_flags
 
     from longctx import config as config_lib
+    from longctx.host_memory import keep_freed_memory
 
+    keep_freed_memory()  # before JAX starts its threads (see longctx/host_memory.py)
     argv = join_config_flag(list(sys.argv if argv is None else argv))
     fv = flags.FlagValues()
     if config == "file":

@@ -265,6 +265,9 @@ def release_worker(src: str) -> None:
 def ours_worker() -> None:
     """This repository's side: the step benchmark's own build and timing functions."""
     sys.path.insert(0, str(REPO))
+    from longctx.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # what every longctx entry point does (LONGCTX_HOST_MALLOC=system turns it off)
     import jax
     import numpy as np
 
@@ -367,6 +370,10 @@ def markdown(res: dict) -> str:
         f"repository's `{res['ours_config']}` with `{' '.join(res['ours_sets'])}`; "
         f"median of {res['repeats']} interleaved steps after {res['warmup']} warm-up step(s).",
         "",
+        f"Host allocator (longctx/host_memory.py): release `{res.get('release_malloc', 'system')}`, ours "
+        f"`{res.get('ours_malloc', 'keep')}` (system = the C library's defaults; keep = one arena, no mmap below "
+        "1 GiB, no trimming).",
+        "",
         f"Parameters: release {fmt(rel.get('params'))} "
         f"(of which codebook statistics c_sum/c_count {fmt(rel.get('params_codebook_stats'))}; without them "
         f"{fmt(_minus(rel.get('params'), rel.get('params_codebook_stats')))}), ours {fmt(our.get('params'))} trained "
@@ -406,6 +413,11 @@ def export_release(repo: str, dest: str) -> str:
     return commit
 
 
+# glibc's environment form of longctx.host_memory.settings() (one arena, no mmap below 1 GiB, no trimming)
+RELEASE_KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                           "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
+
+
 def drive(args) -> dict:
     lengths = parse_lengths(args.lengths)
     if not lengths or args.repeats <= 0 or args.warmup < 0:
@@ -418,6 +430,8 @@ def drive(args) -> dict:
         commit = export_release(args.release_repo, tmp)
         me = str(Path(__file__).resolve())
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        if args.release_malloc == "keep":
+            env.update(RELEASE_KEEP_MALLOC_ENV)
         rel = Worker("release", [args.release_python, me, "--worker", "release", "--release_src",
                                  str(Path(tmp) / "src")], env=env)
         workers.append(rel)
@@ -488,6 +502,7 @@ def drive(args) -> dict:
             "release_repo": args.release_repo, "release_commit": commit, "release_hparams": RELEASE_HPARAMS,
             "release_optim": RELEASE_OPTIM, "ours_config": OUR_CONFIG, "ours_sets": sets,
             "repeats": args.repeats, "warmup": args.warmup, "lengths": lengths,
+            "release_malloc": args.release_malloc, "ours_malloc": os.environ.get("LONGCTX_HOST_MALLOC", "keep"),
             "release": {k: v for k, v in rel_info.items() if k not in strip},
             "ours": {k: v for k, v in our_info.items() if k not in strip},
             "rows": rows,
@@ -515,6 +530,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override of our config, after the built-in ones (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--release_malloc", choices=("system", "keep"), default="system",
+                    help="the peer's host allocator: the C library's defaults (system, as the release ships) or the "
+                         "settings this repository's entry points apply (keep; longctx/host_memory.py), given to "
+                         "glibc through its environment variables")
     ap.add_argument("--worker", choices=("release", "ours"), help=argparse.SUPPRESS)
     ap.add_argument("--release_src", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg_path, workdir, result = Path(argv[0]), Path(argv[1]), Path(argv[2])
     progress = "--progress" in argv
+    from longctx.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as longctx-train does
     from longctx.train.loop import train
 
     cfg = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))

@@ -1,0 +1,75 @@
+"""Host (CPU) memory allocation settings for a longctx process.
+
+XLA:CPU allocates the buffers of every call with the C library's ``malloc``. With glibc's defaults
+an allocation above the mmap threshold (at most 32 MiB, adjusted at run time), or one that does not
+fit a thread arena's 64 MiB heap, gets a fresh ``mmap`` and is unmapped when freed, and free memory
+at the heap top beyond the trim threshold goes back to the kernel. A long-sequence call allocates and
+frees buffers of tens of MiB to several GiB every time, so every call faults its memory in again
+page by page, and the fault count grows faster than the length as more buffers cross the threshold:
+- a causal fma_linear forward at 64k tokens (4 heads of 64): 375,000 minor faults and 0.9 s of kernel
+  time per call; 1.27 s -> 0.71 s per call with the settings below;
+- a whole-model training step of transformer_vq at the official release's shape, 16k tokens: its one
+  5.9 GB temporary buffer was mapped and faulted in on every step (2.1 million faults, a quarter of
+  the CPU time in the kernel): 15.6 s -> 11.6 s per step, 137 faults.
+The settings keep freed memory in the process: one arena for all threads, no mmap at any size, no
+trimming (BENCHMARKS.md has the measurements).
+
+The price: the process's resident memory stays at its peak instead of shrinking when buffers are
+freed. The entry points (``longctx-train``, ``-eval``, ``-sample``, ``-bench``, ...) apply the settings
+first thing; in a notebook call :func:`keep_freed_memory` before JAX runs anything. Set
+``LONGCTX_HOST_MALLOC=system`` to leave the C library's defaults alone."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+ENV = "LONGCTX_HOST_MALLOC"
+# glibc mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8
+# mallopt takes an int, which glibc widens to size_t: -1 is the largest threshold (a positive int would stop
+# at 2 GiB, below the one temporary buffer of a long-sequence train step, which was then returned and faulted
+# in again on every step); M_MMAP_MAX = 0 sends every allocation to the heap whatever its size
+MMAP_THRESHOLD = -1
+TRIM_THRESHOLD = -1
+
+_applied: dict | None = None
+
+
+def settings() -> dict[int, int]:
+    """The mallopt settings :func:`keep_freed_memory` applies (parameter -> value)."""
+    return {M_ARENA_MAX: 1, M_MMAP_THRESHOLD: MMAP_THRESHOLD, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: TRIM_THRESHOLD}
+
+
+def keep_freed_memory() -> dict:
+    """Apply the settings once per process; returns what happened (``{'mode': ..., ...}``).
+
+    Does nothing (and says why) off Linux/glibc or when ``LONGCTX_HOST_MALLOC=system``. Calling it
+    after threads have allocated still helps: those threads keep their arenas, new ones share one."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    mode = os.environ.get(ENV, "keep").strip().lower()
+    if mode not in ("keep", "system"):
+        raise ValueError(f"{ENV}={mode!r}: allowed values are 'keep' (default) and 'system'")
+    if mode == "system":
+        _applied = {"mode": "system", "reason": f"{ENV}=system"}
+        return _applied
+    if not sys.platform.startswith("linux"):
+        _applied = {"mode": "system", "reason": f"not Linux ({sys.platform})"}
+        return _applied
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError) as e:
+        _applied = {"mode": "system", "reason": f"no glibc mallopt ({e})"}
+        return _applied
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    refused = [k for k, v in settings().items() if mallopt(k, v) != 1]
+    _applied = {"mode": "keep", "refused": refused}
+    return _applied
+
+
+__all__ = ["ENV", "keep_freed_memory", "settings"]
