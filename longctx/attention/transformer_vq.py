@@ -189,11 +189,13 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 
 
 # form='auto' runs the tiled causal_blocks when a call's score tensor B*H*T*(S+2L) has at least this many
-# entries (64 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
+# entries (32 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
 # tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trained at
-# ~5,300 tokens/s through the tiles against ~6,400 without), above it
-# autodiff's [T, S+2L] residuals make causal_parallel memory-bound (BENCHMARKS.md, issue 15).
-TILED_MIN_SCORES = 1 << 24
+# ~5,300 tokens/s through the tiles against ~6,400 without), above it autodiff's [T, S+2L] residuals make
+# causal_parallel memory-bound (BENCHMARKS.md, issue 15). Whole-model training step at the Transformer-VQ
+# release's shape (one head, L = S = 256, 8 GAUs; longctx/host_memory.py's allocator settings), parallel
+# against blocks: 1k (0.8M entries) 0.56 / 0.58 s, 4k (3.1M) 2.40 / 2.67 s, 16k (12.6M) 10.67 / 9.09 s.
+TILED_MIN_SCORES = 1 << 23
 
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked

@@ -14,7 +14,8 @@ Per (variant, direction, length) cell:
 * forward: deterministic=True; forward+backward: gradient of sum(out * w) (w Gaussian)
   plus the core's auxiliary losses with respect to q, k, v and the core's parameters,
   deterministic=False with a key (the training path);
-* peak RSS: the process's resident set sampled every 5 ms during the timed calls.
+* peak RSS: the process's resident set sampled every 5 ms during the timed calls. The entry points
+  keep freed host memory (longctx/host_memory.py), so it never falls: the largest of the run so far.
 """
 
 from __future__ import annotations
@@ -307,7 +308,9 @@ def markdown(res: dict) -> str:
                  "`compiled.cost_analysis()` (XLA HloCostAnalysis) / time; '≥' marks programs with while loops, "
                  "whose bodies XLA counts once, so the count is a lower bound. XLA mem = arguments + outputs + "
                  "temporaries − aliased from `compiled.memory_analysis()`; peak RSS = the whole process "
-                 "(includes the JAX runtime and inputs), sampled every 5 ms during the timed calls.\n")
+                 "(includes the JAX runtime and inputs), sampled every 5 ms during the timed calls; the entry "
+                 "points keep freed host memory in the process (longctx/host_memory.py), so it is the largest "
+                 "RSS of the run so far, an upper bound for the cell.\n")
     ex = [[e["variant"], e["direction"], e.get("fwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwd_lengths", []))),
            e.get("fwdbwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwdbwd_lengths", [])))] for e in res["exponents"]]
     parts.append("\n### Scaling exponent (log-log least squares of time vs length, largest 3 measured lengths)\n\n")
