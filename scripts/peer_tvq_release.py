@@ -371,8 +371,8 @@ def markdown(res: dict) -> str:
         f"median of {res['repeats']} interleaved steps after {res['warmup']} warm-up step(s).",
         "",
         f"Host allocator (longctx/host_memory.py): release `{res.get('release_malloc', 'system')}`, ours "
-        f"`{res.get('ours_malloc', 'keep')}` (system = the C library's defaults; keep = one arena, no mmap below "
-        "1 GiB, no trimming).",
+        f"`{res.get('ours_malloc', 'keep')}` (system = the C library's defaults; keep = one arena, no mmap, "
+        "no trimming).",
         "",
         f"Parameters: release {fmt(rel.get('params'))} "
         f"(of which codebook statistics c_sum/c_count {fmt(rel.get('params_codebook_stats'))}; without them "
@@ -413,9 +413,9 @@ def export_release(repo: str, dest: str) -> str:
     return commit
 
 
-# glibc's environment form of longctx.host_memory.settings() (one arena, no mmap below 1 GiB, no trimming)
-RELEASE_KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                           "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
+# glibc's environment form of longctx.host_memory.settings() (one arena, no mmap at any size, no trimming)
+RELEASE_KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                           "MALLOC_MMAP_THRESHOLD_": str((1 << 64) - 1), "MALLOC_TRIM_THRESHOLD_": str((1 << 64) - 1)}
 
 
 def drive(args) -> dict:

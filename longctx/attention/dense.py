@@ -225,7 +225,9 @@ class DenseAttention(AttentionCore):
             {
                 "impl": "auto",  # 'naive' | 'blockwise' | 'auto' (blockwise when Tq*Tk > auto_threshold)
                 "block_q": 512,
-                "block_k": 512,
+                # 256 keys per step: causal forward+backward at 8k (B 1, 4 heads of 64), block_k 512 -> 256:
+                # 1,704 / 1,792 -> 1,485 / 1,451 / 1,284 ms in one process (BENCHMARKS.md, 2026-11-24)
+                "block_k": 256,
                 "auto_threshold": 4096 * 4096,
                 # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
                 # newest init_state(max_len) keys (older keys are dropped on purpose).
