@@ -25,6 +25,9 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import warnings
+
+from longctx.errors import ConfigError
 
 ENV = "LONGCTX_HOST_MALLOC"
 # glibc mallopt parameters (malloc.h)
@@ -53,7 +56,7 @@ def keep_freed_memory() -> dict:
         return _applied
     mode = os.environ.get(ENV, "keep").strip().lower()
     if mode not in ("keep", "system"):
-        raise ValueError(f"{ENV}={mode!r}: allowed values are 'keep' (default) and 'system'")
+        raise ConfigError(f"{ENV}={mode!r}: allowed values are 'keep' (default) and 'system'")
     if mode == "system":
         _applied = {"mode": "system", "reason": f"{ENV}=system"}
         return _applied
@@ -68,6 +71,9 @@ def keep_freed_memory() -> dict:
         return _applied
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     refused = [k for k, v in settings().items() if mallopt(k, v) != 1]
+    if refused:
+        warnings.warn(f"glibc refused mallopt parameters {refused} (see longctx/host_memory.py); freed memory may "
+                      "still be returned to the kernel and faulted in again", RuntimeWarning, stacklevel=2)
     _applied = {"mode": "keep", "refused": refused}
     return _applied
 

@@ -48,7 +48,13 @@ def test_keep_reuses_freed_memory_and_system_does_not():
     assert keep["faults"] * 10 < system["faults"], (keep, system)
 
 
-def test_bad_value_is_refused_with_the_allowed_ones():
-    r = probe("tcmalloc")
-    assert r.returncode != 0
-    assert "LONGCTX_HOST_MALLOC='tcmalloc': allowed values are 'keep' (default) and 'system'" in r.stderr
+def test_bad_value_is_refused_with_the_allowed_ones(tmp_path):
+    """An entry point answers a bad LONGCTX_HOST_MALLOC with one line and exit status 2, no traceback."""
+    code = ("import sys; from longctx.cli import train_main; "
+            f"sys.exit(train_main(['longctx-train', '--config=configs/default.py', '--workdir={tmp_path}/w']))")
+    env = {**os.environ, "LONGCTX_HOST_MALLOC": "tcmalloc"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: LONGCTX_HOST_MALLOC='tcmalloc': allowed values are 'keep' (default) and 'system'"], r.stderr
+    assert not (tmp_path / "w").exists()

@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     from longctx.cli import user_errors
     from longctx.host_memory import keep_freed_memory
 
-    keep_freed_memory()  # the same host allocation settings as the other entry points (longctx/host_memory.py)
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     with user_errors():
+        keep_freed_memory()  # the same host allocation settings as the other entry points (longctx/host_memory.py)
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         args.func(args)
     return 0
 
