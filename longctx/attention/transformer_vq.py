@@ -63,6 +63,7 @@ from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
     block_inputs,
     causal_parallel,
     code_summary,
+    code_sums,
     empty_state,
     float_dtype,
     log_count,
@@ -120,7 +121,7 @@ def stvq(k, C, *, chunk: int = 512):
 
     def nearest(kc):  # argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2); d^2 = |k|^2 - 2 max(.)
         g = jnp.einsum("bhtd,hsd->bhts", kc, Cf) - half_c2
-        return jax.lax.argmax(g, 3, jnp.int32), jnp.sum(kc * kc, -1) - 2.0 * jnp.max(g, -1)
+        return first_argmax(g), jnp.sum(kc * kc, -1) - 2.0 * jnp.max(g, -1)
 
     if T <= chunk:
         z, d2min = nearest(kf)
@@ -132,6 +133,16 @@ def stvq(k, C, *, chunk: int = 512):
     c_z = _gather_codes(Cf, z)
     k_hat = kf + sg(c_z - kf)
     return k_hat, z, jax.nn.relu(d2min), c_z
+
+
+def first_argmax(g):
+    """argmax over the last axis, ties to the lowest index, as two plain reductions (a max, then a min over
+    the indices that reach it). Same result as ``lax.argmax`` for finite g; XLA:CPU vectorizes these where
+    it runs the (value, index) pair reduction of ``lax.argmax`` element by element: 15 against 36 ms on
+    [4, 8192, 512]."""
+    m = jnp.max(g, axis=-1, keepdims=True)
+    n = g.shape[-1]
+    return jnp.min(jnp.where(g == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
 
 
 def _gather_codes(C, z):
@@ -216,7 +227,9 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
     qb = p["qb"]
     qvb = _pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
-    rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)  # [H, M+1, Dk]: head-major for the per-tile batched matmuls
+    # [H, M+1, Dk], head-major for the per-tile batched matmuls, and reversed along the lag: the band scores
+    # come out as bd[..., ::-1], the order the relative shift wants (no reversal of a score tile, forward or back)
+    rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)[:, ::-1]
     q_tile = math.gcd(L, max(1, min(q_tile, L)))
     o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), p["Cs"], p["validx"], q_tile)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
@@ -228,7 +241,7 @@ def _tile_bias(bdr, off: int, L: int):
     for the previous block and the present keys 0..off+Lq-1 (the later present keys are in every query's
     future and are not scored)."""
     extra = L - bdr.shape[-2]
-    wide = skew_bias(bdr, L + extra, 2 * L + extra)
+    wide = skew_bias(bdr, L + extra, 2 * L + extra, reversed_input=True)
     return wide[..., extra - off: extra - off + L + off + bdr.shape[-2]]
 
 
@@ -326,7 +339,7 @@ def _vq_blocks_bwd(Lq, res, do):
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
             (dbd,) = bias_t(ds_l)
             dqv = jnp.einsum("bhln,hnd->bhld", dbd, r)
-            dr = dr + jnp.einsum("bhln,bhld->hnd", dbd, qvt)
+            dr = dr + jnp.einsum("bhld,bhln->hnd", qvt, dbd)
             return (dr, dK, dV, dcm), (dq, dqv)
 
         carry = (dr, jnp.zeros_like(K), jnp.zeros_like(V), jnp.zeros_like(cm))
@@ -460,10 +473,9 @@ def vq_stats(k, z, S: int, mask=None):
     """EMA statistics of one call: per-code counts [H, S] and key sums [H, S, Dk] (pre-quantization keys,
     fp32 or wider, masked tokens excluded), summed over batch and time, under stop_gradient."""
     kf = sg(k).astype(float_dtype(k))
-    onehot = (z[:, :, None, :] == jnp.arange(S, dtype=z.dtype)[:, None]).astype(kf.dtype)  # [B,H,S,T]
-    if mask is not None:
-        onehot = onehot * mask[:, None, None, :].astype(kf.dtype)
-    return {"count": jnp.sum(onehot, axis=(0, 3)), "sum": jnp.einsum("bhst,bhtd->hsd", onehot, kf)}
+    valid = jnp.ones(z.shape, bool) if mask is None else mask[:, None, :]
+    tot, cnt = code_sums(z, kf, valid, S)  # [B,H,S,Dk], [B,H,S]
+    return {"count": jnp.sum(cnt, axis=0), "sum": jnp.sum(tot, axis=0)}
 
 
 def ema_update(c_sum, c_count, stats, gamma: float):
@@ -755,6 +767,8 @@ __all__ = [
     "causal_parallel",
     "causal_stream",
     "code_summary",
+    "code_sums",
+    "first_argmax",
     "codebook_from_stats",
     "commit_loss",
     "ema_update",
