@@ -167,6 +167,85 @@ def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
     return jax.nn.logsumexp(s, axis=-1)
 
 
+def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
+    """(out [B,H,N,Tq,dv], lse [B,H,N,Tq]) of one max-subtracted softmax over [local ; chunk] logits (eq. 16)
+    for N tiles of queries; shapes as in :func:`tile_softmax`."""
+    a_loc = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q, k, precision=HIGHEST)
+    if bias is not None:
+        a_loc = a_loc + jnp.moveaxis(bias, 0, 1)[None] if bias.shape[1] > 1 else a_loc + bias[:, 0][None, None]
+    a_loc = jnp.where(lmask, a_loc, NEG)
+    a_ch = jnp.where(cmask, scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat, precision=HIGHEST), NEG)
+    m = jnp.maximum(jnp.max(a_loc, axis=-1, initial=NEG), jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
+    p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
+    p_ch = jnp.where(cmask, jnp.exp(a_ch - m), 0.0)
+    den = jnp.maximum(jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1), 1e-30)
+    num = jnp.einsum("bhnqk,bhnkd->bhnqd", p_loc, v, precision=HIGHEST)
+    num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta, precision=HIGHEST)
+    return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
+    """Eq. 16 for N query tiles at once: q [B,H,N,Tq,d] against each tile's local keys k, v [B,H,N,Tk,.]
+    (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
+    k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C]). Returns out [B,H,N,Tq,dv].
+
+    The backward is written out (FlashAttention style, from the saved log-sum-exp) in the keys-major
+    orientation: it recomputes the transposed logits k·qᵀ, so dk, dv, dk̂ and dβ are plain matmuls (dk̂ and dβ
+    contract over all N·Tq queries at once) and only dq takes a transposed operand. Autodiff through a
+    per-tile vmap instead transposed every tile's [Tq, C] probabilities for the key-side gradients: those
+    copies were about half of the backward's time at 8k (BENCHMARKS.md). Same math as :func:`_joint_softmax`."""
+    return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)[0]
+
+
+def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, scale):
+    out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)
+    return out, (q, k, v, k_hat, beta, bias, lmask, cmask, out, lse)
+
+
+def _tile_softmax_bwd(scale, res, do):
+    q, k, v, k_hat, beta, bias, lmask, cmask, out, lse = res
+    B, H, N, Tq, d = q.shape
+    lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
+    delta = jnp.sum(do * out, axis=-1)[..., None, :]
+    # local part, per tile, keys-major [B,H,N,Tk,Tq]
+    at_loc = scale * jnp.einsum("bhnkd,bhnqd->bhnkq", k, q, precision=HIGHEST)
+    if bias is not None:
+        bt = jnp.swapaxes(bias, -1, -2)  # [N,Hb,Tk,Tq]
+        at_loc = at_loc + (jnp.moveaxis(bt, 0, 1)[None] if bt.shape[1] > 1 else bt[:, 0][None, None])
+    lt = jnp.swapaxes(lmask, -1, -2)
+    pt_loc = jnp.where(lt, jnp.exp(at_loc - lse_r), 0.0)
+    dst_loc = pt_loc * (jnp.einsum("bhnkd,bhnqd->bhnkq", v, do, precision=HIGHEST) - delta)
+    dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q, precision=HIGHEST)
+    dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do, precision=HIGHEST)
+    dq = jnp.einsum("bhnkq,bhnkd->bhnqd", dst_loc, k, precision=HIGHEST)
+    # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
+    flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
+    qf, dof = flat(q), flat(do)
+    ct = jnp.moveaxis(cmask, -1, 0).reshape(-1, N * Tq)  # [C, N*Tq]
+    pt_ch = jnp.where(ct, jnp.exp(scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf, precision=HIGHEST)
+                                  - flat(lse)[:, :, None, :]), 0.0)
+    dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof, precision=HIGHEST) - flat(delta[..., 0, :])[:, :, None])
+    dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf, precision=HIGHEST)
+    dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof, precision=HIGHEST)
+    dq = scale * (dq + jnp.einsum("bhcm,bhcd->bhmd", dst_ch, k_hat, precision=HIGHEST).reshape(q.shape))
+    dbias = None
+    if bias is not None:  # bias [N,Hb,Tq,Tk] was broadcast over the batch (and over heads when Hb = 1)
+        g = jnp.sum(dst_loc, axis=0, keepdims=bias.shape[1] == 1)  # [H,N,Tk,Tq] or [1,H,N,Tk,Tq]
+        g = jnp.sum(g, axis=1) if bias.shape[1] == 1 else g  # [1,N,Tk,Tq] / [H,N,Tk,Tq]
+        dbias = jnp.swapaxes(jnp.moveaxis(g, 0, 1), -1, -2)  # [N,Hb,Tq,Tk]
+    return dq, dk, dv, dk_hat, dbeta, dbias, None, None
+
+
+tile_softmax.defvjp(_tile_softmax_fwd, _tile_softmax_bwd)
+
+
+def _uses_tile_softmax(drop_key, opts: EVAOptions) -> bool:
+    """The hand-written backward covers the paper's estimator: representative chunk logits, no attention
+    dropout. 'exact_lse' chunk logits and dropout run through autodiff (rematerialised per tile)."""
+    return opts.chunk_logit == "rep" and (drop_key is None or opts.attn_dropout == 0.0)
+
+
 def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, drop_key,
                 opts: EVAOptions, scale: float):
     """Outputs [B,H,Tq,dv] of a tile of queries at absolute positions q_pos [Tq].
@@ -176,11 +255,16 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     One max-subtracted softmax over [local ; chunk] logits (eq. 16 in log-sum-exp form)."""
     k_hat, beta, k_raw, k_raw_valid = chunks
     lmask = local_mask(q_pos, k_pos, k_valid, opts)
-    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
-    if opts.use_rpe and rpe_table is not None:
-        a_loc = a_loc + rpe_bias(rpe_table, q_pos, k_pos, opts, scale)
-    a_loc = jnp.where(lmask, a_loc, NEG)
     cmask = chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts)
+    bias = rpe_bias(rpe_table, q_pos, k_pos, opts, scale) if opts.use_rpe and rpe_table is not None else None
+    if _uses_tile_softmax(drop_key, opts):
+        one = lambda x: None if x is None else x[None]  # noqa: E731 -- a batch of one tile
+        return tile_softmax(q[:, :, None], k[:, :, None], v[:, :, None], k_hat, beta, one(bias), lmask[None],
+                            cmask[None], scale)[:, :, 0]
+    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
+    if bias is not None:
+        a_loc = a_loc + bias
+    a_loc = jnp.where(lmask, a_loc, NEG)
     a_ch = jnp.where(cmask, chunk_logits(q, k_hat, k_raw, k_raw_valid, scale, opts.chunk_logit), NEG)
     m = jnp.maximum(jnp.max(a_loc, axis=-1, initial=NEG), jnp.max(a_ch, axis=-1, initial=NEG))
     m = jax.lax.stop_gradient(m)[..., None]
@@ -196,6 +280,34 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v, precision=HIGHEST)
     num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta, precision=HIGHEST)
     return num / jnp.maximum(denom, 1e-30)[..., None]  # empty rows (only if W = 0) give 0
+
+
+def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, opts: EVAOptions,
+                 scale: float):
+    """:func:`attend_tile` for a batch of N tiles at once (leading axis: q [N,B,H,Tq,d], q_pos [N,Tq], k, v
+    [N,B,H,Tk,.], k_pos, k_valid [N,Tk]; chunks = (k̂, β) shared) through :func:`tile_softmax`: the
+    representative-logit estimator without dropout. Returns [N,B,H,Tq,dv]."""
+    k_hat, beta = chunks
+    lmask = jax.vmap(lambda a, b, c: local_mask(a, b, c, opts))(q_pos, k_pos, k_valid)
+    cmask = jax.vmap(lambda a: chunk_mask(a, chunk_ids, chunk_valid, P, opts))(q_pos)
+    bias = None
+    if opts.use_rpe and rpe_table is not None:
+        bias = jax.vmap(lambda a, b: rpe_bias(rpe_table, a, b, opts, scale))(q_pos, k_pos)
+    t = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731 -- [N,B,H,..] -> [B,H,N,..]
+    out = tile_softmax(t(q), t(k), t(v), k_hat, beta, bias, lmask, cmask, scale)
+    return jnp.moveaxis(out, 2, 0)
+
+
+def _map_tile_batches(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
+    """fn over batches of tiles (leading axis): one call when all tiles fit the logit budget, else lax.map
+    over equal batches (the largest divisor of n_tiles that fits)."""
+    bs = max(1, budget // max(cost_per_tile, 1))
+    if bs >= n_tiles:
+        return fn(*xs)
+    bs = max(b for b in range(1, bs + 1) if n_tiles % b == 0)
+    split = lambda x: None if x is None else x.reshape((n_tiles // bs, bs) + x.shape[1:])  # noqa: E731
+    out = jax.lax.map(lambda a: fn(*a), tuple(split(x) for x in xs))
+    return out.reshape((n_tiles,) + out.shape[2:])
 
 
 def _map_tiles(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
@@ -278,17 +390,28 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
 
     xs = (q_t, q_pos, k_t, v_t, k_pos, k_val, keys)
     outs = []
+    fused = _uses_tile_softmax(drop_key, opts)
     for lo, hi, nc in tile_groups(n_tiles, tile, P, C, opts.causal):
-        # rematerialised: the backward recomputes a tile's logits instead of keeping every tile's
-        # [tile, local + chunks] scores alive (at 32k: XLA memory 4.3 -> 1.5 GB, fwd+bwd -22 %; BENCHMARKS.md)
+        cost = B * H * tile * (Tk + nc * (P if exact else 1))
+        group = tuple(None if x is None else x[lo:hi] for x in xs)
+        if fused:  # a batch of tiles per call: tile_softmax's backward recomputes the logits
+            def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
+                ch = (k_hat[:, :, :nc], beta[:, :, :nc])
+                return tiles_attend(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table,
+                                    opts, scale)
+
+            outs.append(_map_tile_batches(batch, group, hi - lo, cost, opts.logit_budget))
+            continue
+
+        # autodiff path (dropout, 'exact_lse'): rematerialised, so the backward recomputes a tile's logits
+        # instead of keeping every tile's [tile, local + chunks] scores alive (at 32k: XLA memory 4.3 -> 1.5 GB,
+        # fwd+bwd -22 %; BENCHMARKS.md)
         @jax.checkpoint
         def one(qt, qp, kt, vt, kp, kv, dk, nc=nc):
             ch = tuple(None if x is None else x[:, :, :nc] for x in chunks)
             return attend_tile(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, dk,
                                opts, scale)
 
-        cost = B * H * tile * (Tk + nc * (P if exact else 1))
-        group = tuple(None if x is None else x[lo:hi] for x in xs)
         outs.append(_map_tiles(one, group, hi - lo, cost, opts.logit_budget))
     out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, L_pad, dv)[:, :, :L]

@@ -424,3 +424,55 @@ def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P):
     if len(groups) > 2:
         assert groups[0][2] < C
     assert tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
+
+
+@pytest.mark.parametrize("hb", [0, 1, H])  # no bias, one shared bias (causal T5), one per head
+def test_tile_softmax_backward_matches_autodiff(hb):
+    """The written-out backward of tile_softmax (keys-major, from the saved log-sum-exp) against autodiff of
+    the same forward, with masked entries and an empty row in both parts."""
+    N, Tq, Tk, C, dv = 3, 8, 12, 5, 6
+    ks = jax.random.split(jax.random.PRNGKey(3), 8)
+    q = jax.random.normal(ks[0], (B, H, N, Tq, D))
+    k = jax.random.normal(ks[1], (B, H, N, Tk, D))
+    v = jax.random.normal(ks[2], (B, H, N, Tk, dv))
+    k_hat = jax.random.normal(ks[3], (B, H, C, D))
+    beta = jax.random.normal(ks[4], (B, H, C, dv))
+    bias = None if hb == 0 else jax.random.normal(ks[5], (N, hb, Tq, Tk))
+    lmask = jax.random.bernoulli(ks[6], 0.6, (N, Tq, Tk)).at[0, 0].set(False)
+    cmask = jax.random.bernoulli(ks[7], 0.5, (N, Tq, C)).at[0, 0].set(False)  # row (0, 0): nothing visible
+    w = jax.random.normal(jax.random.PRNGKey(9), (B, H, N, Tq, dv))
+    args = (q, k, v, k_hat, beta, bias)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a, lmask, cmask, 0.3) * w)
+
+    ref = lambda *a: eva._joint_softmax(*a)[0]  # noqa: E731
+    n = 6 if hb else 5
+    got = jax.grad(loss(eva.tile_softmax), argnums=tuple(range(n)))(*args)
+    want = jax.grad(loss(ref), argnums=tuple(range(n)))(*args)
+    np.testing.assert_allclose(eva.tile_softmax(*args, lmask, cmask, 0.3), ref(*args, lmask, cmask, 0.3),
+                               rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(eva.tile_softmax(*args, lmask, cmask, 0.3)[0, 0, 0, 0]).max()) == 0.0
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_layer_gradients_same_with_and_without_tile_softmax(causal, monkeypatch):
+    """The whole core's gradients (inputs and every parameter, RPE table included) are the same through
+    tile_softmax and through autodiff of the per-tile path it replaces."""
+    core = make(causal=causal, use_rpe=True)
+    q, k, v = qkv(80, seed=4)
+    w = jax.random.normal(jax.random.PRNGKey(5), q.shape)
+    gd, st = nnx.split(core)
+
+    def grads():
+        def loss(st, q, k, v):
+            return jnp.sum(nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(1))[0] * w)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(st, q, k, v)
+
+    fused = grads()
+    monkeypatch.setattr(eva, "_uses_tile_softmax", lambda drop_key, opts: False)
+    plain = grads()
+    for g, r in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
