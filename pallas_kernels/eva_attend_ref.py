@@ -52,8 +52,8 @@ def chunk_mask(q_pos, chunk_ids, chunk_valid, *, P: int, W: int, e_l: int, e_r: 
     """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
     ``disjoint``: additionally drop chunks intersecting the query's window."""
     m = jnp.broadcast_to(chunk_valid[None, :], (q_pos.shape[0], chunk_ids.shape[0]))
-    if causal:
-        m = m & (chunk_ids[None, :] < (q_pos // P)[:, None])
+    if causal:  # c < n // P, written (c + 1) P <= n: no integer division per element of the [Tq, C] tile
+        m = m & ((chunk_ids[None, :] + 1) * P <= q_pos[:, None])
     if disjoint and W > 0:
         lo, hi = window_bounds(q_pos, W, e_l, e_r)
         inter = (chunk_ids[None, :] * P < hi[:, None]) & ((chunk_ids[None, :] + 1) * P > lo[:, None])
