@@ -192,7 +192,7 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
 
     The backward is written out (FlashAttention style, from the saved log-sum-exp) in the keys-major
     orientation: it recomputes the transposed logits k·qᵀ, so dk, dv, dk̂ and dβ are plain matmuls (dk̂ and dβ
-    contract over all N·Tq queries at once) and only dq takes a transposed operand. Autodiff through a
+    contract over all N·Tq queries at once) and dq is formed as (kᵀ dsᵀ)ᵀ. Autodiff through a
     per-tile vmap instead transposed every tile's [Tq, C] probabilities for the key-side gradients: those
     copies were about half of the backward's time at 8k (BENCHMARKS.md). Same math as :func:`_joint_softmax`."""
     return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)[0]
@@ -218,7 +218,9 @@ def _tile_softmax_bwd(scale, res, do):
     dst_loc = pt_loc * (jnp.einsum("bhnkd,bhnqd->bhnkq", v, do, precision=HIGHEST) - delta)
     dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q, precision=HIGHEST)
     dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do, precision=HIGHEST)
-    dq = jnp.einsum("bhnkq,bhnkd->bhnqd", dst_loc, k, precision=HIGHEST)
+    # dq as (kᵀ dsᵀ)ᵀ: the large keys-major operand stays as laid out and only the small [d, Tq] result is
+    # transposed (XLA:CPU otherwise copies dsᵀ into query-major order; -10% forward+backward at 8k and 16k)
+    dq = jnp.swapaxes(jnp.einsum("bhnkd,bhnkq->bhndq", k, dst_loc, precision=HIGHEST), -1, -2)
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     qf, dof = flat(q), flat(do)
@@ -228,7 +230,8 @@ def _tile_softmax_bwd(scale, res, do):
     dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof, precision=HIGHEST) - flat(delta[..., 0, :])[:, :, None])
     dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf, precision=HIGHEST)
     dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof, precision=HIGHEST)
-    dq = scale * (dq + jnp.einsum("bhcm,bhcd->bhmd", dst_ch, k_hat, precision=HIGHEST).reshape(q.shape))
+    dqc = jnp.swapaxes(jnp.einsum("bhcd,bhcm->bhdm", k_hat, dst_ch, precision=HIGHEST), -1, -2)
+    dq = scale * (dq + dqc.reshape(q.shape))
     dbias = None
     if bias is not None:  # bias [N,Hb,Tq,Tk] was broadcast over the batch (and over heads when Hb = 1)
         g = jnp.sum(dst_loc, axis=0, keepdims=bias.shape[1] == 1)  # [H,N,Tk,Tq] or [1,H,N,Tk,Tq]
