@@ -333,25 +333,31 @@ def _vq_blocks_bwd(Lq, res, do):
             ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
             ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, Vt) - delta_t)
             dq = jnp.einsum("bhls,hsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
-            dK = dK.at[:, :, :nk].add(jnp.einsum("bhln,bhld->bhnd", ds_l, qt))  # the codebook takes no gradient
-            dV = dV.at[:, :, :nk].add(jnp.einsum("bhln,bhld->bhnd", p_l, dot))
-            dcm = dcm + jnp.einsum("bhls,bhld->bhsd", p_c, dot)
+            # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
+            # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
+            # [Lq, keys] tile into keys-major order; -4 to -8% forward+backward at 8k and 16k)
+            dK = dK.at[..., :nk].add(jnp.einsum("bhld,bhln->bhdn", qt, ds_l))  # the codebook takes no gradient
+            dV = dV.at[..., :nk].add(jnp.einsum("bhld,bhln->bhdn", dot, p_l))
+            dcm = dcm + jnp.einsum("bhld,bhls->bhds", dot, p_c)
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
             (dbd,) = bias_t(ds_l)
             dqv = jnp.einsum("bhln,hnd->bhld", dbd, r)
-            dr = dr + jnp.einsum("bhld,bhln->hnd", qvt, dbd)
+            dr = dr + jnp.einsum("bhld,bhln->hdn", qvt, dbd)  # transposed too: [H, Dk, M+1]
             return (dr, dK, dV, dcm), (dq, dqv)
 
-        carry = (dr, jnp.zeros_like(K), jnp.zeros_like(V), jnp.zeros_like(cm))
+        zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2))  # noqa: E731
+        carry = (dr, zt(K), zt(V), zt(cm))
         grads = []
         for c in range(L // Lq):
             carry, g = tile(carry, c)
             grads.append(g)
         dr, dK, dV, dcm = carry
+        dK, dV, dcm = (jnp.swapaxes(x, -1, -2) for x in (dK, dV, dcm))
         dq, dqv = (jnp.stack(x) for x in zip(*grads))
         return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dcm, dV[:, :, :L], dV[:, :, L:])
 
-    dr, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(r), jnp.arange(R))
+    drt, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, 1, 2)), jnp.arange(R))
+    dr = jnp.swapaxes(drt, 1, 2)
 
     def ext(prev, cur):  # [R, B,H,L,.] contributions to extended blocks r (prev) and r+1 (cur)
         z0 = jnp.zeros_like(prev[:1])
