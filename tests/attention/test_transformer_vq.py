@@ -636,3 +636,31 @@ def test_auto_form_picks_tiles_by_call_size(monkeypatch):
     big = jax.jit(lambda *a: core(*a)[0])(q, k, v)
     assert calls == ["causal_parallel", "causal_blocks"]
     assert max_err(small, big) < 1e-5
+
+
+def test_first_argmax_matches_lax_argmax_ties_low_and_stays_in_range():
+    first_argmax = tvq.first_argmax
+    g = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (3, 50, 17)) * 2.0)  # rounded: many ties
+    np.testing.assert_array_equal(first_argmax(g), jax.lax.argmax(g, 2, jnp.int32))
+    assert int(first_argmax(jnp.array([1.0, 3.0, 3.0, 0.0]))) == 1
+    nan_row = first_argmax(jnp.array([[0.0, jnp.nan, 1.0]]))
+    assert 0 <= int(nan_row[0]) <= 2
+
+
+def test_code_sums_scatter_and_onehot_forms_agree():
+    """code_sums lowers to a scatter-add on CPU and to a one-hot matmul elsewhere: both forms, values and
+    gradients, with invalid entries excluded."""
+    from pallas_kernels import vq_cache_ref as ref
+
+    S = 7
+    z = jax.random.randint(jax.random.PRNGKey(1), (2, 3, 4, 16), 0, S)
+    v = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 4, 16, 5))
+    w = jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, (4, 16))
+    wf = jnp.broadcast_to(w, z.shape).astype(v.dtype)
+    a, b = ref._code_sums_scatter(z, v, wf, S), ref._code_sums_onehot(z, v, wf, S)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ref.code_sums(z, v, w, S)[0], b[0], rtol=1e-6, atol=1e-6)
+    ga = jax.grad(lambda v: jnp.sum(ref._code_sums_scatter(z, v, wf, S)[0] ** 2))(v)
+    gb = jax.grad(lambda v: jnp.sum(ref._code_sums_onehot(z, v, wf, S)[0] ** 2))(v)
+    np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5)
