@@ -117,11 +117,14 @@ def stvq(k, C, *, chunk: int = 512):
     dt = float_dtype(k, C)
     kf, Cf = k.astype(dt), sg(C).astype(dt)
     B, H, T, Dk = kf.shape
-    half_c2 = 0.5 * jnp.sum(Cf * Cf, -1)[None, :, None, :]
+    half_c2 = 0.5 * jnp.sum(Cf * Cf, -1)[:, None, None, :]
 
     def nearest(kc):  # argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2); d^2 = |k|^2 - 2 max(.)
-        g = jnp.einsum("bhtd,hsd->bhts", kc, Cf) - half_c2
-        return first_argmax(g), jnp.sum(kc * kc, -1) - 2.0 * jnp.max(g, -1)
+        # heads-major [H, B, chunk, S], the order of the head-batched matmul's output: in [B, H, ..] order XLA:CPU
+        # copied every distance tile into place, twice (3x slower at [1, 4, 8192] keys and S = 512)
+        g = jnp.einsum("bhtd,hsd->hbts", kc, Cf) - half_c2
+        z, g_max = (jnp.swapaxes(x, 0, 1) for x in (first_argmax(g), jnp.max(g, -1)))
+        return z, jnp.sum(kc * kc, -1) - 2.0 * g_max
 
     if T <= chunk:
         z, d2min = nearest(kf)
@@ -228,11 +231,15 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
     qb = p["qb"]
     qvb = _pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
-    # [H, M+1, Dk], head-major for the per-tile batched matmuls, and reversed along the lag: the band scores
-    # come out as bd[..., ::-1], the order the relative shift wants (no reversal of a score tile, forward or back)
+    # [H, M+1, Dk] (then broadcast to [B, H, M+1, Dk]), head-major for the per-tile batched matmuls, and reversed
+    # along the lag: the band scores come out as bd[..., ::-1], the order the relative shift wants (no reversal
+    # of a score tile, forward or back)
+    # r and the codes are broadcast over the batch once, so every per-tile matmul is batched over (B, H) in the
+    # order of its output: a head-only batch made XLA:CPU write [H, B, ..] and copy each score tile into place
     rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)[:, ::-1]
+    rh, Cs = (jnp.broadcast_to(x[None], (B,) + x.shape) for x in (rh, p["Cs"]))
     q_tile = math.gcd(L, max(1, min(q_tile, L)))
-    o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), p["Cs"], p["validx"], q_tile)
+    o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
     return o, _final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S)
 
@@ -249,14 +256,14 @@ def _tile_bias(bdr, off: int, L: int):
 def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
     """Scores of the queries off..off+Lq-1 of a block: against the S codes [B,H,Lq,S] (plus their log counts,
     NEG for empty codes) and against the previous and present blocks [B,H,Lq,2L] (plus the band bias), and
-    the band scores [B,H,Lq,M+1]. K = [previous block; present block] [B,H,2L,Dk]; r: [H, M+1, Dk]. Masked
-    entries get NEG added, so exp(s - max) is exactly 0 there and so is their gradient (an additive mask
+    the band scores [B,H,Lq,M+1]. K = [previous block; present block] [B,H,2L,Dk]; r: [B,H,M+1,Dk]; Cs: [B,H,S,Dk].
+    Masked entries get NEG added, so exp(s - max) is exactly 0 there and so is their gradient (an additive mask
     costs no select over the tile); the two parts share one normalizer and are never concatenated."""
     Lq = qt.shape[2]
     L = valid_c.shape[0]
     n_pres = off + Lq  # present keys any query of the tile can see
-    s_c = jnp.einsum("bhld,hsd->bhls", qt, Cs) + lcr[:, :, None, :]
-    bdt = jnp.einsum("bhld,hnd->bhln", qvt, r)
+    s_c = jnp.einsum("bhld,bhsd->bhls", qt, Cs) + lcr[:, :, None, :]
+    bdt = jnp.einsum("bhld,bhnd->bhln", qvt, r)
     causal = jnp.arange(n_pres)[None, :] <= (off + jnp.arange(Lq))[:, None]
     keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :n_pres]], axis=-1)
     band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
@@ -333,7 +340,7 @@ def _vq_blocks_bwd(Lq, res, do):
             p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
             ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
             ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, Vt) - delta_t)
-            dq = jnp.einsum("bhls,hsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
+            dq = jnp.einsum("bhls,bhsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
             # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
             # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
             # [Lq, keys] tile into keys-major order; -4 to -8% forward+backward at 8k and 16k)
@@ -342,8 +349,8 @@ def _vq_blocks_bwd(Lq, res, do):
             dcm = dcm + jnp.einsum("bhld,bhls->bhds", dot, p_c)
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
             (dbd,) = bias_t(ds_l)
-            dqv = jnp.einsum("bhln,hnd->bhld", dbd, r)
-            dr = dr + jnp.einsum("bhld,bhln->hdn", qvt, dbd)  # transposed too: [H, Dk, M+1]
+            dqv = jnp.einsum("bhln,bhnd->bhld", dbd, r)
+            dr = dr + jnp.einsum("bhld,bhln->bhdn", qvt, dbd)  # transposed too: [B, H, Dk, M+1]
             return (dr, dK, dV, dcm), (dq, dqv)
 
         zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2))  # noqa: E731
@@ -357,8 +364,9 @@ def _vq_blocks_bwd(Lq, res, do):
         dq, dqv = (jnp.stack(x) for x in zip(*grads))
         return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dcm, dV[:, :, :L], dV[:, :, L:])
 
-    drt, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, 1, 2)), jnp.arange(R))
-    dr = jnp.swapaxes(drt, 1, 2)
+    drt, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
+                                                           jnp.arange(R))
+    dr = jnp.swapaxes(drt, -1, -2)
 
     def ext(prev, cur):  # [R, B,H,L,.] contributions to extended blocks r (prev) and r+1 (cur)
         z0 = jnp.zeros_like(prev[:1])
