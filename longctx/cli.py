@@ -81,8 +81,10 @@ def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = 
     from ml_collections import config_flags
 
     from longctx import config as config_lib
-    from longctx.host_memory import keep_freed_memory
+    from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
+    if argv is None:  # a console entry point: once, restart with glibc's huge-page tunable (host_memory.py)
+        restart_with_huge_pages()
     keep_freed_memory()  # before JAX starts its threads (see longctx/host_memory.py)
     argv = join_config_flag(list(sys.argv if argv is None else argv))
     fv = flags.FlagValues()

@@ -14,6 +14,12 @@ page by page, and the fault count grows faster than the length as more buffers c
 The settings keep freed memory in the process: one arena for all threads, no mmap at any size, no
 trimming (BENCHMARKS.md has the measurements).
 
+The console entry points also restart themselves once, before anything else runs, with glibc's
+``glibc.malloc.hugetlb=1`` tunable (:func:`restart_with_huge_pages`; glibc reads tunables only at process
+start): malloc then asks the kernel for transparent huge pages (``madvise``) on the heap it grows, so the
+multi-GiB buffers of a long-sequence call are backed by 2 MiB pages. A transformer_vq training step at the
+release's shape, 16k tokens: 8.3-10.0 s -> 7.6-8.2 s per step (fewer TLB misses; user time -8%).
+
 The price: the process's resident memory stays at its peak instead of shrinking when buffers are
 freed. The entry points (``longctx-train``, ``-eval``, ``-sample``, ``-bench``, ...) apply the settings
 first thing; in a notebook call :func:`keep_freed_memory` before JAX runs anything. Set
@@ -39,6 +45,10 @@ MMAP_THRESHOLD = -1
 TRIM_THRESHOLD = -1
 
 _applied: dict | None = None
+
+TUNABLES = "GLIBC_TUNABLES"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def settings() -> dict[int, int]:
@@ -78,4 +88,38 @@ def keep_freed_memory() -> dict:
     return _applied
 
 
-__all__ = ["ENV", "keep_freed_memory", "settings"]
+def huge_pages_env(environ) -> dict | None:
+    """``environ`` with glibc's huge-page tunable added to GLIBC_TUNABLES, or None when there is nothing
+    to add (already there, ``LONGCTX_HOST_MALLOC=system``, not Linux/glibc >= 2.35, or the kernel's
+    transparent huge pages are off)."""
+    if environ.get(ENV, "keep").strip().lower() != "keep" or not sys.platform.startswith("linux"):
+        return None
+    tunables = environ.get(TUNABLES, "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return None
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        if name != "glibc" or tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+            return None
+        with open(THP_SETTING) as f:
+            if "[never]" in f.read():
+                return None
+    except (ValueError, OSError):
+        return None
+    return {**environ, TUNABLES: f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
+
+
+def restart_with_huge_pages() -> None:
+    """For console entry points only, first thing: replace this process by the same command line with
+    :func:`huge_pages_env` (once: the new process already has the tunable). Does nothing when there is
+    nothing to add or the command line is unknown."""
+    env = huge_pages_env(os.environ)
+    argv = getattr(sys, "orig_argv", None)
+    if env is None or not argv:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+
+
+__all__ = ["ENV", "huge_pages_env", "keep_freed_memory", "restart_with_huge_pages", "settings"]

@@ -14,7 +14,7 @@ BENCH=".venv/bin/longctx-bench"
 
 # 1. attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents
 $BENCH attention --out "$OUT" --lengths 1k,2k,4k,8k,16k,32k,64k,128k \
-  --batch 1 --heads 4 --head_dim 64 --dtype float32 --repeats 3 --warmup 1 \
+  --batch 1 --heads 4 --head_dim 64 --dtype float32 --repeats 3 --warmup 2 \
   --mem_budget_gb 16 --max_cell_s 200 --matmul_n 4096
 
 # 2. decoding: per-token latency and state size at context positions

@@ -372,7 +372,7 @@ def markdown(res: dict) -> str:
         "",
         f"Host allocator (longctx/host_memory.py): release `{res.get('release_malloc', 'system')}`, ours "
         f"`{res.get('ours_malloc', 'keep')}` (system = the C library's defaults; keep = one arena, no mmap, "
-        "no trimming).",
+        "no trimming, and transparent huge pages for the heap where glibc and the kernel offer them).",
         "",
         f"Parameters: release {fmt(rel.get('params'))} "
         f"(of which codebook statistics c_sum/c_count {fmt(rel.get('params_codebook_stats'))}; without them "
@@ -418,6 +418,14 @@ RELEASE_KEEP_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
                            "MALLOC_MMAP_THRESHOLD_": str((1 << 64) - 1), "MALLOC_TRIM_THRESHOLD_": str((1 << 64) - 1)}
 
 
+def with_huge_pages(env: dict) -> dict:
+    """``env`` plus glibc's huge-page tunable where longctx's console entry points restart with it
+    (longctx.host_memory.huge_pages_env), else ``env`` unchanged."""
+    from longctx.host_memory import huge_pages_env
+
+    return huge_pages_env(env) or env
+
+
 def drive(args) -> dict:
     lengths = parse_lengths(args.lengths)
     if not lengths or args.repeats <= 0 or args.warmup < 0:
@@ -430,12 +438,13 @@ def drive(args) -> dict:
         commit = export_release(args.release_repo, tmp)
         me = str(Path(__file__).resolve())
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        ours_env = with_huge_pages(env)  # what `longctx-bench step` would run with
         if args.release_malloc == "keep":
-            env.update(RELEASE_KEEP_MALLOC_ENV)
+            env = with_huge_pages({**env, **RELEASE_KEEP_MALLOC_ENV})
         rel = Worker("release", [args.release_python, me, "--worker", "release", "--release_src",
                                  str(Path(tmp) / "src")], env=env)
         workers.append(rel)
-        ours = Worker("ours", [args.ours_python, me, "--worker", "ours"])
+        ours = Worker("ours", [args.ours_python, me, "--worker", "ours"], env=ours_env)
         workers.append(ours)
         sets = OUR_SETS + list(args.set)
         # build one side after the other, so that neither compile competes with the other

@@ -58,3 +58,50 @@ def test_bad_value_is_refused_with_the_allowed_ones(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: LONGCTX_HOST_MALLOC='tcmalloc': allowed values are 'keep' (default) and 'system'"], r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_huge_pages_env_adds_the_tunable_once():
+    base = {"PATH": "/bin"}
+    env = hm_env(base)
+    if env is None:
+        pytest.skip("no glibc >= 2.35 with transparent huge pages here")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == "/bin" and "GLIBC_TUNABLES" not in base
+    assert hm_env(env) is None  # already there: nothing to add, so a restarted process does not restart again
+    other = hm_env({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
+    assert other["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1"
+    assert hm_env({"LONGCTX_HOST_MALLOC": "system"}) is None
+
+
+RESTART = """
+import os, sys
+from longctx.host_memory import restart_with_huge_pages
+print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv[1:], flush=True)
+restart_with_huge_pages()
+print("done", os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", [None, "system"])
+def test_restart_keeps_the_process_and_its_arguments(mode):
+    from longctx import host_memory as hm
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_HOST_MALLOC", "GLIBC_TUNABLES")}
+    if mode is not None:
+        env["LONGCTX_HOST_MALLOC"] = mode
+    r = subprocess.run([sys.executable, "-c", RESTART, "a", "--b=1"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    pid = lines[0].split()[0]
+    assert lines[-1] == f"done {pid}"
+    if mode is None and hm.huge_pages_env(env) is not None:
+        # replaced once by the same command line (same process id), now with the tunable
+        assert len(lines) == 3 and lines[1] == f"{pid} glibc.malloc.hugetlb=1 ['a', '--b=1']", lines
+    else:
+        assert len(lines) == 2 and lines[0] == f"{pid} None ['a', '--b=1']", lines
+
+
+def hm_env(environ):
+    from longctx import host_memory as hm
+
+    return hm.huge_pages_env(environ)

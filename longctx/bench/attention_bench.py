@@ -44,7 +44,9 @@ def add_args(p):
     p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
     p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls per cell after compiling (the second call of a new program can still fault "
+                        "in fresh heap pages: BENCHMARKS.md, issue 15)")
     p.add_argument("--mem_budget_gb", type=float, default=16.0)
     p.add_argument("--max_cell_s", type=float, default=120.0,
                    help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")

@@ -56,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from longctx.cli import user_errors
-    from longctx.host_memory import keep_freed_memory
+    from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
     with user_errors():
+        if argv is None:  # the console entry point: once, restart with glibc's huge-page tunable
+            restart_with_huge_pages()
         keep_freed_memory()  # the same host allocation settings as the other entry points (longctx/host_memory.py)
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         args.func(args)
