@@ -12,6 +12,9 @@ project dependency: ``pip install torch --index-url https://download.pytorch.org
 
 Per length, the calls alternate: released forward, ours forward, released forward+backward, ours
 forward+backward, repeated; medians are reported. Writes peer_eva.json and peer_eva.md under --out.
+Run as a script, the process first takes the host memory settings of longctx's entry points
+(``longctx/host_memory.py``: freed memory kept, huge pages for the heap); both sides share them, as
+they share the process (``LONGCTX_HOST_MALLOC=system`` leaves glibc's defaults).
 """
 
 from __future__ import annotations
@@ -186,4 +189,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
+
+    restart_with_huge_pages()
+    keep_freed_memory()
     main()

@@ -112,7 +112,8 @@ def time_calls(fn, *args, repeats: int, warmup: int = 1) -> dict:
         t0 = time.perf_counter()
         block(fn(*args))
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times),
+            "all_s": times}
 
 
 def fit_exponent(lengths, times, last: int = 3) -> float | None:
