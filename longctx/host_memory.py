@@ -115,7 +115,7 @@ def restart_with_huge_pages() -> None:
     nothing to add or the command line is unknown."""
     env = huge_pages_env(os.environ)
     argv = getattr(sys, "orig_argv", None)
-    if env is None or not argv:
+    if env is None or not argv or "ipykernel" in sys.modules:  # never restart a notebook's kernel
         return
     sys.stdout.flush()
     sys.stderr.flush()
