@@ -16,11 +16,20 @@ Per (variant, direction, length) cell:
   deterministic=False with a key (the training path);
 * peak RSS: the process's resident set sampled every 5 ms during the timed calls. The entry points
   keep freed host memory (longctx/host_memory.py), so it never falls: the largest of the run so far.
+* each variant (and the PyTorch reference) runs in its own child process (``--no_isolate``: all in this
+  one): with freed memory kept, the heap a method leaves behind fragments the next one's, whose calls
+  then grow the heap and fault in fresh pages part-way through its timed calls (BENCHMARKS.md, issue 15).
+  The peak RSS is then per variant.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,8 @@ def add_args(p):
     p.add_argument("--matmul_n", type=int, default=4096, help="size of the reference f32 matmul (0: skip)")
     p.add_argument("--no_torch", action="store_true", help=f"do not time {TORCH} even if torch is importable")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no_isolate", dest="isolate", action="store_false",
+                   help="time every variant in this process (default: each in a child process of its own)")
 
 
 def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
@@ -95,7 +106,17 @@ def run(args) -> dict:
         res["matmul"] = C.matmul_rate(args.matmul_n, repeats=max(1, min(args.repeats, 3)))
     n_total = len(dirs) * (len(cells) + (1 if with_torch else 0)) * len(lengths)
     bar = C.progress_bar(n_total, "attention", args.progress)
-    for causal in dirs:
+    if getattr(args, "isolate", False):
+        labels = list(dict.fromkeys(label for _, label, _ in cells)) + ([TORCH] if with_torch else [])
+        for label in labels:
+            child = _run_child(args, label)
+            res["rows"] += child["rows"]
+            res["skipped_variants"] += child["skipped_variants"]
+            bar.update(len(dirs) * len(lengths))
+        dirs_run = []
+    else:
+        dirs_run = dirs
+    for causal in dirs_run:
         dname = C.dir_name(causal)
         for method, label, ov in cells:
             try:
@@ -124,6 +145,36 @@ def run(args) -> dict:
     (out / "attention.md").write_text(markdown(res))
     plots(res, out)
     return res
+
+
+def child_argv(args, label: str, out) -> list[str]:
+    """The command line that times one variant (or the PyTorch reference) alone, with this run's settings."""
+    argv = [sys.executable, "-m", "longctx.bench.cli", "attention", "--no_isolate", "--no_progress",
+            "--methods", label, "--out", str(out), "--matmul_n", "0"]
+    for name in ("lengths", "batch", "heads", "head_dim", "dtype", "repeats", "warmup", "mem_budget_gb",
+                 "max_cell_s", "seed"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    for flag in ("causal", "bidirectional", "no_backward"):
+        if getattr(args, flag):
+            argv.append(f"--{flag}")
+    if label != TORCH:  # an exact variant would otherwise bring the reference along
+        argv.append("--no_torch")
+    return argv
+
+
+def _run_child(args, label: str) -> dict:
+    """Rows and skipped variants of one variant timed in a child process; a child that fails is reported
+    as a skipped variant (with its exit status and last error line), and the run goes on."""
+    with tempfile.TemporaryDirectory(prefix="longctx_attn_") as tmp:
+        r = subprocess.run(child_argv(args, label, tmp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+        f = Path(tmp) / "attention.json"
+        if r.returncode == 0 and f.exists():
+            child = json.loads(f.read_text())
+            return {"rows": child["rows"], "skipped_variants": child.get("skipped_variants", [])}
+    last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"rows": [], "skipped_variants": [{"variant": label, "direction": "all",
+                                              "reason": f"child process exited with status {r.returncode}: {last}"}]}
 
 
 def _skip_reason_time(prev_L, prev_t, T, n_calls, limit):
@@ -312,7 +363,8 @@ def markdown(res: dict) -> str:
                  "temporaries − aliased from `compiled.memory_analysis()`; peak RSS = the whole process "
                  "(includes the JAX runtime and inputs), sampled every 5 ms during the timed calls; the entry "
                  "points keep freed host memory in the process (longctx/host_memory.py), so it is the largest "
-                 "RSS of the run so far, an upper bound for the cell.\n")
+                 + ("RSS of the variant's own process so far (each variant runs in a child process of its own)"
+                    if a.get("isolate") else "RSS of the run so far") + ", an upper bound for the cell.\n")
     ex = [[e["variant"], e["direction"], e.get("fwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwd_lengths", []))),
            e.get("fwdbwd_exponent"), ", ".join(map(C.fmt_len, e.get("fwdbwd_lengths", [])))] for e in res["exponents"]]
     parts.append("\n### Scaling exponent (log-log least squares of time vs length, largest 3 measured lengths)\n\n")

@@ -129,3 +129,23 @@ def test_kernels_rejects_a_method_without_a_kernel(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "dense declare(s) no Pallas kernel" in err and "transformer_vq" in err
+
+
+def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch):
+    import argparse
+    import sys
+
+    from longctx.bench import attention_bench as ab
+
+    args = argparse.Namespace(lengths="64,128", batch=1, heads=2, head_dim=16, dtype="float32", repeats=1, warmup=0,
+                              mem_budget_gb=1.0, max_cell_s=5.0, seed=0, causal=True, bidirectional=False,
+                              no_backward=False)
+    argv = ab.child_argv(args, "dense:blockwise", "/tmp/x")
+    assert argv[argv.index("--methods") + 1] == "dense:blockwise" and "--no_isolate" in argv
+    assert "--no_torch" in argv and "--causal" in argv and "--bidirectional" not in argv
+    assert argv[argv.index("--lengths") + 1] == "64,128" and argv[argv.index("--warmup") + 1] == "0"
+    assert "--no_torch" not in ab.child_argv(args, ab.TORCH, "/tmp/x")
+    monkeypatch.setattr(ab, "child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit('boom: no memory')"])
+    res = ab._run_child(args, "eva")
+    assert res["rows"] == [] and res["skipped_variants"][0]["variant"] == "eva"
+    assert "status 1" in res["skipped_variants"][0]["reason"] and "boom: no memory" in res["skipped_variants"][0]["reason"]
