@@ -13,6 +13,13 @@ import pytest
 # setting in XLA_FLAGS wins.
 _FLAGS = {"xla_cpu_multi_thread_eigen": "true", "xla_backend_optimization_level": "0",
           "xla_llvm_disable_expensive_passes": "true", "xla_cpu_use_fusion_emitters": "false"}
+try:  # jaxlib 0.11's XLA no longer knows this flag, and XLA aborts on an unknown one (seen on the GPU image)
+    from importlib.metadata import version as _version
+
+    if tuple(int(x) for x in _version("jaxlib").split(".")[:2]) >= (0, 11):
+        del _FLAGS["xla_cpu_use_fusion_emitters"]
+except Exception:  # noqa: BLE001 -- no metadata: keep the flags
+    pass
 _have = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_have] + [f"--{k}={v}" for k, v in _FLAGS.items() if k not in _have]).strip()
 

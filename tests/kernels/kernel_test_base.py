@@ -114,6 +114,22 @@ class KernelTestBase:
         if not self.INTERPRET and jax.default_backend() == "cpu":
             pytest.skip("compiled Pallas kernels need an accelerator (set INTERPRET = True on CPU)")
 
+    def _expect_refusal_here(self, shape_name: str, dtype_name: str, run) -> bool:
+        """Compiled on an accelerator, a shape the kernel refuses there (its ``unsupported_reasons`` for the
+        running platform) must raise a ValueError naming the reasons, as in the export test; True when so."""
+        if self.INTERPRET:
+            return False
+        backend = jax.default_backend()
+        platform = {"gpu": "cuda"}.get(backend, backend)
+        reasons = self.unsupported_reasons(platform, self.SHAPES[shape_name], DTYPES[dtype_name])
+        if not reasons:
+            return False
+        with pytest.raises(ValueError) as err:
+            run()
+        for r in reasons:
+            assert r in str(err.value)
+        return True
+
     def _forward_pair(self, shape_name: str, dtype_name: str):
         key = (type(self).__name__, shape_name, dtype_name)
         if key not in KernelTestBase._cache:
@@ -127,6 +143,8 @@ class KernelTestBase:
     def test_forward_matches_reference(self, forward_case):
         self._skip_if_not_runnable()
         shape_name, dtype_name = forward_case
+        if self._expect_refusal_here(shape_name, dtype_name, lambda: self._forward_pair(shape_name, dtype_name)):
+            return
         ref, out = self._forward_pair(shape_name, dtype_name)
         assert_close(ref, out, self.TOLERANCES[dtype_name], f"{shape_name}/{dtype_name} outputs")
         # the comparison is not trivially between zeros
@@ -137,6 +155,8 @@ class KernelTestBase:
             pytest.skip("this kernel returns no final state")
         self._skip_if_not_runnable()
         shape_name, dtype_name = forward_case
+        if self._expect_refusal_here(shape_name, dtype_name, lambda: self._forward_pair(shape_name, dtype_name)):
+            return
         ref, out = self._forward_pair(shape_name, dtype_name)
         st_ref, st_out = type(self).STATE(ref), type(self).STATE(out)
         assert jax.tree.structure(st_ref) == jax.tree.structure(st_out)
@@ -159,8 +179,11 @@ class KernelTestBase:
             return jax.jit(jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS)))))(
                 *(args[i] for i in self.DIFF_ARGNUMS))
 
+        kernel_grads = lambda: grads(lambda *a: self.kernel(*a, interpret=self.INTERPRET, **static))  # noqa: E731
+        if self._expect_refusal_here(shape_name, dtype_name, kernel_grads):
+            return
         g_ref = grads(lambda *a: self.reference(*a, **static))
-        g_ker = grads(lambda *a: self.kernel(*a, interpret=self.INTERPRET, **static))
+        g_ker = kernel_grads()
         tol = self.GRAD_TOLERANCES[dtype_name]
         for i, (a, b) in enumerate(zip(g_ref, g_ker)):
             assert_close(a, b, tol, f"{shape_name}/{dtype_name} d/d(arg {self.DIFF_ARGNUMS[i]})")
