@@ -32,6 +32,14 @@ import pytest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+def _assert_refused(reasons: list[str], run) -> None:
+    """``run()`` raises a ValueError whose message names every one of ``reasons``."""
+    with pytest.raises(ValueError) as err:
+        run()
+    for r in reasons:
+        assert r in str(err.value)
+
+
 if jax.default_backend() == "gpu":
     # float32 dots default to TF32 on recent NVIDIA GPUs; the tolerances below are for full float32 products
     # (an H100 run: eva chunk statistics and vq_cache forward off by 1e-4..1.5e-3 at the default precision,
@@ -130,10 +138,7 @@ class KernelTestBase:
         reasons = self.unsupported_reasons(platform, self.SHAPES[shape_name], DTYPES[dtype_name])
         if not reasons:
             return False
-        with pytest.raises(ValueError) as err:
-            run()
-        for r in reasons:
-            assert r in str(err.value)
+        _assert_refused(reasons, run)
         return True
 
     def _forward_pair(self, shape_name: str, dtype_name: str):
@@ -201,10 +206,7 @@ class KernelTestBase:
         fwd = lambda *a: self.kernel(*a, interpret=False, platform=platform, **static)  # noqa: E731
         reasons = self.unsupported_reasons(platform, self.SHAPES[shape_name], DTYPES[dtype_name])
         if reasons:  # a refused platform/shape must be a clear error naming the reasons, never a wrong answer
-            with pytest.raises(ValueError) as err:
-                jax.export.export(jax.jit(fwd), platforms=[platform])(*args)
-            for r in reasons:
-                assert r in str(err.value)
+            _assert_refused(reasons, lambda: jax.export.export(jax.jit(fwd), platforms=[platform])(*args))
             return
         disabled = self.export_disabled_checks(platform)
         exp = jax.export.export(jax.jit(fwd), platforms=[platform], disabled_checks=disabled)(*args)
