@@ -106,6 +106,8 @@ def main(argv=None):
     p.add_argument("--lengths", default="4k,8k,16k")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gap_s", type=float, default=0.0,
+                   help="idle seconds before each timed call (lets the other side's worker threads stop spinning)")
     p.add_argument("--d_model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--window", type=int, default=128)
@@ -160,6 +162,7 @@ def main(argv=None):
         times = {k: [] for k in calls}
         for _ in range(a.repeats):
             for k, fn in calls.items():
+                time.sleep(a.gap_s)
                 times[k].append(timed(fn))
         med = {k: float(np.median(v)) for k, v in times.items()}
         row = {"T": T, **{f"{k} s": v for k, v in med.items()}, "times": times,

@@ -184,11 +184,13 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float):
     """Eq. 16 for N query tiles at once: q [B,H,N,Tq,d] against each tile's local keys k, v [B,H,N,Tk,.]
     (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
-    k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C]). Returns out [B,H,N,Tq,dv].
+    k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C], and the same mask keys-major, ``cmask_t`` [C,N·Tq],
+    for the backward: built from positions by the caller, since transposing a materialised [N,Tq,C] mask read it
+    with a stride of C bytes, ~5 ns per element at 32k). Returns out [B,H,N,Tq,dv].
 
     The backward is written out (FlashAttention style, from the saved log-sum-exp) in the keys-major
     orientation: it recomputes the transposed logits k·qᵀ, so dk, dv, dk̂ and dβ are plain matmuls (dk̂ and dβ
@@ -198,13 +200,13 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
     return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)[0]
 
 
-def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, scale):
+def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale):
     out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)
-    return out, (q, k, v, k_hat, beta, bias, lmask, cmask, out, lse)
+    return out, (q, k, v, k_hat, beta, bias, lmask, cmask_t, out, lse)
 
 
 def _tile_softmax_bwd(scale, res, do):
-    q, k, v, k_hat, beta, bias, lmask, cmask, out, lse = res
+    q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
     delta = jnp.sum(do * out, axis=-1)[..., None, :]
@@ -224,7 +226,6 @@ def _tile_softmax_bwd(scale, res, do):
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     qf, dof = flat(q), flat(do)
-    ct = jnp.moveaxis(cmask, -1, 0).reshape(-1, N * Tq)  # [C, N*Tq]
     pt_ch = jnp.where(ct, jnp.exp(scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf, precision=HIGHEST)
                                   - flat(lse)[:, :, None, :]), 0.0)
     dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof, precision=HIGHEST) - flat(delta[..., 0, :])[:, :, None])
@@ -237,7 +238,7 @@ def _tile_softmax_bwd(scale, res, do):
         g = _sum_leading(dst_loc)  # [H,N,Tk,Tq]: over the batch
         g = _sum_leading(g)[None] if bias.shape[1] == 1 else g  # [1,N,Tk,Tq] / [H,N,Tk,Tq]
         dbias = jnp.swapaxes(jnp.moveaxis(g, 0, 1), -1, -2)  # [N,Hb,Tq,Tk]
-    return dq, dk, dv, dk_hat, dbeta, dbias, None, None
+    return dq, dk, dv, dk_hat, dbeta, dbias, None, None, None
 
 
 tile_softmax.defvjp(_tile_softmax_fwd, _tile_softmax_bwd)
@@ -269,7 +270,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     if _uses_tile_softmax(drop_key, opts):
         one = lambda x: None if x is None else x[None]  # noqa: E731 -- a batch of one tile
         return tile_softmax(q[:, :, None], k[:, :, None], v[:, :, None], k_hat, beta, one(bias), lmask[None],
-                            cmask[None], scale)[:, :, 0]
+                            cmask[None], cmask.T, scale)[:, :, 0]
     a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
     if bias is not None:
         a_loc = a_loc + bias
@@ -299,11 +300,12 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     k_hat, beta = chunks
     lmask = jax.vmap(lambda a, b, c: local_mask(a, b, c, opts))(q_pos, k_pos, k_valid)
     cmask = jax.vmap(lambda a: chunk_mask(a, chunk_ids, chunk_valid, P, opts))(q_pos)
+    cmask_t = chunk_mask(q_pos.reshape(-1), chunk_ids, chunk_valid, P, opts).T  # [C, N*Tq], from positions
     bias = None
     if opts.use_rpe and rpe_table is not None:
         bias = jax.vmap(lambda a, b: rpe_bias(rpe_table, a, b, opts, scale))(q_pos, k_pos)
     t = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731 -- [N,B,H,..] -> [B,H,N,..]
-    out = tile_softmax(t(q), t(k), t(v), k_hat, beta, bias, lmask, cmask, scale)
+    out = tile_softmax(t(q), t(k), t(v), k_hat, beta, bias, lmask, cmask, cmask_t, scale)
     return jnp.moveaxis(out, 2, 0)
 
 
@@ -393,16 +395,25 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     k_pos = jnp.arange(n_tiles)[:, None] * tile - opts.e_l + jnp.arange(Tk)[None, :]
     k_val = (k_pos >= 0) & (k_pos < L)
     idx = jnp.clip(k_pos, 0, L_pad - 1)
-    q_t = jnp.moveaxis(qf.reshape(B, H, n_tiles, tile, d), 2, 0)
-    k_t, v_t = _gather_tiles(kf, idx), _gather_tiles(vf, idx)
+    as_tiles = lambda x: jnp.moveaxis(x.reshape(B, H, n_tiles, tile, x.shape[-1]), 2, 0)  # noqa: E731
+    q_t = as_tiles(qf)
+    if Tk == tile:  # no overlap: the tiles' keys are the query tiles' own (a reshape; a gather's gradient scatters)
+        k_t, v_t = as_tiles(kf), as_tiles(vf)
+    else:
+        k_t, v_t = _gather_tiles(kf, idx), _gather_tiles(vf, idx)
     keys = _tile_keys(drop_key, n_tiles)
 
     xs = (q_t, q_pos, k_t, v_t, k_pos, k_val, keys)
     outs = []
     fused = _uses_tile_softmax(drop_key, opts)
-    for lo, hi, nc in tile_groups(n_tiles, tile, P, C, opts.causal):
+    groups = tile_groups(n_tiles, tile, P, C, opts.causal)
+    # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
+    # group's gradient to full length and sum them: ~40 ms of copies per 8k layer fwd+bwd)
+    sizes = [hi - lo for lo, hi, _ in groups]
+    parts = [[None] * len(groups) if x is None else jax.lax.split(x, sizes, axis=0) for x in xs]
+    for g, (lo, hi, nc) in enumerate(groups):
         cost = B * H * tile * (Tk + nc * (P if exact else 1))
-        group = tuple(None if x is None else x[lo:hi] for x in xs)
+        group = tuple(p[g] for p in parts)
         if fused:  # a batch of tiles per call: tile_softmax's backward recomputes the logits
             def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
                 ch = (k_hat[:, :, :nc], beta[:, :, :nc])

@@ -443,16 +443,18 @@ def test_tile_softmax_backward_matches_autodiff(hb):
     w = jax.random.normal(jax.random.PRNGKey(9), (B, H, N, Tq, dv))
     args = (q, k, v, k_hat, beta, bias)
 
-    def loss(f):
-        return lambda *a: jnp.sum(f(*a, lmask, cmask, 0.3) * w)
+    cmask_t = jnp.moveaxis(cmask, -1, 0).reshape(C, N * Tq)
+    ours = lambda *a: eva.tile_softmax(*a, lmask, cmask, cmask_t, 0.3)  # noqa: E731
+    ref = lambda *a: eva._joint_softmax(*a, lmask, cmask, 0.3)[0]  # noqa: E731
 
-    ref = lambda *a: eva._joint_softmax(*a)[0]  # noqa: E731
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a) * w)
+
     n = 6 if hb else 5
-    got = jax.grad(loss(eva.tile_softmax), argnums=tuple(range(n)))(*args)
+    got = jax.grad(loss(ours), argnums=tuple(range(n)))(*args)
     want = jax.grad(loss(ref), argnums=tuple(range(n)))(*args)
-    np.testing.assert_allclose(eva.tile_softmax(*args, lmask, cmask, 0.3), ref(*args, lmask, cmask, 0.3),
-                               rtol=1e-6, atol=1e-6)
-    assert float(jnp.abs(eva.tile_softmax(*args, lmask, cmask, 0.3)[0, 0, 0, 0]).max()) == 0.0
+    np.testing.assert_allclose(ours(*args), ref(*args), rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(ours(*args)[0, 0, 0, 0]).max()) == 0.0
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
 
