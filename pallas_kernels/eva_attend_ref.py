@@ -48,16 +48,21 @@ def local_mask(q_pos, k_pos, k_valid, *, W: int, e_l: int, e_r: int, causal: boo
     return m
 
 
-def chunk_mask(q_pos, chunk_ids, chunk_valid, *, P: int, W: int, e_l: int, e_r: int, causal: bool, disjoint: bool):
-    """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
-    ``disjoint``: additionally drop chunks intersecting the query's window."""
-    m = jnp.broadcast_to(chunk_valid[None, :], (q_pos.shape[0], chunk_ids.shape[0]))
+def chunk_mask(q_pos, chunk_ids, chunk_valid, *, P: int, W: int, e_l: int, e_r: int, causal: bool, disjoint: bool,
+               keys_major: bool = False):
+    """[Tq, C] bool ([C, Tq] with ``keys_major``, built in that orientation). Causal: chunk c visible iff
+    c < ⌊n/P⌋ (released rule: own chunk hidden). ``disjoint``: additionally drop chunks intersecting the
+    query's window."""
+    if keys_major:
+        n, c, ok = q_pos[None, :], chunk_ids[:, None], chunk_valid[:, None]
+    else:
+        n, c, ok = q_pos[:, None], chunk_ids[None, :], chunk_valid[None, :]
+    m = jnp.broadcast_to(ok, jnp.broadcast_shapes(n.shape, c.shape))
     if causal:  # c < n // P, written (c + 1) P <= n: no integer division per element of the [Tq, C] tile
-        m = m & ((chunk_ids[None, :] + 1) * P <= q_pos[:, None])
+        m = m & ((c + 1) * P <= n)
     if disjoint and W > 0:
-        lo, hi = window_bounds(q_pos, W, e_l, e_r)
-        inter = (chunk_ids[None, :] * P < hi[:, None]) & ((chunk_ids[None, :] + 1) * P > lo[:, None])
-        m = m & ~inter
+        lo, hi = window_bounds(n, W, e_l, e_r)
+        m = m & ~((c * P < hi) & ((c + 1) * P > lo))
     return m
 
 

@@ -127,11 +127,11 @@ def local_mask(q_pos, k_pos, k_valid, opts: EVAOptions):
     return eva_attend_ref.local_mask(q_pos, k_pos, k_valid, W=opts.W, e_l=opts.e_l, e_r=opts.e_r, causal=opts.causal)
 
 
-def chunk_mask(q_pos, chunk_ids, chunk_valid, P: int, opts: EVAOptions):
-    """[Tq, C] bool. Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk hidden).
-    'disjoint': additionally drop chunks intersecting the query's window."""
+def chunk_mask(q_pos, chunk_ids, chunk_valid, P: int, opts: EVAOptions, keys_major: bool = False):
+    """[Tq, C] bool ([C, Tq] with keys_major). Causal: chunk c visible iff c < ⌊n/P⌋ (released rule: own chunk
+    hidden). 'disjoint': additionally drop chunks intersecting the query's window."""
     return eva_attend_ref.chunk_mask(q_pos, chunk_ids, chunk_valid, P=P, W=opts.W, e_l=opts.e_l, e_r=opts.e_r,
-                                     causal=opts.causal, disjoint=opts.partition == "disjoint")
+                                     causal=opts.causal, disjoint=opts.partition == "disjoint", keys_major=keys_major)
 
 
 def local_bias_tiles(table, opts: EVAOptions, scale: float):
@@ -174,14 +174,23 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
     if bias is not None:
         a_loc = a_loc + jnp.moveaxis(bias, 0, 1)[None] if bias.shape[1] > 1 else a_loc + bias[:, 0][None, None]
     a_loc = jnp.where(lmask, a_loc, NEG)
-    a_ch = jnp.where(cmask, scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat, precision=HIGHEST), NEG)
+    s_ch = scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat, precision=HIGHEST)
+    a_ch = jnp.where(cmask, s_ch, _fill_like(s_ch, NEG))
     m = jnp.maximum(jnp.max(a_loc, axis=-1, initial=NEG), jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
     p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
-    p_ch = jnp.where(cmask, jnp.exp(a_ch - m), 0.0)
+    e_ch = jnp.exp(a_ch - m)
+    p_ch = jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
     den = jnp.maximum(jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1), 1e-30)
     num = jnp.einsum("bhnqk,bhnkd->bhnqd", p_loc, v, precision=HIGHEST)
     num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta, precision=HIGHEST)
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
+
+
+def _fill_like(x, value: float):
+    """``value`` in x's shape, written as ``value + 0·x`` (x finite) so that it depends on x: a constant-filled
+    operand of a select inside a lax.map is hoisted out of the loop by XLA and materialised at full size (at 32k
+    causal: ~0.1 GB per map step, written and read every call)."""
+    return value + 0.0 * jax.lax.stop_gradient(x)  # no cotangent flows through the fill
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -226,8 +235,8 @@ def _tile_softmax_bwd(scale, res, do):
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     qf, dof = flat(q), flat(do)
-    pt_ch = jnp.where(ct, jnp.exp(scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf, precision=HIGHEST)
-                                  - flat(lse)[:, :, None, :]), 0.0)
+    st_ch = scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf, precision=HIGHEST)
+    pt_ch = jnp.where(ct, jnp.exp(st_ch - flat(lse)[:, :, None, :]), _fill_like(st_ch, 0.0))
     dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof, precision=HIGHEST) - flat(delta[..., 0, :])[:, :, None])
     dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf, precision=HIGHEST)
     dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof, precision=HIGHEST)
@@ -270,7 +279,8 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     if _uses_tile_softmax(drop_key, opts):
         one = lambda x: None if x is None else x[None]  # noqa: E731 -- a batch of one tile
         return tile_softmax(q[:, :, None], k[:, :, None], v[:, :, None], k_hat, beta, one(bias), lmask[None],
-                            cmask[None], cmask.T, scale)[:, :, 0]
+                            cmask[None], chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts, keys_major=True),
+                            scale)[:, :, 0]
     a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
     if bias is not None:
         a_loc = a_loc + bias
@@ -300,7 +310,7 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     k_hat, beta = chunks
     lmask = jax.vmap(lambda a, b, c: local_mask(a, b, c, opts))(q_pos, k_pos, k_valid)
     cmask = jax.vmap(lambda a: chunk_mask(a, chunk_ids, chunk_valid, P, opts))(q_pos)
-    cmask_t = chunk_mask(q_pos.reshape(-1), chunk_ids, chunk_valid, P, opts).T  # [C, N*Tq], from positions
+    cmask_t = chunk_mask(q_pos.reshape(-1), chunk_ids, chunk_valid, P, opts, keys_major=True)  # [C, N*Tq]
     bias = None
     if opts.use_rpe and rpe_table is not None:
         bias = jax.vmap(lambda a, b: rpe_bias(rpe_table, a, b, opts, scale))(q_pos, k_pos)
