@@ -478,3 +478,18 @@ def test_layer_gradients_same_with_and_without_tile_softmax(causal, monkeypatch)
     plain = grads()
     for g, r in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal,disjoint", [(True, False), (True, True), (False, False), (False, True)])
+def test_chunk_mask_keys_major_is_the_transpose(causal, disjoint):
+    """The keys-major chunk mask tile_softmax's backward reads is built in that orientation; it must equal the
+    transpose of the query-major one for every rule (causal visibility, disjoint windows, invalid chunks)."""
+    from pallas_kernels import eva_attend_ref
+
+    q_pos, ids = jnp.arange(3, 40), jnp.arange(10)
+    valid = ids < 8
+    kw = dict(P=4, W=8, e_l=4, e_r=0 if causal else 4, causal=causal, disjoint=disjoint)
+    qm = eva_attend_ref.chunk_mask(q_pos, ids, valid, **kw)
+    km = eva_attend_ref.chunk_mask(q_pos, ids, valid, keys_major=True, **kw)
+    assert km.shape == (10, 37) and bool(qm.any()) and not bool(qm.all())
+    np.testing.assert_array_equal(km, qm.T)
