@@ -426,8 +426,8 @@ def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P):
     assert tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
 
 
-@pytest.mark.parametrize("hb", [0, 1, H])  # no bias, one shared bias (causal T5), one per head
-def test_tile_softmax_backward_matches_autodiff(hb):
+@pytest.mark.parametrize("hb,nb", [(0, 0), (1, 3), (H, 3), (H, 1)])  # no bias, one shared bias (causal T5), one
+def test_tile_softmax_backward_matches_autodiff(hb, nb):  # per head; per tile (nb = N) or shared by the tiles
     """The written-out backward of tile_softmax (keys-major, from the saved log-sum-exp) against autodiff of
     the same forward, with masked entries and an empty row in both parts."""
     N, Tq, Tk, C, dv = 3, 8, 12, 5, 6
@@ -437,7 +437,7 @@ def test_tile_softmax_backward_matches_autodiff(hb):
     v = jax.random.normal(ks[2], (B, H, N, Tk, dv))
     k_hat = jax.random.normal(ks[3], (B, H, C, D))
     beta = jax.random.normal(ks[4], (B, H, C, dv))
-    bias = None if hb == 0 else jax.random.normal(ks[5], (N, hb, Tq, Tk))
+    bias = None if hb == 0 else jax.random.normal(ks[5], (nb, hb, Tq, Tk))
     lmask = jax.random.bernoulli(ks[6], 0.6, (N, Tq, Tk)).at[0, 0].set(False)
     cmask = jax.random.bernoulli(ks[7], 0.5, (N, Tq, C)).at[0, 0].set(False)  # row (0, 0): nothing visible
     w = jax.random.normal(jax.random.PRNGKey(9), (B, H, N, Tq, dv))
