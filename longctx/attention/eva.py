@@ -312,9 +312,9 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
 
 def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, opts: EVAOptions,
                  scale: float):
-    """:func:`attend_tile` for a batch of N tiles at once (leading axis: q [N,B,H,Tq,d], q_pos [N,Tq], k, v
-    [N,B,H,Tk,.], k_pos, k_valid [N,Tk]; chunks = (k̂, β) shared) through :func:`tile_softmax`: the
-    representative-logit estimator without dropout. Returns [N,B,H,Tq,dv].
+    """:func:`attend_tile` for a batch of N tiles at once (q [B,H,N,Tq,d], q_pos [N,Tq], k, v [B,H,N,Tk,.],
+    k_pos, k_valid [N,Tk]; chunks = (k̂, β) shared) through :func:`tile_softmax`: the representative-logit
+    estimator without dropout. Returns [B,H,N,Tq,dv].
 
     The tiles must share their relative key offsets (k_pos[n] - q_pos[n] the same for every n, as the tiles of
     :func:`eva_forward` do): the relative position bias is computed once, from the first tile, and its gradient
@@ -326,21 +326,25 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     bias = None
     if opts.use_rpe and rpe_table is not None:  # depends on k_pos - q_pos only: the same for every tile
         bias = rpe_bias(rpe_table, q_pos[0], k_pos[0], opts, scale)[None]  # [1,Hb,Tq,Tk]
-    t = lambda x: jnp.moveaxis(x, 0, 2)  # noqa: E731 -- [N,B,H,..] -> [B,H,N,..]
-    out = tile_softmax(t(q), t(k), t(v), k_hat, beta, bias, lmask, cmask, cmask_t, scale)
-    return jnp.moveaxis(out, 2, 0)
+    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale)
 
 
-def _map_tile_batches(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
-    """fn over batches of tiles (leading axis): one call when all tiles fit the logit budget, else lax.map
-    over equal batches (the largest divisor of n_tiles that fits)."""
+def _map_tile_batches(fn, xs, axes, n_tiles: int, cost_per_tile: int, budget: int):
+    """fn over batches of tiles (x's tile axis in ``axes``; fn returns [B,H,N,..]): one call when all tiles fit the
+    logit budget, else lax.map over equal batches (the largest divisor of n_tiles that fits)."""
     bs = max(1, budget // max(cost_per_tile, 1))
     if bs >= n_tiles:
         return fn(*xs)
     bs = max(b for b in range(1, bs + 1) if n_tiles % b == 0)
-    split = lambda x: None if x is None else x.reshape((n_tiles // bs, bs) + x.shape[1:])  # noqa: E731
-    out = jax.lax.map(lambda a: fn(*a), tuple(split(x) for x in xs))
-    return out.reshape((n_tiles,) + out.shape[2:])
+
+    def split(x, ax):  # [.., n_tiles, ..] -> [n_tiles // bs, .., bs, ..]
+        if x is None:
+            return None
+        return jnp.moveaxis(x.reshape(x.shape[:ax] + (n_tiles // bs, bs) + x.shape[ax + 1:]), ax, 0)
+
+    out = jax.lax.map(lambda a: fn(*a), tuple(split(x, ax) for x, ax in zip(xs, axes)))  # [nb,B,H,bs,..]
+    out = jnp.moveaxis(out, 0, 2)
+    return out.reshape(out.shape[:2] + (n_tiles,) + out.shape[4:])
 
 
 def _map_tiles(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
@@ -352,9 +356,8 @@ def _map_tiles(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):
 
 
 def _gather_tiles(x, idx):
-    """x [B,H,L,d], idx [N, K] (clipped) -> [N,B,H,K,d]."""
-    g = jnp.take(x, idx.reshape(-1), axis=2)
-    return jnp.moveaxis(g.reshape(x.shape[:2] + idx.shape + x.shape[3:]), 2, 0)
+    """x [B,H,L,d], idx [N, K] (clipped) -> [B,H,N,K,d]."""
+    return jnp.take(x, idx.reshape(-1), axis=2).reshape(x.shape[:2] + idx.shape + x.shape[3:])
 
 
 def _tile_keys(drop_key, n_tiles):
@@ -417,22 +420,24 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     k_pos = jnp.arange(n_tiles)[:, None] * tile - opts.e_l + jnp.arange(Tk)[None, :]
     k_val = (k_pos >= 0) & (k_pos < L)
     idx = jnp.clip(k_pos, 0, L_pad - 1)
-    as_tiles = lambda x: jnp.moveaxis(x.reshape(B, H, n_tiles, tile, x.shape[-1]), 2, 0)  # noqa: E731
-    q_t = as_tiles(qf)
+    # tiles stay [B,H,n_tiles,tile,d] (a reshape of q): moving the tile axis to the front and back again for every
+    # group made XLA read the projections through chains of transposes at up to 12 ns per element
+    q_t = qf.reshape(B, H, n_tiles, tile, d)
     if Tk == tile:  # no overlap: the tiles' keys are the query tiles' own (a reshape; a gather's gradient scatters)
-        k_t, v_t = as_tiles(kf), as_tiles(vf)
+        k_t, v_t = kf.reshape(B, H, n_tiles, tile, d), vf.reshape(B, H, n_tiles, tile, dv)
     else:
         k_t, v_t = _gather_tiles(kf, idx), _gather_tiles(vf, idx)
     keys = _tile_keys(drop_key, n_tiles)
 
     xs = (q_t, q_pos, k_t, v_t, k_pos, k_val, keys)
+    axes = (2, 0, 2, 2, 0, 0, 0)  # each operand's tile axis
     outs = []
     fused = _uses_tile_softmax(drop_key, opts)
     groups = tile_groups(n_tiles, tile, P, C, opts.causal)
     # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
     # group's gradient to full length and sum them: ~40 ms of copies per 8k layer fwd+bwd)
     sizes = [hi - lo for lo, hi, _ in groups]
-    parts = [[None] * len(groups) if x is None else jax.lax.split(x, sizes, axis=0) for x in xs]
+    parts = [[None] * len(groups) if x is None else jax.lax.split(x, sizes, axis=ax) for x, ax in zip(xs, axes)]
     for g, (lo, hi, nc) in enumerate(groups):
         cost = B * H * tile * (Tk + nc * (P if exact else 1))
         group = tuple(p[g] for p in parts)
@@ -442,7 +447,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
                 return tiles_attend(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table,
                                     opts, scale)
 
-            outs.append(_map_tile_batches(batch, group, hi - lo, cost, opts.logit_budget))
+            outs.append(_map_tile_batches(batch, group, axes, hi - lo, cost, opts.logit_budget))
             continue
 
         # autodiff path (dropout, 'exact_lse'): rematerialised, so the backward recomputes a tile's logits
@@ -454,9 +459,10 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
             return attend_tile(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, dk,
                                opts, scale)
 
-        outs.append(_map_tiles(one, group, hi - lo, cost, opts.logit_budget))
-    out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-    out = jnp.moveaxis(out, 0, 2).reshape(B, H, L_pad, dv)[:, :, :L]
+        lead = tuple(x if x is None or ax == 0 else jnp.moveaxis(x, ax, 0) for x, ax in zip(group, axes))
+        outs.append(jnp.moveaxis(_map_tiles(one, lead, hi - lo, cost, opts.logit_budget), 0, 2))
+    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B,H,n_tiles,tile,dv]
+    out = out.reshape(B, H, L_pad, dv)[:, :, :L]
     return out, extras
 
 
@@ -565,7 +571,7 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     k_val = (k_pos >= 0) & (kidx < R + T)
     q_pos = pos + jnp.arange(n_tiles * tile).reshape(n_tiles, tile)
     q_t = jnp.moveaxis(jnp.pad(qf, ((0, 0), (0, 0), (0, tail), (0, 0))).reshape(B, H, n_tiles, tile, d), 2, 0)
-    k_t, v_t = _gather_tiles(k_ext, kidx), _gather_tiles(v_ext, kidx)
+    k_t, v_t = (jnp.moveaxis(_gather_tiles(x, kidx), 2, 0) for x in (k_ext, v_ext))  # [n_tiles,B,H,tile+R,.]
     kraw = new_state.get("mem_kraw")
     chunks = (mem_khat, mem_beta, kraw, jnp.ones((1, 1, C_max, P), bool) if exact else None)
     chunk_ids = jnp.arange(C_max)
