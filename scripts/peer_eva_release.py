@@ -63,8 +63,17 @@ def release_layer(torch, path: str, d_model: int, heads: int, window: int, chunk
     return CausalEVAttention(d_model, heads, self_attention=True, attn_args=args)
 
 
-def our_layer(d_model: int, heads: int, window: int, chunk: int):
-    """(params, f_fwd, f_grad): projections + our EVA core + output projection, as pure jitted functions."""
+def drop_projections(layer, torch):
+    """--no_proj: the released layer's q/k/v/output projections replaced by identities (d_model = heads x head_dim,
+    so every shape stays): what is left is its attention core (adaptive chunk projections, RPE, masks)."""
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        setattr(layer, name, torch.nn.Identity())
+    return layer
+
+
+def our_layer(d_model: int, heads: int, window: int, chunk: int, proj: bool = True):
+    """(params, f_fwd, f_grad): projections + our EVA core + output projection, as pure jitted functions
+    (``proj=False``: identities in place of the four projections, as :func:`drop_projections`)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -78,17 +87,18 @@ def our_layer(d_model: int, heads: int, window: int, chunk: int):
     core = attention.build("eva", cfg, num_heads=heads, head_dim=D, causal=True, rngs=nnx.Rngs(0))
     graphdef, core_params, rest = nnx.split(core, nnx.Param, ...)
     ks = jax.random.split(jax.random.key(0), 4)
-    proj = {n: (jax.random.normal(k, (d_model, d_model)) * d_model ** -0.5, jnp.zeros((d_model,)))
-            for n, k in zip(("q", "k", "v", "o"), ks)}
-    params = {"core": core_params, "proj": proj}
+    proj_params = {n: (jax.random.normal(k, (d_model, d_model)) * d_model ** -0.5, jnp.zeros((d_model,)))
+                   for n, k in zip(("q", "k", "v", "o"), ks)} if proj else {}
+    params = {"core": core_params, "proj": proj_params}
 
     def layer(params, x):  # x [B, T, d_model]
         B, T, _ = x.shape
         heads_of = lambda y: y.reshape(B, T, heads, D).transpose(0, 2, 1, 3)  # noqa: E731
-        q, k, v = (heads_of(x @ params["proj"][n][0] + params["proj"][n][1]) for n in ("q", "k", "v"))
+        lin = (lambda y, n: y @ params["proj"][n][0] + params["proj"][n][1]) if proj else (lambda y, n: y)  # noqa: E731
+        q, k, v = (heads_of(lin(x, n)) for n in ("q", "k", "v"))
         o, _ = nnx.merge(graphdef, params["core"], rest)(q, k, v)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, d_model)
-        return o @ params["proj"]["o"][0] + params["proj"]["o"][1]
+        return lin(o, "o")
 
     f_fwd = jax.jit(layer)
     f_grad = jax.jit(jax.grad(lambda p, x, w: jnp.sum(layer(p, x) * w), argnums=(0, 1)))
@@ -112,6 +122,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--no_proj", action="store_true",
+                   help="both sides without their q/k/v/output projections (identities): the attention cores alone")
     p.add_argument("--release_repo", default=DEFAULT_REPO)
     p.add_argument("--out", default="bench_out/peer_eva")
     a = p.parse_args(argv)
@@ -124,8 +136,10 @@ def main(argv=None):
     torch.set_num_threads(os.cpu_count() or 1)
     tmp = tempfile.mkdtemp(prefix="peer_eva_")
     theirs = release_layer(torch, export_release(a.release_repo, tmp), a.d_model, a.heads, a.window, a.chunk)
+    if a.no_proj:
+        drop_projections(theirs, torch)
     theirs.train()  # the training path (their noise on the chunk projections); no dropout configured
-    params, f_fwd, f_grad = our_layer(a.d_model, a.heads, a.window, a.chunk)
+    params, f_fwd, f_grad = our_layer(a.d_model, a.heads, a.window, a.chunk, proj=not a.no_proj)
     n_theirs = sum(x.numel() for x in theirs.parameters())
     n_ours = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"parameters: released {n_theirs:,}  ours {n_ours:,}", flush=True)

@@ -630,9 +630,9 @@ class EVAAttention(AttentionCore):
                 # Phase A and Phase B kernels: 'xla' | 'pallas' | 'auto' (longctx/attention/dispatch.py); steps with
                 # attention dropout (attn_dropout > 0, deterministic=False) run Phase B in XLA
                 "impl": "auto",
-                # max materialized logits per lax.map step (memory knob). 2^25: causal fwd+bwd, 4 heads of 64,
-                # 16k 658 -> 610 ms, 32k 2,965 -> 2,831 ms, XLA memory at 32k ~1.5x (2^26: 2,536 ms, 3.9 GB
-                # against 1.5 GB; BENCHMARKS.md, issue 15)
+                # max materialized logits per lax.map step (memory knob): larger is faster and takes more memory.
+                # Causal core fwd+bwd at 8k, 4 heads of 64: 2^20 229 ms, 2^22 195 ms, 2^25 177 ms; at 32k 2^26 was
+                # ~10 % faster than 2^25 for 1.7x the XLA memory (BENCHMARKS.md, issue 15)
                 "logit_budget": 1 << 25,
             }
         )
