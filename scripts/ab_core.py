@@ -45,6 +45,7 @@ def old_class(target: str, rev: str):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(module_name + "_ab_old", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
     spec.loader.exec_module(mod)
     return getattr(mod, cls_name)
 

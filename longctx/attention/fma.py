@@ -232,12 +232,39 @@ def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
         # one leading axis for (batch, head, group): the same product with separate [BH, N_l, 1, ...] axes is
         # miscompiled by XLA:CPU (jax 0.10.2) when B*H = 1 (wrong sums under jit, right eagerly; see
         # tests/attention/test_fma.py::test_level_summaries_under_jit_equal_the_einsum_form)
-        xg = xp.reshape(-1, 1, ml, f)
         W = jnp.moveaxis(prm["kernel"], -1, 0).astype(x.dtype)  # [p, ml, f]
-        y = jnp.sum(xg * W[None], axis=2)  # [BH N_l', p, f]
+        y = _depthwise_groups(xp.reshape(-1, ml, f), W)  # [BH N_l', p, f]
         y = y.reshape(B, H, -1, opts.p, f)[:, :, : -(-n // ml)]
         out.append(y + _bias_rows(prm, opts))
     return out
+
+
+@jax.custom_vjp
+def _depthwise_groups(xg, W):
+    """y[g, r, f] = sum_t xg[g, t, f] W[r, t, f]: xg [G, m, f], W [p, m, f] -> [G, p, f] (one leading axis for
+    batch, head and group; see :func:`all_level_summaries`).
+
+    The backward is written out. Autodiff of the multiply-and-reduce materialised [G, p, m, f] broadcasts of x,
+    of the cotangent and of W for every level (134 MB each at 32k) and reduced them over the groups: at 32k
+    causal the summaries' backward took ~6 s of thread time, 13x the whole forward (BENCHMARKS.md)."""
+    return jnp.sum(xg[:, None] * W[None], axis=2)
+
+
+def _depthwise_groups_fwd(xg, W):
+    return _depthwise_groups(xg, W), (xg, W)
+
+
+def _depthwise_groups_bwd(res, ct):
+    xg, W = res
+    # dx[g, t, f] = sum_r ct[g, r, f] W[r, t, f]: p element-wise terms, no broadcast written out
+    dx = ct[:, 0, None, :] * W[0][None]
+    for r in range(1, W.shape[0]):
+        dx = dx + ct[:, r, None, :] * W[r][None]
+    dW = jnp.einsum("gtf,grf->rtf", xg, ct)  # a matmul over the groups, batched over features
+    return dx, dW
+
+
+_depthwise_groups.defvjp(_depthwise_groups_fwd, _depthwise_groups_bwd)
 
 
 def _lagged(qh):

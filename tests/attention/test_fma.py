@@ -353,3 +353,24 @@ def test_131k_forward_compiles_under_4gb():
     mem = jax.jit(f).lower(params, shape, shape, shape).compile().memory_analysis()
     total = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
     assert total < 4 * 2**30, total
+
+
+def test_level_summaries_gradients_equal_the_einsum_form():
+    """The fused summaries' written-out backward gives the gradients (input and kernels) of the per-level einsum."""
+    core = randomize_params(build("fma", True, heads=2, d=8, m=4, p=2, max_len=128))
+    x = jax.random.normal(jax.random.key(4), (1, 2, 96, 8))  # not a multiple of the top level's groups: padded
+    Lu = F.levels_used(96, core.opts)
+    ds = core.ds_params()["k"]
+    ws = [jax.random.normal(jax.random.key(10 + l), F.level_summaries(x, ds[l - 1], core.opts.m_l(l), core.opts).shape)
+          for l in range(1, Lu + 1)]
+
+    def loss(f):
+        return lambda x, ds: sum(jnp.sum(y * w) for y, w in zip(f(x, ds), ws))
+
+    fused = lambda x, ds: F.all_level_summaries(x, ds, Lu, core.opts)  # noqa: E731
+    plain = lambda x, ds: [F.level_summaries(x, ds[l - 1], core.opts.m_l(l), core.opts) for l in range(1, Lu + 1)]  # noqa: E731
+    got = jax.jit(jax.grad(loss(fused), argnums=(0, 1)))(x, ds)
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(x, ds)
+    assert Lu >= 2
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=2e-5)
