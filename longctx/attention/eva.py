@@ -433,6 +433,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     axes = (2, 0, 2, 2, 0, 0, 0)  # each operand's tile axis
     outs = []
     fused = _uses_tile_softmax(drop_key, opts)
+    halves = opts.causal and Tk == tile and tile % 2 == 0
     groups = tile_groups(n_tiles, tile, P, C, opts.causal)
     # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
     # group's gradient to full length and sum them: ~40 ms of copies per 8k layer fwd+bwd)
@@ -444,8 +445,18 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
         if fused:  # a batch of tiles per call: tile_softmax's backward recomputes the logits
             def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
                 ch = (k_hat[:, :, :nc], beta[:, :, :nc])
-                return tiles_attend(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table,
-                                    opts, scale)
+                attend = lambda *a: tiles_attend(*a, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, opts,  # noqa: E731
+                                                 scale)
+                if not halves:
+                    return attend(qt, qp, kt, vt, kp, kv)
+                # causal, keys = the query tile: the first half of the queries sees only the first half of the
+                # keys, so it is scored against those alone (3/4 of the local logits)
+                h = tile // 2
+                qa, qb = jax.lax.split(qt, [h, h], axis=3)
+                ka, vka = kt[:, :, :, :h], vt[:, :, :, :h]
+                oa = attend(qa, qp[:, :h], ka, vka, kp[:, :h], kv[:, :h])
+                ob = attend(qb, qp[:, h:], kt, vt, kp, kv)
+                return jnp.concatenate([oa, ob], axis=3)
 
             outs.append(_map_tile_batches(batch, group, axes, hi - lo, cost, opts.logit_budget))
             continue
