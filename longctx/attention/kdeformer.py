@@ -64,9 +64,12 @@ Departures from the spec, named:
   0 then); later calls of that stream hash with it whatever their key, so windowed training with
   a fresh key per window keeps the code cache consistent. Samples use the current call's key.
 * ``sampling='paper_mc'`` (spec §2.3i, optional) is not implemented.
-* Causal heavy logits for short caches (``heavy_impl='auto'``, ≤ 1024 tokens) are computed as one
-  [c, M] matmul per chunk and kept only on the heavy set (the same entries as gathering the keys,
-  which is memory-bound on CPU); longer caches gather the ≤ b_h keys of every query (spec §4.2).
+* Causal heavy logits (``heavy_impl='auto'``) are the spec's heavy sets computed three ways, same entries:
+  for short caches (≤ 1024 tokens) one [c, M] matmul per chunk kept only on the heavy set; for a longer
+  full pass as 'band' (:func:`heavy_band`): a query's heavy set is a contiguous run of the code-sorted keys,
+  so tiles of code-sorted queries are scored against the blocks of sorted keys their runs touch, as
+  matmuls; a call with a state (decoding, chunked prefill) gathers the ≤ b_h keys of every query (spec
+  §4.2 step 2, which gathers in the full pass too: memory-bound on CPU, ~3x SDPA's time at 8k).
 * Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
 * Masked logits use a finite ``-1e30`` and an explicit mask (``where``), and a row without any
   finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
@@ -118,8 +121,9 @@ class CausalOptions:
     power_iters: int
     scale: float
     tile_budget: int  # logits per lax.map step
-    heavy_impl: str = "auto"  # 'gather' | 'scores' | 'auto'
+    heavy_impl: str = "auto"  # 'gather' | 'scores' | 'band' | 'auto'
     heavy_scores_max_len: int = 1024
+    band_block: int = 64  # 'band': sorted queries per tile = sorted keys per block
 
 
 # ---------------------------------------------------------------------------
@@ -341,22 +345,132 @@ def _prefix_end(g, opts: CausalOptions):
     return jnp.maximum(0, (g - opts.local_chunks + 1) * opts.chunk_size).astype(jnp.int32)
 
 
-def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOptions):
+def heavy_route_of(opts: CausalOptions, M: int, full_pass: bool) -> str:
+    """The causal heavy logits' route: 'band' (full passes only), 'scores' or 'gather' (spec §4.2)."""
+    route = opts.heavy_impl
+    if route == "auto":
+        route = "scores" if M <= opts.heavy_scores_max_len else ("band" if full_pass else "gather")
+    if route == "band" and not full_pass:  # with a cache the band's blocks span the whole cache per query
+        route = "gather"
+    return route
+
+
+def code_sort(HKc, n_valid):
+    """Keys sorted by κ_j = h(k_j)·M + j (positions ≥ n_valid last): (order, κ_s, spos = order⁻¹), [B,H,M]."""
+    M = HKc.shape[-1]
+    pos = jnp.arange(M, dtype=jnp.int32)
+    kappa = jnp.where(pos < n_valid, HKc * M + pos, INT_MAX)
+    order = jnp.argsort(kappa, axis=-1).astype(jnp.int32)
+    return order, jnp.take_along_axis(kappa, order, axis=-1), inverse_permutation(order)
+
+
+def heavy_bounds(kappa_s, hq, L, bh: int):
+    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (spec §4.2 step 2).
+    kappa_s [B,H,M]; hq [B,H,N] query codes; L [N] or [B,H,N] prefix ends. Empty when hi ≤ lo."""
+    M = kappa_s.shape[-1]
+    hi = _ssorted(kappa_s, hq * M + L).astype(jnp.int32)
+    st = _ssorted(kappa_s, hq * M).astype(jnp.int32)
+    return jnp.maximum(hi - bh, st), hi
+
+
+def band_pairs(lo, hi, tq: int, kb: int, n_keys: int):
+    """The key blocks each query tile needs: (first block b0, block count cnt, inclusive cumsum of cnt), [n_t] each,
+    for queries sorted by their band ends (lo, hi [Np], Np a multiple of tq; empty rows last) and keys in blocks
+    of kb.
+
+    Tile j needs the blocks of the sorted slots [min lo, max hi) of its non-empty rows. With F_j, H_j the first
+    and last hi of tile j, that span is at most H_j − F_j + b_h long (lo ≥ hi − b_h), and the tiles' [F_j, H_j]
+    do not overlap (the rows are sorted by hi), so Σ_j span_j ≤ n_keys + n_t·b_h; a span of s slots touches fewer
+    than s/kb + 2 blocks. ceil((n_keys + n_t·b_h) / kb) + 2·n_t is therefore a static bound on the pairs any
+    input needs (:func:`heavy_band` computes that many): no heavy key is ever dropped."""
+    n_t = lo.shape[0] // tq
+    lo_t, hi_t = lo.reshape(n_t, tq), hi.reshape(n_t, tq)
+    ok = hi_t > lo_t
+    tlo = jnp.min(jnp.where(ok, lo_t, n_keys), axis=1)
+    thi = jnp.max(jnp.where(ok, hi_t, 0), axis=1)
+    b0 = tlo // kb
+    cnt = jnp.where(thi > tlo, (thi - 1) // kb - b0 + 1, 0)
+    ends = jnp.cumsum(cnt)
+    return b0, cnt, ends
+
+
+def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int):
+    """The heavy part of a full causal pass (spec §4.1 'Heavy') as dense blocks of the code-sorted keys.
+
+    q [B,H,N,d]; Ks, Vs [B,H,M,·] the keys and values in code-sorted order (κ_s); query i's heavy set is the
+    sorted slots [lo_i, hi_i) (:func:`heavy_bounds`, ≤ b_h of them). Every row's heavy keys are contiguous in
+    that order, and sorting the queries by hi makes neighbouring queries' bands overlap: tiles of ``block``
+    sorted queries are scored against the blocks of ``block`` sorted keys their bands touch (σ q kᵀ matmuls;
+    entries outside a row's band are masked), a static number of (tile, block) pairs (:func:`band_pairs`).
+    The same logits as gathering each query's keys (memory-bound on CPU: ~N·b_h·d gathered rows), about
+    4x as many scored, as matmuls. Returns (out [B,H,N,dv], lse [B,H,N]) of the softmax over each row's heavy
+    set (rows without one: out 0, lse NEG), to be merged with the other parts by :func:`_combine`."""
+    B, H, N, d = q.shape
+    M, dv = Ks.shape[2], Vs.shape[-1]
+    tq = kb = block
+    n_t = -(-N // tq)
+    Np, Mb = n_t * tq, -(-M // kb)
+    n_pairs = -(-(M + n_t * bh) // kb) + 2 * n_t
+
+    def one(q, Ks, Vs, lo, hi):  # one (batch, head)
+        ok = hi > lo
+        qord = jnp.argsort(jnp.where(ok, hi, INT_MAX)).astype(jnp.int32)  # empty rows last
+        pad = (0, Np - N)
+        lo_s, hi_s = jnp.pad(lo[qord], pad), jnp.pad(hi[qord], pad)  # padded rows: empty
+        q_s = jnp.pad(q[qord], (pad, (0, 0))).reshape(n_t, tq, d)
+        K_b = jnp.pad(Ks, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, d)
+        V_b = jnp.pad(Vs, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, dv)
+        b0, cnt, ends = band_pairs(lo_s, hi_s, tq, kb, M)
+        p = jnp.arange(n_pairs, dtype=jnp.int32)
+        tile = jnp.minimum(jnp.searchsorted(ends, p, side="right"), n_t - 1).astype(jnp.int32)
+        blk = b0[tile] + p - (ends - cnt)[tile]
+        valid = p < ends[-1]
+        lo_t, hi_t = lo_s.reshape(n_t, tq), hi_s.reshape(n_t, tq)
+
+        def pair(t, b, v):  # one (tile, block): [tq, kb] logits, their max, exp-sums and exp-weighted values
+            slot = b * kb + jnp.arange(kb, dtype=jnp.int32)
+            mask = v & (slot[None, :] >= lo_t[t][:, None]) & (slot[None, :] < hi_t[t][:, None])
+            bc = jnp.clip(b, 0, Mb - 1)
+            s = scale * jnp.einsum("qd,kd->qk", q_s[t], K_b[bc], precision=HIGHEST)
+            s = jnp.where(mask, s, NEG)
+            m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+            e = jnp.where(mask, jnp.exp(s - m[:, None]), 0.0)
+            return m, jnp.sum(e, axis=-1), jnp.einsum("qk,kd->qd", e, V_b[bc], precision=HIGHEST)
+
+        bs = max(1, budget // (B * H * tq * kb))
+        if bs >= n_pairs:
+            m, den, num = jax.vmap(pair)(tile, blk, valid)
+        else:  # long sequences: pairs in batches, each batch's logits recomputed in the backward pass
+            m, den, num = jax.lax.map(jax.checkpoint(lambda a: pair(*a)), (tile, blk, valid), batch_size=bs)
+        # merge each tile's pairs (flash-style: rescale every pair to the tile's max)
+        mt = jnp.maximum(jax.ops.segment_max(m, tile, n_t, indices_are_sorted=True), NEG)  # empty: -inf
+        w = jnp.exp(m - mt[tile])
+        den = jax.ops.segment_sum(w * den, tile, n_t, indices_are_sorted=True).reshape(Np)
+        num = jax.ops.segment_sum(w[..., None] * num, tile, n_t, indices_are_sorted=True).reshape(Np, dv)
+        out_s = num / jnp.maximum(den, 1e-30)[:, None]
+        lse_s = jnp.where(den > 0, mt.reshape(Np) + jnp.log(jnp.maximum(den, 1e-30)), NEG)
+        back = inverse_permutation(qord)  # sorted row of every query
+        return out_s[back], lse_s[back]
+
+    return jax.vmap(jax.vmap(one))(q, Ks, Vs, lo, hi)
+
+
+def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOptions, heavy_sets: bool = True,
+                sorted_keys=None):
     """Heavy sets and samples of query tiles (all stop_gradient).
 
     hq_tiles: int32 [n_t,B,H,c] query codes; tile_ids: int32 [n_t] absolute chunk indices.
     Kc, Vc, HKc: the sequence so far [B,H,M,·] (positions ≥ n_valid are not keys yet).
-    Returns a dict of [n_t, ...] arrays: hidx/hvalid [B,H,c,b_h], sidx/omega [B,H,m], smask [B,H,c,m]."""
+    Returns a dict of [n_t, ...] arrays: hidx/hvalid [B,H,c,b_h] (``heavy_sets``; the 'band' route scores
+    the heavy sets from :func:`heavy_bounds` instead), sidx/omega [B,H,m], smask [B,H,c,m].
+    ``sorted_keys``: :func:`code_sort`'s result when the caller has it."""
     B, H, M = HKc.shape
     c, bh, m = opts.chunk_size, opts.heavy_capacity, opts.num_samples
     if (1 << opts.num_projs) * M >= 2**31:
         raise ValueError(f"kdeformer: 2^num_projs * length = {(1 << opts.num_projs) * M} overflows int32; "
                          "lower causal.num_projs or the length")
     pos = jnp.arange(M, dtype=jnp.int32)
-    kappa = jnp.where(pos < n_valid, HKc * M + pos, INT_MAX)
-    order = jnp.argsort(kappa, axis=-1).astype(jnp.int32)
-    kappa_s = jnp.take_along_axis(kappa, order, axis=-1)
-    spos = inverse_permutation(order)
+    order, kappa_s, spos = sorted_keys if sorted_keys is not None else code_sort(HKc, n_valid)
     ref = opts.sampling == "ref" and m > 0 and opts.residual == "sampled"
     if ref:
         vvalid = pos < n_valid
@@ -371,12 +485,12 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
     def one(hq, g):
         L = _prefix_end(g, opts)
         out = {}
-        # heavy: up to b_h most recent keys j < L with the query's code
-        e = _ssorted(kappa_s, hq * M + L)
-        st = _ssorted(kappa_s, hq * M)
-        t = e[..., None] - bh + jnp.arange(bh, dtype=jnp.int32)
-        out["hvalid"] = t >= st[..., None]
-        out["hidx"] = jnp.take_along_axis(order, jnp.clip(t, 0, M - 1).reshape(B, H, -1), axis=-1).reshape(t.shape)
+        if heavy_sets:  # heavy: up to b_h most recent keys j < L with the query's code
+            lo, e = heavy_bounds(kappa_s, hq, L, bh)
+            t = e[..., None] - bh + jnp.arange(bh, dtype=jnp.int32)
+            out["hvalid"] = t >= lo[..., None]
+            out["hidx"] = jnp.take_along_axis(order, jnp.clip(t, 0, M - 1).reshape(B, H, -1),
+                                              axis=-1).reshape(t.shape)
         if m > 0 and opts.residual == "sampled":
             kg = jax.random.fold_in(key_s, g)
             n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
@@ -404,23 +518,24 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
     return jax.tree.map(jax.lax.stop_gradient, plan)
 
 
-def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
+def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=None, full_pass: bool = False):
     """Differentiable part: (outputs [n_t,B,H,c,dv], lse = log D̃ [n_t,B,H,c]) of query tiles
-    [n_t,B,H,c,d] at absolute chunks tile_ids."""
+    [n_t,B,H,c,d] at absolute chunks tile_ids. ``heavy``: the tiles' heavy part already merged
+    ((out [n_t,B,H,c,dv], lse [n_t,B,H,c]) of :func:`heavy_band`; then the plan has no heavy sets)."""
     n_t, B, H, c, d = q_tiles.shape
     dv = Vc.shape[-1]
     nl, sig = opts.local_chunks, opts.scale
     w = nl * c
     M = Kc.shape[2]
-    heavy_route = opts.heavy_impl
-    if heavy_route == "auto":
-        heavy_route = "scores" if M <= opts.heavy_scores_max_len else "gather"
+    heavy_route = "band" if heavy is not None else heavy_route_of(opts, M, full_pass)
+    if heavy_route == "band" and heavy is None and opts.heavy_capacity > 0:
+        raise ValueError("kdeformer: the 'band' heavy route needs the heavy part (heavy_band) passed in")
     # front pad so tile g's window [(g−nl+1)c, (g+1)c) starts at index g·c; back pad keeps slices in range
     back = -(-M // c) * c - M + 2 * c
     Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
     Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
 
-    def one(qt, g, pl):
+    def one(qt, g, pl, hv):
         qpos = g * c + jnp.arange(c, dtype=jnp.int32)
         kpos = (g - nl + 1) * c + jnp.arange(w, dtype=jnp.int32)
         kl = jax.lax.dynamic_slice_in_dim(Kf, g * c, w, axis=2)
@@ -434,6 +549,10 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
                 lambda ix, ok: jnp.zeros((M,), bool).at[ix].max(ok))))(pl["hidx"], pl["hvalid"])
             s_h = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, Kc, precision=HIGHEST)
             parts.append((s_h, hmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
+        elif opts.heavy_capacity > 0 and heavy_route == "band":
+            # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
+            h_out, h_lse = hv
+            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: p * h_out))
         elif opts.heavy_capacity > 0:
             hidx = pl["hidx"].reshape(B, H, -1)
             kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
@@ -450,13 +569,13 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions):
             parts.append((s_r, pl["rmask"], lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
         return _combine(parts)
 
-    per_tile = B * H * c * (w + opts.heavy_capacity + opts.num_samples
+    per_tile = B * H * c * (w + (1 if heavy_route == "band" else opts.heavy_capacity) + opts.num_samples
                             + (M if "rmask" in plan or heavy_route == "scores" else 0))
     bs = max(1, opts.tile_budget // max(per_tile, 1))
     if bs >= n_t:
-        return jax.vmap(one)(q_tiles, tile_ids, plan)
+        return jax.vmap(one)(q_tiles, tile_ids, plan, heavy)
     # long sequences: tiles in groups, each group's logits recomputed in the backward pass
-    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan), batch_size=bs)
+    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy), batch_size=bs)
 
 
 CAPACITY_MESSAGE = ("kdeformer: the decoding state holds {capacity} tokens but {needed} were fed; build it with "
@@ -494,8 +613,23 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     tile_ids = (g0 + jnp.arange(n_t)).astype(jnp.int32)
     q_tiles = jnp.moveaxis(q_buf.reshape(B, H, n_t, c, d), 2, 0)
     hq_tiles = jnp.moveaxis(hq_buf.reshape(B, H, n_t, c), 2, 0)
-    plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts)
-    out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts)
+    route = heavy_route_of(opts, Kc.shape[2], full_pass=cache is None)
+    sorted_keys = code_sort(HKc, n_valid)
+    band = route == "band" and opts.heavy_capacity > 0
+    plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts, heavy_sets=not band,
+                       sorted_keys=sorted_keys)
+    heavy = None
+    if band:  # full pass: queries at positions 0..Np-1, prefix ends of their chunks
+        order, kappa_s, _ = jax.lax.stop_gradient(sorted_keys)
+        L = _prefix_end(jnp.arange(n_t * c, dtype=jnp.int32) // c, opts)
+        lo, hi = heavy_bounds(kappa_s, hq_buf, L, opts.heavy_capacity)
+        hi = jnp.where(jnp.arange(n_t * c) < T, hi, lo)  # padded queries: empty
+        Ks, Vs = _take(Kc, order), _take(Vc, order)
+        h_out, h_lse = heavy_band(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
+                                  opts.tile_budget)
+        tiles = lambda x: jnp.moveaxis(x.reshape((B, H, n_t, c) + x.shape[3:]), 2, 0)  # noqa: E731
+        heavy = (tiles(h_out), tiles(h_lse))
+    out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None)
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
     out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
     return out, (Kc, Vc, HKc), n_valid
@@ -530,11 +664,15 @@ class KDEformerAttention(AttentionCore):
                 "logit_scale": 0.0,  # σ; 0 -> head_dim^-1/2
                 "eval_rng_seed": 0,  # deterministic=True uses PRNGKey(eval_rng_seed)
                 "tile_budget": 1 << 22,  # causal: logits materialized per lax.map step (memory knob)
-                # causal heavy logits: 'gather' the ≤ b_h keys of every query (O(N b_h d)), or 'scores':
+                # causal heavy logits: 'gather' the ≤ b_h keys of every query (O(N b_h d)); 'scores':
                 # one [c, M] matmul per chunk kept only on the heavy set (same entries; fast for short
-                # caches on CPU, quadratic); 'auto': 'scores' while the cache has ≤ heavy_scores_max_len
+                # caches on CPU, quadratic); 'band' (full passes; calls with a state gather): tiles of
+                # code-sorted queries against blocks of code-sorted keys (same entries, as matmuls,
+                # O(N (b_h + block) d)); 'auto': 'scores' while the cache has ≤ heavy_scores_max_len,
+                # else 'band' for a full pass and 'gather' for a call with a state
                 "heavy_impl": "auto",
                 "heavy_scores_max_len": 1024,
+                "heavy_band_block": 64,  # 'band': sorted queries per tile = sorted keys per block
                 # causal (spec §4)
                 "causal": ml_collections.ConfigDict({
                     "chunk_size": 128,  # c
@@ -557,8 +695,9 @@ class KDEformerAttention(AttentionCore):
         require(cfg.power_iters >= 1, f"{p}.power_iters must be >= 1")
         require(cfg.logit_scale >= 0.0, f"{p}.logit_scale={cfg.logit_scale}; must be >= 0 (0 = head_dim^-1/2)")
         require(cfg.tile_budget > 0, f"{p}.tile_budget must be positive")
-        require(cfg.heavy_impl in ("auto", "gather", "scores"),
-                f"{p}.heavy_impl={cfg.heavy_impl!r}; allowed: auto, gather, scores")
+        require(cfg.heavy_impl in ("auto", "gather", "scores", "band"),
+                f"{p}.heavy_impl={cfg.heavy_impl!r}; allowed: auto, gather, scores, band")
+        require(cfg.heavy_band_block > 0, f"{p}.heavy_band_block={cfg.heavy_band_block}; must be > 0")
         for key, allowed in (("gray_order", ("inverse", "forward")), ("sampling", ("ref", "uniform")),
                              ("residual", ("sampled", "exact"))):
             require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
@@ -576,6 +715,9 @@ class KDEformerAttention(AttentionCore):
         small = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}
         return {
             "causal_uniform": ContractCase(cfg={"causal": dict(small)}, length=64, directions=("causal",)),
+            # the 'band' heavy route (the default beyond heavy_scores_max_len) at a length the tests can afford
+            "causal_band": ContractCase(cfg={"causal": dict(small), "heavy_impl": "band", "heavy_band_block": 8},
+                                        length=64, directions=("causal",)),
             "causal_ref": ContractCase(cfg={"causal": dict(small, sampling="ref")}, length=64, directions=("causal",),
                                        slow=True),
             "bidirectional": ContractCase(cfg={"bucket_size": 8, "num_samples": 8, "num_projs": 3}, length=64,
@@ -594,7 +736,7 @@ class KDEformerAttention(AttentionCore):
             chunk_size=cc.chunk_size, local_chunks=cc.local_chunks, heavy_capacity=cc.heavy_capacity,
             num_projs=cc.num_projs, num_samples=cc.num_samples, sampling=cc.sampling, residual=cc.residual,
             power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget, heavy_impl=c.heavy_impl,
-            heavy_scores_max_len=c.heavy_scores_max_len)
+            heavy_scores_max_len=c.heavy_scores_max_len, band_block=c.heavy_band_block)
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):

@@ -40,6 +40,7 @@ from longctx.errors import ConfigError
 
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,128k"
 TORCH = "torch_sdpa"
+PARTIAL = "attention.partial.json"  # rows so far and the cell being timed (kept by a run that is killed)
 
 
 def add_args(p):
@@ -64,7 +65,12 @@ def add_args(p):
     p.add_argument("--no_torch", action="store_true", help=f"do not time {TORCH} even if torch is importable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_isolate", dest="isolate", action="store_false",
-                   help="time every variant in this process (default: each in a child process of its own)")
+                   help="time every variant in this process (default: each variant and direction in a child process "
+                        "of its own; a child killed mid-run, e.g. by the out-of-memory killer, keeps the rows it "
+                        "finished)")
+    p.add_argument("--update", action="store_true",
+                   help="merge into --out's existing attention.json: the variants and directions run here replace "
+                        "theirs, every other row is kept (to rerun one method without the others)")
 
 
 def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
@@ -106,19 +112,29 @@ def run(args) -> dict:
         res["matmul"] = C.matmul_rate(args.matmul_n, repeats=max(1, min(args.repeats, 3)))
     n_total = len(dirs) * (len(cells) + (1 if with_torch else 0)) * len(lengths)
     bar = C.progress_bar(n_total, "attention", args.progress)
+    ran = set()  # (variant, direction) pairs this run measured (or tried to)
     if getattr(args, "isolate", False):
         labels = list(dict.fromkeys(label for _, label, _ in cells)) + ([TORCH] if with_torch else [])
         for label in labels:
-            child = _run_child(args, label)
-            res["rows"] += child["rows"]
-            res["skipped_variants"] += child["skipped_variants"]
-            bar.update(len(dirs) * len(lengths))
+            for causal in dirs:
+                bar.set_postfix_str(f"{label} {C.dir_name(causal)}")
+                child = _run_child(args, label, causal)
+                res["rows"] += child["rows"]
+                res["skipped_variants"] += child["skipped_variants"]
+                ran.add((label, C.dir_name(causal)))
+                bar.update(len(lengths))
         dirs_run = []
     else:
         dirs_run = dirs
+
+    def checkpoint(rows, current=None):  # what a killed run leaves behind (read by the parent of a child run)
+        C.write_json(out / PARTIAL, {"rows": res["rows"] + rows, "skipped_variants": res["skipped_variants"],
+                                     "current": current})
+
     for causal in dirs_run:
         dname = C.dir_name(causal)
         for method, label, ov in cells:
+            ran.add((label, dname))
             try:
                 core = build_core(method, ov, heads=args.heads, head_dim=args.head_dim, causal=causal, seed=args.seed)
             except ConfigError as e:
@@ -126,13 +142,17 @@ def run(args) -> dict:
                 bar.write(f"skip {label} ({dname}): {e}")
                 bar.update(len(lengths))
                 continue
-            rows = _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar)
+            rows = _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, checkpoint)
             res["rows"] += rows
         if with_torch:
-            res["rows"] += _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar)
+            ran.add((TORCH, dname))
+            res["rows"] += _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar, checkpoint)
     bar.close()
-    for causal in dirs:
-        dname = C.dir_name(causal)
+    (out / PARTIAL).unlink(missing_ok=True)
+    if getattr(args, "update", False):
+        res = merge_into_previous(out / "attention.json", res, ran)
+    res["exponents"] = []
+    for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         for label in dict.fromkeys(r["variant"] for r in res["rows"] if r["direction"] == dname):
             rs = [r for r in res["rows"] if r["variant"] == label and r["direction"] == dname]
             e = {"variant": label, "direction": dname}
@@ -147,34 +167,62 @@ def run(args) -> dict:
     return res
 
 
-def child_argv(args, label: str, out) -> list[str]:
-    """The command line that times one variant (or the PyTorch reference) alone, with this run's settings."""
+def child_argv(args, label: str, out, causal: bool | None = None) -> list[str]:
+    """The command line that times one variant (or the PyTorch reference) alone, with this run's settings
+    (``causal``: in that direction only)."""
     argv = [sys.executable, "-m", "longctx.bench.cli", "attention", "--no_isolate", "--no_progress",
             "--methods", label, "--out", str(out), "--matmul_n", "0"]
     for name in ("lengths", "batch", "heads", "head_dim", "dtype", "repeats", "warmup", "mem_budget_gb",
                  "max_cell_s", "seed"):
         argv += [f"--{name}", str(getattr(args, name))]
-    for flag in ("causal", "bidirectional", "no_backward"):
+    flags = ("no_backward",) + (("causal", "bidirectional") if causal is None else ())
+    for flag in flags:
         if getattr(args, flag):
             argv.append(f"--{flag}")
+    if causal is not None:
+        argv.append("--causal" if causal else "--bidirectional")
     if label != TORCH:  # an exact variant would otherwise bring the reference along
         argv.append("--no_torch")
     return argv
 
 
-def _run_child(args, label: str) -> dict:
-    """Rows and skipped variants of one variant timed in a child process; a child that fails is reported
-    as a skipped variant (with its exit status and last error line), and the run goes on."""
+def _run_child(args, label: str, causal: bool) -> dict:
+    """Rows and skipped variants of one variant in one direction, timed in a child process. A child that fails
+    keeps the rows it finished (it writes them after every cell) and the cell it died in is reported as a
+    skipped variant (exit status, last error line; -9 is a kill, usually the out-of-memory killer): the run
+    goes on."""
+    dname = C.dir_name(causal)
     with tempfile.TemporaryDirectory(prefix="longctx_attn_") as tmp:
-        r = subprocess.run(child_argv(args, label, tmp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        r = subprocess.run(child_argv(args, label, tmp, causal), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True)
-        f = Path(tmp) / "attention.json"
+        f, partial = Path(tmp) / "attention.json", Path(tmp) / PARTIAL
         if r.returncode == 0 and f.exists():
             child = json.loads(f.read_text())
             return {"rows": child["rows"], "skipped_variants": child.get("skipped_variants", [])}
+        child = json.loads(partial.read_text()) if partial.exists() else {"rows": [], "skipped_variants": []}
     last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    return {"rows": [], "skipped_variants": [{"variant": label, "direction": "all",
-                                              "reason": f"child process exited with status {r.returncode}: {last}"}]}
+    cur = child.get("current") or {}
+    where = f" during {cur['kind']} at T={C.fmt_len(cur['length'])}" if cur else ""
+    kept = f"; the {len(child['rows'])} rows before it are kept" if child["rows"] else ""
+    return {"rows": child["rows"], "skipped_variants": child.get("skipped_variants", []) + [{
+        "variant": label, "direction": dname,
+        "reason": f"child process exited with status {r.returncode}{where}{kept}: {last}"}]}
+
+
+def merge_into_previous(path: Path, res: dict, ran: set) -> dict:
+    """``--update``: res's rows and skips replace those of the same (variant, direction) in the results at path;
+    the rest of path's are kept. The header is this run's, with the earlier run's under ``merged_into``."""
+    if not path.exists():
+        return res
+    old = json.loads(path.read_text())
+    keep = lambda x: (x["variant"], x["direction"]) not in ran and x["direction"] != "all"  # noqa: E731
+    out = dict(res)
+    out["rows"] = [r for r in old["rows"] if keep(r)] + res["rows"]
+    out["skipped_variants"] = [s for s in old.get("skipped_variants", []) if keep(s)] + res["skipped_variants"]
+    out["merged_into"] = dict(old["header"], merged_into=old.get("merged_into"))  # a chain of updates
+    if "matmul" not in out and "matmul" in old:
+        out["matmul"] = old["matmul"]
+    return out
 
 
 def _skip_reason_time(prev_L, prev_t, T, n_calls, limit):
@@ -184,7 +232,7 @@ def _skip_reason_time(prev_L, prev_t, T, n_calls, limit):
     return None
 
 
-def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar):
+def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, checkpoint=None):
     fns = CoreFns(core)
     fwd, grads = fns.forward(), fns.grads()
     B, H, D = args.batch, args.heads, args.head_dim
@@ -210,6 +258,8 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar):
         for kind, fn, fargs in kinds:
             status = blocked[kind] or _skip_reason_time(*hist[kind], T, n_calls, args.max_cell_s)
             if status is None:
+                if checkpoint:
+                    checkpoint(rows, {"variant": label, "direction": dname, "length": T, "kind": kind})
                 try:
                     t0 = time.perf_counter()
                     compiled = jax.jit(fn).lower(*fargs).compile()
@@ -243,11 +293,13 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar):
             row[f"{kind}_status"] = status
         row["ru_maxrss_bytes"] = C.ru_maxrss_bytes()
         rows.append(row)
+        if checkpoint:
+            checkpoint(rows)
         bar.update(1)
     return rows
 
 
-def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar):
+def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar, checkpoint=None):
     """torch.nn.functional.scaled_dot_product_attention on the same shapes (external reference)."""
     import numpy as np
 
@@ -286,6 +338,8 @@ def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar):
             if status is None and est[kind] > budget:
                 status = f"skipped: estimate {est[kind] / C.GB:.1f} GB > --mem_budget_gb {args.mem_budget_gb:g}"
             if status is None:
+                if checkpoint:
+                    checkpoint(rows, {"variant": TORCH, "direction": dname, "length": T, "kind": kind})
                 try:
                     for _ in range(args.warmup):
                         fn()
@@ -308,6 +362,8 @@ def _bench_torch(torch, F, causal, lengths, args, dtype, budget, bar):
                     status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             row[f"{kind}_status"] = status
         rows.append(row)
+        if checkpoint:
+            checkpoint(rows)
         bar.update(1)
     return rows
 

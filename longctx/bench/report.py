@@ -49,6 +49,11 @@ def machine_section(res: dict) -> str:
         h = r["header"]
         lines.append(f"- `{name}`: run {h.get('time')} at git {h.get('git_sha')}, load average at start "
                      f"{h['machine'].get('load_avg')}")
+        earlier = r.get("merged_into")
+        while earlier:  # `--update` runs: their rows replaced some of an earlier run's
+            lines.append(f"  (rows of this run replaced some of a run of {earlier.get('time')} at git "
+                         f"{earlier.get('git_sha')}, whose other rows are kept)")
+            earlier = earlier.get("merged_into")
     mm = res.get("attention", {}).get("matmul")
     if mm:
         lines.append(f"- measured f32 matmul {mm['n']}×{mm['n']}: jax {mm['jax_gflops']:.1f} GFLOP/s, "

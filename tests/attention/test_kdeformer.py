@@ -174,6 +174,60 @@ def test_heavy_routes_gather_and_scores_agree():
     assert maxdiff(a, dense(q, k, v, True)) > 1e-2
 
 
+@pytest.mark.parametrize("num_projs", [0, 3])
+def test_heavy_band_route_equals_gather_with_gradients(num_projs):
+    """'band' (tiles of code-sorted queries against blocks of code-sorted keys) scores exactly the heavy sets the
+    'gather' route gathers: same outputs and gradients. num_projs=0: one code, so every band is the b_h keys
+    before the window and the tiles' spans overlap most; blocks of 8 give several tiles and pairs per tile."""
+    cc = dict(SMALL, num_projs=num_projs)
+    q, k, v = qkv(64, seed=47)
+    key = jax.random.PRNGKey(48)
+    w = jax.random.normal(jax.random.PRNGKey(49), v.shape)
+    res = {}
+    for impl in ("gather", "band"):
+        core = make(True, causal=cc, heavy_impl=impl, heavy_band_block=8)
+        graphdef, st = nnx.split(core)
+
+        def loss(q, k, v, graphdef=graphdef, st=st):
+            o, _ = nnx.merge(graphdef, st)(q, k, v, deterministic=False, key=key)
+            return jnp.sum(o * w), o
+
+        res[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, out_g), grads_g = res["gather"]
+    (_, out_b), grads_b = res["band"]
+    assert maxdiff(out_g, out_b) < 1e-5
+    for a, b_ in zip(grads_g, grads_b):
+        assert maxdiff(a, b_) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(a))))
+    assert maxdiff(out_g, dense(q, k, v, True)) > 1e-2
+
+
+@pytest.mark.parametrize("codes", ["one", "two", "random", "skewed"])
+def test_band_pairs_never_exceed_the_static_count(codes):
+    """The (tile, block) pairs the bands need fit the static count of heavy_band for any code pattern."""
+    N, c, bh, blk = 512, 16, 8, 16
+    rng = np.random.default_rng(5)
+    hk = {"one": np.zeros(N), "two": np.arange(N) % 2, "random": rng.integers(0, 64, N),
+          "skewed": np.minimum(rng.geometric(0.3, N), 63)}[codes].astype(np.int32)
+    hq = np.roll(hk, 3) if codes != "random" else rng.integers(0, 64, N).astype(np.int32)
+    hk, hq = jnp.asarray(hk)[None, None], jnp.asarray(hq)[None, None]
+    _, kappa_s, _ = kd.code_sort(hk, N)
+    opts = copts(chunk_size=c, heavy_capacity=bh)
+    L = kd._prefix_end(jnp.arange(N, dtype=jnp.int32) // c, opts)
+    lo, hi = kd.heavy_bounds(kappa_s, hq, L, bh)
+    lo, hi = lo[0, 0], hi[0, 0]
+    assert int(jnp.max(hi - lo)) == bh  # some rows have a full heavy set
+    order = jnp.argsort(jnp.where(hi > lo, hi, kd.INT_MAX))
+    b0, cnt, ends = kd.band_pairs(lo[order], hi[order], blk, blk, N)
+    n_t = N // blk
+    assert int(ends[-1]) <= -(-(N + n_t * bh) // blk) + 2 * n_t
+    # every row's band lies in its tile's blocks
+    t = jnp.arange(N) // blk
+    lo_s, hi_s = lo[order], hi[order]
+    ok = hi_s > lo_s
+    assert bool(jnp.all(~ok | (lo_s >= b0[t] * blk)))
+    assert bool(jnp.all(~ok | (hi_s <= (b0[t] + cnt[t]) * blk)))
+
+
 # --------------------------------------------------------------------------- §6.4 partition
 
 
@@ -211,7 +265,26 @@ def _brute_heavy(hk, hq, i, L, bh):
     return set(same[-bh:]) if bh > 0 else set()
 
 
-@pytest.mark.parametrize("heavy_impl", ["scores", pytest.param("gather", marks=pytest.mark.slow)])
+def _band_heavy_fn(q, k, v, hq, hk, opts, block):
+    """The full pass's heavy part by the 'band' route, as query tiles [n_t, ...] for causal_apply."""
+    N, c = q.shape[2], opts.chunk_size
+    order, kappa_s, _ = kd.code_sort(hk, N)
+    lo, hi = kd.heavy_bounds(kappa_s, hq, kd._prefix_end(jnp.arange(N, dtype=jnp.int32) // c, opts),
+                             opts.heavy_capacity)
+    out, lse = kd.heavy_band(q, kd._take(k, order), kd._take(v, order), lo, hi, opts.scale, opts.heavy_capacity,
+                             block, opts.tile_budget)
+    return untile_inv(out, c), untile_inv(lse, c)
+
+
+_band_heavy = jax.jit(_band_heavy_fn, static_argnums=(5, 6))
+
+
+def untile_inv(x, c):
+    """[B,H,N,...] -> [N/c,B,H,c,...] (the inverse of untile)."""
+    return jnp.moveaxis(x.reshape(x.shape[:2] + (x.shape[2] // c, c) + x.shape[3:]), 2, 0)
+
+
+@pytest.mark.parametrize("heavy_impl", ["scores", "band", pytest.param("gather", marks=pytest.mark.slow)])
 def test_causal_partition_and_heavy_sets_by_one_hot_values(heavy_impl):
     N, c, bh, m = 64, 8, 3, 8
     opts = copts(chunk_size=c, heavy_capacity=bh, num_projs=2, num_samples=m, heavy_impl=heavy_impl)
@@ -219,7 +292,8 @@ def test_causal_partition_and_heavy_sets_by_one_hot_values(heavy_impl):
     v = jnp.eye(N)[None, None]
     W = kd.draw_projections(jax.random.PRNGKey(7), 1, 1, D, 2)
     q_t, ids, plan, hq, hk = causal_pieces(q, k, v, W, jax.random.PRNGKey(8), opts)
-    out, lse = causal_apply(q_t, ids, k, v, plan, opts)
+    heavy = _band_heavy(q, k, v, hq, hk, opts, 8) if heavy_impl == "band" else None
+    out, lse = causal_apply(q_t, ids, k, v, plan, opts, heavy)
     out, lse = np.asarray(untile(out)[0, 0], np.float64), np.asarray(untile(lse)[0, 0], np.float64)
     s = np.asarray(q[0, 0] @ k[0, 0].T, np.float64) * opts.scale
     hq, hk = np.asarray(hq[0, 0]), np.asarray(hk[0, 0])

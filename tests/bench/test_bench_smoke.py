@@ -145,7 +145,47 @@ def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch)
     assert "--no_torch" in argv and "--causal" in argv and "--bidirectional" not in argv
     assert argv[argv.index("--lengths") + 1] == "64,128" and argv[argv.index("--warmup") + 1] == "0"
     assert "--no_torch" not in ab.child_argv(args, ab.TORCH, "/tmp/x")
+    one = ab.child_argv(args, "eva", "/tmp/x", causal=False)
+    assert "--bidirectional" in one and "--causal" not in one
     monkeypatch.setattr(ab, "child_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit('boom: no memory')"])
-    res = ab._run_child(args, "eva")
+    res = ab._run_child(args, "eva", True)
     assert res["rows"] == [] and res["skipped_variants"][0]["variant"] == "eva"
     assert "status 1" in res["skipped_variants"][0]["reason"] and "boom: no memory" in res["skipped_variants"][0]["reason"]
+
+
+def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, tmp_path):
+    """A child killed mid-run (here SIGKILL after writing its progress file, as the out-of-memory killer would)
+    keeps the rows it finished and names the cell it died in; --update replaces only the rows it reran."""
+    import argparse
+    import json
+    import os
+    import signal
+    import sys
+
+    from longctx.bench import attention_bench as ab
+
+    done = {"variant": "eva", "direction": "causal", "length": 64, "fwd_s": 0.5}
+    script = (f"import json, os, signal, sys; out = sys.argv[sys.argv.index('--out') + 1]; "
+              f"json.dump({{'rows': [{done!r}], 'skipped_variants': [], 'current': {{'variant': 'eva', "
+              f"'direction': 'causal', 'length': 2048, 'kind': 'fwdbwd'}}}}, "
+              f"open(os.path.join(out, {ab.PARTIAL!r}), 'w')); os.kill(os.getpid(), {int(signal.SIGKILL)})")
+    monkeypatch.setattr(ab, "child_argv", lambda args, label, out, causal=None: [sys.executable, "-c", script,
+                                                                                  "--out", out])
+    res = ab._run_child(argparse.Namespace(), "eva", True)
+    assert res["rows"] == [done]
+    (skip,) = res["skipped_variants"]
+    assert skip["direction"] == "causal" and "status -9 during fwdbwd at T=2k" in skip["reason"]
+    assert "1 rows before it are kept" in skip["reason"]
+
+    old = {"header": {"time": "t0", "git_sha": "a"}, "skipped_variants": [{"variant": "eva", "direction": "all",
+                                                                          "reason": "killed"}],
+           "rows": [{"variant": "eva", "direction": "causal", "length": 64, "fwd_s": 9.0},
+                    {"variant": "eva", "direction": "bidirectional", "length": 64, "fwd_s": 8.0},
+                    {"variant": "dense", "direction": "causal", "length": 64, "fwd_s": 7.0}]}
+    (tmp_path / "attention.json").write_text(json.dumps(old))
+    new = {"header": {"time": "t1", "git_sha": "b"}, "rows": res["rows"], "skipped_variants": []}
+    merged = ab.merge_into_previous(tmp_path / "attention.json", new, {("eva", "causal")})
+    assert sorted((r["variant"], r["direction"], r["fwd_s"]) for r in merged["rows"]) == [
+        ("dense", "causal", 7.0), ("eva", "bidirectional", 8.0), ("eva", "causal", 0.5)]
+    assert merged["skipped_variants"] == [] and merged["merged_into"]["git_sha"] == "a"
+    assert os.path.exists(tmp_path / "attention.json")
