@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every table and plot of BENCHMARKS.md, on an idle 2-core CPU. The attention step's per-cell cap
 # (200 s) lets every method reach forward+backward at 32k where its memory allows, beside the
-# torch_sdpa row. The whole script has not been re-timed since the cap was raised from 45 s (then:
-# ~40 minutes; attention ~20, decode ~5, quality ~8 incl. a 300-step dense run, train ~6); expect longer.
+# torch_sdpa row. Timed 2026-11-25 on a 2-core AMD EPYC VM: 99 minutes (attention 57, decode 4,
+# quality 13 incl. a 300-step dense run, train 23, kernels 3). Each attention variant and direction
+# runs in a child process; one killed by the out-of-memory killer keeps the rows it finished, and
+# `longctx-bench attention --update --methods ...` reruns some variants into the same results.
 # Cells that would exceed the memory budget or the per-cell time limit are skipped and say so
 # (128k runs only for the methods that fit). Run on an otherwise idle machine.
 set -euo pipefail

@@ -1,11 +1,13 @@
 """`longctx-bench decode`: per-token decoding latency and decoding-state size of every
 causal method at several context positions.
 
-Per (method, position): ``state = core.init_state(B, position + steps + margin)``; the
-state is filled by prefill calls on ``position`` random tokens in chunks of
+Per (method, position): ``state = core.init_state(B, position)``; the state is filled by
+prefill calls on ``position − warmup − steps`` random tokens in chunks of
 ``--prefill_chunk`` (``core(q, k, v, state)`` under jax.jit, the same path as
 streaming evaluation); then ``--steps`` single-token calls ``core(q1, k1, v1, state)``
-(jitted, the state fed back) are timed one by one after ``--warmup`` calls (median).
+(jitted, the state fed back) are timed one by one after ``--warmup`` calls (median), so the
+timed tokens are the last ones of a ``position``-token context and a core whose length is
+bounded (fma's levels cover ``max_len`` tokens) is asked for no more than that.
 State size = bytes of every array leaf of the state pytree after the prefill.
 A position is skipped (and says so) when XLA's compiled memory estimate of the
 single-token call exceeds ``--mem_budget_gb`` or the prefill time extrapolated from
@@ -86,7 +88,10 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
     pred = C.predict_time(hist_L, hist_t, pos, default_exponent=2.0)
     if pred is not None and pred > args.max_prefill_s:
         return {"status": f"skipped: predicted prefill {pred:.0f} s > --max_prefill_s {args.max_prefill_s:g}"}
-    max_len = pos + args.steps + args.warmup + 8
+    max_len = pos
+    n_pre = pos - args.steps - args.warmup  # prefill; the decoded tokens end the context at pos
+    if n_pre < 1:
+        raise ValueError(f"position {pos} leaves no prefill for --warmup {args.warmup} + --steps {args.steps}")
     state = core.init_state(B, max_len)
     q1, k1, v1 = _chunk(args.seed + 1, B, H, 1, D, Dv, dtype)
     compiled1 = step.lower(fns.params, fns.rest, q1, k1, v1, state).compile()
@@ -96,18 +101,18 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
         row["status"] = f"skipped: XLA estimate {mem['total'] / C.GB:.1f} GB > --mem_budget_gb {args.mem_budget_gb:g}"
         return row
     # prefill in chunks
-    c = min(args.prefill_chunk, pos)
+    c = min(args.prefill_chunk, n_pre)
     t0 = time.perf_counter()
     compiled = {}  # chunk length -> compiled prefill call (compiled before the prefill is timed)
-    for n in {c, pos % c} - {0}:
+    for n in {c, n_pre % c} - {0}:
         qn, kn, vn = _chunk(0, B, H, n, D, Dv, dtype)
         compiled[n] = step.lower(fns.params, fns.rest, qn, kn, vn, state).compile()
     row["prefill_compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     done, i = 0, 0
     with C.RssSampler() as rss:
-        while done < pos:
-            n = min(c, pos - done)
+        while done < n_pre:
+            n = min(c, n_pre - done)
             q, k, v = _chunk(args.seed + 100 + i, B, H, n, D, Dv, dtype)
             _, state = compiled[n](fns.params, fns.rest, q, k, v, state)
             jax.block_until_ready(state)
@@ -137,7 +142,8 @@ def markdown(res: dict) -> str:
     a = res["header"]["args"]
     parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']} "
              f"(one attention core, not a full model); prefill in chunks of {a['prefill_chunk']}; "
-             f"per-token latency = median of {a['steps']} single-token calls after {a['warmup']} warm-up.\n"]
+             f"per-token latency = median of {a['steps']} single-token calls after {a['warmup']} warm-up, the "
+             f"last tokens of a context of `position` tokens (the state is built for exactly that many).\n"]
     for s in res["skipped_methods"]:
         parts.append(f"\n- `{s['method']}`: not run — {s['reason']}")
     if res["skipped_methods"]:
