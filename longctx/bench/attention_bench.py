@@ -215,7 +215,11 @@ def merge_into_previous(path: Path, res: dict, ran: set) -> dict:
     if not path.exists():
         return res
     old = json.loads(path.read_text())
-    keep = lambda x: (x["variant"], x["direction"]) not in ran and x["direction"] != "all"  # noqa: E731
+    rerun = {v for v, _ in ran}
+
+    def keep(x):  # an older run's skip for a whole variant ("all" directions) goes when that variant is rerun
+        return (x["variant"], x["direction"]) not in ran and not (x["direction"] == "all" and x["variant"] in rerun)
+
     out = dict(res)
     out["rows"] = [r for r in old["rows"] if keep(r)] + res["rows"]
     out["skipped_variants"] = [s for s in old.get("skipped_variants", []) if keep(s)] + res["skipped_variants"]

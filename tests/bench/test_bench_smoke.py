@@ -178,6 +178,8 @@ def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, t
     assert "1 rows before it are kept" in skip["reason"]
 
     old = {"header": {"time": "t0", "git_sha": "a"}, "skipped_variants": [{"variant": "eva", "direction": "all",
+                                                                          "reason": "killed"},
+                                                                         {"variant": "fma", "direction": "all",
                                                                           "reason": "killed"}],
            "rows": [{"variant": "eva", "direction": "causal", "length": 64, "fwd_s": 9.0},
                     {"variant": "eva", "direction": "bidirectional", "length": 64, "fwd_s": 8.0},
@@ -187,5 +189,6 @@ def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, t
     merged = ab.merge_into_previous(tmp_path / "attention.json", new, {("eva", "causal")})
     assert sorted((r["variant"], r["direction"], r["fwd_s"]) for r in merged["rows"]) == [
         ("dense", "causal", 7.0), ("eva", "bidirectional", 8.0), ("eva", "causal", 0.5)]
-    assert merged["skipped_variants"] == [] and merged["merged_into"]["git_sha"] == "a"
+    assert [s["variant"] for s in merged["skipped_variants"]] == ["fma"]  # eva's old skip went with its rerun
+    assert merged["merged_into"]["git_sha"] == "a"
     assert os.path.exists(tmp_path / "attention.json")
