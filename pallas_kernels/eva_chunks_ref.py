@@ -43,6 +43,7 @@ class EVAOptions:
     rpe_max_distance: int
     attn_dropout: float
     logit_budget: int  # max materialized logits (B*H*Tq*(Tk+C)) per lax.map step
+    keep_budget: int = 1 << 28  # max attention weights a full pass keeps for its backward (else recomputed)
 
 def layer_norm(x, scale, bias):
     x = x.astype(jnp.float32)

@@ -167,7 +167,7 @@ def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
     return jax.nn.logsumexp(s, axis=-1)
 
 
-def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
+def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs: bool = False):
     """(out [B,H,N,Tq,dv], lse [B,H,N,Tq]) of one max-subtracted softmax over [local ; chunk] logits (eq. 16)
     for N tiles of queries; shapes as in :func:`tile_softmax`."""
     a_loc = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q, k, precision=HIGHEST)
@@ -183,6 +183,8 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float):
     den = jnp.maximum(jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1), 1e-30)
     num = jnp.einsum("bhnqk,bhnkd->bhnqd", p_loc, v, precision=HIGHEST)
     num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta, precision=HIGHEST)
+    if probs:
+        return num / den[..., None], (p_loc, p_ch, 1.0 / den)
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
 
 
@@ -193,8 +195,8 @@ def _fill_like(x, value: float):
     return value + 0.0 * jax.lax.stop_gradient(x)  # no cotangent flows through the fill
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float, keep: bool = False):
     """Eq. 16 for N query tiles at once: q [B,H,N,Tq,d] against each tile's local keys k, v [B,H,N,Tk,.]
     (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
     k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C], and the same mask keys-major, ``cmask_t`` [C,N·Tq],
@@ -205,16 +207,57 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float
     orientation: it recomputes the transposed logits k·qᵀ, so dk, dv, dk̂ and dβ are plain matmuls (dk̂ and dβ
     contract over all N·Tq queries at once) and dq is formed as (kᵀ dsᵀ)ᵀ. Autodiff through a
     per-tile vmap instead transposed every tile's [Tq, C] probabilities for the key-side gradients: those
-    copies were about half of the backward's time at 8k (BENCHMARKS.md). Same math as :func:`_joint_softmax`."""
+    copies were about half of the backward's time at 8k (BENCHMARKS.md). Same math as :func:`_joint_softmax`.
+
+    ``keep`` (static): the forward keeps its attention weights (query-major, as computed) and the backward
+    (:func:`_kept_bwd`) starts from them: the logits' matmul and exp passes are not redone, at the price of
+    B·H·N·Tq·(Tk + C) floats held from the forward to the backward (the caller checks its budget)."""
     return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)[0]
 
 
-def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale):
+def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep):
+    if keep:
+        out, probs = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, probs=True)
+        return out, (q, k, v, k_hat, beta, bias, None, None, out, probs)
     out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)
     return out, (q, k, v, k_hat, beta, bias, lmask, cmask_t, out, lse)
 
 
-def _tile_softmax_bwd(scale, res, do):
+def _kept_bwd(scale, res, do):
+    """The backward from the forward's kept weights (query-major): no logits recomputed."""
+    q, k, v, k_hat, beta, bias, _, _, out, (p_loc, p_ch, inv_den) = res
+    B, H, N, Tq, d = q.shape
+    delta = jnp.sum(do * out, axis=-1)[..., None]  # [B,H,N,Tq,1]
+    w = inv_den[..., None]
+    dp_loc = jnp.einsum("bhnqd,bhnkd->bhnqk", do, v, precision=HIGHEST)
+    ds_loc = p_loc * w * (dp_loc - delta)
+    dq = jnp.einsum("bhnqk,bhnkd->bhnqd", ds_loc, k, precision=HIGHEST)
+    dk = scale * jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", q, ds_loc, precision=HIGHEST), -1, -2)
+    dv = jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", do, p_loc * w, precision=HIGHEST), -1, -2)
+    dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta, precision=HIGHEST)
+    ds_ch = p_ch * w * (dp_ch - delta)
+    dq = scale * (dq + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
+    flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
+    dk_hat = scale * jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(q), flat(ds_ch), precision=HIGHEST), -1, -2)
+    dbeta = jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(do), flat(p_ch * w), precision=HIGHEST), -1, -2)
+    return dq, dk, dv, dk_hat, dbeta, _bias_grad(bias, ds_loc), None, None, None
+
+
+def _bias_grad(bias, ds):
+    """d bias [N|1,Hb,Tq,Tk] from the local logits' gradient ds [B,H,N,Tq,Tk] (bias was broadcast over the batch,
+    and over the tiles when N = 1, the heads when Hb = 1); None without a bias."""
+    if bias is None:
+        return None
+    g = _sum_leading(ds)  # [H,N,Tq,Tk]: over the batch
+    if bias.shape[0] == 1:  # one bias shared by the N tiles
+        g = functools.reduce(jnp.add, [g[:, i:i + 1] for i in range(g.shape[1])])
+    g = _sum_leading(g)[None] if bias.shape[1] == 1 else g
+    return jnp.moveaxis(g, 0, 1)
+
+
+def _tile_softmax_bwd(scale, keep, res, do):
+    if keep:
+        return _kept_bwd(scale, res, do)
     q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
@@ -311,7 +354,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
 
 
 def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, opts: EVAOptions,
-                 scale: float):
+                 scale: float, keep: bool = False):
     """:func:`attend_tile` for a batch of N tiles at once (q [B,H,N,Tq,d], q_pos [N,Tq], k, v [B,H,N,Tk,.],
     k_pos, k_valid [N,Tk]; chunks = (k̂, β) shared) through :func:`tile_softmax`: the representative-logit
     estimator without dropout. Returns [B,H,N,Tq,dv].
@@ -326,7 +369,7 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     bias = None
     if opts.use_rpe and rpe_table is not None:  # depends on k_pos - q_pos only: the same for every tile
         bias = rpe_bias(rpe_table, q_pos[0], k_pos[0], opts, scale)[None]  # [1,Hb,Tq,Tk]
-    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale)
+    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep)
 
 
 def _map_tile_batches(fn, xs, axes, n_tiles: int, cost_per_tile: int, budget: int):
@@ -435,6 +478,9 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     fused = _uses_tile_softmax(drop_key, opts)
     halves = opts.causal and Tk == tile and tile % 2 == 0
     groups = tile_groups(n_tiles, tile, P, C, opts.causal)
+    # the attention weights of every tile, kept from the forward for the backward when they fit the budget
+    kept = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in groups)
+    keep = fused and kept <= opts.keep_budget
     # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
     # group's gradient to full length and sum them: ~40 ms of copies per 8k layer fwd+bwd)
     sizes = [hi - lo for lo, hi, _ in groups]
@@ -446,7 +492,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
             def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
                 ch = (k_hat[:, :, :nc], beta[:, :, :nc])
                 attend = lambda *a: tiles_attend(*a, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, opts,  # noqa: E731
-                                                 scale)
+                                                 scale, keep)
                 if not halves:
                     return attend(qt, qp, kt, vt, kp, kv)
                 # causal, keys = the query tile: the first half of the queries sees only the first half of the
@@ -645,6 +691,11 @@ class EVAAttention(AttentionCore):
                 # Causal core fwd+bwd at 8k, 4 heads of 64: 2^20 229 ms, 2^22 195 ms, 2^25 177 ms; at 32k 2^26 was
                 # ~10 % faster than 2^25 for 1.7x the XLA memory (BENCHMARKS.md, issue 15)
                 "logit_budget": 1 << 25,
+                # max attention weights (fp32 entries, all tiles of a full pass) kept from the forward for the
+                # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
+                # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
+                # batch 1 (fwd+bwd 8k -3 %, 16k -10 %; BENCHMARKS.md, issue 15); 0 always recomputes
+                "keep_budget": 1 << 28,
             }
         )
 
@@ -682,6 +733,7 @@ class EVAAttention(AttentionCore):
                 f"{p}.adaptive_proj='none' exists only for bidirectional layers; use 'qk' or 'no-ln'")
         require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
         require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
+        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
@@ -694,7 +746,7 @@ class EVAAttention(AttentionCore):
             causal=causal, W=W, e_l=e, e_r=0 if causal else e, partition=c.partition, chunk_logit=c.chunk_logit,
             chunk_rep=c.chunk_rep, adaptive_proj=c.adaptive_proj, mu_mode=mu_mode, rf_scale=c.rf_scale,
             use_rpe=c.use_rpe and W > 0, rpe_buckets=rpe_num_buckets(W, e), rpe_max_distance=max(W + e, 1),
-            attn_dropout=float(c.attn_dropout), logit_budget=int(c.logit_budget),
+            attn_dropout=float(c.attn_dropout), logit_budget=int(c.logit_budget), keep_budget=int(c.keep_budget),
         )
         # released inits (spec §3.1): causal Xavier-uniform gain 2^-1/2, bidirectional trunc-normal 0.02; biases 0
         if causal:
