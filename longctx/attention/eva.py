@@ -233,13 +233,14 @@ def _kept_bwd(scale, res, do):
     ds_loc = p_loc * w * (dp_loc - delta)
     dq = jnp.einsum("bhnqk,bhnkd->bhnqd", ds_loc, k, precision=HIGHEST)
     dk = scale * jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", q, ds_loc, precision=HIGHEST), -1, -2)
-    dv = jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", do, p_loc * w, precision=HIGHEST), -1, -2)
+    do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
+    dv = jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", do_w, p_loc, precision=HIGHEST), -1, -2)
     dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta, precision=HIGHEST)
     ds_ch = p_ch * w * (dp_ch - delta)
     dq = scale * (dq + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     dk_hat = scale * jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(q), flat(ds_ch), precision=HIGHEST), -1, -2)
-    dbeta = jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(do), flat(p_ch * w), precision=HIGHEST), -1, -2)
+    dbeta = jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(do_w), flat(p_ch), precision=HIGHEST), -1, -2)
     return dq, dk, dv, dk_hat, dbeta, _bias_grad(bias, ds_loc), None, None, None
 
 
