@@ -167,24 +167,50 @@ def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
     return jax.nn.logsumexp(s, axis=-1)
 
 
-def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs: bool = False):
+def _local_pieces(Tq: int, Tk: int, halves: bool):
+    """The local logits as row blocks [(first row, end row, keys)]. ``halves`` (causal, the keys are the tile's own
+    queries): the first half of the rows is scored against the first half of the keys only (3/4 of the logits)."""
+    if not halves:
+        return [(0, Tq, Tk)]
+    return [(0, Tq // 2, Tq // 2), (Tq // 2, Tq, Tk)]
+
+
+def _piece_bias(bias, piece):
+    """The bias [N|1,Hb,Tq,Tk] of one row block, broadcastable to its logits [B,H,N,rows,keys]."""
+    r0, r1, nk = piece
+    b = bias[..., r0:r1, :nk]
+    return jnp.moveaxis(b, 0, 1)[None] if b.shape[1] > 1 else b[:, 0][None, None]
+
+
+def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs: bool = False,
+                   halves: bool = False):
     """(out [B,H,N,Tq,dv], lse [B,H,N,Tq]) of one max-subtracted softmax over [local ; chunk] logits (eq. 16)
-    for N tiles of queries; shapes as in :func:`tile_softmax`."""
-    a_loc = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q, k, precision=HIGHEST)
-    if bias is not None:
-        a_loc = a_loc + jnp.moveaxis(bias, 0, 1)[None] if bias.shape[1] > 1 else a_loc + bias[:, 0][None, None]
-    a_loc = jnp.where(lmask, a_loc, NEG)
+    for N tiles of queries; shapes as in :func:`tile_softmax`. ``probs``: (out, kept weights) instead, the
+    weights ((local weights of each row block), chunk weights, 1 / row sum), unnormalised."""
+    Tq, Tk = q.shape[3], k.shape[3]
+    pieces = _local_pieces(Tq, Tk, halves)
+    a_loc = []
+    for piece in pieces:
+        r0, r1, nk = piece
+        a = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q[:, :, :, r0:r1], k[:, :, :, :nk], precision=HIGHEST)
+        if bias is not None:
+            a = a + _piece_bias(bias, piece)
+        a_loc.append(jnp.where(lmask[:, r0:r1, :nk], a, NEG))
     s_ch = scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat, precision=HIGHEST)
     a_ch = jnp.where(cmask, s_ch, _fill_like(s_ch, NEG))
-    m = jnp.maximum(jnp.max(a_loc, axis=-1, initial=NEG), jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
-    p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
+    m_loc = jnp.concatenate([jnp.max(a, axis=-1, initial=NEG) for a in a_loc], axis=-1)
+    m = jnp.maximum(m_loc, jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
+    p_loc = [jnp.where(lmask[:, r0:r1, :nk], jnp.exp(a - m[:, :, :, r0:r1]), 0.0)
+             for a, (r0, r1, nk) in zip(a_loc, pieces)]
     e_ch = jnp.exp(a_ch - m)
     p_ch = jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
-    den = jnp.maximum(jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1), 1e-30)
-    num = jnp.einsum("bhnqk,bhnkd->bhnqd", p_loc, v, precision=HIGHEST)
+    den = jnp.concatenate([jnp.sum(p, axis=-1) for p in p_loc], axis=-1) + jnp.sum(p_ch, axis=-1)
+    den = jnp.maximum(den, 1e-30)
+    num = jnp.concatenate([jnp.einsum("bhnqk,bhnkd->bhnqd", p, v[:, :, :, :nk], precision=HIGHEST)
+                           for p, (_, _, nk) in zip(p_loc, pieces)], axis=3)
     num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta, precision=HIGHEST)
     if probs:
-        return num / den[..., None], (p_loc, p_ch, 1.0 / den)
+        return num / den[..., None], (tuple(p_loc), p_ch, 1.0 / den)
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
 
 
@@ -195,8 +221,9 @@ def _fill_like(x, value: float):
     return value + 0.0 * jax.lax.stop_gradient(x)  # no cotangent flows through the fill
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float, keep: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float, keep: bool = False,
+                 halves: bool = False):
     """Eq. 16 for N query tiles at once: q [B,H,N,Tq,d] against each tile's local keys k, v [B,H,N,Tk,.]
     (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
     k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C], and the same mask keys-major, ``cmask_t`` [C,N·Tq],
@@ -211,37 +238,52 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float
 
     ``keep`` (static): the forward keeps its attention weights (query-major, as computed) and the backward
     (:func:`_kept_bwd`) starts from them: the logits' matmul and exp passes are not redone, at the price of
-    B·H·N·Tq·(Tk + C) floats held from the forward to the backward (the caller checks its budget)."""
-    return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)[0]
+    B·H·N·Tq·(Tk + C) floats held from the forward to the backward (the caller checks its budget).
+    ``halves`` (static; with ``keep``; causal tiles whose keys are their own queries, Tk = Tq even): the local
+    logits in two row blocks, the first half of the queries against the first half of the keys only, while the
+    chunk part scores all Tq queries in one matmul."""
+    return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, halves=halves)[0]
 
 
-def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep):
+def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves):
     if keep:
-        out, probs = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, probs=True)
+        out, probs = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, probs=True, halves=halves)
         return out, (q, k, v, k_hat, beta, bias, None, None, out, probs)
+    if halves:
+        raise ValueError("tile_softmax: halves needs keep (the recomputing backward scores whole tiles)")
     out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)
     return out, (q, k, v, k_hat, beta, bias, lmask, cmask_t, out, lse)
 
 
-def _kept_bwd(scale, res, do):
+def _kept_bwd(scale, halves, res, do):
     """The backward from the forward's kept weights (query-major): no logits recomputed."""
     q, k, v, k_hat, beta, bias, _, _, out, (p_loc, p_ch, inv_den) = res
     B, H, N, Tq, d = q.shape
+    Tk = k.shape[3]
     delta = jnp.sum(do * out, axis=-1)[..., None]  # [B,H,N,Tq,1]
     w = inv_den[..., None]
-    dp_loc = jnp.einsum("bhnqd,bhnkd->bhnqk", do, v, precision=HIGHEST)
-    ds_loc = p_loc * w * (dp_loc - delta)
-    dq = jnp.einsum("bhnqk,bhnkd->bhnqd", ds_loc, k, precision=HIGHEST)
-    dk = scale * jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", q, ds_loc, precision=HIGHEST), -1, -2)
     do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
-    dv = jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", do_w, p_loc, precision=HIGHEST), -1, -2)
+    pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
+    dq_loc, dk, dv, dbias = [], 0.0, 0.0, []
+    for p, piece in zip(p_loc, _local_pieces(Tq, Tk, halves)):
+        r0, r1, nk = piece
+        rows = lambda x: x[:, :, :, r0:r1]  # noqa: E731
+        ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk], precision=HIGHEST)
+                            - rows(delta))
+        dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk], precision=HIGHEST))
+        dk = dk + pad(jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", rows(q), ds, precision=HIGHEST), -1, -2), nk)
+        dv = dv + pad(jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", rows(do_w), p, precision=HIGHEST), -1, -2), nk)
+        if bias is not None:
+            g = _bias_grad(bias[..., r0:r1, :nk], ds)
+            dbias.append(g if nk == Tk else jnp.pad(g, [(0, 0)] * 3 + [(0, Tk - nk)]))
     dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta, precision=HIGHEST)
     ds_ch = p_ch * w * (dp_ch - delta)
-    dq = scale * (dq + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
+    dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     dk_hat = scale * jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(q), flat(ds_ch), precision=HIGHEST), -1, -2)
     dbeta = jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(do_w), flat(p_ch), precision=HIGHEST), -1, -2)
-    return dq, dk, dv, dk_hat, dbeta, _bias_grad(bias, ds_loc), None, None, None
+    dbias = None if bias is None else jnp.concatenate(dbias, axis=2)
+    return dq, scale * dk, dv, dk_hat, dbeta, dbias, None, None, None
 
 
 def _bias_grad(bias, ds):
@@ -256,9 +298,9 @@ def _bias_grad(bias, ds):
     return jnp.moveaxis(g, 0, 1)
 
 
-def _tile_softmax_bwd(scale, keep, res, do):
+def _tile_softmax_bwd(scale, keep, halves, res, do):
     if keep:
-        return _kept_bwd(scale, res, do)
+        return _kept_bwd(scale, halves, res, do)
     q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
@@ -355,7 +397,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
 
 
 def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, opts: EVAOptions,
-                 scale: float, keep: bool = False):
+                 scale: float, keep: bool = False, halves: bool = False):
     """:func:`attend_tile` for a batch of N tiles at once (q [B,H,N,Tq,d], q_pos [N,Tq], k, v [B,H,N,Tk,.],
     k_pos, k_valid [N,Tk]; chunks = (k̂, β) shared) through :func:`tile_softmax`: the representative-logit
     estimator without dropout. Returns [B,H,N,Tq,dv].
@@ -370,7 +412,7 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     bias = None
     if opts.use_rpe and rpe_table is not None:  # depends on k_pos - q_pos only: the same for every tile
         bias = rpe_bias(rpe_table, q_pos[0], k_pos[0], opts, scale)[None]  # [1,Hb,Tq,Tk]
-    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep)
+    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves)
 
 
 def _map_tile_batches(fn, xs, axes, n_tiles: int, cost_per_tile: int, budget: int):
@@ -492,10 +534,10 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
         if fused:  # a batch of tiles per call: tile_softmax's backward recomputes the logits
             def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
                 ch = (k_hat[:, :, :nc], beta[:, :, :nc])
-                attend = lambda *a: tiles_attend(*a, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, opts,  # noqa: E731
-                                                 scale, keep)
-                if not halves:
-                    return attend(qt, qp, kt, vt, kp, kv)
+                attend = lambda *a, halves=False: tiles_attend(*a, ch, chunk_ids[:nc], chunk_valid[:nc], P,  # noqa: E731
+                                                               rpe_table, opts, scale, keep, halves)
+                if not halves or keep:  # kept weights: the halves are row blocks inside one call
+                    return attend(qt, qp, kt, vt, kp, kv, halves=halves)
                 # causal, keys = the query tile: the first half of the queries sees only the first half of the
                 # keys, so it is scored against those alone (3/4 of the local logits)
                 h = tile // 2
