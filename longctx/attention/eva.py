@@ -267,7 +267,7 @@ def _kept_bwd(scale, halves, res, do):
     dq_loc, dk, dv, dbias = [], 0.0, 0.0, []
     for p, piece in zip(p_loc, _local_pieces(Tq, Tk, halves)):
         r0, r1, nk = piece
-        rows = lambda x: x[:, :, :, r0:r1]  # noqa: E731
+        rows = lambda x, r0=r0, r1=r1: x[:, :, :, r0:r1]  # noqa: E731
         ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk], precision=HIGHEST)
                             - rows(delta))
         dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk], precision=HIGHEST))

@@ -192,3 +192,15 @@ def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, t
     assert [s["variant"] for s in merged["skipped_variants"]] == ["fma"]  # eva's old skip went with its rerun
     assert merged["merged_into"]["git_sha"] == "a"
     assert os.path.exists(tmp_path / "attention.json")
+
+
+def test_decode_skips_a_core_whose_state_lives_in_its_stack_wrapper(tmp_path):
+    """vcc's decoding state is its stack wrapper's: the core-level decode benchmark reports a skip with the
+    reason, never an error row."""
+    assert cli.main(["decode", "--out", str(tmp_path), "--no_progress", "--methods", "vcc", "--positions", "64",
+                     "--steps", "1", "--warmup", "0"]) == 0
+    dec = json.loads((tmp_path / "decode.json").read_text())
+    assert dec["rows"] == []
+    (skip,) = dec["skipped_methods"]
+    assert skip["method"] == "vcc" and "stack wrapper" in skip["reason"]
+    assert "vcc" in (tmp_path / "decode.md").read_text()
