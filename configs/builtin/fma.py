@@ -1,6 +1,6 @@
 """The main job (configs/default.py: byte-level decoder on the built-in corpus, same context, steps and
 schedule) with every attention layer replaced by causal Fast Multipole Attention (spec shared/specs/fma.md):
-fine blocks m = 32, p = 4 summary rows per group, max_len = train.seq_len = 256, so 3 levels in the
+fine blocks m = 32, p = 4 summary rows per group, max_len = train.seq_len (256), so 3 levels in the
 paper's count (fine + 2 coarse: groups of 32 and 64 tokens), as in the paper's n/m = 8 setting (Table 1,
 n = 512, m = 64). The learned downsampling convolutions add 50,176 parameters per layer; d_ff 1024 -> 926
 takes the same number out of the MLPs, so the model has the dense default's parameter count (within 0.01%).
@@ -22,7 +22,9 @@ def get_config():
     f = c.model.attention.fma
     f.m = 32
     f.p = 4
-    f.max_len = c.train.seq_len  # the levels (and parameters) are built for the training length
+    # the levels (and parameters) are built for the training length: a reference that follows train.seq_len
+    # (an override of seq_len, e.g. `longctx-bench train --seq_len`, rebuilds them; setting max_len replaces it)
+    f.max_len = c.train.get_ref("seq_len") * 1
     # sampling past the training length (longctx-sample) keeps the 2 levels: a window of 3/4..1 x 256 tokens
     f.allow_truncated_window = True
     c.model.d_ff = 926  # compensates the 4 x 50,176 downsampling parameters

@@ -35,6 +35,8 @@ def add_args(p):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every method (repeatable)")
     p.add_argument("--runs", default="", help="folder of the training runs (default: <out>/train_runs)")
+    p.add_argument("--update", action="store_true",
+                   help="merge into <out>/train.json: the rows of the methods run here replace theirs, the rest stay")
     p.add_argument("--no_xla_mem", dest="xla_mem", action="store_false",
                    help="skip XLA's memory analysis of the train step (one extra compile per method)")
 
@@ -128,10 +130,23 @@ def run(args) -> dict:
         res["rows"].append(row)
         bar.update(1)
     bar.close()
+    if getattr(args, "update", False):
+        res = merge_rows(out / "train.json", res)
     C.write_json(out / "train.json", res)
     (out / "train.md").write_text(markdown(res))
     plots(res, out)
     return res
+
+
+def merge_rows(path: Path, res: dict) -> dict:
+    """``--update``: res's rows replace the rows of the same methods in the results at path (in their place;
+    new methods go last); the header is this run's, with the earlier one under ``merged_into``."""
+    if not path.exists():
+        return res
+    old = json.loads(path.read_text())
+    new = {r["method"]: r for r in res["rows"]}
+    rows = [new.pop(r["method"], r) for r in old["rows"]] + list(new.values())
+    return dict(res, rows=rows, merged_into=dict(old["header"], merged_into=old.get("merged_into")))
 
 
 def markdown(res: dict) -> str:

@@ -204,3 +204,16 @@ def test_decode_skips_a_core_whose_state_lives_in_its_stack_wrapper(tmp_path):
     (skip,) = dec["skipped_methods"]
     assert skip["method"] == "vcc" and "stack wrapper" in skip["reason"]
     assert "vcc" in (tmp_path / "decode.md").read_text()
+
+
+def test_train_update_replaces_only_the_methods_rerun(tmp_path):
+    """`longctx-bench train --update`: the rerun methods' rows replace theirs in place, new ones go last, the
+    others stay, and the earlier header is kept under merged_into."""
+    from longctx.bench.train_bench import merge_rows
+
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"header": {"run": 1}, "rows": [{"method": "a", "x": 1}, {"method": "b", "x": 1}]}))
+    res = merge_rows(path, {"header": {"run": 2}, "rows": [{"method": "b", "x": 2}, {"method": "c", "x": 2}]})
+    assert res["rows"] == [{"method": "a", "x": 1}, {"method": "b", "x": 2}, {"method": "c", "x": 2}]
+    assert res["header"] == {"run": 2} and res["merged_into"] == {"run": 1, "merged_into": None}
+    assert merge_rows(tmp_path / "none.json", res) is res
