@@ -88,25 +88,6 @@ def keep_freed_memory() -> dict:
     return _applied
 
 
-def release_freed_memory() -> bool:
-    """Return the heap's free memory to the kernel now (glibc ``malloc_trim(0)``); True when some was released.
-
-    With :func:`keep_freed_memory`'s settings the process stays at its peak resident size, which is the point
-    inside a run of equal steps. Between steps of different sizes (the benchmark's cells: a 16k forward, then
-    a 16k forward+backward) the first one's freed buffers stay resident and, split by the allocations that
-    outlive them, need not fit the next one's sizes, so the process can outgrow the machine although each
-    step fits on its own (dense:naive's 16k forward+backward was OOM-killed on a 24 GiB VM with an XLA
-    estimate of 13 GB). Call it between such steps; a no-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim(0) == 1
-
-
 def huge_pages_env(environ) -> dict | None:
     """``environ`` with glibc's huge-page tunable added to GLIBC_TUNABLES, or None when there is nothing
     to add (already there, ``LONGCTX_HOST_MALLOC=system``, not Linux/glibc >= 2.35, or the kernel's

@@ -24,7 +24,6 @@ Per (variant, direction, length) cell:
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
@@ -38,7 +37,6 @@ import jax.numpy as jnp
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core, is_exact, variants
 from longctx.errors import ConfigError
-from longctx.host_memory import release_freed_memory
 
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,128k"
 TORCH = "torch_sdpa"
@@ -267,8 +265,6 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, 
                 if checkpoint:
                     checkpoint(rows, {"variant": label, "direction": dname, "length": T, "kind": kind})
                 try:
-                    gc.collect()  # the previous cell's buffers back to the heap, and the heap's free part to the
-                    release_freed_memory()  # kernel: one cell's peak does not stay resident under the next
                     t0 = time.perf_counter()
                     compiled = jax.jit(fn).lower(*fargs).compile()
                     row[f"{kind}_compile_s"] = time.perf_counter() - t0
