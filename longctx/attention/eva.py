@@ -520,7 +520,9 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     outs = []
     fused = _uses_tile_softmax(drop_key, opts)
     halves = opts.causal and Tk == tile and tile % 2 == 0
-    groups = tile_groups(n_tiles, tile, P, C, opts.causal)
+    # 8 tile groups up to 64 tiles, then groups of 8 tiles (at most 32 groups): fewer chunks scored at long
+    # lengths for more, smaller calls (causal fwd+bwd 16k -3 %, 32k -5 % against 8 groups; BENCHMARKS.md)
+    groups = tile_groups(n_tiles, tile, P, C, opts.causal, min(32, max(8, n_tiles // 8)))
     # the attention weights of every tile, kept from the forward for the backward when they fit the budget
     kept = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in groups)
     keep = fused and kept <= opts.keep_budget

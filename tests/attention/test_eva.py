@@ -408,14 +408,16 @@ def test_long_forward_65k():
     print(f"65k forward {time.time() - t:.1f}s")
 
 
-@pytest.mark.parametrize("n_tiles,tile,P", [(1, 8, 4), (5, 8, 4), (64, 128, 8), (13, 6, 4), (3, 4, 8)])
-def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P):
+@pytest.mark.parametrize("n_tiles,tile,P,g", [(1, 8, 4, 8), (5, 8, 4, 8), (64, 128, 8, 8), (13, 6, 4, 8), (3, 4, 8, 8),
+                                             (256, 128, 8, 32), (160, 8, 4, 20)])
+def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P, g):
     """The causal skip passes each group of query tiles every chunk its queries can see (c < n // P) and,
     with several groups, strictly fewer than all chunks to the early ones; bidirectional passes all."""
     from longctx.attention.eva import tile_groups
 
     C = -(-n_tiles * tile // P)
-    groups = tile_groups(n_tiles, tile, P, C, causal=True)
+    groups = tile_groups(n_tiles, tile, P, C, causal=True, groups=g)
+    assert len(groups) == min(g, n_tiles)
     assert groups[0][0] == 0 and groups[-1][1] == n_tiles
     assert all(a[1] == b[0] for a, b in zip(groups[:-1], groups[1:]))  # contiguous, no gaps
     for _lo, hi, nc in groups:
@@ -511,6 +513,33 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap, monkeypatch)
     np.testing.assert_allclose(kept[0], recomputed[0], rtol=1e-5)
     for g, r in zip(jax.tree.leaves(kept[1]), jax.tree.leaves(recomputed[1])):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+
+
+def test_many_tile_groups_same_as_autodiff(monkeypatch):
+    """A pass long enough for more than 8 causal tile groups (128 tiles of 8: 16 groups) gives, kept and
+    recomputed, the outputs and gradients of the autodiff path."""
+    q, k, v = qkv(1024, seed=10, b=1)
+    w = jax.random.normal(jax.random.PRNGKey(11), q.shape)
+
+    def run(budget, fused=True):
+        core = make(causal=True, window_size=8, chunk_size=4, use_rpe=True, keep_budget=budget)
+        gd, st = nnx.split(core)
+
+        def loss(st, q, k, v):
+            return jnp.sum(nnx.merge(gd, st)(q, k, v)[0] * w)
+        if not fused:
+            monkeypatch.setattr(eva, "_uses_tile_softmax", lambda drop_key, opts: False)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(st, q, k, v)
+
+    seen = []
+    tile_groups = eva.tile_groups
+    monkeypatch.setattr(eva, "tile_groups", lambda *a: seen.append(len(tile_groups(*a))) or tile_groups(*a))
+    kept, recomputed, plain = run(1 << 28), run(0), run(0, fused=False)
+    assert seen == [16, 16, 16]
+    for got in (kept, recomputed):
+        np.testing.assert_allclose(got[0], plain[0], rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(plain[1])):
+            np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("causal,disjoint", [(True, False), (True, True), (False, False), (False, True)])
