@@ -288,7 +288,8 @@ def _kept_bwd(scale, halves, res, do):
 
 def _bias_grad(bias, ds):
     """d bias [N|1,Hb,Tq,Tk] from the local logits' gradient ds [B,H,N,Tq,Tk] (bias was broadcast over the batch,
-    and over the tiles when N = 1, the heads when Hb = 1); None without a bias."""
+    and over the tiles when N = 1, the heads when Hb = 1); None without a bias. Only the bias's two leading
+    sizes are read, so ds may be keys-major ([B,H,N,Tk,Tq]; the result is then [N|1,Hb,Tk,Tq])."""
     if bias is None:
         return None
     g = _sum_leading(ds)  # [H,N,Tq,Tk]: over the batch
@@ -334,13 +335,8 @@ def _tile_softmax_bwd(scale, keep, halves, res, do):
     # both parts summed as computed ([d, Tq] per tile), then one transpose (the sum of transposed reads ran at
     # ~3 ns per element)
     dq = scale * jnp.swapaxes(dq_t + jnp.moveaxis(dqc_t, 3, 2), -1, -2)
-    dbias = None
-    if bias is not None:  # bias [N|1,Hb,Tq,Tk] was broadcast over the batch (and tiles when 1, heads when Hb = 1)
-        g = _sum_leading(dst_loc)  # [H,N,Tk,Tq]: over the batch
-        if bias.shape[0] == 1:  # one bias shared by the N tiles: sum them, [H,1,Tk,Tq]
-            g = functools.reduce(jnp.add, [g[:, i:i + 1] for i in range(N)])
-        g = _sum_leading(g)[None] if bias.shape[1] == 1 else g  # [1,N|1,Tk,Tq] / [H,N|1,Tk,Tq]
-        dbias = jnp.swapaxes(jnp.moveaxis(g, 0, 1), -1, -2)  # [N|1,Hb,Tq,Tk]
+    # the bias gradient reduced keys-major (dst_loc as laid out), then one transpose of the small result
+    dbias = None if bias is None else jnp.swapaxes(_bias_grad(bias, dst_loc), -1, -2)  # [N|1,Hb,Tq,Tk]
     return dq, dk, dv, dk_hat, dbeta, dbias, None, None, None
 
 
@@ -533,7 +529,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     for g, (lo, hi, nc) in enumerate(groups):
         cost = B * H * tile * (Tk + nc * (P if exact else 1))
         group = tuple(p[g] for p in parts)
-        if fused:  # a batch of tiles per call: tile_softmax's backward recomputes the logits
+        if fused:  # a batch of tiles per call through tile_softmax (kept weights, or logits recomputed)
             def batch(qt, qp, kt, vt, kp, kv, dk, nc=nc):
                 ch = (k_hat[:, :, :nc], beta[:, :, :nc])
                 attend = lambda *a, halves=False: tiles_attend(*a, ch, chunk_ids[:nc], chunk_valid[:nc], P,  # noqa: E731
@@ -739,7 +735,8 @@ class EVAAttention(AttentionCore):
                 # max attention weights (fp32 entries, all tiles of a full pass) kept from the forward for the
                 # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
                 # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
-                # batch 1 (fwd+bwd 8k -3 %, 16k -10 %; BENCHMARKS.md, issue 15); 0 always recomputes
+                # batch 1 (causal fwd+bwd 8k -8 %, 16k -8 %, with the halves as row blocks; BENCHMARKS.md, issue
+                # 15); 0 always recomputes
                 "keep_budget": 1 << 28,
             }
         )
