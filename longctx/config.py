@@ -62,6 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dropout = 0.0
     c.model.tie_embeddings = True
     c.model.output = "dense"  # 'dense' (full softmax) | 'adaptive' (adaptive softmax, large vocabularies)
+    # recompute each block's forward in the backward (remat per block): activation memory of one block
+    # instead of all of them, for ~1/3 more compute; refused with a method whose stack wrapper runs the blocks
+    c.model.remat = False
     c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.adaptive_div = 4.0
@@ -262,6 +265,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     method_cfg = attention.default_config(name)
     method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
     attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
+    if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
+        raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
+                          "the per-block remat cannot wrap; set model.remat=False")
     for other in list(m.attention.keys()):
         if other not in ("name", name):
             del m.attention[other]

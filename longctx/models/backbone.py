@@ -41,6 +41,56 @@ def takes_keyword(fn, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def _block_call(deterministic: bool, remat: bool):
+    """``(block, x, state, positions, key, extra) -> (x, state, (losses, stats, metrics))``: one block's call with
+    its aux returned as values. ``remat``: a gradient keeps only the block's inputs from the forward and
+    recomputes its insides when the backward reaches the block (:func:`_remat_after_cotangent`), so the layers'
+    activations (attention weights a core keeps for its backward included) never coexist across blocks."""
+
+    def call(block, x, st, positions, key, extra):
+        aux = Aux()
+        x, st = block(x, st, positions=positions, deterministic=deterministic, key=key, aux=aux, **extra)
+        return x, st, (aux.losses, aux.stats, aux.metrics)
+
+    if not remat:
+        return call
+
+    def remat_call(block, x, st, positions, key, extra):
+        graphdef, variables = nnx.split(block)
+        pure = lambda v, *a: call(nnx.merge(graphdef, v), *a)  # noqa: E731
+        return _remat_after_cotangent(pure)(variables, x, st, positions, key, extra)
+
+    return remat_call
+
+
+def _remat_after_cotangent(fn):
+    """``fn`` (pure; its second argument the block's input x, its first output x's successor) that a gradient
+    differentiates by recomputation: the forward saves the arguments only, the backward re-runs ``fn`` under
+    ``jax.vjp``. ``jax.checkpoint`` does the same, but XLA:CPU removes its optimization barriers before scheduling
+    and then computes every block's recomputation early, so that all activations are live at once (measured: the
+    same compiled temporary memory with and without it). Here the recomputation's inputs are tied to the incoming
+    cotangent of x's successor (+ 0·ct[0]), a data dependency that orders it after the backward reached the block
+    on every backend."""
+
+    @jax.custom_vjp
+    def f(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        return fn(*args), args
+
+    def bwd(args, ct):
+        first = jax.tree.leaves(ct[0])[0]
+        tie = 0.0 * first.reshape(-1)[0]
+        floating = lambda a: jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731
+        tied = [jax.tree.map(lambda a: a + tie.astype(a.dtype) if floating(a) else a, arg) for arg in args[1:3]]
+        _, vjp = jax.vjp(fn, args[0], *tied, *args[3:])
+        return vjp(ct)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
 class Backbone(nnx.Module):
     """Embedding -> positions -> blocks (built with ``cfg.causal``) -> norm, plus the vocabulary head."""
 
@@ -67,6 +117,7 @@ class Backbone(nnx.Module):
         else:
             self.stack = None
         self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
+        self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
         adaptive = cfg.output == "adaptive"
         self.adaptive = (
@@ -131,14 +182,14 @@ class Backbone(nnx.Module):
         keys = split_key(key, len(self.blocks))
         extra = {"important": important} if important is not None and self._block_takes_important else {}
         new_states, losses, stats, metrics = [], {}, [], {}
+        call = _block_call(deterministic, self.remat)
         for i, (block, st, k) in enumerate(zip(self.blocks, layer_states, keys)):
-            aux = Aux()
-            x, st = block(x, st, positions=positions, deterministic=deterministic, key=k, aux=aux, **extra)
+            x, st, (layer_losses, layer_stats, layer_metrics) = call(block, x, st, positions, k, extra)
             new_states.append(st)
-            for name, val in aux.losses.items():
+            for name, val in layer_losses.items():
                 losses[name] = losses.get(name, 0.0) + val
-            stats.append(aux.stats)
-            for name, val in aux.metrics.items():
+            stats.append(layer_stats)
+            for name, val in layer_metrics.items():
                 metrics[f"layer{i}/{name}"] = val
         h = self.norm(x)
         new_state = {"pos": pos0 + T, "layers": new_states}

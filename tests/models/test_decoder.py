@@ -78,3 +78,37 @@ def test_adaptive_output_nll_matches_its_log_probs_and_decodes():
     np.testing.assert_allclose(np.asarray(jnp.exp(logp).sum(-1)), 1.0, rtol=1e-5)
     ref = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(model.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,block", [("dense", "transformer"), ("eva", "transformer"), ("transformer_vq", "gau")])
+def test_remat_gives_the_same_loss_gradients_and_aux(name, block):
+    """model.remat recomputes each block in the backward: same loss, gradients, aux losses and stats, and the
+    gradient's program really holds the recomputed forward (more matmuls than without)."""
+    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 50)
+
+    def loss_fn(model):
+        logits, _, aux = model(tokens[:, :-1], deterministic=False, key=jax.random.key(3))
+        logp = jax.nn.log_softmax(logits, -1)
+        nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+        return nll + sum(aux["losses"].values()), aux
+
+    results, dots = [], []
+    for remat in (False, True):
+        cfg = small_model_cfg(block=block, remat=remat, max_len=64)
+        cfg.attention.name = name
+        if name == "eva":
+            cfg.attention.eva.update({"window_size": 8, "chunk_size": 4})
+        if name == "transformer_vq":
+            cfg.attention.transformer_vq.update({"block_len": 8, "codebook_size": 8})
+        model = build_model(cfg, seed=0)
+        grad = nnx.value_and_grad(loss_fn, has_aux=True)
+        jaxpr = str(jax.make_jaxpr(grad)(model))
+        dots.append(jaxpr.count("dot_general["))
+        (loss, aux), grads = nnx.jit(grad)(model)
+        results.append((loss, aux["losses"], aux["stats"], nnx.state(grads)))
+    assert dots[1] > dots[0], dots  # the backward recomputes the blocks' forward matmuls
+    (l0, a0, s0, g0), (l1, a1, s1, g1) = results
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for x, y in zip(jax.tree.leaves((a0, s0, g0)), jax.tree.leaves((a1, s1, g1))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2e-5, atol=1e-6)
+    assert len(jax.tree.leaves(g0)) > 0 and len(jax.tree.leaves(g0)) == len(jax.tree.leaves(g1))

@@ -58,6 +58,15 @@ def test_impossible_values_and_combinations(path, value, pattern):
         config_lib.validate(c)
 
 
+def test_remat_refused_where_a_stack_wrapper_runs_the_blocks():
+    c = config_lib.base_config()
+    c.model.remat = True
+    config_lib.validate(c)  # dense: accepted
+    c.model.attention.name = "vcc"
+    with pytest.raises(ConfigError, match="model.remat=True.*stack wrapper"):
+        config_lib.validate(c)
+
+
 def test_unknown_attention_option_lists_allowed_keys():
     c = config_lib.base_config()
     c.model.attention.dense.flash = True
