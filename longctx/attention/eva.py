@@ -736,7 +736,8 @@ class EVAAttention(AttentionCore):
                 # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
                 # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
                 # batch 1 (causal fwd+bwd 8k -8 %, 16k -8 %, with the halves as row blocks; BENCHMARKS.md, issue
-                # 15); 0 always recomputes
+                # 15); 0 always recomputes. Per layer: a deep model holds one set per layer from its forward to its
+                # backward unless model.remat recomputes each block when the backward reaches it
                 "keep_budget": 1 << 28,
             }
         )
