@@ -349,6 +349,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.mesh.sequence_mode == "compose" and c.model.kind == "encoder":
         raise ConfigError("mesh.sequence_mode='compose' composes carried (causal) states; an encoder has none: "
                           "use auto or xla")
+    if c.model.remat and c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla":
+        raise ConfigError(f"model.remat=True with mesh.sequence={c.mesh.sequence} needs mesh.sequence_mode='xla' (composed "
+                          "prefix states pass through the blocks as objects the recomputation cannot take); "
+                          "or set model.remat=False")
     window = c.train.window or c.train.seq_len
     if c.mesh.sequence > 1 and window % c.mesh.sequence:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")

@@ -65,6 +65,12 @@ def test_remat_refused_where_a_stack_wrapper_runs_the_blocks():
     c.model.attention.name = "vcc"
     with pytest.raises(ConfigError, match="model.remat=True.*stack wrapper"):
         config_lib.validate(c)
+    c.model.attention.name = "eva"
+    c.mesh.sequence = 2
+    with pytest.raises(ConfigError, match="model.remat=True with mesh.sequence=2 needs mesh.sequence_mode='xla'"):
+        config_lib.validate(c)
+    c.mesh.sequence_mode = "xla"
+    config_lib.validate(c)
 
 
 def test_unknown_attention_option_lists_allowed_keys():
