@@ -63,7 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_embeddings = True
     c.model.output = "dense"  # 'dense' (full softmax) | 'adaptive' (adaptive softmax, large vocabularies)
     # recompute each block's forward in the backward (remat per block): activation memory of one block
-    # instead of all of them, for ~1/3 more compute; refused with a method whose stack wrapper runs the blocks
+    # instead of all of them, for ~1/4 more FLOPs; refused with a method whose stack wrapper runs the blocks
     c.model.remat = False
     c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
     c.model.adaptive_cutoffs = (20000, 40000, 200000)

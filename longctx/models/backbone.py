@@ -69,8 +69,8 @@ def _remat_after_cotangent(fn):
     ``jax.vjp``. ``jax.checkpoint`` does the same, but XLA:CPU removes its optimization barriers before scheduling
     and then computes every block's recomputation early, so that all activations are live at once (measured: the
     same compiled temporary memory with and without it). Here the recomputation's inputs are tied to the incoming
-    cotangent of x's successor (+ 0·ct[0]), a data dependency that orders it after the backward reached the block
-    on every backend."""
+    cotangent of x's successor (+ 0·ct[0]), a data dependency that any scheduler must respect: the recomputation
+    runs only once the backward has reached the block."""
 
     @jax.custom_vjp
     def f(*args):
