@@ -16,11 +16,11 @@ configs/default.py: 2.68 after 200 steps). A smaller, faster model that sees mor
 budget. With these settings, 3,000 updates (9 min of training) gave 1.666 on the test bytes; 5,200
 (15.5 min) gave 1.5824, and 1.5776 since a change of summation order in the transformer_vq core.
 
-Rechecked in session 25 (13 runs of 1,040 updates, ~4.7 min each, equal wall time; bench_out/recipe_s25/results.md):
-against the then recipe's 2.074 / 2.103 validation bits per byte at seeds 0 / 1, only a peak learning rate of 3e-3
-(was 5e-3) was better at both seeds (2.052 / 2.059); min_lr_ratio 0, lr 8e-3, b2 0.99, weight decay 0.1, rows of
-2048, batch 4, 3 GAUs and d_model 192 were worse or within that spread. At full length lr 3e-3 gives test 1.5633
-(5e-3: 1.5776).
+Rechecked in session 25 (15 runs of 1,040 updates, ~4.7 min each, equal wall time;
+bench_out/recipe_s25/results.md): against the then recipe's 2.074 / 2.103 validation bits per byte at seeds
+0 / 1, only a peak learning rate of 3e-3 (was 5e-3) was better at both seeds (2.052 / 2.059); lr 2e-3
+(2.068 / 2.057), min_lr_ratio 0, lr 8e-3, b2 0.99, weight decay 0.1, rows of 2048, batch 4, 3 GAUs and
+d_model 192 were worse or within that spread. At full length lr 3e-3 gives test 1.5633 (5e-3: 1.5776).
 """
 
 from longctx.config import load_sibling
