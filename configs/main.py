@@ -13,7 +13,7 @@ How it was chosen (equal wall time, about 4 minutes of training each, validation
 8 GAUs, batch 16, lr 2e-3: 2.147; 4 GAUs, batch 16, lr 2e-3: 2.031; the same at lr 5e-3: 2.024;
 4 GAUs, batch 8, lr 5e-3: 2.001; the dense default's block at d_model 128, lr 5e-3: 2.219 (at full size,
 configs/default.py: 2.68 after 200 steps). A smaller, faster model that sees more bytes wins at this
-budget. With these settings, 3,000 updates (9 min of training) gave 1.666 on the test bytes; 5,200
+budget. With these settings (then lr 5e-3), 3,000 updates (9 min of training) gave 1.666 on the test bytes; 5,200
 (15.5 min) gave 1.5824, and 1.5776 since a change of summation order in the transformer_vq core.
 
 Rechecked in session 25 (15 runs of 1,040 updates, ~4.7 min each, equal wall time;
