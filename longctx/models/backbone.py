@@ -32,7 +32,7 @@ from longctx.attention import Aux
 from longctx.attention.base import logical
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, split_key
-from longctx.models.layers import linear, make_norm, sinusoidal_table
+from longctx.models.layers import flat_last, linear, make_norm, sinusoidal_table
 
 
 def takes_keyword(fn, name: str) -> bool:
@@ -151,7 +151,7 @@ class Backbone(nnx.Module):
         if self.adaptive is not None:
             return self.adaptive.log_probs(h)
         if self.head is None:
-            return self.embed.attend(h).astype(jnp.float32)
+            return flat_last(self.embed.attend, h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
 
     def nll(self, h, targets):

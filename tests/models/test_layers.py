@@ -1,0 +1,43 @@
+"""The flattened Linear layer computes nnx.Linear's function, values and gradients, for any leading shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from longctx.models.layers import Linear, flat_last, linear
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 7, 5), (2, 0, 5), (2, 3, 4, 5)])
+def test_linear_matches_nnx_linear(shape):
+    ours = linear(5, 6, ("embed", "mlp"), rngs=nnx.Rngs(0))
+    assert isinstance(ours, Linear)
+    ref = nnx.Linear(5, 6, rngs=nnx.Rngs(1))
+    ref.kernel[...], ref.bias[...] = ours.kernel[...], jax.random.normal(jax.random.key(2), (6,))
+    ours.bias[...] = ref.bias[...]
+    x = jax.random.normal(jax.random.key(3), shape)
+    y = ours(x)
+    assert y.shape == shape[:-1] + (6,)
+    np.testing.assert_allclose(y, ref(x), rtol=1e-6, atol=1e-6)
+
+    def loss(model, x):
+        return jnp.sum(jnp.sin(model(x)))
+
+    (g_ours, gx_ours), (g_ref, gx_ref) = (nnx.grad(loss, argnums=(0, 1))(m, x) for m in (ours, ref))
+    np.testing.assert_allclose(gx_ours, gx_ref, rtol=1e-5, atol=1e-6)
+    for name in ("kernel", "bias"):
+        np.testing.assert_allclose(getattr(g_ours, name)[...], getattr(g_ref, name)[...], rtol=1e-5, atol=1e-6)
+
+
+def test_flat_last_passes_flattened_rows_and_restores_the_shape():
+    seen = []
+
+    def fn(z):
+        seen.append(z.shape)
+        return jnp.stack([z.sum(-1), z.max(-1)], axis=-1)
+
+    x = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+    y = flat_last(fn, x)
+    assert seen == [(6, 4)] and y.shape == (2, 3, 2)
+    np.testing.assert_array_equal(y[..., 0], x.sum(-1))
