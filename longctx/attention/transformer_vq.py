@@ -360,17 +360,21 @@ def _vq_blocks_bwd(Lq, res, do):
             carry, g = tile(carry, c)
             grads.append(g)
         dr, dK, dV, dcm = carry
-        dK, dV, dcm = (jnp.swapaxes(x, -1, -2) for x in (dK, dV, dcm))
         dq, dqv = (jnp.stack(x) for x in zip(*grads))
-        return dr, (dq, dqv, dK[:, :, :L], dK[:, :, L:], dcm, dV[:, :, :L], dV[:, :, L:])
+        # the key-side gradients leave the loop as accumulated, [.., D, keys]: each block's swap to keys-major
+        # was a transposing write into the stacked outputs (at 16k, 64 blocks, ~7 % of a train step); after
+        # the loop one swap per array goes into the pass that adds the blocks' two halves (ext)
+        return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:])
 
-    drt, (dq, dqv, dkp, dkc, dcm, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
-                                                           jnp.arange(R))
+    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
+                                                            jnp.arange(R))
     dr = jnp.swapaxes(drt, -1, -2)
+    dcm = jnp.swapaxes(dcmt, -1, -2)
 
-    def ext(prev, cur):  # [R, B,H,L,.] contributions to extended blocks r (prev) and r+1 (cur)
+    def ext(prev, cur):  # [R, B,H,D,L] contributions to extended blocks r (prev) and r+1 (cur) -> [B,H,R+1,L,D]
         z0 = jnp.zeros_like(prev[:1])
-        return jnp.moveaxis(jnp.concatenate([prev, z0], 0) + jnp.concatenate([z0, cur], 0), 0, 2)
+        return jnp.swapaxes(jnp.moveaxis(jnp.concatenate([prev, z0], 0) + jnp.concatenate([z0, cur], 0), 0, 2),
+                            -1, -2)
 
     def rows(x):  # [R, nt, B,H,Lq,.] -> [B,H,R,L,.]
         return jnp.moveaxis(x, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
