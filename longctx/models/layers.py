@@ -49,14 +49,17 @@ class MLP(nnx.Module):
 
 
 def flat_last(fn, x):
-    """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``; its output ``[N, ...]`` reshaped back to ``[..., ...]``.
+    """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``, its output ``[N, ...]`` reshaped back, on CPU.
 
     The arithmetic is the same. What changes is the gradient on XLA:CPU: the weight gradient of a dot over
     ``[B, T, d]`` contracts two axes, and XLA lays that out with transposing copies of the incoming
     gradient (one per consumer), where ``[B*T, d]`` needs none. A 2-layer MLP's loss and gradient over 8,192
-    rows took 20-37 % less time flattened (BENCHMARKS.md, session 26). Merging the leading axes keeps a
-    sharded batch axis sharded (it is the major one), and sequence-sharded rows are local inside shard_map.
+    rows took 18-28 % less time flattened (BENCHMARKS.md, session 26). Other backends get ``fn(x)`` as it is:
+    the copies were measured on XLA:CPU only, and there merging the batch axis with a sequence-sharded token
+    axis (``mesh.sequence_mode='xla'``) would make the partitioner move the activations.
     """
+    if x.ndim <= 2 or jax.default_backend() != "cpu":
+        return fn(x)
     lead = x.shape[:-1]
     y = fn(x.reshape(math.prod(lead), x.shape[-1]))
     return y.reshape(*lead, *y.shape[1:])
