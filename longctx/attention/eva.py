@@ -300,8 +300,14 @@ def _bias_grad(bias, ds):
 
 
 def _tile_softmax_bwd(scale, keep, halves, res, do):
-    if keep:
-        return _kept_bwd(scale, halves, res, do)
+    grads = _kept_bwd(scale, halves, res, do) if keep else _recomputing_bwd(scale, res, do)
+    # each cotangent in its primal's dtype (a bf16 bias or q meets fp32 arithmetic here; autodiff of the ops
+    # that made them expects their own dtype back)
+    return tuple(None if g is None else g.astype(x.dtype) for g, x in zip(grads, res[:6])) + grads[6:]
+
+
+def _recomputing_bwd(scale, res, do):
+    """The backward from the saved log-sum-exp: the logits recomputed keys-major."""
     q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
