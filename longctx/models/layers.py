@@ -77,7 +77,7 @@ def linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel
     """Linear layer whose kernel [d_in, d_out] carries logical axis ``names`` (the bias: ``names[1]``)."""
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
     return Linear(d_in, d_out, use_bias=use_bias, kernel_init=logical(kernel_init, *names),
-                      bias_init=logical(nnx.initializers.zeros, names[1]), rngs=rngs, **kw)
+                  bias_init=logical(nnx.initializers.zeros, names[1]), rngs=rngs, **kw)
 
 
 def dropout(x, rate: float, deterministic: bool, key):
