@@ -368,6 +368,12 @@ def test_rpe_buckets_and_bias_used():
     assert int(b.max()) == 63 and bool(jnp.all(jnp.diff(b) >= 0))
     bb = jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))(jnp.array([-3, 0, 3, 100]), 64, 128, False)
     assert list(np.asarray(bb[:3])) == [3, 0, 35] and int(bb[3]) <= 63
+    # numpy deltas (the tiles' static offsets) give the same buckets, computed while tracing
+    dd = np.arange(-20000, 20001)
+    for nb, md, causal in [(64, 128, True), (64, 128, False), (33, 1000, True), (16, 37, False)]:
+        want = np.asarray(jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))(jnp.asarray(dd), nb, md, causal))
+        got = eva.t5_bucket(dd, nb, md, causal)
+        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
     q, k, v = qkv(40)
     assert maxdiff(run(make(**LEAK_CFG), q, k, v)[0], run(make(use_rpe=False, **LEAK_CFG), q, k, v)[0]) > 1e-3
 
