@@ -471,6 +471,31 @@ def test_tile_softmax_backward_matches_autodiff(hb, nb, keep, halves):  # per he
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_tile_softmax_cotangents_in_primal_dtypes(keep):
+    """A bf16 model: eva_forward computes in fp32, while the relative-position bias comes from the bf16 table. The
+    written-out backward returns each cotangent in its primal's dtype (the bias's in bf16), so autodiff of what
+    made the operands accepts it (it refused an fp32 bias cotangent)."""
+    N, T, C = 2, 8, 3
+    ks = jax.random.split(jax.random.PRNGKey(4), 6)
+    q, k, v = (jax.random.normal(kk, (B, H, N, T, D)) for kk in ks[:3])
+    k_hat, beta = (jax.random.normal(kk, (B, H, C, D)) for kk in ks[3:5])
+    table = jax.random.normal(ks[5], (16,)).astype(jnp.bfloat16)
+    idx = jnp.abs(jnp.arange(T)[None, :] - jnp.arange(T)[:, None])
+    lmask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (N, T, T))
+    cmask = jnp.ones((N, T, C), bool)
+    cmask_t = jnp.ones((C, N * T), bool)
+
+    def loss(q, k, v, k_hat, beta, table):
+        bias = (0.5 * table[idx])[None, None]
+        out = eva.tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, 0.3, keep, False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=tuple(range(6)))(q, k, v, k_hat, beta, table)
+    assert [g.dtype for g in grads] == [jnp.float32] * 5 + [jnp.bfloat16]
+    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_layer_gradients_same_with_and_without_tile_softmax(causal, monkeypatch):
     """The whole core's gradients (inputs and every parameter, RPE table included) are the same through
