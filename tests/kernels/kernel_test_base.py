@@ -23,6 +23,7 @@ are cached per class and shared by the forward and final-state tests.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -46,6 +47,40 @@ if jax.default_backend() == "gpu":
     # within tolerance at 'highest')
     jax.config.update("jax_default_matmul_precision", "highest")
 NO_KERNEL_BACKWARD = "backward is the reference VJP, no kernel backward to test"
+
+
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Inside the block, every Triton module that Pallas lowers (``'cuda'``) is run through MLIR's verifier; yields
+    the list of ``(kernel name, error or None)`` it fills, or None where this jax has no such lowering hook.
+
+    ``jax.export`` only serializes the module; a GPU's XLA verifies it when it parses it, so an ill-typed module
+    (a loop bound lowered as i1, seen on an H100/H200) exports on CPU and fails only on the GPU. This check moves
+    that failure here."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as reg
+        orig = reg.lowering.lower_jaxpr_to_triton_module
+    except (ImportError, AttributeError):
+        yield None
+        return
+    found = []
+
+    def lower_and_verify(*a, **k):
+        res = orig(*a, **k)
+        op = res.module.operation
+        name = next((str(o.attributes["sym_name"]).strip('"') for o in op.regions[0].blocks[0].operations
+                     if "sym_name" in o.attributes), "?")
+        try:
+            found.append((name, None if op.verify() else "verify() returned False"))
+        except Exception as e:  # MLIR raises with the verifier's diagnostics
+            found.append((name, str(e)[:2000]))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield found
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
 
 
 def max_rel_err(ref, out) -> float:
@@ -209,18 +244,23 @@ class KernelTestBase:
             _assert_refused(reasons, lambda: jax.export.export(jax.jit(fwd), platforms=[platform])(*args))
             return
         disabled = self.export_disabled_checks(platform)
-        exp = jax.export.export(jax.jit(fwd), platforms=[platform], disabled_checks=disabled)(*args)
         marker = "tpu_custom_call" if platform == "tpu" else "triton"
-        assert marker in exp.mlir_module()
-        if self.KERNEL_BACKWARD:
-            def loss(*diff):
-                full = list(args)
-                for i, x in zip(self.DIFF_ARGNUMS, diff):
-                    full[i] = x
-                return weighted_sum(fwd(*full))
+        with verified_triton_modules() as triton:
+            exp = jax.export.export(jax.jit(fwd), platforms=[platform], disabled_checks=disabled)(*args)
+            assert marker in exp.mlir_module()
+            if self.KERNEL_BACKWARD:
+                def loss(*diff):
+                    full = list(args)
+                    for i, x in zip(self.DIFF_ARGNUMS, diff):
+                        full[i] = x
+                    return weighted_sum(fwd(*full))
 
-            g = jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS))))
-            exp_b = jax.export.export(jax.jit(g), platforms=[platform], disabled_checks=disabled)(
-                *(args[i] for i in self.DIFF_ARGNUMS))
-            n_fwd = exp.mlir_module().count(marker)
-            assert exp_b.mlir_module().count(marker) > n_fwd  # the backward kernels are in the lowered module
+                g = jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS))))
+                exp_b = jax.export.export(jax.jit(g), platforms=[platform], disabled_checks=disabled)(
+                    *(args[i] for i in self.DIFF_ARGNUMS))
+                n_fwd = exp.mlir_module().count(marker)
+                assert exp_b.mlir_module().count(marker) > n_fwd  # the backward kernels are in the lowered module
+        if platform == "cuda" and triton is not None:  # what the GPU's XLA would reject when it parses them
+            assert triton, "no Triton module was lowered"
+            bad = [f"{name}: {err}" for name, err in triton if err]
+            assert not bad, "Triton modules fail MLIR verification:\n" + "\n".join(bad)

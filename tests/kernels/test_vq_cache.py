@@ -173,7 +173,7 @@ def test_core_impl_pallas_equals_xla_with_a_warning():
 
     def build(impl):
         cfg = attention.default_config("transformer_vq")
-        cfg.update({"impl": impl, "codebook_size": 16, "block_len": 8})
+        cfg.update({"impl": impl, "codebook_size": 16, "block_len": 16})  # 16: a GPU compiles it too
         return attention.build("transformer_vq", cfg, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
 
     ks = jax.random.split(jax.random.key(3), 3)
@@ -185,7 +185,8 @@ def test_core_impl_pallas_equals_xla_with_a_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, state = jitted(build("pallas"))(q, k, v)  # warns while tracing
-    assert any("interpret" in str(w.message) for w in caught)
+    # CPU runs the kernel in interpret mode and says so; an accelerator compiles it
+    assert any("interpret" in str(w.message) for w in caught) == (jax.default_backend() == "cpu")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5)
