@@ -211,6 +211,10 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 # release's shape (one head, L = S = 256, 8 GAUs; longctx/host_memory.py's allocator settings), parallel
 # against blocks: 1k (0.8M entries) 0.56 / 0.58 s, 4k (3.1M) 2.40 / 2.67 s, 16k (12.6M) 10.67 / 9.09 s.
 TILED_MIN_SCORES = 1 << 23
+# causal_blocks keeps each tile's attention weights from the forward for the backward (instead of recomputing the
+# scores and their exp from the saved log-sum-exp) when a call's B*H*T*(S+2L) is at most this many entries (64 MB
+# in fp32 per attention call, each GAU's held until its backward)
+KEEP_MAX_SCORES = 1 << 24
 
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked
@@ -239,7 +243,8 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)[:, ::-1]
     rh, Cs = (jnp.broadcast_to(x[None], (B,) + x.shape) for x in (rh, p["Cs"]))
     q_tile = math.gcd(L, max(1, min(q_tile, L)))
-    o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile)
+    keep = B * H * qb.shape[2] * L * (S + 2 * L) <= KEEP_MAX_SCORES
+    o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile, keep)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
     return o, _final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S)
 
@@ -286,7 +291,9 @@ def _tile_rows(x, i, c, Lq):
     return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False), c * Lq, Lq, 2)
 
 
-def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
+def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep: bool = False):
+    """(o [B,H,R,L,Dv], lse [B,H,R,L], kept): ``keep`` (static): kept holds, per tile of a block, the unnormalized
+    weights of the codes and of the keys and the inverse normalizer, stacked over the blocks; else None."""
     B, H, R, L, _ = qb.shape
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
@@ -300,54 +307,69 @@ def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
             p_c, p_l = jnp.exp(s_c - m), jnp.exp(s_l - m)
             den = jnp.sum(p_c, axis=-1, keepdims=True) + jnp.sum(p_l, axis=-1, keepdims=True)
             o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V[:, :, :s_l.shape[-1]])
-            return o / den, (m + jnp.log(den))[..., 0]
+            return o / den, (m + jnp.log(den))[..., 0], ((p_c, p_l, 1.0 / den) if keep else None)
 
         outs = [tile(c) for c in range(L // Lq)]
-        return None, tuple(jnp.stack(x) for x in zip(*outs))
+        return None, (jnp.stack([x[0] for x in outs]), jnp.stack([x[1] for x in outs]), tuple(x[2] for x in outs))
 
-    _, (o, lse) = jax.lax.scan(block, None, jnp.arange(R))  # [R, nt, B,H,Lq,.]
+    _, (o, lse, kept) = jax.lax.scan(block, None, jnp.arange(R))  # [R, nt, B,H,Lq,.]; kept: per tile, [R, ...]
     o = jnp.moveaxis(o, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
-    return o, jnp.moveaxis(lse, (0, 1), (2, 3)).reshape(B, H, R, L)
+    return o, jnp.moveaxis(lse, (0, 1), (2, 3)).reshape(B, H, R, L), (kept if keep else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _vq_blocks(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _vq_blocks(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep=False):
     return _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq)[0]
 
 
-def _vq_blocks_fwd(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq):
-    o, lse = _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq)
-    return o, (qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse)
+def _vq_blocks_fwd(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep):
+    o, lse, kept = _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep)
+    return o, (qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept)
 
 
-def _vq_blocks_bwd(Lq, res, do):
-    qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse = res
+def _vq_blocks_bwd(Lq, keep, res, do):
+    """FlashAttention-style backward, one block (and tile) at a time: each tile's weights are recomputed from the
+    saved log-sum-exp, or, ``keep``, read from the forward's kept unnormalized weights and inverse normalizer
+    (no score matmuls and no exp pass; the normalizer is folded into the small [Lq, Dv] operands)."""
+    qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept = res
     B, H, R, L, Dk = qb.shape
     delta = jnp.sum(do * o, axis=-1)  # [B,H,R,L]
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
-    def block(dr, i):
+    def block(dr, xs):
+        i, kept_i = xs
         K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
         def tile(carry, c):  # c static, as in the forward: keys beyond the tile's last query are not scored
             dr, dK, dV, dcm = carry
             qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
-            s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
-            nk = s_l.shape[-1]
-            Kt, Vt = K[:, :, :nk], V[:, :, :nk]
-            lse_t = _tile_rows(lse, i, c, Lq)[..., None]
             delta_t = _tile_rows(delta, i, c, Lq)[..., None]
-            p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
-            ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
-            ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, Vt) - delta_t)
+            if keep:  # unnormalized weights and 1/den from the forward; dp's normalizer goes into do
+                p_c, p_l, w = kept_i[c]
+                nk = p_l.shape[-1]
+                bdt_shape = qvt.shape[:3] + (r.shape[2],)
+                dow = dot * w
+                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dow, cm) - delta_t * w)
+                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dow, V[:, :, :nk]) - delta_t * w)
+            else:
+                s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
+                nk = s_l.shape[-1]
+                bdt_shape = bdt.shape
+                lse_t = _tile_rows(lse, i, c, Lq)[..., None]
+                p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
+                dow = dot
+                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
+                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, V[:, :, :nk]) - delta_t)
+            Kt = K[:, :, :nk]
             dq = jnp.einsum("bhls,bhsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
             # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
             # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
             # [Lq, keys] tile into keys-major order; -4 to -8% forward+backward at 8k and 16k)
             dK = dK.at[..., :nk].add(jnp.einsum("bhld,bhln->bhdn", qt, ds_l))  # the codebook takes no gradient
-            dV = dV.at[..., :nk].add(jnp.einsum("bhld,bhln->bhdn", dot, p_l))
-            dcm = dcm + jnp.einsum("bhld,bhls->bhds", dot, p_c)
-            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), bdt)
+            dV = dV.at[..., :nk].add(jnp.einsum("bhld,bhln->bhdn", dow, p_l))
+            dcm = dcm + jnp.einsum("bhld,bhls->bhds", dow, p_c)
+            # the bias is linear in bdt: its transpose needs only bdt's shape
+            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, qvt.dtype))
             (dbd,) = bias_t(ds_l)
             dqv = jnp.einsum("bhln,bhnd->bhld", dbd, r)
             dr = dr + jnp.einsum("bhld,bhln->bhdn", qvt, dbd)  # transposed too: [B, H, Dk, M+1]
@@ -367,7 +389,7 @@ def _vq_blocks_bwd(Lq, res, do):
         return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:])
 
     drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
-                                                            jnp.arange(R))
+                                                            (jnp.arange(R), kept))
     dr = jnp.swapaxes(drt, -1, -2)
     dcm = jnp.swapaxes(dcmt, -1, -2)
 

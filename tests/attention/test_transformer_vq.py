@@ -455,11 +455,13 @@ def test_gradients_match_reference(x64, form, L, M):
 
 
 # (21, 4, 3, 2): ragged T, a band shorter than the block, two tiles per block; the others run under -m slow
+@pytest.mark.parametrize("keep", [True, False])  # backward from the forward's kept weights / recomputed
 @pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), pytest.param(5, 4, 4, 4, marks=pytest.mark.slow),
                                           pytest.param(16, 8, 8, 4, marks=pytest.mark.slow)])
-def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile):
-    """causal_blocks (tiled scan, recomputing backward) == causal_parallel (serial): output, new state and
+def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, monkeypatch):
+    """causal_blocks (tiled scan, FlashAttention-style backward) == causal_parallel (serial): output, new state and
     the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0."""
+    monkeypatch.setattr(tvq, "KEEP_MAX_SCORES", 1 << 30 if keep else 0)
     d = make_inputs(T=T, M=M, S=6, Dv=3)
     B, H, _, Dk = d["q"].shape
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
