@@ -14,7 +14,9 @@ which). On a GPU or TPU the kernel is compiled. Per (method, kernel, direction, 
   max |g_kernel - g_xla| / max |g_xla|;
 * a cell whose time, extrapolated from the two longest measured lengths, would exceed
   ``--max_cell_s`` (warm-up + repeats) is skipped and says so; a kernel that cannot run a shape
-  (``impl='pallas'`` raises with its reasons) is reported with the reason, and the run goes on.
+  (``impl='pallas'`` raises with its reasons) is reported with the reason, and the run goes on;
+* after each row, ``kernels.partial.json`` holds the rows so far (removed when the run completes), so a run
+  stopped by a time limit (compiles on an accelerator can take minutes) keeps what it measured.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from longctx.bench.attention_bench import _skip_reason_time
 from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
 
+PARTIAL = "kernels.partial.json"  # the rows so far, rewritten after each one (what a killed run leaves behind)
 CPU_LENGTHS = "256,1k,4k"
 ACCEL_LENGTHS = "8k,16k,32k,64k"
 IMPLS = ("xla", "pallas")
@@ -90,7 +93,7 @@ def _error(e: Exception) -> str:
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:240]}"
 
 
-def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar):
+def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint=lambda rows: None):
     dname = C.dir_name(causal)
     cores = {}
     for impl in IMPLS:
@@ -141,6 +144,7 @@ def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar):
         if ("xla", "fwdbwd") in results and ("pallas", "fwdbwd") in results:
             row["max_rel_diff_grad"] = _max_rel(results[("pallas", "fwdbwd")], results[("xla", "fwdbwd")])
         rows.append(row)
+        checkpoint(rows)
         bar.update(1)
     return rows
 
@@ -164,8 +168,10 @@ def run(args) -> dict:
     with warnings.catch_warnings():  # interpret mode is recorded per row; one warning per trace is noise
         warnings.filterwarnings("ignore", message=".*interpret mode.*")
         for method, kname, kb, causal in todo:
-            res["rows"] += _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar)
+            res["rows"] += _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar,
+                                       lambda rows: C.write_json(out / PARTIAL, {**res, "rows": res["rows"] + rows}))
     bar.close()
+    (out / PARTIAL).unlink(missing_ok=True)
     C.write_json(out / "kernels.json", res)
     (out / "kernels.md").write_text(markdown(res))
     plots(res, out)

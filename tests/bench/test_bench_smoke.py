@@ -131,6 +131,34 @@ def test_kernels_rejects_a_method_without_a_kernel(tmp_path, capsys):
     assert "dense declare(s) no Pallas kernel" in err and "transformer_vq" in err
 
 
+def test_kernels_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
+    """A run stopped during its second length (here: an interrupt from the timer) leaves the first length's row in
+    kernels.partial.json; a completed run removes that file (see bench_out: kernels.json and no partial)."""
+    from longctx.bench import kernel_bench as kb
+
+    calls = []
+    real = kb.C.time_calls
+
+    def stop_on_second_length(fn, *a, **k):
+        calls.append(1)
+        if len(calls) > 4:  # xla/pallas x fwd/fwd+bwd of the first length ran
+            raise KeyboardInterrupt
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(kb.C, "time_calls", stop_on_second_length)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["kernels", "--out", str(tmp_path), "--no_progress", "--methods", "eva", "--lengths", "32,48",
+                  "--causal", "--heads", "2", "--head_dim", "16", "--repeats", "1", "--warmup", "0"])
+    part = json.loads((tmp_path / kb.PARTIAL).read_text())
+    assert [r["length"] for r in part["rows"]] == [32] and part["rows"][0]["status"] == "ok"
+    assert part["header"]["command"] == "kernels" and not (tmp_path / "kernels.json").exists()
+
+
+def test_completed_kernels_run_leaves_no_partial(bench_out):
+    out, _ = bench_out
+    assert (out / "kernels.json").exists() and not (out / "kernels.partial.json").exists()
+
+
 def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch):
     import argparse
     import sys
