@@ -114,6 +114,12 @@ def test_refusals_name_their_reasons():
     args, static = make_vq_inputs(dict(T=16, L=8, M=8, S=6, Dk=8, Dv=8, warm=0), jnp.float32)
     with pytest.raises(ValueError, match="block_len % 16"):
         TestVQCacheGPU().kernel(*args, interpret=False, **static)
+    # explicit tiles below Triton's dot minimum: refused compiled, accepted in interpret mode
+    args, static = make_vq_inputs(dict(T=64, L=32, M=32, S=24, Dk=16, Dv=32, warm=0), jnp.float32)
+    st = TestVQCacheGPU._state(*args[6:])
+    with pytest.raises(ValueError, match=r"at least 16 \(got block_q=8\)"):
+        vq_cache_gpu.vq_cache_attention(*args[:6], st, **static, block_q=8, block_s=16, block_v=16)
+    vq_cache_gpu.vq_cache_attention(*args[:6], st, **static, block_q=8, block_s=16, block_v=16, interpret=True)
 
 
 def test_entry_point_picks_the_form_by_platform():
