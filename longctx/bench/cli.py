@@ -6,6 +6,7 @@
     longctx-bench train     --out bench_out --steps 200
     longctx-bench step      --out bench_out --config configs/default.py --lengths 1k,4k,16k
     longctx-bench kernels   --out bench_out --lengths 8k,16k,32k   (Pallas kernels vs their XLA paths)
+    longctx-bench profile   --out bench_out/profile --method eva --length 8k   (where one call's time goes)
     longctx-bench report    --out bench_out            (assembles BENCHMARKS.md)
 """
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         attention_bench,
         decode_bench,
         kernel_bench,
+        profile_bench,
         quality_bench,
         report,
         step_bench,
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", train_bench, "training tokens/s, peak memory and validation bits/byte per method"),
         ("step", step_bench, "whole-model training step time of any config at given lengths (interleaved)"),
         ("kernels", kernel_bench, "each Pallas kernel against the XLA path it must match: time and differences"),
+        ("profile", profile_bench, "one call of a core or a training step traced: time by XLA op, kind, source line"),
         ("report", report, "assemble BENCHMARKS.md from the JSON outputs"),
     ):
         sp = sub.add_parser(name, help=help_)

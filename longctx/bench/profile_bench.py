@@ -1,0 +1,309 @@
+"""`longctx-bench profile`: where one compiled call's time goes, by XLA op, op kind and source line.
+
+    longctx-bench profile --out bench_out/profile --method eva --length 8k
+    longctx-bench profile --out bench_out/profile_step --config configs/main.py --length 1k
+
+The target is an attention core (``--method``, a registered method or ``method:variant``; random q, k, v;
+forward+backward of ``sum(out * w)`` as ``longctx-bench attention`` times it, or ``--forward_only``) or the
+whole-model training step of a config (``--config``, as ``longctx-bench step`` builds it). It is compiled once;
+after ``--warmup`` calls, ``--calls`` calls are timed with ``getrusage`` (wall, CPU seconds per wall second,
+minor page faults) and then traced with ``jax.profiler``. Every trace event whose name is an instruction of the
+compiled module is summed per call and joined to the module's text: the instruction's shape, its op kind
+(XLA's name without the number: ``ynn_fusion``, ``dot``, ``copy_bitcast_fusion``, ...) and the innermost
+frame of this repository in its source stack (a custom VJP's backward ops carry the frame of the call).
+
+Written under ``--out``: ``profile.json``, ``profile.md`` (the tables), ``hlo.txt`` (the compiled module) and
+``trace/`` (open it with TensorBoard's profile plugin or Perfetto). Reading a CPU trace: the per-op times are
+thread time on the thread that ran the op; a library matmul's helper threads and the asynchronous work of
+XLA's own ``dot`` ops are not all in the events, so compare kinds within one trace and check a single op
+alone before trusting its absolute time. Times vary with the machine's load; profile an idle machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import re
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from longctx.bench import common as C
+from longctx.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_args(p):
+    p.add_argument("--method", help="an attention core to profile: a method or method:variant (e.g. dense:blockwise)")
+    p.add_argument("--config", help="profile the whole-model training step of this config file instead")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for --config (repeatable)")
+    p.add_argument("--length", default="8k", help="sequence length (k = 1024)")
+    p.add_argument("--batch", type=int, default=1, help="batch (--config: train.batch_size)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--bidirectional", action="store_true", help="--method: the bidirectional core (default causal)")
+    p.add_argument("--forward_only", action="store_true", help="--method: the forward alone")
+    p.add_argument("--calls", type=int, default=5, help="calls timed, then traced")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
+    p.add_argument("--top", type=int, default=25, help="rows of the op and source-line tables in profile.md")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ----------------------------------------------------------------------------- the compiled module's text
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$")
+
+
+def _stack_tables(text: str):
+    """(files, functions, locations, frames) from the module text's stack-frame tables (empty when absent).
+    A frame's ``parent_frame_id`` as printed is the parent's printed id + 1 (0 and 1: no parent)."""
+    sections, cur = collections.defaultdict(list), None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            cur = line
+            continue
+        if cur and re.match(r"^\d+ ", line):
+            sections[cur].append(line)
+        else:
+            cur = None
+    strings = lambda rows: {int(r.split(" ", 1)[0]): r.split(" ", 1)[1].strip('"') for r in rows}  # noqa: E731
+    locs = {}
+    for r in sections["FileLocations"]:
+        m = re.match(r"(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", r)
+        if m:
+            locs[int(m[1])] = (int(m[2]), int(m[3]), int(m[4]))
+    frames = {}
+    for r in sections["StackFrames"]:
+        m = re.match(r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", r)
+        if m:
+            frames[int(m[1])] = (int(m[2]), int(m[3]) - 1)
+    return strings(sections["FileNames"]), strings(sections["FunctionNames"]), locs, frames
+
+
+def source_of(frame_id, tables, root: Path = REPO) -> str | None:
+    """'path:line (function)' of the innermost frame under ``root`` (else the innermost frame) of a stack."""
+    files, funcs, locs, frames = tables
+    first, fid, seen = None, frame_id, set()
+    while fid in frames and fid not in seen:
+        seen.add(fid)
+        loc, parent = frames[fid]
+        if loc in locs:
+            fn, fu, line = locs[loc]
+            path = files.get(fn, "?")
+            shown = f"{_rel(path, root)}:{line} ({funcs.get(fu, '?')})"
+            first = first or shown
+            if Path(path).is_absolute() and Path(path).resolve().is_relative_to(root) and "site-packages" not in path:
+                return shown
+        fid = parent
+    return first
+
+
+def _rel(path: str, root: Path) -> str:
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(root)) if p.is_absolute() else path
+    except ValueError:
+        return path
+
+
+def hlo_index(text: str, root: Path = REPO) -> dict:
+    """name -> {shape, opcode, root, op_name, source} for every instruction of the module text; a fusion without
+    metadata of its own takes its fused computation's root's, else that of the last fused instruction with a
+    source frame."""
+    tables = _stack_tables(text)
+    comps, cur, instrs = {}, None, {}
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            cur = comps.setdefault(m[1], [])
+            continue
+        if cur is not None:
+            cur.append(line)
+        im = _INSTR.match(line)
+        if im:
+            instrs[im[1]] = line
+    roots = {name: next((ln for ln in body if ln.lstrip().startswith("ROOT ")), "") for name, body in comps.items()}
+    # the metadata of a fused computation: its root's, else the last of its instructions that has a stack frame
+    metas = {name: roots[name] if "stack_frame_id" in roots[name]
+             else next((ln for ln in reversed(body) if "stack_frame_id" in ln), roots[name])
+             for name, body in comps.items()}
+    out = {}
+    for name, line in instrs.items():
+        im = _INSTR.match(line)
+        called = re.search(r"calls=%([\w.\-]+)", line)
+        root_line = roots.get(called[1], "") if called else ""
+        meta = line if "metadata=" in line else (metas.get(called[1], "") if called else "")
+        frame = re.search(r"stack_frame_id=(\d+)", meta)
+        op_name = re.search(r'op_name="([^"]*)"', meta)
+        root_op = _INSTR.match(root_line)
+        out[name] = {"shape": im[2], "opcode": im[3], "root": root_op[3] if root_op else None,
+                     "op_name": op_name[1] if op_name else "",
+                     "source": (source_of(int(frame[1]), tables, root) if frame else None) or NO_SOURCE,
+                     "operands": re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])}
+    for rec in out.values():  # an op without a frame (XLA made it): the source of its first operand that has one
+        if rec["source"] == NO_SOURCE:
+            src = next((out[o]["source"] for o in rec["operands"] if o in out and out[o]["source"] != NO_SOURCE), None)
+            rec["source"] = f"{src} (an operand's)" if src and not src.endswith("(an operand's)") else rec["source"]
+        del rec["operands"]
+    return out
+
+
+NO_SOURCE = "(no source: an op XLA made)"
+
+
+def op_kind(name: str, root: str | None = None) -> str:
+    """XLA's instruction name without its number, and a fusion's root op: 'ynn_fusion [dot]'."""
+    kind = re.sub(r"\.\d+$", "", name)
+    return f"{kind} [{root}]" if root else kind
+
+
+# ----------------------------------------------------------------------------- the target
+def _core_target(args, T: int):
+    from longctx.bench.cores import CoreFns, build_core, variants
+
+    method, _, variant = args.method.partition(":")
+    options = dict(variants(method))
+    label = args.method if variant else (method if method in options else next(iter(options)))
+    if label not in options:
+        raise ConfigError(f"--method={args.method!r}: {method} offers {', '.join(options)}")
+    core = build_core(method, options[label], heads=args.heads, head_dim=args.head_dim,
+                      causal=not args.bidirectional, seed=args.seed)
+    fns = CoreFns(core)
+    q, k, v = C.random_qkv(args.seed + T, args.batch, args.heads, T, args.head_dim, C.dtype_of(args.dtype),
+                           core.value_dim)
+    if args.forward_only:
+        fn, call = fns.forward(), (fns.params, fns.rest, q, k, v)
+    else:
+        w = jax.random.normal(jax.random.key(args.seed + 7), (args.batch, args.heads, T, core.value_dim), jnp.float32)
+        fn, call = fns.grads(), (fns.params, fns.rest, q, k, v, w, jax.random.key(args.seed + 11))
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*call).compile()
+    what = f"`{label}` {'bidirectional' if args.bidirectional else 'causal'} " \
+           f"{'forward' if args.forward_only else 'forward+backward'}, batch {args.batch}, {args.heads} heads of " \
+           f"{args.head_dim}, {args.dtype}, T = {C.fmt_len(T)}"
+    return compiled, call, time.perf_counter() - t0, what
+
+
+def _step_target(args, T: int):
+    from argparse import Namespace
+
+    from longctx.bench import configs, step_bench
+
+    base = configs.with_overrides(configs.load_config_file(args.config), args.set)
+    cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=0, vocab_size=256))
+    t0 = time.perf_counter()
+    compiled, call, _, _ = step_bench.build_step(cfg, seed=args.seed)
+    sets = "".join(f" --set {s}" for s in args.set)
+    return compiled, call, time.perf_counter() - t0, \
+        f"training step of `{step_bench._shown(args.config)}`{sets}, batch {args.batch}, T = {C.fmt_len(T)}"
+
+
+# ----------------------------------------------------------------------------- run
+def _usage(compiled, call, n: int) -> dict:
+    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
+    walls = []
+    for _ in range(n):
+        t = time.perf_counter()
+        C.block(compiled(*call))
+        walls.append(time.perf_counter() - t)
+    wall, cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_ms_median": 1e3 * statistics.median(walls), "wall_ms_all": [1e3 * w for w in walls],
+            "cpu_per_wall": cpu / wall, "minor_faults_per_call": (r1.ru_minflt - r0.ru_minflt) / n}
+
+
+def _trace(compiled, call, n: int, trace_dir: Path) -> dict:
+    """Duration (ns, summed over the n calls) and count of every trace event, by name."""
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(n):
+            C.block(compiled(*call))
+    files = sorted(glob.glob(str(trace_dir / "**" / "*.xplane.pb"), recursive=True))
+    if not files:
+        raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {trace_dir}")
+    data = jax.profiler.ProfileData.from_file(files[-1])
+    dur, cnt = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                dur[ev.name] += ev.duration_ns
+                cnt[ev.name] += 1
+    return {"duration_ns": dur, "count": cnt}
+
+
+def summarize(events: dict, index: dict, n: int) -> dict:
+    """Per-call ms by instruction, op kind and source line, from trace events matched to the module."""
+    ops = []
+    for name, ns in events["duration_ns"].items():
+        if name in index:
+            ops.append({"name": name, "ms": ns / n / 1e6, "count": events["count"][name] / n, **index[name]})
+    ops.sort(key=lambda o: -o["ms"])
+    by = lambda key: sorted(  # noqa: E731
+        ({key: k, "ms": sum(o["ms"] for o in g), "ops": len(g)} for k, g in _groups(ops, key).items()),
+        key=lambda r: -r["ms"])
+    return {"total_ms": sum(o["ms"] for o in ops), "ops": ops, "kinds": by("kind"), "sources": by("source")}
+
+
+def _groups(ops, key):
+    g = collections.defaultdict(list)
+    for o in ops:
+        g[op_kind(o["name"], o["root"]) if key == "kind" else o[key]].append(o)
+    return g
+
+
+def run(args) -> dict:
+    if bool(args.method) == bool(args.config):
+        raise ConfigError("longctx-bench profile: give exactly one of --method (an attention core) or --config "
+                          "(a training step)")
+    if args.calls <= 0 or args.warmup < 0 or args.batch <= 0:
+        raise ConfigError("--calls and --batch must be positive, --warmup >= 0")
+    lengths = C.parse_ints(args.length)
+    if len(lengths) != 1:
+        raise ConfigError(f"--length={args.length!r}: give one length, e.g. 8k")
+    T = lengths[0]
+    out = C.out_dir(args.out)
+    compiled, call, compile_s, what = (_core_target if args.method else _step_target)(args, T)
+    text = compiled.as_text()
+    (out / "hlo.txt").write_text(text)
+    for _ in range(args.warmup):
+        C.block(compiled(*call))
+    usage = _usage(compiled, call, args.calls)
+    summary = summarize(_trace(compiled, call, args.calls, out / "trace"), hlo_index(text), args.calls)
+    res = {"header": C.header(args, "profile"), "target": what, "length": T, "compile_s": compile_s,
+           "xla_mem": C.memory_stats(compiled), "xla_flops": C.xla_flops(compiled)["flops"], **usage,
+           "traced_op_ms_per_call": summary["total_ms"], "kinds": summary["kinds"], "sources": summary["sources"],
+           "ops": summary["ops"]}
+    C.write_json(out / "profile.json", res)
+    (out / "profile.md").write_text(markdown(res, args.top))
+    print(markdown(res, args.top))
+    return res
+
+
+def markdown(res: dict, top: int = 25) -> str:
+    mem = res["xla_mem"]
+    fl = res["xla_flops"]
+    lines = [
+        f"Profile of the {res['target']} (`longctx-bench profile`, {res['header']['time']}, git "
+        f"{res['header']['git_sha']}).", "",
+        f"Wall {res['wall_ms_median']:.1f} ms per call (median of {len(res['wall_ms_all'])}); "
+        f"{res['cpu_per_wall']:.2f} CPU seconds per wall second; {res['minor_faults_per_call']:.0f} minor page faults "
+        f"per call; compile {res['compile_s']:.1f} s; XLA temporaries {mem.get('temp', 0) / 1e6:,.0f} MB"
+        + (f"; XLA flops {fl / 1e9:,.2f} G" if fl else "") + ". Traced op time "
+        f"{res['traced_op_ms_per_call']:.1f} ms per call (thread time of the ops the trace records; see the module's "
+        "docstring for what a CPU trace leaves out).", "",
+        "### By op kind", "",
+        C.md_table(["kind", "ms per call", "ops"], [[r["kind"], f"{r['ms']:.2f}", r["ops"]] for r in res["kinds"][:top]]),
+        "", "### By source line (innermost frame in this repository)", "",
+        C.md_table(["source", "ms per call", "ops"],
+                   [[f"`{r['source']}`", f"{r['ms']:.2f}", r["ops"]] for r in res["sources"][:top]]),
+        "", f"### The {top} costliest ops", "",
+        C.md_table(["op", "shape", "ms per call", "source", "op_name"],
+                   [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`",
+                     f"`{o['op_name'][-70:]}`"] for o in res["ops"][:top]]),
+        "",
+    ]
+    return "\n".join(lines)

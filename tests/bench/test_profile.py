@@ -1,0 +1,88 @@
+"""`longctx-bench profile`: the trace is joined to the compiled module (op, kind, source line). No timing assertions."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from longctx.attention.dense import naive_attention
+from longctx.bench import cli, profile_bench
+from longctx.bench.profile_bench import NO_SOURCE, REPO, hlo_index, op_kind, summarize
+
+HERE = Path(__file__).resolve()
+
+
+def _attention_here(x):  # this file's frame, the caller of an op made in longctx/attention/dense.py
+    pos = jnp.arange(x.shape[2])
+    return naive_attention(x, x, x, pos, pos, pos >= 0, causal=True)
+
+
+def test_sources_walk_the_stack_to_the_frame_under_root():
+    """Ops made in longctx/attention/dense.py, called from this file: with root = this file's folder the walk
+    follows the parent links up to this file's frame (a wrong parent offset stops at the innermost frame);
+    with root = longctx/ the innermost frame itself is the answer."""
+    text = jax.jit(_attention_here).lower(jnp.ones((1, 2, 16, 8))).compile().as_text()
+    here = {rec["source"] for rec in hlo_index(text, root=HERE.parent).values()}
+    assert any(s.startswith("test_profile.py:") and "_attention_here" in s for s in here), here
+    assert not any("dense.py" in s for s in here), here
+    inner = {rec["source"] for rec in hlo_index(text, root=REPO / "longctx").values()}
+    assert any(s.startswith("attention/dense.py:") and "naive_attention" in s for s in inner), inner
+
+
+def test_summarize_matches_events_to_instructions_only():
+    index = {"dot.3": {"shape": "f32[2,2]", "opcode": "dot", "root": None, "op_name": "", "source": "a.py:1 (f)"},
+             "ynn_fusion.1": {"shape": "f32[2]", "opcode": "fusion", "root": "reduce", "op_name": "",
+                              "source": NO_SOURCE}}
+    events = {"duration_ns": {"dot.3": 4_000_000, "ynn_fusion.1": 2_000_000, "ThunkExecutor::Execute": 9_000_000},
+              "count": {"dot.3": 2, "ynn_fusion.1": 2, "ThunkExecutor::Execute": 2}}
+    s = summarize(events, index, n=2)
+    assert s["total_ms"] == pytest.approx(3.0)
+    assert [(r["kind"], r["ms"]) for r in s["kinds"]] == [("dot", 2.0), ("ynn_fusion [reduce]", 1.0)]
+    assert op_kind("copy_bitcast_fusion.12", "copy") == "copy_bitcast_fusion [copy]"
+
+
+@pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"]])
+def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
+    out = tmp_path / "p"
+    assert cli.main(["profile", "--out", str(out), "--length", "64", "--heads", "2", "--head_dim", "8",
+                     "--calls", "2", "--warmup", "1", "--noprogress", *extra]) == 0
+    res = json.loads((out / "profile.json").read_text())
+    assert res["wall_ms_median"] > 0 and res["traced_op_ms_per_call"] > 0 and res["kinds"] and res["ops"]
+    method = extra[1].split(":")[0]
+    assert any(f"longctx/attention/{method}.py:" in r["source"] for r in res["sources"]), res["sources"]
+    assert all(o["name"] in (out / "hlo.txt").read_text() for o in res["ops"])
+    assert glob.glob(str(out / "trace" / "**" / "*.xplane.pb"), recursive=True)
+    assert "### By source line" in (out / "profile.md").read_text()
+
+
+def test_profile_of_a_training_step(tmp_path):
+    out = tmp_path / "s"
+    sets = []
+    for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64"]:
+        sets += ["--set", s]
+    assert cli.main(["profile", "--out", str(out), "--config", str(REPO / "configs" / "default.py"), *sets,
+                     "--length", "32", "--batch", "2", "--calls", "1", "--warmup", "0", "--noprogress"]) == 0
+    res = json.loads((out / "profile.json").read_text())
+    assert "training step of `configs/default.py`" in res["target"] and res["ops"]
+    assert any("longctx/models/" in r["source"] for r in res["sources"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give exactly one of --method"),
+    (["--method", "dense", "--config", "configs/default.py"], "give exactly one of --method"),
+    (["--method", "dense:nosuch"], "dense offers dense:naive, dense:blockwise"),
+    (["--method", "dense", "--length", "1k,2k"], "give one length"),
+])
+def test_profile_refuses_bad_arguments(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["profile", "--out", str(tmp_path), "--noprogress", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_is_registered():
+    assert "profile" in cli.build_parser().format_help() and profile_bench.__doc__
