@@ -227,12 +227,26 @@ def _trace(compiled, call, n: int, trace_dir: Path) -> dict:
         raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {trace_dir}")
     data = jax.profiler.ProfileData.from_file(files[-1])
     dur, cnt = collections.Counter(), collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            for ev in line.events:
-                dur[ev.name] += ev.duration_ns
-                cnt[ev.name] += 1
+    for line in _op_lines(data.planes):
+        for ev in line.events:
+            name = dict(ev.stats).get("hlo_op") or ev.name  # an event names its HLO instruction in a stat
+            dur[name] += ev.duration_ns
+            cnt[name] += 1
     return {"duration_ns": dur, "count": cnt}
+
+
+def _op_lines(planes) -> list:
+    """The trace lines whose events are the ops: an accelerator's planes where there are any (its 'XLA Ops' line
+    where the trace has one; the host's launch events would count each op twice), else the host's."""
+    planes = list(planes)
+    device = [p for p in planes if p.name.startswith("/device:")]
+    if not device:
+        return [line for p in planes for line in p.lines]
+    lines = []
+    for p in device:
+        ops = [line for line in p.lines if line.name == "XLA Ops"]
+        lines += ops or list(p.lines)
+    return lines
 
 
 def summarize(events: dict, index: dict, n: int) -> dict:

@@ -86,3 +86,22 @@ def test_profile_refuses_bad_arguments(tmp_path, capsys, argv, message):
 
 def test_profile_is_registered():
     assert "profile" in cli.build_parser().format_help() and profile_bench.__doc__
+
+
+class _Line:
+    def __init__(self, name, events=()):
+        self.name, self.events = name, list(events)
+
+
+class _Plane:
+    def __init__(self, name, lines):
+        self.name, self.lines = name, lines
+
+
+def test_op_lines_prefer_an_accelerator_and_its_op_line():
+    host = _Plane("/host:CPU", [_Line("tf_XLAEigen/1")])
+    gpu = _Plane("/device:GPU:0", [_Line("Stream #1"), _Line("XLA Ops")])
+    assert [x.name for x in profile_bench._op_lines([host])] == ["tf_XLAEigen/1"]
+    assert [x.name for x in profile_bench._op_lines([host, gpu])] == ["XLA Ops"]
+    bare = _Plane("/device:GPU:0", [_Line("Stream #1"), _Line("Stream #2")])
+    assert [x.name for x in profile_bench._op_lines([host, bare])] == ["Stream #1", "Stream #2"]
