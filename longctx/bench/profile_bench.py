@@ -16,7 +16,10 @@ Written under ``--out``: ``profile.json``, ``profile.md`` (the tables), ``hlo.tx
 ``trace/`` (open it with TensorBoard's profile plugin or Perfetto). Reading a CPU trace: the per-op times are
 thread time on the thread that ran the op; a library matmul's helper threads and the asynchronous work of
 XLA's own ``dot`` ops are not all in the events, so compare kinds within one trace and check a single op
-alone before trusting its absolute time. Times vary with the machine's load; profile an idle machine.
+alone before trusting its absolute time. On a GPU the accelerator's kernel events are used (a fusion's kernel
+is named after its instruction, ``fusion_5`` for ``fusion.5``); library GEMMs and Pallas kernels are not named
+after an instruction and are listed apart, by kernel name. Times vary with the machine's load; profile an idle
+machine.
 """
 
 from __future__ import annotations
@@ -218,7 +221,8 @@ def _usage(compiled, call, n: int) -> dict:
 
 
 def _trace(compiled, call, n: int, trace_dir: Path) -> dict:
-    """Duration (ns, summed over the n calls) and count of every trace event, by name."""
+    """Duration (ns, summed over the n calls) and count of the op events, by event name; ``device``: whether they
+    come from an accelerator's planes."""
     with jax.profiler.trace(str(trace_dir)):
         for _ in range(n):
             C.block(compiled(*call))
@@ -227,39 +231,58 @@ def _trace(compiled, call, n: int, trace_dir: Path) -> dict:
         raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {trace_dir}")
     data = jax.profiler.ProfileData.from_file(files[-1])
     dur, cnt = collections.Counter(), collections.Counter()
-    for line in _op_lines(data.planes):
+    lines, device = _op_lines(data.planes)
+    for line in lines:
         for ev in line.events:
-            name = dict(ev.stats).get("hlo_op") or ev.name  # an event names its HLO instruction in a stat
-            dur[name] += ev.duration_ns
-            cnt[name] += 1
-    return {"duration_ns": dur, "count": cnt}
+            dur[ev.name] += ev.duration_ns
+            cnt[ev.name] += 1
+    return {"duration_ns": dur, "count": cnt, "device": device}
 
 
-def _op_lines(planes) -> list:
-    """The trace lines whose events are the ops: an accelerator's planes where there are any (its 'XLA Ops' line
-    where the trace has one; the host's launch events would count each op twice), else the host's."""
+def instruction_of(event: str, index: dict) -> str | None:
+    """The module instruction an event stands for, by name: a CPU thunk's event is named as the instruction, a
+    GPU kernel after it with '_' for '.' ('fusion_5' for 'fusion.5'). Events are not matched by their ``hlo_op``
+    stat: on a CPU the events around an op carry it too (they would count it twice), and on a GPU inside a CUDA
+    graph it names the whole command buffer."""
+    for name in (event, re.sub(r"_(\d+)$", r".\1", event)):
+        if name in index:
+            return name
+    return None
+
+
+def _op_lines(planes) -> tuple[list, bool]:
+    """(lines, on an accelerator) of the trace lines whose events are the ops: an accelerator's planes where there
+    are any (its 'XLA Ops' line where the trace has one; the host's launch events would count each op twice), else
+    the host's."""
     planes = list(planes)
     device = [p for p in planes if p.name.startswith("/device:")]
     if not device:
-        return [line for p in planes for line in p.lines]
+        return [line for p in planes for line in p.lines], False
     lines = []
     for p in device:
         ops = [line for line in p.lines if line.name == "XLA Ops"]
         lines += ops or list(p.lines)
-    return lines
+    return lines, True
 
 
 def summarize(events: dict, index: dict, n: int) -> dict:
-    """Per-call ms by instruction, op kind and source line, from trace events matched to the module."""
-    ops = []
-    for name, ns in events["duration_ns"].items():
-        if name in index:
-            ops.append({"name": name, "ms": ns / n / 1e6, "count": events["count"][name] / n, **index[name]})
-    ops.sort(key=lambda o: -o["ms"])
+    """Per-call ms by instruction, op kind and source line, from the trace events matched to the module; on an
+    accelerator also the kernels no instruction names (library GEMMs, Pallas kernels), as ``unmatched``."""
+    per, counts, unmatched = collections.Counter(), collections.Counter(), collections.Counter()
+    for event, ns in events["duration_ns"].items():
+        name = instruction_of(event, index)
+        if name is None:
+            unmatched[event] += ns / n / 1e6
+            continue
+        per[name] += ns / n / 1e6
+        counts[name] += events["count"][event] / n
+    ops = sorted(({"name": k, "ms": ms, "count": counts[k], **index[k]} for k, ms in per.items()), key=lambda o: -o["ms"])
     by = lambda key: sorted(  # noqa: E731
         ({key: k, "ms": sum(o["ms"] for o in g), "ops": len(g)} for k, g in _groups(ops, key).items()),
         key=lambda r: -r["ms"])
-    return {"total_ms": sum(o["ms"] for o in ops), "ops": ops, "kinds": by("kind"), "sources": by("source")}
+    extra = [{"event": k, "ms": ms} for k, ms in unmatched.most_common()] if events.get("device") else []
+    return {"total_ms": sum(o["ms"] for o in ops) + sum(r["ms"] for r in extra), "ops": ops, "kinds": by("kind"),
+            "sources": by("source"), "unmatched": extra}
 
 
 def _groups(ops, key):
@@ -290,7 +313,7 @@ def run(args) -> dict:
     res = {"header": C.header(args, "profile"), "target": what, "length": T, "compile_s": compile_s,
            "xla_mem": C.memory_stats(compiled), "xla_flops": C.xla_flops(compiled)["flops"], **usage,
            "traced_op_ms_per_call": summary["total_ms"], "kinds": summary["kinds"], "sources": summary["sources"],
-           "ops": summary["ops"]}
+           "ops": summary["ops"], "unmatched": summary["unmatched"]}
     C.write_json(out / "profile.json", res)
     (out / "profile.md").write_text(markdown(res, args.top))
     print(markdown(res, args.top))
@@ -307,13 +330,18 @@ def markdown(res: dict, top: int = 25) -> str:
         f"{res['cpu_per_wall']:.2f} CPU seconds per wall second; {res['minor_faults_per_call']:.0f} minor page faults "
         f"per call; compile {res['compile_s']:.1f} s; XLA temporaries {mem.get('temp', 0) / 1e6:,.0f} MB"
         + (f"; XLA flops {fl / 1e9:,.2f} G" if fl else "") + ". Traced op time "
-        f"{res['traced_op_ms_per_call']:.1f} ms per call (thread time of the ops the trace records; see the module's "
-        "docstring for what a CPU trace leaves out).", "",
+        f"{res['traced_op_ms_per_call']:.1f} ms per call (the ops the trace records: thread time on a CPU, kernel time "
+        "on an accelerator, summed over threads and streams; a CPU op's event can include its wait for helper "
+        "threads, and see `longctx/bench/profile_bench.py` for what a CPU trace leaves out).", "",
         "### By op kind", "",
         C.md_table(["kind", "ms per call", "ops"], [[r["kind"], f"{r['ms']:.2f}", r["ops"]] for r in res["kinds"][:top]]),
         "", "### By source line (innermost frame in this repository)", "",
         C.md_table(["source", "ms per call", "ops"],
                    [[f"`{r['source']}`", f"{r['ms']:.2f}", r["ops"]] for r in res["sources"][:top]]),
+        *([f"### Kernels no instruction names (library GEMMs, Pallas kernels; {sum(r['ms'] for r in res['unmatched']):.2f} "
+           "ms per call)", "", C.md_table(["kernel", "ms per call"],
+                                          [[f"`{r['event'][:90]}`", f"{r['ms']:.3f}"] for r in res["unmatched"][:top]]),
+           ""] if res.get("unmatched") else []),
         "", f"### The {top} costliest ops", "",
         C.md_table(["op", "shape", "ms per call", "source", "op_name"],
                    [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from longctx.attention.dense import naive_attention
 from longctx.bench import cli, profile_bench
-from longctx.bench.profile_bench import NO_SOURCE, REPO, hlo_index, op_kind, summarize
+from longctx.bench.profile_bench import NO_SOURCE, REPO, hlo_index, instruction_of, op_kind, summarize
 
 HERE = Path(__file__).resolve()
 
@@ -39,11 +40,25 @@ def test_summarize_matches_events_to_instructions_only():
              "ynn_fusion.1": {"shape": "f32[2]", "opcode": "fusion", "root": "reduce", "op_name": "",
                               "source": NO_SOURCE}}
     events = {"duration_ns": {"dot.3": 4_000_000, "ynn_fusion.1": 2_000_000, "ThunkExecutor::Execute": 9_000_000},
-              "count": {"dot.3": 2, "ynn_fusion.1": 2, "ThunkExecutor::Execute": 2}}
+              "count": {"dot.3": 2, "ynn_fusion.1": 2, "ThunkExecutor::Execute": 2}, "device": False}
     s = summarize(events, index, n=2)
-    assert s["total_ms"] == pytest.approx(3.0)
+    assert s["total_ms"] == pytest.approx(3.0) and s["unmatched"] == []  # a CPU's other events are not ops
     assert [(r["kind"], r["ms"]) for r in s["kinds"]] == [("dot", 2.0), ("ynn_fusion [reduce]", 1.0)]
     assert op_kind("copy_bitcast_fusion.12", "copy") == "copy_bitcast_fusion [copy]"
+
+
+def test_gpu_kernels_are_matched_by_name_and_the_rest_listed():
+    """A GPU kernel is named after its fusion with '_' for '.'; a library GEMM matches nothing and is listed by its
+    kernel name."""
+    index = {n: {"shape": "f32[1]", "opcode": "fusion", "root": "add", "op_name": "", "source": "a.py:1 (f)"}
+             for n in ("fusion.5", "input_reduce_fusion", "command_buffer.1")}
+    events = {"duration_ns": {"fusion_5": 3_000, "input_reduce_fusion": 1_000, "sm90_xmma_gemm_f32": 5_000},
+              "count": collections.Counter(), "device": True}
+    s = summarize(events, index, n=1)
+    assert {o["name"]: o["ms"] for o in s["ops"]} == {"fusion.5": 0.003, "input_reduce_fusion": 0.001}
+    assert s["unmatched"] == [{"event": "sm90_xmma_gemm_f32", "ms": 0.005}]
+    assert instruction_of("fusion_5", index) == "fusion.5" and instruction_of("command_buffer_1", index) == \
+        "command_buffer.1" and instruction_of("thunk", index) is None
 
 
 @pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"]])
@@ -101,7 +116,8 @@ class _Plane:
 def test_op_lines_prefer_an_accelerator_and_its_op_line():
     host = _Plane("/host:CPU", [_Line("tf_XLAEigen/1")])
     gpu = _Plane("/device:GPU:0", [_Line("Stream #1"), _Line("XLA Ops")])
-    assert [x.name for x in profile_bench._op_lines([host])] == ["tf_XLAEigen/1"]
-    assert [x.name for x in profile_bench._op_lines([host, gpu])] == ["XLA Ops"]
+    names = lambda planes: ([x.name for x in profile_bench._op_lines(planes)[0]], profile_bench._op_lines(planes)[1])  # noqa: E731
+    assert names([host]) == (["tf_XLAEigen/1"], False)
+    assert names([host, gpu]) == (["XLA Ops"], True)
     bare = _Plane("/device:GPU:0", [_Line("Stream #1"), _Line("Stream #2")])
-    assert [x.name for x in profile_bench._op_lines([host, bare])] == ["Stream #1", "Stream #2"]
+    assert names([host, bare]) == (["Stream #1", "Stream #2"], True)
