@@ -200,6 +200,9 @@ def _step_target(args, T: int):
 
     base = configs.with_overrides(configs.load_config_file(args.config), args.set)
     cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=0, vocab_size=256))
+    if cfg.model.kind != "decoder":
+        raise ConfigError(f"longctx-bench profile --config profiles decoder training steps; {args.config} has "
+                          f"model.kind={cfg.model.kind!r} (profile its attention core with --method instead)")
     t0 = time.perf_counter()
     compiled, call, _, _ = step_bench.build_step(cfg, seed=args.seed)
     sets = "".join(f" --set {s}" for s in args.set)

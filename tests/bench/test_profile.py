@@ -92,10 +92,12 @@ def test_profile_of_a_training_step(tmp_path):
     (["--method", "dense", "--config", "configs/default.py"], "give exactly one of --method"),
     (["--method", "dense:nosuch"], "dense offers dense:naive, dense:blockwise"),
     (["--method", "dense", "--length", "1k,2k"], "give one length"),
+    (["--config", "configs/builtin/mlm_dense.py", "--length", "32"], "profiles decoder training steps"),
 ])
 def test_profile_refuses_bad_arguments(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        cli.main(["profile", "--out", str(tmp_path), "--noprogress", *argv])
+        cli.main(["profile", "--out", str(tmp_path), "--noprogress",
+                  *[str(REPO / a) if a.startswith("configs/") else a for a in argv]])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
