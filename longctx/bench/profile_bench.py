@@ -128,6 +128,8 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
             continue
         if cur is not None:
             cur.append(line)
+            if line == "}":
+                cur = None
         im = _INSTR.match(line)
         if im:
             instrs[im[1]] = line
@@ -136,7 +138,7 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
     metas = {name: roots[name] if "stack_frame_id" in roots[name]
              else next((ln for ln in reversed(body) if "stack_frame_id" in ln), roots[name])
              for name, body in comps.items()}
-    out = {}
+    out, sources = {}, {}  # sources: frame id -> its line (one walk per frame)
     for name, line in instrs.items():
         im = _INSTR.match(line)
         called = re.search(r"calls=%([\w.\-]+)", line)
@@ -145,9 +147,11 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
         frame = re.search(r"stack_frame_id=(\d+)", meta)
         op_name = re.search(r'op_name="([^"]*)"', meta)
         root_op = _INSTR.match(root_line)
+        if frame and int(frame[1]) not in sources:
+            sources[int(frame[1])] = source_of(int(frame[1]), tables, root)
         out[name] = {"shape": im[2], "opcode": im[3], "root": root_op[3] if root_op else None,
                      "op_name": op_name[1] if op_name else "",
-                     "source": (source_of(int(frame[1]), tables, root) if frame else None) or NO_SOURCE,
+                     "source": (sources[int(frame[1])] if frame else None) or NO_SOURCE,
                      "operands": re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])}
     for rec in out.values():  # an op without a frame (XLA made it): the source of its first operand that has one
         if rec["source"] == NO_SOURCE:
