@@ -153,11 +153,11 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
                      "op_name": op_name[1] if op_name else "",
                      "source": (sources[int(frame[1])] if frame else None) or NO_SOURCE,
                      "operands": re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])}
+    direct = {name: rec["source"] for name, rec in out.items() if rec["source"] != NO_SOURCE}
     for rec in out.values():  # an op without a frame (XLA made it): the source of its first operand that has one
-        if rec["source"] == NO_SOURCE:
-            src = next((out[o]["source"] for o in rec["operands"] if o in out and out[o]["source"] != NO_SOURCE), None)
-            rec["source"] = f"{src} (an operand's)" if src and not src.endswith("(an operand's)") else rec["source"]
-        del rec["operands"]
+        src = next((direct[o] for o in rec.pop("operands") if o in direct), None)
+        if rec["source"] == NO_SOURCE and src:
+            rec["source"] = f"{src} (an operand's)"
     return out
 
 
