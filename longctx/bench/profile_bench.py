@@ -1,7 +1,7 @@
 """`longctx-bench profile`: where one compiled call's time goes, by XLA op, op kind and source line.
 
     longctx-bench profile --out bench_out/profile --method eva --length 8k
-    longctx-bench profile --out bench_out/profile_step --config configs/main.py --length 1k
+    longctx-bench profile --out bench_out/profile_main --config configs/main.py --length 1k --batch 8 --window 256
 
 The target is an attention core (``--method``, a registered method or ``method:variant``; random q, k, v;
 forward+backward of ``sum(out * w)`` as ``longctx-bench attention`` times it, or ``--forward_only``) or the
@@ -48,6 +48,8 @@ def add_args(p):
                    help="config override for --config (repeatable)")
     p.add_argument("--length", default="8k", help="sequence length (k = 1024)")
     p.add_argument("--batch", type=int, default=1, help="batch (--config: train.batch_size)")
+    p.add_argument("--window", type=int, default=0,
+                   help="--config: train.window, tokens per update with the state carried (0: the whole row)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head_dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -203,7 +205,7 @@ def _step_target(args, T: int):
     from longctx.bench import configs, step_bench
 
     base = configs.with_overrides(configs.load_config_file(args.config), args.set)
-    cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=0, vocab_size=256))
+    cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=args.window, vocab_size=256))
     if cfg.model.kind != "decoder":
         raise ConfigError(f"longctx-bench profile --config profiles decoder training steps; {args.config} has "
                           f"model.kind={cfg.model.kind!r} (profile its attention core with --method instead)")
@@ -211,7 +213,8 @@ def _step_target(args, T: int):
     compiled, call, _, _ = step_bench.build_step(cfg, seed=args.seed)
     sets = "".join(f" --set {s}" for s in args.set)
     return compiled, call, time.perf_counter() - t0, \
-        f"training step of `{step_bench._shown(args.config)}`{sets}, batch {args.batch}, T = {C.fmt_len(T)}"
+        f"training step of `{step_bench._shown(args.config)}`{sets}, batch {args.batch}, T = {C.fmt_len(T)}" + \
+        (f", updates of {args.window} tokens" if args.window else "")
 
 
 # ----------------------------------------------------------------------------- run

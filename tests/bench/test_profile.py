@@ -81,9 +81,11 @@ def test_profile_of_a_training_step(tmp_path):
     for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64"]:
         sets += ["--set", s]
     assert cli.main(["profile", "--out", str(out), "--config", str(REPO / "configs" / "default.py"), *sets,
-                     "--length", "32", "--batch", "2", "--calls", "1", "--warmup", "0", "--noprogress"]) == 0
+                     "--length", "32", "--batch", "2", "--window", "16", "--calls", "1", "--warmup", "0",
+                     "--noprogress"]) == 0
     res = json.loads((out / "profile.json").read_text())
-    assert "training step of `configs/default.py`" in res["target"] and res["ops"]
+    assert "training step of `configs/default.py`" in res["target"] and "updates of 16 tokens" in res["target"]
+    assert res["ops"]
     assert any("longctx/models/" in r["source"] for r in res["sources"])
 
 
