@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def add_args(p):
-    p.add_argument("--method", help="an attention core to profile: a method or method:variant (e.g. dense:blockwise)")
+    p.add_argument("--method", help="an attention core to profile: a method (its default config) or method:variant "
+                                    "(a variant the attention bench times, e.g. dense:blockwise)")
     p.add_argument("--config", help="profile the whole-model training step of this config file instead")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for --config (repeatable)")
@@ -177,11 +178,11 @@ def _core_target(args, T: int):
     from longctx.bench.cores import CoreFns, build_core, variants
 
     method, _, variant = args.method.partition(":")
-    options = dict(variants(method))
-    label = args.method if variant else (method if method in options else next(iter(options)))
-    if label not in options:
+    options = dict(variants(method))  # a bare method name: its default config (e.g. dense's impl='auto')
+    label = args.method
+    if variant and label not in options:
         raise ConfigError(f"--method={args.method!r}: {method} offers {', '.join(options)}")
-    core = build_core(method, options[label], heads=args.heads, head_dim=args.head_dim,
+    core = build_core(method, options[label] if variant else None, heads=args.heads, head_dim=args.head_dim,
                       causal=not args.bidirectional, seed=args.seed)
     fns = CoreFns(core)
     q, k, v = C.random_qkv(args.seed + T, args.batch, args.heads, T, args.head_dim, C.dtype_of(args.dtype),

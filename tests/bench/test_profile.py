@@ -61,7 +61,8 @@ def test_gpu_kernels_are_matched_by_name_and_the_rest_listed():
         "command_buffer.1" and instruction_of("thunk", index) is None
 
 
-@pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"]])
+@pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"],
+                                   ["--method", "dense"]])
 def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
     out = tmp_path / "p"
     assert cli.main(["profile", "--out", str(out), "--length", "64", "--heads", "2", "--head_dim", "8",
@@ -72,6 +73,7 @@ def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
     assert any(f"longctx/attention/{method}.py:" in r["source"] for r in res["sources"]), res["sources"]
     assert all(o["name"] in (out / "hlo.txt").read_text() for o in res["ops"])
     assert glob.glob(str(out / "trace" / "**" / "*.xplane.pb"), recursive=True)
+    assert res["target"].startswith(f"`{extra[1]}` causal")
     assert "### By source line" in (out / "profile.md").read_text()
 
 
