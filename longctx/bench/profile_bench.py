@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import glob
 import re
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -220,15 +219,13 @@ def _step_target(args, T: int):
 
 # ----------------------------------------------------------------------------- run
 def _usage(compiled, call, n: int) -> dict:
-    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
-    walls = []
-    for _ in range(n):
-        t = time.perf_counter()
-        C.block(compiled(*call))
-        walls.append(time.perf_counter() - t)
-    wall, cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall_ms_median": 1e3 * statistics.median(walls), "wall_ms_all": [1e3 * w for w in walls],
-            "cpu_per_wall": cpu / wall, "minor_faults_per_call": (r1.ru_minflt - r0.ru_minflt) / n}
+    """Wall time, CPU seconds per wall second and minor page faults of n calls (``longctx-bench step``'s timer)."""
+    from longctx.bench.step_bench import _timed
+
+    runs = [_timed(compiled, call) for _ in range(n)]
+    return {"wall_ms_median": 1e3 * statistics.median(r["s"] for r in runs), "wall_ms_all": [1e3 * r["s"] for r in runs],
+            "cpu_per_wall": sum(r["cpu_s"] for r in runs) / sum(r["s"] for r in runs),
+            "minor_faults_per_call": sum(r["minflt"] for r in runs) / n}
 
 
 def _trace(compiled, call, n: int, trace_dir: Path) -> dict:
