@@ -46,6 +46,10 @@ class EVAOptions:
     keep_budget: int = 1 << 28  # max attention weights a full pass keeps for its backward (else recomputed)
 
 def layer_norm(x, scale, bias):
+    if x.ndim > 2 and jax.default_backend() == "cpu":
+        # rows flattened: XLA:CPU runs the gradient's row sums 3-40x slower when a leading dimension has size 1
+        # (batch 1); same arithmetic (longctx/xla_cpu.py)
+        return layer_norm(x.reshape(-1, x.shape[-1]), scale, bias).reshape(x.shape)
     x = x.astype(jnp.float32)
     mu = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)

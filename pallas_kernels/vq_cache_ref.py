@@ -126,7 +126,7 @@ def pad_left(x, axis: int, n: int, value=0):
 
 def softmax_mix(groups):
     """groups: list of (scores [..., Lq, n], mask broadcastable, values [..., n, Dv]).
-    One shared normalizer with a stop-gradient row max; a divided by den before the value matmuls."""
+    One shared normalizer with a stop-gradient row max; the value matmuls' sum divided by den."""
     m = None
     for s, mask, _ in groups:
         gm = jnp.max(jnp.where(mask, s, NEG), axis=-1)
@@ -135,7 +135,11 @@ def softmax_mix(groups):
     probs = [jnp.where(mask, jnp.exp(jnp.where(mask, s, NEG) - m), 0.0) for s, mask, _ in groups]
     den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     den = jnp.maximum(den, 1e-30)
-    out = sum(jnp.einsum("...qn,...nd->...qd", p / den, vals) for p, (_, _, vals) in zip(probs, groups))
+    # the value matmuls first, then one scaling by 1 / den written as an einsum: the gradient's sum over the row
+    # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs 3-40x slower when a dimension has
+    # size 1 (one head, batch 1; longctx/xla_cpu.py)
+    num = sum(jnp.einsum("...qn,...nd->...qd", p, vals) for p, (_, _, vals) in zip(probs, groups))
+    out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0])
     lse = (m + jnp.log(den))[..., 0]
     return out, lse
 

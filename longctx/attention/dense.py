@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
+from longctx.xla_cpu import rowdot
 
 NEG_INF = -1e30
 
@@ -134,7 +135,7 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
     """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
     each visible (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
-    delta = jnp.sum(dob * ob, axis=-1)  # [nq, B, H, bq]: rowsum(dO * O)
+    delta = rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O), as a dot (longctx.xla_cpu)
     zeros_k, zeros_v = jnp.zeros(kb.shape[1:], jnp.float32), jnp.zeros(vb.shape[1:], jnp.float32)
 
     def query_block(dkv, xs):

@@ -46,6 +46,7 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
+from longctx.xla_cpu import rowdot
 from pallas_kernels import eva_attend, eva_attend_ref, eva_chunks
 
 # Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
@@ -264,7 +265,7 @@ def _kept_bwd(scale, halves, res, do):
     q, k, v, k_hat, beta, bias, _, _, out, (p_loc, p_ch, inv_den) = res
     B, H, N, Tq, d = q.shape
     Tk = k.shape[3]
-    delta = jnp.sum(do * out, axis=-1)[..., None]  # [B,H,N,Tq,1]
+    delta = rowdot(do, out)[..., None]  # [B,H,N,Tq,1] (a dot: longctx.xla_cpu)
     w = inv_den[..., None]
     do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
     pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
@@ -315,7 +316,7 @@ def _recomputing_bwd(scale, res, do):
     q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
-    delta = jnp.sum(do * out, axis=-1)[..., None, :]
+    delta = rowdot(do, out)[..., None, :]
     # local part, per tile, keys-major [B,H,N,Tk,Tq]
     at_loc = scale * jnp.einsum("bhnkd,bhnqd->bhnkq", k, q, precision=HIGHEST)
     if bias is not None:

@@ -53,6 +53,7 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
+from longctx.xla_cpu import flat_last, rowdot
 from pallas_kernels import vq_cache
 
 # The block-parallel causal form (spec 2.6) and its helpers live beside the Pallas kernel that must match them
@@ -85,7 +86,12 @@ sg = jax.lax.stop_gradient
 
 
 def rms_normalize(x, eps: float = 1e-6):
-    """x * rsqrt(mean(x^2) + eps), no gain/bias, computed in >= fp32, cast back."""
+    """x * rsqrt(mean(x^2) + eps), no gain/bias, computed in >= fp32, cast back (rows flattened on CPU: its
+    gradient's row sums then meet no size-1 dimension, longctx.xla_cpu)."""
+    return flat_last(functools.partial(_rms_rows, eps=eps), x)
+
+
+def _rms_rows(x, eps: float):
     xf = x.astype(float_dtype(x))
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -333,7 +339,7 @@ def _vq_blocks_bwd(Lq, keep, res, do):
     (no score matmuls and no exp pass; the normalizer is folded into the small [Lq, Dv] operands)."""
     qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept = res
     B, H, R, L, Dk = qb.shape
-    delta = jnp.sum(do * o, axis=-1)  # [B,H,R,L]
+    delta = rowdot(do, o)  # [B,H,R,L]
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
     def block(dr, xs):

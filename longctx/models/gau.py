@@ -19,6 +19,8 @@ residual dropout. Positions live inside the attention core (Transformer-XL bias)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +29,7 @@ from longctx import attention
 from longctx.errors import ConfigError
 from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
 from longctx.models.sequence_shard import call_core
+from longctx.xla_cpu import flat_last
 
 
 def _split_key(key, n):
@@ -107,5 +110,9 @@ class GAUBlock(nnx.Module):
 
 
 def _rms(x, eps: float = 1e-6):
+    return flat_last(functools.partial(_rms_rows, eps=eps), x)
+
+
+def _rms_rows(x, eps: float):
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from longctx.attention.base import axes, logical
+from longctx.xla_cpu import flat_last  # noqa: F401  (also imported from here)
 
 
 class RMSNorm(nnx.Module):
@@ -20,6 +19,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
+        return flat_last(self._rows, x)
+
+    def _rows(self, x):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * self.scale[...]
         if self.bias is not None:
@@ -29,7 +31,7 @@ class RMSNorm(nnx.Module):
 
 def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
     if kind == "layernorm":
-        return nnx.LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
+        return LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
                              bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs)
     if kind == "rmsnorm":
         return RMSNorm(dim)
@@ -48,21 +50,11 @@ class MLP(nnx.Module):
         return self.down(h)
 
 
-def flat_last(fn, x):
-    """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``, its output ``[N, ...]`` reshaped back, on CPU.
+class LayerNorm(nnx.LayerNorm):
+    """``nnx.LayerNorm`` applied through :func:`flat_last` (same parameters, same function)."""
 
-    The arithmetic is the same. What changes is the gradient on XLA:CPU: the weight gradient of a dot over
-    ``[B, T, d]`` contracts two axes, and XLA lays that out with transposing copies of the incoming
-    gradient (one per consumer), where ``[B*T, d]`` needs none. A 2-layer MLP's loss and gradient over 8,192
-    rows took 18-28 % less time flattened (BENCHMARKS.md, session 26). Other backends get ``fn(x)`` as it is:
-    the copies were measured on XLA:CPU only, and there merging the batch axis with a sequence-sharded token
-    axis (``mesh.sequence_mode='xla'``) would make the partitioner move the activations.
-    """
-    if x.ndim <= 2 or jax.default_backend() != "cpu":
-        return fn(x)
-    lead = x.shape[:-1]
-    y = fn(x.reshape(math.prod(lead), x.shape[-1]))
-    return y.reshape(*lead, *y.shape[1:])
+    def __call__(self, x, *args, **kwargs):
+        return flat_last(lambda rows: super(LayerNorm, self).__call__(rows, *args, **kwargs), x)
 
 
 class Linear(nnx.Linear):

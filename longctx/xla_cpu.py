@@ -1,0 +1,39 @@
+"""Shapes that keep XLA:CPU off its slow paths (jax 0.10.2). The arithmetic is unchanged; only the shapes and ops
+XLA sees are. Measured in BENCHMARKS.md (sessions 26 and 30); DESIGN.md, "Where the time goes", says where each is
+used."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def flat_last(fn, x):
+    """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``, its output ``[N, ...]`` reshaped back, on CPU.
+
+    Two XLA:CPU costs go away. (1) The weight gradient of a dot over ``[B, T, d]`` contracts two axes, and XLA
+    lays that out with transposing copies of the incoming gradient (one per consumer), where ``[B*T, d]`` needs
+    none: a 2-layer MLP's loss and gradient over 8,192 rows took 18-28 % less time flattened (session 26).
+    (2) A row norm's gradient sums ``g * x`` over the last axis; with a dimension of size 1 among the leading ones
+    (batch 1, one head) XLA:CPU runs that multiply-and-reduce 3-40x slower (see :func:`rowdot`); ``[N, d]`` has
+    none. Other backends get ``fn(x)`` as it is: there merging the batch axis with a sequence-sharded token axis
+    (``mesh.sequence_mode='xla'``) would make the partitioner move the activations.
+    """
+    if x.ndim <= 2 or jax.default_backend() != "cpu":
+        return fn(x)
+    lead = x.shape[:-1]
+    y = fn(x.reshape(math.prod(lead), x.shape[-1]))
+    return y.reshape(*lead, *y.shape[1:])
+
+
+def rowdot(a, b):
+    """``Σ_d a[..., d] * b[..., d]`` (shape ``[...]``) as a dot, not as a multiply feeding a reduce: XLA:CPU fuses
+    the latter into a YNNPACK kernel that runs 20-80x slower whenever one of the dimensions has size 1 (batch 1, one
+    head): ``[1, 4, 8192, 64]`` took 25 ms against 0.6 ms as a dot, ``[4, 8192, 64]`` 0.6 ms either way (session
+    30). Full fp32 on every backend (an fp32 dot may otherwise use TF32 on a GPU)."""
+    return jnp.einsum("...d,...d->...", a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+__all__ = ["flat_last", "rowdot"]
