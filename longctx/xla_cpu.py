@@ -36,4 +36,12 @@ def rowdot(a, b):
     return jnp.einsum("...d,...d->...", a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["flat_last", "rowdot"]
+def scale_rows(x, s):
+    """``x [..., d] * s[..., None]`` written as an einsum: the gradient with respect to ``s`` is then a dot (see
+    :func:`rowdot`) where the broadcasting multiply's is a multiply-and-reduce. A softmax's ``num / den`` as
+    ``scale_rows(num, 1 / den)``: the gradient of ``[1, 4, 8192, 64]`` rows took 29 ms as a division, 1.3 ms so
+    (session 30)."""
+    return jnp.einsum("...d,...->...d", x, s, precision=jax.lax.Precision.HIGHEST)
+
+
+__all__ = ["flat_last", "rowdot", "scale_rows"]

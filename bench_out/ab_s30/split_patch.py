@@ -113,10 +113,11 @@ def apply():
         l_c = jnp.concatenate([x[:, :, 0] for _, x, _ in outs], axis=2)
         m_c = jnp.concatenate([x[:, :, 0] for _, _, x in outs], axis=2)
         m_l, m_c = jax.lax.stop_gradient(m_l), jax.lax.stop_gradient(m_c)
-        mx = jnp.maximum(m_l, m_c)
-        a, b = jnp.exp(m_l - mx), jnp.exp(m_c - mx)
-        den = jnp.maximum(a * l_l + b * l_c, 1e-30)
-        out = (a[..., None] * o_l + b[..., None] * o_c) / den[..., None]
-        return out, extras
+        rows = lambda x: x.reshape((B * H * L,) + x.shape[3:])  # noqa: E731 -- no size-1 dimension (xla_cpu)
+        mx = jnp.maximum(rows(m_l), rows(m_c))
+        a, b = jnp.exp(rows(m_l) - mx), jnp.exp(rows(m_c) - mx)
+        den = jnp.maximum(a * rows(l_l) + b * rows(l_c), 1e-30)
+        out = (a[..., None] * rows(o_l) + b[..., None] * rows(o_c)) / den[..., None]
+        return out.reshape(B, H, L, dv), extras
 
     E.eva_forward = eva_forward

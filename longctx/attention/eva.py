@@ -46,7 +46,7 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from longctx.xla_cpu import rowdot
+from longctx.xla_cpu import rowdot, scale_rows
 from pallas_kernels import eva_attend, eva_attend_ref, eva_chunks
 
 # Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
@@ -400,7 +400,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
         p_ch = jnp.where(jax.random.bernoulli(kc, keep, p_ch.shape), p_ch / keep, 0.0)
     num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v, precision=HIGHEST)
     num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta, precision=HIGHEST)
-    return num / jnp.maximum(denom, 1e-30)[..., None]  # empty rows (only if W = 0) give 0
+    return scale_rows(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
 
 
 def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, opts: EVAOptions,

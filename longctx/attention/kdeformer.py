@@ -84,6 +84,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
+from longctx.xla_cpu import scale_rows
 
 NEG = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -249,7 +250,7 @@ def _combine(parts):
         p = jnp.where(mk, jnp.exp(s - mx[..., None]), 0.0)
         den = den + jnp.sum(p, axis=-1)
         num = num + vf(p)
-    out = num / jnp.maximum(den, 1e-30)[..., None]
+    out = scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))  # (a dot in the gradient: longctx.xla_cpu)
     lse = mx + jnp.log(jnp.maximum(den, 1e-30))
     return out, lse
 
@@ -552,7 +553,7 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
         elif opts.heavy_capacity > 0 and heavy_route == "band":
             # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
             h_out, h_lse = hv
-            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: p * h_out))
+            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: scale_rows(h_out, p[..., 0])))
         elif opts.heavy_capacity > 0:
             hidx = pl["hidx"].reshape(B, H, -1)
             kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
