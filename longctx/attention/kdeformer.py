@@ -447,8 +447,8 @@ def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int
         mt = jnp.maximum(jax.ops.segment_max(m, tile, n_t, indices_are_sorted=True), NEG)  # empty: -inf
         w = jnp.exp(m - mt[tile])
         den = jax.ops.segment_sum(w * den, tile, n_t, indices_are_sorted=True).reshape(Np)
-        num = jax.ops.segment_sum(w[..., None] * num, tile, n_t, indices_are_sorted=True).reshape(Np, dv)
-        out_s = num / jnp.maximum(den, 1e-30)[:, None]
+        num = jax.ops.segment_sum(scale_rows(num, w), tile, n_t, indices_are_sorted=True).reshape(Np, dv)
+        out_s = scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
         lse_s = jnp.where(den > 0, mt.reshape(Np) + jnp.log(jnp.maximum(den, 1e-30)), NEG)
         back = inverse_permutation(qord)  # sorted row of every query
         return out_s[back], lse_s[back]

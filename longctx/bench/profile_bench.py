@@ -117,10 +117,27 @@ def _rel(path: str, root: Path) -> str:
         return path
 
 
+def slow_reduce(body: list[str]) -> bool:
+    """Whether a fused computation (its lines) reduces the product of two different operands into a result that
+    keeps a dimension of size 1 (``f32[1,4,8192]`` from ``[1,4,8192,64]``): as a YNNPACK fusion, XLA:CPU (jax
+    0.10.2) runs that 20-80x slower than the same sum written as a dot, whose reduce folds the size-1 dimensions
+    away (``longctx/xla_cpu.py``; BENCHMARKS.md, session 30)."""
+    ops = {m[1]: m for m in map(_INSTR.match, body) if m}
+    operands = lambda m: re.findall(r"%([\w.\-]+)", m[4].split("), ")[0])  # noqa: E731
+    for m in ops.values():
+        dims = re.match(r"\w+\[([\d,]*)\]", m[2])
+        if m[3] != "reduce" or not dims or "1" not in dims[1].split(","):
+            continue
+        src = ops.get(operands(m)[0]) if operands(m) else None
+        if src is not None and src[3] == "multiply" and len(set(operands(src))) == 2:
+            return True
+    return False
+
+
 def hlo_index(text: str, root: Path = REPO) -> dict:
-    """name -> {shape, opcode, root, op_name, source} for every instruction of the module text; a fusion without
-    metadata of its own takes its fused computation's root's, else that of the last fused instruction with a
-    source frame."""
+    """name -> {shape, opcode, root, op_name, source, slow_path} for every instruction of the module text; a fusion
+    without metadata of its own takes its fused computation's root's, else that of the last fused instruction with
+    a source frame. ``slow_path``: a YNNPACK fusion :func:`slow_reduce` flags."""
     tables = _stack_tables(text)
     comps, cur, instrs = {}, None, {}
     for line in text.splitlines():
@@ -154,6 +171,7 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
         out[name] = {"shape": im[2], "opcode": im[3], "root": root_op[3] if root_op else None,
                      "op_name": op_name[1] if op_name else "",
                      "source": (sources[int(frame[1])] if frame else None) or NO_SOURCE,
+                     "slow_path": bool(called) and "__ynn_fusion" in line and slow_reduce(comps.get(called[1], [])),
                      "operands": re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])}
     direct = {name: rec["source"] for name, rec in out.items() if rec["source"] != NO_SOURCE}
     for rec in out.values():  # an op without a frame (XLA made it): the source of its first operand that has one
@@ -321,7 +339,8 @@ def run(args) -> dict:
     res = {"header": C.header(args, "profile"), "target": what, "length": T, "compile_s": compile_s,
            "xla_mem": C.memory_stats(compiled), "xla_flops": C.xla_flops(compiled)["flops"], **usage,
            "traced_op_ms_per_call": summary["total_ms"], "kinds": summary["kinds"], "sources": summary["sources"],
-           "ops": summary["ops"], "unmatched": summary["unmatched"]}
+           "ops": summary["ops"], "unmatched": summary["unmatched"],
+           "slow_path_ms": sum(o["ms"] for o in summary["ops"] if o.get("slow_path"))}
     C.write_json(out / "profile.json", res)
     (out / "profile.md").write_text(markdown(res, args.top))
     print(markdown(res, args.top))
@@ -350,6 +369,7 @@ def markdown(res: dict, top: int = 25) -> str:
            "ms per call)", "", C.md_table(["kernel", "ms per call"],
                                           [[f"`{r['event'][:90]}`", f"{r['ms']:.3f}"] for r in res["unmatched"][:top]]),
            ""] if res.get("unmatched") else []),
+        *_slow_section(res, top),
         "", f"### The {top} costliest ops", "",
         C.md_table(["op", "shape", "ms per call", "source", "op_name"],
                    [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`",
@@ -357,3 +377,17 @@ def markdown(res: dict, top: int = 25) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _slow_section(res: dict, top: int) -> list[str]:
+    slow = [o for o in res["ops"] if o.get("slow_path")]
+    if not slow:
+        return []
+    return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
+            "YNNPACK fusions that reduce the product of two operands into a result that keeps a dimension of size 1 "
+            "(batch 1, one head): XLA:CPU runs these 20-80x slower than the same sum as a dot. The rewrites, same arithmetic: "
+            "`longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose gradient sums "
+            "rows) and `flat_last` (a row norm over flattened rows).", "",
+            C.md_table(["op", "shape", "ms per call", "source"],
+                       [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`"]
+                        for o in slow[:top]])]

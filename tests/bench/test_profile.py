@@ -61,6 +61,24 @@ def test_gpu_kernels_are_matched_by_name_and_the_rest_listed():
         "command_buffer.1" and instruction_of("thunk", index) is None
 
 
+def test_slow_reduce_flags_a_product_with_a_size_one_dimension():
+    """A row sum of a product as XLA:CPU fuses it: flagged when the result keeps a dimension of size 1 (the fusion
+    that runs 20-80x slower), not without one, not for a square (one operand) and not when written as a dot (its
+    reduce folds the size-1 dimension away)."""
+    flags = lambda f, shape: {r["slow_path"] for r in hlo_index(  # noqa: E731
+        jax.jit(f).lower(jnp.ones(shape), jnp.ones(shape)).compile().as_text()).values()}
+    product = lambda a, b: jnp.sum(a * b, axis=-1)  # noqa: E731
+    assert True in flags(product, (1, 4, 64, 16))
+    assert flags(product, (2, 4, 64, 16)) == {False}
+    assert flags(lambda a, b: jnp.sum(a * a, axis=-1) + b[..., 0], (1, 4, 64, 16)) == {False}
+    assert flags(lambda a, b: jnp.einsum("...d,...d->...", a, b), (1, 4, 64, 16)) == {False}
+    body = ["%p.1 = f32[1,8]{1,0} parameter(0)", "%q.1 = f32[1,8]{1,0} parameter(1)",
+            "%m.1 = f32[1,8]{1,0} multiply(%p.1, %q.1)", "ROOT %r.1 = f32[1]{0} reduce(%m.1, %c.1), dimensions={1}"]
+    folded = body[:3] + ["ROOT %r.1 = f32[] reduce(%m.1, %c.1), dimensions={0,1}"]
+    assert profile_bench.slow_reduce(body) and not profile_bench.slow_reduce(folded)
+    assert not profile_bench.slow_reduce(body[:3])
+
+
 @pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"],
                                    ["--method", "dense"]])
 def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
