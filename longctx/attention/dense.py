@@ -5,7 +5,11 @@ Two paths compute the same function:
 * ``naive``: materializes the [Tq, Tk] score matrix.
 * ``blockwise``: online softmax over key blocks inside query blocks, so memory
   is O(block_q * block_k) per head; causal key blocks wholly in the future are
-  skipped. Runs 65k-token forwards on a CPU.
+  skipped. Runs 65k-token forwards on a CPU. A full pass without a cache whose
+  length is a multiple of both block sizes (up to 32 query blocks) takes the
+  same algorithm with its block structure unrolled (:func:`self_blockwise_attention`:
+  each query block loops over exactly its visible key blocks, only the blocks
+  the diagonal crosses are masked); other calls take the position-general loop.
 
 The state is a KV cache of fixed capacity (``init_state(batch, max_len)``);
 slots are right-aligned, so slot j of a cache of capacity M that has seen
@@ -202,11 +206,147 @@ def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q
     return out.astype(v.dtype)
 
 
-def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl: str, block_q: int, block_k: int, auto_threshold: int):
+# ----------------------------------------------------------------------------- self-attention over whole blocks
+# A full pass with no cache (training, scoring a row): query i and key i are position i, every key is real. The
+# block structure is then static, so each query block is its own unrolled loop over exactly the key blocks it can
+# see (no `cond` per step, no mask on the blocks wholly in its past), and XLA may run query blocks side by side.
+
+
+def _visible(i: int, bq: int, bk: int, nk: int, causal: bool) -> tuple[int, int]:
+    """(key blocks wholly visible to every query of block i, key blocks it sees at all)."""
+    if not causal:
+        return nk, nk
+    return min(nk, (i * bq + 1) // bk), min(nk, -(-(i + 1) * bq // bk))
+
+
+def _diag_mask(i: int, j: int, bq: int, bk: int):
+    return (j * bk + jnp.arange(bk))[None, :] <= (i * bq + jnp.arange(bq))[:, None]
+
+
+def _key_blocks(x, lo: int, hi: int, bk: int):
+    """Key blocks lo..hi-1 of x [B, H, T, D] as [hi - lo, B, H, bk, D]."""
+    B, H, _, D = x.shape
+    return jnp.moveaxis(x[:, :, lo * bk:hi * bk].reshape(B, H, hi - lo, bk, D), 2, 0)
+
+
+def _self_forward(qs, k, v, causal: bool, bq: int, bk: int):
+    """Online softmax for each query block over its visible key blocks. qs is pre-scaled. Returns out [B,H,T,Dv] and
+    the log-sum-exp [B,H,T]."""
+    B, H, T, _ = qs.shape
+    nk = T // bk
+    outs, lses = [], []
+    for i in range(T // bq):
+        qi = qs[:, :, i * bq:(i + 1) * bq]
+        full, seen = _visible(i, bq, bk, nk, causal)
+
+        def update(carry, kj, vj, mask=None, qi=qi):
+            m, l, acc = carry
+            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj)
+            if mask is not None:
+                s = jnp.where(mask, s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vj)
+
+        carry = (jnp.full((B, H, bq), NEG_INF, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
+                 jnp.zeros((B, H, bq, v.shape[-1]), jnp.float32))
+        if full:
+            carry, _ = jax.lax.scan(lambda c, kv: (update(c, *kv), None), carry,
+                                    (_key_blocks(k, 0, full, bk), _key_blocks(v, 0, full, bk)))
+        for j in range(full, seen):  # the blocks the diagonal crosses: masked
+            carry = update(carry, k[:, :, j * bk:(j + 1) * bk], v[:, :, j * bk:(j + 1) * bk], _diag_mask(i, j, bq, bk))
+        m, l, acc = carry
+        outs.append(acc / l[..., None])  # l >= 1: the row max contributes exp(0)
+        lses.append(m + jnp.log(l))
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+
+
+def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
+    """FlashAttention-2's backward per query block from the saved log-sum-exp: dq carried along its key blocks,
+    each (query block, key block) pair's dk, dv added to that key block's."""
+    B, H, T, D = qs.shape
+    nk = T // bk
+    delta = rowdot(do, out)
+    dk = jnp.zeros((nk, B, H, bk, D), jnp.float32)
+    dv = jnp.zeros((nk, B, H, bk, v.shape[-1]), jnp.float32)
+    dqs = []
+    for i in range(T // bq):
+        rows = lambda x, i=i: x[:, :, i * bq:(i + 1) * bq]  # noqa: E731
+        qi, doi, li, di = rows(qs), rows(do), rows(lse), rows(delta)
+        full, seen = _visible(i, bq, bk, nk, causal)
+
+        def pair(dq, kj, vj, mask=None, qi=qi, doi=doi, li=li, di=di):
+            p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, kj) - li[..., None])
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vj) - di[..., None])
+            return dq + jnp.einsum("bhqk,bhkd->bhqd", ds, kj), (jnp.einsum("bhqk,bhqd->bhkd", ds, qi),
+                                                                jnp.einsum("bhqk,bhqd->bhkd", p, doi))
+
+        dq = jnp.zeros_like(qi)
+        if full:
+            dq, (dki, dvi) = jax.lax.scan(lambda c, kv: pair(c, *kv), dq,
+                                          (_key_blocks(k, 0, full, bk), _key_blocks(v, 0, full, bk)))
+            dk, dv = dk.at[:full].add(dki), dv.at[:full].add(dvi)
+        for j in range(full, seen):
+            dq, (dkj, dvj) = pair(dq, k[:, :, j * bk:(j + 1) * bk], v[:, :, j * bk:(j + 1) * bk],
+                                  _diag_mask(i, j, bq, bk))
+            dk, dv = dk.at[j].add(dkj), dv.at[j].add(dvj)
+        dqs.append(dq)
+    unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, H, T, x.shape[-1])  # noqa: E731
+    return jnp.concatenate(dqs, axis=2), unblock(dk), unblock(dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _self_blocks(q, k, v, causal, bq, bk):
+    return _self_forward(q * q.shape[-1] ** -0.5, k, v, causal, bq, bk)[0]
+
+
+def _self_blocks_fwd(q, k, v, causal, bq, bk):
+    qs = q * q.shape[-1] ** -0.5
+    out, lse = _self_forward(qs, k, v, causal, bq, bk)
+    return out, (qs, k, v, out, lse)
+
+
+def _self_blocks_bwd(causal, bq, bk, res, do):
+    qs, k, v, out, lse = res
+    dq, dk, dv = _self_backward(qs, k, v, out, lse, do, causal, bq, bk)
+    return dq * qs.shape[-1] ** -0.5, dk, dv
+
+
+_self_blocks.defvjp(_self_blocks_fwd, _self_blocks_bwd)
+
+# query blocks unrolled at most (each is a loop forward and one backward in the compiled program)
+MAX_UNROLLED_BLOCKS = 32
+
+
+def self_blocks_apply(T: int, block_q: int, block_k: int) -> bool:
+    """Whether a full pass over T tokens takes the unrolled self-attention path: whole blocks only, and not more
+    than MAX_UNROLLED_BLOCKS query blocks (longer passes take the position-general loop)."""
+    bq, bk = min(block_q, T), min(block_k, T)
+    return T % bq == 0 and T % bk == 0 and T // bq <= MAX_UNROLLED_BLOCKS
+
+
+def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: int):
+    """Exact self-attention of a full pass (query and key i at position i, every key real) by whole blocks: the
+    same function and backward as :func:`blockwise_attention` with positions ``arange(T)``; T must be a multiple
+    of both block sizes (:func:`self_blocks_apply`)."""
+    T = q.shape[2]
+    bq, bk = min(block_q, T), min(block_k, T)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return _self_blocks(f32(q), f32(k), f32(v), causal, bq, bk).astype(v.dtype)
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl: str, block_q: int, block_k: int, auto_threshold: int,
+           full_pass: bool = False):
+    """``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid, which allows the unrolled blocks."""
     if impl == "auto":
         impl = "blockwise" if q.shape[2] * k.shape[2] > auto_threshold else "naive"
     if impl == "naive":
         return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal)
+    if full_pass and self_blocks_apply(q.shape[2], block_q, block_k):
+        return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
     return blockwise_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k)
 
 
@@ -225,10 +365,11 @@ class DenseAttention(AttentionCore):
         return ml_collections.ConfigDict(
             {
                 "impl": "auto",  # 'naive' | 'blockwise' | 'auto' (blockwise when Tq*Tk > auto_threshold)
-                "block_q": 512,
-                # 256 keys per step: causal forward+backward at 8k (B 1, 4 heads of 64), block_k 512 -> 256:
-                # 1,704 / 1,792 -> 1,485 / 1,451 / 1,284 ms in one process (BENCHMARKS.md, 2026-11-24)
-                "block_k": 256,
+                # causal forward+backward at 8k (B 1, 4 heads of 64) on the Intel VM of sessions 28-30, unrolled full
+                # pass / position-general loop: 1024x512 923 / 1,029 ms, 512x512 985 / 1,085, 512x256 1,113 / 1,233
+                # (BENCHMARKS.md, session 30; the AMD EPYC of sessions 20-27 preferred 512x256 for the loop)
+                "block_q": 1024,
+                "block_k": 512,
                 "auto_threshold": 4096 * 4096,
                 # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
                 # newest init_state(max_len) keys (older keys are dropped on purpose).
@@ -261,11 +402,12 @@ class DenseAttention(AttentionCore):
                                                     directions=("bidirectional",), slow=True),
         }
 
-    def _attend(self, q, k, v, q_pos, k_pos, k_valid):
+    def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False):
         c = self.cfg
         return attend(
             q, k, v, q_pos, k_pos, k_valid,
             causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
+            full_pass=full_pass,
         )
 
     def init_state(self, batch_size: int, max_len: int | None = None):
@@ -301,7 +443,7 @@ class DenseAttention(AttentionCore):
         T = q.shape[2]
         pos = jnp.arange(T, dtype=jnp.int32)
         if state is None:
-            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool))
+            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True)
             new_state = (
                 {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "length": jnp.asarray(T, jnp.int32)}
                 if self.causal
@@ -329,4 +471,5 @@ class DenseAttention(AttentionCore):
         return out, new_state
 
 
-__all__ = ["DenseAttention", "attend", "blockwise_attention", "naive_attention", "positions_mask"]
+__all__ = ["DenseAttention", "attend", "blockwise_attention", "naive_attention", "positions_mask",
+           "self_blockwise_attention"]

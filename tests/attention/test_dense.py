@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from longctx import attention
-from longctx.attention.dense import blockwise_attention, naive_attention
+from longctx.attention import dense
+from longctx.attention.dense import blockwise_attention, naive_attention, self_blockwise_attention
 
 
 def np_softmax_attention(q, k, v, causal):
@@ -122,6 +123,40 @@ def test_blockwise_gradients_equal_naive_and_finite():
     for a, b in zip(g1, g2):
         assert np.all(np.isfinite(np.asarray(b)))
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bq,bk", [(8, 8), (16, 8), (8, 16), (32, 32)])
+def test_self_blocks_equal_naive_with_gradients(causal, bq, bk):
+    """The unrolled full-pass path (blocks wholly visible, blocks the diagonal crosses, a single block): output and
+    gradients equal the naive path's, in both directions and for block_q above, below and equal to block_k."""
+    T = 32
+    q, k, v = rand_qkv(T, seed=7, Dv=6)
+    pos, valid = jnp.arange(T), jnp.ones((T,), bool)
+    naive = lambda q, k, v: naive_attention(q, k, v, pos, pos, valid, causal=causal)  # noqa: E731
+    blocks = lambda q, k, v: self_blockwise_attention(q, k, v, causal=causal, block_q=bq, block_k=bk)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(blocks(q, k, v)), np.asarray(naive(q, k, v)), atol=2e-6)
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
+    g1 = jax.jit(jax.grad(loss(naive), argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.jit(jax.grad(loss(blocks), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_full_passes_take_the_self_blocks_only_when_they_apply(monkeypatch):
+    """A cache-free call of a length that whole blocks tile takes the unrolled path; a length they do not tile, a
+    call with a state and one with more than MAX_UNROLLED_BLOCKS query blocks take the position-general loop."""
+    taken = []
+    real = dense.self_blockwise_attention
+    monkeypatch.setattr(dense, "self_blockwise_attention", lambda *a, **kw: taken.append(a[0].shape[2]) or real(*a, **kw))
+    c = core(True, impl="blockwise", block_q=8, block_k=8)
+    for T in (32, 30):
+        c(*rand_qkv(T))
+    c(*rand_qkv(8), state=c.init_state(2, 64))
+    monkeypatch.setattr(dense, "MAX_UNROLLED_BLOCKS", 3)
+    c(*rand_qkv(32))
+    assert taken == [32]
+    assert dense.self_blocks_apply(64, 512, 256) and not dense.self_blocks_apply(1000, 512, 256)
 
 
 @pytest.mark.slow
