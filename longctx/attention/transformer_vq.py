@@ -218,13 +218,16 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 # against blocks: 1k (0.8M entries) 0.56 / 0.58 s, 4k (3.1M) 2.40 / 2.67 s, 16k (12.6M) 10.67 / 9.09 s.
 TILED_MIN_SCORES = 1 << 23
 # causal_blocks keeps each tile's attention weights from the forward for the backward (instead of recomputing the
-# scores and their exp from the saved log-sum-exp) when a call's B*H*T*(S+2L) is at most this many entries (64 MB
-# in fp32 per attention call, each GAU's held until its backward)
-KEEP_MAX_SCORES = 1 << 24
+# scores and their exp from the saved log-sum-exp) when a call's B*H*T*(S+2L) is at most this many entries: the
+# default of the config's keep_budget. 2^26 (256 MB in fp32 per attention call, each GAU's held until its
+# backward): the bench's 8k call (4 heads, L = S = 512; 50M entries) kept, fwd+bwd 499 -> 428 ms (BENCHMARKS.md,
+# session 30); 2^24 (session 28) kept only the release's shape up to 16k
+KEEP_MAX_SCORES = 1 << 26
 
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked
-def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256):
+def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256,
+                  keep_budget: int | None = None):
     """``causal_parallel(q_u, band_scores(q_v, r), ..., reduction='serial')`` computed one tile of
     ``q_tile`` queries at a time (nested ``lax.scan`` over blocks and the tiles of a block), with a
     FlashAttention-style backward that recomputes each tile's probabilities from the saved log-sum-exp.
@@ -249,7 +252,7 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)[:, ::-1]
     rh, Cs = (jnp.broadcast_to(x[None], (B,) + x.shape) for x in (rh, p["Cs"]))
     q_tile = math.gcd(L, max(1, min(q_tile, L)))
-    keep = B * H * qb.shape[2] * L * (S + 2 * L) <= KEEP_MAX_SCORES
+    keep = B * H * qb.shape[2] * L * (S + 2 * L) <= (KEEP_MAX_SCORES if keep_budget is None else keep_budget)
     o = _vq_blocks(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile, keep)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
     return o, _final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S)
@@ -575,6 +578,10 @@ class TransformerVQAttention(AttentionCore):
                 "p_dropsin": 0.0,  # dropout on the sinusoid table (training only)
                 "encoder_band": True,  # bidirectional: keep the exact symmetric band (False: Thm 3.5)
                 "impl": "xla",  # 'xla' | 'pallas' | 'auto'
+                # the tiled causal form keeps its attention weights for the backward when a call has at most this
+                # many scores B*H*T*(S+2L) (fp32 entries, held from each layer's forward to its backward unless
+                # model.remat recomputes the block); larger calls recompute them; 0 always recomputes
+                "keep_budget": KEEP_MAX_SCORES,
             }
         )
 
@@ -598,6 +605,7 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.beta >= 0.0, f"{p}.beta={cfg.beta}; must be >= 0")
         require(0.0 <= cfg.p_dropsin < 1.0, f"{p}.p_dropsin={cfg.p_dropsin}; allowed: 0 <= p < 1")
         require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
+        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
         require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
         # impl='pallas' runs the spec-9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
@@ -752,7 +760,8 @@ class TransformerVQAttention(AttentionCore):
                 o, new_state = vq_cache.vq_cache_attention(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L,
                                                            M=M, interpret=choice.interpret, platform=choice.platform)
             elif form == "blocks":
-                o, new_state = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, vv, C, state, L=L, M=M)
+                o, new_state = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, vv, C, state, L=L, M=M,
+                                             keep_budget=self.cfg.keep_budget)
             elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L, M=M,
                                                reduction=self.cfg.reduction)
