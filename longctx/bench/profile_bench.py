@@ -385,9 +385,10 @@ def _slow_section(res: dict, top: int) -> list[str]:
         return []
     return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
             "YNNPACK fusions that reduce the product of two operands into a result that keeps a dimension of size 1 "
-            "(batch 1, one head): XLA:CPU runs these 20-80x slower than the same sum as a dot. The rewrites, same arithmetic: "
-            "`longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose gradient sums "
-            "rows) and `flat_last` (a row norm over flattened rows).", "",
+            "(batch 1, one head): XLA:CPU can run these 20-80x slower than the same sum as a dot. The rewrites, same "
+            "arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
+            "gradient sums rows) and `flat_last` (a row norm over flattened rows); measure before and after (next to "
+            "large score passes a flagged op can be cheap, and a rewrite can cost more).", "",
             C.md_table(["op", "shape", "ms per call", "source"],
                        [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`"]
                         for o in slow[:top]])]
