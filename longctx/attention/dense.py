@@ -95,6 +95,32 @@ def _visit(step, causal: bool, qpi, kmi, carry, skipped):
     return jax.lax.cond(kmi <= jnp.max(qpi), step, skipped, carry)
 
 
+def _softmax_step(carry, qi, ki, vi, mask=None):
+    """One key block of the online softmax: carry (row max m, row sum l, unnormalised output acc) updated with the
+    scores of qi (pre-scaled) against ki; ``mask`` [bq, bk] (None: every key visible)."""
+    m, l, acc = carry
+    s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
+    if mask is not None:
+        s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    if mask is not None:  # a row that has seen no key yet has m_new = NEG_INF, where exp(s - m_new) = 1
+        p = jnp.where(mask, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
+
+
+def _pair_grads(qi, ki, vi, doi, lsei, di, mask=None):
+    """One (query block, key block) pair of FlashAttention-2's backward from the log-sum-exp lsei and
+    di = rowsum(dO * O): (its share of dq, dk, dv)."""
+    p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki) - lsei[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi) - di[..., None])
+    return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki), jnp.einsum("bhqk,bhqd->bhkd", ds, qi),
+            jnp.einsum("bhqk,bhqd->bhkd", p, doi))
+
+
 def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
     """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked.
     Returns the output blocks [nq, B, H, bq, Dv] and the log-sum-exp [nq, B, H, bq]
@@ -109,16 +135,7 @@ def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
             ki, vi, kpi, kvi, kmi = xs
 
             def compute(carry):
-                m, l, acc = carry
-                s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
-                mask = positions_mask(qpi, kpi, kvi, causal)
-                s = jnp.where(mask, s, NEG_INF)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                corr = jnp.exp(m - m_new)
-                l_new = l * corr + jnp.sum(p, axis=-1)
-                acc_new = acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
-                return m_new, l_new, acc_new
+                return _softmax_step(carry, qi, ki, vi, positions_mask(qpi, kpi, kvi, causal))
 
             return _visit(compute, causal, qpi, kmi, carry, lambda c: c), None
 
@@ -149,14 +166,8 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
             ki, vi, kpi, kvi, kmi = ys
 
             def compute(dq):
-                s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
-                mask = positions_mask(qpi, kpi, kvi, causal)
-                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)
-                dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vi)
-                ds = p * (dp - di[..., None])
-                dv = jnp.einsum("bhqk,bhqd->bhkd", p, doi)
-                dk = jnp.einsum("bhqk,bhqd->bhkd", ds, qi)
-                return dq + jnp.einsum("bhqk,bhkd->bhqd", ds, ki), (dk, dv)
+                dqi, dk, dv = _pair_grads(qi, ki, vi, doi, lsei, di, positions_mask(qpi, kpi, kvi, causal))
+                return dq + dqi, (dk, dv)
 
             return _visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
 
@@ -239,23 +250,14 @@ def _self_forward(qs, k, v, causal: bool, bq: int, bk: int):
         qi = qs[:, :, i * bq:(i + 1) * bq]
         full, seen = _visible(i, bq, bk, nk, causal)
 
-        def update(carry, kj, vj, mask=None, qi=qi):
-            m, l, acc = carry
-            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj)
-            if mask is not None:
-                s = jnp.where(mask, s, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vj)
-
         carry = (jnp.full((B, H, bq), NEG_INF, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
                  jnp.zeros((B, H, bq, v.shape[-1]), jnp.float32))
         if full:
-            carry, _ = jax.lax.scan(lambda c, kv: (update(c, *kv), None), carry,
+            carry, _ = jax.lax.scan(lambda c, kv, qi=qi: (_softmax_step(c, qi, *kv), None), carry,
                                     (_key_blocks(k, 0, full, bk), _key_blocks(v, 0, full, bk)))
         for j in range(full, seen):  # the blocks the diagonal crosses: masked
-            carry = update(carry, k[:, :, j * bk:(j + 1) * bk], v[:, :, j * bk:(j + 1) * bk], _diag_mask(i, j, bq, bk))
+            carry = _softmax_step(carry, qi, k[:, :, j * bk:(j + 1) * bk], v[:, :, j * bk:(j + 1) * bk],
+                                  _diag_mask(i, j, bq, bk))
         m, l, acc = carry
         outs.append(acc / l[..., None])  # l >= 1: the row max contributes exp(0)
         lses.append(m + jnp.log(l))
@@ -277,12 +279,8 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
         full, seen = _visible(i, bq, bk, nk, causal)
 
         def pair(dq, kj, vj, mask=None, qi=qi, doi=doi, li=li, di=di):
-            p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, kj) - li[..., None])
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
-            ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vj) - di[..., None])
-            return dq + jnp.einsum("bhqk,bhkd->bhqd", ds, kj), (jnp.einsum("bhqk,bhqd->bhkd", ds, qi),
-                                                                jnp.einsum("bhqk,bhqd->bhkd", p, doi))
+            dqi, dkj, dvj = _pair_grads(qi, kj, vj, doi, li, di, mask)
+            return dq + dqi, (dkj, dvj)
 
         dq = jnp.zeros_like(qi)
         if full:
