@@ -139,7 +139,7 @@ def softmax_mix(groups):
     # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs 3-40x slower when a dimension has
     # size 1 (one head, batch 1; longctx/xla_cpu.py)
     num = sum(jnp.einsum("...qn,...nd->...qd", p, vals) for p, (_, _, vals) in zip(probs, groups))
-    out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0])
+    out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0], precision=jax.lax.Precision.HIGHEST)
     lse = (m + jnp.log(den))[..., 0]
     return out, lse
 

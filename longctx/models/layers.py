@@ -32,7 +32,7 @@ class RMSNorm(nnx.Module):
 def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
     if kind == "layernorm":
         return LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
-                             bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs)
+                         bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs)
     if kind == "rmsnorm":
         return RMSNorm(dim)
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
