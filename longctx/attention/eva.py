@@ -269,15 +269,21 @@ def _kept_bwd(scale, halves, res, do):
     w = inv_den[..., None]
     do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
     pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
+    # the key-side gradients contract over the queries: from q and do_w transposed first ([d, Tq], small), the dots
+    # are plain [d, Tq] x [Tq, keys] products, which XLA:CPU hands to YNNPACK; contracting the row axis of both
+    # operands as laid out fell back to a generic dot at ~100-170 GFLOP/s (chunk part -4 %, local part more:
+    # BENCHMARKS.md, session 31). The barrier keeps XLA from folding the transposes back into the dots.
+    q_t, dow_t = jax.lax.optimization_barrier((jnp.swapaxes(q, -1, -2), jnp.swapaxes(do_w, -1, -2)))
     dq_loc, dk, dv, dbias = [], 0.0, 0.0, []
     for p, piece in zip(p_loc, _local_pieces(Tq, Tk, halves)):
         r0, r1, nk = piece
         rows = lambda x, r0=r0, r1=r1: x[:, :, :, r0:r1]  # noqa: E731
+        cols = lambda x, r0=r0, r1=r1: x[..., r0:r1]  # noqa: E731
         ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk], precision=HIGHEST)
                             - rows(delta))
         dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk], precision=HIGHEST))
-        dk = dk + pad(jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", rows(q), ds, precision=HIGHEST), -1, -2), nk)
-        dv = dv + pad(jnp.swapaxes(jnp.einsum("bhnqd,bhnqk->bhndk", rows(do_w), p, precision=HIGHEST), -1, -2), nk)
+        dk = dk + pad(jnp.swapaxes(jnp.einsum("bhndq,bhnqk->bhndk", cols(q_t), ds, precision=HIGHEST), -1, -2), nk)
+        dv = dv + pad(jnp.swapaxes(jnp.einsum("bhndq,bhnqk->bhndk", cols(dow_t), p, precision=HIGHEST), -1, -2), nk)
         if bias is not None:
             g = _bias_grad(bias[..., r0:r1, :nk], ds)
             dbias.append(g if nk == Tk else jnp.pad(g, [(0, 0)] * 3 + [(0, Tk - nk)]))
@@ -285,8 +291,9 @@ def _kept_bwd(scale, halves, res, do):
     ds_ch = p_ch * w * (dp_ch - delta)
     dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
-    dk_hat = scale * jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(q), flat(ds_ch), precision=HIGHEST), -1, -2)
-    dbeta = jnp.swapaxes(jnp.einsum("bhmd,bhmc->bhdc", flat(do_w), flat(p_ch), precision=HIGHEST), -1, -2)
+    flat_t = lambda x: jnp.moveaxis(x, 2, 3).reshape(x.shape[:2] + (x.shape[3], N * Tq))  # noqa: E731 -- [B,H,d,N*Tq]
+    dk_hat = scale * jnp.swapaxes(jnp.einsum("bhdm,bhmc->bhdc", flat_t(q_t), flat(ds_ch), precision=HIGHEST), -1, -2)
+    dbeta = jnp.swapaxes(jnp.einsum("bhdm,bhmc->bhdc", flat_t(dow_t), flat(p_ch), precision=HIGHEST), -1, -2)
     dbias = None if bias is None else jnp.concatenate(dbias, axis=2)
     return dq, scale * dk, dv, dk_hat, dbeta, dbias, None, None, None
 
@@ -466,12 +473,24 @@ def tile_groups(n_tiles: int, tile: int, P: int, C: int, causal: bool, groups: i
     tiles. A causal query at n sees chunks c < n // P only, so a group whose last query is n_max is given
     chunks 0..(n_max // P) - 1 and the chunks hidden from all of its queries are never scored (about
     (G+1)/(2G) of the chunk work for G groups). The chunks dropped are exactly ones the mask would
-    zero, so the result is unchanged. Bidirectional: one group with all C chunks."""
+    zero, so the result is unchanged. Bidirectional: one group with all C chunks.
+
+    A count of 64 or more is rounded up to a multiple of :data:`CHUNK_ALIGN` (at most C; the chunks added are
+    masked): the causal counts are one short of a round number (1023 at 8k), and XLA:CPU ran the fused passes over
+    [tile, 1023]-wide logits about 4x slower than over 1024-wide ones (causal fwd+bwd at 8k -6 %; BENCHMARKS.md)."""
     if not causal:
         return [(0, n_tiles, C)]
     g = max(1, min(groups, n_tiles))
     bounds = [round(i * n_tiles / g) for i in range(g + 1)]
-    return [(lo, hi, max(1, min(C, (hi * tile - 1) // P))) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    return [(lo, hi, _aligned(max(1, min(C, (hi * tile - 1) // P)), C))
+            for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+CHUNK_ALIGN = 16
+
+
+def _aligned(nc: int, C: int) -> int:
+    return nc if nc < 4 * CHUNK_ALIGN else min(C, -(-nc // CHUNK_ALIGN) * CHUNK_ALIGN)
 
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
