@@ -110,15 +110,26 @@ def _softmax_step(carry, qi, ki, vi, mask=None):
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
 
 
-def _pair_grads(qi, ki, vi, doi, lsei, di, mask=None):
+def _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None):
     """One (query block, key block) pair of FlashAttention-2's backward from the log-sum-exp lsei and
-    di = rowsum(dO * O): (its share of dq, dk, dv)."""
+    di = rowsum(dO * O): its share of dq [.., bq, D] and, transposed, of dk [.., D, bk] and dv [.., Dv, bk].
+
+    The key-side gradients contract over the queries; they are taken from qi_t, doi_t (qi, doi transposed,
+    [.., D, bq], by the caller once per query block, see :func:`_transposed`) as plain [D, bq] x [bq, bk]
+    products, which XLA:CPU runs in YNNPACK; contracting the row axis of both operands as laid out fell back to a
+    generic dot at about half the rate (BENCHMARKS.md, session 31)."""
     p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki) - lsei[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi) - di[..., None])
-    return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki), jnp.einsum("bhqk,bhqd->bhkd", ds, qi),
-            jnp.einsum("bhqk,bhqd->bhkd", p, doi))
+    return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki), jnp.einsum("bhdq,bhqk->bhdk", qi_t, ds),
+            jnp.einsum("bhdq,bhqk->bhdk", doi_t, p))
+
+
+def _transposed(*xs):
+    """The last two axes of each x swapped, materialised: the barrier keeps XLA from folding the transposes back
+    into the dots that read them (:func:`_pair_grads`)."""
+    return jax.lax.optimization_barrier(tuple(jnp.swapaxes(x, -1, -2) for x in xs))
 
 
 def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
@@ -157,16 +168,17 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
     each visible (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
     delta = rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O), as a dot (longctx.xla_cpu)
-    zeros_k, zeros_v = jnp.zeros(kb.shape[1:], jnp.float32), jnp.zeros(vb.shape[1:], jnp.float32)
+    qb_t, dob_t = _transposed(qb, dob)
+    zeros_k, zeros_v = (jnp.zeros(x.shape[1:-2] + x.shape[:-3:-1], jnp.float32) for x in (kb, vb))  # [B,H,D,bk]
 
     def query_block(dkv, xs):
-        qi, doi, lsei, di, qpi = xs
+        qi, doi, lsei, di, qpi, qi_t, doi_t = xs
 
         def key_block(dq, ys):
             ki, vi, kpi, kvi, kmi = ys
 
             def compute(dq):
-                dqi, dk, dv = _pair_grads(qi, ki, vi, doi, lsei, di, positions_mask(qpi, kpi, kvi, causal))
+                dqi, dk, dv = _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, positions_mask(qpi, kpi, kvi, causal))
                 return dq + dqi, (dk, dv)
 
             return _visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
@@ -174,9 +186,9 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
         dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros_like(qi), (kb, vb, kposb, kvalb, kmin))
         return (dkv[0] + dk, dkv[1] + dv), dq
 
-    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
-    (dk, dv), dq = jax.lax.scan(query_block, init, (qb, dob, lseb, delta, qposb))
-    return dq, dk, dv
+    init = tuple(jnp.zeros(x.shape[:1] + zeros.shape, jnp.float32) for x, zeros in ((kb, zeros_k), (vb, zeros_v)))
+    (dk, dv), dq = jax.lax.scan(query_block, init, (qb, dob, lseb, delta, qposb, qb_t, dob_t))
+    return dq, jnp.swapaxes(dk, -1, -2), jnp.swapaxes(dv, -1, -2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -270,16 +282,18 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
     B, H, T, D = qs.shape
     nk = T // bk
     delta = rowdot(do, out)
-    dk = jnp.zeros((nk, B, H, bk, D), jnp.float32)
-    dv = jnp.zeros((nk, B, H, bk, v.shape[-1]), jnp.float32)
+    qs_t, do_t = _transposed(qs, do)  # [B,H,D,T]
+    dk = jnp.zeros((nk, B, H, D, bk), jnp.float32)  # transposed, as _pair_grads gives them
+    dv = jnp.zeros((nk, B, H, v.shape[-1], bk), jnp.float32)
     dqs = []
     for i in range(T // bq):
         rows = lambda x, i=i: x[:, :, i * bq:(i + 1) * bq]  # noqa: E731
-        qi, doi, li, di = rows(qs), rows(do), rows(lse), rows(delta)
+        cols = lambda x, i=i: x[..., i * bq:(i + 1) * bq]  # noqa: E731
+        qi, doi, li, di, qi_t, doi_t = rows(qs), rows(do), rows(lse), rows(delta), cols(qs_t), cols(do_t)
         full, seen = _visible(i, bq, bk, nk, causal)
 
-        def pair(dq, kj, vj, mask=None, qi=qi, doi=doi, li=li, di=di):
-            dqi, dkj, dvj = _pair_grads(qi, kj, vj, doi, li, di, mask)
+        def pair(dq, kj, vj, mask=None, qi=qi, doi=doi, li=li, di=di, qi_t=qi_t, doi_t=doi_t):
+            dqi, dkj, dvj = _pair_grads(qi, kj, vj, doi, li, di, qi_t, doi_t, mask)
             return dq + dqi, (dkj, dvj)
 
         dq = jnp.zeros_like(qi)
@@ -293,7 +307,7 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
             dk, dv = dk.at[j].add(dkj), dv.at[j].add(dvj)
         dqs.append(dq)
     unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, H, T, x.shape[-1])  # noqa: E731
-    return jnp.concatenate(dqs, axis=2), unblock(dk), unblock(dv)
+    return jnp.concatenate(dqs, axis=2), unblock(jnp.swapaxes(dk, -1, -2)), unblock(jnp.swapaxes(dv, -1, -2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
