@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
-from longctx.xla_cpu import rowdot
+from longctx.xla_cpu import rowdot, rows_dot, transposed
 
 NEG_INF = -1e30
 
@@ -115,21 +115,14 @@ def _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None):
     di = rowsum(dO * O): its share of dq [.., bq, D] and, transposed, of dk [.., D, bk] and dv [.., Dv, bk].
 
     The key-side gradients contract over the queries; they are taken from qi_t, doi_t (qi, doi transposed,
-    [.., D, bq], by the caller once per query block, see :func:`_transposed`) as plain [D, bq] x [bq, bk]
-    products, which XLA:CPU runs in YNNPACK; contracting the row axis of both operands as laid out fell back to a
-    generic dot at about half the rate (BENCHMARKS.md, session 31)."""
+    [.., D, bq], by the caller once per pass) as plain [D, bq] x [bq, bk] products (``longctx.xla_cpu.rows_dot``:
+    contracting the row axis of both operands as laid out, XLA:CPU fell back to a generic dot at about half the
+    rate; causal fwd+bwd 8k -19 %, BENCHMARKS.md, session 31)."""
     p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki) - lsei[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi) - di[..., None])
-    return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki), jnp.einsum("bhdq,bhqk->bhdk", qi_t, ds),
-            jnp.einsum("bhdq,bhqk->bhdk", doi_t, p))
-
-
-def _transposed(*xs):
-    """The last two axes of each x swapped, materialised: the barrier keeps XLA from folding the transposes back
-    into the dots that read them (:func:`_pair_grads`)."""
-    return jax.lax.optimization_barrier(tuple(jnp.swapaxes(x, -1, -2) for x in xs))
+    return jnp.einsum("bhqk,bhkd->bhqd", ds, ki), rows_dot(qi_t, ds), rows_dot(doi_t, p)
 
 
 def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
@@ -168,7 +161,7 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
     each visible (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
     delta = rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O), as a dot (longctx.xla_cpu)
-    qb_t, dob_t = _transposed(qb, dob)
+    qb_t, dob_t = transposed(qb, dob)
     zeros_k, zeros_v = (jnp.zeros(x.shape[1:-2] + x.shape[:-3:-1], jnp.float32) for x in (kb, vb))  # [B,H,D,bk]
 
     def query_block(dkv, xs):
@@ -282,7 +275,7 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
     B, H, T, D = qs.shape
     nk = T // bk
     delta = rowdot(do, out)
-    qs_t, do_t = _transposed(qs, do)  # [B,H,D,T]
+    qs_t, do_t = transposed(qs, do)  # [B,H,D,T]
     dk = jnp.zeros((nk, B, H, D, bk), jnp.float32)  # transposed, as _pair_grads gives them
     dv = jnp.zeros((nk, B, H, v.shape[-1], bk), jnp.float32)
     dqs = []

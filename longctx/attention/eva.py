@@ -46,7 +46,7 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from longctx.xla_cpu import rowdot, scale_rows
+from longctx.xla_cpu import rowdot, rows_dot, scale_rows, transposed
 from pallas_kernels import eva_attend, eva_attend_ref, eva_chunks
 
 # Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
@@ -270,10 +270,8 @@ def _kept_bwd(scale, halves, res, do):
     do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
     pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
     # the key-side gradients contract over the queries: from q and do_w transposed first ([d, Tq], small), the dots
-    # are plain [d, Tq] x [Tq, keys] products, which XLA:CPU hands to YNNPACK; contracting the row axis of both
-    # operands as laid out fell back to a generic dot at ~100-170 GFLOP/s (chunk part -4 %, local part more:
-    # BENCHMARKS.md, session 31). The barrier keeps XLA from folding the transposes back into the dots.
-    q_t, dow_t = jax.lax.optimization_barrier((jnp.swapaxes(q, -1, -2), jnp.swapaxes(do_w, -1, -2)))
+    # are plain [d, Tq] x [Tq, keys] products (longctx.xla_cpu.rows_dot; core fwd+bwd 8k -9 %)
+    q_t, dow_t = transposed(q, do_w)
     dq_loc, dk, dv, dbias = [], 0.0, 0.0, []
     for p, piece in zip(p_loc, _local_pieces(Tq, Tk, halves)):
         r0, r1, nk = piece
@@ -282,8 +280,8 @@ def _kept_bwd(scale, halves, res, do):
         ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk], precision=HIGHEST)
                             - rows(delta))
         dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk], precision=HIGHEST))
-        dk = dk + pad(jnp.swapaxes(jnp.einsum("bhndq,bhnqk->bhndk", cols(q_t), ds, precision=HIGHEST), -1, -2), nk)
-        dv = dv + pad(jnp.swapaxes(jnp.einsum("bhndq,bhnqk->bhndk", cols(dow_t), p, precision=HIGHEST), -1, -2), nk)
+        dk = dk + pad(jnp.swapaxes(rows_dot(cols(q_t), ds, HIGHEST), -1, -2), nk)
+        dv = dv + pad(jnp.swapaxes(rows_dot(cols(dow_t), p, HIGHEST), -1, -2), nk)
         if bias is not None:
             g = _bias_grad(bias[..., r0:r1, :nk], ds)
             dbias.append(g if nk == Tk else jnp.pad(g, [(0, 0)] * 3 + [(0, Tk - nk)]))
@@ -292,8 +290,8 @@ def _kept_bwd(scale, halves, res, do):
     dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     flat_t = lambda x: jnp.moveaxis(x, 2, 3).reshape(x.shape[:2] + (x.shape[3], N * Tq))  # noqa: E731 -- [B,H,d,N*Tq]
-    dk_hat = scale * jnp.swapaxes(jnp.einsum("bhdm,bhmc->bhdc", flat_t(q_t), flat(ds_ch), precision=HIGHEST), -1, -2)
-    dbeta = jnp.swapaxes(jnp.einsum("bhdm,bhmc->bhdc", flat_t(dow_t), flat(p_ch), precision=HIGHEST), -1, -2)
+    dk_hat = scale * jnp.swapaxes(rows_dot(flat_t(q_t), flat(ds_ch), HIGHEST), -1, -2)
+    dbeta = jnp.swapaxes(rows_dot(flat_t(dow_t), flat(p_ch), HIGHEST), -1, -2)
     dbias = None if bias is None else jnp.concatenate(dbias, axis=2)
     return dq, scale * dk, dv, dk_hat, dbeta, dbias, None, None, None
 
