@@ -9,6 +9,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_dots import mix, scores  # noqa: F401  (attention's einsums, key-side gradients as plain dots)
+
 
 def flat_last(fn, x):
     """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``, its output ``[N, ...]`` reshaped back, on CPU.
@@ -59,8 +61,10 @@ def rows_dot(a_t, b, precision=None):
     ``[..., d, keys]``). Written as that contraction of the row axis of both operands, XLA:CPU falls back to a
     generic dot at 100-170 GFLOP/s (where YNNPACK runs the plain ``[i, q] x [q, j]`` product at ~230; session 31:
     dense causal fwd+bwd 8k -19 %, eva -9 %). Transposing ``a`` (``[q, d]``, small beside ``b``'s ``[q, keys]``) costs
-    one pass over it; transpose it once per block row, not per pair. ``precision`` as the caller's other dots."""
+    one pass over it; transpose it once per block row, not per pair. ``precision`` as the caller's other dots.
+    For autodiff, :func:`scores` and :func:`mix` (``pallas_kernels/cpu_dots.py``) are the einsums ``q kᵀ`` and
+    ``p v`` with this backward built in."""
     return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision)
 
 
-__all__ = ["flat_last", "rowdot", "rows_dot", "scale_rows", "transposed"]
+__all__ = ["flat_last", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]

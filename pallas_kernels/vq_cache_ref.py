@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_dots import mix, scores
+
 NEG = -1e30
 sg = jax.lax.stop_gradient
 
@@ -138,7 +140,7 @@ def softmax_mix(groups):
     # the value matmuls first, then one scaling by 1 / den written as an einsum: the gradient's sum over the row
     # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs 3-40x slower when a dimension has
     # size 1 (one head, batch 1; longctx/xla_cpu.py)
-    num = sum(jnp.einsum("...qn,...nd->...qd", p, vals) for p, (_, _, vals) in zip(probs, groups))
+    num = sum(mix(p, vals) for p, (_, _, vals) in zip(probs, groups))
     out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0], precision=jax.lax.Precision.HIGHEST)
     lse = (m + jnp.log(den))[..., 0]
     return out, lse
@@ -261,8 +263,8 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
     qb, kx, vx, validx, cn, R = p["qb"], p["kx"], p["vx"], p["validx"], p["cn"], p["qb"].shape[2]
     bias = skew_bias(p["bdb"], L, 2 * L)  # [B,H,R,L,2L]: bd[i, L + i - j] for 0 <= L + i - j <= M
     s_c = jnp.einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
-    s_p = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, :R]) + bias[..., :L]
-    s_r = jnp.einsum("bhrld,bhrjd->bhrlj", qb, kx[:, :, 1:]) + bias[..., L:]
+    s_p = scores(qb, kx[:, :, :R]) + bias[..., :L]  # scores, mix: einsums whose dk, dv stay fast on XLA:CPU
+    s_r = scores(qb, kx[:, :, 1:]) + bias[..., L:]
     mask_c = (cn > 0)[:, :, :, None, :]
     mask_p = validx[:R][:, None, :]
     mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
