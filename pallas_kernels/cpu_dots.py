@@ -33,40 +33,30 @@ def _rows_dot_t(a, b, precision):
     return jnp.swapaxes(_barrier(jnp.einsum("...di,...ij->...dj", a_t, b, precision=precision)), -1, -2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scores(q, k, precision):
-    return jnp.einsum("...id,...jd->...ij", q, k, precision=precision)
+def _einsum_with_grads(spec: str, grads):
+    """``einsum(spec, a, b)`` whose backward is ``grads(a, b, g, precision) -> (da, db)``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def f(a, b, precision):
+        return jnp.einsum(spec, a, b, precision=precision)
+
+    def f_fwd(a, b, precision):
+        return f(a, b, precision), (a, b)
+
+    def f_bwd(precision, res, g):
+        a, b = res
+        da, db = grads(a, b, g, precision)
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
 
 
-def _scores_fwd(q, k, precision):
-    return _scores(q, k, precision), (q, k)
-
-
-def _scores_bwd(precision, res, g):
-    q, k = res
-    dq = jnp.einsum("...ij,...jd->...id", g, k, precision=precision)
-    return dq.astype(q.dtype), _rows_dot_t(q, g, precision).astype(k.dtype)
-
-
-_scores.defvjp(_scores_fwd, _scores_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mix(p, v, precision):
-    return jnp.einsum("...ij,...jd->...id", p, v, precision=precision)
-
-
-def _mix_fwd(p, v, precision):
-    return _mix(p, v, precision), (p, v)
-
-
-def _mix_bwd(precision, res, g):
-    p, v = res
-    dp = jnp.einsum("...id,...jd->...ij", g, v, precision=precision)
-    return dp.astype(p.dtype), _rows_dot_t(g, p, precision).astype(v.dtype)
-
-
-_mix.defvjp(_mix_fwd, _mix_bwd)
+# s = q kᵀ: dq = ds k, dk = dsᵀ q;  o = p v: dp = do vᵀ, dv = pᵀ do
+_scores = _einsum_with_grads("...id,...jd->...ij", lambda q, k, g, pr: (
+    jnp.einsum("...ij,...jd->...id", g, k, precision=pr), _rows_dot_t(q, g, pr)))
+_mix = _einsum_with_grads("...ij,...jd->...id", lambda p, v, g, pr: (
+    jnp.einsum("...id,...jd->...ij", g, v, precision=pr), _rows_dot_t(g, p, pr)))
 
 
 def scores(q, k, precision=None):
