@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_dots import mix, scores
+
 NEG = -1e30
 
 
@@ -113,7 +115,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         rep = m // coarse[1].shape[3]
         coarse = (coarse[0],) + tuple(jnp.repeat(x, rep, axis=3) for x in coarse[1:])
     kwin, vwin = _blocks_of(kg, G, w, m), _blocks_of(vg, G, w, m)
-    s_f = jnp.einsum("bhgid,bhgjd->bhgij", qg, kwin)
+    s_f = scores(qg, kwin)  # cpu_dots: the key-side gradients as plain dots on XLA:CPU
     c = jnp.arange(G)
     qpos = (blk0 + c)[:, None] * m + jnp.arange(m)[None, :]  # [G, m]
     kpos = (blk0 + c - 1)[:, None] * m + jnp.arange(w * m)[None, :]  # [G, w m]
@@ -126,7 +128,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     if kind == "packed":
         _, kc, vc, cb = coarse
         valid_c = (cb > NEG / 2)[:, None, :]  # [G,1,C]
-        s_c = jnp.einsum("bhgid,bhgcd->bhgic", qg, kc) + cb[:, None, :]
+        s_c = scores(qg, kc) + cb[:, None, :]
         s_c = jnp.where(valid_c, s_c, NEG)
         mx = jnp.maximum(mx, jnp.max(s_c, axis=-1))
     elif kind == "stats":
@@ -147,9 +149,9 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         p_f = jnp.where(jax.random.bernoulli(kf, keep, p_f.shape), p_f / keep, 0.0)
         if kind == "packed":
             p_c = jnp.where(jax.random.bernoulli(kc_, keep, p_c.shape), p_c / keep, 0.0)
-    num = jnp.einsum("bhgij,bhgjf->bhgif", p_f, vwin)
+    num = mix(p_f, vwin)
     if kind == "packed":
-        num = num + jnp.einsum("bhgic,bhgcf->bhgif", p_c, vc)
+        num = num + mix(p_c, vc)
     elif kind == "stats":
         num = num + coarse[2] * sc[..., None]
     # num times 1 / den as an einsum: its gradient's row sum is then a dot, not a multiply-and-reduce, which

@@ -134,10 +134,28 @@ def slow_reduce(body: list[str]) -> bool:
     return False
 
 
+def row_dot(line: str, shapes: dict) -> bool:
+    """Whether an unfused ``dot`` instruction contracts the second-to-last axis of its left operand (the rows of a
+    ``[.., rows, d]`` array: ``dk = dsᵀ q`` as autodiff writes it): XLA:CPU (jax 0.10.2) does not give that form to
+    YNNPACK and runs it as a generic dot at 100-170 GFLOP/s, where YNNPACK runs the plain product at ~230
+    (``longctx.xla_cpu.rows_dot``, ``scores``, ``mix``; BENCHMARKS.md, session 31)."""
+    im = _INSTR.match(line)
+    if not im or im[3] != "dot":
+        return False
+    lhs = re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])
+    contracting = re.search(r"lhs_contracting_dims=\{(\d+)\}", line)
+    dims = re.match(r"\w+\[([\d,]*)\]", shapes.get(lhs[0], "")) if lhs else None
+    if not (contracting and dims):
+        return False
+    rank = len([d for d in dims[1].split(",") if d])
+    return rank >= 2 and int(contracting[1]) == rank - 2
+
+
 def hlo_index(text: str, root: Path = REPO) -> dict:
     """name -> {shape, opcode, root, op_name, source, slow_path} for every instruction of the module text; a fusion
     without metadata of its own takes its fused computation's root's, else that of the last fused instruction with
-    a source frame. ``slow_path``: a YNNPACK fusion :func:`slow_reduce` flags."""
+    a source frame. ``slow_path``: False, or why the op may be one of XLA:CPU's slow paths: 'row sum' (a YNNPACK
+    fusion :func:`slow_reduce` flags) or 'row dot' (:func:`row_dot`)."""
     tables = _stack_tables(text)
     comps, cur, instrs = {}, None, {}
     for line in text.splitlines():
@@ -157,6 +175,7 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
     metas = {name: roots[name] if "stack_frame_id" in roots[name]
              else next((ln for ln in reversed(body) if "stack_frame_id" in ln), roots[name])
              for name, body in comps.items()}
+    shapes = {name: _INSTR.match(line)[2] for name, line in instrs.items()}
     out, sources = {}, {}  # sources: frame id -> its line (one walk per frame)
     for name, line in instrs.items():
         im = _INSTR.match(line)
@@ -171,7 +190,8 @@ def hlo_index(text: str, root: Path = REPO) -> dict:
         out[name] = {"shape": im[2], "opcode": im[3], "root": root_op[3] if root_op else None,
                      "op_name": op_name[1] if op_name else "",
                      "source": (sources[int(frame[1])] if frame else None) or NO_SOURCE,
-                     "slow_path": bool(called) and "__ynn_fusion" in line and slow_reduce(comps.get(called[1], [])),
+                     "slow_path": ("row sum" if called and "__ynn_fusion" in line and slow_reduce(comps.get(called[1], []))
+                                   else "row dot" if row_dot(line, shapes) else False),
                      "operands": re.findall(r"%([\w.\-]+)", im[4].split("), ")[0])}
     direct = {name: rec["source"] for name, rec in out.items() if rec["source"] != NO_SOURCE}
     for rec in out.values():  # an op without a frame (XLA made it): the source of its first operand that has one
@@ -384,11 +404,14 @@ def _slow_section(res: dict, top: int) -> list[str]:
     if not slow:
         return []
     return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
-            "YNNPACK fusions that reduce the product of two operands into a result that keeps a dimension of size 1 "
-            "(batch 1, one head): XLA:CPU can run these 20-80x slower than the same sum as a dot. The rewrites, same "
-            "arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
-            "gradient sums rows) and `flat_last` (a row norm over flattened rows); measure before and after (next to "
-            "large score passes a flagged op can be cheap, and a rewrite can cost more).", "",
-            C.md_table(["op", "shape", "ms per call", "source"],
-                       [[f"`{o['name']}`", f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`"]
+            "'row sum': a YNNPACK fusion that reduces the product of two operands into a result that keeps a dimension "
+            "of size 1 (batch 1, one head); XLA:CPU can run these 20-80x slower than the same sum as a dot. Rewrites, "
+            "same arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
+            "gradient sums rows), `flat_last` (a row norm over flattened rows). 'row dot': a dot that contracts the "
+            "rows of its left operand (`dk = dsᵀ q` as autodiff writes it), which XLA:CPU runs as a generic dot at "
+            "about half YNNPACK's rate; rewrites: `longctx.xla_cpu.rows_dot` on a `transposed` operand (a hand-written "
+            "backward) or the einsums `scores` / `mix` (autodiff). Measure before and after (next to large score "
+            "passes a flagged op can be cheap, and a rewrite can cost more).", "",
+            C.md_table(["op", "why", "shape", "ms per call", "source"],
+                       [[f"`{o['name']}`", o["slow_path"], f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`"]
                         for o in slow[:top]])]

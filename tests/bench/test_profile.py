@@ -68,7 +68,7 @@ def test_slow_reduce_flags_a_product_with_a_size_one_dimension():
     flags = lambda f, shape: {r["slow_path"] for r in hlo_index(  # noqa: E731
         jax.jit(f).lower(jnp.ones(shape), jnp.ones(shape)).compile().as_text()).values()}
     product = lambda a, b: jnp.sum(a * b, axis=-1)  # noqa: E731
-    assert True in flags(product, (1, 4, 64, 16))
+    assert "row sum" in flags(product, (1, 4, 64, 16))
     assert flags(product, (2, 4, 64, 16)) == {False}
     assert flags(lambda a, b: jnp.sum(a * a, axis=-1) + b[..., 0], (1, 4, 64, 16)) == {False}
     assert flags(lambda a, b: jnp.einsum("...d,...d->...", a, b), (1, 4, 64, 16)) == {False}
@@ -77,6 +77,24 @@ def test_slow_reduce_flags_a_product_with_a_size_one_dimension():
     folded = body[:3] + ["ROOT %r.1 = f32[] reduce(%m.1, %c.1), dimensions={0,1}"]
     assert profile_bench.slow_reduce(body) and not profile_bench.slow_reduce(folded)
     assert not profile_bench.slow_reduce(body[:3])
+
+
+def test_row_dot_flags_a_dot_contracting_the_rows_of_its_left_operand():
+    """dk = dsᵀ q as autodiff writes it (a dot over the rows of both operands) is flagged; the same product from q
+    transposed first (longctx.xla_cpu.rows_dot) and a plain q kᵀ are not."""
+    from longctx.xla_cpu import rows_dot, transposed
+
+    def flags(f, a, b):
+        index = hlo_index(jax.jit(f).lower(a, b).compile().as_text())
+        return {r["slow_path"] for r in index.values() if r["opcode"] == "dot"}
+
+    ds, q = jnp.ones((4, 256, 128)), jnp.ones((4, 256, 64))
+    assert "row dot" in flags(lambda ds, q: jnp.einsum("bqk,bqd->bkd", ds, q), ds, q)
+    assert "row dot" not in flags(lambda ds, q: rows_dot(transposed(q), ds), ds, q)
+    assert "row dot" not in flags(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), q, q)
+    line = "%dot.1 = f32[4,64,128]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={1}"
+    assert profile_bench.row_dot(line, {"a": "f32[4,256,64]{2,1,0}"})
+    assert not profile_bench.row_dot(line.replace("={1}", "={2}"), {"a": "f32[4,256,64]{2,1,0}"})
 
 
 @pytest.mark.parametrize("extra", [["--method", "dense:naive"], ["--method", "eva", "--forward_only"],
