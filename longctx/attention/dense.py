@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
 from longctx.xla_cpu import rowdot, rows_dot, transposed
@@ -244,7 +245,9 @@ def _first_row(i: int, j: int, bq: int, bk: int) -> int:
 
 
 def _diag_mask(i: int, j: int, bq: int, bk: int):
-    return (j * bk + jnp.arange(bk))[None, :] <= (i * bq + jnp.arange(bq))[:, None]
+    """[bq, bk] causal mask of query block i against key block j, as a numpy constant: XLA:CPU ran the exp and
+    select fusions about 2x slower with the mask computed in them from iotas (BENCHMARKS.md, session 31)."""
+    return (j * bk + np.arange(bk))[None, :] <= (i * bq + np.arange(bq))[:, None]
 
 
 def _key_blocks(x, lo: int, hi: int, bk: int):
