@@ -270,8 +270,8 @@ def _self_forward(qs, k, v, causal: bool, bq: int, bk: int):
         carry = (jnp.full((B, H, bq), NEG_INF, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
                  jnp.zeros((B, H, bq, v.shape[-1]), jnp.float32))
         if full:
-            carry, _ = jax.lax.scan(lambda c, kv, qi=qi: (_softmax_step(c, qi, *kv), None), carry,
-                                    (kb[:full], vb[:full]))
+            # a loop over block indices reading kb, vb in place (a scan over kb[:full] copied the slice every time)
+            carry = jax.lax.fori_loop(0, full, lambda j, c, qi=qi: _softmax_step(c, qi, kb[j], vb[j]), carry)
         for j in range(full, seen):  # the blocks the diagonal crosses: masked, from the first row that sees them
             r0 = _first_row(i, j, bq, bk)
             tail = _softmax_step(tuple(c[:, :, r0:] for c in carry), qi[:, :, r0:], k[:, :, j * bk:(j + 1) * bk],
@@ -306,9 +306,12 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
 
         dq = jnp.zeros_like(qi)
         if full:
-            dq, (dki, dvi) = jax.lax.scan(lambda c, kv: pair(c, *kv), dq,
-                                          (kb[:full], vb[:full]))
-            dk, dv = dk.at[:full].add(dki), dv.at[:full].add(dvi)
+            def visible_block(j, c, pair=pair):  # dk, dv of key block j updated in place
+                dq, dk, dv = c
+                dq, (dkj, dvj) = pair(dq, kb[j], vb[j])
+                return dq, dk.at[j].add(dkj), dv.at[j].add(dvj)
+
+            dq, dk, dv = jax.lax.fori_loop(0, full, visible_block, (dq, dk, dv))
         for j in range(full, seen):  # as the forward: the rows from the first that sees key block j
             r0 = _first_row(i, j, bq, bk)
             dqi, dkj, dvj = _pair_grads(qi[:, :, r0:], k[:, :, j * bk:(j + 1) * bk], v[:, :, j * bk:(j + 1) * bk],
