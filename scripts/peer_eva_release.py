@@ -92,19 +92,21 @@ def our_layer(d_model: int, heads: int, window: int, chunk: int, proj: bool = Tr
                    for n, k in zip(("q", "k", "v", "o"), ks)} if proj else {}
     params = {"core": core_params, "proj": proj_params}
 
-    def layer(params, x):  # x [B, T, d_model]
+    def layer(params, x, key):  # x [B, T, d_model]
         B, T, _ = x.shape
         heads_of = lambda y: y.reshape(B, T, heads, D).transpose(0, 2, 1, 3)  # noqa: E731
         # the models' Linear layers (longctx.models.layers.Linear) apply their matmul to [B*T, d]: flat_last
         lin = (lambda y, n: flat_last(lambda z: z @ params["proj"][n][0] + params["proj"][n][1], y)) if proj \
             else (lambda y, n: y)  # noqa: E731
         q, k, v = (heads_of(lin(x, n)) for n in ("q", "k", "v"))
-        o, _ = nnx.merge(graphdef, params["core"], rest)(q, k, v)
+        # the training path, as the released layer's train(): one noise sample per chunk, drawn in every call
+        # from the key argument (no attention dropout is configured on either side)
+        o, _ = nnx.merge(graphdef, params["core"], rest)(q, k, v, deterministic=False, key=key)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, d_model)
         return lin(o, "o")
 
     f_fwd = jax.jit(layer)
-    f_grad = jax.jit(jax.grad(lambda p, x, w: jnp.sum(layer(p, x) * w), argnums=(0, 1)))
+    f_grad = jax.jit(jax.grad(lambda p, x, w, key: jnp.sum(layer(p, x, key) * w), argnums=(0, 1)))
     return params, f_fwd, f_grad
 
 
@@ -154,7 +156,7 @@ def main(argv=None):
         w_np = rng.standard_normal((1, T, a.d_model)).astype(np.float32)
         xt = torch.from_numpy(x_np.transpose(1, 0, 2).copy()).requires_grad_(True)  # [T, B, C]
         wt = torch.from_numpy(w_np.transpose(1, 0, 2).copy())
-        xj, wj = jnp.asarray(x_np), jnp.asarray(w_np)
+        xj, wj, key = jnp.asarray(x_np), jnp.asarray(w_np), jax.random.key(T)
 
         def t_fwd(xt=xt):
             with torch.no_grad():
@@ -166,11 +168,11 @@ def main(argv=None):
             out, _ = theirs(xt, xt, xt)
             (out * wt).sum().backward()
 
-        def o_fwd(xj=xj):
-            jax.block_until_ready(f_fwd(params, xj))
+        def o_fwd(xj=xj, key=key):
+            jax.block_until_ready(f_fwd(params, xj, key))
 
-        def o_bwd(xj=xj, wj=wj):
-            jax.block_until_ready(f_grad(params, xj, wj))
+        def o_bwd(xj=xj, wj=wj, key=key):
+            jax.block_until_ready(f_grad(params, xj, wj, key))
 
         calls = {"released fwd": t_fwd, "ours fwd": o_fwd, "released fwd+bwd": t_bwd, "ours fwd+bwd": o_bwd}
         for fn in calls.values():  # compile / warm up

@@ -9,14 +9,15 @@ T=8192
 params, f_fwd, f_grad = our_layer(256, 4, 128, 8, proj=True)
 r=np.random.default_rng(0)
 x=jnp.asarray(r.standard_normal((1,T,256)).astype(np.float32)); w=jnp.asarray(r.standard_normal((1,T,256)).astype(np.float32))
-compiled = f_grad.lower(params, x, w).compile()
-call=(params,x,w)
+key = jax.random.key(0)
+compiled = f_grad.lower(params, x, w, key).compile()
+call=(params,x,w,key)
 for _ in range(3): jax.block_until_ready(compiled(*call))
 ts=[]
 for _ in range(7):
     t=time.perf_counter(); jax.block_until_ready(compiled(*call)); ts.append(time.perf_counter()-t)
 print("wall ms", np.median(ts)*1e3)
-ev = pb._trace(compiled, call, 3, Path("/tmp/trace_layer"))
+ev = pb._trace(compiled, call, 3, Path("/tmp/trace_layer"))  # scratch
 idx = pb.hlo_index(compiled.as_text())
 s = pb.summarize(ev, idx, 3)
 print("traced", s.get("traced_op_ms_per_call"))

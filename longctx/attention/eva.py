@@ -188,10 +188,13 @@ def _piece_bias(bias, piece):
 
 
 def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs: bool = False,
-                   halves: bool = False):
+                   halves: bool = False, rows_see_a_key: bool = False):
     """(out [B,H,N,Tq,dv], lse [B,H,N,Tq]) of one max-subtracted softmax over [local ; chunk] logits (eq. 16)
     for N tiles of queries; shapes as in :func:`tile_softmax`. ``probs``: (out, kept weights) instead, the
-    weights ((local weights of each row block), chunk weights, 1 / row sum), unnormalised."""
+    weights ((local weights of each row block), chunk weights, 1 / row sum), unnormalised. ``rows_see_a_key``
+    (static): every row has a visible local key, so its max is finite and exp(NEG - max) is already 0 where a
+    mask holds: the masks are applied once, to the logits (the selects after the exp, with their masks built
+    from iotas inside the fusion, made the chunk part's exp pass ~5x slower per element; BENCHMARKS.md)."""
     Tq, Tk = q.shape[3], k.shape[3]
     pieces = _local_pieces(Tq, Tk, halves)
     a_loc = []
@@ -205,10 +208,11 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     a_ch = jnp.where(cmask, s_ch, _fill_like(s_ch, NEG))
     m_loc = jnp.concatenate([jnp.max(a, axis=-1, initial=NEG) for a in a_loc], axis=-1)
     m = jnp.maximum(m_loc, jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
-    p_loc = [jnp.where(lmask[:, r0:r1, :nk], jnp.exp(a - m[:, :, :, r0:r1]), 0.0)
+    p_loc = [jnp.exp(a - m[:, :, :, r0:r1]) if rows_see_a_key else
+             jnp.where(lmask[:, r0:r1, :nk], jnp.exp(a - m[:, :, :, r0:r1]), 0.0)
              for a, (r0, r1, nk) in zip(a_loc, pieces)]
     e_ch = jnp.exp(a_ch - m)
-    p_ch = jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
+    p_ch = e_ch if rows_see_a_key else jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
     den = jnp.concatenate([jnp.sum(p, axis=-1) for p in p_loc], axis=-1) + jnp.sum(p_ch, axis=-1)
     den = jnp.maximum(den, 1e-30)
     num = jnp.concatenate([jnp.einsum("bhnqk,bhnkd->bhnqd", p, v[:, :, :, :nk], precision=HIGHEST)
@@ -226,9 +230,9 @@ def _fill_like(x, value: float):
     return value + 0.0 * jax.lax.stop_gradient(x)  # no cotangent flows through the fill
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
 def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float, keep: bool = False,
-                 halves: bool = False):
+                 halves: bool = False, rows_see_a_key: bool = False):
     """Eq. 16 for N query tiles at once: q [B,H,N,Tq,d] against each tile's local keys k, v [B,H,N,Tk,.]
     (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
     k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C], and the same mask keys-major, ``cmask_t`` [C,N·Tq],
@@ -246,17 +250,20 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float
     B·H·N·Tq·(Tk + C) floats held from the forward to the backward (the caller checks its budget).
     ``halves`` (static; with ``keep``; causal tiles whose keys are their own queries, Tk = Tq even): the local
     logits in two row blocks, the first half of the queries against the first half of the keys only, while the
-    chunk part scores all Tq queries in one matmul."""
-    return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, halves=halves)[0]
+    chunk part scores all Tq queries in one matmul. ``rows_see_a_key`` (static): see :func:`_joint_softmax`; the
+    caller vouches that every query has a visible local key (a full pass with a local window)."""
+    return _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, halves=halves,
+                          rows_see_a_key=rows_see_a_key)[0]
 
 
-def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves):
+def _tile_softmax_fwd(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves, rows_see_a_key):
     if keep:
-        out, probs = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, probs=True, halves=halves)
+        out, probs = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, probs=True, halves=halves,
+                                    rows_see_a_key=rows_see_a_key)
         return out, (q, k, v, k_hat, beta, bias, None, None, out, probs)
     if halves:
         raise ValueError("tile_softmax: halves needs keep (the recomputing backward scores whole tiles)")
-    out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale)
+    out, lse = _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale, rows_see_a_key=rows_see_a_key)
     return out, (q, k, v, k_hat, beta, bias, lmask, cmask_t, out, lse)
 
 
@@ -309,7 +316,7 @@ def _bias_grad(bias, ds):
     return jnp.moveaxis(g, 0, 1)
 
 
-def _tile_softmax_bwd(scale, keep, halves, res, do):
+def _tile_softmax_bwd(scale, keep, halves, rows_see_a_key, res, do):
     grads = _kept_bwd(scale, halves, res, do) if keep else _recomputing_bwd(scale, res, do)
     # each cotangent in its primal's dtype (a bf16 bias or q meets fp32 arithmetic here; autodiff of the ops
     # that made them expects their own dtype back)
@@ -426,7 +433,9 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
     if opts.use_rpe and rpe_table is not None:  # depends on k_pos - q_pos only: the same for every tile
         qp, kp = (q_pos[0], k_pos[0]) if q_offset is None else (np.arange(q.shape[3]) + q_offset, np.arange(k.shape[3]))
         bias = rpe_bias(rpe_table, qp, kp, opts, scale)[None]  # [1,Hb,Tq,Tk]
-    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves)
+    # a full pass with a local window: every query sees its own position (W > 0; the padding of L_pad is shorter
+    # than a window, so no tile is all padding)
+    return tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale, keep, halves, opts.W > 0)
 
 
 def _map_tile_batches(fn, xs, axes, n_tiles: int, cost_per_tile: int, budget: int):

@@ -605,5 +605,5 @@ def test_small_logit_budget_same_outputs_and_gradients(causal, overlap):
 
     (big_l, big_g), (small_l, small_g) = grads(1 << 25), grads(B * H * 8 * 30)
     np.testing.assert_allclose(small_l, big_l, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(small_g), jax.tree.leaves(big_g)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+    for g, r in zip(jax.tree.leaves(small_g), jax.tree.leaves(big_g)):  # fp32 noise grows with a leaf's scale
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 + 1e-6 * float(np.max(np.abs(r))))
