@@ -49,9 +49,12 @@ def scale_rows(x, s):
 
 
 def transposed(*xs):
-    """Each x with its last two axes swapped, materialised: the optimization barrier keeps XLA from folding the
-    transposes back into the dots that read them (see :func:`rows_dot`)."""
-    out = jax.lax.optimization_barrier(tuple(jnp.swapaxes(x, -1, -2) for x in xs))
+    """Each x with its last two axes swapped, materialised on CPU: the optimization barrier keeps XLA from folding
+    the transposes back into the dots that read them (see :func:`rows_dot`). Other backends get the plain swap,
+    which XLA folds into the dot (the form autodiff writes, fast there)."""
+    out = tuple(jnp.swapaxes(x, -1, -2) for x in xs)
+    if jax.default_backend() == "cpu":
+        out = jax.lax.optimization_barrier(out)
     return out if len(xs) > 1 else out[0]
 
 
