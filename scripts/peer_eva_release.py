@@ -2,8 +2,10 @@
 
 Both sides run the same layer: q/k/v projections of x [T, B, 256] into 4 heads of 64, causal EVA
 (window 128, chunk 8, adaptive 'qk' projections, T5-style relative bias, no overlap window), output
-projection. Timed: forward, and forward+backward of sum(out * w) with respect to the input and every
-parameter, batch 1, fp32, on the CPU threads of this process. The released code is read from a checkout
+projection, both on the training path (the released layer in ``train()``, ours with ``deterministic=False`` and a
+key per call: each draws one noise sample per chunk; no attention dropout on either side). Timed: forward, and
+forward+backward of sum(out * w) with respect to the input and every parameter, batch 1, fp32, on the CPU
+threads of this process. The released code is read from a checkout
 (``--release_repo``, a git directory) and put on ``sys.path`` from a temporary export; nothing of it is
 kept in this repository. It needs ``torch`` and ``einops`` in the running environment (neither is a
 project dependency: ``pip install torch --index-url https://download.pytorch.org/whl/cpu einops``).

@@ -194,7 +194,8 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     weights ((local weights of each row block), chunk weights, 1 / row sum), unnormalised. ``rows_see_a_key``
     (static): every row has a visible local key, so its max is finite and exp(NEG - max) is already 0 where a
     mask holds: the masks are applied once, to the logits (the selects after the exp, with their masks built
-    from iotas inside the fusion, made the chunk part's exp pass ~5x slower per element; BENCHMARKS.md)."""
+    from iotas inside the fusion, made the chunk part's exp pass several times slower per element; core
+    fwd+bwd 8k -4.4 %, BENCHMARKS.md)."""
     Tq, Tk = q.shape[3], k.shape[3]
     pieces = _local_pieces(Tq, Tk, halves)
     a_loc = []
@@ -483,8 +484,9 @@ def tile_groups(n_tiles: int, tile: int, P: int, C: int, causal: bool, groups: i
     zero, so the result is unchanged. Bidirectional: one group with all C chunks.
 
     A count of 64 or more is rounded up to a multiple of :data:`CHUNK_ALIGN` (at most C; the chunks added are
-    masked): the causal counts are one short of a round number (1023 at 8k), and XLA:CPU ran the fused passes over
-    [tile, 1023]-wide logits about 4x slower than over 1024-wide ones (causal fwd+bwd at 8k -6 %; BENCHMARKS.md)."""
+    masked): the causal counts are one short of a round number (1023 at 8k), and the trace showed the ops over
+    1023-wide logits slower than over 1024-wide ones; end to end, causal fwd+bwd at 16k -2.6 %, at 8k no change
+    (alternating A/B, BENCHMARKS.md, session 31)."""
     if not causal:
         return [(0, n_tiles, C)]
     g = max(1, min(groups, n_tiles))
