@@ -48,6 +48,19 @@ def scale_rows(x, s):
     return jnp.einsum("...d,...->...d", x, s, precision=jax.lax.Precision.HIGHEST)
 
 
+def materialized(x):
+    """``x`` as a buffer of its own on CPU: a product with the identity (exact in fp32 for finite x, where every term
+    but one is ``0 * x``), which XLA:CPU does not fuse into the ops that read it. Left as an expression, a cheap-
+    looking elementwise producer is recomputed inside each consumer fusion, once per element the consumer
+    writes: eva's chunk noise (an erf_inv polynomial per element) was fused into the chunk keys' gradient, where
+    it is broadcast over the P keys of a chunk, and recomputed P times (session 32: eva causal fwd+bwd 8k -2 %).
+    An optimization barrier does not help here (XLA:CPU removes barriers before fusion). Other backends get
+    ``x``."""
+    if jax.default_backend() != "cpu":
+        return x
+    return jnp.einsum("...d,de->...e", x, jnp.eye(x.shape[-1], dtype=x.dtype), precision=jax.lax.Precision.HIGHEST)
+
+
 def transposed(*xs):
     """Each x with its last two axes swapped, materialised on CPU: the optimization barrier keeps XLA from folding
     the transposes back into the dots that read them (see :func:`rows_dot`). Other backends get the plain swap,
@@ -70,4 +83,4 @@ def rows_dot(a_t, b, precision=None):
     return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision)
 
 
-__all__ = ["flat_last", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]
+__all__ = ["flat_last", "materialized", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]
