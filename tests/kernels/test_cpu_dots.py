@@ -1,5 +1,6 @@
-"""pallas_kernels/cpu_dots.py and longctx.xla_cpu's transposed/rows_dot: the same values and gradients as the plain
-einsums, and the compiled backward free of dots that contract the row axis of both operands."""
+"""pallas_kernels/cpu_dots.py and longctx.xla_cpu's transposed / rows_dot / materialized: the same values and
+gradients as the plain einsums, the compiled backward free of dots that contract the row axis of both operands, and
+a sampler kept out of the fusions that read it."""
 
 import re
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longctx.xla_cpu import rows_dot, transposed
+from longctx.xla_cpu import materialized, rows_dot, transposed
 from pallas_kernels.cpu_dots import mix, scores
 
 HI = jax.lax.Precision.HIGHEST
@@ -72,3 +73,28 @@ def test_rows_dot_is_the_row_contraction():
                                rtol=1e-5, atol=1e-5)
     x, y = transposed(a, b)
     assert x.shape == (2, 8, 32) and y.shape == (2, 24, 32)
+
+
+def test_materialized_is_the_identity_with_its_gradient():
+    x, w, _ = _operands((3, 5, 16), (3, 5, 16))
+    np.testing.assert_array_equal(materialized(x), x)
+    np.testing.assert_array_equal(jax.grad(lambda x: jnp.sum(materialized(x) * w))(x), w)
+
+
+def _sampler_in_broadcast_consumer(fn) -> bool:
+    """Whether XLA fused a normal sampler (its erf_inv) into a fusion writing the [C, P, d] broadcast of the
+    sample: one sampler evaluation per output element, P per sample."""
+    def loss(x, key):
+        eps = fn(jax.random.normal(key, (64, 16)))
+        return jnp.sum(jnp.einsum("cpd,cd->cp", x, eps) ** 2)
+
+    x = jnp.ones((64, 8, 16), jnp.float32)
+    hlo = jax.jit(jax.grad(loss)).lower(x, jax.random.key(0)).compile().as_text()
+    comps = re.split(r"\n(?=%\S+ \()", hlo)
+    return any("erf_inv" in c and re.search(r"-> f32\[64,8,16\]", c.split("\n")[0]) for c in comps)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fusion decision is XLA:CPU's; elsewhere x as it is")
+def test_materialized_keeps_a_sampler_out_of_its_consumers():
+    assert _sampler_in_broadcast_consumer(lambda e: e)  # the duplication this guards against
+    assert not _sampler_in_broadcast_consumer(materialized)
