@@ -35,7 +35,8 @@ order (~0.02) does not undo.
 Session 30 (longctx/xla_cpu.py: the norms' and the softmax mix's gradients off an XLA:CPU slow path, the step ~5 %
 faster, the sums in another order): a fresh clone scored test 1.5598 (validation 1.754), 0.025 below gzip -9, in
 23 min 52 s in all. Session 31 (the cache's key-side gradients as plain dots, step x0.935): the same validations
-and test score, 25 min 36 s in all on a slower day.
+and test score, 25 min 36 s in all on a slower day. Session 32 (no change to this job's arithmetic): the same
+scores again, 23 min 55 s in all.
 """
 
 from longctx.config import load_sibling
