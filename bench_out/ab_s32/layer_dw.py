@@ -10,17 +10,7 @@ from longctx.xla_cpu import flat_last, transposed
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 d_model, heads, D = 256, 4, 64
 
-@jax.custom_vjp
-def mm_i(x, W):
-    return x @ W
-def mm_i_fwd(x, W):
-    return x @ W, (x, W)
-def mm_i_bwd(res, g):
-    x, W = res
-    N, d = x.shape
-    xb = transposed(x.reshape(N // 512, 512, d))
-    return g @ W.T, jnp.einsum("bdn,bne->de", xb, g.reshape(N // 512, 512, g.shape[1]))
-mm_i.defvjp(mm_i_fwd, mm_i_bwd)
+from blocked_dw import mm_i  # noqa: E402
 
 cfg = attention.default_config("eva")
 core = attention.build("eva", cfg, num_heads=heads, head_dim=D, causal=True, rngs=nnx.Rngs(0))

@@ -52,17 +52,7 @@ def layer_H(p, x):  # G for q, k, v only; the output projection as autodiff writ
     q, k, v = (heads_of(lin(x, n)) for n in "qkv")
     return flat_last(lambda z: z @ p["o"][0] + p["o"][1], merge(core(q, k, v)))
 
-@jax.custom_vjp
-def mm_i(x, W):
-    return x @ W
-def mm_i_fwd(x, W):
-    return x @ W, (x, W)
-def mm_i_bwd(res, g):
-    x, W = res
-    N, d = x.shape
-    xb = transposed(x.reshape(N // 512, 512, d))
-    return g @ W.T, jnp.einsum("bdn,bne->de", xb, g.reshape(N // 512, 512, g.shape[1]))
-mm_i.defvjp(mm_i_fwd, mm_i_bwd)
+from blocked_dw import mm_i  # noqa: E402
 
 def layer_I(p, x):
     lin = lambda y, n: flat_last(lambda z: mm_i(z, p[n][0]) + p[n][1], y)
