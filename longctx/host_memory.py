@@ -6,24 +6,28 @@ fit a thread arena's 64 MiB heap, gets a fresh ``mmap`` and is unmapped when fre
 at the heap top beyond the trim threshold goes back to the kernel. A long-sequence call allocates and
 frees buffers of tens of MiB to several GiB every time, so every call faults its memory in again
 page by page, and the fault count grows faster than the length as more buffers cross the threshold:
-- a causal fma_linear forward at 64k tokens (4 heads of 64): 375,000 minor faults and 0.9 s of kernel
-  time per call; 1.27 s -> 0.71 s per call with the settings below;
+- a causal fma_linear forward at 64k tokens (4 heads of 64) took hundreds of thousands of minor faults
+  per call, and the settings below made it markedly faster;
 - a whole-model training step of transformer_vq at the official release's shape, 16k tokens: its one
-  5.9 GB temporary buffer was mapped and faulted in on every step (2.1 million faults, a quarter of
-  the CPU time in the kernel): 15.6 s -> 11.6 s per step, 137 faults.
+  5.9 GB temporary buffer was mapped and faulted in on every step (millions of faults, a quarter of
+  the CPU time in the kernel); with the settings below it is mapped once.
 The settings keep freed memory in the process: one arena for all threads, no mmap at any size, no
-trimming (BENCHMARKS.md has the measurements).
+trimming.
 
 The console entry points also restart themselves once, before anything else runs, with glibc's
 ``glibc.malloc.hugetlb=1`` tunable (:func:`restart_with_huge_pages`; glibc reads tunables only at process
 start): malloc then asks the kernel for transparent huge pages (``madvise``) on the heap it grows, so the
-multi-GiB buffers of a long-sequence call are backed by 2 MiB pages. A transformer_vq training step at the
-release's shape, 16k tokens: 8.3-10.0 s -> 7.6-8.2 s per step (fewer TLB misses; user time -8%).
+multi-GiB buffers of a long-sequence call are backed by 2 MiB pages (fewer TLB misses: a transformer_vq
+training step at the release's shape, 16k tokens, got faster).
 
 The price: the process's resident memory stays at its peak instead of shrinking when buffers are
 freed. The entry points (``longctx-train``, ``-eval``, ``-sample``, ``-bench``, ...) apply the settings
-first thing; in a notebook call :func:`keep_freed_memory` before JAX runs anything. Set
-``LONGCTX_HOST_MALLOC=system`` to leave the C library's defaults alone."""
+first thing; in a notebook call :func:`keep_freed_memory` before JAX runs anything.
+
+Only XLA:CPU runs its arrays out of ``malloc``, so by default (``LONGCTX_HOST_MALLOC=auto``) the settings and
+the restart apply on CPU hosts only: a host that JAX will run on a GPU or TPU (``JAX_PLATFORMS`` names one,
+or a CUDA, ROCm or TPU plugin for JAX is installed and ``JAX_PLATFORMS`` does not ask for the CPU) keeps the
+C library's defaults. ``LONGCTX_HOST_MALLOC=keep`` applies them everywhere, ``system`` nowhere."""
 
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ MMAP_THRESHOLD = -1
 TRIM_THRESHOLD = -1
 
 _applied: dict | None = None
+MODES = ("auto", "keep", "system")
+# modules installed by jax's accelerator extras (jax[cuda12], jax[cuda13], jax[rocm], jax[tpu])
+ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 TUNABLES = "GLIBC_TUNABLES"
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
@@ -56,6 +63,39 @@ def settings() -> dict[int, int]:
     return {M_ARENA_MAX: 1, M_MMAP_THRESHOLD: MMAP_THRESHOLD, M_MMAP_MAX: 0, M_TRIM_THRESHOLD: TRIM_THRESHOLD}
 
 
+def accelerator_host(environ=None) -> str | None:
+    """The accelerator JAX will use on this host, judged without importing JAX (the settings must come before
+    JAX starts its threads): the first non-CPU platform of ``JAX_PLATFORMS``, else an installed accelerator
+    plugin's module name unless ``JAX_PLATFORMS`` asks for the CPU; None for a CPU host."""
+    import importlib.util
+
+    environ = os.environ if environ is None else environ
+    platforms = [p.strip().lower() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return None if platforms[0] == "cpu" else platforms[0]
+    for name in ACCELERATOR_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def mode(environ=None) -> tuple[str, str]:
+    """``('keep' | 'system', why)``: what :func:`keep_freed_memory` and :func:`huge_pages_env` do here."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get(ENV, "auto").strip().lower()
+    if chosen not in MODES:
+        raise ConfigError(f"{ENV}={chosen!r}: allowed values are {', '.join(MODES)}")
+    if chosen != "auto":
+        return chosen, f"{ENV}={chosen}"
+    accelerator = accelerator_host(environ)
+    if accelerator is not None:
+        return "system", f"an accelerator host ({accelerator}); {ENV}=keep applies the settings anyway"
+    return "keep", "a CPU host"
+
+
 def keep_freed_memory() -> dict:
     """Apply the settings once per process; returns what happened (``{'mode': ..., ...}``).
 
@@ -64,11 +104,9 @@ def keep_freed_memory() -> dict:
     global _applied
     if _applied is not None:
         return _applied
-    mode = os.environ.get(ENV, "keep").strip().lower()
-    if mode not in ("keep", "system"):
-        raise ConfigError(f"{ENV}={mode!r}: allowed values are 'keep' (default) and 'system'")
-    if mode == "system":
-        _applied = {"mode": "system", "reason": f"{ENV}=system"}
+    chosen, why = mode()
+    if chosen == "system":
+        _applied = {"mode": "system", "reason": why}
         return _applied
     if not sys.platform.startswith("linux"):
         _applied = {"mode": "system", "reason": f"not Linux ({sys.platform})"}
@@ -92,7 +130,10 @@ def huge_pages_env(environ) -> dict | None:
     """``environ`` with glibc's huge-page tunable added to GLIBC_TUNABLES, or None when there is nothing
     to add (already there, ``LONGCTX_HOST_MALLOC=system``, not Linux/glibc >= 2.35, or the kernel's
     transparent huge pages are off)."""
-    if environ.get(ENV, "keep").strip().lower() != "keep" or not sys.platform.startswith("linux"):
+    try:
+        if mode(environ)[0] != "keep" or not sys.platform.startswith("linux"):
+            return None
+    except ConfigError:
         return None
     tunables = environ.get(TUNABLES, "")
     if "glibc.malloc.hugetlb" in tunables:
@@ -122,4 +163,5 @@ def restart_with_huge_pages() -> None:
     os.execve(sys.executable, [sys.executable, *argv[1:]], env)
 
 
-__all__ = ["ENV", "huge_pages_env", "keep_freed_memory", "restart_with_huge_pages", "settings"]
+__all__ = ["ENV", "accelerator_host", "huge_pages_env", "keep_freed_memory", "mode", "restart_with_huge_pages",
+           "settings"]

@@ -56,7 +56,7 @@ def test_bad_value_is_refused_with_the_allowed_ones(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "error: LONGCTX_HOST_MALLOC='tcmalloc': allowed values are 'keep' (default) and 'system'"], r.stderr
+        "error: LONGCTX_HOST_MALLOC='tcmalloc': allowed values are auto, keep, system"], r.stderr
     assert not (tmp_path / "w").exists()
 
 
@@ -70,6 +70,18 @@ def test_huge_pages_env_adds_the_tunable_once():
     other = hm_env({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
     assert other["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1"
     assert hm_env({"LONGCTX_HOST_MALLOC": "system"}) is None
+
+
+def test_settings_apply_on_cpu_hosts_only_unless_asked():
+    from longctx import host_memory as hm
+
+    assert hm.mode({"JAX_PLATFORMS": "cpu"})[0] == "keep"
+    assert hm.mode({"JAX_PLATFORMS": "cuda"}) == ("system", "an accelerator host (cuda); LONGCTX_HOST_MALLOC=keep "
+                                                  "applies the settings anyway")
+    assert hm.mode({"JAX_PLATFORMS": "tpu,cpu", "LONGCTX_HOST_MALLOC": "keep"})[0] == "keep"
+    assert hm.mode({"JAX_PLATFORMS": "cpu", "LONGCTX_HOST_MALLOC": "system"})[0] == "system"
+    assert hm.accelerator_host({"JAX_PLATFORMS": "cpu"}) is None
+    assert hm_env({"JAX_PLATFORMS": "cuda"}) is None  # no huge-page restart on a GPU host
 
 
 RESTART = """

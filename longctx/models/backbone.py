@@ -41,11 +41,27 @@ def takes_keyword(fn, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _block_call(deterministic: bool, remat: bool):
+REMAT_POLICIES = ("auto", "cotangent_tied", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def resolve_remat_policy(policy: str, backend: str | None = None) -> str:
+    """The remat form a block runs under: ``policy`` itself, or for ``'auto'`` the platform's choice:
+    ``'cotangent_tied'`` on XLA:CPU (:func:`_remat_after_cotangent`), ``jax.checkpoint`` with
+    ``nothing_saveable`` elsewhere (GPU / TPU schedule ``jax.checkpoint``'s recomputation where it belongs)."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
+    if policy != "auto":
+        return policy
+    return "cotangent_tied" if (backend or jax.default_backend()) == "cpu" else "nothing_saveable"
+
+
+def _block_call(deterministic: bool, remat: bool, policy: str = "auto"):
     """``(block, x, state, positions, key, extra) -> (x, state, (losses, stats, metrics))``: one block's call with
     its aux returned as values. ``remat``: a gradient keeps only the block's inputs from the forward and
-    recomputes its insides when the backward reaches the block (:func:`_remat_after_cotangent`), so the layers'
-    activations (attention weights a core keeps for its backward included) never coexist across blocks."""
+    recomputes its insides when the backward reaches the block, so the layers' activations (attention weights a
+    core keeps for its backward included) never coexist across blocks. ``policy`` (:func:`resolve_remat_policy`):
+    ``jax.checkpoint`` with one of ``jax.checkpoint_policies``, or the cotangent-tied custom VJP that XLA:CPU
+    needs (:func:`_remat_after_cotangent`)."""
 
     def call(block, x, st, positions, key, extra):
         aux = Aux()
@@ -54,11 +70,15 @@ def _block_call(deterministic: bool, remat: bool):
 
     if not remat:
         return call
+    form = resolve_remat_policy(policy)
 
     def remat_call(block, x, st, positions, key, extra):
         graphdef, variables = nnx.split(block)
         pure = lambda v, *a: call(nnx.merge(graphdef, v), *a)  # noqa: E731
-        return _remat_after_cotangent(pure)(variables, x, st, positions, key, extra)
+        if form == "cotangent_tied":
+            return _remat_after_cotangent(pure)(variables, x, st, positions, key, extra)
+        return jax.checkpoint(pure, policy=getattr(jax.checkpoint_policies, form))(
+            variables, x, st, positions, key, extra)
 
     return remat_call
 
@@ -118,6 +138,7 @@ class Backbone(nnx.Module):
             self.stack = None
         self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
         self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
+        self.remat_policy = str(cfg.get("remat_policy", "auto"))
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
         adaptive = cfg.output == "adaptive"
         self.adaptive = (
@@ -182,7 +203,7 @@ class Backbone(nnx.Module):
         keys = split_key(key, len(self.blocks))
         extra = {"important": important} if important is not None and self._block_takes_important else {}
         new_states, losses, stats, metrics = [], {}, [], {}
-        call = _block_call(deterministic, self.remat)
+        call = _block_call(deterministic, self.remat, self.remat_policy)
         for i, (block, st, k) in enumerate(zip(self.blocks, layer_states, keys)):
             x, st, (layer_losses, layer_stats, layer_metrics) = call(block, x, st, positions, k, extra)
             new_states.append(st)

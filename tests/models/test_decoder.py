@@ -80,8 +80,10 @@ def test_adaptive_output_nll_matches_its_log_probs_and_decodes():
     np.testing.assert_allclose(np.asarray(model.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,block", [("dense", "transformer"), ("eva", "transformer"), ("transformer_vq", "gau")])
-def test_remat_gives_the_same_loss_gradients_and_aux(name, block):
+@pytest.mark.parametrize("name,block,policy", [
+    ("dense", "transformer", "auto"), ("eva", "transformer", "auto"), ("transformer_vq", "gau", "auto"),
+    ("dense", "transformer", "nothing_saveable"), ("transformer_vq", "gau", "dots_saveable")])
+def test_remat_gives_the_same_loss_gradients_and_aux(name, block, policy):
     """model.remat recomputes each block in the backward: same loss, gradients, aux losses and stats, and the
     gradient's program really holds the recomputed forward (more matmuls than without)."""
     tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 50)
@@ -94,7 +96,7 @@ def test_remat_gives_the_same_loss_gradients_and_aux(name, block):
 
     results, dots = [], []
     for remat in (False, True):
-        cfg = small_model_cfg(block=block, remat=remat, max_len=64)
+        cfg = small_model_cfg(block=block, remat=remat, max_len=64, remat_policy=policy)
         cfg.attention.name = name
         if name == "eva":
             cfg.attention.eva.update({"window_size": 8, "chunk_size": 4})
@@ -112,3 +114,13 @@ def test_remat_gives_the_same_loss_gradients_and_aux(name, block):
     for x, y in zip(jax.tree.leaves((a0, s0, g0)), jax.tree.leaves((a1, s1, g1))):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2e-5, atol=1e-6)
     assert len(jax.tree.leaves(g0)) > 0 and len(jax.tree.leaves(g0)) == len(jax.tree.leaves(g1))
+
+
+def test_remat_policy_auto_is_per_platform():
+    from longctx.models.backbone import resolve_remat_policy
+
+    assert resolve_remat_policy("auto", "cpu") == "cotangent_tied"
+    assert resolve_remat_policy("auto", "gpu") == resolve_remat_policy("auto", "tpu") == "nothing_saveable"
+    assert resolve_remat_policy("dots_saveable", "cpu") == "dots_saveable"
+    with pytest.raises(ValueError, match="allowed"):
+        resolve_remat_policy("everything", "cpu")
