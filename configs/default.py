@@ -1,11 +1,18 @@
-"""The main job: a small exact-attention byte-level decoder on the built-in corpus
-(the Python standard library's sources). Trains in well under 15 minutes on a
-2-core CPU."""
+"""A small exact-attention byte-level decoder on the built-in corpus (the Python standard
+library's sources), sized to train on a 2-core CPU; the dense baseline the configs/builtin/
+methods are compared with.
+
+    longctx-train --config configs/default.py --workdir runs/default
+    longctx-train --config configs/default.py:tiny --workdir runs/tiny    # 2 layers, 40 steps
+    longctx-eval  --workdir runs/default --split test
+"""
 
 from longctx.config import base_config as base
 
+VARIANTS = ("tiny",)
 
-def get_config():
+
+def get_config(arg: str | None = None):
     c = base()
     c.data.source = "builtin"
     c.model.d_model = 256
@@ -22,6 +29,8 @@ def get_config():
     c.train.eval_every = 200
     c.train.ckpt_every = 100
     c.eval.max_tokens = 262144
+    if arg == "tiny":
+        tiny(c)
     return c
 
 

@@ -1,20 +1,22 @@
 """Command-line entry points, all in one style (absl flags + ml_collections ``config_flags``).
 
     longctx-train   --config=configs/default.py --config.train.steps=1000 --workdir=runs/mine
-    longctx-prepare --config=configs/enwik8/dense_tiny.py --config.data.path=/data/enwik8.zip
+    longctx-prepare --config=configs/enwik8/dense.py:tiny --config.data.path=/data/enwik8.zip
     longctx-eval    --workdir=runs/mine --split=test --config.eval.protocol=sliding
     longctx-sample  --workdir=runs/mine --prompt="def " --num_tokens=400 [--config.sample.top_k=40]
     longctx-fill    --workdir=runs/mlm --text="def f(x):\\n    return ____"   (encoder runs)
     longctx-recall  --workdir=runs/recall/dense [--task=passkey --length=1024]   (recall by distance)
     longctx-recall-report --runs=runs/recall/dense,runs/recall/eva --out=bench_out/recall
 
-``train`` and ``prepare`` read a config file (``--config=FILE``, then ``--config.KEY=VALUE``
-overrides); ``eval`` and ``sample`` read the config saved with the run's checkpoint and take
+``train`` and ``prepare`` read a config file (``--config=FILE[:VARIANT]``, found from any working
+directory as :mod:`longctx.config_files` describes, then ``--config.KEY=VALUE`` overrides);
+``eval``, ``sample`` and ``recall`` read the config saved with the run's checkpoint and take
 ``--config.eval.*``, ``--config.sample.*``, ``--config.data.path`` and ``--config.data.cache_dir``
 overrides of it (the short flags ``--split``, ``--prompt``, ``--num_tokens``, ``--temperature``,
 ``--top_k``, ``--top_p`` and ``--seed`` are the same overrides). Every command takes
-``--noprogress``. Each entry point parses its flags and calls one function; a user error is one
-line on stderr and exit status 2.
+``--noprogress`` and ``--check`` (parse the flags, load and validate the config and overrides, then
+stop without running). Each entry point parses its flags and calls one function; a user error is
+one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -65,18 +67,110 @@ def join_config_flag(argv: list[str]) -> list[str]:
 
 
 def _flag_names(fv) -> str:
-    names = sorted(n for n in fv if not n.startswith("config.") and n not in ("config", "help", "helpfull", "helpshort",
-                                                                               "helpxml", "flagfile", "undefok"))
+    names = sorted(n for n in fv if not n.startswith("config.") and n not in ("config", *_HIDDEN))
     return ", ".join(f"--{n}" for n in names)
+
+
+# what each command does and how it is called, for --help
+ABOUT = {
+    "longctx-train": ("--config=FILE[:VARIANT] [--config.KEY=VALUE ...] --workdir=DIR [flags]",
+                      "Train a model from a config file; resumes when DIR holds checkpoints."),
+    "longctx-prepare": ("--config=FILE[:VARIANT] [--config.KEY=VALUE ...] [flags]",
+                        "Tokenize every split of the config's dataset once, into the cache (data.cache_dir)."),
+    "longctx-eval": ("--workdir=DIR [--split=test] [--config.eval.KEY=VALUE ...] [flags]",
+                     "Score a trained run on a split; writes WORKDIR/eval/<split>_step<N>_<protocol>.json and a plot."),
+    "longctx-sample": ("--workdir=DIR [--prompt=TEXT] [--num_tokens=N] [--config.sample.KEY=VALUE ...] [flags]",
+                       "Sample text from a trained decoder with stateful decoding."),
+    "longctx-fill": ("--workdir=DIR --text=TEXT [flags]",
+                     "Fill the masked bytes of a text with a trained encoder (masked LM)."),
+    "longctx-recall": ("--workdir=DIR [--task=passkey] [--length=N] [--config.KEY=VALUE ...] [flags]",
+                       "Recall accuracy and answer loss by distance on a generated task."),
+    "longctx-recall-report": ("--runs=DIR,DIR,... [--out=DIR] [flags]",
+                              "One markdown table and one plot from several runs' recall results."),
+}
+_HIDDEN = ("help", "helpfull", "helpshort", "helpxml", "flagfile", "undefok")
+
+
+def help_text(prog: str, fv, config: str) -> str:
+    """A short ``--help``: usage, what the command does, the config and override syntax, where
+    configs live, and the command's own flags (never the flattened config)."""
+    import textwrap
+
+    from longctx import config_files
+
+    usage, about = ABOUT.get(prog, ("[flags]", ""))
+    out = [f"usage: {prog} {usage}", ""]
+    if about:
+        out += [about, ""]
+    if config == "file":
+        out += [f"Config: --config=FILE or FILE:VARIANT (default {config_files.DEFAULT}). A relative FILE that "
+                "does not exist",
+                f"in the working directory is read from the project's configs ({config_files.CONFIG_DIR}).",
+                "Change any key with --config.KEY=VALUE, e.g. --config.train.steps=1000 "
+                "--config.model.attention.name=eva",
+                "(keys and defaults: longctx/config.py). Shipped configs, [:VARIANT] where a file has variants:"]
+    elif prog in ("longctx-fill", "longctx-recall-report"):
+        out += ["Config: the run's own, saved in WORKDIR/config.json when it trained; this command takes no",
+                "--config.KEY=VALUE overrides. Runs are trained with longctx-train from these configs:"]
+    else:
+        out += ["Config: the run's own, saved in WORKDIR/config.json when it trained. Change what this command",
+                "reads with --config.KEY=VALUE for KEY in eval.*, sample.*, data.path, data.cache_dir,",
+                "e.g. --config.eval.protocol=sliding --config.eval.context=512. Runs are trained with",
+                "longctx-train from these configs:"]
+    out += [config_files.listing(), "", "flags:"]
+    for name in sorted(n for n in fv if not n.startswith("config") and n not in _HIDDEN):
+        f = fv[name]
+        if f.boolean:
+            head = f"  --[no]{name}"
+            default = f" (default: {'true' if f.default else 'false'})"
+        else:
+            head = f"  --{name}"
+            default = f" (default: {f.default!r})" if f.default not in (None, "", []) else ""
+        out.append(textwrap.fill(f"{head}: {f.help}{default}", width=100, subsequent_indent=" " * 6))
+    return "\n".join(out)
+
+
+class _ConfigLoadError(Exception):
+    """A config file that cannot be loaded (carried past absl's flag parsing, which rewrites ValueErrors)."""
+
+
+def _config_file_flag(fv, argv):
+    """``--config=FILE[:VARIANT]``: ml_collections' config-file flag (``--config.KEY=VALUE``
+    overrides, locked), loading through :func:`longctx.config_files.load`."""
+    from absl import flags
+    from ml_collections.config_flags import config_flags  # the module: its flag classes are not re-exported
+
+    from longctx import config_files
+
+    class Parser(config_flags.ConfigFileFlagParser):
+        def parse(self, path):
+            try:
+                cfg = config_files.load(path)
+            except ConfigError as e:
+                raise _ConfigLoadError(str(e)) from None
+            cfg.lock()
+            return cfg
+
+    flag = config_flags._ConfigFlag(parser=Parser(name="config"), serializer=flags.ArgumentSerializer(),
+                                    name="config", default=config_files.DEFAULT, flag_values=fv, sys_argv=argv,
+                                    help_string="config file FILE[:VARIANT]")
+    flags.DEFINE_flag(flag, fv)
 
 
 def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = True):
     """Parse ``argv`` (``sys.argv`` layout, program name first) for ``prog``.
 
-    ``config='file'``: ``--config=FILE`` (default ``configs/default.py``) and its overrides;
-    returns (flags, config). ``config='run'``: overrides of a trained run's saved config;
+    ``config='file'``: ``--config=FILE[:VARIANT]`` (default ``configs/default.py``) and its
+    overrides; returns (flags, config). ``config='run'``: overrides of a trained run's saved config;
     returns (flags, {dotted key: value}). ``define(fv)`` adds the command's own flags.
-    ``--workdir`` and ``--[no]progress`` are common to all."""
+    ``--workdir``, ``--[no]progress`` and ``--[no]check`` are common to all."""
+    try:
+        return _parse(argv, prog, config=config, define=define, require_workdir=require_workdir)
+    except _ConfigLoadError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = True):
     from absl import flags
     from ml_collections import config_flags
 
@@ -90,19 +184,21 @@ def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = 
     fv = flags.FlagValues()
     if config == "file":
         # sys_argv: config_flags finds the --config.* overrides in it (by default it reads sys.argv)
-        config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file", flag_values=fv,
-                                        lock_config=True, sys_argv=argv)
+        _config_file_flag(fv, argv)
     else:
         if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
             raise ConfigError(f"{prog} reads the config saved in --workdir; change it with --config.KEY=VALUE")
         config_flags.DEFINE_config_dict("config", config_lib.base_config(), "overrides of the run's saved config",
                                         flag_values=fv, lock_config=True, sys_argv=argv)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
-    flags.DEFINE_bool("progress", True, "show progress bars (--noprogress hides them)", flag_values=fv)
+    flags.DEFINE_bool("progress", True, "show progress bars (--noprogress hides them; log lines are still "
+                      "printed)", flag_values=fv)
+    flags.DEFINE_bool("check", False, "parse the flags, load and validate the config and its overrides, print "
+                      "what would run, and stop", flag_values=fv)
     if define is not None:
         define(fv)
     if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
-        print(f"usage: {prog} [flags]\n\n{fv.get_help()}")
+        print(help_text(prog, fv, config))
         raise SystemExit(0)
     try:
         rest = fv(argv)
@@ -139,7 +235,6 @@ def parse(argv, prog: str, *, config: str, define=None, require_workdir: bool = 
 
 def _unknown_flag_message(err, argv, fv, prog) -> str:
     import difflib
-    import runpy
 
     name = getattr(err, "flagname", "") or str(err)
     if not name.startswith("config."):
@@ -154,7 +249,9 @@ def _unknown_flag_message(err, argv, fv, prog) -> str:
 
             node = base_config()
         else:
-            node = runpy.run_path(path)["get_config"]()
+            from longctx import config_files
+
+            node = config_files.load(path)
         for p in parts[:-1]:
             node = node[p]
         keys = sorted(node.keys())
@@ -174,6 +271,17 @@ def _run_flag(fv, overrides: dict, flag: str, key: str) -> None:
         overrides[key] = value
 
 
+def _check_run(prog: str, fv, overrides: dict) -> int:
+    """``--check`` of a command that reads a trained run: the overrides name keys it may change
+    (their types were checked by the flag parser); the run itself is not read."""
+    from longctx.runtime import check_run_overrides
+
+    check_run_overrides(overrides)
+    shown = " ".join(f"{k}={v}" for k, v in overrides.items())
+    print(f"ok: {prog} would read the run in {fv.workdir}" + (f" with {shown}" if shown else ""))
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # entry points
 
@@ -191,6 +299,16 @@ def train_main(argv=None) -> int:
         fv, cfg = parse(argv, "longctx-train", config="file", define=define, require_workdir=False)
         if not fv.dry_run and not fv.workdir:
             raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
+        if fv.max_steps is not None and fv.max_steps <= 0:
+            raise ConfigError(f"--max_steps={fv.max_steps} must be a positive integer")
+        if fv.check:
+            from longctx import config as config_lib
+
+            c = config_lib.validate(cfg)
+            print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
+                  f"attention={c.model.attention.name} on {c.data.source}"
+                  + (f" in {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
+            return 0
         if fv.dry_run:
             from longctx.train import dry_run
 
@@ -207,6 +325,12 @@ def prepare_main(argv=None) -> int:
     """``longctx-prepare``: tokenize every split of the config's data source once."""
     with user_errors():
         fv, cfg = parse(argv, "longctx-prepare", config="file", require_workdir=False)
+        if fv.check:
+            from longctx import config as config_lib
+
+            c = config_lib.validate(cfg)
+            print(f"ok: longctx-prepare would tokenize {c.data.source} with the {c.data.tokenizer} tokenizer")
+            return 0
         from longctx.data.prepare_cli import prepare_all
 
         prepare_all(cfg, progress=fv.progress)
@@ -225,6 +349,8 @@ def eval_main(argv=None) -> int:
     with user_errors():
         fv, overrides = parse(argv, "longctx-eval", config="run", define=define)
         _run_flag(fv, overrides, "split", "eval.split")
+        if fv.check:
+            return _check_run("longctx-eval", fv, overrides)
         from longctx.evaluate import evaluate_run
 
         evaluate_run(fv.workdir, step=fv.step, overrides=overrides, progress=fv.progress)
@@ -258,6 +384,8 @@ def sample_main(argv=None) -> int:
             _run_flag(fv, overrides, flag, key)
         if fv.prompt is not None and fv.prompt_file is not None:
             raise ConfigError("give --prompt or --prompt_file, not both")
+        if fv.check:
+            return _check_run("longctx-sample", fv, overrides)
         from longctx.sample import sample_run
 
         sample_run(fv.workdir, step=fv.step, overrides=overrides, prompt_file=fv.prompt_file, output=fv.output,
@@ -287,6 +415,8 @@ def fill_main(argv=None) -> int:
             raise ConfigError("longctx-fill takes no --config.* overrides; it uses the run's saved config")
         if (fv.text is None) == (fv.text_file is None):
             raise ConfigError("give the text to fill with --text or --text_file (one of them)")
+        if fv.check:
+            return _check_run("longctx-fill", fv, overrides)
         if fv.text_file is not None:
             try:
                 text = open(fv.text_file, encoding="utf-8").read()
@@ -317,6 +447,8 @@ def recall_main(argv=None) -> int:
 
     with user_errors():
         fv, overrides = parse(argv, "longctx-recall", config="run", define=define)
+        if fv.check:
+            return _check_run("longctx-recall", fv, overrides)
         from longctx.recall import recall_run
 
         recall_run(fv.workdir, task=fv.task, length=fv.length, rows=fv.rows, bins=fv.bins, step=fv.step,
@@ -342,6 +474,9 @@ def recall_report_main(argv=None) -> int:
             raise ConfigError("longctx-recall-report takes no --config.* overrides")
         if not fv.runs:
             raise ConfigError("--runs is required: the run directories to tabulate, comma-separated")
+        if fv.check:
+            print(f"ok: longctx-recall-report would tabulate {len(fv.runs)} run(s) into {fv.out}")
+            return 0
         from longctx.recall import report
 
         report(fv.runs, fv.out, task=fv.task, length=fv.length, title=fv.title)

@@ -1,8 +1,10 @@
 """Base config and validation.
 
-Every experiment file in ``configs/`` starts from :func:`base_config` and states
-only what differs. :func:`validate` turns a config into one resolved, frozen
-ConfigDict or raises :class:`ConfigError` with one actionable line.
+Every experiment file in ``configs/`` starts from :func:`base_config` (or from another
+config, by import: ``from configs import default``) and states only what differs; how config
+files are found and their ``FILE:VARIANT`` form are in :mod:`longctx.config_files`.
+:func:`validate` turns a config into one resolved, frozen ConfigDict or raises
+:class:`ConfigError` with one actionable line.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def base_config() -> ml_collections.ConfigDict:
     # recompute each block's forward in the backward (remat per block): activation memory of one block
     # instead of all of them, for ~1/4 more FLOPs; refused with a method whose stack wrapper runs the blocks
     c.model.remat = False
+    # how a rematerialised block is recomputed: 'auto' (XLA:CPU: 'cotangent_tied', a custom VJP whose recomputation
+    # waits for the block's cotangent; other backends: jax.checkpoint with 'nothing_saveable'), or one of
+    # 'cotangent_tied' | 'nothing_saveable' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    c.model.remat_policy = "auto"
     c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.adaptive_div = 4.0
@@ -95,6 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0
     c.train.on_nonfinite = "stop"  # 'stop' | 'skip'
+    c.train.max_skipped_in_row = 20  # on_nonfinite='skip': stop after this many skipped updates in a row
     c.train.log_every = 25
     c.train.eval_every = 500
     c.train.eval_tokens = 32768  # tokens scored by the periodic validation
@@ -115,7 +122,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # masked-language-model training and evaluation (model.kind='encoder'); longctx/data/masking.py
     c.mlm = ml_collections.ConfigDict()
-    c.mlm.masking = "bert"  # 'bert' (uniform) | 'span' (contiguous spans) | 'clustered' (VCC, specs/vcc.md 3.2)
+    c.mlm.masking = "bert"  # 'bert' (uniform) | 'span' (contiguous spans) | 'clustered' (VCC, docs/methods/vcc.md §3.2)
     c.mlm.rate = 0.15  # predicted positions per row: round(rate * row length), exactly
     c.mlm.mask_prob = 0.8  # a predicted position's input becomes the mask token ...
     c.mlm.random_prob = 0.1  # ... or a random text token (else it stays unchanged)
@@ -195,6 +202,72 @@ def _same_kind(want, got) -> bool:
     return isinstance(got, type(want))
 
 
+def _finite(x) -> bool:
+    import math
+
+    return math.isfinite(x)
+
+
+# The allowed range of every numeric key, checked before any default is resolved: (key, test, what
+# is allowed). A key whose range depends on others (warm-up, window, stride <= context, ...) is also
+# checked below, with the keys it depends on.
+MAX_SAMPLE_TOKENS = 1 << 20  # longest sample (the decoding state grows with it)
+_POS = (lambda v: v > 0, "a positive integer")
+_NONNEG = (lambda v: v >= 0, "an integer >= 0")
+_RANGES = (
+    *((f"model.{k}", *_POS) for k in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff")),
+    ("model.vocab_size", lambda v: v >= 0, "an integer >= 0 (0 = the tokenizer's vocabulary size)"),
+    ("model.max_len", lambda v: v >= 0, "an integer >= 0 (0 = train.seq_len)"),
+    ("model.loss_chunk", lambda v: v >= 0, "an integer >= 0 (0 = full logits)"),
+    ("model.dropout", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("model.gau_expansion", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("model.gau_layerdrop", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("model.adaptive_div", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
+    ("train.seed", lambda v: v >= 0, "an integer >= 0"),
+    *((f"train.{k}", *_POS) for k in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "ckpt_every",
+                                      "keep_checkpoints", "eval_tokens", "max_skipped_in_row")),
+    ("train.window", lambda v: v >= 0, "an integer >= 0 (0 = the whole sequence)"),
+    ("train.short_steps", lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    ("train.short_seq_len", *_NONNEG),
+    ("train.lr", lambda v: _finite(v) and v > 0, "positive (a finite number > 0)"),
+    ("train.min_lr_ratio", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    ("train.weight_decay", lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    ("train.b1", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("train.b2", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("train.eps", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("train.grad_clip", lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = no clipping)"),
+    ("eval.batch_size", *_POS),
+    ("eval.row_len", lambda v: v >= -1, "an integer >= 1, or 0 (= train.seq_len) or -1 (never within a document)"),
+    ("eval.window", lambda v: v >= 0, "an integer >= 1, or 0 (= the training window)"),
+    ("eval.context", lambda v: v >= 0, "an integer >= 1, or 0 (= train.seq_len)"),
+    ("eval.stride", lambda v: v >= 0, "an integer >= 1, or 0 (= eval.context // 2)"),
+    ("eval.max_tokens", lambda v: v >= 0, "an integer >= 0 (0 = the full split)"),
+    ("sample.num_tokens", lambda v: 0 < v <= MAX_SAMPLE_TOKENS, f"a positive integer (at most {MAX_SAMPLE_TOKENS:,})"),
+    ("sample.temperature", lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    ("sample.top_k", lambda v: v >= 0, "an integer >= 0 (0 = no top-k filter)"),
+    ("sample.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("sample.seed", lambda v: v >= 0, "an integer >= 0"),
+    ("mesh.data", lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (the devices the other axes leave)"),
+    *((f"mesh.{k}", lambda v: v >= 1, ">= 1") for k in ("fsdp", "tensor", "sequence")),
+    ("data.options.vocab_size", *_POS),
+    ("data.options.spm_max_chars", *_POS),
+    ("mlm.rate", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+    ("mlm.span_len", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
+    ("mlm.max_span_len", lambda v: v >= 1, "an integer >= 1"),
+    ("mlm.mask_id", lambda v: v >= -1, "an integer >= 0, or -1 (one id beyond the tokenizer's vocabulary)"),
+    ("mlm.eval_seed", lambda v: v >= 0, "an integer >= 0"),
+    ("data.synthetic.eval_seed", lambda v: v >= 0, "an integer >= 0"),
+)
+
+
+def check_ranges(c: ml_collections.ConfigDict) -> None:
+    """The numeric keys against :data:`_RANGES` (NaN fails every test)."""
+    for path, ok, allowed in _RANGES:
+        val = _get(c, path)
+        if not ok(val):
+            raise ConfigError(f"config {path}={val!r} must be {allowed}")
+
+
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Check keys, types, values and combinations; return a resolved frozen copy."""
     check_against_base(cfg)
@@ -203,6 +276,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         val = _get(c, path)
         if val not in allowed:
             raise ConfigError(f"config {path}={val!r} is not allowed; choose one of: {', '.join(allowed)}")
+    check_ranges(c)
 
     from longctx.data import sources, tokenizers
     from longctx.models import blocks
@@ -265,6 +339,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     method_cfg = attention.default_config(name)
     method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
     attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
+    from longctx.models.backbone import REMAT_POLICIES
+
+    if m.get("remat_policy", "auto") not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
     if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
         raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
                           "the per-block remat cannot wrap; set model.remat=False")
@@ -302,6 +380,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             m.max_len = t.seq_len
         if m.max_len < t.seq_len:
             raise ConfigError(f"model.max_len={m.max_len} is shorter than train.seq_len={t.seq_len} (learned positions)")
+    fit_to_run_length(t)
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -358,6 +437,24 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")
     c.lock()
     return c
+
+
+def fit_to_run_length(t, *, say=print) -> list[str]:
+    """A short run needs no extra overrides: a warm-up at least as long as the run becomes a tenth of
+    it, and log / eval / checkpoint intervals longer than the run become the run's length (the run
+    still evaluates and checkpoints at its end). Changes ``t`` (the ``train`` section) in place and
+    says so in one line."""
+    changed = []
+    if t.warmup_steps >= t.steps > 0:
+        changed.append(f"train.warmup_steps {t.warmup_steps} -> {t.steps // 10}")
+        t.warmup_steps = t.steps // 10
+    for key in ("log_every", "eval_every", "ckpt_every"):
+        if t[key] > t.steps > 0:
+            changed.append(f"train.{key} {t[key]} -> {t.steps}")
+            t[key] = t.steps
+    if changed:
+        say(f"note: fitted to the run's length, train.steps={t.steps}: {', '.join(changed)}")
+    return changed
 
 
 def _check_encoder(c) -> None:
@@ -475,19 +572,6 @@ def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.C
 
     deep(merged, saved)
     return ml_collections.ConfigDict(merged)
-
-
-def load_sibling(config_file: str, relpath: str):
-    """Import the config module at ``relpath`` next to ``config_file`` by path, so that a config
-    can start from another one from any working directory (config_flags loads files by path)."""
-    import importlib.util
-    import pathlib
-
-    path = (pathlib.Path(config_file).resolve().parent / relpath).resolve()
-    spec = importlib.util.spec_from_file_location(f"_longctx_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def n_windows(cfg) -> int:

@@ -19,3 +19,7 @@ class CheckpointError(LongctxError, FileNotFoundError):
 
 class NonFiniteError(LongctxError, FloatingPointError):
     """Training produced a non-finite loss or gradient."""
+
+
+class WorkdirError(LongctxError, OSError):
+    """The workdir cannot be used: not a writable folder, or another training holds it."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx.errors import ConfigError, WorkdirError
 from longctx.protocols import score_mlm_split, score_split
 
 LN2 = math.log(2.0)
@@ -34,26 +35,72 @@ def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressor
 def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, overrides: dict | None = None,
                  progress: bool = True) -> dict:
     """Restore ``workdir``'s newest valid checkpoint (or ``step``), score ``split`` (default:
-    ``eval.split``), print the result and write ``eval/<split>_step<N>.json`` and its plot."""
+    ``eval.split``), print the result and write ``eval/<split>_step<N>_<protocol>.json`` and its plot (see
+    :func:`protocol_tag`)."""
     from longctx.runtime import Runner
 
     overrides = dict(overrides or {})
     if split is not None:
         overrides["eval.split"] = split
     runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
+    from longctx.data import sources
+
+    if sources.is_generated(runner.cfg.data.source):
+        raise ConfigError(f"this run was trained on the generated recall task {runner.cfg.data.source!r}, which has "
+                          f"no text split to score; use longctx-recall --workdir {workdir}")
     ecfg = runner.cfg.eval
     split = ecfg.split
     data = runner.load_split(split, progress=progress)
     res, curve = evaluate_split(runner, data, ecfg, progress=progress, desc=f"eval {split}", compressors=True)
     res.update({"split": split, "step": runner.step, "workdir": str(workdir)})
+    print(format_eval(res), flush=True)  # the result first: a failed write below cannot lose it
     out_dir = Path(workdir) / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{split}_step{runner.step}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    plot_position_curve(curve, out_dir / f"{stem}_loss_vs_position.png", title=f"{split}, step {runner.step}")
-    print(format_eval(res))
+    stem = f"{split}_step{int(runner.step)}_{protocol_tag(runner.cfg)}"  # another protocol never overwrites it
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out_dir / f"{stem}.json", res)
+        plot_position_curve(curve, out_dir / f"{stem}_loss_vs_position.png", title=f"{split}, step {runner.step}")
+    except OSError as e:
+        raise WorkdirError(f"the result above could not be written to {out_dir} ({e.strerror or e}); "
+                           "free space or fix the folder and run again") from None
     print(f"wrote {out_dir / (stem + '.json')} and {stem}_loss_vs_position.png")
     return res
+
+
+def protocol_tag(cfg) -> str:
+    """The evaluation protocol of a resolved config in a file name: ``sliding-c512-s128``,
+    ``stream-w256-document256``, ``masked-c256-bert``, with ``-n<max_tokens>`` when the split is cut
+    short (and a sliding window's reset when it is not per document)."""
+    e = cfg.eval
+    if cfg.model.kind == "encoder":
+        tag = f"masked-c{e.context}-{cfg.mlm.masking}"
+    elif e.protocol == "sliding":
+        tag = f"sliding-c{e.context}-s{e.stride}" + ("" if e.reset == "document" else f"-{e.reset}")
+    else:
+        tag = f"stream-w{e.window}-{e.reset}" + (f"{e.row_len}" if e.reset != "never" and e.row_len > 0 else "")
+    return tag + (f"-n{e.max_tokens}" if e.max_tokens else "")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to a temporary file next to ``path``, then rename it over ``path``:
+    ``path`` holds either the old content or the whole new one, never a part."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def format_eval(res: dict) -> str:

@@ -97,6 +97,11 @@ def fill_run(workdir, text: str, *, step=None, mask_char="_", mask_spans=None, p
 
     if per_pass < 1:
         raise ConfigError(f"--per_pass={per_pass} must be a positive integer")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8 arrive as surrogates
+        raise ConfigError(f"the text to fill is not UTF-8 (byte {e.start}); give UTF-8 text with --text or "
+                          "--text_file") from None
     runner = Runner.from_workdir(workdir, step=step)
     if not runner.is_encoder:
         raise ConfigError(f"{workdir} holds a decoder (model.kind='decoder'); longctx-fill needs an encoder run, "

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from longctx.errors import ConfigError
+
 LN2 = math.log(2.0)
 
 
@@ -60,6 +62,8 @@ def stream_jobs(doc_starts, *, reset: str, row_len: int) -> list[Job]:
 
 
 def sliding_jobs(doc_starts, *, reset: str, context: int, stride: int) -> list[Job]:
+    if context <= 0 or not 0 < stride <= context:  # validate() refuses these; never loop on them
+        raise ConfigError(f"eval.context={context} and eval.stride={stride} must satisfy 0 < stride <= context")
     jobs = []
     for a, b in unit_ranges(doc_starts, "never" if reset == "never" else "document"):
         n_pred = b - a - 1

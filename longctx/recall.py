@@ -84,8 +84,11 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
         dcfg.synthetic[k.split(".", 2)[2]] = tuple(v) if isinstance(v, list) else v
     syn = dcfg.synthetic
     source = sources.build(dcfg)
-    L = int(length or cfg.train.seq_len)
-    n_rows, n_bins = int(rows or syn.eval_rows), int(bins or syn.bins)
+    for flag, value in (("length", length), ("rows", rows), ("bins", bins)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag}={value} must be a positive integer")
+    L = int(cfg.train.seq_len if length is None else length)
+    n_rows, n_bins = int(syn.eval_rows if rows is None else rows), int(syn.bins if bins is None else bins)
     if L <= 0 or n_rows <= 0 or n_bins <= 0:
         raise ConfigError("--length, --rows and --bins must be positive integers")
     source.check(L) if not source.controls_distance else source.distance_range(L)

@@ -37,6 +37,8 @@ class Runner:
         self.cfg, self.graphdef, self.step = cfg, graphdef, step
         self.params = (params, nongrad, rest)
         self.tokenizer = tokenizer
+        # data.cache_dir read from a checkpoint is not the user's word: never written to (data/prepare.py)
+        self.trust_cache_dir = True
         if cfg.model.kind == "encoder":
             # forward(params, inputs, targets, mask) -> (nll, correct, valid, idx) at the masked positions
             from longctx.data.masking import num_masked
@@ -65,7 +67,7 @@ class Runner:
     def load_split(self, split: str, *, progress: bool = True):
         from longctx.data.prepare import prepare
 
-        tok, data, _ = prepare(self.cfg.data, [split], progress=progress)
+        tok, data, _ = prepare(self.cfg.data, [split], progress=progress, trust_cache_dir=self.trust_cache_dir)
         self.tokenizer = self.tokenizer or tok
         return data[split]
 
@@ -73,7 +75,8 @@ class Runner:
         if self.tokenizer is None:
             from longctx.data.prepare import prepare
 
-            self.tokenizer, _, _ = prepare(self.cfg.data, [self.cfg.eval.split], progress=progress)
+            self.tokenizer, _, _ = prepare(self.cfg.data, [self.cfg.eval.split], progress=progress,
+                                           trust_cache_dir=self.trust_cache_dir)
         return self.tokenizer
 
     def word_count(self, data) -> int | None:
@@ -116,4 +119,6 @@ class Runner:
         from longctx.data import tokenizers
 
         tok = tokenizers.build(cfg.data.tokenizer) if cfg.data.tokenizer == "bytes" else None
-        return cls(cfg, graphdef, tree["params"], tree["nongrad"], rest, tokenizer=tok, step=meta["step"])
+        runner = cls(cfg, graphdef, tree["params"], tree["nongrad"], rest, tokenizer=tok, step=meta["step"])
+        runner.trust_cache_dir = "data.cache_dir" in overrides
+        return runner

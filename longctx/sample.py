@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longctx.errors import ConfigError
+
 
 def filter_logits(logits, *, temperature: float, top_k: int, top_p: float):
     """Temperature, top-k and nucleus filtering of [B, V] logits (fp32)."""
@@ -64,7 +66,13 @@ def generate(runner, prompt_ids: np.ndarray, num_tokens: int, *, temperature=0.8
     """Returns (token ids, per-token seconds). Decoding state capacity = prompt + num_tokens."""
     prefill, step = make_decoder(runner, temperature=temperature, top_k=top_k, top_p=top_p)
     n_prompt = len(prompt_ids)
-    state = runner.init_state(1, n_prompt + num_tokens)
+    try:
+        state = runner.init_state(1, n_prompt + num_tokens)
+    except ValueError as e:  # a state with a fixed capacity (e.g. fma's levels) refuses the length
+        from longctx.errors import ConfigError
+
+        raise ConfigError(f"cannot sample {n_prompt} prompt + {num_tokens} new tokens: {' '.join(str(e).split())}; "
+                          "shorten the prompt or lower --num_tokens") from None
     logits, state = prefill(runner.params, jnp.asarray(prompt_ids[None], jnp.int32), state)
     key = jax.random.key(seed)
     out, times = [], []
@@ -87,22 +95,29 @@ def new_output_path(workdir, step: int, seed: int, output: str | None) -> Path:
 
     if output:
         path = Path(output)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
-            raise ConfigError(f"--output {path} exists; samples are never overwritten, choose a new name") from None
+            if path.parent.is_dir():
+                raise ConfigError(f"--output {path} exists; samples are never overwritten, choose a new name") from None
+            raise ConfigError(f"--output {path}: {path.parent} is not a folder; choose a path in a folder") from None
+        except OSError as e:
+            raise ConfigError(f"--output {path} cannot be created ({e.strerror or e}); choose a writable path") from None
         return path
     folder = Path(workdir) / "samples"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {folder} ({e.strerror or e}); fix it or give --output") from None
     for k in range(1, 100_000):
-        path = folder / (f"step{step}_seed{seed}.txt" if k == 1 else f"step{step}_seed{seed}-{k}.txt")
+        path = folder / (f"step{int(step)}_seed{int(seed)}.txt" if k == 1 else f"step{int(step)}_seed{int(seed)}-{k}.txt")
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             return path
         except OSError as e:
             if e.errno != errno.EEXIST:
-                raise
+                raise ConfigError(f"cannot create {path} ({e.strerror or e}); fix the folder or give --output") from None
     raise ConfigError(f"{folder} holds too many samples of step {step}, seed {seed}; use --output")
 
 
@@ -124,11 +139,18 @@ def read_prompt_file(path: str) -> str:
     from longctx.errors import ConfigError
 
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise ConfigError(f"--prompt_file {path} is longer than {MAX_PROMPT_BYTES:,} bytes; give a shorter prompt")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--prompt_file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror or e}") from None
+
+
+MAX_PROMPT_BYTES = 1 << 24
 
 
 def sample_run(workdir, *, step: int | None = None, overrides: dict | None = None, prompt_file: str | None = None,
@@ -140,13 +162,46 @@ def sample_run(workdir, *, step: int | None = None, overrides: dict | None = Non
 
     prompt_text = read_prompt_file(prompt_file) if prompt_file else None
     runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
+    check_sampling(runner)
     sc = runner.cfg.sample
     tok = runner.load_tokenizer(progress=progress)
     prompt = sc.prompt if prompt_text is None else prompt_text
     ids = encode_prompt(tok, prompt)
     n = sc.num_tokens
+    m = runner.cfg.model
+    if m.positions == "learned" and ids.size + n > m.max_len:
+        raise ConfigError(f"the prompt ({ids.size} tokens) and num_tokens={n} exceed the model's learned positions "
+                          f"(model.max_len={m.max_len}); shorten the prompt or lower --num_tokens")
     settings = {"temperature": sc.temperature, "top_k": sc.top_k, "top_p": sc.top_p, "seed": sc.seed}
+    folder_existed = output is not None or (Path(workdir) / "samples").is_dir()
     out_path = new_output_path(workdir, runner.step, sc.seed, output)
+    try:
+        return _sample_to(out_path, runner, tok, prompt, ids, n, settings, quiet=quiet)
+    except BaseException:
+        out_path.unlink(missing_ok=True)  # no empty or half-written sample is left behind
+        out_path.with_suffix(".json").unlink(missing_ok=True)
+        if not folder_existed:
+            try:
+                out_path.parent.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def check_sampling(runner) -> None:
+    """What sampling needs of a run: a causal decoder, and ``top_k`` within its vocabulary."""
+    m, sc = runner.cfg.model, runner.cfg.sample
+    if m.kind == "encoder":
+        raise ConfigError("this run is an encoder (masked LM, model.kind='encoder'); it cannot sample text left to "
+                          "right: fill masked bytes with longctx-fill, or sample from a decoder run")
+    if not m.causal:
+        raise ConfigError("this run's model is not causal (model.causal=False); sampling needs a causal decoder")
+    if sc.top_k > m.vocab_size:
+        raise ConfigError(f"sample.top_k={sc.top_k} exceeds the vocabulary ({m.vocab_size} tokens); "
+                          f"use 0 (no filter) or at most {m.vocab_size}")
+
+
+def _sample_to(out_path, runner, tok, prompt, ids, n, settings, *, quiet):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     one_byte = getattr(tok, "one_token_per_byte", False)
 
@@ -170,8 +225,11 @@ def sample_run(workdir, *, step: int | None = None, overrides: dict | None = Non
         "tokens_per_sec": n / total, "median_token_seconds_start": first, "median_token_seconds_end": last,
         "end_over_start": last / first, "attention": runner.cfg.model.attention.name, **settings,
     }
-    out_path.write_text(text)
-    out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    try:
+        out_path.write_text(text)
+        out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        raise ConfigError(f"could not write the sample to {out_path} ({e.strerror or e})") from None
     print(f"\n\n[{n} tokens in {total:.1f}s: {report['tokens_per_sec']:.1f} tokens/s; per-token time "
           f"{first * 1e3:.2f} ms at the start, {last * 1e3:.2f} ms at the end (x{report['end_over_start']:.2f}); "
           f"wrote {out_path}]")

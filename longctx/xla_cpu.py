@@ -1,6 +1,6 @@
 """Shapes that keep XLA:CPU off its slow paths (jax 0.10.2). The arithmetic is unchanged; only the shapes and ops
-XLA sees are. Measured in BENCHMARKS.md (sessions 26 and 30); DESIGN.md, "Where the time goes", says where each is
-used."""
+XLA sees are. docs/DESIGN.md, "Where the time goes", says where each is used; ``longctx-bench profile`` shows the
+fusions each one avoids."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def flat_last(fn, x):
 
     Two XLA:CPU costs go away. (1) The weight gradient of a dot over ``[B, T, d]`` contracts two axes, and XLA
     lays that out with transposing copies of the incoming gradient (one per consumer), where ``[B*T, d]`` needs
-    none: a 2-layer MLP's loss and gradient over 8,192 rows took 18-28 % less time flattened (session 26).
+    none: a 2-layer MLP's loss and gradient take markedly less time flattened.
     (2) A row norm's gradient sums ``g * x`` over the last axis; with a dimension of size 1 among the leading ones
-    (batch 1, one head) XLA:CPU runs that multiply-and-reduce 3-40x slower (see :func:`rowdot`); ``[N, d]`` has
-    none (a norm's gradient over ``[1, 4, 8192, 64]``: 5.3 ms, flattened 1.9 ms). Other backends get ``fn(x)`` as it is: there merging the batch axis with a sequence-sharded token axis
+    (batch 1, one head) XLA:CPU runs that multiply-and-reduce on a slow path (see :func:`rowdot`); ``[N, d]`` has
+    none. Other backends get ``fn(x)`` as it is: there merging the batch axis with a sequence-sharded token axis
     (``mesh.sequence_mode='xla'``) would make the partitioner move the activations.
     """
     if x.ndim <= 2 or jax.default_backend() != "cpu":
@@ -33,9 +33,9 @@ def flat_last(fn, x):
 def rowdot(a, b):
     """``Σ_d a[..., d] * b[..., d]`` (shape ``[...]``) as a dot, not as a multiply feeding a reduce. XLA:CPU fuses
     both into a YNNPACK multiply-and-reduce, but the reduce of ``jnp.sum`` keeps the size-1 dimensions of its
-    result (batch 1, one head), and YNNPACK runs that 20-80x slower, where the dot's reduce folds them away:
-    ``[1, 4, 8192, 64]`` took 25 ms against 0.6 ms as a dot, ``[4, 8192, 64]`` 0.6 ms either way (session 30;
-    ``longctx-bench profile`` lists such fusions). Full fp32 on every backend (an fp32 dot may otherwise use TF32
+    result (batch 1, one head), and YNNPACK runs that an order of magnitude slower, where the dot's reduce folds
+    them away; without the size-1 dimension both forms are equally fast (``longctx-bench profile`` lists such
+    fusions). Full fp32 on every backend (an fp32 dot may otherwise use TF32
     on a GPU)."""
     return jnp.einsum("...d,...d->...", a, b, precision=jax.lax.Precision.HIGHEST)
 
@@ -43,8 +43,8 @@ def rowdot(a, b):
 def scale_rows(x, s):
     """``x [..., d] * s[..., None]`` written as an einsum: the gradient with respect to ``s`` is then a dot (see
     :func:`rowdot`) where the broadcasting multiply's is a multiply-and-reduce. A softmax's ``num / den`` as
-    ``scale_rows(num, 1 / den)``: the gradient of ``[1, 4, 8192, 64]`` rows took 29 ms as a division, 1.3 ms so
-    (session 30)."""
+    ``scale_rows(num, 1 / den)``: its gradient over batch-1 rows is then a fast dot instead of a slow
+    multiply-and-reduce."""
     return jnp.einsum("...d,...->...d", x, s, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -53,7 +53,7 @@ def materialized(x):
     but one is ``0 * x``), which XLA:CPU does not fuse into the ops that read it. Left as an expression, a cheap-
     looking elementwise producer is recomputed inside each consumer fusion, once per element the consumer
     writes: eva's chunk noise (an erf_inv polynomial per element) was fused into the chunk keys' gradient, where
-    it is broadcast over the P keys of a chunk, and recomputed P times (session 32: eva causal fwd+bwd 8k -2 %).
+    it is broadcast over the P keys of a chunk, and recomputed P times.
     An optimization barrier does not help here (XLA:CPU removes barriers before fusion). Other backends get
     ``x``."""
     if jax.default_backend() != "cpu":
@@ -75,8 +75,8 @@ def rows_dot(a_t, b, precision=None):
     """``Σ_q a[..., q, i] * b[..., q, j]`` as ``[..., i, j]``, from ``a_t`` = :func:`transposed` ``(a)``
     ``[..., i, q]``: the key-side gradients of attention (``dk = dsᵀ q``, ``dv = pᵀ do``, here transposed, as
     ``[..., d, keys]``). Written as that contraction of the row axis of both operands, XLA:CPU falls back to a
-    generic dot at 100-170 GFLOP/s (where YNNPACK runs the plain ``[i, q] x [q, j]`` product at ~230; session 31:
-    dense causal fwd+bwd 8k -19 %, eva -9 %). Transposing ``a`` (``[q, d]``, small beside ``b``'s ``[q, keys]``) costs
+    generic dot at roughly half the rate YNNPACK reaches on the plain ``[i, q] x [q, j]`` product (the key-side
+    gradients of dense and eva got measurably faster). Transposing ``a`` (``[q, d]``, small beside ``b``'s ``[q, keys]``) costs
     one pass over it; transpose it once per block row, not per pair. ``precision`` as the caller's other dots.
     For autodiff, :func:`scores` and :func:`mix` (``pallas_kernels/cpu_dots.py``) are the einsums ``q kᵀ`` and
     ``p v`` with this backward built in."""

@@ -2,8 +2,8 @@
 
 Autodiff of ``s = q kᵀ`` and ``o = p v`` writes the key-side gradients ``dk = dsᵀ q`` and ``dv = pᵀ do`` as dots
 that contract the row axis of both operands; XLA:CPU does not hand that form to YNNPACK and runs it as a generic dot
-at 100-170 GFLOP/s, where the plain ``[d, rows] x [rows, keys]`` product runs at ~230 (session 31,
-BENCHMARKS.md). :func:`scores` and :func:`mix` compute the same forward; their backward transposes the small
+at roughly half the rate of the plain ``[d, rows] x [rows, keys]`` product (see docs/DESIGN.md, "Where the time
+goes"). :func:`scores` and :func:`mix` compute the same forward; their backward transposes the small
 ``[rows, d]`` operand first (an optimization barrier keeps XLA from folding the transpose back into the dot) and
 transposes the small ``[d, keys]`` result. On other backends, and when the operands' batch axes differ (a
 broadcast operand), they are the plain einsums. Shared by the kernels' pure-JAX references and ``longctx``

@@ -1,5 +1,5 @@
 """Pallas kernel "eva_attend": EVA's Phase B, chunk scores and the local window in one online softmax
-(spec eva.md §8.3), forward and backward kernels, lowered for TPU (Mosaic) and GPU (Triton).
+(docs/methods/eva.md §8.3), forward and backward kernels, lowered for TPU (Mosaic) and GPU (Triton).
 
 The reference it must match is :func:`pallas_kernels.eva_attend_ref.eva_attend_reference` (operands described
 there: ``q`` pre-scaled, ``k, v``, chunk summaries ``k̂, β`` from Phase A, local bias tiles). This module imports

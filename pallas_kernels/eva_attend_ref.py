@@ -1,4 +1,4 @@
-"""Pure-JAX reference of EVA's Phase B on the operands of the Pallas kernel "eva_attend" (spec eva.md §8.1, §8.3).
+"""Pure-JAX reference of EVA's Phase B on the operands of the Pallas kernel "eva_attend" (docs/methods/eva.md §8.1, §8.3).
 
 Phase B: every query ``n`` takes one softmax over its local window (exact logits ``q·k`` plus the relative-position
 bias) and the chunks it may see (logit ``q·k̂_c``, value ``β_c``), eq. 16. The masks are functions of absolute
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG = -1e30  # finite mask value, never -inf (spec §9.11)
+NEG = -1e30  # finite mask value, never -inf (§9.11)
 HIGHEST = jax.lax.Precision.HIGHEST
 
 

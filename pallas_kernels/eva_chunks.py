@@ -1,4 +1,4 @@
-"""EVA Phase A as a fused Pallas kernel: ``eva_chunk_stats`` (spec eva.md §8.2).
+"""EVA Phase A as a fused Pallas kernel: ``eva_chunk_stats`` (docs/methods/eva.md §8.2).
 
 For every chunk ``c`` of ``P`` tokens (query-independent control-variate statistics)::
 

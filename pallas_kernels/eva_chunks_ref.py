@@ -1,4 +1,4 @@
-"""Pure-JAX reference of EVA's Phase A, the per-chunk control-variate statistics (spec eva.md §2.3, §8.1).
+"""Pure-JAX reference of EVA's Phase A, the per-chunk control-variate statistics (docs/methods/eva.md §2.3, §8.1).
 
 This is the computation :mod:`pallas_kernels.eva_chunks` must match and the XLA path of
 EVA attention method (which imports it from here: one copy of the math). It imports only JAX.
@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-NEG = -1e30  # finite mask value (spec §2.7): -inf gives NaN for all-padding chunks
+NEG = -1e30  # finite mask value (§2.7): -inf gives NaN for all-padding chunks
 LN_EPS = 1e-5
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -47,7 +47,7 @@ class EVAOptions:
 
 def layer_norm(x, scale, bias):
     if x.ndim > 2 and jax.default_backend() == "cpu":
-        # rows flattened: XLA:CPU runs the gradient's row sums 3-40x slower when a leading dimension has size 1
+        # rows flattened: XLA:CPU runs the gradient's row sums on a slow path when a leading dimension has size 1
         # (batch 1); same arithmetic (longctx/xla_cpu.py)
         return layer_norm(x.reshape(-1, x.shape[-1]), scale, bias).reshape(x.shape)
     x = x.astype(jnp.float32)
@@ -57,7 +57,7 @@ def layer_norm(x, scale, bias):
 
 
 def rf_log_feature(x, omega, scale: float, rf_scale: str):
-    """log ξ(x, ω) of the positive random feature, with the layer's scaling (spec §9.2).
+    """log ξ(x, ω) of the positive random feature, with the layer's scaling (§9.2).
 
     'released':   s (ω·x − ½‖x‖²);   'principled': √s ω·x − (s/2)‖x‖²;   scale=1: ω·x − ½‖x‖².
     x: [..., P, d]; omega: [..., d] (broadcast over P)."""

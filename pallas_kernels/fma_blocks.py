@@ -1,4 +1,4 @@
-"""Pallas kernel "FMA multilevel blocks" (spec shared/specs/fma.md §8), forward; backward v1 by a
+"""Pallas kernel "FMA multilevel blocks" (docs/methods/fma.md §8), forward; backward v1 by a
 ``jax.custom_vjp`` that recomputes through the pure-JAX reference (``fma_blocks_ref.attend_blocks``).
 
 Grid ``(BH, nb)``, both axes parallel; one program = one fine query block of ``m`` tokens. It reads its

@@ -1,4 +1,4 @@
-"""Pure-JAX reference of the FMA "multilevel blocks" attention (spec shared/specs/fma.md §2.4, §8).
+"""Pure-JAX reference of the FMA "multilevel blocks" attention (docs/methods/fma.md §2.4, §8).
 
 This is the math the Pallas kernel ``fma_blocks.py`` must match, and the production XLA path of
 ``longctx.attention.fma`` imports it (one copy of the math; this module never imports ``longctx``).
@@ -39,7 +39,7 @@ NEG = -1e30
 
 
 # ---------------------------------------------------------------------------
-# the interaction list (spec §2.2, parity rule)
+# the interaction list (§2.2, parity rule)
 # ---------------------------------------------------------------------------
 
 
@@ -155,7 +155,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     elif kind == "stats":
         num = num + coarse[2] * sc[..., None]
     # num times 1 / den as an einsum: its gradient's row sum is then a dot, not a multiply-and-reduce, which
-    # XLA:CPU runs ~20x slower when a dimension has size 1 (batch 1; longctx/xla_cpu.py)
+    # XLA:CPU runs on a slow path when a dimension has size 1 (batch 1; longctx/xla_cpu.py)
     out = jnp.einsum("...f,...->...f", num, 1.0 / jnp.maximum(den, 1e-30), precision=jax.lax.Precision.HIGHEST)
     if kind == "normed":
         out = out + coarse[1]

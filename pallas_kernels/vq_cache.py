@@ -1,4 +1,4 @@
-"""Transformer-VQ "compressive VQ cache attention" as Pallas kernels (spec transformer-vq.md §9): the TPU (Mosaic)
+"""Transformer-VQ "compressive VQ cache attention" as Pallas kernels (docs/methods/transformer_vq.md §9): the TPU (Mosaic)
 kernels here, and the entry point for both forms.
 
 Which form runs where (:func:`vq_cache_attention`): ``platform='tpu'`` (or None / the default backend on TPU) runs
@@ -30,7 +30,7 @@ and the band validity are precomputed, any ``1 <= M <= L`` works. The kernels:
   ``dq, dk̂`` (previous / present halves), ``dBP, dBR`` and the row log-sum-exp; pass 2 runs the query
   blocks in reverse (grid ``(B·H, Dv/tv, R)``) and carries ``h_r = ∂/∂μ_r / max(N_r, 1)`` to give the fold's
   ``dv`` (``onehotᵀ·h_{r+1}``) and ``∂/∂μ_0``: ``h_r = (P_cᵀ·dO_r + N_r h_{r+1}) / max(N_r, 1)``, with the
-  counts stepped back exactly. No gradient reaches the codebook or the counts (spec §9).
+  counts stepped back exactly. No gradient reaches the codebook or the counts (§9).
 
 Dtypes: inputs fp32 or bf16 (q, k̂, v stored in bf16 when all three are bf16); the bf16 ``q·k̂ᵀ`` and one-hot
 folds use bf16 MXU operands with fp32 accumulation, everything else (softmax, ``μ``, P·V) is fp32. The output

@@ -1,4 +1,4 @@
-"""Transformer-VQ "compressive VQ cache attention", GPU form: Pallas-Triton kernels (spec transformer-vq.md §9,
+"""Transformer-VQ "compressive VQ cache attention", GPU form: Pallas-Triton kernels (docs/methods/transformer_vq.md §9,
 "GPU (Pallas-Triton, H100)" and "Backward (v2)").
 
 It computes exactly what :func:`pallas_kernels.vq_cache_ref.vq_cache_attention_reference` computes (the §2.6 serial
@@ -37,7 +37,7 @@ on a sequential grid:
 * ``vq_cache_gpu_bwd_mu`` -- grid ``(BH, R, S_p/ts, Dv/tv)``, code-chunk-major: ``dμ̄_n = P^{c}ᵀ·dO`` over the
   query tiles of block ``n``; it flows back to ``v`` and the carried ``agg_mu`` through Phase 1 by JAX autodiff.
 
-No gradient reaches the codebook, the codes or the counts (as in the TPU kernel and spec §9). The new carried
+No gradient reaches the codebook, the codes or the counts (as in the TPU kernel and §9). The new carried
 state is computed in XLA by the reference's ``final_state``.
 
 Dtypes: q_u, k̂, v (and the band) are stored in bf16 when all of them are bf16, otherwise f32 (never round a
@@ -61,8 +61,8 @@ addresses, MMA fragments and temporaries). At the paper's shapes (L = S = 512, D
 ``bwd_kv`` and ``bwd_mu`` kernels run 4 warps at 128 words per thread. It is an estimate for refusing clearly
 too large tiles, not a measurement. Compiled on an H200 (jax 0.11.2) the kernel tests pass (forward, state and
 gradients against the reference, tiles of 16 and the default tiles); at the benchmark's shape (4 heads x 64,
-L = S = 512, fp32) the kernel took 0.91x / 0.83x the XLA ``causal_parallel`` form's forward time at 4k / 16k and
-1.06x / 1.03x its forward+backward time (``bench_out/gpu_s28``). The paper's shapes were not timed there.
+L = S = 512, fp32) the kernel's forward was somewhat faster than the XLA ``causal_parallel`` form and its
+forward+backward about level with it (``longctx-bench kernels`` measures both). The paper's shapes were not timed.
 
 Support (:func:`unsupported_reasons`): ``'cuda'`` needs ``L % 16 == 0`` (``tq ≥ 16``, the Triton dot minimum),
 ``Dk`` a power of two ≥ 16 (loaded whole), ``Dv % 16 == 0`` and a tile plan within the budget, and explicit

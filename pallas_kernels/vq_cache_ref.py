@@ -1,4 +1,4 @@
-"""Pure-JAX reference of the compressive VQ-cache attention (spec transformer-vq.md §2.6, §9).
+"""Pure-JAX reference of the compressive VQ-cache attention (docs/methods/transformer_vq.md §2.6, §9).
 
 This is the computation :mod:`pallas_kernels.vq_cache` must match, and it is also the XLA path of
 the transformer_vq attention method (which imports it from here: one copy of the math). It imports
@@ -61,8 +61,7 @@ def _code_sums_scatter(z, v, w, S: int):
 def code_sums(z, v, valid, S: int):
     """Per-code (sum [..., S, Dv], count [..., S]) of values v [..., L, Dv] with codes z [..., L] and validity
     ``valid`` (broadcastable to z). The same sums two ways, picked per platform when the program is lowered: a
-    scatter-add on CPU (a [.., S, L] one-hot costs ~14x the scatter there: 43 ms against 3 ms for 8k tokens of
-    4 heads at S = 512) and the one-hot matmul elsewhere (the MXU / tensor-core path; scatters are slow on TPU)."""
+    scatter-add on CPU (a [.., S, L] one-hot costs an order of magnitude more than the scatter there) and the one-hot matmul elsewhere (the MXU / tensor-core path; scatters are slow on TPU)."""
     w = jnp.broadcast_to(valid, z.shape).astype(v.dtype)
     return jax.lax.platform_dependent(z, v, w, cpu=functools.partial(_code_sums_scatter, S=S),
                                       default=functools.partial(_code_sums_onehot, S=S))
@@ -138,7 +137,7 @@ def softmax_mix(groups):
     den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     den = jnp.maximum(den, 1e-30)
     # the value matmuls first, then one scaling by 1 / den written as an einsum: the gradient's sum over the row
-    # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs 3-40x slower when a dimension has
+    # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs on a slow path when a dimension has
     # size 1 (one head, batch 1; longctx/xla_cpu.py)
     num = sum(mix(p, vals) for p, (_, _, vals) in zip(probs, groups))
     out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0], precision=jax.lax.Precision.HIGHEST)
@@ -210,7 +209,7 @@ def prefix_reduce(mu, n, reduction: str):
 
 
 def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial"):
-    """The blocked operands of the causal block-parallel form (spec 2.6); requires 1 <= M <= L.
+    """The blocked operands of the causal block-parallel form (§2.6); requires 1 <= M <= L.
 
     Returns a dict: ``qb`` [B,H,R,L,Dk] and ``bdb`` [B,H,R,L,M+1] (queries in R blocks of L, zero-padded);
     ``kx``, ``vx`` [B,H,R+1,L,.], ``zx`` and ``validx`` [R+1,L] (extended blocks: index 0 is the carried
@@ -250,7 +249,7 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
 
 def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
                     return_lse: bool = False):
-    """Linear-time causal form (spec 2.6) from a carried state; requires 1 <= M <= L.
+    """Linear-time causal form (§2.6) from a carried state; requires 1 <= M <= L.
 
     The carried band (M keys, left-padded with invalid slots to L) acts as block -1 and the carried agg as the
     summary of everything before it, so query block n uses agg (+) blocks -1..n-2 (lag 2), attends exactly to

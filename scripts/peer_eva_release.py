@@ -10,10 +10,13 @@ threads of this process. The released code is read from a checkout
 kept in this repository. It needs ``torch`` and ``einops`` in the running environment (neither is a
 project dependency: ``pip install torch --index-url https://download.pytorch.org/whl/cpu einops``).
 
-    .venv/bin/python scripts/peer_eva_release.py --lengths 4k,8k,16k --repeats 3 --out bench_out/peer_eva
+    git clone https://github.com/HKUNLP/efficient-attention /tmp/eva-release
+    .venv/bin/python scripts/peer_eva_release.py --release_repo /tmp/eva-release --lengths 8k,16k --repeats 9
+    .venv/bin/python scripts/peer_eva_release.py --release_repo /tmp/eva-release --no_proj --out results/peer_eva_core
 
 Per length, the calls alternate: released forward, ours forward, released forward+backward, ours
-forward+backward, repeated; medians are reported. Writes peer_eva.json and peer_eva.md under --out.
+forward+backward, repeated; medians are reported. Writes peer_eva.json and peer_eva.md under --out (default
+results/peer_eva, or results/peer_eva_core with --no_proj, relative to the working directory).
 Run as a script, the process first takes the host memory settings of longctx's entry points
 (``longctx/host_memory.py``: freed memory kept, huge pages for the heap); both sides share them, as
 they share the process (``LONGCTX_HOST_MALLOC=system`` leaves glibc's defaults).
@@ -33,7 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DEFAULT_REPO = "/work/.mirror/HKUNLP+efficient-attention/repo"
+# the release's git checkout: --release_repo, else $EVA_RELEASE_REPO
+DEFAULT_REPO = os.environ.get("EVA_RELEASE_REPO", "")
 
 
 def parse_len(s: str) -> int:
@@ -131,9 +135,15 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--no_proj", action="store_true",
                    help="both sides without their q/k/v/output projections (identities): the attention cores alone")
-    p.add_argument("--release_repo", default=DEFAULT_REPO)
-    p.add_argument("--out", default="bench_out/peer_eva")
+    p.add_argument("--release_repo", default=DEFAULT_REPO,
+                   help="git checkout of HKUNLP/efficient-attention (default: $EVA_RELEASE_REPO)")
+    p.add_argument("--out", default=None, help="default results/peer_eva (--no_proj: results/peer_eva_core)")
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = "results/peer_eva_core" if a.no_proj else "results/peer_eva"
+    if not a.release_repo or not os.path.isdir(a.release_repo):
+        p.error(f"--release_repo {a.release_repo!r}: give a git checkout of the release "
+                "(git clone https://github.com/HKUNLP/efficient-attention)")
 
     import jax
     import jax.numpy as jnp

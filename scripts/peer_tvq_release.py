@@ -1,7 +1,9 @@
 """Whole-model training step of the official Transformer-VQ JAX release (the peer) against this
 repository's equivalent model, timed interleaved at given sequence lengths.
 
-    .venv/bin/python scripts/peer_tvq_release.py --lengths 1k,4k,16k --repeats 3 --out bench_out/peer_tvq
+    git clone https://github.com/transformer-vq/transformer_vq /tmp/tvq-release
+    .venv/bin/python scripts/peer_tvq_release.py --release_repo /tmp/tvq-release --release_python /tmp/tvqrel/bin/python \
+        --lengths 1k,4k,16k --repeats 5 --warmup 2
 
 What is timed, on each side: one call of the jitted training step -- loss, gradient and optimizer
 update, one update per row of T tokens (batch 1, fp32, no dropout) -- wall clock until the new
@@ -53,8 +55,9 @@ The peer's Python environment (the release pins old versions; once):
     /tmp/tvqrel/bin/pip install "jax==0.4.13" "jaxlib==0.4.13" "flax==0.6.11" "optax==0.1.5" \
         "chex==0.1.82" "numpy<2" "scipy<1.12" "ml_dtypes==0.2.0"
 
-Output: a markdown table on stdout; with ``--out DIR`` also ``DIR/peer_tvq_release.json`` and
-``DIR/peer_tvq_release.md``. tokens/s = batch * T / median step time; "ours / release" is the ratio
+Output: a markdown table on stdout, ``DIR/peer_tvq_release.json`` and ``DIR/peer_tvq_release.md`` (``--out DIR``,
+default ``results/peer_tvq`` under the working directory). Extra overrides of our config:
+``--config.KEY=VALUE`` (repeatable). tokens/s = batch * T / median step time; "ours / release" is the ratio
 of the tokens/s (> 1: this repository is faster).
 """
 
@@ -72,7 +75,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RELEASE_REPO = "/work/.mirror/transformer-vq+transformer_vq/repo"
+DEFAULT_RELEASE_REPO = os.environ.get("TVQ_RELEASE_REPO", "")  # the release's git checkout
 DEFAULT_RELEASE_PYTHON = "/tmp/tvqrel/bin/python"
 OUR_CONFIG = "configs/builtin/transformer_vq.py"
 
@@ -529,15 +532,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1k,4k,16k", help="comma list of row lengths T (k = 1024)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per length and side (interleaved)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per length and side after compiling")
-    ap.add_argument("--out", default=None, help="folder for peer_tvq_release.json and .md")
+    ap.add_argument("--out", default="results/peer_tvq", help="folder for peer_tvq_release.json and .md")
     ap.add_argument("--release_python", default=DEFAULT_RELEASE_PYTHON,
                     help="Python of the peer's venv (see the docstring for how to create it)")
-    ap.add_argument("--release_repo", default=DEFAULT_RELEASE_REPO, help="git checkout (bare is fine) of the release")
+    ap.add_argument("--release_repo", default=DEFAULT_RELEASE_REPO, help="git checkout (bare is fine) of the release (default: $TVQ_RELEASE_REPO)")
     default_ours = REPO / ".venv" / "bin" / "python"
     ap.add_argument("--ours_python", default=str(default_ours) if default_ours.exists() else sys.executable,
                     help="Python with this repository installed (default .venv/bin/python)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra override of our config, after the built-in ones (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--release_malloc", choices=("system", "keep"), default="system",
                     help="the peer's host allocator: the C library's defaults (system, as the release ships) or the "
@@ -545,7 +546,13 @@ def main(argv=None) -> int:
                          "glibc through its environment variables")
     ap.add_argument("--worker", choices=("release", "ours"), help=argparse.SUPPRESS)
     ap.add_argument("--release_src", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = [a[len("--config."):] for a in argv if a.startswith("--config.")]
+    args = ap.parse_args([a for a in argv if not a.startswith("--config.")])
+    args.set = overrides  # extra overrides of our config, after OUR_SETS
+    if not args.worker and (not args.release_repo or not os.path.isdir(args.release_repo)):
+        ap.error(f"--release_repo {args.release_repo!r}: give a git checkout of the release "
+                 "(git clone https://github.com/transformer-vq/transformer_vq)")
     if args.worker == "release":
         release_worker(args.release_src)
         return 0
@@ -554,7 +561,7 @@ def main(argv=None) -> int:
         return 0
     res = drive(args)
     md = markdown(res)
-    if args.out:
+    if args.out:  # always set (default results/peer_tvq)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "peer_tvq_release.json").write_text(json.dumps(res, indent=2) + "\n")

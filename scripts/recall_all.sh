@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The recall benchmark (issue 18): train every registered causal attention method on the same
+# The recall benchmark: train every registered causal attention method on the same
 # associative-recall task (configs/recall/<method>.py: rows of 1,024 tokens, same parameter count,
 # steps and schedule), score each with longctx-recall (accuracy and answer loss by distance), and
-# write one markdown table and one plot. Sized for ~30 minutes on an idle 2-core CPU.
+# write one markdown table and one plot into $OUT (the report's inputs; per-run outputs and logs stay
+# under $RUNS). Sized for ~30 minutes on an idle 2-core CPU.
 #
-#   scripts/recall_all.sh                      # -> bench_out/recall/{recall.md,recall.png,recall.json}
+#   scripts/recall_all.sh                      # -> results/recall/{recall.md,recall.png,recall.json}
 #   OUT=/tmp/r RUNS=/tmp/runs scripts/recall_all.sh
 #   LM_RUNS="runs/default runs/eva" scripts/recall_all.sh   # + zero-shot passkey probe of text LMs
 #
@@ -15,7 +16,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PY:-.venv/bin/python}"
-OUT="${OUT:-bench_out/recall}"
+OUT="${OUT:-results/recall}"
 RUNS="${RUNS:-runs/recall}"
 mkdir -p "$OUT" "$RUNS"
 # the console scripts, without needing them installed (pip install -e . adds longctx-recall*)
@@ -30,7 +31,7 @@ done_runs=()
 for m in $METHODS; do
   cfg="configs/recall/$m.py"
   if [ ! -f "$cfg" ]; then
-    echo "== $m: no $cfg, skipped" | tee -a "$OUT/skipped.txt"
+    echo "== $m: no $cfg, skipped" | tee -a "$RUNS/skipped.txt"
     continue
   fi
   wd="$RUNS/$m"
@@ -56,9 +57,9 @@ if [ -n "${LM_RUNS:-}" ]; then
     name=$(basename "$lm")
     for mult in 1 2 4; do
       recall --workdir="$lm" --task=passkey --length=$(( seq * mult )) --rows=64 --bins=4 --noprogress \
-        --out="$OUT/passkey_$name" | tee -a "$OUT/passkey_$name.log"
+        --out="$RUNS/passkey_$name" | tee -a "$RUNS/passkey_$name.log"
     done
-    dirs="${dirs:+$dirs,}$OUT/passkey_$name"
+    dirs="${dirs:+$dirs,}$RUNS/passkey_$name"
   done
   # one table per length multiple (assumes the LMs share their training length)
   for mult in 1 2 4; do
@@ -66,4 +67,4 @@ if [ -n "${LM_RUNS:-}" ]; then
       --title="Zero-shot passkey probe of text LMs, rows of $(( seq * mult )) tokens (${mult}x training)"
   done
 fi
-echo "total wall time: $(( $(date +%s) - T0 )) s" | tee "$OUT/wall_time.txt"
+echo "total wall time: $(( $(date +%s) - T0 )) s"

@@ -11,6 +11,11 @@ fi
 STAMP=.venv/.longctx-installed
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
+  # the distribution is named longctx-jax ("longctx" on PyPI is another project): drop an
+  # editable install made under the old name first, so that one distribution owns the scripts
+  if .venv/bin/python -m pip show --quiet longctx >/dev/null 2>&1; then
+    .venv/bin/python -m pip uninstall --quiet --yes longctx
+  fi
   .venv/bin/python -m pip install --quiet -e ".[dev]"
   touch "$STAMP"
 fi

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import re
 import shutil
 import sys
 from pathlib import Path
 
+import ml_collections
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
-    cmd: str  # train | prepare | eval | sample | bench
-    args: tuple[str, ...]  # {cfg} tiny config file, {run} trained workdir, {tmp} scratch folder, {other} a copy of {run}
+    cmd: str  # train | prepare | eval | sample | fill | recall | bench
+    # {cfg} tiny config file, {run} trained workdir, {tmp} scratch folder, {other} a copy of {run},
+    # {enc} a trained encoder, {mqar} a run trained on the mqar recall task, {fma} an fma run (levels for 64 tokens)
+    args: tuple[str, ...]
     expect: str  # regex the one error line must match
 
 
@@ -35,7 +39,7 @@ CASES = [
     # config flags and values (longctx-train), every block and method
     Case("unknown config key", "train", (*T, "--config.train.stepz=3"), r"unknown config key 'train.stepz'.*steps"),
     Case("value of the wrong type", "train", (*T, "--config.train.steps=abc"), r"train.steps"),
-    Case("missing config file", "train", ("--config={tmp}/nope.py", "--workdir={tmp}/w"), r"cannot load the config file"),
+    Case("missing config file", "train", ("--config={tmp}/nope.py", "--workdir={tmp}/w"), r"config file .*not found"),
     Case("no --workdir", "train", ("--config={cfg}",), r"--workdir is required"),
     Case("unknown flag", "train", (*T, "--stepz=3"), r"unknown flag --stepz.*allowed"),
     Case("stray argument", "train", (*T, "extra"), r"unexpected argument 'extra'"),
@@ -60,7 +64,7 @@ CASES = [
     Case("eva: bad option", "train", (*T, "--config.model.attention.name=eva", "--config.model.attention.eva.chunk_size=0"),
          r"chunk_size"),
     Case("negative learning rate", "train", (*T, "--config.train.lr=-1"), r"train.lr=-1.0 must be positive"),
-    Case("warm-up longer than the run", "train", (*T, "--config.train.warmup_steps=100"), r"warmup_steps=100 must be in"),
+    Case("negative warm-up", "train", (*T, "--config.train.warmup_steps=-1"), r"warmup_steps=-1 must be in"),
     Case("stride longer than context", "train", (*T, "--config.eval.stride=1000"), r"at most eval.context"),
     Case("mesh axis below 1", "train", (*T, "--config.mesh.tensor=0"), r"mesh.tensor=0 must be >= 1"),
     Case("unknown sequence mode", "train", (*T, "--config.mesh.sequence_mode=ring"),
@@ -104,7 +108,8 @@ CASES = [
     Case("eval: checkpoint step not there", "eval", ("--workdir={run}", "--step=999"), r"step 999 not found"),
     Case("eval: unknown flag", "eval", ("--workdir={run}", "--set=eval.protocol=sliding"), r"unknown flag --set"),
     # longctx-sample
-    Case("sample: negative temperature", "sample", ("--workdir={run}", "--temperature=-1"), r"temperature=-1.0 must be >= 0"),
+    Case("sample: negative temperature", "sample", ("--workdir={run}", "--temperature=-1"),
+         r"temperature=-1.0 must be a finite number >= 0"),
     Case("sample: zero tokens", "sample", ("--workdir={run}", "--num_tokens=0"), r"num_tokens=0 must be a positive"),
     Case("sample: top_p above 1", "sample", ("--workdir={run}", "--top_p=1.5"), r"top_p=1.5 must be in \(0, 1\]"),
     Case("sample: temperature not a number", "sample", ("--workdir={run}", "--temperature=hot"), r"temperature"),
@@ -119,6 +124,122 @@ CASES = [
          r"not both"),
     Case("sample: output exists", "sample", ("--workdir={run}", "--output={tmp}/a.txt"), r"never overwritten"),
     Case("sample: flags disagree", "sample", ("--workdir={run}", "--seed=1", "--config.sample.seed=2"), r"disagree"),
+    *(Case(f"sample: {what}", "sample", ("--workdir={run}", *args), expect) for what, args, expect in (
+        ("temperature not finite", ("--temperature=nan",), r"temperature=nan must be a finite number"),
+        ("infinite temperature", ("--temperature=inf",), r"temperature=inf must be a finite number"),
+        ("negative top_k", ("--top_k=-1",), r"top_k=-1 must be an integer >= 0"),
+        ("top_k beyond the vocabulary", ("--top_k=100000",), r"top_k=100000 exceeds the vocabulary \(256 tokens\)"),
+        ("num_tokens too large", ("--num_tokens=100000000",), r"num_tokens=100000000 must be a positive integer \(at most"),
+        ("negative num_tokens", ("--num_tokens=-5",), r"num_tokens=-5 must be a positive"),
+        ("top_p zero", ("--top_p=0",), r"top_p=0.0 must be in \(0, 1\]"),
+        ("top_p not finite", ("--top_p=nan",), r"top_p=nan must be in"),
+        ("negative seed", ("--seed=-1",), r"sample.seed=-1 must be an integer >= 0"),
+        ("output under a file", ("--output={tmp}/a.txt/x.txt",), r"a.txt is not a folder"),
+        ("prompt file endless", ("--prompt_file=/dev/zero",), r"longer than .* bytes"),
+        ("prompt file a folder", ("--prompt_file={tmp}",), r"cannot read --prompt_file"),
+        ("eval override out of range", ("--config.eval.stride=-4",), r"eval.stride=-4 must be"),
+        ("step not there", ("--step=999",), r"step 999 not found"),
+        ("changing the model", ("--config.model.num_layers=1",), r"allowed here"),
+    )),
+    Case("sample: an encoder run", "sample", ("--workdir={enc}",), r"encoder .*longctx-fill"),
+    Case("sample: prompt longer than the state", "sample", ("--workdir={fma}", "--num_tokens=200"),
+         r"cannot sample \d+ prompt \+ 200 new tokens: .*max_len=64"),
+    # longctx-eval: ranges of the eval settings (a negative stride used to hang), other runs, files
+    *(Case(f"eval: {what}", "eval", ("--workdir={run}", *args), expect) for what, args, expect in (
+        ("negative stride", ("--config.eval.protocol=sliding", "--config.eval.stride=-4"),
+         r"eval.stride=-4 must be an integer >= 1, or 0"),
+        ("negative context", ("--config.eval.protocol=sliding", "--config.eval.context=-1"),
+         r"eval.context=-1 must be an integer >= 1, or 0"),
+        ("negative window", ("--config.eval.window=-3",), r"eval.window=-3 must be"),
+        ("negative row_len", ("--config.eval.row_len=-7",), r"eval.row_len=-7 must be an integer >= 1, or 0 .* or -1"),
+        ("zero batch size", ("--config.eval.batch_size=0",), r"eval.batch_size=0 must be a positive integer"),
+        ("negative max_tokens", ("--config.eval.max_tokens=-1",), r"eval.max_tokens=-1 must be"),
+        ("unknown reset", ("--config.eval.reset=sometimes",), r"choose one of: document, row, never"),
+        ("data.cache_dir a file", ("--config.data.cache_dir={tmp}/a.txt", "--split=test"), r"is a file, not a folder"),
+    )),
+    Case("eval: a recall-task run", "eval", ("--workdir={mqar}",), r"generated recall task 'mqar'.*longctx-recall"),
+    Case("eval: workdir is a file", "eval", ("--workdir={tmp}/a.txt",), r"is a file, not a run folder"),
+    Case("sample: workdir is a file", "sample", ("--workdir={tmp}/a.txt",), r"is a file, not a run folder"),
+    # longctx-train: the range of every numeric key
+    *(Case(f"range: {key}={value}", "train", (*T, f"--config.{key}={value}"), expect) for key, value, expect in (
+        ("eval.stride", "-4", r"eval.stride=-4 must be an integer >= 1, or 0"),
+        ("eval.context", "-1", r"eval.context=-1 must be"),
+        ("eval.window", "-3", r"eval.window=-3 must be"),
+        ("eval.row_len", "-7", r"eval.row_len=-7 must be"),
+        ("train.grad_clip", "-1", r"grad_clip=-1.0 must be a finite number >= 0 \(0 = no clipping\)"),
+        ("train.grad_clip", "inf", r"grad_clip=inf must be a finite number"),
+        ("train.b1", "1.0", r"b1=1.0 must be in \[0, 1\)"),
+        ("train.b2", "1.5", r"b2=1.5 must be in \[0, 1\)"),
+        ("train.b2", "-0.1", r"b2=-0.1 must be in \[0, 1\)"),
+        ("train.eps", "0", r"eps=0.0 must be a finite number > 0"),
+        ("train.weight_decay", "-5", r"weight_decay=-5.0 must be a finite number >= 0"),
+        ("train.weight_decay", "nan", r"weight_decay=nan must be"),
+        ("train.lr", "nan", r"lr=nan must be positive"),
+        ("train.lr", "inf", r"lr=inf must be positive"),
+        ("train.min_lr_ratio", "2", r"min_lr_ratio=2.0 must be in \[0, 1\]"),
+        ("train.eval_tokens", "0", r"eval_tokens=0 must be a positive integer"),
+        ("train.eval_tokens", "-8", r"eval_tokens=-8 must be a positive integer"),
+        ("train.seed", "-1", r"train.seed=-1 must be an integer >= 0"),
+        ("train.steps", "0", r"train.steps=0 must be a positive integer"),
+        ("train.batch_size", "0", r"batch_size=0 must be a positive integer"),
+        ("train.seq_len", "-32", r"seq_len=-32 must be a positive integer"),
+        ("train.window", "-8", r"window=-8 must be an integer >= 0"),
+        ("train.log_every", "0", r"log_every=0 must be a positive integer"),
+        ("train.eval_every", "-1", r"eval_every=-1 must be a positive integer"),
+        ("train.ckpt_every", "0", r"ckpt_every=0 must be a positive integer"),
+        ("train.keep_checkpoints", "0", r"keep_checkpoints=0 must be a positive integer"),
+        ("train.max_skipped_in_row", "0", r"max_skipped_in_row=0 must be a positive integer"),
+        ("train.short_steps", "-1", r"short_steps=-1 must be an integer >= 0"),
+        ("mesh.data", "0", r"mesh.data=0 must be an integer >= 1, or -1"),
+        ("mesh.data", "-2", r"mesh.data=-2 must be an integer >= 1, or -1"),
+        ("mesh.fsdp", "0", r"mesh.fsdp=0 must be >= 1"),
+        ("mesh.sequence", "-1", r"mesh.sequence=-1 must be >= 1"),
+        ("model.d_model", "0", r"d_model=0 must be a positive integer"),
+        ("model.num_layers", "-1", r"num_layers=-1 must be a positive integer"),
+        ("model.num_heads", "0", r"num_heads=0 must be a positive integer"),
+        ("model.d_ff", "0", r"d_ff=0 must be a positive integer"),
+        ("model.vocab_size", "-1", r"vocab_size=-1 must be an integer >= 0"),
+        ("model.max_len", "-1", r"max_len=-1 must be an integer >= 0"),
+        ("model.loss_chunk", "-1", r"loss_chunk=-1 must be an integer >= 0"),
+        ("model.dropout", "-0.1", r"dropout=-0.1 must be in \[0, 1\)"),
+        ("model.dropout", "nan", r"dropout=nan must be in \[0, 1\)"),
+        ("model.gau_expansion", "0", r"gau_expansion=0.0 must be a finite number > 0"),
+        ("model.adaptive_div", "0.5", r"adaptive_div=0.5 must be a finite number >= 1"),
+        ("eval.batch_size", "0", r"eval.batch_size=0 must be a positive integer"),
+        ("eval.max_tokens", "-1", r"max_tokens=-1 must be"),
+        ("sample.temperature", "nan", r"temperature=nan must be a finite number"),
+        ("sample.num_tokens", "0", r"num_tokens=0 must be a positive integer"),
+        ("data.options.vocab_size", "0", r"options.vocab_size=0 must be a positive integer"),
+        ("mlm.rate", "1.5", r"mlm.rate=1.5 must be in \(0, 1\)"),
+        ("mlm.max_span_len", "0", r"max_span_len=0 must be an integer >= 1"),
+        ("mlm.mask_id", "-2", r"mask_id=-2 must be an integer >= 0, or -1"),
+    )),
+    # longctx-train: the workdir and the data cache
+    Case("workdir is a file", "train", ("--config={cfg}", "--workdir={tmp}/a.txt"), r"exists and is not a folder"),
+    Case("workdir under a file", "train", ("--config={cfg}", "--workdir={tmp}/a.txt/w"),
+         r"cannot create --workdir .*Not a directory"),
+    Case("config.json of the workdir a folder", "train", ("--config={cfg}", "--workdir={tmp}/cfgdir"),
+         r"cannot write .*config.json \(Is a directory\)"),
+    Case("data.cache_dir a file", "train", (*T, "--config.data.cache_dir={tmp}/a.txt"), r"data.cache_dir .* is a file"),
+    Case("wikitext103 files empty", "train",
+         (*T, "--config.data.source=wikitext103", "--config.data.tokenizer=words", "--config.data.path={tmp}/wt_empty"),
+         r"wikitext103: .* are empty"),
+    Case("wikitext103 files binary", "train",
+         (*T, "--config.data.source=wikitext103", "--config.data.tokenizer=words", "--config.data.path={tmp}/wt_binary"),
+         r"wikitext103: .*line 1 is not UTF-8 text"),
+    # longctx-prepare
+    Case("prepare: a generated recall task", "prepare",
+         ("--config={cfg}", "--config.data.source=mqar", "--config.data.synthetic.num_pairs=4"),
+         r"generated recall task: .*nothing to prepare"),
+    Case("prepare: negative seed", "prepare", ("--config={cfg}", "--config.train.seed=-1"), r"seed=-1 must be"),
+    Case("prepare: data.cache_dir a file", "prepare", ("--config={cfg}", "--config.data.cache_dir={tmp}/a.txt"),
+         r"is a file, not a folder"),
+    # longctx-fill and longctx-recall
+    Case("fill: text not UTF-8", "fill", ("--workdir={enc}", "--text=ab\udcff_"), r"text to fill is not UTF-8"),
+    Case("fill: a decoder run", "fill", ("--workdir={run}", "--text=a_b"), r"needs an encoder run"),
+    Case("recall: zero rows", "recall", ("--workdir={mqar}", "--rows=0"), r"--rows=0 must be a positive integer"),
+    Case("recall: negative length", "recall", ("--workdir={mqar}", "--length=-5"), r"--length=-5 must be a positive"),
+    Case("recall: zero bins", "recall", ("--workdir={mqar}", "--bins=0"), r"--bins=0 must be a positive"),
     # longctx-bench
     Case("bench: unknown sub-command", "bench", ("speed",), r"invalid choice: 'speed'"),
     Case("bench: unknown flag", "bench", ("report", "--fast"), r"unrecognized arguments: --fast"),
@@ -134,8 +255,17 @@ def make_context(root: Path) -> dict:
     cfg_file.write_text(f"import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({cfg.to_dict()!r})\n")
     from longctx.train.loop import train
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        train(cfg, root / "run", progress=False)
+    enc = ml_collections.ConfigDict(cfg.to_dict())
+    enc.model.kind = "encoder"
+    mqar = ml_collections.ConfigDict(cfg.to_dict())
+    mqar.data.source, mqar.data.path = "mqar", ""
+    mqar.data.synthetic.update({"num_pairs": 4, "num_keys": 8, "num_values": 8, "eval_rows": 8, "bins": 2})
+    fma = ml_collections.ConfigDict(cfg.to_dict())
+    fma.model.attention.name = "fma"
+    fma.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64, "impl": "xla"})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for c, name in ((cfg, "run"), (enc, "enc"), (mqar, "mqar"), (fma, "fma")):
+            train(c, root / name, progress=False)
     shutil.copytree(root / "run", root / "other")
     tmp = root / "tmp"
     for d in ("nofiles", "empty", "truncated", *(f"{p}/{s}" for p in ("pg19", "pg19latin1")
@@ -151,14 +281,21 @@ def make_context(root: Path) -> dict:
     (tmp / "pg19latin1" / "metadata.csv").write_bytes("123,Caf\xe9 au lait,1900,http://x\n".encode("latin-1"))
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "a.txt").write_text("a")
-    return {"cfg": str(cfg_file), "run": str(root / "run"), "other": str(root / "other"), "tmp": str(tmp)}
+    (tmp / "cfgdir" / "config.json").mkdir(parents=True)
+    for name, content in (("wt_empty", b""), ("wt_binary", bytes(range(128, 256)) * 8)):
+        (tmp / name).mkdir()
+        for split in ("train", "valid", "test"):
+            (tmp / name / f"wiki.{split}.tokens").write_bytes(content)
+    return {"cfg": str(cfg_file), "run": str(root / "run"), "other": str(root / "other"), "tmp": str(tmp),
+            "enc": str(root / "enc"), "mqar": str(root / "mqar"), "fma": str(root / "fma")}
 
 
 def run_case(case: Case, ctx: dict) -> tuple[int, str]:
     from longctx import cli
     from longctx.bench import cli as bench_cli
 
-    entry = {"train": cli.train_main, "prepare": cli.prepare_main, "eval": cli.eval_main, "sample": cli.sample_main}
+    entry = {"train": cli.train_main, "prepare": cli.prepare_main, "eval": cli.eval_main, "sample": cli.sample_main,
+             "fill": cli.fill_main, "recall": cli.recall_main}
     args = [a.format(**ctx) for a in case.args]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -179,9 +316,9 @@ def ctx(tmp_path_factory):
     return make_context(tmp_path_factory.mktemp("bad_inputs"))
 
 
-def test_at_least_30_distinct_cases():
-    assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
-    assert {c.cmd for c in CASES} == {"train", "prepare", "eval", "sample", "bench"}
+def test_at_least_130_distinct_cases():
+    assert len(CASES) >= 130 and len({c.id for c in CASES}) == len(CASES)
+    assert {c.cmd for c in CASES} == {"train", "prepare", "eval", "sample", "fill", "recall", "bench"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -191,11 +328,33 @@ def test_bad_input_is_one_line_and_exit_2(case, ctx):
     assert code == 2 and line is not None, (code, err[-3000:])
     assert re.search(case.expect, line), line
     if case.cmd == "sample":
-        assert not (Path(ctx["run"]) / "samples").exists()  # nothing written
+        assert not any((Path(ctx[k]) / "samples").exists() for k in ("run", "enc", "fma"))  # nothing written
+    assert not (Path(ctx["tmp"]) / "a.txt").is_dir() and (Path(ctx["tmp"]) / "a.txt").read_text() == "a"
     # the docs/errors.md row is the one generated from this message (no row edited by hand)
     row = doc_row(case, err, ctx)
     doc = (ROOT / "docs" / "errors.md").read_text().splitlines()
     assert row in doc, f"regenerate docs/errors.md (python -m tests.test_bad_inputs > docs/errors.md): {row}"
+
+
+def test_eval_prints_its_result_before_a_failed_write(ctx, tmp_path):
+    """The score is on stdout before the JSON is written; a write that fails (here WORKDIR/eval is a
+    file) is one error line, and the JSON is written whole or not at all."""
+    from longctx import cli
+
+    wd = Path(shutil.copytree(ctx["run"], tmp_path / "run"))
+    (wd / "eval").write_text("not a folder")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64"])
+    assert e.value.code == 2 and error_line(err.getvalue()) is not None, err.getvalue()
+    assert "could not be written" in error_line(err.getvalue())
+    assert "bits per token" in out.getvalue()
+    (wd / "eval").unlink()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64"]) == 0
+    names = [p.name for p in (wd / "eval").iterdir() if p.suffix == ".json"]
+    assert len(names) == 1 and names[0].startswith("valid_step2_") and names[0].endswith("-n64.json")  # no temporaries
+    assert json.loads((wd / "eval" / names[0]).read_text())["step"] == 2
 
 
 def test_errors_doc_lists_every_case():
@@ -204,7 +363,8 @@ def test_errors_doc_lists_every_case():
     assert not missing, f"regenerate docs/errors.md (python -m tests.test_bad_inputs > docs/errors.md): {missing}"
 
 
-PLACEHOLDERS = {"cfg": "tiny.py", "run": "runs/tiny", "other": "runs/tiny", "tmp": "/tmp/x"}
+PLACEHOLDERS = {"cfg": "tiny.py", "run": "runs/tiny", "other": "runs/tiny", "tmp": "/tmp/x", "enc": "runs/tiny_mlm",
+                "mqar": "runs/tiny_mqar", "fma": "runs/tiny_fma"}
 
 
 def command_line(case: Case) -> str:
@@ -232,9 +392,11 @@ def generate_doc() -> str:
     head = ("# Errors\n\nEvery bad input is answered with one line on stderr (`error: ...`, what is wrong and what is\n"
             "allowed) and exit status 2, never a traceback. This table is generated from the cases of\n"
             "`tests/test_bad_inputs.py` (`.venv/bin/python -m tests.test_bad_inputs > docs/errors.md`), which\n"
-            "checks each of them. `tiny.py` is a tiny config, `runs/tiny` a trained run, `/tmp/x` a folder of\n"
-            "bad files (an empty or truncated `enwik8.zip`, a `metadata.csv` with a bad row or in Latin-1, a\n"
-            "Latin-1 prompt).\n\n"
+            "checks each of them. `tiny.py` is a tiny config, `runs/tiny` a trained run (`runs/tiny_mlm` an\n"
+            "encoder, `runs/tiny_mqar` a run on the mqar recall task, `runs/tiny_fma` an fma run whose levels\n"
+            "cover 64 tokens), `/tmp/x` a folder of bad files (an empty or truncated `enwik8.zip`, a\n"
+            "`metadata.csv` with a bad row or in Latin-1, a Latin-1 prompt, WikiText-103 files that are empty or\n"
+            "binary, a file `a.txt`).\n\n"
             "| case | command | message |\n|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 

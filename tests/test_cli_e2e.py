@@ -13,14 +13,15 @@ def test_train_eval_sample(tiny_cfg, tmp_path, capsys):
     assert (wd / "loss.png").exists() and (wd / "metrics.jsonl").exists() and (wd / "config.json").exists()
     assert list((wd / "tb").iterdir())
     assert evaluate.main(["longctx-eval", "--workdir", str(wd), "--split", "test"]) == 0
-    res = json.loads((wd / "eval" / "test_step8.json").read_text())
+    res = json.loads((wd / "eval" / "test_step8_stream-w32-document32-n512.json").read_text())
     assert res["tokens_scored"] == 512 and res["protocol"]["mode"] == "stream-with-state"
     assert res["bits_per_byte"] < 8.0 and "gzip-9" in res["compressors_bits_per_byte"]
-    assert (wd / "eval" / "test_step8_loss_vs_position.png").exists()
+    assert (wd / "eval" / "test_step8_stream-w32-document32-n512_loss_vs_position.png").exists()
     assert evaluate.main(["longctx-eval", "--workdir", str(wd), "--config.eval.protocol=sliding",
                           "--config.eval.max_tokens=100", "--noprogress"]) == 0
-    res = json.loads((wd / "eval" / "valid_step8.json").read_text())
+    res = json.loads((wd / "eval" / "valid_step8_sliding-c32-s16-n100.json").read_text())
     assert res["tokens_scored"] == 100 and res["protocol"]["mode"] == "sliding-window"
+    assert len(list((wd / "eval").glob("*.json"))) == 2  # another protocol: another file, none overwritten
     assert sample.main(["longctx-sample", "--workdir", str(wd), "--prompt", "def f", "--num_tokens", "20", "--quiet"]) == 0
     rep = json.loads((wd / "samples" / "step8_seed0.json").read_text())
     assert rep["num_tokens"] == 20 and rep["tokens_per_sec"] > 0

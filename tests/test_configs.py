@@ -1,19 +1,68 @@
-"""Every shipped experiment config loads and validates."""
-
-import runpy
-from pathlib import Path
+"""Every shipped experiment config loads and validates, with each of its variants; config files
+are found from any working directory; a bad ``FILE:VARIANT`` is one clear line."""
 
 import pytest
 
+from longctx import cli, config_files
 from longctx.config import resolve_vocab, validate
+from longctx.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.py") if not p.name.startswith("_") and p.name != "base.py")
 VOCAB = {"bytes": 256, "words": 267_735, "sentencepiece": 32_000}
+CONFIGS = [name + (f":{v}" if v else "") for name, variants in config_files.shipped() for v in (None, *variants)]
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_config_validates(path):
-    cfg = runpy.run_path(str(path))["get_config"]()
+@pytest.mark.parametrize("arg", CONFIGS)
+def test_config_validates(arg):
+    cfg = config_files.load(arg)
     resolved = resolve_vocab(validate(cfg), VOCAB[cfg.data.tokenizer])
     assert resolved.train.seq_len % resolved.train.window == 0
+
+
+def test_every_twin_is_a_variant():
+    """One variant mechanism: no ``*_tiny.py`` files; the smoke runs are ``:tiny`` variants."""
+    assert not list(config_files.CONFIG_DIR.rglob("*_tiny.py"))
+    tiny = [n for n, v in config_files.shipped() if "tiny" in v]
+    assert {"configs/default.py", "configs/enwik8/dense.py", "configs/enwik8/fma.py", "configs/pg19/transformer_vq.py",
+            "configs/wikitext103/eva_16l.py", "configs/builtin/vcc.py", "configs/builtin/kdeformer.py"} <= set(tiny)
+    assert config_files.load("configs/enwik8/fma.py:tiny").model.d_model == 128
+
+
+def test_found_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for arg in ("configs/default.py", "default.py", "configs/builtin/mlm_vcc.py:tiny", "configs/wikitext103/eva_32l.py:tiny"):
+        assert config_files.load(arg).train.steps > 0
+    own = tmp_path / "mine.py"  # a file of one's own, starting from a shipped config by import
+    own.write_text("from configs.builtin import eva\n\n\ndef get_config():\n    c = eva.get_config()\n"
+                   "    c.train.steps = 10\n    return c\n")
+    assert config_files.load("mine.py").model.attention.name == "eva"
+    _, cfg = cli.parse(["x", "--config=configs/default.py:tiny", "--workdir=w"], "longctx-train", config="file")
+    assert cfg.model.num_layers == 2
+
+
+@pytest.mark.parametrize("arg,msg", [
+    ("configs/default.py:huge", "configs/default.py: unknown variant 'huge'; allowed: tiny"),
+    ("configs/enwik8/fma.py:n4096", "allowed: n512, n1024, n2048, linear, tiny"),
+    ("configs/main.py:tiny", "has no variants"),
+    ("configs/recall/_common.py", "defines no get_config() function"),
+    ("configs/nope.py", "config file configs/nope.py not found"),
+])
+def test_bad_config_argument_is_one_line(arg, msg, capsys):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        config_files.load(arg)
+    with pytest.raises(SystemExit) as e:
+        cli.train_main(["longctx-train", f"--config={arg}", "--workdir=/tmp/x", "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and msg in err and "Traceback" not in err
+
+
+def test_short_runs_fit_their_intervals(capsys):
+    """``--config.train.steps=20`` on configs/default.py: warm-up and intervals fit the run, with a note."""
+    _, cfg = cli.parse(["x", "--config=configs/default.py", "--config.train.steps=20", "--workdir=w"],
+                       "longctx-train", config="file")
+    c = validate(cfg)
+    assert (c.train.warmup_steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every) == (2, 20, 20, 20)
+    out = capsys.readouterr().out
+    assert out.count("note: fitted to the run's length, train.steps=20: ") == 1 and "train.warmup_steps 50 -> 2" in out
+    validate(config_files.load("configs/default.py"))
+    assert "note:" not in capsys.readouterr().out  # a config that fits says nothing

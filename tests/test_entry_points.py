@@ -1,4 +1,4 @@
-"""Issue 9 regressions outside the loop: one flag style for every command, configs and docs
+"""Entry-point behaviour outside the training loop: one flag style for every command, configs and docs
 that say what the code does."""
 
 import runpy
@@ -51,3 +51,69 @@ def test_docs_say_the_adaptive_softmax_is_wired_in():
     assert cfg.model.output == "adaptive"
     text = " ".join((ROOT / "docs" / "datasets.md").read_text().split())
     assert "not yet wired" not in text and "full 267,735-way softmax" not in text
+
+
+@pytest.mark.parametrize("main,prog", [
+    (cli.train_main, "longctx-train"), (cli.prepare_main, "longctx-prepare"), (cli.eval_main, "longctx-eval"),
+    (cli.sample_main, "longctx-sample"), (cli.fill_main, "longctx-fill"), (cli.recall_main, "longctx-recall"),
+    (cli.recall_report_main, "longctx-recall-report"),
+])
+def test_help_is_short_and_shows_overrides_and_configs(main, prog, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([prog, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} ") and len(out.splitlines()) < 45, out
+    assert "--config.KEY=VALUE" in out and "configs/builtin/: " in out and "default.py[:tiny]" in out
+    assert "--[no]check" in out and "--[no]progress" in out
+    assert "attention:" not in out and "mesh:" not in out  # never the flattened config
+
+
+def test_check_stops_after_validation(tmp_path, capsys):
+    wd = tmp_path / "w"
+    assert cli.train_main(["x", "--config=configs/builtin/vcc.py:tiny", f"--workdir={wd}", "--check"]) == 0
+    assert cli.eval_main(["x", f"--workdir={wd}", "--split=test", "--config.eval.max_tokens=100", "--check"]) == 0
+    assert cli.sample_main(["x", f"--workdir={wd}", "--top_k=5", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: longctx-train would train 40 steps" in out and "eval.max_tokens=100" in out
+    assert not wd.exists()  # nothing ran
+    with pytest.raises(SystemExit):
+        cli.eval_main(["x", f"--workdir={wd}", "--config.model.d_model=8", "--check"])
+    assert "allowed here: --config.eval.*" in capsys.readouterr().err
+
+
+def test_train_log_line_and_eval_file_names():
+    from ml_collections import ConfigDict
+
+    from longctx.config import base_config, validate
+    from longctx.evaluate import protocol_tag
+    from longctx.train.metrics import log_line
+
+    rec = {"loss": 2.0, "bits_per_token": 2.885, "lr": 1e-3, "tokens_per_sec": 12345.6, "step_time": 0.25}
+    assert log_line(25, 400, rec) == ("step 25/400  loss 2.0000 (2.8850 bits/token)  lr 0.001  12,346 tokens/s  "
+                                      "0.250 s/step")
+    assert "tokens/s" not in log_line(1, 400, {k: rec[k] for k in ("loss", "bits_per_token", "lr")})
+    c = base_config()
+    assert protocol_tag(validate(c)) == "stream-w256-document256"
+    c.eval.protocol, c.eval.context, c.eval.stride = "sliding", 512, 128
+    c.train.seq_len = 512
+    assert protocol_tag(validate(c)) == "sliding-c512-s128"
+    c.eval.max_tokens, c.eval.reset = 1000, "never"
+    assert protocol_tag(validate(ConfigDict(c.to_dict()))) == "sliding-c512-s128-never-n1000"
+
+
+def test_noprogress_training_prints_compilation_and_log_lines(tiny_cfg, tmp_path, capsys):
+    import json
+
+    from longctx.train.loop import train
+
+    tiny_cfg.train.log_every, tiny_cfg.train.eval_every = 2, 100  # eval_every longer than the run: fitted
+    train(tiny_cfg, tmp_path / "run", progress=False)
+    out = capsys.readouterr().out
+    assert "note: fitted to the run's length, train.steps=8: train.eval_every 100 -> 8" in out
+    assert "compiling the train step" in out and "compiled the train step and ran step 1 in" in out
+    assert "step 8/8  loss" in out and "tokens/s" in out and "step 8/8: valid" in out
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r["split"] == "train"]
+    assert all("lr" in r for r in train_recs) and train_recs[0]["lr"] > 0
+    assert all(r["step_time"] > 0 and r["tokens_per_sec"] > 0 for r in train_recs[1:])

@@ -1,5 +1,5 @@
 """The main job (configs/default.py: byte-level decoder on the built-in corpus, same context, steps and
-schedule) with every attention layer replaced by causal Fast Multipole Attention (spec shared/specs/fma.md):
+schedule) with every attention layer replaced by causal Fast Multipole Attention (docs/methods/fma.md):
 fine blocks m = 32, p = 4 summary rows per group, max_len = train.seq_len (256), so 3 levels in the
 paper's count (fine + 2 coarse: groups of 32 and 64 tokens), as in the paper's n/m = 8 setting (Table 1,
 n = 512, m = 64). The learned downsampling convolutions add 50,176 parameters per layer; d_ff 1024 -> 926
@@ -9,15 +9,11 @@ takes the same number out of the MLPs, so the model has the dense default's para
     longctx-eval  --workdir runs/fma --split test
 """
 
-from longctx.config import load_sibling
-
-
-def _default():
-    return load_sibling(__file__, "../default.py").get_config()
+from configs import default
 
 
 def get_config():
-    c = _default()
+    c = default.get_config()
     c.model.attention.name = "fma"
     f = c.model.attention.fma
     f.m = 32

@@ -1,5 +1,5 @@
 """The main job (configs/default.py) with every attention layer replaced by causal *linear* Fast Multipole
-Attention (``fma_linear``, spec shared/specs/fma.md: the coarse levels' softmax terms become linear-attention
+Attention (``fma_linear``, docs/methods/fma.md: the coarse levels' softmax terms become linear-attention
 sums in the leak-free ``lagged`` form). Its multilevel settings are configs/builtin/fma.py's: fine blocks
 m = 32, p = 4 summary rows per group, levels built for the training length (max_len follows train.seq_len,
 256).
@@ -10,13 +10,13 @@ benchmarks' longest sequence), whose learned downsampling alone holds ~200 M par
     longctx-eval  --workdir runs/fma_linear --split test
 """
 
-from longctx.config import load_sibling
+from configs.builtin import fma
 
 
 def get_config():
-    c = load_sibling(__file__, "fma.py").get_config()
-    fma, f = c.model.attention.fma, c.model.attention.fma_linear
+    c = fma.get_config()
+    fc, f = c.model.attention.fma, c.model.attention.fma_linear
     c.model.attention.name = "fma_linear"
-    f.m, f.p, f.allow_truncated_window = fma.m, fma.p, fma.allow_truncated_window
+    f.m, f.p, f.allow_truncated_window = fc.m, fc.p, fc.allow_truncated_window
     f.max_len = c.train.get_ref("seq_len") * 1  # follows train.seq_len, as in fma.py
     return c

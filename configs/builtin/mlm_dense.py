@@ -13,7 +13,9 @@ same parameter count (tests/models/test_encoder.py checks it to 1 %).
 ``--config configs/builtin/mlm_dense.py:tiny`` is a 2-layer smoke run (seconds).
 """
 
-from longctx.config import load_sibling
+from configs import default
+
+VARIANTS = ("tiny",)
 
 
 def encoder(c, arg=None):
@@ -59,4 +61,4 @@ def encoder(c, arg=None):
 
 
 def get_config(arg=None):
-    return encoder(load_sibling(__file__, "../default.py").get_config(), arg)
+    return encoder(default.get_config(), arg)

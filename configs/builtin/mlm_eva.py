@@ -10,12 +10,14 @@ so the model has mlm_dense's parameter count (within 1 %).
 ``:tiny`` (``--config configs/builtin/mlm_eva.py:tiny``): a 2-layer smoke run, local blocks of 32.
 """
 
-from longctx.config import load_sibling
+from configs.builtin import eva, mlm_dense
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "eva.py").get_config()
-    c = load_sibling(__file__, "mlm_dense.py").encoder(c, arg)
+    c = eva.get_config()
+    c = mlm_dense.encoder(c, arg)
     if arg == "tiny":
         c.model.attention.eva.window_size = 32
     else:

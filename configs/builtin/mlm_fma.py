@@ -10,14 +10,16 @@ so the model has mlm_dense's parameter count (within 1 %).
 ``:tiny``: a 2-layer smoke run (64-byte rows, m = 16).
 """
 
-from longctx.config import load_sibling
+from configs.builtin import fma, mlm_dense
+
+VARIANTS = ("tiny",)
 
 D_FF = 317
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "fma.py").get_config()
-    c = load_sibling(__file__, "mlm_dense.py").encoder(c, arg)
+    c = fma.get_config()
+    c = mlm_dense.encoder(c, arg)
     f = c.model.attention.fma
     f.max_len = c.train.seq_len
     if arg == "tiny":

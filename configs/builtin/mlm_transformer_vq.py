@@ -11,12 +11,14 @@ the parameter count matches mlm_dense's (within 1 %).
 ``:tiny``: a 4-GAU smoke run (64-byte rows, 16 codes, blocks of 16).
 """
 
-from longctx.config import load_sibling
+from configs.builtin import mlm_dense, transformer_vq
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "transformer_vq.py").get_config()
-    c = load_sibling(__file__, "mlm_dense.py").encoder(c, arg)
+    c = transformer_vq.get_config()
+    c = mlm_dense.encoder(c, arg)
     m = c.model
     m.num_heads = 1
     if arg == "tiny":

@@ -1,7 +1,7 @@
-"""Masked-LM encoder with VCC, VIP-token centric compression (spec shared/specs/vcc.md §4.1), at
+"""Masked-LM encoder with VCC, VIP-token centric compression (docs/methods/vcc.md §4.1), at
 configs/builtin/mlm_dense.py's size, data and schedule, hence its parameter count (VCC adds no
 parameters: it wraps the same pre-LN blocks). The VIP tokens are the masked positions, drawn by
-VCC's clustered masking (spec §3.2) at the same 15 % rate (38 of 256 bytes per row).
+VCC's clustered masking (docs/methods/vcc.md §3.2) at the same 15 % rate (38 of 256 bytes per row).
 
 Layer 1 is a plain layer on 64-byte segments; layers 2-4 are VCC layers: 48 VIP slots (38 VIPs +
 the earliest other bytes), the other 208 bytes in 26 blocks of 8, of which the 8 blocks the VIP
@@ -19,13 +19,16 @@ and context:  longctx-train --config configs/builtin/mlm_dense.py --config.mlm.m
 6 blocks of 8, 2 refined).
 """
 
-from longctx.config import load_sibling
+from configs import default
+from configs.builtin import mlm_dense
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "../default.py").get_config()
+    c = default.get_config()
     c.model.attention.name = "vcc"
-    c = load_sibling(__file__, "mlm_dense.py").encoder(c, arg)
+    c = mlm_dense.encoder(c, arg)
     c.mlm.masking = "clustered"
     v = c.model.attention.vcc
     v.num_vip, v.block_size, v.num_fine_blocks = 48, 8, 8

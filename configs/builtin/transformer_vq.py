@@ -3,16 +3,11 @@
 value width 1.5 * d_model so the parameter count matches the dense default's) and the
 transformer_vq core (S = 64 codes, L = M = 64, serial reduction)."""
 
-from longctx.config import load_sibling
-
-
-def default_config():
-    """The sibling config this one starts from, loaded by path (works from any working directory)."""
-    return load_sibling(__file__, "../default.py").get_config()
+from configs import default
 
 
 def get_config():
-    c = default_config()
+    c = default.get_config()
     c.model.block = "gau"
     c.model.num_layers = 8  # GAUs (= 4 paper layers)
     c.model.num_heads = 1

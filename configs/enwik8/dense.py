@@ -11,18 +11,29 @@ it is evaluated with a sliding window (context 512, stride 128) instead.
     longctx-train   --config configs/enwik8/dense.py --config.data.path=/data/enwik8.zip --workdir runs/enwik8
     longctx-eval    --workdir runs/enwik8 --split test
 
+``:tiny`` is a 2-layer decoder (d_model 128, 128-byte rows, 300 steps) that trains on a 2-core CPU in a
+couple of minutes; its evaluation is limited to eval.max_tokens bytes:
+
+    longctx-prepare --config configs/enwik8/dense.py:tiny --config.data.path=/data/enwik8.zip
+    longctx-train   --config configs/enwik8/dense.py:tiny --config.data.path=/data/enwik8.zip --workdir runs/enwik8_tiny
+    longctx-eval    --workdir runs/enwik8_tiny --split test --config.eval.max_tokens=100000
+
 Metric: bits per byte over all 5,000,000 test bytes (newlines included); set
 data.options.txl_compat=True to drop newlines as Transformer-XL does.
 """
 
 from longctx.config import base_config as base
 
+VARIANTS = ("tiny",)
 
-def get_config():
+
+def get_config(arg: str | None = None):
     c = base()
     c.data.source = "enwik8"
     c.data.tokenizer = "bytes"
     c.data.path = ""  # set on the command line: --config.data.path=/path/to/enwik8.zip
+    if arg == "tiny":
+        return tiny(c)
     c.model.d_model = 512
     c.model.num_layers = 12
     c.model.num_heads = 8
@@ -42,4 +53,25 @@ def get_config():
     c.eval.reset = "never"
     c.eval.context = 512
     c.eval.stride = 128
+    return c
+
+
+def tiny(c):
+    """The 2-layer smoke run (``:tiny``), from the base config ``c`` with the data settings above."""
+    c.model.d_model = 128
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.head_dim = 64
+    c.model.d_ff = 512
+    c.train.seq_len = 128
+    c.train.batch_size = 8
+    c.train.steps = 300
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 30
+    c.train.log_every = 25
+    c.train.eval_every = 150
+    c.train.eval_tokens = 8192
+    c.train.ckpt_every = 150
+    c.eval.reset = "never"
+    c.eval.max_tokens = 65536
     return c

@@ -1,27 +1,42 @@
 """enwik8, byte level, the paper's FMA language model (Kang, Tran, De Sterck 2023, Table 1;
-spec shared/specs/fma.md §3, §7): a 6-layer pre-LN decoder, d_model 768, 12 heads of 64, learned absolute
+docs/methods/fma.md §3, §7): a 6-layer pre-LN decoder, d_model 768, 12 heads of 64, learned absolute
 positions, causal FMA with p = 4 and levels = log2(n/m):
 
     get_config()              n = 1024, m = 64, 4 levels  (Table 1: 1.256 test bpc)
     get_config("n512")        n = 512,  m = 64, 3 levels  (1.353)
     get_config("n2048")       n = 2048, m = 128, 4 levels (1.220)
     get_config("linear")      FMA-linear (lagged, leak-free) at n = 1024 (paper: 1.298 with its leaky form)
+    get_config("tiny")        a CPU smoke run: configs/enwik8/dense.py:tiny with FMA attention
+                              (m = 16, p = 4, n = 128: 3 levels, groups of 16 and 32)
 
-The paper does not report optimizer, schedule, batch size, steps or dropout (spec §3); these follow the
+The paper does not report optimizer, schedule, batch size, steps or dropout (docs/methods/fma.md §3); these follow the
 framework's enwik8 recipe (configs/enwik8/dense.py), identical across attention methods.
 
     longctx-prepare --config configs/enwik8/fma.py --config.data.path=/data/enwik8.zip
     longctx-train   --config configs/enwik8/fma.py --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma
     longctx-eval    --workdir runs/enwik8_fma --split test
+    longctx-train   --config configs/enwik8/fma.py:n512 --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma512
+    longctx-train   --config configs/enwik8/fma.py:tiny --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma_tiny
+    longctx-eval    --workdir runs/enwik8_fma_tiny --split test --config.eval.max_tokens=100000
 """
 
-from longctx.config import load_sibling
+from configs.enwik8 import dense
 
+VARIANTS = ("n512", "n1024", "n2048", "linear", "tiny")
 SIZES = {"": (1024, 64), "n1024": (1024, 64), "n512": (512, 64), "n2048": (2048, 128)}
 
 
 def get_config(arg: str | None = None):
-    c = load_sibling(__file__, "dense.py").get_config()
+    if arg == "tiny":
+        c = dense.get_config("tiny")
+        c.model.attention.name = "fma"
+        f = c.model.attention.fma
+        f.m = 16
+        f.p = 4
+        f.max_len = c.train.seq_len
+        f.allow_truncated_window = True  # sampling past the training length
+        return c
+    c = dense.get_config()
     arg = arg or ""
     linear = arg == "linear"
     n, m = SIZES["" if linear else arg]

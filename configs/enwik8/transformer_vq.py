@@ -1,4 +1,4 @@
-"""enwik8, byte level, Transformer-VQ 190M (Lingle 2023, spec section 4 / paper Table 10).
+"""enwik8, byte level, Transformer-VQ 190M (Lingle 2023; docs/methods/transformer_vq.md §4, paper Table 10).
 
 48 GAUs (= 24 paper layers x 2), d_model 768, one head, Dk 128, Dv 1536 (gau_expansion 2), no MLP,
 S = 512 codes, L = M = 512, T = 8192 trained in W = 2048 windows with the cache carried, batch 128,
@@ -7,12 +7,22 @@ Dropout: residual 0.5, sinusoid 0.2, LayerDrop 0.3 (`model.gau_layerdrop`). Head
 Eval resets the state every 8192-token row (the paper's protocol). Reported: 0.99 bpb test.
 
     longctx-train --config configs/enwik8/transformer_vq.py --config.data.path=/data/enwik8.zip --workdir runs/vq
+
+``:tiny`` is a 4-GAU Transformer-VQ (S = L = M = 32, rows of 128 bytes in two windows of 64) that trains
+on a 2-core CPU:
+
+    longctx-train --config configs/enwik8/transformer_vq.py:tiny --config.data.path=/data/enwik8.zip --workdir runs/vq_tiny
 """
 
+from configs.enwik8 import dense
 from longctx.config import base_config as base
 
+VARIANTS = ("tiny",)
 
-def get_config():
+
+def get_config(arg: str | None = None):
+    if arg == "tiny":
+        return tiny()
     c = base()
     c.data.source = "enwik8"
     c.data.tokenizer = "bytes"
@@ -54,4 +64,24 @@ def get_config():
     c.eval.protocol = "stream"
     c.eval.reset = "row"
     c.eval.row_len = 8192
+    return c
+
+
+def tiny():
+    c = dense.get_config("tiny")
+    c.model.block = "gau"
+    c.model.num_layers = 4  # GAUs
+    c.model.num_heads = 1
+    c.model.head_dim = 64
+    c.model.gau_expansion = 2
+    c.model.norm = "rmsnorm"
+    c.model.positions = "none"
+    c.model.attention.name = "transformer_vq"
+    vq = c.model.attention.transformer_vq
+    vq.codebook_size = 32
+    vq.block_len = 32
+    vq.mem_len = 0
+    c.train.window = 64  # seq_len 128 in two windows, cache carried
+    c.eval.reset = "row"
+    c.eval.row_len = 0  # = train.seq_len
     return c

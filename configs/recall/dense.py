@@ -4,10 +4,12 @@
     longctx-recall --workdir runs/recall/dense
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.attention.name = "dense"
     return c

@@ -7,13 +7,15 @@ to the dense run's parameter count.
     longctx-recall --workdir runs/recall/eva
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 D_FF = 494
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.attention.name = "eva"
     e = c.model.attention.eva
     e.window_size = 128 if arg != "tiny" else 16

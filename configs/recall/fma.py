@@ -6,13 +6,15 @@ learned downsampling adds parameters; d_ff is trimmed to the dense run's paramet
     longctx-recall --workdir runs/recall/fma
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 D_FF = 288
 
 
 def get_config(arg=None, name="fma"):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.attention.name = name
     f = c.model.attention[name]
     f.m = 64 if arg != "tiny" else 8

@@ -6,12 +6,14 @@ downsampling has more parameters, so d_ff is trimmed further to the dense run's 
     longctx-recall --workdir runs/recall/fma_linear
 """
 
-from longctx.config import load_sibling
+from configs.recall import fma
+
+VARIANTS = ("tiny",)
 
 D_FF = 176
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "fma.py").get_config(arg, name="fma_linear")
+    c = fma.get_config(arg, name="fma_linear")
     c.model.d_ff = D_FF
     return c

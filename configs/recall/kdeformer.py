@@ -6,11 +6,13 @@ most recent earlier keys with its 5-bit LSH code, and 32 uniform samples per chu
     longctx-recall --workdir runs/recall/kdeformer
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.attention.name = "kdeformer"
     kc = c.model.attention.kdeformer.causal
     kc.chunk_size = 64 if arg != "tiny" else 8

@@ -7,13 +7,15 @@ bias (no rotary).
     longctx-recall --workdir runs/recall/transformer_vq
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 GAU_EXPANSION = 2.859375  # value width 183
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.block = "gau"
     c.model.num_layers = 4  # GAUs (= 2 layers)
     c.model.num_heads = 1

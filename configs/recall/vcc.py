@@ -1,5 +1,5 @@
 """Recall benchmark (configs/recall/_common.py) with VCC-LM (causal VIP-token centric compression,
-spec shared/specs/vcc.md §4.2; no parameters, so the dense run's parameter count): queries in
+docs/methods/vcc.md §4.2; no parameters, so the dense run's parameter count): queries in
 windows of 64 tokens read the 64 tokens before the window and the window exactly, 4 older 8-token
 blocks (chosen by the queries of the 32 tokens before the window) at token resolution, and every
 other older block as one mean key.
@@ -8,11 +8,13 @@ other older block as one mean key.
     longctx-recall --workdir runs/recall/vcc
 """
 
-from longctx.config import load_sibling
+from configs.recall import _common
+
+VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-    c = load_sibling(__file__, "_common.py").recall(arg)
+    c = _common.recall(arg)
     c.model.attention.name = "vcc"
     lc = c.model.attention.vcc.causal
     if arg == "tiny":

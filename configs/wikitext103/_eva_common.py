@@ -1,10 +1,13 @@
 """Shared settings of the EVA WikiText-103 configs (paper §5.2 / App. E.3, released main.sh;
-spec shared/specs/eva.md §3.3). Not a config by itself (no get_config)."""
+docs/methods/eva.md §3.3). Not a config by itself (no get_config)."""
 
+from configs.wikitext103 import dense
 from longctx.config import base_config as base
 
 
-def eva_wt103(num_layers: int):
+def eva_wt103(num_layers: int, arg: str | None = None):
+    if arg == "tiny":
+        return tiny()
     c = base()
     c.data.source = "wikitext103"
     c.data.tokenizer = "words"
@@ -48,4 +51,14 @@ def eva_wt103(num_layers: int):
     c.eval.reset = "never"
     c.eval.context = 512
     c.eval.stride = 32
+    return c
+
+
+def tiny():
+    """The ``:tiny`` smoke run: configs/wikitext103/dense.py:tiny with causal EVA attention (block 32,
+    chunks of 8, so 64-token training samples have C = 8 chunks)."""
+    c = dense.get_config("tiny")
+    c.model.attention.name = "eva"
+    c.model.attention.eva.window_size = 32
+    c.model.attention.eva.chunk_size = 8
     return c

@@ -16,16 +16,28 @@ untied from the plain input embedding (Transformer-XL ties it to an adaptive inp
     longctx-eval    --workdir runs/wt103 --split test
 
 Metric: perplexity over all test tokens (words and one <eos> per line, 245,569).
+
+``:tiny`` is a 2-layer decoder for a CPU smoke run (a few minutes; the full 267,735-word softmax
+dominates the cost even at this size), reporting perplexity per token (= per word; the <eos> of
+every line is a token):
+
+    longctx-prepare --config configs/wikitext103/dense.py:tiny --config.data.path=/data/wikitext-103
+    longctx-train   --config configs/wikitext103/dense.py:tiny --config.data.path=/data/wikitext-103 --workdir runs/wt103_tiny
+    longctx-eval    --workdir runs/wt103_tiny --split test --config.eval.max_tokens=16384
 """
 
 from longctx.config import base_config as base
 
+VARIANTS = ("tiny",)
 
-def get_config():
+
+def get_config(arg: str | None = None):
     c = base()
     c.data.source = "wikitext103"
     c.data.tokenizer = "words"
     c.data.path = ""  # set on the command line: --config.data.path=/path/to/wikitext-103
+    if arg == "tiny":
+        return tiny(c)
     c.model.d_model = 410
     c.model.num_layers = 16
     c.model.num_heads = 10
@@ -48,4 +60,26 @@ def get_config():
     c.eval.reset = "never"
     c.eval.context = 512
     c.eval.stride = 64
+    return c
+
+
+def tiny(c):
+    """The 2-layer smoke run (``:tiny``), from the base config ``c`` with the data settings above."""
+    c.model.d_model = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 2
+    c.model.head_dim = 32
+    c.model.d_ff = 256
+    c.train.seq_len = 64
+    c.train.batch_size = 4
+    c.train.steps = 100
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 10
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_tokens = 2048
+    c.train.ckpt_every = 50
+    c.eval.reset = "never"
+    c.eval.max_tokens = 16384
+    c.eval.batch_size = 4
     return c

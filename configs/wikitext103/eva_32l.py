@@ -10,15 +10,19 @@ adaptive input embedding is replaced by a plain embedding + an untied adaptive s
     longctx-prepare --config configs/wikitext103/eva_32l.py --config.data.path=/data/wikitext-103
     longctx-train   --config configs/wikitext103/eva_32l.py --config.data.path=/data/wikitext-103 --workdir runs/wt103_eva32
     longctx-eval    --workdir runs/wt103_eva32 --split test              # context 480
-    longctx-eval    --workdir runs/wt103_eva32 --split test --set eval.stride=256   # context 256
+    longctx-eval    --workdir runs/wt103_eva32 --split test --config.eval.stride=256   # context 256
+
+``:tiny`` is a 2-layer causal-EVA decoder for a CPU smoke run (a few minutes): configs/wikitext103/dense.py:tiny
+with EVA attention (block 32, chunks of 8):
+
+    longctx-train   --config configs/wikitext103/eva_32l.py:tiny --config.data.path=/data/wikitext-103 --workdir runs/wt103_eva_tiny
+    longctx-eval    --workdir runs/wt103_eva_tiny --split test --config.eval.max_tokens=16384
 """
 
-from longctx.config import load_sibling
+from configs.wikitext103 import _eva_common
+
+VARIANTS = ("tiny",)
 
 
-def _common():
-    return load_sibling(__file__, "_eva_common.py")
-
-
-def get_config():
-    return _common().eva_wt103(num_layers=32)
+def get_config(arg: str | None = None):
+    return _eva_common.eva_wt103(num_layers=32, arg=arg)

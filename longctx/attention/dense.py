@@ -1,4 +1,4 @@
-"""Exact softmax attention, the baseline every method is compared with.
+"""Exact softmax attention, the baseline every method is compared with (method notes: docs/methods/dense.md).
 
 Two paths compute the same function:
 
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from longctx.attention import dense_platform, dispatch
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
 from longctx.xla_cpu import rowdot, rows_dot, transposed
 
@@ -119,8 +120,8 @@ def _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None):
 
     The key-side gradients contract over the queries; they are taken from qi_t, doi_t (qi, doi transposed,
     [.., D, bq], by the caller once per pass) as plain [D, bq] x [bq, bk] products (``longctx.xla_cpu.rows_dot``:
-    contracting the row axis of both operands as laid out, XLA:CPU fell back to a generic dot at about half the
-    rate; causal fwd+bwd 8k -19 %, BENCHMARKS.md, session 31)."""
+    contracting the row axis of both operands as laid out, XLA:CPU falls back to a generic dot at about half the
+    rate; see docs/DESIGN.md 'Where the time goes')."""
     p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki) - lsei[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
@@ -240,13 +241,13 @@ def _visible(i: int, bq: int, bk: int, nk: int, causal: bool) -> tuple[int, int]
 
 def _first_row(i: int, j: int, bq: int, bk: int) -> int:
     """The first row of causal query block i that sees key block j (the rows above see none of it and are not
-    scored: with query blocks twice the key blocks, a quarter of the diagonal's scores; causal fwd+bwd 8k -6 %)."""
+    scored: with query blocks twice the key blocks, a quarter of the diagonal's scores are skipped)."""
     return min(bq - 1, max(0, j * bk - i * bq))
 
 
 def _diag_mask(i: int, j: int, bq: int, bk: int):
     """[bq, bk] causal mask of query block i against key block j, as a numpy constant: XLA:CPU ran the exp and
-    select fusions about 2x slower with the mask computed in them from iotas (BENCHMARKS.md, session 31)."""
+    select fusions markedly slower with the mask computed in them from iotas."""
     return (j * bk + np.arange(bk))[None, :] <= (i * bq + np.arange(bq))[:, None]
 
 
@@ -365,8 +366,18 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl: str, block_q: int, block_k: int, auto_threshold: int,
-           full_pass: bool = False):
-    """``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid, which allows the unrolled blocks."""
+           full_pass: bool = False, platform: str | None = None):
+    """``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid, which allows the unrolled blocks.
+    ``impl`` 'auto' | 'cudnn' | 'splash' first asks :func:`dense_platform.choose` for the platform's fused kernel
+    (``platform``: default the running one); where it is not taken, 'auto' is the XLA rule below, as on a CPU."""
+    if impl in dense_platform.FAST_IMPLS or impl == "auto":
+        choice = dense_platform.choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
+                                       value_dim=v.shape[-1], kv_cache=not full_pass, platform=platform)
+        if choice.impl == "cudnn":
+            return dense_platform.cudnn_attention(q, k, v, causal=causal)
+        if choice.impl == "splash":
+            return dense_platform.splash_attention(q, k, v, causal=causal, interpret=choice.interpret)
+        impl = "auto"
     if impl == "auto":
         impl = "blockwise" if q.shape[2] * k.shape[2] > auto_threshold else "naive"
     if impl == "naive":
@@ -390,10 +401,13 @@ class DenseAttention(AttentionCore):
     def default_config(cls) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(
             {
-                "impl": "auto",  # 'naive' | 'blockwise' | 'auto' (blockwise when Tq*Tk > auto_threshold)
-                # causal forward+backward at 8k (B 1, 4 heads of 64) on the Intel VM of sessions 28-30, unrolled full
-                # pass / position-general loop: 1024x512 923 / 1,029 ms, 512x512 985 / 1,085, 512x256 1,113 / 1,233
-                # (BENCHMARKS.md, session 30; the AMD EPYC of sessions 20-27 preferred 512x256 for the loop)
+                # 'naive' | 'blockwise' | 'cudnn' (GPU) | 'splash' (TPU) | 'auto': the platform's fused kernel where it
+                # serves the call (longctx/attention/dense_platform.py), else blockwise when Tq*Tk > auto_threshold,
+                # else naive
+                "impl": "auto",
+                # query / key block sizes: on a 2-core CPU, 1024x512 was the fastest of 1024x512, 512x512 and
+                # 512x256 for a causal forward+backward at 8k, in the unrolled full pass and in the loop alike
+                # (another CPU preferred 512x256 for the loop: rerun `longctx-bench attention` when it matters)
                 "block_q": 1024,
                 "block_k": 512,
                 "auto_threshold": 4096 * 4096,
@@ -405,14 +419,18 @@ class DenseAttention(AttentionCore):
 
     @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
-        allowed = ("naive", "blockwise", "auto")
+        allowed = ("naive", "blockwise", "auto") + dense_platform.FAST_IMPLS
         require(cfg.impl in allowed, f"attention.dense.impl={cfg.impl!r}; allowed: {', '.join(allowed)}")
         require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
         require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
 
     @classmethod
     def bench_variants(cls):
-        return {"naive": {"impl": "naive"}, "blockwise": {"impl": "blockwise"}}
+        out = {"naive": {"impl": "naive"}, "blockwise": {"impl": "blockwise"}}
+        kernel = dense_platform.PLATFORM_KERNEL.get(dispatch.current_platform())
+        if kernel:  # the platform's fused exact attention, by name (an error, never a fallback, where it refuses)
+            out[kernel] = {"impl": kernel}
+        return out
 
     @classmethod
     def drop_in(cls):
@@ -426,6 +444,8 @@ class DenseAttention(AttentionCore):
                                       directions=("causal",)),
             "blockwise_bidirectional": ContractCase(cfg={"impl": "blockwise", "block_q": 8, "block_k": 8}, length=40,
                                                     directions=("bidirectional",), slow=True),
+            # the TPU kernel in Pallas interpret mode: full passes by splash, KV-cache steps by the XLA path
+            "splash": ContractCase(cfg={"impl": "splash"}, length=40),
         }
 
     def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False):

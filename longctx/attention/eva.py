@@ -1,6 +1,6 @@
-"""EVA: efficient attention via control variates (Zheng et al., ICLR 2023).
+"""EVA: efficient attention via control variates (Zheng et al., ICLR 2023; arXiv 2302.04542).
 
-Spec: ``shared/specs/eva.md``. Each query ``n`` sees
+Method notes: ``docs/methods/eva.md`` (the section numbers (§) below are its sections). Each query ``n`` sees
 
 * a local block ``E_n`` (exact softmax terms, T5 relative-position bias), and
 * ``C`` contiguous chunks ``P_c`` summarized by a representative key
@@ -20,7 +20,7 @@ is what makes "streamed in any split == one full pass" hold.
 
 Randomness: ``key`` -> ``noise_key, drop_key = jax.random.split(key)``; chunk
 ``c`` (absolute index) draws ``normal(fold_in(noise_key, c), (B, H, d))``
-(spec §4.4 / §9.4), in the full forward and when a chunk is finished during
+(§4.4 / §9.4), in the full forward and when a chunk is finished during
 streaming alike.
 """
 
@@ -49,7 +49,7 @@ from longctx.attention.base import (
 from longctx.xla_cpu import materialized, rowdot, rows_dot, scale_rows, transposed
 from pallas_kernels import eva_attend, eva_attend_ref, eva_chunks
 
-# Phase A (chunk statistics, spec 2.3) and the static options live beside the Pallas kernel that must match
+# Phase A (chunk statistics, §2.3) and the static options live beside the Pallas kernel that must match
 # them (pallas_kernels/eva_chunks_ref.py, DESIGN.md section 3); this file imports them: one copy of the math.
 from pallas_kernels.eva_chunks_ref import (  # noqa: F401  (re-exported names)
     HIGHEST,
@@ -65,7 +65,7 @@ from pallas_kernels.eva_chunks_ref import (  # noqa: F401  (re-exported names)
 
 
 def geometry(opts: EVAOptions, L: int, chunk_size: int, num_chunks: int):
-    """(L_pad, P, C, query tile size) for a full pass over L tokens (spec §2.1)."""
+    """(L_pad, P, C, query tile size) for a full pass over L tokens (§2.1)."""
     W = opts.W
     if num_chunks > 0 and not opts.causal:
         mult = W if W > 0 else num_chunks
@@ -81,7 +81,7 @@ def geometry(opts: EVAOptions, L: int, chunk_size: int, num_chunks: int):
 
 
 # ---------------------------------------------------------------------------
-# relative position bias (spec §2.6)
+# relative position bias (§2.6)
 # ---------------------------------------------------------------------------
 
 
@@ -91,7 +91,7 @@ def rpe_num_buckets(W: int, e: int) -> int:
 
 def t5_bucket(delta, num_buckets: int, max_distance: int, causal: bool):
     """T5 bucket of ``delta = key_pos - query_pos`` (int array). A numpy ``delta`` gives numpy buckets, computed
-    while tracing (a constant of the compiled program; computed in XLA they cost ~3 ms per 8k layer fwd+bwd)."""
+    while tracing (a constant of the compiled program; computed in XLA they were a measurable share of a layer's step)."""
     xp = np if isinstance(delta, np.ndarray) else jnp
     delta = delta.astype(xp.int32)
     if causal:
@@ -118,7 +118,7 @@ def rpe_bias(table, q_pos, k_pos, opts: EVAOptions, scale: float):
 
 
 # ---------------------------------------------------------------------------
-# masks from absolute positions (spec §2.4, §2.5)
+# masks from absolute positions (§2.4, §2.5)
 # ---------------------------------------------------------------------------
 
 
@@ -148,12 +148,12 @@ def local_bias_tiles(table, opts: EVAOptions, scale: float):
 
 
 # ---------------------------------------------------------------------------
-# Phase A: chunk statistics (spec §2.3): chunk_summaries & co. in pallas_kernels/eva_chunks_ref.py
+# Phase A: chunk statistics (§2.3): chunk_summaries & co. in pallas_kernels/eva_chunks_ref.py
 # ---------------------------------------------------------------------------
 
 
 def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
-    """ε [B,H,C,d]: chunk c draws normal(fold_in(noise_key, c), (B,H,d)) (spec §4.4)."""
+    """ε [B,H,C,d]: chunk c draws normal(fold_in(noise_key, c), (B,H,d)) (§4.4)."""
     eps = jax.vmap(lambda c: jax.random.normal(jax.random.fold_in(noise_key, c), (batch, heads, dim)))(chunk_ids)
     # materialised once (longctx.xla_cpu.materialized): else XLA:CPU fused the sampler into the chunk keys' gradient
     # and recomputed it P times per element
@@ -161,7 +161,7 @@ def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
 
 
 # ---------------------------------------------------------------------------
-# Phase B: one tile of queries (spec §2.4)
+# Phase B: one tile of queries (§2.4)
 # ---------------------------------------------------------------------------
 
 
@@ -196,8 +196,8 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     weights ((local weights of each row block), chunk weights, 1 / row sum), unnormalised. ``rows_see_a_key``
     (static): every row has a visible local key, so its max is finite and exp(NEG - max) is already 0 where a
     mask holds: the masks are applied once, to the logits (the selects after the exp, with their masks built
-    from iotas inside the fusion, made the chunk part's exp pass several times slower per element; core
-    fwd+bwd 8k -4.4 %, BENCHMARKS.md)."""
+    from iotas inside the fusion, made the chunk part's exp pass several times slower per element on
+    XLA:CPU)."""
     Tq, Tk = q.shape[3], k.shape[3]
     pieces = _local_pieces(Tq, Tk, halves)
     a_loc = []
@@ -240,13 +240,13 @@ def tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, scale: float
     (plus ``bias`` [N,Hb,Tq,Tk] or None; mask ``lmask`` [N,Tq,Tk]) and the shared chunk summaries
     k̂ [B,H,C,d], β [B,H,C,dv] (mask ``cmask`` [N,Tq,C], and the same mask keys-major, ``cmask_t`` [C,N·Tq],
     for the backward: built from positions by the caller, since transposing a materialised [N,Tq,C] mask read it
-    with a stride of C bytes, ~5 ns per element at 32k). Returns out [B,H,N,Tq,dv].
+    with a stride of C bytes, slowly). Returns out [B,H,N,Tq,dv].
 
     The backward is written out (FlashAttention style, from the saved log-sum-exp) in the keys-major
     orientation: it recomputes the transposed logits k·qᵀ, so dk, dv, dk̂ and dβ are plain matmuls (dk̂ and dβ
     contract over all N·Tq queries at once) and dq is formed as (kᵀ dsᵀ)ᵀ. Autodiff through a
     per-tile vmap instead transposed every tile's [Tq, C] probabilities for the key-side gradients: those
-    copies were about half of the backward's time at 8k (BENCHMARKS.md). Same math as :func:`_joint_softmax`.
+    copies were a large share of the backward's time. Same math as :func:`_joint_softmax`.
 
     ``keep`` (static): the forward keeps its attention weights (query-major, as computed) and the backward
     (:func:`_kept_bwd`) starts from them: the logits' matmul and exp passes are not redone, at the price of
@@ -280,7 +280,8 @@ def _kept_bwd(scale, halves, res, do):
     do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
     pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
     # the key-side gradients contract over the queries: from q and do_w transposed first ([d, Tq], small), the dots
-    # are plain [d, Tq] x [Tq, keys] products (longctx.xla_cpu.rows_dot; core fwd+bwd 8k -9 %)
+    # are plain [d, Tq] x [Tq, keys] products (longctx.xla_cpu.rows_dot: XLA:CPU runs row-contracting dots on a
+    # generic path; see docs/DESIGN.md 'Where the time goes')
     q_t, dow_t = transposed(q, do_w)
     dq_loc, dk, dv, dbias = [], 0.0, 0.0, []
     for p, piece in zip(p_loc, _local_pieces(Tq, Tk, halves)):
@@ -343,7 +344,7 @@ def _recomputing_bwd(scale, res, do):
     dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q, precision=HIGHEST)
     dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do, precision=HIGHEST)
     # dq as (kᵀ dsᵀ)ᵀ: the large keys-major operand stays as laid out and only the small [d, Tq] result is
-    # transposed (XLA:CPU otherwise copies dsᵀ into query-major order; -10% forward+backward at 8k and 16k)
+    # transposed (XLA:CPU otherwise copies dsᵀ into query-major order, a full extra pass over the scores)
     dq_t = jnp.einsum("bhnkd,bhnkq->bhndq", k, dst_loc, precision=HIGHEST)  # [B,H,N,d,Tq]
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
@@ -358,8 +359,8 @@ def _recomputing_bwd(scale, res, do):
     dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf, precision=HIGHEST)
     dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof, precision=HIGHEST)
     dqc_t = jnp.einsum("bhcd,bhcm->bhdm", k_hat, dst_ch, precision=HIGHEST).reshape(B, H, d, N, Tq)
-    # both parts summed as computed ([d, Tq] per tile), then one transpose (the sum of transposed reads ran at
-    # ~3 ns per element)
+    # both parts summed as computed ([d, Tq] per tile), then one transpose (a sum of transposed reads is a slow,
+    # strided pass on XLA:CPU)
     dq = scale * jnp.swapaxes(dq_t + jnp.moveaxis(dqc_t, 3, 2), -1, -2)
     # the bias gradient reduced keys-major (dst_loc as laid out), then one transpose of the small result
     dbias = None if bias is None else jnp.swapaxes(_bias_grad(bias, dst_loc), -1, -2)  # [N|1,Hb,Tq,Tk]
@@ -371,7 +372,7 @@ tile_softmax.defvjp(_tile_softmax_fwd, _tile_softmax_bwd)
 
 def _sum_leading(x):
     """Σ over the leading axis as a chain of adds: XLA:CPU ran the equivalent reduce over a non-minor axis
-    (the bias gradient's sum over heads) at ~8 ns per element, 30x slower than the fused adds."""
+    (the bias gradient's sum over heads) element by element, far slower than the fused adds."""
     return functools.reduce(jnp.add, [x[i] for i in range(x.shape[0])])
 
 
@@ -426,7 +427,7 @@ def tiles_attend(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid,
 
     The tiles must share their relative key offsets (k_pos[n] - q_pos[n] the same for every n, as the tiles of
     :func:`eva_forward` do): the relative position bias is computed once, from the first tile, and its gradient
-    summed over the tiles (per-tile biases and their transposed gradients cost ~5 % of a causal fwd+bwd at 8k).
+    summed over the tiles (per-tile biases and their transposed gradients were a measurable cost of a causal step).
     ``q_offset`` (static, optional): q_pos[n, 0] - k_pos[n, 0], which makes the bias's buckets constants."""
     k_hat, beta = chunks
     lmask = jax.vmap(lambda a, b, c: local_mask(a, b, c, opts))(q_pos, k_pos, k_valid)
@@ -487,8 +488,8 @@ def tile_groups(n_tiles: int, tile: int, P: int, C: int, causal: bool, groups: i
 
     A count of 64 or more is rounded up to a multiple of :data:`CHUNK_ALIGN` (at most C; the chunks added are
     masked): the causal counts are one short of a round number (1023 at 8k), and the trace showed the ops over
-    1023-wide logits slower than over 1024-wide ones; end to end, causal fwd+bwd at 16k -2.6 %, at 8k no change
-    (alternating A/B, BENCHMARKS.md, session 31)."""
+    1023-wide logits slower than over 1024-wide ones (a small end-to-end gain at long lengths, none at short
+    ones, in an alternating A/B of ``longctx-bench``)."""
     if not causal:
         return [(0, n_tiles, C)]
     g = max(1, min(groups, n_tiles))
@@ -520,7 +521,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)
     pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
     qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
-    valid = np.arange(L_pad) < L  # static: a constant of the program (a reduce over it cost ~0.6 ms of thread time)
+    valid = np.arange(L_pad) < L  # static: a constant of the program, not a reduce computed at run time
     # Phase A
     k_valid_ch = jnp.asarray(valid.reshape(C, P))
     q_ch, k_ch, v_ch = (x.reshape(B, H, C, P, x.shape[-1]) for x in (qf, kf, vf))
@@ -546,7 +547,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     k_val = (k_pos >= 0) & (k_pos < L)
     idx = jnp.clip(k_pos, 0, L_pad - 1)
     # tiles stay [B,H,n_tiles,tile,d] (a reshape of q): moving the tile axis to the front and back again for every
-    # group made XLA read the projections through chains of transposes at up to 12 ns per element
+    # group made XLA read the projections through chains of slow, strided transposes
     q_t = qf.reshape(B, H, n_tiles, tile, d)
     if Tk == tile:  # no overlap: the tiles' keys are the query tiles' own (a reshape; a gather's gradient scatters)
         k_t, v_t = kf.reshape(B, H, n_tiles, tile, d), vf.reshape(B, H, n_tiles, tile, dv)
@@ -560,13 +561,13 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     fused = _uses_tile_softmax(drop_key, opts)
     halves = opts.causal and Tk == tile and tile % 2 == 0
     # 8 tile groups up to 64 tiles, then groups of 8 tiles (at most 32 groups): fewer chunks scored at long
-    # lengths for more, smaller calls (causal fwd+bwd 16k -3 %, 32k -5 % against 8 groups; BENCHMARKS.md)
+    # lengths for more, smaller calls (a small gain over 8 groups at 16k and 32k)
     groups = tile_groups(n_tiles, tile, P, C, opts.causal, min(32, max(8, n_tiles // 8)))
     # the attention weights of every tile, kept from the forward for the backward when they fit the budget
     kept = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in groups)
     keep = fused and kept <= opts.keep_budget
     # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
-    # group's gradient to full length and sum them: ~40 ms of copies per 8k layer fwd+bwd)
+    # group's gradient to full length and sum them: many large copies per layer step)
     sizes = [hi - lo for lo, hi, _ in groups]
     parts = [[None] * len(groups) if x is None else jax.lax.split(x, sizes, axis=ax) for x, ax in zip(xs, axes)]
     for g, (lo, hi, nc) in enumerate(groups):
@@ -592,8 +593,8 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
             continue
 
         # autodiff path (dropout, 'exact_lse'): rematerialised, so the backward recomputes a tile's logits
-        # instead of keeping every tile's [tile, local + chunks] scores alive (at 32k: XLA memory 4.3 -> 1.5 GB,
-        # fwd+bwd -22 %; BENCHMARKS.md)
+        # instead of keeping every tile's [tile, local + chunks] scores alive (at 32k this cut XLA's memory by about
+        # two thirds, and the step got faster too)
         @jax.checkpoint
         def one(qt, qp, kt, vt, kp, kv, dk, nc=nc):
             ch = tuple(None if x is None else x[:, :, :nc] for x in chunks)
@@ -608,7 +609,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
 
 
 # ---------------------------------------------------------------------------
-# decoding / streaming state (spec §4; causal only)
+# decoding / streaming state (§4; causal only)
 # ---------------------------------------------------------------------------
 
 
@@ -638,7 +639,7 @@ def _last(x, R):
 
 
 def state_from_forward(extras, L: int, R: int, exact: bool):
-    """The state the step path would have built after L tokens (spec §4.3)."""
+    """The state the step path would have built after L tokens (§4.3)."""
     qf, kf, vf = extras["padded"]
     P = extras["P"]
     c_cur = L // P
@@ -771,15 +772,14 @@ class EVAAttention(AttentionCore):
                 # Phase A and Phase B kernels: 'xla' | 'pallas' | 'auto' (longctx/attention/dispatch.py); steps with
                 # attention dropout (attn_dropout > 0, deterministic=False) run Phase B in XLA
                 "impl": "auto",
-                # max materialized logits per lax.map step (memory knob): larger is faster and takes more memory.
-                # Causal core fwd+bwd at 8k, 4 heads of 64: 2^20 229 ms, 2^22 195 ms, 2^25 177 ms; at 32k 2^26 was
-                # ~10 % faster than 2^25 for 1.7x the XLA memory (BENCHMARKS.md, issue 15)
+                # max materialized logits per lax.map step (memory knob): larger is faster (fewer, bigger calls) and
+                # takes more memory; the returns shrink past 2^22, and 2^26 pays off only at 32k and beyond
                 "logit_budget": 1 << 25,
                 # max attention weights (fp32 entries, all tiles of a full pass) kept from the forward for the
                 # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
                 # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
-                # batch 1 (causal fwd+bwd 8k -8 %, 16k -8 %, with the halves as row blocks; BENCHMARKS.md, issue
-                # 15); 0 always recomputes. Per layer: a deep model holds one set per layer from its forward to its
+                # batch 1 (a faster backward at 8k and 16k, with the halves as row blocks); 0 always recomputes.
+                # Per layer: a deep model holds one set per layer from its forward to its
                 # backward unless model.remat recomputes each block when the backward reaches it
                 "keep_budget": 1 << 28,
             }
@@ -834,7 +834,7 @@ class EVAAttention(AttentionCore):
             use_rpe=c.use_rpe and W > 0, rpe_buckets=rpe_num_buckets(W, e), rpe_max_distance=max(W + e, 1),
             attn_dropout=float(c.attn_dropout), logit_budget=int(c.logit_budget), keep_budget=int(c.keep_budget),
         )
-        # released inits (spec §3.1): causal Xavier-uniform gain 2^-1/2, bidirectional trunc-normal 0.02; biases 0
+        # released inits (§3.1): causal Xavier-uniform gain 2^-1/2, bidirectional trunc-normal 0.02; biases 0
         if causal:
             w_init = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
         else:
@@ -895,7 +895,7 @@ class EVAAttention(AttentionCore):
     def _attend_fn(self, L: int, dropout: bool):
         """Phase B of a full pass runs the Pallas kernel of pallas_kernels/eva_attend.py or the XLA tiles, by the
         shared rule (``eva_attend.unsupported_reasons``). A step with attention dropout runs XLA (the kernel has
-        none; spec §8.3). Returns an ``attend_fn`` or None (XLA)."""
+        none; §8.3). Returns an ``attend_fn`` or None (XLA)."""
         if dropout:
             return None
         o = self.opts

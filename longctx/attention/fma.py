@@ -1,6 +1,6 @@
 """Fast Multipole Attention (Kang, Tran, De Sterck 2023; arXiv 2310.11960): FMA and FMA-linear.
 
-Spec: ``shared/specs/fma.md`` (section numbers below refer to it). Registered twice:
+Method notes: ``docs/methods/fma.md`` (section numbers below refer to it). Registered twice:
 ``fma`` (:class:`FMAAttention`) and ``fma_linear`` (:class:`FMALinearAttention`, paper App. A.1).
 
 The method (§1). The sequence is cut into fine blocks of ``m`` tokens. A query attends exactly to
@@ -29,7 +29,7 @@ Three paths compute the same function:
   groups under a rematerialised ``lax.map`` so memory is O(n (m + p L)) at most and O(budget) per
   step; the math lives in ``pallas_kernels/fma_blocks_ref.py`` beside the Pallas kernel that must
   match it;
-* the Pallas kernel ``pallas_kernels/fma_blocks.py`` (``impl='pallas'``; spec §8).
+* the Pallas kernel ``pallas_kernels/fma_blocks.py`` (``impl='pallas'``; §8).
 
 Causal decoding / streaming state (§4, our extension; the paper has no KV cache): the last ``2m`` raw
 keys and values, and per level the partial conv sums of the open group (``acc_*``) plus a ring of the
@@ -53,7 +53,7 @@ Departures from the paper, all named:
 
 * corrected partition (above); multiplicity offset beta_l on by default (``multiplicity_weighting``;
   the release's ``scale_attn``); zero-padded slots of the release are masked, and the release's
-  "null slot" behaviour (``release_zero_slots``, spec §9.3) is not implemented;
+  "null slot" behaviour (``release_zero_slots``, §9.3) is not implemented;
 * FMA-linear: joint normalisation by default (paper eq. 11 normalises each level separately and sums:
   ``fma_linear_normalization='per_level'``); causal FMA-linear uses **lagged** query summaries by
   default (query i reads the summary of its sub-interval slot in group a-1, fully in the past): the
@@ -216,15 +216,15 @@ def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
     sequence in its stored order (features minor). Two earlier forms were slower on XLA:CPU: the
     per-level einsum transposed the whole sequence for every level, and so did a batched matmul over
     the features after one explicit transpose (XLA made the transpose a layout change and redid it in
-    every level's dot): 0.70 s against 0.31 s for the 9 levels of one [4 heads, 64k, 64] tensor
-    (BENCHMARKS.md). Other operators keep the per-level path."""
+    every level's dot), each about twice the time of this form over all levels of a long sequence.
+    Other operators keep the per-level path."""
     if Lu == 0:
         return []
     if opts.downsample != "depthwise_conv" or not opts.shared:
         return [level_summaries(x, prms[l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
     B, H, n, f = x.shape
-    # zero-padded once to the top level's group size (a per-level pad copied the sequence at every level:
-    # 403 ms at n = 50,000 against 241 ms at 65,536); the extra all-zero groups of a level are cut
+    # zero-padded once to the top level's group size (a per-level pad copied the sequence at every level, so that
+    # an unpadded length ran slower than the next power of two); the extra all-zero groups of a level are cut
     xp = _pad_to(x, opts.m_l(Lu))
     out = []
     for l in range(1, Lu + 1):
@@ -246,7 +246,7 @@ def _depthwise_groups(xg, W):
 
     The backward is written out. Autodiff of the multiply-and-reduce materialised [G, p, m, f] broadcasts of x,
     of the cotangent and of W for every level (134 MB each at 32k) and reduced them over the groups: at 32k
-    causal the summaries' backward took ~6 s of thread time, 13x the whole forward (BENCHMARKS.md)."""
+    causal the summaries' backward took an order of magnitude longer than the whole forward."""
     return jnp.sum(xg[:, None] * W[None], axis=2)
 
 
@@ -316,8 +316,8 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
     the levels are combined coarse to fine at row resolution (level l's running part repeated twice,
     then folded with level l-1's rows). The result stays at level 1's rows ([B, H, nb p, ...], m/p
     tokens each); the block function broadcasts them to its queries. Broadcasting every level to
-    the tokens first cost L passes over [n, dv] arrays, the superlinear term of the forward
-    (measured in BENCHMARKS.md); the combination is associative, so the result is the same."""
+    the tokens first cost L passes over [n, dv] arrays, the superlinear term of the forward;
+    the combination is associative, so the result is the same."""
     B, H = qf.shape[:2]
     d = qf.shape[-1]
     scale = d**-0.5

@@ -1,4 +1,5 @@
-"""KDEformer (Zandieh, Han, Daliri, Karbasi, ICML 2023) as read in ``shared/specs/kdeformer.md``.
+"""KDEformer (Zandieh, Han, Daliri, Karbasi, ICML 2023; arXiv 2302.02451). Method notes:
+``docs/methods/kdeformer.md``; the section numbers (§) below are its sections.
 
 Softmax attention ``D⁻¹AV`` (``A = exp(σQKᵀ)``) is estimated as an exact "heavy" part on the
 (query, key) pairs an angular LSH puts together, plus an importance-sampled estimate of the
@@ -6,9 +7,9 @@ residual ``A − A_spar`` from ``m`` i.i.d. key columns weighted ``1/(m p_j)``. 
 ``D̃`` is estimated by the same estimator (the released code's ones column appended to ``V``);
 numerator and normaliser share one log-space stabiliser, so the output of every row is
 ``Σ_t softmax(row)_t · value_t`` over the union of its heavy, local and sampled entries
-(spec §2.3h), with importance weights entering as additive log-weights ``ω = −log(m p)``.
+(§2.3h), with importance weights entering as additive log-weights ``ω = −log(m p)``.
 
-Bidirectional (spec §2.3, the estimator the released code runs)
+Bidirectional (§2.3, the estimator the released code runs)
     1. ``W ∈ [B,H,d,r]`` i.i.d. N(0,1); code ``h(x) = Σ_t 1[⟨w_t,x⟩>0] 2^t`` (unscaled q, k, fp32).
     2. Sort key = the code's position in the reflected Gray sequence, ``G⁻¹(z)`` (paper, default)
        or ``G(z)`` (``gray_order='forward'``: the released code's table lookup). Stable argsort.
@@ -23,53 +24,53 @@ Bidirectional (spec §2.3, the estimator the released code runs)
     ``sampling='uniform'``: ``p = 1/N``; ``num_samples=0``: pure sorted-LSH block attention;
     ``residual='exact'`` (debug): every non-block column with weight 1 (= dense attention, O(N²)).
 
-The theoretical estimator (spec §2.2, paper Alg. 1–3) is documented, not run: ``D̃`` from a
+The theoretical estimator (§2.2, paper Alg. 1–3) is documented, not run: ``D̃`` from a
 weighted exponential KDE ``WExpKDE(K/d^¼, Q/d^¼, 1, ε/3)``, reduced to a Gaussian KDE by the
 augmentation ``x' = [x; w]``, ``w_i = sqrt(2 log(Z_u/(u_i e^{‖x_i‖²/2})))`` (Eq. 7–8), with
 Charikar et al.'s hashing-based KDE and the adaptive density-lower-bound loop of Alg. 2; the
 sampling probabilities ``p_j ∝ β_j + γ‖v_j‖²`` with ``β_j ≈ ‖(D̃⁻¹A)_{:,j}‖²`` from a second
 KDE at ``√2·Q, √2·K`` with weights ``α_i⁻²``; Alg. 3 subtracts the colliding pairs from ``β``.
 That machinery has data-dependent control flow and sizes; the released code does not run it
-either (spec §2.3). An O(n²) oracle of ``WExpKDE`` lives in the tests only.
+either (§2.3). An O(n²) oracle of ``WExpKDE`` lives in the tests only.
 
-Causal (spec §4, ours: the paper and code are non-causal)
+Causal (§4, ours: the paper and code are non-causal)
     Chunks of ``c`` positions; query ``i`` in chunk ``g``, prefix end ``L_g = max(0,(g−nl+1)c)``:
     * local: exact over keys ``[L_g, i]``;
     * heavy: ``Hv(i)`` = the ≤ ``b_h`` most recent keys ``j < L_g`` with ``h(k_j) = h(q_i)``
       (hash equality with a capacity, found by a sort on ``κ_j = h(k_j)·M + j`` and two
-      ``searchsorted`` per query: static shapes, spec §4.2);
+      ``searchsorted`` per query: static shapes, §4.2);
     * sampled residual: per chunk ``m`` i.i.d. indices in ``[0, L_g)`` drawn from
       ``fold_in(k_S, g)`` (absolute chunk index, so decoding reproduces them), uniform (default)
-      or 'ref' over the prefix (spec §4.3); a sample in ``Hv(i)`` is masked for query ``i``.
+      or 'ref' over the prefix (§4.3); a sample in ``Hv(i)`` is masked for query ``i``.
     The decoding state holds the KV cache, the code cache, the projections ``W`` and the token
     count (``init_state(batch, max_len)``). A call with a state treats the cache as the sequence
     so far and runs the same tile function as the full pass, so any split into consecutive
     chunks equals one full pass. Feeding more tokens than ``max_len`` raises (host check when
     the count is concrete, ``jax.debug.callback`` under jit).
 
-Gradient policy (spec §6): :func:`bidir_plan` / :func:`causal_plan` (hashes, permutations,
+Gradient policy (§6): :func:`bidir_plan` / :func:`causal_plan` (hashes, permutations,
 sample indices, log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` /
 :func:`causal_apply` are differentiable. Gradients are those of the estimator with its draws
 frozen (``p`` is frozen too: differentiating through ``ω`` alone adds a biased term).
 
-Randomness (spec §2.4): only from the explicit ``key``: ``k_W, k_S = split(key)``; ``W`` from
+Randomness (§2.4): only from the explicit ``key``: ``k_W, k_S = split(key)``; ``W`` from
 ``k_W`` (or from ``PRNGKey(lsh_seed)`` when ``fixed_projections``), samples from ``k_S``.
 ``deterministic=True`` (evaluation, decoding) uses the fixed key ``PRNGKey(eval_rng_seed)``:
 the same estimator with frozen draws, never exact attention.
 
-Departures from the spec, named:
+Departures from the paper, the released code and the method notes, named:
 * ``fixed_projections`` derives ``W`` from ``PRNGKey(lsh_seed)`` only (the core does not know its
   layer index, so all layers share it), and likewise the deterministic key is shared by layers.
 * A causal state keeps the projections ``W`` of the first call of its stream (the token count is
   0 then); later calls of that stream hash with it whatever their key, so windowed training with
   a fresh key per window keeps the code cache consistent. Samples use the current call's key.
-* ``sampling='paper_mc'`` (spec §2.3i, optional) is not implemented.
-* Causal heavy logits (``heavy_impl='auto'``) are the spec's heavy sets computed three ways, same entries:
+* ``sampling='paper_mc'`` (§2.3i, optional) is not implemented.
+* Causal heavy logits (``heavy_impl='auto'``) are the heavy sets of §4.1 computed three ways, same entries:
   for short caches (≤ 1024 tokens) one [c, M] matmul per chunk kept only on the heavy set; for a longer
   full pass as 'band' (:func:`heavy_band`): a query's heavy set is a contiguous run of the code-sorted keys,
   so tiles of code-sorted queries are scored against the blocks of sorted keys their runs touch, as
-  matmuls; a call with a state (decoding, chunked prefill) gathers the ≤ b_h keys of every query (spec
-  §4.2 step 2, which gathers in the full pass too: memory-bound on CPU, ~3x SDPA's time at 8k).
+  matmuls; a call with a state (decoding, chunked prefill) gathers the ≤ b_h keys of every query (the
+  gather of §4.2, which would gather in the full pass too: memory-bound on CPU, several times slower there).
 * Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
 * Masked logits use a finite ``-1e30`` and an explicit mask (``where``), and a row without any
   finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
@@ -88,7 +89,7 @@ from longctx.xla_cpu import scale_rows
 
 NEG = -1e30
 HIGHEST = jax.lax.Precision.HIGHEST
-NORM_SHIFT = 6  # integer norm weights u = ⌊‖ṽ‖·2^6⌋ + 1 (spec §4.3)
+NORM_SHIFT = 6  # integer norm weights u = ⌊‖ṽ‖·2^6⌋ + 1 (§4.3)
 U_MAX = 1 << 13
 INT_MAX = jnp.iinfo(jnp.int32).max
 
@@ -128,7 +129,7 @@ class CausalOptions:
 
 
 # ---------------------------------------------------------------------------
-# hashing (spec §2.3a, b)
+# hashing (§2.3a, b)
 # ---------------------------------------------------------------------------
 
 
@@ -179,7 +180,7 @@ _ssorted_right = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="rig
 
 
 # ---------------------------------------------------------------------------
-# the 'ref' sampler (spec §2.3e, §4.3)
+# the 'ref' sampler (§2.3e, §4.3)
 # ---------------------------------------------------------------------------
 
 
@@ -256,7 +257,7 @@ def _combine(parts):
 
 
 # ---------------------------------------------------------------------------
-# bidirectional (spec §2.3)
+# bidirectional (§2.3)
 # ---------------------------------------------------------------------------
 
 
@@ -338,7 +339,7 @@ def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = F
 
 
 # ---------------------------------------------------------------------------
-# causal (spec §4)
+# causal (§4)
 # ---------------------------------------------------------------------------
 
 
@@ -347,7 +348,7 @@ def _prefix_end(g, opts: CausalOptions):
 
 
 def heavy_route_of(opts: CausalOptions, M: int, full_pass: bool) -> str:
-    """The causal heavy logits' route: 'band' (full passes only), 'scores' or 'gather' (spec §4.2)."""
+    """The causal heavy logits' route: 'band' (full passes only), 'scores' or 'gather' (§4.2)."""
     route = opts.heavy_impl
     if route == "auto":
         route = "scores" if M <= opts.heavy_scores_max_len else ("band" if full_pass else "gather")
@@ -366,7 +367,7 @@ def code_sort(HKc, n_valid):
 
 
 def heavy_bounds(kappa_s, hq, L, bh: int):
-    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (spec §4.2 step 2).
+    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (§4.2 step 2).
     kappa_s [B,H,M]; hq [B,H,N] query codes; L [N] or [B,H,N] prefix ends. Empty when hi ≤ lo."""
     M = kappa_s.shape[-1]
     hi = _ssorted(kappa_s, hq * M + L).astype(jnp.int32)
@@ -396,7 +397,7 @@ def band_pairs(lo, hi, tq: int, kb: int, n_keys: int):
 
 
 def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int):
-    """The heavy part of a full causal pass (spec §4.1 'Heavy') as dense blocks of the code-sorted keys.
+    """The heavy part of a full causal pass (§4.1 'Heavy') as dense blocks of the code-sorted keys.
 
     q [B,H,N,d]; Ks, Vs [B,H,M,·] the keys and values in code-sorted order (κ_s); query i's heavy set is the
     sorted slots [lo_i, hi_i) (:func:`heavy_bounds`, ≤ b_h of them). Every row's heavy keys are contiguous in
@@ -642,7 +643,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
 
 
 class KDEformerAttention(AttentionCore):
-    """KDEformer attention core (bidirectional: the released estimator; causal: spec §4)."""
+    """KDEformer attention core (bidirectional: the released estimator; causal: §4)."""
 
     name = "kdeformer"
     randomized = True
@@ -651,7 +652,7 @@ class KDEformerAttention(AttentionCore):
     def default_config(cls) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(
             {
-                # bidirectional (spec §2.3; our encoder defaults r=7, b=32, m=96, spec §3)
+                # bidirectional (§2.3; our encoder defaults r=7, b=32, m=96, §3)
                 "bucket_size": 32,  # b: keys (and queries) per sorted block
                 "num_samples": 96,  # m: sampled key columns per (batch, head); 0 = block attention only
                 "num_projs": 7,  # r: hash bits
@@ -674,7 +675,7 @@ class KDEformerAttention(AttentionCore):
                 "heavy_impl": "auto",
                 "heavy_scores_max_len": 1024,
                 "heavy_band_block": 64,  # 'band': sorted queries per tile = sorted keys per block
-                # causal (spec §4)
+                # causal (§4)
                 "causal": ml_collections.ConfigDict({
                     "chunk_size": 128,  # c
                     "local_chunks": 2,  # nl: exact window = the own chunk and nl-1 before it

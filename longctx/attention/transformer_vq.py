@@ -1,4 +1,5 @@
-"""Transformer-VQ attention (Lingle 2023; spec `specs/transformer-vq.md`).
+"""Transformer-VQ attention (Lingle 2023, arXiv 2309.16354; method notes: docs/methods/transformer_vq.md,
+whose sections the numbers below cite).
 
 Keys are vector-quantized per head onto an EMA codebook with a straight-through
 estimator (STVQ). Because every quantized key is one of S codewords, softmax
@@ -8,7 +9,7 @@ attention over an arbitrary prefix factorizes into S code logits plus per-code
 Pure functions (all shapes [B, H, T, .]; every float computed in
 ``promote(dtype, float32)`` so fp64 tests run in fp64):
 
-* :func:`stvq`                       -- argmin assignment + straight-through k_hat (spec 2.2)
+* :func:`stvq`                       -- argmin assignment + straight-through k_hat (§2.2)
 * :func:`quadratic_reference`        -- full [T, T] softmax over K_hat with the XL band bias (2.4)
 * :func:`causal_parallel`            -- block-wise linear form, lag-2 cache, serial/matmul/assoc/sum
                                         reductions, carried initial state, ragged T (2.6; M <= L)
@@ -56,7 +57,7 @@ from longctx.attention.base import (
 from longctx.xla_cpu import flat_last, rowdot, rows_dot, transposed
 from pallas_kernels import vq_cache
 
-# The block-parallel causal form (spec 2.6) and its helpers live beside the Pallas kernel that must match them
+# The block-parallel causal form (§2.6) and its helpers live beside the Pallas kernel that must match them
 # (pallas_kernels/vq_cache_ref.py, DESIGN.md section 3); this file imports them: one copy of the math.
 from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
     NEG,
@@ -127,7 +128,7 @@ def stvq(k, C, *, chunk: int = 512):
 
     def nearest(kc):  # argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2); d^2 = |k|^2 - 2 max(.)
         # heads-major [H, B, chunk, S], the order of the head-batched matmul's output: in [B, H, ..] order XLA:CPU
-        # copied every distance tile into place, twice (3x slower at [1, 4, 8192] keys and S = 512)
+        # copied every distance tile into place, twice (several times slower)
         g = jnp.einsum("bhtd,hsd->hbts", kc, Cf) - half_c2
         z, g_max = (jnp.swapaxes(x, 0, 1) for x in (first_argmax(g), jnp.max(g, -1)))
         return z, jnp.sum(kc * kc, -1) - 2.0 * g_max
@@ -147,8 +148,8 @@ def stvq(k, C, *, chunk: int = 512):
 def first_argmax(g):
     """argmax over the last axis, ties to the lowest index, as two plain reductions (a max, then a min over
     the indices that reach it). Same result as ``lax.argmax`` for finite g; XLA:CPU vectorizes these where
-    it runs the (value, index) pair reduction of ``lax.argmax`` element by element: 15 against 36 ms on
-    [4, 8192, 512]. A row with a NaN matches nowhere; it gets the last index, so a code stays in range (the
+    it runs the (value, index) pair reduction of ``lax.argmax`` element by element (over twice as slow).
+    A row with a NaN matches nowhere; it gets the last index, so a code stays in range (the
     per-code scatter-add of ``code_sums`` must never see an index past S - 1)."""
     m = jnp.max(g, axis=-1, keepdims=True)
     n = g.shape[-1]
@@ -179,10 +180,10 @@ def band_scores(q_v, r):
 # ----------------------------------------------------------------------------- quadratic reference
 def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_far_block: int | None = None,
                         valid=None):
-    """Full [T, T] softmax (spec 2.4 / dense bidirectional for the encoder).
+    """Full [T, T] softmax (§2.4 / dense bidirectional for the encoder).
 
     s_ij = q_u_i . k_j + [0 <= d <= M] bd[i, d] (causal; d = i - j) or [|d| <= M] bd[i, d + M] (encoder),
-    s_ij = -inf for j > i (causal) or invalid j. ``sg_far_block=L``: for the dK reference of spec 2.7,
+    s_ij = -inf for j > i (causal) or invalid j. ``sg_far_block=L``: for the dK reference of §2.7,
     keys j < (n-1)L for a query of block n enter the content logit under stop_gradient.
     """
     T = q_u.shape[2]
@@ -211,17 +212,16 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 
 # form='auto' runs the tiled causal_blocks when a call's score tensor B*H*T*(S+2L) has at least this many
 # entries (32 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
-# tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trained at
-# ~5,300 tokens/s through the tiles against ~6,400 without), above it autodiff's [T, S+2L] residuals make
-# causal_parallel memory-bound (BENCHMARKS.md, issue 15). Whole-model training step at the Transformer-VQ
-# release's shape (one head, L = S = 256, 8 GAUs; longctx/host_memory.py's allocator settings), parallel
-# against blocks: 1k (0.8M entries) 0.56 / 0.58 s, 4k (3.1M) 2.40 / 2.67 s, 16k (12.6M) 10.67 / 9.09 s.
+# tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trains about a
+# sixth slower through the tiles), above it autodiff's [T, S+2L] residuals make
+# causal_parallel memory-bound. For a whole-model training step at the Transformer-VQ release's shape (one head,
+# L = S = 256, 8 GAUs), the two forms are level at 1k-4k tokens and the tiles win at 16k.
 TILED_MIN_SCORES = 1 << 23
 # causal_blocks keeps each tile's attention weights from the forward for the backward (instead of recomputing the
 # scores and their exp from the saved log-sum-exp) when a call's B*H*T*(S+2L) is at most this many entries: the
 # default of the config's keep_budget. 2^26 (256 MB in fp32 per attention call, each GAU's held until its
-# backward): the bench's 8k call (4 heads, L = S = 512; 50M entries) kept, fwd+bwd 499 -> 428 ms (BENCHMARKS.md,
-# session 30); 2^24 (session 28) kept only the release's shape up to 16k
+# backward): this keeps the bench's 8k call (4 heads, L = S = 512; 50M entries), whose step it makes faster;
+# 2^24 kept only the release's shape up to 16k
 KEEP_MAX_SCORES = 1 << 26
 
 
@@ -373,7 +373,7 @@ def _vq_blocks_bwd(Lq, keep, res, do):
             dq = jnp.einsum("bhls,bhsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
             # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
             # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
-            # [Lq, keys] tile into keys-major order; -4 to -8% forward+backward at 8k and 16k), and transposed
+            # [Lq, keys] tile into keys-major order, an extra pass over the scores), and transposed
             # first, so that the dots are plain products (longctx.xla_cpu.rows_dot)
             qt_t, dow_t, qvt_t = transposed(qt, dow, qvt)
             dK = dK.at[..., :nk].add(rows_dot(qt_t, ds_l))  # the codebook takes no gradient
@@ -441,7 +441,7 @@ def _stream_step(state, q_u, bd, k_hat, z, v, Cs, M: int, S: int):
 
 
 def causal_stream(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
-    """Streaming form (spec 2.7): chunks of L (any L >= 1, any M >= 1), scanned; a ragged tail is one
+    """Streaming form (§2.7): chunks of L (any L >= 1, any M >= 1), scanned; a ragged tail is one
     shorter step. Equals the quadratic reference for every L and M. Returns (o, new_state)."""
     B, H, T, _ = q_u.shape
     S = C.shape[1]
@@ -469,7 +469,7 @@ def causal_stream(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
 
 # ----------------------------------------------------------------------------- encoder form
 def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, valid=None):
-    """Bidirectional form (spec 2.5). band=False: Thm 3.5 (all keys through the code summaries, no bias).
+    """Bidirectional form (§2.5). band=False: Thm 3.5 (all keys through the code summaries, no bias).
     band=True (our extension): query block n attends exactly to blocks n-1, n, n+1 with the bias for
     |d| <= M (bd over d = -M..M), and to merge(prefix over blocks <= n-2, suffix over blocks >= n+2)."""
     B, H, T, _ = q_u.shape
@@ -610,7 +610,7 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
         require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
-        # impl='pallas' runs the spec-9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
+        # impl='pallas' runs the §9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
         # reduction; 'auto' picks it or XLA by the shared rule of longctx/attention/dispatch.py.
         require(cfg.impl != "pallas" or cfg.reduction == "serial",
                 f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
@@ -637,7 +637,7 @@ class TransformerVQAttention(AttentionCore):
     @classmethod
     def configure_for_block(cls, cfg, *, normalizes_qk, d_model):
         cfg = ml_collections.ConfigDict(cfg.to_dict())
-        if normalizes_qk:  # the GAU normalizes q and k itself (spec 2.1)
+        if normalizes_qk:  # the GAU normalizes q and k itself (§2.1)
             cfg.qk_norm = False
         if not cfg.rel_dim:  # the sinusoid table has width d_model
             cfg.rel_dim = d_model
@@ -727,7 +727,7 @@ class TransformerVQAttention(AttentionCore):
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
     def _kernel_choice(self, dtype) -> dispatch.Choice:
-        """The block-parallel causal form runs the Pallas kernel of pallas_kernels/vq_cache.py (spec 9, forward
+        """The block-parallel causal form runs the Pallas kernel of pallas_kernels/vq_cache.py (§9, forward
         and backward) or the XLA ``causal_parallel``, by the shared rule of ``longctx.attention.dispatch``:
         the kernel declares its platforms, shapes and VMEM budget (``vq_cache.unsupported_reasons``). The
         streaming form (short calls, decoding) and the encoder always run XLA. Either way the same method is

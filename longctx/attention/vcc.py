@@ -1,12 +1,13 @@
-"""VCC: VIP-token centric compression (shared/specs/vcc.md; paper: Zeng et al., arXiv 2305.04241).
+"""VCC: VIP-token centric compression (paper: Zeng et al., arXiv 2305.04241; method notes:
+docs/methods/vcc.md, whose sections the § numbers below cite).
 
 VCC acts on a whole pre-LN layer, not on q, k, v: before each layer the "rest" tokens are
 compressed to a short multi-resolution list (the blocks the VIP tokens attend to most stay at
 token resolution, every other block of k tokens becomes its mean), the unchanged layer (attention
 + FFN) runs on the compressed rows with a ``+log k`` logit bias on every averaged key, and only
 the residual update is decompressed back to the tokens. That is a *stack wrapper*
-(DESIGN §2, spec §4.1): :class:`longctx.models.vcc_stack.VCCEncoderStack` in an encoder and
-:class:`longctx.models.vcc_stack.VCCDecoderStack` (VCC-LM, our causal extension, spec §4.2) in a
+(DESIGN §2, §4.1): :class:`longctx.models.vcc_stack.VCCEncoderStack` in an encoder and
+:class:`longctx.models.vcc_stack.VCCDecoderStack` (VCC-LM, our causal extension, §4.2) in a
 decoder. The backbone builds it in place of its plain block loop whenever ``model.attention.name``
 names this method (capability :meth:`AttentionCore.stack_wrapper`), over the same blocks and
 parameter tree (a dense checkpoint loads unchanged).
@@ -31,7 +32,7 @@ import ml_collections
 
 from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
 
-NEG = -1e9  # masked keys: exp underflows to exactly 0 in fp32 (spec §8.13)
+NEG = -1e9  # masked keys: exp underflows to exactly 0 in fp32 (§8.13)
 
 
 def biased_attention(q, k, v, key_bias, *, query_chunk: int = 0):
@@ -66,7 +67,7 @@ class VCCAttention(AttentionCore):
     itself is the stack wrapper's (``longctx/models/vcc_stack.py``)."""
 
     name = "vcc"
-    supports_causal = True  # VCC-LM (spec §4.2): longctx.models.vcc_stack.VCCDecoderStack
+    supports_causal = True  # VCC-LM (§4.2): longctx.models.vcc_stack.VCCDecoderStack
     supports_bidirectional = True
 
     @classmethod
@@ -81,9 +82,9 @@ class VCCAttention(AttentionCore):
                 "explore_prob": 0.1,  # training: per example and layer, a random ranking of the blocks
                 "scale_correction": True,  # +log k on the logits of averaged keys
                 "ste_gate": True,  # straight-through gate: gives the selection logits a gradient (training)
-                "levels": None,  # the L-level version (spec §2.10): not implemented, must stay None
+                "levels": None,  # the L-level version (§2.10): not implemented, must stay None
                 "query_chunk": 1024,  # attention over the compressed rows in query chunks (0: whole)
-                # VCC-LM (decoder, spec §4.2): explore_prob, scale_correction, ste_gate above apply too
+                # VCC-LM (decoder, §4.2): explore_prob, scale_correction, ste_gate above apply too
                 "causal": ml_collections.ConfigDict({
                     "window": 512,  # w: queries sharing one selection
                     "local": 512,  # g: exact band of the g positions before the window (plus the window)
@@ -103,7 +104,7 @@ class VCCAttention(AttentionCore):
         require(cfg.num_dense_layers >= 0, f"{p}.num_dense_layers={cfg.num_dense_layers}; must be >= 0")
         require(cfg.dense_segment_len >= 1, f"{p}.dense_segment_len={cfg.dense_segment_len}; must be >= 1")
         require(0.0 <= cfg.explore_prob <= 1.0, f"{p}.explore_prob={cfg.explore_prob}; must be in [0, 1]")
-        require(cfg.levels is None, f"{p}.levels={cfg.levels!r}: the L-level version (spec §2.10) is not "
+        require(cfg.levels is None, f"{p}.levels={cfg.levels!r}: the L-level version (docs/methods/vcc.md §2.10) is not "
                 "implemented; leave None (two resolutions: block_size and 1)")
         lc = cfg.causal
         require(lc.window >= 1 and lc.local >= 0 and lc.block_size >= 1 and lc.anchors >= 1,

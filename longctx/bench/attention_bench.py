@@ -18,7 +18,7 @@ Per (variant, direction, length) cell:
   keep freed host memory (longctx/host_memory.py), so it never falls: the largest of the run so far.
 * each variant (and the PyTorch reference) runs in its own child process (``--no_isolate``: all in this
   one): with freed memory kept, the heap a method leaves behind fragments the next one's, whose calls
-  then grow the heap and fault in fresh pages part-way through its timed calls (BENCHMARKS.md, issue 15).
+  then grow the heap and fault in fresh pages part-way through its timed calls (docs/DESIGN.md, "Host memory").
   The peak RSS is then per variant.
 """
 
@@ -56,7 +56,7 @@ def add_args(p):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed calls per cell after compiling (the second call of a new program can still fault "
-                        "in fresh heap pages: BENCHMARKS.md, issue 15)")
+                        "in fresh heap pages: docs/DESIGN.md, Host memory)")
     p.add_argument("--mem_budget_gb", type=float, default=16.0)
     p.add_argument("--max_cell_s", type=float, default=120.0,
                    help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")

@@ -1,19 +1,32 @@
-"""`longctx-bench`: benchmark sub-commands, each writing <name>.json, <name>.md and PNG plots into --out.
+"""`longctx-bench`: benchmark sub-commands, each writing <name>.json, <name>.md and PNG plots into --out
+(default ``bench_out`` under the working directory; ``scripts/bench_all.sh`` writes the published ones
+into ``results/``).
 
-    longctx-bench attention --out bench_out --methods dense,eva --lengths 1k,4k
-    longctx-bench decode    --out bench_out --positions 1k,8k,32k
-    longctx-bench quality   --out bench_out --lengths 1k,4k --workdir runs/bench_quality
-    longctx-bench train     --out bench_out --steps 200
-    longctx-bench step      --out bench_out --config configs/default.py --lengths 1k,4k,16k
-    longctx-bench kernels   --out bench_out --lengths 8k,16k,32k   (Pallas kernels vs their XLA paths)
-    longctx-bench profile   --out bench_out/profile --method eva --length 8k   (where one call's time goes)
-    longctx-bench report    --out bench_out            (assembles BENCHMARKS.md)
+    longctx-bench attention --methods dense,eva --lengths 1k,4k
+    longctx-bench decode    --positions 1k,8k,32k
+    longctx-bench quality   --lengths 1k,4k --workdir runs/bench_quality
+    longctx-bench train     --steps 200 --config.train.seq_len=512
+    longctx-bench step      --config configs/default.py --lengths 1k,4k,16k --config.model.d_model=512
+    longctx-bench kernels   --lengths 8k,16k,32k   (Pallas kernels vs their XLA paths)
+    longctx-bench profile   --method eva --length 8k   (where one call's time goes)
+    longctx-bench ab        TREE_A TREE_B --method eva --length 8k   (two source trees, interleaved)
+    longctx-bench report    --out results --output BENCHMARKS.md   (assembles BENCHMARKS.md)
+
+Config overrides take the form of the other entry points: ``--config.KEY=VALUE`` (quality: of its tiny
+dense run; train: of every method's config; step and profile: of ``--config``). Every bad input is
+answered with one line starting with ``error:`` and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from longctx.errors import ConfigError
+
+# sub-commands whose config takes --config.KEY=VALUE overrides
+TAKES_OVERRIDES = ("quality", "train", "step", "profile", "ab")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,8 +36,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _modules():
     from longctx.bench import (
+        ab_bench,
         attention_bench,
         decode_bench,
         kernel_bench,
@@ -35,9 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         train_bench,
     )
 
-    p = _Parser(prog="longctx-bench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, mod, help_ in (
+    return (
         ("attention", attention_bench, "forward / forward+backward time, memory, FLOP rate vs length"),
         ("decode", decode_bench, "per-token decoding latency and state size vs context position"),
         ("quality", quality_bench, "relative error against exact softmax attention"),
@@ -45,16 +57,165 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", step_bench, "whole-model training step time of any config at given lengths (interleaved)"),
         ("kernels", kernel_bench, "each Pallas kernel against the XLA path it must match: time and differences"),
         ("profile", profile_bench, "one call of a core or a training step traced: time by XLA op, kind, source line"),
-        ("report", report, "assemble BENCHMARKS.md from the JSON outputs"),
-    ):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("--out", default="bench_out", help="output folder (JSON, markdown, PNG)")
-        if name != "report":
+        ("ab", ab_bench, "one core or training step of two source trees, calls alternated, medians"),
+        ("report", report, "assemble BENCHMARKS.md from the JSON in results/"),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="longctx-bench", description=__doc__.split("\n\n")[0],
+                epilog="overrides: --config.KEY=VALUE (e.g. --config.model.d_model=128) for "
+                       + ", ".join(TAKES_OVERRIDES) + "; see longctx-bench <command> --help")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, mod, help_ in _modules():
+        sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().split("\n\n")[0],
+                            epilog=("config overrides: --config.KEY=VALUE, repeatable "
+                                    "(e.g. --config.model.d_model=128)") if name in TAKES_OVERRIDES else None)
+        if name == "report":
+            sp.add_argument("--out", default="results", help="folder of the JSON and PNG the report reads")
+        else:
+            sp.add_argument("--out", default="bench_out", help="output folder (JSON, markdown, PNG), relative to "
+                            "the working directory")
             sp.add_argument("--noprogress", "--no_progress", dest="progress", action="store_false",
                             help="no progress bar")
+        if name in TAKES_OVERRIDES:  # deprecated spelling of --config.KEY=VALUE
+            sp.add_argument("--set", dest="deprecated_set", action="append", default=[], help=argparse.SUPPRESS)
         mod.add_args(sp)
-        sp.set_defaults(func=mod.run)
+        sp.set_defaults(func=mod.run, validate=getattr(mod, "validate", None))
     return p
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(``KEY=VALUE`` of every ``--config.KEY=VALUE`` or ``--config.KEY VALUE``, the other arguments)."""
+    overrides, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--config."):
+            key, eq, value = a[len("--config."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"{a} needs a value: {a}=VALUE")
+                value, i = argv[i + 1], i + 1
+            if not key:
+                raise ConfigError(f"{a}: give a key, e.g. --config.model.d_model=128")
+            overrides.append(f"{key}={value}")
+        else:
+            rest.append(a)
+        i += 1
+    return overrides, rest
+
+
+def _lengths(args, name: str, *, one: bool = False) -> None:
+    from longctx.bench import common as C
+
+    text = getattr(args, name, None)
+    if text is None:
+        return
+    flag = f"--{name}"
+    try:
+        values = C.parse_ints(text)
+    except (ValueError, OverflowError):
+        values = None
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"{flag} {text!r}: expected "
+                          + ("a positive length such as 8k or 8192" if one else
+                             "a comma list of positive lengths such as 1k,4k,8192") + " (k = 1024)")
+    if one and len(values) != 1:
+        raise ConfigError(f"{flag} {text!r}: give one length, e.g. {flag} 8k")
+
+
+def _at_least(args, low, *names) -> None:
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None and not (v >= low):  # NaN fails too
+            raise ConfigError(f"--{n} {v!r}: must be {'>= ' + str(low) if low != 1 else 'a positive integer'}")
+
+
+def _positive(args, *names) -> None:
+    for n in names:
+        v = getattr(args, n, None)
+        if v is not None and not (v > 0):
+            raise ConfigError(f"--{n} {v!r}: must be a positive number")
+
+
+def _methods(args, extra=()) -> None:
+    from longctx import attention
+    from longctx.bench import common as C
+    from longctx.bench.cores import variants
+
+    names = C.parse_names(getattr(args, "methods", None))
+    registered = list(attention.names())
+    for req in names or ():
+        if req in extra:
+            continue
+        base = req.split(":")[0]
+        if base not in registered:
+            raise ConfigError(f"--methods: unknown method {base!r}; registered: {', '.join(registered + list(extra))}")
+        if ":" in req and req not in (label for label, _ in variants(base)):
+            raise ConfigError(f"--methods: {req!r} is not a variant of {base}; it offers "
+                              f"{', '.join(label for label, _ in variants(base))}")
+
+
+def validate(args) -> None:
+    """Every check that needs no computation, so that a bad flag fails before anything runs."""
+    from longctx.bench import configs
+
+    cmd = args.command
+    out = Path(args.out)
+    if cmd == "report":
+        if not out.is_dir():
+            raise ConfigError(f"--out {args.out}: not a folder of benchmark results (e.g. --out results)")
+    elif out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out}: exists and is not a folder")
+    for name in ("lengths", "positions"):
+        if cmd not in ("profile", "ab"):
+            _lengths(args, name)
+    _at_least(args, 1, "repeats", "batch", "heads", "head_dim", "seeds", "calls", "prefill_chunk",
+              "eval_tokens", "train_steps", "top", "reps")
+    _at_least(args, 0, "warmup", "seed", "layer", "matmul_n", "window", "seq_len", "d_model", "num_layers")
+    _positive(args, "mem_budget_gb", "max_cell_s", "max_prefill_s", "budget")
+    if cmd in ("decode", "train"):
+        _at_least(args, 1, "steps")
+    if cmd == "step":
+        _at_least(args, 1, "batch_size", "vocab_size")
+    elif cmd == "train":
+        _at_least(args, 0, "batch_size")
+    if cmd in ("attention", "decode", "quality", "train", "kernels"):
+        _methods(args, extra=("torch_sdpa",) if cmd == "attention" else ())
+    if cmd == "quality":
+        bad = [s for s in (args.sources or "").split(",") if s.strip() not in ("gaussian", "captured")]
+        if bad or not args.sources:
+            raise ConfigError(f"--sources {args.sources!r}: give gaussian and/or captured, e.g. --sources gaussian")
+    if cmd in ("profile", "ab"):
+        _lengths(args, "length", one=True)
+        if bool(args.method) == bool(args.config):
+            raise ConfigError(f"longctx-bench {cmd}: give exactly one of --method (an attention core) or --config "
+                              "(a training step)")
+    if cmd in ("step", "profile", "ab") and getattr(args, "config", None):
+        if configs.find_config(args.config) is None and args.config != configs.DEFAULT:
+            raise ConfigError(f"--config {args.config}: no such config file")
+    if cmd in TAKES_OVERRIDES:
+        configs.check_overrides(args.overrides)
+    if args.validate is not None:  # the sub-command's own checks
+        args.validate(args)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and check ``longctx-bench`` arguments (program name not included) without running anything:
+    bad flags raise SystemExit(2) (one ``error:`` line on stderr), bad values raise ConfigError."""
+    overrides, rest = split_overrides(list(argv))
+    args = build_parser().parse_args(rest)
+    if overrides and args.command not in TAKES_OVERRIDES:
+        raise ConfigError(f"longctx-bench {args.command} takes no --config.KEY=VALUE overrides "
+                          f"(they apply to {', '.join(TAKES_OVERRIDES)})")
+    dep = getattr(args, "deprecated_set", None) or []
+    if dep:
+        print("warning: --set KEY=VALUE is deprecated; write --config.KEY=VALUE", file=sys.stderr)
+    args.overrides = dep + overrides
+    if hasattr(args, "deprecated_set"):
+        del args.deprecated_set
+    validate(args)
+    return args
 
 
 def main(argv=None) -> int:
@@ -65,7 +226,7 @@ def main(argv=None) -> int:
         if argv is None:  # the console entry point: once, restart with glibc's huge-page tunable
             restart_with_huge_pages()
         keep_freed_memory()  # the same host allocation settings as the other entry points (longctx/host_memory.py)
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         args.func(args)
     return 0
 

@@ -55,7 +55,9 @@ def select_methods(requested: list[str] | None) -> list[str]:
     bases = {r.split(":")[0] for r in requested}
     unknown = sorted(bases - set(names))
     if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(names)}")
+        from longctx.errors import ConfigError
+
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(names)}")
     return [n for n in names if n in bases]
 
 
@@ -361,10 +363,13 @@ def progress_bar(total: int, desc: str, enabled: bool):
 
 def header(args, command: str) -> dict:
     """Run description stored at the top of every JSON output."""
+    from longctx.bench.configs import _checkout
+
+    root = _checkout()
     return {
         "command": command,
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
         "machine": machine_info(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "git_sha": _run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"]).strip(),
+        "git_sha": _run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]).strip() if root else "",
     }

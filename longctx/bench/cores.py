@@ -4,7 +4,7 @@ Every core goes through ``attention.build``; the module is split once (``nnx.spl
 into its graph and its state so the jitted functions take parameters as arguments
 (no parameters baked into the program as constants).
 
-Randomness convention (documented in BENCHMARKS.md):
+Randomness convention (BENCHMARKS.md, "How to read this"):
 * forward timing: ``deterministic=True`` (the inference path);
 * forward+backward timing: ``deterministic=False`` with a PRNG key and an ``Aux``
   collector whose losses are added to the loss -- the training path of

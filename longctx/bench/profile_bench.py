@@ -2,6 +2,7 @@
 
     longctx-bench profile --out bench_out/profile --method eva --length 8k
     longctx-bench profile --out bench_out/profile_main --config configs/main.py --length 1k --batch 8 --window 256
+    longctx-bench profile --config configs/default.py --config.model.d_model=128 --length 1k
 
 The target is an attention core (``--method``, a registered method or ``method:variant``; random q, k, v;
 forward+backward of ``sum(out * w)`` as ``longctx-bench attention`` times it, or ``--forward_only``) or the
@@ -37,15 +38,15 @@ import jax.numpy as jnp
 from longctx.bench import common as C
 from longctx.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+# The folder that holds the ``longctx`` package (a checkout or site-packages): source lines of the
+# compiled module are shown relative to it.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_args(p):
     p.add_argument("--method", help="an attention core to profile: a method (its default config) or method:variant "
                                     "(a variant the attention bench times, e.g. dense:blockwise)")
     p.add_argument("--config", help="profile the whole-model training step of this config file instead")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for --config (repeatable)")
     p.add_argument("--length", default="8k", help="sequence length (k = 1024)")
     p.add_argument("--batch", type=int, default=1, help="batch (--config: train.batch_size)")
     p.add_argument("--window", type=int, default=0,
@@ -91,7 +92,7 @@ def _stack_tables(text: str):
     return strings(sections["FileNames"]), strings(sections["FunctionNames"]), locs, frames
 
 
-def source_of(frame_id, tables, root: Path = REPO) -> str | None:
+def source_of(frame_id, tables, root: Path = SOURCE_ROOT) -> str | None:
     """'path:line (function)' of the innermost frame under ``root`` (else the innermost frame) of a stack."""
     files, funcs, locs, frames = tables
     first, fid, seen = None, frame_id, set()
@@ -120,8 +121,9 @@ def _rel(path: str, root: Path) -> str:
 def slow_reduce(body: list[str]) -> bool:
     """Whether a fused computation (its lines) reduces the product of two different operands into a result that
     keeps a dimension of size 1 (``f32[1,4,8192]`` from ``[1,4,8192,64]``): as a YNNPACK fusion, XLA:CPU (jax
-    0.10.2) runs that 20-80x slower than the same sum written as a dot, whose reduce folds the size-1 dimensions
-    away (``longctx/xla_cpu.py``; BENCHMARKS.md, session 30)."""
+    0.10.2) runs that far slower than the same sum written as a dot, whose reduce folds the size-1 dimensions
+    away (``longctx/xla_cpu.py``; docs/DESIGN.md, "XLA:CPU slow paths"; measure one with this command's
+    ``--method`` on the core that holds it)."""
     ops = {m[1]: m for m in map(_INSTR.match, body) if m}
     operands = lambda m: re.findall(r"%([\w.\-]+)", m[4].split("), ")[0])  # noqa: E731
     for m in ops.values():
@@ -137,8 +139,8 @@ def slow_reduce(body: list[str]) -> bool:
 def row_dot(line: str, shapes: dict) -> bool:
     """Whether an unfused ``dot`` instruction contracts the second-to-last axis of its left operand (the rows of a
     ``[.., rows, d]`` array: ``dk = dsᵀ q`` as autodiff writes it): XLA:CPU (jax 0.10.2) does not give that form to
-    YNNPACK and runs it as a generic dot at 100-170 GFLOP/s, where YNNPACK runs the plain product at ~230
-    (``longctx.xla_cpu.rows_dot``, ``scores``, ``mix``; BENCHMARKS.md, session 31)."""
+    YNNPACK and runs it as a generic dot at a lower rate than YNNPACK's plain product
+    (``longctx.xla_cpu.rows_dot``, ``scores``, ``mix``; docs/DESIGN.md, "XLA:CPU slow paths")."""
     im = _INSTR.match(line)
     if not im or im[3] != "dot":
         return False
@@ -151,7 +153,7 @@ def row_dot(line: str, shapes: dict) -> bool:
     return rank >= 2 and int(contracting[1]) == rank - 2
 
 
-def hlo_index(text: str, root: Path = REPO) -> dict:
+def hlo_index(text: str, root: Path = SOURCE_ROOT) -> dict:
     """name -> {shape, opcode, root, op_name, source, slow_path} for every instruction of the module text; a fusion
     without metadata of its own takes its fused computation's root's, else that of the last fused instruction with
     a source frame. ``slow_path``: False, or why the op may be one of XLA:CPU's slow paths: 'row sum' (a YNNPACK
@@ -242,14 +244,14 @@ def _step_target(args, T: int):
 
     from longctx.bench import configs, step_bench
 
-    base = configs.with_overrides(configs.load_config_file(args.config), args.set)
+    base = step_bench.base_config(args)
     cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=args.window, vocab_size=256))
     if cfg.model.kind != "decoder":
         raise ConfigError(f"longctx-bench profile --config profiles decoder training steps; {args.config} has "
                           f"model.kind={cfg.model.kind!r} (profile its attention core with --method instead)")
     t0 = time.perf_counter()
     compiled, call, _, _ = step_bench.build_step(cfg, seed=args.seed)
-    sets = "".join(f" --set {s}" for s in args.set)
+    sets = "".join(f" --config.{s}" for s in args.overrides)
     return compiled, call, time.perf_counter() - t0, \
         f"training step of `{step_bench._shown(args.config)}`{sets}, batch {args.batch}, T = {C.fmt_len(T)}" + \
         (f", updates of {args.window} tokens" if args.window else "")
@@ -338,6 +340,21 @@ def _groups(ops, key):
     return g
 
 
+def validate(args) -> None:
+    """``--method`` names a registered method or one of its benchmarked variants."""
+    if not args.method:
+        return
+    from longctx import attention
+    from longctx.bench.cores import variants
+
+    method, _, variant = args.method.partition(":")
+    if method not in attention.names():
+        raise ConfigError(f"--method={args.method!r}: unknown method; registered: {', '.join(attention.names())}")
+    options = [label for label, _ in variants(method)]
+    if variant and args.method not in options:
+        raise ConfigError(f"--method={args.method!r}: {method} offers {', '.join(options)}")
+
+
 def run(args) -> dict:
     if bool(args.method) == bool(args.config):
         raise ConfigError("longctx-bench profile: give exactly one of --method (an attention core) or --config "
@@ -405,11 +422,11 @@ def _slow_section(res: dict, top: int) -> list[str]:
         return []
     return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
             "'row sum': a YNNPACK fusion that reduces the product of two operands into a result that keeps a dimension "
-            "of size 1 (batch 1, one head); XLA:CPU can run these 20-80x slower than the same sum as a dot. Rewrites, "
+            "of size 1 (batch 1, one head); XLA:CPU can run these many times slower than the same sum as a dot. Rewrites, "
             "same arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
             "gradient sums rows), `flat_last` (a row norm over flattened rows). 'row dot': a dot that contracts the "
             "rows of its left operand (`dk = dsᵀ q` as autodiff writes it), which XLA:CPU runs as a generic dot at "
-            "about half YNNPACK's rate; rewrites: `longctx.xla_cpu.rows_dot` on a `transposed` operand (a hand-written "
+            "a lower rate than YNNPACK's; rewrites: `longctx.xla_cpu.rows_dot` on a `transposed` operand (a hand-written "
             "backward) or the einsums `scores` / `mix` (autodiff). Measure before and after (next to large score "
             "passes a flagged op can be cheap, and a rewrite can cost more).", "",
             C.md_table(["op", "why", "shape", "ms per call", "source"],

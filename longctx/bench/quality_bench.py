@@ -43,8 +43,6 @@ def add_args(p):
     p.add_argument("--workdir", default="runs/bench_quality", help="dense checkpoint to capture q/k/v from "
                    "(trained here if it holds none)")
     p.add_argument("--train_steps", type=int, default=300, help="steps of the tiny dense run (if trained)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override of the tiny dense run's config (repeatable), e.g. --set train.batch_size=8")
     p.add_argument("--layer", type=int, default=0, help="block whose q/k/v are captured")
     p.add_argument("--baselines", default="performer,reformer_lsh",
                    help="benchmark-only bidirectional baselines (longctx/bench/baselines.py); '' for none")
@@ -90,7 +88,7 @@ def run(args) -> dict:
     if "captured" in sources:
         from longctx.bench import capture
 
-        info = capture.ensure_checkpoint(args.workdir, steps=args.train_steps, sets=args.set, progress=args.progress)
+        info = capture.ensure_checkpoint(args.workdir, steps=args.train_steps, sets=args.overrides, progress=args.progress)
         cap = capture.Capturer(args.workdir, layer=args.layer)
         mc = cap.cfg.model
         info.update({"step": cap.step, "layer": args.layer, "heads": mc.num_heads, "head_dim": mc.head_dim,

@@ -1,10 +1,22 @@
-"""Assemble BENCHMARKS.md from the JSON outputs of `longctx-bench` (``--out``): machine,
-commands, tables, plots and a "numbers" section generated only from the measurements.
-Interpretation is left to a human: the report emits ``<!-- reading: to be written by hand -->``. Regenerating
-over an existing file keeps what a human wrote there: the notes between the opening line and ``## Machine``
-and everything from ``## Reading`` on (see :func:`hand_written`).
+"""Assemble BENCHMARKS.md from the JSON, markdown and PNG files in ``results/`` (``--out``), and nothing else.
 
-    longctx-bench report --out bench_out [--output BENCHMARKS.md] [--script scripts/bench_all.sh]
+    longctx-bench report --out results --output BENCHMARKS.md [--script scripts/bench_all.sh]
+
+What ``results/`` holds (each written by the command quoted in the report's "Commands" section):
+
+* ``attention``, ``decode``, ``quality``, ``train``, ``kernels`` ``.json/.md/.png``: ``longctx-bench <name>``;
+* ``attention_*/attention.json``: further attention runs (e.g. one run of the fastest methods beside
+  PyTorch's SDPA at 8k-32k);
+* ``kernels_gpu/<method>/kernels.json``: ``longctx-bench kernels`` on a GPU;
+* ``peer_eva/``, ``peer_eva_core/``, ``peer_tvq/``: ``scripts/peer_eva_release.py`` and
+  ``scripts/peer_tvq_release.py`` (ours against the authors' releases);
+* ``recall/``: ``scripts/recall_all.sh`` (``longctx-recall-report``).
+
+The report opens with a summary (per method: forward+backward time at the longest length measured beside
+PyTorch's SDPA, its speed against SDPA and against exact dense attention in the same run, and its
+approximation error), then the hand-written "How to read this" (kept across regenerations: everything
+between ``## How to read this`` and the next ``## `` heading), machine and provenance, the commands, and
+the generated tables and plots. Every number comes from the JSON.
 """
 
 from __future__ import annotations
@@ -14,53 +26,58 @@ import os
 from pathlib import Path
 
 from longctx.bench import common as C
-from longctx.bench.configs import REPO
+from longctx.errors import ConfigError
 
 SECTIONS = ("attention", "decode", "quality", "train", "kernels")
-READING_MARKER = "<!-- reading: to be written by hand -->"
+READING = "## How to read this"
+READING_MARKER = "<!-- How to read this: written by hand; `longctx-bench report` keeps it -->"
+TORCH = "torch_sdpa"
+TITLES = {"attention": "Attention cores: time, memory, FLOP rate (all methods, 1k-128k)",
+          "decode": "Decoding: latency and state size",
+          "quality": "Quality: relative error against exact attention",
+          "train": "Training: throughput and bits/byte",
+          "kernels": "Pallas kernels against their XLA paths (CPU, interpret mode)"}
 
 
 def add_args(p):
-    p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="the markdown file to write")
-    p.add_argument("--script", default=str(REPO / "scripts" / "bench_all.sh"), help="the commands to quote")
+    p.add_argument("--output", default="BENCHMARKS.md", help="the markdown file to write (default: ./BENCHMARKS.md)")
+    p.add_argument("--script", default="scripts/bench_all.sh",
+                   help="the script whose commands the report quotes (looked up in the working directory, then "
+                        "in the project's checkout; left out when neither has it)")
+
+
+def validate(args) -> None:
+    out = Path(args.output)
+    if out.is_dir():
+        raise ConfigError(f"--output {args.output}: is a folder; give the markdown file to write")
+    if not out.resolve().parent.is_dir():
+        raise ConfigError(f"--output {args.output}: no folder {out.parent} to write it in")
+    if not any((Path(args.out) / f"{s}.json").is_file() for s in SECTIONS) and not _extra_attention(Path(args.out)):
+        raise ConfigError(f"--out {args.out}: no benchmark JSON ({', '.join(s + '.json' for s in SECTIONS)}) in it")
+
+
+# ----------------------------------------------------------------------------- loading
+def _read(f: Path):
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def _load(out: Path) -> dict:
-    res = {}
-    for name in SECTIONS:
-        f = out / f"{name}.json"
-        if f.exists():
-            res[name] = json.loads(f.read_text())
-    return res
+    return {name: r for name in SECTIONS if (r := _read(out / f"{name}.json")) is not None}
 
 
-def machine_section(res: dict) -> str:
-    first = next(iter(res.values()))["header"]
-    m = first["machine"]
-    lines = ["## Machine\n"]
-    for k, v in m.get("lscpu", {}).items():
-        lines.append(f"- {k}: {v}")
-    lines += [f"- nproc: {m.get('nproc')}", f"- memory: {m.get('mem_total_gb')} GiB",
-              f"- AVX-512: {'yes' if m.get('avx512') else 'no'}",
-              f"- software: Python {m.get('python')}, jax {m.get('jax')} ({m.get('jax_backend')}), "
-              f"flax {m.get('flax')}, numpy {m.get('numpy')}; {m.get('platform')}",
-              f"- XLA_FLAGS: `{m.get('xla_flags') or '(none)'}`"]
-    for name, r in res.items():
-        h = r["header"]
-        lines.append(f"- `{name}`: run {h.get('time')} at git {h.get('git_sha')}, load average at start "
-                     f"{h['machine'].get('load_avg')}")
-        earlier = r.get("merged_into")
-        while earlier:  # `--update` runs: their rows replaced some of an earlier run's
-            lines.append(f"  (rows of this run replaced some of a run of {earlier.get('time')} at git "
-                         f"{earlier.get('git_sha')}, whose other rows are kept)")
-            earlier = earlier.get("merged_into")
-    mm = res.get("attention", {}).get("matmul")
-    if mm:
-        lines.append(f"- measured f32 matmul {mm['n']}×{mm['n']}: jax {mm['jax_gflops']:.1f} GFLOP/s, "
-                     f"numpy {mm['numpy_gflops']:.1f} GFLOP/s")
-    return "\n".join(lines) + "\n"
+def _extra_attention(out: Path) -> list[tuple[str, dict]]:
+    """(folder, result) of every ``results/attention_*/attention.json``."""
+    return [(f.parent.name, json.loads(f.read_text())) for f in sorted(out.glob("attention_*/attention.json"))]
 
 
+def _attention_runs(out: Path, res: dict) -> list[tuple[str, dict]]:
+    """Every attention run in results, newest first: (path relative to results, result)."""
+    runs = ([("attention.json", res["attention"])] if "attention" in res else []) + \
+        [(f"{d}/attention.json", r) for d, r in _extra_attention(out)]
+    return sorted(runs, key=lambda x: x[1]["header"].get("time", ""), reverse=True)
+
+
+# ----------------------------------------------------------------------------- helpers
 def _exact(method: str) -> bool:
     """A registered method that computes exact softmax attention (the reference rows)."""
     from longctx import attention
@@ -68,6 +85,157 @@ def _exact(method: str) -> bool:
     return method in attention.names() and bool(attention.get_class(method).exact)
 
 
+def _registry_order() -> list[str]:
+    from longctx import attention
+
+    return list(attention.names())
+
+
+def _s(x) -> str:
+    """Seconds as ms."""
+    if x is None:
+        return "–"
+    return f"{1e3 * x:,.0f} ms" if x >= 0.01 else f"{1e3 * x:.3g} ms"
+
+
+def _cpu(h: dict) -> str:
+    m = h.get("machine", {})
+    lscpu = m.get("lscpu", {})
+    return (f"{lscpu.get('Model name', '?')}, {m.get('nproc', '?')} cores, {m.get('mem_total_gb', '?')} GiB, "
+            f"jax {m.get('jax', '?')} ({m.get('jax_backend', '?')})")
+
+
+# ----------------------------------------------------------------------------- summary
+def _cell(run: dict, variant: str, L: int, key: str = "fwdbwd_s"):
+    return next((r.get(key) for r in run["rows"] if r["variant"] == variant and r["direction"] == "causal"
+                 and r["length"] == L and r.get(key)), None)
+
+
+def _dense_ref(run: dict, L: int) -> str | None:
+    """The fastest exact (non-torch) variant of the run at L, forward+backward causal."""
+    cands = [(t, r["variant"]) for r in run["rows"] if r["method"] != TORCH and _exact(r["method"])
+             and r["direction"] == "causal" and r["length"] == L and (t := r.get("fwdbwd_s"))]
+    return min(cands)[1] if cands else None
+
+
+def _error(quality: dict | None, method: str, variant: str):
+    """(relative error, length, source) of the method's causal output at the longest length measured,
+    preferring q/k/v captured from a trained model."""
+    if not quality:
+        return None
+    for src in ("captured", "gaussian"):
+        rs = [r for r in quality["rows"] if r["method"] == method and r["direction"] == "causal"
+              and r["source"] == src and r.get("rel_err") is not None]
+        if rs:
+            pick = [r for r in rs if r["variant"] == variant] or rs
+            r = max(pick, key=lambda r: r["length"])
+            return r["rel_err"], r["length"], src
+    return None
+
+
+def _shape(runs) -> str:
+    shapes = {(a.get("batch"), a.get("heads"), a.get("head_dim"), a.get("dtype"))
+              for _, run in runs for a in [run["header"]["args"]]}
+    return "; ".join(f"batch {b}, {h} heads of {d}, {t}" for b, h, d, t in sorted(shapes, key=str))
+
+
+def summary_section(out: Path, res: dict) -> str:
+    runs = _attention_runs(out, res)
+    if not runs:
+        return ""
+    torch_L = [r["length"] for _, run in runs for r in run["rows"]
+               if r["variant"] == TORCH and r["direction"] == "causal" and r.get("fwdbwd_s")]
+    all_L = [r["length"] for _, run in runs for r in run["rows"] if r["direction"] == "causal" and r.get("fwdbwd_s")]
+    if not all_L:
+        return ""
+    L = max(torch_L or all_L)
+    order = {m: i for i, m in enumerate(_registry_order())}
+    variants = {}
+    for _, run in runs:
+        for r in run["rows"]:
+            if r["direction"] == "causal":
+                variants.setdefault(r["variant"], r["method"])
+    ordered = sorted(variants, key=lambda v: (v != TORCH, not _exact(variants[v]), order.get(variants[v], 99), v))
+    rows, best = [], None
+    for v in ordered:
+        m = variants[v]
+        hit = next(((path, run) for path, run in runs if _cell(run, v, L)), None)
+        if hit is None:
+            longest = max((r["length"] for _, run in runs for r in run["rows"]
+                           if r["variant"] == v and r["direction"] == "causal" and r.get("fwdbwd_s")), default=None)
+            rows.append([f"`{v}`", f"not measured at {C.fmt_len(L)}"
+                         + (f" (longest: {C.fmt_len(longest)})" if longest else ""), "", "", "", "", ""])
+            continue
+        path, run = hit
+        t, tf = _cell(run, v, L), _cell(run, v, L, "fwd_s")
+        ts = _cell(run, TORCH, L)
+        dref = _dense_ref(run, L)
+        td = _cell(run, dref, L) if dref else None
+        err = _error(res.get("quality"), m, v) if m != TORCH else None
+        if m == TORCH or _exact(m):
+            err_text = "exact"
+        elif err:
+            err_text = f"{err[0]:.2f} at {C.fmt_len(err[1])}" + ("" if err[2] == "captured" else f" ({err[2]} q/k/v)")
+        else:
+            err_text = "–"
+        rows.append([f"`{v}`", _s(t), f"{ts / t:.2f}×" if ts else "–",
+                     (f"{td / t:.2f}× `{dref}`" if td and v != dref else "–"), _s(tf), err_text,
+                     f"`{path}`"])
+        if m != TORCH and (best is None or t < best[1]):
+            best = (v, t, ts, path)
+    lines = [f"## Summary: causal attention at {C.fmt_len(L)}\n",
+             f"Forward+backward time of one causal attention call at T = {C.fmt_len(L)} ({_shape(runs)}, "
+             "the median of the run's repeats), its speed against PyTorch's fused SDPA and against the "
+             "fastest exact XLA variant *measured in the same run* (higher is faster), and the approximation error: "
+             "the relative error of the output against exact attention on q/k/v taken from layer 0 of a trained "
+             "dense model, at the longest length of `longctx-bench quality` (training-free drop-in: learned parts "
+             "replaced as the quality table says). Each row comes from the newest run in `results/` that measured "
+             "it; rows of different runs (last column) were measured at different times, possibly on different "
+             "machines (see Machine and provenance), so compare the ratios, not the times, across them.\n",
+             C.md_table([f"method", f"fwd+bwd at {C.fmt_len(L)}", "× SDPA speed", "× exact XLA speed",
+                         f"forward at {C.fmt_len(L)}", "relative error (trained q/k/v)", "run"], rows)]
+    if best:
+        v, t, ts, path = best
+        lines.append(f"\nFastest forward+backward at {C.fmt_len(L)}: `{v}` ({_s(t)}"
+                     + (f", {ts / t:.2f}× the speed of PyTorch's SDPA in the same run" if ts else "")
+                     + f"; `{path}`).")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- provenance
+def machine_section(out: Path, res: dict) -> str:
+    lines = ["## Machine and provenance\n",
+             "Where and when each file in `results/` was measured (from the JSON headers):\n"]
+    files = [(f"{name}.json", r) for name, r in res.items()] + \
+        [(f"{d}/attention.json", r) for d, r in _extra_attention(out)] + \
+        [(str(f.relative_to(out)), json.loads(f.read_text())) for f in sorted(out.glob("kernels_gpu/*/kernels.json"))]
+    for path, r in files:
+        h = r["header"]
+        lines.append(f"- `{path}`: {h.get('time')}, git {h.get('git_sha') or '?'}, {_cpu(h)}, "
+                     f"load average at start {h['machine'].get('load_avg')}")
+        earlier = r.get("merged_into")
+        while earlier:  # `--update` runs: their rows replaced some of an earlier run's
+            lines.append(f"  (its rows replaced some of a run of {earlier.get('time')} at git "
+                         f"{earlier.get('git_sha')}, whose other rows are kept)")
+            earlier = earlier.get("merged_into")
+    tvq = _read(out / "peer_tvq" / "peer_tvq_release.json")
+    if tvq:
+        lines.append(f"- `peer_tvq/peer_tvq_release.json`: {tvq.get('time')}, "
+                     f"{_cpu({'machine': tvq.get('ours', {}).get('machine', {})})}")
+    for d in ("peer_eva", "peer_eva_core"):
+        pe = _read(out / d / "peer_eva.json")
+        if pe:
+            meta = pe.get("meta", {})
+            lines.append(f"- `{d}/peer_eva.json`: torch {meta.get('torch')}, jax {meta.get('jax')} (no machine "
+                         "header: the script records versions only)")
+    mm = res.get("attention", {}).get("matmul")
+    if mm:
+        lines.append(f"- `attention.json`'s machine: f32 matmul {mm['n']}×{mm['n']}: jax {mm['jax_gflops']:.1f} "
+                     f"GFLOP/s, numpy {mm['numpy_gflops']:.1f} GFLOP/s")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- generated numbers
 def _crossovers(att: dict) -> list[str]:
     out = []
     rows = att["rows"]
@@ -77,10 +245,10 @@ def _crossovers(att: dict) -> list[str]:
         tb = {(r["variant"], r["length"]): r.get("fwdbwd_s") for r in rs}
         lengths = sorted({r["length"] for r in rs})
         variants = list(dict.fromkeys(r["variant"] for r in rs))
-        exact = {r["variant"] for r in rs if r["method"] != "torch_sdpa" and _exact(r["method"])}
+        exact = {r["variant"] for r in rs if r["method"] != TORCH and _exact(r["method"])}
         refs = [v for v in variants if v in exact]
         for v in variants:
-            if v in exact or v == "torch_sdpa":
+            if v in exact or v == TORCH:
                 continue
             for ref in refs:
                 for kind, tab in (("forward", t), ("forward+backward", tb)):
@@ -103,24 +271,29 @@ def _crossovers(att: dict) -> list[str]:
     return out
 
 
-def numbers_section(res: dict) -> str:
+def _attention_numbers(att: dict) -> list[str]:
+    lines = []
+    for e in att["exponents"]:
+        if e.get("fwd_exponent") is not None:
+            lines.append(f"- `{e['variant']}` {e['direction']}: time ∝ T^{e['fwd_exponent']:.2f} forward "
+                         f"({', '.join(map(C.fmt_len, e['fwd_lengths']))})"
+                         + (f", T^{e['fwdbwd_exponent']:.2f} forward+backward "
+                            f"({', '.join(map(C.fmt_len, e['fwdbwd_lengths']))})"
+                            if e.get("fwdbwd_exponent") is not None else ""))
+    for v in dict.fromkeys((r["variant"], r["direction"]) for r in att["rows"]):
+        ok = [r["length"] for r in att["rows"] if (r["variant"], r["direction"]) == v and r.get("fwd_s")]
+        if ok:
+            lines.append(f"- `{v[0]}` {v[1]}: longest forward measured {C.fmt_len(max(ok))}")
+    return lines + _crossovers(att)
+
+
+def numbers_section(res: dict, extra: list[tuple[str, dict]] = ()) -> str:
     lines = ["## Numbers (generated from the measurements)\n"]
     att = res.get("attention")
     if att:
-        lines.append("### Attention\n")
-        for e in att["exponents"]:
-            if e.get("fwd_exponent") is not None:
-                lines.append(f"- `{e['variant']}` {e['direction']}: time ∝ T^{e['fwd_exponent']:.2f} forward "
-                             f"({', '.join(map(C.fmt_len, e['fwd_lengths']))})"
-                             + (f", T^{e['fwdbwd_exponent']:.2f} forward+backward "
-                                f"({', '.join(map(C.fmt_len, e['fwdbwd_lengths']))})"
-                                if e.get("fwdbwd_exponent") is not None else ""))
-        for v in dict.fromkeys((r["variant"], r["direction"]) for r in att["rows"]):
-            ok = [r["length"] for r in att["rows"] if (r["variant"], r["direction"]) == v and r.get("fwd_s")]
-            if ok:
-                lines.append(f"- `{v[0]}` {v[1]}: longest forward measured {C.fmt_len(max(ok))}")
-        lines += _crossovers(att)
-        lines.append("")
+        lines += ["### Attention (`attention.json`)\n", *_attention_numbers(att), ""]
+    for d, r in extra:
+        lines += [f"### Attention (`{d}/attention.json`)\n", *_attention_numbers(r), ""]
     q = res.get("quality")
     if q:
         lines.append("### Quality\n")
@@ -175,60 +348,137 @@ def numbers_section(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def hand_written(text: str) -> tuple[str, str]:
-    """The parts of an earlier report a human wrote: (notes between the generated opening line and
-    ``## Machine``, the section from ``## Reading`` to the end). Either is "" when absent or when the
-    reading is still only the marker."""
-    head, tail = "", ""
+# ----------------------------------------------------------------------------- other result folders
+def _pngs(folder: Path, stem: str, rel: str) -> list[str]:
+    return [f"\n![{p.stem}]({rel}/{p.name})\n" for p in sorted(folder.glob(f"{stem}*.png"))]
+
+
+def _argv_text(meta: dict) -> str:
+    argv = meta.get("argv") or []
+    return " ".join(argv)
+
+
+def extra_sections(out: Path, rel: str) -> list[str]:
+    from longctx.bench import attention_bench, kernel_bench
+
+    parts = []
+    for d, r in _extra_attention(out):
+        a = r["header"]["args"]
+        parts.append(f"## Attention at {a.get('lengths')}: {a.get('methods') or 'all methods'} "
+                     f"(`{d}/`, one run)\n")
+        parts.append(f"`longctx-bench attention --out results/{d} --methods {a.get('methods')} --lengths "
+                     f"{a.get('lengths')}" + (" --causal" if a.get("causal") else "")
+                     + f" --repeats {a.get('repeats')} --warmup {a.get('warmup')} --max_cell_s {a.get('max_cell_s'):g}"
+                     + " --matmul_n 0`\n")
+        md = out / d / "attention.md"
+        parts.append(md.read_text() if md.is_file() else attention_bench.markdown(r))
+        parts += _pngs(out / d, "attention", f"{rel}/{d}")
+        parts.append("")
+    gpu = sorted(out.glob("kernels_gpu/*/kernels.json"))
+    if gpu:
+        parts.append("## Pallas kernels on a GPU (`kernels_gpu/`)\n")
+        for f in gpu:
+            r = json.loads(f.read_text())
+            a = r["header"]["args"]
+            devs = ", ".join(r["header"]["machine"].get("jax_devices") or [])
+            parts.append(f"### `{f.parent.name}` ({devs}; `longctx-bench kernels --out results/kernels_gpu/"
+                         f"{f.parent.name} --methods {a.get('methods')} --lengths {a.get('lengths')}"
+                         + (" --causal" if a.get("causal") else "") + "`)\n")
+            md = f.parent / "kernels.md"
+            parts.append(md.read_text() if md.is_file() else kernel_bench.markdown(r))
+    peers = [(d, f) for d, f in (("peer_eva", "peer_eva"), ("peer_eva_core", "peer_eva"), ("peer_tvq", "peer_tvq_release"))
+             if (out / d / f"{f}.md").is_file()]
+    if peers:
+        parts.append("## Against the authors' releases (`peer_eva/`, `peer_eva_core/`, `peer_tvq/`)\n")
+        titles = {"peer_eva": "EVA layer (projections + attention core) against the released PyTorch EVA, "
+                              "forward and forward+backward, interleaved in one process",
+                  "peer_eva_core": "EVA attention core alone (the four projections replaced by identities) against "
+                                   "the released PyTorch EVA",
+                  "peer_tvq": "Transformer-VQ: whole-model training step against the official JAX release"}
+        for d, f in peers:
+            r = _read(out / d / f"{f}.json") or {}
+            cmd = _argv_text(r.get("meta", {})) or r.get("command", "")
+            parts.append(f"### {titles[d]}\n")
+            if cmd:
+                parts.append(f"`.venv/bin/python {cmd}`\n")
+            parts.append((out / d / f"{f}.md").read_text().strip() + "\n")
+    rec = out / "recall"
+    if (rec / "recall.md").is_file():
+        parts.append("## Recall by distance (`recall/`)\n")
+        parts.append("Every causal method trained on the same generated associative-recall task "
+                     "(`configs/recall/<method>.py`) and scored by `longctx-recall`; `bash scripts/recall_all.sh` "
+                     "(with `LM_RUNS=...` for the passkey probe of language models trained on text).\n")
+        parts.append((rec / "recall.md").read_text().strip().replace("## ", "### ", 1) + "\n")
+        parts += _pngs(rec, "recall", f"{rel}/recall")
+        for px in sorted(rec.glob("passkey_x*/recall.md")):
+            parts.append(px.read_text().strip().replace("## ", "### ", 1) + "\n")
+    return parts
+
+
+# ----------------------------------------------------------------------------- hand-written part
+def hand_written(text: str) -> str:
+    """The "How to read this" section of an earlier report (heading included), or "" when absent or
+    still only the marker."""
     lines = text.splitlines(keepends=True)
-    machine = next((i for i, ln in enumerate(lines) if ln.startswith("## Machine")), None)
-    opening = next((i for i, ln in enumerate(lines) if ln.startswith("Generated by `longctx-bench report`")), None)
-    if machine is not None and opening is not None and opening < machine:
-        head = "".join(lines[opening + 1:machine]).strip()
-    reading = next((i for i, ln in enumerate(lines) if ln.startswith("## Reading")), None)
-    if reading is not None:
-        body = "".join(lines[reading + 1:]).strip()
-        if body and body != READING_MARKER:
-            tail = "".join(lines[reading:]).strip()
-    return head, tail
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(READING)), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    body = "".join(lines[start + 1:end]).strip()
+    if not body or body == READING_MARKER:
+        return ""
+    return "".join(lines[start:end]).strip()
 
 
-def build(out: Path, output: Path, script: Path) -> str:
+def _find_script(script: str) -> Path | None:
+    p = Path(script)
+    if p.is_file():
+        return p
+    from longctx.bench.configs import _checkout
+
+    co = _checkout()
+    if not p.is_absolute() and co is not None and (co / p).is_file():
+        return co / p
+    return None
+
+
+def build(out: Path, output: Path, script: Path | str | None) -> str:
     res = _load(out)
-    if not res:
-        raise SystemExit(f"no benchmark JSON ({', '.join(s + '.json' for s in SECTIONS)}) in {out}")
-    rel = os.path.relpath(out, output.parent)
+    extra = _extra_attention(out)
+    if not res and not extra:
+        raise ConfigError(f"no benchmark JSON ({', '.join(s + '.json' for s in SECTIONS)}) in {out}")
+    rel = os.path.relpath(out, output.resolve().parent)
     parts = ["# Benchmarks\n",
-             "Generated by `longctx-bench report` from the JSON in "
-             f"`{rel}/`; every number below was measured by the commands in the next section.\n"]
-    head, tail = hand_written(output.read_text()) if output.exists() else ("", "")
-    if head:
-        parts.append(head + "\n")
-    parts.append(machine_section(res))
-    if script.exists():
-        parts.append(f"## Commands\n\n`{os.path.relpath(script, output.parent)}`:\n\n```bash\n"
-                     + script.read_text().strip() + "\n```\n")
-    titles = {"attention": "Attention cores: time, memory, FLOP rate", "decode": "Decoding: latency and state size",
-              "quality": "Quality: relative error against exact attention", "train": "Training: throughput and bits/byte",
-              "kernels": "Pallas kernels against their XLA paths"}
+             f"Generated by `longctx-bench report` from the files in `{rel}/` (regenerate them and this page with "
+             "`bash scripts/bench_all.sh`; this page alone with "
+             f"`longctx-bench report --out {rel} --output {output.name}`). Every number below comes from those files.\n"]
+    summary = summary_section(out, res)
+    if summary:
+        parts.append(summary)
+    reading = hand_written(output.read_text()) if output.is_file() else ""
+    parts.append((reading or f"{READING}\n\n{READING_MARKER}") + "\n")
+    parts.append(machine_section(out, res))
+    sp = _find_script(str(script)) if script else None
+    if sp is not None:
+        parts.append(f"## Commands\n\n`scripts/{sp.name}` regenerates every file in `{rel}/` and then this page:\n\n"
+                     "```bash\n" + sp.read_text().strip() + "\n```\n")
     for name in SECTIONS:
         if name not in res:
             continue
-        parts.append(f"## {titles[name]}\n")
+        parts.append(f"## {TITLES[name]}\n")
         md = out / f"{name}.md"
-        if md.exists():
+        if md.is_file():
             parts.append(md.read_text())
-        for png in sorted(out.glob(f"{name}*.png")):
-            parts.append(f"\n![{png.stem}]({rel}/{png.name})\n")
+        parts += _pngs(out, name, rel)
         parts.append("")
-    parts.append(numbers_section(res))
-    parts.append((tail or "## Reading\n\n" + READING_MARKER) + "\n")
-    text = "\n".join(parts)
+    parts += extra_sections(out, rel)
+    parts.append(numbers_section(res, extra))
+    text = "\n".join(parts).rstrip() + "\n"
     output.write_text(text)
     return text
 
 
 def run(args):
-    text = build(Path(args.out), Path(args.output), Path(args.script))
+    text = build(Path(args.out), Path(args.output), args.script)
     print(f"wrote {args.output} ({len(text.splitlines())} lines)")
     return text

@@ -28,10 +28,9 @@ from longctx.errors import ConfigError
 
 
 def add_args(p):
-    p.add_argument("--config", default=str(configs.REPO / "configs" / "default.py"),
-                   help="config file with get_config() (default: configs/default.py)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override (repeatable), e.g. --set model.d_model=512")
+    p.add_argument("--config", default=configs.DEFAULT,
+                   help="config file with get_config() (FILE or FILE.py:variant; default: configs/default.py, "
+                        "found in the working directory or the project)")
     p.add_argument("--lengths", default="1k,4k,16k", help="comma list of row lengths train.seq_len (k = 1024)")
     p.add_argument("--batch_size", type=int, default=1, help="rows per step (train.batch_size)")
     p.add_argument("--window", type=int, default=0,
@@ -88,11 +87,16 @@ def _timed(compiled, args) -> dict:
 
 
 def _shown(path) -> str:
-    """The config path relative to the repository when it lies inside it."""
-    from pathlib import Path
+    """The config path relative to the root it was found under."""
+    return configs.shown(path)
 
-    p = Path(path).resolve()
-    return str(p.relative_to(configs.REPO)) if p.is_relative_to(configs.REPO) else str(path)
+
+def base_config(args):
+    """``--config`` (configs/default.py, or the base config where no configs folder is found) with the
+    ``--config.KEY=VALUE`` overrides."""
+    cfg = configs.load_config_file(args.config) if (args.config != configs.DEFAULT
+                                                    or configs.find_config(args.config)) else configs.default_config()
+    return configs.with_overrides(cfg, args.overrides)
 
 
 def run(args) -> dict:
@@ -102,8 +106,8 @@ def run(args) -> dict:
         raise ConfigError("--lengths: give at least one length, e.g. --lengths 1k,4k")
     if args.batch_size <= 0 or args.repeats <= 0 or args.warmup < 0:
         raise ConfigError("--batch_size and --repeats must be positive, --warmup >= 0")
-    base = configs.with_overrides(configs.load_config_file(args.config), args.set)
-    res = {"header": C.header(args, "step"), "config": _shown(args.config), "sets": list(args.set), "rows": []}
+    base = base_config(args)
+    res = {"header": C.header(args, "step"), "config": _shown(args.config), "sets": list(args.overrides), "rows": []}
     bar = C.progress_bar(len(lengths) * (1 + args.repeats), "step", args.progress)
     built = {}
     for T in lengths:
@@ -143,7 +147,7 @@ def run(args) -> dict:
 def markdown(res: dict) -> str:
     rows = res["rows"]
     head = (f"Training step (loss + gradient + update) of `{res['config']}`"
-            + (f" with {', '.join('`' + s + '`' for s in res['sets'])}" if res["sets"] else "")
+            + (f" with {', '.join('`--config.' + s + '`' for s in res['sets'])}" if res["sets"] else "")
             + f"; {rows[0]['params']:,} parameters, attention `{rows[0]['attention']}`, block `{rows[0]['block']}`; "
             f"median of {len(rows[0]['step_s_all'])} interleaved steps.\n\n")
     table = C.md_table(

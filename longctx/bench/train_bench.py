@@ -2,11 +2,15 @@
 ``model.attention.name`` set, or ``configs/builtin/<method>.py`` when it exists) for ``--steps``
 steps with ``longctx.train.loop.train`` in a child process, and report
 
-* training tokens/s: median of the run's metrics.jsonl ``tokens_per_sec`` records after the first
-  (the first interval includes compilation);
+* training tokens/s: median of the run's metrics.jsonl ``tokens_per_sec`` records (the trainer leaves
+  compilation out of them);
 * peak memory: the child's peak RSS (sampled every 50 ms) and XLA's compiled memory analysis of the
   jitted train step;
 * validation bits per byte: the final eval of the run (byte tokenizer: 1 token = 1 byte).
+
+The runs go to ``--runs``/<method> (default ``runs/bench_train`` under the working directory). Each run
+folder gets a marker file (``.longctx_bench_run``); a later ``longctx-bench train`` replaces only folders
+that carry it and refuses, before running anything, when a ``<runs>/<method>`` folder exists without it.
 """
 
 from __future__ import annotations
@@ -32,13 +36,32 @@ def add_args(p):
     p.add_argument("--d_model", type=int, default=0, help="model size; 0: the config's")
     p.add_argument("--num_layers", type=int, default=0, help="0: the config's")
     p.add_argument("--eval_tokens", type=int, default=32768, help="tokens scored by the final validation")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override applied to every method (repeatable)")
-    p.add_argument("--runs", default="", help="folder of the training runs (default: <out>/train_runs)")
+    p.add_argument("--runs", default="runs/bench_train",
+                   help="folder of the training runs, one sub-folder per method (replaced on a rerun only if this "
+                        "command created it)")
     p.add_argument("--update", action="store_true",
                    help="merge into <out>/train.json: the rows of the methods run here replace theirs, the rest stay")
     p.add_argument("--no_xla_mem", dest="xla_mem", action="store_false",
                    help="skip XLA's memory analysis of the train step (one extra compile per method)")
+
+
+MARKER = ".longctx_bench_run"  # in every run folder this command creates; only such folders are replaced
+
+
+def _run_dirs(args) -> dict[str, Path]:
+    methods = C.select_methods(C.parse_names(args.methods))
+    return {m: Path(args.runs) / m for m in methods}
+
+
+def validate(args) -> None:
+    """Refuse (before anything runs) when a run folder exists that this command did not create."""
+    root = Path(args.runs)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--runs {args.runs}: exists and is not a folder")
+    for method, wd in _run_dirs(args).items():
+        if wd.exists() and not (wd / MARKER).is_file():
+            raise ConfigError(f"--runs {args.runs}: {wd} exists and was not created by longctx-bench train; "
+                              "give another --runs folder (nothing was deleted)")
 
 
 def run_config(method: str, args):
@@ -59,7 +82,7 @@ def run_config(method: str, args):
         cfg.model.d_model = args.d_model
     if args.num_layers:
         cfg.model.num_layers = args.num_layers
-    cfg = configs.with_overrides(cfg, args.set)
+    cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
     from longctx import config as config_lib
 
     config_lib.validate(cfg)
@@ -70,9 +93,8 @@ def read_metrics(workdir: Path) -> dict:
     recs = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [r for r in recs if r["split"] == "train"]
     valid = [r for r in recs if r["split"] == "valid"]
-    tps = [r["tokens_per_sec"] for r in train[1:]] or [r["tokens_per_sec"] for r in train]
+    tps = [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec") is not None]  # none at the compiling step
     out = {"tokens_per_s": statistics.median(tps) if tps else None, "tokens_per_s_records": len(tps),
-           "tokens_per_s_includes_compile": len(train) <= 1,
            "final_train_bits_per_token": train[-1]["bits_per_token"] if train else None}
     if valid:
         out["valid_bits_per_token"] = valid[-1]["bits_per_token"]
@@ -82,8 +104,9 @@ def read_metrics(workdir: Path) -> dict:
 
 def run(args) -> dict:
     out = C.out_dir(args.out)
-    methods = C.select_methods(C.parse_names(args.methods))
-    root = Path(args.runs) if args.runs else out / "train_runs"
+    validate(args)
+    dirs = _run_dirs(args)
+    methods = list(dirs)
     res = {"header": C.header(args, "train"), "rows": []}
     bar = C.progress_bar(len(methods), "train", args.progress)
     for method in methods:
@@ -101,10 +124,11 @@ def run(args) -> dict:
                     "num_heads": m.num_heads, "head_dim": m.head_dim, "seq_len": cfg.train.seq_len,
                     "window": cfg.train.window or cfg.train.seq_len, "batch_size": cfg.train.batch_size,
                     "steps": cfg.train.steps, "tokenizer": cfg.data.tokenizer})
-        wd = root / method
-        if wd.exists():
+        wd = dirs[method]
+        if wd.exists() and (wd / MARKER).is_file():  # a run folder this command created earlier
             shutil.rmtree(wd)
         wd.mkdir(parents=True)
+        (wd / MARKER).write_text("created by longctx-bench train; replaced by the next run into this folder\n")
         (wd / "bench_config.json").write_text(cfg.to_json(indent=1))
         cmd = [sys.executable, "-m", "longctx.bench.train_worker", str(wd / "bench_config.json"), str(wd),
                str(wd / "bench_result.json")] + (["--xla_mem"] if args.xla_mem else [])

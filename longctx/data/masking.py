@@ -11,7 +11,7 @@ so the loss gathers them by index). Which positions, by ``mlm.masking``:
 * ``bert``: uniformly at random without replacement (BERT: rate 0.15).
 * ``span``: contiguous spans at random starts, lengths geometric with mean ``mlm.span_len`` and
   at most ``mlm.max_span_len`` (SpanBERT-style), until the count is reached (the last span is cut).
-* ``clustered``: VCC's pretraining masking (shared/specs/vcc.md §3.2): a number of centres
+* ``clustered``: VCC's pretraining masking (docs/methods/vcc.md §3.2): a number of centres
   uniform in ``mlm.clusters`` and a width sigma uniform in ``mlm.cluster_sigma`` are drawn per row;
   a position's weight is the mean over centres of exp(-(t - c)^2 / (2 sigma^2)), and the positions
   are drawn by weight without replacement (Gumbel top-k). (VCC's collator also shuffles 8-32

@@ -21,7 +21,7 @@ folder holds the official number of books; otherwise (a partial copy or a test
 fixture) the whitespace word count of the split, labelled as a diagnostic.
 
 ``data.options.tfds=True`` reads the books through tensorflow_datasets' ``pg19``
-builder instead (``pip install longctx[tfds]`` plus TensorFlow), with the builder's
+builder instead (``pip install -e ".[tfds]"`` from the checkout, plus TensorFlow), with the builder's
 ``_DATA_DIR`` pointed at ``data.path`` so nothing is fetched from GCS; tfds writes its
 prepared copy under ``<cache_dir>/tfds``. Books then come in tfds's own (deterministic)
 order, so the token files differ from the folder reader's by book order only.
@@ -167,7 +167,7 @@ class PG19Source:
             from tensorflow_datasets.datasets.pg19 import pg19_dataset_builder
         except ImportError as e:
             raise DataError(f"pg19: data.options.tfds=True needs tensorflow-datasets and TensorFlow ({e}): "
-                            f"pip install longctx[tfds] tensorflow, or set data.options.tfds=False to read the folder "
+                            f"pip install -e '.[tfds]' tensorflow from the longctx checkout, or set data.options.tfds=False to read the folder "
                             f"directly") from None
         from longctx.data.prepare import default_cache_dir
 

@@ -14,6 +14,7 @@ Preparing again is a no-op when the manifest and sizes match.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from longctx.errors import DataError
+from longctx.errors import DataError, LongctxError
 
 
 def default_cache_dir() -> Path:
@@ -168,17 +169,33 @@ def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenDat
     return TokenData(tokens=tokens, doc_starts=np.load(directory / f"{split}.docs.npy"), manifest=manifest)
 
 
-def prepare(data_cfg, splits=None, *, progress: bool = True):
+def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bool = True):
     """Build the source and tokenizer of ``data_cfg``; prepare and load the splits.
 
-    Returns (tokenizer, {split: TokenData}, directory).
+    ``trust_cache_dir=False``: ``data_cfg.cache_dir`` came from a checkpoint, not from the user; it
+    is used only where it already holds this dataset's folder (made by the training), else the
+    default cache is, so a checkpoint cannot point writes anywhere else. Returns (tokenizer,
+    {split: TokenData}, directory).
     """
     from longctx.data import sources, tokenizers
 
+    if sources.is_generated(data_cfg.source):
+        from longctx.errors import ConfigError
+
+        raise ConfigError(f"data.source={data_cfg.source!r} is a generated recall task: its rows are made on the fly "
+                          "and there is nothing to prepare (train on it directly; score it with longctx-recall)")
     source = sources.build(data_cfg)
     meta = source.metadata()
     tok_kwargs = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
-    directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=json.dumps(tok_kwargs, sort_keys=True, default=str))
+    extra = json.dumps(tok_kwargs, sort_keys=True, default=str)
+    directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=extra)
+    root = directory.parent
+    if root.exists() and not root.is_dir():
+        raise DataError(f"data.cache_dir {root} is a file, not a folder; set data.cache_dir to a folder "
+                        "(or '' for the default cache)")
+    if not trust_cache_dir and data_cfg.cache_dir:
+        if not directory.is_dir():
+            directory = cache_path(meta, data_cfg.tokenizer, None, extra=extra)
     if hasattr(source, "build_tokenizer"):
         tokenizer = source.build_tokenizer(data_cfg, directory)
     else:
@@ -186,6 +203,13 @@ def prepare(data_cfg, splits=None, *, progress: bool = True):
     remove_stale_temporaries(directory)
     out = {}
     for split in splits or source.splits:
-        prepare_split(source, tokenizer, split, directory, source_meta=meta, progress=progress)
-        out[split] = load_split(directory, split)
+        try:
+            prepare_split(source, tokenizer, split, directory, source_meta=meta, progress=progress)
+            out[split] = load_split(directory, split)
+        except LongctxError:
+            raise
+        except OSError as e:  # disk full, a read-only or unwritable cache, ...
+            why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise DataError(f"cannot prepare the {split} split in {directory} ({why}); free space or set "
+                            "data.cache_dir to a writable folder, then run again") from None
     return tokenizer, out, directory

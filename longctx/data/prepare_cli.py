@@ -1,6 +1,6 @@
 """``longctx-prepare``: tokenize every split of a config's data source once.
 
-    longctx-prepare --config configs/enwik8/dense_tiny.py --config.data.path=/data/enwik8.zip
+    longctx-prepare --config configs/enwik8/dense.py:tiny --config.data.path=/data/enwik8.zip
 
 Same flags as ``longctx-train`` (``--workdir`` is not needed; ``--noprogress`` hides the
 bars). Prepares train, valid and test into ``<cache_dir>/<source>-<tokenizer>-<hash>/`` and
@@ -44,9 +44,14 @@ def summary(tokenizer, data: dict, directory: Path) -> str:
 def prepare_all(cfg, *, progress: bool = True) -> None:
     """Validate ``cfg``, remove temporaries of killed runs, prepare every split, print the summary."""
     from longctx import config as config_lib
+    from longctx.data import sources
     from longctx.data.prepare import prepare, remove_stale_temporaries
+    from longctx.errors import ConfigError
 
     cfg = config_lib.validate(cfg)
+    if sources.is_generated(cfg.data.source):
+        raise ConfigError(f"data.source={cfg.data.source!r} is a generated recall task: its rows are made on the fly "
+                          "and there is nothing to prepare (train on it directly; score it with longctx-recall)")
     removed = remove_stale_temporaries(target_directory(cfg.data))
     if removed:
         print(f"removed {len(removed)} temporary file(s) left by an interrupted run")

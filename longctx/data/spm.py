@@ -1,6 +1,6 @@
 """SentencePiece tokenizer trained on a source's train split (PG-19 convention).
 
-Training settings (Transformer-VQ's PG-19 vocabulary, spec §3.2): BPE,
+Training settings (Transformer-VQ's PG-19 vocabulary; docs/datasets.md, PG-19): BPE,
 ``data.options.vocab_size`` pieces (default 32,000), ``character_coverage=1.0``,
 pad 0 / eos 1 / unk 2, no BOS, on the first ``data.options.spm_max_chars``
 characters (default 10^9) of the train split, read book by book in the source's

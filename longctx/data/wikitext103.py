@@ -20,7 +20,7 @@ Real files are recognised by their line counts (1,801,350 / 3,760 / 4,358). With
 ``data.options.verify=True`` (default) the ``.tokens`` token counts are asserted against the
 official 103,227,021 / 217,646 / 245,569 (during preparation, before a manifest is written)
 and the vocabulary size against 267,735. ``metadata()['word_counts']`` holds the official
-counts for real files (the word-level normaliser of spec §2.4 for non-word tokenizers) and
+counts for real files (the word-level normaliser for non-word tokenizers; docs/datasets.md, WikiText-103) and
 the counted tokens (words + one ``<eos>`` per line) for other files.
 """
 
@@ -65,20 +65,32 @@ def find_files(path: str, raw: bool) -> dict[str, Path]:
     for d in candidates:
         files = {s: d / f"wiki.{s}.{ext}" for s in SPLITS}
         if all(f.is_file() for f in files.values()):
-            return files
+            return _not_empty(files, raw)
     if not raw:
         files = {s: root / f"{s}.txt" for s in SPLITS}
         if all(f.is_file() for f in files.values()):
-            return files
+            return _not_empty(files, raw)
     missing = [str(root / f"wiki.{s}.{ext}") for s in SPLITS if not (root / f"wiki.{s}.{ext}").is_file()]
     raise DataError(f"wikitext103: missing {', '.join(missing)}. {where(raw)}")
+
+
+def _not_empty(files: dict[str, Path], raw: bool) -> dict[str, Path]:
+    empty = [str(f) for f in files.values() if f.stat().st_size == 0]
+    if empty:
+        raise DataError(f"wikitext103: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty (a failed copy "
+                        f"or unzip?). {where(raw)}")
+    return files
 
 
 def iter_lines(path: Path):
     """Complete lines without their ``\\n`` (a last line lacking ``\\n`` counts as a line)."""
     with open(path, "rb") as f:
-        for raw in f:
-            yield raw.rstrip(b"\n").decode("utf-8")
+        for i, raw in enumerate(f, 1):
+            try:
+                yield raw.rstrip(b"\n").decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"wikitext103: {path} line {i} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                "expected the text files of the WikiText-103 release: unzip it again") from None
 
 
 class WikiText103Source:

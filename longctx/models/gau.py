@@ -1,4 +1,4 @@
-"""Gated attention unit (GAU) block: the Transformer-VQ paper's sublayer (spec section 2.1).
+"""Gated attention unit (GAU) block: the Transformer-VQ paper's sublayer (docs/methods/transformer_vq.md §2.1).
 
 One GAU is one residual unit; the paper's "layer" is two GAUs and has no MLP, so for a GAU model
 ``model.num_layers`` counts GAUs (the paper's 24 layers = ``num_layers=48``)::
@@ -62,7 +62,7 @@ class GAUBlock(nnx.Module):
         core_cfg = attention.default_config(name)
         if cfg.attention.get(name) is not None:
             core_cfg.update(cfg.attention.get(name))
-        # the GAU RMS-normalizes and scales q and k itself (spec 2.1); the core adapts through its capability
+        # the GAU RMS-normalizes and scales q and k itself (§2.1); the core adapts through its capability
         core_cfg = core_cls.configure_for_block(core_cfg, normalizes_qk=True, d_model=d)
         self.core = attention.build(name, core_cfg, num_heads=H, head_dim=Dk, value_dim=Dv,
                                     causal=cfg.causal, rngs=rngs)

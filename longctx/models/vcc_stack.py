@@ -1,4 +1,4 @@
-"""The VCC stacks (shared/specs/vcc.md): the encoder stack (§2, §4.1) and VCC-LM (§4.2, our causal
+"""The VCC stacks (docs/methods/vcc.md; § numbers below are its sections): the encoder stack (§2, §4.1) and VCC-LM (§4.2, our causal
 extension), stack wrappers over the backbone's own pre-LN transformer blocks (same parameter tree:
 a dense checkpoint loads unchanged).
 
@@ -10,7 +10,7 @@ Encoder
 x: [B, n, d] embedded tokens; positions: [n] (or [B, n]) absolute positions; important: [B, n] bool
 VIP tokens (the encoder's masked positions); ``valid`` ([B, n] bool, default all) marks padding.
 
-Pipeline (spec §2.8):
+Pipeline (§2.8):
   1. the first ``num_dense_layers`` blocks run as plain layers, each on consecutive segments of
      ``dense_segment_len`` tokens independently (no cross-segment attention);
   2. format (§2.9): a stable sort puts the VIP tokens first; the first ``num_vip`` slots are P
@@ -34,10 +34,10 @@ tokens (masked keys, excluded from means, dropped on output); when a row has no 
 the fine budget every block is fine (nothing to compress: the layer is exact).
 
 Positions travel with rows: rotary models rotate a block mean at the round-half-to-even mean of
-its valid members' positions (spec §4.1, §8.9); learned / sinusoidal positions were added at the
+its valid members' positions (§4.1, §8.9); learned / sinusoidal positions were added at the
 input.
 
-Departures from the paper / reference code (spec decisions marked [ours] in the spec):
+Departures from the paper / reference code:
   * selection score: the reference code's per-head softmax form, not the paper's Eq. 53 (§8.1);
   * two resolutions (k, 1) only; the L-level version (§2.10) is not implemented;
   * means divide by max(count, 1) (reference: count + 1e-4); biases are exactly log k and δ
@@ -62,7 +62,7 @@ token (history rows are never updated). One function, :func:`lm_layer`, serves t
 and token-by-token decoding; the state (:func:`lm_init_state`) has a static capacity and raises
 :class:`CapacityError` when fed more.
 
-Departures from spec §4.2 (ours):
+Departures from the VCC-LM design of §4.2 (ours):
   * the block accumulator keeps the last k layer inputs ([B, k, d]) instead of a running sum, and the
     anchor ring the last a queries; the key/value cache carries g front and w back padding slots so a
     window's band is one fixed-length slice;
@@ -133,7 +133,7 @@ def dense_layer(block, y, pos, valid, *, rotary: bool, deterministic: bool, key)
 
 
 def segment_local_layer(block, x, pos, valid, seg: int, *, rotary: bool, deterministic: bool, key):
-    """The plain layer run independently on consecutive segments of ``seg`` tokens (spec §2.8);
+    """The plain layer run independently on consecutive segments of ``seg`` tokens (§2.8);
     the last segment is padded (padding keys masked) when ``seg`` does not divide n."""
     B, n, d = x.shape
     s = min(seg, n)
@@ -151,7 +151,7 @@ def segment_local_layer(block, x, pos, valid, seg: int, *, rotary: bool, determi
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class VCCState:
-    """The VIP rows and the two-level T(C) of the rest (spec §2.7, §2.9). Token recovery:
+    """The VIP rows and the two-level T(C) of the rest (§2.7, §2.9). Token recovery:
     C[b·k + j] = (coarse[b] - diff[b, j]) · tok_valid[b, j]."""
 
     P: jax.Array  # [B, n_p, d]
@@ -168,14 +168,14 @@ class VCCState:
 
 
 def masked_mean(x, valid, axis):
-    """Mean of x over ``axis`` counting only ``valid`` entries (max(count, 1) divisor, spec §8.4)."""
+    """Mean of x over ``axis`` counting only ``valid`` entries (max(count, 1) divisor, §8.4)."""
     w = valid.astype(x.dtype)[..., None]
     cnt = jnp.sum(valid, axis=axis).astype(x.dtype)
     return jnp.sum(w * x, axis=axis) / jnp.maximum(cnt, 1)[..., None]
 
 
 def format_rows(x, vip, valid, pos, num_vip: int, k: int) -> tuple[VCCState, jax.Array]:
-    """(state, overflow [B]): VIP-first permutation and T(C) (spec §2.8, §2.9)."""
+    """(state, overflow [B]): VIP-first permutation and T(C) (§2.8, §2.9)."""
     B, n, d = x.shape
     n_c = n - num_vip
     if n_c < 0 or n_c % k:
@@ -211,14 +211,14 @@ def tokens_of(state: VCCState):
 
 
 def materialize(state: VCCState):
-    """[B, n, d] in the original token order (spec §2.9 'Materialize')."""
+    """[B, n, d] in the original token order (§2.9 'Materialize')."""
     B, nb, k, d = state.diff.shape
     X = jnp.concatenate([state.P, tokens_of(state).reshape(B, nb * k, d)], axis=1)
     inv = jnp.argsort(state.perm, axis=1)
     return jnp.take_along_axis(X, inv[..., None], axis=1)
 
 
-# ----------------------------------------------------------------------------- selection (spec §2.4)
+# ----------------------------------------------------------------------------- selection (§2.4)
 def selection_logits(q_vip, k_coarse, imp, block_valid):
     """ℓ [B, nb] fp32: log(p̄ + 1e-5), p̄_b = (1/n_p) Σ_i imp_i (1/H) Σ_η softmax_b(q·κ/√d_h + mask_b);
     all-padding blocks get -1e30 (never outrank a valid block)."""
@@ -262,7 +262,7 @@ def _scatter_blocks(a, idx, val):
 
 
 def compression_matrices(fine_idx, nb: int, k: int):
-    """The dense-matrix form of one example's compression (spec §2.3), for references and tests:
+    """The dense-matrix form of one example's compression (§2.3), for references and tests:
     (S_c [r_c, n_c], S_c^† [n_c, r_c], D [r_c]) with rows = the unselected blocks in order, then the
     tokens of the selected blocks (in ``fine_idx`` order); r_c = nb - h + h·k. NumPy, host-side."""
     import numpy as np
@@ -281,7 +281,7 @@ def compression_matrices(fine_idx, nb: int, k: int):
     return S, S_dag, D
 
 
-# ----------------------------------------------------------------------------- one VCC layer (spec §2.9)
+# ----------------------------------------------------------------------------- one VCC layer (§2.9)
 def vcc_layer(block, st: VCCState, *, h: int, rotary: bool, scale_correction: bool, ste_gate: bool,
               explore_prob: float, deterministic: bool, key, probe=None, fine_idx=None):
     """One VCC layer on T(C): returns (new state, info {'fine_idx', 'sel', 'ell'}).
@@ -342,7 +342,7 @@ class VCCEncoderStack(nnx.Module):
         vc.update(cfg.attention.get(name) or {})
         if cfg.causal:
             raise ConfigError(f"model.attention.name={name!r}: the VCC encoder stack is bidirectional; "
-                              "VCC-LM (spec §4.2) is not implemented")
+                              "VCC-LM (docs/methods/vcc.md §4.2) is not implemented")
         if not issubclass(get_block(cfg.block), TransformerBlock):
             raise ConfigError(f"model.attention.name={name!r} wraps the pre-LN transformer block (it needs the "
                               f"residual form x + γ(x)); model.block={cfg.block!r} is not one")
@@ -397,7 +397,7 @@ class VCCEncoderStack(nnx.Module):
 
 
 
-# ============================================================================= VCC-LM (spec §4.2)
+# ============================================================================= VCC-LM (§4.2)
 @dataclasses.dataclass(frozen=True)
 class LMOptions:
     """Static settings of a VCC-LM layer: window w, local band g, block size k (k | w, k | g), fine
@@ -415,7 +415,7 @@ class LMOptions:
 
 
 def lm_init_state(block, opts: LMOptions, batch_size: int, max_len: int, d_model: int):
-    """Empty per-layer VCC-LM state for ``max_len`` tokens (spec §4.2's table). The key/value cache
+    """Empty per-layer VCC-LM state for ``max_len`` tokens (§4.2). The key/value cache
     has ``local`` slots of front padding and ``window`` slots of back padding so a window's band
     [t0 - g, t0 + w) is one fixed-length slice; ``xbuf``/``qbuf`` hold the last k layer inputs and
     the last a queries (block means and anchors that straddle a chunk border)."""
@@ -436,7 +436,7 @@ def lm_init_state(block, opts: LMOptions, batch_size: int, max_len: int, d_model
 
 
 def lm_select(anchors, anchor_valid, ck, nb_j, h: int, *, explore_prob: float, deterministic: bool, key):
-    """Fine blocks of one window from its past anchors (spec §4.2): ℓ(b) = log(mean over heads and
+    """Fine blocks of one window from its past anchors (§4.2): ℓ(b) = log(mean over heads and
     valid anchors of softmax_{b' < nb_j}(q·κ_{b'}/√d_h) + 1e-5) for b < nb_j, top-h (exploration in
     training). anchors [B, H, a, Dh], anchor_valid [a], ck [B, H, nbmax, Dh] -> (sel [B, h], ℓ [B, nbmax])."""
     B, H, a, Dh = anchors.shape
@@ -554,7 +554,7 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
 
 
 class VCCDecoderStack(nnx.Module):
-    """VCC-LM (spec §4.2, our causal extension): every block's attention reads the old history
+    """VCC-LM (§4.2, our causal extension): every block's attention reads the old history
     (before the window's local band) at two resolutions chosen by the window's past anchors; the
     FFN and projections run on every token as in a dense layer. Runs the backbone's own blocks
     (same parameter tree as dense) and carries one state per layer (:func:`lm_init_state`)."""

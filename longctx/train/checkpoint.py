@@ -14,6 +14,11 @@ What is read is checked, and what is written is whole:
   and why; if none is valid it raises one :class:`CheckpointError` listing them.
 * A failed write (disk full, ...) raises :class:`CheckpointError` saying which step could
   not be written; the previous checkpoints are untouched.
+* The metadata is verified like the arrays: a CRC32 of its own canonical JSON, the type of each
+  field, ``step`` equal to the checkpoint's directory, the saved config valid, and every restored
+  array of the shape and dtype of the model that config builds. A checkpoint failing any check is
+  skipped like a corrupt one. No path is ever built from metadata content: the step a caller
+  gets is the directory's integer.
 
 Nothing in a checkpoint is executed: the state is Orbax/TensorStore arrays, the metadata JSON.
 """
@@ -54,6 +59,8 @@ def manager(workdir: str | Path, *, keep: int = 3, async_save: bool = True, crea
     """``create=True`` (training): make the directory and remove temporary directories left by a
     killed save. ``create=False`` (eval, sample): read only; a missing directory is an error."""
     directory = Path(workdir).resolve() / "checkpoints"
+    if not create and Path(workdir).exists() and not Path(workdir).is_dir():
+        raise CheckpointError(f"--workdir {workdir} is a file, not a run folder; point --workdir at a trained run")
     if not create and not directory.exists():
         raise CheckpointError(f"no checkpoints in {Path(workdir)}: train first (longctx-train --workdir {workdir})")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=create,
@@ -95,6 +102,7 @@ def save(mngr: ocp.CheckpointManager, step: int, tree: dict, *, config, extra: d
         "crc32": {item: fingerprint(sub) for item, sub in tree.items()},
         **(extra or {}),
     }
+    meta[META_CRC] = meta_checksum(meta)
     if step in mngr.all_steps():  # a step found invalid earlier and now trained again
         mngr.delete(step)
     try:
@@ -132,6 +140,60 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
+META_CRC = "meta_crc32"
+
+
+def meta_checksum(meta: dict) -> int:
+    """CRC32 of the metadata's canonical JSON (sorted keys), without its own checksum field."""
+    body = {k: v for k, v in meta.items() if k != META_CRC}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def verify_meta(meta, step: int) -> None:
+    """Types, checksum and step of one checkpoint's metadata, and its config valid; raises
+    ``_Invalid`` with the reason. (Metadata written before the checksum existed has none.)"""
+    if not isinstance(meta, dict):
+        raise _Invalid(f"metadata is a JSON {type(meta).__name__}, not an object")
+    if META_CRC in meta and (not _is_int(meta[META_CRC]) or meta_checksum(meta) != meta[META_CRC]):
+        raise _Invalid("metadata do not match the checksum written with them")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise _Invalid(f"format {str(meta.get('format_version'))[:20]!r}, this code reads {FORMAT_VERSION}")
+    if not _is_int(meta.get("step")) or meta["step"] != step:
+        raise _Invalid(f"metadata step {str(meta.get('step'))[:40]!r} is not the checkpoint's step {step}")
+    crcs = meta.get("crc32")
+    if not isinstance(crcs, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in crcs.items()):
+        raise _Invalid("metadata crc32 is not a table of item checksums")
+    for key in ("git_sha", "data_dir"):
+        if key in meta and not isinstance(meta[key], str):
+            raise _Invalid(f"metadata {key} is not a string")
+    if not isinstance(meta.get("config"), dict):
+        raise _Invalid("metadata config is not an object")
+    from longctx import config as config_lib
+
+    try:
+        config_lib.validate(config_lib.merge_over_base(meta["config"]))
+    except Exception as e:  # noqa: BLE001 -- any failure of the saved config invalidates the checkpoint
+        raise _Invalid(f"saved config is not valid ({' '.join(str(e).split())[:160]})") from None
+
+
+def _check_shapes(name: str, got, want) -> None:
+    """Every restored leaf has the shape and dtype the target (the model of the saved config) asks for."""
+    got_flat, _ = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves = jax.tree.leaves(want)
+    if len(got_flat) != len(want_leaves):
+        raise _Invalid(f"{name} hold {len(got_flat)} arrays, the saved config's model {len(want_leaves)}")
+    for (path, g), w in zip(got_flat, want_leaves):
+        if not isinstance(g, (jax.Array, np.ndarray)):  # a partial restore leaves what it did not find
+            raise _Invalid(f"{name}{jax.tree_util.keystr(path)} of the saved config's model is not in the checkpoint")
+        if tuple(g.shape) != tuple(w.shape) or np.dtype(g.dtype) != np.dtype(w.dtype):
+            raise _Invalid(f"{name}{jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)}, the saved config's "
+                           f"model has {np.dtype(w.dtype)}{list(w.shape)}")
+
+
 def latest(mngr: ocp.CheckpointManager) -> int:
     step = mngr.latest_step()
     if step is None:
@@ -152,8 +214,7 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
         meta = read_meta(mngr, step)
     except Exception as e:  # noqa: BLE001
         raise _Invalid(f"metadata unreadable ({_short(e)})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise _Invalid(f"format {meta.get('format_version')}, this code reads {FORMAT_VERSION}")
+    verify_meta(meta, step)
     target = make_target(meta) if callable(make_target) else make_target
 
     def abstract(x):
@@ -172,6 +233,7 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
         raise _Invalid(f"unreadable or not this model ({_short(e)})") from None
     crcs = meta.get("crc32", {})
     for name in target:
+        _check_shapes(name, tree[name], target[name])
         if name in crcs and fingerprint(tree[name]) != crcs[name]:
             raise _Invalid(f"{name} do not match the checksum written with them")
         bad = nonfinite_leaves(tree[name])

@@ -22,12 +22,13 @@ from longctx import config as config_lib
 from longctx.data import masking, sources, tokenizers
 from longctx.data.batching import Batcher
 from longctx.data.prepare import prepare
-from longctx.errors import CheckpointError, ConfigError, NonFiniteError
+from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
 from longctx.models.decoder import build_model
 from longctx.protocols import score_answers, score_mlm_split, score_split
 from longctx.train import checkpoint, distributed, sequence_parallel, sharding
-from longctx.train.metrics import MetricsWriter, plot_losses
-from longctx.train.optim import make_optimizer
+from longctx.train.lock import WorkdirLock
+from longctx.train.metrics import MetricsWriter, log_line, plot_losses
+from longctx.train.optim import make_optimizer, schedule
 from longctx.train.step import (
     make_forward,
     make_mlm_forward,
@@ -119,14 +120,39 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool = True, max_steps: int | None = None) -> dict:
-    """Train per ``cfg`` in ``workdir`` (resuming from its newest valid checkpoint). Returns a summary."""
+    """Train per ``cfg`` in ``workdir`` (resuming from its newest valid checkpoint). Returns a summary.
+
+    The primary host holds ``WORKDIR/train.lock`` (:mod:`longctx.train.lock`) while it trains."""
+    held = []
+    try:
+        return _train(cfg, workdir, progress=progress, max_steps=max_steps, held=held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Make ``workdir`` (a writable folder) or say in one line why it cannot be used."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise WorkdirError(f"--workdir {workdir} exists and is not a folder; choose a folder") from None
+    except OSError as e:
+        raise WorkdirError(f"cannot create --workdir {workdir} ({e.strerror}); choose a writable folder") from None
+    if not workdir.is_dir():
+        raise WorkdirError(f"--workdir {workdir} exists and is not a folder; choose a folder")
+
+
+def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -> dict:
     workdir = Path(workdir)
     distributed.initialize_from_env()
     progress = progress and distributed.is_primary()
     cfg = config_lib.validate(cfg)  # once, before any data work
     if max_steps is not None and max_steps <= 0:
         raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
-    workdir.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(workdir)
+    if distributed.is_primary():
+        held.append(WorkdirLock(workdir).acquire())
     generated = sources.is_generated(cfg.data.source)  # rows made on the fly, answers scored (synthetic.py)
     if generated:
         source = sources.build(cfg.data)
@@ -155,7 +181,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
         params, nongrad, opt_state = tree["params"], tree["nongrad"], tree["opt_state"]
         step = last_saved = meta["step"]
         print(f"resuming from the checkpoint at step {step} in {workdir}")
-    (workdir / "config.json").write_text(cfg.to_json(indent=1))
+    try:
+        (workdir / "config.json").write_text(cfg.to_json(indent=1))
+    except OSError as e:
+        raise WorkdirError(f"cannot write {workdir / 'config.json'} ({e.strerror or e}); the workdir must be a "
+                           "writable folder whose config.json is a file") from None
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     encoder = cfg.model.kind == "encoder"  # masked LM: rows of seq_len tokens, masks = f(seed, step, row)
@@ -194,12 +224,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     def tokens_per_step(at_step):
         return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
-    bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     data_line = (f"{cfg.data.source} rows generated on the fly ({source.options()}), loss on the answer tokens"
                  if generated else f"{data['train'].num_tokens:,} train tokens ({batcher.tokens_usable:,} in "
                  f"documents >= {tc.seq_len + 1} tokens)")
     print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
           f"data: {data_line}")
+    bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
 
     eval_set = None
 
@@ -257,7 +287,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
             pass
 
     last_valid = None
-    t_last, tok_since = time.time(), 0
+    skips = SkipCounter(tc.max_skipped_in_row)
+    lr_at = schedule(tc)
+    # --noprogress (primary host): the log records are printed as lines instead of a bar's postfix
+    print_lines = not progress and distributed.is_primary()
+    # tokens/s and step time exclude compilation: each training shape (rows of seq_len, and of
+    # short_seq_len in staged training) compiles on its first step, which is timed on its own
+    compiled = set()
+    t_last, tok_since, steps_since = time.time(), 0, 0
     try:
         with StopFlag() as stop:
             while step < end:
@@ -272,28 +309,55 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
                 else:
                     tokens = sharding.shard_batch(mesh, batch["tokens"])
                 key = jax.random.fold_in(base_key, step)
+                shape = tokens_per_step(step)
+                compiling = shape not in compiled
+                if compiling:
+                    tqdm.write(f"compiling the train step (windows of {shape // tc.batch_size} tokens)...")
+                    t_compile = time.time()
                 params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
                 prev, step = step, step + n_win
-                tok_since += tokens_per_step(prev) * n_win
+                if compiling:
+                    jax.block_until_ready(metrics)
+                    compiled.add(shape)
+                    tqdm.write(f"compiled the train step and ran step {step} in {time.time() - t_compile:.1f} s")
+                    t_last, tok_since, steps_since = time.time(), 0, 0
+                else:
+                    tok_since += tokens_per_step(prev) * n_win
+                    steps_since += n_win
                 log_now = crossed(prev, step, tc.log_every) or step >= end
                 if tc.on_nonfinite == "stop" or log_now:
                     metrics = jax.device_get(metrics)
                     msg = nonfinite_message(step, metrics) if tc.on_nonfinite == "stop" else None
                     if msg:
                         raise NonFiniteError(msg + stop_on_nonfinite(prev, metrics, save_now, last_saved))
+                if tc.on_nonfinite == "skip":
+                    skips.update(step, jax.device_get({k: metrics[k] for k in ("loss_finite", "grad_finite")}),
+                                 last_saved)
                 if log_now:
                     ce = float(np.mean(metrics["ce"]))
                     dt = time.time() - t_last
                     rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])),
-                           "tokens_per_sec": tok_since / max(dt, 1e-9), **extra_metrics(metrics)}
+                           "lr": float(lr_at(step - 1))}
+                    if steps_since:  # not measurable when only the compiling step ran since the last record
+                        rec.update(tokens_per_sec=tok_since / max(dt, 1e-9), step_time=dt / steps_since)
+                    rec.update(extra_metrics(metrics))
                     writer.write(step, "train", rec)
-                    t_last, tok_since = time.time(), 0
-                    bar.set_postfix(loss=f"{ce:.3f}", bpt=f"{ce / LN2:.3f}", tok_s=f"{rec['tokens_per_sec']:.0f}",
+                    t_last, tok_since, steps_since = time.time(), 0, 0
+                    if print_lines:
+                        tqdm.write(log_line(step, tc.steps, rec))
+                    bar.set_postfix(loss=f"{ce:.3f}", bpt=f"{ce / LN2:.3f}",
+                                    tok_s=f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
                                     valid=f"{last_valid:.3f}" if last_valid else "-")
                 bar.update(n_win)
                 if crossed(prev, step, tc.eval_every) or step >= tc.steps:
+                    t_eval = time.time()
                     last_valid = evaluate_now(step)["bits_per_token"]
-                    bar.set_postfix_str(f"{bar.postfix}, valid bpt={last_valid:.3f}")
+                    t_last += time.time() - t_eval  # tokens/s and step time count training only
+                    if print_lines:
+                        tqdm.write(f"step {step}/{tc.steps}: valid {last_valid:.4f} bits/token")
+                    # a disabled bar (--noprogress, non-primary hosts) has no postfix
+                    shown = (getattr(bar, "postfix", None) or "").split(", valid bpt=")[0]
+                    bar.set_postfix_str(", ".join(p for p in (shown, f"valid bpt={last_valid:.3f}") if p))
                     if distributed.is_primary():
                         plot_losses(workdir)
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
@@ -316,7 +380,38 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool
     close()
     if distributed.is_primary():
         plot_losses(workdir)
-    return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid}
+    if skips.total:
+        skips.warn(f"warning: {skips.total} non-finite update(s) were skipped in this run (train.on_nonfinite=skip)")
+    return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid, "skipped_updates": skips.total}
+
+
+class SkipCounter:
+    """``train.on_nonfinite=skip``: counts the skipped (non-finite) updates, warns when a run of them
+    starts, and stops the run once ``limit`` updates in a row were skipped."""
+
+    def __init__(self, limit: int, warn=None):
+        import sys
+
+        self.limit, self.total, self.in_row = limit, 0, 0
+        self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def update(self, step: int, metrics: dict, last_saved) -> None:
+        ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+        for good in ok:
+            if good:
+                self.in_row = 0
+                continue
+            if self.in_row == 0:
+                self.warn(f"warning: skipped a non-finite update at step {step} (train.on_nonfinite=skip; "
+                          f"{self.total + 1} skipped so far)")
+            self.in_row += 1
+            self.total += 1
+            if self.in_row >= self.limit:
+                kept = (f"; the checkpoint at step {last_saved} holds the last finite values"
+                        if last_saved is not None else "")
+                raise NonFiniteError(
+                    f"{self.in_row} updates in a row were non-finite and skipped, up to step {step} "
+                    f"(train.max_skipped_in_row={self.limit}): lower train.lr or raise train.warmup_steps{kept}")
 
 
 def stop_on_nonfinite(prev_step: int, metrics: dict, save, last_saved) -> str:

@@ -1,4 +1,8 @@
-"""Metrics sinks: JSONL, TensorBoard event files, and a PNG loss plot."""
+"""Metrics sinks: JSONL, TensorBoard event files, a PNG loss plot, and the printed log line.
+
+A train record holds loss, bits_per_token, grad_norm, lr (of the last update) and, measured after
+the compiling step, tokens_per_sec and step_time (seconds per optimizer step); a valid record the
+periodic evaluation's loss and bits_per_token."""
 
 from __future__ import annotations
 
@@ -90,3 +94,12 @@ def plot_losses(workdir: Path, *, key: str = "bits_per_token") -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def log_line(step: int, total: int, rec: dict) -> str:
+    """One printed line of a train record (``--noprogress``): step, loss, learning rate, speed."""
+    parts = [f"step {step}/{total}", f"loss {rec['loss']:.4f} ({rec['bits_per_token']:.4f} bits/token)",
+             f"lr {rec['lr']:.3g}"]
+    if "tokens_per_sec" in rec:
+        parts += [f"{rec['tokens_per_sec']:,.0f} tokens/s", f"{rec['step_time']:.3f} s/step"]
+    return "  ".join(parts)

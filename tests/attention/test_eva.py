@@ -1,4 +1,4 @@
-"""EVA (spec shared/specs/eva.md §6). fp32, small sizes; RPE and dropout off unless stated."""
+"""EVA (docs/methods/eva.md §6). fp32, small sizes; RPE and dropout off unless stated."""
 
 from __future__ import annotations
 

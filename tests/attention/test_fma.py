@@ -1,4 +1,4 @@
-"""Fast Multipole Attention: spec shared/specs/fma.md §6 checks 1-9 (7, Pallas == blocked, lives in
+"""Fast Multipole Attention: docs/methods/fma.md §6 checks 1-9 (7, Pallas == blocked, lives in
 tests/kernels/test_fma_blocks.py). The shared laws (streamed == full, decoding, capacity, axes) run in
 tests/attention/test_contract.py."""
 
@@ -198,7 +198,7 @@ def test_no_future_leak(name):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="the paper's causal FMA-linear summarises queries over their whole group: "
-                                       "future tokens change past outputs (spec §2.5); kept as a regression test")
+                                       "future tokens change past outputs (§2.5); kept as a regression test")
 def test_paper_leaky_fma_linear_leaks():
     core = randomize_params(build("fma_linear", True, causal_query_summary="paper_leaky", allow_paper_leaky=True))
     same, zero_above, _ = _leak(core)
@@ -315,7 +315,7 @@ def test_parameter_shapes_and_output_shape(name):
             want[f"ds_{nm}_{l}/kernel"] = (m << (l - 1), f, p)
             want[f"ds_{nm}_{l}/bias"] = (f, p)
     assert flat == want
-    # spec §3 count for K and V: 2 p d (n/2 - m) + 2 L p d (d = dv)
+    # §3 count for K and V: 2 p d (n/2 - m) + 2 L p d (d = dv)
     sq = build("fma", True, d=d, dv=d, m=m, p=p, max_len=n)
     count = sum(x.size for x in jax.tree.leaves(nnx.state(sq, nnx.Param)))
     assert count == 2 * p * d * (n // 2 - m) + 2 * L * p * d
@@ -325,7 +325,7 @@ def test_parameter_shapes_and_output_shape(name):
 
 
 def test_spec_parameter_count_example():
-    """Spec §3: n=1024, m=64, p=4, d=64 -> 230,912 downsampling parameters per layer."""
+    """§3 of docs/methods/fma.md: n=1024, m=64, p=4, d=64 -> 230,912 downsampling parameters per layer."""
     core = attention.build("fma", ml_collections.ConfigDict({"m": 64, "p": 4, "max_len": 1024}), num_heads=12,
                            head_dim=64, causal=True, rngs=nnx.Rngs(0))
     assert sum(x.size for x in jax.tree.leaves(nnx.state(core, nnx.Param))) == 230_912

@@ -1,4 +1,4 @@
-"""KDEformer (spec shared/specs/kdeformer.md §6, checks 1-11). fp32, small sizes, seeded."""
+"""KDEformer (docs/methods/kdeformer.md §6, checks 1-11). fp32, small sizes, seeded."""
 
 from __future__ import annotations
 

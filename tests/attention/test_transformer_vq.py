@@ -1,4 +1,4 @@
-"""Transformer-VQ: the spec's section-7 checks 1-11 (check 10's multi-device part lives in
+"""Transformer-VQ: the checks 1-11 of docs/methods/transformer_vq.md §7 (check 10's multi-device part lives in
 test_transformer_vq_multidevice.py; check 12 in tests/kernels/test_vq_cache.py)."""
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def test_no_future_leak(over):
     for j in jac:
         assert float(jnp.abs(j[..., t + 1:, :]).max()) == 0.0
         assert float(jnp.abs(j[..., : t + 1, :]).max()) > 0.0
-    # key-gradient also reaches the past two blocks only through the local band (spec 2.7 caveat), so
+    # key-gradient also reaches the past two blocks only through the local band (§2.7 caveat), so
     # check explicitly that an older key still gets some gradient (q . k_hat of the present block)
     assert float(jnp.abs(jac[1][..., t, :]).max()) > 0.0
     out = CALL(core, q, k, v, None)[0]
@@ -496,7 +496,7 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mo
 
 
 def test_far_key_gradient_is_absent(x64):
-    """Spec 2.7 caveat: keys older than the two local blocks get no score gradient in the linear form."""
+    """The §2.7 caveat (docs/methods/transformer_vq.md): keys older than the two local blocks get no score gradient in the linear form."""
     L = M = 3
     d = make_inputs(T=12, M=M)
     q_u, _, bd = derived(d)
@@ -522,9 +522,9 @@ def test_stable_form_equals_ul_form(x64):
 def test_stable_reduction_with_bf16_values(x64):
     """bf16 values with large counts (N up to ~38k >> 256): our policy (mu, N in fp32) stays at fp64
     accuracy for every stable reduction; storing the state in bf16 (the release's activation dtype)
-    does not (bf16 counts are inexact above 256, spec 10.6).
+    does not (bf16 counts are inexact above 256; docs/methods/transformer_vq.md §10.3).
 
-    Departure: the spec also expects the raw-sum ("sum") form to degrade in bf16; on XLA:CPU the bf16
+    Departure: one would also expect the raw-sum ("sum") form to degrade in bf16; on XLA:CPU the bf16
     cumsum is accumulated wide, so we could not reproduce that and do not assert it."""
     R, S, Dv = 64, 4, 8
     key = jax.random.split(jax.random.PRNGKey(0), 2)

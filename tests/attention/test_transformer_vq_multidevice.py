@@ -1,4 +1,4 @@
-"""Spec check 10, multi-device part: codebook statistics of a batch sharded over a Mesh of 8
+"""Check 10 of docs/methods/transformer_vq.md §7, multi-device part: codebook statistics of a batch sharded over a Mesh of 8
 simulated CPU devices equal the single-device statistics on the concatenated batch (a global sum,
 not a per-device mean). Runs in a subprocess so XLA_FLAGS takes effect."""
 

@@ -1,4 +1,4 @@
-"""VCC encoder stack (spec shared/specs/vcc.md §6, checks 1-6, 8, 9 for the encoder). fp32 unless
+"""VCC encoder stack (docs/methods/vcc.md §6, checks 1-6, 8, 9 for the encoder). fp32 unless
 stated, tiny shapes, seeded. The model-level contract laws run in tests/models/test_model_contract.py."""
 
 from __future__ import annotations
@@ -439,7 +439,7 @@ def test_the_core_refuses_to_run_without_its_wrapper():
         model.blocks[0](jnp.zeros((1, 4, D_MODEL)), None, positions=jnp.arange(4))
 
 
-# ============================================================================= VCC-LM (spec §4.2, §6.7)
+# ============================================================================= VCC-LM (§4.2, §6.7)
 LM = {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4}
 
 

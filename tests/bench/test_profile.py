@@ -13,9 +13,10 @@ import pytest
 
 from longctx.attention.dense import naive_attention
 from longctx.bench import cli, profile_bench
-from longctx.bench.profile_bench import NO_SOURCE, REPO, hlo_index, instruction_of, op_kind, summarize
+from longctx.bench.profile_bench import NO_SOURCE, SOURCE_ROOT, hlo_index, instruction_of, op_kind, summarize
 
 HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]  # the checkout (configs/)
 
 
 def _attention_here(x):  # this file's frame, the caller of an op made in longctx/attention/dense.py
@@ -31,7 +32,7 @@ def test_sources_walk_the_stack_to_the_frame_under_root():
     here = {rec["source"] for rec in hlo_index(text, root=HERE.parent).values()}
     assert any(s.startswith("test_profile.py:") and "_attention_here" in s for s in here), here
     assert not any("dense.py" in s for s in here), here
-    inner = {rec["source"] for rec in hlo_index(text, root=REPO / "longctx").values()}
+    inner = {rec["source"] for rec in hlo_index(text, root=SOURCE_ROOT / "longctx").values()}
     assert any(s.startswith("attention/dense.py:") and "naive_attention" in s for s in inner), inner
 
 
@@ -115,9 +116,8 @@ def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
 
 def test_profile_of_a_training_step(tmp_path):
     out = tmp_path / "s"
-    sets = []
-    for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64"]:
-        sets += ["--set", s]
+    sets = [f"--config.{s}" for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2",
+                                      "model.head_dim=16", "model.d_ff=64"]]
     assert cli.main(["profile", "--out", str(out), "--config", str(REPO / "configs" / "default.py"), *sets,
                      "--length", "32", "--batch", "2", "--window", "16", "--calls", "1", "--warmup", "0",
                      "--noprogress"]) == 0

@@ -150,7 +150,7 @@ def test_tfds_adapter_without_tfds_says_how_to_install(tmp_path, monkeypatch):
     write_pg19(tmp_path / "pg")
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails
     src = pg19.PG19Source(data_cfg(tmp_path / "pg", tmp_path / "cache", tfds=True))
-    with pytest.raises(DataError, match=r"pip install longctx\[tfds\]"):
+    with pytest.raises(DataError, match=r"pip install -e '\.\[tfds\]' tensorflow"):
         list(src.documents("test"))
 
 

@@ -28,7 +28,7 @@ def enwik8_fixture(tmp_path, n=20000):
 
 
 def enwik8_argv(path, cache):
-    return ["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense_tiny.py"), f"--config.data.path={path}",
+    return ["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense.py") + ":tiny", f"--config.data.path={path}",
             f"--config.data.cache_dir={cache}", "--config.data.options.verify=False", "--noprogress"]
 
 
@@ -56,7 +56,7 @@ def test_cli_prepares_all_splits_prints_summary_and_is_idempotent(tmp_path, caps
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        prepare_cli.main(["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense_tiny.py"),
+        prepare_cli.main(["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense.py") + ":tiny",
                           f"--config.data.path={tmp_path}", "--noprogress"])
     assert e.value.code == 2
     err = capsys.readouterr().err
@@ -117,7 +117,7 @@ def test_sigkill_while_writing_then_rerun_equals_a_clean_run(tmp_path, capsys):
     wt = tmp_path / "wt"
     write_big_wikitext(wt)
     cache = tmp_path / "killed"
-    argv = ["--config", str(ROOT / "configs/wikitext103/dense_tiny.py"), f"--config.data.path={wt}",
+    argv = ["--config", str(ROOT / "configs/wikitext103/dense.py") + ":tiny", f"--config.data.path={wt}",
             f"--config.data.cache_dir={cache}", "--noprogress"]
     proc = subprocess.Popen([sys.executable, "-m", "longctx.data.prepare_cli", *argv], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,4 +1,4 @@
-"""EVA chunk + local attention Pallas kernel "eva_attend" (spec eva.md §8.3) on the shared kernel test base:
+"""EVA chunk + local attention Pallas kernel "eva_attend" (docs/methods/eva.md §8.3) on the shared kernel test base:
 interpret-mode forward and the Pallas backward kernels against autodiff of the jnp reference (causal and
 bidirectional, with and without window overlap, shared / per-head relative-position bias, the disjoint partition,
 ragged lengths, both forms of the chunk-gradient kernel, fp32 and bf16), TPU / CUDA lowering at the WikiText-103
@@ -34,7 +34,7 @@ class TestEVAAttend(KernelTestBase):
         "bidir_overlap_loop": dict(L=43, W=8, P=2, d=16, dv=16, e_l=4, e_r=4, causal=False, hb=H, form="cuda",
                                    key_tile=4),
         "bidir_plain": dict(L=40, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=False, hb=0, form="tpu"),
-        # WikiText-103 (spec §8.3): window 128, chunk 8, head 64, 512 tokens; and a long row
+        # WikiText-103 (§8.3): window 128, chunk 8, head 64, 512 tokens; and a long row
         "wt103": dict(L=512, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),
         "wt103_bidir_overlap": dict(L=512, W=128, P=8, d=64, dv=64, e_l=64, e_r=64, causal=False, hb=H, B=1),
         "long_8k": dict(L=8192, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),

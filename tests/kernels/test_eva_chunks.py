@@ -1,7 +1,7 @@
-"""EVA chunk-statistics Pallas kernel (spec eva.md §8.2) on the shared kernel test base: interpret-mode forward
+"""EVA chunk-statistics Pallas kernel (docs/methods/eva.md §8.2) on the shared kernel test base: interpret-mode forward
 against the jnp Phase A reference (option variants, ragged lengths, with and without noise, fp32 and bf16),
 TPU / CUDA lowering through jax.export (and a clear refusal for non-power-of-two sizes on GPU), and the method
-running the kernel with impl='pallas'. Its backward is the reference's VJP (spec §8.2), so the base skips the
+running the kernel with impl='pallas'. Its backward is the reference's VJP (§8.2), so the base skips the
 gradient test and says so."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class TestEVAChunkStats(KernelTestBase):
     # the kernel upcasts bf16 inputs and computes in fp32 like the reference: same tolerance
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}
     DIFF_ARGNUMS = (0, 1, 2, 4, 5)
-    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (spec §8.2)
+    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (§8.2)
 
     def make_inputs(self, shape, dtype):
         C, P, L, dv = shape["C"], shape["P"], shape["L"], shape["dv"]

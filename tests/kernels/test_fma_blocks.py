@@ -1,8 +1,8 @@
-"""FMA multilevel-blocks Pallas kernel (spec fma.md §8) on the shared kernel test base: interpret-mode forward
+"""FMA multilevel-blocks Pallas kernel (docs/methods/fma.md §8) on the shared kernel test base: interpret-mode forward
 against the pure-JAX reference (causal and bidirectional, ragged lengths, fine level only, fp32 and bf16),
 TPU / CUDA lowering through jax.export (and a clear refusal of shapes a platform cannot take), and the method
-with impl='pallas' equal to impl='xla' in value and gradient (spec §6 check 7). The kernel's backward is v1 of
-the spec: the reference's VJP, so the base skips its gradient test and says so."""
+with impl='pallas' equal to impl='xla' in value and gradient (§6 check 7). The kernel's backward is v1
+(docs/methods/fma.md §8): the reference's VJP, so the base skips its gradient test and says so."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class TestFMABlocks(KernelTestBase):
                     ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"))
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}  # both upcast to f32 inside
     DIFF_ARGNUMS = (0, 1, 2, 3, 4)
-    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (spec §8, v1)
+    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (§8, v1)
 
     def make_inputs(self, shape, dtype):
         n, m, d, dv, C = shape["n"], shape["m"], shape["d"], shape["dv"], shape["C"]
@@ -83,7 +83,7 @@ def test_unsupported_reasons():
 @pytest.mark.slow  # the kernel tests above check the kernel; this one runs it through the method
 @pytest.mark.parametrize("causal", [True, False])
 def test_method_pallas_equals_xla_forward_and_vjp(causal):
-    """Spec §6 check 7: the core with impl='pallas' (interpret mode here) == impl='xla', value and VJP."""
+    """docs/methods/fma.md §6 check 7: the core with impl='pallas' (interpret mode here) == impl='xla', value and VJP."""
     n = 45
     cfg = {"m": 8, "p": 2, "max_len": 64}
 

@@ -1,4 +1,4 @@
-"""Transformer-VQ compressive VQ-cache Pallas kernels (spec transformer-vq.md §9) on the shared kernel test base:
+"""Transformer-VQ compressive VQ-cache Pallas kernels (docs/methods/transformer_vq.md §9) on the shared kernel test base:
 forward, final state and the Pallas backward kernels against autodiff of the jnp §2.6 serial reference (ragged T,
 carried state, M < L, Dv tiles, fp32 and bf16), TPU lowering (CUDA runs the GPU form, tested in
 test_vq_cache_gpu.py; its lowering of these shapes is checked here too), the VMEM budget at the paper's shapes, and
@@ -70,7 +70,7 @@ class VQCacheKernelCases(KernelTestBase):
 
     # gradients w.r.t. bf16 inputs are bf16 (reference and kernel alike): one bf16 ulp of room
     GRAD_TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (8e-3, 8e-3)}
-    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: spec §9)
+    # q_u, bd, k̂, v, band_k, band_v, agg_mu (no gradient to the codebook, the codes or the counts: §9)
     DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
     KERNEL_BACKWARD = True
 

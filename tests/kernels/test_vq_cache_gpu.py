@@ -1,5 +1,5 @@
 """The GPU (Pallas-Triton) form of the Transformer-VQ compressive VQ-cache kernel (pallas_kernels/vq_cache_gpu.py,
-spec transformer-vq.md §9) on the shared kernel test base: forward, final state and the Pallas backward kernels in
+docs/methods/transformer_vq.md §9) on the shared kernel test base: forward, final state and the Pallas backward kernels in
 interpret mode against the jnp §2.6 serial reference and its autodiff (ragged T, carried state, M < L, several query
 tiles per block, several code chunks, two Dv tiles, fp32 and bf16 storage), its 'cuda' lowering (jax.export, forward
 and VJP) at the paper's shapes, the shared-memory / register budget there, the refusals, and the entry point of

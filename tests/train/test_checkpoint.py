@@ -57,7 +57,7 @@ def test_eval_and_sample_fall_back_from_a_truncated_newest_checkpoint(trained, t
     assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning: skipped invalid checkpoint") == 1 and "step 8" in err and "using step 4" in err, err
-    assert (wd / "eval" / "valid_step4.json").exists()
+    assert list((wd / "eval").glob("valid_step4_*.json"))
     assert cli.sample_main(["longctx-sample", f"--workdir={wd}", "--num_tokens=4", "--quiet", "--noprogress"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning: skipped invalid checkpoint") == 1 and "using step 4" in err, err
@@ -118,6 +118,7 @@ def test_checksum_mismatch_and_nonfinite_values_are_rejected(trained, tmp_path, 
     meta_file = next((wd / "checkpoints" / "8").rglob("meta/metadata"))
     meta = json.loads(meta_file.read_text())
     meta["crc32"]["params"] ^= 1
+    meta[checkpoint.META_CRC] = checkpoint.meta_checksum(meta)  # the metadata consistent, the arrays not
     meta_file.write_text(json.dumps(meta))
     runner = Runner.from_workdir(wd)
     assert runner.step == 4
@@ -208,3 +209,91 @@ def test_save_refuses_nonfinite_values(trained, tmp_path):
         checkpoint.save(mngr, 1, {"params": {"w": np.array([1.0, np.nan], np.float32)}},
                         config=ml_collections.ConfigDict({"a": 1}))
     assert mngr.all_steps() == []
+
+
+def _rewrite_meta(step_dir: Path, edit, *, recompute_crc: bool = True) -> None:
+    """Replace a checkpoint's metadata with ``edit(meta)`` (its checksum recomputed, as a crafted
+    checkpoint would have it, unless ``recompute_crc=False``)."""
+    path = step_dir / "meta" / "metadata"
+    meta = edit(json.loads(path.read_text()))
+    if recompute_crc and isinstance(meta, dict):
+        meta[checkpoint.META_CRC] = checkpoint.meta_checksum(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _set(meta, dotted, value):
+    node = meta
+    *parents, key = dotted.split(".")
+    for p in parents:
+        node = node[p]
+    node[key] = value
+    return meta
+
+
+CRAFTED = {
+    "path-traversal step": (lambda m: {**m, "step": "X/../../../../victim"}, "metadata step"),
+    "step a string": (lambda m: {**m, "step": "four hundred"}, "metadata step"),
+    "step of another checkpoint": (lambda m: {**m, "step": 4}, "not the checkpoint's step 8"),
+    "metadata a list": (lambda m: [1, 2, 3], "JSON list, not an object"),
+    "crc32 a string": (lambda m: {**m, "crc32": "x"}, "crc32"),
+    "config a string": (lambda m: {**m, "config": "x"}, "config is not an object"),
+    "unknown attention": (lambda m: _set(m, "config.model.attention.name", "nope"), "saved config is not valid"),
+    "changed d_model": (lambda m: _set(m, "config.model.d_model", 64), "model has|not this model"),
+    "changed num_layers": (lambda m: _set(m, "config.model.num_layers", 3), "not in the checkpoint|arrays"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_crafted_metadata_is_skipped_with_one_warning(trained, tmp_path, name):
+    _, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    edit, why = CRAFTED[name]
+    _rewrite_meta(wd / "checkpoints" / "8", edit)
+    warnings = []
+    mngr = checkpoint.manager(wd, create=False)
+    try:
+
+        def make_target(meta):  # the model of the saved config, as eval and sample build it
+            from flax import nnx
+
+            from longctx import config as config_lib
+            from longctx.models.decoder import build_model
+            from longctx.train.step import split_model
+
+            cfg = config_lib.validate(config_lib.merge_over_base(meta["config"]))
+            _, params, nongrad, _ = split_model(nnx.eval_shape(lambda: build_model(cfg.model, seed=0)))
+            return {"params": params, "nongrad": nongrad}
+
+        tree, meta = checkpoint.restore(mngr, make_target, partial=True, warn=warnings.append)
+    finally:
+        mngr.close()
+    assert meta["step"] == 4
+    assert len(warnings) == 1 and "step 8" in warnings[0] and "using step 4" in warnings[0], warnings
+    assert __import__("re").search(why, warnings[0]), warnings[0]
+
+
+def test_changed_metadata_fails_its_checksum(trained, tmp_path):
+    _, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    _rewrite_meta(wd / "checkpoints" / "8", lambda m: _set(m, "config.train.lr", 0.5), recompute_crc=False)
+    r = Runner.from_workdir(wd)
+    assert r.step == 4
+
+
+def test_eval_on_crafted_metadata_writes_nothing_outside_the_workdir(trained, tmp_path, capsys):
+    """A path-traversal step in the newest checkpoint and a saved data.cache_dir pointing outside: eval
+    uses the previous checkpoint, writes its result in the workdir and nothing anywhere else."""
+    _, run = trained
+    box = tmp_path / "box"
+    wd = copy_run(run, box / "a" / "b" / "run")
+    outside = tmp_path / "outside"
+    _rewrite_meta(wd / "checkpoints" / "8", lambda m: {**m, "step": "X/../../../../victim"})
+    _rewrite_meta(wd / "checkpoints" / "4", lambda m: _set(m, "config.data.cache_dir", str(outside)))
+    before = {p for p in tmp_path.rglob("*")}
+    assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64",
+                          "--split=test"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: skipped invalid checkpoint") == 1 and "using step 4" in err, err
+    new = {p for p in tmp_path.rglob("*")} - before
+    assert new and all(wd in p.parents for p in new), sorted(new)
+    assert list((wd / "eval").glob("test_step4_*.json")) and not outside.exists()

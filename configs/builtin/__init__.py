@@ -1,0 +1,1 @@
+"""Configs on the built-in corpus (the Python standard library sources): one per attention method."""

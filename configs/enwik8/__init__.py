@@ -1,0 +1,1 @@
+"""enwik8 configs (byte level)."""

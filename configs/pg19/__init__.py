@@ -1,0 +1,1 @@
+"""PG-19 configs (SentencePiece)."""

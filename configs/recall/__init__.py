@@ -1,0 +1,1 @@
+"""The recall benchmark configs (generated multi-query associative recall)."""

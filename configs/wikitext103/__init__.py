@@ -1,0 +1,1 @@
+"""WikiText-103 configs (word level)."""

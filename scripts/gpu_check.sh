@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# The first thing to run whenever an accelerator is available: one markdown report and its JSON,
+# results/gpu/<date>-<device>.md / .json, with the step outputs in results/gpu/<date>-<device>/.
+#
+#   bash scripts/gpu_check.sh                       # on the GPU (about 8 minutes on one H100)
+#   bash scripts/gpu_check.sh --smoke --out /tmp/x  # the same steps at tiny shapes on the CPU (the default
+#                                                   # test suite runs this: tests/test_gpu_check.py)
+#
+# Steps, each under its own `timeout` and writing its files as it goes (a slow step costs only itself; the
+# report says which step failed or ran out of time and shows the end of its log):
+#   env       jax / jaxlib / plugin versions, the device, driver and cuDNN, the commit
+#   tests     the kernel tests compiled (tests/kernels: interpret mode is off on an accelerator) and
+#             dense's cuDNN / splash tests (tests/attention/test_dense_platform.py)
+#   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU) against every method as shipped,
+#             B8 H8 d64 bf16, 8k-64k, forward and forward+backward (`longctx-bench attention`)
+#   kernels   each Pallas kernel against its XLA path at the same shapes (`longctx-bench kernels`)
+#   step_*    the training step of three configs at reduced depth (`longctx-bench step`): enwik8
+#             Transformer-VQ, WikiText-103 EVA, enwik8 FMA
+#   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`)
+# Per-step limits: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests"
+# runs a subset (the report is always written).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
+SMOKE=0
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) SMOKE=1 ;;
+    --out) OUT="$2"; shift ;;
+    --out=*) OUT="${1#--out=}" ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: gpu_check.sh: unknown argument $1 (use --smoke, --out DIR)" >&2; exit 2 ;;
+  esac
+  shift
+done
+OUT="${OUT:-results/gpu}"
+mkdir -p "$OUT"
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+fi
+
+DEVICE="$(timeout 120 "$PY" -c 'import jax, re; d = jax.devices()[0]; print(re.sub(r"[^A-Za-z0-9]+", "-", d.device_kind).strip("-") or d.platform)' 2>/dev/null || echo unknown)"
+STAMP="$(date -u +%Y-%m-%d)-$DEVICE"
+[ "$SMOKE" = 1 ] && STAMP="$STAMP-smoke"
+WORK="$OUT/$STAMP"
+mkdir -p "$WORK"
+BENCH=("$PY" -m longctx.bench.cli)
+STEPS="${STEPS:-env tests attention kernels step_tvq step_eva step_fma memplan}"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+# --config.KEY=VALUE overrides, or the older --set KEY=VALUE where this checkout's bench lacks them
+if "${BENCH[@]}" step --help 2>/dev/null | grep -q -- '--config\.KEY'; then
+  over() { printf -- '--config.%s\n' "$@"; }
+else
+  over() { for kv in "$@"; do printf -- '--set\n%s\n' "$kv"; done; }
+fi
+
+if [ "$SMOKE" = 1 ]; then
+  LIMIT_DEFAULT=120
+  TESTS=(tests/kernels/test_vq_cache.py -k "export_lowering")
+  ATTN=(--methods dense:naive,transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32
+        --repeats 1 --warmup 0 --no_isolate)
+  KERN=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1
+        --warmup 0 --no_backward)
+  STEP=(--lengths 128 --batch_size 1 --repeats 1 --warmup 0)
+  DEPTH=(model.num_layers=1)
+  VARIANT=":tiny"
+  EXACT="dense:naive"
+else
+  LIMIT_DEFAULT=150
+  TESTS=(tests/kernels tests/attention/test_dense_platform.py -x)
+  # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
+  ATTN=(--lengths 8k,16k,32k,64k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --repeats 3 --warmup 1
+        --mem_budget_gb 60 --max_cell_s 20)
+  KERN=(--lengths 8k,16k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --repeats 3 --warmup 1
+        --max_cell_s 20)
+  STEP=(--lengths 8k --batch_size 8 --repeats 3 --warmup 1)
+  DEPTH=(model.num_layers=2)
+  VARIANT=""
+  EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
+fi
+
+limit() {  # the step's time limit: GPU_CHECK_LIMIT_<STEP> or the default
+  local var="GPU_CHECK_LIMIT_$(echo "$1" | tr '[:lower:]' '[:upper:]')"
+  echo "${!var:-${2:-$LIMIT_DEFAULT}}"
+}
+
+run_step() {  # run_step NAME LIMIT CMD...: log to WORK/NAME.log, status to WORK/NAME.status.json
+  local name="$1" lim="$2"; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name (limit ${lim}s): $*"
+  printf '{"step": "%s", "status": "running", "limit_s": %s}\n' "$name" "$lim" > "$WORK/$name.status.json"
+  local t0=$SECONDS rc status
+  timeout --kill-after=15 "$lim" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status=failed ;; esac
+  printf '{"step": "%s", "status": "%s", "rc": %d, "wall_s": %d, "limit_s": %s, "command": "%s"}\n' \
+    "$name" "$status" "$rc" $((SECONDS - t0)) "$lim" "$(echo "$*" | sed 's/"/\\"/g')" > "$WORK/$name.status.json"
+  echo "   $status (rc $rc, $((SECONDS - t0)) s)"
+}
+
+run_step env "$(limit env 60)" "$PY" - "$WORK/env.json" "$SMOKE" <<'EOF'
+import json, platform, subprocess, sys
+import jax, jaxlib
+info = {"smoke": sys.argv[2] == "1", "python": platform.python_version(), "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__, "backend": jax.default_backend()}
+devs = jax.devices()
+info["devices"] = [f"{d.platform}:{d.device_kind}" for d in devs]
+info["device"] = devs[0].device_kind
+info["compute_capability"] = getattr(devs[0], "compute_capability", None)
+try:
+    from jax._src.lib import cuda_versions
+    info["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+except Exception as e:  # noqa: BLE001
+    info["cudnn"] = f"unknown ({type(e).__name__})"
+try:
+    from importlib import metadata
+    info["packages"] = {d.metadata["Name"]: d.version for d in metadata.distributions()
+                        if d.metadata["Name"] and ("jax" in d.metadata["Name"].lower()
+                                                   or d.metadata["Name"].lower().startswith(("nvidia-cudnn", "libtpu")))}
+except Exception:  # noqa: BLE001
+    info["packages"] = {}
+def run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+info["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                          "--format=csv,noheader"])
+info["commit"] = run(["git", "rev-parse", "--short", "HEAD"])
+info["dirty"] = bool(run(["git", "status", "--porcelain", "--untracked-files=no"]))
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(info, indent=1))
+EOF
+
+run_step tests "$(limit tests 180)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
+run_step attention "$(limit attention 200)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
+  --no_torch --noprogress "${ATTN[@]}"
+run_step kernels "$(limit kernels 90)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+mapfile -t DEPTH_FLAGS < <(over "${DEPTH[@]}")
+for pair in "tvq configs/enwik8/transformer_vq.py" "eva configs/wikitext103/eva_16l.py" "fma configs/enwik8/fma.py"; do
+  set -- $pair
+  run_step "step_$1" "$(limit "step_$1" 60)" "${BENCH[@]}" step --config "$2$VARIANT" --out "$WORK/step_$1" \
+    --noprogress "${STEP[@]}" "${DEPTH_FLAGS[@]}"
+done
+run_step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
+  --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
+
+# ------------------------------------------------------------------------------------------------- the report
+"$PY" - "$WORK" "$OUT/$STAMP" "$EXACT" <<'EOF'
+import json, math, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+work, base, exact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+STEPS = ["env", "tests", "attention", "kernels", "step_tvq", "step_eva", "step_fma", "memplan"]
+
+def load(p):
+    try:
+        return json.loads(Path(p).read_text())
+    except (OSError, ValueError):
+        return None
+
+def tail(name, n=25):
+    try:
+        lines = (work / f"{name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+def fmt(x, nd=3):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}g}" if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+status = {s: load(work / f"{s}.status.json") or {"step": s, "status": "not run"} for s in STEPS}
+report = {"stamp": Path(base).name, "exact": exact, "steps": status}
+md = [f"# Accelerator check {Path(base).name}", ""]
+
+def section(title, name, body):
+    st = status[name]
+    md.extend([f"## {title}", "", f"step `{name}`: **{st['status']}**"
+               + (f" ({st.get('wall_s')} s of {st.get('limit_s')} s)" if "wall_s" in st else ""), ""])
+    if st["status"] != "ok":
+        md.extend(["```", tail(name) or "(no log)", "```", ""])
+    md.extend(body)
+    md.append("")
+
+env = load(work / "env.json") or {}
+report["env"] = env
+section("Environment", "env", [f"- {k}: `{v}`" for k, v in env.items()])
+
+tests = {}
+try:
+    r = ET.parse(work / "tests.xml").getroot()
+    suite = r if r.tag == "testsuite" else r.find("testsuite")
+    tests = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    tests["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                       if c.find("failure") is not None or c.find("error") is not None]
+except (OSError, ET.ParseError, AttributeError):
+    pass
+report["tests"] = tests
+section("Kernel tests, compiled", "tests",
+        [f"{tests.get('tests', 0)} tests: {tests.get('failures', 0)} failed, {tests.get('errors', 0)} errors, "
+         f"{tests.get('skipped', 0)} skipped"] + [f"- failed: `{f}`" for f in tests.get("failed", [])])
+
+att = load(work / "attention" / "attention.json") or load(work / "attention" / "attention.partial.json") or {}
+rows = att.get("rows", []) if isinstance(att, dict) else []
+report["attention"] = rows
+ref = {(r.get("direction"), r.get("length")): r for r in rows if r.get("variant") == exact}
+body = [f"Exact row: `{exact}`; ratio = method time / exact time (below 1: faster than exact attention).", "",
+        "| variant | T | fwd ms | fwd+bwd ms | fwd / exact | fwd+bwd / exact | TFLOP/s fwd+bwd (analytic) | status |",
+        "|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    e = ref.get((r.get("direction"), r.get("length")), {})
+    ratio = lambda k: (r[k] / e[k]) if r.get(k) and e.get(k) else None  # noqa: E731
+    tf = r.get("fwdbwd_analytic_gflops_per_s")
+    body.append(f"| {r.get('variant')} | {r.get('length')} | {fmt((r.get('fwd_s') or math.nan) * 1e3)} | "
+                f"{fmt((r.get('fwdbwd_s') or math.nan) * 1e3)} | {fmt(ratio('fwd_s'))} | {fmt(ratio('fwdbwd_s'))} | "
+                f"{fmt(tf / 1e3 if tf else None)} | {r.get('fwd_status', '')}/{r.get('fwdbwd_status', '')} |")
+section("Exact attention against every method", "attention", body)
+
+kern = load(work / "kernels" / "kernels.json") or {}
+krows = kern.get("rows", []) if isinstance(kern, dict) else []
+report["kernels"] = krows
+body = ["| method | kernel | T | mode | XLA fwd ms | kernel fwd ms | kernel / XLA fwd | kernel / XLA fwd+bwd | "
+        "max abs diff | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+for r in krows:
+    body.append(f"| {r.get('method')} | {r.get('kernel')} | {r.get('length')} | {r.get('mode')} | "
+                f"{fmt((r.get('xla_fwd_s') or math.nan) * 1e3)} | {fmt((r.get('pallas_fwd_s') or math.nan) * 1e3)} | "
+                f"{fmt(r.get('fwd_kernel_over_xla'))} | {fmt(r.get('fwdbwd_kernel_over_xla'))} | "
+                f"{fmt(r.get('max_abs_diff_out'))} | {r.get('status')} |")
+section("Each kernel against its XLA path", "kernels", body)
+
+body = []
+report["steps_model"] = {}
+known = ["T", "batch_size", "params", "step_s", "tokens_per_s", "compile_s"]
+for name, title in (("step_tvq", "enwik8 Transformer-VQ"), ("step_eva", "WikiText-103 EVA"),
+                    ("step_fma", "enwik8 FMA")):
+    d = load(work / name / "step.json") or {}
+    srows = d.get("rows", []) if isinstance(d, dict) else []
+    report["steps_model"][name] = d
+    extra = sorted({k for r in srows for k in r if any(t in k.lower() for t in ("mfu", "flop", "device_mem"))})
+    cols = known + extra + ["XLA mem MB"]
+    part = [f"### {title} (`{d.get('config', '?')}`, overrides {d.get('sets', [])})", "",
+            f"step `{name}`: **{status[name]['status']}**", "",
+            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in srows:
+        mem = (r.get("xla_mem") or {}).get("total")
+        part.append("| " + " | ".join(fmt(r.get(c)) for c in known + extra)
+                    + f" | {fmt(mem / 2**20 if mem else None)} |")
+    if status[name]["status"] != "ok":
+        part.extend(["```", tail(name) or "(no log)", "```"])
+    body.extend(part + [""])
+md.extend(["## Model training steps, reduced depth", ""] + body)
+
+plan = ""
+try:
+    plan = "\n".join(l for l in (work / "memplan.log").read_text().splitlines()
+                     if not l.startswith(("W0", "I0", "E0")))
+except OSError:
+    pass
+report["memplan"] = plan
+section("Flagship memory plan (longctx-train --dry_run)", "memplan", ["```", plan.strip() or "(none)", "```"])
+
+Path(base + ".md").write_text("\n".join(md) + "\n")
+Path(base + ".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+print(f"report: {base}.md, {base}.json")
+EOF

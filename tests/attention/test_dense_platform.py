@@ -1,0 +1,330 @@
+"""dense on every platform (longctx/attention/dense_platform.py): cuDNN flash attention on GPUs, splash attention on
+TPUs, by the shared implementation rule.
+
+* The reasons each kernel declares, and the rule: 'auto' takes the platform's kernel where it has none, else the
+  XLA path with one log line naming why (a KV-cache step, fp32 inputs, ...); an explicit kernel where it cannot
+  serve raises listing every reason; on the CPU 'auto' is exactly today's XLA program.
+* The wiring on this CPU: the cuDNN call's layout, scale, causal flag and key lengths run through jax's XLA
+  implementation of the same ``jax.nn.dot_product_attention`` call, and splash in Pallas interpret mode; values
+  and gradients against dense's naive path.
+* ``jax.export`` lowering of ``impl='cudnn'`` for 'cuda' and ``impl='splash'`` for 'tpu', forward and backward.
+  A CPU-only jaxlib has no cuDNN to ask its version of: ``jax.nn.dot_product_attention(implementation='cudnn')``
+  calls ``check_cudnn_version()`` first, which raises "cuDNN is not detected" there. The version only gates
+  device checks (compute capability 10.3, the different-value-dim form) and does not enter the lowered module,
+  so the export tests stand in a stated cuDNN version for that probe (``fake_cudnn``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longctx import attention
+from longctx.attention import dense, dispatch
+from longctx.attention import dense_platform as dp
+from longctx.attention.dense import naive_attention
+from longctx.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kernel_test_base import assert_close, weighted_sum  # noqa: E402
+
+BF16, F32, F16 = jnp.bfloat16, jnp.float32, jnp.float16
+CUDNN_FWD, CUDNN_BWD = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+LOGGER = "longctx.attention.dispatch"
+
+
+def qkv(T, B=2, H=2, D=16, Dv=None, dtype=F32, seed=0):
+    r = np.random.default_rng(seed)
+    shapes = ((B, H, T, D), (B, H, T, D), (B, H, T, Dv or D))
+    return tuple(jnp.asarray(r.standard_normal(s), dtype) for s in shapes)
+
+
+def full(T):
+    pos = jnp.arange(T, dtype=jnp.int32)
+    return pos, pos, jnp.ones((T,), bool)
+
+
+def log_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+# ------------------------------------------------------------------------------------------------ declared reasons
+def test_cudnn_serves_bf16_and_fp16_full_passes_on_cuda():
+    for dtype in (BF16, F16):
+        for d in (64, 128):
+            assert dp.cudnn_unsupported_reasons("cuda", dtype=dtype, head_dim=d, value_dim=d) == []
+
+
+def test_cudnn_reasons_name_every_limit():
+    r = dp.cudnn_unsupported_reasons("cuda", dtype=F32, head_dim=60, value_dim=32, kv_cache=True)
+    text = " | ".join(r)
+    assert len(r) == 4
+    for part in ("float32", "head_dim=60", "value_dim=32", "KV-cache"):
+        assert part in text
+    assert any("NVIDIA" in x for x in dp.cudnn_unsupported_reasons("tpu", dtype=BF16, head_dim=64))
+    assert any("NVIDIA" in x for x in dp.cudnn_unsupported_reasons("cpu", dtype=BF16, head_dim=64))
+    mixed = dp.cudnn_unsupported_reasons("cuda", dtype=BF16, k_dtype=F16, head_dim=64)
+    assert any("differ" in x for x in mixed)
+
+
+def test_cudnn_head_dim_limit_follows_the_device():
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=72) == []  # any multiple of 8
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256, capability=(9, 0)) == []  # Hopper
+    assert any("<= 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256,
+                                                                    capability=(8, 0)))
+    # no device visible (lowering from a CPU): jax checks against 128, so the declaration does too
+    assert any("<= 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256))
+
+
+def test_splash_reasons():
+    assert dp.splash_unsupported_reasons("tpu", dtype=BF16, head_dim=128) == []
+    assert dp.splash_unsupported_reasons("tpu", dtype=F32, head_dim=64, value_dim=256) == []
+    r = dp.splash_unsupported_reasons("tpu", dtype=F16, head_dim=96, kv_cache=True)
+    assert len(r) == 3 and "float16" in r[0] and "head_dim=96" in r[1] and "KV-cache" in r[2]
+    assert any("TPU" in x for x in dp.splash_unsupported_reasons("cuda", dtype=BF16, head_dim=128))
+    # interpret mode (CPU) computes any head size
+    assert dp.splash_unsupported_reasons("interpret", dtype=F32, head_dim=8, value_dim=12) == []
+
+
+# ------------------------------------------------------------------------------------------------ the rule
+@pytest.fixture
+def fresh_log(caplog):
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        yield caplog
+
+
+def test_auto_takes_cudnn_on_cuda_and_splash_on_tpu(fresh_log):
+    assert dp.choose("auto", platform="cuda", dtype=BF16, head_dim=64).impl == "cudnn"
+    assert dp.choose("auto", platform="tpu", dtype=BF16, head_dim=128).impl == "splash"
+    assert dp.choose("auto", platform="tpu", dtype=F32, head_dim=64).impl == "splash"
+    assert log_lines(fresh_log) == []
+
+
+@pytest.mark.parametrize("platform, kw, why", [
+    ("cuda", dict(dtype=F32, head_dim=64), "float32"),
+    ("cuda", dict(dtype=BF16, head_dim=64, kv_cache=True), "KV-cache"),
+    ("cuda", dict(dtype=BF16, head_dim=12), "head_dim=12"),
+    ("tpu", dict(dtype=BF16, head_dim=128, kv_cache=True), "KV-cache"),
+    ("tpu", dict(dtype=BF16, head_dim=96), "head_dim=96"),
+])
+def test_auto_falls_back_to_xla_with_one_line_naming_why(fresh_log, platform, kw, why):
+    for _ in range(3):  # resolved at every trace: still one line
+        c = dp.choose("auto", platform=platform, **kw)
+    assert c.impl == "xla" and any(why in r for r in c.reasons)
+    lines = log_lines(fresh_log)
+    assert len(lines) == 1 and why in lines[0] and "XLA" in lines[0] and platform in lines[0]
+
+
+def test_auto_on_cpu_is_xla_without_a_line(fresh_log):
+    c = dp.choose("auto", platform="cpu", dtype=BF16, head_dim=64)
+    assert c.impl == "xla" and c.reasons == ()
+    assert log_lines(fresh_log) == []
+
+
+def test_explicit_cudnn_where_unsupported_raises_listing_every_reason():
+    with pytest.raises(dispatch.KernelUnsupportedError) as err:
+        dp.choose("cudnn", platform="cuda", dtype=F32, head_dim=60, value_dim=32, kv_cache=True)
+    for part in ("float32", "head_dim=60", "value_dim=32", "KV-cache", "impl='auto'"):
+        assert part in str(err.value)
+    with pytest.raises(dispatch.KernelUnsupportedError, match="NVIDIA"):
+        dp.choose("cudnn", platform="cpu", dtype=BF16, head_dim=64)
+    with pytest.raises(dispatch.KernelUnsupportedError, match="TPU"):
+        dp.choose("splash", platform="cuda", dtype=BF16, head_dim=64)
+
+
+def test_explicit_kernel_decodes_by_the_xla_path(fresh_log):
+    """A KV-cache step is the one form the kernels never compute: it takes XLA under an explicit impl too."""
+    c = dp.choose("cudnn", platform="cuda", dtype=BF16, head_dim=64, kv_cache=True)
+    assert c.impl == "xla" and "KV-cache" in c.reasons[0]
+    assert len(log_lines(fresh_log)) == 1
+
+
+def test_explicit_splash_on_cpu_is_interpret_mode_with_a_warning():
+    with pytest.warns(UserWarning, match="interpret"):
+        c = dp.choose("splash", platform="cpu", dtype=F32, head_dim=8)
+    assert c.impl == "splash" and c.interpret
+
+
+@pytest.mark.parametrize("impl", ["naive", "blockwise"])
+def test_xla_impls_stay_xla_everywhere(impl):
+    for plat in ("cpu", "cuda", "tpu"):
+        assert dp.choose(impl, platform=plat, dtype=BF16, head_dim=64).impl == "xla"
+
+
+def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monkeypatch):
+    for impl in ("cudnn", "splash"):
+        cfg = attention.default_config("dense")
+        cfg.impl = impl
+        attention.validate("dense", cfg, causal=True)
+    cfg = attention.default_config("dense")
+    cfg.impl = "flash"
+    with pytest.raises(ConfigError, match="cudnn"):
+        attention.validate("dense", cfg, causal=True)
+    assert set(dense.DenseAttention.bench_variants()) == {"naive", "blockwise"}  # this CPU: as before
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    assert dense.DenseAttention.bench_variants()["cudnn"] == {"impl": "cudnn"}
+
+
+# ------------------------------------------------------------------------------------------------ CPU unchanged
+@pytest.mark.parametrize("T, threshold", [(64, 4096 * 4096), (64, 16)])  # naive; the unrolled blockwise
+@pytest.mark.parametrize("full_pass", [True, False])
+def test_auto_on_cpu_is_the_same_program_as_before(fresh_log, T, threshold, full_pass):
+    q, k, v = qkv(T)
+    pos = full(T)
+    kw = dict(causal=True, block_q=16, block_k=16)
+
+    def before(q, k, v):  # the rule as it was: blockwise past the threshold, else naive
+        if T * T > threshold:
+            if full_pass:
+                return dense.self_blockwise_attention(q, k, v, **kw)
+            return dense.blockwise_attention(q, k, v, *pos, **kw)
+        return naive_attention(q, k, v, *pos, causal=True)
+
+    def now(q, k, v):
+        return dense.attend(q, k, v, *pos, impl="auto", auto_threshold=threshold, full_pass=full_pass, **kw)
+
+    assert str(jax.make_jaxpr(now)(q, k, v)) == str(jax.make_jaxpr(before)(q, k, v))
+    assert log_lines(fresh_log) == []
+
+
+# ------------------------------------------------------------------------------------------------ the wiring, here
+def naive_padded(q, k, v, lengths, causal):
+    """dense's naive path, one row at a time, keys from lengths[b] on masked."""
+    T = q.shape[2]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    rows = [naive_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, pos, pos < int(lengths[b]), causal=causal)
+            for b in range(q.shape[0])]
+    return jnp.concatenate(rows, axis=0)
+
+
+def check_values_and_grads(fn, ref, args, tol, gtol):
+    out, out_ref = jax.jit(fn)(*args), jax.jit(ref)(*args)
+    assert_close(out_ref, out, tol, "output")
+    assert float(jnp.max(jnp.abs(out_ref.astype(F32)))) > 1e-2
+    loss = lambda f: lambda *a: weighted_sum(f(*a))  # noqa: E731
+    g = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(*args)
+    g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(*args)
+    for name, a, b in zip("qkv", g_ref, g):
+        assert_close(a, b, gtol, f"d/d{name}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cudnn_call_on_the_xla_implementation_matches_naive(causal, padded):
+    """The cuDNN path's own call (layout, scale, causal flag, key lengths) on jax's XLA implementation."""
+    T = 48
+    lengths = np.asarray([T, 29] if padded else [T, T], np.int32)
+    args = qkv(T)
+
+    def fn(q, k, v):
+        return dp.cudnn_attention(q, k, v, causal=causal, kv_lengths=lengths if padded else None,
+                                  implementation="xla")
+
+    def ref(q, k, v):
+        out = naive_padded(q, k, v, lengths, causal)
+        if padded and not causal:  # a query's row past its row's length is padding too: compare real rows
+            return out * (jnp.arange(T) < lengths[:, None])[:, None, :, None]
+        return out
+
+    def fn_rows(q, k, v):
+        out = fn(q, k, v)
+        return out * (jnp.arange(T) < lengths[:, None])[:, None, :, None] if padded and not causal else out
+
+    check_values_and_grads(fn_rows, ref, args, (2e-5, 2e-5), (2e-5, 2e-5))
+
+
+@pytest.mark.parametrize("T, Dv, dtype, causal", [(200, None, "float32", True), (200, None, "float32", False),
+                                                  (128, 24, "float32", True), (136, None, "bfloat16", False)])
+def test_splash_in_interpret_mode_matches_naive(T, Dv, dtype, causal):
+    """Whole and padded blocks (200, 136: bidirectionally, segment ids mask the padding), a value dim of its own,
+    bf16. (The layer's KV-cache steps by XLA against its splash full passes: the contract suite's 'splash' case.)"""
+    dt = jnp.dtype(dtype)
+    args = qkv(T, D=16, Dv=Dv, dtype=dt)
+    pos = full(T)
+    tol = (2e-5, 2e-5) if dtype == "float32" else (2e-2, 2e-2)
+    check_values_and_grads(lambda q, k, v: dp.splash_attention(q, k, v, causal=causal, interpret=True),
+                           lambda q, k, v: naive_attention(q, k, v, *pos, causal=causal), args, tol, tol)
+
+
+# ------------------------------------------------------------------------------------------------ export
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    """The cuDNN version probe answered for a CPU-only jaxlib (see the module docstring)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    monkeypatch.setattr(fas, "check_cudnn_version", lambda: 90800)
+
+
+def export(fn, platform, args, disabled=()):
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=list(disabled))(*args)
+
+
+def export_fwd_bwd(impl, platform, causal, args, disabled=()):
+    T = args[0].shape[2]
+    pos = full(T)
+
+    def fwd(q, k, v):
+        return dense.attend(q, k, v, *pos, causal=causal, impl=impl, block_q=64, block_k=64,
+                            auto_threshold=4096 * 4096, full_pass=True, platform=platform)
+
+    g = jax.grad(lambda *a: weighted_sum(fwd(*a)), argnums=(0, 1, 2))
+    return export(fwd, platform, args, disabled).mlir_module(), export(g, platform, args, disabled).mlir_module()
+
+
+CUDNN_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(n) for n in (CUDNN_FWD, CUDNN_BWD)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["cudnn", "auto"])
+def test_cudnn_lowers_for_cuda(fake_cudnn, causal, impl):
+    fwd, bwd = export_fwd_bwd(impl, "cuda", causal, qkv(256, D=64, dtype=BF16), CUDNN_CHECKS)
+    assert f"@{CUDNN_FWD}(" in fwd and f"@{CUDNN_BWD}(" not in fwd
+    assert f"@{CUDNN_FWD}(" in bwd and f"@{CUDNN_BWD}(" in bwd
+    masks = set(re.findall(r'mask_type\\22: \\22(\w+)', fwd))
+    assert masks == {"CAUSAL" if causal else "NO_MASK"}
+    assert "fmha_scale\\22: 1.250000e-01" in fwd or "fmha_scale\\22: 0.125" in fwd  # 64 ** -0.5
+
+
+def test_cudnn_key_lengths_lower_as_a_padding_mask(fake_cudnn):
+    q, k, v = qkv(256, D=64, dtype=BF16)
+    lengths = jnp.asarray([256, 200], jnp.int32)
+    mod = export(lambda q, k, v, n: dp.cudnn_attention(q, k, v, causal=True, kv_lengths=n), "cuda",
+                 (q, k, v, lengths), CUDNN_CHECKS).mlir_module()
+    assert set(re.findall(r'mask_type\\22: \\22(\w+)', mod)) == {"PADDING_CAUSAL"}
+
+
+def test_auto_lowers_fp32_and_decode_steps_without_cudnn_for_cuda(fake_cudnn):
+    fwd, bwd = export_fwd_bwd("auto", "cuda", True, qkv(128, D=64, dtype=F32))
+    assert "__cudnn$" not in fwd and "__cudnn$" not in bwd
+    q, k, v = qkv(128, D=64, dtype=BF16)
+    pos = full(128)
+    mod = export(lambda q, k, v: dense.attend(q, k, v, *pos, causal=True, impl="cudnn", block_q=64, block_k=64,
+                                              auto_threshold=1, full_pass=False, platform="cuda"),
+                 "cuda", (q, k, v)).mlir_module()
+    assert "__cudnn$" not in mod
+
+
+def test_cudnn_refuses_fp32_when_lowering_for_cuda():
+    with pytest.raises(dispatch.KernelUnsupportedError, match="float32"):
+        export_fwd_bwd("cudnn", "cuda", True, qkv(128, D=64, dtype=F32))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_splash_lowers_for_tpu(causal):
+    # 640 tokens: two 512-token blocks with the second padded (a segment-id mask when bidirectional)
+    fwd, bwd = export_fwd_bwd("splash", "tpu", causal, qkv(640, B=1, D=128, dtype=BF16))
+    n_fwd = fwd.count("tpu_custom_call")
+    assert n_fwd >= 1 and bwd.count("tpu_custom_call") > n_fwd
+
+
+def test_splash_refuses_a_head_dim_tpu_blocks_cannot_take():
+    with pytest.raises(dispatch.KernelUnsupportedError, match="head_dim=96"):
+        export_fwd_bwd("splash", "tpu", True, qkv(256, B=1, D=96, dtype=BF16))

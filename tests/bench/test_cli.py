@@ -1,0 +1,115 @@
+"""`longctx-bench` arguments: the override syntax of the other entry points, every bad input answered with one
+``error:`` line and exit status 2 before anything runs, and a bench that deletes nothing it did not create."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from longctx.bench import cli, configs, report, train_bench
+from longctx.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["attention", "--lengths", "abc"], "--lengths 'abc'"),
+    (["attention", "--lengths", "0"], "positive lengths"),
+    (["attention", "--lengths", "1k,-4"], "positive lengths"),
+    (["attention", "--methods", "nope"], "unknown method 'nope'"),
+    (["attention", "--methods", "dense:nosuch"], "not a variant of dense"),
+    (["attention", "--repeats", "0"], "--repeats"),
+    (["attention", "--config.model.d_model=8"], "takes no --config.KEY=VALUE"),
+    (["decode", "--steps", "-1"], "--steps -1"),
+    (["decode", "--positions", "1k,x"], "--positions"),
+    (["train", "--steps", "-1"], "--steps -1"),
+    (["train", "--methods", "nope"], "unknown method"),
+    (["train", "--config.model.d_model=abc"], "model.d_model='abc'"),
+    (["train", "--config.model.nosuch=1"], "unknown key"),
+    (["train", "--config.model.d_model"], "needs a value"),
+    (["quality", "--sources", "gaussian,nope"], "--sources"),
+    (["step", "--config", "no/such/config.py"], "no such config file"),
+    (["step", "--batch_size", "0"], "--batch_size"),
+    (["profile", "--method", "eva", "--length", "huge"], "--length 'huge'"),
+    (["profile", "--method", "eva", "--length", "1k,2k"], "give one length"),
+    (["profile", "--config", "no/such/config.py"], "no such config file"),
+    (["profile", "--method", "nope"], "unknown method"),
+    (["profile"], "give exactly one of --method"),
+    (["kernels", "--lengths", "0"], "--lengths"),
+    (["report", "--out", "__FILE__"], "not a folder of benchmark results"),
+    (["report", "--out", "__EMPTY__"], "no benchmark JSON"),
+    (["ab", "nowhere_a", "nowhere_b", "--method", "eva"], "not a source tree"),
+    (["attention", "--nosuchflag"], "unrecognized arguments"),
+])
+def test_bad_inputs_give_one_error_line_and_exit_2(tmp_path, capsys, argv, message):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    (tmp_path / "empty").mkdir()
+    argv = [{"__FILE__": str(f), "__EMPTY__": str(tmp_path / "empty")}.get(a, a) for a in argv]
+    if argv[0] != "report":
+        argv += ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_parse_args_checks_without_running(tmp_path):
+    args = cli.parse_args(["step", "--config", "configs/default.py", "--config.model.d_model=128",
+                           "--config.train.seq_len", "64", "--lengths", "1k", "--out", str(tmp_path / "o")])
+    assert args.overrides == ["model.d_model=128", "train.seq_len=64"] and args.command == "step"
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError):
+        cli.parse_args(["train", "--config.model.d_model=abc"])
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["attention", "--nosuch"])
+    assert e.value.code == 2
+
+
+def test_set_is_a_deprecated_alias(capsys):
+    args = cli.parse_args(["train", "--set", "model.d_model=64", "--config.model.num_layers=1"])
+    assert args.overrides == ["model.d_model=64", "model.num_layers=1"]
+    assert "deprecated" in capsys.readouterr().err
+
+
+def test_configs_resolve_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert configs.find_config("configs/default.py") == REPO / "configs" / "default.py"
+    cfg, src = configs.method_config("eva")
+    assert cfg.model.attention.name == "eva" and src.startswith("configs/")
+    (tmp_path / "mine.py").write_text("from longctx.config import base_config\n\n"
+                                      "def get_config(arg=None):\n    c = base_config()\n"
+                                      "    c.model.d_model = 96 if arg == 'small' else 128\n    return c\n")
+    assert configs.load_config_file("mine.py").model.d_model == 128
+    assert configs.load_config_file("mine.py:small").model.d_model == 96
+    assert cli.parse_args(["step", "--config", "mine.py"]).out == "bench_out"  # relative to the cwd
+
+
+def test_train_never_deletes_a_folder_it_did_not_create(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    mine = runs / "dense"
+    mine.mkdir(parents=True)
+    (mine / "precious.txt").write_text("a user's run")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--methods", "dense", "--runs", str(runs), "--out", str(tmp_path / "o"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "was not created by longctx-bench train" in err and "nothing was deleted" in err
+    assert (mine / "precious.txt").read_text() == "a user's run"
+    (mine / train_bench.MARKER).write_text("")  # a folder the bench made: it may be replaced
+    cli.parse_args(["train", "--methods", "dense", "--runs", str(runs)])
+
+
+def test_report_from_results_keeps_the_reading(tmp_path):
+    """The committed results/ renders; the summary comes first; the hand-written part survives."""
+    target = tmp_path / "BENCHMARKS.md"
+    target.write_text("# Benchmarks\n\n## How to read this\n\nHand-written.\n\n## Old generated section\n\nx\n")
+    text = report.build(REPO / "results", target, REPO / "scripts" / "bench_all.sh")
+    assert text.index("## Summary: causal attention at 32k") < text.index("## How to read this\n\nHand-written.")
+    assert "## Old generated section" not in text and "torch_sdpa" in text
+    for folder in ("attention_8k_32k", "peer_eva", "peer_tvq", "recall", "kernels_gpu"):
+        assert f"`{folder}/" in text, folder
+    import re
+
+    assert not re.search(r"(?i)(session|issue) [0-9]+", text)
