@@ -316,7 +316,15 @@ def train_main(argv=None) -> int:
             return 0
         from longctx.train.loop import train
 
-        summary = train(cfg, fv.workdir, progress=fv.progress, max_steps=fv.max_steps)
+        try:
+            summary = train(cfg, fv.workdir, progress=fv.progress, max_steps=fv.max_steps)
+        except KeyboardInterrupt:  # a second Ctrl-C: leave at once, without the background writers' noise
+            import os
+
+            print("error: interrupted twice: stopped at once without a new checkpoint; run the same command to "
+                  "resume from the last one", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)
         print(f"done: step {summary['step']}, last valid bits/token {summary['last_valid_bits_per_token']}")
     return 0
 

@@ -87,7 +87,7 @@ def load_module(file: Path):
         spec.loader.exec_module(module)
     except ConfigError:
         raise
-    except (ImportError, SyntaxError, NameError, AttributeError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- a user's file failing at import: one line, no traceback
         first = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
         raise ConfigError(f"cannot load the config file {file}: {type(e).__name__}: {first}") from None
     return module
@@ -121,9 +121,10 @@ def load(arg: str):
         cfg = get(variant) if variant is not None else get()
     except ConfigError:
         raise
-    except (ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 -- a user's get_config failing: one line, no traceback
         where = f"{path}:{variant}" if variant is not None else path
-        raise ConfigError(f"--config={where}: {e}") from None
+        first = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+        raise ConfigError(f"--config={where}: get_config failed: {type(e).__name__}: {first}") from None
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not an ml_collections.ConfigDict")
     return cfg

@@ -118,16 +118,24 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
         if msg is None:
             raise
         res = {**head, "status": "capacity", "message": msg}
+    print(format_recall(res), flush=True)  # the result first: a failed write below cannot lose it
     if write:
+        from longctx.errors import WorkdirError
+        from longctx.evaluate import write_json_atomic
+
         out_dir = Path(out) if out else Path(workdir) / "recall"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"{task}_len{L}_step{runner.step}"
-        (out_dir / f"{stem}.json").write_text(json.dumps(res, indent=1))
-        if res["status"] == "ok":
-            plot_by_distance({f"{method} ({cfg.model.block})": res}, out_dir / f"{stem}_by_distance.png",
-                             title=f"{task}, rows of {L} tokens (trained at {cfg.train.seq_len}), step {runner.step}")
+        stem = f"{task}_len{L}_step{int(runner.step)}"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(out_dir / f"{stem}.json", res)
+            if res["status"] == "ok":
+                plot_by_distance({f"{method} ({cfg.model.block})": res}, out_dir / f"{stem}_by_distance.png",
+                                 title=f"{task}, rows of {L} tokens (trained at {cfg.train.seq_len}), "
+                                       f"step {runner.step}")
+        except OSError as e:
+            raise WorkdirError(f"the result above could not be written to {out_dir} ({e.strerror or e}); "
+                               "free space or fix the folder (or give --out) and run again") from None
         res["json"] = str(out_dir / f"{stem}.json")
-    print(format_recall(res))
     return res
 
 

@@ -106,6 +106,8 @@ def new_output_path(workdir, step: int, seed: int, output: str | None) -> Path:
             raise ConfigError(f"--output {path} cannot be created ({e.strerror or e}); choose a writable path") from None
         return path
     folder = Path(workdir) / "samples"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file, not the folder of samples; move it aside or give --output")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -29,7 +29,8 @@ class Case:
     id: str
     cmd: str  # train | prepare | eval | sample | fill | recall | bench
     # {cfg} tiny config file, {run} trained workdir, {tmp} scratch folder, {other} a copy of {run},
-    # {enc} a trained encoder, {mqar} a run trained on the mqar recall task, {fma} an fma run (levels for 64 tokens)
+    # {enc} a trained encoder, {mqar} a run trained on the mqar recall task, {fma} an fma run (levels for 64
+    # tokens), {learned} a run with learned positions (max_len 32)
     args: tuple[str, ...]
     expect: str  # regex the one error line must match
 
@@ -41,6 +42,15 @@ CASES = [
     Case("value of the wrong type", "train", (*T, "--config.train.steps=abc"), r"train.steps"),
     Case("missing config file", "train", ("--config={tmp}/nope.py", "--workdir={tmp}/w"), r"config file .*not found"),
     Case("no --workdir", "train", ("--config={cfg}",), r"--workdir is required"),
+    Case("config file raises at import", "train", ("--config={tmp}/raises.py", "--workdir={tmp}/w"),
+         r"cannot load the config file .*raises.py: RuntimeError: broken at import"),
+    Case("config get_config raises", "train", ("--config={tmp}/getraises.py", "--workdir={tmp}/w"),
+         r"get_config failed: ZeroDivisionError"),
+    Case("config without get_config", "train", ("--config={tmp}/noget.py", "--workdir={tmp}/w"),
+         r"not a config file: it defines no get_config"),
+    Case("unknown config variant", "train", ("--config={cfg}:huge", "--workdir={tmp}/w"), r"variant|variants"),
+    Case("config file raises at import (prepare)", "prepare", ("--config={tmp}/raises.py",),
+         r"cannot load the config file .*RuntimeError"),
     Case("unknown flag", "train", (*T, "--stepz=3"), r"unknown flag --stepz.*allowed"),
     Case("stray argument", "train", (*T, "extra"), r"unexpected argument 'extra'"),
     Case("--max_steps=0", "train", (*T, "--max_steps=0"), r"max_steps=0 must be a positive"),
@@ -142,6 +152,7 @@ CASES = [
         ("changing the model", ("--config.model.num_layers=1",), r"allowed here"),
     )),
     Case("sample: an encoder run", "sample", ("--workdir={enc}",), r"encoder .*longctx-fill"),
+    Case("sample: the samples folder a file", "sample", ("--workdir={other}",), r"samples is a file, not the folder of samples"),
     Case("sample: prompt longer than the state", "sample", ("--workdir={fma}", "--num_tokens=200"),
          r"cannot sample \d+ prompt \+ 200 new tokens: .*max_len=64"),
     # longctx-eval: ranges of the eval settings (a negative stride used to hang), other runs, files
@@ -221,6 +232,13 @@ CASES = [
     Case("config.json of the workdir a folder", "train", ("--config={cfg}", "--workdir={tmp}/cfgdir"),
          r"cannot write .*config.json \(Is a directory\)"),
     Case("data.cache_dir a file", "train", (*T, "--config.data.cache_dir={tmp}/a.txt"), r"data.cache_dir .* is a file"),
+    Case("metrics.jsonl of the workdir not text", "train", ("--config={cfg}", "--workdir={tmp}/badmetrics"),
+         r"cannot rewrite .*metrics.jsonl for the resume"),
+    Case("pg19 metadata.csv but no books", "train",
+         (*T, "--config.data.source=pg19", "--config.data.tokenizer=sentencepiece", "--config.data.path={tmp}/pg19nobooks"),
+         r"pg19: .*train holds no <book_id>.txt books"),
+    Case("sample: beyond the learned positions", "sample", ("--workdir={learned}", "--num_tokens=100"),
+         r"exceed the model's learned positions \(model.max_len=32\)"),
     Case("wikitext103 files empty", "train",
          (*T, "--config.data.source=wikitext103", "--config.data.tokenizer=words", "--config.data.path={tmp}/wt_empty"),
          r"wikitext103: .* are empty"),
@@ -263,12 +281,15 @@ def make_context(root: Path) -> dict:
     fma = ml_collections.ConfigDict(cfg.to_dict())
     fma.model.attention.name = "fma"
     fma.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64, "impl": "xla"})
+    learned = ml_collections.ConfigDict(cfg.to_dict())
+    learned.model.positions = "learned"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        for c, name in ((cfg, "run"), (enc, "enc"), (mqar, "mqar"), (fma, "fma")):
+        for c, name in ((cfg, "run"), (enc, "enc"), (mqar, "mqar"), (fma, "fma"), (learned, "learned")):
             train(c, root / name, progress=False)
     shutil.copytree(root / "run", root / "other")
+    (root / "other" / "samples").write_text("not a folder")
     tmp = root / "tmp"
-    for d in ("nofiles", "empty", "truncated", *(f"{p}/{s}" for p in ("pg19", "pg19latin1")
+    for d in ("nofiles", "empty", "truncated", *(f"{p}/{s}" for p in ("pg19", "pg19latin1", "pg19nobooks")
                                                   for s in ("train", "validation", "test"))):
         (tmp / d).mkdir(parents=True, exist_ok=True)
     (tmp / "empty" / "enwik8.zip").write_bytes(b"")
@@ -278,16 +299,23 @@ def make_context(root: Path) -> dict:
         z.writestr("enwik8", bytes(range(256)) * 400)
     (tmp / "truncated" / "enwik8.zip").write_bytes((tmp / "full.zip").read_bytes()[:300])
     (tmp / "pg19" / "metadata.csv").write_text("123,Title\n")
+    (tmp / "pg19nobooks" / "metadata.csv").write_text("123,Title,1900,http://x\n")
     (tmp / "pg19latin1" / "metadata.csv").write_bytes("123,Caf\xe9 au lait,1900,http://x\n".encode("latin-1"))
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "a.txt").write_text("a")
+    (tmp / "raises.py").write_text("raise RuntimeError('broken at import')\n")
+    (tmp / "getraises.py").write_text("def get_config():\n    return 1 / 0\n")
+    (tmp / "noget.py").write_text("X = 1\n")
     (tmp / "cfgdir" / "config.json").mkdir(parents=True)
+    (tmp / "badmetrics").mkdir()
+    (tmp / "badmetrics" / "metrics.jsonl").write_bytes(bytes(range(128, 256)))
     for name, content in (("wt_empty", b""), ("wt_binary", bytes(range(128, 256)) * 8)):
         (tmp / name).mkdir()
         for split in ("train", "valid", "test"):
             (tmp / name / f"wiki.{split}.tokens").write_bytes(content)
     return {"cfg": str(cfg_file), "run": str(root / "run"), "other": str(root / "other"), "tmp": str(tmp),
-            "enc": str(root / "enc"), "mqar": str(root / "mqar"), "fma": str(root / "fma")}
+            "enc": str(root / "enc"), "mqar": str(root / "mqar"), "fma": str(root / "fma"),
+            "learned": str(root / "learned")}
 
 
 def run_case(case: Case, ctx: dict) -> tuple[int, str]:
@@ -328,7 +356,7 @@ def test_bad_input_is_one_line_and_exit_2(case, ctx):
     assert code == 2 and line is not None, (code, err[-3000:])
     assert re.search(case.expect, line), line
     if case.cmd == "sample":
-        assert not any((Path(ctx[k]) / "samples").exists() for k in ("run", "enc", "fma"))  # nothing written
+        assert not any((Path(ctx[k]) / "samples").exists() for k in ("run", "enc", "fma", "learned"))  # nothing written
     assert not (Path(ctx["tmp"]) / "a.txt").is_dir() and (Path(ctx["tmp"]) / "a.txt").read_text() == "a"
     # the docs/errors.md row is the one generated from this message (no row edited by hand)
     row = doc_row(case, err, ctx)
@@ -357,6 +385,42 @@ def test_eval_prints_its_result_before_a_failed_write(ctx, tmp_path):
     assert json.loads((wd / "eval" / names[0]).read_text())["step"] == 2
 
 
+def test_a_full_disk_while_preparing_data_is_one_line(ctx, tmp_path, monkeypatch):
+    """ENOSPC injected into the token writer: one line naming the split and the cause, exit 2."""
+    import errno
+
+    from longctx import cli
+    from longctx.data import prepare as prepare_lib
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_lib, "prepare_split", full)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.prepare_main(["longctx-prepare", f"--config={ctx['cfg']}", f"--config.data.cache_dir={tmp_path / 'c'}"])
+    line = error_line(err.getvalue())
+    assert e.value.code == 2 and line is not None and "the disk is full" in line, err.getvalue()
+
+
+def test_a_full_disk_when_eval_writes_keeps_the_printed_result(ctx, tmp_path, monkeypatch):
+    import errno
+
+    from longctx import cli, evaluate
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(evaluate, "write_json_atomic", full)
+    wd = Path(shutil.copytree(ctx["run"], tmp_path / "run"))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--config.eval.max_tokens=64"])
+    line = error_line(err.getvalue())
+    assert e.value.code == 2 and line is not None and "No space left" in line, err.getvalue()
+    assert "bits per token" in out.getvalue()
+
+
 def test_errors_doc_lists_every_case():
     doc = (ROOT / "docs" / "errors.md").read_text()
     missing = [c.id for c in CASES if f"| {c.id} |" not in doc]
@@ -364,7 +428,7 @@ def test_errors_doc_lists_every_case():
 
 
 PLACEHOLDERS = {"cfg": "tiny.py", "run": "runs/tiny", "other": "runs/tiny", "tmp": "/tmp/x", "enc": "runs/tiny_mlm",
-                "mqar": "runs/tiny_mqar", "fma": "runs/tiny_fma"}
+                "mqar": "runs/tiny_mqar", "fma": "runs/tiny_fma", "learned": "runs/tiny_learned"}
 
 
 def command_line(case: Case) -> str:
@@ -394,7 +458,7 @@ def generate_doc() -> str:
             "`tests/test_bad_inputs.py` (`.venv/bin/python -m tests.test_bad_inputs > docs/errors.md`), which\n"
             "checks each of them. `tiny.py` is a tiny config, `runs/tiny` a trained run (`runs/tiny_mlm` an\n"
             "encoder, `runs/tiny_mqar` a run on the mqar recall task, `runs/tiny_fma` an fma run whose levels\n"
-            "cover 64 tokens), `/tmp/x` a folder of bad files (an empty or truncated `enwik8.zip`, a\n"
+            "cover 64 tokens, `runs/tiny_learned` one with 32 learned positions), `/tmp/x` a folder of bad files (an empty or truncated `enwik8.zip`, a\n"
             "`metadata.csv` with a bad row or in Latin-1, a Latin-1 prompt, WikiText-103 files that are empty or\n"
             "binary, a file `a.txt`).\n\n"
             "| case | command | message |\n|---|---|---|\n")

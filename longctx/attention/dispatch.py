@@ -15,6 +15,9 @@ only place that turns a method's ``impl`` into a choice:
 
 A method may add its own reasons (``extra_reasons``) for configurations its kernel does not compute
 (e.g. a reduction other than the kernel's); they count like the kernel's.
+
+Exact attention's fused kernels from outside the project (cuDNN on GPUs, splash on TPUs) follow the same rule
+under ``attention.dense.impl`` names of their own: ``longctx/attention/dense_platform.py``.
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def _core_target(args, T: int):
 def _step_target(args, T: int):
     from argparse import Namespace
 
-    from longctx.bench import configs, step_bench
+    from longctx.bench import step_bench
 
     base = step_bench.base_config(args)
     cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=args.window, vocab_size=256))

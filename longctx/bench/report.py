@@ -192,7 +192,7 @@ def summary_section(out: Path, res: dict) -> str:
              "replaced as the quality table says). Each row comes from the newest run in `results/` that measured "
              "it; rows of different runs (last column) were measured at different times, possibly on different "
              "machines (see Machine and provenance), so compare the ratios, not the times, across them.\n",
-             C.md_table([f"method", f"fwd+bwd at {C.fmt_len(L)}", "× SDPA speed", "× exact XLA speed",
+             C.md_table(["method", f"fwd+bwd at {C.fmt_len(L)}", "× SDPA speed", "× exact XLA speed",
                          f"forward at {C.fmt_len(L)}", "relative error (trained q/k/v)", "run"], rows)]
     if best:
         v, t, ts, path = best

@@ -58,7 +58,7 @@ def validate(args) -> None:
     root = Path(args.runs)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--runs {args.runs}: exists and is not a folder")
-    for method, wd in _run_dirs(args).items():
+    for wd in _run_dirs(args).values():
         if wd.exists() and not (wd / MARKER).is_file():
             raise ConfigError(f"--runs {args.runs}: {wd} exists and was not created by longctx-bench train; "
                               "give another --runs folder (nothing was deleted)")

@@ -127,6 +127,9 @@ class PG19Source:
             if not self.folder(split).is_dir():
                 continue
             books = self.book_files(split)
+            if not books:
+                raise DataError(f"pg19: {self.folder(split)} holds no <book_id>.txt books; the copy is incomplete. "
+                                f"{WHERE}")
             counts[split] = len(books)
             official = len(books) == BOOKS[split]
             for book_id, f in books:

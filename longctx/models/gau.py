@@ -1,4 +1,4 @@
-"""Gated attention unit (GAU) block: the Transformer-VQ paper's sublayer (docs/methods/transformer_vq.md §2.1).
+"""Gated attention unit (GAU) block: the Transformer-VQ paper's sublayer (its method page, docs/methods/, §2.1).
 
 One GAU is one residual unit; the paper's "layer" is two GAUs and has no MLP, so for a GAU model
 ``model.num_layers`` counts GAUs (the paper's 24 layers = ``num_layers=48``)::

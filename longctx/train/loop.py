@@ -6,6 +6,7 @@ evaluation command: periodic validation scores through :mod:`longctx.protocols`.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import signal
@@ -219,7 +220,13 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                                                    skip_nonfinite=True, constrain=plan.constrain, weighted=generated,
                                                    hidden=seq_hidden))
         fwd = jax.jit(make_scored_forward(graphdef) if generated else make_forward(graphdef))
-    writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
+    try:
+        writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
+    except (OSError, UnicodeDecodeError) as e:  # a full disk, metrics.jsonl a folder or not text
+        why = "the disk is full" if getattr(e, "errno", None) == errno.ENOSPC else (
+            getattr(e, "strerror", None) or " ".join(str(e).split())[:120])
+        raise WorkdirError(f"cannot rewrite {workdir / 'metrics.jsonl'} for the resume ({why}); free space, or move "
+                           "the file aside if it is not this run's log, and run again") from None
     base_key = jax.random.key(tc.seed)
     def tokens_per_step(at_step):
         return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
@@ -278,9 +285,13 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         save(at_step)
         checkpoint.wait(mngr)
 
-    def close():
+    def close(failing: bool = False):
         bar.close()
-        writer.close()
+        try:
+            writer.close()
+        except Exception:  # noqa: BLE001 -- a full disk fails the log flush too; the error being raised says so
+            if not failing:
+                raise
         try:
             mngr.close()
         except Exception:  # noqa: BLE001 -- a failed async write was already reported
@@ -375,7 +386,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
             save(step)
         checkpoint.wait(mngr)
     except (CheckpointError, NonFiniteError):
-        close()
+        close(failing=True)
         raise
     close()
     if distributed.is_primary():

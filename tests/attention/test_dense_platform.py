@@ -254,6 +254,26 @@ def test_splash_in_interpret_mode_matches_naive(T, Dv, dtype, causal):
                            lambda q, k, v: naive_attention(q, k, v, *pos, causal=causal), args, tol, tol)
 
 
+ON_DEVICE = dp.PLATFORM_KERNEL.get(dispatch.current_platform())
+
+
+@pytest.mark.skipif(ON_DEVICE is None, reason="needs a GPU (cuDNN) or a TPU (splash) to run compiled")
+@pytest.mark.parametrize("causal", [True, False])
+def test_platform_kernel_compiled_matches_naive(causal):
+    """On the device: dense's 'auto' takes the platform's kernel for bf16 and agrees with the naive path."""
+    T = 512
+    args = qkv(T, D=64, dtype=BF16)
+    pos = full(T)
+    assert dp.choose("auto", dtype=BF16, head_dim=64).impl == ON_DEVICE
+
+    def fn(q, k, v):
+        return dense.attend(q, k, v, *pos, causal=causal, impl=ON_DEVICE, block_q=128, block_k=128,
+                            auto_threshold=1, full_pass=True)
+
+    check_values_and_grads(fn, lambda q, k, v: naive_attention(q, k, v, *pos, causal=causal), args,
+                           (2e-2, 2e-2), (5e-2, 5e-2))
+
+
 # ------------------------------------------------------------------------------------------------ export
 @pytest.fixture
 def fake_cudnn(monkeypatch):

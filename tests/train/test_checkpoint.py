@@ -280,10 +280,13 @@ def test_changed_metadata_fails_its_checksum(trained, tmp_path):
     assert r.step == 4
 
 
-def test_eval_on_crafted_metadata_writes_nothing_outside_the_workdir(trained, tmp_path, capsys):
+def test_eval_on_crafted_metadata_writes_nothing_outside_the_workdir(trained, tmp_path, capsys, monkeypatch):
     """A path-traversal step in the newest checkpoint and a saved data.cache_dir pointing outside: eval
-    uses the previous checkpoint, writes its result in the workdir and nothing anywhere else."""
+    uses the previous checkpoint, writes its result in the workdir, tokens only in the default cache,
+    and nothing anywhere else."""
     _, run = trained
+    cache = tmp_path / "default_cache"
+    monkeypatch.setenv("LONGCTX_CACHE", str(cache))
     box = tmp_path / "box"
     wd = copy_run(run, box / "a" / "b" / "run")
     outside = tmp_path / "outside"
@@ -295,5 +298,6 @@ def test_eval_on_crafted_metadata_writes_nothing_outside_the_workdir(trained, tm
     err = capsys.readouterr().err
     assert err.count("warning: skipped invalid checkpoint") == 1 and "using step 4" in err, err
     new = {p for p in tmp_path.rglob("*")} - before
-    assert new and all(wd in p.parents for p in new), sorted(new)
+    assert new and all(wd in p.parents or p == cache or cache in p.parents for p in new), sorted(new)
+    assert any(p.name == "test.bin" for p in cache.rglob("*"))  # the split the run's cache lacked
     assert list((wd / "eval").glob("test_step4_*.json")) and not outside.exists()
