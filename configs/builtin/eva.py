@@ -1,4 +1,4 @@
-"""The main job (configs/default.py: byte-level decoder on the built-in corpus, same sizes and
+"""The exact-attention baseline (configs/default.py: byte-level decoder on the built-in corpus, same sizes and
 schedule) with every attention layer replaced by causal EVA (docs/methods/eva.md):
 local block 128, chunks of 8 tokens (C = 32 at the 256-token training length), T5 relative
 position bias inside the block, the released 'full' partition.

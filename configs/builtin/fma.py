@@ -1,4 +1,4 @@
-"""The main job (configs/default.py: byte-level decoder on the built-in corpus, same context, steps and
+"""The exact-attention baseline (configs/default.py: byte-level decoder on the built-in corpus, same context, steps and
 schedule) with every attention layer replaced by causal Fast Multipole Attention (docs/methods/fma.md):
 fine blocks m = 32, p = 4 summary rows per group, max_len = train.seq_len (256), so 3 levels in the
 paper's count (fine + 2 coarse: groups of 32 and 64 tokens), as in the paper's n/m = 8 setting (Table 1,

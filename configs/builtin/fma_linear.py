@@ -1,4 +1,4 @@
-"""The main job (configs/default.py) with every attention layer replaced by causal *linear* Fast Multipole
+"""The exact-attention baseline (configs/default.py) with every attention layer replaced by causal *linear* Fast Multipole
 Attention (``fma_linear``, docs/methods/fma.md: the coarse levels' softmax terms become linear-attention
 sums in the leak-free ``lagged`` form). Its multilevel settings are configs/builtin/fma.py's: fine blocks
 m = 32, p = 4 summary rows per group, levels built for the training length (max_len follows train.seq_len,

@@ -1,4 +1,4 @@
-"""The main job (configs/default.py: byte-level decoder on the built-in corpus, same sizes, schedule
+"""The exact-attention baseline (configs/default.py: byte-level decoder on the built-in corpus, same sizes, schedule
 and context, hence the same parameter count: the core has no parameters) with every attention layer
 replaced by causal KDEformer (docs/methods/kdeformer.md §4). At the 256-token training length
 the method's LM defaults (docs/methods/kdeformer.md §3: chunks of 128, two local chunks) would leave nothing to approximate, so

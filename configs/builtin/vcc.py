@@ -1,4 +1,4 @@
-"""The main job (configs/default.py: byte-level decoder on the built-in corpus, same sizes, schedule
+"""The exact-attention baseline (configs/default.py: byte-level decoder on the built-in corpus, same sizes, schedule
 and context, hence the same parameter count: VCC adds no parameters) with VCC-LM, our causal
 extension of VIP-token centric compression (docs/methods/vcc.md §4.2). Each attention layer
 reads, for a query in window j (32 bytes), the 32 bytes before the window and the window itself
