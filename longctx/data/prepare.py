@@ -13,6 +13,7 @@ Preparing again is a no-op when the manifest and sizes match.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import errno
 import hashlib
@@ -24,6 +25,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from longctx.errors import DataError, LongctxError
+
+
+class Continued(str):
+    """A piece of a document that goes on in the next payload: a source yields a long document as
+    ``Continued`` pieces and a last ordinary payload, and no document boundary is recorded after a
+    piece (so a document never has to be held whole in memory)."""
+
+    __slots__ = ()
 
 
 def default_cache_dir() -> Path:
@@ -128,22 +137,26 @@ def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta
     if is_prepared(directory, split):
         return directory
     bin_path = directory / f"{split}.bin"
-    starts = [0]
+    starts = array.array("q", [0])  # 8 bytes a document
     h = hashlib.sha256()
+    total_docs = source.count(split) if hasattr(source, "count") else None
 
     def write_tokens(f):
         total = 0
         docs = source.documents(split)
-        for _name, payload in tqdm(docs, desc=f"prepare {split}", unit="doc", disable=not progress, leave=False):
-            ids = np.ascontiguousarray(tokenizer.encode(payload), dtype=tokenizer.dtype)
-            b = ids.tobytes()
-            f.write(b)
-            h.update(b)
-            total += ids.shape[0]
-            starts.append(total)
+        with tqdm(desc=f"prepare {split}", unit="doc", total=total_docs, disable=not progress, leave=False) as bar:
+            for _name, payload in docs:
+                ids = np.ascontiguousarray(tokenizer.encode(payload), dtype=tokenizer.dtype)
+                b = ids.tobytes()
+                f.write(b)
+                h.update(b)
+                total += ids.shape[0]
+                if not isinstance(payload, Continued):  # a piece: the document goes on
+                    starts.append(total)
+                    bar.update(1)
 
     atomic_write_with(bin_path, write_tokens)
-    docs = np.asarray(starts, np.int64)
+    docs = np.frombuffer(starts, dtype=np.int64).copy()
     atomic_write_with(directory / f"{split}.docs.npy", lambda f: np.save(f, docs))
     manifest = {
         "split": split,
@@ -152,6 +165,7 @@ def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta
         "dtype": np.dtype(tokenizer.dtype).name,
         "vocab_size": int(tokenizer.vocab_size),
         "tokenizer": tokenizer.name,
+        "eos_id": getattr(tokenizer, "eos_id", None),
         "sha256": h.hexdigest(),
         "source": source_meta,
     }
@@ -167,6 +181,16 @@ def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenDat
         raise DataError(f"{directory / (split + '.bin')}: checksum mismatch; delete {directory} and prepare again")
     tokens = np.memmap(directory / f"{split}.bin", dtype=manifest["dtype"], mode="r", shape=(manifest["num_tokens"],))
     return TokenData(tokens=tokens, doc_starts=np.load(directory / f"{split}.docs.npy"), manifest=manifest)
+
+
+def tokenizer_kwargs(source, data_cfg, meta) -> dict:
+    """What the tokenizer is built from; part of the cache key (a tokenizer file by its sha256)."""
+    kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    if data_cfg.tokenizer == "hf":
+        from longctx.data.hf import tokenizer_kwargs as hf_kwargs
+
+        kw = {**kw, **hf_kwargs(data_cfg)}
+    return kw
 
 
 def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bool = True):
@@ -186,7 +210,7 @@ def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bo
                           "and there is nothing to prepare (train on it directly; score it with longctx-recall)")
     source = sources.build(data_cfg)
     meta = source.metadata()
-    tok_kwargs = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    tok_kwargs = tokenizer_kwargs(source, data_cfg, meta)
     extra = json.dumps(tok_kwargs, sort_keys=True, default=str)
     directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=extra)
     root = directory.parent
@@ -196,7 +220,9 @@ def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bo
     if not trust_cache_dir and data_cfg.cache_dir:
         if not directory.is_dir():
             directory = cache_path(meta, data_cfg.tokenizer, None, extra=extra)
-    if hasattr(source, "build_tokenizer"):
+    if data_cfg.tokenizer == "hf":  # a tokenizer.json, the same for every source
+        tokenizer = tokenizers.build("hf", **tok_kwargs)
+    elif hasattr(source, "build_tokenizer"):
         tokenizer = source.build_tokenizer(data_cfg, directory)
     else:
         tokenizer = tokenizers.build(data_cfg.tokenizer, **tok_kwargs)

@@ -19,11 +19,11 @@ def target_directory(data_cfg) -> Path:
     import json
 
     from longctx.data import sources
-    from longctx.data.prepare import cache_path
+    from longctx.data.prepare import cache_path, tokenizer_kwargs
 
     source = sources.build(data_cfg)
     meta = source.metadata()
-    kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    kw = tokenizer_kwargs(source, data_cfg, meta)
     return cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=json.dumps(kw, sort_keys=True, default=str))
 
 

@@ -25,6 +25,9 @@ _SOURCES: dict[str, str] = {
     "enwik8": "longctx.data.enwik8:Enwik8Source",
     "wikitext103": "longctx.data.wikitext103:WikiText103Source",
     "pg19": "longctx.data.pg19:PG19Source",
+    # your own corpus (longctx/data/files.py, longctx/data/hf.py)
+    "files": "longctx.data.files:FilesSource",
+    "hf": "longctx.data.hf:HFDatasetSource",
     # generated on the fly (longctx/data/synthetic.py): rows, not token files
     "mqar": "longctx.data.synthetic:MQARSource",
     "passkey": "longctx.data.synthetic:PasskeySource",

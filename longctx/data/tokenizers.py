@@ -38,6 +38,7 @@ _TOKENIZERS: dict = {
     "bytes": "longctx.data.tokenizers:ByteTokenizer",
     "words": "longctx.data.wordvocab:WordTokenizer",
     "sentencepiece": "longctx.data.spm:SentencePieceTokenizer",
+    "hf": "longctx.data.hf:HFTokenizer",  # a Hugging Face tokenizer.json (data.options.tokenizer_file)
 }
 
 
