@@ -32,7 +32,22 @@ def base_config() -> ml_collections.ConfigDict:
         "verify": True,  # check sizes / checksums / official counts of real dataset files
         "tfds": False,  # pg19: read through tensorflow_datasets' pg19 builder
         "spm_max_chars": 1_000_000_000,  # sentencepiece: train on the first N characters of train
+        # files / hf (your own corpus; docs/datasets.md, longctx/data/files.py and hf.py)
+        "format": "auto",  # files: 'auto' (by file name) | 'text' | 'jsonl' | 'parquet'
+        "text_field": "text",  # files / hf: the JSONL field / Parquet column holding the text
+        "separator": "",  # files: '' = one document per text file, else the marker between documents (\\n = newline)
+        "split": (0.9, 0.05, 0.05),  # files / hf: train, valid, test fractions of data.path (seeded permutation)
+        "split_seed": 0,
+        "train_path": "",  # files / hf: the splits given as paths instead (file, folder or glob)
+        "valid_path": "",
+        "test_path": "",
+        "hf_builder": "",  # hf: datasets builder 'json' | 'parquet' | 'text' | 'csv' ('' = by file name)
+        "tokenizer_file": "",  # data.tokenizer='hf': a Hugging Face tokenizer.json
+        "eos_token": "",  # data.tokenizer='hf': end-of-document token ('' = the first of <|endoftext|>, </s>, ...)
     })
+    # training rows: 'document' (each row inside one document; shorter documents are not trained on) or
+    # 'pack' (rows of consecutive documents separated by the end-of-document token; longctx/data/batching.py)
+    c.data.packing = "document"
     # generated recall tasks (data.source = 'mqar' | 'passkey' | 'copy'; longctx/data/synthetic.py)
     c.data.synthetic = ml_collections.ConfigDict({
         "num_pairs": 16,  # mqar: key-value pairs opening each row
@@ -71,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
     # waits for the block's cotangent; other backends: jax.checkpoint with 'nothing_saveable'), or one of
     # 'cotangent_tied' | 'nothing_saveable' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
     c.model.remat_policy = "auto"
+    # identical blocks' parameters and per-layer state stacked on a leading 'layers' axis and run by one scan:
+    # compile time flat in depth; False: one module per block (the layout of checkpoints saved without the key;
+    # a checkpoint of either layout restores into the other, longctx/models/backbone.py:relayout)
+    c.model.scan_layers = False
     c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.adaptive_div = 4.0
@@ -80,7 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = ml_collections.ConfigDict()
     c.model.attention.name = "dense"
     for name in attention.names():
-        c.model.attention[name] = attention.default_config(name)
+        c.model.attention[name] = attention.model_config(name)
 
     c.train = ml_collections.ConfigDict()
     c.train.seed = 0
@@ -108,6 +127,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.ckpt_every = 500
     c.train.keep_checkpoints = 3
     c.train.async_checkpoints = True
+    c.train.microbatches = 1  # gradient accumulation: each update's rows run in this many micro-batches
+    # JAX's persistent compilation cache, so a restarted run does not compile again: '' -> the
+    # JAX_COMPILATION_CACHE_DIR environment variable if set, else <data cache dir>/jax_compile; 'none' -> off
+    c.train.compilation_cache_dir = ""
 
     c.eval = ml_collections.ConfigDict()
     c.eval.split = "valid"
@@ -150,10 +173,54 @@ def base_config() -> ml_collections.ConfigDict:
     # every attention core composes its state at that slice length, else xla).
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1, "sequence": 1, "rules": "",
                                         "sequence_mode": "auto"})
+
+    # how the model is computed, never what: each attention method's implementation choice, tiles and budgets
+    # (its EXECUTION_KEYS; docs/DESIGN.md "Implementations and the execution section"). Changing one changes
+    # no parameter and no result beyond floating-point rounding, so a run trained with one setting evaluates
+    # with another. A key of these given under model.attention.<method> (the layout before this section) is
+    # moved here: silently in a saved config (merge_over_base), with one note in a config being validated.
+    c.execution = ml_collections.ConfigDict()
+    c.execution.attention = ml_collections.ConfigDict()
+    for name in attention.names():
+        c.execution.attention[name] = attention.execution_config(name)
     return c
 
 
+_moved_noted: set[str] = set()
+
+
+def migrate_execution(cfg: ml_collections.ConfigDict, *, note=None) -> list[str]:
+    """Move execution keys found under ``model.attention.<method>`` to ``execution.attention.<method>`` in place
+    (a config saved before the execution section, or one still written that way); the moved value wins over the
+    section's. ``note(message)`` is called once per process for each moved key. Returns the moved paths."""
+    moved = []
+    att = cfg.model.attention
+    if "execution" not in cfg:
+        cfg.execution = ml_collections.ConfigDict()
+    if "attention" not in cfg.execution:
+        cfg.execution.attention = ml_collections.ConfigDict()
+    for name in list(att.keys()):
+        if name == "name" or name not in attention.names() or not isinstance(att[name], ml_collections.ConfigDict):
+            continue
+        for key in attention.execution_keys(name):
+            if key not in att[name]:
+                continue
+            if name not in cfg.execution.attention:
+                cfg.execution.attention[name] = attention.execution_config(name)
+            cfg.execution.attention[name][key] = att[name][key]
+            del att[name][key]
+            path = f"model.attention.{name}.{key}"
+            moved.append(path)
+            if note is not None and path not in _moved_noted:
+                _moved_noted.add(path)
+                note(f"config: {path} is an execution setting; it now lives at execution.attention.{name}.{key} "
+                     "(moved; set it there)")
+    return moved
+
+
 _CHOICES = {
+    "data.packing": ("document", "pack"),
+    "data.options.format": ("auto", "text", "jsonl", "parquet"),
     "model.kind": ("decoder", "encoder"),
     "mlm.masking": ("bert", "span", "clustered"),
     "model.norm": ("layernorm", "rmsnorm"),
@@ -185,7 +252,7 @@ def check_against_base(cfg: ml_collections.ConfigDict, base: ml_collections.Conf
         if isinstance(want, ml_collections.ConfigDict):
             if not isinstance(got, ml_collections.ConfigDict):
                 raise ConfigError(f"config {path} must be a section, got {got!r}")
-            if path == "model.attention":
+            if path in ("model.attention", "execution.attention"):
                 continue  # checked by the attention registry
             check_against_base(got, want, prefix=path + ".")
         elif not _same_kind(want, got):
@@ -225,7 +292,8 @@ _RANGES = (
     ("model.adaptive_div", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
     ("train.seed", lambda v: v >= 0, "an integer >= 0"),
     *((f"train.{k}", *_POS) for k in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "ckpt_every",
-                                      "keep_checkpoints", "eval_tokens", "max_skipped_in_row")),
+                                      "keep_checkpoints", "eval_tokens", "max_skipped_in_row",
+                                      "microbatches")),
     ("train.window", lambda v: v >= 0, "an integer >= 0 (0 = the whole sequence)"),
     ("train.short_steps", lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     ("train.short_seq_len", *_NONNEG),
@@ -251,6 +319,7 @@ _RANGES = (
     *((f"mesh.{k}", lambda v: v >= 1, ">= 1") for k in ("fsdp", "tensor", "sequence")),
     ("data.options.vocab_size", *_POS),
     ("data.options.spm_max_chars", *_POS),
+    ("data.options.split_seed", lambda v: v >= 0, "an integer >= 0"),
     ("mlm.rate", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
     ("mlm.span_len", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
     ("mlm.max_span_len", lambda v: v >= 1, "an integer >= 1"),
@@ -268,10 +337,17 @@ def check_ranges(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config {path}={val!r} must be {allowed}")
 
 
+def _deprecation_note(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr)
+
+
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Check keys, types, values and combinations; return a resolved frozen copy."""
     check_against_base(cfg)
     c = ml_collections.ConfigDict(cfg.to_dict())
+    migrate_execution(c, note=_deprecation_note)
     for path, allowed in _CHOICES.items():
         val = _get(c, path)
         if val not in allowed:
@@ -336,8 +412,19 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(
             f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
         )
+    for key in c.execution.attention.keys():
+        if key not in attention.names():
+            raise ConfigError(f"config key 'execution.attention.{key}' is unknown; allowed: {', '.join(attention.names())}")
     method_cfg = attention.default_config(name)
+    method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})
     method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
+    exec_keys = attention.execution_keys(name)
+    for key in (c.execution.attention[name].keys() if name in c.execution.attention else ()):
+        if key not in exec_keys:
+            where = "model.attention" if key in attention.default_config(name) else None
+            raise ConfigError(f"config key 'execution.attention.{name}.{key}' is unknown"
+                              + (f": it is a hyperparameter, set it under {where}.{name}.{key}" if where else
+                                 f"; allowed: {', '.join(exec_keys) or '(none)'}"))
     attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
     from longctx.models.backbone import REMAT_POLICIES
 
@@ -346,10 +433,14 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
         raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
                           "the per-block remat cannot wrap; set model.remat=False")
+    if m.get("scan_layers", False) and attention.get_class(name).stack_wrapper(causal=m.causal):
+        raise ConfigError(f"model.scan_layers=True: attention {name!r} runs the blocks inside its own stack wrapper, "
+                          "which a scan over stacked layers cannot replace; set model.scan_layers=False")
     for other in list(m.attention.keys()):
         if other not in ("name", name):
             del m.attention[other]
-    m.attention[name] = method_cfg
+    m.attention[name] = {k: v for k, v in method_cfg.items() if k not in exec_keys}
+    c.execution.attention = ml_collections.ConfigDict({name: {k: method_cfg[k] for k in exec_keys}})
 
     if t.window == 0:
         t.window = t.seq_len
@@ -358,6 +449,12 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             f"train.window={t.window} must divide train.seq_len={t.seq_len} (e.g. {t.seq_len // 4}); 0 means the whole sequence"
         )
     n_windows = t.seq_len // t.window
+    if t.batch_size % t.microbatches:
+        raise ConfigError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size} "
+                          "(each update's rows are split into that many equal micro-batches)")
+    if t.microbatches > 1 and m.kind == "encoder":
+        raise ConfigError("train.microbatches > 1 (gradient accumulation) is for decoders; an encoder (masked LM) "
+                          "trains on the whole batch: leave train.microbatches=1")
     if t.steps % n_windows:
         raise ConfigError(
             f"train.steps={t.steps} counts optimizer updates and must be a multiple of seq_len/window={n_windows}"
@@ -433,6 +530,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                           "prefix states pass through the blocks as objects the recomputation cannot take); "
                           "or set model.remat=False")
     window = c.train.window or c.train.seq_len
+    if (c.model.get("scan_layers", False) and c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla"
+            and window < c.train.seq_len):
+        raise ConfigError(f"model.scan_layers=True with mesh.sequence={c.mesh.sequence} and windows carrying state needs "
+                          "mesh.sequence_mode='xla' (the composed hook takes one state per layer, not a stacked one)")
     if c.mesh.sequence > 1 and window % c.mesh.sequence:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")
     c.lock()
@@ -510,7 +611,8 @@ def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int) -> ml_collect
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = int(vocab_size)
     elif cfg.model.vocab_size < vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size}")
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size} "
+                          f"(data.tokenizer={cfg.data.tokenizer!r}); set model.vocab_size=0 to take the tokenizer's")
     _check_vocab(cfg.model)
     cfg.lock()
     return cfg
@@ -571,7 +673,9 @@ def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.C
                 dst[k] = v
 
     deep(merged, saved)
-    return ml_collections.ConfigDict(merged)
+    merged = ml_collections.ConfigDict(merged)
+    migrate_execution(merged)  # a run saved before the execution section kept these keys among the model's
+    return merged
 
 
 def n_windows(cfg) -> int:

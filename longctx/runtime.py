@@ -104,7 +104,7 @@ class Runner:
                     node = node[p]
                 node[key] = value
             cfg = config_lib.validate(cfg)
-            model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed))
+            model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
             built["cfg"] = cfg
             built["split"] = split_model(model)
             _, params, nongrad, _ = built["split"]

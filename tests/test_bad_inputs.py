@@ -261,6 +261,27 @@ CASES = [
     # longctx-bench
     Case("bench: unknown sub-command", "bench", ("speed",), r"invalid choice: 'speed'"),
     Case("bench: unknown flag", "bench", ("report", "--fast"), r"unrecognized arguments: --fast"),
+    # your own corpus (data.source='files' / 'hf', data.tokenizer='hf')
+    Case("files: an empty corpus", "train", (*T, "--config.data.source=files", "--config.data.path={tmp}/nofiles"),
+         r"files: .*is an empty folder: the corpus is empty"),
+    Case("files: JSONL without the text field", "train",
+         (*T, "--config.data.source=files", "--config.data.path={tmp}/nofield.jsonl"),
+         r"nofield.jsonl line 1 has no field 'text' \(its fields: body\); set data.options.text_field"),
+    Case("files: text not UTF-8", "train", (*T, "--config.data.source=files", "--config.data.path={tmp}/latin1.txt"),
+         r"latin1.txt is not UTF-8 text .*convert it to UTF-8"),
+    Case("files: split fractions over 1", "train",
+         (*T, "--config.data.source=files", "--config.data.path={tmp}/latin1.txt", "--config.data.options.split=(0.9,0.2,0.1)"),
+         r"data.options.split=\(0.9, 0.2, 0.1\) must be three fractions"),
+    Case("hf: a Hub dataset name", "train", (*T, "--config.data.source=hf", "--config.data.path=Salesforce/wikitext"),
+         r"data.path='Salesforce/wikitext' is not a local file or folder; .*never downloads from the Hub"),
+    Case("hf: a tokenizer file that does not parse", "train",
+         (*T, "--config.data.tokenizer=hf", "--config.data.options.tokenizer_file={tmp}/a.txt"),
+         r"a.txt is not a Hugging Face tokenizer file .*expected a tokenizer.json"),
+    Case("hf: tokenizer file not set", "prepare", ("--config={cfg}", "--config.data.tokenizer=hf"),
+         r"set data.options.tokenizer_file"),
+    Case("vocabulary larger than the model's", "train", (*T, "--config.model.vocab_size=100"),
+         r"model.vocab_size=100 is smaller than the tokenizer's 256"),
+    Case("unknown packing rule", "train", (*T, "--config.data.packing=greedy"), r"choose one of: document, pack"),
 ]
 
 
@@ -303,6 +324,7 @@ def make_context(root: Path) -> dict:
     (tmp / "pg19latin1" / "metadata.csv").write_bytes("123,Caf\xe9 au lait,1900,http://x\n".encode("latin-1"))
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "a.txt").write_text("a")
+    (tmp / "nofield.jsonl").write_text('{"body": "a JSONL line without the text field"}\n')
     (tmp / "raises.py").write_text("raise RuntimeError('broken at import')\n")
     (tmp / "getraises.py").write_text("def get_config():\n    return 1 / 0\n")
     (tmp / "noget.py").write_text("X = 1\n")

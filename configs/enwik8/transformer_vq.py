@@ -43,7 +43,7 @@ def get_config(arg: str | None = None):
     vq.codebook_size = 512
     vq.block_len = 512
     vq.mem_len = 0  # = block_len
-    vq.reduction = "serial"
+    c.execution.attention.transformer_vq.reduction = "serial"
     vq.beta = 1e-4
     vq.gamma = 0.99
     vq.p_dropsin = 0.2

@@ -54,7 +54,22 @@ def get_class(name: str) -> type[AttentionCore]:
 
 
 def default_config(name: str) -> ml_collections.ConfigDict:
+    """Every key of the method: hyperparameters and execution settings (what ``build`` takes)."""
     return get_class(name).default_config()
+
+
+def model_config(name: str) -> ml_collections.ConfigDict:
+    """The method's hyperparameters (``model.attention.<name>`` of the config)."""
+    return get_class(name).model_config()
+
+
+def execution_config(name: str) -> ml_collections.ConfigDict:
+    """The method's execution settings (``execution.attention.<name>`` of the config)."""
+    return get_class(name).execution_config()
+
+
+def execution_keys(name: str) -> tuple[str, ...]:
+    return tuple(get_class(name).EXECUTION_KEYS)
 
 
 def validate(name: str, cfg: ml_collections.ConfigDict, *, causal: bool, prefix: str = "attention") -> None:
@@ -102,9 +117,14 @@ def build(
     causal: bool,
     rngs: nnx.Rngs,
     value_dim: int | None = None,
+    execution: ml_collections.ConfigDict | dict | None = None,
 ) -> AttentionCore:
+    """The core of method ``name``: its defaults, then ``execution`` (settings of ``execution.attention.<name>``),
+    then ``cfg`` (hyperparameters; execution keys given here too win), validated as one config."""
     cls = get_class(name)
     merged = cls.default_config()
+    if execution is not None:
+        merged.update(execution)
     if cfg is not None:
         merged.update(cfg)
     validate(name, merged, causal=causal)
@@ -118,7 +138,10 @@ __all__ = [
     "build",
     "check_qkv",
     "default_config",
+    "execution_config",
+    "execution_keys",
     "get_class",
+    "model_config",
     "names",
     "register",
     "require",

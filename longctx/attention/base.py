@@ -140,6 +140,10 @@ class AttentionCore(nnx.Module):
     # the trainer's mesh.sequence_mode='auto' takes composed states for this core (when it composes);
     # False where XLA's partitioner splits the row better (measured: README, sequence parallelism)
     sequence_compose_in_training: bool = True
+    # -- execution: keys of default_config() that choose how the method is computed (implementation, tiles,
+    # budgets), never what: they live in the config's ``execution.attention.<name>`` section, apart from the
+    # model's hyperparameters, and changing one changes no result beyond floating-point rounding
+    EXECUTION_KEYS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -161,6 +165,29 @@ class AttentionCore(nnx.Module):
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict()
+
+    @classmethod
+    def model_config(cls) -> ml_collections.ConfigDict:
+        """The hyperparameters of ``default_config()``: what the method computes (``model.attention.<name>``)."""
+        c = cls.default_config()
+        for key in cls.EXECUTION_KEYS:
+            del c[key]
+        return c
+
+    @classmethod
+    def execution_config(cls) -> ml_collections.ConfigDict:
+        """The execution settings of ``default_config()`` (``execution.attention.<name>``)."""
+        c = cls.default_config()
+        return ml_collections.ConfigDict({key: c[key] for key in cls.EXECUTION_KEYS})
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True) -> tuple:
+        """The method's named implementations in order (``longctx.attention.dispatch.Implementation``), each
+        with the execution settings that select it (``config``); the first is the reference every other one
+        must equal (tests/attention/test_implementations.py). Default: one, the method's own code."""
+        from longctx.attention.dispatch import Implementation
+
+        return (Implementation("reference"),)
 
     @classmethod
     def validate_config(cls, cfg: ml_collections.ConfigDict, *, causal: bool) -> None:

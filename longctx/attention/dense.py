@@ -396,6 +396,24 @@ class DenseAttention(AttentionCore):
     # skip; XLA's partitioner splits the queries and gathers K/V instead: 226 MiB against 1,847 MiB
     # of temporaries per device at 8k tokens over 8 devices (README, sequence parallelism)
     sequence_compose_in_training = False
+    EXECUTION_KEYS = ("impl", "block_q", "block_k", "auto_threshold")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """naive (the reference: one masked softmax), blockwise (online softmax over key blocks; ``test_config``
+        makes it take several blocks at test lengths), cudnn (GPU) and splash (TPU; interpret mode on CPU) for
+        full passes. ``impl='auto'``: the platform's fused kernel where it serves the call, else blockwise when
+        Tq*Tk > auto_threshold, else naive (:func:`attend`)."""
+        from longctx.attention.dispatch import Implementation
+
+        return (
+            Implementation("naive", config={"impl": "naive"}),
+            Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8}),
+            Implementation("cudnn", platforms=("cuda",), reasons=dense_platform.cudnn_unsupported_reasons,
+                           config={"impl": "cudnn"}),
+            Implementation("splash", platforms=("tpu",), kernel=True,
+                           reasons=dense_platform.splash_unsupported_reasons, config={"impl": "splash"}),
+        )
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:

@@ -1,23 +1,26 @@
-"""One implementation-selection rule for ``impl = 'xla' | 'pallas' | 'auto'`` (DESIGN.md §3, STYLE rule 4).
+"""Named implementations and the one rule that picks among them (DESIGN.md "Implementations and the execution
+section", STYLE §3, rule 4).
 
-Every kernel module in ``pallas_kernels/`` declares what it supports with a function
-``unsupported_reasons(platform, **shapes) -> list[str]`` (empty: supported), in the style of xformers'
-``not_supported_reasons``; ``platform`` is ``'tpu'``, ``'cuda'``, ``'rocm'`` or ``'interpret'`` (CPU, Pallas
-interpret mode: only what the kernel computes is checked, not its hardware limits). :func:`resolve` is the
-only place that turns a method's ``impl`` into a choice:
+Each attention core declares its implementations in order (``AttentionCore.implementations()``): an
+:class:`Implementation` names one way of computing the method (``'naive'``, ``'blockwise'``, ``'pallas'``, ...),
+the platforms and dtypes it serves, and a function ``reasons(platform, **shapes) -> list[str]`` for everything
+else it refuses (empty: it serves the call), in the style of xformers' ``not_supported_reasons``. ``platform`` is
+``'cpu'``, ``'tpu'``, ``'cuda'``, ``'rocm'``, or ``'interpret'`` (a Pallas kernel run in interpret mode on a CPU:
+only what the kernel computes is checked, not hardware limits).
 
-* ``'xla'``: the method's XLA path.
-* ``'auto'``: the kernel where it has no reasons on the current platform; otherwise the XLA path and one
-  log line (INFO, logger ``longctx.attention.dispatch``, once per distinct message) naming why. On CPU
-  ``'auto'`` is always XLA (no compiled Pallas there).
-* ``'pallas'``: the kernel, or :class:`KernelUnsupportedError` listing every reason. On CPU it runs the
-  kernel in interpret mode with a warning (slow; for tests), after checking the interpret-mode reasons.
+A method's ``impl`` execution setting is a name, an ordered list of names (a tuple, or a comma string
+``'pallas,xla'``), or ``'auto'`` (the platform's ordered list). :func:`select` is the only place that turns it into
+a choice: the first candidate with no reasons wins; an explicitly named candidate that refuses, when nothing after
+it serves, raises :class:`KernelUnsupportedError` listing each candidate's reasons; a candidate that ``'auto'`` or
+a list skips is logged once (INFO, logger ``longctx.attention.dispatch``) with its reasons. A Pallas kernel on a
+CPU runs only where named (interpret mode, slow, for tests; a warning says so); ``'auto'`` never takes it there.
 
-A method may add its own reasons (``extra_reasons``) for configurations its kernel does not compute
-(e.g. a reduction other than the kernel's); they count like the kernel's.
-
-Exact attention's fused kernels from outside the project (cuDNN on GPUs, splash on TPUs) follow the same rule
-under ``attention.dense.impl`` names of their own: ``longctx/attention/dense_platform.py``.
+:func:`resolve` keeps the two-way form ``impl = 'xla' | 'pallas' | 'auto'`` (or a list of those) for a method
+whose XLA path and one kernel are its implementations (eva, fma, transformer_vq's block-parallel form). A method
+may add its own reasons (``extra_reasons``) for configurations its kernel does not compute (e.g. a reduction
+other than the kernel's); they count like the kernel's. Exact attention's fused kernels from outside the project
+(cuDNN on GPUs, splash on TPUs) are dense's implementations ``cudnn`` and ``splash``:
+``longctx/attention/dense_platform.py``.
 """
 
 from __future__ import annotations
@@ -30,23 +33,68 @@ from collections.abc import Callable, Sequence
 import jax
 
 IMPLS = ("xla", "pallas", "auto")
+ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
 class KernelUnsupportedError(ValueError):
-    """impl='pallas' was asked for where the kernel cannot run; the message lists every reason."""
+    """An explicitly named implementation cannot serve the call; the message lists every reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One named way of computing a method.
+
+    name:      what ``impl`` (or the method's own setting, ``config``) calls it.
+    platforms: where it runs compiled. A ``kernel`` (Pallas) also runs on a CPU in interpret mode when named.
+    dtypes:    input dtypes it takes (names, e.g. ``'float32'``); None: any.
+    reasons:   ``reasons(platform, **shapes) -> list[str]``: anything else it refuses (shapes, budgets, options).
+    kernel:    a Pallas kernel (interpret mode on a CPU, never chosen there by 'auto').
+    config:    the execution settings that select it (tests and benchmarks build the core with them).
+    test_config: settings that make it exercise its own structure at test lengths (e.g. small tiles).
+    """
+
+    name: str
+    platforms: tuple[str, ...] = ALL_PLATFORMS
+    dtypes: tuple[str, ...] | None = None
+    reasons: Callable[..., list[str]] | None = None
+    kernel: bool = False
+    config: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    test_config: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def unsupported_reasons(self, platform: str, **shapes) -> list[str]:
+        """Why this implementation cannot serve a call with ``shapes`` on ``platform`` (empty: it can)."""
+        out = []
+        if platform == "interpret":
+            if not self.kernel:
+                out.append(f"{self.name} is not a Pallas kernel (no interpret mode)")
+        elif platform not in self.platforms:
+            out.append(f"{self.name} runs on {', '.join(self.platforms)}, not {platform}"
+                       + (" (a Pallas kernel runs on cpu only in interpret mode, when named)"
+                          if self.kernel and platform == "cpu" else ""))
+        dtype = shapes.get("dtype")
+        if self.dtypes is not None and dtype is not None:
+            import numpy as np
+
+            if np.dtype(dtype).name not in self.dtypes:
+                out.append(f"dtype {np.dtype(dtype).name}: {self.name} takes {', '.join(self.dtypes)}")
+        if self.reasons is not None:
+            out.extend(self.reasons(platform, **shapes))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The resolved implementation: ``use_kernel`` (else XLA), ``interpret`` (Pallas interpret mode),
-    the ``platform`` name given to the kernel, and the ``reasons`` the kernel was not taken (if any)."""
+    """The resolved implementation: ``name``, ``use_kernel`` (a Pallas kernel, else an XLA path),
+    ``interpret`` (Pallas interpret mode), the ``platform`` name given to the kernel, and the ``reasons``
+    the candidates before it were skipped (if any; the log line names each candidate)."""
 
     use_kernel: bool
     interpret: bool = False
     platform: str = "cpu"
     reasons: tuple[str, ...] = ()
+    name: str = ""
 
 
 def current_platform() -> str:
@@ -64,37 +112,100 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def resolve(impl: str, *, method: str, kernel: str, reasons_fn: Callable[..., list[str]],
-            platform: str | None = None, extra_reasons: Sequence[str] = (), **shapes) -> Choice:
-    """Pick the implementation of ``method`` (a name for messages) whose Pallas kernel is ``kernel`` (a name)
-    and declares its limits through ``reasons_fn(platform, **shapes)``. See the module docstring."""
-    if impl not in IMPLS:
-        raise ValueError(f"{method}: impl={impl!r}; allowed: {', '.join(IMPLS)}")
+def parse_impl(impl) -> tuple[str, ...]:
+    """``impl`` as an ordered tuple of names: a name, a comma string ``'a,b'`` or a tuple/list of names."""
+    if isinstance(impl, str):
+        names = tuple(s.strip() for s in impl.split(","))
+    elif isinstance(impl, (tuple, list)):
+        names = tuple(str(s).strip() for s in impl)
+    else:
+        raise ValueError(f"impl={impl!r}: a name, a comma-separated string or a list of names")
+    if not names or any(not n for n in names):
+        raise ValueError(f"impl={impl!r}: an empty name")
+    if "auto" in names and len(names) > 1:
+        raise ValueError(f"impl={impl!r}: 'auto' stands alone (it is the platform's whole ordered list)")
+    return names
+
+
+def impl_problem(impl, allowed: Sequence[str]) -> str | None:
+    """None when ``impl`` is 'auto' or names only ``allowed`` implementations; else what is wrong."""
+    try:
+        names = parse_impl(impl)
+    except ValueError as e:
+        return str(e)
+    bad = [n for n in names if n != "auto" and n not in allowed]
+    if bad:
+        return f"impl={impl!r}: unknown {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}, auto, or a list"
+    return None
+
+
+def by_name(implementations: Sequence[Implementation]) -> dict[str, Implementation]:
+    return {i.name: i for i in implementations}
+
+
+def auto_order(implementations: Sequence[Implementation], platform: str) -> tuple[str, ...]:
+    """The default 'auto' list: the declared order, less the kernels on a CPU (no compiled Pallas there)."""
+    return tuple(i.name for i in implementations if not (i.kernel and platform == "cpu"))
+
+
+def select(impl, implementations: Sequence[Implementation], *, method: str, platform: str | None = None,
+           order: Callable[[str], Sequence[str]] | None = None, **shapes) -> Choice:
+    """Pick one of ``implementations`` for ``impl`` (a name, a list or 'auto'; module docstring). ``order``:
+    the platform's ordered list for 'auto' (default: :func:`auto_order`). ``shapes`` go to every candidate's
+    ``unsupported_reasons``."""
     plat = platform or current_platform()
-    if impl == "xla":
-        return Choice(False, platform=plat)
-    if plat == "cpu":
-        if impl == "auto":
-            why = ("no compiled Pallas on cpu (the kernel runs there only in interpret mode, "
-                   "asked for with impl='pallas')",)
-            _log_once(f"{method}: impl='auto' uses XLA instead of the Pallas kernel {kernel}: {why[0]}")
-            return Choice(False, platform=plat, reasons=why)
-        reasons = list(extra_reasons) + list(reasons_fn("interpret", **shapes))
-        if reasons:
-            raise KernelUnsupportedError(f"{method}: impl='pallas' cannot run the Pallas kernel {kernel} (interpret "
-                                         f"mode on cpu): " + "; ".join(reasons) + ". Use impl='xla'.")
-        warnings.warn(f"{method}: impl='pallas' on cpu runs the Pallas kernel {kernel} in interpret mode (slow)",
-                      stacklevel=3)
-        return Choice(True, interpret=True, platform=plat)
-    reasons = list(extra_reasons) + list(reasons_fn(plat, **shapes))
-    if not reasons:
-        return Choice(True, platform=plat)
-    if impl == "auto":
-        _log_once(f"{method}: impl='auto' uses XLA instead of the Pallas kernel {kernel} on {plat}: "
-                  + "; ".join(reasons))
-        return Choice(False, platform=plat, reasons=tuple(reasons))
-    raise KernelUnsupportedError(f"{method}: impl='pallas' cannot use the Pallas kernel {kernel} on {plat}: "
-                                 + "; ".join(reasons) + ". Use impl='auto' (falls back to XLA) or impl='xla'.")
+    table = by_name(implementations)
+    names = parse_impl(impl)
+    explicit = names != ("auto",)
+    if not explicit:
+        names = tuple(order(plat) if order is not None else auto_order(implementations, plat))
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"{method}: impl={impl!r}: unknown {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(table)}, auto, or a list")
+    skipped: list[str] = []
+    flat: list[str] = []
+    for n in names:
+        cand = table[n]
+        interpret = cand.kernel and plat == "cpu"
+        if interpret and not explicit:
+            why = ["no compiled Pallas on cpu (the kernel runs there only in interpret mode, when named)"]
+        else:
+            why = cand.unsupported_reasons("interpret" if interpret else plat, **shapes)
+        if why:
+            skipped.append(f"{n}: " + "; ".join(why))
+            flat.extend(why)
+            continue
+        if skipped:
+            _log_once(f"{method}: impl={impl!r} uses {n} on {plat}; skipped " + " | ".join(skipped))
+        if interpret:
+            warnings.warn(f"{method}: impl={impl!r} on cpu runs the Pallas kernel {n} in interpret mode (slow)",
+                          stacklevel=3)
+        return Choice(cand.kernel, interpret=interpret, platform=plat, reasons=tuple(flat), name=n)
+    raise KernelUnsupportedError(f"{method}: impl={impl!r}: no implementation serves this call on {plat}: "
+                                 + " | ".join(skipped))
 
 
-__all__ = ["IMPLS", "Choice", "KernelUnsupportedError", "current_platform", "resolve"]
+def resolve(impl, *, method: str, kernel: str, reasons_fn: Callable[..., list[str]],
+            platform: str | None = None, extra_reasons: Sequence[str] = (), **shapes) -> Choice:
+    """The two-way choice between a method's XLA path (``'xla'``) and its Pallas kernel ``kernel`` (``'pallas'``,
+    limits from ``reasons_fn(platform, **shapes)`` plus ``extra_reasons``) by :func:`select`. ``'auto'`` is
+    ``('pallas', 'xla')`` off CPU and ``('xla',)`` on a CPU."""
+    extra = list(extra_reasons)
+    impls = (Implementation("pallas", platforms=("tpu", "cuda", "rocm"), kernel=True,
+                            reasons=lambda plat, **s: extra + list(reasons_fn(plat, **s))),
+             Implementation("xla"))
+    plat = platform or current_platform()
+    if parse_impl(impl) == ("auto",) and plat == "cpu":
+        why = ("no compiled Pallas on cpu (the kernel runs there only in interpret mode, asked for with "
+               "impl='pallas')",)
+        _log_once(f"{method}: impl='auto' uses XLA instead of the Pallas kernel {kernel}: {why[0]}")
+        return Choice(False, platform=plat, reasons=why, name="xla")
+    try:
+        return select(impl, impls, method=f"{method} ({kernel})", platform=plat, **shapes)
+    except KernelUnsupportedError as e:
+        raise KernelUnsupportedError(f"{e}. Use impl='auto' (falls back to XLA) or impl='xla'.") from None
+
+
+__all__ = ["ALL_PLATFORMS", "IMPLS", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
+           "current_platform", "impl_problem", "parse_impl", "resolve", "select"]

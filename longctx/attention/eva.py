@@ -751,6 +751,15 @@ class EVAAttention(AttentionCore):
     """EVA attention core (causal: App. D; bidirectional: eq. 16). See module docstring."""
 
     name = "eva"
+    EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """xla (the XLA tiles; the reference) and pallas (Phase A and Phase B kernels; interpret mode on CPU)."""
+        from longctx.attention.dispatch import Implementation
+
+        return (Implementation("xla", config={"impl": "xla"}),
+                Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, config={"impl": "pallas"}))
     randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
 
     @classmethod
@@ -812,12 +821,13 @@ class EVAAttention(AttentionCore):
             ("adaptive_proj", ("qk", "no-ln", "none")),
             ("mu_mode", ("auto", "sum", "half")),
             ("rf_scale", ("released", "principled")),
-            ("impl", ("xla", "pallas", "auto")),
         ):
             require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
         require(not (causal and cfg.adaptive_proj == "none"),
                 f"{p}.adaptive_proj='none' exists only for bidirectional layers; use 'qk' or 'no-ln'")
         require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
+        why = dispatch.impl_problem(cfg.impl, ("xla", "pallas"))
+        require(why is None, f"{p}.{why}")
         require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
         require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
 

@@ -753,6 +753,15 @@ class FMAAttention(AttentionCore):
     """Fast Multipole Attention core (see the module docstring)."""
 
     name = "fma"
+    EXECUTION_KEYS = ("impl", "logit_budget")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """xla (the blocked XLA path; the reference) and pallas (the block kernel; interpret mode on CPU)."""
+        from longctx.attention.dispatch import Implementation
+
+        return (Implementation("xla", config={"impl": "xla"}),
+                Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, config={"impl": "pallas"}))
     linear = False
 
     @classmethod
@@ -801,9 +810,12 @@ class FMAAttention(AttentionCore):
         for key, allowed in (
             ("downsample", ("depthwise_conv", "dense_conv", "avgpool")),
             ("downsample_init", ("torch_default", "subinterval_mean")),
-            ("impl", ("xla", "pallas", "auto")),
         ):
             require(cfg[key] in allowed, f"{pre}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        from longctx.attention import dispatch
+
+        why = dispatch.impl_problem(cfg.impl, ("xla", "pallas"))
+        require(why is None, f"{pre}.{why}")
         require(0.0 <= cfg.attn_dropout < 1.0, f"{pre}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
         require(not (cfg.impl == "pallas" and cfg.attn_dropout > 0),
                 f"{pre}: the Pallas kernel has no attention dropout; use impl='xla' or attn_dropout=0")
@@ -964,6 +976,13 @@ class FMALinearAttention(FMAAttention):
     """FMA-linear (paper App. A.1): queries are summarised too, so the coarse part is O(n)."""
 
     name = "fma_linear"
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """xla only: the block kernel computes FMA's packed summary slots, not FMA-linear's statistics."""
+        from longctx.attention.dispatch import Implementation
+
+        return (Implementation("xla", config={"impl": "xla"}),)
     linear = True
 
     @classmethod

@@ -646,6 +646,19 @@ class KDEformerAttention(AttentionCore):
     """KDEformer attention core (bidirectional: the released estimator; causal: §4)."""
 
     name = "kdeformer"
+    EXECUTION_KEYS = ("heavy_impl", "heavy_scores_max_len", "heavy_band_block", "tile_budget")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """Causal: the heavy logits' routes (``heavy_impl``): gather (the reference), scores and band (full
+        passes; calls with a state gather). Bidirectional: one."""
+        from longctx.attention.dispatch import Implementation
+
+        if not causal:
+            return (Implementation("bidirectional"),)
+        return (Implementation("gather", config={"heavy_impl": "gather"}),
+                Implementation("scores", config={"heavy_impl": "scores"}),
+                Implementation("band", config={"heavy_impl": "band"}, test_config={"heavy_band_block": 8}))
     randomized = True
 
     @classmethod

@@ -210,6 +210,7 @@ def quadratic_reference(q_u, bd, k_hat, v, *, M: int, causal: bool = True, sg_fa
 # (causal_parallel): pallas_kernels/vq_cache_ref.py, imported above.
 
 
+# The default of the execution setting tiled_min_scores:
 # form='auto' runs the tiled causal_blocks when a call's score tensor B*H*T*(S+2L) has at least this many
 # entries (32 MB in fp32): below it the one-shot causal_parallel is as fast or faster (small blocks make the
 # tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows of 256, trains about a
@@ -559,6 +560,24 @@ class TransformerVQAttention(AttentionCore):
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
 
     name = "transformer_vq"
+    EXECUTION_KEYS = ("impl", "form", "reduction", "keep_budget", "tiled_min_scores")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """Causal: parallel (the block-parallel quadratic form under autodiff; the reference), blocks (its tiled
+        form with a recomputing backward), stream (block by block, as decoding runs), pallas (the §9 kernel;
+        interpret mode on CPU). ``form='auto'`` picks stream for calls shorter than a block, else blocks when a
+        call has at least ``tiled_min_scores`` scores B*H*T*(S+2L), else parallel; ``impl`` picks the kernel
+        for the block-parallel forms. Bidirectional: one (the encoder form)."""
+        from longctx.attention.dispatch import Implementation
+
+        if not causal:
+            return (Implementation("encoder"),)
+        return (Implementation("parallel", config={"form": "parallel", "impl": "xla"}),
+                Implementation("blocks", config={"form": "blocks", "impl": "xla", "reduction": "serial"}),
+                Implementation("stream", config={"form": "stream", "impl": "xla"}),
+                Implementation("pallas", platforms=("tpu", "cuda"), kernel=True,
+                               config={"form": "parallel", "impl": "pallas", "reduction": "serial"}))
     # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
     # signal is the XL relative bias inside the core, optionally with absolute embeddings.
     allowed_positions = ("none", "learned", "sinusoidal")
@@ -584,6 +603,8 @@ class TransformerVQAttention(AttentionCore):
                 # many scores B*H*T*(S+2L) (fp32 entries, held from each layer's forward to its backward unless
                 # model.remat recomputes the block); larger calls recompute them; 0 always recomputes
                 "keep_budget": KEEP_MAX_SCORES,
+                # form='auto' takes the tiled form (blocks) for calls with at least this many scores B*H*T*(S+2L)
+                "tiled_min_scores": TILED_MIN_SCORES,
             }
         )
 
@@ -608,8 +629,10 @@ class TransformerVQAttention(AttentionCore):
         require(0.0 <= cfg.p_dropsin < 1.0, f"{p}.p_dropsin={cfg.p_dropsin}; allowed: 0 <= p < 1")
         require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
         require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
+        require(cfg.tiled_min_scores >= 0, f"{p}.tiled_min_scores={cfg.tiled_min_scores}; must be >= 0")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
-        require(cfg.impl in ("xla", "pallas", "auto"), f"{p}.impl={cfg.impl!r}; allowed: xla, pallas, auto")
+        why = dispatch.impl_problem(cfg.impl, ("xla", "pallas"))
+        require(why is None, f"{p}.{why}")
         # impl='pallas' runs the §9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
         # reduction; 'auto' picks it or XLA by the shared rule of longctx/attention/dispatch.py.
         require(cfg.impl != "pallas" or cfg.reduction == "serial",
@@ -754,7 +777,7 @@ class TransformerVQAttention(AttentionCore):
             form = self.cfg.form
             if form == "auto":
                 form = "parallel" if (M <= L and T >= L) else "stream"
-                big = B * H * T * (S + 2 * L) >= TILED_MIN_SCORES
+                big = B * H * T * (S + 2 * L) >= self.cfg.tiled_min_scores
                 if form == "parallel" and self.cfg.reduction == "serial" and big:
                     form = "blocks"
             choice = self._kernel_choice(vv.dtype) if form in ("parallel", "blocks") else None

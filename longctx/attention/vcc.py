@@ -67,6 +67,7 @@ class VCCAttention(AttentionCore):
     itself is the stack wrapper's (``longctx/models/vcc_stack.py``)."""
 
     name = "vcc"
+    EXECUTION_KEYS = ("query_chunk",)
     supports_causal = True  # VCC-LM (§4.2): longctx.models.vcc_stack.VCCDecoderStack
     supports_bidirectional = True
 

@@ -65,7 +65,7 @@ def build_step(cfg, seed: int = 0):
     if cfg.model.kind != "decoder":
         raise ConfigError(f"longctx-bench step times decoder training steps; model.kind={cfg.model.kind!r}")
     tc = cfg.train
-    model = build_model(cfg.model, seed=tc.seed)
+    model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)

@@ -26,7 +26,7 @@ def xla_train_step_memory(workdir: Path) -> dict:
 
     cfg = config_lib.validate(ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text())))
     tc = cfg.train
-    model = build_model(cfg.model, seed=tc.seed)
+    model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)

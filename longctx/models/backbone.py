@@ -7,11 +7,21 @@ blocks are built with and in what they predict.
 
     h, new_state, aux = backbone.run(tokens, state, deterministic=True, key=None, important=None)
 
-``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} or None (no prefix).
+``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} or None (no prefix); scanned: the
+per-block states stacked (one tree, leading layer axis).
 ``aux`` = {'losses': {name: scalar summed over layers}, 'stats': [per-layer stats], 'metrics': {...}}.
 ``important``: optional [B, T] bool of tokens a method may treat specially (VCC's VIP tokens, e.g.
 an encoder's masked positions); it reaches every block whose call takes an ``important`` keyword,
 and the others never see it.
+
+``model.scan_layers``: the blocks' variables (parameters and non-gradient state such as VQ codebooks) are
+stacked on a leading ``layers`` axis (:class:`LayerStack`) and one ``jax.lax.scan`` runs them, so a step
+compiles one block whatever the depth. The layout is the only difference: the blocks are built exactly as
+unrolled ones (same initial values for the same seed) and then stacked; per-layer keys are the same
+``split(key, num_layers)``; the per-layer decoding state is stacked too (``state['layers']`` one tree whose
+leaves have the layer axis first), as are ``aux['stats']``; ``aux['losses']`` are summed over layers and
+``aux['metrics']`` keep their ``layer{i}/...`` names. :func:`relayout` converts a tree (parameters, optimizer
+moments, checkpoints) between the two layouts.
 
 A method that acts on whole layers rather than on q, k, v (``AttentionCore.stack_wrapper``, e.g.
 VCC's compression) replaces the plain loop over the blocks by its stack wrapper, which runs the
@@ -20,8 +30,10 @@ same blocks (same parameter tree) and always receives ``important``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +45,7 @@ from longctx.attention.base import logical
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, split_key
 from longctx.models.layers import flat_last, linear, make_norm, sinusoidal_table
+from longctx.models.sequence_shard import SequenceShard
 
 
 def takes_keyword(fn, name: str) -> bool:
@@ -111,6 +124,163 @@ def _remat_after_cotangent(fn):
     return f
 
 
+LAYER_AXIS = "layers"  # the logical name of the stacked axis (longctx/train/sharding.py maps it to no mesh axis)
+STACKED_KEY = "layer"  # LayerStack's child: a scanned model's blocks live under blocks/layer/...
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stack_leaf(*leaves):
+    """One layer axis in front of equal-shaped leaves: arrays, abstract arrays, or Variables (whose logical
+    axis names get ``'layers'`` in front)."""
+    first = leaves[0]
+    if _is_var(first):
+        value = _stack_leaf(*(v.get_value() for v in leaves))
+        names = first.get_metadata().get("out_sharding")
+        return first.replace(value, **({"out_sharding": (LAYER_AXIS, *names)} if names is not None else {}))
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+    return jnp.stack([jnp.asarray(x) for x in leaves])
+
+
+def _unstack_leaf(leaf, i: int):
+    """Layer ``i`` of a stacked leaf (the inverse of :func:`_stack_leaf`)."""
+    if _is_var(leaf):
+        names = leaf.get_metadata().get("out_sharding")
+        extra = {"out_sharding": tuple(names[1:])} if names is not None and names[:1] == (LAYER_AXIS,) else {}
+        return leaf.replace(_unstack_leaf(leaf.get_value(), i), **extra)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[i]
+
+
+def stack_layers(trees):
+    """Per-layer trees of one structure -> one tree whose leaves have the layer axis first."""
+    return jax.tree.map(_stack_leaf, *trees, is_leaf=_is_var)
+
+
+def unstack_layers(tree, num_layers: int):
+    """The inverse of :func:`stack_layers`: ``num_layers`` per-layer trees."""
+    return [jax.tree.map(lambda x, i=i: _unstack_leaf(x, i), tree, is_leaf=_is_var) for i in range(num_layers)]
+
+
+def _raw(node):
+    """The mapping itself (an ``nnx.State``'s nested levels are plain dicts; reading through the State would
+    wrap each in a new State and change the tree's structure)."""
+    return node.raw_mapping if isinstance(node, nnx.State) else node
+
+
+def _rebuild(node, items: dict):
+    """A mapping of ``node``'s type (an ``nnx.State``, a dict, ...) holding ``items``."""
+    if isinstance(node, nnx.State):
+        return type(node)(items, _copy=False)
+    return items if type(node) is dict else type(node)(items)
+
+
+def layer_layout(tree) -> str | None:
+    """``'scanned'`` or ``'unrolled'``: the layout of the blocks in ``tree`` (a model's state, a checkpoint's
+    items, optimizer moments, ...), or None where it holds no blocks."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, Mapping):
+            node = _raw(node)
+            blocks = node.get("blocks")
+            if isinstance(blocks, Mapping) and blocks:
+                found.append("scanned" if STACKED_KEY in blocks else "unrolled")
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                visit(v)
+
+    visit(tree)
+    return found[0] if found else None
+
+
+def relayout(tree, *, scanned: bool):
+    """``tree`` with every ``blocks`` mapping in the other layout: unrolled ``blocks/{0..L-1}/...`` ->
+    ``blocks/layer/...`` stacked on a leading layer axis (``scanned=True``), or back (``scanned=False``).
+    Works on any tree that holds model variables: an ``nnx.State`` of Variables, a checkpoint's items of arrays
+    or abstract arrays, optimizer states (NamedTuples of such trees). Parts already in the asked layout are left
+    as they are."""
+
+    def visit(node):
+        if isinstance(node, Mapping):
+            items = {}
+            for k, v in _raw(node).items():
+                if k == "blocks" and isinstance(v, Mapping) and v:
+                    v = _convert_blocks(v, scanned)
+                items[k] = visit(v) if k != "blocks" else v
+            return _rebuild(node, items)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(visit(v) for v in node))
+        if isinstance(node, (list, tuple)):
+            return type(node)(visit(v) for v in node)
+        return node
+
+    return visit(tree)
+
+
+def _convert_blocks(node: Mapping, scanned: bool):
+    blocks = _raw(node)
+    is_scanned = STACKED_KEY in blocks
+    if is_scanned == scanned:
+        return blocks
+    if scanned:
+        keys = sorted(blocks, key=int)
+        if keys != list(range(len(keys))):
+            raise ValueError(f"blocks {keys}: expected layers 0..{len(keys) - 1}")
+        return _rebuild(node, {STACKED_KEY: stack_layers([_raw(blocks[k]) for k in keys])})
+    stacked = _raw(blocks[STACKED_KEY])
+    leaves = jax.tree.leaves(stacked, is_leaf=_is_var)
+    num = (leaves[0].get_value() if _is_var(leaves[0]) else leaves[0]).shape[0]
+    return _rebuild(node, dict(enumerate(unstack_layers(stacked, num))))
+
+
+class LayerStack(nnx.Module):
+    """``num_layers`` identical blocks as one block module whose every variable has a leading layer axis
+    (logical name ``'layers'``): built from the unrolled blocks, so a scanned model starts from the same
+    values as an unrolled one of the same seed."""
+
+    def __init__(self, blocks):
+        self.num_layers = len(blocks)
+        graphdef, _ = nnx.split(blocks[0])
+        self.layer = nnx.merge(graphdef, stack_layers([nnx.state(b) for b in blocks]))
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def split(self):
+        """(graphdef of one block, its stacked variables)."""
+        return nnx.split(self.layer)
+
+    def init_state(self, batch_size: int, max_len: int | None):
+        graphdef, variables = self.split()
+        return jax.vmap(lambda v: nnx.merge(graphdef, v).init_state(batch_size, max_len))(variables)
+
+    def apply_stats(self, stats) -> None:
+        """Each layer's non-gradient update from its slice of the stacked ``stats``."""
+        if not jax.tree.leaves(stats):
+            return
+        graphdef, variables = self.split()
+
+        def one(v, st):
+            block = nnx.merge(graphdef, v)
+            block.apply_stats(st)
+            return nnx.state(block)
+
+        nnx.update(self.layer, jax.vmap(one)(variables, stats))
+
+
 class Backbone(nnx.Module):
     """Embedding -> positions -> blocks (built with ``cfg.causal``) -> norm, plus the vocabulary head."""
 
@@ -128,9 +298,14 @@ class Backbone(nnx.Module):
         else:
             self.pos_embed = None
         block_cls = get_block(cfg.block)
-        self.blocks = nnx.List([block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)])
+        blocks = [block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)]
+        self.scan_layers = bool(cfg.get("scan_layers", False))  # configs saved before the key existed: unrolled
+        self.blocks = LayerStack(blocks) if self.scan_layers else nnx.List(blocks)
         self._block_takes_important = takes_keyword(block_cls.__call__, "important")
         wrapper = attention.get_class(cfg.attention.name).stack_wrapper(causal=cfg.causal)
+        if wrapper and self.scan_layers:
+            raise ValueError(f"model.scan_layers=True: attention {cfg.attention.name!r} runs the blocks inside its own "
+                             "stack wrapper; set model.scan_layers=False")
         if wrapper:
             module_name, cls_name = wrapper.split(":")
             self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
@@ -156,6 +331,7 @@ class Backbone(nnx.Module):
         return {
             "pos": jnp.zeros((), jnp.int32),
             "layers": (self.stack.init_state(self.blocks, batch_size, max_len) if self.stack is not None
+                       else self.blocks.init_state(batch_size, max_len) if self.scan_layers
                        else [b.init_state(batch_size, max_len) for b in self.blocks]),
         }
 
@@ -200,8 +376,12 @@ class Backbone(nnx.Module):
             metrics = {f"stack/{name}": val for name, val in aux.metrics.items()}
             return h, {"pos": pos0 + T, "layers": new_states}, {
                 "losses": dict(aux.losses), "stats": [{} for _ in self.blocks], "metrics": metrics}
-        keys = split_key(key, len(self.blocks))
         extra = {"important": important} if important is not None and self._block_takes_important else {}
+        if self.scan_layers:
+            x, new_states, aux = self._run_scanned(x, None if state is None else state["layers"], positions, extra,
+                                                   deterministic=deterministic, key=key)
+            return self.norm(x), {"pos": pos0 + T, "layers": new_states}, aux
+        keys = split_key(key, len(self.blocks))
         new_states, losses, stats, metrics = [], {}, [], {}
         call = _block_call(deterministic, self.remat, self.remat_policy)
         for i, (block, st, k) in enumerate(zip(self.blocks, layer_states, keys)):
@@ -216,7 +396,38 @@ class Backbone(nnx.Module):
         new_state = {"pos": pos0 + T, "layers": new_states}
         return h, new_state, {"losses": losses, "stats": stats, "metrics": metrics}
 
+    def _run_scanned(self, x, layer_states, positions, extra, *, deterministic, key):
+        """The stacked blocks under one ``jax.lax.scan`` (the body: one block's call, rematerialised per
+        ``model.remat`` / ``model.remat_policy`` as an unrolled block is; the scan's backward visits the layers
+        one at a time, so the recomputation of either form runs only when the backward reaches its layer).
+        ``layer_states``: None, the stacked per-layer states, or one :class:`SequenceShard` per layer (the
+        composed sequence-parallel hook; their ``initial`` states are stacked and each layer gets its own)."""
+        L = len(self.blocks)
+        graphdef, variables = self.blocks.split()
+        shard = None
+        if isinstance(layer_states, (list, tuple)) and layer_states and isinstance(layer_states[0], SequenceShard):
+            shard = layer_states[0]
+            initials = [s.initial for s in layer_states]
+            layer_states = None if all(i is None for i in initials) else stack_layers(initials)
+        keys = None if key is None else jax.random.split(key, L)
+        call = _block_call(deterministic, self.remat, self.remat_policy)
+
+        def body(x, xs):
+            v, st, k = xs
+            if shard is not None:
+                st = dataclasses.replace(shard, initial=st)
+            x, st, (losses, stats, metrics) = call(nnx.merge(graphdef, v), x, st, positions, k, extra)
+            return x, (st, losses, stats, metrics)
+
+        x, (new_states, losses, stats, metrics) = jax.lax.scan(body, x, (variables, layer_states, keys))
+        losses = {name: jnp.sum(val, axis=0) for name, val in losses.items()}
+        metrics = {f"layer{i}/{name}": val[i] for i in range(L) for name, val in metrics.items()}
+        return x, new_states, {"losses": losses, "stats": stats, "metrics": metrics}
+
     def apply_stats(self, stats) -> None:
+        if self.scan_layers:
+            self.blocks.apply_stats(stats)
+            return
         for block, st in zip(self.blocks, stats):
             if st:
                 block.apply_stats(st)

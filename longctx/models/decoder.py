@@ -3,7 +3,8 @@
     logits, state, aux = model(tokens, state=None, deterministic=True, key=None)
     state = model.init_state(batch_size, max_len)
 
-``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]}.
+``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} (``model.scan_layers``: one
+tree of the blocks' states stacked on a leading layer axis).
 ``aux`` = {'losses': {name: scalar summed over layers}, 'stats': [per-layer stats],
 'metrics': {...}}; ``model.apply_stats(aux['stats'])`` applies non-gradient updates.
 
@@ -31,9 +32,36 @@ class DecoderLM(Backbone):
         return self.logits(h), new_state, aux
 
 
-def build_model(model_cfg, *, seed: int = 0):
-    """``model.kind='decoder'`` -> :class:`DecoderLM`; ``'encoder'`` -> :class:`EncoderMLM`."""
+def with_execution(model_cfg, execution):
+    """``model_cfg`` whose attention method section also holds its execution settings (``execution``: the
+    config's ``execution`` section): what the blocks hand ``attention.build``. Keys already under the method
+    section win. ``execution=None``: ``model_cfg`` itself (the method's default execution settings apply)."""
+    import ml_collections
+
+    if execution is None:
+        return model_cfg
+    name = model_cfg.attention.name
+    settings = execution.get("attention", {}).get(name) if hasattr(execution, "get") else None
+    if not settings:
+        return model_cfg
+    merged = ml_collections.ConfigDict(model_cfg.to_dict())
+    section = ml_collections.ConfigDict(settings.to_dict() if hasattr(settings, "to_dict") else dict(settings))
+    if merged.attention.get(name) is not None:
+        section.update(merged.attention[name])
+    merged.attention[name] = section
+    return merged
+
+
+def build_model(model_cfg, *, seed: int = 0, execution=None):
+    """``model.kind='decoder'`` -> :class:`DecoderLM`; ``'encoder'`` -> :class:`EncoderMLM`. ``model_cfg``: the
+    config's ``model`` section, or the whole config (its ``execution`` section then applies); ``execution``:
+    the config's ``execution`` section (how the attention cores compute; default: each method's defaults)."""
     from longctx.errors import ConfigError
+
+    if "model" in model_cfg and "kind" not in model_cfg:  # the whole config
+        execution = model_cfg.get("execution") if execution is None else execution
+        model_cfg = model_cfg.model
+    model_cfg = with_execution(model_cfg, execution)
 
     if model_cfg.kind == "decoder":
         return DecoderLM(model_cfg, rngs=nnx.Rngs(seed))

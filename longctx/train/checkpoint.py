@@ -220,7 +220,9 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-    item = jax.tree.map(abstract, target)
+    asked = target
+    target, to_scanned = _saved_layout(jax.tree.map(abstract, target), meta)
+    item = target
     if partial:
         state_args = ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
@@ -239,7 +241,29 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
         bad = nonfinite_leaves(tree[name])
         if bad:
             raise _Invalid(f"non-finite values in {name}{bad[0]}")
+    if to_scanned is not None:  # verified in the saved layout; now in the layout the caller asked for
+        from longctx.models.backbone import relayout
+
+        def place(x, like):
+            sharding = getattr(like, "sharding", None)
+            return x if sharding is None else jax.device_put(x, sharding)
+
+        tree = {name: jax.tree.map(place, relayout(tree[name], scanned=to_scanned), asked[name]) for name in tree}
     return tree, meta
+
+
+def _saved_layout(target, meta):
+    """(``target`` in the layer layout of the checkpoint, the layout to convert the restored tree back to:
+    True scanned, False unrolled, None no conversion). A checkpoint saved with ``model.scan_layers`` (stacked
+    blocks) restores into an unrolled model and vice versa (:func:`longctx.models.backbone.relayout`)."""
+    from longctx.models.backbone import layer_layout, relayout
+
+    asked = layer_layout(target)
+    model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
+    saved = "scanned" if isinstance(model_cfg, dict) and model_cfg.get("scan_layers", False) else "unrolled"
+    if asked is None or asked == saved:
+        return target, None
+    return relayout(target, scanned=saved == "scanned"), asked == "scanned"
 
 
 class _Invalid(Exception):

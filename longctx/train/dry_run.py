@@ -46,7 +46,7 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     cfg = config_lib.resolve_vocab(cfg, known_vocab_size(cfg))
     tc = cfg.train
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, seed=tc.seed))
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, seed=tc.seed, execution=cfg.execution))
     graphdef, params, nongrad, rest = split_model(abstract_model)
     tx = make_optimizer(tc)
     opt_state = jax.eval_shape(tx.init, params)

@@ -2,6 +2,13 @@
 
 The config is validated once, here, on the way in. The loop imports no entry point and no
 evaluation command: periodic validation scores through :mod:`longctx.protocols`.
+
+The steps overlap: a step is dispatched, the next batch is read and sent to the devices while it
+runs, and only then are the previous step's metrics checked for non-finite values (one step late,
+so the host never waits on the device just for that check). A log record, a validation, a
+checkpoint and a stop check the newest step first, so no checkpoint is ever written past a step
+whose values were not checked. The JAX persistent compilation cache (``train.compilation_cache_dir``)
+is set up on the way in, so a restarted run loads its compiled steps instead of compiling again.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import errno
 import json
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +30,7 @@ from tqdm.auto import tqdm
 from longctx import config as config_lib
 from longctx.data import masking, sources, tokenizers
 from longctx.data.batching import Batcher
-from longctx.data.prepare import prepare
+from longctx.data.prepare import default_cache_dir, prepare
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
 from longctx.models.decoder import build_model
 from longctx.protocols import score_answers, score_mlm_split, score_split
@@ -120,6 +128,27 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
             )
 
 
+def setup_compilation_cache(tc, data_cfg) -> str | None:
+    """Point JAX's persistent compilation cache at ``train.compilation_cache_dir`` ('' -> the
+    ``JAX_COMPILATION_CACHE_DIR`` environment variable if set, else ``<data cache dir>/jax_compile``;
+    'none' -> off). Returns the folder used, or None. Called before anything is compiled."""
+    val = tc.compilation_cache_dir.strip()
+    if val.lower() == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    if not val and jax.config.jax_compilation_cache_dir:  # set by the environment
+        return jax.config.jax_compilation_cache_dir
+    path = Path(val).expanduser() if val else Path(data_cfg.cache_dir or default_cache_dir()) / "jax_compile"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"warning: no persistent compilation cache ({e.strerror or e}: {path}); set "
+              "train.compilation_cache_dir to a writable folder, or 'none'", file=sys.stderr, flush=True)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return str(path)
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool = True, max_steps: int | None = None) -> dict:
     """Train per ``cfg`` in ``workdir`` (resuming from its newest valid checkpoint). Returns a summary.
 
@@ -149,6 +178,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     distributed.initialize_from_env()
     progress = progress and distributed.is_primary()
     cfg = config_lib.validate(cfg)  # once, before any data work
+    setup_compilation_cache(cfg.train, cfg.data)  # before the first compile
     if max_steps is not None and max_steps <= 0:
         raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
     prepare_workdir(workdir)
@@ -164,7 +194,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     tc = cfg.train
     n_win = config_lib.n_windows(cfg)
     mesh = sharding.make_mesh(cfg.mesh)
-    model = build_model(cfg.model, seed=tc.seed)
+    model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
     tx = make_optimizer(tc)
     opt_state = tx.init(params)
@@ -197,7 +227,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
             return RowBatcher(source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed,
                               shard=(jax.process_index(), jax.process_count()))
         return Batcher(data["train"], row_len=seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
-                       seed=tc.seed, shard=(jax.process_index(), jax.process_count()))
+                       seed=tc.seed, shard=(jax.process_index(), jax.process_count()),
+                       packing=cfg.data.get("packing", "document"))
 
     batcher = make_batcher(tc.seq_len)
     # staged training (train.short_steps): the first updates see rows of train.short_seq_len tokens
@@ -218,7 +249,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
             print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
         train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
                                                    skip_nonfinite=True, constrain=plan.constrain, weighted=generated,
-                                                   hidden=seq_hidden))
+                                                   hidden=seq_hidden, microbatches=tc.microbatches))
         fwd = jax.jit(make_scored_forward(graphdef) if generated else make_forward(graphdef))
     try:
         writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
@@ -232,8 +263,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
     data_line = (f"{cfg.data.source} rows generated on the fly ({source.options()}), loss on the answer tokens"
-                 if generated else f"{data['train'].num_tokens:,} train tokens ({batcher.tokens_usable:,} in "
-                 f"documents >= {tc.seq_len + 1} tokens)")
+                 if generated else batcher.summary())
     print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
           f"data: {data_line}")
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
@@ -306,19 +336,52 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     # short_seq_len in staged training) compiles on its first step, which is timed on its own
     compiled = set()
     t_last, tok_since, steps_since = time.time(), 0, 0
+
+    def device_batch(at_step):
+        """The batch of the step starting at ``at_step``, read on the host and sent to the devices."""
+        batch = (short_batcher if at_step < tc.short_steps else batcher).batch(at_step // n_win)
+        if encoder:
+            rows = row0 + np.arange(len(batch["tokens"]))
+            corrupted = masking.mask_rows(batch["tokens"], cfg.mlm, seed=tc.seed, step=at_step, rows=rows,
+                                          mask_id=cfg.mlm.mask_id)
+            return {k: sharding.shard_batch(mesh, v) for k, v in corrupted.items()}
+        if generated:
+            return {k: sharding.shard_batch(mesh, batch[k]) for k in ("tokens", "weights")}
+        return sharding.shard_batch(mesh, batch["tokens"])
+
+    # the newest dispatched step whose metrics were not checked yet: (step before it, its step, metrics on device)
+    pending = None
+
+    def check(entry, later=None):
+        """Check a dispatched step's metrics for non-finite values (train.on_nonfinite) and return them on
+        the host. ``later``: the metrics of the step already dispatched after it, if any (the stop
+        then saves the last finite state only if that step skipped every update too)."""
+        prev_step, at_step, metrics = entry
+        metrics = jax.device_get(metrics)
+        if tc.on_nonfinite == "stop":
+            msg = nonfinite_message(at_step, metrics)
+            if msg:
+                seen = metrics
+                if later is not None:
+                    later = jax.device_get(later)
+                    seen = {k: np.concatenate([np.asarray(metrics[k]).ravel(), np.asarray(later[k]).ravel()])
+                            for k in ("loss_finite", "grad_finite")}
+                raise NonFiniteError(msg + stop_on_nonfinite(prev_step, seen, save_now, last_saved))
+        else:
+            skips.update(at_step, metrics, last_saved)
+        return metrics
+
+    def settle():
+        """Check the newest step now (before a log record, a validation, a checkpoint or the end);
+        its metrics on the host, or None when every step was checked already."""
+        nonlocal pending
+        entry, pending = pending, None
+        return None if entry is None else check(entry)
+
     try:
         with StopFlag() as stop:
+            tokens = device_batch(step) if step < end else None
             while step < end:
-                batch = (short_batcher if step < tc.short_steps else batcher).batch(step // n_win)
-                if encoder:
-                    rows = row0 + np.arange(len(batch["tokens"]))
-                    corrupted = masking.mask_rows(batch["tokens"], cfg.mlm, seed=tc.seed, step=step, rows=rows,
-                                                  mask_id=cfg.mlm.mask_id)
-                    tokens = {k: sharding.shard_batch(mesh, v) for k, v in corrupted.items()}
-                elif generated:
-                    tokens = {k: sharding.shard_batch(mesh, batch[k]) for k in ("tokens", "weights")}
-                else:
-                    tokens = sharding.shard_batch(mesh, batch["tokens"])
                 key = jax.random.fold_in(base_key, step)
                 shape = tokens_per_step(step)
                 compiling = shape not in compiled
@@ -327,6 +390,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     t_compile = time.time()
                 params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
                 prev, step = step, step + n_win
+                # the next batch is read and transferred while this step runs
+                tokens = device_batch(step) if step < end else None
                 if compiling:
                     jax.block_until_ready(metrics)
                     compiled.add(shape)
@@ -335,16 +400,13 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 else:
                     tok_since += tokens_per_step(prev) * n_win
                     steps_since += n_win
+                # the previous step's check, one step late: this step is already queued behind it
+                if pending is not None:
+                    check(pending, later=metrics)
+                pending = (prev, step, metrics)
                 log_now = crossed(prev, step, tc.log_every) or step >= end
-                if tc.on_nonfinite == "stop" or log_now:
-                    metrics = jax.device_get(metrics)
-                    msg = nonfinite_message(step, metrics) if tc.on_nonfinite == "stop" else None
-                    if msg:
-                        raise NonFiniteError(msg + stop_on_nonfinite(prev, metrics, save_now, last_saved))
-                if tc.on_nonfinite == "skip":
-                    skips.update(step, jax.device_get({k: metrics[k] for k in ("loss_finite", "grad_finite")}),
-                                 last_saved)
                 if log_now:
+                    metrics = settle()
                     ce = float(np.mean(metrics["ce"]))
                     dt = time.time() - t_last
                     rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])),
@@ -361,6 +423,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                                     valid=f"{last_valid:.3f}" if last_valid else "-")
                 bar.update(n_win)
                 if crossed(prev, step, tc.eval_every) or step >= tc.steps:
+                    settle()
                     t_eval = time.time()
                     last_valid = evaluate_now(step)["bits_per_token"]
                     t_last += time.time() - t_eval  # tokens/s and step time count training only
@@ -372,8 +435,10 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     if distributed.is_primary():
                         plot_losses(workdir)
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
+                    settle()  # never a checkpoint of a step not checked
                     save(step)
                 if stop.signum is not None:
+                    settle()
                     bar.close()
                     if last_saved != step:
                         save(step)
@@ -382,6 +447,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                           "Run the same command again to resume.")
                     close()
                     raise SystemExit(128 + stop.signum)
+        settle()
         if last_saved != step:
             save(step)
         checkpoint.wait(mngr)

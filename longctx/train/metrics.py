@@ -2,18 +2,71 @@
 
 A train record holds loss, bits_per_token, grad_norm, lr (of the last update) and, measured after
 the compiling step, tokens_per_sec and step_time (seconds per optimizer step); a valid record the
-periodic evaluation's loss and bits_per_token."""
+periodic evaluation's loss and bits_per_token.
+
+Both logs stay in step with the checkpoints: each record is written and flushed as it is made (so
+everything up to a checkpoint is on disk before that checkpoint can commit), and a run resumed at
+step ``s`` keeps only the records up to ``s``: ``metrics.jsonl`` is rewritten without the later ones,
+and each run segment writes a new TensorBoard event file that opens with a session-start event at
+step ``s + 1`` -- TensorBoard's purge mechanism (``purge_step``): on reading it, TensorBoard drops
+every event of the earlier files at or after that step, so the points the killed segment logged
+past its last checkpoint are shown once, as the resumed segment logs them again.
+:func:`read_tensorboard` reads the scalars back that way."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import socket
+import struct
+import sys
+import time
 from pathlib import Path
+
+TB_DIR = "tb"
+
+
+class _EventFile:
+    """One TensorBoard event file written synchronously (tensorboardX's protobufs and record framing,
+    without its background queue, so a flush means the events are in the file)."""
+
+    def __init__(self, logdir: Path, purge_step: int):
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._event_pb2, self._summary_pb2, self._crc = event_pb2, summary_pb2, masked_crc32c
+        logdir.mkdir(parents=True, exist_ok=True)
+        # TensorBoard reads a folder's event files in name order: the time, then a sequence number
+        # past every earlier segment's, so a restart within the same second still sorts after it
+        seq = 1 + max((int(p.name.rsplit(".", 1)[-1]) for p in logdir.glob("events.out.tfevents.*")
+                       if p.name.rsplit(".", 1)[-1].isdigit()), default=0)
+        self.path = logdir / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{seq:06d}"
+        self._f = open(self.path, "ab")
+        ev = event_pb2.Event
+        self._write(ev(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
+        self._write(ev(wall_time=time.time(), step=purge_step,
+                       session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self._f.flush()
+
+    def _write(self, event) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
+
+    def scalars(self, step: int, values: dict) -> None:
+        S = self._summary_pb2.Summary
+        summary = S(value=[S.Value(tag=tag, simple_value=v) for tag, v in values.items()])
+        self._write(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class MetricsWriter:
-    def __init__(self, workdir: Path, *, resume_step: int = 0, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, workdir: Path, *, resume_step: int = 0, tensorboard: bool = True, enabled: bool = True,
+                 warn=None):
         """``enabled=False`` (every process but 0 of a multi-host job): write nothing."""
         self.enabled = enabled
         self.path = Path(workdir) / "metrics.jsonl"
@@ -21,19 +74,29 @@ class MetricsWriter:
         if not enabled:
             return
         if self.path.exists():  # drop records past the resumed step, so the curve stays one run
-            keep = [line for line in self.path.read_text().splitlines() if (_parse(line) or {}).get("step", 1e18) <= resume_step]
+            lines = self.path.read_text().splitlines()
+            recs = [_parse(line) for line in lines]
+            keep = [line for line, rec in zip(lines, recs) if rec is not None and rec["step"] <= resume_step]
+            # a line cut short at the end is a kill during a write; any other line that is not a
+            # record (not JSON, or JSON but not a record object) is reported, then dropped like it
+            odd = sum(rec is None and line.strip() != "" for line, rec in zip(lines[:-1], recs[:-1]))
+            if odd:
+                (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                    f"warning: dropped {odd} line(s) of {self.path} that are not metrics records")
             # written aside and renamed, so a kill (or a full disk) during the rewrite keeps the history
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, self.path)
         self.file = open(self.path, "a")
-        self.tb = None
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
-
-                self.tb = SummaryWriter(str(Path(workdir) / "tb"))
-            except Exception:  # noqa: BLE001 -- a broken optional install (e.g. torch) must not stop training
+                self.tb = _EventFile(Path(workdir) / TB_DIR, purge_step=resume_step + 1)
+            except ImportError:  # tensorboardX missing or broken: the JSONL log is the record
+                self.tb = None
+            except OSError as e:  # e.g. WORKDIR/tb is a file: train on, with the JSONL log
+                (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                    f"warning: no TensorBoard log ({e.strerror or e} in {Path(workdir) / TB_DIR}); metrics.jsonl "
+                    "has every record")
                 self.tb = None
 
     def write(self, step: int, split: str, values: dict) -> None:
@@ -43,9 +106,7 @@ class MetricsWriter:
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k, v in values.items():
-                if math.isfinite(float(v)):
-                    self.tb.add_scalar(f"{split}/{k}", float(v), step)
+            self.tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items() if math.isfinite(float(v))})
 
     def close(self) -> None:
         if self.file is not None:
@@ -55,11 +116,16 @@ class MetricsWriter:
 
 
 def _parse(line: str) -> dict | None:
-    """One record, or None for a line cut short (a kill or a full disk while it was written)."""
+    """One record, or None for a line that is not one: cut short (a kill or a full disk while it was
+    written), not JSON, or JSON but not a record object (an integer ``step`` and a ``split`` name)."""
     try:
-        return json.loads(line) if line else None
+        rec = json.loads(line) if line else None
     except json.JSONDecodeError:
         return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("split"), str):
+        return None
+    step = rec.get("step")
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def read_metrics(workdir: Path) -> list[dict]:
@@ -67,6 +133,44 @@ def read_metrics(workdir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [rec for rec in map(_parse, path.read_text().splitlines()) if rec is not None]
+
+
+def _records(path: Path):
+    """The records of one TFRecord file; stops at a record cut short or damaged (as TensorBoard waits
+    for the rest of it)."""
+    from tensorboardX.record_writer import masked_crc32c
+
+    data = path.read_bytes()
+    at = 0
+    while at + 12 <= len(data):
+        header = data[at:at + 8]
+        (n,) = struct.unpack("<Q", header)
+        if struct.unpack("<I", data[at + 8:at + 12])[0] != masked_crc32c(header) or at + 16 + n > len(data):
+            return
+        body = data[at + 12:at + 12 + n]
+        if struct.unpack("<I", data[at + 12 + n:at + 16 + n])[0] != masked_crc32c(body):
+            return
+        yield body
+        at += 16 + n
+
+
+def read_tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a TensorBoard folder as TensorBoard shows them: ``{tag: [(step, value), ...]}`` in
+    the order written, the event files read in name order, and a session-start event at step ``s``
+    dropping every earlier event at step >= ``s`` (TensorBoard's purge of orphaned data)."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(logdir).glob("*tfevents*")):
+        for raw in _records(path):
+            ev = event_pb2.Event.FromString(raw)
+            if ev.HasField("session_log") and ev.session_log.status == event_pb2.SessionLog.START:
+                out = {tag: [p for p in pts if p[0] < ev.step] for tag, pts in out.items()}
+            elif ev.HasField("summary"):
+                for v in ev.summary.value:
+                    if v.HasField("simple_value"):
+                        out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
+    return out
 
 
 def plot_losses(workdir: Path, *, key: str = "bits_per_token") -> Path | None:

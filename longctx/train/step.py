@@ -8,6 +8,13 @@ updated from ``aux['stats']`` after each optimizer update) and ``rest``
 Windowed training (DESIGN.md section 4): a row of T tokens is processed in T/W
 windows, the model state carried under stop-gradient, one optimizer update
 (and one non-gradient update) per window.
+
+Gradient accumulation (``microbatches=k > 1``): each update's rows are split into k micro-batches
+(rows ``j, j+k, j+2k, ...``, so each is spread over the data-parallel devices like the batch) run
+one after another under ``lax.scan``; the update uses the sum of their gradients, each micro-batch's
+loss weighted so that the sum is the gradient of the whole batch's loss, and the non-gradient
+statistics (codebook EMA sums) are summed over the micro-batches, as they are over the batch.
+The carried state of windowed training is split and put back together the same way.
 """
 
 from __future__ import annotations
@@ -107,19 +114,127 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
     return update
 
 
+def _split_rows(x, k: int, axis: int = 0):
+    """[..., B, ...] -> [k, ..., B/k, ...]: micro-batch j holds rows j, j+k, j+2k, ... of ``axis``."""
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (shape[axis] // k, k) + shape[axis + 1:])
+    return jnp.moveaxis(x, axis + 1, 0)
+
+
+def _merge_rows(x, axis: int = 0):
+    """The inverse of :func:`_split_rows` (``axis`` as in the merged array)."""
+    x = jnp.moveaxis(x, 0, axis + 1)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _batch_axes(graphdef, params, nongrad, rest, batch_size: int, k: int, max_len: int):
+    """For each leaf of the model state ``init_state(batch_size, max_len)``, its row axis, or None for
+    a leaf shared by the rows (e.g. the position): the axis whose size changes with the batch size."""
+    def shapes(b):
+        return jax.eval_shape(lambda p, n, r: nnx.merge(graphdef, p, n, r).init_state(b, max_len), params, nongrad, rest)
+
+    def axis(big, small):
+        diff = [i for i, (x, y) in enumerate(zip(big.shape, small.shape, strict=True)) if x != y]
+        if len(diff) > 1:
+            raise ValueError(f"a carried state leaf {big.shape} has no single row axis")
+        return diff[0] if diff else None
+
+    return jax.tree.map(axis, shapes(batch_size), shapes(batch_size // k))
+
+
+def _by_axis(f, axes, *trees):
+    """``jax.tree.map`` over the leaves of ``axes`` (ints, or None for a shared leaf) and the
+    matching parts of ``trees`` (where None stands for a part left out)."""
+    return jax.tree.map(f, axes, *trees, is_leaf=lambda x: x is None)
+
+
+def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None):
+    """A ``grad_fn(params, nongrad, rest, *batch, state, key) -> ((loss, (ce, new_state, aux)), grads)``
+    over k micro-batches of the rows, equal (up to rounding) to ``value_and_grad(loss_fn)`` on all rows.
+
+    Each micro-batch's cross-entropy is weighted by its share of the batch (1/k; with ``weighted``, its
+    share of the scored targets' weight) and its auxiliary losses (means over rows) by 1/k; the
+    gradients and the non-gradient ``aux['stats']`` are summed, the reported ``aux`` losses and metrics
+    averaged. ``state_axes``: the row axis of each carried state leaf (:func:`_batch_axes`; None for
+    a shared leaf), or None when no state is carried."""
+
+    def micro_loss(params, nongrad, rest, mb, state, key, ce_w):
+        _, (ce, new_state, aux) = loss_fn(params, nongrad, rest, *mb, state, key)
+        extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
+        return ce_w * ce + extra / k, (ce_w * ce, new_state, aux)
+
+    micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def grad_fn(params, nongrad, rest, *batch_and_state_key):
+        *batch, state, key = batch_and_state_key
+        mbs = tuple(_split_rows(a, k) for a in batch)
+        if weighted:  # the share of the scored targets' weight (the loss is sum(w * nll) / sum(w))
+            w = batch[-1].astype(jnp.float32)
+            ce_w = jnp.sum(mbs[-1].astype(jnp.float32), axis=(1, 2)) / jnp.maximum(jnp.sum(w), 1e-9)
+        else:
+            ce_w = jnp.full((k,), 1.0 / k, jnp.float32)
+        keys = jax.random.split(key, k)
+        if state is None:
+            rows_state, shared_state = None, None
+        else:
+            rows_state = _by_axis(lambda a, x: None if a is None else _split_rows(x, k, a), state_axes, state)
+            shared_state = _by_axis(lambda a, x: x if a is None else None, state_axes, state)
+
+        def body(carry, xs):
+            g_acc, _ = carry
+            mb, st_rows, key_i, w_i = xs
+            st = None if state is None else _by_axis(lambda a, r, sh: sh if a is None else r, state_axes, st_rows,
+                                                     shared_state)
+            (loss, (ce, new_st, aux)), g = micro_grad(params, nongrad, rest, mb, st, key_i, w_i)
+            g_acc = jax.tree.map(jnp.add, g_acc, g)
+            if new_st is None:
+                new_rows, new_shared = None, None
+            else:
+                new_rows = _by_axis(lambda a, x: None if a is None else x, state_axes, new_st)
+                new_shared = _by_axis(lambda a, x: x if a is None else None, state_axes, new_st)
+            return (g_acc, new_shared), (loss, ce, new_rows, aux)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, new_shared), (losses, ces, new_rows, auxes) = jax.lax.scan(
+            body, (zeros, shared_state), (mbs, rows_state, keys, ce_w))
+        if state is None:
+            new_state = None
+        else:
+            new_state = _by_axis(lambda a, r, sh: sh if a is None else _merge_rows(r, a), state_axes, new_rows,
+                                 new_shared)
+        aux = {"losses": jax.tree.map(lambda v: jnp.mean(v, axis=0), auxes["losses"]),
+               "stats": jax.tree.map(lambda v: jnp.sum(v, axis=0), auxes["stats"]),
+               "metrics": jax.tree.map(lambda v: jnp.mean(v, axis=0), auxes["metrics"])}
+        return (jnp.sum(losses), (jnp.sum(ces), new_state, aux)), grads
+
+    return grad_fn
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None, weighted: bool = False, hidden=None):
+                    constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
     ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
     ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
     mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`).
-    ``hidden``: optional replacement of ``model.hidden`` taking the model first (sequence parallelism)."""
+    ``hidden``: optional replacement of ``model.hidden`` taking the model first (sequence parallelism).
+    ``microbatches``: gradient accumulation over that many micro-batches of the rows per update
+    (:func:`accumulate_grads`; 1 = the whole batch at once)."""
     n_windows = seq_len // window
     loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-    update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
+
+    def make_update(params, nongrad, rest, batch_size):
+        if microbatches == 1:
+            grad_fn = jax.value_and_grad(loss, has_aux=True)
+        else:
+            if batch_size % microbatches:
+                raise ValueError(f"{batch_size} rows do not split into {microbatches} micro-batches")
+            axes = (_batch_axes(graphdef, params, nongrad, rest, batch_size, microbatches, seq_len)
+                    if n_windows > 1 else None)
+            grad_fn = accumulate_grads(loss, microbatches, weighted=weighted, state_axes=axes)
+        return _make_update(graphdef, tx, grad_fn, skip_nonfinite)
 
     def step(params, nongrad, rest, opt_state, tokens, key):
+        update = make_update(params, nongrad, rest, (tokens["tokens"] if weighted else tokens).shape[0])
         if weighted:
             tokens, weights = tokens["tokens"], tokens["weights"]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -39,7 +39,7 @@ def test_auto_falls_back_with_one_log_line_naming_why(caplog):
             c = dispatch.resolve("auto", method="m", kernel="k", reasons_fn=fake_reasons, platform="tpu", n=9)
     assert not c.use_kernel and c.reasons == ("n=9 too big on tpu",)
     lines = [r.getMessage() for r in caplog.records if r.name == "longctx.attention.dispatch"]
-    assert len(lines) == 1 and "n=9 too big on tpu" in lines[0] and "XLA" in lines[0]
+    assert len(lines) == 1 and "n=9 too big on tpu" in lines[0] and "uses xla" in lines[0]
 
 
 def test_auto_on_cpu_is_xla_with_a_reason(caplog):

@@ -458,10 +458,10 @@ def test_gradients_match_reference(x64, form, L, M):
 @pytest.mark.parametrize("keep", [True, False])  # backward from the forward's kept weights / recomputed
 @pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), pytest.param(5, 4, 4, 4, marks=pytest.mark.slow),
                                           pytest.param(16, 8, 8, 4, marks=pytest.mark.slow)])
-def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, monkeypatch):
+def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep):
     """causal_blocks (tiled scan, FlashAttention-style backward) == causal_parallel (serial): output, new state and
     the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0."""
-    monkeypatch.setattr(tvq, "KEEP_MAX_SCORES", 1 << 30 if keep else 0)
+    keep_budget = 1 << 30 if keep else 0  # the execution setting attention.transformer_vq.keep_budget
     d = make_inputs(T=T, M=M, S=6, Dv=3)
     B, H, _, Dk = d["q"].shape
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
@@ -477,7 +477,8 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mo
     def run(which, q_u, q_v, r, k_hat, v, band_v, agg_mu):
         s = dict(st, band_v=band_v, agg_mu=agg_mu)
         if which == "blocks":
-            o, ns = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile)
+            o, ns = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile,
+                                      keep_budget=keep_budget)
         else:
             o, ns = tvq.causal_parallel(q_u, tvq.band_scores(q_v, r), k_hat, z, v, d["C"], s, L=L, M=M)
         return jnp.sum(o * w) + jnp.sum(jnp.sin(ns["agg_mu"])) + jnp.sum(ns["band_v"] ** 2), (o, ns)
@@ -624,8 +625,8 @@ def test_long_forward_65536():  # ~5 s on CPU
 
 
 def test_auto_form_picks_tiles_by_call_size(monkeypatch):
-    """form='auto' runs causal_blocks only for calls with >= TILED_MIN_SCORES score entries, else
-    causal_parallel; both give the same output."""
+    """form='auto' runs causal_blocks only for calls with >= tiled_min_scores score entries (an execution
+    setting), else causal_parallel; both give the same output."""
     q, k, v = qkv(T=12)
     calls = []
     for name in ("causal_blocks", "causal_parallel"):
@@ -634,7 +635,7 @@ def test_auto_form_picks_tiles_by_call_size(monkeypatch):
     core = small_core()
     # jitted (the form is picked at trace time; an eager call compiles op by op: 18 s of this test)
     small = jax.jit(lambda *a: core(*a)[0])(q, k, v)  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
-    monkeypatch.setattr(tvq, "TILED_MIN_SCORES", 1)
+    core = small_core(tiled_min_scores=1)
     big = jax.jit(lambda *a: core(*a)[0])(q, k, v)
     assert calls == ["causal_parallel", "causal_blocks"]
     assert max_err(small, big) < 1e-5

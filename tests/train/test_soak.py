@@ -7,7 +7,9 @@ moment after a random step -- truncates the data files of the newest checkpoint 
 same command again after each kill until the run completes. Then:
 
 * the final parameters, non-gradient state and optimizer state (restored through the project's
-  restore path) and every train and valid record of ``metrics.jsonl`` equal an uninterrupted run's;
+  restore path), every train and valid record of ``metrics.jsonl`` and the TensorBoard scalars (read
+  back as TensorBoard shows them, its purge of the points past each resumed step applied) equal an
+  uninterrupted run's, each step once;
 * each restart resumes from the newest checkpoint that was committed when the process died (the
   truncated one excepted, with exactly one warning naming it), so no half-written checkpoint is
   ever used and nothing committed is lost;
@@ -250,6 +252,20 @@ def check_and_report(res: dict, *, min_kills: int) -> dict:
         assert sorted(g) == sorted(r), split
         np.testing.assert_allclose([g[s] for s in sorted(r)], [r[s] for s in sorted(r)], rtol=1e-6, atol=0)
     assert sorted(r for r in {x["step"] for x in run if x["split"] == "train"}) == list(range(1, steps + 1))
+    # and so do the TensorBoard scalars, as TensorBoard shows them (the timings aside)
+    from longctx.train.metrics import read_tensorboard
+
+    tb_ref, tb_run = read_tensorboard(res["ref"] / "tb"), read_tensorboard(res["run"] / "tb")
+    timing = ("train/tokens_per_sec", "train/step_time")
+    assert sorted(tb_run) == sorted(tb_ref) and "train/loss" in tb_ref and "valid/loss" in tb_ref
+    for tag in tb_ref:
+        steps_run = [s for s, _ in tb_run[tag]]
+        assert len(steps_run) == len(set(steps_run)), f"{tag}: a step shown twice"
+        if tag in timing:
+            continue
+        assert steps_run == [s for s, _ in tb_ref[tag]], tag
+        np.testing.assert_allclose([v for _, v in tb_run[tag]], [v for _, v in tb_ref[tag]], rtol=1e-6, atol=0)
+    assert len(list((res["run"] / "tb").iterdir())) == len(kills) + 1  # one event file per run segment
     assert not _ckpt_dir_steps(res["run"])[1], "a temporary checkpoint folder was left after the run"
 
     # work redone per kill: from the newest committed checkpoint c to the last logged step L
