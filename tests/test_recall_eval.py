@@ -177,3 +177,22 @@ def test_exact_attention_given_the_answer_in_context_reaches_100_percent(tmp_pat
     res = recall_run(tmp_path / "run", rows=64, bins=4, progress=False)
     assert res["answers"] == 256 and res["accuracy"] == 1.0
     assert all(b["accuracy"] == 1.0 for b in res["by_distance"])
+
+
+def test_runs_saved_by_an_earlier_version_resume_and_layout_keys_may_change():
+    """A saved config without keys added since (remat_policy, scan_layers) and with execution settings among
+    the model's resumes; switching the layer layout or the recomputation is allowed, a hyperparameter is not."""
+    from longctx.train.loop import check_resume_config
+
+    cfg = validate(base_config())
+    saved = json.loads(cfg.to_json())
+    for key in ("remat_policy", "scan_layers"):
+        saved["model"].pop(key, None)
+    name = saved["model"]["attention"]["name"]
+    saved["model"]["attention"][name].update(saved.pop("execution")["attention"][name])  # the old place
+    check_resume_config(saved, cfg)
+    saved["model"]["scan_layers"], saved["model"]["remat"] = True, True
+    check_resume_config(saved, cfg)
+    saved["model"]["d_model"] = 2 * cfg.model.d_model
+    with pytest.raises(Exception, match="different model config"):
+        check_resume_config(saved, cfg)

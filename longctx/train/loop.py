@@ -13,7 +13,9 @@ is set up on the way in, so a restarted run loads its compiled steps instead of 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import math
 import signal
@@ -114,14 +116,28 @@ def _over(defaults: dict, saved: dict) -> dict:
     return out
 
 
+# model keys that choose a layout or a recomputation, not the function: a run may resume with them changed
+# (a checkpoint of the other layer layout is converted on restore)
+RESUMABLE_MODEL_KEYS = ("scan_layers", "remat", "remat_policy")
+
+
 def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
+    """Refuse to resume a run whose model or data differ from ``cfg``'s. The saved config is brought up to date
+    first (keys added to the base since take their defaults, execution settings move to their section), so a run
+    saved by an earlier version resumes."""
     now = json.loads(cfg.to_json())
-    # data keys added to the base config since the run was saved (e.g. data.synthetic) take their defaults
-    saved = {**saved, "data": _over(json.loads(config_lib.base_config().data.to_json()), saved.get("data", {}))}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            saved = json.loads(config_lib.validate(config_lib.merge_over_base(saved)).to_json())
+    except ConfigError:  # no longer a valid config: compare what was saved, as saved
+        saved = {**saved, "data": _over(json.loads(config_lib.base_config().data.to_json()), saved.get("data", {}))}
     for section in ("model", "data"):
-        if saved.get(section) != now.get(section):
-            keys = sorted(k for k in set(saved.get(section, {})) | set(now.get(section, {}))
-                          if saved.get(section, {}).get(k) != now.get(section, {}).get(k))
+        a, b = dict(saved.get(section, {})), dict(now.get(section, {}))
+        if section == "model":
+            for k in RESUMABLE_MODEL_KEYS:
+                a.pop(k, None), b.pop(k, None)
+        if a != b:
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(
                 f"the workdir holds a run with a different {section} config (differs in {', '.join(keys[:4])}); "
                 "use a new --workdir or the same config"

@@ -187,7 +187,7 @@ def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None
                                                      shared_state)
             (loss, (ce, new_st, aux)), g = micro_grad(params, nongrad, rest, mb, st, key_i, w_i)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
-            if new_st is None:
+            if state is None or new_st is None:  # one window: no state comes in, none is carried out
                 new_rows, new_shared = None, None
             else:
                 new_rows = _by_axis(lambda a, x: None if a is None else x, state_axes, new_st)

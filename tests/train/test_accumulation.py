@@ -69,6 +69,15 @@ def test_accumulated_update_equals_the_whole_batch_update(method, microbatches):
         assert np.all(np.asarray(got[3]["aux/commit"]) > 0)
 
 
+def test_accumulation_with_one_window_per_row():
+    """No state carried (the window is the whole row): the micro-batches' states are not stitched together."""
+    cfg = _cfg("dense", window=16)
+    tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 40)
+    got = _run(cfg, 2, tokens)
+    assert got[3]["ce"].shape == (1,)
+    _assert_same(got, _run(cfg, 1, tokens))
+
+
 def test_accumulated_weighted_loss_equals_the_whole_batch():
     """A generated source's loss (weighted mean over the scored targets): each micro-batch's share is
     its share of the weight, so rows with more scored targets count for more, as in the batch."""
