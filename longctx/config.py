@@ -90,6 +90,12 @@ def base_config() -> ml_collections.ConfigDict:
     # compile time flat in depth; False: one module per block (the layout of checkpoints saved without the key;
     # a checkpoint of either layout restores into the other, longctx/models/backbone.py:relayout)
     c.model.scan_layers = False
+    # precision policy (longctx/models/precision.py), applied where the backbone and blocks build their layers:
+    # 'dtype' is the compute dtype of activations and matmul inputs ('auto': bfloat16 on GPU/TPU, float32 on CPU |
+    # 'float32' | 'bfloat16' | 'float16'); 'param_dtype' the dtype of the master weights and so of the optimizer
+    # state. Softmax statistics, norms' statistics, the loss, codebook EMA statistics and sampling stay float32.
+    c.model.dtype = "auto"
+    c.model.param_dtype = "float32"
     c.model.loss_chunk = 0  # dense output: >0 -> exact softmax NLL over vocabulary chunks of this size (no [B,T,V])
     c.model.adaptive_cutoffs = (20000, 40000, 200000)
     c.model.adaptive_div = 4.0
@@ -226,6 +232,8 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("none", "learned", "sinusoidal", "rotary"),
     "model.output": ("dense", "adaptive"),
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.param_dtype": ("float32", "bfloat16", "float16"),
     "train.on_nonfinite": ("stop", "skip"),
     "eval.split": ("train", "valid", "test"),
     "eval.protocol": ("stream", "sliding"),

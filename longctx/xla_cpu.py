@@ -71,7 +71,7 @@ def transposed(*xs):
     return out if len(xs) > 1 else out[0]
 
 
-def rows_dot(a_t, b, precision=None):
+def rows_dot(a_t, b, precision=None, preferred_element_type=None):
     """``Σ_q a[..., q, i] * b[..., q, j]`` as ``[..., i, j]``, from ``a_t`` = :func:`transposed` ``(a)``
     ``[..., i, q]``: the key-side gradients of attention (``dk = dsᵀ q``, ``dv = pᵀ do``, here transposed, as
     ``[..., d, keys]``). Written as that contraction of the row axis of both operands, XLA:CPU falls back to a
@@ -80,7 +80,7 @@ def rows_dot(a_t, b, precision=None):
     one pass over it; transpose it once per block row, not per pair. ``precision`` as the caller's other dots.
     For autodiff, :func:`scores` and :func:`mix` (``pallas_kernels/cpu_dots.py``) are the einsums ``q kᵀ`` and
     ``p v`` with this backward built in."""
-    return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision)
+    return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision, preferred_element_type=preferred_element_type)
 
 
 __all__ = ["flat_last", "materialized", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]

@@ -8,14 +8,17 @@
 #
 # Steps, each under its own `timeout` and writing its files as it goes (a slow step costs only itself; the
 # report says which step failed or ran out of time and shows the end of its log):
-#   env       jax / jaxlib / plugin versions, the device, driver and cuDNN, the commit
+#   env       jax / jaxlib / plugin versions (and whether jax lies in pyproject's supported range), the
+#             device, driver and cuDNN, the commit
 #   tests     the kernel tests compiled (tests/kernels: interpret mode is off on an accelerator) and
 #             dense's cuDNN / splash tests (tests/attention/test_dense_platform.py)
 #   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU) against every method as shipped,
-#             B8 H8 d64 bf16, 8k-64k, forward and forward+backward (`longctx-bench attention`)
+#             8k-64k, forward and forward+backward, at the bench's accelerator defaults (B8 H8 d64 bf16,
+#             calls per sample filling 50 ms), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
 #   kernels   each Pallas kernel against its XLA path at the same shapes (`longctx-bench kernels`)
 #   step_*    the training step of three configs at reduced depth (`longctx-bench step`): enwik8
-#             Transformer-VQ, WikiText-103 EVA, enwik8 FMA
+#             Transformer-VQ, WikiText-103 EVA, enwik8 FMA: tokens/s, model FLOPs per token, MFU against the
+#             device's bf16 peak, compile time, device peak memory
 #   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`)
 # The limits add up to 8 minutes; per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests"
 # runs a subset (the report is always written).
@@ -65,7 +68,7 @@ if [ "$SMOKE" = 1 ]; then
         --repeats 1 --warmup 0 --no_isolate)
   KERN=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1
         --warmup 0 --no_backward)
-  STEP=(--lengths 128 --batch_size 1 --repeats 1 --warmup 0)
+  STEP=(--lengths 128 --batch_size 1 --repeats 1 --warmup 0 --matmul_n 512)
   DEPTH=(model.num_layers=1)
   VARIANT=":tiny"
   EXACT="dense:naive"
@@ -73,10 +76,9 @@ else
   LIMIT_DEFAULT=150
   TESTS=(tests/kernels tests/attention/test_dense_platform.py -x)
   # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
-  ATTN=(--lengths 8k,16k,32k,64k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --repeats 3 --warmup 1
-        --mem_budget_gb 60 --max_cell_s 20)
-  KERN=(--lengths 8k,16k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --repeats 3 --warmup 1
-        --max_cell_s 20)
+  # shapes, dtype and calls per timing sample: the bench's accelerator defaults (B8 H8 d64 bf16)
+  ATTN=(--lengths 8k,16k,32k,64k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 20)
+  KERN=(--lengths 8k,16k --repeats 3 --warmup 1 --max_cell_s 20)
   STEP=(--lengths 8k --batch_size 8 --repeats 3 --warmup 1)
   DEPTH=(model.num_layers=2)
   VARIANT=""
@@ -107,10 +109,25 @@ run_step() {  # run_step NAME LIMIT CMD...: log to WORK/NAME.log, status to WORK
 }
 
 cat > "$TMP/env.py" <<'EOF'
-import json, platform, subprocess, sys
+import json, platform, re, subprocess, sys
 import jax, jaxlib
 info = {"smoke": sys.argv[2] == "1", "python": platform.python_version(), "jax": jax.__version__,
         "jaxlib": jaxlib.__version__, "backend": jax.default_backend()}
+def _v(text):
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+try:  # pyproject's [tool.longctx] supported-jax, e.g. ">=0.10.2,<0.12"
+    import tomllib
+    rng = tomllib.load(open("pyproject.toml", "rb"))["tool"]["longctx"]["supported-jax"]
+    ops = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+           "==": lambda a, b: a == b}
+    inside = True
+    for part in rng.split(","):
+        op, ver = re.match(r"\s*(>=|<=|==|<|>)\s*([\d.]+)", part).groups()
+        n = len(_v(ver))
+        inside = inside and ops[op](_v(jax.__version__)[:n], _v(ver))
+    info["jax_supported_range"], info["jax_in_supported_range"] = rng, inside
+except Exception as e:  # noqa: BLE001
+    info["jax_supported_range"], info["jax_in_supported_range"] = f"unknown ({type(e).__name__})", None
 devs = jax.devices()
 info["devices"] = [f"{d.platform}:{d.device_kind}" for d in devs]
 info["device"] = devs[0].device_kind
@@ -217,47 +234,72 @@ att = load(work / "attention" / "attention.json") or load(work / "attention" / "
 rows = att.get("rows", []) if isinstance(att, dict) else []
 report["attention"] = rows
 ref = {(r.get("direction"), r.get("length")): r for r in rows if r.get("variant") == exact}
-body = [f"Exact row: `{exact}`; ratio = method time / exact time (below 1: faster than exact attention).", "",
-        "| variant | T | fwd ms | fwd+bwd ms | fwd / exact | fwd+bwd / exact | TFLOP/s fwd+bwd (analytic) | status |",
-        "|---|---|---|---|---|---|---|---|"]
+a_args = (att.get("header") or {}).get("args", {}) if isinstance(att, dict) else {}
+peak = (att.get("peak") or {}) if isinstance(att, dict) else {}
+body = [f"Exact row: `{exact}`; ratio = method time / exact time (below 1: faster than exact attention). Shapes: "
+        f"batch {a_args.get('batch')}, heads {a_args.get('heads')}, head_dim {a_args.get('head_dim')}, "
+        f"{a_args.get('dtype')}, calls per timing sample {a_args.get('calls_per_sample')} (0: as many as fill 50 ms). "
+        + (f"Peak: {peak['tflops'] * 1e3:.4g} GFLOP/s, {peak.get('source')}." if peak.get("tflops")
+           else f"No % of peak: {peak.get('reason')}."), "",
+        "| variant | T | fwd ms | fwd+bwd ms | fwd / exact | fwd+bwd / exact | TFLOP/s fwd+bwd | % of peak fwd+bwd | status |",
+        "|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     e = ref.get((r.get("direction"), r.get("length")), {})
     ratio = lambda k: (r[k] / e[k]) if r.get(k) and e.get(k) else None  # noqa: E731
-    tf = r.get("fwdbwd_analytic_gflops_per_s")
+    tf = r.get("fwdbwd_analytic_gflops_per_s") or r.get("fwdbwd_xla_gflops_per_s")
+    lb = "" if r.get("fwdbwd_analytic_gflops_per_s") or not r.get("fwdbwd_xla_flops_has_loops") else "≥"
+    pf = r.get("fwdbwd_peak_fraction")
     body.append(f"| {r.get('variant')} | {r.get('length')} | {fmt((r.get('fwd_s') or math.nan) * 1e3)} | "
                 f"{fmt((r.get('fwdbwd_s') or math.nan) * 1e3)} | {fmt(ratio('fwd_s'))} | {fmt(ratio('fwdbwd_s'))} | "
-                f"{fmt(tf / 1e3 if tf else None)} | {r.get('fwd_status', '')}/{r.get('fwdbwd_status', '')} |")
+                f"{lb + fmt(tf / 1e3) if tf else '–'} | {lb + fmt(100 * pf) if pf is not None else '–'} | "
+                f"{r.get('fwd_status', '')}/{r.get('fwdbwd_status', '')} |")
 section("Exact attention against every method", "attention", body)
 
 kern = load(work / "kernels" / "kernels.json") or {}
 krows = kern.get("rows", []) if isinstance(kern, dict) else []
 report["kernels"] = krows
 body = ["| method | kernel | T | mode | XLA fwd ms | kernel fwd ms | kernel / XLA fwd | kernel / XLA fwd+bwd | "
-        "max abs diff | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "kernel TFLOP/s fwd | kernel % of peak fwd | max abs diff | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in krows:
+    lb = "≥" if r.get("fwd_xla_flops_has_loops") else ""
+    kt, kp = r.get("pallas_fwd_tflops"), r.get("pallas_fwd_peak_fraction")
     body.append(f"| {r.get('method')} | {r.get('kernel')} | {r.get('length')} | {r.get('mode')} | "
                 f"{fmt((r.get('xla_fwd_s') or math.nan) * 1e3)} | {fmt((r.get('pallas_fwd_s') or math.nan) * 1e3)} | "
                 f"{fmt(r.get('fwd_kernel_over_xla'))} | {fmt(r.get('fwdbwd_kernel_over_xla'))} | "
+                f"{lb + fmt(kt) if kt else '–'} | {lb + fmt(100 * kp) if kp is not None else '–'} | "
                 f"{fmt(r.get('max_abs_diff_out'))} | {r.get('status')} |")
 section("Each kernel against its XLA path", "kernels", body)
 
 body = []
 report["steps_model"] = {}
-known = ["T", "batch_size", "params", "step_s", "tokens_per_s", "compile_s"]
+cols = ["T", "batch", "params", "step s", "tokens/s", "MFLOP / token", "TFLOP/s", "MFU %", "compile s",
+        "device peak MB", "XLA mem MB"]
+report["mfu_definition"] = ("model FLOPs per token = 3 x forward matmul FLOPs counted in the forward's jaxpr "
+                            "(longctx-bench step); MFU = that x tokens/s / peak (device bf16 peak on a GPU / TPU, "
+                            "the measured f32 matmul rate on a CPU)")
 for name, title in (("step_tvq", "enwik8 Transformer-VQ"), ("step_eva", "WikiText-103 EVA"),
                     ("step_fma", "enwik8 FMA")):
     d = load(work / name / "step.json") or {}
     srows = d.get("rows", []) if isinstance(d, dict) else []
     report["steps_model"][name] = d
-    extra = sorted({k for r in srows for k in r if any(t in k.lower() for t in ("mfu", "flop", "device_mem"))})
-    cols = known + extra + ["XLA mem MB"]
+    pk = (d.get("peak") or {}) if isinstance(d, dict) else {}
     part = [f"### {title} (`{d.get('config', '?')}`, overrides {d.get('sets', [])})", "",
             f"step `{name}`: **{status[name]['status']}**", "",
+            (f"Peak: {pk['tflops'] * 1e3:.4g} GFLOP/s, {pk.get('source')}." if pk.get("tflops")
+             else f"MFU not reported: {pk.get('reason')}." if pk else ""), "",
             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in srows:
         mem = (r.get("xla_mem") or {}).get("total")
-        part.append("| " + " | ".join(fmt(r.get(c)) for c in known + extra)
-                    + f" | {fmt(mem / 2**20 if mem else None)} |")
+        dev = r.get("device_peak_bytes")
+        mf = r.get("model_flops_per_token")
+        part.append("| " + " | ".join(fmt(x) for x in (
+            r.get("T"), r.get("batch_size"), r.get("params"), r.get("step_s"), r.get("tokens_per_s"),
+            mf / 1e6 if mf else None, r.get("model_tflops_per_s"),
+            100 * r["mfu"] if r.get("mfu") is not None else None, r.get("compile_s"),
+            dev / 2**20 if dev is not None else None, mem / 2**20 if mem else None)) + " |")
+    if srows and srows[0].get("device_peak_bytes") is None:
+        part.extend(["", f"Device memory: {(srows[0].get('device_mem') or {}).get('reason', 'not recorded')}."])
     if status[name]["status"] != "ok":
         part.extend(["```", tail(name) or "(no log)", "```"])
     body.extend(part + [""])

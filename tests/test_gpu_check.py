@@ -30,6 +30,10 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
     assert report["env"]["jax"] and report["tests"]["tests"] > 0 and report["tests"]["failures"] == 0
     assert {r["variant"] for r in report["attention"]} >= {"dense:naive", "transformer_vq"}
     assert report["kernels"] and all(r["status"] == "ok" for r in report["kernels"])
+    assert report["env"]["jax_in_supported_range"] is True and report["env"]["jax_supported_range"].startswith(">=")
     for name in ("step_tvq", "step_eva", "step_fma"):
-        assert report["steps_model"][name]["rows"][0]["tokens_per_s"] > 0
+        row = report["steps_model"][name]["rows"][0]
+        assert row["tokens_per_s"] > 0 and row["model_flops_per_token"] > 0 and row["mfu"] > 0
+        assert row["compile_s"] > 0 and "not available" in row["device_mem"]["reason"]
+    assert "MFU %" in text and "MFLOP / token" in text and "% of peak fwd+bwd" in text
     assert "peak (est.)" in report["memplan"]

@@ -31,6 +31,7 @@ import numpy as np
 
 from longctx.attention import dense_platform, dispatch
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
+from longctx.models.precision import einsum_f32
 from longctx.xla_cpu import rowdot, rows_dot, transposed
 
 NEG_INF = -1e30
@@ -47,13 +48,13 @@ def positions_mask(q_pos, k_pos, k_valid, causal: bool):
 def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool):
     """Reference exact attention with explicit positions. Shapes as the contract."""
     scale = q.shape[-1] ** -0.5
-    s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = einsum_f32("bhqd,bhkd->bhqk", q, k.astype(q.dtype)) * scale  # compute-dtype operands, fp32 statistics
     mask = positions_mask(q_pos, k_pos, k_valid, causal)
     s = jnp.where(mask, s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(m)), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32)) / jnp.maximum(den, 1e-30)
+    out = einsum_f32("bhqk,bhkd->bhqd", p.astype(v.dtype), v) / jnp.maximum(den, 1e-30)
     return out.astype(v.dtype)
 
 
@@ -103,7 +104,7 @@ def _softmax_step(carry, qi, ki, vi, mask=None, every_row_sees_a_key: bool = Fal
     (static): each row has a visible key in this block, so its new max is finite and exp(NEG_INF - max) is already
     0 where masked: the second select is skipped."""
     m, l, acc = carry
-    s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki)
+    s = jnp.einsum("bhqd,bhkd->bhqk", qi, ki, preferred_element_type=jnp.float32)  # statistics in float32
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -111,7 +112,8 @@ def _softmax_step(carry, qi, ki, vi, mask=None, every_row_sees_a_key: bool = Fal
     if mask is not None and not every_row_sees_a_key:  # a row that has seen no key yet: exp(s - m_new) = 1
         p = jnp.where(mask, p, 0.0)
     corr = jnp.exp(m - m_new)
-    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p, vi)
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum(
+        "bhqk,bhkd->bhqd", p.astype(vi.dtype), vi, preferred_element_type=jnp.float32)
 
 
 def _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None):
@@ -122,11 +124,14 @@ def _pair_grads(qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None):
     [.., D, bq], by the caller once per pass) as plain [D, bq] x [bq, bk] products (``longctx.xla_cpu.rows_dot``:
     contracting the row axis of both operands as laid out, XLA:CPU falls back to a generic dot at about half the
     rate; see docs/DESIGN.md 'Where the time goes')."""
-    p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki) - lsei[..., None])
+    # operands in the compute dtype (q's), products accumulated in float32
+    p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki, preferred_element_type=jnp.float32) - lsei[..., None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi) - di[..., None])
-    return jnp.einsum("bhqk,bhkd->bhqd", ds, ki), rows_dot(qi_t, ds), rows_dot(doi_t, p)
+    ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi, preferred_element_type=jnp.float32) - di[..., None])
+    p, ds = p.astype(qi.dtype), ds.astype(qi.dtype)
+    return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki, preferred_element_type=jnp.float32),
+            rows_dot(qi_t, ds, preferred_element_type=jnp.float32), rows_dot(doi_t, p, preferred_element_type=jnp.float32))
 
 
 def _flash_forward(qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
@@ -164,7 +169,8 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
     """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
     each visible (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
-    delta = rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O), as a dot (longctx.xla_cpu)
+    delta = rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O), as a dot (longctx.xla_cpu); float32
+    dob = dob.astype(qb.dtype)  # the products' operands in the compute dtype
     qb_t, dob_t = transposed(qb, dob)
     zeros_k, zeros_v = (jnp.zeros(x.shape[1:-2] + x.shape[:-3:-1], jnp.float32) for x in (kb, vb))  # [B,H,D,bk]
 
@@ -180,7 +186,7 @@ def _flash_backward(qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal
 
             return _visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
 
-        dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros_like(qi), (kb, vb, kposb, kvalb, kmin))
+        dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qi.shape, jnp.float32), (kb, vb, kposb, kvalb, kmin))
         return (dkv[0] + dk, dkv[1] + dv), dq
 
     init = tuple(jnp.zeros(x.shape[:1] + zeros.shape, jnp.float32) for x, zeros in ((kb, zeros_k), (vb, zeros_v)))
@@ -208,7 +214,8 @@ def _blockwise_bwd(causal, bq, bk, res, dout):
     Tq, Tk, D = dout.shape[2], k_valid.shape[0], qb.shape[-1]
     dob = _blocks(_pad_axis(dout, 2, bq), ob.shape[0], bq)
     dq, dk, dv = _flash_backward(qb, kb, vb, ob, lseb, dob, *layout, causal)
-    return _unblocks(dq, Tq) * D**-0.5, _unblocks(dk, Tk), _unblocks(dv, Tk), None, None, None
+    return ((_unblocks(dq, Tq) * D**-0.5).astype(qb.dtype), _unblocks(dk, Tk).astype(kb.dtype),
+            _unblocks(dv, Tk).astype(vb.dtype), None, None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -220,8 +227,8 @@ def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q
     backward recomputes each visible block's probabilities once."""
     Tq, Tk = q.shape[2], k.shape[2]
     bq, bk = min(block_q, Tq), min(block_k, Tk)
-    f32 = lambda x: x.astype(jnp.float32)
-    out = _blockwise(f32(q), f32(k), f32(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
+    cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
+    out = _blockwise(cd(q), cd(k), cd(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
                      causal, bq, bk)
     return out.astype(v.dtype)
 
@@ -290,7 +297,8 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
     B, H, T, D = qs.shape
     nk = T // bk
     kb, vb = _key_blocks(k, 0, nk, bk), _key_blocks(v, 0, nk, bk)
-    delta = rowdot(do, out)
+    delta = rowdot(do, out)  # float32
+    do = do.astype(qs.dtype)  # the products' operands in the compute dtype
     qs_t, do_t = transposed(qs, do)  # [B,H,D,T]
     dk = jnp.zeros((nk, B, H, D, bk), jnp.float32)  # transposed, as _pair_grads gives them
     dv = jnp.zeros((nk, B, H, v.shape[-1], bk), jnp.float32)
@@ -305,7 +313,7 @@ def _self_backward(qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
             dqi, dkj, dvj = _pair_grads(qi, kj, vj, doi, li, di, qi_t, doi_t, mask)
             return dq + dqi, (dkj, dvj)
 
-        dq = jnp.zeros_like(qi)
+        dq = jnp.zeros(qi.shape, jnp.float32)
         if full:
             def visible_block(j, c, pair=pair):  # dk, dv of key block j updated in place
                 dq, dk, dv = c
@@ -339,7 +347,7 @@ def _self_blocks_fwd(q, k, v, causal, bq, bk):
 def _self_blocks_bwd(causal, bq, bk, res, do):
     qs, k, v, out, lse = res
     dq, dk, dv = _self_backward(qs, k, v, out, lse, do, causal, bq, bk)
-    return dq * qs.shape[-1] ** -0.5, dk, dv
+    return (dq * qs.shape[-1] ** -0.5).astype(qs.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _self_blocks.defvjp(_self_blocks_fwd, _self_blocks_bwd)
@@ -361,8 +369,8 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
     of both block sizes (:func:`self_blocks_apply`)."""
     T = q.shape[2]
     bq, bk = min(block_q, T), min(block_k, T)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return _self_blocks(f32(q), f32(k), f32(v), causal, bq, bk).astype(v.dtype)
+    cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
+    return _self_blocks(cd(q), cd(k), cd(v), causal, bq, bk).astype(v.dtype)
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl: str, block_q: int, block_k: int, auto_threshold: int,

@@ -9,8 +9,16 @@ Per (variant, direction, length) cell:
 * a cell is also skipped when the time extrapolated from the two largest measured
   lengths times (warm-up + repeats) exceeds ``--max_cell_s`` (so quadratic methods
   stop where they would take minutes per call);
-* time = median of ``--repeats`` calls after ``--warmup`` calls, each ended by
-  ``block_until_ready``; inputs are standard-normal q, k, v (never all zeros);
+* time = median of ``--repeats`` samples after ``--warmup`` calls; a sample is ``--calls_per_sample`` calls
+  dispatched back to back, the last ended by ``block_until_ready``, divided by their number (on a CPU one
+  call; on a GPU / TPU as many as fill about 50 ms, so that launch cost vanishes); inputs are
+  standard-normal q, k, v (never all zeros);
+* shapes: batch, heads, head_dim and dtype default to batch 1, 4 heads of 64, float32 on a CPU (as every
+  earlier CPU result) and to a training-like batch 8, 8 heads of 64, bfloat16 (batch x heads = 64) on a GPU
+  or TPU (``common.SHAPE_DEFAULTS``); the flags override either;
+* rate: GFLOP/s (TFLOP/s on a GPU / TPU) from the analytic count (exact attention) and from XLA's cost
+  analysis, and the fraction of the peak (``common.device_peak``: the device's dense bf16 peak on a GPU /
+  TPU, the measured matmul rate on a CPU) of the analytic rate, else of XLA's (then a lower bound);
 * forward: deterministic=True; forward+backward: gradient of sum(out * w) (w Gaussian)
   plus the core's auxiliary losses with respect to q, k, v and the core's parameters,
   deterministic=False with a key (the training path);
@@ -47,10 +55,13 @@ def add_args(p):
     p.add_argument("--methods", default="", help="comma list of methods or variants (e.g. dense,eva or dense:naive); "
                    f"default: every registered method (+ {TORCH} when torch is importable)")
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma list of sequence lengths (k = 1024)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--head_dim", type=int, default=None, help="default 64")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
+    p.add_argument("--calls_per_sample", type=int, default=None,
+                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
     p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
     p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
     p.add_argument("--repeats", type=int, default=3)
@@ -91,6 +102,7 @@ def _torch():
 
 def run(args) -> dict:
     out = C.out_dir(args.out)
+    C.shape_defaults(args)
     lengths = C.parse_ints(args.lengths)
     requested = C.parse_names(args.methods)
     core_requested = [r for r in requested if r != TORCH] if requested else None
@@ -151,6 +163,8 @@ def run(args) -> dict:
     (out / PARTIAL).unlink(missing_ok=True)
     if getattr(args, "update", False):
         res = merge_into_previous(out / "attention.json", res, ran)
+    res["peak"] = C.device_peak(matmul=res.get("matmul"))
+    add_peak_fractions(res["rows"], res["peak"].get("tflops"))
     res["exponents"] = []
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         for label in dict.fromkeys(r["variant"] for r in res["rows"] if r["direction"] == dname):
@@ -167,14 +181,30 @@ def run(args) -> dict:
     return res
 
 
+def add_peak_fractions(rows: list[dict], peak_tflops: float | None) -> None:
+    """``{kind}_peak_fraction`` of each timed row: its analytic FLOP rate over the peak, else its XLA-counted
+    rate (``{kind}_peak_fraction_lower_bound`` where XLA's count of a program with loops is a lower bound)."""
+    for r in rows:
+        for kind in ("fwd", "fwdbwd"):
+            rate = r.get(f"{kind}_analytic_gflops_per_s")
+            lower = False
+            if rate is None:
+                rate = r.get(f"{kind}_xla_gflops_per_s")
+                lower = bool(r.get(f"{kind}_xla_flops_has_loops"))
+            if rate and peak_tflops:
+                r[f"{kind}_peak_fraction"] = rate / (peak_tflops * 1e3)
+                r[f"{kind}_peak_fraction_lower_bound"] = lower
+
+
 def child_argv(args, label: str, out, causal: bool | None = None) -> list[str]:
     """The command line that times one variant (or the PyTorch reference) alone, with this run's settings
     (``causal``: in that direction only)."""
     argv = [sys.executable, "-m", "longctx.bench.cli", "attention", "--no_isolate", "--no_progress",
             "--methods", label, "--out", str(out), "--matmul_n", "0"]
     for name in ("lengths", "batch", "heads", "head_dim", "dtype", "repeats", "warmup", "mem_budget_gb",
-                 "max_cell_s", "seed"):
-        argv += [f"--{name}", str(getattr(args, name))]
+                 "max_cell_s", "seed", "calls_per_sample"):
+        if getattr(args, name, None) is not None:
+            argv += [f"--{name}", str(getattr(args, name))]
     flags = ("no_backward",) + (("causal", "bidirectional") if causal is None else ())
     for flag in flags:
         if getattr(args, flag):
@@ -279,7 +309,8 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, 
                         row[f"{kind}_xla_flops"] = fl["flops"]
                         row[f"{kind}_xla_flops_has_loops"] = fl.get("has_loops")
                         with C.RssSampler() as rss:
-                            t = C.time_calls(compiled, *fargs, repeats=args.repeats, warmup=args.warmup)
+                            t = C.time_auto(compiled, *fargs, repeats=args.repeats, warmup=args.warmup,
+                                            calls=getattr(args, "calls_per_sample", 1) or 0)
                         row[f"{kind}_s"] = t["median_s"]
                         row[f"{kind}_times"] = t
                         row[f"{kind}_rss_peak_bytes"] = rss.peak
@@ -381,11 +412,28 @@ def _mb(x):
     return None if x is None else x / C.MB
 
 
+def _pct(r, kind):
+    f = r.get(f"{kind}_peak_fraction")
+    if f is None:
+        return None
+    return f"≥{100 * f:.3g}" if r.get(f"{kind}_peak_fraction_lower_bound") else 100 * f
+
+
 def markdown(res: dict) -> str:
     a = res["header"]["args"]
+    accel = (res["header"].get("machine") or {}).get("jax_backend", "cpu") != "cpu"
+    unit, scale = ("TFLOP/s", 1e-3) if accel else ("GFLOP/s", 1.0)
+    calls = a.get("calls_per_sample")
     parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}; "
-             f"median of {a['repeats']} runs after {a['warmup']} warm-up; memory budget {a['mem_budget_gb']:g} GB; "
+             f"median of {a['repeats']} "
+             + ("runs" if calls in (None, 1) else
+                "samples of " + (f"{calls} calls" if calls else "as many calls as fill about 50 ms"))
+             + f" after {a['warmup']} warm-up; memory budget {a['mem_budget_gb']:g} GB; "
              f"cells predicted to take > {a['max_cell_s']:g} s are skipped.\n"]
+    peak = res.get("peak") or {}
+    parts.append(f"\nPeak for % of peak: {peak['tflops'] * 1e3 * scale:,.4g} {unit}, {peak['source']}; % of peak = the "
+                 "analytic rate over it, else XLA's ('≥': a lower bound).\n" if peak.get("tflops")
+                 else f"\nNo % of peak: {peak['reason']}.\n" if peak.get("reason") else "")
     mm = res.get("matmul")
     if mm:
         parts.append(f"\nMeasured f32 matmul rate ({mm['n']}×{mm['n']}): jax.jit(jnp.matmul) "
@@ -395,29 +443,32 @@ def markdown(res: dict) -> str:
     if res["skipped_variants"]:
         parts.append("\n")
     headers = ["variant", "T", "fwd ms", "fwd+bwd ms", "XLA mem fwd MB", "XLA mem fwd+bwd MB", "peak RSS MB",
-               "GFLOP/s fwd (analytic)", "GFLOP/s fwd (XLA)", "GFLOP/s fwd+bwd (analytic)", "GFLOP/s fwd+bwd (XLA)",
-               "status"]
+               f"{unit} fwd (analytic)", f"{unit} fwd (XLA)", f"{unit} fwd+bwd (analytic)", f"{unit} fwd+bwd (XLA)",
+               "% of peak fwd", "% of peak fwd+bwd", "status"]
+
+    def sc(x):
+        return None if x is None else x * scale
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         rows = []
         for r in (r for r in res["rows"] if r["direction"] == dname):
             st = [r.get("fwd_status")] + ([r.get("fwdbwd_status")] if "fwdbwd_status" in r else [])
             status = "ok" if all(s == "ok" for s in st) else "; ".join(
                 f"{k}: {s}" for k, s in zip(("fwd", "fwd+bwd"), st) if s != "ok")
-            xf = r.get("fwd_xla_gflops_per_s")
-            xb = r.get("fwdbwd_xla_gflops_per_s")
+            xf = sc(r.get("fwd_xla_gflops_per_s"))
+            xb = sc(r.get("fwdbwd_xla_gflops_per_s"))
             rss = max([x for x in (r.get("fwd_rss_peak_bytes"), r.get("fwdbwd_rss_peak_bytes")) if x] or [0]) or None
             rows.append([
                 r["variant"], C.fmt_len(r["length"]), _ms(r.get("fwd_s")), _ms(r.get("fwdbwd_s")),
                 _mb((r.get("fwd_xla_mem") or {}).get("total")), _mb((r.get("fwdbwd_xla_mem") or {}).get("total")),
-                _mb(rss), r.get("fwd_analytic_gflops_per_s"),
+                _mb(rss), sc(r.get("fwd_analytic_gflops_per_s")),
                 (f"≥{xf:.3g}" if r.get("fwd_xla_flops_has_loops") else xf) if xf else None,
-                r.get("fwdbwd_analytic_gflops_per_s"),
+                sc(r.get("fwdbwd_analytic_gflops_per_s")),
                 (f"≥{xb:.3g}" if r.get("fwdbwd_xla_flops_has_loops") else xb) if xb else None,
-                status,
+                _pct(r, "fwd"), _pct(r, "fwdbwd"), status,
             ])
         parts.append(f"\n### {dname}\n\n" + C.md_table(headers, rows))
-    parts.append("\nGFLOP/s (analytic): dense count 4·B·H·T²·D (÷2 causal) forward, ×3.5 forward+backward "
-                 "(backward = 2.5× forward, recomputation not counted). GFLOP/s (XLA): flops from "
+    parts.append(f"\n{unit} (analytic): dense count 4·B·H·T²·D (÷2 causal) forward, ×3.5 forward+backward "
+                 "(backward = 2.5× forward, recomputation not counted). " + unit + " (XLA): flops from "
                  "`compiled.cost_analysis()` (XLA HloCostAnalysis) / time; '≥' marks programs with while loops, "
                  "whose bodies XLA counts once, so the count is a lower bound. XLA mem = arguments + outputs + "
                  "temporaries − aliased from `compiled.memory_analysis()`; peak RSS = the whole process "

@@ -172,7 +172,9 @@ def validate(args) -> None:
             _lengths(args, name)
     _at_least(args, 1, "repeats", "batch", "heads", "head_dim", "seeds", "calls", "prefill_chunk",
               "eval_tokens", "train_steps", "top", "reps")
-    _at_least(args, 0, "warmup", "seed", "layer", "matmul_n", "window", "seq_len", "d_model", "num_layers")
+    _at_least(args, 0, "warmup", "seed", "layer", "matmul_n", "window", "seq_len", "d_model", "num_layers",
+              "calls_per_sample")
+    _positive(args, "peak_tflops")
     _positive(args, "mem_budget_gb", "max_cell_s", "max_prefill_s", "budget")
     if cmd in ("decode", "train"):
         _at_least(args, 1, "steps")

@@ -105,17 +105,64 @@ def block(x):
     return jax.block_until_ready(x)
 
 
-def time_calls(fn, *args, repeats: int, warmup: int = 1) -> dict:
-    """Median wall time of ``fn(*args)`` (block_until_ready) over ``repeats`` runs after ``warmup``."""
+def time_calls(fn, *args, repeats: int, warmup: int = 1, calls: int = 1) -> dict:
+    """Median wall time of one call of ``fn(*args)`` over ``repeats`` samples after ``warmup`` calls. A sample
+    is ``calls`` calls dispatched back to back, the last one ended by ``block_until_ready``, divided by
+    ``calls``: with enough of them the device never waits for the host, so the per-call launch cost vanishes
+    from the time (on an accelerator; on a CPU one call per sample)."""
     for _ in range(warmup):
         block(fn(*args))
+    calls = max(1, int(calls))
     times = []
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        block(fn(*args))
-        times.append(time.perf_counter() - t0)
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        block(out)
+        times.append((time.perf_counter() - t0) / calls)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times),
-            "all_s": times}
+            "calls_per_sample": calls, "all_s": times}
+
+
+# The shapes and dtype `longctx-bench attention` and `kernels` default to: on a CPU what every earlier CPU
+# result used (so they stay comparable); on a GPU / TPU a training-like occupancy (batch x heads = 64) in bf16,
+# and several calls per timing sample (0: as many as fill about 50 ms) so that launch cost vanishes.
+SHAPE_DEFAULTS = {
+    "cpu": {"batch": 1, "heads": 4, "head_dim": 64, "dtype": "float32", "calls_per_sample": 1},
+    "accelerator": {"batch": 8, "heads": 8, "head_dim": 64, "dtype": "bfloat16", "calls_per_sample": 0},
+}
+
+
+def shape_defaults(args, platform: str | None = None) -> dict:
+    """Fill every of batch / heads / head_dim / dtype / calls_per_sample that ``args`` leaves None with the
+    default of ``platform`` (default jax's backend; any non-'cpu' name is an accelerator); returns what was
+    filled. A flag given on the command line always wins."""
+    table = SHAPE_DEFAULTS["accelerator" if accelerator(platform) else "cpu"]
+    filled = {}
+    for k, v in table.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+            filled[k] = v
+    return filled
+
+
+def time_auto(fn, *args, repeats: int, warmup: int, calls: int) -> dict:
+    """:func:`time_calls` with ``calls`` per sample; ``calls=0``: after the warm-up, :func:`calls_for`."""
+    if calls:
+        return time_calls(fn, *args, repeats=repeats, warmup=warmup, calls=calls)
+    for _ in range(warmup):
+        block(fn(*args))
+    return time_calls(fn, *args, repeats=repeats, warmup=0, calls=calls_for(fn, *args))
+
+
+def calls_for(fn, *args, target_s: float = 0.05, max_calls: int = 200) -> int:
+    """Calls per timing sample so that one sample lasts about ``target_s``: ceil(target_s / one call's time),
+    the call timed once more after whatever warm-up the caller did (1 where a call already takes that long)."""
+    t0 = time.perf_counter()
+    block(fn(*args))
+    one = time.perf_counter() - t0
+    return int(min(max_calls, max(1, math.ceil(target_s / max(one, 1e-7)))))
 
 
 def fit_exponent(lengths, times, last: int = 3) -> float | None:
@@ -269,7 +316,9 @@ def machine_info() -> dict:
 
 
 def matmul_rate(n: int = 4096, repeats: int = 3) -> dict:
-    """This machine's measured f32 matmul rate (2 n^3 flops per product): jnp under jit and numpy."""
+    """This machine's measured f32 matmul rate (2 n^3 flops per product) on two n x n standard-normal f32
+    matrices, ``repeats`` calls after one warm-up: jax.jit(jnp.matmul) (``jax_gflops``: the median call;
+    ``jax_best_gflops``: the fastest) and numpy's BLAS (``numpy_gflops``, ``numpy_best_gflops``)."""
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
     mm = jax.jit(jnp.matmul)
@@ -283,8 +332,136 @@ def matmul_rate(n: int = 4096, repeats: int = 3) -> dict:
         an @ bn
         times.append(time.perf_counter() - t0)
     tn = statistics.median(times)
-    return {"n": n, "flops": flops, "jax_s": t["median_s"], "jax_gflops": flops / t["median_s"] / 1e9,
-            "numpy_s": tn, "numpy_gflops": flops / tn / 1e9}
+    return {"n": n, "flops": flops, "repeats": max(1, repeats), "jax_s": t["median_s"],
+            "jax_gflops": flops / t["median_s"] / 1e9, "jax_best_gflops": flops / t["min_s"] / 1e9,
+            "numpy_s": tn, "numpy_gflops": flops / tn / 1e9, "numpy_best_gflops": flops / min(times) / 1e9}
+
+
+# ----------------------------------------------------------------------------- device peaks and memory
+# Dense bf16 matmul peak of each accelerator (vendor data sheets: tensor cores / MXUs without sparsity), in
+# TFLOP/s, matched in order against jax's ``device.device_kind``; the first pattern that matches decides
+# (None: a kind the table knows it does not cover). An unlisted device gets no peak, hence no MFU.
+DEVICE_PEAK_BF16_TFLOPS = (
+    (r"H100.*(PCIE|NVL)", None),  # the PCIe and NVL boards have lower clocks than the SXM part listed below
+    (r"H100", 989.0),  # H100 SXM
+    (r"H200", 989.0),
+    (r"GH200", 989.0),
+    (r"A100", 312.0),
+    (r"TPU V4", 275.0),
+    (r"TPU V5 ?LITE|TPU V5E", 197.0),
+    (r"TPU V5P|TPU V5$", 459.0),
+    (r"TPU V6 ?LITE|TPU V6E|TRILLIUM", 918.0),
+)
+
+
+def accelerator(platform: str | None = None) -> bool:
+    """The platform ('cpu', 'gpu', 'cuda', 'rocm', 'tpu'; default jax's backend) is a GPU or TPU."""
+    return (platform or jax.default_backend()) != "cpu"
+
+
+def device_peak(platform: str | None = None, device_kind: str | None = None,
+                matmul: dict | None = None) -> dict:
+    """The peak FLOP rate MFU is measured against: ``{'tflops', 'source', 'reason'}``.
+
+    * cpu: this machine's measured f32 matmul rate (``matmul``: the :func:`matmul_rate` of the run; the
+      fastest call of jax's and numpy's, a peak being the best the machine shows, not its typical rate under
+      other load); none measured (``--matmul_n 0``): no peak, with the reason.
+    * gpu / tpu: the device kind's dense bf16 peak from :data:`DEVICE_PEAK_BF16_TFLOPS`; a kind not in the
+      table: no peak, with the reason."""
+    import re
+
+    platform = platform or jax.default_backend()
+    if not accelerator(platform):
+        if not matmul or not matmul.get("jax_gflops"):
+            return {"tflops": None, "source": None,
+                    "reason": "no measured matmul rate on this CPU (--matmul_n 0): MFU not reported"}
+        best = max(matmul.get("jax_best_gflops") or matmul["jax_gflops"], matmul.get("numpy_best_gflops") or 0.0)
+        return {"tflops": best / 1e3,
+                "source": f"measured f32 matmul rate of this CPU: the fastest of {matmul.get('repeats', 3)} calls "
+                          f"(after one warm-up) of jax.jit(jnp.matmul) and of numpy on {matmul['n']}x{matmul['n']} "
+                          "f32, whichever is higher",
+                "reason": None}
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    for pat, tf in DEVICE_PEAK_BF16_TFLOPS:
+        if re.search(pat, device_kind.upper()):
+            if tf is None:
+                break
+            return {"tflops": tf, "source": f"dense bf16 peak of {device_kind} (data sheet, "
+                                            "longctx/bench/common.py DEVICE_PEAK_BF16_TFLOPS)", "reason": None}
+    return {"tflops": None, "source": None,
+            "reason": f"device kind {device_kind!r} is not in the bf16 peak table: MFU not reported"}
+
+
+def device_memory() -> dict:
+    """The first device's own allocator statistics (``device.memory_stats()``: peak bytes in use so far in this
+    process, bytes in use, the limit) where jax exposes them; on a CPU it does not (``reason`` says so)."""
+    try:
+        st = jax.devices()[0].memory_stats()
+    except Exception as e:  # noqa: BLE001 -- some backends raise instead of returning None
+        st, err = None, f"{type(e).__name__}: {e}"
+    else:
+        err = None
+    if not st:
+        return {"peak_bytes_in_use": None,
+                "reason": f"not available on {jax.default_backend()} (device.memory_stats() "
+                          + (f"raised {err})" if err else "returned None)")}
+    return {k: int(st[k]) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit") if k in st}
+
+
+# ----------------------------------------------------------------------------- FLOPs counted in a jaxpr
+def _prod(xs) -> int:
+    return int(np.prod([int(x) for x in xs], dtype=np.float64)) if len(xs) else 1
+
+
+def _eqn_matmul_flops(eqn) -> float:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        a = eqn.invars[0].aval
+        return 2.0 * _prod(eqn.outvars[0].aval.shape) * _prod([a.shape[i] for i in lc])
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        dn = eqn.params["dimension_numbers"]
+        out_features = rhs.shape[dn.rhs_spec[0]] if dn is not None else rhs.shape[0]
+        return 2.0 * _prod(eqn.outvars[0].aval.shape) * _prod(rhs.shape) / max(1, out_features)
+    return 0.0
+
+
+def jaxpr_matmul_flops(fn, *args) -> dict:
+    """Matrix-multiply FLOPs of ``fn(*args)`` counted in its jaxpr: 2·M·N·K per ``dot_general`` and per
+    convolution output element 2·(kernel size), a ``scan`` body times its length, a ``cond`` its most expensive
+    branch, every nested jaxpr (jit, remat, custom derivatives) once. Elementwise work is not counted (the MFU
+    convention). ``while_loops``: loops of unknown trip count, counted once (the number is then a lower bound);
+    ``opaque``: primitives whose work is not visible (Pallas calls)."""
+    from jax.extend import core as jcore
+
+    stats = {"while_loops": 0, "opaque": set()}
+
+    def count(jaxpr) -> float:
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        total = 0.0
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            total += _eqn_matmul_flops(eqn)
+            if name == "scan":
+                total += eqn.params["length"] * count(eqn.params["jaxpr"])
+            elif name == "while":
+                stats["while_loops"] += 1
+                total += count(eqn.params["body_jaxpr"]) + count(eqn.params["cond_jaxpr"])
+            elif name == "cond":
+                total += max((count(b) for b in eqn.params["branches"]), default=0.0)
+            elif "pallas" in name or name in ("custom_call", "ffi_call"):
+                stats["opaque"].add(name)
+            else:
+                for v in eqn.params.values():
+                    for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+                        if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                            total += count(sub)
+        return total
+
+    flops = count(jax.make_jaxpr(fn)(*args))
+    return {"flops": flops, "while_loops": stats["while_loops"], "opaque": sorted(stats["opaque"])}
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -7,7 +7,12 @@ kernel's speed on its hardware: numbers for correctness only (the table's ``mode
 which). On a GPU or TPU the kernel is compiled. Per (method, kernel, direction, length) cell:
 
 * both cores are built from the same seed (same parameters) and get the same standard-normal q, k, v;
-* time = median of ``--repeats`` calls after ``--warmup``, each ended by ``block_until_ready``;
+* shapes and timing default by platform as in ``longctx-bench attention`` (``common.SHAPE_DEFAULTS``): on a
+  CPU batch 1, 4 heads of 64, float32, one call per timing sample; on a GPU / TPU batch 8, 8 heads of 64,
+  bfloat16 and as many calls per sample as fill about 50 ms, so that launch cost vanishes; flags override;
+* rate (on a GPU / TPU): FLOPs of the XLA path from XLA's cost analysis (a lower bound where it has loops,
+  marked '≥') over each path's time, in TFLOP/s and as a fraction of the device's dense bf16 peak;
+* time = median of ``--repeats`` samples after ``--warmup`` calls, each ended by ``block_until_ready``;
   forward: deterministic=True; forward+backward: gradient of sum(out * w) (w Gaussian) with respect
   to q, k, v and the core's parameters, deterministic=True, so both paths compute the same function;
 * ``max_abs_diff_out``: max |out_kernel - out_xla|; ``max_rel_diff_grad``: over the gradient leaves,
@@ -44,10 +49,13 @@ def add_args(p):
     p.add_argument("--lengths", default=None,
                    help=f"comma list of sequence lengths (k = 1024); default {CPU_LENGTHS} on cpu "
                         f"(interpret mode), {ACCEL_LENGTHS} on a GPU or TPU")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--head_dim", type=int, default=None, help="default 64")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
+    p.add_argument("--calls_per_sample", type=int, default=None,
+                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
     p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
     p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
     p.add_argument("--repeats", type=int, default=3)
@@ -93,7 +101,9 @@ def _error(e: Exception) -> str:
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:240]}"
 
 
-def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint=lambda rows: None):
+def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint=lambda rows: None, peak=None):
+    """``peak``: None (no rates: a CPU, interpret mode), else the device's peak TFLOP/s (0: unknown device,
+    rates without fractions)."""
     dname = C.dir_name(causal)
     cores = {}
     for impl in IMPLS:
@@ -126,7 +136,8 @@ def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint
                         t0 = time.perf_counter()
                         results[(impl, kind)] = C.block(fn(*fargs))
                         row[f"{impl}_{kind}_first_call_s"] = time.perf_counter() - t0
-                        t = C.time_calls(fn, *fargs, repeats=args.repeats, warmup=max(0, args.warmup - 1))
+                        t = C.time_auto(fn, *fargs, repeats=args.repeats, warmup=max(0, args.warmup - 1),
+                                        calls=getattr(args, "calls_per_sample", 1) or 0)
                         row[f"{impl}_{kind}_s"] = t["median_s"]
                         row[f"{impl}_{kind}_times"] = t
                         hist[(impl, kind)][0].append(T)
@@ -137,6 +148,16 @@ def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint
                 row[f"{impl}_{kind}_status"] = status
             if row.get(f"xla_{kind}_s") and row.get(f"pallas_{kind}_s"):
                 row[f"{kind}_kernel_over_xla"] = row[f"pallas_{kind}_s"] / row[f"xla_{kind}_s"]
+            if peak is not None and row.get(f"xla_{kind}_s"):  # the work both paths do, counted on the XLA path
+                params, rest, fwd, grad = cores["xla"]
+                fl = C.xla_flops((fwd if kind == "fwd" else grad).lower(
+                    *((params, rest, q, k, v) if kind == "fwd" else (params, rest, q, k, v, w))).compile())
+                row[f"{kind}_xla_flops"], row[f"{kind}_xla_flops_has_loops"] = fl["flops"], fl.get("has_loops")
+                for impl in IMPLS:
+                    if fl["flops"] and row.get(f"{impl}_{kind}_s"):
+                        tf = fl["flops"] / row[f"{impl}_{kind}_s"] / 1e12
+                        row[f"{impl}_{kind}_tflops"] = tf
+                        row[f"{impl}_{kind}_peak_fraction"] = tf / peak if peak else None
         sts = [v for key, v in row.items() if key.endswith("_status")]
         row["status"] = "ok" if all(x == "ok" for x in sts) else "; ".join(dict.fromkeys(x for x in sts if x != "ok"))
         if ("xla", "fwd") in results and ("pallas", "fwd") in results:
@@ -151,6 +172,7 @@ def _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar, checkpoint
 
 def run(args) -> dict:
     out = C.out_dir(args.out)
+    C.shape_defaults(args)
     requested = C.parse_names(args.methods)
     cells = kernel_cells(requested)
     if requested:
@@ -164,12 +186,16 @@ def run(args) -> dict:
     dirs = C.directions(args)
     todo = [(m, kn, kb, c) for m, kn, kb in cells for c in dirs if C.dir_name(c) in kb.directions]
     res = {"header": C.header(args, "kernels"), "rows": []}
+    if C.accelerator():
+        res["peak"] = C.device_peak()
+    peak = (res["peak"].get("tflops") or 0.0) if "peak" in res else None
     bar = C.progress_bar(len(todo) * len(lengths), "kernels", args.progress)
     with warnings.catch_warnings():  # interpret mode is recorded per row; one warning per trace is noise
         warnings.filterwarnings("ignore", message=".*interpret mode.*")
         for method, kname, kb, causal in todo:
             res["rows"] += _bench_cell(method, kname, kb, causal, lengths, args, dtype, bar,
-                                       lambda rows: C.write_json(out / PARTIAL, {**res, "rows": res["rows"] + rows}))
+                                       lambda rows: C.write_json(out / PARTIAL, {**res, "rows": res["rows"] + rows}),
+                                       peak=peak)
     bar.close()
     (out / PARTIAL).unlink(missing_ok=True)
     C.write_json(out / "kernels.json", res)
@@ -186,8 +212,12 @@ def markdown(res: dict) -> str:
     a = res["header"]["args"]
     rows = res["rows"]
     modes = sorted({r["mode"] for r in rows if "mode" in r})
+    calls = a.get("calls_per_sample")
     lines = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}; "
-             f"median of {a['repeats']} runs after {a['warmup']} warm-up; platform "
+             f"median of {a['repeats']} "
+             + ("runs" if calls in (None, 1) else
+                "samples of " + (f"{calls} calls" if calls else "as many calls as fill about 50 ms"))
+             + f" after {a['warmup']} warm-up; platform "
              f"{res['header']['machine'].get('jax_backend')}.\n"]
     if "interpret" in modes:
         lines.append("**Interpret mode (cpu): the kernel times below measure Pallas's interpreter, not the kernel "
@@ -205,6 +235,30 @@ def markdown(res: dict) -> str:
                       _ms(r.get("xla_fwdbwd_s")), _ms(r.get("pallas_fwdbwd_s")), r.get("fwdbwd_kernel_over_xla"),
                       r.get("max_abs_diff_out"), r.get("max_rel_diff_grad"), r["status"]])
     lines.append(C.md_table(headers, table))
+    if "peak" in res:
+        pk = res["peak"]
+        lines.append("\nRates (FLOPs of the XLA path from its cost analysis, '≥': it has loops, a lower bound), "
+                     + (f"peak {pk['tflops']:g} TFLOP/s ({pk['source']}):" if pk.get("tflops") else
+                        f"no % of peak ({pk.get('reason')}):") + "\n")
+
+        def pct(x):
+            return None if x is None else 100 * x
+
+        rates = []
+        for r in rows:
+            if "length" not in r:
+                continue
+            for kind in ("fwd", "fwdbwd"):
+                if r.get(f"{kind}_xla_flops"):
+                    lb = "≥" if r.get(f"{kind}_xla_flops_has_loops") else ""
+                    rates.append([r["method"], r["kernel"], r["direction"], C.fmt_len(r["length"]),
+                                  "forward" if kind == "fwd" else "forward+backward",
+                                  *(f"{lb}{v:.3g}" if v is not None else None for v in (
+                                      r.get(f"xla_{kind}_tflops"), r.get(f"pallas_{kind}_tflops"),
+                                      pct(r.get(f"xla_{kind}_peak_fraction")),
+                                      pct(r.get(f"pallas_{kind}_peak_fraction"))))])
+        lines.append(C.md_table(["method", "kernel", "direction", "T", "pass", "XLA TFLOP/s", "kernel TFLOP/s",
+                                 "XLA % of peak", "kernel % of peak"], rates))
     lines.append("\nkernel/XLA < 1: the kernel is faster. Forward+backward: gradient of sum(out·w) with respect to "
                  "q, k, v and the parameters, deterministic.\n")
     return "\n".join(lines)

@@ -9,6 +9,25 @@ lengths (round r times every length once), so a slow spell of the machine touche
 alike; the result per length is the median, with tokens/s, the CPU time per wall second, minor page
 faults per step (memory churn) and XLA's compiled memory analysis. No data is read: the step's cost
 does not depend on the token values.
+
+Model FLOPs and MFU (the output states both definitions):
+
+* model FLOPs per token = 3 x the matrix-multiply FLOPs of the model's forward pass (the loss of a training
+  row, or of each window with its carried state) / tokens; backward = 2 x forward, recomputation (remat) not
+  counted. The forward's matmuls are counted in its jaxpr (``common.jaxpr_matmul_flops``: 2·M·N·K per
+  dot_general, a scan body times its length), so the count covers the config's own attention method as it
+  computes it (a masked causal dense counts its whole T x T) and the parameter matmuls (the 6·N of the usual
+  6·N + attention formula; an embedding lookup is no matmul). XLA's ``cost_analysis()`` of the compiled step
+  is recorded beside it but not used: it counts a loop body once, and the layers, windows and blockwise
+  attention are loops.
+* MFU = model FLOPs per token x tokens/s / peak. Peak on a CPU: this machine's measured f32 matmul rate on
+  ``--matmul_n`` x ``--matmul_n`` matrices, the fastest of 3 calls after a warm-up of jax.jit(jnp.matmul)
+  and of numpy, whichever is higher (``common.matmul_rate``, as ``longctx-bench attention`` records it); on a
+  GPU / TPU: the device kind's dense bf16 peak
+  (``common.DEVICE_PEAK_BF16_TFLOPS``); ``--peak_tflops`` overrides either. No peak (an unknown device,
+  ``--matmul_n 0`` on a CPU): no MFU, and the output says why.
+* device memory: ``device.memory_stats()['peak_bytes_in_use']`` after each length's compile and warm-up (the
+  process's peak so far, lengths in the order given); a CPU exposes none, and the output says so.
 """
 
 from __future__ import annotations
@@ -38,6 +57,11 @@ def add_args(p):
     p.add_argument("--vocab_size", type=int, default=256, help="the tokenizer's vocabulary (256: bytes)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per length (interleaved)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per length after compiling")
+    p.add_argument("--matmul_n", type=int, default=4096,
+                   help="on a CPU, MFU's peak is the measured rate of this f32 matmul (n x n; 0: no MFU)")
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="the peak FLOP rate MFU divides by, in TFLOP/s (default: measured on a CPU, the device's "
+                        "bf16 peak on a GPU / TPU)")
 
 
 def length_config(base, T: int, args):
@@ -56,8 +80,33 @@ def length_config(base, T: int, args):
     return config_lib.resolve_vocab(cfg, args.vocab_size)
 
 
-def build_step(cfg, seed: int = 0):
-    """(compiled step, its arguments, XLA memory stats, parameter count) for a validated config."""
+def forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed: int = 0) -> dict:
+    """Matmul FLOPs of the model's forward pass over one step's rows (``common.jaxpr_matmul_flops`` of the
+    training loss): the whole row at once, or one window with the carried state times the windows per row."""
+    from flax import nnx
+
+    from longctx.train.step import make_loss_fn
+
+    tc = cfg.train
+    W = tc.window or tc.seq_len
+    n_windows = tc.seq_len // W
+    loss = make_loss_fn(graphdef)
+    toks = jnp.zeros((tc.batch_size, W), jnp.int32)
+    state = (jax.eval_shape(lambda: nnx.merge(graphdef, params, nongrad, rest).init_state(tc.batch_size, tc.seq_len))
+             if n_windows > 1 else None)
+    if state is not None:
+        state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state)
+    out = C.jaxpr_matmul_flops(lambda p, n, r, s: loss(p, n, r, toks, toks, s, jax.random.key(seed))[0],
+                               params, nongrad, rest, state)
+    out["flops"] *= n_windows
+    out["windows"] = n_windows
+    return out
+
+
+def build_step(cfg, seed: int = 0, with_extras: bool = False):
+    """(compiled step, its arguments, XLA memory stats, parameter count) for a validated config; with
+    ``with_extras`` a fifth item, a dict: ``compile_s`` (lowering + compiling), ``xla_flops`` (cost analysis of the compiled step) and
+    ``fwd_flops`` (:func:`forward_matmul_flops`)."""
     from longctx.models.decoder import build_model
     from longctx.train.optim import make_optimizer
     from longctx.train.step import make_train_step, split_model
@@ -73,9 +122,15 @@ def build_step(cfg, seed: int = 0):
     tokens = jax.random.randint(jax.random.key(seed), (tc.batch_size, tc.seq_len + 1), 0, cfg.model.vocab_size,
                                 dtype=jnp.int32)
     args = (params, nongrad, rest, opt_state, tokens, jax.random.key(seed + 1))
+    t0 = time.perf_counter()
     compiled = jax.jit(step).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    return compiled, args, C.memory_stats(compiled), n_params
+    if not with_extras:
+        return compiled, args, C.memory_stats(compiled), n_params
+    extras = {"compile_s": compile_s, "xla_flops": C.xla_flops(compiled),
+              "fwd_flops": forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed)}
+    return compiled, args, C.memory_stats(compiled), n_params, extras
 
 
 def _timed(compiled, args) -> dict:
@@ -108,16 +163,23 @@ def run(args) -> dict:
         raise ConfigError("--batch_size and --repeats must be positive, --warmup >= 0")
     base = base_config(args)
     res = {"header": C.header(args, "step"), "config": _shown(args.config), "sets": list(args.overrides), "rows": []}
+    matmul_n = getattr(args, "matmul_n", 4096)
+    peak_arg = getattr(args, "peak_tflops", None)
+    if not C.accelerator() and matmul_n > 0 and peak_arg is None:  # before any compile: the CPU is quiet
+        res["matmul"] = C.matmul_rate(matmul_n, repeats=3)
+    res["peak"] = ({"tflops": peak_arg, "source": "--peak_tflops", "reason": None} if peak_arg is not None
+                   else C.device_peak(matmul=res.get("matmul")))
     bar = C.progress_bar(len(lengths) * (1 + args.repeats), "step", args.progress)
     built = {}
     for T in lengths:
         cfg = length_config(base, T, args)
         t0 = time.perf_counter()
-        compiled, call_args, mem, n_params = build_step(cfg)
-        compile_s = time.perf_counter() - t0
+        compiled, call_args, mem, n_params, extras = build_step(cfg, with_extras=True)
+        extras["build_s"] = time.perf_counter() - t0
         for _ in range(args.warmup):
             C.block(compiled(*call_args))
-        built[T] = (compiled, call_args, mem, n_params, compile_s, cfg)
+        extras["device_mem"] = C.device_memory()
+        built[T] = (compiled, call_args, mem, n_params, extras, cfg)
         bar.update(1)
     samples = {T: [] for T in lengths}
     for _ in range(args.repeats):  # interleaved: each round times every length once
@@ -125,17 +187,33 @@ def run(args) -> dict:
             samples[T].append(_timed(built[T][0], built[T][1]))
             bar.update(1)
     bar.close()
+    peak = res["peak"].get("tflops")
     for T in lengths:
-        _, _, mem, n_params, compile_s, cfg = built[T]
+        _, _, mem, n_params, extras, cfg = built[T]
         med = statistics.median(s["s"] for s in samples[T])
         tokens = cfg.train.batch_size * T
+        fwd = extras["fwd_flops"]
+        per_token = 3.0 * fwd["flops"] / tokens
+        achieved = per_token * tokens / med
+        xf = extras["xla_flops"]
         res["rows"].append({
             "status": "ok", "T": T, "batch_size": cfg.train.batch_size, "window": cfg.train.window or T, "params": n_params,
             "step_s": med, "step_s_all": [s["s"] for s in samples[T]], "tokens_per_s": tokens / med,
             "cpu_per_wall": statistics.median(s["cpu_s"] / s["s"] for s in samples[T]),
             "sys_fraction": statistics.median(s["sys_s"] / max(s["cpu_s"], 1e-9) for s in samples[T]),
             "minor_faults": int(statistics.median(s["minflt"] for s in samples[T])),
-            "xla_mem": mem, "compile_s": compile_s, "attention": cfg.model.attention.name, "block": cfg.model.block,
+            "xla_mem": mem, "compile_s": extras["compile_s"], "build_s": extras["build_s"],
+            "attention": cfg.model.attention.name, "block": cfg.model.block,
+            "model_flops_per_token": per_token, "model_flops_counter": "3 x forward matmul FLOPs (jaxpr count)",
+            "forward_flops_while_loops": fwd["while_loops"], "forward_flops_opaque": fwd["opaque"],
+            "params_6n_flops_per_token": 6.0 * n_params,
+            "xla_flops_per_token": (xf["flops"] / tokens) if xf.get("flops") else None,
+            "xla_flops_has_loops": xf.get("has_loops"),
+            "model_tflops_per_s": achieved / 1e12, "peak_tflops": peak,
+            "mfu": (achieved / (peak * 1e12)) if peak else None,
+            "mfu_reason": None if peak else res["peak"].get("reason"),
+            "device_peak_bytes": extras["device_mem"].get("peak_bytes_in_use"),
+            "device_mem": extras["device_mem"],
         })
     C.write_json(out / "step.json", res)
     (out / "step.md").write_text(markdown(res))
@@ -144,19 +222,52 @@ def run(args) -> dict:
     return res
 
 
+def mfu_line(r: dict) -> str:
+    """One line per row: tokens/s, model FLOPs per token, achieved rate, MFU (or why none), compile time and
+    device memory."""
+    mfu = (f"MFU {100 * r['mfu']:.2f}% of {r['peak_tflops'] * 1e3:.4g} GFLOP/s" if r.get("mfu") is not None
+           else f"MFU not reported ({r.get('mfu_reason')})")
+    dev = (f"device peak memory {r['device_peak_bytes'] / C.MB:,.0f} MB" if r.get("device_peak_bytes") is not None
+           else f"device memory {(r.get('device_mem') or {}).get('reason', 'not available')}")
+    return (f"T={C.fmt_len(r['T'])} batch={r['batch_size']}: {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{r['model_flops_per_token'] / 1e6:,.2f} MFLOP/token (3 x forward matmuls), "
+            f"{r['model_tflops_per_s'] * 1e3:.4g} GFLOP/s, {mfu}; compile {r['compile_s']:.1f} s; {dev}")
+
+
 def markdown(res: dict) -> str:
     rows = res["rows"]
+    peak = res.get("peak") or {}
     head = (f"Training step (loss + gradient + update) of `{res['config']}`"
             + (f" with {', '.join('`--config.' + s + '`' for s in res['sets'])}" if res["sets"] else "")
             + f"; {rows[0]['params']:,} parameters, attention `{rows[0]['attention']}`, block `{rows[0]['block']}`; "
             f"median of {len(rows[0]['step_s_all'])} interleaved steps.\n\n")
     table = C.md_table(
-        ["T", "batch", "window", "step s", "tokens/s", "CPU s / wall s", "sys share", "minor faults / step",
-         "XLA mem MB", "compile s"],
-        [[C.fmt_len(r["T"]), r["batch_size"], r["window"], r["step_s"], r["tokens_per_s"], r["cpu_per_wall"],
-          r["sys_fraction"], r["minor_faults"], r["xla_mem"].get("total", 0) / C.MB if "total" in r["xla_mem"] else None,
+        ["T", "batch", "window", "step s", "tokens/s", "MFLOP / token", "6N MFLOP / token", "GFLOP/s", "MFU %",
+         "CPU s / wall s", "sys share", "minor faults / step", "XLA mem MB", "device peak MB", "compile s"],
+        [[C.fmt_len(r["T"]), r["batch_size"], r["window"], r["step_s"], r["tokens_per_s"],
+          r.get("model_flops_per_token", 0) / 1e6, r.get("params_6n_flops_per_token", 0) / 1e6,
+          r.get("model_tflops_per_s", 0) * 1e3, 100 * r["mfu"] if r.get("mfu") is not None else None,
+          r["cpu_per_wall"], r["sys_fraction"], r["minor_faults"],
+          r["xla_mem"].get("total", 0) / C.MB if "total" in r["xla_mem"] else None,
+          r["device_peak_bytes"] / C.MB if r.get("device_peak_bytes") is not None else None,
           r["compile_s"]] for r in rows])
-    return head + table
+    notes = ["", "Model FLOPs per token: 3 x the matrix-multiply FLOPs of the forward pass counted in its jaxpr "
+             "(2·M·N·K per matmul, a scan body times its length; backward = 2 x forward, recomputation not "
+             "counted), which includes the config's attention as it computes it; 6N = 6 x parameters, the "
+             "parameter part of the usual formula, for comparison. MFU = model FLOPs per token x tokens/s / peak; "
+             + (f"peak {peak['tflops'] * 1e3:.4g} GFLOP/s: {peak['source']}." if peak.get("tflops")
+                else f"no peak: {peak.get('reason')}."),
+             "Compile s: lowering + compiling the step. Device peak MB: device.memory_stats()['peak_bytes_in_use'] "
+             "(the process's peak so far); "
+             + (f"{rows[0]['device_mem'].get('reason')}." if rows[0].get("device_peak_bytes") is None
+                and rows[0].get("device_mem") else "per length after its compile and warm-up."),
+             ""]
+    loops = [r for r in rows if r.get("forward_flops_while_loops") or r.get("forward_flops_opaque")]
+    if loops:
+        notes.insert(-1, "Lower bound at " + ", ".join(C.fmt_len(r["T"]) for r in loops) + ": the forward has "
+                     "while loops of unknown trip count (counted once) or opaque calls "
+                     f"({', '.join(sorted({o for r in loops for o in r['forward_flops_opaque']})) or 'none'}).")
+    return head + table + "\n".join(notes) + "\n" + "\n".join(mfu_line(r) for r in rows) + "\n"
 
 
 def plots(res: dict, out) -> None:

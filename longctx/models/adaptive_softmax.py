@@ -91,7 +91,7 @@ class AdaptiveSoftmax(nnx.Module):
     """
 
     def __init__(self, d_model: int, vocab_size: int, cutoffs=(20000, 40000, 200000), div_val: float = 4.0, *,
-                 rngs: nnx.Rngs, chunk: int = 8192, param_dtype=jnp.float32):
+                 rngs: nnx.Rngs, chunk: int = 8192, param_dtype=jnp.float32, dtype=None):
         cutoffs = [int(c) for c in cutoffs]
         if not cutoffs or any(b <= a for a, b in zip([0] + cutoffs, cutoffs + [vocab_size])):
             raise ValueError(f"cutoffs {cutoffs} must be increasing and inside (0, vocab_size={vocab_size})")
@@ -99,15 +99,14 @@ class AdaptiveSoftmax(nnx.Module):
         self.bounds = [0] + cutoffs + [vocab_size]
         self.n_tails = len(cutoffs)
         init = nnx.initializers.normal(0.02)
-        self.head = linear(d_model, cutoffs[0] + self.n_tails, ("embed", "vocab"), kernel_init=init,
-                           param_dtype=param_dtype, rngs=rngs)
+        kw = {"param_dtype": param_dtype, "dtype": dtype}  # dtype: the compute dtype (None: the inputs')
+        self.head = linear(d_model, cutoffs[0] + self.n_tails, ("embed", "vocab"), kernel_init=init, rngs=rngs, **kw)
         projs, outs = [], []
         for i in range(1, self.n_tails + 1):
             d_i = max(1, int(d_model // (self.div_val ** i)))
             size = self.bounds[i + 1] - self.bounds[i]
-            projs.append(linear(d_model, d_i, ("embed", None), use_bias=False, kernel_init=init,
-                                param_dtype=param_dtype, rngs=rngs))
-            outs.append(linear(d_i, size, (None, "vocab"), kernel_init=init, param_dtype=param_dtype, rngs=rngs))
+            projs.append(linear(d_model, d_i, ("embed", None), use_bias=False, kernel_init=init, rngs=rngs, **kw))
+            outs.append(linear(d_i, size, (None, "vocab"), kernel_init=init, rngs=rngs, **kw))
         self.tail_proj = nnx.List(projs)
         self.tail_out = nnx.List(outs)
 

@@ -42,6 +42,7 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import Aux
 from longctx.attention.base import logical
+from longctx.models import precision
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, split_key
 from longctx.models.layers import flat_last, linear, make_norm, sinusoidal_table
@@ -288,12 +289,15 @@ class Backbone(nnx.Module):
         self.cfg_positions = cfg.positions
         self.d_model = cfg.d_model
         self.vocab_size = cfg.vocab_size
+        # the precision policy, applied here and in the blocks' constructors (longctx/models/precision.py)
+        self.policy = pol = precision.policy(cfg)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
-                               embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs)
+                               embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs,
+                               **pol.layer_kw)
         if cfg.positions == "learned":
             self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model,
                                        embedding_init=logical(nnx.initializers.normal(0.02), "position", "embed"),
-                                       rngs=rngs)
+                                       rngs=rngs, **pol.layer_kw)
             self.max_len = cfg.max_len
         else:
             self.pos_embed = None
@@ -311,18 +315,19 @@ class Backbone(nnx.Module):
             self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
         else:
             self.stack = None
-        self.norm = make_norm(cfg.norm, cfg.d_model, rngs)
+        self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol)
         self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
         self.remat_policy = str(cfg.get("remat_policy", "auto"))
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
         adaptive = cfg.output == "adaptive"
         self.adaptive = (
-            AdaptiveSoftmax(cfg.d_model, cfg.vocab_size, tuple(cfg.adaptive_cutoffs), cfg.adaptive_div, rngs=rngs)
+            AdaptiveSoftmax(cfg.d_model, cfg.vocab_size, tuple(cfg.adaptive_cutoffs), cfg.adaptive_div, rngs=rngs,
+                            param_dtype=pol.param, dtype=pol.compute)
             if adaptive
             else None
         )
         self.head = (
-            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs)
+            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs, **pol.layer_kw)
             if not adaptive and not cfg.tie_embeddings
             else None
         )
@@ -347,6 +352,10 @@ class Backbone(nnx.Module):
         """[..., V] fp32 logits (log-probabilities for the adaptive softmax)."""
         if self.adaptive is not None:
             return self.adaptive.log_probs(h)
+        if not self.policy.full:  # compute-dtype operands, float32 accumulation and logits (the loss's input)
+            W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+            cd = self.policy.compute
+            return flat_last(lambda x: precision.einsum_f32("nd,dv->nv", x.astype(cd), W.astype(cd)), h)
         if self.head is None:
             return flat_last(self.embed.attend, h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)

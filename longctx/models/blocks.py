@@ -21,6 +21,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.errors import ConfigError
+from longctx.models import precision
 from longctx.models.layers import MLP, apply_rotary, dropout, linear, make_norm
 from longctx.models.sequence_shard import call_core
 
@@ -57,15 +58,16 @@ class TransformerBlock(nnx.Module):
         self.num_heads, self.head_dim = H, Dh
         self.rotary = cfg.positions == "rotary"
         self.dropout_rate = cfg.dropout
-        self.norm1 = make_norm(cfg.norm, d, rngs)
-        self.norm2 = make_norm(cfg.norm, d, rngs)
-        self.qkv = linear(d, 3 * H * Dh, ("embed", "qkv"), use_bias=False, rngs=rngs)
-        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=False, rngs=rngs)
+        pol = precision.policy(cfg)
+        self.norm1 = make_norm(cfg.norm, d, rngs, pol)
+        self.norm2 = make_norm(cfg.norm, d, rngs, pol)
+        self.qkv = linear(d, 3 * H * Dh, ("embed", "qkv"), use_bias=False, rngs=rngs, **pol.layer_kw)
+        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=False, rngs=rngs, **pol.layer_kw)
         name = cfg.attention.name
         self.core = attention.build(
             name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
         )
-        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs)
+        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol)
 
     def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
         B, T, _ = x.shape

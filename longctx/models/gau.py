@@ -27,6 +27,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.errors import ConfigError
+from longctx.models import precision
 from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
 from longctx.models.sequence_shard import call_core
 from longctx.xla_cpu import flat_last
@@ -52,11 +53,13 @@ class GAUBlock(nnx.Module):
         self.layerdrop = float(cfg.get("gau_layerdrop", 0.0))
         if not 0.0 <= self.layerdrop < 1.0:
             raise ConfigError(f"model.gau_layerdrop={self.layerdrop}; allowed: 0 <= p < 1")
-        self.norm = RMSNorm(d, use_bias=True)
+        pol = precision.policy(cfg)
+        self.norm = RMSNorm(d, use_bias=True, param_dtype=pol.param)
         init = fan_in_init()
-        self.wq = linear(d, H * Dk, ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs)
-        self.wkvg = linear(d, H * (Dk + 2 * Dv), ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs)
-        self.wo = linear(H * Dv, d, ("qkv", "embed"), use_bias=False, kernel_init=init, rngs=rngs)
+        kw = pol.layer_kw
+        self.wq = linear(d, H * Dk, ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
+        self.wkvg = linear(d, H * (Dk + 2 * Dv), ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
+        self.wo = linear(H * Dv, d, ("qkv", "embed"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
         name = cfg.attention.name
         core_cls = attention.get_class(name)
         core_cfg = attention.default_config(name)

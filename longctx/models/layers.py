@@ -13,9 +13,10 @@ from longctx.xla_cpu import flat_last  # noqa: F401  (also imported from here)
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * g (+ b), computed in fp32."""
 
-    def __init__(self, dim: int, *, use_bias: bool = False, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **axes("norm"))
-        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), **axes("norm")) if use_bias else None
+    def __init__(self, dim: int, *, use_bias: bool = False, eps: float = 1e-6, rngs: nnx.Rngs | None = None,
+                 param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), **axes("norm"))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), **axes("norm")) if use_bias else None
         self.eps = eps
 
     def __call__(self, x):
@@ -23,25 +24,29 @@ class RMSNorm(nnx.Module):
 
     def _rows(self, x):
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * self.scale[...]
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * self.scale[...].astype(jnp.float32)
         if self.bias is not None:
-            y = y + self.bias[...]
+            y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
 
 
-def make_norm(kind: str, dim: int, rngs: nnx.Rngs):
+def make_norm(kind: str, dim: int, rngs: nnx.Rngs, policy=None):
+    """A norm over the last axis; ``policy`` (:mod:`longctx.models.precision`): parameters in its ``param`` dtype,
+    output in its compute dtype, statistics in float32 either way."""
+    kw = {} if policy is None else policy.layer_kw
     if kind == "layernorm":
         return LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
-                         bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs)
+                         bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs, **kw)
     if kind == "rmsnorm":
-        return RMSNorm(dim)
+        return RMSNorm(dim, **({} if policy is None else {"param_dtype": policy.param}))
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
 
 
 class MLP(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs):
-        self.up = linear(dim, hidden, ("embed", "mlp"), rngs=rngs)
-        self.down = linear(hidden, dim, ("mlp", "embed"), rngs=rngs)
+    def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs, policy=None):
+        kw = {} if policy is None else policy.layer_kw
+        self.up = linear(dim, hidden, ("embed", "mlp"), rngs=rngs, **kw)
+        self.down = linear(hidden, dim, ("mlp", "embed"), rngs=rngs, **kw)
         self.dropout = dropout
 
     def __call__(self, x, *, deterministic: bool, key=None):

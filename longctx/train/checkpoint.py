@@ -68,9 +68,19 @@ def manager(workdir: str | Path, *, keep: int = 3, async_save: bool = True, crea
     return ocp.CheckpointManager(directory, options=options)
 
 
+def _on_host(leaf) -> np.ndarray:
+    """The whole value of ``leaf`` on this host; an array spread over several processes is gathered
+    (a collective: every process of a multi-process job calls this for the same leaves, in order)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
+
+
 def _host_leaves(tree) -> list[tuple[str, np.ndarray]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in flat]
+    return [(jax.tree_util.keystr(path), _on_host(leaf)) for path, leaf in flat]
 
 
 def fingerprint(tree) -> int:

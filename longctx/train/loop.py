@@ -190,6 +190,10 @@ def prepare_workdir(workdir: Path) -> None:
 
 
 def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -> dict:
+    if "://" in str(workdir):  # Path() would fold gs://b/x into a local folder gs:/b/x
+        raise WorkdirError(f"--workdir {workdir}: object-storage workdirs are not supported (the lock, metrics and "
+                           "TensorBoard logs need a file system); use a local or mounted folder (e.g. a bucket "
+                           "mounted with gcsfuse) visible to every host")
     workdir = Path(workdir)
     distributed.initialize_from_env()
     progress = progress and distributed.is_primary()
@@ -229,21 +233,24 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         step = last_saved = meta["step"]
         print(f"resuming from the checkpoint at step {step} in {workdir}")
     try:
-        (workdir / "config.json").write_text(cfg.to_json(indent=1))
+        if distributed.is_primary():
+            (workdir / "config.json").write_text(cfg.to_json(indent=1))
     except OSError as e:
         raise WorkdirError(f"cannot write {workdir / 'config.json'} ({e.strerror or e}); the workdir must be a "
                            "writable folder whose config.json is a file") from None
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     encoder = cfg.model.kind == "encoder"  # masked LM: rows of seq_len tokens, masks = f(seed, step, row)
+    host = sharding.host_shard(mesh, tc.batch_size)  # the rows of every batch this process reads
+
     def make_batcher(seq_len):
         if generated:
             from longctx.data.synthetic import RowBatcher
 
             return RowBatcher(source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed,
-                              shard=(jax.process_index(), jax.process_count()))
+                              shard=host)
         return Batcher(data["train"], row_len=seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
-                       seed=tc.seed, shard=(jax.process_index(), jax.process_count()),
+                       seed=tc.seed, shard=host,
                        packing=cfg.data.get("packing", "document"))
 
     batcher = make_batcher(tc.seq_len)

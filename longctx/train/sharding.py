@@ -188,13 +188,34 @@ def data_parallel_size(mesh: Mesh) -> int:
 def shard_batch(mesh: Mesh, array: np.ndarray):
     """Global batch [B, ...] split over the batch axes (data x fsdp); B must divide evenly."""
     n = data_parallel_size(mesh)
-    if array.shape[0] % n:
-        raise ConfigError(f"train.batch_size={array.shape[0]} must be a multiple of the {n} batch-parallel devices "
+    rows = array.shape[0] * jax.process_count()  # each process holds an equal share (host_shard)
+    if rows % n:
+        raise ConfigError(f"train.batch_size={rows} must be a multiple of the {n} batch-parallel devices "
                           "(mesh.data x mesh.fsdp)")
     sharding = NamedSharding(mesh, P(BATCH_AXES))
     if jax.process_count() == 1:
         return jax.device_put(array, sharding)
-    return jax.make_array_from_process_local_data(sharding, array)
+    return jax.make_array_from_process_local_data(sharding, array, (rows, *array.shape[1:]))
+
+
+def host_shard(mesh: Mesh, batch_size: int) -> tuple[int, int]:
+    """(k, n): this process holds rows [k * B / n, (k + 1) * B / n) of every global batch of ``batch_size``
+    rows split over the batch axes -- the slice its batcher reads. (0, 1) in a single-process job."""
+    n = jax.process_count()
+    if n == 1:
+        return 0, 1
+    dp = data_parallel_size(mesh)
+    if batch_size % dp:
+        raise ConfigError(f"train.batch_size={batch_size} must be a multiple of the {dp} batch-parallel devices "
+                          "(mesh.data x mesh.fsdp)")
+    index = NamedSharding(mesh, P(BATCH_AXES)).addressable_devices_indices_map((batch_size,))
+    rows = sorted({(sl[0].start or 0, batch_size if sl[0].stop is None else sl[0].stop) for sl in index.values()})
+    lo, hi = rows[0][0], rows[-1][1]
+    covered = sum(b - a for a, b in rows)
+    if covered != hi - lo or (hi - lo) * n != batch_size or lo % (hi - lo):
+        raise ConfigError(f"the mesh gives process {jax.process_index()} rows {rows} of each batch, not one equal "
+                          f"contiguous share of {batch_size} rows; order the mesh's batch axes by process")
+    return lo // (hi - lo), n
 
 
 def constrain_tokens(x, mesh: Mesh | None):

@@ -1,0 +1,130 @@
+"""Platform-dependent benchmark defaults, the device peak table, the jaxpr FLOP counter and the step's MFU,
+tested on the CPU with fake platform names (no accelerator needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from longctx.bench import cli
+from longctx.bench import common as C
+
+
+def _ns(**kw):
+    base = dict(batch=None, heads=None, head_dim=None, dtype=None, calls_per_sample=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "gpu", "tpu", "rocm"])
+def test_accelerator_defaults_are_training_scale_bf16(platform):
+    args = _ns()
+    C.shape_defaults(args, platform)
+    assert args.batch * args.heads >= 64 and args.head_dim == 64 and args.dtype == "bfloat16"
+    assert args.calls_per_sample == 0  # as many calls per sample as fill about 50 ms
+
+
+def test_cpu_defaults_stay_as_before_and_flags_win():
+    args = _ns()
+    C.shape_defaults(args, "cpu")
+    assert (args.batch, args.heads, args.head_dim, args.dtype, args.calls_per_sample) == (1, 4, 64, "float32", 1)
+    args = _ns(batch=2, dtype="float32", calls_per_sample=3)
+    filled = C.shape_defaults(args, "cuda")
+    assert (args.batch, args.dtype, args.calls_per_sample, args.heads) == (2, "float32", 3, 8)
+    assert set(filled) == {"heads", "head_dim"}
+
+
+def test_parsed_flags_leave_the_platform_defaults_unset():
+    for cmd in ("attention", "kernels"):
+        args = cli.parse_args([cmd, "--heads", "2"])
+        assert args.heads == 2 and args.batch is None and args.dtype is None and args.calls_per_sample is None
+
+
+@pytest.mark.parametrize("kind,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
+                                         ("NVIDIA A100-SXM4-80GB", 312.0), ("TPU v4", 275.0),
+                                         ("TPU v5 lite", 197.0), ("TPU v5p", 459.0), ("TPU v6 lite", 918.0)])
+def test_device_peak_table(kind, tflops):
+    assert C.device_peak("gpu" if "NVIDIA" in kind else "tpu", kind)["tflops"] == tflops
+
+
+def test_unknown_device_has_no_peak_and_says_why():
+    for kind in ("NVIDIA H100 PCIe", "NVIDIA GeForce RTX 4090"):
+        pk = C.device_peak("gpu", kind)
+        assert pk["tflops"] is None and kind in pk["reason"] and "MFU not reported" in pk["reason"]
+    assert C.device_peak("cpu")["tflops"] is None and "--matmul_n 0" in C.device_peak("cpu")["reason"]
+    mm = {"n": 64, "repeats": 3, "jax_gflops": 10.0, "jax_best_gflops": 12.0, "numpy_best_gflops": 15.0}
+    pk = C.device_peak("cpu", matmul=mm)
+    assert pk["tflops"] == pytest.approx(0.015) and "64x64" in pk["source"]
+
+
+def test_device_memory_on_cpu_says_not_available():
+    m = C.device_memory()
+    assert m["peak_bytes_in_use"] is None and "not available on cpu" in m["reason"]
+
+
+def test_jaxpr_matmul_flops_counts_scan_trips_and_cond_branches():
+    a, b = jnp.ones((4, 8)), jnp.ones((8, 8))
+    scan = lambda a, b: jax.lax.scan(lambda c, _: (c @ b, None), a, None, length=5)[0]
+    assert C.jaxpr_matmul_flops(scan, a, b)["flops"] == 5 * 2 * 4 * 8 * 8
+    cond = lambda p, a, b: jax.lax.cond(p, lambda: (a @ b) @ b, lambda: a)
+    assert C.jaxpr_matmul_flops(cond, True, a, b)["flops"] == 2 * 2 * 4 * 8 * 8
+    loop = lambda a, b: jax.lax.while_loop(lambda c: c[0, 0] < 10, lambda c: c @ b, a)
+    out = C.jaxpr_matmul_flops(loop, a, b)
+    assert out["while_loops"] == 1 and out["flops"] == 2 * 4 * 8 * 8
+
+
+def test_time_calls_divides_a_sample_by_its_calls():
+    t = C.time_calls(jax.jit(lambda x: x + 1), jnp.ones(4), repeats=2, warmup=1, calls=7)
+    assert t["calls_per_sample"] == 7 and t["n"] == 2 and t["median_s"] > 0
+    t = C.time_auto(jax.jit(lambda x: x + 1), jnp.ones(4), repeats=1, warmup=1, calls=0)
+    assert t["calls_per_sample"] >= 1
+
+
+def test_step_reports_model_flops_and_mfu(tmp_path):
+    sets = [f"--config.{s}" for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2",
+                                      "model.head_dim=16", "model.d_ff=64"]]
+    res = cli.main(["step", "--out", str(tmp_path), "--noprogress", "--lengths", "64", "--batch_size", "2",
+                    "--repeats", "1", "--warmup", "0", "--matmul_n", "256", *sets])
+    assert res == 0
+    import json
+
+    r = json.loads((tmp_path / "step.json").read_text())
+    row = r["rows"][0]
+    assert r["peak"]["tflops"] > 0 and "matmul" in r["peak"]["source"]
+    # 3 x forward: at least the 6N of the parameter matmuls other than the embedding lookup
+    assert row["model_flops_per_token"] > 0.5 * row["params_6n_flops_per_token"]
+    assert row["mfu"] == pytest.approx(row["model_flops_per_token"] * row["tokens_per_s"]
+                                       / (r["peak"]["tflops"] * 1e12))
+    assert row["compile_s"] > 0 and row["device_peak_bytes"] is None and "not available" in row["device_mem"]["reason"]
+    md = (tmp_path / "step.md").read_text()
+    assert "MFU" in md and "3 x forward matmuls" in md and "measured f32 matmul rate" in md
+
+
+def test_step_without_a_peak_reports_no_mfu_and_why(tmp_path):
+    sets = [f"--config.{s}" for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2",
+                                      "model.head_dim=16", "model.d_ff=64"]]
+    assert cli.main(["step", "--out", str(tmp_path), "--noprogress", "--lengths", "32", "--repeats", "1",
+                     "--warmup", "0", "--matmul_n", "0", *sets]) == 0
+    md = (tmp_path / "step.md").read_text()
+    assert "MFU not reported (no measured matmul rate" in md
+
+
+def test_attention_markdown_on_an_accelerator_shows_tflops_and_peak_fraction():
+    from longctx.bench import attention_bench as ab
+
+    rows = [{"variant": "dense:cudnn", "direction": "causal", "length": 8192, "fwd_s": 1e-3, "fwdbwd_s": 3e-3,
+             "fwd_status": "ok", "fwdbwd_status": "ok", "fwd_analytic_gflops_per_s": 400_000.0,
+             "fwdbwd_analytic_gflops_per_s": 450_000.0}]
+    ab.add_peak_fractions(rows, 989.0)
+    assert rows[0]["fwdbwd_peak_fraction"] == pytest.approx(450 / 989)
+    res = {"header": {"args": {"batch": 8, "heads": 8, "head_dim": 64, "dtype": "bfloat16", "repeats": 3,
+                               "warmup": 1, "mem_budget_gb": 60, "max_cell_s": 20, "calls_per_sample": 0},
+                      "machine": {"jax_backend": "gpu"}},
+           "rows": rows, "skipped_variants": [], "exponents": [],
+           "peak": C.device_peak("gpu", "NVIDIA H100 80GB HBM3")}
+    md = ab.markdown(res)
+    assert "TFLOP/s fwd+bwd (analytic)" in md and "% of peak fwd+bwd" in md and "989 TFLOP/s" in md
+    assert "| 450.0 |" in md and "45.5" in md and "as many calls as fill about 50 ms" in md

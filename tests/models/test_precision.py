@@ -1,0 +1,187 @@
+"""Mixed precision (``model.dtype`` / ``model.param_dtype``, longctx/models/precision.py).
+
+* float32 stays the CPU default (``'auto'``), and a bfloat16 model keeps float32 parameters and optimizer state;
+* the bfloat16 train step of every method's built-in config, lowered (not compiled): at least 90 % of the matmul
+  FLOPs of its ``dot_general``s take bfloat16 operands. The float32 dots that remain are listed below with their
+  reasons (:data:`FP32_DOTS`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longctx import config_files
+from longctx.config import base_config, resolve_vocab, validate
+from longctx.models import precision
+from longctx.models.decoder import build_model
+from longctx.train.optim import make_optimizer
+from longctx.train.step import make_train_step, split_model
+
+# every decoder method's built-in config (dense: the baseline configs/default.py)
+CONFIGS = {
+    "dense": "configs/default.py",
+    "eva": "configs/builtin/eva.py",
+    "fma": "configs/builtin/fma.py",
+    "fma_linear": "configs/builtin/fma_linear.py",
+    "kdeformer": "configs/builtin/kdeformer.py",
+    "transformer_vq": "configs/builtin/transformer_vq.py",
+    "vcc": "configs/builtin/vcc.py",
+}
+
+MIN_BF16_SHARE = 0.9
+
+# float32 matmul FLOPs that stay by design (the share above counts them against bfloat16):
+FP32_DOTS = {
+    "softmax statistics": "a core's normalisers (row sums of exp-scores written as dots, log-sum-exp) are float32",
+    "codebook EMA statistics": "Transformer-VQ's codebook counts and sums (non-gradient state) are float32",
+    "loss": "the target-logit gather and the chunked log-sum-exp of the output layer are float32",
+}
+
+_DOT = re.compile(r"stablehlo\.dot_general\s+%[\w#]+,\s*%[\w#]+,\s*(.*?)\s*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+_DIMS = re.compile(r"contracting_dims\s*=\s*\[([\d, ]*)\]\s*x\s*\[([\d, ]*)\]")
+_BATCH = re.compile(r"batching_dims\s*=\s*\[([\d, ]*)\]\s*x\s*\[([\d, ]*)\]")
+
+
+def _tensor(t: str):
+    """'tensor<2x3x4xbf16>' -> ((2, 3, 4), 'bf16')."""
+    body = t[len("tensor<"):-1]
+    *dims, dtype = body.split("x")
+    return tuple(int(d) for d in dims), dtype
+
+
+def _ints(s: str):
+    return [int(v) for v in s.split(",") if v.strip()]
+
+
+def dot_flops(text: str):
+    """[(flops, lhs dtype, rhs dtype, lhs shape, rhs shape)] of every ``dot_general`` in a StableHLO module:
+    2 x (product of lhs dims) x (product of rhs dims that are neither batch nor contracting)."""
+    out = []
+    for m in _DOT.finditer(text):
+        attrs, lhs, rhs = m.group(1), _tensor(m.group(2)), _tensor(m.group(3))
+        c = _DIMS.search(attrs)
+        b = _BATCH.search(attrs)
+        rhs_c = _ints(c.group(2)) if c else []
+        rhs_b = _ints(b.group(2)) if b else []
+        free = [d for i, d in enumerate(rhs[0]) if i not in rhs_c and i not in rhs_b]
+        out.append((2 * math.prod(lhs[0]) * math.prod(free), lhs[1], rhs[1], lhs[0], rhs[0]))
+    return out
+
+
+def small_config(method: str, dtype: str = "bfloat16"):
+    cfg = config_files.load(CONFIGS[method])
+    cfg.model.num_layers = 2
+    cfg.model.dtype = dtype
+    cfg.train.batch_size = 2
+    return resolve_vocab(validate(cfg), 256)
+
+
+def lowered_train_step(cfg):
+    model = build_model(cfg, seed=0)
+    graphdef, params, nongrad, rest = split_model(model)
+    tx = make_optimizer(cfg.train)
+    t = cfg.train
+    window = t.window or t.seq_len
+    step = make_train_step(graphdef, tx, seq_len=t.seq_len, window=window, skip_nonfinite=True,
+                           microbatches=t.microbatches)
+    abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+    opt = jax.eval_shape(tx.init, params)
+    tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32)
+    return jax.jit(step).lower(abstract(params), abstract(nongrad), abstract(rest), opt, tokens, jax.random.key(0))
+
+
+def bf16_share(method: str):
+    text = lowered_train_step(small_config(method)).as_text()
+    dots = dot_flops(text)
+    assert len(dots) == text.count("stablehlo.dot_general") > 0  # every dot parsed
+    total = sum(f for f, *_ in dots)
+    bf16 = sum(f for f, a, b, *_ in dots if a == b == "bf16")
+    return bf16 / total, dots
+
+
+# cores that still compute their attention products in float32 (their inputs cast up): the share stays below
+# MIN_BF16_SHARE until their products take compute-dtype operands as dense's do
+FP32_CORES = {
+    "kdeformer": "the causal estimator casts q, k, v to float32 and forms every product at Precision.HIGHEST",
+    "transformer_vq": "the cache and codebook products (quantized keys, block-cache attention) run in float32",
+}
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=FP32_CORES[m])) if m in FP32_CORES else m
+    for m in CONFIGS])
+def test_bf16_train_step_matmuls_take_bf16_operands(method):
+    share, dots = bf16_share(method)
+    fp32 = sorted((d for d in dots if not d[1] == d[2] == "bf16"), reverse=True)[:5]
+    assert share >= MIN_BF16_SHARE, (f"{method}: {share:.1%} of the matmul FLOPs in bf16; largest others: {fp32}; "
+                                     f"float32 by design: {FP32_DOTS}")
+
+
+def test_dot_flops_counts_batch_and_free_dimensions():
+    text = ("%0 = stablehlo.dot_general %a, %b, batching_dims = [0] x [0], contracting_dims = [2] x [1] : "
+            "(tensor<2x3x4xbf16>, tensor<2x4x5xbf16>) -> tensor<2x3x5xf32>")
+    assert dot_flops(text) == [(2 * 2 * 3 * 4 * 5, "bf16", "bf16", (2, 3, 4), (2, 4, 5))]
+
+
+def test_float32_stays_the_cpu_default():
+    m = base_config().model
+    assert (m.dtype, m.param_dtype) == ("auto", "float32")
+    assert precision.resolve_dtype("auto", "cpu") is jnp.float32
+    assert precision.resolve_dtype("auto", "gpu") is jnp.bfloat16
+    assert precision.resolve_dtype("auto", "tpu") is jnp.bfloat16
+    assert precision.policy(m).full  # on this CPU
+    # a model section saved before the keys existed: float32
+    legacy = base_config().model
+    del legacy["dtype"], legacy["param_dtype"]
+    assert precision.policy(legacy, "cpu") == precision.Policy(jnp.float32, jnp.float32)
+
+
+def test_dtype_keys_are_validated():
+    from longctx.errors import ConfigError
+
+    for key, bad in (("dtype", "bf16"), ("param_dtype", "auto")):
+        c = base_config()
+        c.model[key] = bad
+        with pytest.raises(ConfigError, match=f"model.{key}"):
+            validate(c)
+
+
+def test_einsum_f32_is_the_plain_einsum_in_float32_and_accumulates_bf16_in_float32():
+    a, b = (jax.random.normal(jax.random.key(i), (3, 8, 16)) for i in (0, 1))
+    spec = "bqd,bkd->bqk"
+    plain = jax.make_jaxpr(lambda x, y: jnp.einsum(spec, x, y))(a, b)
+    assert str(jax.make_jaxpr(lambda x, y: precision.einsum_f32(spec, x, y))(a, b)) == str(plain)
+    ab, bb = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    out = precision.einsum_f32(spec, ab, bb)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, jnp.einsum(spec, ab.astype(jnp.float32), bb.astype(jnp.float32)), rtol=1e-5,
+                               atol=1e-5)
+    ga, gb = jax.grad(lambda x, y: precision.einsum_f32(spec, x, y).sum(), argnums=(0, 1))(ab, bb)
+    assert ga.dtype == gb.dtype == jnp.bfloat16
+    text = jax.jit(jax.grad(lambda x, y: precision.einsum_f32(spec, x, y).sum(), argnums=(0, 1))).lower(ab, bb).as_text()
+    assert all(d[1] == d[2] == "bf16" for d in dot_flops(text))
+
+
+@pytest.mark.parametrize("method", ["dense", "transformer_vq"])
+def test_bf16_model_keeps_fp32_parameters_optimizer_state_and_statistics(method):
+    cfg = small_config(method)
+    cfg.model.d_model, cfg.model.d_ff = 32, 64
+    model = build_model(cfg, seed=0)
+    _, params, nongrad, _ = split_model(model)
+    floats = lambda tree: [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]  # noqa: E731
+    assert floats(params) and all(x.dtype == jnp.float32 for x in floats(params))
+    assert all(x.dtype == jnp.float32 for x in floats(nongrad))  # codebooks and their EMA statistics
+    opt = make_optimizer(cfg.train).init(params)
+    assert floats(opt) and all(x.dtype == jnp.float32 for x in floats(opt))
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    h, _, aux = model.hidden(tokens, deterministic=False, key=jax.random.key(0))
+    assert h.dtype == jnp.bfloat16  # activations in the compute dtype
+    assert model.logits(h).dtype == jnp.float32 and model.nll(h, tokens).dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in floats(aux["stats"]))  # non-gradient statistics
+    assert all(x.dtype == jnp.float32 for x in floats(aux["losses"]))

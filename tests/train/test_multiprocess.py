@@ -1,0 +1,161 @@
+"""A real multi-process job on this machine: 2 ``longctx-train`` processes x 4 simulated CPU devices,
+joined by JAX's distributed runtime on 127.0.0.1 (``longctx.train.launch_local``, which
+``scripts/multiprocess_local.sh`` wraps), one (data 2, fsdp 4) mesh over the 8 devices. It trains
+what a single process with 8 devices trains: the same loss history and the same final parameters
+and optimizer state (read back in this single process through the eval/sample restore path).
+Only process 0 writes metrics, TensorBoard and plots; each process reads its half of every batch.
+
+The slow test kills one process (SIGKILL) mid-run: the other stops by itself within the heartbeat
+timeout with the runtime's line saying another task died, and the same launch resumes from the last
+committed checkpoint and ends where the uninterrupted single-process run ends. The time from the
+kill to the other process's exit is printed (run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from longctx.train import launch_local
+from tests.conftest import tiny_config, write_corpus
+from tests.train.test_resume import write_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+HEARTBEAT = 3
+
+
+def _config(root: Path, steps: int, ckpt_every: int) -> Path:
+    corpus = root / "corpus"
+    if not corpus.exists():
+        write_corpus(corpus)
+    c = tiny_config(corpus, root / "cache", batch_size=8, steps=steps, ckpt_every=ckpt_every, eval_every=steps)
+    c.mesh.data, c.mesh.fsdp = 2, 4
+    return write_cfg(root / f"cfg_{steps}.py", c)
+
+
+def _base_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "LONGCTX_DIST", "SLURM_", "TPU_"))}
+    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "LONGCTX_DISTRIBUTED": "",
+            "JAX_COMPILATION_CACHE_DIR": "none"}
+
+
+def _args(cfg: Path, wd: Path) -> list[str]:
+    return [f"--config={cfg}", f"--workdir={wd}", "--progress=false", "--config.train.compilation_cache_dir=none"]
+
+
+def _single(cfg: Path, wd: Path) -> None:
+    env = {**_base_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", launch_local.TRAIN, *_args(cfg, wd)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _launch(cfg: Path, wd: Path, logdir: Path) -> list[subprocess.Popen]:
+    return launch_local.start(2, _args(cfg, wd), devices=4, logdir=logdir, base_env=_base_env(),
+                              heartbeat=HEARTBEAT, init_timeout=60, cwd=ROOT)
+
+
+def _run(cfg: Path, wd: Path, logdir: Path) -> None:
+    procs = _launch(cfg, wd, logdir)
+    status = launch_local.supervise(procs, grace=HEARTBEAT + 10, timeout=300)
+    logs = "\n".join((logdir / f"process_{i}.log").read_text()[-2000:] for i in range(2))
+    assert status == 0, logs
+
+
+def _records(wd: Path) -> list[dict]:
+    return [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+
+
+def _restore_final(wd: Path):
+    """Final params, non-gradient state and optimizer state, read back in this (single) process."""
+    from longctx.runtime import Runner
+    from longctx.train import checkpoint
+    from longctx.train.optim import make_optimizer
+
+    runner = Runner.from_workdir(wd)
+    opt_target = jax.eval_shape(make_optimizer(runner.cfg.train).init, runner.params[0])
+    tree, _ = checkpoint.restore(checkpoint.manager(wd, create=False), {"opt_state": opt_target},
+                                 step=runner.step, partial=True)
+    return runner.step, jax.tree.leaves((runner.params[:2], tree["opt_state"]))
+
+
+def _same_run(ref: Path, run: Path, steps: int) -> None:
+    step_ref, leaves_ref = _restore_final(ref)
+    step_run, leaves_run = _restore_final(run)
+    assert step_ref == step_run == steps
+    assert len(leaves_ref) == len(leaves_run) > 0
+    for a, b in zip(leaves_ref, leaves_run, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    for split in ("train", "valid"):
+        r = {x["step"]: x["loss"] for x in _records(ref) if x["split"] == split}
+        g = [(x["step"], x["loss"]) for x in _records(run) if x["split"] == split]
+        assert [s for s, _ in g] == sorted(r), split  # each step once
+        np.testing.assert_allclose([v for _, v in g], [r[s] for s, _ in g], rtol=1e-5)
+
+
+def _only_primary_wrote(wd: Path, logdir: Path) -> None:
+    assert len(list((wd / "tb").glob("events.out.tfevents.*"))) >= 1
+    assert (wd / "loss.png").exists() and (wd / "config.json").exists()
+    log1 = (logdir / "process_1.log").read_text()
+    assert not re.search(r"^step \d+/", log1, re.M)  # process 1 prints no log records
+
+
+def test_two_processes_train_what_one_process_trains(tmp_path):
+    steps = 4
+    cfg = _config(tmp_path, steps=steps, ckpt_every=2)
+    _single(cfg, tmp_path / "ref")
+    _run(cfg, tmp_path / "run", tmp_path / "logs")
+    _same_run(tmp_path / "ref", tmp_path / "run", steps)
+    _only_primary_wrote(tmp_path / "run", tmp_path / "logs")
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_job_and_the_relaunch_resumes(tmp_path):
+    steps, every = 12, 4
+    cfg = _config(tmp_path, steps=steps, ckpt_every=every)
+    _single(cfg, tmp_path / "ref")
+    wd = tmp_path / "run"
+    procs = _launch(cfg, wd, tmp_path / "logs1")
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240:  # the checkpoint at `every` committed and a step past it logged
+            if (wd / "checkpoints" / str(every)).is_dir() and (wd / "metrics.jsonl").exists() and any(
+                    r["step"] > every + 1 and r["split"] == "train" for r in _records(wd)):
+                break
+            assert all(p.poll() is None for p in procs), "the job ended before the kill"
+            time.sleep(0.05)
+        else:
+            pytest.fail("the job did not reach the kill point")
+        procs[1].send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        while procs[0].poll() is None and time.monotonic() - t_kill < 60:
+            time.sleep(0.02)
+        waited = time.monotonic() - t_kill
+    finally:
+        launch_local.stop(procs, grace=0)
+    assert procs[0].returncode not in (None, 0)
+    log0 = (tmp_path / "logs1" / "process_0.log").read_text()
+    line = next(x for x in log0.splitlines() if "Terminating process" in x or "another task died" in x)
+    print(f"\nkill of process 1 -> process 0 exited (status {procs[0].returncode}) after {waited:.2f} s "
+          f"(heartbeat timeout {HEARTBEAT} s): {line[:400]}")
+    assert waited < HEARTBEAT + 20
+    assert "another task died" in line
+    done = max(r["step"] for r in _records(wd) if r["split"] == "train")
+    assert every < done < steps
+    _run(cfg, wd, tmp_path / "logs2")
+    log0 = (tmp_path / "logs2" / "process_0.log").read_text()
+    resumed = int(log0.split("resuming from the checkpoint at step ")[1].split()[0])
+    assert resumed >= every and resumed % every == 0
+    _same_run(tmp_path / "ref", wd, steps)
+    _only_primary_wrote(wd, tmp_path / "logs2")
