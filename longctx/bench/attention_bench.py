@@ -11,7 +11,7 @@ Per (variant, direction, length) cell:
   stop where they would take minutes per call);
 * time = median of ``--repeats`` samples after ``--warmup`` calls; a sample is ``--calls_per_sample`` calls
   dispatched back to back, the last ended by ``block_until_ready``, divided by their number (on a CPU one
-  call; on a GPU / TPU as many as fill about 50 ms, so that launch cost vanishes); inputs are
+  call; on a GPU / TPU as many as fill the target sample time of `common.time_auto`, so that launch cost vanishes); inputs are
   standard-normal q, k, v (never all zeros);
 * shapes: batch, heads, head_dim and dtype default to batch 1, 4 heads of 64, float32 on a CPU (as every
   earlier CPU result) and to a training-like batch 8, 8 heads of 64, bfloat16 (batch x heads = 64) on a GPU

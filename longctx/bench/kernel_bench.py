@@ -9,7 +9,8 @@ which). On a GPU or TPU the kernel is compiled. Per (method, kernel, direction, 
 * both cores are built from the same seed (same parameters) and get the same standard-normal q, k, v;
 * shapes and timing default by platform as in ``longctx-bench attention`` (``common.SHAPE_DEFAULTS``): on a
   CPU batch 1, 4 heads of 64, float32, one call per timing sample; on a GPU / TPU batch 8, 8 heads of 64,
-  bfloat16 and as many calls per sample as fill about 50 ms, so that launch cost vanishes; flags override;
+  bfloat16 and as many calls per sample as fill the target sample time of `common.time_auto`, so that launch cost
+  vanishes; flags override;
 * rate (on a GPU / TPU): FLOPs of the XLA path from XLA's cost analysis (a lower bound where it has loops,
   marked '≥') over each path's time, in TFLOP/s and as a fraction of the device's dense bf16 peak;
 * time = median of ``--repeats`` samples after ``--warmup`` calls, each ended by ``block_until_ready``;
