@@ -84,6 +84,27 @@ def test_workdir_that_is_a_file_is_one_line(tiny_corpus, tmp_path):
         train(cfg, tmp_path / "f" / "w", progress=False)
 
 
+def _unwritable_root() -> Path | None:
+    """A folder in which even root cannot create anything (a read-only or pseudo file system), if any."""
+    for root in (Path("/sys"), Path("/proc/sys")):
+        try:
+            (root / "longctx_probe").mkdir()
+        except OSError:
+            return root
+        (root / "longctx_probe").rmdir()
+    return None
+
+
+def test_workdir_on_a_read_only_file_system_is_one_line(tiny_corpus, tmp_path):
+    """(The tests run as root, so a chmod'ed folder would still be writable: a read-only mount stands in.)"""
+    root = _unwritable_root()
+    if root is None:
+        pytest.skip("no read-only file system to write into here")
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=2, warmup_steps=1)
+    with pytest.raises(WorkdirError, match="cannot create --workdir .*choose a writable folder"):
+        train(cfg, root / "longctx_w", progress=False)
+
+
 def _cmd(cfg_file, wd):
     return [sys.executable, "-c", "from longctx.cli import train_main; train_main()", f"--config={cfg_file}",
             f"--workdir={wd}", "--noprogress"]
