@@ -104,6 +104,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.gau_layerdrop = 0.0  # GAU blocks: per-example probability of dropping a GAU's residual branch
     c.model.attention = ml_collections.ConfigDict()
     c.model.attention.name = "dense"
+    # per-layer methods (a hybrid stack): () = every layer runs `name`; else method names, exactly num_layers of
+    # them or a group repeated to the depth, e.g. ("eva", "eva", "eva", "dense"); each layer takes its method's
+    # settings from model.attention.<method> and execution.attention.<method>; `name` must be one of them (the
+    # method logs and reports name). Not with a stack-wrapper method, nor yet with scan_layers or mesh.sequence > 1
+    c.model.attention.pattern = ()
     for name in attention.names():
         c.model.attention[name] = attention.model_config(name)
 
@@ -413,42 +418,27 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if name not in attention.names():
         raise ConfigError(f"model.attention.name={name!r} is unknown; allowed: {', '.join(attention.names())}")
     for key in m.attention.keys():
-        if key != "name" and key not in attention.names():
-            raise ConfigError(f"config key 'model.attention.{key}' is unknown; allowed: name, {', '.join(attention.names())}")
-    allowed_pos = attention.get_class(name).allowed_positions
-    if allowed_pos is not None and m.positions not in allowed_pos:
-        raise ConfigError(
-            f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
-        )
+        if key not in ("name", "pattern") and key not in attention.names():
+            raise ConfigError(f"config key 'model.attention.{key}' is unknown; allowed: name, pattern, "
+                              f"{', '.join(attention.names())}")
+    methods = _check_pattern(c)
     for key in c.execution.attention.keys():
         if key not in attention.names():
             raise ConfigError(f"config key 'execution.attention.{key}' is unknown; allowed: {', '.join(attention.names())}")
-    method_cfg = attention.default_config(name)
-    method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})
-    method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
-    exec_keys = attention.execution_keys(name)
-    for key in (c.execution.attention[name].keys() if name in c.execution.attention else ()):
-        if key not in exec_keys:
-            where = "model.attention" if key in attention.default_config(name) else None
-            raise ConfigError(f"config key 'execution.attention.{name}.{key}' is unknown"
-                              + (f": it is a hyperparameter, set it under {where}.{name}.{key}" if where else
-                                 f"; allowed: {', '.join(exec_keys) or '(none)'}"))
-    attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
     from longctx.models.backbone import REMAT_POLICIES
 
     if m.get("remat_policy", "auto") not in REMAT_POLICIES:
         raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
-    if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
-        raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
-                          "the per-block remat cannot wrap; set model.remat=False")
-    if m.get("scan_layers", False) and attention.get_class(name).stack_wrapper(causal=m.causal):
-        raise ConfigError(f"model.scan_layers=True: attention {name!r} runs the blocks inside its own stack wrapper, "
-                          "which a scan over stacked layers cannot replace; set model.scan_layers=False")
+    resolved = {}
+    for name in methods:
+        resolved[name] = _check_method(c, name)
     for other in list(m.attention.keys()):
-        if other not in ("name", name):
+        if other not in ("name", "pattern", *methods):
             del m.attention[other]
-    m.attention[name] = {k: v for k, v in method_cfg.items() if k not in exec_keys}
-    c.execution.attention = ml_collections.ConfigDict({name: {k: method_cfg[k] for k in exec_keys}})
+    for name, (method_cfg, exec_keys) in resolved.items():
+        m.attention[name] = {k: v for k, v in method_cfg.items() if k not in exec_keys}
+    c.execution.attention = ml_collections.ConfigDict(
+        {name: {k: method_cfg[k] for k in exec_keys} for name, (method_cfg, exec_keys) in resolved.items()})
 
     if t.window == 0:
         t.window = t.seq_len
@@ -546,6 +536,57 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")
     c.lock()
     return c
+
+
+def _check_pattern(c) -> tuple[str, ...]:
+    """``model.attention.pattern``'s rules; the distinct methods the layers run (``model.attention.name`` first)."""
+    m = c.model
+    name, pattern = m.attention.name, m.attention.get("pattern", ())
+    if not pattern:
+        return (name,)
+    if not isinstance(pattern, (tuple, list)) or not all(isinstance(p, str) for p in pattern):
+        raise ConfigError(f"model.attention.pattern={pattern!r} must be a tuple of method names, e.g. "
+                          "('eva', 'eva', 'eva', 'dense'); () = every layer runs model.attention.name")
+    from longctx.models.backbone import _check_pattern as check_layers
+    from longctx.models.blocks import layer_methods
+
+    per_layer = layer_methods(m)  # unknown names, a length that does not fit num_layers
+    if name not in pattern:
+        raise ConfigError(f"model.attention.name={name!r} is not in model.attention.pattern={tuple(pattern)}; set it "
+                          "to one of the pattern's methods (the one logs and reports name)")
+    check_layers(m, per_layer, bool(m.get("scan_layers", False)))
+    if c.mesh.sequence > 1 and len(set(per_layer)) > 1:
+        raise ConfigError(f"mesh.sequence={c.mesh.sequence} with a pattern of different methods is not supported yet; "
+                          "set mesh.sequence=1")
+    return tuple(dict.fromkeys((name, *per_layer)))
+
+
+def _check_method(c, name: str):
+    """One attention method's settings as a layer runs them: (its merged config, its execution keys)."""
+    m = c.model
+    allowed_pos = attention.get_class(name).allowed_positions
+    if allowed_pos is not None and m.positions not in allowed_pos:
+        raise ConfigError(
+            f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
+        )
+    method_cfg = attention.default_config(name)
+    method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})
+    method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
+    exec_keys = attention.execution_keys(name)
+    for key in (c.execution.attention[name].keys() if name in c.execution.attention else ()):
+        if key not in exec_keys:
+            where = "model.attention" if key in attention.default_config(name) else None
+            raise ConfigError(f"config key 'execution.attention.{name}.{key}' is unknown"
+                              + (f": it is a hyperparameter, set it under {where}.{name}.{key}" if where else
+                                 f"; allowed: {', '.join(exec_keys) or '(none)'}"))
+    attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
+    if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
+        raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
+                          "the per-block remat cannot wrap; set model.remat=False")
+    if m.get("scan_layers", False) and attention.get_class(name).stack_wrapper(causal=m.causal):
+        raise ConfigError(f"model.scan_layers=True: attention {name!r} runs the blocks inside its own stack wrapper, "
+                          "which a scan over stacked layers cannot replace; set model.scan_layers=False")
+    return method_cfg, exec_keys
 
 
 def fit_to_run_length(t, *, say=print) -> list[str]:

@@ -32,7 +32,57 @@ REDUCTIONS = ("serial", "matmul", "assoc", "sum")  # "sum" = unstable U/L cumsum
 
 
 def float_dtype(*xs):
+    """The statistics dtype: the inputs' dtype promoted to at least float32."""
     return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def compute_dtype(*xs):
+    """The matmul-operand dtype: the inputs' floating dtype (bfloat16 stays bfloat16; float32 / float64 as given)."""
+    dt = jnp.result_type(*xs)
+    return dt if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(jnp.float32)
+
+
+def acc_einsum(spec: str, a, b):
+    """``jnp.einsum(spec, a, b)`` accumulated and returned in float32 for narrower operands (bfloat16), whose backward
+    casts the cotangent back to the operands' dtype first, so its products take narrow operands too. Operands of
+    float32 or wider: the plain einsum, exactly."""
+    if a.dtype == b.dtype == float_dtype(a, b):
+        return jnp.einsum(spec, a, b)
+    return _acc_einsum(spec, a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _acc_einsum(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _acc_einsum_fwd(spec, a, b):
+    return _acc_einsum(spec, a, b), (a, b)
+
+
+def _acc_einsum_bwd(spec, res, g):
+    a, b = res
+    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), a, b)
+    return vjp(g.astype(jnp.result_type(a, b)))
+
+
+_acc_einsum.defvjp(_acc_einsum_fwd, _acc_einsum_bwd)
+
+
+def score_dot(q, k):
+    """``q kᵀ`` over the last axis (same batch axes): ``cpu_dots.scores`` for float32 or wider operands, else
+    compute-dtype operands with a float32 result."""
+    if q.dtype == k.dtype == float_dtype(q, k):
+        return scores(q, k)
+    return acc_einsum("...id,...jd->...ij", q, k)
+
+
+def mix_dot(p, v):
+    """``p v`` (same batch axes): ``cpu_dots.mix`` for float32 or wider values, else p cast to the values' (compute)
+    dtype and a float32 result."""
+    if v.dtype == float_dtype(v):
+        return mix(p, v)
+    return acc_einsum("...ij,...jd->...id", p.astype(v.dtype), v)
 
 
 def merge(a, b):
@@ -127,7 +177,9 @@ def pad_left(x, axis: int, n: int, value=0):
 
 def softmax_mix(groups):
     """groups: list of (scores [..., Lq, n], mask broadcastable, values [..., n, Dv]).
-    One shared normalizer with a stop-gradient row max; the value matmuls' sum divided by den."""
+    One shared normalizer with a stop-gradient row max; the value matmuls' sum divided by den. Scores,
+    probabilities and the normalizer in float32 (or wider); values in the compute dtype take the probabilities cast
+    to it, with the products accumulated in float32."""
     m = None
     for s, mask, _ in groups:
         gm = jnp.max(jnp.where(mask, s, NEG), axis=-1)
@@ -139,7 +191,8 @@ def softmax_mix(groups):
     # the value matmuls first, then one scaling by 1 / den written as an einsum: the gradient's sum over the row
     # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs on a slow path when a dimension has
     # size 1 (one head, batch 1; longctx/xla_cpu.py)
-    num = sum(mix(p, vals) for p, (_, _, vals) in zip(probs, groups))
+    num = sum(mix_dot(p, vals) for p, (_, _, vals) in zip(probs, groups))
+    # the normalizer is a float32 statistic: HIGHEST keeps 1/den exact whatever the backend's default dot precision
     out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0], precision=jax.lax.Precision.HIGHEST)
     lse = (m + jnp.log(den))[..., 0]
     return out, lse
@@ -208,20 +261,23 @@ def prefix_reduce(mu, n, reduction: str):
     raise ValueError(f"unknown reduction {reduction!r}; allowed: {', '.join(REDUCTIONS)}")
 
 
-def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial"):
+def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial", compute=None):
     """The blocked operands of the causal block-parallel form (§2.6); requires 1 <= M <= L.
 
     Returns a dict: ``qb`` [B,H,R,L,Dk] and ``bdb`` [B,H,R,L,M+1] (queries in R blocks of L, zero-padded);
     ``kx``, ``vx`` [B,H,R+1,L,.], ``zx`` and ``validx`` [R+1,L] (extended blocks: index 0 is the carried
     band left-padded to L, index e is block e-1); ``cmu`` [B,H,R,S,Dv] and ``cn`` [B,H,R,S] (the lag-2 cache
-    of block n: carried agg merged with extended blocks 0..n-1); ``Cs`` = sg(C) in the compute dtype.
-    ``bd=None`` leaves ``bdb`` out (None).
+    of block n: carried agg merged with extended blocks 0..n-1; float32 or wider); ``Cs`` = sg(C).
+    ``bd=None`` leaves ``bdb`` out (None). ``compute``: the dtype of ``qb``, ``kx``, ``vx`` and ``Cs`` (the matmul
+    operands; the model's XLA path passes its compute dtype); None: float32 or wider, as everything else (the
+    reference the kernels are tested against).
     """
     if not 1 <= M <= L:
         raise ValueError(f"causal_parallel needs 1 <= M <= L, got M={M}, L={L}")
     B, H, T, Dk = q_u.shape
     S = C.shape[1]
-    dt = float_dtype(q_u, v)
+    dt = float_dtype(q_u, v)  # the carried state, the per-code cache and its counts (statistics)
+    cd = dt if compute is None else jnp.dtype(compute)  # queries, keys, values and codes: the matmul operands
     state = cast_state(state, dt)
     R = -(-T // L)
     Tp = R * L
@@ -229,47 +285,50 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
     def blocks(x, n):  # [B, H, n*L, ...] -> [B, H, n, L, ...]
         return x.reshape(x.shape[:2] + (n, L) + x.shape[3:])
 
-    kx = jnp.concatenate([pad_left(state["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
-    vx = jnp.concatenate([pad_left(state["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
+    kx = jnp.concatenate([pad_left(state["band_k"].astype(cd), 2, L), pad_to(k_hat.astype(cd), 2, Tp)], axis=2)
+    vx = jnp.concatenate([pad_left(state["band_v"].astype(cd), 2, L), pad_to(v.astype(cd), 2, Tp)], axis=2)
     zx = jnp.concatenate([pad_left(state["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
     band_pos = state["pos"] - L + jnp.arange(L)
     band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
     validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
     kx, vx, zx = blocks(kx, R + 1), blocks(vx, R + 1), blocks(zx, R + 1)
-    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2
-    bmu, bn = code_summary(zx[:, :, :R], vx[:, :, :R], validx[:R], S)  # ext 0..R-1
+    # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2; means and counts in dt
+    bmu, bn = code_summary(zx[:, :, :R], vx[:, :, :R].astype(dt), validx[:R], S)  # ext 0..R-1
     items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
     items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
     cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
     bdb = None if bd is None else blocks(pad_to(bd.astype(dt), 2, Tp), R)
-    return {"qb": blocks(pad_to(q_u.astype(dt), 2, Tp), R), "bdb": bdb,
-            "kx": kx, "vx": vx, "zx": zx, "validx": validx, "cmu": cmu, "cn": cn, "Cs": sg(C).astype(dt),
+    return {"qb": blocks(pad_to(q_u.astype(cd), 2, Tp), R), "bdb": bdb,
+            "kx": kx, "vx": vx, "zx": zx, "validx": validx, "cmu": cmu, "cn": cn, "Cs": sg(C).astype(cd),
             "state": state}
 
 
 def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
-                    return_lse: bool = False):
+                    return_lse: bool = False, compute=None):
     """Linear-time causal form (§2.6) from a carried state; requires 1 <= M <= L.
 
     The carried band (M keys, left-padded with invalid slots to L) acts as block -1 and the carried agg as the
     summary of everything before it, so query block n uses agg (+) blocks -1..n-2 (lag 2), attends exactly to
     block n-1 and (causally) to block n, with the band bias for d <= M. T need not be a multiple of L.
+    ``compute``: the matmul operands' dtype (None: float32 or wider, the reference; a narrower one, e.g. bfloat16:
+    the products take it and accumulate in float32, scores, softmax statistics and the state stay float32).
     Returns (o [B,H,T,Dv], new_state) (+ lse [B,H,T] if return_lse).
     """
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction=reduction)
+    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction=reduction, compute=compute)
     qb, kx, vx, validx, cn, R = p["qb"], p["kx"], p["vx"], p["validx"], p["cn"], p["qb"].shape[2]
     bias = skew_bias(p["bdb"], L, 2 * L)  # [B,H,R,L,2L]: bd[i, L + i - j] for 0 <= L + i - j <= M
-    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
-    s_p = scores(qb, kx[:, :, :R]) + bias[..., :L]  # scores, mix: einsums whose dk, dv stay fast on XLA:CPU
-    s_r = scores(qb, kx[:, :, 1:]) + bias[..., L:]
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
+    s_p = score_dot(qb, kx[:, :, :R]) + bias[..., :L]  # scores, mix: einsums whose dk, dv stay fast on XLA:CPU
+    s_r = score_dot(qb, kx[:, :, 1:]) + bias[..., L:]
     mask_c = (cn > 0)[:, :, :, None, :]
     mask_p = validx[:R][:, None, :]
     mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
-    o, lse = softmax_mix([(s_c, mask_c, p["cmu"]), (s_p, mask_p, vx[:, :, :R]), (s_r, mask_r, vx[:, :, 1:])])
+    o, lse = softmax_mix([(s_c, mask_c, p["cmu"].astype(vx.dtype)), (s_p, mask_p, vx[:, :, :R]),
+                          (s_r, mask_r, vx[:, :, 1:])])
     o = o.reshape(B, H, R * L, Dv)[:, :, :T]
-    dt = qb.dtype
+    dt = p["state"]["agg_mu"].dtype  # the state stays in the statistics dtype
     new_state = final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S)
     if return_lse:
         return o, new_state, lse.reshape(B, H, R * L)[:, :, :T]
@@ -300,8 +359,10 @@ __all__ = [
     "REDUCTIONS",
     "causal_parallel",
     "cast_state",
+    "acc_einsum",
     "code_summary",
     "code_sums",
+    "compute_dtype",
     "empty_state",
     "final_state",
     "float_dtype",

@@ -168,8 +168,8 @@ def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
 def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
     """[B,H,Tq,C]: s q·k̂_c (eq. 16) or, 'exact_lse', logsumexp_{m∈P_c} s q·k_m (eq. 13)."""
     if chunk_logit == "rep":
-        return scale * jnp.einsum("bhqd,bhcd->bhqc", q, k_hat, precision=HIGHEST)
-    s = scale * jnp.einsum("bhqd,bhcpd->bhqcp", q, k_raw, precision=HIGHEST)
+        return scale * jnp.einsum("bhqd,bhcd->bhqc", q, k_hat)
+    s = scale * jnp.einsum("bhqd,bhcpd->bhqcp", q, k_raw)
     s = jnp.where(k_raw_valid[:, None], s, NEG)  # k_raw_valid: [B|1, 1, C, P] -> broadcast
     return jax.nn.logsumexp(s, axis=-1)
 
@@ -203,11 +203,11 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     a_loc = []
     for piece in pieces:
         r0, r1, nk = piece
-        a = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q[:, :, :, r0:r1], k[:, :, :, :nk], precision=HIGHEST)
+        a = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q[:, :, :, r0:r1], k[:, :, :, :nk])
         if bias is not None:
             a = a + _piece_bias(bias, piece)
         a_loc.append(jnp.where(lmask[:, r0:r1, :nk], a, NEG))
-    s_ch = scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat, precision=HIGHEST)
+    s_ch = scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat)
     a_ch = jnp.where(cmask, s_ch, _fill_like(s_ch, NEG))
     m_loc = jnp.concatenate([jnp.max(a, axis=-1, initial=NEG) for a in a_loc], axis=-1)
     m = jnp.maximum(m_loc, jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
@@ -218,9 +218,9 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     p_ch = e_ch if rows_see_a_key else jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
     den = jnp.concatenate([jnp.sum(p, axis=-1) for p in p_loc], axis=-1) + jnp.sum(p_ch, axis=-1)
     den = jnp.maximum(den, 1e-30)
-    num = jnp.concatenate([jnp.einsum("bhnqk,bhnkd->bhnqd", p, v[:, :, :, :nk], precision=HIGHEST)
+    num = jnp.concatenate([jnp.einsum("bhnqk,bhnkd->bhnqd", p, v[:, :, :, :nk])
                            for p, (_, _, nk) in zip(p_loc, pieces)], axis=3)
-    num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta, precision=HIGHEST)
+    num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta)
     if probs:
         return num / den[..., None], (tuple(p_loc), p_ch, 1.0 / den)
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
@@ -288,21 +288,21 @@ def _kept_bwd(scale, halves, res, do):
         r0, r1, nk = piece
         rows = lambda x, r0=r0, r1=r1: x[:, :, :, r0:r1]  # noqa: E731
         cols = lambda x, r0=r0, r1=r1: x[..., r0:r1]  # noqa: E731
-        ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk], precision=HIGHEST)
+        ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk])
                             - rows(delta))
-        dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk], precision=HIGHEST))
-        dk = dk + pad(jnp.swapaxes(rows_dot(cols(q_t), ds, HIGHEST), -1, -2), nk)
-        dv = dv + pad(jnp.swapaxes(rows_dot(cols(dow_t), p, HIGHEST), -1, -2), nk)
+        dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk]))
+        dk = dk + pad(jnp.swapaxes(rows_dot(cols(q_t), ds), -1, -2), nk)
+        dv = dv + pad(jnp.swapaxes(rows_dot(cols(dow_t), p), -1, -2), nk)
         if bias is not None:
             g = _bias_grad(bias[..., r0:r1, :nk], ds)
             dbias.append(g if nk == Tk else jnp.pad(g, [(0, 0)] * 3 + [(0, Tk - nk)]))
-    dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta, precision=HIGHEST)
+    dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta)
     ds_ch = p_ch * w * (dp_ch - delta)
-    dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat, precision=HIGHEST))
+    dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     flat_t = lambda x: jnp.moveaxis(x, 2, 3).reshape(x.shape[:2] + (x.shape[3], N * Tq))  # noqa: E731 -- [B,H,d,N*Tq]
-    dk_hat = scale * jnp.swapaxes(rows_dot(flat_t(q_t), flat(ds_ch), HIGHEST), -1, -2)
-    dbeta = jnp.swapaxes(rows_dot(flat_t(dow_t), flat(p_ch), HIGHEST), -1, -2)
+    dk_hat = scale * jnp.swapaxes(rows_dot(flat_t(q_t), flat(ds_ch)), -1, -2)
+    dbeta = jnp.swapaxes(rows_dot(flat_t(dow_t), flat(p_ch)), -1, -2)
     dbias = None if bias is None else jnp.concatenate(dbias, axis=2)
     return dq, scale * dk, dv, dk_hat, dbeta, dbias, None, None, None
 
@@ -334,31 +334,31 @@ def _recomputing_bwd(scale, res, do):
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
     delta = rowdot(do, out)[..., None, :]
     # local part, per tile, keys-major [B,H,N,Tk,Tq]
-    at_loc = scale * jnp.einsum("bhnkd,bhnqd->bhnkq", k, q, precision=HIGHEST)
+    at_loc = scale * jnp.einsum("bhnkd,bhnqd->bhnkq", k, q)
     if bias is not None:
         bt = jnp.swapaxes(bias, -1, -2)  # [N,Hb,Tk,Tq]
         at_loc = at_loc + (jnp.moveaxis(bt, 0, 1)[None] if bt.shape[1] > 1 else bt[:, 0][None, None])
     lt = jnp.swapaxes(lmask, -1, -2)
     pt_loc = jnp.where(lt, jnp.exp(at_loc - lse_r), 0.0)
-    dst_loc = pt_loc * (jnp.einsum("bhnkd,bhnqd->bhnkq", v, do, precision=HIGHEST) - delta)
-    dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q, precision=HIGHEST)
-    dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do, precision=HIGHEST)
+    dst_loc = pt_loc * (jnp.einsum("bhnkd,bhnqd->bhnkq", v, do) - delta)
+    dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q)
+    dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do)
     # dq as (kᵀ dsᵀ)ᵀ: the large keys-major operand stays as laid out and only the small [d, Tq] result is
     # transposed (XLA:CPU otherwise copies dsᵀ into query-major order, a full extra pass over the scores)
-    dq_t = jnp.einsum("bhnkd,bhnkq->bhndq", k, dst_loc, precision=HIGHEST)  # [B,H,N,d,Tq]
+    dq_t = jnp.einsum("bhnkd,bhnkq->bhndq", k, dst_loc)  # [B,H,N,d,Tq]
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     qf, dof = flat(q), flat(do)
-    st_ch = scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf, precision=HIGHEST)
+    st_ch = scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf)
     # exp of the masked logits, not a select of exp: the probabilities are then one fusion's output, read by dβ's
     # matmul and by ds, where XLA materialised exp and the select separately (one more pass over [C, N·Tq]).
     # exp(NEG - lse) = 0; lse is clamped so that a row with nothing visible (lse ~ NEG, only if W = 0) gives 0 too
     lse_c = jnp.maximum(flat(lse), 0.5 * NEG)[:, :, None, :]
     pt_ch = jnp.exp(jnp.where(ct, st_ch, _fill_like(st_ch, NEG)) - lse_c)
-    dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof, precision=HIGHEST) - flat(delta[..., 0, :])[:, :, None])
-    dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf, precision=HIGHEST)
-    dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof, precision=HIGHEST)
-    dqc_t = jnp.einsum("bhcd,bhcm->bhdm", k_hat, dst_ch, precision=HIGHEST).reshape(B, H, d, N, Tq)
+    dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof) - flat(delta[..., 0, :])[:, :, None])
+    dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf)
+    dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof)
+    dqc_t = jnp.einsum("bhcd,bhcm->bhdm", k_hat, dst_ch).reshape(B, H, d, N, Tq)
     # both parts summed as computed ([d, Tq] per tile), then one transpose (a sum of transposed reads is a slow,
     # strided pass on XLA:CPU)
     dq = scale * jnp.swapaxes(dq_t + jnp.moveaxis(dqc_t, 3, 2), -1, -2)
@@ -398,7 +398,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
         return tile_softmax(q[:, :, None], k[:, :, None], v[:, :, None], k_hat, beta, one(bias), lmask[None],
                             cmask[None], chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts, keys_major=True),
                             scale)[:, :, 0]
-    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=HIGHEST)
+    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k)
     if bias is not None:
         a_loc = a_loc + bias
     a_loc = jnp.where(lmask, a_loc, NEG)
@@ -414,8 +414,8 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
         keep = 1.0 - opts.attn_dropout
         p_loc = jnp.where(jax.random.bernoulli(kl, keep, p_loc.shape), p_loc / keep, 0.0)
         p_ch = jnp.where(jax.random.bernoulli(kc, keep, p_ch.shape), p_ch / keep, 0.0)
-    num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v, precision=HIGHEST)
-    num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta, precision=HIGHEST)
+    num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v)
+    num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta)
     return scale_rows(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
 
 

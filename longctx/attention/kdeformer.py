@@ -85,6 +85,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
+from longctx.models.precision import einsum_f32
 from longctx.xla_cpu import scale_rows
 
 NEG = -1e30
@@ -142,6 +143,7 @@ def lsh_codes(x, W):
     """Sign-random-projection code h(x) = Σ_t 1[⟨w_t,x⟩ > 0] 2^t. x [B,H,N,d], W [B,H,d,r] -> int32 [B,H,N]."""
     r = W.shape[-1]
     W = jnp.broadcast_to(W, x.shape[:2] + W.shape[2:])
+    # HIGHEST: the codes must agree between the full pass and decoding (a reduced-precision sign flips hashes)
     proj = jnp.einsum("bhnd,bhdr->bhnr", x.astype(jnp.float32), W.astype(jnp.float32), precision=HIGHEST)
     bits = (proj > 0).astype(jnp.int32)
     return jnp.sum(bits << jnp.arange(r, dtype=jnp.int32), axis=-1).astype(jnp.int32)
@@ -163,6 +165,14 @@ def inverse_permutation(perm):
     """perm [..., N] -> inv with inv[..., perm[..., t]] = t."""
     idx = jnp.broadcast_to(jnp.arange(perm.shape[-1], dtype=perm.dtype), perm.shape)
     return jnp.put_along_axis(jnp.zeros_like(perm), perm, idx, axis=-1, inplace=False)
+
+
+def _mm(spec: str, a, b):
+    """An attention product: operands of float32 or wider as given (the plain einsum), narrower (compute-dtype)
+    operands accumulated into a float32 result (``precision.einsum_f32``)."""
+    if a.dtype == b.dtype == jnp.promote_types(a.dtype, jnp.float32):
+        return jnp.einsum(spec, a, b)
+    return einsum_f32(spec, a, b)
 
 
 def _ftype(x):
@@ -195,6 +205,7 @@ def augmented_gram(v, valid):
     """Σ_j [v_j;1][v_j;1]ᵀ over valid rows. v [..., N, dv], valid broadcastable to [..., N]."""
     va = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
     va = jnp.where(valid[..., None], va, 0.0)
+    # HIGHEST: a sampling statistic (probabilities stay float32; TF32 would round them)
     return jnp.einsum("...ne,...nf->...ef", va, va, precision=HIGHEST)
 
 
@@ -204,11 +215,11 @@ def power_lambda(gram, iters: int):
     x = jnp.full(gram.shape[:-1], e**-0.5, jnp.float32)
 
     def body(_, x):
-        y = jnp.einsum("...ef,...f->...e", gram, x, precision=HIGHEST)
+        y = jnp.einsum("...ef,...f->...e", gram, x, precision=HIGHEST)  # HIGHEST: float32 sampling statistic
         return y / jnp.maximum(jnp.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
 
     x = jax.lax.fori_loop(0, iters, body, x)
-    return jnp.einsum("...e,...ef,...f->...", x, gram, x, precision=HIGHEST)
+    return jnp.einsum("...e,...ef,...f->...", x, gram, x, precision=HIGHEST)  # HIGHEST: as above
 
 
 def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None):
@@ -297,26 +308,26 @@ def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions):
     b, m = opts.bucket_size, opts.num_samples
     nb = Np // b
     sig = opts.scale
-    q, k, v = (x.astype(_ftype(q)) for x in (q, k, v))
+    q, k, v = (x.astype(q.dtype) for x in (q, k, v))  # the compute dtype; scores and softmax in float32
     valid = jnp.arange(Np) < n_valid
     perm_q, perm_k = plan["perm_q"], plan["perm_k"]
     Qs = _take(q, perm_q).reshape(B, H, nb, b, d)
     Ks = _take(k, perm_k).reshape(B, H, nb, b, d)
     Vs = _take(v, perm_k).reshape(B, H, nb, b, dv)
     kval_s = valid[perm_k].reshape(B, H, nb, 1, b)
-    s_h = sig * jnp.einsum("bhnqd,bhnkd->bhnqk", Qs, Ks, precision=HIGHEST)
-    parts = [(s_h, kval_s, lambda p: jnp.einsum("bhnqk,bhnkd->bhnqd", p, Vs, precision=HIGHEST))]
+    s_h = sig * _mm("bhnqd,bhnkd->bhnqk", Qs, Ks)
+    parts = [(s_h, kval_s, lambda p: _mm("bhnqk,bhnkd->bhnqd", p.astype(Vs.dtype), Vs))]
     blk = jnp.arange(nb, dtype=jnp.int32)[None, None, :, None, None]
     if opts.residual == "exact":
-        s_r = sig * jnp.einsum("bhnqd,bhkd->bhnqk", Qs, k, precision=HIGHEST)
+        s_r = sig * _mm("bhnqd,bhkd->bhnqk", Qs, k)
         mask = (plan["kblk"][:, :, None, None, :] != blk) & valid[None, None, None, None, :]
-        parts.append((s_r, mask, lambda p: jnp.einsum("bhnqk,bhkd->bhnqd", p, v, precision=HIGHEST)))
+        parts.append((s_r, mask, lambda p: _mm("bhnqk,bhkd->bhnqd", p.astype(v.dtype), v)))
     elif m > 0:
         Kl, Vl = _take(k, plan["idx"]), _take(v, plan["idx"])
-        s_s = sig * jnp.einsum("bhnqd,bhmd->bhnqm", Qs, Kl, precision=HIGHEST)
+        s_s = sig * _mm("bhnqd,bhmd->bhnqm", Qs, Kl)
         s_s = s_s + plan["omega"][:, :, None, None, :]
         mask = plan["sblk"][:, :, None, None, :] != blk
-        parts.append((s_s, mask, lambda p: jnp.einsum("bhnqm,bhmd->bhnqd", p, Vl, precision=HIGHEST)))
+        parts.append((s_s, mask, lambda p: _mm("bhnqm,bhmd->bhnqd", p.astype(Vl.dtype), Vl)))
     out_s, lse_s = _combine(parts)
     inv_q = inverse_permutation(perm_q)
     out = _take(out_s.reshape(B, H, Np, dv), inv_q)
@@ -330,7 +341,7 @@ def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = F
     b = opts.bucket_size
     Np = -(-N // b) * b
     pad = ((0, 0), (0, 0), (0, Np - N), (0, 0))
-    qp, kp, vp = (jnp.pad(x.astype(_ftype(q)), pad) for x in (q, k, v))
+    qp, kp, vp = (jnp.pad(x.astype(q.dtype), pad) for x in (q, k, v))  # compute dtype (statistics: float32)
     plan = bidir_plan(qp, kp, vp, W, key_s, N, opts)
     out, lse = bidir_apply(qp, kp, vp, plan, N, opts)
     if return_lse:
@@ -433,11 +444,11 @@ def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int
             slot = b * kb + jnp.arange(kb, dtype=jnp.int32)
             mask = v & (slot[None, :] >= lo_t[t][:, None]) & (slot[None, :] < hi_t[t][:, None])
             bc = jnp.clip(b, 0, Mb - 1)
-            s = scale * jnp.einsum("qd,kd->qk", q_s[t], K_b[bc], precision=HIGHEST)
+            s = scale * _mm("qd,kd->qk", q_s[t], K_b[bc])
             s = jnp.where(mask, s, NEG)
             m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
             e = jnp.where(mask, jnp.exp(s - m[:, None]), 0.0)
-            return m, jnp.sum(e, axis=-1), jnp.einsum("qk,kd->qd", e, V_b[bc], precision=HIGHEST)
+            return m, jnp.sum(e, axis=-1), _mm("qk,kd->qd", e.astype(V_b[bc].dtype), V_b[bc])
 
         bs = max(1, budget // (B * H * tq * kb))
         if bs >= n_pairs:
@@ -543,14 +554,14 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
         kl = jax.lax.dynamic_slice_in_dim(Kf, g * c, w, axis=2)
         vl = jax.lax.dynamic_slice_in_dim(Vf, g * c, w, axis=2)
         lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
-        s_l = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, kl, precision=HIGHEST)
-        parts = [(s_l, lmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, vl, precision=HIGHEST))]
+        s_l = sig * _mm("bhqd,bhkd->bhqk", qt, kl)
+        parts = [(s_l, lmask, lambda p: _mm("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
         if opts.heavy_capacity > 0 and heavy_route == "scores":
             # same heavy logits, computed as one [c, M] matmul and kept only on Hv(i) (short caches)
             hmask = jax.vmap(jax.vmap(jax.vmap(
                 lambda ix, ok: jnp.zeros((M,), bool).at[ix].max(ok))))(pl["hidx"], pl["hvalid"])
-            s_h = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, Kc, precision=HIGHEST)
-            parts.append((s_h, hmask, lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
+            s_h = sig * _mm("bhqd,bhkd->bhqk", qt, Kc)
+            parts.append((s_h, hmask, lambda p: _mm("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
         elif opts.heavy_capacity > 0 and heavy_route == "band":
             # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
             h_out, h_lse = hv
@@ -560,15 +571,15 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
             kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
             vh = _take(Vc, hidx).reshape(B, H, c, -1, dv)
             # per-query key sets: elementwise products (batched tiny matvecs are slow on XLA:CPU)
-            s_h = sig * jnp.sum(qt[:, :, :, None, :] * kh, axis=-1)
+            s_h = sig * jnp.sum((qt[:, :, :, None, :] * kh).astype(_ftype(qt)), axis=-1)
             parts.append((s_h, pl["hvalid"], lambda p: jnp.sum(p[..., None] * vh, axis=-2)))
         if "sidx" in pl:
             ks, vs = _take(Kc, pl["sidx"]), _take(Vc, pl["sidx"])
-            s_s = sig * jnp.einsum("bhqd,bhmd->bhqm", qt, ks, precision=HIGHEST) + pl["omega"][:, :, None, :]
-            parts.append((s_s, pl["smask"], lambda p: jnp.einsum("bhqm,bhmd->bhqd", p, vs, precision=HIGHEST)))
+            s_s = sig * _mm("bhqd,bhmd->bhqm", qt, ks) + pl["omega"][:, :, None, :]
+            parts.append((s_s, pl["smask"], lambda p: _mm("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
         if "rmask" in pl:
-            s_r = sig * jnp.einsum("bhqd,bhkd->bhqk", qt, Kc, precision=HIGHEST)
-            parts.append((s_r, pl["rmask"], lambda p: jnp.einsum("bhqk,bhkd->bhqd", p, Vc, precision=HIGHEST)))
+            s_r = sig * _mm("bhqd,bhkd->bhqk", qt, Kc)
+            parts.append((s_r, pl["rmask"], lambda p: _mm("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
         return _combine(parts)
 
     per_tile = B * H * c * (w + (1 if heavy_route == "band" else opts.heavy_capacity) + opts.num_samples
@@ -592,7 +603,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
     B, H, T, d = q.shape
     c = opts.chunk_size
-    qf, kf, vf = (x.astype(_ftype(q)) for x in (q, k, v))
+    qf, kf, vf = (x.astype(q.dtype) for x in (q, k, v))  # the compute dtype (scores, softmax: float32)
     hq, hk = lsh_codes(qf, W), lsh_codes(kf, W)
     if cache is None:
         n_t = -(-T // c)
@@ -618,6 +629,8 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     route = heavy_route_of(opts, Kc.shape[2], full_pass=cache is None)
     sorted_keys = code_sort(HKc, n_valid)
     band = route == "band" and opts.heavy_capacity > 0
+    Kc_state, Vc_state = Kc, Vc  # a decoding cache keeps its dtype; the products take the compute dtype
+    Kc, Vc = Kc.astype(qf.dtype), Vc.astype(qf.dtype)
     plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts, heavy_sets=not band,
                        sorted_keys=sorted_keys)
     heavy = None
@@ -634,7 +647,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None)
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
     out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
-    return out, (Kc, Vc, HKc), n_valid
+    return out, (Kc_state, Vc_state, HKc), n_valid
 
 
 # ---------------------------------------------------------------------------
@@ -798,7 +811,8 @@ class KDEformerAttention(AttentionCore):
         if state is None:
             out, (Kc, Vc, HKc), n = causal_forward(q, k, v, W, k_s, self.causal_opts)
             T = q.shape[2]
-            new_state = {"k": Kc[:, :, :T], "v": Vc[:, :, :T], "codes": HKc[:, :, :T], "proj": W,
+            sdt = _ftype(q)  # the state's dtype (float32 or wider), as init_state's
+            new_state = {"k": Kc[:, :, :T].astype(sdt), "v": Vc[:, :, :T].astype(sdt), "codes": HKc[:, :, :T], "proj": W,
                          "length": jnp.asarray(T, jnp.int32)}
             return out.astype(v.dtype), new_state
         length = state["length"]

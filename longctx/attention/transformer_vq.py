@@ -62,10 +62,12 @@ from pallas_kernels import vq_cache
 from pallas_kernels.vq_cache_ref import (  # noqa: F401  (re-exported names)
     NEG,
     REDUCTIONS,
+    acc_einsum,
     block_inputs,
     causal_parallel,
     code_summary,
     code_sums,
+    compute_dtype,
     empty_state,
     float_dtype,
     log_count,
@@ -163,18 +165,19 @@ def _gather_codes(C, z):
 
 # ----------------------------------------------------------------------------- position terms
 def rel_table(W_R, M: int, *, signed: bool, base: float, scale, dtype, dropout_key=None, p_drop: float = 0.0):
-    """r'_d = scale * Drop(e(d)) W_R for d = 0..M (causal) or d = -M..M (signed); -> [n, H*Dk]."""
+    """r'_d = scale * Drop(e(d)) W_R for d = 0..M (causal) or d = -M..M (signed); -> [n, H*Dk] in ``dtype`` (the
+    compute dtype; the sinusoids are formed in float32 or wider)."""
     d = jnp.arange(-M if signed else 0, M + 1)
-    e = sinusoid(d, W_R.shape[0], base, dtype)
+    e = sinusoid(d, W_R.shape[0], base, jnp.promote_types(dtype, jnp.float32))  # the angles in >= float32
     if dropout_key is not None and p_drop > 0.0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - p_drop, e.shape)
         e = jnp.where(keep, e / (1.0 - p_drop), 0.0)
-    return scale * (e @ W_R.astype(dtype))
+    return scale * (e.astype(dtype) @ W_R.astype(dtype))
 
 
 def band_scores(q_v, r):
-    """bd[b, h, t, n] = q_v[b, h, t] . r[n, h]; q_v [B, H, T, Dk], r [n, H, Dk]."""
-    return jnp.einsum("bhtd,nhd->bhtn", q_v, r)
+    """bd[b, h, t, n] = q_v[b, h, t] . r[n, h]; q_v [B, H, T, Dk], r [n, H, Dk]; float32 (or wider) scores."""
+    return acc_einsum("bhtd,nhd->bhtn", q_v, r)
 
 
 # ----------------------------------------------------------------------------- quadratic reference
@@ -242,6 +245,8 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     """
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
+    # the tiled form computes its products in float32 or wider (block_inputs' default): its hand-written backward
+    # has no compute-dtype path yet
     p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial")
     qb = p["qb"]
     qvb = _pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
@@ -424,20 +429,22 @@ def _stream_step(state, q_u, bd, k_hat, z, v, Cs, M: int, S: int):
     """One step over Lc new tokens: attend to band (M) + present (Lc) + agg, then fold the oldest Lc into agg."""
     Lc = q_u.shape[2]
     pos = state["pos"]
-    K = jnp.concatenate([state["band_k"], k_hat], axis=2)
-    V = jnp.concatenate([state["band_v"], v], axis=2)
+    K = jnp.concatenate([state["band_k"].astype(k_hat.dtype), k_hat], axis=2)  # compute dtype
+    V = jnp.concatenate([state["band_v"].astype(v.dtype), v], axis=2)
     Z = jnp.concatenate([state["band_z"], z], axis=2)
     kpos = pos - M + jnp.arange(M + Lc)
     qi = jnp.arange(Lc)[:, None]
     kj = jnp.arange(M + Lc)[None, :]
     mask = (kpos[None, :] >= 0) & (kj - M <= qi)
-    s_l = jnp.einsum("bhqd,bhkd->bhqk", q_u, K) + skew_bias(bd, M, M + Lc)
-    s_c = jnp.einsum("bhqd,hsd->bhqs", q_u, Cs) + log_count(state["agg_n"])[:, :, None, :]
-    o, _ = _softmax_mix([(s_c, (state["agg_n"] > 0)[:, :, None, :], state["agg_mu"]), (s_l, mask, V)])
-    mu, n = code_summary(Z[:, :, :Lc], V[:, :, :Lc], kpos[:Lc] >= 0, S)
+    s_l = acc_einsum("bhqd,bhkd->bhqk", q_u, K) + skew_bias(bd, M, M + Lc)
+    s_c = acc_einsum("bhqd,hsd->bhqs", q_u, Cs) + log_count(state["agg_n"])[:, :, None, :]
+    o, _ = _softmax_mix([(s_c, (state["agg_n"] > 0)[:, :, None, :], state["agg_mu"].astype(V.dtype)),
+                         (s_l, mask, V)])
+    sdt = state["agg_mu"].dtype  # the state (band, means, counts) stays in the statistics dtype
+    mu, n = code_summary(Z[:, :, :Lc], V[:, :, :Lc].astype(sdt), kpos[:Lc] >= 0, S)
     agg_mu, agg_n = merge((state["agg_mu"], state["agg_n"]), (mu, n))
-    new = {"pos": pos + Lc, "band_k": K[:, :, Lc:], "band_v": V[:, :, Lc:], "band_z": Z[:, :, Lc:],
-           "agg_mu": agg_mu, "agg_n": agg_n}
+    new = {"pos": pos + Lc, "band_k": K[:, :, Lc:].astype(sdt), "band_v": V[:, :, Lc:].astype(sdt),
+           "band_z": Z[:, :, Lc:], "agg_mu": agg_mu, "agg_n": agg_n}
     return new, o
 
 
@@ -446,10 +453,11 @@ def causal_stream(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
     shorter step. Equals the quadratic reference for every L and M. Returns (o, new_state)."""
     B, H, T, _ = q_u.shape
     S = C.shape[1]
-    dt = float_dtype(q_u, v)
+    dt = float_dtype(q_u, v)  # state and band scores
+    cd = compute_dtype(q_u, v)  # the matmul operands
     state = _cast_state(state, dt)
-    Cs = sg(C).astype(dt)
-    xs = (q_u.astype(dt), bd.astype(dt), k_hat.astype(dt), z, v.astype(dt))
+    Cs = sg(C).astype(cd)
+    xs = (q_u.astype(cd), bd.astype(dt), k_hat.astype(cd), z, v.astype(cd))
     nfull, rem = divmod(T, L)
     outs = []
     if nfull:
@@ -475,13 +483,14 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
     |d| <= M (bd over d = -M..M), and to merge(prefix over blocks <= n-2, suffix over blocks >= n+2)."""
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    dt = float_dtype(q_u, v)
-    Cs = sg(C).astype(dt)
+    dt = float_dtype(q_u, v)  # per-code means and counts, band scores
+    cd = compute_dtype(q_u, v)  # the matmul operands
+    Cs = sg(C).astype(cd)
     valid = jnp.ones((T,), bool) if valid is None else valid
     if not band:
         mu, n = code_summary(z, v.astype(dt), valid, S)  # [B,H,S,Dv], [B,H,S]
-        s_c = jnp.einsum("bhtd,hsd->bhts", q_u.astype(dt), Cs) + log_count(n)[:, :, None, :]
-        o, _ = _softmax_mix([(s_c, (n > 0)[:, :, None, :], mu)])
+        s_c = acc_einsum("bhtd,hsd->bhts", q_u.astype(cd), Cs) + log_count(n)[:, :, None, :]
+        o, _ = _softmax_mix([(s_c, (n > 0)[:, :, None, :], mu.astype(cd))])
         return o
     if not 1 <= M <= L:
         raise ValueError(f"encoder band needs 1 <= M <= L, got M={M}, L={L}")
@@ -495,10 +504,10 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
         x = jnp.pad(x, widths)
         return x.reshape(x.shape[:2] + (x.shape[2] // L, L) + x.shape[3:])
 
-    qb, bdb = blocks(q_u.astype(dt)), blocks(bd.astype(dt))
-    kx, vx, zx = blocks(k_hat.astype(dt), 1, 1), blocks(v.astype(dt), 1, 1), blocks(z, 1, 1)  # R+2 blocks
+    qb, bdb = blocks(q_u.astype(cd)), blocks(bd.astype(dt))
+    kx, vx, zx = blocks(k_hat.astype(cd), 1, 1), blocks(v.astype(cd), 1, 1), blocks(z, 1, 1)  # R+2 blocks
     vpad = jnp.pad(_pad_to(valid, 0, Tp), (L, L)).reshape(R + 2, L)
-    bmu, bn = code_summary(zx[:, :, 1:-1], vx[:, :, 1:-1], vpad[1:-1], S)  # [B,H,R,...]
+    bmu, bn = code_summary(zx[:, :, 1:-1], vx[:, :, 1:-1].astype(dt), vpad[1:-1], S)  # [B,H,R,...]
     pm, pn = prefix_reduce(bmu, bn, "serial")
     sm, sn = prefix_reduce(bmu[:, :, ::-1], bn[:, :, ::-1], "serial")
     sm, sn = sm[:, :, ::-1], sn[:, :, ::-1]  # suffix over blocks >= r
@@ -515,9 +524,10 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
     local_k = jnp.concatenate([kx[:, :, :R], kx[:, :, 1:R + 1], kx[:, :, 2:]], axis=3)  # [B,H,R,3L,Dk]
     local_v = jnp.concatenate([vx[:, :, :R], vx[:, :, 1:R + 1], vx[:, :, 2:]], axis=3)
     local_valid = jnp.concatenate([vpad[:R], vpad[1:R + 1], vpad[2:]], axis=1)  # [R, 3L]
-    s_l = jnp.einsum("bhrld,bhrjd->bhrlj", qb, local_k) + skew_bias(bdb, L + M, 3 * L)  # bd[i, L+M+i-j]
-    s_c = jnp.einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
-    o, _ = _softmax_mix([(s_c, (fn > 0)[:, :, :, None, :], fmu), (s_l, local_valid[:, None, :], local_v)])
+    s_l = acc_einsum("bhrld,bhrjd->bhrlj", qb, local_k) + skew_bias(bdb, L + M, 3 * L)  # bd[i, L+M+i-j]
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
+    o, _ = _softmax_mix([(s_c, (fn > 0)[:, :, :, None, :], fmu.astype(cd)),
+                         (s_l, local_valid[:, None, :], local_v)])
     return o.reshape(B, H, Tp, Dv)[:, :, :T]
 
 
@@ -737,7 +747,7 @@ class TransformerVQAttention(AttentionCore):
     def prepare(self, q, k, *, deterministic=True, key=None):
         """Normalized q, k, (u', v') and the projected sinusoid table r'. Returns a dict."""
         H, Dk = self.num_heads, self.head_dim
-        dt = float_dtype(q, k)
+        dt = compute_dtype(q, k)  # the matmul operands (the norms' statistics are float32 inside rms_normalize)
         tau_m14 = Dk ** -0.25  # tau^-1/2 with tau = sqrt(Dk)
         q, k = q.astype(dt), k.astype(dt)
         if self.cfg.qk_norm:
@@ -771,7 +781,7 @@ class TransformerVQAttention(AttentionCore):
         C = self.codebook()
         k_hat, z, err2, c_z = stvq(pre["k"], C)
         bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
-        vv = v.astype(float_dtype(v, pre["q"]))
+        vv = v.astype(compute_dtype(v, pre["q"]))
         if self.causal:
             state = self.init_state(B) if state is None else state
             form = self.cfg.form
@@ -789,7 +799,7 @@ class TransformerVQAttention(AttentionCore):
                                              keep_budget=self.cfg.keep_budget)
             elif form == "parallel":
                 o, new_state = causal_parallel(pre["q_u"], bd(), k_hat, z, vv, C, state, L=L, M=M,
-                                               reduction=self.cfg.reduction)
+                                               reduction=self.cfg.reduction, compute=vv.dtype)
             else:
                 o, new_state = causal_stream(pre["q_u"], bd(), k_hat, z, vv, C, state,
                                              L=min(L, T) if self.cfg.form == "auto" else L, M=M)

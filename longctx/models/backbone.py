@@ -23,6 +23,13 @@ leaves have the layer axis first), as are ``aux['stats']``; ``aux['losses']`` ar
 ``aux['metrics']`` keep their ``layer{i}/...`` names. :func:`relayout` converts a tree (parameters, optimizer
 moments, checkpoints) between the two layouts.
 
+``model.attention.pattern`` (:func:`longctx.models.blocks.layer_methods`): each layer's own attention method
+(a hybrid stack, e.g. three EVA layers and one exact layer repeated to the depth); every block is built with the
+model section as its layer sees it (``attention.name`` = its method, :func:`longctx.models.blocks.layer_config`),
+so its parameters, non-gradient state, decoding state and stats are that method's, in the same per-layer lists.
+Without a pattern every layer runs ``model.attention.name`` and the model is built exactly as before. A pattern
+refuses stack-wrapper methods and, for now, ``scan_layers`` over different methods (:func:`_check_pattern`).
+
 A method that acts on whole layers rather than on q, k, v (``AttentionCore.stack_wrapper``, e.g.
 VCC's compression) replaces the plain loop over the blocks by its stack wrapper, which runs the
 same blocks (same parameter tree) and always receives ``important``.
@@ -42,9 +49,10 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import Aux
 from longctx.attention.base import logical
+from longctx.errors import ConfigError
 from longctx.models import precision
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
-from longctx.models.blocks import get_block, split_key
+from longctx.models.blocks import get_block, layer_config, layer_methods, split_key
 from longctx.models.layers import flat_last, linear, make_norm, sinusoidal_table
 from longctx.models.sequence_shard import SequenceShard
 
@@ -282,6 +290,19 @@ class LayerStack(nnx.Module):
         nnx.update(self.layer, jax.vmap(one)(variables, stats))
 
 
+def _check_pattern(cfg, methods: tuple[str, ...], scan_layers: bool) -> None:
+    """The combinations a per-layer pattern of methods (``model.attention.pattern``) cannot run, as one-line
+    ConfigErrors (also raised by :func:`longctx.config.validate`)."""
+    for name in dict.fromkeys(methods):
+        if attention.get_class(name).stack_wrapper(causal=cfg.causal):
+            raise ConfigError(f"model.attention.pattern: {name!r} runs the whole stack of blocks inside its own "
+                              "stack wrapper and cannot be one layer of a pattern; use model.attention.name without "
+                              "a pattern")
+    if scan_layers and len(set(methods)) > 1:
+        raise ConfigError(f"model.scan_layers=True with a pattern of different methods {tuple(dict.fromkeys(methods))} "
+                          "is not supported yet (the scan needs identical blocks); set model.scan_layers=False")
+
+
 class Backbone(nnx.Module):
     """Embedding -> positions -> blocks (built with ``cfg.causal``) -> norm, plus the vocabulary head."""
 
@@ -302,11 +323,14 @@ class Backbone(nnx.Module):
         else:
             self.pos_embed = None
         block_cls = get_block(cfg.block)
-        blocks = [block_cls(cfg, layer_index=i, rngs=rngs) for i in range(cfg.num_layers)]
         self.scan_layers = bool(cfg.get("scan_layers", False))  # configs saved before the key existed: unrolled
+        methods = layer_methods(cfg)
+        if cfg.attention.get("pattern", None):
+            _check_pattern(cfg, methods, self.scan_layers)
+        blocks = [block_cls(layer_config(cfg, i), layer_index=i, rngs=rngs) for i in range(cfg.num_layers)]
         self.blocks = LayerStack(blocks) if self.scan_layers else nnx.List(blocks)
         self._block_takes_important = takes_keyword(block_cls.__call__, "important")
-        wrapper = attention.get_class(cfg.attention.name).stack_wrapper(causal=cfg.causal)
+        wrapper = attention.get_class(methods[0]).stack_wrapper(causal=cfg.causal)
         if wrapper and self.scan_layers:
             raise ValueError(f"model.scan_layers=True: attention {cfg.attention.name!r} runs the blocks inside its own "
                              "stack wrapper; set model.scan_layers=False")

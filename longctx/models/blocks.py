@@ -43,6 +43,38 @@ def get_block(name: str):
     return getattr(importlib.import_module(module_name), cls_name)
 
 
+def layer_methods(cfg) -> tuple[str, ...]:
+    """The attention method of each of the ``cfg.num_layers`` layers (``cfg``: the ``model`` section).
+
+    ``model.attention.pattern`` empty (the default, and configs saved before the key existed): every layer
+    runs ``model.attention.name``. Otherwise a tuple of method names: exactly ``num_layers`` of them, or a
+    group whose length divides ``num_layers``, repeated to the depth (``('eva', 'eva', 'eva', 'dense')``)."""
+    name, L = cfg.attention.name, int(cfg.num_layers)
+    pattern = tuple(cfg.attention.get("pattern", None) or ())
+    if not pattern:
+        return (name,) * L
+    unknown = [p for p in pattern if p not in attention.names()]
+    if unknown:
+        raise ConfigError(f"model.attention.pattern names unknown method {unknown[0]!r}; allowed: "
+                          f"{', '.join(attention.names())}")
+    if L % len(pattern):
+        raise ConfigError(f"model.attention.pattern has {len(pattern)} methods, which neither equals nor divides "
+                          f"model.num_layers={L}")
+    return pattern * (L // len(pattern))
+
+
+def layer_config(cfg, layer_index: int):
+    """``cfg`` (the ``model`` section) as layer ``layer_index`` sees it: ``attention.name`` is that layer's
+    method (:func:`layer_methods`). Without a pattern, ``cfg`` itself."""
+    if not cfg.attention.get("pattern", None):
+        return cfg
+    import ml_collections
+
+    layer_cfg = ml_collections.ConfigDict(cfg.to_dict())
+    layer_cfg.attention.name = layer_methods(cfg)[layer_index]
+    return layer_cfg
+
+
 def split_key(key, n: int):
     if key is None:
         return [None] * n

@@ -38,18 +38,21 @@ def with_execution(model_cfg, execution):
     section win. ``execution=None``: ``model_cfg`` itself (the method's default execution settings apply)."""
     import ml_collections
 
+    from longctx.models.blocks import layer_methods
+
     if execution is None:
         return model_cfg
-    name = model_cfg.attention.name
-    settings = execution.get("attention", {}).get(name) if hasattr(execution, "get") else None
-    if not settings:
-        return model_cfg
-    merged = ml_collections.ConfigDict(model_cfg.to_dict())
-    section = ml_collections.ConfigDict(settings.to_dict() if hasattr(settings, "to_dict") else dict(settings))
-    if merged.attention.get(name) is not None:
-        section.update(merged.attention[name])
-    merged.attention[name] = section
-    return merged
+    merged = None
+    for name in dict.fromkeys((model_cfg.attention.name, *layer_methods(model_cfg))):  # a pattern: each method's
+        settings = execution.get("attention", {}).get(name) if hasattr(execution, "get") else None
+        if not settings:
+            continue
+        merged = ml_collections.ConfigDict(model_cfg.to_dict()) if merged is None else merged
+        section = ml_collections.ConfigDict(settings.to_dict() if hasattr(settings, "to_dict") else dict(settings))
+        if merged.attention.get(name) is not None:
+            section.update(merged.attention[name])
+        merged.attention[name] = section
+    return model_cfg if merged is None else merged
 
 
 def build_model(model_cfg, *, seed: int = 0, execution=None):

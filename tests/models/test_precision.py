@@ -106,11 +106,8 @@ def bf16_share(method: str):
 
 
 # cores that still compute their attention products in float32 (their inputs cast up): the share stays below
-# MIN_BF16_SHARE until their products take compute-dtype operands as dense's do
-FP32_CORES = {
-    "kdeformer": "the causal estimator casts q, k, v to float32 and forms every product at Precision.HIGHEST",
-    "transformer_vq": "the cache and codebook products (quantized keys, block-cache attention) run in float32",
-}
+# MIN_BF16_SHARE until their products take compute-dtype operands as dense's do (none today)
+FP32_CORES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("method", [
