@@ -24,49 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_dots import mix, scores
+from pallas_kernels.precision import acc_einsum, compute_dtype, float_dtype  # noqa: F401 (re-exported)
 
 NEG = -1e30
 sg = jax.lax.stop_gradient
 
 REDUCTIONS = ("serial", "matmul", "assoc", "sum")  # "sum" = unstable U/L cumsum, a test oracle only
-
-
-def float_dtype(*xs):
-    """The statistics dtype: the inputs' dtype promoted to at least float32."""
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
-
-
-def compute_dtype(*xs):
-    """The matmul-operand dtype: the inputs' floating dtype (bfloat16 stays bfloat16; float32 / float64 as given)."""
-    dt = jnp.result_type(*xs)
-    return dt if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(jnp.float32)
-
-
-def acc_einsum(spec: str, a, b):
-    """``jnp.einsum(spec, a, b)`` accumulated and returned in float32 for narrower operands (bfloat16), whose backward
-    casts the cotangent back to the operands' dtype first, so its products take narrow operands too. Operands of
-    float32 or wider: the plain einsum, exactly."""
-    if a.dtype == b.dtype == float_dtype(a, b):
-        return jnp.einsum(spec, a, b)
-    return _acc_einsum(spec, a, b)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _acc_einsum(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-def _acc_einsum_fwd(spec, a, b):
-    return _acc_einsum(spec, a, b), (a, b)
-
-
-def _acc_einsum_bwd(spec, res, g):
-    a, b = res
-    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), a, b)
-    return vjp(g.astype(jnp.result_type(a, b)))
-
-
-_acc_einsum.defvjp(_acc_einsum_fwd, _acc_einsum_bwd)
 
 
 def score_dot(q, k):

@@ -33,10 +33,11 @@ bfloat16 on GPU and TPU.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.precision import acc_einsum
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
@@ -82,30 +83,10 @@ def policy(cfg, backend: str | None = None) -> Policy:
 
 
 def einsum_f32(spec: str, a, b):
-    """``jnp.einsum(spec, a, b)`` with float32 accumulation and a float32 result for compute-dtype operands, whose
-    backward takes the cotangent back to the operands' dtype first (so the backward's products take compute-dtype
-    operands too; a float32 cotangent would otherwise promote them). Float32 operands: the plain einsum, exactly."""
-    if a.dtype == b.dtype == jnp.float32:
-        return jnp.einsum(spec, a, b)
-    return _einsum_f32(spec, a, b)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum_f32(spec, a, b):
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-def _einsum_f32_fwd(spec, a, b):
-    return _einsum_f32(spec, a, b), (a, b)
-
-
-def _einsum_f32_bwd(spec, res, g):
-    a, b = res
-    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), a, b)
-    return vjp(g.astype(jnp.result_type(a, b)))
-
-
-_einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
+    """``jnp.einsum(spec, a, b)`` with float32 accumulation and a float32 result for compute-dtype (bfloat16 /
+    float16) operands, whose backward takes the cotangent back to the operands' dtype first (so the backward's
+    products take compute-dtype operands too). Float32 (or wider) operands: the plain einsum, exactly."""
+    return acc_einsum(spec, a, b)
 
 
 __all__ = ["COMPUTE_DTYPES", "PARAM_DTYPES", "Policy", "einsum_f32", "policy", "resolve_dtype"]
