@@ -105,7 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = ml_collections.ConfigDict()
     c.model.attention.name = "dense"
     # per-layer methods (a hybrid stack): () = every layer runs `name`; else method names, exactly num_layers of
-    # them or a group repeated to the depth, e.g. ("eva", "eva", "eva", "dense"); each layer takes its method's
+    # them or a group repeated to the depth, e.g. (A, A, A, "dense") for an efficient method A; each layer takes its method's
     # settings from model.attention.<method> and execution.attention.<method>; `name` must be one of them (the
     # method logs and reports name). Not with a stack-wrapper method, nor yet with scan_layers or mesh.sequence > 1
     c.model.attention.pattern = ()
@@ -546,7 +546,7 @@ def _check_pattern(c) -> tuple[str, ...]:
         return (name,)
     if not isinstance(pattern, (tuple, list)) or not all(isinstance(p, str) for p in pattern):
         raise ConfigError(f"model.attention.pattern={pattern!r} must be a tuple of method names, e.g. "
-                          "('eva', 'eva', 'eva', 'dense'); () = every layer runs model.attention.name")
+                          "(three efficient layers, then 'dense'); () = every layer runs model.attention.name")
     from longctx.models.backbone import _check_pattern as check_layers
     from longctx.models.blocks import layer_methods
 

@@ -48,7 +48,7 @@ def layer_methods(cfg) -> tuple[str, ...]:
 
     ``model.attention.pattern`` empty (the default, and configs saved before the key existed): every layer
     runs ``model.attention.name``. Otherwise a tuple of method names: exactly ``num_layers`` of them, or a
-    group whose length divides ``num_layers``, repeated to the depth (``('eva', 'eva', 'eva', 'dense')``)."""
+    group whose length divides ``num_layers``, repeated to the depth (e.g. three layers of one efficient method, then ``'dense'``)."""
     name, L = cfg.attention.name, int(cfg.num_layers)
     pattern = tuple(cfg.attention.get("pattern", None) or ())
     if not pattern:
