@@ -1,15 +1,15 @@
-"""Shapes that keep XLA:CPU off its slow paths (jax 0.10.2). The arithmetic is unchanged; only the shapes and ops
+"""The XLA:CPU helpers: shapes and ops that keep XLA:CPU off its slow paths (jax 0.10.2). Only the CPU
+implementations (files named ``xla_cpu.py``) import this module (tests/test_rooms.py). The arithmetic is unchanged; only the shapes and ops
 XLA sees are. docs/DESIGN.md, "Where the time goes", says where each is used; ``longctx-bench profile`` shows the
 fusions each one avoids."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-
-from pallas_kernels.cpu_dots import mix, scores  # noqa: F401  (attention's einsums, key-side gradients as plain dots)
 
 
 def flat_last(fn, x):
@@ -78,9 +78,65 @@ def rows_dot(a_t, b, precision=None, preferred_element_type=None):
     generic dot at roughly half the rate YNNPACK reaches on the plain ``[i, q] x [q, j]`` product (the key-side
     gradients of dense and eva got measurably faster). Transposing ``a`` (``[q, d]``, small beside ``b``'s ``[q, keys]``) costs
     one pass over it; transpose it once per block row, not per pair. ``precision`` as the caller's other dots.
-    For autodiff, :func:`scores` and :func:`mix` (``pallas_kernels/cpu_dots.py``) are the einsums ``q kᵀ`` and
+    For autodiff, :func:`scores` and :func:`mix` (below) are the einsums ``q kᵀ`` and
     ``p v`` with this backward built in."""
     return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision, preferred_element_type=preferred_element_type)
+
+
+
+def _plain(a, b) -> bool:
+    return jax.default_backend() != "cpu" or a.shape[:-2] != b.shape[:-2]
+
+
+def _barrier(x):
+    return jax.lax.optimization_barrier(x)
+
+
+def _rows_dot_t(a, b, precision):
+    """``Σ_i a[..., i, d] b[..., i, j]`` as ``[..., j, d]``: a transposed first, the ``[d, j]`` product transposed
+    after (both small beside b)."""
+    a_t = _barrier(jnp.swapaxes(a, -1, -2))
+    return jnp.swapaxes(_barrier(jnp.einsum("...di,...ij->...dj", a_t, b, precision=precision)), -1, -2)
+
+
+def _einsum_with_grads(spec: str, grads):
+    """``einsum(spec, a, b)`` whose backward is ``grads(a, b, g, precision) -> (da, db)``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def f(a, b, precision):
+        return jnp.einsum(spec, a, b, precision=precision)
+
+    def f_fwd(a, b, precision):
+        return f(a, b, precision), (a, b)
+
+    def f_bwd(precision, res, g):
+        a, b = res
+        da, db = grads(a, b, g, precision)
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+# s = q kᵀ: dq = ds k, dk = dsᵀ q;  o = p v: dp = do vᵀ, dv = pᵀ do
+_scores = _einsum_with_grads("...id,...jd->...ij", lambda q, k, g, pr: (
+    jnp.einsum("...ij,...jd->...id", g, k, precision=pr), _rows_dot_t(q, g, pr)))
+_mix = _einsum_with_grads("...ij,...jd->...id", lambda p, v, g, pr: (
+    jnp.einsum("...id,...jd->...ij", g, v, precision=pr), _rows_dot_t(g, p, pr)))
+
+
+def scores(q, k, precision=None):
+    """``einsum('...id,...jd->...ij', q, k)`` (q, k with the same batch axes), its ``dk`` a plain dot on CPU."""
+    if _plain(q, k):
+        return jnp.einsum("...id,...jd->...ij", q, k, precision=precision)
+    return _scores(q, k, precision)
+
+
+def mix(p, v, precision=None):
+    """``einsum('...ij,...jd->...id', p, v)`` (p, v with the same batch axes), its ``dv`` a plain dot on CPU."""
+    if _plain(p, v):
+        return jnp.einsum("...ij,...jd->...id", p, v, precision=precision)
+    return _mix(p, v, precision)
 
 
 __all__ = ["flat_last", "materialized", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]

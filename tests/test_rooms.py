@@ -28,16 +28,83 @@ def test_no_method_name_outside_its_room():
     rooms = {}
     for name in attention.names():
         module = attention._METHODS[name].split(":")[0]
-        rooms[name] = ROOT / (module.replace(".", "/") + ".py")
+        folder = ROOT / module.replace(".", "/")
+        rooms[name] = folder if folder.is_dir() else folder.with_suffix(".py")  # a method's folder, or one file
     offenders = []
     for path in sorted((ROOT / "longctx").rglob("*.py")):
         if path in (ROOT / "longctx/attention/__init__.py", ROOT / "longctx/config.py"):  # registry, base config
             continue
         for lineno, text in _string_literals(path):
             for name, room in rooms.items():
-                if path != room and text == name:
+                if path != room and room not in path.parents and text == name:
                     offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {text!r}")
     assert offenders == [], "method names outside their rooms (ask a capability instead):\n" + "\n".join(offenders)
+
+
+def _imports(path: Path):
+    """(lineno, dotted module) for every import in ``path`` (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.lineno, node.module
+            for a in node.names:
+                yield node.lineno, f"{node.module}.{a.name}"
+
+
+CPU_HELPERS = ("longctx.xla_cpu", "pallas_kernels.cpu_dots")
+
+
+def _python_files():
+    for top in ("longctx", "pallas_kernels"):
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def test_cpu_helpers_only_inside_cpu_implementations():
+    """The XLA:CPU helpers (``longctx/xla_cpu.py``) are imported only by CPU implementations: files named
+    ``xla_cpu.py`` (a method's, the model's). Everything else reaches CPU tuning through its implementation's
+    name, chosen by the resolver."""
+    offenders = []
+    for path in _python_files():
+        if path.name == "xla_cpu.py":
+            continue
+        for lineno, mod in _imports(path):
+            if any(mod == h or mod.startswith(h + ".") for h in CPU_HELPERS):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: imports {mod}")
+    assert not (ROOT / "pallas_kernels/cpu_dots.py").exists(), "pallas_kernels/cpu_dots.py: the helpers live in longctx/xla_cpu.py"
+    assert offenders == [], "CPU helpers outside a CPU implementation:\n" + "\n".join(offenders)
+
+
+def _references():
+    for path in _python_files():
+        if path.name == "reference.py" or (path.parent.name == "pallas_kernels" and path.name.endswith("_ref.py")):
+            yield path
+
+
+def test_references_have_no_platform_branches_or_precision_overrides():
+    """A reference is the paper's math: no backend query, no platform branch, no precision override, no CPU
+    implementation imported."""
+    refs = list(_references())
+    offenders = []
+    for path in refs:
+        text = path.read_text()
+        for word in ("default_backend", "platform_dependent", "Precision.HIGHEST", "xla_cpu", "cpu_dots"):
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if word in line:
+                    offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {word}")
+    assert offenders == [], "platform tuning inside a reference:\n" + "\n".join(offenders)
+
+
+def test_every_method_has_a_reference_file():
+    missing = []
+    for name in attention.names():
+        module = attention._METHODS[name].split(":")[0]
+        folder = ROOT / module.replace(".", "/")
+        if not (folder / "reference.py").exists():
+            missing.append(f"{name}: {folder.relative_to(ROOT)}/reference.py")
+    assert missing == [], "methods without a reference file:\n" + "\n".join(missing)
 
 
 def test_blocks_ask_capabilities_not_config_keys():
