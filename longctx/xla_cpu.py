@@ -6,28 +6,9 @@ fusions each one avoids."""
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-
-
-def flat_last(fn, x):
-    """``fn`` applied to ``x [..., d]`` flattened to ``[N, d]``, its output ``[N, ...]`` reshaped back, on CPU.
-
-    Two XLA:CPU costs go away. (1) The weight gradient of a dot over ``[B, T, d]`` contracts two axes, and XLA
-    lays that out with transposing copies of the incoming gradient (one per consumer), where ``[B*T, d]`` needs
-    none: a 2-layer MLP's loss and gradient take markedly less time flattened.
-    (2) A row norm's gradient sums ``g * x`` over the last axis; with a dimension of size 1 among the leading ones
-    (batch 1, one head) XLA:CPU runs that multiply-and-reduce on a slow path (see :func:`rowdot`); ``[N, d]`` has
-    none. Other backends get ``fn(x)`` as it is: there merging the batch axis with a sequence-sharded token axis
-    (``mesh.sequence_mode='xla'``) would make the partitioner move the activations.
-    """
-    if x.ndim <= 2 or jax.default_backend() != "cpu":
-        return fn(x)
-    lead = x.shape[:-1]
-    y = fn(x.reshape(math.prod(lead), x.shape[-1]))
-    return y.reshape(*lead, *y.shape[1:])
 
 
 def rowdot(a, b):
@@ -139,4 +120,4 @@ def mix(p, v, precision=None):
     return _mix(p, v, precision)
 
 
-__all__ = ["flat_last", "materialized", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]
+__all__ = ["materialized", "mix", "rowdot", "rows_dot", "scale_rows", "scores", "transposed"]

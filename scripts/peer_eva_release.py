@@ -85,7 +85,7 @@ def our_layer(d_model: int, heads: int, window: int, chunk: int, proj: bool = Tr
     from flax import nnx
 
     from longctx import attention
-    from longctx.models.layers import flat_last
+    from longctx.layout import rows_apply
 
     cfg = attention.default_config("eva")
     cfg.update({"window_size": window, "chunk_size": chunk, "overlap_window": False, "use_rpe": True,
@@ -101,8 +101,8 @@ def our_layer(d_model: int, heads: int, window: int, chunk: int, proj: bool = Tr
     def layer(params, x, key):  # x [B, T, d_model]
         B, T, _ = x.shape
         heads_of = lambda y: y.reshape(B, T, heads, D).transpose(0, 2, 1, 3)  # noqa: E731
-        # the models' Linear layers (longctx.models.layers.Linear) apply their matmul to [B*T, d]: flat_last
-        lin = (lambda y, n: flat_last(lambda z: z @ params["proj"][n][0] + params["proj"][n][1], y)) if proj \
+        # the models' Linear layers (longctx.models.layers.Linear) apply their matmul to [B*T, d]: rows_apply
+        lin = (lambda y, n: rows_apply(lambda z: z @ params["proj"][n][0] + params["proj"][n][1], y)) if proj \
             else (lambda y, n: y)  # noqa: E731
         q, k, v = (heads_of(lin(x, n)) for n in ("q", "k", "v"))
         # the training path, as the released layer's train(): one noise sample per chunk, drawn in every call

@@ -54,7 +54,8 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from longctx.xla_cpu import flat_last, rowdot, rows_dot, transposed
+from longctx.layout import rows_apply as flat_last
+from longctx.xla_cpu import rowdot, rows_dot, transposed
 from pallas_kernels import vq_cache
 
 # The block-parallel causal form (§2.6) and its helpers live beside the Pallas kernel that must match them

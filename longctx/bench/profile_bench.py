@@ -424,7 +424,7 @@ def _slow_section(res: dict, top: int) -> list[str]:
             "'row sum': a YNNPACK fusion that reduces the product of two operands into a result that keeps a dimension "
             "of size 1 (batch 1, one head); XLA:CPU can run these many times slower than the same sum as a dot. Rewrites, "
             "same arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
-            "gradient sums rows), `flat_last` (a row norm over flattened rows). 'row dot': a dot that contracts the "
+            "gradient sums rows), `longctx.layout.rows_apply` (a row norm over flattened rows). 'row dot': a dot that contracts the "
             "rows of its left operand (`dk = dsᵀ q` as autodiff writes it), which XLA:CPU runs as a generic dot at "
             "a lower rate than YNNPACK's; rewrites: `longctx.xla_cpu.rows_dot` on a `transposed` operand (a hand-written "
             "backward) or the einsums `scores` / `mix` (autodiff). Measure before and after (next to large score "

@@ -53,7 +53,8 @@ from longctx.errors import ConfigError
 from longctx.models import precision
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, layer_config, layer_methods, split_key
-from longctx.models.layers import flat_last, linear, make_norm, sinusoidal_table
+from longctx.layout import rows_apply
+from longctx.models.layers import linear, make_norm, sinusoidal_table
 from longctx.models.sequence_shard import SequenceShard
 
 
@@ -379,9 +380,9 @@ class Backbone(nnx.Module):
         if not self.policy.full:  # compute-dtype operands, float32 accumulation and logits (the loss's input)
             W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
             cd = self.policy.compute
-            return flat_last(lambda x: precision.einsum_f32("nd,dv->nv", x.astype(cd), W.astype(cd)), h)
+            return rows_apply(lambda x: precision.einsum_f32("nd,dv->nv", x.astype(cd), W.astype(cd)), h)
         if self.head is None:
-            return flat_last(self.embed.attend, h).astype(jnp.float32)
+            return rows_apply(self.embed.attend, h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
 
     def nll(self, h, targets):

@@ -30,7 +30,7 @@ from longctx.errors import ConfigError
 from longctx.models import precision
 from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
 from longctx.models.sequence_shard import call_core
-from longctx.xla_cpu import flat_last
+from longctx.layout import rows_apply
 
 
 def _split_key(key, n):
@@ -113,7 +113,7 @@ class GAUBlock(nnx.Module):
 
 
 def _rms(x, eps: float = 1e-6):
-    return flat_last(functools.partial(_rms_rows, eps=eps), x)
+    return rows_apply(functools.partial(_rms_rows, eps=eps), x)
 
 
 def _rms_rows(x, eps: float):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx.attention.base import axes, logical
-from longctx.xla_cpu import flat_last  # noqa: F401  (also imported from here)
+from longctx.layout import rows_apply
 
 
 class RMSNorm(nnx.Module):
@@ -20,7 +20,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return flat_last(self._rows, x)
+        return rows_apply(self._rows, x)
 
     def _rows(self, x):
         xf = x.astype(jnp.float32)
@@ -56,17 +56,17 @@ class MLP(nnx.Module):
 
 
 class LayerNorm(nnx.LayerNorm):
-    """``nnx.LayerNorm`` applied through :func:`flat_last` (same parameters, same function)."""
+    """``nnx.LayerNorm`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function)."""
 
     def __call__(self, x, *args, **kwargs):
-        return flat_last(lambda rows: super(LayerNorm, self).__call__(rows, *args, **kwargs), x)
+        return rows_apply(lambda rows: super(LayerNorm, self).__call__(rows, *args, **kwargs), x)
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` applied through :func:`flat_last` (same parameters, same function)."""
+    """``nnx.Linear`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function)."""
 
     def __call__(self, x):
-        return flat_last(super().__call__, x)
+        return rows_apply(super().__call__, x)
 
 
 def linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longctx.models.layers import Linear, flat_last, linear
+from longctx.layout import rows_apply
+from longctx.models.layers import Linear, linear
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 7, 5), (2, 0, 5), (2, 3, 4, 5)])
@@ -30,8 +31,8 @@ def test_linear_matches_nnx_linear(shape):
         np.testing.assert_allclose(getattr(g_ours, name)[...], getattr(g_ref, name)[...], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="flat_last flattens on XLA:CPU only")
-def test_flat_last_passes_flattened_rows_and_restores_the_shape():
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="rows_apply flattens on XLA:CPU only")
+def test_rows_apply_passes_flattened_rows_and_restores_the_shape():
     seen = []
 
     def fn(z):
@@ -39,6 +40,6 @@ def test_flat_last_passes_flattened_rows_and_restores_the_shape():
         return jnp.stack([z.sum(-1), z.max(-1)], axis=-1)
 
     x = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
-    y = flat_last(fn, x)
+    y = rows_apply(fn, x)
     assert seen == [(6, 4)] and y.shape == (2, 3, 2)
     np.testing.assert_array_equal(y[..., 0], x.sum(-1))
