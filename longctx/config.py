@@ -356,17 +356,63 @@ def _deprecation_note(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Check keys, types, values and combinations; return a resolved frozen copy."""
-    check_against_base(cfg)
-    c = ml_collections.ConfigDict(cfg.to_dict())
-    migrate_execution(c, note=_deprecation_note)
+class Rule:
+    """A rule over a (partly resolved) config: where ``when(c)`` holds, ``ok(c)`` must hold too, else
+    :class:`ConfigError` with ``message``: a format string over the config (``'{model.head_dim}'``
+    is the value of ``model.head_dim``) or a function of the config."""
+
+    def __init__(self, when, ok, message):
+        self.when, self.ok, self.message = when, ok, message
+
+    def __call__(self, c: ml_collections.ConfigDict) -> None:
+        if self.when(c) and not self.ok(c):
+            msg = self.message
+            raise ConfigError(msg(c) if callable(msg) else msg.format_map(c))
+
+
+class When:
+    """A check that needs code, run where ``when(c)`` holds: ``check(c)`` raises its own :class:`ConfigError`."""
+
+    def __init__(self, when, check):
+        self.when, self.check = when, check
+
+    def __call__(self, c: ml_collections.ConfigDict) -> None:
+        if self.when(c):
+            self.check(c)
+
+
+def _always(c) -> bool:
+    return True
+
+
+def _encoder(c) -> bool:
+    return c.model.kind == "encoder"
+
+
+def _generated(c) -> bool:
+    from longctx.data import sources  # local: config is imported by everything
+
+    return sources.is_generated(c.data.source)
+
+
+def _sequence_parallel(c) -> bool:
+    return c.mesh.sequence > 1
+
+
+def _composed(c) -> bool:
+    """Sequence parallelism by composed states (any mode but 'xla')."""
+    return c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla"
+
+
+def _check_choices(c) -> None:
     for path, allowed in _CHOICES.items():
         val = _get(c, path)
         if val not in allowed:
             raise ConfigError(f"config {path}={val!r} is not allowed; choose one of: {', '.join(allowed)}")
-    check_ranges(c)
 
+
+def _check_registries(c) -> None:
+    """Names looked up in a registry: the data source, the tokenizer, the block."""
     from longctx.data import sources, tokenizers
     from longctx.models import blocks
 
@@ -376,44 +422,36 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError(f"data.tokenizer={c.data.tokenizer!r} is unknown; allowed: {', '.join(tokenizers.names())}")
     blocks.get_block(c.model.block)
 
-    m, t, e = c.model, c.train, c.eval
-    for path in ("model.d_model", "model.num_layers", "model.num_heads", "model.head_dim", "model.d_ff",
-                 "train.steps", "train.batch_size", "train.seq_len", "eval.batch_size"):
-        if _get(c, path) <= 0:
-            raise ConfigError(f"config {path}={_get(c, path)} must be a positive integer")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"config model.dropout={m.dropout} must be in [0, 1)")
-    if m.positions == "rotary" and m.head_dim % 2:
-        raise ConfigError(f"model.positions='rotary' needs an even model.head_dim, got {m.head_dim}")
-    if m.positions == "sinusoidal" and m.d_model % 2:
-        raise ConfigError(f"model.positions='sinusoidal' needs an even model.d_model, got {m.d_model}")
 
-    if not 0.0 <= m.gau_layerdrop < 1.0:
-        raise ConfigError(f"config model.gau_layerdrop={m.gau_layerdrop} must be in [0, 1)")
-    if m.output == "adaptive":
-        if m.tie_embeddings:
-            raise ConfigError("model.output='adaptive' has its own output weights; set model.tie_embeddings=False")
-        if m.adaptive_div < 1:
-            raise ConfigError(f"model.adaptive_div={m.adaptive_div} must be >= 1")
-    _check_vocab(m)
-    if m.loss_chunk < 0:
-        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (0 = full logits)")
+def _check_model_vocab(c) -> None:
+    _check_vocab(c.model)
 
-    if m.kind == "encoder":
-        _check_encoder(c)
-    if sources.is_generated(c.data.source):
-        if m.kind == "encoder":
-            raise ConfigError(f"data.source={c.data.source!r} is a causal recall task; it needs model.kind='decoder'")
-        if c.data.tokenizer != "bytes":
-            raise ConfigError(f"data.source={c.data.source!r} generates byte ids; set data.tokenizer='bytes'")
-        syn = c.data.synthetic
-        if len(syn.distance) != 2 or min(syn.distance) < 0:
-            raise ConfigError(f"data.synthetic.distance={tuple(syn.distance)} must be (lo, hi) with 0 meaning "
-                              "the shortest / longest distance that fits")
-        if syn.eval_rows <= 0 or syn.bins <= 0:
-            raise ConfigError("data.synthetic.eval_rows and data.synthetic.bins must be positive integers")
-        sources.build(c.data).check(t.seq_len)  # the task's settings fit rows of seq_len tokens
 
+def _resolve_encoder(c) -> None:
+    """An encoder's blocks are bidirectional: ``model.causal`` becomes False."""
+    if c.model.kind == "encoder":
+        c.model.causal = False
+
+
+def _pair_ok(pair, low_ok) -> bool:
+    lo, hi = (list(pair) + [0, 0])[:2]
+    return len(pair) == 2 and low_ok(lo) and lo <= hi
+
+
+def _fits_rows(seq_len_key: str):
+    """A generated source's settings fit rows of ``train.<seq_len_key>`` tokens (its own message)."""
+    def check(c) -> None:
+        from longctx.data import sources
+
+        sources.build(c.data).check(c.train[seq_len_key])
+    return check
+
+
+def _check_attention(c) -> None:
+    """The attention method(s): known names and keys, ``model.attention.pattern``, each method's
+    settings; keeps only the methods the layers run and splits their settings between
+    ``model.attention`` (hyperparameters) and ``execution.attention`` (how they run)."""
+    m = c.model
     name = m.attention.name
     if name not in attention.names():
         raise ConfigError(f"model.attention.name={name!r} is unknown; allowed: {', '.join(attention.names())}")
@@ -429,9 +467,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     if m.get("remat_policy", "auto") not in REMAT_POLICIES:
         raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
-    resolved = {}
-    for name in methods:
-        resolved[name] = _check_method(c, name)
+    resolved = {name: _check_method(c, name) for name in methods}
     for other in list(m.attention.keys()):
         if other not in ("name", "pattern", *methods):
             del m.attention[other]
@@ -440,52 +476,23 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.execution.attention = ml_collections.ConfigDict(
         {name: {k: method_cfg[k] for k in exec_keys} for name, (method_cfg, exec_keys) in resolved.items()})
 
+
+def _resolve_train(c) -> None:
+    """``train.window`` 0 -> the whole sequence; learned positions' ``model.max_len`` 0 -> ``train.seq_len``."""
+    t = c.train
     if t.window == 0:
         t.window = t.seq_len
-    if t.window < 0 or t.seq_len % t.window:
-        raise ConfigError(
-            f"train.window={t.window} must divide train.seq_len={t.seq_len} (e.g. {t.seq_len // 4}); 0 means the whole sequence"
-        )
-    n_windows = t.seq_len // t.window
-    if t.batch_size % t.microbatches:
-        raise ConfigError(f"train.microbatches={t.microbatches} must divide train.batch_size={t.batch_size} "
-                          "(each update's rows are split into that many equal micro-batches)")
-    if t.microbatches > 1 and m.kind == "encoder":
-        raise ConfigError("train.microbatches > 1 (gradient accumulation) is for decoders; an encoder (masked LM) "
-                          "trains on the whole batch: leave train.microbatches=1")
-    if t.steps % n_windows:
-        raise ConfigError(
-            f"train.steps={t.steps} counts optimizer updates and must be a multiple of seq_len/window={n_windows}"
-        )
-    if t.short_steps:
-        if t.short_steps < 0 or t.short_steps >= t.steps:
-            raise ConfigError(f"train.short_steps={t.short_steps} must be in [0, train.steps={t.steps}) (0 = off)")
-        if not 0 < t.short_seq_len < t.seq_len:
-            raise ConfigError(f"train.short_seq_len={t.short_seq_len} must be in (0, train.seq_len={t.seq_len}) "
-                              "when train.short_steps > 0")
-        if n_windows != 1 or m.kind == "encoder":
-            raise ConfigError("train.short_steps (staged training) needs a decoder trained on whole rows "
-                              "(train.window = train.seq_len)")
-        if c.mesh.sequence > 1 and t.short_seq_len % c.mesh.sequence:
-            raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide train.short_seq_len={t.short_seq_len}")
-        if sources.is_generated(c.data.source):
-            sources.build(c.data).check(t.short_seq_len)
-    if m.positions == "learned":
-        if m.max_len == 0:
-            m.max_len = t.seq_len
-        if m.max_len < t.seq_len:
-            raise ConfigError(f"model.max_len={m.max_len} is shorter than train.seq_len={t.seq_len} (learned positions)")
-    fit_to_run_length(t)
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be positive")
-    for path in ("train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints"):
-        if _get(c, path) <= 0:
-            raise ConfigError(f"config {path}={_get(c, path)} must be a positive integer")
+    if c.model.positions == "learned" and c.model.max_len == 0:
+        c.model.max_len = t.seq_len
 
+
+def _fit_to_run_length(c) -> None:
+    fit_to_run_length(c.train)
+
+
+def _resolve_eval(c) -> None:
+    """The eval keys left at 0 take the training's values."""
+    t, e = c.train, c.eval
     if e.window == 0:
         e.window = t.window
     if e.row_len == 0:
@@ -494,46 +501,123 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         e.context = t.seq_len
     if e.stride == 0:
         e.stride = max(1, e.context // 2)
-    if e.stride > e.context:
-        raise ConfigError(f"eval.stride={e.stride} must be at most eval.context={e.context}")
-    if e.protocol == "stream" and not m.causal and m.kind == "decoder":
-        raise ConfigError("eval.protocol='stream' needs a causal model (model.causal=True)")
-    if e.max_tokens < 0:
-        raise ConfigError(f"eval.max_tokens={e.max_tokens} must be >= 0 (0 = the full split)")
 
-    sc = c.sample
-    if sc.temperature < 0:
-        raise ConfigError(f"sample.temperature={sc.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < sc.top_p <= 1:
-        raise ConfigError(f"sample.top_p={sc.top_p} must be in (0, 1]")
-    if sc.top_k < 0:
-        raise ConfigError(f"sample.top_k={sc.top_k} must be >= 0 (0 = no top-k filter)")
-    if sc.num_tokens <= 0:
-        raise ConfigError(f"sample.num_tokens={sc.num_tokens} must be a positive integer")
+
+def _check_mesh_rules(c) -> None:
     from longctx.train import sharding as sharding_lib  # local: config is imported by everything
 
-    for axis in ("fsdp", "tensor", "sequence"):
-        if c.mesh[axis] < 1:
-            raise ConfigError(f"mesh.{axis}={c.mesh[axis]} must be >= 1")
     sharding_lib.parse_rules(c.mesh.rules)
+
+
+def _train_modes() -> tuple[str, ...]:
     from longctx.train.sequence_parallel import TRAIN_MODES
 
-    if c.mesh.sequence_mode not in TRAIN_MODES:
-        raise ConfigError(f"mesh.sequence_mode={c.mesh.sequence_mode!r}; allowed: {', '.join(TRAIN_MODES)}")
-    if c.mesh.sequence_mode == "compose" and c.model.kind == "encoder":
-        raise ConfigError("mesh.sequence_mode='compose' composes carried (causal) states; an encoder has none: "
-                          "use auto or xla")
-    if c.model.remat and c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla":
-        raise ConfigError(f"model.remat=True with mesh.sequence={c.mesh.sequence} needs mesh.sequence_mode='xla' (composed "
-                          "prefix states pass through the blocks as objects the recomputation cannot take); "
-                          "or set model.remat=False")
-    window = c.train.window or c.train.seq_len
-    if (c.model.get("scan_layers", False) and c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla"
-            and window < c.train.seq_len):
-        raise ConfigError(f"model.scan_layers=True with mesh.sequence={c.mesh.sequence} and windows carrying state needs "
-                          "mesh.sequence_mode='xla' (the composed hook takes one state per layer, not a stacked one)")
-    if c.mesh.sequence > 1 and window % c.mesh.sequence:
-        raise ConfigError(f"mesh.sequence={c.mesh.sequence} must divide the training window ({window} tokens)")
+    return TRAIN_MODES
+
+
+# Every check, in the order they run (the first that fails is reported); the resolving steps fill in the
+# keys left at 0 that later rules read. Single keys out of range are in _CHOICES and _RANGES.
+_VALIDATION = (
+    _check_choices,
+    check_ranges,
+    _check_registries,
+    # the model
+    Rule(lambda c: c.model.positions == "rotary", lambda c: c.model.head_dim % 2 == 0,
+         "model.positions='rotary' needs an even model.head_dim, got {model.head_dim}"),
+    Rule(lambda c: c.model.positions == "sinusoidal", lambda c: c.model.d_model % 2 == 0,
+         "model.positions='sinusoidal' needs an even model.d_model, got {model.d_model}"),
+    Rule(lambda c: c.model.output == "adaptive", lambda c: not c.model.tie_embeddings,
+         "model.output='adaptive' has its own output weights; set model.tie_embeddings=False"),
+    _check_model_vocab,
+    # a masked-LM encoder
+    _resolve_encoder,
+    Rule(_encoder, lambda c: c.train.window in (0, c.train.seq_len),
+         "train.window={train.window}: windows do not apply to encoders (model.kind='encoder' sees the whole row); "
+         "leave train.window=0"),
+    Rule(_encoder, lambda c: c.eval.protocol != "sliding",
+         "eval.protocol='sliding' is for decoders; an encoder is scored on a fixed masking of rows of eval.context "
+         "tokens (leave eval.protocol at its default)"),
+    Rule(_encoder, lambda c: not (c.mlm.mask_prob < 0 or c.mlm.random_prob < 0
+                                  or c.mlm.mask_prob + c.mlm.random_prob > 1.0),
+         "mlm.mask_prob={mlm.mask_prob} and mlm.random_prob={mlm.random_prob} must be >= 0 with a sum of at most 1"),
+    Rule(_encoder, lambda c: _pair_ok(c.mlm.clusters, lambda lo: 1 <= lo),
+         lambda c: f"mlm.clusters={tuple(c.mlm.clusters)} must be (low, high) with 1 <= low <= high"),
+    Rule(_encoder, lambda c: _pair_ok(c.mlm.cluster_sigma, lambda lo: 0 < lo),
+         lambda c: f"mlm.cluster_sigma={tuple(c.mlm.cluster_sigma)} must be (low, high) with 0 < low <= high"),
+    # a generated recall task
+    Rule(_generated, lambda c: not _encoder(c),
+         "data.source={data.source!r} is a causal recall task; it needs model.kind='decoder'"),
+    Rule(_generated, lambda c: c.data.tokenizer == "bytes",
+         "data.source={data.source!r} generates byte ids; set data.tokenizer='bytes'"),
+    Rule(_generated, lambda c: len(c.data.synthetic.distance) == 2 and not min(c.data.synthetic.distance) < 0,
+         lambda c: f"data.synthetic.distance={tuple(c.data.synthetic.distance)} must be (lo, hi) with 0 meaning "
+                   "the shortest / longest distance that fits"),
+    Rule(_generated, lambda c: c.data.synthetic.eval_rows > 0 and c.data.synthetic.bins > 0,
+         "data.synthetic.eval_rows and data.synthetic.bins must be positive integers"),
+    When(_generated, _fits_rows("seq_len")),
+    # attention
+    _check_attention,
+    # the training run
+    _resolve_train,
+    Rule(_always, lambda c: c.train.seq_len % c.train.window == 0,
+         lambda c: f"train.window={c.train.window} must divide train.seq_len={c.train.seq_len} "
+                   f"(e.g. {c.train.seq_len // 4}); 0 means the whole sequence"),
+    Rule(_always, lambda c: c.train.batch_size % c.train.microbatches == 0,
+         "train.microbatches={train.microbatches} must divide train.batch_size={train.batch_size} (each update's "
+         "rows are split into that many equal micro-batches)"),
+    Rule(_encoder, lambda c: c.train.microbatches == 1,
+         "train.microbatches > 1 (gradient accumulation) is for decoders; an encoder (masked LM) trains on the whole "
+         "batch: leave train.microbatches=1"),
+    Rule(_always, lambda c: c.train.steps % n_windows(c) == 0,
+         lambda c: f"train.steps={c.train.steps} counts optimizer updates and must be a multiple of "
+                   f"seq_len/window={n_windows(c)}"),
+    # staged training (train.short_steps > 0)
+    Rule(lambda c: c.train.short_steps > 0, lambda c: c.train.short_steps < c.train.steps,
+         "train.short_steps={train.short_steps} must be in [0, train.steps={train.steps}) (0 = off)"),
+    Rule(lambda c: c.train.short_steps > 0, lambda c: 0 < c.train.short_seq_len < c.train.seq_len,
+         "train.short_seq_len={train.short_seq_len} must be in (0, train.seq_len={train.seq_len}) "
+         "when train.short_steps > 0"),
+    Rule(lambda c: c.train.short_steps > 0, lambda c: n_windows(c) == 1 and not _encoder(c),
+         "train.short_steps (staged training) needs a decoder trained on whole rows (train.window = train.seq_len)"),
+    Rule(lambda c: c.train.short_steps > 0 and _sequence_parallel(c), lambda c: c.train.short_seq_len % c.mesh.sequence == 0,
+         "mesh.sequence={mesh.sequence} must divide train.short_seq_len={train.short_seq_len}"),
+    When(lambda c: c.train.short_steps > 0 and _generated(c), _fits_rows("short_seq_len")),
+    Rule(lambda c: c.model.positions == "learned", lambda c: c.model.max_len >= c.train.seq_len,
+         "model.max_len={model.max_len} is shorter than train.seq_len={train.seq_len} (learned positions)"),
+    _fit_to_run_length,
+    Rule(_always, lambda c: 0 <= c.train.warmup_steps < c.train.steps,
+         "train.warmup_steps={train.warmup_steps} must be in [0, train.steps={train.steps})"),
+    # evaluation
+    _resolve_eval,
+    Rule(_always, lambda c: c.eval.stride <= c.eval.context,
+         "eval.stride={eval.stride} must be at most eval.context={eval.context}"),
+    Rule(lambda c: c.eval.protocol == "stream" and not _encoder(c), lambda c: c.model.causal,
+         "eval.protocol='stream' needs a causal model (model.causal=True)"),
+    # the device mesh and sequence parallelism
+    _check_mesh_rules,
+    Rule(_always, lambda c: c.mesh.sequence_mode in _train_modes(),
+         lambda c: f"mesh.sequence_mode={c.mesh.sequence_mode!r}; allowed: {', '.join(_train_modes())}"),
+    Rule(_encoder, lambda c: c.mesh.sequence_mode != "compose",
+         "mesh.sequence_mode='compose' composes carried (causal) states; an encoder has none: use auto or xla"),
+    Rule(_composed, lambda c: not c.model.remat,
+         "model.remat=True with mesh.sequence={mesh.sequence} needs mesh.sequence_mode='xla' (composed prefix states "
+         "pass through the blocks as objects the recomputation cannot take); or set model.remat=False"),
+    Rule(lambda c: _composed(c) and c.train.window < c.train.seq_len, lambda c: not c.model.get("scan_layers", False),
+         "model.scan_layers=True with mesh.sequence={mesh.sequence} and windows carrying state needs "
+         "mesh.sequence_mode='xla' (the composed hook takes one state per layer, not a stacked one)"),
+    Rule(_sequence_parallel, lambda c: c.train.window % c.mesh.sequence == 0,
+         "mesh.sequence={mesh.sequence} must divide the training window ({train.window} tokens)"),
+)
+
+
+def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Check keys, types, values and combinations; return a resolved frozen copy. The checks are the
+    rows of :data:`_VALIDATION`, run in order on a copy (execution keys moved to their section first)."""
+    check_against_base(cfg)
+    c = ml_collections.ConfigDict(cfg.to_dict())
+    migrate_execution(c, note=_deprecation_note)
+    for check in _VALIDATION:
+        check(c)
     c.lock()
     return c
 
@@ -605,31 +689,6 @@ def fit_to_run_length(t, *, say=print) -> list[str]:
     if changed:
         say(f"note: fitted to the run's length, train.steps={t.steps}: {', '.join(changed)}")
     return changed
-
-
-def _check_encoder(c) -> None:
-    """An encoder's rules; resolves ``model.causal`` to False (its blocks are bidirectional)."""
-    m, t, e, mlm = c.model, c.train, c.eval, c.mlm
-    m.causal = False
-    if t.window not in (0, t.seq_len):
-        raise ConfigError(f"train.window={t.window}: windows do not apply to encoders (model.kind='encoder' sees "
-                          "the whole row); leave train.window=0")
-    if e.protocol == "sliding":
-        raise ConfigError("eval.protocol='sliding' is for decoders; an encoder is scored on a fixed masking of "
-                          "rows of eval.context tokens (leave eval.protocol at its default)")
-    if not 0.0 < mlm.rate < 1.0:
-        raise ConfigError(f"mlm.rate={mlm.rate} must be in (0, 1)")
-    if mlm.mask_prob < 0 or mlm.random_prob < 0 or mlm.mask_prob + mlm.random_prob > 1.0:
-        raise ConfigError(f"mlm.mask_prob={mlm.mask_prob} and mlm.random_prob={mlm.random_prob} must be >= 0 "
-                          "with a sum of at most 1")
-    if mlm.span_len < 1 or mlm.max_span_len < 1:
-        raise ConfigError(f"mlm.span_len={mlm.span_len} and mlm.max_span_len={mlm.max_span_len} must be >= 1")
-    lo, hi = (list(mlm.clusters) + [0, 0])[:2]
-    if len(mlm.clusters) != 2 or not 1 <= lo <= hi:
-        raise ConfigError(f"mlm.clusters={tuple(mlm.clusters)} must be (low, high) with 1 <= low <= high")
-    slo, shi = (list(mlm.cluster_sigma) + [0, 0])[:2]
-    if len(mlm.cluster_sigma) != 2 or not 0 < slo <= shi:
-        raise ConfigError(f"mlm.cluster_sigma={tuple(mlm.cluster_sigma)} must be (low, high) with 0 < low <= high")
 
 
 def _check_vocab(m) -> None:

@@ -1,7 +1,9 @@
 """Pure-JAX reference of the FMA "multilevel blocks" attention (docs/methods/fma.md §2.4, §8).
 
-This is the math the Pallas kernel ``fma_blocks.py`` must match, and the production XLA path of
-``longctx.attention.fma`` imports it (one copy of the math; this module never imports ``longctx``).
+This is the math the Pallas kernel ``fma_blocks.py`` must match, and the blocked XLA paths of
+``longctx.attention.fma`` run it (one copy of the math; this module never imports ``longctx``). Its three
+products (scores, the weighted sum of values, the rows scaled by ``1 / den``) are plain einsums
+(:data:`PLAIN_OPS`); a caller may pass other forms of the same products (``ops=``, a :class:`BlockOps`).
 
 Layout. Queries come in fine blocks of ``m`` tokens, ``qb: [B, H, nq, m, d]`` (already scaled by
 1/sqrt(d)). Query block ``c`` sits at absolute fine block ``q_block0 + c``. The fine keys ``kp`` are
@@ -29,13 +31,31 @@ the finite ``NEG`` (never -inf: a fully masked segment would give exp(-inf - -in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_dots import mix, scores
-
 NEG = -1e30
+
+
+class BlockOps(NamedTuple):
+    """The products of :func:`attend_group`: ``scores(q, k)`` = ``q kᵀ`` over the last axis (``[..., i, d]``,
+    ``[..., j, d]`` -> ``[..., i, j]``), ``mix(p, v)`` = ``p v`` (``[..., i, j]``, ``[..., j, f]`` -> ``[..., i, f]``)
+    and ``scale_rows(x, s)`` = ``x * s[..., None]``."""
+
+    scores: Callable
+    mix: Callable
+    scale_rows: Callable
+
+
+PLAIN_OPS = BlockOps(
+    scores=lambda q, k: jnp.einsum("...id,...jd->...ij", q, k),
+    mix=lambda p, v: jnp.einsum("...ij,...jd->...id", p, v),
+    scale_rows=lambda x, s: x * s[..., None],
+)
 
 
 # ---------------------------------------------------------------------------
@@ -102,7 +122,8 @@ def _blocks_of(x, G: int, w: int, m: int):
     return jnp.concatenate([x[:, :, s * m:(s + G) * m].reshape(B, H, G, m, d) for s in range(w)], axis=3)
 
 
-def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=None, attn_dropout: float = 0.0):
+def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=None, attn_dropout: float = 0.0,
+                 ops: BlockOps = PLAIN_OPS):
     """Outputs [B,H,G,m,dv] (f32) of G query blocks; see the module docstring for the operands.
 
     ``coarse`` here is already sliced to these G blocks: None, ("packed", kc [B,H,G,C,d],
@@ -115,7 +136,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         rep = m // coarse[1].shape[3]
         coarse = (coarse[0],) + tuple(jnp.repeat(x, rep, axis=3) for x in coarse[1:])
     kwin, vwin = _blocks_of(kg, G, w, m), _blocks_of(vg, G, w, m)
-    s_f = scores(qg, kwin)  # cpu_dots: the key-side gradients as plain dots on XLA:CPU
+    s_f = ops.scores(qg, kwin)
     c = jnp.arange(G)
     qpos = (blk0 + c)[:, None] * m + jnp.arange(m)[None, :]  # [G, m]
     kpos = (blk0 + c - 1)[:, None] * m + jnp.arange(w * m)[None, :]  # [G, w m]
@@ -128,7 +149,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     if kind == "packed":
         _, kc, vc, cb = coarse
         valid_c = (cb > NEG / 2)[:, None, :]  # [G,1,C]
-        s_c = scores(qg, kc) + cb[:, None, :]
+        s_c = ops.scores(qg, kc) + cb[:, None, :]
         s_c = jnp.where(valid_c, s_c, NEG)
         mx = jnp.maximum(mx, jnp.max(s_c, axis=-1))
     elif kind == "stats":
@@ -149,14 +170,12 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         p_f = jnp.where(jax.random.bernoulli(kf, keep, p_f.shape), p_f / keep, 0.0)
         if kind == "packed":
             p_c = jnp.where(jax.random.bernoulli(kc_, keep, p_c.shape), p_c / keep, 0.0)
-    num = mix(p_f, vwin)
+    num = ops.mix(p_f, vwin)
     if kind == "packed":
-        num = num + mix(p_c, vc)
+        num = num + ops.mix(p_c, vc)
     elif kind == "stats":
         num = num + coarse[2] * sc[..., None]
-    # num times 1 / den as an einsum: its gradient's row sum is then a dot, not a multiply-and-reduce, which
-    # XLA:CPU runs on a slow path when a dimension has size 1 (batch 1; longctx/xla_cpu.py)
-    out = jnp.einsum("...f,...->...f", num, 1.0 / jnp.maximum(den, 1e-30), precision=jax.lax.Precision.HIGHEST)
+    out = ops.scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
     if kind == "normed":
         out = out + coarse[1]
     return out
@@ -196,14 +215,15 @@ def _pad_blocks(coarse, extra: int):
 
 
 def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_key=None,
-                  attn_dropout: float = 0.0, logit_budget: int = 1 << 24):
+                  attn_dropout: float = 0.0, logit_budget: int = 1 << 24, ops: BlockOps = PLAIN_OPS):
     """FMA attention of ``nq`` query blocks (see the module docstring). Returns [B,H,nq,m,dv] f32.
 
     ``kp, vp``: [B,H,(nq+w-1) m, *] with w = 2 (causal) or 3. ``coarse``: None,
     ("packed", kall [B,H,R,d], vall [B,H,R,dv], idx [nq,C], bias [nq,C]), ("stats", M, num, den)
     or ("normed", out) with a block axis 2 of size nq. When all blocks' logits exceed
     ``logit_budget`` the blocks are processed in groups under ``lax.map`` with a rematerialised body,
-    so peak memory stays O(budget) in the forward and the backward."""
+    so peak memory stays O(budget) in the forward and the backward. ``ops``: the three products
+    (:class:`BlockOps`; plain einsums by default)."""
     B, H, nq, m, d = qb.shape
     w = 2 if causal else 3
     C = coarse[3].shape[-1] if (coarse is not None and coarse[0] == "packed") else 0
@@ -211,7 +231,7 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
     G = -(-nq // -(-nq // G))  # as many groups as the budget needs, of equal size (least padding)
     if G >= nq:
         return attend_group(qb, kp, vp, _slice_coarse(coarse, 0, nq), blk0=q_block0, n_valid=n_valid,
-                            causal=causal, drop_key=drop_key, attn_dropout=attn_dropout)
+                            causal=causal, drop_key=drop_key, attn_dropout=attn_dropout, ops=ops)
     ng = -(-nq // G)
     extra = ng * G - nq
     qb = jnp.pad(qb, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
@@ -226,11 +246,11 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
         vg = jax.lax.dynamic_slice_in_dim(vp, gi * G * m, (G + w - 1) * m, axis=2)
         key = None if drop_key is None else jax.random.fold_in(drop_key, gi)
         return attend_group(qg, kg, vg, _slice_coarse(coarse, gi * G, G), blk0=q_block0 + gi * G,
-                            n_valid=n_valid, causal=causal, drop_key=key, attn_dropout=attn_dropout)
+                            n_valid=n_valid, causal=causal, drop_key=key, attn_dropout=attn_dropout, ops=ops)
 
     out = jax.lax.map(body, jnp.arange(ng))  # [ng, B, H, G, m, dv]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, ng * G, m, -1)
     return out[:, :, :nq]
 
 
-__all__ = ["NEG", "attend_blocks", "attend_group", "level_partners", "packed_slots"]
+__all__ = ["NEG", "PLAIN_OPS", "BlockOps", "attend_blocks", "attend_group", "level_partners", "packed_slots"]

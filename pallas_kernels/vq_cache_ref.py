@@ -1,12 +1,14 @@
 """Pure-JAX reference of the compressive VQ-cache attention (docs/methods/transformer_vq.md §2.6, §9).
 
-This is the computation :mod:`pallas_kernels.vq_cache` must match, and it is also the XLA path of
-the transformer_vq attention method (which imports it from here: one copy of the math). It imports
-only JAX.
+This is the computation :mod:`pallas_kernels.vq_cache` must match; the transformer_vq method's block-parallel
+implementation (``parallel``) runs it too (one copy of the math). It imports only JAX.
 
 * :func:`causal_parallel` -- block-wise linear form, lag-2 per-code cache, serial/matmul/assoc/sum
   reductions, carried initial state, ragged T (requires 1 <= M <= L);
 * :func:`vq_cache_attention_reference` -- ``causal_parallel`` with ``reduction='serial'``: what the kernel computes.
+
+Its products are plain einsums, by default: :class:`Ops` names the four a method's implementation may compute
+another way with the same result (``ops=``), e.g. with a backward laid out for one backend.
 
 Notation: ``q_u = q + u'`` (content query), ``bd[..., i, d] = (q_i + v')·r'_d`` for d = 0..M, ``C`` the codebook
 [H, S, Dk] (always read under stop_gradient). State (constant size)::
@@ -18,12 +20,12 @@ Notation: ``q_u = q + u'`` (content query), ``bd[..., i, d] = (q_i + v')·r'_d``
 from __future__ import annotations
 
 import functools
-import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_dots import mix, scores
 from pallas_kernels.precision import acc_einsum, compute_dtype, float_dtype  # noqa: F401 (re-exported)
 
 NEG = -1e30
@@ -33,19 +35,38 @@ REDUCTIONS = ("serial", "matmul", "assoc", "sum")  # "sum" = unstable U/L cumsum
 
 
 def score_dot(q, k):
-    """``q kᵀ`` over the last axis (same batch axes): ``cpu_dots.scores`` for float32 or wider operands, else
-    compute-dtype operands with a float32 result."""
-    if q.dtype == k.dtype == float_dtype(q, k):
-        return scores(q, k)
+    """``q kᵀ`` over the last axis (same batch axes), accumulated in float32 or wider."""
     return acc_einsum("...id,...jd->...ij", q, k)
 
 
 def mix_dot(p, v):
-    """``p v`` (same batch axes): ``cpu_dots.mix`` for float32 or wider values, else p cast to the values' (compute)
-    dtype and a float32 result."""
-    if v.dtype == float_dtype(v):
-        return mix(p, v)
+    """``p v`` (same batch axes): p cast to the values' dtype, accumulated in float32 or wider."""
     return acc_einsum("...ij,...jd->...id", p.astype(v.dtype), v)
+
+
+def normalize(num, den):
+    """``num [..., q, d] / den [..., q]``."""
+    return num / den[..., None]
+
+
+def code_sums(z, v, valid, S: int):
+    """Per-code (sum [..., S, Dv], count [..., S]) of values v [..., L, Dv] with codes z [..., L] and validity
+    ``valid`` (broadcastable to z): a code-major one-hot [..., S, L] and a matmul."""
+    w = jnp.broadcast_to(valid, z.shape).astype(v.dtype)
+    onehot = (z[..., None, :] == jnp.arange(S, dtype=z.dtype)[:, None]).astype(v.dtype) * w[..., None, :]
+    return jnp.einsum("...sl,...ld->...sd", onehot, v), jnp.sum(onehot, axis=-1)
+
+
+class Ops(NamedTuple):
+    """The products the forms below are written with (same signatures and results as the defaults here)."""
+
+    scores: Callable = score_dot  # (q [..., i, d], k [..., j, d]) -> [..., i, j]
+    mix: Callable = mix_dot  # (p [..., i, j], v [..., j, d]) -> [..., i, d]
+    normalize: Callable = normalize  # (num [..., q, d], den [..., q]) -> num / den
+    code_sums: Callable = code_sums  # (z, v, valid, S) -> (sum, count)
+
+
+PLAIN = Ops()
 
 
 def merge(a, b):
@@ -56,33 +77,9 @@ def merge(a, b):
     return mu, n
 
 
-def _code_sums_onehot(z, v, w, S: int):
-    # code-major one-hot [..., S, L]: the sum over L is a plain matmul (no transposed operand)
-    onehot = (z[..., None, :] == jnp.arange(S, dtype=z.dtype)[:, None]).astype(v.dtype) * w[..., None, :]
-    return jnp.einsum("...sl,...ld->...sd", onehot, v), jnp.sum(onehot, axis=-1)
-
-
-def _code_sums_scatter(z, v, w, S: int):
-    lead, L, D = z.shape[:-1], z.shape[-1], v.shape[-1]
-    G = math.prod(lead)
-    idx = (jnp.arange(G, dtype=jnp.int32)[:, None] * S + z.reshape(G, L).astype(jnp.int32)).reshape(-1)
-    tot = jax.ops.segment_sum((v * w[..., None]).reshape(G * L, D), idx, num_segments=G * S)
-    cnt = jax.ops.segment_sum(w.reshape(-1), idx, num_segments=G * S)
-    return tot.reshape(lead + (S, D)), cnt.reshape(lead + (S,))
-
-
-def code_sums(z, v, valid, S: int):
-    """Per-code (sum [..., S, Dv], count [..., S]) of values v [..., L, Dv] with codes z [..., L] and validity
-    ``valid`` (broadcastable to z). The same sums two ways, picked per platform when the program is lowered: a
-    scatter-add on CPU (a [.., S, L] one-hot costs an order of magnitude more than the scatter there) and the one-hot matmul elsewhere (the MXU / tensor-core path; scatters are slow on TPU)."""
-    w = jnp.broadcast_to(valid, z.shape).astype(v.dtype)
-    return jax.lax.platform_dependent(z, v, w, cpu=functools.partial(_code_sums_scatter, S=S),
-                                      default=functools.partial(_code_sums_onehot, S=S))
-
-
-def code_summary(z, v, valid, S: int):
+def code_summary(z, v, valid, S: int, ops: Ops = PLAIN):
     """Per-code (mean, count) of values v [..., L, Dv] with codes z [..., L] and validity [..., L]."""
-    tot, cnt = code_sums(z, v, valid, S)
+    tot, cnt = ops.code_sums(z, v, valid, S)
     return tot / jnp.maximum(cnt, 1.0)[..., None], cnt
 
 
@@ -138,7 +135,7 @@ def pad_left(x, axis: int, n: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def softmax_mix(groups):
+def softmax_mix(groups, ops: Ops = PLAIN):
     """groups: list of (scores [..., Lq, n], mask broadcastable, values [..., n, Dv]).
     One shared normalizer with a stop-gradient row max; the value matmuls' sum divided by den. Scores,
     probabilities and the normalizer in float32 (or wider); values in the compute dtype take the probabilities cast
@@ -151,14 +148,9 @@ def softmax_mix(groups):
     probs = [jnp.where(mask, jnp.exp(jnp.where(mask, s, NEG) - m), 0.0) for s, mask, _ in groups]
     den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     den = jnp.maximum(den, 1e-30)
-    # the value matmuls first, then one scaling by 1 / den written as an einsum: the gradient's sum over the row
-    # is then a dot; p / den made it a multiply-and-reduce, which XLA:CPU runs on a slow path when a dimension has
-    # size 1 (one head, batch 1; longctx/xla_cpu.py)
-    num = sum(mix_dot(p, vals) for p, (_, _, vals) in zip(probs, groups))
-    # the normalizer is a float32 statistic: HIGHEST keeps 1/den exact whatever the backend's default dot precision
-    out = jnp.einsum("...qd,...q->...qd", num, 1.0 / den[..., 0], precision=jax.lax.Precision.HIGHEST)
+    num = sum(ops.mix(p, vals) for p, (_, _, vals) in zip(probs, groups))
     lse = (m + jnp.log(den))[..., 0]
-    return out, lse
+    return ops.normalize(num, den[..., 0]), lse
 
 
 def empty_state(B, H, M, S, Dk, Dv, dtype=jnp.float32):
@@ -176,7 +168,7 @@ def cast_state(state, dt):
     return {k: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x) for k, x in state.items()}
 
 
-def final_state(state, k_hat, z, v, T: int, M: int, S: int):
+def final_state(state, k_hat, z, v, T: int, M: int, S: int, ops: Ops = PLAIN):
     """New canonical state after T real tokens: band = newest M of [band; x], agg += everything older."""
     pos = state["pos"]
     ek = jnp.concatenate([state["band_k"], k_hat[:, :, :T]], axis=2)
@@ -184,7 +176,7 @@ def final_state(state, k_hat, z, v, T: int, M: int, S: int):
     ez = jnp.concatenate([state["band_z"], z[:, :, :T]], axis=2)
     epos = pos - M + jnp.arange(M + T)
     n_old = T  # entries [0, T) leave the band
-    mu, n = code_summary(ez[:, :, :n_old], ev[:, :, :n_old], epos[:n_old] >= 0, S)
+    mu, n = code_summary(ez[:, :, :n_old], ev[:, :, :n_old], epos[:n_old] >= 0, S, ops)
     agg_mu, agg_n = merge((state["agg_mu"], state["agg_n"]), (mu, n))
     return {
         "pos": pos + T,
@@ -224,7 +216,8 @@ def prefix_reduce(mu, n, reduction: str):
     raise ValueError(f"unknown reduction {reduction!r}; allowed: {', '.join(REDUCTIONS)}")
 
 
-def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial", compute=None):
+def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial", compute=None,
+                 ops: Ops = PLAIN):
     """The blocked operands of the causal block-parallel form (§2.6); requires 1 <= M <= L.
 
     Returns a dict: ``qb`` [B,H,R,L,Dk] and ``bdb`` [B,H,R,L,M+1] (queries in R blocks of L, zero-padded);
@@ -256,7 +249,7 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
     validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
     kx, vx, zx = blocks(kx, R + 1), blocks(vx, R + 1), blocks(zx, R + 1)
     # cache for block n = agg (+) ext blocks 0..n-1  (= blocks -1..n-2): lag 2; means and counts in dt
-    bmu, bn = code_summary(zx[:, :, :R], vx[:, :, :R].astype(dt), validx[:R], S)  # ext 0..R-1
+    bmu, bn = code_summary(zx[:, :, :R], vx[:, :, :R].astype(dt), validx[:R], S, ops)  # ext 0..R-1
     items_mu = jnp.concatenate([state["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
     items_n = jnp.concatenate([state["agg_n"][:, :, None], bn[:, :, : R - 1]], axis=2)
     cmu, cn = prefix_reduce(items_mu, items_n, reduction)  # [B,H,R,S,Dv], [B,H,R,S]
@@ -267,7 +260,7 @@ def block_inputs(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: s
 
 
 def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction: str = "serial",
-                    return_lse: bool = False, compute=None):
+                    return_lse: bool = False, compute=None, ops: Ops = PLAIN):
     """Linear-time causal form (§2.6) from a carried state; requires 1 <= M <= L.
 
     The carried band (M keys, left-padded with invalid slots to L) acts as block -1 and the carried agg as the
@@ -279,20 +272,20 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
     """
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction=reduction, compute=compute)
+    p = block_inputs(q_u, bd, k_hat, z, v, C, state, L=L, M=M, reduction=reduction, compute=compute, ops=ops)
     qb, kx, vx, validx, cn, R = p["qb"], p["kx"], p["vx"], p["validx"], p["cn"], p["qb"].shape[2]
     bias = skew_bias(p["bdb"], L, 2 * L)  # [B,H,R,L,2L]: bd[i, L + i - j] for 0 <= L + i - j <= M
     s_c = acc_einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
-    s_p = score_dot(qb, kx[:, :, :R]) + bias[..., :L]  # scores, mix: einsums whose dk, dv stay fast on XLA:CPU
-    s_r = score_dot(qb, kx[:, :, 1:]) + bias[..., L:]
+    s_p = ops.scores(qb, kx[:, :, :R]) + bias[..., :L]
+    s_r = ops.scores(qb, kx[:, :, 1:]) + bias[..., L:]
     mask_c = (cn > 0)[:, :, :, None, :]
     mask_p = validx[:R][:, None, :]
     mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]
     o, lse = softmax_mix([(s_c, mask_c, p["cmu"].astype(vx.dtype)), (s_p, mask_p, vx[:, :, :R]),
-                          (s_r, mask_r, vx[:, :, 1:])])
+                          (s_r, mask_r, vx[:, :, 1:])], ops)
     o = o.reshape(B, H, R * L, Dv)[:, :, :T]
     dt = p["state"]["agg_mu"].dtype  # the state stays in the statistics dtype
-    new_state = final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S)
+    new_state = final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S, ops)
     if return_lse:
         return o, new_state, lse.reshape(B, H, R * L)[:, :, :T]
     return o, new_state
@@ -318,6 +311,8 @@ __all__ = [
     "KERNEL_DTYPES",
     "input_reasons",
     "NEG",
+    "Ops",
+    "PLAIN",
     "block_inputs",
     "REDUCTIONS",
     "causal_parallel",
@@ -331,10 +326,13 @@ __all__ = [
     "float_dtype",
     "log_count",
     "merge",
+    "mix_dot",
+    "normalize",
     "pad_left",
     "pad_to",
     "prefix_reduce",
     "rel_bias",
+    "score_dot",
     "skew_bias",
     "softmax_mix",
     "vq_cache_attention_reference",

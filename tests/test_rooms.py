@@ -73,7 +73,7 @@ def test_cpu_helpers_only_inside_cpu_implementations():
         for lineno, mod in _imports(path):
             if any(mod == h or mod.startswith(h + ".") for h in CPU_HELPERS):
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: imports {mod}")
-    assert not (ROOT / "pallas_kernels/cpu_dots.py").exists(), "pallas_kernels/cpu_dots.py: the helpers live in longctx/xla_cpu.py"
+    assert not (ROOT / "pallas_kernels/cpu_dots.py").exists(), "the CPU helpers live in longctx/xla_cpu.py"
     assert offenders == [], "CPU helpers outside a CPU implementation:\n" + "\n".join(offenders)
 
 

@@ -50,10 +50,10 @@ from longctx import attention
 from longctx.attention import Aux
 from longctx.attention.base import logical
 from longctx.errors import ConfigError
+from longctx.layout import rows_apply
 from longctx.models import precision
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, layer_config, layer_methods, split_key
-from longctx.layout import rows_apply
 from longctx.models.layers import linear, make_norm, sinusoidal_table
 from longctx.models.sequence_shard import SequenceShard
 

@@ -27,10 +27,10 @@ from flax import nnx
 
 from longctx import attention
 from longctx.errors import ConfigError
+from longctx.layout import rows_apply
 from longctx.models import precision
 from longctx.models.layers import RMSNorm, dropout, fan_in_init, linear
 from longctx.models.sequence_shard import call_core
-from longctx.layout import rows_apply
 
 
 def _split_key(key, n):

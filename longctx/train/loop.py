@@ -1,7 +1,10 @@
 """The training loop: resume, steps, periodic eval, checkpoints, signals, logs.
 
-The config is validated once, here, on the way in. The loop imports no entry point and no
-evaluation command: periodic validation scores through :mod:`longctx.protocols`.
+The config is validated once, here, on the way in. What is trained (a language model, a masked LM,
+a generated recall task) is a task of :mod:`longctx.train.tasks`, picked once from the config: it
+makes the batches, the train step and the evaluation, so the loop here only restores, steps, logs,
+evaluates, checkpoints and stops. The loop imports no entry point and no evaluation command:
+periodic validation scores through :mod:`longctx.protocols`.
 
 The steps overlap: a step is dispatched, the next batch is read and sent to the devices while it
 runs, and only then are the previous step's metrics checked for non-finite values (one step late,
@@ -26,28 +29,17 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from longctx import config as config_lib
-from longctx.data import masking, sources, tokenizers
-from longctx.data.batching import Batcher
-from longctx.data.prepare import default_cache_dir, prepare
+from longctx.data.prepare import default_cache_dir
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
 from longctx.models.decoder import build_model
-from longctx.protocols import score_answers, score_mlm_split, score_split
-from longctx.train import checkpoint, distributed, sequence_parallel, sharding
+from longctx.train import checkpoint, distributed, sharding, tasks
 from longctx.train.lock import WorkdirLock
 from longctx.train.metrics import MetricsWriter, log_line, plot_losses
 from longctx.train.optim import make_optimizer, schedule
-from longctx.train.step import (
-    make_forward,
-    make_mlm_forward,
-    make_mlm_train_step,
-    make_scored_forward,
-    make_train_step,
-    split_model,
-)
+from longctx.train.step import split_model
 
 LN2 = math.log(2.0)
 
@@ -190,29 +182,11 @@ def prepare_workdir(workdir: Path) -> None:
 
 
 def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -> dict:
-    if "://" in str(workdir):  # Path() would fold gs://b/x into a local folder gs:/b/x
-        raise WorkdirError(f"--workdir {workdir}: object-storage workdirs are not supported (the lock, metrics and "
-                           "TensorBoard logs need a file system); use a local or mounted folder (e.g. a bucket "
-                           "mounted with gcsfuse) visible to every host")
-    workdir = Path(workdir)
-    distributed.initialize_from_env()
+    cfg, workdir = open_run(cfg, workdir, max_steps=max_steps, held=held)
     progress = progress and distributed.is_primary()
-    cfg = config_lib.validate(cfg)  # once, before any data work
-    setup_compilation_cache(cfg.train, cfg.data)  # before the first compile
-    if max_steps is not None and max_steps <= 0:
-        raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
-    prepare_workdir(workdir)
-    if distributed.is_primary():
-        held.append(WorkdirLock(workdir).acquire())
-    generated = sources.is_generated(cfg.data.source)  # rows made on the fly, answers scored (synthetic.py)
-    if generated:
-        source = sources.build(cfg.data)
-        tokenizer, data, data_dir = tokenizers.build(cfg.data.tokenizer), None, None
-    else:
-        tokenizer, data, data_dir = prepare(cfg.data, ["train", cfg.eval.split], progress=progress)
-    cfg = config_lib.resolve_vocab(cfg, tokenizer.vocab_size)
-    tc = cfg.train
-    n_win = config_lib.n_windows(cfg)
+    task = tasks.from_config(cfg, progress=progress)  # language model, masked LM or a generated recall task
+    cfg = task.cfg  # the vocabulary resolved from the task's tokenizer
+    tc, n_win = cfg.train, task.n_windows
     mesh = sharding.make_mesh(cfg.mesh)
     model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
@@ -232,106 +206,23 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         params, nongrad, opt_state = tree["params"], tree["nongrad"], tree["opt_state"]
         step = last_saved = meta["step"]
         print(f"resuming from the checkpoint at step {step} in {workdir}")
-    try:
-        if distributed.is_primary():
-            (workdir / "config.json").write_text(cfg.to_json(indent=1))
-    except OSError as e:
-        raise WorkdirError(f"cannot write {workdir / 'config.json'} ({e.strerror or e}); the workdir must be a "
-                           "writable folder whose config.json is a file") from None
+    write_config(workdir, cfg)
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    encoder = cfg.model.kind == "encoder"  # masked LM: rows of seq_len tokens, masks = f(seed, step, row)
-    host = sharding.host_shard(mesh, tc.batch_size)  # the rows of every batch this process reads
-
-    def make_batcher(seq_len):
-        if generated:
-            from longctx.data.synthetic import RowBatcher
-
-            return RowBatcher(source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed,
-                              shard=host)
-        return Batcher(data["train"], row_len=seq_len + (0 if encoder else 1), batch_size=tc.batch_size,
-                       seed=tc.seed, shard=host,
-                       packing=cfg.data.get("packing", "document"))
-
-    batcher = make_batcher(tc.seq_len)
-    # staged training (train.short_steps): the first updates see rows of train.short_seq_len tokens
-    short_batcher = make_batcher(tc.short_seq_len) if tc.short_steps > 0 else None
-    # 'stop' also compiles the skipping step: a non-finite update is not applied, so the state at
-    # the stop is the last finite one and can be checkpointed
-    if encoder:
-        n_mask = masking.num_masked(tc.seq_len, cfg.mlm.rate)
-        train_step = plan.jit_step(make_mlm_train_step(graphdef, tx, num_masked=n_mask, skip_nonfinite=True,
-                                                       constrain=plan.constrain))
-        fwd = jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
-        row0 = batcher.shard_index * tc.batch_size // batcher.num_shards  # this host's first global row
-    else:
-        seq_mode, seq_hidden = sequence_parallel.train_hidden(
-            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if tc.short_steps > 0 else ()),
-            seq_len=tc.seq_len, mode=cfg.mesh.sequence_mode)
-        if mesh.shape["sequence"] > 1:
-            print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
-        train_step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window,
-                                                   skip_nonfinite=True, constrain=plan.constrain, weighted=generated,
-                                                   hidden=seq_hidden, microbatches=tc.microbatches))
-        fwd = jax.jit(make_scored_forward(graphdef) if generated else make_forward(graphdef))
-    try:
-        writer = MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
-    except (OSError, UnicodeDecodeError) as e:  # a full disk, metrics.jsonl a folder or not text
-        why = "the disk is full" if getattr(e, "errno", None) == errno.ENOSPC else (
-            getattr(e, "strerror", None) or " ".join(str(e).split())[:120])
-        raise WorkdirError(f"cannot rewrite {workdir / 'metrics.jsonl'} for the resume ({why}); free space, or move "
-                           "the file aside if it is not this run's log, and run again") from None
+    task.setup(model, graphdef, tx, plan)
+    writer = open_metrics(workdir, step)
     base_key = jax.random.key(tc.seed)
     def tokens_per_step(at_step):
         return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
-    data_line = (f"{cfg.data.source} rows generated on the fly ({source.options()}), loss on the answer tokens"
-                 if generated else batcher.summary())
     print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
-          f"data: {data_line}")
+          f"data: {task.summary()}")
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-
-    eval_set = None
-
-    def evaluate_now(at_step):
-        nonlocal eval_set
-        if generated:  # the fixed evaluation rows of the task: answer loss and exact match
-            syn = cfg.data.synthetic
-            if eval_set is None:
-                eval_set = source.eval_rows(row_len=tc.seq_len, n_rows=syn.eval_rows, bins=syn.bins,
-                                            split=cfg.eval.split, seed=syn.eval_seed)
-            res = score_answers(
-                lambda p, inputs, targets, state: fwd(*p, inputs, targets, state), (params, nongrad, rest),
-                *eval_set, window=cfg.eval.window, batch_size=cfg.eval.batch_size,
-                init_state=lambda b, n: nnx.merge(graphdef, params, nongrad, rest).init_state(b, n), progress=False,
-            )
-            writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"],
-                                            "accuracy": res["accuracy"]})
-            return res
-        ecfg = ml_collections.ConfigDict(cfg.eval.to_dict())
-        ecfg.max_tokens = tc.eval_tokens if cfg.eval.max_tokens == 0 else min(cfg.eval.max_tokens, tc.eval_tokens)
-        split = data[cfg.eval.split]
-        if encoder:
-            res, _ = score_mlm_split(
-                lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask), (params, nongrad, rest), split, ecfg,
-                cfg.mlm, context=cfg.eval.context, mask_id=cfg.mlm.mask_id,
-                one_token_per_byte=bool(getattr(tokenizer, "one_token_per_byte", False)), progress=False,
-            )
-            writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"],
-                                            "accuracy": res["accuracy"]})
-            return res
-        res, _ = score_split(
-            lambda p, inputs, targets, state: fwd(*p, inputs, targets, state), (params, nongrad, rest), split, ecfg,
-            init_state=lambda b, n: nnx.merge(graphdef, params, nongrad, rest).init_state(b, n),
-            one_token_per_byte=bool(getattr(tokenizer, "one_token_per_byte", False)), progress=False,
-        )
-        writer.write(at_step, "valid", {"loss": res["loss_nats_per_token"], "bits_per_token": res["bits_per_token"]})
-        return res
 
     def save(at_step):
         nonlocal last_saved
         checkpoint.save(mngr, at_step, {"params": params, "nongrad": nongrad, "opt_state": opt_state}, config=cfg,
-                        extra={"data_dir": str(data_dir) if data_dir is not None else ""})
+                        extra=task.checkpoint_extra())
         last_saved = at_step
 
     def save_now(at_step):
@@ -359,18 +250,6 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     # short_seq_len in staged training) compiles on its first step, which is timed on its own
     compiled = set()
     t_last, tok_since, steps_since = time.time(), 0, 0
-
-    def device_batch(at_step):
-        """The batch of the step starting at ``at_step``, read on the host and sent to the devices."""
-        batch = (short_batcher if at_step < tc.short_steps else batcher).batch(at_step // n_win)
-        if encoder:
-            rows = row0 + np.arange(len(batch["tokens"]))
-            corrupted = masking.mask_rows(batch["tokens"], cfg.mlm, seed=tc.seed, step=at_step, rows=rows,
-                                          mask_id=cfg.mlm.mask_id)
-            return {k: sharding.shard_batch(mesh, v) for k, v in corrupted.items()}
-        if generated:
-            return {k: sharding.shard_batch(mesh, batch[k]) for k in ("tokens", "weights")}
-        return sharding.shard_batch(mesh, batch["tokens"])
 
     # the newest dispatched step whose metrics were not checked yet: (step before it, its step, metrics on device)
     pending = None
@@ -403,7 +282,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
 
     try:
         with StopFlag() as stop:
-            tokens = device_batch(step) if step < end else None
+            batch = task.batch(step) if step < end else None
             while step < end:
                 key = jax.random.fold_in(base_key, step)
                 shape = tokens_per_step(step)
@@ -411,10 +290,10 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 if compiling:
                     tqdm.write(f"compiling the train step (windows of {shape // tc.batch_size} tokens)...")
                     t_compile = time.time()
-                params, nongrad, opt_state, metrics = train_step(params, nongrad, rest, opt_state, tokens, key)
+                params, nongrad, opt_state, metrics = task.train_step(params, nongrad, rest, opt_state, batch, key)
                 prev, step = step, step + n_win
                 # the next batch is read and transferred while this step runs
-                tokens = device_batch(step) if step < end else None
+                batch = task.batch(step) if step < end else None
                 if compiling:
                     jax.block_until_ready(metrics)
                     compiled.add(shape)
@@ -427,28 +306,23 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 if pending is not None:
                     check(pending, later=metrics)
                 pending = (prev, step, metrics)
-                log_now = crossed(prev, step, tc.log_every) or step >= end
-                if log_now:
-                    metrics = settle()
-                    ce = float(np.mean(metrics["ce"]))
-                    dt = time.time() - t_last
-                    rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])),
-                           "lr": float(lr_at(step - 1))}
-                    if steps_since:  # not measurable when only the compiling step ran since the last record
-                        rec.update(tokens_per_sec=tok_since / max(dt, 1e-9), step_time=dt / steps_since)
-                    rec.update(extra_metrics(metrics))
+                if crossed(prev, step, tc.log_every) or step >= end:
+                    rec = train_record(settle(), lr=lr_at(step - 1), seconds=time.time() - t_last,
+                                       tokens=tok_since, steps=steps_since)
                     writer.write(step, "train", rec)
                     t_last, tok_since, steps_since = time.time(), 0, 0
                     if print_lines:
                         tqdm.write(log_line(step, tc.steps, rec))
-                    bar.set_postfix(loss=f"{ce:.3f}", bpt=f"{ce / LN2:.3f}",
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", bpt=f"{rec['bits_per_token']:.3f}",
                                     tok_s=f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
                                     valid=f"{last_valid:.3f}" if last_valid else "-")
                 bar.update(n_win)
                 if crossed(prev, step, tc.eval_every) or step >= tc.steps:
                     settle()
                     t_eval = time.time()
-                    last_valid = evaluate_now(step)["bits_per_token"]
+                    res = task.evaluate((params, nongrad, rest))
+                    writer.write(step, "valid", task.valid_record(res))
+                    last_valid = res["bits_per_token"]
                     t_last += time.time() - t_eval  # tokens/s and step time count training only
                     if print_lines:
                         tqdm.write(f"step {step}/{tc.steps}: valid {last_valid:.4f} bits/token")
@@ -483,6 +357,58 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     if skips.total:
         skips.warn(f"warning: {skips.total} non-finite update(s) were skipped in this run (train.on_nonfinite=skip)")
     return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid, "skipped_updates": skips.total}
+
+
+def open_run(cfg, workdir, *, max_steps: int | None, held: list) -> tuple[ml_collections.ConfigDict, Path]:
+    """(the validated config, the workdir): the config is checked once, before any data work; the
+    persistent compilation cache is set up, the workdir made and, on the primary host, its lock taken
+    (appended to ``held``)."""
+    if "://" in str(workdir):  # Path() would fold gs://b/x into a local folder gs:/b/x
+        raise WorkdirError(f"--workdir {workdir}: object-storage workdirs are not supported (the lock, metrics and "
+                           "TensorBoard logs need a file system); use a local or mounted folder (e.g. a bucket "
+                           "mounted with gcsfuse) visible to every host")
+    workdir = Path(workdir)
+    distributed.initialize_from_env()
+    cfg = config_lib.validate(cfg)
+    setup_compilation_cache(cfg.train, cfg.data)  # before the first compile
+    if max_steps is not None and max_steps <= 0:
+        raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
+    prepare_workdir(workdir)
+    if distributed.is_primary():
+        held.append(WorkdirLock(workdir).acquire())
+    return cfg, workdir
+
+
+def write_config(workdir: Path, cfg) -> None:
+    """The resolved config as ``WORKDIR/config.json`` (primary host)."""
+    try:
+        if distributed.is_primary():
+            (workdir / "config.json").write_text(cfg.to_json(indent=1))
+    except OSError as e:
+        raise WorkdirError(f"cannot write {workdir / 'config.json'} ({e.strerror or e}); the workdir must be a "
+                           "writable folder whose config.json is a file") from None
+
+
+def open_metrics(workdir: Path, step: int) -> MetricsWriter:
+    """The metrics log, cut back to ``step`` (a resume), or one line saying why it cannot be written."""
+    try:
+        return MetricsWriter(workdir, resume_step=step, enabled=distributed.is_primary())
+    except (OSError, UnicodeDecodeError) as e:  # a full disk, metrics.jsonl a folder or not text
+        why = "the disk is full" if getattr(e, "errno", None) == errno.ENOSPC else (
+            getattr(e, "strerror", None) or " ".join(str(e).split())[:120])
+        raise WorkdirError(f"cannot rewrite {workdir / 'metrics.jsonl'} for the resume ({why}); free space, or move "
+                           "the file aside if it is not this run's log, and run again") from None
+
+
+def train_record(metrics: dict, *, lr, seconds: float, tokens: int, steps: int) -> dict:
+    """The 'train' log record of a checked step's ``metrics`` (on the host); ``tokens`` and ``steps``
+    trained in the ``seconds`` since the last record (no throughput when only a compiling step ran)."""
+    ce = float(np.mean(metrics["ce"]))
+    rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])), "lr": float(lr)}
+    if steps:  # not measurable when only the compiling step ran since the last record
+        rec.update(tokens_per_sec=tokens / max(seconds, 1e-9), step_time=seconds / steps)
+    rec.update(extra_metrics(metrics))
+    return rec
 
 
 class SkipCounter:

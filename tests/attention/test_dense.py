@@ -1,5 +1,11 @@
-"""Exact attention: naive and blockwise paths against a NumPy softmax reference,
-streaming, token-by-token decoding, causality, gradients and a 65k forward."""
+"""Exact attention's own properties: the reference against a float64 NumPy softmax, the tiles' two structures
+(the unrolled full pass, the position-general loop) against the reference in value and gradient at shapes the
+shared law does not reach, which structure a call takes, the portable loop without a branch inside it, the
+implementation ``auto`` and old configuration values pick, and a 65k forward.
+
+Contract laws (streaming, decoding, causality, capacity, dtypes) run in tests/attention/test_contract.py, and
+every implementation equals the reference at the contract case in tests/attention/test_implementations.py.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +15,9 @@ from flax import nnx
 
 from longctx import attention
 from longctx.attention import dense
-from longctx.attention.dense import blockwise_attention, naive_attention, self_blockwise_attention
+from longctx.attention.dense import xla, xla_cpu
+
+TILED = ("blockwise", "xla_cpu")
 
 
 def np_softmax_attention(q, k, v, causal):
@@ -32,138 +40,132 @@ def rand_qkv(T, B=2, H=2, D=8, Dv=None, seed=0):
     )
 
 
-def core(causal=True, **cfg):
+def core(causal=True, value_dim=None, **cfg):
     c = attention.default_config("dense")
     c.update(cfg)
-    return attention.build("dense", c, num_heads=2, head_dim=8, causal=causal, rngs=nnx.Rngs(0))
+    return attention.build("dense", c, num_heads=2, head_dim=8, value_dim=value_dim, causal=causal, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("impl,T", [("naive", 37), ("blockwise", 37), ("blockwise", 64), ("blockwise", 5)])
-def test_matches_numpy_reference(causal, impl, T):
-    q, k, v = rand_qkv(T)
-    out, _ = core(causal, impl=impl, block_q=16, block_k=8)(q, k, v)
+def test_reference_matches_numpy_softmax(causal):
+    q, k, v = rand_qkv(37)
+    out, _ = core(causal, impl="reference")(q, k, v)
     ref = np_softmax_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), causal)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-4)
 
 
-def test_registry_lists_dense_and_rejects_unknown():
-    assert "dense" in attention.names()
-    with pytest.raises(attention.ConfigError if hasattr(attention, "ConfigError") else Exception, match="allowed"):
-        attention.build("nope", None, num_heads=1, head_dim=4, causal=True, rngs=nnx.Rngs(0))
-    with pytest.raises(Exception, match="impl"):
-        core(impl="fast")
+# (T, block_q, block_k): the unrolled full pass with query blocks equal to, twice and half the key blocks and a single
+# block; the position-general loop for lengths the blocks do not tile (a partial last block, a row shorter than one)
+STRUCTURES = [(32, 8, 8), (32, 16, 8), (32, 8, 16), (32, 32, 32), (37, 16, 8), (5, 16, 8)]
 
 
-@pytest.mark.parametrize(
-    "impl,splits",
-    [("naive", [0, 5, 6, 20, 37]), ("naive", list(range(38))), ("blockwise", [0, 5, 6, 20, 37]), ("blockwise", [0, 37])],
-)
-def test_streamed_chunks_equal_full(impl, splits):
-    T = 37
-    q, k, v = rand_qkv(T)
-    c = core(True, impl=impl, block_q=8, block_k=8)
-    full, _ = c(q, k, v)
-    state = c.init_state(2, T)
-    outs = []
-    for a, b in zip(splits[:-1], splits[1:]):
-        o, state = c(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state)
-        outs.append(o)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 2)), np.asarray(full), atol=1e-5)
-    assert int(state["length"]) == T
-
-
-def test_token_by_token_decoding_under_jit_equals_full():
-    T = 24
-    q, k, v = rand_qkv(T, seed=3)
-    c = core(True)
-    full, _ = c(q, k, v)
-    step = nnx.jit(lambda m, q, k, v, s: m(q, k, v, s))
-    state = c.init_state(2, T)
-    outs = []
-    for t in range(T):
-        o, state = step(c, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
-        outs.append(o)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 2)), np.asarray(full), atol=1e-5)
-
-
-@pytest.mark.parametrize("impl", ["naive", "blockwise"])
-def test_no_future_leak(impl):
-    T, t = 20, 9
-    q, k, v = rand_qkv(T, B=1, H=1)
-    c = core(True, impl=impl, block_q=4, block_k=4)
-    base, _ = c(q, k, v)
-    k2 = k.at[:, :, t + 1 :].add(5.0)
-    v2 = v.at[:, :, t + 1 :].add(5.0)
-    pert, _ = c(q, k2, v2)
-    np.testing.assert_array_equal(np.asarray(base[:, :, : t + 1]), np.asarray(pert[:, :, : t + 1]))
-    assert not np.allclose(np.asarray(base[:, :, t + 1 :]), np.asarray(pert[:, :, t + 1 :]))
-
-    def f(vv):
-        return c(q, k, vv)[0][0, 0, :, 0]
-
-    jac = np.asarray(jax.jacrev(f)(v))[:, 0, 0, :, 0]  # [T_out, T_in] (reverse mode: blockwise has a custom VJP)
-    assert np.all(np.triu(jac, 1) == 0)
-    assert np.all(np.abs(np.diag(jac)) > 0)
-
-
-def test_blockwise_gradients_equal_naive_and_finite():
-    T = 29
-    q, k, v = rand_qkv(T, seed=5)
-    pos = jnp.arange(T)
-    valid = jnp.ones((T,), bool)
-
-    def loss(fn, q, k, v):
-        return jnp.sum(jnp.sin(fn(q, k, v)))
-
-    naive = lambda q, k, v: naive_attention(q, k, v, pos, pos, valid, causal=True)
-    block = lambda q, k, v: blockwise_attention(q, k, v, pos, pos, valid, causal=True, block_q=8, block_k=8)
-    g1 = jax.jit(jax.grad(lambda *a: loss(naive, *a), argnums=(0, 1, 2)))(q, k, v)
-    g2 = jax.jit(jax.grad(lambda *a: loss(block, *a), argnums=(0, 1, 2)))(q, k, v)
-    for a, b in zip(g1, g2):
-        assert np.all(np.isfinite(np.asarray(b)))
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-
-
+@pytest.mark.parametrize("impl", TILED)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("bq,bk", [(8, 8), (16, 8), (8, 16), (32, 32)])
-def test_self_blocks_equal_naive_with_gradients(causal, bq, bk):
-    """The unrolled full-pass path (blocks wholly visible, blocks the diagonal crosses, a single block): output and
-    gradients equal the naive path's, in both directions and for block_q above, below and equal to block_k."""
-    T = 32
+@pytest.mark.parametrize("T,bq,bk", STRUCTURES)
+def test_tiles_equal_the_reference_in_every_structure(impl, causal, T, bq, bk):
     q, k, v = rand_qkv(T, seed=7, Dv=6)
-    pos, valid = jnp.arange(T), jnp.ones((T,), bool)
-    naive = lambda q, k, v: naive_attention(q, k, v, pos, pos, valid, causal=causal)  # noqa: E731
-    blocks = lambda q, k, v: self_blockwise_attention(q, k, v, causal=causal, block_q=bq, block_k=bk)  # noqa: E731
-    np.testing.assert_allclose(np.asarray(blocks(q, k, v)), np.asarray(naive(q, k, v)), atol=2e-6)
-    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
-    g1 = jax.jit(jax.grad(loss(naive), argnums=(0, 1, 2)))(q, k, v)
-    g2 = jax.jit(jax.grad(loss(blocks), argnums=(0, 1, 2)))(q, k, v)
-    for a, b in zip(g1, g2):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    ref, tiles = (core(causal, value_dim=6, impl=i, block_q=bq, block_k=bk) for i in ("reference", impl))
+    loss = lambda c: lambda *a: jnp.sum(jnp.sin(c(*a)[0]))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(tiles(q, k, v)[0]), np.asarray(ref(q, k, v)[0]), atol=2e-6)
+    g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    g = jax.jit(jax.grad(loss(tiles), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g_ref, g):
+        assert np.all(np.isfinite(np.asarray(b)))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
-def test_full_passes_take_the_self_blocks_only_when_they_apply(monkeypatch):
-    """A cache-free call of a length that whole blocks tile takes the unrolled path; a length they do not tile, a
-    call with a state and one with more than MAX_UNROLLED_BLOCKS query blocks take the position-general loop."""
-    taken = []
-    real = dense.self_blockwise_attention
-    monkeypatch.setattr(dense, "self_blockwise_attention", lambda *a, **kw: taken.append(a[0].shape[2]) or real(*a, **kw))
-    c = core(True, impl="blockwise", block_q=8, block_k=8)
-    for T in (32, 30):
-        c(*rand_qkv(T))
-    c(*rand_qkv(8), state=c.init_state(2, 64))
-    monkeypatch.setattr(dense, "MAX_UNROLLED_BLOCKS", 3)
-    c(*rand_qkv(32))
-    assert taken == [32]
+def _structure(fn, *args) -> str:
+    """'unrolled' or 'loop': the custom VJP a traced call goes through."""
+    eqns = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+    assert len(eqns) == 1
+    return "unrolled" if "_self_blocks_bwd" in str(eqns[0].params["bwd"]) else "loop"
+
+
+@pytest.mark.parametrize("impl", TILED)
+def test_full_passes_take_the_unrolled_tiles_only_when_they_apply(impl):
+    """A cache-free call of a length that whole blocks tile takes the unrolled structure; a length they do not tile,
+    a call with a state and one with more query blocks than ``max_unrolled`` take the position-general loop."""
+    c = core(True, impl=impl, block_q=8, block_k=8)
+    call = lambda q, k, v, state=None: c(q, k, v, state)[0]  # noqa: E731
+    assert _structure(call, *rand_qkv(32)) == "unrolled"
+    assert _structure(call, *rand_qkv(30)) == "loop"
+    assert _structure(call, *rand_qkv(8), c.init_state(2, 64)) == "loop"
+    pos = jnp.arange(32)
+    ops = {"blockwise": xla.PLAIN, "xla_cpu": xla_cpu.CPU}[impl]
+    few = lambda q, k, v: xla.tiled(q, k, v, pos, pos, pos >= 0, causal=True, block_q=8, block_k=8,  # noqa: E731
+                                    full_pass=True, ops=ops, max_unrolled=3)
+    assert _structure(few, *rand_qkv(32)) == "loop"
     assert dense.self_blocks_apply(64, 512, 256) and not dense.self_blocks_apply(1000, 512, 256)
+    assert not dense.self_blocks_apply(4096, 8, 8) and dense.MAX_UNROLLED_BLOCKS == 32
+
+
+def _primitives(jaxpr, inside_loop=False, out=None):
+    """(primitive name, inside a scan/while) for every equation of ``jaxpr`` and its sub-jaxprs."""
+    out = [] if out is None else out
+    for e in jaxpr.eqns:
+        out.append((e.primitive.name, inside_loop))
+        loop = inside_loop or e.primitive.name in ("scan", "while")
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    _primitives(sub.jaxpr, loop, out)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    _primitives(sub, loop, out)
+    return out
+
+
+@pytest.mark.parametrize("full_pass,T", [(True, 32), (True, 30), (False, 30)])
+def test_portable_tiles_have_no_branch_inside_their_loops(full_pass, T):
+    """blockwise (GPU, TPU) computes every visited key block under its mask: no ``cond`` in its loops, forward or
+    backward, where xla_cpu skips a key block in the future with one."""
+    q, k, v = rand_qkv(T)
+    pos = jnp.arange(T) + (0 if full_pass else 5)
+
+    def grad_of(mod):
+        f = lambda q, k, v: mod.attend(q, k, v, pos, pos, pos >= 0, causal=True, block_q=8, block_k=8,  # noqa: E731
+                                       full_pass=full_pass)
+        return jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2)))(q, k, v).jaxpr
+
+    portable = _primitives(grad_of(xla))
+    assert ("scan", False) in portable and not any(name == "cond" for name, _ in portable)
+    assert (("cond", True) in _primitives(grad_of(xla_cpu))) == (not full_pass or T % 8 != 0)
+
+
+@pytest.mark.parametrize("full_pass", [True, False])
+def test_auto_and_old_values_pick_their_implementations(full_pass):
+    """On a CPU, 'auto' takes the reference up to auto_threshold scores and xla_cpu past it; the old value 'naive' is
+    the reference; the old 'blockwise' (the tiles, on a CPU then with XLA:CPU's ops) gives today's xla_cpu forward
+    bit for bit (the same ops on the forward; the backward differs only in rounding)."""
+    shapes = dict(dtype=jnp.float32, head_dim=8, kv_cache=not full_pass, platform="cpu")
+    assert dense.choose("auto", large=False, **shapes).name == "reference"
+    assert dense.choose("auto", large=True, **shapes).name == "xla_cpu"
+    assert dense.choose("naive", **shapes).name == "reference"
+    assert dense.choose("blockwise", **shapes).name == "blockwise"
+    assert dense.choose("cudnn,blockwise", **shapes).name == "blockwise"
+    T = 30
+    q, k, v = rand_qkv(T, seed=2)
+    state = None if full_pass else core(True).init_state(2, T + 6)
+    run = lambda impl: np.asarray(core(True, impl=impl, block_q=8, block_k=8)(q, k, v, state)[0])  # noqa: E731
+    np.testing.assert_array_equal(run("naive"), run("reference"))
+    np.testing.assert_array_equal(run("blockwise"), run("xla_cpu"))
+
+
+def test_config_takes_names_lists_and_old_values_and_rejects_unknown():
+    for impl in ("auto", "reference", "naive", "blockwise", "xla_cpu", "cudnn", "splash", "cudnn,blockwise"):
+        core(impl=impl)
+    assert "dense" in attention.names()
+    with pytest.raises(Exception, match="allowed"):
+        attention.build("nope", None, num_heads=1, head_dim=4, causal=True, rngs=nnx.Rngs(0))
+    for bad in ("fast", "auto,blockwise"):
+        with pytest.raises(Exception, match="impl"):
+            core(impl=bad)
 
 
 @pytest.mark.slow
-def test_blockwise_runs_65536_token_forward():
+def test_tiles_run_65536_token_forward():
     T = 65536
     q, k, v = rand_qkv(T, B=1, H=1, D=16, seed=1)
-    c = core(True, impl="blockwise", block_q=1024, block_k=1024)
+    c = core(True, impl="xla_cpu", block_q=1024, block_k=1024)
     out = jax.jit(lambda q, k, v: c(q, k, v)[0])(q, k, v)
     out = np.asarray(out)
     assert out.shape == (1, 1, T, 16) and np.all(np.isfinite(out))

@@ -1,12 +1,12 @@
-"""dense on every platform (longctx/attention/dense_platform.py): cuDNN flash attention on GPUs, splash attention on
-TPUs, by the shared implementation rule.
+"""dense on every platform (longctx/attention/dense/platform.py): cuDNN flash attention on GPUs, splash attention on
+TPUs, chosen by the shared implementation rule (``dispatch.select`` with dense's per-platform order, ``dense.choose``).
 
 * The reasons each kernel declares, and the rule: 'auto' takes the platform's kernel where it has none, else the
   XLA path with one log line naming why (a KV-cache step, fp32 inputs, ...); an explicit kernel where it cannot
   serve raises listing every reason; on the CPU 'auto' is exactly today's XLA program.
 * The wiring on this CPU: the cuDNN call's layout, scale, causal flag and key lengths run through jax's XLA
   implementation of the same ``jax.nn.dot_product_attention`` call, and splash in Pallas interpret mode; values
-  and gradients against dense's naive path.
+  and gradients against dense's reference.
 * ``jax.export`` lowering of ``impl='cudnn'`` for 'cuda' and ``impl='splash'`` for 'tpu', forward and backward.
   A CPU-only jaxlib has no cuDNN to ask its version of: ``jax.nn.dot_product_attention(implementation='cudnn')``
   calls ``check_cudnn_version()`` first, which raises "cuDNN is not detected" there. The version only gates
@@ -28,8 +28,8 @@ import pytest
 
 from longctx import attention
 from longctx.attention import dense, dispatch
-from longctx.attention import dense_platform as dp
-from longctx.attention.dense import naive_attention
+from longctx.attention.dense import naive_attention, xla_cpu
+from longctx.attention.dense import platform as dp
 from longctx.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -102,9 +102,9 @@ def fresh_log(caplog):
 
 
 def test_auto_takes_cudnn_on_cuda_and_splash_on_tpu(fresh_log):
-    assert dp.choose("auto", platform="cuda", dtype=BF16, head_dim=64).impl == "cudnn"
-    assert dp.choose("auto", platform="tpu", dtype=BF16, head_dim=128).impl == "splash"
-    assert dp.choose("auto", platform="tpu", dtype=F32, head_dim=64).impl == "splash"
+    assert dense.choose("auto", platform="cuda", dtype=BF16, head_dim=64).name == "cudnn"
+    assert dense.choose("auto", platform="tpu", dtype=BF16, head_dim=128).name == "splash"
+    assert dense.choose("auto", platform="tpu", dtype=F32, head_dim=64).name == "splash"
     assert log_lines(fresh_log) == []
 
 
@@ -115,48 +115,60 @@ def test_auto_takes_cudnn_on_cuda_and_splash_on_tpu(fresh_log):
     ("tpu", dict(dtype=BF16, head_dim=128, kv_cache=True), "KV-cache"),
     ("tpu", dict(dtype=BF16, head_dim=96), "head_dim=96"),
 ])
-def test_auto_falls_back_to_xla_with_one_line_naming_why(fresh_log, platform, kw, why):
+@pytest.mark.parametrize("large", [False, True])
+def test_auto_falls_back_to_xla_with_one_line_naming_why(fresh_log, platform, kw, why, large):
     for _ in range(3):  # resolved at every trace: still one line
-        c = dp.choose("auto", platform=platform, **kw)
-    assert c.impl == "xla" and any(why in r for r in c.reasons)
+        c = dense.choose("auto", platform=platform, large=large, **kw)
+    fallback = "blockwise" if large else "reference"
+    assert c.name == fallback and any(why in r for r in c.reasons)
     lines = log_lines(fresh_log)
-    assert len(lines) == 1 and why in lines[0] and "XLA" in lines[0] and platform in lines[0]
+    assert len(lines) == 1 and why in lines[0] and f"uses {fallback}" in lines[0] and platform in lines[0]
 
 
 def test_auto_on_cpu_is_xla_without_a_line(fresh_log):
-    c = dp.choose("auto", platform="cpu", dtype=BF16, head_dim=64)
-    assert c.impl == "xla" and c.reasons == ()
+    for kv_cache in (False, True):
+        assert dense.choose("auto", platform="cpu", dtype=BF16, head_dim=64, kv_cache=kv_cache).name == "reference"
+        c = dense.choose("auto", platform="cpu", dtype=BF16, head_dim=64, kv_cache=kv_cache, large=True)
+        assert c.name == "xla_cpu" and c.reasons == ()
     assert log_lines(fresh_log) == []
 
 
 def test_explicit_cudnn_where_unsupported_raises_listing_every_reason():
-    with pytest.raises(dispatch.KernelUnsupportedError) as err:
-        dp.choose("cudnn", platform="cuda", dtype=F32, head_dim=60, value_dim=32, kv_cache=True)
-    for part in ("float32", "head_dim=60", "value_dim=32", "KV-cache", "impl='auto'"):
-        assert part in str(err.value)
+    for kv_cache in (False, True):
+        with pytest.raises(dispatch.KernelUnsupportedError) as err:
+            dense.choose("cudnn", platform="cuda", dtype=F32, head_dim=60, value_dim=32, kv_cache=kv_cache)
+        for part in ("float32", "head_dim=60", "value_dim=32", "impl='auto'") + (("KV-cache",) if kv_cache else ()):
+            assert part in str(err.value)
     with pytest.raises(dispatch.KernelUnsupportedError, match="NVIDIA"):
-        dp.choose("cudnn", platform="cpu", dtype=BF16, head_dim=64)
+        dense.choose("cudnn", platform="cpu", dtype=BF16, head_dim=64)
     with pytest.raises(dispatch.KernelUnsupportedError, match="TPU"):
-        dp.choose("splash", platform="cuda", dtype=BF16, head_dim=64)
+        dense.choose("splash", platform="cuda", dtype=BF16, head_dim=64)
+    with pytest.raises(dispatch.KernelUnsupportedError, match="xla_cpu runs on cpu"):
+        dense.choose("xla_cpu", platform="cuda", dtype=BF16, head_dim=64)
 
 
-def test_explicit_kernel_decodes_by_the_xla_path(fresh_log):
-    """A KV-cache step is the one form the kernels never compute: it takes XLA under an explicit impl too."""
-    c = dp.choose("cudnn", platform="cuda", dtype=BF16, head_dim=64, kv_cache=True)
-    assert c.impl == "xla" and "KV-cache" in c.reasons[0]
-    assert len(log_lines(fresh_log)) == 1
+@pytest.mark.parametrize("impl, large, fallback", [("cudnn", False, "reference"), ("cudnn", True, "blockwise"),
+                                                   ("cudnn,reference", True, "reference")])
+def test_explicit_kernel_decodes_by_the_xla_path(fresh_log, impl, large, fallback):
+    """A KV-cache step is the one form the kernels never compute: it takes XLA under an explicit impl too (the rest
+    of a list, else the platform's XLA order), with one line."""
+    c = dense.choose(impl, platform="cuda", dtype=BF16, head_dim=64, kv_cache=True, large=large)
+    assert c.name == fallback
+    lines = log_lines(fresh_log)
+    assert len(lines) == 1 and "KV-cache" in lines[0] and fallback in lines[0]
 
 
 def test_explicit_splash_on_cpu_is_interpret_mode_with_a_warning():
     with pytest.warns(UserWarning, match="interpret"):
-        c = dp.choose("splash", platform="cpu", dtype=F32, head_dim=8)
-    assert c.impl == "splash" and c.interpret
+        c = dense.choose("splash", platform="cpu", dtype=F32, head_dim=8)
+    assert c.name == "splash" and c.interpret
 
 
-@pytest.mark.parametrize("impl", ["naive", "blockwise"])
-def test_xla_impls_stay_xla_everywhere(impl):
+@pytest.mark.parametrize("impl, name", [("naive", "reference"), ("reference", "reference"), ("blockwise", "blockwise")])
+def test_xla_impls_stay_xla_everywhere(impl, name):
     for plat in ("cpu", "cuda", "tpu"):
-        assert dp.choose(impl, platform=plat, dtype=BF16, head_dim=64).impl == "xla"
+        for kv_cache in (False, True):
+            assert dense.choose(impl, platform=plat, dtype=BF16, head_dim=64, kv_cache=kv_cache).name == name
 
 
 def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monkeypatch):
@@ -168,36 +180,36 @@ def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monke
     cfg.impl = "flash"
     with pytest.raises(ConfigError, match="cudnn"):
         attention.validate("dense", cfg, causal=True)
-    assert set(dense.DenseAttention.bench_variants()) == {"naive", "blockwise"}  # this CPU: as before
+    # this CPU: the labels as before, the tiles by their CPU form
+    assert dense.DenseAttention.bench_variants() == {"naive": {"impl": "reference"}, "blockwise": {"impl": "xla_cpu"}}
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
-    assert dense.DenseAttention.bench_variants()["cudnn"] == {"impl": "cudnn"}
+    variants = dense.DenseAttention.bench_variants()
+    assert variants["cudnn"] == {"impl": "cudnn"} and variants["blockwise"] == {"impl": "blockwise"}
 
 
 # ------------------------------------------------------------------------------------------------ CPU unchanged
-@pytest.mark.parametrize("T, threshold", [(64, 4096 * 4096), (64, 16)])  # naive; the unrolled blockwise
+@pytest.mark.parametrize("T, threshold", [(64, 4096 * 4096), (64, 16)])  # reference; the unrolled tiles
 @pytest.mark.parametrize("full_pass", [True, False])
-def test_auto_on_cpu_is_the_same_program_as_before(fresh_log, T, threshold, full_pass):
+def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, T, threshold, full_pass):
     q, k, v = qkv(T)
     pos = full(T)
     kw = dict(causal=True, block_q=16, block_k=16)
 
-    def before(q, k, v):  # the rule as it was: blockwise past the threshold, else naive
+    def rule(q, k, v):  # blockwise past the threshold (on a CPU by XLA:CPU's ops), else the reference
         if T * T > threshold:
-            if full_pass:
-                return dense.self_blockwise_attention(q, k, v, **kw)
-            return dense.blockwise_attention(q, k, v, *pos, **kw)
+            return xla_cpu.attend(q, k, v, *pos, full_pass=full_pass, **kw)
         return naive_attention(q, k, v, *pos, causal=True)
 
     def now(q, k, v):
         return dense.attend(q, k, v, *pos, impl="auto", auto_threshold=threshold, full_pass=full_pass, **kw)
 
-    assert str(jax.make_jaxpr(now)(q, k, v)) == str(jax.make_jaxpr(before)(q, k, v))
+    assert str(jax.make_jaxpr(now)(q, k, v)) == str(jax.make_jaxpr(rule)(q, k, v))
     assert log_lines(fresh_log) == []
 
 
 # ------------------------------------------------------------------------------------------------ the wiring, here
 def naive_padded(q, k, v, lengths, causal):
-    """dense's naive path, one row at a time, keys from lengths[b] on masked."""
+    """dense's reference, one row at a time, keys from lengths[b] on masked."""
     T = q.shape[2]
     pos = jnp.arange(T, dtype=jnp.int32)
     rows = [naive_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, pos, pos < int(lengths[b]), causal=causal)
@@ -264,7 +276,7 @@ def test_platform_kernel_compiled_matches_naive(causal):
     T = 512
     args = qkv(T, D=64, dtype=BF16)
     pos = full(T)
-    assert dp.choose("auto", dtype=BF16, head_dim=64).impl == ON_DEVICE
+    assert dense.choose("auto", dtype=BF16, head_dim=64).name == ON_DEVICE
 
     def fn(q, k, v):
         return dense.attend(q, k, v, *pos, causal=causal, impl=ON_DEVICE, block_q=128, block_k=128,

@@ -1,9 +1,11 @@
-"""Transformer-VQ: the checks 1-11 of docs/methods/transformer_vq.md §7 (check 10's multi-device part lives in
-test_transformer_vq_multidevice.py; check 12 in tests/kernels/test_vq_cache.py)."""
+"""Transformer-VQ: the checks 1-11 of docs/methods/transformer_vq.md §7 on the method's own functions (check 10's
+multi-device part lives in test_transformer_vq_multidevice.py; check 12 in tests/kernels/test_vq_cache.py), its
+options and the mapping of older execution settings. That every implementation equals the reference (outputs,
+state, gradients) is tests/attention/test_implementations.py; causality, streaming, decoding and shapes are
+tests/attention/test_contract.py."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -16,27 +18,27 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import Aux
 from longctx.attention import transformer_vq as tvq
+from longctx.attention.transformer_vq import reference, xla, xla_cpu
 from longctx.errors import ConfigError
+from pallas_kernels import vq_cache_ref
 
 # jitted entry points: eager lax.scan retraces (and recompiles) on every call, so tests call these.
 # Cheap XLA compiles: tests are compile-bound on CPU.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 PAR = jax.jit(tvq.causal_parallel, static_argnames=("L", "M", "reduction", "return_lse"), compiler_options=FAST)
 STREAM = jax.jit(tvq.causal_stream, static_argnames=("L", "M"), compiler_options=FAST)
-QUAD = jax.jit(tvq.quadratic_reference, static_argnames=("M", "causal", "sg_far_block"), compiler_options=FAST)
+REF = jax.jit(reference.causal, static_argnames=("L", "M"), compiler_options=FAST)
+REF_BI = jax.jit(reference.bidirectional, static_argnames=("L", "M", "band"), compiler_options=FAST)
 ENC = jax.jit(tvq.encoder_parallel, static_argnames=("L", "M", "band"), compiler_options=FAST)
 STVQ = jax.jit(tvq.stvq, compiler_options=FAST)
 REDUCE = jax.jit(tvq.prefix_reduce, static_argnames=("reduction",), compiler_options=FAST)
 
 
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
-def _call(graphdef, variables, q, k, v, st):
-    return nnx.merge(graphdef, variables)(q, k, v, st)
-
-
-def CALL(core, q, k, v, st):
-    graphdef, variables = nnx.split(core)
-    return _call(graphdef, variables, q, k, v, st)
+def QUAD(q_u, bd, k_hat, z, v, C, M, L=None):
+    """The reference's output from the empty state (L: its blocks, which set only which keys take gradients)."""
+    B, H, _, Dk = q_u.shape
+    return REF(q_u, bd, k_hat, z, v, C, tvq.empty_state(B, H, M, C.shape[1], Dk, v.shape[-1], q_u.dtype),
+               L=L or M, M=M)[0]
 
 
 @pytest.fixture
@@ -168,7 +170,7 @@ def test_quadratic_reference_matches_loops(x64):
     d = make_inputs(M=3)
     q_u, q_v, bd = derived(d)
     k_hat, z, _, _ = STVQ(d["k"], d["C"])
-    assert max_err(QUAD(q_u, bd, k_hat, d["v"], M=3),
+    assert max_err(QUAD(q_u, bd, k_hat, z, d["v"], d["C"], M=3),
                    np_reference(q_u, q_v, k_hat, d["v"], d["r"], 3)) < 1e-12
 
 
@@ -193,7 +195,7 @@ def test_linear_equals_quadratic(x64, dtype, pairs):
         dd, ref_in = ({k: (v[: M + 1] if k == "r" else v) for k, v in x.items()} for x in (d, d64))
         q_u, _, bd = derived(ref_in)
         k_hat, z, _, _ = STVQ(ref_in["k"], ref_in["C"])
-        ref = QUAD(q_u, bd, k_hat, ref_in["v"], M=M)
+        ref = QUAD(q_u, bd, k_hat, z, ref_in["v"], ref_in["C"], M=M)
         q_u_x, _, bd_x = derived(dd)
         k_hat_x, z_x, _, _ = STVQ(dd["k"], dd["C"])
         for red in (("serial", "matmul", "assoc")[(L + M) % 3],):  # reductions cycle; all compared below
@@ -222,7 +224,7 @@ def test_reductions_agree(x64):
     d = make_inputs(T=12, M=3)
     q_u, _, bd = derived(d)
     k_hat, z, _, _ = STVQ(d["k"], d["C"])
-    ref = QUAD(q_u, bd, k_hat, d["v"], M=3)
+    ref = QUAD(q_u, bd, k_hat, z, d["v"], d["C"], M=3)
     o = PAR(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, 3), L=3, M=3)[0]
     assert max_err(o, ref) < 1e-10
 
@@ -232,7 +234,7 @@ def test_ragged_length_and_carried_state(x64):
     d = make_inputs(T=10, M=3)
     q_u, _, bd = derived(d)
     k_hat, z, _, _ = STVQ(d["k"], d["C"])
-    ref = QUAD(q_u, bd, k_hat, d["v"], M=3)
+    ref = QUAD(q_u, bd, k_hat, z, d["v"], d["C"], M=3)
     for L in (3, 4, 7, 16):
         o, st = PAR(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, 3), L=L, M=3)
         assert o.shape == d["v"].shape and max_err(o, ref) < 1e-10, L
@@ -246,7 +248,7 @@ def _stream_sweep(T, Ls, Ms, seed=0):
     for M in Ms:
         dd = dict(d, r=d["r"][: M + 1])
         q_u, _, bd = derived(dd)
-        ref = QUAD(q_u, bd, k_hat, d["v"], M=M)
+        ref = QUAD(q_u, bd, k_hat, z, d["v"], d["C"], M=M)
         for L in Ls:
             o, st = STREAM(q_u, bd, k_hat, z, d["v"], d["C"], empty(d, M), L=L, M=M)
             assert max_err(o, ref) < 1e-10, (L, M)
@@ -261,33 +263,6 @@ def test_stream_equals_quadratic(x64):
 @pytest.mark.slow
 def test_stream_equals_quadratic_full_sweep(x64):
     _stream_sweep(48, Ls=divisors(48), Ms=divisors(48))
-
-
-# ---------------------------------------------------------------------- check 4: no future leak
-@pytest.mark.parametrize("over", [dict(reduction="serial"), dict(form="blocks"), dict(reduction="matmul"),
-                                  dict(reduction="assoc"),
-                                  dict(form="stream"), dict(form="stream", block_len=3, mem_len=5)])
-@pytest.mark.slow
-def test_no_future_leak(over):
-    core = small_core(**over)
-    q, k, v = qkv(T=12)
-    t = 6
-
-    def f(q, k, v):
-        return core(q, k, v)[0][:, :, t]
-
-    jac = jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(q, k, v)  # each [B,H,Dv, B,H,T,D] (reverse mode: custom VJP)
-    for j in jac:
-        assert float(jnp.abs(j[..., t + 1:, :]).max()) == 0.0
-        assert float(jnp.abs(j[..., : t + 1, :]).max()) > 0.0
-    # key-gradient also reaches the past two blocks only through the local band (§2.7 caveat), so
-    # check explicitly that an older key still gets some gradient (q . k_hat of the present block)
-    assert float(jnp.abs(jac[1][..., t, :]).max()) > 0.0
-    out = CALL(core, q, k, v, None)[0]
-    noise = jax.random.normal(jax.random.PRNGKey(5), q.shape) * (jnp.arange(12) > t)[:, None]
-    out2 = CALL(core, q + noise, k - noise, v + 3 * noise, None)[0]
-    assert jnp.array_equal(out[:, :, : t + 1], out2[:, :, : t + 1])
-    assert not jnp.array_equal(out[:, :, t + 1:], out2[:, :, t + 1:])
 
 
 # ---------------------------------------------------------------------- check 5: block-size invariance
@@ -327,22 +302,6 @@ def test_cache_carry_pure_functions(x64):
     o2, s2 = STREAM(*(sl(x, 5, T) for x in (q_u, bd, k_hat, z, d["v"])), d["C"], s1, L=4, M=M)
     assert max_err(jnp.concatenate([o1, o2], 2), full) < 1e-10
     _assert_states_close(s2, st_full, 1e-10)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("over", [dict(), dict(mem_len=2), dict(mem_len=6, form="stream")])
-def test_core_any_split_and_decode(over):
-    core = small_core(**over)
-    q, k, v = qkv(T=13)
-    full, st_full = CALL(core, q, k, v, None)
-    for splits in ([5, 8], [1] * 13):
-        st, outs, a = None, [], 0
-        for n in splits:
-            o, st = CALL(core, q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], st)
-            outs.append(o)
-            a += n
-        assert max_err(jnp.concatenate(outs, 2), full) < 2e-5, splits
-        _assert_states_close(st, st_full, 2e-5)
 
 
 def _gau_cfg(**over):
@@ -386,24 +345,25 @@ def test_gau_stack_carry_and_decode():
 
 
 # ---------------------------------------------------------------------- check 7: STVQ
-def test_stvq_forward_jacobian_and_commit_grad(x64):
+@pytest.mark.parametrize("stvq", [reference.stvq, xla.stvq, xla_cpu.stvq], ids=["reference", "xla", "xla_cpu"])
+def test_stvq_forward_jacobian_and_commit_grad(x64, stvq):
     d = make_inputs(B=1, H=2, T=3, Dk=4, S=6)
     k, C = d["k"], d["C"]
-    k_hat, z, err2, c_z = tvq.stvq(k, C)
+    k_hat, z, err2, c_z = stvq(k, C)
     dist = jnp.sum((k[..., None, :] - C[None, :, None]) ** 2, -1)
     assert jnp.array_equal(z, jnp.argmin(dist, -1))
     assert max_err(k_hat, c_z) < 1e-12 and max_err(err2, jnp.min(dist, -1)) < 1e-10
-    jac = jax.jit(jax.jacfwd(lambda kk: tvq.stvq(kk, C)[0]), compiler_options=FAST)(k)
+    jac = jax.jit(jax.jacfwd(lambda kk: stvq(kk, C)[0]), compiler_options=FAST)(k)
     assert max_err(jac.reshape(k.size, k.size), jnp.eye(k.size)) == 0.0
     beta = 1e-4
     B, T = k.shape[0], k.shape[2]
-    g_k, g_C = jax.jit(jax.grad(lambda kk, cc: beta * tvq.commit_loss(kk, tvq.stvq(kk, cc)[3]), argnums=(0, 1)),
+    g_k, g_C = jax.jit(jax.grad(lambda kk, cc: beta * tvq.commit_loss(kk, stvq(kk, cc)[3]), argnums=(0, 1)),
                        compiler_options=FAST)(k, C)
     assert max_err(g_k, 2 * beta * (k - c_z) / (B * T)) < 1e-15
     assert float(jnp.abs(g_C).max()) == 0.0
     # ties go to the lowest index
     C2 = jnp.concatenate([C[:, :1], C[:, :1], C[:, 1:]], axis=1)
-    z2 = tvq.stvq(C[None, :, :1], C2)[1]
+    z2 = stvq(C[None, :, :1], C2)[1]
     assert int(z2.max()) == 0
 
 
@@ -424,9 +384,13 @@ def test_core_reports_commit_and_stats():
 
 
 # ---------------------------------------------------------------------- check 8: gradients
-@pytest.mark.parametrize("form,L,M", [("parallel", 3, 3), ("parallel", 4, 2), ("stream", 3, 3), ("blocks", 3, 3),
-                                      ("blocks", 4, 2)])
+# M < L (the shared law runs M = L) and tiles of 2 query rows; the portable forms and XLA:CPU's
+@pytest.mark.parametrize("form,L,M", [("parallel", 4, 2), ("blocks", 4, 2), ("cpu_parallel", 4, 2),
+                                      ("cpu_blocks", 4, 2), ("stream", 3, 3)])
 def test_gradients_match_reference(x64, form, L, M):
+    """Check 8: the gradients of the linear forms equal the reference's (keys outside the two local blocks
+    through their stop-gradient codeword, §2.7)."""
+    mod = xla_cpu if form.startswith("cpu_") else xla
     d = make_inputs(T=12, M=M, Dv=3)
     g = jax.random.normal(jax.random.PRNGKey(11), d["v"].shape, jnp.float64)
     w = jax.random.normal(jax.random.PRNGKey(12), d["v"].shape, jnp.float64)
@@ -436,13 +400,13 @@ def test_gradients_match_reference(x64, form, L, M):
         q_u, q_v, bd = derived(dd)
         k_hat, z, _, _ = tvq.stvq(k, d["C"])
         if which == "ref":
-            o = tvq.quadratic_reference(q_u, bd, k_hat, v, M=M, sg_far_block=L)
-        elif form == "blocks":  # tiles of 2 query rows (1 when L = 3): the tile loop and its offsets
-            o = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], empty(d, M), L=L, M=M, q_tile=2)[0]
-        elif form == "parallel":
-            o = tvq.causal_parallel(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+            o = reference.causal(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+        elif form.endswith("blocks"):  # tiles of 2 query rows: the tile loop and its offsets
+            o = mod.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], empty(d, M), L=L, M=M, q_tile=2)[0]
+        elif form.endswith("parallel"):
+            o = mod.causal_parallel(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
         else:
-            o = tvq.causal_stream(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
+            o = mod.causal_stream(q_u, bd, k_hat, z, v, d["C"], empty(d, M), L=L, M=M)[0]
         return jnp.sum(jnp.sin(o * G) * w)
 
     args = (d["q"], d["k"], d["v"], d["u"], d["vb"], d["r"], g)
@@ -458,9 +422,11 @@ def test_gradients_match_reference(x64, form, L, M):
 @pytest.mark.parametrize("keep", [True, False])  # backward from the forward's kept weights / recomputed
 @pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), pytest.param(5, 4, 4, 4, marks=pytest.mark.slow),
                                           pytest.param(16, 8, 8, 4, marks=pytest.mark.slow)])
-def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep):
+@pytest.mark.parametrize("mod", [xla_cpu, pytest.param(xla, marks=pytest.mark.slow)], ids=["xla_cpu", "xla"])
+def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mod):
     """causal_blocks (tiled scan, FlashAttention-style backward) == causal_parallel (serial): output, new state and
-    the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0."""
+    the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0 (the shared
+    law differentiates the empty state's calls only)."""
     keep_budget = 1 << 30 if keep else 0  # the execution setting attention.transformer_vq.keep_budget
     d = make_inputs(T=T, M=M, S=6, Dv=3)
     B, H, _, Dk = d["q"].shape
@@ -477,7 +443,7 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep):
     def run(which, q_u, q_v, r, k_hat, v, band_v, agg_mu):
         s = dict(st, band_v=band_v, agg_mu=agg_mu)
         if which == "blocks":
-            o, ns = tvq.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile,
+            o, ns = mod.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile,
                                       keep_budget=keep_budget)
         else:
             o, ns = tvq.causal_parallel(q_u, tvq.band_scores(q_v, r), k_hat, z, v, d["C"], s, L=L, M=M)
@@ -582,22 +548,20 @@ def test_encoder_equals_dense_bidirectional(x64, T, L, M):
     want = np_reference(q_u, q_v, k_hat, d["v"], d["r"], M, causal=False)
     o = ENC(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=True)
     assert max_err(o, want) < 1e-10
-    assert max_err(QUAD(q_u, bd, k_hat, d["v"], M=M, causal=False), want) < 1e-10
+    assert max_err(REF_BI(q_u, bd, k_hat, d["v"], L=L, M=M, band=True), want) < 1e-10
     # Thm 3.5: no band, no bias
     want0 = np_reference(q_u, q_v, k_hat, d["v"], 0 * d["r"], M, causal=False)
     o0 = ENC(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=False)
     assert max_err(o0, want0) < 1e-10
+    assert max_err(REF_BI(q_u, bd, k_hat, d["v"], L=L, M=M, band=False), want0) < 1e-10
     valid = jnp.arange(T) < T - 3  # padded keys are excluded
     want_v = np_reference(q_u, q_v, k_hat, d["v"], d["r"], M, causal=False, valid=np.asarray(valid))
     o_v = ENC(q_u, bd, k_hat, z, d["v"], d["C"], L=L, M=M, band=True, valid=valid)
     assert max_err(o_v, want_v) < 1e-10
 
 
-def test_encoder_core_module():
+def test_encoder_core_has_no_state():
     core = small_core(causal=False, mem_len=2)
-    q, k, v = qkv(T=10)
-    o, st = jcall(core, q, k, v)
-    assert st is None and o.shape == v.shape and bool(jnp.all(jnp.isfinite(o)))
     with pytest.raises(ValueError):
         core.init_state(2)
 
@@ -605,7 +569,11 @@ def test_encoder_core_module():
 # ---------------------------------------------------------------------- config validation, long forward
 @pytest.mark.parametrize("over,causal", [(dict(reduction="cumsum"), True), (dict(mem_len=8, form="parallel"), True),
                                          (dict(mem_len=8), False), (dict(gamma=1.0), True),
-                                         (dict(impl="pallas", reduction="matmul"), True), (dict(form="x"), True)])
+                                         (dict(impl="pallas", reduction="matmul"), True), (dict(form="x"), True),
+                                         (dict(impl="blocks", reduction="matmul"), True),
+                                         (dict(impl="parallel", mem_len=8), True),
+                                         (dict(impl="parallel", form="blocks"), True),
+                                         (dict(impl="blocks"), False), (dict(impl="naive"), True)])
 def test_config_validation(over, causal):
     cfg = attention.default_config("transformer_vq")
     cfg.update(dict(block_len=4, **over))
@@ -624,25 +592,66 @@ def test_long_forward_65536():  # ~5 s on CPU
     assert int(st["pos"]) == 65536 and float(st["agg_n"].sum()) == 65536 - 128
 
 
-def test_auto_form_picks_tiles_by_call_size(monkeypatch):
-    """form='auto' runs causal_blocks only for calls with >= tiled_min_scores score entries (an execution
-    setting), else causal_parallel; both give the same output."""
+# (config, platform, T) -> the implementation it selects: impl='auto' and the settings older configs wrote
+# (impl 'xla' | 'pallas' | 'auto' with a form) select what they selected before the named implementations.
+# Shapes the TPU kernel takes (B = H = 2, S = L = Dk = 128): tiled_min_scores (2^23) is reached from T = 5462 on
+BIG = 1 << 14
+SELECTED = [
+    (dict(), "cpu", 2, "xla_cpu"), (dict(), "cpu", BIG, "xla_cpu"),
+    (dict(), "cuda", 2, "stream"), (dict(), "rocm", 256, "parallel"), (dict(), "rocm", BIG, "blocks"),
+    (dict(), "tpu", 2, "stream"), (dict(), "tpu", 256, "pallas"),
+    (dict(reduction="matmul"), "tpu", BIG, "parallel"),  # the kernel computes the serial reduction
+    (dict(impl="xla"), "cpu", 256, "xla_cpu"), (dict(impl="xla"), "tpu", 256, "parallel"),
+    (dict(impl="xla"), "tpu", BIG, "blocks"), (dict(impl="xla", form="parallel"), "tpu", BIG, "parallel"),
+    (dict(impl="xla", form="blocks"), "tpu", 2, "blocks"), (dict(impl="xla", form="stream"), "tpu", 256, "stream"),
+    (dict(impl="pallas"), "tpu", 256, "pallas"), (dict(impl="pallas"), "tpu", 2, "stream"),
+    (dict(impl="pallas", form="stream"), "tpu", 256, "stream"), (dict(impl="pallas"), "cpu", 2, "xla_cpu"),
+    (dict(impl="auto", form="parallel"), "tpu", 256, "pallas"), (dict(impl="pallas,xla"), "rocm", 256, "parallel"),
+    (dict(impl="reference"), "tpu", 256, "reference"), (dict(impl="blocks"), "cpu", 2, "blocks"),
+]
+
+
+def _kernel_sized(causal=True, **over):
+    cfg = attention.default_config("transformer_vq")
+    cfg.update({"codebook_size": 128, "block_len": 128, **over})
+    return attention.build("transformer_vq", cfg, num_heads=2, head_dim=128, causal=causal, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("over,platform,T,name", SELECTED)
+def test_settings_select_implementations(over, platform, T, name):
+    core = _kernel_sized(**over)
+    assert core.implementation_for(B=2, T=T, dtype=jnp.float32, platform=platform).name == name
+
+
+@pytest.mark.parametrize("over,name", [(dict(), "xla_cpu"), (dict(impl="xla"), "xla_cpu"),
+                                       (dict(impl="pallas"), "xla_cpu"), (dict(impl="auto"), "xla_cpu")])
+def test_bidirectional_settings_select_the_encoder(over, name):
+    core = _kernel_sized(causal=False, **over)
+    assert core.implementation_for(B=2, T=12, dtype=jnp.float32, platform="cpu").name == name
+    assert core.implementation_for(B=2, T=12, dtype=jnp.float32, platform="cuda").name == "encoder"
+
+
+def test_auto_form_picks_tiles_by_call_size():
+    """form='auto' takes the tiled form only for calls with >= tiled_min_scores score entries (an execution
+    setting), else the one-shot block-parallel form, and the streaming form for calls shorter than a block; the
+    tiled and one-shot forms give the same output."""
+    cfg = small_core().cfg
+    shape = dict(B=2, H=2, S=8, L=4, M=4)
+    assert xla.form_for(cfg, T=12, **shape) == "parallel"  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
+    assert xla.form_for(cfg, T=(1 << 23) // 64, **shape) == "blocks"
+    assert xla.form_for(cfg, T=3, **shape) == "stream"
+    assert xla.form_for(cfg, T=12, **dict(shape, M=5)) == "stream"
     q, k, v = qkv(T=12)
-    calls = []
-    for name in ("causal_blocks", "causal_parallel"):
-        fn = getattr(tvq, name)
-        monkeypatch.setattr(tvq, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     core = small_core()
-    # jitted (the form is picked at trace time; an eager call compiles op by op: 18 s of this test)
-    small = jax.jit(lambda *a: core(*a)[0])(q, k, v)  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
+    # jitted (the form is picked at trace time; an eager call compiles op by op)
+    small = jax.jit(lambda *a: core(*a)[0])(q, k, v)
     core = small_core(tiled_min_scores=1)
     big = jax.jit(lambda *a: core(*a)[0])(q, k, v)
-    assert calls == ["causal_parallel", "causal_blocks"]
     assert max_err(small, big) < 1e-5
 
 
 def test_first_argmax_matches_lax_argmax_ties_low_and_stays_in_range():
-    first_argmax = tvq.first_argmax
+    first_argmax = xla_cpu.first_argmax
     g = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (3, 50, 17)) * 2.0)  # rounded: many ties
     np.testing.assert_array_equal(first_argmax(g), jax.lax.argmax(g, 2, jnp.int32))
     assert int(first_argmax(jnp.array([1.0, 3.0, 3.0, 0.0]))) == 1
@@ -651,19 +660,15 @@ def test_first_argmax_matches_lax_argmax_ties_low_and_stays_in_range():
 
 
 def test_code_sums_scatter_and_onehot_forms_agree():
-    """code_sums lowers to a scatter-add on CPU and to a one-hot matmul elsewhere: both forms, values and
-    gradients, with invalid entries excluded."""
-    from pallas_kernels import vq_cache_ref as ref
-
+    """Per-code sums as the reference's one-hot matmul and as XLA:CPU's scatter-add: values and gradients, with
+    invalid entries excluded."""
     S = 7
     z = jax.random.randint(jax.random.PRNGKey(1), (2, 3, 4, 16), 0, S)
     v = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 4, 16, 5))
     w = jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, (4, 16))
-    wf = jnp.broadcast_to(w, z.shape).astype(v.dtype)
-    a, b = ref._code_sums_scatter(z, v, wf, S), ref._code_sums_onehot(z, v, wf, S)
+    a, b = xla_cpu.code_sums(z, v, w, S), vq_cache_ref.code_sums(z, v, w, S)
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(ref.code_sums(z, v, w, S)[0], b[0], rtol=1e-6, atol=1e-6)
-    ga = jax.grad(lambda v: jnp.sum(ref._code_sums_scatter(z, v, wf, S)[0] ** 2))(v)
-    gb = jax.grad(lambda v: jnp.sum(ref._code_sums_onehot(z, v, wf, S)[0] ** 2))(v)
+    ga = jax.grad(lambda v: jnp.sum(xla_cpu.code_sums(z, v, w, S)[0] ** 2))(v)
+    gb = jax.grad(lambda v: jnp.sum(vq_cache_ref.code_sums(z, v, w, S)[0] ** 2))(v)
     np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,12 @@
-"""VCC encoder stack (docs/methods/vcc.md §6, checks 1-6, 8, 9 for the encoder). fp32 unless
-stated, tiny shapes, seeded. The model-level contract laws run in tests/models/test_model_contract.py."""
+"""VCC (docs/methods/vcc.md §6, checks 1-9): the paper's own properties of the encoder stack and VCC-LM, the
+core's implementations (chunked = reference: the shared law, tests/attention/test_implementations.py, runs on
+bare q, k, v and cannot reach a core that needs its wrapper's key bias) and the settings that select them. fp32
+unless stated, tiny shapes, seeded. The model-level contract laws (shapes, vmap, streamed = decoded = full, no
+leak at eval, randomness from the key, finite gradients) run in tests/models/test_model_contract.py."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -11,6 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from longctx import attention
+from longctx import config as config_lib
+from longctx.attention import dispatch
+from longctx.attention import vcc as vcc_core
 from longctx.config import base_config
 from longctx.errors import ConfigError
 from longctx.models import vcc_stack as vs
@@ -342,7 +350,7 @@ def test_format_vip_order_underflow_and_overflow():
 @pytest.mark.slow
 def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
     model = build()
-    for T in (1, 9, 23, 41):
+    for T in (9, 23, 41):  # (T = 1 and a row 3 tokens shorter than the case's: the model contract)
         tokens, imp = inputs(T, seed=T)
         out, _ = model(tokens, imp)
         assert out.shape == (B, T, V) and bool(jnp.all(jnp.isfinite(out)))
@@ -352,9 +360,9 @@ def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
 
 
 # ----------------------------------------------------------------------------- 8. gradients
+@pytest.mark.slow  # the default configuration's finite gradients (fp32, bf16): tests/models/test_model_contract.py
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) for v in ("padding", "no_vip", "all_fine")]
-                         + ["one_fine"])
+@pytest.mark.parametrize("variant", ["padding", "no_vip", "all_fine", "one_fine"])
 def test_gradients_are_finite(variant, dtype):
     T = 40
     h = {"all_fine": 8, "one_fine": 1}.get(variant, 2)
@@ -439,6 +447,81 @@ def test_the_core_refuses_to_run_without_its_wrapper():
         model.blocks[0](jnp.zeros((1, 4, D_MODEL)), None, positions=jnp.arange(4))
 
 
+# ----------------------------------------------------------------------------- implementations of the core
+def _core(impl, **settings):
+    cfg = attention.default_config(NAME)
+    cfg.update({**impl.config, **impl.test_config, **settings})
+    return attention.build(NAME, cfg, num_heads=2, head_dim=8, causal=False, rngs=nnx.Rngs(0))
+
+
+def _bias(R, seed=0):
+    """A key bias as the wrapper builds it: 0 (VIP, fine), log k (+ δ) on block means, -1e9 on masked rows."""
+    ks = jax.random.split(jax.random.key(seed), 2)
+    bias = jnp.where(jax.random.bernoulli(ks[0], 0.4, (B, R)), math.log(4.0), 0.0)
+    bias = bias + 0.1 * jax.random.normal(ks[1], (B, R))
+    return bias.at[1, -5:].set(vcc_core.NEG)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_implementation_equals_the_reference(dtype):
+    """Outputs and gradients (q, k, v, key bias) of each implementation against the reference, at a row count
+    that leaves a partial last chunk (40 rows, chunks of 16)."""
+    R, dt = 40, jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.key(1), 4)
+    q, k, v = (jax.random.normal(kk, (B, 2, R, 8)).astype(dt) for kk in ks[:3])
+    w = jax.random.normal(ks[3], (B, 2, R, 8))
+    bias = _bias(R)
+    impls = vcc_core.implementations()
+
+    def run(impl):
+        core = _core(impl)
+
+        def loss(q, k, v, bias):
+            out, _ = core(q, k, v, key_bias=bias)
+            return jnp.sum(out.astype(jnp.float32) * w), out
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
+
+    (_, want), want_g = run(impls[0])
+    assert impls[0].name == "reference"
+    for impl in impls[1:]:
+        (_, got), got_g = run(impl)
+        for label, a, b in zip(("out", "dq", "dk", "dv", "dbias"), (got, *got_g), (want, *want_g)):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if dt == jnp.float32:
+                np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5, err_msg=f"{impl.name} {label}")
+            else:
+                assert np.max(np.abs(a - b)) <= 5e-2 * max(np.max(np.abs(b)), 1e-6), f"{impl.name} {label}"
+
+
+def test_settings_select_implementations_and_old_configs_keep_theirs():
+    """impl='auto' maps the settings written before impl existed (query_chunk only) to what they computed:
+    0 -> reference (all queries at once), > 0 -> chunked; names and lists are dispatch's."""
+    assert vcc_core.choose("auto", query_chunk=0).name == "reference"
+    assert vcc_core.choose("auto", query_chunk=1024).name == "chunked"
+    assert vcc_core.choose("reference", query_chunk=1024).name == "reference"
+    assert vcc_core.choose("chunked,reference", query_chunk=0).name == "reference"
+    with pytest.raises(dispatch.KernelUnsupportedError, match="query_chunk > 0"):
+        vcc_core.choose("chunked", query_chunk=0)
+    # configs saved before impl existed, in the execution section or (older) among the hyperparameters
+    for qc, want in ((0, "reference"), (512, "chunked")):
+        for layout in ("execution", "model"):
+            saved = json.loads(config_lib.base_config().to_json())
+            saved["model"]["attention"]["name"] = NAME
+            del saved["execution"]["attention"][NAME]["impl"]
+            if layout == "model":
+                del saved["execution"]
+                saved["model"]["attention"][NAME]["query_chunk"] = qc
+            else:
+                saved["execution"]["attention"][NAME]["query_chunk"] = qc
+            ex = config_lib.validate(config_lib.merge_over_base(saved)).execution.attention[NAME]
+            assert (ex.impl, ex.query_chunk) == ("auto", qc), layout
+            assert vcc_core.choose(ex.impl, query_chunk=ex.query_chunk).name == want, (qc, layout)
+    c = model_cfg(impl="blockwise")
+    with pytest.raises(ConfigError, match="unknown 'blockwise'"):
+        build_model(c)
+
+
 # ============================================================================= VCC-LM (§4.2, §6.7)
 LM = {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4}
 
@@ -495,34 +578,26 @@ def test_lm_first_windows_are_dense_and_later_ones_compressed():
     assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
 
 
-@pytest.mark.slow  # the model-level contract runs streamed = decoded = full for vcc-lm by default
-def test_lm_parallel_chunked_and_decoded_agree_with_identical_selections():
+@pytest.mark.slow  # token-by-token decoding: one compiled step per token
+def test_lm_decoding_selects_the_blocks_of_the_parallel_pass():
+    """Each window's fine blocks, chosen while decoding at its first token, are those of the parallel pass
+    (outputs streamed = decoded = full: the model contract)."""
     T, w = 64, 8
     model = lm()
     tokens, _ = inputs(T, seed=3)
-    full, _, infos = lm_hidden(model, tokens)
-    # chunked (uneven chunks that straddle windows and blocks)
-    state, outs, a = model.init_state(B, T)["layers"], [], 0
-    for size in (13, 1, 7, 11, 5, 27):
-        y, state, _ = lm_hidden(model, tokens[:, a:a + size], state)
-        outs.append(y)
-        a += size
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-4, rtol=1e-4)
-    # token by token: the state's selection right after each window's first token
+    _, _, infos = lm_hidden(model, tokens)
     step = jax.jit(lambda t, s: lm_hidden(model, t, s)[:2])
-    state, outs = model.init_state(B, T)["layers"], []
+    state = model.init_state(B, T)["layers"]
     for t in range(T):
-        y, state = step(tokens[:, t:t + 1], state)
-        outs.append(y)
+        _, state = step(tokens[:, t:t + 1], state)
         if t % w == 0:
             for layer in range(2):
                 np.testing.assert_array_equal(np.asarray(state[layer]["sel"]),
                                               np.asarray(infos[layer]["sel"][t // w]),
                                               err_msg=f"selection of window {t // w}, layer {layer}")
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow  # the model-level contract runs the no-leak law for vcc-lm by default
+@pytest.mark.slow  # the model contract checks no leak at eval; this is training mode (exploration, gate)
 def test_lm_no_future_leak_in_training_mode():
     T, t_star = 64, 45
     model = lm(explore_prob=0.5)

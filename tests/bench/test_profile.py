@@ -19,21 +19,21 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]  # the checkout (configs/)
 
 
-def _attention_here(x):  # this file's frame, the caller of an op made in longctx/attention/dense.py
+def _attention_here(x):  # this file's frame, the caller of an op made in longctx/attention/dense/reference.py
     pos = jnp.arange(x.shape[2])
     return naive_attention(x, x, x, pos, pos, pos >= 0, causal=True)
 
 
 def test_sources_walk_the_stack_to_the_frame_under_root():
-    """Ops made in longctx/attention/dense.py, called from this file: with root = this file's folder the walk
+    """Ops made in longctx/attention/dense/reference.py, called from this file: with root = this file's folder the walk
     follows the parent links up to this file's frame (a wrong parent offset stops at the innermost frame);
     with root = longctx/ the innermost frame itself is the answer."""
     text = jax.jit(_attention_here).lower(jnp.ones((1, 2, 16, 8))).compile().as_text()
     here = {rec["source"] for rec in hlo_index(text, root=HERE.parent).values()}
     assert any(s.startswith("test_profile.py:") and "_attention_here" in s for s in here), here
-    assert not any("dense.py" in s for s in here), here
+    assert not any("reference.py" in s for s in here), here
     inner = {rec["source"] for rec in hlo_index(text, root=SOURCE_ROOT / "longctx").values()}
-    assert any(s.startswith("attention/dense.py:") and "naive_attention" in s for s in inner), inner
+    assert any(s.startswith("attention/dense/reference.py:") and "naive_attention" in s for s in inner), inner
 
 
 def test_summarize_matches_events_to_instructions_only():

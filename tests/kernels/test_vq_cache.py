@@ -166,7 +166,7 @@ def test_refusals_name_their_reasons():
 
 def test_core_impl_pallas_equals_xla_with_a_warning():
     """transformer_vq with impl='pallas' runs this kernel (interpret mode on CPU, with a warning) and gives the
-    XLA block-parallel output, carried state included."""
+    output of its XLA block-parallel implementation (impl='parallel'), carried state included."""
     from flax import nnx
 
     from longctx import attention
@@ -181,7 +181,7 @@ def test_core_impl_pallas_equals_xla_with_a_warning():
     def jitted(core):  # an eager call (interpret mode above all) dispatches op by op
         return jax.jit(lambda q, k, v: core(q, k, v))
 
-    ref, ref_state = jitted(build("xla"))(q, k, v)
+    ref, ref_state = jitted(build("parallel"))(q, k, v)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, state = jitted(build("pallas"))(q, k, v)  # warns while tracing

@@ -1,65 +1,56 @@
-"""VCC: VIP-token centric compression (paper: Zeng et al., arXiv 2305.04241; method notes:
-docs/methods/vcc.md, whose sections the § numbers below cite).
+"""The VCC core: configuration, validation, implementations, and the call that asks ``dispatch.select`` for an
+implementation and runs it (the compression itself is the stack wrapper's, ``longctx/models/vcc_stack.py``).
 
-VCC acts on a whole pre-LN layer, not on q, k, v: before each layer the "rest" tokens are
-compressed to a short multi-resolution list (the blocks the VIP tokens attend to most stay at
-token resolution, every other block of k tokens becomes its mean), the unchanged layer (attention
-+ FFN) runs on the compressed rows with a ``+log k`` logit bias on every averaged key, and only
-the residual update is decompressed back to the tokens. That is a *stack wrapper*
-(DESIGN §2, §4.1): :class:`longctx.models.vcc_stack.VCCEncoderStack` in an encoder and
-:class:`longctx.models.vcc_stack.VCCDecoderStack` (VCC-LM, our causal extension, §4.2) in a
-decoder. The backbone builds it in place of its plain block loop whenever ``model.attention.name``
-names this method (capability :meth:`AttentionCore.stack_wrapper`), over the same blocks and
-parameter tree (a dense checkpoint loads unchanged).
-
-This file holds the method's config, its validation, and the core every wrapped block carries:
-softmax attention over the rows the encoder wrapper hands it, with the wrapper's additive per-key
-bias (``log D`` + the straight-through gate, ``-1e9`` on masked rows). The core never runs on its
-own: called without ``key_bias`` (i.e. by a plain block loop, which would be exact attention in
-place of VCC) it raises. Its contract cases therefore run at the model level (``level='model'``,
-tests/models/test_model_contract.py).
-
-Departures from the paper / reference code are listed in ``longctx/models/vcc_stack.py``'s
-docstring (selection score form, two resolutions only, max(count, 1) means, masked-coarse layout,
-Python loop instead of scan; VCC-LM's state layout).
+Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once) and
+``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows, the default). ``impl='auto'``
+takes ``chunked`` when ``query_chunk`` > 0, else ``reference``: configs written before ``impl`` existed (only
+``query_chunk``) select what they computed then.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 
+from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
+from longctx.attention.vcc import xla
+from longctx.attention.vcc.reference import biased_attention
 
-NEG = -1e9  # masked keys: exp underflows to exactly 0 in fp32 (§8.13)
+METHOD = "vcc"
 
 
-def biased_attention(q, k, v, key_bias, *, query_chunk: int = 0):
-    """Softmax attention with an additive per-key logit bias, fp32 softmax.
+def _chunked_reasons(platform, *, query_chunk: int = 0, **_):
+    if query_chunk <= 0:
+        return [f"chunked needs query_chunk > 0 (query_chunk={query_chunk}: all queries at once is the reference)"]
+    return []
 
-    q, k: [B, H, R, D]; v: [B, H, R, Dv]; key_bias: [B, R] (added to every query's logits; -1e9
-    masks a key). ``query_chunk`` > 0 runs query chunks of that size under ``lax.map`` (each
-    rematerialized) so the [R, R] logits are never held whole."""
-    B, H, R, D = q.shape
-    scale = D**-0.5
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-    bias = key_bias.astype(jnp.float32)[:, None, None, :]
 
-    def one(qc):
-        s = jnp.einsum("bhqd,bhkd->bhqk", qc.astype(jnp.float32) * scale, kf) + bias
-        p = jax.nn.softmax(s, axis=-1)
-        return jnp.einsum("bhqk,bhkd->bhqd", p, vf)
+def implementations():
+    """vcc's implementations in order, the reference first (``VCCAttention.implementations``)."""
+    return (
+        dispatch.Implementation("reference", config={"impl": "reference"}),
+        dispatch.Implementation("chunked", reasons=_chunked_reasons, config={"impl": "chunked"},
+                                test_config={"query_chunk": 16}),
+    )
 
-    if query_chunk <= 0 or R <= query_chunk:
-        return one(q).astype(v.dtype)
-    pad = (-R) % query_chunk
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    n = qp.shape[2] // query_chunk
-    qb = qp.reshape(B, H, n, query_chunk, D).transpose(2, 0, 1, 3, 4)
-    out = jax.lax.map(jax.checkpoint(one), qb)  # [n, B, H, c, Dv]
-    out = out.transpose(1, 2, 0, 3, 4).reshape(B, H, n * query_chunk, -1)[:, :, :R]
-    return out.astype(v.dtype)
+
+def auto_order(query_chunk: int) -> tuple[str, ...]:
+    """``impl='auto'`` (every platform): ``chunked`` when ``query_chunk`` > 0, else ``reference``."""
+    return ("chunked", "reference") if query_chunk > 0 else ("reference",)
+
+
+def choose(impl, *, query_chunk: int, platform: str | None = None) -> dispatch.Choice:
+    """The implementation of one call: ``dispatch.select`` over :func:`implementations` with :func:`auto_order`."""
+    return dispatch.select(impl, implementations(), method=METHOD, platform=platform,
+                           order=lambda _plat: auto_order(query_chunk), query_chunk=query_chunk)
+
+
+def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = 0, platform: str | None = None):
+    """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks."""
+    name = choose(impl, query_chunk=query_chunk, platform=platform).name
+    if name == "chunked":
+        return xla.chunked_attention(q, k, v, key_bias, query_chunk=query_chunk)
+    return biased_attention(q, k, v, key_bias)
 
 
 class VCCAttention(AttentionCore):
@@ -67,9 +58,15 @@ class VCCAttention(AttentionCore):
     itself is the stack wrapper's (``longctx/models/vcc_stack.py``)."""
 
     name = "vcc"
-    EXECUTION_KEYS = ("query_chunk",)
+    EXECUTION_KEYS = ("impl", "query_chunk")
     supports_causal = True  # VCC-LM (§4.2): longctx.models.vcc_stack.VCCDecoderStack
     supports_bidirectional = True
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """reference (the whole biased softmax), chunked (query chunks of ``query_chunk`` rows; ``test_config``
+        makes it take several chunks at test lengths). ``impl='auto'``: chunked when query_chunk > 0."""
+        return implementations()
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -84,7 +81,9 @@ class VCCAttention(AttentionCore):
                 "scale_correction": True,  # +log k on the logits of averaged keys
                 "ste_gate": True,  # straight-through gate: gives the selection logits a gradient (training)
                 "levels": None,  # the L-level version (§2.10): not implemented, must stay None
-                "query_chunk": 1024,  # attention over the compressed rows in query chunks (0: whole)
+                # 'reference' | 'chunked' | a list ('chunked,reference') | 'auto': chunked when query_chunk > 0
+                "impl": "auto",
+                "query_chunk": 1024,  # chunked: attention over the compressed rows in query chunks (0: whole)
                 # VCC-LM (decoder, §4.2): explore_prob, scale_correction, ste_gate above apply too
                 "causal": ml_collections.ConfigDict({
                     "window": 512,  # w: queries sharing one selection
@@ -116,6 +115,8 @@ class VCCAttention(AttentionCore):
         require(lc.anchors <= max(lc.local, lc.window),
                 f"{p}.causal.anchors={lc.anchors} must be at most max(local, window)")
         require(cfg.query_chunk >= 0, f"{p}.query_chunk={cfg.query_chunk}; must be >= 0 (0 = all queries at once)")
+        problem = dispatch.impl_problem(cfg.impl, tuple(i.name for i in implementations()))
+        require(problem is None, f"{p}.{problem}")
 
     @classmethod
     def stack_wrapper(cls, *, causal: bool) -> str | None:
@@ -134,8 +135,12 @@ class VCCAttention(AttentionCore):
                  "dense_segment_len": 16, "query_chunk": 0, "explore_prob": 0.5}
         lm = {"causal": {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4},
               "explore_prob": 0.5}
+        # the encoder case runs the reference (query_chunk=0); "encoder_chunked" the chunked implementation over
+        # its 24 compressed rows (8 VIP + 8 block means + 2 fine blocks of 4) in chunks of 16 (slow run)
         return {"lm": ContractCase(cfg=lm, length=64, directions=("causal",), level="model"),
-                "encoder": ContractCase(cfg=small, length=40, directions=("bidirectional",), level="model")}
+                "encoder": ContractCase(cfg=small, length=40, directions=("bidirectional",), level="model"),
+                "encoder_chunked": ContractCase(cfg={**small, "impl": "chunked", "query_chunk": 16}, length=40,
+                                                directions=("bidirectional",), level="model", slow=True)}
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         raise ValueError("vcc: the state lives in the stack wrapper (Backbone.init_state builds it)")
@@ -149,7 +154,8 @@ class VCCAttention(AttentionCore):
                 "attention in place of VCC")
         if state is not None:
             raise ValueError("vcc: a bidirectional core takes no state")
-        return biased_attention(q, k, v, key_bias, query_chunk=self.cfg.query_chunk), None
+        out = attend(q, k, v, key_bias, impl=self.cfg.get("impl", "auto"), query_chunk=self.cfg.query_chunk)
+        return out, None
 
 
-__all__ = ["NEG", "VCCAttention", "biased_attention"]
+__all__ = ["METHOD", "VCCAttention", "attend", "auto_order", "choose", "implementations"]

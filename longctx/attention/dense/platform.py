@@ -1,38 +1,27 @@
-"""Exact attention by the platform's own fused kernel: cuDNN flash attention on NVIDIA GPUs, Pallas splash
-attention on TPUs (DESIGN.md §3 and §8; STYLE rule 4). ``attention.dense.impl`` names them beside the XLA paths
-of :mod:`longctx.attention.dense`:
+"""``cudnn`` and ``splash``: exact attention by the platform's own fused kernel, cuDNN flash attention on NVIDIA
+GPUs, Pallas splash attention on TPUs (DESIGN.md §3 and §8; STYLE rule 4), two of dense's implementations
+(``layer.py`` declares them; ``dispatch.select`` chooses):
 
 * ``'cudnn'``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (bf16/fp16; causal or
   bidirectional; optional per-row key lengths for right-padded batches).
 * ``'splash'``: ``jax.experimental.pallas.ops.tpu.splash_attention`` with a causal or full mask (fp32/bf16;
   sequences padded to whole blocks, the padding masked by segment ids). On the CPU it runs in Pallas interpret
-  mode (slow; for tests), as an explicit ``impl='pallas'`` does for the project's own kernels.
+  mode (slow; for tests) when named.
 
 Each declares ``unsupported_reasons(platform, *, dtype, head_dim, value_dim, kv_cache, ...)`` (empty:
-supported). :func:`choose` is the rule, the same as ``longctx.attention.dispatch`` for Pallas kernels:
-
-* ``'auto'``: on ``cuda`` cuDNN, on ``tpu`` splash, where its reasons are empty; otherwise the XLA path
-  (naive / blockwise by ``auto_threshold``) and one INFO line (logger ``longctx.attention.dispatch``, once per
-  distinct message) naming why. On the CPU ``'auto'`` is the XLA path as it always was, without a line.
-* ``'cudnn'`` / ``'splash'``: the kernel, or :class:`~longctx.attention.dispatch.KernelUnsupportedError`
-  listing every reason. A KV-cache step (a call with a state: positions offset by the cache, the oldest slots
-  empty) is the one form neither kernel computes whatever the configuration (cuDNN's causal mask is aligned to
-  the first key and its padding to the last; splash's masks are built ahead of the call from static
-  positions): it takes the XLA path under every ``impl``, with the same log line, so a model configured for a
-  kernel still decodes.
+supported). A KV-cache step (a call with a state: positions offset by the cache, the oldest slots empty) is the
+one form neither kernel computes whatever the configuration (cuDNN's causal mask is aligned to the first key and
+its padding to the last; splash's masks are built ahead of the call from static positions): the layer runs it by
+the XLA path under every ``impl``, so a model configured for a kernel still decodes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from longctx.attention import dispatch
 
 FAST_IMPLS = ("cudnn", "splash")
 # the fused kernel 'auto' takes on each platform
@@ -124,56 +113,6 @@ def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim
     return out
 
 
-REASONS = {"cudnn": cudnn_unsupported_reasons, "splash": splash_unsupported_reasons}
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseChoice:
-    """``impl``: 'cudnn' | 'splash' | 'xla' (dense's naive / blockwise paths); ``interpret``: splash in Pallas
-    interpret mode (CPU); ``reasons``: why a fused kernel was not taken (if any)."""
-
-    impl: str
-    interpret: bool = False
-    platform: str = "cpu"
-    reasons: tuple[str, ...] = ()
-
-
-def choose(impl: str, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False,
-           k_dtype=None, v_dtype=None, platform: str | None = None) -> DenseChoice:
-    """The implementation of one dense call (see the module docstring). ``impl``: dense's config value."""
-    if impl not in ("auto",) + FAST_IMPLS:
-        return DenseChoice("xla", platform=platform or "cpu")
-    plat = platform or dispatch.current_platform()
-    shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype)
-    if impl == "auto":
-        kernel = PLATFORM_KERNEL.get(plat)
-        if kernel is None:
-            if plat != "cpu":
-                dispatch._log_once(f"dense: impl='auto' uses the XLA path on {plat}: no fused exact-attention kernel "
-                                   "is wired for it")
-            return DenseChoice("xla", platform=plat)
-        reasons = REASONS[kernel](plat, kv_cache=kv_cache, **shapes)
-        if not reasons:
-            return DenseChoice(kernel, platform=plat)
-        dispatch._log_once(f"dense: impl='auto' uses the XLA path instead of {KERNEL_NAMES[kernel]} on {plat}: "
-                           + "; ".join(reasons))
-        return DenseChoice("xla", platform=plat, reasons=tuple(reasons))
-    interpret = impl == "splash" and plat == "cpu"
-    static = REASONS[impl]("interpret" if interpret else plat, kv_cache=False, **shapes)
-    if static:
-        why = static + ([KV_CACHE_REASON] if kv_cache else [])
-        raise dispatch.KernelUnsupportedError(
-            f"dense: impl={impl!r} cannot use {KERNEL_NAMES[impl]} on {plat}: " + "; ".join(why)
-            + ". Use impl='auto' (falls back to the XLA path) or impl='naive' / 'blockwise'.")
-    if kv_cache:
-        dispatch._log_once(f"dense: impl={impl!r} uses the XLA path for this call: {KV_CACHE_REASON}")
-        return DenseChoice("xla", platform=plat, reasons=(KV_CACHE_REASON,))
-    if interpret:
-        warnings.warn("dense: impl='splash' on cpu runs the splash kernel in Pallas interpret mode (slow)",
-                      stacklevel=3)
-    return DenseChoice(impl, interpret=interpret, platform=plat)
-
-
 # ----------------------------------------------------------------------------------------------------- cuDNN
 def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn"):
     """Exact attention of q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,D] through ``jax.nn.dot_product_attention``
@@ -230,5 +169,5 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
     return out[:, :, :T].astype(v.dtype)
 
 
-__all__ = ["FAST_IMPLS", "KV_CACHE_REASON", "DenseChoice", "choose", "cudnn_attention", "cudnn_head_dim_max",
+__all__ = ["FAST_IMPLS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL", "cudnn_attention", "cudnn_head_dim_max",
            "cudnn_unsupported_reasons", "splash_attention", "splash_block", "splash_unsupported_reasons"]

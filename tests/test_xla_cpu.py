@@ -1,4 +1,4 @@
-"""pallas_kernels/cpu_dots.py and longctx.xla_cpu's transposed / rows_dot / materialized: the same values and
+"""longctx/xla_cpu.py (the XLA:CPU helpers): scores / mix / transposed / rows_dot / materialized give the same values and
 gradients as the plain einsums, the compiled backward free of dots that contract the row axis of both operands, and
 a sampler kept out of the fusions that read it."""
 
@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longctx.xla_cpu import materialized, rows_dot, transposed
-from pallas_kernels.cpu_dots import mix, scores
+from longctx.xla_cpu import materialized, mix, rows_dot, scores, transposed
 
 HI = jax.lax.Precision.HIGHEST
 

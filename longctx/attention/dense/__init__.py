@@ -1,0 +1,23 @@
+"""Exact softmax attention, the baseline every method is compared with (method notes: docs/methods/dense.md).
+
+One function, named implementations (``DenseAttention.implementations()``, the reference first):
+
+* ``reference`` (``reference.py``; old name ``naive``): one masked softmax over the [Tq, Tk] score matrix;
+* ``blockwise`` (``xla.py``): online softmax over key blocks, FlashAttention-2's backward; portable;
+* ``xla_cpu`` (``xla_cpu.py``): the same tiles with XLA:CPU's ops (the CPU's ``auto`` path for long rows);
+* ``cudnn`` (GPU), ``splash`` (TPU) (``platform.py``): the platforms' fused kernels, full passes only.
+
+``layer.py`` holds the core (config, state, the call that selects an implementation).
+"""
+
+from longctx.attention.dense.layer import DenseAttention, attend, choose, implementations
+from longctx.attention.dense.reference import NEG_INF, naive_attention, positions_mask
+from longctx.attention.dense.xla import (
+                                         MAX_UNROLLED_BLOCKS,
+                                         blockwise_attention,
+                                         self_blocks_apply,
+                                         self_blockwise_attention,
+)
+
+__all__ = ["MAX_UNROLLED_BLOCKS", "NEG_INF", "DenseAttention", "attend", "blockwise_attention", "choose",
+           "implementations", "naive_attention", "positions_mask", "self_blocks_apply", "self_blockwise_attention"]

@@ -1,0 +1,275 @@
+"""The dense core: configuration, implementations, the KV-cache state, and the call that asks
+``dispatch.select`` for an implementation and runs it.
+
+The state is a KV cache of fixed capacity (``init_state(batch, max_len)``); slots are right-aligned, so slot j of a
+cache of capacity M that has seen ``length`` tokens holds absolute position ``length - M + j`` (invalid when < 0).
+Feeding more than ``max_len`` tokens in total raises :class:`CapacityError` (under jit too), unless
+``kv_window=True`` names the sliding-window cache as a feature: then the cache keeps the newest ``max_len`` keys and
+older ones are dropped by design (Transformer-XL-style memory, not exact attention). The state is the layer's
+(the keys and values it was given), the same whichever implementation attends.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+
+from longctx.attention import dispatch
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
+from longctx.attention.dense import platform as kernels
+from longctx.attention.dense import xla, xla_cpu
+from longctx.attention.dense.reference import naive_attention
+
+METHOD = "dense"
+# old configuration values and the implementation each names now
+ALIASES = {"naive": "reference"}
+
+
+def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, **_):
+    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal)
+
+
+def _tiled(module):
+    def run(q, k, v, q_pos, k_pos, k_valid, *, causal, block_q, block_k, full_pass, **_):
+        return module.attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
+                             full_pass=full_pass)
+    return run
+
+
+def _cudnn(q, k, v, *_, causal, **__):
+    return kernels.cudnn_attention(q, k, v, causal=causal)
+
+
+def _splash(q, k, v, *_, causal, interpret, **__):
+    return kernels.splash_attention(q, k, v, causal=causal, interpret=interpret)
+
+
+RUN = {"reference": _reference, "blockwise": _tiled(xla), "xla_cpu": _tiled(xla_cpu), "cudnn": _cudnn,
+       "splash": _splash}
+
+
+def implementations():
+    """dense's implementations in order, the reference first (``DenseAttention.implementations``)."""
+    return (
+        dispatch.Implementation("reference", config={"impl": "reference"}),
+        dispatch.Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8}),
+        dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
+                                test_config={"block_q": 8, "block_k": 8}),
+        dispatch.Implementation("cudnn", platforms=("cuda",), reasons=kernels.cudnn_unsupported_reasons,
+                                config={"impl": "cudnn"}),
+        dispatch.Implementation("splash", platforms=("tpu",), kernel=True,
+                                reasons=kernels.splash_unsupported_reasons, config={"impl": "splash"}),
+    )
+
+
+def xla_order(platform: str, large: bool) -> tuple[str, ...]:
+    """The XLA implementations ``auto`` takes on ``platform``: the tiled ones once Tq*Tk exceeds auto_threshold
+    (``large``; on a CPU its tuned form first), else the reference's one softmax."""
+    if not large:
+        return ("reference",)
+    return ("xla_cpu", "blockwise") if platform == "cpu" else ("blockwise",)
+
+
+def auto_order(platform: str, large: bool) -> tuple[str, ...]:
+    """``impl='auto'`` on ``platform``: its fused kernel where it serves the call (cuda: cudnn, tpu: splash), then
+    :func:`xla_order`."""
+    kernel = kernels.PLATFORM_KERNEL.get(platform)
+    return ((kernel,) if kernel else ()) + xla_order(platform, large)
+
+
+def impl_names(impl) -> tuple[str, ...]:
+    """``impl`` (a name, a list, 'auto') as an ordered tuple of implementation names, old names mapped (``naive``
+    is ``reference``)."""
+    return tuple(ALIASES.get(n, n) for n in dispatch.parse_impl(impl))
+
+
+def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
+           k_dtype=None, v_dtype=None, platform: str | None = None) -> dispatch.Choice:
+    """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` with
+    :func:`auto_order`. A KV-cache step (``kv_cache``) is no call for a fused kernel: a kernel named explicitly is
+    passed over for the rest of the list, or for :func:`xla_order` (one log line), unless it cannot serve even a
+    full pass here and nothing else is named (then the error lists its reasons)."""
+    plat = platform or dispatch.current_platform()
+    impls = implementations()
+    table = dispatch.by_name(impls)
+    names = impl_names(impl)
+    shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype)
+    if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
+        rest = tuple(n for n in names if n not in kernels.FAST_IMPLS)
+        if not rest:
+            for n in names:
+                cand = table[n]
+                static = cand.unsupported_reasons("interpret" if cand.kernel and plat == "cpu" else plat, **shapes)
+                if static:
+                    raise dispatch.KernelUnsupportedError(
+                        f"{METHOD}: impl={impl!r} cannot use {kernels.KERNEL_NAMES[n]} on {plat}: "
+                        + "; ".join(static + [kernels.KV_CACHE_REASON])
+                        + ". Use impl='auto' (falls back to the XLA path) or impl='reference' / 'blockwise'.")
+        names = rest or xla_order(plat, large)
+        dispatch._log_once(f"{METHOD}: impl={impl!r} uses {', '.join(names)} for this call: {kernels.KV_CACHE_REASON}")
+    try:
+        return dispatch.select(",".join(names), impls, method=METHOD, platform=plat,
+                               order=lambda p: auto_order(p, large), kv_cache=kv_cache, **shapes)
+    except dispatch.KernelUnsupportedError as e:
+        raise dispatch.KernelUnsupportedError(f"{e}. Use impl='auto' (falls back to the XLA path) or "
+                                              "impl='reference' / 'blockwise'.") from None
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
+           full_pass: bool = False, platform: str | None = None):
+    """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
+    :func:`choose` picks for ``impl`` (``platform``: default the running one). ``full_pass`` (static): q_pos = k_pos
+    = arange(T) and every key valid (no cache): the fused kernels and the unrolled tiles serve only that."""
+    choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
+                    value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > auto_threshold,
+                    platform=platform)
+    return RUN[choice.name](q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
+                            full_pass=full_pass, interpret=choice.interpret)
+
+
+class DenseAttention(AttentionCore):
+    """Exact softmax attention; causal state = fixed-capacity KV cache."""
+
+    name = "dense"
+    exact = True
+    # composed KV caches are exact but attend each slice to a whole-row buffer without the causal
+    # skip; XLA's partitioner splits the queries and gathers K/V instead: 226 MiB against 1,847 MiB
+    # of temporaries per device at 8k tokens over 8 devices (README, sequence parallelism)
+    sequence_compose_in_training = False
+    EXECUTION_KEYS = ("impl", "block_q", "block_k", "auto_threshold")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """reference (one masked softmax), blockwise (the portable tiled online softmax, ``xla.py``), xla_cpu (the
+        same tiles with XLA:CPU's ops, ``xla_cpu.py``), cudnn (GPU) and splash (TPU; interpret mode on CPU) for
+        full passes (``platform.py``). ``impl='auto'``: the platform's fused kernel where it serves the call, else
+        once Tq*Tk > auto_threshold the tiles (xla_cpu on a CPU, blockwise elsewhere), else reference."""
+        return implementations()
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                # 'reference' (also 'naive') | 'blockwise' | 'xla_cpu' | 'cudnn' (GPU) | 'splash' (TPU), a list of
+                # them ('cudnn,blockwise'), or 'auto': the platform's fused kernel where it serves the call, else the
+                # tiles when Tq*Tk > auto_threshold (xla_cpu on a CPU), else reference
+                "impl": "auto",
+                # query / key block sizes: on a 2-core CPU, 1024x512 was the fastest of 1024x512, 512x512 and
+                # 512x256 for a causal forward+backward at 8k, in the unrolled full pass and in the loop alike
+                # (another CPU preferred 512x256 for the loop: rerun `longctx-bench attention` when it matters)
+                "block_q": 1024,
+                "block_k": 512,
+                "auto_threshold": 4096 * 4096,
+                # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
+                # newest init_state(max_len) keys (older keys are dropped on purpose).
+                "kv_window": False,
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        allowed = tuple(i.name for i in implementations()) + tuple(ALIASES)
+        problem = dispatch.impl_problem(cfg.impl, allowed)
+        require(problem is None, f"attention.dense.{problem}")
+        require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
+        require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
+
+    @classmethod
+    def bench_variants(cls):
+        """naive: the reference; blockwise: the platform's tiled form (xla_cpu on a CPU); its fused kernel by name (an
+        error, never a fallback, where it refuses)."""
+        plat = dispatch.current_platform()
+        out = {"naive": {"impl": "reference"}, "blockwise": {"impl": "xla_cpu" if plat == "cpu" else "blockwise"}}
+        kernel = kernels.PLATFORM_KERNEL.get(plat)
+        if kernel:
+            out[kernel] = {"impl": kernel}
+        return out
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn("parameter-free: used as is")
+
+    @classmethod
+    def contract_cases(cls):
+        tiles = {"block_q": 8, "block_k": 8}
+        return {
+            "reference": ContractCase(cfg={"impl": "reference"}, length=40),
+            "blockwise": ContractCase(cfg={"impl": "blockwise", **tiles}, length=40, directions=("causal",)),
+            "xla_cpu": ContractCase(cfg={"impl": "xla_cpu", **tiles}, length=40, directions=("causal",)),
+            "blockwise_bidirectional": ContractCase(cfg={"impl": "blockwise", **tiles}, length=40,
+                                                    directions=("bidirectional",), slow=True),
+            # the TPU kernel in Pallas interpret mode: full passes by splash, KV-cache steps by the XLA path
+            "splash": ContractCase(cfg={"impl": "splash"}, length=40),
+        }
+
+    def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False):
+        c = self.cfg
+        return attend(
+            q, k, v, q_pos, k_pos, k_valid,
+            causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
+            full_pass=full_pass,
+        )
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("dense: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("dense: init_state needs max_len (the KV-cache capacity in tokens)")
+        H, D, Dv = self.num_heads, self.head_dim, self.value_dim
+        return {
+            "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
+            "v": jnp.zeros((batch_size, H, max_len, Dv), jnp.float32),
+            "length": jnp.zeros((), jnp.int32),
+        }
+
+    # -- sequence parallelism: the KV cache composes by concatenation --------------------------
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if self.cfg.kv_window:
+            return "kv_window=True keeps only the newest max_len keys; composition needs the whole cache"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "length": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # both caches are right-aligned (slot j <-> position length - M + j) and zero outside their
+        # own tokens: move a's keys left by the number of b's tokens and add (an exact concatenation)
+        shift = b["length"] - a["length"]
+        moved = {name: jnp.roll(a[name], -shift, axis=2) for name in ("k", "v")}
+        return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "length": b["length"]}
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        T = q.shape[2]
+        pos = jnp.arange(T, dtype=jnp.int32)
+        if state is None:
+            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True)
+            new_state = (
+                {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "length": jnp.asarray(T, jnp.int32)}
+                if self.causal
+                else None
+            )
+            return out, new_state
+        if not self.causal:
+            raise ValueError("dense: a bidirectional core takes no state")
+        M = state["k"].shape[2]
+        length = state["length"]
+        if not self.cfg.kv_window:
+            check_capacity(length + T, M, "dense: the KV cache holds {capacity} tokens (init_state max_len) but "
+                           "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
+                           "for a sliding window that drops the oldest keys")
+        q_pos = length + pos
+        k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
+        k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)
+        v_all = jnp.concatenate([state["v"].astype(v.dtype), v], axis=2)
+        out = self._attend(q, k_all, v_all, q_pos, k_pos, k_pos >= 0)
+        new_state = {
+            "k": k_all[:, :, -M:].astype(jnp.float32),
+            "v": v_all[:, :, -M:].astype(jnp.float32),
+            "length": length + T,
+        }
+        return out, new_state
+
+
+__all__ = ["ALIASES", "DenseAttention", "attend", "auto_order", "choose", "impl_names", "implementations",
+           "xla_order"]

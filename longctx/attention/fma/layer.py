@@ -1,0 +1,345 @@
+"""The FMA and FMA-linear cores (docs/methods/fma.md): parameters, config, validation, the decoding state, and
+the call that asks ``dispatch.select`` for an implementation and runs it.
+
+Implementations (reference first, :meth:`FMAAttention.implementations`):
+
+* ``reference`` -- the paper's n x n matrix C~ (``reference.py``; O(n^2), tests and checks);
+* ``xla`` -- the blocked path, portable (``xla.py``);
+* ``xla_cpu`` -- the blocked path with XLA:CPU's forms of its products and summaries (``xla_cpu.py``;
+  ``impl='auto'`` on a CPU);
+* ``pallas`` -- the blocked path with the Pallas block kernel (``pallas.py``, ``pallas_kernels/fma_blocks.py``;
+  FMA only; ``impl='auto'`` on GPU and TPU where it serves the call, else ``xla``).
+
+The decoding state and the streamed step (``state.py``) are shared: a call with a state runs the chosen
+implementation's block function (the reference's: the portable one). The old values of ``impl`` keep their
+meaning: ``'xla'`` the blocked XLA path, ``'pallas'`` the kernel, ``'auto'`` the platform's choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_qkv, logical, require
+from longctx.attention.fma import pallas, reference, xla, xla_cpu
+from longctx.attention.fma.options import FMAOptions
+from longctx.attention.fma.state import RING, empty_state, fma_stream, state_from_forward
+
+
+def _uniform(bound: float):
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class Downsample(nnx.Module):
+    """One level's strided conv for one of K, V, Q: ``kernel`` [m_l, f, p] (depthwise) or
+    [m_l, f, f, p] (dense_conv), with a leading heads axis when not shared; ``bias`` [f, p]."""
+
+    def __init__(self, kind: str, ml: int, f: int, p: int, *, heads: int | None, init: str, feat_axis: str,
+                 rngs: nnx.Rngs):
+        if kind == "depthwise_conv":
+            shape, names, fan_in = (ml, f, p), ("kernel_size", feat_axis, None), ml
+        else:
+            shape, names, fan_in = (ml, f, f, p), ("kernel_size", None, feat_axis, None), ml * f
+        bshape, bnames = (f, p), (feat_axis, None)
+        if heads is not None:
+            shape, names = (heads,) + shape, ("heads",) + names
+            bshape, bnames = (heads,) + bshape, ("heads",) + bnames
+        if init == "subinterval_mean":
+            t = np.arange(ml)
+            w = ((t[:, None] * p) // ml == np.arange(p)[None, :]).astype(np.float32) * (p / ml)  # [ml, p]
+            if kind == "depthwise_conv":
+                w = np.broadcast_to(w[:, None, :], (ml, f, p))
+            else:
+                w = w[:, None, None, :] * np.eye(f, dtype=np.float32)[None, :, :, None]
+            w = np.broadcast_to(w, shape).copy()
+            kinit = lambda key, s, dt=jnp.float32: jnp.asarray(w, dt)  # noqa: E731
+            binit = nnx.initializers.zeros
+        else:  # PyTorch Conv1d defaults (the release): U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for W and c
+            kinit = binit = _uniform(1.0 / math.sqrt(fan_in))
+        self.kernel = nnx.Param(logical(kinit, *names)(rngs.params(), shape, jnp.float32))
+        self.bias = nnx.Param(logical(binit, *bnames)(rngs.params(), bshape, jnp.float32))
+
+    def params(self):
+        return {"kernel": self.kernel[...], "bias": self.bias[...]}
+
+
+# ---------------------------------------------------------------------------
+# the cores
+# ---------------------------------------------------------------------------
+
+
+class FMAAttention(AttentionCore):
+    """Fast Multipole Attention core (see the module docstring)."""
+
+    name = "fma"
+    EXECUTION_KEYS = ("impl", "logit_budget")
+    linear = False
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """reference (the dense C~; no dropout), xla (the blocked path; ``test_config`` makes it take several
+        ``lax.map`` steps at test lengths), xla_cpu (its XLA:CPU form) and, for FMA, pallas (the block kernel;
+        interpret mode on a CPU). See the module docstring."""
+        from longctx.attention.dispatch import Implementation
+
+        def no_dropout(platform, *, dropout=0.0, **_):
+            return ["no attention dropout in the reference (a call with a dropout key)"] if dropout > 0 else []
+
+        impls = (
+            Implementation("reference", reasons=no_dropout, config={"impl": "reference"}),
+            Implementation("xla", config={"impl": "xla"}, test_config={"logit_budget": 2000}),
+            Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
+        )
+        if not cls.linear:
+            impls += (Implementation("pallas", platforms=("tpu", "cuda"), kernel=True,
+                                     reasons=pallas.unsupported_reasons, config={"impl": "pallas"}),)
+        return impls
+
+    @classmethod
+    def auto_order(cls, platform: str) -> tuple[str, ...]:
+        """``impl='auto'``: the CPU form on a CPU; elsewhere the kernel where it serves the call, else xla."""
+        if platform == "cpu":
+            return ("xla_cpu", "xla")
+        return ("xla",) if cls.linear else ("pallas", "xla")
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        c = {
+            "m": 64,  # fine block size (group size of level 1)
+            "p": 4,  # summary rows per group (p | m)
+            # the training length n: fixes the levels L = log2(max_len/m) - 1 and the parameters
+            # (2 p d (max_len/2 - m) + 2 L p d per layer); the default lets a benchmark run 131k tokens
+            "max_len": 131072,
+            "num_levels": None,  # k = L + 1 (paper's "k lev", fine level included); None = derived
+            "downsample": "depthwise_conv",  # 'depthwise_conv' (paper) | 'dense_conv' | 'avgpool' (tests)
+            "share_downsample_across_heads": True,
+            "downsample_init": "torch_default",  # 'torch_default' | 'subinterval_mean'
+            "multiplicity_weighting": True,  # beta_l = ln(m_l / p) on summary scores
+            "allow_truncated_window": False,  # n > max_len: only L levels (a window of ~max_len tokens)
+            "attn_dropout": 0.0,
+            # 'reference' | 'xla' | 'xla_cpu' | 'pallas' (FMA) | 'auto' (xla_cpu on a CPU; pallas, else xla, on
+            # GPU/TPU) | a list 'a,b' (the first that serves the call)
+            "impl": "auto",
+            "logit_budget": 1 << 24,  # max materialised scores per lax.map step of the blocked path
+        }
+        if cls.linear:
+            c["fma_linear_normalization"] = "joint"  # 'joint' | 'per_level' (paper eq. 11)
+            c["causal_query_summary"] = "lagged"  # 'lagged' (leak-free) | 'paper_leaky' (reproduction only)
+            c["allow_paper_leaky"] = False  # causal 'paper_leaky' must be asked for explicitly
+        return ml_collections.ConfigDict(c)
+
+    @classmethod
+    def derived_levels(cls, cfg) -> int:
+        return (cfg.max_len // cfg.m).bit_length() - 2  # log2(max_len/m) - 1
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        pre = f"attention.{cls.name}"
+        m, p, n = cfg.m, cfg.p, cfg.max_len
+        require(m > 0 and p > 0, f"{pre}: m={m} and p={p} must be positive")
+        require(m % p == 0, f"{pre}: p={p} must divide m={m}")
+        require(n >= m and n % m == 0 and ((n // m) & (n // m - 1)) == 0,
+                f"{pre}: max_len/m must be a power of two (max_len={n}, m={m})")
+        L = cls.derived_levels(cfg)
+        if cfg.num_levels is not None:
+            require(1 <= cfg.num_levels <= max(L, 0) + 1,
+                    f"{pre}.num_levels={cfg.num_levels}; allowed 1..{max(L, 0) + 1} (= log2(max_len/m))")
+            require(cfg.num_levels == max(L, 0) + 1 or cfg.allow_truncated_window,
+                    f"{pre}.num_levels={cfg.num_levels} < log2(max_len/m) truncates the receptive field; "
+                    "set allow_truncated_window=True to ask for it")
+        for key, allowed in (
+            ("downsample", ("depthwise_conv", "dense_conv", "avgpool")),
+            ("downsample_init", ("torch_default", "subinterval_mean")),
+        ):
+            require(cfg[key] in allowed, f"{pre}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        from longctx.attention import dispatch
+
+        why = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
+        require(why is None, f"{pre}.{why}")
+        require(0.0 <= cfg.attn_dropout < 1.0, f"{pre}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
+        require(not (cfg.impl == "pallas" and cfg.attn_dropout > 0),
+                f"{pre}: the Pallas kernel has no attention dropout; use impl='xla' or attn_dropout=0")
+        require(cfg.logit_budget > 0, f"{pre}.logit_budget must be positive")
+        if cls.linear:
+            for key, allowed in (("fma_linear_normalization", ("joint", "per_level")),
+                                 ("causal_query_summary", ("lagged", "paper_leaky"))):
+                require(cfg[key] in allowed, f"{pre}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+            require(not (causal and cfg.causal_query_summary == "paper_leaky" and not cfg.allow_paper_leaky),
+                    f"{pre}.causal_query_summary='paper_leaky' lets future tokens change past outputs (the "
+                    "paper's causal FMA-linear); it exists to reproduce Table 1 only. Use 'lagged', or set "
+                    "allow_paper_leaky=True to ask for it explicitly")
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        c = self.cfg
+        L = self.derived_levels(c) if c.num_levels is None else c.num_levels - 1
+        L = max(L, 0)
+        self.opts = FMAOptions(
+            causal=causal, m=c.m, p=c.p, L=L, max_len=c.max_len, linear=self.linear,
+            multiplicity=c.multiplicity_weighting,
+            normalization=c.get("fma_linear_normalization", "joint"),
+            query_summary=c.get("causal_query_summary", "lagged"),
+            downsample=c.downsample, shared=c.share_downsample_across_heads,
+            allow_truncated=c.allow_truncated_window, attn_dropout=float(c.attn_dropout),
+            logit_budget=int(c.logit_budget),
+        )
+        heads = None if c.share_downsample_across_heads else num_heads
+        names = (("k", head_dim, "head_dim"), ("v", self.value_dim, "value_dim"))
+        if self.linear:
+            names = names + (("q", head_dim, "head_dim"),)
+        if c.downsample != "avgpool":
+            for nm, f, ax in names:
+                for l in range(1, L + 1):
+                    setattr(self, f"ds_{nm}_{l}", Downsample(c.downsample, self.opts.m_l(l), f, c.p, heads=heads,
+                                                             init=c.downsample_init, feat_axis=ax, rngs=rngs))
+
+    @classmethod
+    def contract_cases(cls) -> dict[str, ContractCase]:
+        # m=4, p=2, max_len=64: L = 3 levels (groups of 4, 8, 16); 56 tokens populate every level
+        # (the top level's partners start at position 32) and leave room for the suite's +5 tokens.
+        base = {"m": 4, "p": 2, "max_len": 64}  # impl 'auto': the platform's production path
+        return {
+            "auto": ContractCase(cfg=base, length=56, num_heads=2, head_dim=8, value_dim=6),
+            "per_head_dense_conv": ContractCase(
+                cfg={**base, "share_downsample_across_heads": False, "downsample": "dense_conv"},
+                length=40, num_heads=2, head_dim=4, directions=("causal",), slow=True),
+            # the Pallas kernel in interpret mode (full passes; streaming steps use the reference)
+            "pallas": ContractCase(cfg={**base, "impl": "pallas"}, length=56, num_heads=2, head_dim=8, value_dim=6,
+                                   slow=True),
+        }
+
+    @classmethod
+    def kernel_benches(cls):
+        return {"fma_blocks": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+
+    @classmethod
+    def drop_in(cls) -> DropIn:
+        # parameter-free summaries (mean of each sub-interval of m_l/p tokens): FMA on given q, k, v, untrained
+        return DropIn(description="summaries = sub-interval means (downsample='avgpool'), no training",
+                      overrides={"downsample": "avgpool"})
+
+    # -- helpers ----------------------------------------------------------------
+    def ds_params(self):
+        out = {}
+        for nm in ("k", "v") + (("q",) if self.linear else ()):
+            out[nm] = [getattr(self, f"ds_{nm}_{l}").params() if self.opts.downsample != "avgpool" else None
+                       for l in range(1, self.opts.L + 1)]
+        return out
+
+    def _implementation(self, drop_key):
+        """``(forward, attend)`` of the implementation ``dispatch.select`` picks for ``impl``: the full pass
+        ``forward(q, k, v, ds, opts, drop_key)`` and the block function of the streamed steps."""
+        from longctx.attention import dispatch
+
+        choice = dispatch.select(
+            self.cfg.impl, self.implementations(causal=self.causal), method=self.name, order=self.auto_order,
+            m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
+            dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
+        )
+        if choice.name == "reference":
+            return (lambda q, k, v, ds, opts, drop_key=None: reference.fma_dense_reference(q, k, v, ds, opts)), xla.attend
+        if choice.name == "pallas":
+            return pallas.forward(choice), pallas.attend(choice)
+        impl = xla_cpu if choice.name == "xla_cpu" else xla
+        return impl.forward, impl.attend
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError(f"{self.name}: bidirectional attention has no prefix state")
+        if self.opts.leaky:
+            raise ValueError(f"{self.name}: causal_query_summary='paper_leaky' cannot be decoded; use 'lagged'")
+        if max_len is not None and max_len > self.opts.max_len and not self.opts.allow_truncated:
+            raise ValueError(
+                f"{self.name}: a state for {max_len} tokens exceeds the layer's max_len={self.opts.max_len} "
+                "(the levels it was built for); raise max_len or set allow_truncated_window=True"
+            )
+        return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, self.opts)
+
+    # -- sequence parallelism: rings of the newest groups per level, a window of the newest keys --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if self.opts.leaky:
+            return "causal_query_summary='paper_leaky' cannot be streamed"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # b ran from zeros at a's end: its window and rings hold zeros where a's newest keys and groups
+        # belong, and the group open at a's end lacks a's part of its (linear) conv sum, a's acc
+        def newest(old, new, shift):
+            n = old.shape[2]
+            padded = jnp.concatenate([old, jnp.zeros_like(old)], axis=2)
+            return new + jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(shift, n), n, axis=2)
+
+        out = dict(b)
+        for name in ("win_k", "win_v"):
+            out[name] = newest(a[name], b[name], b["pos"] - a["pos"])
+        for name in a:
+            if not name.startswith("ring_"):
+                continue
+            acc_name = "acc_" + name[len("ring_"):]
+            rings, accs = [], []
+            for l, (ra, rb, acc_a, acc_b) in enumerate(zip(a[name], b[name], a[acc_name], b[acc_name])):
+                ml = self.opts.m_l(l + 1)
+                shift = b["pos"] // ml - a["pos"] // ml  # groups finished by b's tokens
+                ring = newest(ra, rb, shift)
+                # the group open at a's end finished in b: it sits at ring slot RING - shift (if still kept)
+                at = (jnp.arange(RING) == RING - shift).astype(ring.dtype)
+                rings.append(ring + at[None, None, :, None, None] * acc_a[:, :, None])
+                accs.append(acc_b + jnp.where(shift == 0, acc_a, 0.0))
+            out[name], out[acc_name] = tuple(rings), tuple(accs)
+        return out
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        drop_key = None
+        if not deterministic and self.opts.attn_dropout > 0.0:
+            if key is None:
+                raise ValueError(f"{self.name}: attn_dropout > 0 with deterministic=False needs a PRNG `key`")
+            drop_key = key
+        ds = self.ds_params()
+        forward, attend = self._implementation(drop_key)
+        if state is None:
+            out = forward(q, k, v, ds, self.opts, drop_key)
+            new_state = None
+            if self.causal and not self.opts.leaky:
+                new_state = state_from_forward(q, k, v, ds, self.opts)
+            return out.astype(v.dtype), new_state
+        if not self.causal:
+            raise ValueError(f"{self.name}: a bidirectional core takes no state (state=None only)")
+        if not isinstance(state, dict) or "pos" not in state:
+            raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
+        out, new_state = fma_stream(q, k, v, state, ds, self.opts, drop_key, attend=attend)
+        return out.astype(v.dtype), new_state
+
+
+class FMALinearAttention(FMAAttention):
+    """FMA-linear (paper App. A.1): queries are summarised too, so the coarse part is O(n)."""
+
+    name = "fma_linear"
+    linear = True  # no pallas implementation: the block kernel computes FMA's packed slots, not these statistics
+
+    @classmethod
+    def kernel_benches(cls):
+        return {}  # the fma_blocks kernel computes FMA's packed coarse slots, not FMA-linear's statistics
+
+    @classmethod
+    def contract_cases(cls) -> dict[str, ContractCase]:
+        base = {"m": 4, "p": 2, "max_len": 64}
+        return {
+            "auto": ContractCase(cfg=base, length=56, num_heads=2, head_dim=8, value_dim=6),
+            "per_level": ContractCase(cfg={**base, "fma_linear_normalization": "per_level"}, length=40,
+                                          num_heads=1, head_dim=4, directions=("causal",), slow=True),
+        }
+
+
+__all__ = ["Downsample", "FMAAttention", "FMALinearAttention"]

@@ -1,0 +1,168 @@
+"""The blocked FMA path (docs/methods/fma.md §2.4, spec §2.4-§2.5), portable: plain einsums, the implementation
+``xla`` (GPU and TPU where the kernel does not serve the call; any platform when named).
+
+Per fine block: a 2m (bidirectional 3m) window of raw keys plus the block's packed coarse summary slots, one
+softmax, query blocks processed in groups under a rematerialised ``lax.map`` so memory is O(n (m + p L)) at
+most and O(``logit_budget``) per step. The block math is ``pallas_kernels/fma_blocks_ref.py`` (beside the
+Pallas kernel that must match it). :func:`fma_forward` takes the block function (``attend``) and the
+summaries (``summaries``) as arguments: ``xla_cpu.py`` passes its CPU forms of the same products, ``pallas.py``
+the kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longctx.attention.fma.options import FMAOptions, f32, levels_used, pad_to
+from longctx.attention.fma.reference import lagged, summarize
+from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
+
+attend = attend_blocks  # the block function (plain products); also the streaming steps' of the reference
+
+
+def level_summaries(x, prm, ml: int, opts: FMAOptions):
+    """Summaries of all (zero-padded) groups of a sequence: [B,H,ceil(n/ml),p,f]."""
+    return summarize(pad_to(x, ml), prm, ml, opts)
+
+
+def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
+    """``[level_summaries(x, prms[l-1], m_l, opts) for l = 1..Lu]``: one einsum per level."""
+    return [level_summaries(x, prms[l - 1], opts.m_l(l), opts) for l in range(1, Lu + 1)]
+
+
+# ---------------------------------------------------------------------------
+# FMA-linear coarse statistics (§2.5)
+# ---------------------------------------------------------------------------
+
+
+def combine(acc, stats, opts: FMAOptions):
+    """Fold one level's per-query stats (M, num, den) into the running coarse part."""
+    M, num, den = stats
+    if opts.normalization == "per_level":
+        out = num / jnp.where(den > 0, den, 1.0)[..., None]
+        return ("normed", out) if acc is None else ("normed", acc[1] + out)
+    if acc is None:
+        return ("stats", M, num, den)
+    _, Ma, na, da = acc
+    Mn = jnp.maximum(Ma, M)
+    sa, sb = jnp.exp(Ma - Mn), jnp.exp(M - Mn)
+    return ("stats", Mn, na * sa[..., None] + num * sb[..., None], da * sa + den * sb)
+
+
+def row_stats(s, valid, vc, drop_key, opts: FMAOptions):
+    """Softmax statistics of coarse scores s [..., C] with values vc [..., C, f] (valid: bool mask)."""
+    s = jnp.where(valid, s, NEG)
+    M = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+    e = jnp.where(valid, jnp.exp(s - M[..., None]), 0.0)
+    den = jnp.sum(e, axis=-1)
+    if drop_key is not None and opts.attn_dropout > 0.0:
+        keep = 1.0 - opts.attn_dropout
+        e = jnp.where(jax.random.bernoulli(drop_key, keep, e.shape), e / keep, 0.0)
+    return M, e, den
+
+
+def _repeat_rows(acc, rep: int, n_rows: int):
+    """Each row of a running coarse part (axis 2) repeated ``rep`` times, cut to ``n_rows``."""
+    return (acc[0],) + tuple(jnp.repeat(x, rep, axis=2)[:, :, :n_rows] for x in acc[1:])
+
+
+def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAOptions):
+    """FMA-linear coarse part of a full pass (§2.5): per level, scores of the N_l p query-summary rows
+    against their group's partner summaries (a [N_l, p, C_l] tile) and local softmax statistics.
+
+    Row R of level l covers tokens [R m_l/p, (R+1) m_l/p), exactly rows 2R and 2R+1 of level l-1, so
+    the levels are combined coarse to fine at row resolution (level l's running part repeated twice,
+    then folded with level l-1's rows). The result stays at level 1's rows ([B, H, nb p, ...], m/p
+    tokens each); the block function broadcasts them to its queries. Broadcasting every level to
+    the tokens first cost L passes over [n, dv] arrays, the superlinear term of the forward;
+    the combination is associative, so the result is the same."""
+    B, H = qf.shape[:2]
+    d = qf.shape[-1]
+    scale = d**-0.5
+    acc = None
+    for l in range(Lu, 0, -1):
+        p = opts.p
+        K, V, Q = kh[l - 1], vh[l - 1], qh[l - 1]
+        N = K.shape[2]
+        if opts.causal and opts.query_summary == "lagged":
+            Q = lagged(Q)
+        g, valid = level_partners(np.arange(N), opts.causal, N)  # [N, S]
+        rows = (g[..., None] * p + np.arange(p)).reshape(N, -1)
+        rows = np.clip(rows, 0, N * p - 1)
+        vmask = np.repeat(valid, p, axis=-1)[:, None, :]  # [N, 1, C]
+        kc = jnp.take(K.reshape(B, H, N * p, d), rows.reshape(-1), axis=2).reshape(B, H, N, -1, d)
+        vc = jnp.take(V.reshape(B, H, N * p, -1), rows.reshape(-1), axis=2).reshape(B, H, N, rows.shape[1], -1)
+        s = jnp.einsum("bhard,bhacd->bharc", Q * scale, kc) + opts.beta(l)
+        key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
+        M, e, den = row_stats(s, vmask, vc, key, opts)
+        num = jnp.einsum("bharc,bhacf->bharf", e, vc)
+        flat = tuple(x.reshape((B, H, N * p) + x.shape[4:]) for x in (M, num, den))
+        if acc is not None:
+            acc = _repeat_rows(acc, 2, N * p)
+        acc = combine(acc, flat, opts)
+    return acc  # level 1's rows: p per fine block; attend_group broadcasts them to the block's queries
+
+
+def _to_blocks(coarse, nb: int, m: int):
+    if coarse is None:
+        return None
+    out = [coarse[0]]
+    for x in coarse[1:]:  # per query (m per block) or per level-1 row (p per block)
+        B, H = x.shape[:2]
+        out.append(x.reshape((B, H, nb, x.shape[2] // nb) + x.shape[3:]))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# full pass (§2.4)
+# ---------------------------------------------------------------------------
+
+
+def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_blocks,
+                summaries=all_level_summaries):
+    """One full pass over n tokens (no prefix). q, k [B,H,n,d], v [B,H,n,dv] -> out [B,H,n,dv] f32.
+
+    ``ds``: {'k': [params per level], 'v': [...], 'q': [...]} (None entries for avgpool). ``attend``: the block
+    function (:func:`pallas_kernels.fma_blocks_ref.attend_blocks`'s signature); ``summaries``: the form of
+    :func:`all_level_summaries` to use."""
+    B, H, n, d = q.shape
+    dv = v.shape[-1]
+    m, p = opts.m, opts.p
+    nb = -(-n // m)
+    n_pad = nb * m
+    Lu = levels_used(n, opts)
+    qf, kf, vf = (f32(x) for x in (q, k, v))
+    scale = d**-0.5
+    qb = pad_to(qf * scale, m).reshape(B, H, nb, m, d)
+    back = n_pad - n + (0 if opts.causal else m)
+    kp = jnp.pad(kf, ((0, 0), (0, 0), (m, back), (0, 0)))
+    vp = jnp.pad(vf, ((0, 0), (0, 0), (m, back), (0, 0)))
+    kh = summaries(kf, ds["k"], Lu, opts)
+    vh = summaries(vf, ds["v"], Lu, opts)
+    coarse = None
+    if Lu > 0 and not opts.linear:
+        n_groups = [x.shape[2] for x in kh]
+        offsets = np.cumsum([0] + [g * p for g in n_groups])
+        kall = jnp.concatenate([x.reshape(B, H, -1, d) for x in kh], axis=2)
+        vall = jnp.concatenate([x.reshape(B, H, -1, dv) for x in vh], axis=2)
+        idx, bias = packed_slots(np.arange(nb), num_levels=Lu, m=m, p=p, causal=opts.causal,
+                                 betas=[opts.beta(l) for l in range(1, Lu + 1)], offsets=offsets,
+                                 n_groups=n_groups, n_rows=int(offsets[-1]))
+        coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
+    elif Lu > 0:
+        qh = summaries(qf, ds["q"], Lu, opts)
+        coarse = _to_blocks(linear_coarse_full(qf, kh, vh, qh, n_pad, Lu, drop_key, opts), nb, m)
+    out = attend(qb, kp, vp, coarse, q_block0=0, n_valid=n, causal=opts.causal, drop_key=drop_key,
+                 attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)
+    return out.reshape(B, H, n_pad, dv)[:, :, :n]
+
+
+def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
+    """The implementation ``xla``: :func:`fma_forward` with the plain products and per-level summaries."""
+    return fma_forward(q, k, v, ds, opts, drop_key)
+
+
+__all__ = ["all_level_summaries", "attend", "combine", "fma_forward", "forward", "level_summaries",
+           "linear_coarse_full", "row_stats"]

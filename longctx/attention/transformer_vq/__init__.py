@@ -1,0 +1,56 @@
+"""Transformer-VQ attention (Lingle 2023, arXiv 2309.16354; method notes: docs/methods/transformer_vq.md).
+
+Keys are vector-quantized per head onto an EMA codebook with a straight-through estimator (STVQ). Because every
+quantized key is one of S codewords, softmax attention over an arbitrary prefix factorizes into S code logits plus
+per-code (mean value, count) summaries: a lossless compressed cache *for the quantized keys*.
+
+* ``reference.py`` -- the paper's computation (quadratic in the call's length): the implementation ``reference``
+* ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, state, codebook learning, dispatch
+* ``xla.py``       -- the portable linear-time forms: ``parallel``, ``blocks``, ``stream``, ``encoder``
+* ``xla_cpu.py``   -- those forms laid out for XLA:CPU: ``xla_cpu`` (what ``impl='auto'`` runs on a CPU)
+* ``pallas.py``    -- the §9 kernel (``pallas_kernels/vq_cache.py``): ``pallas``
+"""
+
+from longctx.attention.transformer_vq.layer import (
+    TransformerVQAttention,
+    codebook_from_stats,
+    commit_loss,
+    ema_update,
+    kmeans,
+    rel_table,
+    rms_normalize,
+    sinusoid,
+    vq_stats,
+)
+from longctx.attention.transformer_vq.xla import (
+    band_scores,
+    causal_blocks,
+    causal_parallel,
+    causal_stream,
+    encoder_parallel,
+    stvq,
+)
+from pallas_kernels.vq_cache_ref import code_summary, code_sums, empty_state, merge, prefix_reduce
+
+__all__ = [
+    "TransformerVQAttention",
+    "band_scores",
+    "causal_blocks",
+    "causal_parallel",
+    "causal_stream",
+    "code_summary",
+    "code_sums",
+    "codebook_from_stats",
+    "commit_loss",
+    "ema_update",
+    "empty_state",
+    "encoder_parallel",
+    "kmeans",
+    "merge",
+    "prefix_reduce",
+    "rel_table",
+    "rms_normalize",
+    "sinusoid",
+    "stvq",
+    "vq_stats",
+]

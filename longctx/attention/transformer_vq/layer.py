@@ -1,0 +1,476 @@
+"""The Transformer-VQ core (Lingle 2023, arXiv 2309.16354; method notes: docs/methods/transformer_vq.md, whose
+sections the § numbers cite): parameters, configuration, the decoding state, the codebook's EMA learning, and
+the call, which prepares q, k and the position terms (§2.1, §2.3), asks ``dispatch.select`` for one of the
+method's implementations and runs it:
+
+* ``reference`` (``reference.py``) -- the quadratic softmax over cache, band and present keys: the paper's math;
+* ``parallel``, ``blocks``, ``stream``, ``encoder`` (``xla.py``) -- the portable linear-time forms;
+* ``xla_cpu`` (``xla_cpu.py``) -- those forms with products laid out for XLA:CPU (``impl='auto'`` on a CPU);
+* ``pallas`` (``pallas.py``) -- the §9 kernel (``impl='auto'`` on a GPU / TPU where it serves the call).
+
+State of a causal core (constant size, canonical: a function of the prefix only)::
+
+    {"pos": int32[],                       # tokens seen
+     "band_k": [B, H, M, Dk], "band_v": [B, H, M, Dv], "band_z": int32[B, H, M],
+     "agg_mu": [B, H, S, Dv], "agg_n": [B, H, S]}
+
+band = the newest M tokens (right-aligned; slot j holds position pos - M + j, invalid if < 0),
+agg = running mean of values per code and the count of every older token (fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from longctx.attention import dispatch
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    KernelBench,
+    NonGradState,
+    axes,
+    check_qkv,
+    require,
+)
+from longctx.attention.transformer_vq import reference
+from longctx.layout import rows_apply
+from pallas_kernels.vq_cache_ref import code_summary, code_sums, compute_dtype, empty_state, float_dtype, merge
+
+sg = jax.lax.stop_gradient
+METHOD = "transformer_vq"
+LEGACY_IMPLS = ("xla",)  # impl='xla' (configs before the named implementations): the XLA path of the call's form
+
+
+# ----------------------------------------------------------------------------- helpers
+def rms_normalize(x, eps: float = 1e-6):
+    """x * rsqrt(mean(x^2) + eps), no gain/bias, computed in >= fp32, cast back (rows flattened on a CPU host:
+    its gradient's row sums then meet no size-1 dimension, longctx.layout.rows_apply)."""
+    return rows_apply(functools.partial(_rms_rows, eps=eps), x)
+
+
+def _rms_rows(x, eps: float):
+    xf = x.astype(float_dtype(x))
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def sinusoid(d, dim: int, base: float = 1e5, dtype=jnp.float32):
+    """e(d) = [sin(d w_k) || cos(d w_k)], w_k = base^(-2k/dim), k = 0..dim/2-1 (halves concatenated)."""
+    half = dim // 2
+    w = base ** (-jnp.arange(half, dtype=dtype) * 2.0 / dim)
+    ang = jnp.asarray(d, dtype)[..., None] * w
+    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+
+
+def codebook_from_stats(c_sum, c_count):
+    """C = c_sum / max(c_count, 0.01)."""
+    return c_sum / jnp.maximum(c_count, 0.01)[..., None]
+
+
+def rel_table(W_R, M: int, *, signed: bool, base: float, scale, dtype, dropout_key=None, p_drop: float = 0.0):
+    """r'_d = scale * Drop(e(d)) W_R for d = 0..M (causal) or d = -M..M (signed); -> [n, H*Dk] in ``dtype`` (the
+    compute dtype; the sinusoids are formed in float32 or wider)."""
+    d = jnp.arange(-M if signed else 0, M + 1)
+    e = sinusoid(d, W_R.shape[0], base, jnp.promote_types(dtype, jnp.float32))  # the angles in >= float32
+    if dropout_key is not None and p_drop > 0.0:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - p_drop, e.shape)
+        e = jnp.where(keep, e / (1.0 - p_drop), 0.0)
+    return scale * (e.astype(dtype) @ W_R.astype(dtype))
+
+
+# ----------------------------------------------------------------------------- codebook learning (§3)
+def vq_stats(k, z, S: int, mask=None, sums=code_sums):
+    """EMA statistics of one call: per-code counts [H, S] and key sums [H, S, Dk] (pre-quantization keys,
+    fp32 or wider, masked tokens excluded), summed over batch and time, under stop_gradient. ``sums``: the
+    running implementation's per-code sums (``vq_cache_ref.code_sums``' signature)."""
+    kf = sg(k).astype(float_dtype(k))
+    valid = jnp.ones(z.shape, bool) if mask is None else mask[:, None, :]
+    tot, cnt = sums(z, kf, valid, S)  # [B,H,S,Dk], [B,H,S]
+    return {"count": jnp.sum(cnt, axis=0), "sum": jnp.sum(tot, axis=0)}
+
+
+def ema_update(c_sum, c_count, stats, gamma: float):
+    """c_sum <- g c_sum + (1-g) sum_k ; c_count <- g c_count + (1-g) count (stats summed globally)."""
+    c_sum = gamma * c_sum + (1.0 - gamma) * stats["sum"].astype(c_sum.dtype)
+    c_count = gamma * c_count + (1.0 - gamma) * stats["count"].astype(c_count.dtype)
+    return c_sum, c_count
+
+
+def commit_loss(k, c_z, mask=None):
+    """mean_{b,t}(mask * sum_heads ||k - sg(c_z)||^2), divided by the number of unmasked tokens."""
+    dt = float_dtype(k)
+    e = jnp.sum(jnp.square(k.astype(dt) - sg(c_z).astype(dt)), axis=(1, 3))  # [B, T]
+    if mask is None:
+        return jnp.mean(e)
+    m = mask.astype(dt)
+    return jnp.sum(e * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+# ----------------------------------------------------------------------------- implementations
+def _band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
+    return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
+
+
+def _blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", **_) -> list[str]:
+    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the tiled form computes the serial one)"]
+    return _band_reasons(platform, L=L, M=M) + extra
+
+
+def _pallas_reasons(platform, **shapes) -> list[str]:
+    from longctx.attention.transformer_vq import pallas
+
+    return pallas.reasons(platform, **shapes)
+
+
+def _run_reference(core, choice, pre, v, C, state):
+    k_hat, z, err2, c_z = reference.stvq(pre["k"], C)
+    dt = float_dtype(pre["q_v"], pre["r"])
+    bd = reference.band_scores(pre["q_v"].astype(dt), pre["r"].astype(dt))
+    if core.causal:
+        o, new = reference.causal(pre["q_u"], bd, k_hat, z, v, C, state, L=core.L, M=core.M)
+    else:
+        o, new = reference.bidirectional(pre["q_u"], bd, k_hat, v, L=core.L, M=core.M,
+                                         band=core.cfg.encoder_band), None
+    return o, new, (z, err2, c_z)
+
+
+def _runner(name: str):
+    """(run, per-code sums) of the implementation ``name``: run(core, choice, pre, v, C, state) ->
+    (o, new_state, (z, err2, c_z))."""
+    if name == "reference":
+        return _run_reference, code_sums
+    from longctx.attention.transformer_vq import pallas, xla, xla_cpu
+
+    mod = {"xla_cpu": xla_cpu, "pallas": pallas}.get(name, xla)
+    return mod.run, mod.code_sums
+
+
+# ----------------------------------------------------------------------------- the core
+class TransformerVQAttention(AttentionCore):
+    """Transformer-VQ core. Inside the standard multi-head ``TransformerBlock`` it is the release's
+    throughput variant (MHA, one codebook per head); inside ``GAUBlock`` the paper's single-head GAU.
+
+    Owns: the codebook statistics (``c_sum`` [H,S,Dk], ``c_count`` [H,S]; :class:`NonGradState`), and the
+    Transformer-XL relative-bias parameters ``u``, ``v`` ([H, Dk], zero-init) and ``W_R`` [rel_dim, H*Dk].
+    """
+
+    takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
+
+    name = METHOD
+    EXECUTION_KEYS = ("impl", "form", "reduction", "keep_budget", "tiled_min_scores")
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """The reference first (the quadratic form, ``reference.py``). Causal: parallel (the block-parallel form,
+        the kernel's reference, under autodiff), blocks (its tiled form with a recomputing backward), stream
+        (block by block, as decoding runs; any band), xla_cpu (those forms laid out for XLA:CPU, by call size),
+        pallas (the §9 kernel; interpret mode on a CPU). Bidirectional: encoder (§2.5), xla_cpu. The ``form``
+        setting (old configs) keeps its meaning through ``impl='xla'``, ``'auto'``, ``'pallas'`` and ``xla_cpu``."""
+        from longctx.attention.dispatch import Implementation
+
+        ref = Implementation("reference", config={"impl": "reference"})
+        # xla_cpu's test settings: the tiled form with a recomputing backward (its one-shot form, below
+        # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
+        cpu = Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
+                             test_config={"tiled_min_scores": 0, "keep_budget": 0})
+        if not causal:
+            return (ref, Implementation("encoder", config={"impl": "encoder"}), cpu)
+        return (ref,
+                Implementation("parallel", reasons=_band_reasons, config={"impl": "parallel"}),
+                Implementation("blocks", reasons=_blocks_reasons, config={"impl": "blocks", "reduction": "serial"}),
+                Implementation("stream", config={"impl": "stream"}),
+                cpu,
+                Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_pallas_reasons,
+                               config={"impl": "pallas", "reduction": "serial"}))
+
+    # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
+    # signal is the XL relative bias inside the core, optionally with absolute embeddings.
+    allowed_positions = ("none", "learned", "sinusoidal")
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                "codebook_size": 512,  # S
+                "block_len": 512,  # L
+                "mem_len": 0,  # M, the exact band carrying the bias; 0 means M = block_len
+                "beta": 1e-4,  # commit-loss weight (reported already multiplied)
+                "gamma": 0.99,  # EMA decay of the codebook statistics
+                "qk_norm": True,  # RMS-normalize q, k and scale each by Dk^-1/4 (False: caller did it)
+                "rel_dim": 0,  # width of the sinusoid table e(d) (d_model); 0 means num_heads*head_dim
+                "rel_base": 1e5,  # lambda of the sinusoids
+                "p_dropsin": 0.0,  # dropout on the sinusoid table (training only)
+                "encoder_band": True,  # bidirectional: keep the exact symmetric band (False: Thm 3.5)
+                # -- execution settings (execution.attention.transformer_vq) --
+                # an implementation (reference | parallel | blocks | stream | xla_cpu | pallas; bidirectional:
+                # reference | encoder | xla_cpu), an ordered list 'a,b', or 'auto': xla_cpu on a CPU, elsewhere the
+                # kernel where it serves the call, then the form below. 'xla' (older configs): the XLA form
+                "impl": "auto",
+                # the causal form of impl='auto' | 'xla' | 'pallas' | 'xla_cpu': 'auto' (stream for calls shorter
+                # than a block, blocks for calls of at least tiled_min_scores scores, else parallel) | 'parallel' |
+                # 'blocks' | 'stream'; with another implementation named, 'auto'
+                "form": "auto",
+                "reduction": "serial",  # 'serial' | 'matmul' | 'assoc' (the block-parallel form's cross-block scan)
+                # the tiled causal form keeps its attention weights for the backward when a call has at most this
+                # many scores B*H*T*(S+2L) (fp32 entries, held from each layer's forward to its backward unless
+                # model.remat recomputes the block); larger calls recompute them; 0 always recomputes. 2^26 (256 MB
+                # per attention call) keeps the attention bench's 8k call (4 heads, L = S = 512; 50M entries)
+                "keep_budget": 1 << 26,
+                # form='auto' takes the tiled form (blocks) for calls with at least this many scores B*H*T*(S+2L)
+                # (32 MB in fp32): below it the one-shot block-parallel form is as fast or faster (small blocks
+                # make the tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows
+                # of 256, trains about a sixth slower through the tiles), above it autodiff's [T, S+2L] residuals
+                # make the one-shot form memory-bound
+                "tiled_min_scores": 1 << 23,
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        p = f"attention.{METHOD}"
+        require(cfg.codebook_size >= 1, f"{p}.codebook_size={cfg.codebook_size}; must be >= 1")
+        require(cfg.block_len >= 1, f"{p}.block_len={cfg.block_len}; must be >= 1")
+        require(cfg.mem_len >= 0, f"{p}.mem_len={cfg.mem_len}; must be >= 0 (0 means mem_len = block_len)")
+        M = cfg.mem_len or cfg.block_len
+        allowed = ("serial", "matmul", "assoc")
+        require(cfg.reduction in allowed, f"{p}.reduction={cfg.reduction!r}; allowed: {', '.join(allowed)}")
+        forms = ("auto", "parallel", "blocks", "stream")
+        require(cfg.form in forms, f"{p}.form={cfg.form!r}; allowed: {', '.join(forms)}")
+        require(cfg.form != "blocks" or cfg.reduction == "serial",
+                f"{p}.form='blocks' computes the serial reduction; set {p}.reduction='serial'")
+        require(0.0 <= cfg.gamma < 1.0, f"{p}.gamma={cfg.gamma}; allowed: 0 <= gamma < 1")
+        require(cfg.beta >= 0.0, f"{p}.beta={cfg.beta}; must be >= 0")
+        require(0.0 <= cfg.p_dropsin < 1.0, f"{p}.p_dropsin={cfg.p_dropsin}; allowed: 0 <= p < 1")
+        require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
+        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
+        require(cfg.tiled_min_scores >= 0, f"{p}.tiled_min_scores={cfg.tiled_min_scores}; must be >= 0")
+        require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
+        # impl: this direction's implementations, plus 'xla' and 'pallas' as older configs wrote them (a
+        # bidirectional core ran its encoder whatever impl said)
+        names = tuple(i.name for i in cls.implementations(causal=causal))
+        why = dispatch.impl_problem(cfg.impl, names + LEGACY_IMPLS + ("pallas",))
+        require(why is None, f"{p}.{why}")
+        impls = dispatch.parse_impl(cfg.impl)
+        takes_form = set(impls) <= {"auto", "xla", "pallas", "xla_cpu", cfg.form}
+        require(cfg.form == "auto" or takes_form,
+                f"{p}.form={cfg.form!r} chooses the form of impl='auto' | 'xla' | 'pallas' | 'xla_cpu'; with "
+                f"impl={cfg.impl!r} leave form='auto'")
+        linear = {"parallel", "blocks"} & set(impls) or (takes_form and cfg.form in ("parallel", "blocks"))
+        if linear or not causal:
+            require(M <= cfg.block_len, f"{p}: the block-parallel{'' if causal else ' encoder'} form needs "
+                    f"mem_len <= block_len (got {M} > {cfg.block_len}); use impl='stream' or a smaller mem_len")
+        require("blocks" not in impls or cfg.reduction == "serial",
+                f"{p}.impl='blocks' computes the serial reduction; set {p}.reduction='serial'")
+        # impl='pallas' runs the §9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
+        # reduction; 'auto' picks it or XLA by the shared rule of longctx/attention/dispatch.py.
+        require(cfg.impl != "pallas" or cfg.reduction == "serial",
+                f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        self.cfg = ml_collections.FrozenConfigDict(self.cfg)  # hashable, so the module's graphdef is a jit key
+        c = self.cfg
+        H, Dk, S = num_heads, head_dim, c.codebook_size
+        self.S, self.L = S, c.block_len
+        self.M = c.mem_len or c.block_len
+        rel_dim = c.rel_dim or H * Dk
+        require(rel_dim % 2 == 0, f"attention.{METHOD}.rel_dim={rel_dim} must be even")
+        self.rel_dim = rel_dim
+        # Flax variance scaling, fan-in, on [H, S, Dk]: fan_in = S*H, so var = 1/(S*H).
+        self.c_sum = NonGradState(jax.random.normal(rngs.params(), (H, S, Dk), jnp.float32) / math.sqrt(S * H),
+                                  **axes("heads", "codebook", "head_dim"))
+        self.c_count = NonGradState(jnp.ones((H, S), jnp.float32), **axes("heads", "codebook"))
+        self.u = nnx.Param(jnp.zeros((H, Dk), jnp.float32), **axes("heads", "head_dim"))
+        self.v = nnx.Param(jnp.zeros((H, Dk), jnp.float32), **axes("heads", "head_dim"))
+        self.W_R = nnx.Param(jax.random.normal(rngs.params(), (rel_dim, H * Dk), jnp.float32) / math.sqrt(rel_dim),
+                             **axes(None, "qkv"))
+
+    @classmethod
+    def configure_for_block(cls, cfg, *, normalizes_qk, d_model):
+        cfg = ml_collections.ConfigDict(cfg.to_dict())
+        if normalizes_qk:  # the GAU normalizes q and k itself (§2.1)
+            cfg.qk_norm = False
+        if not cfg.rel_dim:  # the sinusoid table has width d_model
+            cfg.rel_dim = d_model
+        return cfg
+
+    @classmethod
+    def kernel_benches(cls):
+        # the kernel computes the block-parallel form's serial reduction: time it against that XLA form
+        return {"vq_cache": KernelBench(xla={"impl": "parallel"}, pallas={"impl": "pallas"}, directions=("causal",))}
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn(
+            "qk_norm=False with q·Dk^-1/2, Transformer-XL bias off (W_R=u=v=0), codebook = per-head k-means "
+            "(10 iterations) of held-out keys",
+            {"qk_norm": False},
+            _drop_in_setup,
+        )
+
+    @classmethod
+    def contract_cases(cls):
+        # block 8, codebook 16, 48 tokens = 6 blocks: the compressive cache holds 4 blocks when the last is read
+        small = {"codebook_size": 16, "block_len": 8}
+        case = functools.partial(ContractCase, length=48, atol=5e-5, rtol=5e-5)
+        return {
+            "serial": case(cfg=small),  # impl='auto': on a CPU xla_cpu's one-shot block-parallel form
+            # xla_cpu's tiled form with its recomputing backward (form='auto' picks it for large calls only)
+            "blocks": case(cfg={**small, "impl": "xla_cpu,blocks", "form": "blocks"}, directions=("causal",)),
+            "matmul": case(cfg={**small, "reduction": "matmul"}, directions=("causal",)),
+            "assoc": case(cfg={**small, "reduction": "assoc"}, directions=("causal",), slow=True),
+            "stream_short_band": case(cfg={**small, "mem_len": 3, "impl": "stream"}, directions=("causal",),
+                                      slow=True),
+            "stream_long_band": case(cfg={**small, "mem_len": 12, "impl": "stream"}, directions=("causal",),
+                                     slow=True),
+            # the reference: its carried state (decoding, split calls) is the others'
+            "reference": case(cfg={**small, "impl": "reference"}, slow=True),
+            "portable_blocks": case(cfg={**small, "impl": "blocks"}, directions=("causal",), slow=True),
+            # the Pallas kernel (interpret mode on CPU) serves the causal block-parallel form; the encoder is XLA
+            "pallas": case(cfg={**small, "impl": "pallas"}, directions=("causal",), slow=True),  # interpret mode
+        }
+
+    # -- state ---------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError(f"{METHOD}: a bidirectional core has no prefix state")
+        return empty_state(batch_size, self.num_heads, self.M, self.S, self.head_dim, self.value_dim)
+
+    # -- sequence parallelism: the band is the newest M tokens, the cache a count-weighted merge --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if slice_len < self.M:
+            return f"a slice of {slice_len} tokens is shorter than the band of mem_len={self.M} tokens"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return self.init_state(batch_size, max_len)  # the cache is position-free: a true empty state
+
+    def compose_states(self, a, b):
+        # b started empty; a's band leaves the band when b's (>= M) tokens arrive and joins the cache
+        M = self.M
+        valid = a["pos"] - M + jnp.arange(M) >= 0
+        band = code_summary(a["band_z"], a["band_v"], valid, self.S)
+        agg_mu, agg_n = merge(merge((a["agg_mu"], a["agg_n"]), band), (b["agg_mu"], b["agg_n"]))
+        return {**b, "pos": a["pos"] + b["pos"], "agg_mu": agg_mu, "agg_n": agg_n}
+
+    def codebook(self):
+        return codebook_from_stats(self.c_sum[...], self.c_count[...])
+
+    def apply_stats(self, stats) -> None:
+        st = stats.get("codebook", stats) if isinstance(stats, dict) else stats
+        c_sum, c_count = ema_update(self.c_sum[...], self.c_count[...], st, self.cfg.gamma)
+        self.c_sum[...] = c_sum
+        self.c_count[...] = c_count
+
+    # -- forward -------------------------------------------------------------
+    def prepare(self, q, k, *, deterministic=True, key=None):
+        """Normalized q, k, (u', v') and the projected sinusoid table r'. Returns a dict."""
+        H, Dk = self.num_heads, self.head_dim
+        dt = compute_dtype(q, k)  # the matmul operands (the norms' statistics are float32 inside rms_normalize)
+        tau_m14 = Dk ** -0.25  # tau^-1/2 with tau = sqrt(Dk)
+        q, k = q.astype(dt), k.astype(dt)
+        if self.cfg.qk_norm:
+            q, k = tau_m14 * rms_normalize(q), tau_m14 * rms_normalize(k)
+        drop_key = None if (deterministic or key is None) else key
+        r = rel_table(self.W_R[...], self.M, signed=not self.causal, base=self.cfg.rel_base, scale=tau_m14,
+                      dtype=dt, dropout_key=drop_key, p_drop=self.cfg.p_dropsin).reshape(-1, H, Dk)
+        u = tau_m14 * self.u[...].astype(dt)
+        vb = tau_m14 * self.v[...].astype(dt)
+        return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
+
+    def implementation_for(self, *, B: int, T: int, dtype, platform: str | None = None) -> dispatch.Choice:
+        """The implementation a call of B x T tokens takes (``dispatch.select`` over :meth:`implementations`).
+
+        ``impl`` may name implementations, or say 'auto': on a CPU xla_cpu, elsewhere the kernel where it serves
+        the call, then the portable XLA form ``form`` gives for the call (``xla.form_for``). As older configs wrote
+        it, 'xla' is that XLA form (xla_cpu on a CPU), and 'pallas' runs the streaming form for the calls that
+        form gives to it (shorter than a block)."""
+        from longctx.attention.transformer_vq import xla
+
+        plat = platform or dispatch.current_platform()
+        H, S, L, M = self.num_heads, self.S, self.L, self.M
+        form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M) if self.causal else "encoder"
+        xla_name = "xla_cpu" if plat == "cpu" else form
+
+        def auto(platform):
+            if platform == "cpu":
+                return ("xla_cpu",)
+            return (form,) if form in ("stream", "encoder") else ("pallas", form)
+
+        names = dispatch.parse_impl(self.cfg.impl)
+        if names == ("auto",):
+            impl = "auto"
+        else:
+            old = {"xla": xla_name, "pallas": "pallas" if form in ("parallel", "blocks") else xla_name}
+            impl = tuple(dict.fromkeys(old.get(n, n) for n in names))
+        return dispatch.select(impl, self.implementations(causal=self.causal), method=METHOD, platform=plat,
+                               order=auto, L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype,
+                               reduction=self.cfg.reduction)
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
+        """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
+        (they still take part in attention, as in the release)."""
+        check_qkv(q, k, v)
+        B, H, T, _ = q.shape
+        pre = self.prepare(q, k, deterministic=deterministic, key=key)
+        C = self.codebook()
+        vv = v.astype(compute_dtype(v, pre["q"]))
+        if self.causal:
+            state = self.init_state(B) if state is None else state
+        elif state is not None:
+            raise ValueError(f"{METHOD}: a bidirectional core takes no state")
+        choice = self.implementation_for(B=B, T=T, dtype=vv.dtype)
+        run, sums = _runner(choice.name)
+        o, new_state, (z, err2, c_z) = run(self, choice, pre, vv, C, state)
+        if aux is not None:
+            aux.add_loss("commit", self.cfg.beta * commit_loss(pre["k"], c_z, mask))
+            aux.add_stats("codebook", vq_stats(pre["k"], z, self.S, mask, sums))
+            aux.add_metric("vq_rel_err", jnp.mean(jnp.sqrt(err2)) / jnp.maximum(
+                jnp.mean(jnp.linalg.norm(sg(pre["k"]), axis=-1)), 1e-12))
+        return o.astype(v.dtype), new_state
+
+
+def kmeans(x, S: int, *, iters: int = 10, seed: int = 0):
+    """Per-head Lloyd k-means. x [H, N, D] -> centroids [H, S, D] (init: S points sampled from x)."""
+    H, N, D = x.shape
+    idx = jax.random.choice(jax.random.key(seed), N, (S,), replace=N < S)
+    c = x[:, idx]
+
+    @jax.jit
+    def step(c):
+        d = jnp.sum(x * x, -1)[..., None] - 2 * jnp.einsum("hnd,hsd->hns", x, c) + jnp.sum(c * c, -1)[:, None]
+        z = jnp.argmin(d, axis=-1)
+        onehot = jax.nn.one_hot(z, S, dtype=x.dtype)
+        cnt = jnp.sum(onehot, axis=1)
+        sums = jnp.einsum("hns,hnd->hsd", onehot, x)
+        return jnp.where(cnt[..., None] > 0, sums / jnp.maximum(cnt, 1.0)[..., None], c)
+
+    for _ in range(iters):
+        c = step(c)
+    return c
+
+
+def _drop_in_setup(core, q, k, v, k_fit, seed):
+    """Training-free setting: no learned position bias (W_R = u = v = 0), qk_norm off with q pre-scaled
+    by Dk^-1/2 (logits q·k/sqrt(Dk) as in exact attention), codebook = per-head k-means (10 Lloyd
+    iterations) of held-out keys ``k_fit`` (same distribution, different sample)."""
+    D = q.shape[-1]
+    for name in ("W_R", "u", "v"):
+        var = getattr(core, name)
+        var[...] = jnp.zeros_like(var[...])
+    H = k_fit.shape[1]
+    x = jnp.moveaxis(k_fit.astype(jnp.float32), 1, 0).reshape(H, -1, D)
+    cents = kmeans(x, int(core.cfg.codebook_size), seed=seed)
+    core.c_sum[...] = cents.astype(core.c_sum[...].dtype)
+    core.c_count[...] = jnp.ones_like(core.c_count[...])
+    return q * D**-0.5, k, v
+
+
+__all__ = ["TransformerVQAttention", "codebook_from_stats", "commit_loss", "ema_update", "kmeans", "rel_table",
+           "rms_normalize", "sinusoid", "vq_stats"]

@@ -1,0 +1,29 @@
+"""The ``pallas`` implementation of Transformer-VQ: the §9 compressive VQ-cache kernel
+(``pallas_kernels/vq_cache.py``: TPU; ``vq_cache_gpu.py``: GPU; interpret mode on a CPU when named) for the causal
+block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9)."""
+
+from __future__ import annotations
+
+from longctx.attention.transformer_vq import xla
+from pallas_kernels import vq_cache
+
+
+def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="float32", reduction: str = "serial",
+            **_) -> list[str]:
+    """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget) and any reduction
+    but the serial one (the one it computes)."""
+    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the kernel computes the serial reduction)"]
+    return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype))
+
+
+def run(core, choice, pre, v, C, state):
+    """One causal call through the kernel (``choice``: interpret mode and the platform it lowers for)."""
+    k_hat, z, err2, c_z = xla.stvq(pre["k"], C)
+    o, new = vq_cache.vq_cache_attention(pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, C, state,
+                                         L=core.L, M=core.M, interpret=choice.interpret, platform=choice.platform)
+    return o, new, (z, err2, c_z)
+
+
+code_sums = xla.code_sums
+
+__all__ = ["code_sums", "reasons", "run"]

@@ -1,0 +1,96 @@
+"""Transformer-VQ attention as the paper writes it (Lingle 2023, arXiv 2309.16354; our reading:
+docs/methods/transformer_vq.md, whose sections the § numbers cite): the implementation named ``reference``,
+which every other implementation of the method must equal (tests/attention/test_implementations.py).
+
+Quadratic in the call's length: one [T, S + M + T] softmax per query row over the compressive cache (S codewords,
+log counts added), the carried band (the newest M keys) and the call's own keys.
+
+* :func:`stvq`           -- nearest codeword and straight-through quantized keys (§2.2)
+* :func:`causal`         -- the causal logits of §2.3 over cache, band and present keys, one softmax (§2.4, §2.6,
+                            §2.7): output and the new state
+* :func:`bidirectional`  -- the encoder: all keys, the symmetric band bias where ``band`` (§2.5)
+
+Gradients are the linear forms': a key reached through the cache enters its logit under a stop-gradient (the
+codeword, §2.7: in the causal form every key older than the block before its query's block, relative to the
+call's first token; in the encoder every key two or more blocks away, or every key without ``band``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.vq_cache_ref import NEG, cast_state, final_state, float_dtype, log_count, rel_bias
+
+sg = jax.lax.stop_gradient
+
+
+def stvq(k, C):
+    """k [B,H,T,Dk], codebook C [H,S,Dk] -> (k_hat, z, err2, c_z): z = argmin_s ||k - c_s||^2 (fp32 or wider, ties
+    to the lowest index), c_z = sg(C)[z], k_hat = k + sg(c_z - k) (value c_z, Jacobian I), err2 = the min distance."""
+    dt = float_dtype(k, C)
+    k, C = k.astype(dt), sg(C).astype(dt)
+    d2 = jnp.sum(k * k, -1)[..., None] - 2.0 * jnp.einsum("bhtd,hsd->bhts", k, C) + jnp.sum(C * C, -1)[:, None]
+    z = jnp.argmin(d2, axis=-1).astype(jnp.int32)
+    c_z = jnp.take_along_axis(C[None], z[..., None], axis=2)
+    return k + sg(c_z - k), z, jax.nn.relu(jnp.min(d2, -1)), c_z
+
+
+def band_scores(q_v, r):
+    """bd[b, h, t, n] = (q_t + v') . r'_n: q_v [B,H,T,Dk], r [n, H, Dk] (n = M+1 distances, or 2M+1 signed)."""
+    return jnp.einsum("bhtd,nhd->bhtn", q_v, r)
+
+
+def _attend(logits, visible, values):
+    """softmax over the last axis of ``logits`` where ``visible``, times ``values``."""
+    p = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
+    return jnp.einsum("...ij,...jd->...id", p, values)
+
+
+def causal(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int):
+    """Query i (of T) of a call that starts after ``state["pos"]`` tokens attends to (§2.3)
+
+    - code s of the cache: logit (q_i + u') . c_s + log N_s, value the mean mu_s (codes with N_s = 0 are absent);
+    - key j, the carried band's M keys (j = -M..-1) and the call's keys (j = 0..i): logit (q_i + u') . k_hat_j, plus
+      (q_i + v') . r'_d for the distance d = i - j <= M; band slots before the row's first token are absent.
+
+    A key j < (i // L) L - max(L, M) is one the block-parallel form reads through the cache (for M >= L the
+    streaming form's too, with chunks of L): its logit takes sg(k_hat_j). Returns (o [B,H,T,Dv], the state after
+    the call, §2.7).
+    """
+    dt = float_dtype(q_u, v)
+    q_u, bd, kx, v = (x.astype(dt) for x in (q_u, bd, k_hat, v))
+    st = cast_state(state, dt)
+    T = q_u.shape[2]
+    keys = jnp.concatenate([st["band_k"], kx], axis=2)  # [B,H,M+T,Dk]
+    values = jnp.concatenate([st["band_v"], v], axis=2)
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(-M, T)[None, :]
+    visible = (j <= i) & (st["pos"] + j >= 0)
+    far = j < (i // L) * L - max(L, M)
+    s = jnp.where(far, jnp.einsum("bhid,bhjd->bhij", q_u, sg(keys)), jnp.einsum("bhid,bhjd->bhij", q_u, keys))
+    s = s + rel_bias(bd, i - j, M)
+    s_c = jnp.einsum("bhid,hsd->bhis", q_u, sg(C).astype(dt)) + log_count(st["agg_n"])[:, :, None, :]
+    logits = jnp.concatenate([s_c, s], axis=-1)
+    seen = jnp.concatenate([jnp.broadcast_to((st["agg_n"] > 0)[:, :, None, :], s_c.shape),
+                            jnp.broadcast_to(visible, s.shape)], axis=-1)
+    o = _attend(logits, seen, jnp.concatenate([st["agg_mu"], values], axis=2))
+    return o, final_state(st, kx, z, v, T, M, C.shape[1])
+
+
+def bidirectional(q_u, bd, k_hat, v, *, L: int, M: int, band: bool):
+    """Every query attends to every key (§2.5): logit (q_i + u') . k_hat_j, plus (q_i + v') . r'_{d+M} for |d| <= M
+    where ``band`` (bd over the signed distances -M..M). Keys the encoder reads through the code summaries (blocks
+    two or more away from the query's; every key without ``band``) take sg(k_hat)."""
+    dt = float_dtype(q_u, v)
+    q_u, bd, k_hat, v = (x.astype(dt) for x in (q_u, bd, k_hat, v))
+    T = q_u.shape[2]
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    far = (jnp.abs(i // L - j // L) >= 2) | (not band)
+    s = jnp.where(far, jnp.einsum("bhid,bhjd->bhij", q_u, sg(k_hat)), jnp.einsum("bhid,bhjd->bhij", q_u, k_hat))
+    if band:
+        s = s + rel_bias(bd, i - j + M, 2 * M)
+    return _attend(s, jnp.ones((T, T), bool), v)
+
+
+__all__ = ["band_scores", "bidirectional", "causal", "stvq"]

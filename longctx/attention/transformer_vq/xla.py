@@ -1,0 +1,468 @@
+"""The portable XLA implementations of Transformer-VQ (docs/methods/transformer_vq.md; the § numbers cite it):
+plain JAX for any backend, each equal to the reference (``reference.py``) in value, state and gradient.
+
+* ``parallel``  -- the block-parallel causal form of §2.6 (``pallas_kernels.vq_cache_ref.causal_parallel``, the
+                   Pallas kernel's reference) under autodiff; the ``reduction`` setting picks its cross-block scan
+* ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward
+* ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M)
+* ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5)
+
+Each form is written with the products of ``vq_cache_ref.Ops`` (``ops``) and the tiled backward with those of
+:class:`TileOps` (``tiles``): plain ones here; the XLA:CPU implementation (``xla_cpu.py``) runs the same forms
+with its own. :func:`form_for` is the size rule that picks among the forms for ``impl='auto'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.vq_cache_ref import (
+    NEG,
+    PLAIN,
+    Ops,
+    acc_einsum,
+    block_inputs,
+    cast_state,
+    causal_parallel,
+    code_summary,
+    compute_dtype,
+    final_state,
+    float_dtype,
+    log_count,
+    merge,
+    pad_to,
+    prefix_reduce,
+    skew_bias,
+    softmax_mix,
+)
+
+sg = jax.lax.stop_gradient
+
+
+# ----------------------------------------------------------------------------- STVQ
+def nearest(k, C, half_c2):
+    """(z, d2min) of keys k [B,H,t,Dk] against codes C [H,S,Dk] with half_c2 = |c|^2 / 2 [H,S]:
+    argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2), d^2 = |k|^2 - 2 max(.)."""
+    g = jnp.einsum("bhtd,hsd->bhts", k, C) - half_c2[:, None, :]
+    return jnp.argmax(g, axis=-1).astype(jnp.int32), jnp.sum(k * k, -1) - 2.0 * jnp.max(g, -1)
+
+
+def stvq(k, C, *, chunk: int = 512, nearest: Callable = nearest):
+    """Straight-through VQ (§2.2). k: [B, H, T, Dk]; C: [H, S, Dk] (read under stop_gradient).
+
+    Returns (k_hat, z, err2, c_z): k_hat = k + sg(c_z - k) (value c_z, Jacobian I),
+    z = argmin_s ||k - c_s||^2 in >= fp32 (ties -> lowest index), err2 = relu(min d^2), c_z = sg(C)[z].
+    The search runs over ``chunk`` keys at a time (a [chunk, S] distance tile instead of one [T, S] tensor),
+    each by ``nearest(keys, C, half_c2)``.
+    """
+    dt = float_dtype(k, C)
+    kf, Cf = k.astype(dt), sg(C).astype(dt)
+    B, H, T, Dk = kf.shape
+    half_c2 = 0.5 * jnp.sum(Cf * Cf, -1)
+    if T <= chunk:
+        z, d2min = nearest(kf, Cf, half_c2)
+    else:
+        n = -(-T // chunk)
+        kc = jnp.moveaxis(pad_to(kf, 2, n * chunk).reshape(B, H, n, chunk, Dk), 2, 0)
+        z, d2min = jax.lax.map(lambda x: nearest(x, Cf, half_c2), kc)
+        z, d2min = (jnp.moveaxis(x, 0, 2).reshape(B, H, n * chunk)[:, :, :T] for x in (z, d2min))
+    c_z = gather_codes(Cf, z)
+    k_hat = kf + sg(c_z - kf)
+    return k_hat, z, jax.nn.relu(d2min), c_z
+
+
+def gather_codes(C, z):
+    """C [H, S, D], z [B, H, T] -> [B, H, T, D]."""
+    return jax.vmap(lambda c, zz: c[zz], in_axes=(0, 1), out_axes=1)(C, z)
+
+
+def band_scores(q_v, r):
+    """bd[b, h, t, n] = q_v[b, h, t] . r[n, h]; q_v [B, H, T, Dk], r [n, H, Dk]; float32 (or wider) scores."""
+    return acc_einsum("bhtd,nhd->bhtn", q_v, r)
+
+
+# ----------------------------------------------------------------------------- the size rule
+def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int) -> str:
+    """The causal form ``cfg.form`` names, or for ``form='auto'`` the one a call of this size takes: the streaming
+    form for calls shorter than a block (decoding) or a band longer than a block, else the tiled form when the
+    call's score tensor B*H*T*(S+2L) has at least ``cfg.tiled_min_scores`` entries (serial reduction), else the
+    one-shot block-parallel form."""
+    if cfg.form != "auto":
+        return cfg.form
+    if not (M <= L and T >= L):
+        return "stream"
+    big = B * H * T * (S + 2 * L) >= cfg.tiled_min_scores
+    return "blocks" if cfg.reduction == "serial" and big else "parallel"
+
+
+# ----------------------------------------------------------------------------- block-parallel form, blocked
+class TileOps(NamedTuple):
+    """The products of the tiled backward (plain here; ``xla_cpu.py`` passes its own, same results)."""
+
+    rowdot: Callable  # (a [..., d], b [..., d]) -> sum_d a b  [...]
+    transposed: Callable  # (*xs) -> each x with its last two axes swapped (one array if one x)
+    rows_dot: Callable  # (a_t [..., i, q], b [..., q, j]) -> [..., i, j]
+
+
+def _rowdot(a, b):
+    return jnp.sum(a * b, axis=-1)
+
+
+def _transposed(*xs):
+    out = tuple(jnp.swapaxes(x, -1, -2) for x in xs)
+    return out if len(xs) > 1 else out[0]
+
+
+def _rows_dot(a_t, b):
+    return jnp.einsum("...iq,...qj->...ij", a_t, b)
+
+
+PLAIN_TILES = TileOps(_rowdot, _transposed, _rows_dot)
+
+
+def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256, keep_budget: int = 0,
+                  ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES):
+    """``causal_parallel(q_u, band_scores(q_v, r), ..., reduction='serial')`` computed one tile of
+    ``q_tile`` queries at a time (nested ``lax.scan`` over blocks and the tiles of a block), with a
+    FlashAttention-style backward that recomputes each tile's probabilities from the saved log-sum-exp.
+
+    q_v = q + v' [B,H,T,Dk] and r = r' [M+1, H, Dk]: each tile forms its own band scores q_v r'^T
+    [q_tile, M+1] and their relative shift, so the [T, M+1] band tensor is never stored. A tile attends to
+    S codes (values = the lag-2 cache), the previous block and the causal present: a [q_tile, S + 2L]
+    score tile whose working set stays in cache, instead of [T, S + 2L] scores, probabilities and masks
+    held for autodiff. ``q_tile`` is reduced to a divisor of L. ``keep_budget``: a call with at most this many
+    scores B*H*T*(S+2L) keeps its attention weights from the forward for the backward (0: always recompute).
+    Same result and state as ``causal_parallel``. Returns (o [B,H,T,Dv], new_state).
+    """
+    B, H, T, _ = q_u.shape
+    Dv, S = v.shape[-1], C.shape[1]
+    # the tiled form computes its products in float32 or wider (block_inputs' default): its hand-written backward
+    # has no compute-dtype path yet
+    p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial", ops=ops)
+    qb = p["qb"]
+    qvb = pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
+    # [H, M+1, Dk] (then broadcast to [B, H, M+1, Dk]), head-major for the per-tile batched matmuls, and reversed
+    # along the lag: the band scores come out as bd[..., ::-1], the order the relative shift wants (no reversal
+    # of a score tile, forward or back)
+    # r and the codes are broadcast over the batch once, so every per-tile matmul is batched over (B, H) in the
+    # order of its output: a head-only batch made XLA:CPU write [H, B, ..] and copy each score tile into place
+    rh = jnp.swapaxes(r.astype(qb.dtype), 0, 1)[:, ::-1]
+    rh, Cs = (jnp.broadcast_to(x[None], (B,) + x.shape) for x in (rh, p["Cs"]))
+    q_tile = math.gcd(L, max(1, min(q_tile, L)))
+    keep = B * H * qb.shape[2] * L * (S + 2 * L) <= keep_budget
+    o = _tiled(tiles)(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile, keep)
+    o = o.reshape(B, H, -1, Dv)[:, :, :T]
+    return o, final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S, ops)
+
+def _tile_bias(bdr, off: int, L: int):
+    """Band bias [.., Lq, L + off + Lq] of the queries off..off+Lq-1 of a block (off static): bd[i, L + off + i - j]
+    for the previous block and the present keys 0..off+Lq-1 (the later present keys are in every query's
+    future and are not scored)."""
+    extra = L - bdr.shape[-2]
+    wide = skew_bias(bdr, L + extra, 2 * L + extra, reversed_input=True)
+    return wide[..., extra - off: extra - off + L + off + bdr.shape[-2]]
+
+
+def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
+    """Scores of the queries off..off+Lq-1 of a block: against the S codes [B,H,Lq,S] (plus their log counts,
+    NEG for empty codes) and against the previous and present blocks [B,H,Lq,2L] (plus the band bias), and
+    the band scores [B,H,Lq,M+1]. K = [previous block; present block] [B,H,2L,Dk]; r: [B,H,M+1,Dk]; Cs: [B,H,S,Dk].
+    Masked entries get NEG added, so exp(s - max) is exactly 0 there and so is their gradient (an additive mask
+    costs no select over the tile); the two parts share one normalizer and are never concatenated."""
+    Lq = qt.shape[2]
+    L = valid_c.shape[0]
+    n_pres = off + Lq  # present keys any query of the tile can see
+    s_c = jnp.einsum("bhld,bhsd->bhls", qt, Cs) + lcr[:, :, None, :]
+    bdt = jnp.einsum("bhld,bhnd->bhln", qvt, r)
+    causal = jnp.arange(n_pres)[None, :] <= (off + jnp.arange(Lq))[:, None]
+    keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :n_pres]], axis=-1)
+    band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
+    return s_c, jnp.einsum("bhld,bhnd->bhln", qt, K[:, :, :L + n_pres]) + band, bdt
+
+
+def _block_kv(ops, i):
+    """Keys and values of the previous and present blocks [B,H,2L,.], cache means [B,H,S,Dv], log counts and
+    validities of block i."""
+    qb, qvb, kx, vx, cmu, lc, validx = ops
+    at = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
+    at1 = functools.partial(jax.lax.dynamic_index_in_dim, index=i + 1, axis=2, keepdims=False)
+    K = jnp.concatenate([at(kx), at1(kx)], axis=2)
+    V = jnp.concatenate([at(vx), at1(vx)], axis=2)
+    return K, V, at(cmu), at(lc), validx[i], validx[i + 1]
+
+
+def _tile_rows(x, i, c, Lq):
+    """Rows c*Lq..(c+1)*Lq-1 of block i of x [B,H,R,L,...]."""
+    return jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False), c * Lq, Lq, 2)
+
+
+def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep: bool = False):
+    """(o [B,H,R,L,Dv], lse [B,H,R,L], kept): ``keep`` (static): kept holds, per tile of a block, the unnormalized
+    weights of the codes and of the keys and the inverse normalizer, stacked over the blocks; else None."""
+    B, H, R, L, _ = qb.shape
+    ops = (qb, qvb, kx, vx, cmu, lc, validx)
+
+    def block(_, i):
+        K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
+
+        def tile(c):  # c static: tile c scores the previous block and present keys 0..(c+1)Lq-1
+            s_c, s_l, _ = _tile_scores(_tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), c * Lq, r, Cs, lcr, K,
+                                       valid_p, valid_c)
+            m = jnp.maximum(jnp.max(s_c, axis=-1, keepdims=True), jnp.max(s_l, axis=-1, keepdims=True))
+            p_c, p_l = jnp.exp(s_c - m), jnp.exp(s_l - m)
+            den = jnp.sum(p_c, axis=-1, keepdims=True) + jnp.sum(p_l, axis=-1, keepdims=True)
+            o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V[:, :, :s_l.shape[-1]])
+            return o / den, (m + jnp.log(den))[..., 0], ((p_c, p_l, 1.0 / den) if keep else None)
+
+        outs = [tile(c) for c in range(L // Lq)]
+        return None, (jnp.stack([x[0] for x in outs]), jnp.stack([x[1] for x in outs]), tuple(x[2] for x in outs))
+
+    _, (o, lse, kept) = jax.lax.scan(block, None, jnp.arange(R))  # [R, nt, B,H,Lq,.]; kept: per tile, [R, ...]
+    o = jnp.moveaxis(o, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
+    return o, jnp.moveaxis(lse, (0, 1), (2, 3)).reshape(B, H, R, L), (kept if keep else None)
+
+
+def _vq_blocks_fwd(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep):
+    o, lse, kept = _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep)
+    return o, (qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept)
+
+
+def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
+    """FlashAttention-style backward, one block (and tile) at a time: each tile's weights are recomputed from the
+    saved log-sum-exp, or, ``keep``, read from the forward's kept unnormalized weights and inverse normalizer
+    (no score matmuls and no exp pass; the normalizer is folded into the small [Lq, Dv] operands)."""
+    qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept = res
+    B, H, R, L, Dk = qb.shape
+    delta = t.rowdot(do, o)  # [B,H,R,L]
+    ops = (qb, qvb, kx, vx, cmu, lc, validx)
+
+    def block(dr, xs):
+        i, kept_i = xs
+        K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
+
+        def tile(carry, c):  # c static, as in the forward: keys beyond the tile's last query are not scored
+            dr, dK, dV, dcm = carry
+            qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
+            delta_t = _tile_rows(delta, i, c, Lq)[..., None]
+            if keep:  # unnormalized weights and 1/den from the forward; dp's normalizer goes into do
+                p_c, p_l, w = kept_i[c]
+                nk = p_l.shape[-1]
+                bdt_shape = qvt.shape[:3] + (r.shape[2],)
+                dow = dot * w
+                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dow, cm) - delta_t * w)
+                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dow, V[:, :, :nk]) - delta_t * w)
+            else:
+                s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
+                nk = s_l.shape[-1]
+                bdt_shape = bdt.shape
+                lse_t = _tile_rows(lse, i, c, Lq)[..., None]
+                p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
+                dow = dot
+                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
+                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, V[:, :, :nk]) - delta_t)
+            Kt = K[:, :, :nk]
+            dq = jnp.einsum("bhls,bhsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
+            # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
+            # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
+            # [Lq, keys] tile into keys-major order, an extra pass over the scores), and transposed
+            # first, so that the dots are plain products (``tiles.rows_dot``)
+            qt_t, dow_t, qvt_t = t.transposed(qt, dow, qvt)
+            dK = dK.at[..., :nk].add(t.rows_dot(qt_t, ds_l))  # the codebook takes no gradient
+            dV = dV.at[..., :nk].add(t.rows_dot(dow_t, p_l))
+            dcm = dcm + t.rows_dot(dow_t, p_c)
+            # the bias is linear in bdt: its transpose needs only bdt's shape
+            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, qvt.dtype))
+            (dbd,) = bias_t(ds_l)
+            dqv = jnp.einsum("bhln,bhnd->bhld", dbd, r)
+            dr = dr + t.rows_dot(qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
+            return (dr, dK, dV, dcm), (dq, dqv)
+
+        zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2))  # noqa: E731
+        carry = (dr, zt(K), zt(V), zt(cm))
+        grads = []
+        for c in range(L // Lq):
+            carry, g = tile(carry, c)
+            grads.append(g)
+        dr, dK, dV, dcm = carry
+        dq, dqv = (jnp.stack(x) for x in zip(*grads))
+        # the key-side gradients leave the loop as accumulated, [.., D, keys]: each block's swap to keys-major
+        # was a transposing write into the stacked outputs (at 16k, 64 blocks, ~7 % of a train step); after
+        # the loop one swap per array goes into the pass that adds the blocks' two halves (ext)
+        return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:])
+
+    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
+                                                            (jnp.arange(R), kept))
+    dr = jnp.swapaxes(drt, -1, -2)
+    dcm = jnp.swapaxes(dcmt, -1, -2)
+
+    def ext(prev, cur):  # [R, B,H,D,L] contributions to extended blocks r (prev) and r+1 (cur) -> [B,H,R+1,L,D]
+        z0 = jnp.zeros_like(prev[:1])
+        return jnp.swapaxes(jnp.moveaxis(jnp.concatenate([prev, z0], 0) + jnp.concatenate([z0, cur], 0), 0, 2),
+                            -1, -2)
+
+    def rows(x):  # [R, nt, B,H,Lq,.] -> [B,H,R,L,.]
+        return jnp.moveaxis(x, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
+
+    return (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2), None, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiled(t: TileOps):
+    """The tiled forward with its recomputing backward written with the products ``t``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+    def vq_blocks(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep=False):
+        return _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq)[0]
+
+    vq_blocks.defvjp(_vq_blocks_fwd, functools.partial(_vq_blocks_bwd, t))
+    return vq_blocks
+
+
+
+# ----------------------------------------------------------------------------- streaming form
+def _stream_step(state, q_u, bd, k_hat, z, v, Cs, M: int, S: int, ops: Ops = PLAIN):
+    """One step over Lc new tokens: attend to band (M) + present (Lc) + agg, then fold the oldest Lc into agg."""
+    Lc = q_u.shape[2]
+    pos = state["pos"]
+    K = jnp.concatenate([state["band_k"].astype(k_hat.dtype), k_hat], axis=2)  # compute dtype
+    V = jnp.concatenate([state["band_v"].astype(v.dtype), v], axis=2)
+    Z = jnp.concatenate([state["band_z"], z], axis=2)
+    kpos = pos - M + jnp.arange(M + Lc)
+    qi = jnp.arange(Lc)[:, None]
+    kj = jnp.arange(M + Lc)[None, :]
+    mask = (kpos[None, :] >= 0) & (kj - M <= qi)
+    s_l = acc_einsum("bhqd,bhkd->bhqk", q_u, K) + skew_bias(bd, M, M + Lc)
+    s_c = acc_einsum("bhqd,hsd->bhqs", q_u, Cs) + log_count(state["agg_n"])[:, :, None, :]
+    o, _ = softmax_mix([(s_c, (state["agg_n"] > 0)[:, :, None, :], state["agg_mu"].astype(V.dtype)),
+                        (s_l, mask, V)], ops)
+    sdt = state["agg_mu"].dtype  # the state (band, means, counts) stays in the statistics dtype
+    mu, n = code_summary(Z[:, :, :Lc], V[:, :, :Lc].astype(sdt), kpos[:Lc] >= 0, S, ops)
+    agg_mu, agg_n = merge((state["agg_mu"], state["agg_n"]), (mu, n))
+    new = {"pos": pos + Lc, "band_k": K[:, :, Lc:].astype(sdt), "band_v": V[:, :, Lc:].astype(sdt),
+           "band_z": Z[:, :, Lc:], "agg_mu": agg_mu, "agg_n": agg_n}
+    return new, o
+
+
+def causal_stream(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, ops: Ops = PLAIN):
+    """Streaming form (§2.7): chunks of L (any L >= 1, any M >= 1), scanned; a ragged tail is one
+    shorter step. Equals the quadratic reference for every L and M. Returns (o, new_state)."""
+    B, H, T, _ = q_u.shape
+    S = C.shape[1]
+    dt = float_dtype(q_u, v)  # state and band scores
+    cd = compute_dtype(q_u, v)  # the matmul operands
+    state = cast_state(state, dt)
+    Cs = sg(C).astype(cd)
+    xs = (q_u.astype(cd), bd.astype(dt), k_hat.astype(cd), z, v.astype(cd))
+    nfull, rem = divmod(T, L)
+    outs = []
+    if nfull:
+        def chunks(x):
+            x = x[:, :, : nfull * L]
+            return jnp.moveaxis(x.reshape(x.shape[:2] + (nfull, L) + x.shape[3:]), 2, 0)
+
+        def body(st, c):
+            return _stream_step(st, *c, Cs, M, S, ops)
+
+        state, o = jax.lax.scan(body, state, tuple(chunks(x) for x in xs))
+        outs.append(jnp.moveaxis(o, 0, 2).reshape(B, H, nfull * L, -1))
+    if rem:
+        state, o = _stream_step(state, *(x[:, :, nfull * L:] for x in xs), Cs, M, S, ops)
+        outs.append(o)
+    return jnp.concatenate(outs, axis=2), state
+
+
+# ----------------------------------------------------------------------------- encoder form
+def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, valid=None, ops: Ops = PLAIN):
+    """Bidirectional form (§2.5). band=False: Thm 3.5 (all keys through the code summaries, no bias).
+    band=True (our extension): query block n attends exactly to blocks n-1, n, n+1 with the bias for
+    |d| <= M (bd over d = -M..M), and to merge(prefix over blocks <= n-2, suffix over blocks >= n+2)."""
+    B, H, T, _ = q_u.shape
+    Dv, S = v.shape[-1], C.shape[1]
+    dt = float_dtype(q_u, v)  # per-code means and counts, band scores
+    cd = compute_dtype(q_u, v)  # the matmul operands
+    Cs = sg(C).astype(cd)
+    valid = jnp.ones((T,), bool) if valid is None else valid
+    if not band:
+        mu, n = code_summary(z, v.astype(dt), valid, S, ops)  # [B,H,S,Dv], [B,H,S]
+        s_c = acc_einsum("bhtd,hsd->bhts", q_u.astype(cd), Cs) + log_count(n)[:, :, None, :]
+        o, _ = softmax_mix([(s_c, (n > 0)[:, :, None, :], mu.astype(cd))], ops)
+        return o
+    if not 1 <= M <= L:
+        raise ValueError(f"encoder band needs 1 <= M <= L, got M={M}, L={L}")
+    R = -(-T // L)
+    Tp = R * L
+
+    def blocks(x, left=0, right=0):
+        x = pad_to(x, 2, Tp)
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (left * L, right * L)
+        x = jnp.pad(x, widths)
+        return x.reshape(x.shape[:2] + (x.shape[2] // L, L) + x.shape[3:])
+
+    qb, bdb = blocks(q_u.astype(cd)), blocks(bd.astype(dt))
+    kx, vx, zx = blocks(k_hat.astype(cd), 1, 1), blocks(v.astype(cd), 1, 1), blocks(z, 1, 1)  # R+2 blocks
+    vpad = jnp.pad(pad_to(valid, 0, Tp), (L, L)).reshape(R + 2, L)
+    bmu, bn = code_summary(zx[:, :, 1:-1], vx[:, :, 1:-1].astype(dt), vpad[1:-1], S, ops)  # [B,H,R,...]
+    pm, pn = prefix_reduce(bmu, bn, "serial")
+    sm, sn = prefix_reduce(bmu[:, :, ::-1], bn[:, :, ::-1], "serial")
+    sm, sn = sm[:, :, ::-1], sn[:, :, ::-1]  # suffix over blocks >= r
+
+    def shift(x, by):  # out[n] = x[n + by] or zeros
+        z0 = jnp.zeros_like(x[:, :, : abs(by)])
+        n = x.shape[2] - abs(by)
+        return jnp.concatenate([z0, x[:, :, :n]], 2) if by < 0 else jnp.concatenate([x[:, :, by:], z0], 2)
+
+    if R > 2:
+        fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))
+    else:
+        fmu, fn = jnp.zeros_like(bmu), jnp.zeros_like(bn)
+    local_k = jnp.concatenate([kx[:, :, :R], kx[:, :, 1:R + 1], kx[:, :, 2:]], axis=3)  # [B,H,R,3L,Dk]
+    local_v = jnp.concatenate([vx[:, :, :R], vx[:, :, 1:R + 1], vx[:, :, 2:]], axis=3)
+    local_valid = jnp.concatenate([vpad[:R], vpad[1:R + 1], vpad[2:]], axis=1)  # [R, 3L]
+    s_l = acc_einsum("bhrld,bhrjd->bhrlj", qb, local_k) + skew_bias(bdb, L + M, 3 * L)  # bd[i, L+M+i-j]
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
+    o, _ = softmax_mix([(s_c, (fn > 0)[:, :, :, None, :], fmu.astype(cd)),
+                        (s_l, local_valid[:, None, :], local_v)], ops)
+    return o.reshape(B, H, Tp, Dv)[:, :, :T]
+
+
+
+# ----------------------------------------------------------------------------- running a form
+def attend(form: str, core, pre, v, C, state, *, ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES,
+           quantize: Callable = stvq):
+    """One call of ``core`` (its L, M and execution settings) by ``form``: 'parallel' | 'blocks' | 'stream' |
+    'encoder'. ``pre``: the core's prepared q_u, q_v, r and normalized keys. Returns (o, new_state, (z, err2, c_z))."""
+    k_hat, z, err2, c_z = quantize(pre["k"], C)
+    L, M, cfg = core.L, core.M, core.cfg
+    bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
+    if form == "encoder":
+        o = encoder_parallel(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=cfg.encoder_band, ops=ops)
+        return o, None, (z, err2, c_z)
+    if form == "blocks":
+        o, new = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, v, C, state, L=L, M=M,
+                               keep_budget=cfg.keep_budget, ops=ops, tiles=tiles)
+    elif form == "parallel":
+        o, new = causal_parallel(pre["q_u"], bd(), k_hat, z, v, C, state, L=L, M=M, reduction=cfg.reduction,
+                                 compute=v.dtype, ops=ops)
+    elif form == "stream":  # chunks of a block, or the whole call when shorter (the same result)
+        o, new = causal_stream(pre["q_u"], bd(), k_hat, z, v, C, state, L=min(L, v.shape[2]), M=M, ops=ops)
+    else:
+        raise ValueError(f"unknown form {form!r}")
+    return o, new, (z, err2, c_z)
+
+
+def run(core, choice, pre, v, C, state):
+    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``)."""
+    return attend(choice.name, core, pre, v, C, state)
+
+
+code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the layer's vq_stats)
+
+__all__ = ["PLAIN_TILES", "TileOps", "attend", "band_scores", "causal_blocks", "causal_parallel", "causal_stream",
+           "code_sums", "encoder_parallel", "form_for", "gather_codes", "nearest", "run", "stvq"]

@@ -1,0 +1,108 @@
+"""The XLA:CPU implementation of Transformer-VQ (``xla_cpu``; ``impl='auto'`` on a CPU): the portable forms of
+``xla.py`` (block-parallel, tiled, streaming, encoder), each picked per call as ``impl='auto'`` does
+(:func:`xla.form_for`: the tiled form for calls of at least ``tiled_min_scores`` scores), run with products laid
+out for XLA:CPU (the helpers of ``longctx.xla_cpu``, docs/DESIGN.md "Where the time goes"):
+
+* the score and value products ``q kᵀ`` and ``p v`` with key-side gradients as plain dots (``scores``, ``mix``);
+* the softmax normalizer applied as an einsum (its gradient's row sum a dot, not a multiply-and-reduce over a
+  size-1 batch or head), exact in float32;
+* the tiled backward's key-side gradients accumulated transposed (``transposed``, ``rows_dot``, ``rowdot``);
+* per-code sums as a scatter-add (a [.., S, L] one-hot costs an order of magnitude more here);
+* the nearest-code search heads-major, with the argmax as two plain reductions.
+
+Same results as the portable forms (tests/attention/test_implementations.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from longctx.attention.transformer_vq import xla
+from longctx.xla_cpu import mix, rowdot, rows_dot, scores, transposed
+from pallas_kernels.vq_cache_ref import Ops, acc_einsum, causal_parallel, float_dtype
+
+
+def score_dot(q, k):
+    """``q kᵀ`` (same batch axes): ``scores`` (its dk a plain dot) for float32 or wider operands, else compute-dtype
+    operands with a float32 result."""
+    if q.dtype == k.dtype == float_dtype(q, k):
+        return scores(q, k)
+    return acc_einsum("...id,...jd->...ij", q, k)
+
+
+def mix_dot(p, v):
+    """``p v`` (same batch axes): ``mix`` (its dv a plain dot) for float32 or wider values, else p cast to the
+    values' (compute) dtype and a float32 result."""
+    if v.dtype == float_dtype(v):
+        return mix(p, v)
+    return acc_einsum("...ij,...jd->...id", p.astype(v.dtype), v)
+
+
+def normalize(num, den):
+    """``num / den`` as a scaling by 1 / den written as an einsum: the gradient's sum over the row is then a dot;
+    p / den made it a multiply-and-reduce, which XLA:CPU runs on a slow path when a dimension has size 1 (one head,
+    batch 1; longctx/xla_cpu.py). HIGHEST keeps 1/den exact."""
+    return jnp.einsum("...qd,...q->...qd", num, 1.0 / den, precision=jax.lax.Precision.HIGHEST)
+
+
+def code_sums_scatter(z, v, w, S: int):
+    """Per-code (sum, count) of v [..., L, D] with codes z [..., L] and weights w [..., L], as a scatter-add."""
+    lead, L, D = z.shape[:-1], z.shape[-1], v.shape[-1]
+    G = math.prod(lead)
+    idx = (jnp.arange(G, dtype=jnp.int32)[:, None] * S + z.reshape(G, L).astype(jnp.int32)).reshape(-1)
+    tot = jax.ops.segment_sum((v * w[..., None]).reshape(G * L, D), idx, num_segments=G * S)
+    cnt = jax.ops.segment_sum(w.reshape(-1), idx, num_segments=G * S)
+    return tot.reshape(lead + (S, D)), cnt.reshape(lead + (S,))
+
+
+def code_sums(z, v, valid, S: int):
+    """``vq_cache_ref.code_sums`` (per-code sums and counts of valid entries) as a scatter-add."""
+    return code_sums_scatter(z, v, jnp.broadcast_to(valid, z.shape).astype(v.dtype), S)
+
+
+def first_argmax(g):
+    """argmax over the last axis, ties to the lowest index, as two plain reductions (a max, then a min over
+    the indices that reach it). Same result as ``lax.argmax`` for finite g; XLA:CPU vectorizes these where
+    it runs the (value, index) pair reduction of ``lax.argmax`` element by element (over twice as slow).
+    A row with a NaN matches nowhere; it gets the last index, so a code stays in range (the
+    per-code scatter-add of ``code_sums`` must never see an index past S - 1)."""
+    m = jnp.max(g, axis=-1, keepdims=True)
+    n = g.shape[-1]
+    return jnp.minimum(jnp.min(jnp.where(g == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
+
+
+def nearest(k, C, half_c2):
+    """``xla.nearest`` heads-major: [H, B, chunk, S], the order of the head-batched matmul's output (in [B, H, ..]
+    order XLA:CPU copied every distance tile into place, twice), the argmax by :func:`first_argmax`."""
+    g = jnp.einsum("bhtd,hsd->hbts", k, C) - half_c2[:, None, None, :]
+    z, g_max = (jnp.swapaxes(x, 0, 1) for x in (first_argmax(g), jnp.max(g, -1)))
+    return z, jnp.sum(k * k, -1) - 2.0 * g_max
+
+
+OPS = Ops(scores=score_dot, mix=mix_dot, normalize=normalize, code_sums=code_sums)
+TILES = xla.TileOps(rowdot=rowdot, transposed=transposed, rows_dot=rows_dot)
+
+# the forms with these products (the names tests and benchmarks call)
+stvq = functools.partial(xla.stvq, nearest=nearest)
+causal_parallel = functools.partial(causal_parallel, ops=OPS)
+causal_blocks = functools.partial(xla.causal_blocks, ops=OPS, tiles=TILES)
+causal_stream = functools.partial(xla.causal_stream, ops=OPS)
+encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
+
+
+def run(core, choice, pre, v, C, state):
+    """One call: the encoder, or the causal form :func:`xla.form_for` picks for the call's size."""
+    if not core.causal:
+        form = "encoder"
+    else:
+        B, H, T, _ = v.shape
+        form = xla.form_for(core.cfg, B=B, H=H, T=T, S=core.S, L=core.L, M=core.M)
+    return xla.attend(form, core, pre, v, C, state, ops=OPS, tiles=TILES, quantize=stvq)
+
+
+__all__ = ["OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums", "code_sums_scatter",
+           "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "run", "score_dot", "stvq"]

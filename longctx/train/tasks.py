@@ -1,0 +1,244 @@
+"""What the training loop trains: a task makes the batches, the train step and the evaluation.
+
+The loop (:mod:`longctx.train.loop`) picks the task once from the config (:func:`from_config`) and
+then only calls this interface::
+
+    task = from_config(cfg, progress=...)     # reads (or generates) its data; task.cfg: vocabulary resolved
+    task.setup(model, graphdef, tx, plan)     # batchers, task.train_step, the evaluation forward
+    task.summary()                            # the data line the loop prints at the start
+    task.batch(step)                          # the device batch of the step starting at ``step``
+    task.train_step(params, nongrad, rest, opt_state, batch, key) -> (params, nongrad, opt_state, metrics)
+    task.evaluate((params, nongrad, rest))    # the scoring protocol's result
+    task.valid_record(result)                 # what the loop logs as the 'valid' record
+    task.checkpoint_extra()                   # what every checkpoint records besides the state
+
+The tasks:
+
+* :class:`LanguageModel`: a decoder on a prepared corpus; rows of ``seq_len + 1`` tokens, next-token
+  loss in windows of ``train.window``, validation by :func:`longctx.protocols.score_split`.
+* :class:`MaskedLM`: an encoder (``model.kind='encoder'``); rows of ``seq_len`` tokens masked as a
+  function of (seed, step, row), loss on the masked tokens, validation by
+  :func:`longctx.protocols.score_mlm_split` (loss and accuracy).
+* :class:`Recall`: a decoder on a generated recall task (``data.source`` generated, see
+  :mod:`longctx.data.synthetic`); rows made on the fly, loss on the answer tokens, validation on the
+  task's fixed evaluation rows by :func:`longctx.protocols.score_answers` (answer loss and exact match).
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from longctx import config as config_lib
+from longctx.data import masking, sources, tokenizers
+from longctx.data.batching import Batcher
+from longctx.data.prepare import prepare
+from longctx.protocols import score_answers, score_mlm_split, score_split
+from longctx.train import sequence_parallel, sharding
+from longctx.train.step import make_forward, make_mlm_forward, make_mlm_train_step, make_scored_forward, make_train_step
+
+
+class Task:
+    """The shared part: a prepared corpus (train and ``eval.split``), a batcher per row length, and
+    the staged-training choice of batcher (``train.short_steps``)."""
+
+    name = ""
+    #: the 'valid' record: (its key, the key in the scoring protocol's result), in logging order
+    valid_metrics = (("loss", "loss_nats_per_token"), ("bits_per_token", "bits_per_token"))
+
+    def __init__(self, cfg: ml_collections.ConfigDict, *, progress: bool = False):
+        self.tokenizer, self.splits, self.data_dir = self.load(cfg, progress=progress)
+        self.cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size)
+        self.n_windows = config_lib.n_windows(self.cfg)
+
+    # ---- data
+    def load(self, cfg, *, progress: bool):
+        """(tokenizer, {split: TokenData} or None, the prepared data's folder or None)."""
+        return prepare(cfg.data, ["train", cfg.eval.split], progress=progress)
+
+    def make_batcher(self, seq_len: int, host: tuple[int, int]):
+        tc = self.cfg.train
+        return Batcher(self.splits["train"], row_len=seq_len + 1, batch_size=tc.batch_size, seed=tc.seed,
+                       shard=host, packing=self.cfg.data.get("packing", "document"))
+
+    def summary(self) -> str:
+        return self.batcher.summary()
+
+    def checkpoint_extra(self) -> dict:
+        return {"data_dir": str(self.data_dir) if self.data_dir is not None else ""}
+
+    # ---- step
+    def setup(self, model, graphdef, tx, plan: sharding.Plan) -> None:
+        """The batchers (this host's rows), ``self.train_step`` and the evaluation forward. A 'stop' on
+        non-finite values also runs the skipping step: a non-finite update is not applied, so the state
+        at the stop is the last finite one and can be checkpointed."""
+        tc = self.cfg.train
+        self.graphdef, self.mesh = graphdef, plan.mesh
+        host = sharding.host_shard(plan.mesh, tc.batch_size)  # the rows of every batch this process reads
+        self.batcher = self.make_batcher(tc.seq_len, host)
+        # staged training (train.short_steps): the first updates see rows of train.short_seq_len tokens
+        self.short_batcher = self.make_batcher(tc.short_seq_len, host) if tc.short_steps > 0 else None
+        self.train_step, self.forward = self.make_step(model, graphdef, tx, plan)
+
+    def make_step(self, model, graphdef, tx, plan):
+        """(the jitted train step, the jitted evaluation forward)."""
+        raise NotImplementedError
+
+    def host_batch(self, at_step: int) -> dict:
+        """The host rows of the step starting at ``at_step``."""
+        batcher = self.short_batcher if at_step < self.cfg.train.short_steps else self.batcher
+        return batcher.batch(at_step // self.n_windows)
+
+    def batch(self, at_step: int):
+        """The batch of the step starting at ``at_step``, read on the host and sent to the devices."""
+        raise NotImplementedError
+
+    # ---- evaluation
+    def init_state(self, state):
+        return lambda b, n: nnx.merge(self.graphdef, *state).init_state(b, n)
+
+    def eval_config(self) -> ml_collections.ConfigDict:
+        """``eval`` with the periodic validation's token budget (``train.eval_tokens``)."""
+        cfg, tc = self.cfg, self.cfg.train
+        ecfg = ml_collections.ConfigDict(cfg.eval.to_dict())
+        ecfg.max_tokens = tc.eval_tokens if cfg.eval.max_tokens == 0 else min(cfg.eval.max_tokens, tc.eval_tokens)
+        return ecfg
+
+    def one_token_per_byte(self) -> bool:
+        return bool(getattr(self.tokenizer, "one_token_per_byte", False))
+
+    def evaluate(self, state) -> dict:
+        """Score ``state`` = (params, nongrad, rest) on the validation data; the protocol's result."""
+        raise NotImplementedError
+
+    def valid_record(self, res: dict) -> dict:
+        return {key: res[field] for key, field in self.valid_metrics}
+
+
+class LanguageModel(Task):
+    """A decoder on a prepared corpus: next-token loss, windows carrying the state."""
+
+    name = "language_model"
+    weighted = False  # the loss weights come with the batch (generated tasks: the answer tokens)
+
+    def make_step(self, model, graphdef, tx, plan):
+        tc, mesh = self.cfg.train, plan.mesh
+        seq_mode, seq_hidden = sequence_parallel.train_hidden(
+            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if tc.short_steps > 0 else ()),
+            seq_len=tc.seq_len, mode=self.cfg.mesh.sequence_mode)
+        if mesh.shape["sequence"] > 1:
+            print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
+        step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
+                                             constrain=plan.constrain, weighted=self.weighted, hidden=seq_hidden,
+                                             microbatches=tc.microbatches))
+        return step, jax.jit(self.make_forward(graphdef))
+
+    def make_forward(self, graphdef):
+        return make_forward(graphdef)
+
+    def batch(self, at_step):
+        return sharding.shard_batch(self.mesh, self.host_batch(at_step)["tokens"])
+
+    def evaluate(self, state):
+        fwd = self.forward
+        res, _ = score_split(
+            lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, self.splits[self.cfg.eval.split],
+            self.eval_config(), init_state=self.init_state(state), one_token_per_byte=self.one_token_per_byte(),
+            progress=False,
+        )
+        return res
+
+
+class MaskedLM(Task):
+    """An encoder on a prepared corpus: the masks of a row are a function of (seed, step, row), the
+    loss is on the masked tokens."""
+
+    name = "masked_lm"
+    valid_metrics = Task.valid_metrics + (("accuracy", "accuracy"),)
+
+    def make_batcher(self, seq_len, host):
+        tc = self.cfg.train
+        return Batcher(self.splits["train"], row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed, shard=host,
+                       packing=self.cfg.data.get("packing", "document"))
+
+    def make_step(self, model, graphdef, tx, plan):
+        cfg, tc = self.cfg, self.cfg.train
+        n_mask = masking.num_masked(tc.seq_len, cfg.mlm.rate)
+        step = plan.jit_step(make_mlm_train_step(graphdef, tx, num_masked=n_mask, skip_nonfinite=True,
+                                                 constrain=plan.constrain))
+        self.row0 = self.batcher.shard_index * tc.batch_size // self.batcher.num_shards  # this host's first global row
+        return step, jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
+
+    def batch(self, at_step):
+        tokens = self.host_batch(at_step)["tokens"]
+        rows = self.row0 + np.arange(len(tokens))
+        mlm = self.cfg.mlm
+        corrupted = masking.mask_rows(tokens, mlm, seed=self.cfg.train.seed, step=at_step, rows=rows,
+                                      mask_id=mlm.mask_id)
+        return {k: sharding.shard_batch(self.mesh, v) for k, v in corrupted.items()}
+
+    def evaluate(self, state):
+        cfg, fwd = self.cfg, self.forward
+        res, _ = score_mlm_split(
+            lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask), state, self.splits[cfg.eval.split],
+            self.eval_config(), cfg.mlm, context=cfg.eval.context, mask_id=cfg.mlm.mask_id,
+            one_token_per_byte=self.one_token_per_byte(), progress=False,
+        )
+        return res
+
+
+class Recall(LanguageModel):
+    """A generated recall task: rows made on the fly as a function of (seed, step, row), loss on the
+    answer tokens; validated on the task's fixed evaluation rows (answer loss and exact match)."""
+
+    name = "recall"
+    weighted = True
+    valid_metrics = Task.valid_metrics + (("accuracy", "accuracy"),)
+
+    def load(self, cfg, *, progress):
+        self.source = sources.build(cfg.data)
+        self.eval_set = None  # made on the first evaluation
+        return tokenizers.build(cfg.data.tokenizer), None, None
+
+    def make_batcher(self, seq_len, host):
+        from longctx.data.synthetic import RowBatcher
+
+        tc = self.cfg.train
+        return RowBatcher(self.source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed, shard=host)
+
+    def make_forward(self, graphdef):
+        return make_scored_forward(graphdef)
+
+    def summary(self):
+        return (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}), "
+                "loss on the answer tokens")
+
+    def batch(self, at_step):
+        batch = self.host_batch(at_step)
+        return {k: sharding.shard_batch(self.mesh, batch[k]) for k in ("tokens", "weights")}
+
+    def evaluate(self, state):
+        cfg, fwd = self.cfg, self.forward
+        syn = cfg.data.synthetic
+        if self.eval_set is None:
+            self.eval_set = self.source.eval_rows(row_len=cfg.train.seq_len, n_rows=syn.eval_rows, bins=syn.bins,
+                                                  split=cfg.eval.split, seed=syn.eval_seed)
+        return score_answers(
+            lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, *self.eval_set,
+            window=cfg.eval.window, batch_size=cfg.eval.batch_size, init_state=self.init_state(state), progress=False,
+        )
+
+
+def task_class(cfg: ml_collections.ConfigDict) -> type[Task]:
+    """The task a (validated) config trains."""
+    if sources.is_generated(cfg.data.source):
+        return Recall
+    return MaskedLM if cfg.model.kind == "encoder" else LanguageModel
+
+
+def from_config(cfg: ml_collections.ConfigDict, *, progress: bool = False) -> Task:
+    """The task of a validated ``cfg``, its data read or its generator built; ``task.cfg`` is ``cfg``
+    with the vocabulary resolved from the task's tokenizer (:func:`longctx.config.resolve_vocab`)."""
+    return task_class(cfg)(cfg, progress=progress)
