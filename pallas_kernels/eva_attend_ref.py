@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 NEG = -1e30  # finite mask value, never -inf (§9.11)
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def local_offsets(e_l: int, e_r: int) -> tuple[int, ...]:
@@ -89,22 +88,22 @@ def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: i
     Cp = k_hat.shape[1]
     pos = jnp.arange(Lp)
     lmask = local_mask(pos, pos, pos < L, W=W, e_l=e_l, e_r=e_r, causal=causal)
-    a_loc = jnp.einsum("bqd,bkd->bqk", q, k, precision=HIGHEST)
+    a_loc = jnp.einsum("bqd,bkd->bqk", q, k)
     if bias is not None:
         fb = full_bias(bias.astype(f32), Lp, W, local_offsets(e_l, e_r))  # [Hb, Lp, Lp]
         head = jnp.arange(BH) % heads if fb.shape[0] > 1 else jnp.zeros((BH,), jnp.int32)
         a_loc = a_loc + fb[head]
     cids = jnp.arange(Cp)
     cmask = chunk_mask(pos, cids, cids * P < L, P=P, W=W, e_l=e_l, e_r=e_r, causal=causal, disjoint=disjoint)
-    a_ch = jnp.einsum("bqd,bcd->bqc", q, k_hat, precision=HIGHEST)
+    a_ch = jnp.einsum("bqd,bcd->bqc", q, k_hat)
     logits = jnp.concatenate([jnp.where(lmask, a_loc, NEG), jnp.where(cmask, a_ch, NEG)], axis=-1)
     mask = jnp.concatenate([lmask, cmask], axis=-1)
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1), precision=HIGHEST) / den
+    o = jnp.einsum("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1)) / den
     return o, (m + jnp.log(den))[..., 0]
 
 
-__all__ = ["HIGHEST", "NEG", "chunk_mask", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
+__all__ = ["NEG", "chunk_mask", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
            "window_bounds"]

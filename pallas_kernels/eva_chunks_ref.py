@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 NEG = -1e30  # finite mask value (§2.7): -inf gives NaN for all-padding chunks
 LN_EPS = 1e-5
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # ---------------------------------------------------------------------------
@@ -45,11 +44,9 @@ class EVAOptions:
     logit_budget: int  # max materialized logits (B*H*Tq*(Tk+C)) per lax.map step
     keep_budget: int = 1 << 28  # max attention weights a full pass keeps for its backward (else recomputed)
 
+
 def layer_norm(x, scale, bias):
-    if x.ndim > 2 and jax.default_backend() == "cpu":
-        # rows flattened: XLA:CPU runs the gradient's row sums on a slow path when a leading dimension has size 1
-        # (batch 1); same arithmetic (longctx/xla_cpu.py)
-        return layer_norm(x.reshape(-1, x.shape[-1]), scale, bias).reshape(x.shape)
+    """LayerNorm over the last axis (eps 1e-5, affine), in fp32."""
     x = x.astype(jnp.float32)
     mu = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
@@ -61,22 +58,23 @@ def rf_log_feature(x, omega, scale: float, rf_scale: str):
 
     'released':   s (ω·x − ½‖x‖²);   'principled': √s ω·x − (s/2)‖x‖²;   scale=1: ω·x − ½‖x‖².
     x: [..., P, d]; omega: [..., d] (broadcast over P)."""
-    dot = jnp.einsum("...pd,...d->...p", x, omega, precision=HIGHEST)
+    dot = jnp.einsum("...pd,...d->...p", x, omega)
     sq = 0.5 * jnp.sum(x * x, axis=-1)
     if rf_scale == "released":
         return scale * (dot - sq)
     return math.sqrt(scale) * dot - scale * sq
 
 
-def representatives(q_bar, k_bar, params, opts: EVAOptions):
-    """(k̂_c, µ_c) from the chunk means [B,H,C,d]. Linear (+LN) shared across heads."""
+def representatives(q_bar, k_bar, params, opts: EVAOptions, norm=layer_norm):
+    """(k̂_c, µ_c) from the chunk means [B,H,C,d]. Linear (+LN) shared across heads. ``norm``: the LayerNorm
+    (:func:`layer_norm`; an implementation may pass its own form of the same arithmetic)."""
     if opts.chunk_rep == "identity":
         k_hat, q_hat = k_bar, q_bar
     else:
 
         def proj(x, w, b, g, beta, use_ln):
-            y = jnp.einsum("...d,de->...e", x, w, precision=HIGHEST) + b
-            return layer_norm(y, g, beta) if use_ln else y
+            y = jnp.einsum("...d,de->...e", x, w) + b
+            return norm(y, g, beta) if use_ln else y
 
         use_ln = opts.adaptive_proj != "no-ln"
         k_hat = proj(k_bar, params["k_w"], params["k_b"], params["k_ln_scale"], params["k_ln_bias"], use_ln)
@@ -93,21 +91,21 @@ def chunk_beta(omega, k_ch, v_ch, k_valid, scale: float, rf_scale: str):
     logits = jnp.where(k_valid, rf_log_feature(k_ch, omega, scale, rf_scale), NEG)
     w = jax.nn.softmax(logits, axis=-1)
     w = jnp.where(k_valid, w, 0.0)
-    return jnp.einsum("...p,...pd->...d", w, v_ch, precision=HIGHEST)
+    return jnp.einsum("...p,...pd->...d", w, v_ch)
 
 
-def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float):
+def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float, norm=layer_norm):
     """Phase A. q_ch, k_ch: [B,H,C,P,d]; v_ch: [B,H,C,P,dv] (padding rows zero);
-    k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ).
+    k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ); ``norm``: see :func:`representatives`.
     Returns (k̂ [B,H,C,d], β [B,H,C,dv]). Chunk means divide by P even if padded (§9.11)."""
     P = q_ch.shape[-2]
     q_bar = jnp.sum(q_ch, axis=-2) / P
     k_bar = jnp.sum(k_ch, axis=-2) / P
-    k_hat, mu = representatives(q_bar, k_bar, params, opts)
+    k_hat, mu = representatives(q_bar, k_bar, params, opts, norm)
     omega = mu if noise is None else mu + noise
     return k_hat, chunk_beta(omega, k_ch, v_ch, k_valid, scale, opts.rf_scale)
 
 eva_chunk_stats_reference = chunk_summaries
 
-__all__ = ["HIGHEST", "LN_EPS", "NEG", "EVAOptions", "chunk_beta", "chunk_summaries", "eva_chunk_stats_reference",
+__all__ = ["LN_EPS", "NEG", "EVAOptions", "chunk_beta", "chunk_summaries", "eva_chunk_stats_reference",
            "layer_norm", "representatives", "rf_log_feature"]

@@ -43,7 +43,7 @@ def _pairs():
             if (causal and not cls.supports_causal) or (not causal and not cls.supports_bidirectional):
                 continue
             if _case(cls, direction) is None:
-                continue  # a model-level core (its law runs on a model: tests/models/test_model_contract.py)
+                continue  # a model-level core: test_model_level_implementation_equals_reference
             impls = cls.implementations(causal=causal)
             for impl in impls[1:]:
                 out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}"))
@@ -140,6 +140,80 @@ def test_implementation_equals_reference(name, direction, impl_name):
             _compare(label + "final state", state, r_state, **tol)
             for part, g, r in zip(("d params", "dq", "dk", "dv"), grads, r_grads):
                 _compare(label + part, g, r, **tol)
+
+
+def _model_pairs():
+    """(method, direction, implementation) for the cores that run only inside a model (no core-level case)."""
+    out = []
+    for name in attention.names():
+        cls = attention.get_class(name)
+        for direction in ("causal", "bidirectional"):
+            causal = direction == "causal"
+            if (causal and not cls.supports_causal) or (not causal and not cls.supports_bidirectional):
+                continue
+            if _case(cls, direction) is not None or _model_case(cls, direction) is None:
+                continue
+            for impl in cls.implementations(causal=causal)[1:]:
+                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}-model"))
+    return out
+
+
+def _model_case(cls, direction):
+    for case in cls.contract_cases().values():
+        if case.level == "model" and direction in case.directions and not case.slow:
+            return case
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _model_run(name, direction, impl_name):
+    """Logits and parameter gradients of a tiny model (3 layers) whose attention uses ``impl_name``."""
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+
+    cls = attention.get_class(name)
+    causal = direction == "causal"
+    case = _model_case(cls, direction)
+    impl = dispatch.by_name(cls.implementations(causal=causal))[impl_name]
+    c = base_config().model
+    c.kind, c.causal = ("decoder" if causal else "encoder"), causal
+    c.vocab_size, c.d_model, c.num_layers, c.d_ff = 64, 16, 3, 32
+    c.num_heads, c.head_dim = case.num_heads, case.head_dim
+    c.positions = "rotary"
+    c.attention.name = name
+    c.attention[name] = {**case.cfg, **impl.config, **impl.test_config}
+    model = build_model(c, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    tokens = jax.random.randint(k1, (2, case.length), 0, 63)
+    important = None if causal else jax.random.bernoulli(k2, 0.15, (2, case.length))
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest)
+        logits = m(tokens, None, deterministic=True)[0] if causal else m(tokens, important, deterministic=True)[0]
+        w = jnp.cos(jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)
+        return jnp.sum(logits.astype(jnp.float32) * w), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, grads
+
+
+@pytest.mark.parametrize("name,direction,impl_name", _model_pairs())
+def test_model_level_implementation_equals_reference(name, direction, impl_name):
+    """The same law for a core that runs only inside its model (it needs the model's inputs, e.g. per-key
+    biases): a tiny model built with the implementation gives the reference model's logits and gradients."""
+    cls = attention.get_class(name)
+    impl = dispatch.by_name(cls.implementations(causal=direction == "causal"))[impl_name]
+    why = _runnable(impl)
+    if why:
+        pytest.skip(f"{name} {impl_name} cannot run here: {why}")
+    case = _model_case(cls, direction)
+    ref = cls.implementations(causal=direction == "causal")[0].name
+    logits, grads = _model_run(name, direction, impl_name)
+    r_logits, r_grads = _model_run(name, direction, ref)
+    tol = dict(atol=max(case.atol, 1e-5) * 4, rtol=max(case.rtol, 1e-5) * 4)
+    _compare(f"{name} {direction} {impl_name} vs {ref}: logits", logits, r_logits, **tol)
+    _compare(f"{name} {direction} {impl_name} vs {ref}: d params", grads, r_grads, **tol)
 
 
 def test_every_method_declares_its_implementations_and_execution_keys():

@@ -65,8 +65,9 @@ class VCCAttention(AttentionCore):
     @classmethod
     def implementations(cls, *, causal: bool = True):
         """reference (the whole biased softmax), chunked (query chunks of ``query_chunk`` rows; ``test_config``
-        makes it take several chunks at test lengths). ``impl='auto'``: chunked when query_chunk > 0."""
-        return implementations()
+        makes it take several chunks at test lengths). ``impl='auto'``: chunked when query_chunk > 0. Causal
+        (VCC-LM): its layers compute their attention in ``longctx.models.vcc_stack`` (one path), so one."""
+        return implementations() if not causal else implementations()[:1]
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:

@@ -1,0 +1,43 @@
+"""EVA: efficient attention via control variates (Zheng et al., ICLR 2023; arXiv 2302.04542).
+
+Method notes: ``docs/methods/eva.md``. Each query ``n`` sees
+
+* a local block ``E_n`` (exact softmax terms, T5 relative-position bias), and
+* ``C`` contiguous chunks ``P_c`` summarized by a representative key ``k̂_c = LN(Linear(mean_{P_c} k))`` (chunk
+  logit ``s q_n·k̂_c``) and a query-independent control-variate coefficient ``β_c`` = a one-sample RFA over the
+  chunk (Phase A, §2.3),
+
+combined by one log-sum-exp normalised softmax over ``[local logits ; chunk logits]`` (eq. 16, Phase B, §2.4).
+
+The package: ``reference.py`` (the paper's computation, the implementation every other one must equal),
+``xla.py`` (portable XLA tiles), ``xla_cpu.py`` (the tiles tuned for XLA:CPU), ``pallas.py`` (the kernels),
+``common.py`` (options, geometry, masks, bias, random draws and decoding state they share) and ``layer.py``
+(:class:`EVAAttention`: parameters, configuration, state, and the choice of implementation).
+"""
+
+from longctx.attention.eva.common import (
+    EVAOptions,
+    chunk_beta,
+    chunk_noise,
+    chunk_summaries,
+    rf_log_feature,
+    t5_bucket,
+)
+from longctx.attention.eva.layer import EVAAttention
+from longctx.attention.eva.reference import eva_reference
+from longctx.attention.eva.xla import attend_tile, eva_forward, eva_stream, tile_groups
+
+__all__ = [
+    "EVAAttention",
+    "EVAOptions",
+    "attend_tile",
+    "chunk_beta",
+    "chunk_noise",
+    "chunk_summaries",
+    "eva_forward",
+    "eva_reference",
+    "eva_stream",
+    "rf_log_feature",
+    "t5_bucket",
+    "tile_groups",
+]

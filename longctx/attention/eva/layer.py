@@ -1,0 +1,264 @@
+"""The EVA core (docs/methods/eva.md): parameters, configuration, decoding state, and the call that asks
+``longctx.attention.dispatch.select`` for one of the implementations and runs it:
+
+* ``reference`` (reference.py): the paper's computation over the whole sequence, plain autodiff, O(L²);
+* ``xla`` (xla.py): XLA tiles with plain einsums (portable);
+* ``xla_cpu`` (xla_cpu.py): the same tiles tuned for XLA:CPU ('auto' on a CPU);
+* ``pallas`` (pallas.py): the Phase A and Phase B kernels ('auto' on a GPU / TPU where they serve, then ``xla``).
+
+A call with a carried state (decoding, streaming) runs the chosen implementation's stream: the XLA tiles
+(xla_cpu's with its ops; the kernels' with Phase A in the kernel).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from longctx.attention import dispatch
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    KernelBench,
+    axes,
+    check_qkv,
+    require,
+)
+from longctx.attention.eva import pallas, reference, xla, xla_cpu
+from longctx.attention.eva.common import EVAOptions, empty_state, geometry, rpe_num_buckets, state_from_forward
+
+IMPLEMENTATIONS = ("reference", "xla", "xla_cpu", "pallas")
+
+
+def _auto_order(platform: str) -> tuple[str, ...]:
+    """'auto': the CPU-tuned tiles on a CPU; elsewhere the kernels where they serve, then the portable tiles."""
+    return ("xla_cpu",) if platform == "cpu" else ("pallas", "xla")
+
+
+
+class EVAAttention(AttentionCore):
+    """EVA attention core (causal: App. D; bidirectional: eq. 16). See module docstring."""
+
+    name = "eva"
+    EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget")
+    randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """reference (the paper's math, first), xla (portable tiles), xla_cpu (the tiles tuned for XLA:CPU) and
+        pallas (the Phase A and Phase B kernels; interpret mode on a CPU when named)."""
+        Impl = dispatch.Implementation
+        return (Impl("reference", config={"impl": "reference"}),
+                Impl("xla", config={"impl": "xla"}),
+                Impl("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
+                Impl("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=pallas.unsupported_reasons,
+                     config={"impl": "pallas"}))
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                "window_size": 128,  # W: local block (|E| = W + overlap); 0 = no local part (test-only)
+                "chunk_size": 8,  # P (causal; bidirectional when num_chunks == 0); W % P == 0
+                "num_chunks": 0,  # C (bidirectional only; >0 overrides chunk_size; needs C | W); causal rejects it
+                "overlap_window": False,  # causal: window extends W to the left; bidirectional: W/2 each side
+                "partition": "full",  # 'full' (released: chunks may overlap the block, double count) | 'disjoint'
+                "chunk_logit": "rep",  # 'rep' (eq. 16: s q·k̂_c) | 'exact_lse' (eq. 13, test-only, O(L²))
+                "chunk_rep": "learned",  # 'learned' (Linear(+LN) of the chunk mean) | 'identity' (mean, test-only)
+                "adaptive_proj": "qk",  # 'qk' (Linear+LN) | 'no-ln' (Linear) | 'none' (µ = 0, bidirectional only)
+                "mu_mode": "auto",  # 'auto' (causal q̂+k̂, bidirectional ½(q̂+k̂)) | 'sum' | 'half'
+                "rf_scale": "released",  # 'released' s(ω·k−½‖k‖²) | 'principled' √s ω·k − (s/2)‖k‖²
+                "use_rpe": True,  # T5 relative position bias inside the local block
+                "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
+                # 'reference' | 'xla' | 'xla_cpu' | 'pallas', an ordered list ('pallas,xla') or 'auto' (xla_cpu on a
+                # CPU; pallas where it serves, then xla, elsewhere): longctx/attention/dispatch.py. 'pallas' runs
+                # Phase B of a step with attention dropout (attn_dropout > 0, deterministic=False) in the xla tiles
+                "impl": "auto",
+                # max materialized logits per lax.map step (memory knob): larger is faster (fewer, bigger calls) and
+                # takes more memory; the returns shrink past 2^22, and 2^26 pays off only at 32k and beyond
+                "logit_budget": 1 << 25,
+                # max attention weights (fp32 entries, all tiles of a full pass) kept from the forward for the
+                # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
+                # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
+                # batch 1 (a faster backward at 8k and 16k, with the halves as row blocks); 0 always recomputes.
+                # Per layer: a deep model holds one set per layer from its forward to its
+                # backward unless model.remat recomputes each block when the backward reaches it
+                "keep_budget": 1 << 28,
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        p = "attention.eva"
+        W, P, C = cfg.window_size, cfg.chunk_size, cfg.num_chunks
+        require(W >= 0, f"{p}.window_size={W}; must be >= 0 (0 disables the local block, test-only)")
+        require(C >= 0, f"{p}.num_chunks={C}; must be >= 0")
+        if causal:
+            require(C == 0, f"{p}.num_chunks={C}: a causal EVA layer needs a fixed chunk_size (num_chunks makes "
+                            "the partition depend on the total length and leaks the future); set num_chunks=0")
+            require(P > 0, f"{p}.chunk_size={P}; must be > 0")
+            require(W == 0 or W % P == 0, f"{p}: window_size={W} must be a multiple of chunk_size={P}")
+        else:
+            if C > 0:
+                require(W == 0 or W % C == 0, f"{p}: num_chunks={C} must divide window_size={W} "
+                                              "(so P = L_pad / C is an integer)")
+            else:
+                require(P > 0, f"{p}.chunk_size={P}; must be > 0 when num_chunks == 0")
+                require(W == 0 or W % P == 0, f"{p}: window_size={W} must be a multiple of chunk_size={P}")
+        require(not (cfg.overlap_window and W == 0), f"{p}.overlap_window needs window_size > 0")
+        require(not (cfg.overlap_window and not causal and W % 2), f"{p}: bidirectional overlap needs an even window_size")
+        for key, allowed in (
+            ("partition", ("full", "disjoint")),
+            ("chunk_logit", ("rep", "exact_lse")),
+            ("chunk_rep", ("learned", "identity")),
+            ("adaptive_proj", ("qk", "no-ln", "none")),
+            ("mu_mode", ("auto", "sum", "half")),
+            ("rf_scale", ("released", "principled")),
+        ):
+            require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        require(not (causal and cfg.adaptive_proj == "none"),
+                f"{p}.adaptive_proj='none' exists only for bidirectional layers; use 'qk' or 'no-ln'")
+        require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
+        why = dispatch.impl_problem(cfg.impl, IMPLEMENTATIONS)
+        require(why is None, f"{p}.{why}")
+        require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
+        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        c = self.cfg
+        d = head_dim
+        W = c.window_size
+        e = (W if causal else W // 2) if c.overlap_window else 0
+        mu_mode = c.mu_mode if c.mu_mode != "auto" else ("sum" if causal else "half")
+        self.opts = EVAOptions(
+            causal=causal, W=W, e_l=e, e_r=0 if causal else e, partition=c.partition, chunk_logit=c.chunk_logit,
+            chunk_rep=c.chunk_rep, adaptive_proj=c.adaptive_proj, mu_mode=mu_mode, rf_scale=c.rf_scale,
+            use_rpe=c.use_rpe and W > 0, rpe_buckets=rpe_num_buckets(W, e), rpe_max_distance=max(W + e, 1),
+            attn_dropout=float(c.attn_dropout), logit_budget=int(c.logit_budget), keep_budget=int(c.keep_budget),
+        )
+        # released inits (§3.1): causal Xavier-uniform gain 2^-1/2, bidirectional trunc-normal 0.02; biases 0
+        if causal:
+            w_init = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
+        else:
+            w_init = nnx.initializers.truncated_normal(0.02)
+        mat, vec = axes(None, "head_dim"), axes("head_dim")  # shared by all heads: [d_in, d_out], [d]
+        self.q_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32), **mat)
+        self.k_w = nnx.Param(w_init(rngs.params(), (d, d), jnp.float32), **mat)
+        self.q_b, self.k_b = nnx.Param(jnp.zeros((d,)), **vec), nnx.Param(jnp.zeros((d,)), **vec)
+        self.q_ln_scale, self.k_ln_scale = nnx.Param(jnp.ones((d,)), **vec), nnx.Param(jnp.ones((d,)), **vec)
+        self.q_ln_bias, self.k_ln_bias = nnx.Param(jnp.zeros((d,)), **vec), nnx.Param(jnp.zeros((d,)), **vec)
+        if self.opts.use_rpe:
+            shape = (self.opts.rpe_buckets,) if causal else (self.opts.rpe_buckets, num_heads)
+            names = (None,) if causal else (None, "heads")
+            self.rpe_table = nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32), **axes(*names))
+        else:
+            self.rpe_table = None
+
+    @classmethod
+    def kernel_benches(cls):
+        # impl='pallas' runs both kernels (chunk statistics and the chunk + local attention)
+        return {"eva_chunk_stats+eva_attend": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+
+    @classmethod
+    def drop_in(cls):
+        return DropIn(
+            "chunk_rep='identity' (k̂_c = chunk mean of k, µ_c from chunk means of q and k; no learned projection), "
+            "use_rpe=False (no learned position bias); other options default",
+            {"chunk_rep": "identity", "use_rpe": False},
+        )
+
+    @classmethod
+    def contract_cases(cls):
+        # window 8, chunk 4, 48 tokens: the carried state holds 8+ finished chunks beyond the window
+        small = {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.0}
+        return {
+            "auto": ContractCase(cfg={**small, "impl": "auto"}, length=48),  # xla_cpu on a CPU
+            "reference": ContractCase(cfg={**small, "impl": "reference"}, length=48, slow=True),
+            "xla": ContractCase(cfg={**small, "impl": "xla"}, length=48, slow=True),
+            "auto_overlap_disjoint": ContractCase(cfg={**small, "overlap_window": True, "partition": "disjoint"},
+                                                  length=48, directions=("causal",), slow=True),
+            # Phase A and Phase B through the Pallas kernels (interpret mode on CPU)
+            "pallas": ContractCase(cfg={**small, "impl": "pallas"}, length=48, slow=True),  # interpret mode
+        }
+
+    # -- helpers --------------------------------------------------------------------
+    def chunk_params(self):
+        names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
+        return {n: getattr(self, n)[...] for n in names}
+
+    def _select(self, L: int, streaming: bool) -> dispatch.Choice:
+        """The implementation for a call over L tokens (``streaming``: after a carried state), by the shared rule
+        of ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
+        o, c = self.opts, self.cfg
+        P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
+        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva", order=_auto_order,
+                               P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
+                               chunk_logit=o.chunk_logit, full=not streaming)
+
+    def _keys(self, deterministic, key):
+        if deterministic:
+            return None, None
+        if key is None:
+            raise ValueError("eva: deterministic=False needs a PRNG `key` (one ω sample per chunk, dropout)")
+        noise_key, drop_key = jax.random.split(key)
+        return noise_key, drop_key
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("eva: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("eva: init_state needs max_len (tokens; sizes the finished-chunk memory)")
+        P = self.cfg.chunk_size
+        R = self.opts.W + self.opts.e_l
+        return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, R, P, -(-max_len // P),
+                           self.opts.chunk_logit == "exact_lse")
+
+    # -- sequence parallelism: chunk summaries sit at absolute slots, the window is the newest R --
+    def sequence_refusal(self, slice_len: int) -> str | None:
+        if slice_len % self.cfg.chunk_size:
+            return f"a slice of {slice_len} tokens is not a multiple of chunk_size={self.cfg.chunk_size}"
+        return None
+
+    def sequence_origin(self, batch_size: int, max_len: int, start):
+        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32)}
+
+    def compose_states(self, a, b):
+        # b ran from an empty state at a's end (a chunk border): its finished chunks occupy slots a's
+        # are zero in, its window holds zeros where a's newest tokens belong, its chunk buffer is current
+        out = dict(b)
+        for name in a:
+            if name.startswith("mem_"):
+                out[name] = a[name] + b[name]
+        R = a["win_k"].shape[2]
+        shift = jnp.minimum(b["pos"] - a["pos"], R)
+        for name in ("win_k", "win_v"):
+            padded = jnp.concatenate([a[name], jnp.zeros_like(a[name])], axis=2)
+            out[name] = b[name] + jax.lax.dynamic_slice_in_dim(padded, shift, R, axis=2)
+        return out
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        noise_key, drop_key = self._keys(deterministic, key)
+        rpe = self.rpe_table[...] if self.rpe_table is not None else None
+        c, o = self.cfg, self.opts
+        choice = self._select(q.shape[2], streaming=state is not None)
+        kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
+        args = (self.chunk_params(), rpe, noise_key, drop_key, o)
+        if state is None:
+            forward = {"reference": reference.eva_reference, "xla": xla.eva_forward, "xla_cpu": xla_cpu.eva_forward,
+                       "pallas": pallas.eva_forward}[choice.name]
+            out, extras = forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
+            new_state = None
+            if self.causal:
+                new_state = state_from_forward(extras, q.shape[2], o.W + o.e_l, o.chunk_logit == "exact_lse")
+            return out.astype(v.dtype), new_state
+        if not self.causal:
+            raise ValueError("eva: a bidirectional core takes no state")
+        stream = {"reference": xla.eva_stream, "xla": xla.eva_stream, "xla_cpu": xla_cpu.eva_stream,
+                  "pallas": pallas.eva_stream}[choice.name]
+        out, new_state = stream(q, k, v, state, *args, P=c.chunk_size, **kernel)
+        return out.astype(v.dtype), new_state

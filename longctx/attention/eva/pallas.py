@@ -1,0 +1,61 @@
+"""EVA through its Pallas kernels (implementation ``pallas``): Phase A by ``pallas_kernels/eva_chunks.py`` and
+Phase B of a full pass by ``pallas_kernels/eva_attend.py``. A full pass with attention dropout runs Phase B in the
+portable XLA tiles (the kernel has none; docs/methods/eva.md §8.3); a stream attends in them too."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from longctx.attention.eva import xla
+from longctx.attention.eva.common import EVAOptions, chunk_noise, geometry, local_bias_tiles
+from pallas_kernels import eva_attend, eva_chunks
+
+
+def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int,
+                        chunk_logit: str, full: bool, **_) -> list[str]:
+    """Why the kernels cannot serve a call: Phase A's limits, and Phase B's for a full pass (``full``)."""
+    out = [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
+    if full:
+        out += [f"eva_attend: {r}" for r in eva_attend.unsupported_reasons(
+            platform, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit)]
+    return out
+
+
+def _stats_fn(interpret: bool, platform: str):
+    return eva_chunks.make_stats_fn(interpret=interpret, platform=platform)
+
+
+def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
+                num_chunks: int, interpret: bool, platform: str):
+    """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``."""
+    stats_fn = _stats_fn(interpret, platform)
+    if drop_key is not None and opts.attn_dropout > 0.0:
+        return xla.eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=chunk_size,
+                               num_chunks=num_chunks, stats_fn=stats_fn)
+    B, H, L, d = q.shape
+    dv = v.shape[-1]
+    scale = d**-0.5
+    L_pad, P, C, _ = geometry(opts, L, chunk_size, num_chunks)
+    pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
+    qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
+    valid = jnp.asarray((np.arange(L_pad) < L).reshape(C, P))
+    q_ch, k_ch, v_ch = (x.reshape(B, H, C, P, x.shape[-1]) for x in (qf, kf, vf))
+    noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
+    k_hat, beta = stats_fn(q_ch, k_ch, v_ch, valid, params, noise, opts, scale)
+    bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
+    flat = lambda x: x.reshape((B * H,) + x.shape[2:])  # noqa: E731
+    attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform)
+    o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W, e_l=opts.e_l,
+                  e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=H)
+    extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
+    return o.reshape(B, H, L_pad, dv)[:, :, :L], extras
+
+
+def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,
+               interpret: bool, platform: str):
+    """Tokens after a carried state: Phase A of the chunks they finish by the kernel, the rest in XLA tiles."""
+    return xla.eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts, P=P,
+                          stats_fn=_stats_fn(interpret, platform))

@@ -1,0 +1,66 @@
+"""EVA's computation as the paper states it, over the whole sequence (docs/methods/eva.md; the spec's §2.3 and
+§2.4, paper eq. 16 and App. D): the implementation ``reference`` every other EVA implementation must equal.
+
+Phase A (§2.3): per chunk ``P_c`` of ``P`` contiguous tokens, the representative key
+``k̂_c = LN_k(Linear(mean_{P_c} k))`` and the control-variate coefficient ``β_c = Σ_{m∈P_c} softmax_m(ℓ_{c,m}) v_m``,
+``ℓ_{c,m} = s(ω_c·k_m − ½‖k_m‖²)``, one sample ``ω_c = µ_c + ε_c`` per chunk (``ω_c = µ_c`` when deterministic).
+Phase B (§2.4, eq. 16): query ``n`` takes one softmax over its local logits ``s q_n·k_m + r(m − n)`` (``m`` in its
+block's window ``E_n``; causal: ``m <= n``) and its chunk logits ``s q_n·k̂_c`` (causal: ``c < ⌊n/P⌋``; eq. 13's
+``logsumexp_{m∈P_c} s q_n·k_m`` with ``chunk_logit='exact_lse'``), applied to ``[v_m ; β_c]``.
+
+Plain autodiff, O(L²) logits: for tests and for reading beside the paper. The geometry, masks, bias, noise and
+dropout draws are the shared definitions of ``common.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longctx.attention.eva.common import (
+    NEG,
+    EVAOptions,
+    chunk_mask,
+    chunk_noise,
+    chunk_summaries,
+    dropout_keep_full,
+    geometry,
+    local_mask,
+    rpe_bias,
+)
+
+
+def eva_reference(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
+                  num_chunks: int):
+    """q, k [B,H,L,d], v [B,H,L,dv] -> (out [B,H,L,dv] fp32, extras for ``common.state_from_forward``)."""
+    B, H, L, d = q.shape
+    s = d**-0.5
+    L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)  # padded to whole blocks (§2.1)
+    q, k, v = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, L_pad - L), (0, 0))) for x in (q, k, v))
+    pos = np.arange(L_pad)
+    valid = pos < L
+    chunk_valid = valid.reshape(C, P)
+
+    # Phase A (§2.3)
+    per_chunk = lambda x: x.reshape(B, H, C, P, x.shape[-1])  # noqa: E731
+    noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
+    k_hat, beta = chunk_summaries(per_chunk(q), per_chunk(k), per_chunk(v), chunk_valid, params, noise, opts, s)
+
+    # Phase B (§2.4, eq. 16)
+    qk = s * jnp.einsum("bhnd,bhmd->bhnm", q, k)
+    a_loc = qk + rpe_bias(rpe_table, pos, pos, opts, s)[None] if opts.use_rpe else qk
+    if opts.chunk_logit == "rep":
+        a_ch = s * jnp.einsum("bhnd,bhcd->bhnc", q, k_hat)
+    else:  # eq. 13: the chunk's exact log-mass
+        a_ch = jax.nn.logsumexp(jnp.where(chunk_valid, qk.reshape(B, H, L_pad, C, P), NEG), axis=-1)
+    mask = jnp.concatenate([local_mask(pos, pos, valid, opts),
+                            chunk_mask(pos, jnp.arange(C), chunk_valid.any(-1), P, opts)], axis=-1)
+    logits = jnp.where(mask, jnp.concatenate([a_loc, a_ch], axis=-1), NEG)
+    p = jnp.where(mask, jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))), 0.0)
+    den = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # empty rows (only if W = 0) give 0
+    if drop_key is not None and opts.attn_dropout > 0.0:  # on the normalised weights, normaliser kept (§9.12)
+        keep = jnp.concatenate(dropout_keep_full(drop_key, opts, B, H, L_pad, tile, C), axis=-1)
+        p = jnp.where(keep, p / (1.0 - opts.attn_dropout), 0.0)
+    out = jnp.einsum("bhnm,bhmd->bhnd", p, jnp.concatenate([v, beta], axis=2)) / den
+    return out[:, :, :L], {"k_hat": k_hat, "beta": beta, "P": P, "padded": (q, k, v)}
