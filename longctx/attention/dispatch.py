@@ -15,12 +15,8 @@ it serves, raises :class:`KernelUnsupportedError` listing each candidate's reaso
 a list skips is logged once (INFO, logger ``longctx.attention.dispatch``) with its reasons. A Pallas kernel on a
 CPU runs only where named (interpret mode, slow, for tests; a warning says so); ``'auto'`` never takes it there.
 
-:func:`resolve` keeps the two-way form ``impl = 'xla' | 'pallas' | 'auto'`` (or a list of those) for a method
-whose XLA path and one kernel are its implementations (eva, fma, transformer_vq's block-parallel form). A method
-may add its own reasons (``extra_reasons``) for configurations its kernel does not compute (e.g. a reduction
-other than the kernel's); they count like the kernel's. Exact attention's fused kernels from outside the project
-(cuDNN on GPUs, splash on TPUs) are dense's implementations ``cudnn`` and ``splash``:
-``longctx/attention/dense_platform.py``.
+Exact attention's fused kernels from outside the project (cuDNN on GPUs, splash on TPUs) are dense's
+implementations ``cudnn`` and ``splash``: ``longctx/attention/dense/platform.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-IMPLS = ("xla", "pallas", "auto")
 ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -186,26 +181,5 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
                                  + " | ".join(skipped))
 
 
-def resolve(impl, *, method: str, kernel: str, reasons_fn: Callable[..., list[str]],
-            platform: str | None = None, extra_reasons: Sequence[str] = (), **shapes) -> Choice:
-    """The two-way choice between a method's XLA path (``'xla'``) and its Pallas kernel ``kernel`` (``'pallas'``,
-    limits from ``reasons_fn(platform, **shapes)`` plus ``extra_reasons``) by :func:`select`. ``'auto'`` is
-    ``('pallas', 'xla')`` off CPU and ``('xla',)`` on a CPU."""
-    extra = list(extra_reasons)
-    impls = (Implementation("pallas", platforms=("tpu", "cuda", "rocm"), kernel=True,
-                            reasons=lambda plat, **s: extra + list(reasons_fn(plat, **s))),
-             Implementation("xla"))
-    plat = platform or current_platform()
-    if parse_impl(impl) == ("auto",) and plat == "cpu":
-        why = ("no compiled Pallas on cpu (the kernel runs there only in interpret mode, asked for with "
-               "impl='pallas')",)
-        _log_once(f"{method}: impl='auto' uses XLA instead of the Pallas kernel {kernel}: {why[0]}")
-        return Choice(False, platform=plat, reasons=why, name="xla")
-    try:
-        return select(impl, impls, method=f"{method} ({kernel})", platform=plat, **shapes)
-    except KernelUnsupportedError as e:
-        raise KernelUnsupportedError(f"{e}. Use impl='auto' (falls back to XLA) or impl='xla'.") from None
-
-
-__all__ = ["ALL_PLATFORMS", "IMPLS", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
-           "current_platform", "impl_problem", "parse_impl", "resolve", "select"]
+__all__ = ["ALL_PLATFORMS", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
+           "current_platform", "impl_problem", "parse_impl", "select"]

@@ -1,6 +1,7 @@
-"""The one implementation-selection rule (longctx/attention/dispatch.py): 'auto' takes a kernel with no reasons,
-else XLA with one log line naming why; 'pallas' where unsupported raises listing the reasons; on CPU 'pallas'
-is interpret mode with a warning. Both methods with kernels use it."""
+"""The one implementation-selection rule (longctx/attention/dispatch.py: select): 'auto' takes the platform's
+first implementation with no reasons, with one log line naming why the ones before it were skipped; a named
+implementation that refuses raises listing the reasons; on CPU a named Pallas kernel is interpret mode with a
+warning, and 'auto' never takes it there. Every method selects through it."""
 
 from __future__ import annotations
 
@@ -16,116 +17,129 @@ from pallas_kernels import eva_chunks, vq_cache
 PAPER = dict(L=512, M=512, S=512, Dk=128)
 
 
-def fake_reasons(platform, *, n):
+def fake_reasons(platform, *, n, **_):
     if platform == "interpret":
         return [] if n > 0 else ["n must be positive"]
     return [] if platform == "tpu" and n <= 4 else [f"n={n} too big on {platform}"]
 
 
+def two_way(reasons_fn, extra=()):
+    """A kernel ``pallas`` (GPU/TPU) before a portable ``xla``."""
+    return (dispatch.Implementation("pallas", platforms=("tpu", "cuda", "rocm"), kernel=True,
+                                    reasons=lambda plat, **s: list(extra) + list(reasons_fn(plat, **s))),
+            dispatch.Implementation("xla"))
+
+
+def pick(impl, reasons_fn=fake_reasons, extra=(), **kw):
+    return dispatch.select(impl, two_way(reasons_fn, extra), method=kw.pop("method", "m"), **kw)
+
+
 def test_xla_is_always_xla():
-    c = dispatch.resolve("xla", method="m", kernel="k", reasons_fn=fake_reasons, platform="tpu", n=1)
-    assert not c.use_kernel
+    c = pick("xla", platform="tpu", n=1)
+    assert not c.use_kernel and c.name == "xla"
 
 
 def test_auto_takes_the_kernel_where_supported():
-    c = dispatch.resolve("auto", method="m", kernel="k", reasons_fn=fake_reasons, platform="tpu", n=2)
-    assert c.use_kernel and not c.interpret and c.platform == "tpu"
+    c = pick("auto", platform="tpu", n=2)
+    assert c.use_kernel and not c.interpret and c.platform == "tpu" and c.name == "pallas"
 
 
 def test_auto_falls_back_with_one_log_line_naming_why(caplog):
     dispatch._logged.clear()
     with caplog.at_level(logging.INFO, logger="longctx.attention.dispatch"):
-        for _ in range(3):  # resolved again at every trace: still one line
-            c = dispatch.resolve("auto", method="m", kernel="k", reasons_fn=fake_reasons, platform="tpu", n=9)
+        for _ in range(3):  # selected again at every trace: still one line
+            c = pick("auto", platform="tpu", n=9)
     assert not c.use_kernel and c.reasons == ("n=9 too big on tpu",)
     lines = [r.getMessage() for r in caplog.records if r.name == "longctx.attention.dispatch"]
     assert len(lines) == 1 and "n=9 too big on tpu" in lines[0] and "uses xla" in lines[0]
 
 
-def test_auto_on_cpu_is_xla_with_a_reason(caplog):
-    dispatch._logged.clear()
-    with caplog.at_level(logging.INFO, logger="longctx.attention.dispatch"):
-        c = dispatch.resolve("auto", method="m", kernel="k", reasons_fn=fake_reasons, platform="cpu", n=1)
-    assert not c.use_kernel and "interpret" in c.reasons[0]
-    assert len(caplog.records) == 1
+def test_auto_on_cpu_never_takes_a_kernel():
+    c = pick("auto", platform="cpu", n=1)
+    assert not c.use_kernel and c.name == "xla"
+    assert dispatch.auto_order(two_way(fake_reasons), "cpu") == ("xla",)
 
 
-def test_pallas_where_unsupported_raises_listing_every_reason():
+def test_a_named_kernel_where_unsupported_raises_listing_every_reason():
     with pytest.raises(dispatch.KernelUnsupportedError, match="n=9 too big on cuda") as err:
-        dispatch.resolve("pallas", method="m", kernel="k", reasons_fn=fake_reasons, platform="cuda", n=9,
-                         extra_reasons=["method says no"])
+        pick("pallas", extra=["method says no"], platform="cuda", n=9)
     assert "method says no" in str(err.value)
+    c = pick("pallas,xla", platform="cuda", n=9)  # a list falls through to the next name
+    assert c.name == "xla" and "n=9 too big on cuda" in c.reasons
 
 
 def test_pallas_on_cpu_is_interpret_mode_with_a_warning():
     with pytest.warns(UserWarning, match="interpret"):
-        c = dispatch.resolve("pallas", method="m", kernel="k", reasons_fn=fake_reasons, platform="cpu", n=100)
+        c = pick("pallas", platform="cpu", n=100)
     assert c.use_kernel and c.interpret
     with pytest.raises(dispatch.KernelUnsupportedError, match="n must be positive"):
-        dispatch.resolve("pallas", method="m", kernel="k", reasons_fn=fake_reasons, platform="cpu", n=0)
+        pick("pallas", platform="cpu", n=0)
 
 
 def test_unknown_impl_is_an_error():
     with pytest.raises(ValueError, match="allowed"):
-        dispatch.resolve("triton", method="m", kernel="k", reasons_fn=fake_reasons, n=1)
+        pick("triton", n=1)
+    with pytest.raises(ValueError, match="stands alone"):
+        pick("auto,xla", n=1)
 
 
-# -- the real kernels' declarations through the resolver ---------------------------------------------------------
+# -- the real kernels' declarations through the rule ---------------------------------------------------------------
 @pytest.mark.parametrize("Dv", [1536, 4096])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_vq_cache_auto_takes_the_kernel_on_tpu_at_paper_shapes(Dv, dtype):
-    c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
-                         platform="tpu", Dv=Dv, dtype=dtype, **PAPER)
+    c = pick("auto", vq_cache.unsupported_reasons, method="transformer_vq", platform="tpu", Dv=Dv, dtype=dtype,
+             **PAPER)
     assert c.use_kernel
 
 
 def test_vq_cache_refuses_beyond_its_vmem_budget_with_the_number():
     kw = dict(PAPER, S=4096, Dv=4096, dtype=jnp.float32)
-    c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
-                         platform="tpu", **kw)
+    c = pick("auto", vq_cache.unsupported_reasons, platform="tpu", **kw)
     assert not c.use_kernel and "MiB" in c.reasons[0]
     with pytest.raises(dispatch.KernelUnsupportedError, match=r"VMEM estimate \d+\.\d MiB"):
-        dispatch.resolve("pallas", method="transformer_vq", kernel="vq_cache", platform="tpu",
-                         reasons_fn=vq_cache.unsupported_reasons, **kw)
-    c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
-                         platform="cuda", Dv=1536, dtype=jnp.float32, **PAPER)
+        pick("pallas", vq_cache.unsupported_reasons, platform="tpu", **kw)
+    c = pick("auto", vq_cache.unsupported_reasons, platform="cuda", Dv=1536, dtype=jnp.float32, **PAPER)
     assert c.use_kernel  # the GPU (Pallas-Triton) form, pallas_kernels/vq_cache_gpu.py
-    c = dispatch.resolve("auto", method="transformer_vq", kernel="vq_cache", reasons_fn=vq_cache.unsupported_reasons,
-                         platform="rocm", Dv=1536, dtype=jnp.float32, **PAPER)
+    c = pick("auto", vq_cache.unsupported_reasons, platform="rocm", Dv=1536, dtype=jnp.float32, **PAPER)
     assert not c.use_kernel and "no rocm lowering" in c.reasons[0]
 
 
 def test_eva_chunks_declarations():
-    c = dispatch.resolve("auto", method="eva", kernel="eva_chunk_stats", reasons_fn=eva_chunks.unsupported_reasons,
-                         platform="cuda", P=8, d=64, dv=64)
+    c = pick("auto", eva_chunks.unsupported_reasons, platform="cuda", P=8, d=64, dv=64)
     assert c.use_kernel
-    c = dispatch.resolve("auto", method="eva", kernel="eva_chunk_stats", reasons_fn=eva_chunks.unsupported_reasons,
-                         platform="cuda", P=6, d=64, dv=64)
+    c = pick("auto", eva_chunks.unsupported_reasons, platform="cuda", P=6, d=64, dv=64)
     assert not c.use_kernel and "power-of-two" in c.reasons[0]
 
 
-def test_methods_use_the_resolver(monkeypatch):
-    """transformer_vq and eva ask dispatch.resolve (no rule of their own): with impl='pallas' where the kernel
-    refuses, the method raises the resolver's error."""
+def test_every_method_selects_through_the_rule(monkeypatch):
+    """No method has a rule of its own: building and calling each core (its first core-level contract case) asks
+    dispatch.select, and an implementation named there that refuses raises the rule's error."""
     from flax import nnx
 
     from longctx import attention
 
-    seen = []
-    real = dispatch.resolve
+    seen = set()
+    real = dispatch.select
 
-    def spy(impl, **kw):
-        seen.append(kw["kernel"])
-        return real(impl, **kw)
+    def spy(impl, implementations, *, method, **kw):
+        seen.add(method.split(" ")[0])
+        return real(impl, implementations, method=method, **kw)
 
-    monkeypatch.setattr(dispatch, "resolve", spy)
-    core = attention.build("transformer_vq", {"impl": "auto", "codebook_size": 8, "block_len": 4}, num_heads=1,
-                           head_dim=8, causal=True, rngs=nnx.Rngs(0))
-    x = jnp.ones((1, 1, 8, 8))
-    graphdef, state = nnx.split(core)
-    jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, x, x)[0])(state, x)  # the resolver is asked while tracing
-    core = attention.build("eva", {"impl": "auto", "window_size": 8, "chunk_size": 4}, num_heads=1, head_dim=8,
-                           causal=True, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(core)
-    jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, x, x)[0])(state, x)
-    assert seen == ["vq_cache", "eva_chunk_stats", "eva_attend"]
+    monkeypatch.setattr(dispatch, "select", spy)
+    expected = set()
+    for name in attention.names():
+        cls = attention.get_class(name)
+        case = next((c for c in cls.contract_cases().values() if c.level == "core"), None)
+        if case is None:
+            continue
+        causal = "causal" in case.directions
+        cfg = attention.default_config(name)
+        cfg.update(case.cfg)
+        core = attention.build(name, cfg, num_heads=case.num_heads, head_dim=case.head_dim,
+                               value_dim=case.value_dim, causal=causal, rngs=nnx.Rngs(0))
+        x = jnp.ones((1, case.num_heads, case.length, case.head_dim))
+        v = jnp.ones((1, case.num_heads, case.length, case.value_dim or case.head_dim))
+        graphdef, state = nnx.split(core)
+        jax.jit(lambda s, x, v, g=graphdef: nnx.merge(g, s)(x, x, v)[0])(state, x, v)  # selected while tracing
+        expected.add(name)
+    assert expected and expected <= seen, f"methods that did not ask dispatch.select: {sorted(expected - seen)}"
