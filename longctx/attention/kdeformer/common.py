@@ -1,0 +1,191 @@
+"""What every KDEformer implementation shares: the options, the hash, the Gray order, the samplers and the
+prefix ends (docs/methods/kdeformer.md; § as there). The reference and the tiled paths import these, so the
+same key gives them the same projections, codes and samples, and they differ only in how the estimator's
+entries are computed.
+
+Nothing here is tuned for a platform: products are plain einsums at the default precision. The hash codes of
+a full pass and of decoding come from the same function on the same vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # masked logits (finite: a row without any entry then outputs 0)
+NORM_SHIFT = 6  # integer norm weights u = ⌊‖ṽ‖·2^6⌋ + 1 (§4.3)
+U_MAX = 1 << 13
+INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class BidirOptions:
+    bucket_size: int
+    num_samples: int
+    num_projs: int
+    gray_order: str  # 'inverse' | 'forward'
+    sampling: str  # 'ref' | 'uniform'
+    residual: str  # 'sampled' | 'exact'
+    power_iters: int
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalOptions:
+    chunk_size: int
+    local_chunks: int
+    heavy_capacity: int
+    num_projs: int
+    num_samples: int
+    sampling: str  # 'uniform' | 'ref'
+    residual: str  # 'sampled' | 'exact'
+    power_iters: int
+    scale: float
+    tile_budget: int  # tiled paths: logits per lax.map step
+    heavy_impl: str = "auto"  # tiled paths' heavy route: 'gather' | 'scores' | 'band' | 'auto'
+    heavy_scores_max_len: int = 1024
+    band_block: int = 64  # 'band': sorted queries per tile = sorted keys per block
+
+
+# ---------------------------------------------------------------------------
+# hashing (§2.3a, b)
+# ---------------------------------------------------------------------------
+
+
+def draw_projections(key, batch: int, heads: int, dim: int, num_projs: int):
+    """W [B,H,d,r], i.i.d. N(0,1), fp32."""
+    return jax.random.normal(key, (batch, heads, dim, num_projs), jnp.float32)
+
+
+def lsh_codes(x, W):
+    """Sign-random-projection code h(x) = Σ_t 1[⟨w_t,x⟩ > 0] 2^t. x [B,H,N,d], W [B,H,d,r] -> int32 [B,H,N]."""
+    r = W.shape[-1]
+    W = jnp.broadcast_to(W, x.shape[:2] + W.shape[2:])
+    proj = jnp.einsum("bhnd,bhdr->bhnr", x.astype(jnp.float32), W.astype(jnp.float32))
+    bits = (proj > 0).astype(jnp.int32)
+    return jnp.sum(bits << jnp.arange(r, dtype=jnp.int32), axis=-1).astype(jnp.int32)
+
+
+def gray_rank(z, num_projs: int, order: str = "inverse"):
+    """Sort key of code z. 'inverse': position of z in the reflected Gray sequence, G⁻¹(z) =
+    z ⊕ (z>>1) ⊕ … ⊕ (z>>(r−1)) (paper; consecutive ranks differ in one bit). 'forward': G(z) =
+    z ⊕ (z>>1) (the released code's table lookup)."""
+    if order == "forward":
+        return z ^ (z >> 1)
+    out = z
+    for s in range(1, max(num_projs, 1)):
+        out = out ^ (z >> s)
+    return out
+
+
+def inverse_permutation(perm):
+    """perm [..., N] -> inv with inv[..., perm[..., t]] = t."""
+    idx = jnp.broadcast_to(jnp.arange(perm.shape[-1], dtype=perm.dtype), perm.shape)
+    return jnp.put_along_axis(jnp.zeros_like(perm), perm, idx, axis=-1, inplace=False)
+
+
+def prefix_end(g, opts: CausalOptions):
+    """L_g = max(0, (g − nl + 1)·c): the keys before the local window of chunk g (§4.1)."""
+    return jnp.maximum(0, (g - opts.local_chunks + 1) * opts.chunk_size).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# the samplers (§2.3e, f; §4.3)
+# ---------------------------------------------------------------------------
+
+_ssorted_right = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="right")))
+
+
+def norm_weights(v, valid):
+    """Integer weights u_j = min(⌊‖[v_j;1]‖·2^6⌋ + 1, 2^13) (0 where not valid). v [B,H,N,dv]."""
+    nrm = jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1) + 1.0)
+    u = jnp.minimum(jnp.floor(nrm * (1 << NORM_SHIFT)) + 1, U_MAX).astype(jnp.int32)
+    return jnp.where(valid, u, 0)
+
+
+def augmented_gram(v, valid):
+    """Σ_j [v_j;1][v_j;1]ᵀ over valid rows (float32). v [..., N, dv], valid broadcastable to [..., N]."""
+    va = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
+    va = jnp.where(valid[..., None], va, 0.0)
+    return jnp.einsum("...ne,...nf->...ef", va, va)
+
+
+def power_lambda(gram, iters: int):
+    """‖Ṽ‖²_op from ``iters`` power iterations on the Gram (start 1/√e; deterministic)."""
+    e = gram.shape[-1]
+    x = jnp.full(gram.shape[:-1], e**-0.5, jnp.float32)
+
+    def body(_, x):
+        y = jnp.einsum("...ef,...f->...e", gram, x)
+        return y / jnp.maximum(jnp.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
+
+    x = jax.lax.fori_loop(0, iters, body, x)
+    return jnp.einsum("...e,...ef,...f->...", x, gram, x)
+
+
+def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None):
+    """m i.i.d. indices per (b,h) in [0, n_prefix) and their probabilities p.
+
+    n_prefix: int32 [B,H] (≥ 1). 'uniform': p = 1/n. 'ref' (needs cum [B,H,M] = inclusive cumsum of
+    the integer weights u [B,H,M], lam [B,H] = λ): mixture of uniform (prob. π_u = 1/(1 + T 2^-6/λ))
+    and ∝ u, with T = cum[n−1]; p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw."""
+    B, H = n_prefix.shape
+    nf = n_prefix.astype(jnp.float32)[..., None]
+    if sampling == "uniform":
+        idx = jax.random.randint(key, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
+        return idx, jnp.broadcast_to(1.0 / nf, (B, H, m))
+    k1, k2, k3 = jax.random.split(key, 3)
+    tot = jnp.take_along_axis(cum, (n_prefix - 1)[..., None], axis=-1)  # [B,H,1]
+    totf = tot.astype(jnp.float32)
+    pi_u = 1.0 / (1.0 + totf * 2.0**-NORM_SHIFT / jnp.maximum(lam[..., None], 1e-30))
+    bit = jax.random.bernoulli(k1, pi_u, (B, H, m))
+    uni = jax.random.randint(k2, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
+    t = jax.random.randint(k3, (B, H, m), 0, tot, dtype=jnp.int32)
+    nidx = _ssorted_right(cum, t).astype(jnp.int32)
+    idx = jnp.where(bit, uni, nidx)
+    p = pi_u / nf + (1.0 - pi_u) * jnp.take_along_axis(u, idx, axis=-1).astype(jnp.float32) / totf
+    return idx, p
+
+
+def bidir_samples(key_s, v, n_valid: int, opts: BidirOptions):
+    """The bidirectional estimator's ``m`` columns (§2.3e, f): (indices [B,H,m], log-weights ω = −log(m p)).
+    v [B,H,N,dv]; rows ≥ n_valid are padding (never drawn)."""
+    B, H, N = v.shape[:3]
+    m = opts.num_samples
+    valid = jnp.arange(N) < n_valid
+    n = jnp.full((B, H), n_valid, jnp.int32)
+    if opts.sampling == "uniform":
+        idx, p = draw_samples(key_s, m, n, "uniform")
+    else:
+        u = norm_weights(v, valid)
+        lam = power_lambda(augmented_gram(v, valid[None, None]), opts.power_iters)
+        idx, p = draw_samples(key_s, m, n, "ref", cum=jnp.cumsum(u, axis=-1), u=u, lam=lam)
+    return idx, -jnp.log(m * p)
+
+
+# ---------------------------------------------------------------------------
+# the decoding state (§4.4)
+# ---------------------------------------------------------------------------
+
+
+def next_state(state, k, v, W, compute_dtype):
+    """The causal state after a call's keys k [B,H,T,d] and values v [B,H,T,dv] (``state`` None: the first call):
+    the KV cache, the code cache h(k) (the keys in the compute dtype, as every implementation hashes them), the
+    stream's projections W and the token count. A full pass's cache is the sequence itself (float32 or wider);
+    a decoding cache keeps its dtype and writes the tokens at ``state['length']``."""
+    k, v = k.astype(compute_dtype), v.astype(compute_dtype)
+    codes, T = lsh_codes(k, W), k.shape[2]
+    if state is None:
+        sdt = jnp.promote_types(compute_dtype, jnp.float32)
+        return {"k": k.astype(sdt), "v": v.astype(sdt), "codes": codes, "proj": W, "length": jnp.asarray(T, jnp.int32)}
+    P0 = state["length"]
+    put = lambda a, x: jax.lax.dynamic_update_slice(a, x.astype(a.dtype), (0, 0, P0) + (0,) * (a.ndim - 3))  # noqa: E731
+    return {"k": put(state["k"], k), "v": put(state["v"], v), "codes": put(state["codes"], codes), "proj": W,
+            "length": jnp.asarray(P0 + T, jnp.int32)}
+
+
+__all__ = ["INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions", "augmented_gram",
+           "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
+           "next_state", "norm_weights", "power_lambda", "prefix_end"]

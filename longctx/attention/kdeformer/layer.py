@@ -1,0 +1,266 @@
+"""KDEformer (Zandieh, Han, Daliri, Karbasi, ICML 2023; arXiv 2302.02451): the attention core. Method notes:
+``docs/methods/kdeformer.md``; the section numbers (§) below are its sections.
+
+Softmax attention ``D⁻¹AV`` (``A = exp(σQKᵀ)``) is estimated as an exact "heavy" part on the
+(query, key) pairs an angular LSH puts together, plus an importance-sampled estimate of the
+residual ``A − A_spar`` from ``m`` i.i.d. key columns weighted ``1/(m p_j)``. The normaliser
+``D̃`` is estimated by the same estimator (the released code's ones column appended to ``V``), so
+every output row is a softmax over the union of its heavy, local and sampled entries (§2.3h).
+The math is ``reference.py`` (bidirectional §2.3, causal §4.1); the shared hash, Gray order and
+samplers are ``common.py``; the tiled forms are ``xla.py`` (portable) and ``xla_cpu.py``.
+
+The theoretical estimator (§2.2, paper Alg. 1–3: ``D̃`` and the sampling probabilities from weighted
+exponential KDEs reduced to Gaussian KDE, Eq. 7–8) has data-dependent control flow and sizes; the
+released code does not run it either (§2.3). An O(n²) oracle of ``WExpKDE`` lives in the tests only.
+
+Implementations (``implementations()``; ``impl`` names one, a list, or 'auto'):
+    bidirectional: reference, xla_cpu (CPU), xla.  causal: reference, gather, scores, band (CPU: one per
+    heavy route, xla_cpu.py), xla (its route by ``heavy_impl``). 'auto': on a CPU ``xla_cpu`` / the route
+    for the cache length (``xla_cpu.auto_route``), elsewhere ``xla``. ``heavy_impl`` (a route) written
+    without ``impl`` selects that route: on a CPU its implementation, elsewhere ``xla`` with that route.
+
+Decoding state (causal): the KV cache, the code cache, the projections ``W`` and the token count
+(``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
+sequence so far, so any split into consecutive chunks equals one full pass. Feeding more tokens than
+``max_len`` raises (host check when the count is concrete, ``jax.debug.callback`` under jit).
+
+Gradient policy (§6): the draws (hashes, permutations, samples, log-weights, masks) are frozen; gradients are
+those of the estimator with its draws fixed (``p`` is frozen too: differentiating through ``ω`` alone adds a
+biased term).
+
+Randomness (§2.4): only from the explicit ``key``: ``k_W, k_S = split(key)``; ``W`` from
+``k_W`` (or from ``PRNGKey(lsh_seed)`` when ``fixed_projections``), samples from ``k_S``.
+``deterministic=True`` (evaluation, decoding) uses the fixed key ``PRNGKey(eval_rng_seed)``:
+the same estimator with frozen draws, never exact attention.
+
+Departures from the paper, the released code and the method notes, named:
+* ``fixed_projections`` derives ``W`` from ``PRNGKey(lsh_seed)`` only (the core does not know its
+  layer index, so all layers share it), and likewise the deterministic key is shared by layers.
+* A causal state keeps the projections ``W`` of the first call of its stream (the token count is
+  0 then); later calls of that stream hash with it whatever their key, so windowed training with
+  a fresh key per window keeps the code cache consistent. Samples use the current call's key.
+* ``sampling='paper_mc'`` (§2.3i, optional) is not implemented.
+* Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
+* Masked logits use a finite ``-1e30`` and an explicit mask (``where``) in the tiled forms, and a row without
+  any finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from longctx.attention import dispatch
+from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
+from longctx.attention.kdeformer import reference, xla, xla_cpu
+from longctx.attention.kdeformer.common import BidirOptions, CausalOptions, draw_projections, next_state
+
+ROUTES = ("gather", "scores", "band")  # the causal heavy routes (xla.py), each a CPU implementation
+_BIDIR = {"reference": reference.bidirectional, "xla_cpu": xla_cpu.bidirectional, "xla": xla.bidirectional}
+_CAUSAL = {"reference": reference.causal, "gather": xla_cpu.gather, "scores": xla_cpu.scores, "band": xla_cpu.band,
+           "xla": xla.causal}
+
+CAPACITY_MESSAGE = ("kdeformer: the decoding state holds {capacity} tokens but {needed} were fed; build it with "
+                    "core.init_state(batch_size, max_len) with a larger max_len")
+
+
+class KDEformerAttention(AttentionCore):
+    """KDEformer attention core (bidirectional: the released estimator; causal: §4)."""
+
+    name = "kdeformer"
+    EXECUTION_KEYS = ("impl", "heavy_impl", "heavy_scores_max_len", "heavy_band_block", "tile_budget")
+    randomized = True
+
+    @classmethod
+    def implementations(cls, *, causal: bool = True):
+        """The reference (``reference.py``) first, then the tiled forms: bidirectional ``xla_cpu`` (CPU) and
+        ``xla``; causal ``gather``, ``scores``, ``band`` (CPU, one per heavy route; ``band`` gathers in a call
+        with a state) and ``xla``."""
+        Implementation = dispatch.Implementation
+        ref = Implementation("reference", config={"impl": "reference"})
+        if not causal:
+            return (ref, Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
+                    Implementation("xla", config={"impl": "xla"}))
+        return (ref,
+                Implementation("gather", platforms=("cpu",), config={"impl": "gather"}),
+                Implementation("scores", platforms=("cpu",), config={"impl": "scores"}),
+                Implementation("band", platforms=("cpu",), config={"impl": "band"},
+                               test_config={"heavy_band_block": 8}),
+                Implementation("xla", config={"impl": "xla"}, test_config={"heavy_impl": "band", "heavy_band_block": 8}))
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(
+            {
+                # bidirectional (§2.3; our encoder defaults r=7, b=32, m=96, §3)
+                "bucket_size": 32,  # b: keys (and queries) per sorted block
+                "num_samples": 96,  # m: sampled key columns per (batch, head); 0 = block attention only
+                "num_projs": 7,  # r: hash bits
+                "gray_order": "inverse",  # 'inverse' (paper, G⁻¹) | 'forward' (released code, G)
+                "sampling": "ref",  # 'ref' (1/N + ‖ṽ‖/‖Ṽ‖²_op) | 'uniform'
+                "residual": "sampled",  # 'sampled' | 'exact' (debug: all non-block columns = dense, O(N²))
+                "power_iters": 20,
+                # shared
+                "fixed_projections": False,  # W from PRNGKey(lsh_seed), shared by batch, heads and calls
+                "lsh_seed": 0,
+                "logit_scale": 0.0,  # σ; 0 -> head_dim^-1/2
+                "eval_rng_seed": 0,  # deterministic=True uses PRNGKey(eval_rng_seed)
+                # execution: the implementation (a name, 'a,b' or 'auto'; module docstring)
+                "impl": "auto",
+                "tile_budget": 1 << 22,  # tiled causal: logits materialized per lax.map step (memory knob)
+                # causal heavy logits' route of the tiled forms (xla.py): 'gather' the ≤ b_h keys of every query
+                # (O(N b_h d)); 'scores': one [c, M] matmul per chunk kept only on the heavy set (same entries,
+                # quadratic); 'band' (full passes; calls with a state gather): tiles of code-sorted queries against
+                # blocks of code-sorted keys (same entries, as matmuls, O(N (b_h + block) d)); 'auto': 'scores'
+                # while the cache has ≤ heavy_scores_max_len, else 'band' for a full pass and 'gather' for a call
+                # with a state. Without ``impl``, a route here also selects that CPU implementation.
+                "heavy_impl": "auto",
+                "heavy_scores_max_len": 1024,
+                "heavy_band_block": 64,  # 'band': sorted queries per tile = sorted keys per block
+                # causal (§4)
+                "causal": ml_collections.ConfigDict({
+                    "chunk_size": 128,  # c
+                    "local_chunks": 2,  # nl: exact window = the own chunk and nl-1 before it
+                    "heavy_capacity": 64,  # b_h: most recent same-code keys before the window
+                    "num_projs": 6,
+                    "num_samples": 128,  # m per chunk
+                    "sampling": "uniform",  # 'uniform' | 'ref'
+                    "residual": "sampled",  # 'sampled' | 'exact' (debug: all non-heavy prefix keys = dense)
+                }),
+            }
+        )
+
+    @classmethod
+    def validate_config(cls, cfg, *, causal: bool) -> None:
+        p = "attention.kdeformer"
+        require(cfg.bucket_size > 0, f"{p}.bucket_size={cfg.bucket_size}; must be > 0")
+        require(cfg.num_samples >= 0, f"{p}.num_samples={cfg.num_samples}; must be >= 0")
+        require(0 <= cfg.num_projs <= 16, f"{p}.num_projs={cfg.num_projs}; must be in [0, 16]")
+        require(cfg.power_iters >= 1, f"{p}.power_iters must be >= 1")
+        require(cfg.logit_scale >= 0.0, f"{p}.logit_scale={cfg.logit_scale}; must be >= 0 (0 = head_dim^-1/2)")
+        require(cfg.tile_budget > 0, f"{p}.tile_budget must be positive")
+        problem = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
+        require(problem is None, f"{p}.{problem}")
+        require(cfg.heavy_impl in ("auto",) + ROUTES,
+                f"{p}.heavy_impl={cfg.heavy_impl!r}; allowed: auto, {', '.join(ROUTES)}")
+        require(cfg.heavy_band_block > 0, f"{p}.heavy_band_block={cfg.heavy_band_block}; must be > 0")
+        for key, allowed in (("gray_order", ("inverse", "forward")), ("sampling", ("ref", "uniform")),
+                             ("residual", ("sampled", "exact"))):
+            require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
+        cc = cfg.causal
+        require(cc.chunk_size > 0, f"{p}.causal.chunk_size={cc.chunk_size}; must be > 0")
+        require(cc.local_chunks >= 1, f"{p}.causal.local_chunks={cc.local_chunks}; must be >= 1")
+        require(cc.heavy_capacity >= 0, f"{p}.causal.heavy_capacity={cc.heavy_capacity}; must be >= 0")
+        require(0 <= cc.num_projs <= 12, f"{p}.causal.num_projs={cc.num_projs}; must be in [0, 12]")
+        require(cc.num_samples >= 0, f"{p}.causal.num_samples={cc.num_samples}; must be >= 0")
+        for key, allowed in (("sampling", ("uniform", "ref")), ("residual", ("sampled", "exact"))):
+            require(cc[key] in allowed, f"{p}.causal.{key}={cc[key]!r}; allowed: {', '.join(allowed)}")
+
+    @classmethod
+    def contract_cases(cls) -> dict[str, ContractCase]:
+        small = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}
+        return {
+            "causal_uniform": ContractCase(cfg={"causal": dict(small)}, length=64, directions=("causal",)),
+            # the 'band' route (the CPU default beyond heavy_scores_max_len) at a length the tests can afford
+            "causal_band": ContractCase(cfg={"causal": dict(small), "impl": "band", "heavy_band_block": 8},
+                                        length=64, directions=("causal",)),
+            "causal_ref": ContractCase(cfg={"causal": dict(small, sampling="ref")}, length=64, directions=("causal",),
+                                       slow=True),
+            "bidirectional": ContractCase(cfg={"bucket_size": 8, "num_samples": 8, "num_projs": 3}, length=64,
+                                          directions=("bidirectional",)),
+        }
+
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        c = self.cfg
+        scale = float(c.logit_scale) if c.logit_scale > 0 else head_dim**-0.5
+        self.bidir_opts = BidirOptions(
+            bucket_size=c.bucket_size, num_samples=c.num_samples, num_projs=c.num_projs, gray_order=c.gray_order,
+            sampling=c.sampling, residual=c.residual, power_iters=c.power_iters, scale=scale)
+        cc = c.causal
+        self.causal_opts = CausalOptions(
+            chunk_size=cc.chunk_size, local_chunks=cc.local_chunks, heavy_capacity=cc.heavy_capacity,
+            num_projs=cc.num_projs, num_samples=cc.num_samples, sampling=cc.sampling, residual=cc.residual,
+            power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget, heavy_impl=c.heavy_impl,
+            heavy_scores_max_len=c.heavy_scores_max_len, band_block=c.heavy_band_block)
+
+    # -- implementations -------------------------------------------------------------
+    def _impl_setting(self):
+        """``impl``; a causal config that names only a route (``heavy_impl``, the setting before ``impl``
+        existed) asks for that route: its CPU implementation, else ``xla`` with that route."""
+        if self.causal and self.cfg.impl == "auto" and self.cfg.heavy_impl != "auto":
+            return (self.cfg.heavy_impl, "xla")
+        return self.cfg.impl
+
+    def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True,
+                           platform: str | None = None) -> str:
+        """The implementation a call runs (``dispatch.select`` over :meth:`implementations`): ``cache_len`` the
+        keys a causal call sees (a full pass: its length rounded up to whole chunks; with a state: the cache's
+        capacity), ``full_pass`` whether it has no state; ``platform`` (default: this machine's)."""
+        if not self.causal:
+            order = lambda plat: ("xla_cpu",) if plat == "cpu" else ("xla",)  # noqa: E731
+        else:
+            order = lambda plat: ((xla_cpu.auto_route(cache_len, full_pass, self.causal_opts),)  # noqa: E731
+                                  if plat == "cpu" else ("xla",))
+        impls = self.implementations(causal=self.causal)
+        return dispatch.select(self._impl_setting(), impls, method=self.name, platform=platform, order=order,
+                               dtype=dtype).name
+
+    # -- randomness -----------------------------------------------------------------
+    def _keys(self, deterministic, key):
+        if deterministic:
+            key = jax.random.PRNGKey(self.cfg.eval_rng_seed)
+        elif key is None:
+            raise ValueError("kdeformer: deterministic=False needs a PRNG `key` (hash projections and samples)")
+        return jax.random.split(key)
+
+    def _projections(self, k_w, batch):
+        r = self.causal_opts.num_projs if self.causal else self.bidir_opts.num_projs
+        if self.cfg.fixed_projections:
+            W = draw_projections(jax.random.PRNGKey(self.cfg.lsh_seed), 1, 1, self.head_dim, r)
+            return jnp.broadcast_to(W, (batch, self.num_heads, self.head_dim, r))
+        return draw_projections(k_w, batch, self.num_heads, self.head_dim, r)
+
+    # -- contract -------------------------------------------------------------------
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        if not self.causal:
+            raise ValueError("kdeformer: bidirectional attention has no prefix state")
+        if max_len is None or max_len <= 0:
+            raise ValueError("kdeformer: init_state needs max_len (the KV / code cache capacity in tokens)")
+        B, H, D, Dv = batch_size, self.num_heads, self.head_dim, self.value_dim
+        return {
+            "k": jnp.zeros((B, H, max_len, D), jnp.float32),
+            "v": jnp.zeros((B, H, max_len, Dv), jnp.float32),
+            "codes": jnp.zeros((B, H, max_len), jnp.int32),
+            "proj": jnp.zeros((B, H, D, self.causal_opts.num_projs), jnp.float32),
+            "length": jnp.zeros((), jnp.int32),
+        }
+
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+        check_qkv(q, k, v)
+        if v.shape[-1] != self.value_dim or q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
+            raise ValueError(f"kdeformer: expected {self.num_heads} heads, head_dim {self.head_dim}, value_dim "
+                             f"{self.value_dim}; got q {q.shape}, v {v.shape}")
+        k_w, k_s = self._keys(deterministic, key)
+        W = self._projections(k_w, q.shape[0])
+        if not self.causal:
+            if state is not None:
+                raise ValueError("kdeformer: a bidirectional core takes no state")
+            run = _BIDIR[self.implementation_for(q.dtype)]
+            return run(q, k, v, W, k_s, self.bidir_opts).astype(v.dtype), None
+        T, c = q.shape[2], self.causal_opts.chunk_size
+        if state is None:
+            name = self.implementation_for(q.dtype, cache_len=-(-T // c) * c)
+        else:
+            M = state["k"].shape[2]
+            if T > M:  # static: more new tokens than the whole state holds
+                raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=T))
+            check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
+            W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
+            name = self.implementation_for(q.dtype, cache_len=M, full_pass=False)
+        out = _CAUSAL[name](q, k, v, W, k_s, self.causal_opts, state)
+        return out.astype(v.dtype), next_state(state, k, v, W, q.dtype)
+
+
+__all__ = ["CAPACITY_MESSAGE", "ROUTES", "KDEformerAttention"]

@@ -1,0 +1,473 @@
+"""The tiled KDEformer estimator (docs/methods/kdeformer.md; § as there): the same entries as
+``reference.py``, computed with static shapes in bounded memory, for long sequences and decoding.
+
+Bidirectional (§2.3): keys and queries sorted by Gray rank and cut into equal blocks; the heavy part is the
+block-diagonal product ``[B,H,nb,b,b]``, the sampled columns one ``[b, m]`` product per block.
+
+Causal (§4.2): query tiles of one chunk each, in groups under ``lax.map`` (``tile_budget`` logits per step,
+recomputed in the backward pass); keys sorted once by ``κ_j = h(k_j)·M + j`` so that a query's heavy set
+``Hv(i)`` is a run of sorted slots found by two ``searchsorted``. Its heavy logits take one of three routes
+(``CausalOptions.heavy_impl``), same entries: 'gather' the ≤ b_h keys of every query (§4.2; memory-bound),
+'scores' one ``[c, M]`` product per chunk kept only on the heavy set (short caches), 'band'
+(:func:`heavy_band`, full passes; a call with a state gathers): tiles of code-sorted queries against the blocks
+of code-sorted keys their runs touch, as products. 'auto': 'scores' while the cache holds ≤
+``heavy_scores_max_len`` tokens, else 'band' for a full pass and 'gather' for a call with a state.
+
+Gradient policy (§6): the plans (:func:`bidir_plan`, :func:`causal_plan`: hashes, permutations, samples,
+log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` / :func:`causal_apply` are differentiable.
+
+The one op the tiled algorithm takes as an argument is ``scale_rows(x, s) = x * s[..., None]`` (the softmax's
+division and the band's rescaling): this module's plain multiply is the portable implementation ``xla``; the
+CPU implementations (``xla_cpu.py``) pass the XLA:CPU form of the same product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from longctx.attention.kdeformer.common import (
+    INT_MAX,
+    NEG,
+    BidirOptions,
+    CausalOptions,
+    augmented_gram,
+    bidir_samples,
+    draw_samples,
+    gray_rank,
+    inverse_permutation,
+    lsh_codes,
+    norm_weights,
+    power_lambda,
+    prefix_end,
+)
+from longctx.models.precision import einsum_f32
+
+
+def scale_rows(x, s):
+    """``x [..., d] * s[..., None]``."""
+    return x * s[..., None]
+
+
+def _ftype(x):
+    """Compute dtype: fp32, or fp64 for fp64 inputs (reference tests under jax_enable_x64)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _take(x, idx):
+    """x [B,H,N,...], idx [B,H,K] -> [B,H,K,...] (row gather along axis 2; slices of whole rows)."""
+    return jax.vmap(jax.vmap(lambda a, i: jnp.take(a, i, axis=0, mode="clip")))(x, idx)
+
+
+_ssorted = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left")))
+
+
+def _combine(parts, scale_rows=scale_rows):
+    """One log-space softmax over the union of entry groups (§2.3h).
+
+    parts: list of (logits [..., n_i], mask (broadcastable), value_fn) where value_fn(p) gives
+    Σ_t p_t value_t [..., dv]. Returns (out [..., dv], lse [...]); rows without a valid entry
+    give out 0 and lse −1e30."""
+    ss = [jnp.where(mk, s, NEG) for s, mk, _ in parts]
+    mx = ss[0].max(axis=-1)
+    for s in ss[1:]:
+        mx = jnp.maximum(mx, s.max(axis=-1))
+    mx = jax.lax.stop_gradient(mx)
+    den, num = 0.0, 0.0
+    for s, (_, mk, vf) in zip(ss, parts):
+        p = jnp.where(mk, jnp.exp(s - mx[..., None]), 0.0)
+        den = den + jnp.sum(p, axis=-1)
+        num = num + vf(p)
+    out = scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
+    lse = mx + jnp.log(jnp.maximum(den, 1e-30))
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# bidirectional (§2.3)
+# ---------------------------------------------------------------------------
+
+
+def bidir_plan(q, k, v, W, key_s, n_valid: int, opts: BidirOptions):
+    """Hashes, permutations, samples and log-weights (all stop_gradient).
+
+    q, k, v: [B,H,Np,·] padded to a multiple of the bucket size; rows ≥ n_valid are padding."""
+    Np = q.shape[2]
+    b, r, m = opts.bucket_size, opts.num_projs, opts.num_samples
+    q, k, v = (jax.lax.stop_gradient(x) for x in (q, k, v))
+    valid = jnp.arange(Np) < n_valid
+    sentinel = 1 << r
+    rq = jnp.where(valid, gray_rank(lsh_codes(q, W), r, opts.gray_order), sentinel)
+    rk = jnp.where(valid, gray_rank(lsh_codes(k, W), r, opts.gray_order), sentinel)
+    perm_q = jnp.argsort(rq, axis=-1, stable=True).astype(jnp.int32)
+    perm_k = jnp.argsort(rk, axis=-1, stable=True).astype(jnp.int32)
+    kblk = inverse_permutation(perm_k) // b  # block id of every key [B,H,Np]
+    plan = {"perm_q": perm_q, "perm_k": perm_k, "kblk": kblk}
+    if m > 0 and opts.residual == "sampled":
+        idx, plan["omega"] = bidir_samples(key_s, v, n_valid, opts)
+        plan["idx"] = idx
+        plan["sblk"] = jnp.take_along_axis(kblk, idx, axis=-1)
+    return jax.tree.map(jax.lax.stop_gradient, plan)
+
+
+def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions, scale_rows=scale_rows):
+    """Differentiable part. Returns (out [B,H,Np,dv] in original order, lse [B,H,Np] = log D̃)."""
+    B, H, Np, d = q.shape
+    dv = v.shape[-1]
+    b, m = opts.bucket_size, opts.num_samples
+    nb = Np // b
+    sig = opts.scale
+    q, k, v = (x.astype(q.dtype) for x in (q, k, v))  # the compute dtype; scores and softmax in float32
+    valid = jnp.arange(Np) < n_valid
+    perm_q, perm_k = plan["perm_q"], plan["perm_k"]
+    Qs = _take(q, perm_q).reshape(B, H, nb, b, d)
+    Ks = _take(k, perm_k).reshape(B, H, nb, b, d)
+    Vs = _take(v, perm_k).reshape(B, H, nb, b, dv)
+    kval_s = valid[perm_k].reshape(B, H, nb, 1, b)
+    s_h = sig * einsum_f32("bhnqd,bhnkd->bhnqk", Qs, Ks)
+    parts = [(s_h, kval_s, lambda p: einsum_f32("bhnqk,bhnkd->bhnqd", p.astype(Vs.dtype), Vs))]
+    blk = jnp.arange(nb, dtype=jnp.int32)[None, None, :, None, None]
+    if opts.residual == "exact":
+        s_r = sig * einsum_f32("bhnqd,bhkd->bhnqk", Qs, k)
+        mask = (plan["kblk"][:, :, None, None, :] != blk) & valid[None, None, None, None, :]
+        parts.append((s_r, mask, lambda p: einsum_f32("bhnqk,bhkd->bhnqd", p.astype(v.dtype), v)))
+    elif m > 0:
+        Kl, Vl = _take(k, plan["idx"]), _take(v, plan["idx"])
+        s_s = sig * einsum_f32("bhnqd,bhmd->bhnqm", Qs, Kl)
+        s_s = s_s + plan["omega"][:, :, None, None, :]
+        mask = plan["sblk"][:, :, None, None, :] != blk
+        parts.append((s_s, mask, lambda p: einsum_f32("bhnqm,bhmd->bhnqd", p.astype(Vl.dtype), Vl)))
+    out_s, lse_s = _combine(parts, scale_rows)
+    inv_q = inverse_permutation(perm_q)
+    out = _take(out_s.reshape(B, H, Np, dv), inv_q)
+    lse = jnp.take_along_axis(lse_s.reshape(B, H, Np), inv_q, axis=-1)
+    return out, lse
+
+
+def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = False, scale_rows=scale_rows):
+    """Full bidirectional estimator. q,k [B,H,N,d], v [B,H,N,dv] -> out [B,H,N,dv] (fp32)."""
+    N = q.shape[2]
+    b = opts.bucket_size
+    Np = -(-N // b) * b
+    pad = ((0, 0), (0, 0), (0, Np - N), (0, 0))
+    qp, kp, vp = (jnp.pad(x.astype(q.dtype), pad) for x in (q, k, v))  # compute dtype (statistics: float32)
+    plan = bidir_plan(qp, kp, vp, W, key_s, N, opts)
+    out, lse = bidir_apply(qp, kp, vp, plan, N, opts, scale_rows)
+    if return_lse:
+        return out[:, :, :N], lse[:, :, :N], plan
+    return out[:, :, :N]
+
+
+# ---------------------------------------------------------------------------
+# causal (§4)
+# ---------------------------------------------------------------------------
+
+
+def heavy_route_of(opts: CausalOptions, M: int, full_pass: bool) -> str:
+    """The causal heavy logits' route: 'band' (full passes only), 'scores' or 'gather' (§4.2)."""
+    route = opts.heavy_impl
+    if route == "auto":
+        route = "scores" if M <= opts.heavy_scores_max_len else ("band" if full_pass else "gather")
+    if route == "band" and not full_pass:  # with a cache the band's blocks span the whole cache per query
+        route = "gather"
+    return route
+
+
+def code_sort(HKc, n_valid):
+    """Keys sorted by κ_j = h(k_j)·M + j (positions ≥ n_valid last): (order, κ_s, spos = order⁻¹), [B,H,M]."""
+    M = HKc.shape[-1]
+    pos = jnp.arange(M, dtype=jnp.int32)
+    kappa = jnp.where(pos < n_valid, HKc * M + pos, INT_MAX)
+    order = jnp.argsort(kappa, axis=-1).astype(jnp.int32)
+    return order, jnp.take_along_axis(kappa, order, axis=-1), inverse_permutation(order)
+
+
+def heavy_bounds(kappa_s, hq, L, bh: int):
+    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (§4.2 step 2).
+    kappa_s [B,H,M]; hq [B,H,N] query codes; L [N] or [B,H,N] prefix ends. Empty when hi ≤ lo."""
+    M = kappa_s.shape[-1]
+    hi = _ssorted(kappa_s, hq * M + L).astype(jnp.int32)
+    st = _ssorted(kappa_s, hq * M).astype(jnp.int32)
+    return jnp.maximum(hi - bh, st), hi
+
+
+def band_pairs(lo, hi, tq: int, kb: int, n_keys: int):
+    """The key blocks each query tile needs: (first block b0, block count cnt, inclusive cumsum of cnt), [n_t] each,
+    for queries sorted by their band ends (lo, hi [Np], Np a multiple of tq; empty rows last) and keys in blocks
+    of kb.
+
+    Tile j needs the blocks of the sorted slots [min lo, max hi) of its non-empty rows. With F_j, H_j the first
+    and last hi of tile j, that span is at most H_j − F_j + b_h long (lo ≥ hi − b_h), and the tiles' [F_j, H_j]
+    do not overlap (the rows are sorted by hi), so Σ_j span_j ≤ n_keys + n_t·b_h; a span of s slots touches fewer
+    than s/kb + 2 blocks. ceil((n_keys + n_t·b_h) / kb) + 2·n_t is therefore a static bound on the pairs any
+    input needs (:func:`heavy_band` computes that many): no heavy key is ever dropped."""
+    n_t = lo.shape[0] // tq
+    lo_t, hi_t = lo.reshape(n_t, tq), hi.reshape(n_t, tq)
+    ok = hi_t > lo_t
+    tlo = jnp.min(jnp.where(ok, lo_t, n_keys), axis=1)
+    thi = jnp.max(jnp.where(ok, hi_t, 0), axis=1)
+    b0 = tlo // kb
+    cnt = jnp.where(thi > tlo, (thi - 1) // kb - b0 + 1, 0)
+    ends = jnp.cumsum(cnt)
+    return b0, cnt, ends
+
+
+def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int, scale_rows=scale_rows):
+    """The heavy part of a full causal pass (§4.1 'Heavy') as dense blocks of the code-sorted keys.
+
+    q [B,H,N,d]; Ks, Vs [B,H,M,·] the keys and values in code-sorted order (κ_s); query i's heavy set is the
+    sorted slots [lo_i, hi_i) (:func:`heavy_bounds`, ≤ b_h of them). Every row's heavy keys are contiguous in
+    that order, and sorting the queries by hi makes neighbouring queries' bands overlap: tiles of ``block``
+    sorted queries are scored against the blocks of ``block`` sorted keys their bands touch (σ q kᵀ matmuls;
+    entries outside a row's band are masked), a static number of (tile, block) pairs (:func:`band_pairs`).
+    The same logits as gathering each query's keys (memory-bound on CPU: ~N·b_h·d gathered rows), about
+    4x as many scored, as matmuls. Returns (out [B,H,N,dv], lse [B,H,N]) of the softmax over each row's heavy
+    set (rows without one: out 0, lse NEG), to be merged with the other parts by :func:`_combine`."""
+    B, H, N, d = q.shape
+    M, dv = Ks.shape[2], Vs.shape[-1]
+    tq = kb = block
+    n_t = -(-N // tq)
+    Np, Mb = n_t * tq, -(-M // kb)
+    n_pairs = -(-(M + n_t * bh) // kb) + 2 * n_t
+
+    def one(q, Ks, Vs, lo, hi):  # one (batch, head)
+        ok = hi > lo
+        qord = jnp.argsort(jnp.where(ok, hi, INT_MAX)).astype(jnp.int32)  # empty rows last
+        pad = (0, Np - N)
+        lo_s, hi_s = jnp.pad(lo[qord], pad), jnp.pad(hi[qord], pad)  # padded rows: empty
+        q_s = jnp.pad(q[qord], (pad, (0, 0))).reshape(n_t, tq, d)
+        K_b = jnp.pad(Ks, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, d)
+        V_b = jnp.pad(Vs, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, dv)
+        b0, cnt, ends = band_pairs(lo_s, hi_s, tq, kb, M)
+        p = jnp.arange(n_pairs, dtype=jnp.int32)
+        tile = jnp.minimum(jnp.searchsorted(ends, p, side="right"), n_t - 1).astype(jnp.int32)
+        blk = b0[tile] + p - (ends - cnt)[tile]
+        valid = p < ends[-1]
+        lo_t, hi_t = lo_s.reshape(n_t, tq), hi_s.reshape(n_t, tq)
+
+        def pair(t, b, v):  # one (tile, block): [tq, kb] logits, their max, exp-sums and exp-weighted values
+            slot = b * kb + jnp.arange(kb, dtype=jnp.int32)
+            mask = v & (slot[None, :] >= lo_t[t][:, None]) & (slot[None, :] < hi_t[t][:, None])
+            bc = jnp.clip(b, 0, Mb - 1)
+            s = scale * einsum_f32("qd,kd->qk", q_s[t], K_b[bc])
+            s = jnp.where(mask, s, NEG)
+            m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+            e = jnp.where(mask, jnp.exp(s - m[:, None]), 0.0)
+            return m, jnp.sum(e, axis=-1), einsum_f32("qk,kd->qd", e.astype(V_b[bc].dtype), V_b[bc])
+
+        bs = max(1, budget // (B * H * tq * kb))
+        if bs >= n_pairs:
+            m, den, num = jax.vmap(pair)(tile, blk, valid)
+        else:  # long sequences: pairs in batches, each batch's logits recomputed in the backward pass
+            m, den, num = jax.lax.map(jax.checkpoint(lambda a: pair(*a)), (tile, blk, valid), batch_size=bs)
+        # merge each tile's pairs (flash-style: rescale every pair to the tile's max)
+        mt = jnp.maximum(jax.ops.segment_max(m, tile, n_t, indices_are_sorted=True), NEG)  # empty: -inf
+        w = jnp.exp(m - mt[tile])
+        den = jax.ops.segment_sum(w * den, tile, n_t, indices_are_sorted=True).reshape(Np)
+        num = jax.ops.segment_sum(scale_rows(num, w), tile, n_t, indices_are_sorted=True).reshape(Np, dv)
+        out_s = scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
+        lse_s = jnp.where(den > 0, mt.reshape(Np) + jnp.log(jnp.maximum(den, 1e-30)), NEG)
+        back = inverse_permutation(qord)  # sorted row of every query
+        return out_s[back], lse_s[back]
+
+    return jax.vmap(jax.vmap(one))(q, Ks, Vs, lo, hi)
+
+
+def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOptions, heavy_sets: bool = True,
+                sorted_keys=None):
+    """Heavy sets and samples of query tiles (all stop_gradient).
+
+    hq_tiles: int32 [n_t,B,H,c] query codes; tile_ids: int32 [n_t] absolute chunk indices.
+    Kc, Vc, HKc: the sequence so far [B,H,M,·] (positions ≥ n_valid are not keys yet).
+    Returns a dict of [n_t, ...] arrays: hidx/hvalid [B,H,c,b_h] (``heavy_sets``; the 'band' route scores
+    the heavy sets from :func:`heavy_bounds` instead), sidx/omega [B,H,m], smask [B,H,c,m].
+    ``sorted_keys``: :func:`code_sort`'s result when the caller has it."""
+    B, H, M = HKc.shape
+    c, bh, m = opts.chunk_size, opts.heavy_capacity, opts.num_samples
+    if (1 << opts.num_projs) * M >= 2**31:
+        raise ValueError(f"kdeformer: 2^num_projs * length = {(1 << opts.num_projs) * M} overflows int32; "
+                         "lower causal.num_projs or the length")
+    pos = jnp.arange(M, dtype=jnp.int32)
+    order, kappa_s, spos = sorted_keys if sorted_keys is not None else code_sort(HKc, n_valid)
+    ref = opts.sampling == "ref" and m > 0 and opts.residual == "sampled"
+    if ref:
+        vvalid = pos < n_valid
+        u = norm_weights(Vc, vvalid)
+        cum = jnp.cumsum(u, axis=-1)
+        Mc = -(-M // c) * c
+        vpad = jnp.pad(Vc.astype(jnp.float32), ((0, 0), (0, 0), (0, Mc - M), (0, 0)))
+        vval = jnp.pad(vvalid, (0, Mc - M)).reshape(Mc // c, c)
+        grams = augmented_gram(vpad.reshape(B, H, Mc // c, c, -1), vval[None, None])
+        gram_cum = jnp.cumsum(grams, axis=2)  # [B,H,Gm,e,e]
+
+    def one(hq, g):
+        L = prefix_end(g, opts)
+        out = {}
+        if heavy_sets:  # heavy: up to b_h most recent keys j < L with the query's code
+            lo, e = heavy_bounds(kappa_s, hq, L, bh)
+            t = e[..., None] - bh + jnp.arange(bh, dtype=jnp.int32)
+            out["hvalid"] = t >= lo[..., None]
+            out["hidx"] = jnp.take_along_axis(order, jnp.clip(t, 0, M - 1).reshape(B, H, -1),
+                                              axis=-1).reshape(t.shape)
+        if m > 0 and opts.residual == "sampled":
+            kg = jax.random.fold_in(key_s, g)
+            n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
+            if ref:
+                gi = jnp.maximum(L // c - 1, 0)
+                lam = power_lambda(jax.lax.dynamic_index_in_dim(gram_cum, gi, axis=2, keepdims=False),
+                                   opts.power_iters)
+                idx, p = draw_samples(kg, m, n, "ref", cum=cum, u=u, lam=lam)
+            else:
+                idx, p = draw_samples(kg, m, n, "uniform")
+            hk_l = jnp.take_along_axis(HKc, idx, axis=-1)
+            cnt = _ssorted(kappa_s, hk_l * M + L) - jnp.take_along_axis(spos, idx, axis=-1) - 1
+            x = jnp.where(cnt < bh, hk_l, -1)  # code of the heavy sets the sample belongs to
+            out["sidx"] = idx
+            out["omega"] = -jnp.log(m * p)
+            out["smask"] = (L > 0) & (x[:, :, None, :] != hq[..., None])
+        elif opts.residual == "exact":
+            # every prefix key j < L not in Hv(i), weight 1 (debug only, O(N²))
+            cnt = _ssorted(kappa_s, HKc * M + L) - spos - 1
+            x = jnp.where(cnt < bh, HKc, -1)
+            out["rmask"] = (pos < L)[None, None, None, :] & (x[:, :, None, :] != hq[..., None])
+        return out
+
+    plan = jax.vmap(one)(hq_tiles, tile_ids)
+    return jax.tree.map(jax.lax.stop_gradient, plan)
+
+
+def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=None, full_pass: bool = False,
+                 scale_rows=scale_rows):
+    """Differentiable part: (outputs [n_t,B,H,c,dv], lse = log D̃ [n_t,B,H,c]) of query tiles
+    [n_t,B,H,c,d] at absolute chunks tile_ids. ``heavy``: the tiles' heavy part already merged
+    ((out [n_t,B,H,c,dv], lse [n_t,B,H,c]) of :func:`heavy_band`; then the plan has no heavy sets)."""
+    n_t, B, H, c, d = q_tiles.shape
+    dv = Vc.shape[-1]
+    nl, sig = opts.local_chunks, opts.scale
+    w = nl * c
+    M = Kc.shape[2]
+    heavy_route = "band" if heavy is not None else heavy_route_of(opts, M, full_pass)
+    if heavy_route == "band" and heavy is None and opts.heavy_capacity > 0:
+        raise ValueError("kdeformer: the 'band' heavy route needs the heavy part (heavy_band) passed in")
+    # front pad so tile g's window [(g−nl+1)c, (g+1)c) starts at index g·c; back pad keeps slices in range
+    back = -(-M // c) * c - M + 2 * c
+    Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
+    Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
+
+    def one(qt, g, pl, hv):
+        qpos = g * c + jnp.arange(c, dtype=jnp.int32)
+        kpos = (g - nl + 1) * c + jnp.arange(w, dtype=jnp.int32)
+        kl = jax.lax.dynamic_slice_in_dim(Kf, g * c, w, axis=2)
+        vl = jax.lax.dynamic_slice_in_dim(Vf, g * c, w, axis=2)
+        lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        s_l = sig * einsum_f32("bhqd,bhkd->bhqk", qt, kl)
+        parts = [(s_l, lmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
+        if opts.heavy_capacity > 0 and heavy_route == "scores":
+            # same heavy logits, computed as one [c, M] matmul and kept only on Hv(i) (short caches)
+            hmask = jax.vmap(jax.vmap(jax.vmap(
+                lambda ix, ok: jnp.zeros((M,), bool).at[ix].max(ok))))(pl["hidx"], pl["hvalid"])
+            s_h = sig * einsum_f32("bhqd,bhkd->bhqk", qt, Kc)
+            parts.append((s_h, hmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
+        elif opts.heavy_capacity > 0 and heavy_route == "band":
+            # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
+            h_out, h_lse = hv
+            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: scale_rows(h_out, p[..., 0])))
+        elif opts.heavy_capacity > 0:
+            hidx = pl["hidx"].reshape(B, H, -1)
+            kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
+            vh = _take(Vc, hidx).reshape(B, H, c, -1, dv)
+            # per-query key sets: elementwise products (batched tiny matvecs are slow on XLA:CPU)
+            s_h = sig * jnp.sum((qt[:, :, :, None, :] * kh).astype(_ftype(qt)), axis=-1)
+            parts.append((s_h, pl["hvalid"], lambda p: jnp.sum(p[..., None] * vh, axis=-2)))
+        if "sidx" in pl:
+            ks, vs = _take(Kc, pl["sidx"]), _take(Vc, pl["sidx"])
+            s_s = sig * einsum_f32("bhqd,bhmd->bhqm", qt, ks) + pl["omega"][:, :, None, :]
+            parts.append((s_s, pl["smask"], lambda p: einsum_f32("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
+        if "rmask" in pl:
+            s_r = sig * einsum_f32("bhqd,bhkd->bhqk", qt, Kc)
+            parts.append((s_r, pl["rmask"], lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
+        return _combine(parts, scale_rows)
+
+    per_tile = B * H * c * (w + (1 if heavy_route == "band" else opts.heavy_capacity) + opts.num_samples
+                            + (M if "rmask" in plan or heavy_route == "scores" else 0))
+    bs = max(1, opts.tile_budget // max(per_tile, 1))
+    if bs >= n_t:
+        return jax.vmap(one)(q_tiles, tile_ids, plan, heavy)
+    # long sequences: tiles in groups, each group's logits recomputed in the backward pass
+    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy), batch_size=bs)
+
+
+def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, scale_rows=scale_rows):
+    """Causal estimator over T new tokens at positions [length, length+T).
+
+    cache=None: a full pass from position 0 (the sequence itself is the cache). Otherwise
+    cache = (K [B,H,M,d], V [B,H,M,dv], HK [B,H,M]) holds positions < length.
+    Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
+    B, H, T, d = q.shape
+    c = opts.chunk_size
+    qf, kf, vf = (x.astype(q.dtype) for x in (q, k, v))  # the compute dtype (scores, softmax: float32)
+    hq, hk = lsh_codes(qf, W), lsh_codes(kf, W)
+    if cache is None:
+        n_t = -(-T // c)
+        Np = n_t * c
+        pad = ((0, 0), (0, 0), (0, Np - T))
+        Kc, Vc = jnp.pad(kf, pad + ((0, 0),)), jnp.pad(vf, pad + ((0, 0),))
+        HKc = jnp.pad(hk, pad)
+        q_buf, hq_buf = jnp.pad(qf, pad + ((0, 0),)), jnp.pad(hq, pad)
+        g0, r0, n_valid = 0, 0, T
+    else:
+        K0, V0, HK0 = cache
+        P0 = length
+        Kc = jax.lax.dynamic_update_slice(K0, kf.astype(K0.dtype), (0, 0, P0, 0))
+        Vc = jax.lax.dynamic_update_slice(V0, vf.astype(V0.dtype), (0, 0, P0, 0))
+        HKc = jax.lax.dynamic_update_slice(HK0, hk, (0, 0, P0))
+        n_t = -(-(T + c - 1) // c)
+        g0, r0, n_valid = P0 // c, P0 % c, P0 + T
+        q_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c, d), qf.dtype), qf, (0, 0, r0, 0))
+        hq_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c), jnp.int32), hq, (0, 0, r0))
+    tile_ids = (g0 + jnp.arange(n_t)).astype(jnp.int32)
+    q_tiles = jnp.moveaxis(q_buf.reshape(B, H, n_t, c, d), 2, 0)
+    hq_tiles = jnp.moveaxis(hq_buf.reshape(B, H, n_t, c), 2, 0)
+    route = heavy_route_of(opts, Kc.shape[2], full_pass=cache is None)
+    sorted_keys = code_sort(HKc, n_valid)
+    band = route == "band" and opts.heavy_capacity > 0
+    Kc_state, Vc_state = Kc, Vc  # a decoding cache keeps its dtype; the products take the compute dtype
+    Kc, Vc = Kc.astype(qf.dtype), Vc.astype(qf.dtype)
+    plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts, heavy_sets=not band,
+                       sorted_keys=sorted_keys)
+    heavy = None
+    if band:  # full pass: queries at positions 0..Np-1, prefix ends of their chunks
+        order, kappa_s, _ = jax.lax.stop_gradient(sorted_keys)
+        L = prefix_end(jnp.arange(n_t * c, dtype=jnp.int32) // c, opts)
+        lo, hi = heavy_bounds(kappa_s, hq_buf, L, opts.heavy_capacity)
+        hi = jnp.where(jnp.arange(n_t * c) < T, hi, lo)  # padded queries: empty
+        Ks, Vs = _take(Kc, order), _take(Vc, order)
+        h_out, h_lse = heavy_band(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
+                                  opts.tile_budget, scale_rows)
+        tiles = lambda x: jnp.moveaxis(x.reshape((B, H, n_t, c) + x.shape[3:]), 2, 0)  # noqa: E731
+        heavy = (tiles(h_out), tiles(h_lse))
+    out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None,
+                          scale_rows=scale_rows)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
+    out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
+    return out, (Kc_state, Vc_state, HKc), n_valid
+
+
+
+# ---------------------------------------------------------------------------
+# the implementation 'xla' (the layer's calls)
+# ---------------------------------------------------------------------------
+
+
+def bidirectional(q, k, v, W, key_s, opts: BidirOptions, scale_rows=scale_rows):
+    """The bidirectional estimator (§2.3): out [B,H,N,dv]."""
+    return bidir_forward(q, k, v, W, key_s, opts, scale_rows=scale_rows)
+
+
+def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, scale_rows=scale_rows):
+    """The causal estimator (§4) for the T new tokens after ``state`` (None: a full pass), its heavy logits by
+    ``opts.heavy_impl``: out [B,H,T,dv]. (The state after the call is :func:`common.next_state`'s.)"""
+    if state is None:
+        return causal_forward(q, k, v, W, key_s, opts, scale_rows=scale_rows)[0]
+    cache = (state["k"], state["v"], state["codes"])
+    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], scale_rows)[0]
