@@ -107,7 +107,7 @@ def test_profile_writes_the_tables_trace_and_module(tmp_path, extra):
     res = json.loads((out / "profile.json").read_text())
     assert res["wall_ms_median"] > 0 and res["traced_op_ms_per_call"] > 0 and res["kinds"] and res["ops"]
     method = extra[1].split(":")[0]
-    assert any(f"longctx/attention/{method}.py:" in r["source"] for r in res["sources"]), res["sources"]
+    assert any(f"longctx/attention/{method}/" in r["source"] for r in res["sources"]), res["sources"]
     assert all(o["name"] in (out / "hlo.txt").read_text() for o in res["ops"])
     assert glob.glob(str(out / "trace" / "**" / "*.xplane.pb"), recursive=True)
     assert res["target"].startswith(f"`{extra[1]}` causal")
