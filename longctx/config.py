@@ -132,6 +132,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip = 1.0
     c.train.on_nonfinite = "stop"  # 'stop' | 'skip'
     c.train.max_skipped_in_row = 20  # on_nonfinite='skip': stop after this many skipped updates in a row
+    # loss scaling: 'auto' ('dynamic' for model.dtype='float16', else 'none') | 'dynamic' | 'none' | a fixed scale
+    # ('1024'). Dynamic: the scale starts at loss_scale_init, is halved after an update with non-finite gradients
+    # (skipped, not counted towards max_skipped_in_row) and doubled after loss_scale_period finite updates in a row
+    c.train.loss_scale = "auto"
+    c.train.loss_scale_init = 32768.0  # 2**15
+    c.train.loss_scale_period = 2000
     c.train.log_every = 25
     c.train.eval_every = 500
     c.train.eval_tokens = 32768  # tokens scored by the periodic validation
@@ -306,7 +312,8 @@ _RANGES = (
     ("train.seed", lambda v: v >= 0, "an integer >= 0"),
     *((f"train.{k}", *_POS) for k in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "ckpt_every",
                                       "keep_checkpoints", "eval_tokens", "max_skipped_in_row",
-                                      "microbatches")),
+                                      "microbatches", "loss_scale_period")),
+    ("train.loss_scale_init", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
     ("train.window", lambda v: v >= 0, "an integer >= 0 (0 = the whole sequence)"),
     ("train.short_steps", lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     ("train.short_seq_len", *_NONNEG),
@@ -402,6 +409,17 @@ def _sequence_parallel(c) -> bool:
 def _composed(c) -> bool:
     """Sequence parallelism by composed states (any mode but 'xla')."""
     return c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla"
+
+
+def _loss_scale_ok(c) -> bool:
+    """``train.loss_scale``: 'auto', 'dynamic', 'none' or a finite number > 0."""
+    val = str(c.train.loss_scale).strip().lower()
+    if val in ("auto", "dynamic", "none"):
+        return True
+    try:
+        return _finite(float(val)) and float(val) > 0
+    except ValueError:
+        return False
 
 
 def _check_choices(c) -> None:
@@ -521,6 +539,9 @@ _VALIDATION = (
     _check_choices,
     check_ranges,
     _check_registries,
+    Rule(_always, _loss_scale_ok,
+         "config train.loss_scale={train.loss_scale!r} is not allowed; choose one of: auto, dynamic, none, or a "
+         "fixed scale (a number > 0, e.g. '1024')"),
     # the model
     Rule(lambda c: c.model.positions == "rotary", lambda c: c.model.head_dim % 2 == 0,
          "model.positions='rotary' needs an even model.head_dim, got {model.head_dim}"),
@@ -663,6 +684,7 @@ def _check_method(c, name: str):
             raise ConfigError(f"config key 'execution.attention.{name}.{key}' is unknown"
                               + (f": it is a hyperparameter, set it under {where}.{name}.{key}" if where else
                                  f"; allowed: {', '.join(exec_keys) or '(none)'}"))
+    method_cfg = attention.get_class(name).resolve_for_run(method_cfg, seq_len=c.train.seq_len)
     attention.validate(name, method_cfg, causal=m.causal, prefix=f"model.attention.{name}")
     if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
         raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "

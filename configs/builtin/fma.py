@@ -21,7 +21,7 @@ def get_config():
     # the levels (and parameters) are built for the training length: a reference that follows train.seq_len
     # (an override of seq_len, e.g. `longctx-bench train --seq_len`, rebuilds them; setting max_len replaces it)
     f.max_len = c.train.get_ref("seq_len") * 1
-    # sampling past the training length (longctx-sample) keeps the 2 levels: a window of 3/4..1 x 256 tokens
+    # sampling past the training length (longctx-sample) keeps the 2 levels: a window of 1/2..1 x 256 tokens
     f.allow_truncated_window = True
     c.model.d_ff = 926  # compensates the 4 x 50,176 downsampling parameters
     return c

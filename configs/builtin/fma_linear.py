@@ -3,8 +3,8 @@ Attention (``fma_linear``, docs/methods/fma.md: the coarse levels' softmax terms
 sums in the leak-free ``lagged`` form). Its multilevel settings are configs/builtin/fma.py's: fine blocks
 m = 32, p = 4 summary rows per group, levels built for the training length (max_len follows train.seq_len,
 256).
-Without this file the method's defaults would build its levels for max_len = 131,072 tokens (the
-benchmarks' longest sequence), whose learned downsampling alone holds ~200 M parameters.
+The method's default max_len (0) means the training length; setting it here makes the config build the same
+levels wherever it is loaded. The lagged causal form costs accuracy against FMA (docs/methods/fma.md §2.5).
 
     longctx-train --config configs/builtin/fma_linear.py --workdir runs/fma_linear
     longctx-eval  --workdir runs/fma_linear --split test

@@ -190,6 +190,12 @@ class AttentionCore(nnx.Module):
         return (Implementation("reference"),)
 
     @classmethod
+    def resolve_for_run(cls, cfg: ml_collections.ConfigDict, *, seq_len: int) -> ml_collections.ConfigDict:
+        """``cfg`` with the settings that default to the run's training length (``seq_len``) filled in, for the
+        config a run saves (``config.validate``). Default: unchanged."""
+        return cfg
+
+    @classmethod
     def validate_config(cls, cfg: ml_collections.ConfigDict, *, causal: bool) -> None:
         """Raise ConfigError naming what is wrong and what is allowed."""
 

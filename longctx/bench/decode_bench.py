@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from longctx import attention
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
@@ -57,7 +58,8 @@ def run(args) -> dict:
     bar = C.progress_bar(len(methods) * len(positions), "decode", args.progress)
     for method in methods:
         try:
-            core = build_core(method, None, heads=H, head_dim=D, causal=True, seed=args.seed)
+            default = attention.get_class(method).bench_variants().get("")  # the default variant's settings
+            core = build_core(method, default, heads=H, head_dim=D, causal=True, seed=args.seed)
         except ConfigError as e:
             res["skipped_methods"].append({"method": method, "reason": str(e)})
             bar.write(f"skip {method}: {e}")

@@ -15,7 +15,9 @@ Pipeline (§2.8):
      ``dense_segment_len`` tokens independently (no cross-segment attention);
   2. format (§2.9): a stable sort puts the VIP tokens first; the first ``num_vip`` slots are P
      (fewer VIPs: the earliest other tokens fill the slots, with imp = 0; more: the surplus is
-     compressed with the rest, counted in the ``vip_overflow`` metric), the rest C is cut into
+     compressed with the rest, counted in the ``vip_overflow`` metric and logged once; none: the
+     slots, filled by the row's earliest tokens, all get imp = 1, counted in ``vip_empty_rows``
+     and logged once), the rest C is cut into
      nb = (n - n_p)/k blocks of k tokens and stored as T(C) in two levels: ``coarse`` [B, nb, d]
      (masked block means) and ``diff`` [B, nb, k, d] = coarse - token (§2.7);
   3. every other block is one VCC layer (:func:`vcc_layer`): selection of h blocks by the VIP rows'
@@ -45,6 +47,11 @@ Departures from the paper / reference code:
   * masked-coarse layout and scatter in place of the reference's complement set and diff bank
     (§2.9; same values up to float summation order);
   * all-padding blocks get ℓ = -1e30 after the log, so they never outrank a valid block at eval;
+  * under padding (§8.14): a partly padded block's position is the mean of its valid members only
+    (reference: all members), and VIP flags on padding tokens are dropped (no slot, no score
+    weight, no overflow count; reference: kept);
+  * a row with no VIP token takes its filled slots as the VIP queries (reference: every block
+    scores the same);
   * the VCC layers are a Python loop over the backbone's separate blocks, not ``nn.scan`` over
     stacked parameters (§2.9), so the parameter tree stays the dense model's; no remat;
   * attention inside a layer has no probability dropout (the project's block has none); the
@@ -72,12 +79,15 @@ Departures from the VCC-LM design of §4.2 (ours):
     decoding (O(a·T_max/k·d) per token instead of per window);
   * the "first_token" anchor option is not implemented (past anchors only);
   * a window that started in an earlier call reuses the carried selection with δ = 0 (the carried
-    state is stop-gradient anyway).
+    state is stop-gradient anyway);
+  * exploration ranks the window's old blocks only, so an explored window refines min(h, old
+    blocks) usable blocks like an unexplored one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -89,6 +99,9 @@ from longctx.attention.base import Aux, check_capacity
 from longctx.errors import ConfigError
 from longctx.models.blocks import TransformerBlock, get_block, split_key
 from longctx.models.layers import apply_rotary, dropout
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # warnings already logged in this process (each once)
 
 NEG = -1e9  # masked keys in fp32 logits
 NEG_ELL = -1e30  # selection logits of all-padding blocks
@@ -158,7 +171,8 @@ class VCCState:
     coarse: jax.Array  # [B, nb, d]   masked mean of each block's valid tokens
     diff: jax.Array  # [B, nb, k, d] coarse - valid · token
     vip_valid: jax.Array  # [B, n_p] bool  the slot holds a real (non-padding) token
-    imp: jax.Array  # [B, n_p] bool  the slot holds a real VIP token (counts in the selection score)
+    imp: jax.Array  # [B, n_p] bool  the slot counts in the selection score: a real VIP token (a row with
+    #                  none: every valid slot, the fallback of format_rows)
     vip_pos: jax.Array  # [B, n_p] int32
     tok_valid: jax.Array  # [B, nb, k] bool
     tok_pos: jax.Array  # [B, nb, k] int32
@@ -182,6 +196,8 @@ def format_rows(x, vip, valid, pos, num_vip: int, k: int) -> tuple[VCCState, jax
         raise ValueError(f"vcc: a row of {n} tokens with num_vip={num_vip} leaves {n_c} tokens, not a positive "
                          f"multiple of block_size={k}; choose num_vip so that (row length - num_vip) % block_size == 0")
     nb = n_c // k
+    # VIP flags on padding are dropped (a padding token takes no slot and is not counted as overflow); the
+    # release keeps the flag, so a padded VIP would take a slot there (departure, docs/methods/vcc.md §8.14)
     vip = vip & valid
     x = x * valid[..., None].astype(x.dtype)  # padding tokens are zeroed
     perm = jnp.argsort(jnp.where(vip, 0, 1), axis=1, stable=True).astype(jnp.int32)
@@ -196,9 +212,15 @@ def format_rows(x, vip, valid, pos, num_vip: int, k: int) -> tuple[VCCState, jax
     coarse = masked_mean(Cb, tok_valid, 2)
     diff = coarse[:, :, None] - tok_valid[..., None].astype(Cb.dtype) * Cb
     cnt = jnp.sum(tok_valid, -1)
+    # a partly padded block sits at the rounded mean of its *valid* members' positions (the release averages
+    # all members, padding included; departure, docs/methods/vcc.md §8.14)
     mean_pos = jnp.sum(jnp.where(tok_valid, tok_pos, 0), -1) / jnp.maximum(cnt, 1)
+    # a row with no VIP token: its slots (the earliest valid tokens) act as the VIP queries of the score, which
+    # would otherwise be log(1e-5) for every block and refine the first h blocks whatever the row holds
+    # (our fallback, docs/methods/vcc.md §2.8; the stack counts such rows in ``vip_empty_rows`` and logs once)
+    imp = jnp.where(jnp.any(vip, axis=1, keepdims=True), ims[:, :num_vip], vs[:, :num_vip])
     state = VCCState(
-        P=xs[:, :num_vip], coarse=coarse, diff=diff, vip_valid=vs[:, :num_vip], imp=ims[:, :num_vip],
+        P=xs[:, :num_vip], coarse=coarse, diff=diff, vip_valid=vs[:, :num_vip], imp=imp,
         vip_pos=ps[:, :num_vip], tok_valid=tok_valid, tok_pos=tok_pos, block_valid=cnt > 0,
         coarse_pos=jnp.round(mean_pos).astype(jnp.int32), perm=perm)
     overflow = jnp.maximum(jnp.sum(vip, 1) - num_vip, 0)
@@ -230,16 +252,21 @@ def selection_logits(q_vip, k_coarse, imp, block_valid):
     return jnp.where(block_valid, jnp.log(pbar + EPS), NEG_ELL)
 
 
-def choose_blocks(ell, h: int, *, explore_prob: float, deterministic: bool, key):
+def choose_blocks(ell, h: int, *, explore_prob: float, deterministic: bool, key, eligible=None):
     """fine_idx [B, h] int32: top-h of ℓ (ties: lower index); in training, per example with
-    probability ``explore_prob``, the top-h of a uniformly random ranking instead."""
+    probability ``explore_prob``, the top-h of a uniformly random ranking instead. ``eligible``
+    ([nb] or [B, nb] bool, optional): the random ranking puts these blocks first (VCC-LM: the old
+    blocks, so an explored window gets min(h, old blocks) usable blocks, not the old share of h)."""
     ranked = ell
     if not deterministic and explore_prob > 0.0:
         if key is None:
             raise ValueError("vcc: training (deterministic=False) with explore_prob > 0 needs a PRNG key")
         ke, ku = jax.random.split(key)
         explore = jax.random.bernoulli(ke, explore_prob, (ell.shape[0],))
-        ranked = jnp.where(explore[:, None], jax.random.uniform(ku, ell.shape), ell)
+        u = jax.random.uniform(ku, ell.shape)  # in [0, 1)
+        if eligible is not None:
+            u = jnp.where(eligible, u, -1.0)
+        ranked = jnp.where(explore[:, None], u, ell)
     return jax.lax.top_k(ranked, h)[1].astype(jnp.int32)
 
 
@@ -333,6 +360,34 @@ def vcc_layer(block, st: VCCState, *, h: int, rotary: bool, scale_correction: bo
 
 
 # ----------------------------------------------------------------------------- the stack
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        logger.warning(message)
+
+
+def _report_vips(overflow, empty, num_vip: int) -> None:
+    """Log, once per process, that VIP tokens were compressed for want of slots (the spec keeps the release's
+    semantics, §8.5, counted in ``vip_overflow``) or that rows had none (the slot fallback of
+    :func:`format_rows`). Concrete counts are checked here; traced ones by a host callback that runs only when
+    a count is positive (nothing crosses to the host otherwise)."""
+
+    def host(overflow, empty):
+        overflow, empty = int(jnp.max(overflow)), int(jnp.max(empty))
+        if overflow > 0:
+            _warn_once("overflow", f"vcc: more VIP tokens than the num_vip={num_vip} VIP slots: {overflow} surplus "
+                       "VIP tokens in a batch were compressed with the other tokens (metric vip_overflow; "
+                       "raise num_vip, or mark fewer VIP tokens)")
+        if empty > 0:
+            _warn_once("empty", f"vcc: {empty} rows of a batch hold no VIP token; their first {num_vip} tokens "
+                       "act as their VIP queries (metric vip_empty_rows; docs/methods/vcc.md §2.8)")
+
+    if not isinstance(overflow, jax.core.Tracer) and not isinstance(empty, jax.core.Tracer):
+        host(overflow, empty)
+        return
+    jax.lax.cond((overflow > 0) | (empty > 0), lambda: jax.debug.callback(host, overflow, empty), lambda: None)
+
+
 class VCCEncoderStack(nnx.Module):
     """Runs the backbone's blocks as n_dense segment-local layers + VCC layers (module docstring)."""
 
@@ -368,6 +423,9 @@ class VCCEncoderStack(nnx.Module):
         B, n, _ = x.shape
         pos = jnp.broadcast_to(positions, (B, n)).astype(jnp.int32)
         valid = jnp.ones((B, n), bool) if valid is None else valid
+        if important is None:
+            _warn_once("none", f"vcc: important=None: no VIP token in any row; each row's first {self.num_vip} "
+                       "tokens act as its VIP queries for the block selection (docs/methods/vcc.md §2.8)")
         vip = jnp.zeros((B, n), bool) if important is None else important.astype(bool)
         # a row whose rest is not a whole number of blocks is padded with invalid tokens (masked keys,
         # excluded from block means, dropped on output); a row with no more blocks than the fine
@@ -389,8 +447,12 @@ class VCCEncoderStack(nnx.Module):
             st, info = vcc_layer(blocks[i], st, key=keys[i], **self.layer_kwargs(deterministic, h))
             infos.append(info)
         y = materialize(st)[:, :n]
+        vip_rows = jnp.any(vip & valid, axis=1)
+        empty = jnp.sum(~vip_rows & jnp.any(valid, axis=1))  # rows with tokens but no VIP: the slot fallback
+        _report_vips(jnp.sum(overflow), jnp.zeros((), empty.dtype) if important is None else empty, self.num_vip)
         if aux is not None:
             aux.add_metric("vip_overflow", jnp.sum(overflow))
+            aux.add_metric("vip_empty_rows", empty)
         states = [None] * len(blocks)
         return (y, states, infos) if return_info else (y, states)
 
@@ -438,7 +500,8 @@ def lm_init_state(block, opts: LMOptions, batch_size: int, max_len: int, d_model
 def lm_select(anchors, anchor_valid, ck, nb_j, h: int, *, explore_prob: float, deterministic: bool, key):
     """Fine blocks of one window from its past anchors (§4.2): ℓ(b) = log(mean over heads and
     valid anchors of softmax_{b' < nb_j}(q·κ_{b'}/√d_h) + 1e-5) for b < nb_j, top-h (exploration in
-    training). anchors [B, H, a, Dh], anchor_valid [a], ck [B, H, nbmax, Dh] -> (sel [B, h], ℓ [B, nbmax])."""
+    training: a random ranking of the old blocks only, so a window with fewer than h old blocks gets all of
+    them). anchors [B, H, a, Dh], anchor_valid [a], ck [B, H, nbmax, Dh] -> (sel [B, h], ℓ [B, nbmax])."""
     B, H, a, Dh = anchors.shape
     nbmax = ck.shape[2]
     old = jnp.arange(nbmax) < nb_j
@@ -448,7 +511,7 @@ def lm_select(anchors, anchor_valid, ck, nb_j, h: int, *, explore_prob: float, d
     pbar = jnp.einsum("bhaj,a->bj", pi, w) / (H * jnp.maximum(jnp.sum(w), 1.0))
     ell = jnp.where(old, jnp.log(pbar + EPS), NEG_ELL)
     sel = choose_blocks(jax.lax.stop_gradient(ell), h, explore_prob=explore_prob, deterministic=deterministic,
-                        key=key)
+                        key=key, eligible=old)
     return sel, ell
 
 

@@ -39,7 +39,7 @@ from longctx.train import checkpoint, distributed, sharding, tasks
 from longctx.train.lock import WorkdirLock
 from longctx.train.metrics import MetricsWriter, log_line, plot_losses
 from longctx.train.optim import make_optimizer, schedule
-from longctx.train.step import split_model
+from longctx.train.step import LossScaleState, loss_scale_setting, split_model, with_loss_scale
 
 LN2 = math.log(2.0)
 
@@ -68,7 +68,17 @@ class StopFlag:
 
 # train-step metrics the loop reports itself; every other key (the model's aux losses and metrics,
 # e.g. a method's per-layer diagnostics) is logged as it comes, averaged over the step's windows
-_CORE_METRICS = ("loss", "ce", "grad_norm", "loss_finite", "grad_finite")
+_CORE_METRICS = ("loss", "ce", "grad_norm", "loss_finite", "grad_finite", "loss_scale", "loss_scale_overflow")
+_FINITE_KEYS = ("loss_finite", "grad_finite", "loss_scale_overflow")
+
+
+def finite_updates(metrics: dict) -> np.ndarray:
+    """Per window: whether the update was finite. A dynamic loss scale's overflow (``loss_scale_overflow``: the
+    update skipped and the scale halved, :mod:`longctx.train.step`) is not a non-finite step."""
+    ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+    if "loss_scale_overflow" in metrics:
+        ok = ok | np.asarray(metrics["loss_scale_overflow"]).ravel()
+    return ok
 
 
 def crossed(prev_step: int, step: int, every: int) -> bool:
@@ -82,7 +92,7 @@ def extra_metrics(metrics: dict) -> dict:
 
 
 def first_nonfinite_window(metrics: dict) -> int | None:
-    ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+    ok = finite_updates(metrics)
     bad = np.flatnonzero(~ok)
     return int(bad[0]) if bad.size else None
 
@@ -91,7 +101,10 @@ def nonfinite_message(step: int, metrics: dict) -> str | None:
     bad = []
     if not bool(np.all(metrics["loss_finite"])):
         bad.append(f"loss={float(np.asarray(metrics['loss']).ravel()[-1])}")
-    if not bool(np.all(metrics["grad_finite"])):
+    grads_ok = np.asarray(metrics["grad_finite"]).ravel()
+    if "loss_scale_overflow" in metrics:
+        grads_ok = grads_ok | np.asarray(metrics["loss_scale_overflow"]).ravel()
+    if not bool(np.all(grads_ok)):
         bad.append("gradient global norm is non-finite")
     if not bad:
         return None
@@ -134,6 +147,18 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
                 f"the workdir holds a run with a different {section} config (differs in {', '.join(keys[:4])}); "
                 "use a new --workdir or the same config"
             )
+
+
+def check_resume_loss_scale(saved: dict, cfg: ml_collections.ConfigDict) -> None:
+    """A loss-scaled run keeps its scale in the optimizer state: refuse to resume it with loss scaling turned off,
+    or a run without it with loss scaling on (the checkpoint's optimizer state would not fit)."""
+    was = loss_scale_setting(ml_collections.ConfigDict(saved))[0] != "none"
+    now = loss_scale_setting(cfg)[0] != "none"
+    if was != now:
+        raise ConfigError(
+            f"the workdir holds a run trained {'with' if was else 'without'} loss scaling (train.loss_scale); "
+            f"resume it {'with' if was else 'without'} loss scaling (e.g. train.loss_scale="
+            f"{'dynamic' if was else 'none'}), or use a new --workdir")
 
 
 def setup_compilation_cache(tc, data_cfg) -> str | None:
@@ -190,7 +215,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     mesh = sharding.make_mesh(cfg.mesh)
     model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
-    tx = make_optimizer(tc)
+    tx = with_loss_scale(make_optimizer(tc), cfg)  # train.loss_scale: the scale lives in the optimizer state
     opt_state = tx.init(params)
     plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
     params, nongrad, rest, opt_state = plan.put(params, nongrad, rest, opt_state)
@@ -200,12 +225,14 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     if mngr.all_steps():
         def target(meta):
             check_resume_config(meta["config"], cfg)
+            check_resume_loss_scale(meta["config"], cfg)
             return {"params": params, "nongrad": nongrad, "opt_state": opt_state}
 
         tree, meta = checkpoint.restore(mngr, target)
         params, nongrad, opt_state = tree["params"], tree["nongrad"], tree["opt_state"]
         step = last_saved = meta["step"]
-        print(f"resuming from the checkpoint at step {step} in {workdir}")
+        scale = f" (loss scale {float(opt_state.scale):g})" if isinstance(opt_state, LossScaleState) else ""
+        print(f"resuming from the checkpoint at step {step} in {workdir}{scale}")
     write_config(workdir, cfg)
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -267,7 +294,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 if later is not None:
                     later = jax.device_get(later)
                     seen = {k: np.concatenate([np.asarray(metrics[k]).ravel(), np.asarray(later[k]).ravel()])
-                            for k in ("loss_finite", "grad_finite")}
+                            for k in _FINITE_KEYS if k in metrics}
                 raise NonFiniteError(msg + stop_on_nonfinite(prev_step, seen, save_now, last_saved))
         else:
             skips.update(at_step, metrics, last_saved)
@@ -407,6 +434,9 @@ def train_record(metrics: dict, *, lr, seconds: float, tokens: int, steps: int) 
     rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])), "lr": float(lr)}
     if steps:  # not measurable when only the compiling step ran since the last record
         rec.update(tokens_per_sec=tokens / max(seconds, 1e-9), step_time=seconds / steps)
+    if "loss_scale" in metrics:  # loss scaling: the newest update's scale, and the overflows among the step's
+        rec["loss_scale"] = float(np.asarray(metrics["loss_scale"]).ravel()[-1])
+        rec["loss_scale_overflows"] = int(np.sum(metrics["loss_scale_overflow"]))
     rec.update(extra_metrics(metrics))
     return rec
 
@@ -422,7 +452,7 @@ class SkipCounter:
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def update(self, step: int, metrics: dict, last_saved) -> None:
-        ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+        ok = finite_updates(metrics)
         for good in ok:
             if good:
                 self.in_row = 0
@@ -447,7 +477,7 @@ def stop_on_nonfinite(prev_step: int, metrics: dict, save, last_saved) -> str:
     non-finite, the state is exactly that of step ``prev_step + first`` (else later windows moved it
     and the newest checkpoint stays the last finite one)."""
     first = first_nonfinite_window(metrics)
-    ok = np.asarray(metrics["loss_finite"]).ravel() & np.asarray(metrics["grad_finite"]).ravel()
+    ok = finite_updates(metrics)
     at = prev_step + first
     if first is not None and not ok[first:].any() and at > 0 and at != last_saved:
         try:

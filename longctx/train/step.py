@@ -15,11 +15,18 @@ one after another under ``lax.scan``; the update uses the sum of their gradients
 loss weighted so that the sum is the gradient of the whole batch's loss, and the non-gradient
 statistics (codebook EMA sums) are summed over the micro-batches, as they are over the batch.
 The carried state of windowed training is split and put back together the same way.
+
+Loss scaling (``train.loss_scale``; dynamic by default for ``model.dtype='float16'``, see
+:func:`with_loss_scale`): the optimizer is wrapped so that its state carries the scale (and with it every
+checkpoint). Each update differentiates ``scale * loss``, unscales the gradients in float32 and applies them
+only if they are finite; a dynamic scale is halved after a non-finite gradient and doubled after
+``train.loss_scale_period`` finite updates in a row. Without loss scaling nothing here changes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +82,103 @@ def make_weighted_loss_fn(graphdef, constrain=None, hidden=None):
     return loss_fn
 
 
+# ---- loss scaling
+
+MIN_LOSS_SCALE = 1.0  # a dynamic scale is never halved below this; an overflow at it is a real non-finite gradient
+MAX_LOSS_SCALE = 2.0 ** 24  # nor doubled above this
+
+
+class LossScaleState(NamedTuple):
+    """The optimizer state of :class:`LossScaling`: the scale (float32), the finite updates in a row since it
+    last changed (int32), and the wrapped optimizer's state."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    inner: Any
+
+
+class LossScaling(NamedTuple):
+    """An optax gradient transformation that runs ``inner`` and carries the loss scale in its state. The train
+    steps recognise it: they scale the loss, unscale the gradients and update the scale (:func:`_make_update`);
+    its own ``update`` passes the scale through unchanged."""
+
+    init: Callable
+    update: Callable
+    inner: optax.GradientTransformation
+    dynamic: bool
+    period: int
+
+    def next_scale(self, scale, good_steps, finite):
+        """(scale, good_steps) after an update whose gradients were ``finite`` or not."""
+        if not self.dynamic:
+            return scale, good_steps
+        good = jnp.where(finite, good_steps + 1, 0)
+        grow = good >= self.period
+        new = jnp.where(finite, jnp.where(grow, jnp.minimum(scale * 2.0, MAX_LOSS_SCALE), scale),
+                        jnp.maximum(scale * 0.5, MIN_LOSS_SCALE))
+        return new.astype(jnp.float32), jnp.where(grow, 0, good).astype(jnp.int32)
+
+
+def loss_scaling(inner: optax.GradientTransformation, *, init: float, dynamic: bool = True,
+                 period: int = 2000) -> LossScaling:
+    """``inner`` with a loss scale starting at ``init`` in its state (dynamic: halved on overflow, doubled after
+    ``period`` finite updates in a row; else fixed)."""
+
+    def init_fn(params):
+        return LossScaleState(jnp.asarray(init, jnp.float32), jnp.zeros((), jnp.int32), inner.init(params))
+
+    def update_fn(updates, state, params=None):
+        updates, new_inner = inner.update(updates, state.inner, params)
+        return updates, state._replace(inner=new_inner)
+
+    return LossScaling(init_fn, update_fn, inner, bool(dynamic), int(period))
+
+
+def loss_scale_setting(cfg) -> tuple[str, float | None]:
+    """('none' | 'dynamic' | 'static', the initial or fixed scale) of a config: ``train.loss_scale`` 'auto'
+    (configs saved before the key existed too) is 'dynamic' for ``model.dtype='float16'``, else 'none'."""
+    tc = cfg.train
+    val = str(tc.get("loss_scale", "auto")).strip().lower()
+    if val == "auto":
+        val = "dynamic" if str(cfg.model.get("dtype", "auto")) == "float16" else "none"
+    if val == "none":
+        return "none", None
+    if val == "dynamic":
+        return "dynamic", float(tc.get("loss_scale_init", 2.0 ** 15))
+    return "static", float(val)
+
+
+def with_loss_scale(tx: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
+    """``tx`` wrapped by :func:`loss_scaling` as the config asks (``train.loss_scale``, ``loss_scale_init``,
+    ``loss_scale_period``), or ``tx`` itself when the run has no loss scaling."""
+    kind, scale = loss_scale_setting(cfg)
+    if kind == "none":
+        return tx
+    return loss_scaling(tx, init=scale, dynamic=kind == "dynamic", period=int(cfg.train.get("loss_scale_period", 2000)))
+
+
+def scaled_value_and_grad(loss_fn):
+    """``grad_fn(*args, scale) -> ((loss, aux), grads)``: the gradients of ``scale * loss`` (still scaled), the
+    loss unscaled."""
+
+    def scaled(*args, scale):
+        loss, aux = loss_fn(*args)
+        return loss * scale, (loss, aux)
+
+    vg = jax.value_and_grad(scaled, has_aux=True)
+
+    def grad_fn(*args, scale):
+        (_, (loss, aux)), grads = vg(*args, scale=scale)
+        return (loss, aux), grads
+
+    return grad_fn
+
+
+def _unscale(grads, scale):
+    """``grads / scale`` computed in float32, returned in each gradient's dtype."""
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
 def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
@@ -83,6 +187,9 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
     """One optimizer update (and non-gradient update): ``update(carry, (*batch, key))`` with
     carry = (params, nongrad, rest, opt_state, model state) and
     ``grad_fn(params, nongrad, rest, *batch, state, key) -> ((loss, (ce, new_state, aux)), grads)``."""
+
+    if isinstance(tx, LossScaling):
+        return _make_scaled_update(graphdef, tx, grad_fn)
 
     def update(carry, xs):
         params, nongrad, rest, opt_state, state = carry
@@ -108,6 +215,50 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
             **{f"aux/{k}": v for k, v in aux["losses"].items()},
             **aux["metrics"],
         }
+        new_state = jax.lax.stop_gradient(new_state)
+        return (new_params, new_nongrad, rest, new_opt, new_state), metrics
+
+    return update
+
+
+def _make_scaled_update(graphdef, tx: LossScaling, grad_fn):
+    """:func:`_make_update` under loss scaling: ``grad_fn(..., scale=)`` returns the gradients of the scaled loss;
+    they are unscaled in float32, an update with non-finite gradients is skipped whatever ``train.on_nonfinite``
+    says, and the scale in the optimizer state moves (:meth:`LossScaling.next_scale`). Besides the usual metrics:
+    ``loss_scale`` (the scale this update used) and ``loss_scale_overflow`` (a dynamic scale's overflow: the loss
+    finite, the gradients not, the scale above its minimum -- the loop does not count it as a non-finite step)."""
+
+    def update(carry, xs):
+        params, nongrad, rest, opt_state, state = carry
+        *batch, key = xs
+        scale = opt_state.scale
+        (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, *batch, state, key, scale=scale)
+        grads = _unscale(grads, scale)
+        grad_norm = optax.tree.norm(grads)
+        loss_finite, grad_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+        finite = loss_finite & grad_finite
+        updates, new_inner = tx.inner.update(grads, opt_state.inner, params)
+        new_params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, new_params, nongrad, rest)
+        model.apply_stats(aux["stats"])
+        new_nongrad = nnx.state(model, NonGradState)
+        new_params = _where_tree(finite, new_params, params)
+        new_inner = _where_tree(finite, new_inner, opt_state.inner)
+        new_nongrad = _where_tree(finite, new_nongrad, nongrad)
+        new_scale, good = tx.next_scale(scale, opt_state.good_steps, finite)
+        overflow = loss_finite & ~grad_finite & (scale > MIN_LOSS_SCALE) if tx.dynamic else jnp.zeros((), bool)
+        metrics = {
+            "loss": loss,
+            "ce": ce,
+            "grad_norm": grad_norm,
+            "loss_finite": loss_finite,
+            "grad_finite": grad_finite,
+            "loss_scale": scale,
+            "loss_scale_overflow": overflow,
+            **{f"aux/{k}": v for k, v in aux["losses"].items()},
+            **aux["metrics"],
+        }
+        new_opt = LossScaleState(new_scale, good, new_inner)
         new_state = jax.lax.stop_gradient(new_state)
         return (new_params, new_nongrad, rest, new_opt, new_state), metrics
 
@@ -156,16 +307,18 @@ def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None
     share of the scored targets' weight) and its auxiliary losses (means over rows) by 1/k; the
     gradients and the non-gradient ``aux['stats']`` are summed, the reported ``aux`` losses and metrics
     averaged. ``state_axes``: the row axis of each carried state leaf (:func:`_batch_axes`; None for
-    a shared leaf), or None when no state is carried."""
+    a shared leaf), or None when no state is carried. ``grad_fn(..., scale=s)`` (loss scaling): the gradients
+    of ``s`` times the loss (still scaled), the reported loss unscaled."""
 
-    def micro_loss(params, nongrad, rest, mb, state, key, ce_w):
+    def micro_loss(params, nongrad, rest, mb, state, key, ce_w, scale):
         _, (ce, new_state, aux) = loss_fn(params, nongrad, rest, *mb, state, key)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
-        return ce_w * ce + extra / k, (ce_w * ce, new_state, aux)
+        total = ce_w * ce + extra / k
+        return (total if scale is None else total * scale), (total, ce_w * ce, new_state, aux)
 
     micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def grad_fn(params, nongrad, rest, *batch_and_state_key):
+    def grad_fn(params, nongrad, rest, *batch_and_state_key, scale=None):
         *batch, state, key = batch_and_state_key
         mbs = tuple(_split_rows(a, k) for a in batch)
         if weighted:  # the share of the scored targets' weight (the loss is sum(w * nll) / sum(w))
@@ -185,7 +338,7 @@ def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None
             mb, st_rows, key_i, w_i = xs
             st = None if state is None else _by_axis(lambda a, r, sh: sh if a is None else r, state_axes, st_rows,
                                                      shared_state)
-            (loss, (ce, new_st, aux)), g = micro_grad(params, nongrad, rest, mb, st, key_i, w_i)
+            (_, (loss, ce, new_st, aux)), g = micro_grad(params, nongrad, rest, mb, st, key_i, w_i, scale)
             g_acc = jax.tree.map(jnp.add, g_acc, g)
             if state is None or new_st is None:  # one window: no state comes in, none is carried out
                 new_rows, new_shared = None, None
@@ -218,13 +371,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`).
     ``hidden``: optional replacement of ``model.hidden`` taking the model first (sequence parallelism).
     ``microbatches``: gradient accumulation over that many micro-batches of the rows per update
-    (:func:`accumulate_grads`; 1 = the whole batch at once)."""
+    (:func:`accumulate_grads`; 1 = the whole batch at once).
+    ``tx`` made by :func:`with_loss_scale` / :func:`loss_scaling`: the updates are loss-scaled."""
     n_windows = seq_len // window
     loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
 
     def make_update(params, nongrad, rest, batch_size):
         if microbatches == 1:
-            grad_fn = jax.value_and_grad(loss, has_aux=True)
+            grad_fn = (scaled_value_and_grad(loss) if isinstance(tx, LossScaling)
+                       else jax.value_and_grad(loss, has_aux=True))
         else:
             if batch_size % microbatches:
                 raise ValueError(f"{batch_size} rows do not split into {microbatches} micro-batches")
@@ -278,7 +433,8 @@ def make_mlm_train_step(graphdef, tx: optax.GradientTransformation, *, num_maske
     """Encoder (masked-LM) step: step(params, nongrad, rest, opt_state, batch, key) -> (params, nongrad, opt_state,
     metrics) with batch = {'inputs', 'targets': [B, T] int32, 'mask': [B, T] bool} (longctx.data.masking).
     One update per row batch: windows do not apply to encoders."""
-    grad_fn = jax.value_and_grad(make_mlm_loss_fn(graphdef, num_masked, constrain), has_aux=True)
+    loss = make_mlm_loss_fn(graphdef, num_masked, constrain)
+    grad_fn = scaled_value_and_grad(loss) if isinstance(tx, LossScaling) else jax.value_and_grad(loss, has_aux=True)
     update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
 
     def step(params, nongrad, rest, opt_state, batch, key):

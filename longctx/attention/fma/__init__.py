@@ -29,7 +29,7 @@ Causal decoding / streaming state (§4, our extension; the paper has no KV cache
 keys and values, and per level the partial conv sums of the open group plus a ring of the last 4 finished
 group summaries. The state is O(m d + p d L); streaming in any split equals the full pass.
 
-Lengths and padding (§2.6, documented rule). ``max_len`` (the training length n; ``max_len/m`` a
+Lengths and padding (§2.6, documented rule). ``max_len`` (the training length n, default 0 = resolved from it; ``max_len/m`` a
 power of two) fixes the number of levels L = log2(max_len/m) - 1 and so the parameters. A sequence of
 n <= max_len tokens uses the levels L_n = ceil(log2(ceil(n/m))) - 1 <= L (levels above L_n have no
 partners). Queries and fine keys are right-padded to a multiple of m (padded keys masked). Causal:
@@ -38,14 +38,14 @@ extension; the paper uses fixed-length unpadded chunks): a group that straddles 
 over its zero-padded tokens and keeps its full multiplicity (the C~ of the zero-padded sequence with
 padded fine keys masked); groups lying wholly in the padding are masked. For n = m 2^k nothing is
 padded. n > max_len raises unless ``allow_truncated_window`` (our extension): then only L levels
-exist and each query sees a window reaching back 3/4 max_len .. max_len tokens (meaningful with
+exist and each query sees a window reaching back max_len/2 .. max_len tokens (meaningful with
 relative or no positions; use it to stream past the training length).
 
 Departures from the paper, all named:
 
 * corrected partition (above); multiplicity offset beta_l on by default (``multiplicity_weighting``;
-  the release's ``scale_attn``); zero-padded slots of the release are masked, and the release's
-  "null slot" behaviour (``release_zero_slots``, §9.3) is not implemented;
+  the release's ``scale_attn``); zero-padded slots of the release are masked; ``release_zero_slots=True``
+  (causal FMA; reference and XLA paths; no decoding) reproduces the release's "null slot" behaviour (§9.3);
 * FMA-linear: joint normalisation by default (paper eq. 11 normalises each level separately and sums:
   ``fma_linear_normalization='per_level'``); causal FMA-linear uses **lagged** query summaries by
   default (query i reads the summary of its sub-interval slot in group a-1, fully in the past): the

@@ -29,6 +29,9 @@ from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBe
 from longctx.attention.fma import pallas, reference, xla, xla_cpu
 from longctx.attention.fma.options import FMAOptions
 from longctx.attention.fma.state import RING, empty_state, fma_stream, state_from_forward
+from longctx.errors import ConfigError
+
+BENCH_MAX_LEN = 131072  # the benchmarks' longest sequence: their untrained cores build levels for it
 
 
 def _uniform(bound: float):
@@ -99,8 +102,15 @@ class FMAAttention(AttentionCore):
             Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
         )
         if not cls.linear:
+            def kernel_reasons(platform, *, release_zero_slots=False, **shapes):
+                out = list(pallas.unsupported_reasons(platform, **shapes))
+                if release_zero_slots:
+                    out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference "
+                               "and the XLA paths; the kernel is not tested with the extra slot")
+                return out
+
             impls += (Implementation("pallas", platforms=("tpu", "cuda"), kernel=True,
-                                     reasons=pallas.unsupported_reasons, config={"impl": "pallas"}),)
+                                     reasons=kernel_reasons, config={"impl": "pallas"}),)
         return impls
 
     @classmethod
@@ -116,23 +126,33 @@ class FMAAttention(AttentionCore):
             "m": 64,  # fine block size (group size of level 1)
             "p": 4,  # summary rows per group (p | m)
             # the training length n: fixes the levels L = log2(max_len/m) - 1 and the parameters
-            # (2 p d (max_len/2 - m) + 2 L p d per layer); the default lets a benchmark run 131k tokens
-            "max_len": 131072,
+            # (2 p d (max_len/2 - m) + 2 L p d per layer). 0 (default) = the training length, resolved where the
+            # model is built (:meth:`resolve_max_len`); a layer built with 0 unresolved refuses, because levels
+            # above the training length get no gradient and would run untrained at a longer length
+            "max_len": 0,
             "num_levels": None,  # k = L + 1 (paper's "k lev", fine level included); None = derived
             "downsample": "depthwise_conv",  # 'depthwise_conv' (paper) | 'dense_conv' | 'avgpool' (tests)
             "share_downsample_across_heads": True,
             "downsample_init": "torch_default",  # 'torch_default' | 'subinterval_mean'
             "multiplicity_weighting": True,  # beta_l = ln(m_l / p) on summary scores
-            "allow_truncated_window": False,  # n > max_len: only L levels (a window of ~max_len tokens)
+            # n > max_len: only L levels; each query then sees back 1/2..1 x max_len tokens (not more)
+            "allow_truncated_window": False,
             "attn_dropout": 0.0,
             # 'reference' | 'xla' | 'xla_cpu' | 'pallas' (FMA) | 'auto' (xla_cpu on a CPU; pallas, else xla, on
             # GPU/TPU) | a list 'a,b' (the first that serves the call)
             "impl": "auto",
             "logit_budget": 1 << 24,  # max materialised scores per lax.map step of the blocked path
         }
+        if not cls.linear:
+            # the release's zero-padded coarse (and first fine block's) slots left unmasked: score 0, weight
+            # m_l/p each (a "null" sink over the first half of every sequence); causal only, no decoding
+            c["release_zero_slots"] = False
         if cls.linear:
             c["fma_linear_normalization"] = "joint"  # 'joint' | 'per_level' (paper eq. 11)
-            c["causal_query_summary"] = "lagged"  # 'lagged' (leak-free) | 'paper_leaky' (reproduction only)
+            # 'lagged' (leak-free) | 'paper_leaky' (reproduction only). The lag has an accuracy cost: on smooth
+            # inputs causal joint+lagged FMA-linear was 40.6 % (relative) from exact attention where FMA was
+            # 3.2 % and the paper's leaky form 9.0 % (docs/methods/fma.md §2.5)
+            c["causal_query_summary"] = "lagged"
             c["allow_paper_leaky"] = False  # causal 'paper_leaky' must be asked for explicitly
         return ml_collections.ConfigDict(c)
 
@@ -146,10 +166,12 @@ class FMAAttention(AttentionCore):
         m, p, n = cfg.m, cfg.p, cfg.max_len
         require(m > 0 and p > 0, f"{pre}: m={m} and p={p} must be positive")
         require(m % p == 0, f"{pre}: p={p} must divide m={m}")
-        require(n >= m and n % m == 0 and ((n // m) & (n // m - 1)) == 0,
-                f"{pre}: max_len/m must be a power of two (max_len={n}, m={m})")
+        require(n == 0 or (n >= m and n % m == 0 and ((n // m) & (n // m - 1)) == 0),
+                f"{pre}: max_len/m must be a power of two (max_len={n}, m={m}; 0 = the training length)")
+        rz = cfg.get("release_zero_slots", False)
+        require(not (rz and not causal), f"{pre}.release_zero_slots: the release is causal only")
         L = cls.derived_levels(cfg)
-        if cfg.num_levels is not None:
+        if cfg.num_levels is not None and n > 0:
             require(1 <= cfg.num_levels <= max(L, 0) + 1,
                     f"{pre}.num_levels={cfg.num_levels}; allowed 1..{max(L, 0) + 1} (= log2(max_len/m))")
             require(cfg.num_levels == max(L, 0) + 1 or cfg.allow_truncated_window,
@@ -177,7 +199,27 @@ class FMAAttention(AttentionCore):
                     "paper's causal FMA-linear); it exists to reproduce Table 1 only. Use 'lagged', or set "
                     "allow_paper_leaky=True to ask for it explicitly")
 
+    @classmethod
+    def resolve_max_len(cls, cfg, *, seq_len: int):
+        """``cfg`` with ``max_len`` 0 (the default: "the training length") replaced by the training length
+        ``seq_len`` rounded up to m 2^k (the levels a ``seq_len``-token row uses, and only those); an explicit
+        ``max_len`` is kept. For the code that builds a model from a run's config (``train.seq_len``)."""
+        cfg = ml_collections.ConfigDict(cfg.to_dict())
+        if cfg.max_len == 0:
+            nb = max(1, -(-int(seq_len) // cfg.m))
+            cfg.max_len = cfg.m << (nb - 1).bit_length()
+        return cfg
+
+    @classmethod
+    def resolve_for_run(cls, cfg, *, seq_len: int):
+        return cls.resolve_max_len(cfg, seq_len=seq_len)
+
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+        if cfg.max_len == 0:
+            raise ConfigError(
+                f"attention.{self.name}.max_len=0 means the training length and is not resolved here: set "
+                f"attention.{self.name}.max_len to the training length (its levels get gradients only up to the "
+                "length they train at), or resolve it with resolve_max_len(cfg, seq_len=...)")
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
         c = self.cfg
         L = self.derived_levels(c) if c.num_levels is None else c.num_levels - 1
@@ -189,6 +231,7 @@ class FMAAttention(AttentionCore):
             query_summary=c.get("causal_query_summary", "lagged"),
             downsample=c.downsample, shared=c.share_downsample_across_heads,
             allow_truncated=c.allow_truncated_window, attn_dropout=float(c.attn_dropout),
+            release_zero_slots=bool(c.get("release_zero_slots", False)),
             logit_budget=int(c.logit_budget),
         )
         heads = None if c.share_downsample_across_heads else num_heads
@@ -218,13 +261,19 @@ class FMAAttention(AttentionCore):
 
     @classmethod
     def kernel_benches(cls):
-        return {"fma_blocks": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+        # untrained timing cores: levels for the benchmarks' longest sequence
+        return {"fma_blocks": KernelBench(xla={"impl": "xla", "max_len": BENCH_MAX_LEN},
+                                          pallas={"impl": "pallas", "max_len": BENCH_MAX_LEN})}
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, dict]:
+        return {"": {"max_len": BENCH_MAX_LEN}}  # untrained timing cores: levels for the longest sequence
 
     @classmethod
     def drop_in(cls) -> DropIn:
         # parameter-free summaries (mean of each sub-interval of m_l/p tokens): FMA on given q, k, v, untrained
         return DropIn(description="summaries = sub-interval means (downsample='avgpool'), no training",
-                      overrides={"downsample": "avgpool"})
+                      overrides={"downsample": "avgpool", "max_len": BENCH_MAX_LEN})
 
     # -- helpers ----------------------------------------------------------------
     def ds_params(self):
@@ -243,6 +292,7 @@ class FMAAttention(AttentionCore):
             self.cfg.impl, self.implementations(causal=self.causal), method=self.name, order=self.auto_order,
             m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
             dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
+            release_zero_slots=self.opts.release_zero_slots,
         )
         if choice.name == "reference":
             return (lambda q, k, v, ds, opts, drop_key=None: reference.fma_dense_reference(q, k, v, ds, opts)), xla.attend
@@ -256,6 +306,8 @@ class FMAAttention(AttentionCore):
             raise ValueError(f"{self.name}: bidirectional attention has no prefix state")
         if self.opts.leaky:
             raise ValueError(f"{self.name}: causal_query_summary='paper_leaky' cannot be decoded; use 'lagged'")
+        if self.opts.release_zero_slots:
+            raise ValueError(f"{self.name}: release_zero_slots=True (a reproduction of the release) cannot be decoded")
         if max_len is not None and max_len > self.opts.max_len and not self.opts.allow_truncated:
             raise ValueError(
                 f"{self.name}: a state for {max_len} tokens exceeds the layer's max_len={self.opts.max_len} "
@@ -267,6 +319,8 @@ class FMAAttention(AttentionCore):
     def sequence_refusal(self, slice_len: int) -> str | None:
         if self.opts.leaky:
             return "causal_query_summary='paper_leaky' cannot be streamed"
+        if self.opts.release_zero_slots:
+            return "release_zero_slots=True cannot be streamed"
         return None
 
     def sequence_origin(self, batch_size: int, max_len: int, start):
@@ -311,7 +365,7 @@ class FMAAttention(AttentionCore):
         if state is None:
             out = forward(q, k, v, ds, self.opts, drop_key)
             new_state = None
-            if self.causal and not self.opts.leaky:
+            if self.causal and not self.opts.leaky and not self.opts.release_zero_slots:
                 new_state = state_from_forward(q, k, v, ds, self.opts)
             return out.astype(v.dtype), new_state
         if not self.causal:

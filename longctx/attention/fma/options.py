@@ -24,6 +24,7 @@ class FMAOptions:
     downsample: str = "depthwise_conv"  # 'depthwise_conv' | 'dense_conv' | 'avgpool'
     shared: bool = True  # downsampling weights shared across heads
     allow_truncated: bool = False
+    release_zero_slots: bool = False  # FMA causal: the release's unmasked zero-padded slots (docs §9.3)
     attn_dropout: float = 0.0
     logit_budget: int = 1 << 24
 

@@ -142,7 +142,12 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
     kh = summaries(kf, ds["k"], Lu, opts)
     vh = summaries(vf, ds["v"], Lu, opts)
     coarse = None
-    if Lu > 0 and not opts.linear:
+    if Lu == 0 and opts.release_zero_slots:  # only block 0's zero fine keys
+        kall, vall = jnp.zeros((B, H, 0, d), jnp.float32), jnp.zeros((B, H, 0, dv), jnp.float32)
+        kall, vall, idx, bias = release_zero_slots(kall, vall, np.zeros((nb, 0), np.int32),
+                                                   np.zeros((nb, 0), np.float32), nb, 0, opts)
+        coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
+    elif Lu > 0 and not opts.linear:
         n_groups = [x.shape[2] for x in kh]
         offsets = np.cumsum([0] + [g * p for g in n_groups])
         kall = jnp.concatenate([x.reshape(B, H, -1, d) for x in kh], axis=2)
@@ -150,6 +155,8 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
         idx, bias = packed_slots(np.arange(nb), num_levels=Lu, m=m, p=p, causal=opts.causal,
                                  betas=[opts.beta(l) for l in range(1, Lu + 1)], offsets=offsets,
                                  n_groups=n_groups, n_rows=int(offsets[-1]))
+        if opts.release_zero_slots:
+            kall, vall, idx, bias = release_zero_slots(kall, vall, idx, bias, nb, Lu, opts)
         coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
     elif Lu > 0:
         qh = summaries(qf, ds["q"], Lu, opts)
@@ -157,6 +164,28 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
     out = attend(qb, kp, vp, coarse, q_block0=0, n_valid=n, causal=opts.causal, drop_key=drop_key,
                  attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)
     return out.reshape(B, H, n_pad, dv)[:, :, :n]
+
+
+def release_zero_slots(kall, vall, idx, bias, nb: int, Lu: int, opts: FMAOptions):
+    """§9.3 (causal): the release's unmasked zero slots as packed slots. One zero row is appended to the
+    summaries; a level-l slot of the lower chunk of groups a < 2 (h <= a mod 2, the chunk before the first)
+    points to it with bias beta_l, and one extra slot per block stands for block 0's m zero fine keys (bias
+    ln m: m columns of score 0)."""
+    B, H, R = kall.shape[:3]
+    kall = jnp.concatenate([kall, jnp.zeros((B, H, 1, kall.shape[-1]), kall.dtype)], axis=2)
+    vall = jnp.concatenate([vall, jnp.zeros((B, H, 1, vall.shape[-1]), vall.dtype)], axis=2)
+    idx, bias = np.array(idx), np.array(bias)
+    b, p = np.arange(nb), opts.p
+    for l in range(1, Lu + 1):  # slots of level l: [2p (l-1), 2p l), low chunk halves h = 0, 1, then r
+        a = b >> (l - 1)
+        h = np.arange(2 * p) // p
+        zero = (a[:, None] < 2) & (h[None, :] <= (a % 2)[:, None])
+        cols = slice(2 * p * (l - 1), 2 * p * l)
+        idx[:, cols] = np.where(zero, R, idx[:, cols])
+        bias[:, cols] = np.where(zero, np.float32(opts.beta(l)), bias[:, cols])
+    idx = np.concatenate([idx, np.full((nb, 1), R, idx.dtype)], axis=1)
+    bias = np.concatenate([bias, np.where(b == 0, np.float32(np.log(opts.m)), np.float32(NEG))[:, None]], axis=1)
+    return kall, vall, idx.astype(np.int32), bias.astype(np.float32)
 
 
 def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
