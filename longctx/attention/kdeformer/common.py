@@ -10,6 +10,7 @@ a full pass and of decoding come from the same function on the same vectors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -125,25 +126,114 @@ def power_lambda(gram, iters: int):
     return jnp.einsum("...e,...ef,...f->...", x, gram, x)
 
 
+CUM_SHIFT = 30  # prefix sums of the integer weights as two int32 words: C = hi·2^30 + lo, 0 ≤ lo < 2^30
+
+
+def _carry(hi, lo):
+    """Normalise (hi, lo) words so that 0 ≤ lo < 2^30."""
+    return hi + (lo >> CUM_SHIFT), lo & ((1 << CUM_SHIFT) - 1)
+
+
+def weight_prefix_sums(u, block: int | None = None):
+    """Exact inclusive prefix sums of the integer weights u [..., N] (0 ≤ u ≤ U_MAX) as (hi, lo) int32 words,
+    C = hi·2^30 + lo with 0 ≤ lo < 2^30.
+
+    A single int32 cumsum overflows once Σu reaches 2^31 (u ≤ 2^13: from N = 2^18 tokens). Here plain cumsums
+    run inside blocks of ``block`` keys (default 2^30 / U_MAX, so a block's sum is ≤ 2^30; a caller passing
+    ``block`` keeps each block's sum ≤ 2^30), and the blocks' offsets are carried as two 15-bit halves (fewer than
+    2^15 blocks): exact for any int32 length at the default block."""
+    N = u.shape[-1]
+    bk = max(1, min(N, block or (1 << CUM_SHIFT) // U_MAX))
+    nb = -(-N // bk)
+    if nb >= 1 << 15:  # the blocks' offsets in 15-bit halves: their sums stay below 2^30
+        raise ValueError(f"kdeformer: weight_prefix_sums over {nb} blocks of {bk}; at most 2^15 - 1 blocks")
+    ub = jnp.pad(u.astype(jnp.int32), [(0, 0)] * (u.ndim - 1) + [(0, nb * bk - N)])
+    within = jnp.cumsum(ub.reshape(u.shape[:-1] + (nb, bk)), axis=-1)  # ≤ 2^30 per block
+    tot = within[..., -1]  # [..., nb]
+    excl = lambda x: jnp.cumsum(x, axis=-1) - x  # noqa: E731  (≤ nb·2^15 < 2^30)
+    a, b = excl(tot >> 15), excl(tot & 0x7FFF)  # offset of block t = a·2^15 + b
+    hi, lo = _carry(a >> 15, ((a & 0x7FFF) << 15) + b)
+    hi, lo = _carry(hi[..., None], lo[..., None] + within)  # lo < 2^30, within ≤ 2^30: no overflow
+    flat = lambda x: x.reshape(u.shape[:-1] + (nb * bk,))[..., :N]  # noqa: E731
+    return flat(hi), flat(lo)
+
+
+def _words_le(a, t):
+    """a ≤ t for (hi, lo) words."""
+    return (a[0] < t[0]) | ((a[0] == t[0]) & (a[1] <= t[1]))
+
+
+@jax.jit
+def _search_words_right(cum, t):
+    """searchsorted(C, t, side='right') along the last axis for (hi, lo) words: cum ([..., N] each),
+    t ([..., m] each) -> int32 [..., m] (a binary search; C non-decreasing)."""
+    hi_w, lo_w = cum
+    n = hi_w.shape[-1]
+    lo = jnp.zeros(t[0].shape, jnp.int32)
+    hi = jnp.full(t[0].shape, n, jnp.int32)
+
+    def body(_, lh):
+        lo, hi = lh
+        mid = (lo + hi) // 2
+        at = jnp.minimum(mid, n - 1)
+        c = (jnp.take_along_axis(hi_w, at, axis=-1), jnp.take_along_axis(lo_w, at, axis=-1))
+        go_right = (lo < hi) & _words_le(c, t)
+        return jnp.where(go_right, mid + 1, lo), jnp.where((lo < hi) & ~go_right, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, max(n, 1).bit_length() + 1, body, (lo, hi))
+    return lo
+
+
+@functools.partial(jax.jit, static_argnums=2)  # traced once per shape (eager callers too)
+def _uniform_below(key, tot, shape):
+    """Exact uniform integers t in [0, T) for T = tot (hi, lo words, [B,H,1] each; T ≥ 1), as words [shape].
+
+    T < 2^30: one randint (the draw of a single int32 cumsum). Otherwise rejection: hi uniform in [0, T_hi],
+    lo uniform in [0, 2^30), kept when (hi, lo) < T (probability ≥ 1/2); redrawn until every entry is kept."""
+    th, tl = tot
+    small = th == 0
+    t_small = jax.random.randint(key, shape, 0, jnp.maximum(tl, 1), dtype=jnp.int32)  # the draws of before
+    k1 = jax.random.fold_in(key, 1)
+
+    def draw(k):
+        ka, kb = jax.random.split(k)
+        h = jax.random.randint(ka, shape, 0, th + 1, dtype=jnp.int32)
+        lo = jax.random.randint(kb, shape, 0, 1 << CUM_SHIFT, dtype=jnp.int32)
+        return h, lo
+
+    def cond(c):
+        return ~jnp.all(c[3])
+
+    def body(c):
+        k, h, lo, done = c
+        k, kd = jax.random.split(k)
+        h2, lo2 = draw(kd)
+        ok = (h2 < th) | (lo2 < tl)
+        return k, jnp.where(done, h, h2), jnp.where(done, lo, lo2), done | ok
+
+    zero = jnp.zeros(shape, jnp.int32)
+    _, h, lo, _ = jax.lax.while_loop(cond, body, (k1, zero, zero, jnp.broadcast_to(small, shape)))
+    return jnp.where(small, 0, h), jnp.where(small, t_small, lo)
+
+
 def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None):
     """m i.i.d. indices per (b,h) in [0, n_prefix) and their probabilities p.
 
-    n_prefix: int32 [B,H] (≥ 1). 'uniform': p = 1/n. 'ref' (needs cum [B,H,M] = inclusive cumsum of
-    the integer weights u [B,H,M], lam [B,H] = λ): mixture of uniform (prob. π_u = 1/(1 + T 2^-6/λ))
-    and ∝ u, with T = cum[n−1]; p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw."""
+    n_prefix: int32 [B,H] (≥ 1). 'uniform': p = 1/n. 'ref' (needs cum = :func:`weight_prefix_sums` of the
+    integer weights u [B,H,M], lam [B,H] = λ): mixture of uniform (prob. π_u = 1/(1 + T 2^-6/λ)) and ∝ u, with
+    T = C[n−1] (exact at any length); p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw."""
     B, H = n_prefix.shape
     nf = n_prefix.astype(jnp.float32)[..., None]
     if sampling == "uniform":
         idx = jax.random.randint(key, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
         return idx, jnp.broadcast_to(1.0 / nf, (B, H, m))
     k1, k2, k3 = jax.random.split(key, 3)
-    tot = jnp.take_along_axis(cum, (n_prefix - 1)[..., None], axis=-1)  # [B,H,1]
-    totf = tot.astype(jnp.float32)
+    tot = tuple(jnp.take_along_axis(w, (n_prefix - 1)[..., None], axis=-1) for w in cum)  # [B,H,1] each
+    totf = tot[0].astype(jnp.float32) * float(1 << CUM_SHIFT) + tot[1].astype(jnp.float32)
     pi_u = 1.0 / (1.0 + totf * 2.0**-NORM_SHIFT / jnp.maximum(lam[..., None], 1e-30))
     bit = jax.random.bernoulli(k1, pi_u, (B, H, m))
     uni = jax.random.randint(k2, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
-    t = jax.random.randint(k3, (B, H, m), 0, tot, dtype=jnp.int32)
-    nidx = _ssorted_right(cum, t).astype(jnp.int32)
+    nidx = _search_words_right(cum, _uniform_below(k3, tot, (B, H, m)))
     idx = jnp.where(bit, uni, nidx)
     p = pi_u / nf + (1.0 - pi_u) * jnp.take_along_axis(u, idx, axis=-1).astype(jnp.float32) / totf
     return idx, p
@@ -161,7 +251,7 @@ def bidir_samples(key_s, v, n_valid: int, opts: BidirOptions):
     else:
         u = norm_weights(v, valid)
         lam = power_lambda(augmented_gram(v, valid[None, None]), opts.power_iters)
-        idx, p = draw_samples(key_s, m, n, "ref", cum=jnp.cumsum(u, axis=-1), u=u, lam=lam)
+        idx, p = draw_samples(key_s, m, n, "ref", cum=weight_prefix_sums(u), u=u, lam=lam)
     return idx, -jnp.log(m * p)
 
 
@@ -186,6 +276,6 @@ def next_state(state, k, v, W, compute_dtype):
             "length": jnp.asarray(P0 + T, jnp.int32)}
 
 
-__all__ = ["INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions", "augmented_gram",
+__all__ = ["CUM_SHIFT", "INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions", "augmented_gram",
            "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
-           "next_state", "norm_weights", "power_lambda", "prefix_end"]
+           "next_state", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]

@@ -42,6 +42,7 @@ from longctx.attention.kdeformer.common import (
     norm_weights,
     power_lambda,
     prefix_end,
+    weight_prefix_sums,
 )
 
 
@@ -111,7 +112,7 @@ def causal(q, k, v, W, key_s, opts: CausalOptions, state=None):
             else:
                 u = norm_weights(V, True)
                 lam = power_lambda(augmented_gram(V, (j < Lg)[None, None]), opts.power_iters)
-                idx, p = draw_samples(jax.random.fold_in(key_s, g), m, n, "ref", cum=jnp.cumsum(u, axis=-1), u=u,
+                idx, p = draw_samples(jax.random.fold_in(key_s, g), m, n, "ref", cum=weight_prefix_sums(u), u=u,
                                       lam=lam)
             return column_weights(idx, -jnp.log(m * p), M)
 

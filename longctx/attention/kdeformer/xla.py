@@ -40,6 +40,7 @@ from longctx.attention.kdeformer.common import (
     norm_weights,
     power_lambda,
     prefix_end,
+    weight_prefix_sums,
 )
 from longctx.models.precision import einsum_f32
 
@@ -293,7 +294,7 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
     if ref:
         vvalid = pos < n_valid
         u = norm_weights(Vc, vvalid)
-        cum = jnp.cumsum(u, axis=-1)
+        cum = weight_prefix_sums(u)  # exact at any length (two int32 words)
         Mc = -(-M // c) * c
         vpad = jnp.pad(Vc.astype(jnp.float32), ((0, 0), (0, 0), (0, Mc - M), (0, 0)))
         vval = jnp.pad(vvalid, (0, Mc - M)).reshape(Mc // c, c)
