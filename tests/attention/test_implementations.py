@@ -34,7 +34,9 @@ def _case(cls, direction):
     return None
 
 
-def _pairs():
+def _pairs(model_level: bool = False):
+    """(method, direction, implementation) past the reference: for the cores with a core-level contract case,
+    or (``model_level``) for the cores that run only inside a model (no core-level case, a fast model case)."""
     out = []
     for name in attention.names():
         cls = attention.get_class(name)
@@ -42,11 +44,12 @@ def _pairs():
             causal = direction == "causal"
             if (causal and not cls.supports_causal) or (not causal and not cls.supports_bidirectional):
                 continue
-            if _case(cls, direction) is None:
-                continue  # a model-level core: test_model_level_implementation_equals_reference
-            impls = cls.implementations(causal=causal)
-            for impl in impls[1:]:
-                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}"))
+            core_case = _case(cls, direction) is not None
+            if core_case == model_level or (model_level and _model_case(cls, direction) is None):
+                continue
+            for impl in cls.implementations(causal=causal)[1:]:
+                suffix = "-model" if model_level else ""
+                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}"))
     return out
 
 
@@ -142,22 +145,6 @@ def test_implementation_equals_reference(name, direction, impl_name):
                 _compare(label + part, g, r, **tol)
 
 
-def _model_pairs():
-    """(method, direction, implementation) for the cores that run only inside a model (no core-level case)."""
-    out = []
-    for name in attention.names():
-        cls = attention.get_class(name)
-        for direction in ("causal", "bidirectional"):
-            causal = direction == "causal"
-            if (causal and not cls.supports_causal) or (not causal and not cls.supports_bidirectional):
-                continue
-            if _case(cls, direction) is not None or _model_case(cls, direction) is None:
-                continue
-            for impl in cls.implementations(causal=causal)[1:]:
-                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}-model"))
-    return out
-
-
 def _model_case(cls, direction):
     for case in cls.contract_cases().values():
         if case.level == "model" and direction in case.directions and not case.slow:
@@ -198,7 +185,7 @@ def _model_run(name, direction, impl_name):
     return logits, grads
 
 
-@pytest.mark.parametrize("name,direction,impl_name", _model_pairs())
+@pytest.mark.parametrize("name,direction,impl_name", _pairs(model_level=True))
 def test_model_level_implementation_equals_reference(name, direction, impl_name):
     """The same law for a core that runs only inside its model (it needs the model's inputs, e.g. per-key
     biases): a tiny model built with the implementation gives the reference model's logits and gradients."""
