@@ -20,11 +20,21 @@ couple of minutes; its evaluation is limited to eval.max_tokens bytes:
 
 Metric: bits per byte over all 5,000,000 test bytes (newlines included); set
 data.options.txl_compat=True to drop newlines as Transformer-XL does.
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 2 x tensor = 4, bf16, scanned layers;
+see node8() below):
+
+    longctx-train --config configs/enwik8/dense.py:node8 --config.data.path=/data/enwik8.zip --workdir runs/enwik8_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/enwik8/dense.py:node8 --dry_run
 """
 
 from longctx.config import base_config as base
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):
@@ -34,6 +44,8 @@ def get_config(arg: str | None = None):
     c.data.path = ""  # set on the command line: --config.data.path=/path/to/enwik8.zip
     if arg == "tiny":
         return tiny(c)
+    if arg == "node8":
+        return node8(get_config())
     c.model.d_model = 512
     c.model.num_layers = 12
     c.model.num_heads = 8
@@ -74,4 +86,16 @@ def tiny(c):
     c.train.ckpt_every = 150
     c.eval.reset = "never"
     c.eval.max_tokens = 65536
+    return c
+
+
+def node8(c):
+    """The launch on one node of 8 x 80 GB GPUs (``:node8``), same batch (22 rows) and rows: 22 rows split
+    over at most 2 batch-parallel devices, so the mesh is data = 2 x tensor = 4 (heads, MLP and vocabulary split
+    4 ways); bf16 activations over fp32 master weights, the 12 layers stacked and scanned. Shared by the
+    enwik8 configs built on this one (configs/enwik8/fma.py)."""
+    c.model.dtype = "bfloat16"
+    c.model.scan_layers = True
+    c.mesh.data = 2
+    c.mesh.tensor = 4
     return c

@@ -18,11 +18,21 @@ framework's enwik8 recipe (configs/enwik8/dense.py), identical across attention 
     longctx-train   --config configs/enwik8/fma.py:n512 --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma512
     longctx-train   --config configs/enwik8/fma.py:tiny --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma_tiny
     longctx-eval    --workdir runs/enwik8_fma_tiny --split test --config.eval.max_tokens=100000
+
+One node of 8 GPUs of 80 GB (``:node8``, the recipe's batch and rows: data = 2 x tensor = 4, bf16, scanned
+layers; configs/enwik8/dense.py node8()):
+
+    longctx-train --config configs/enwik8/fma.py:node8 --config.data.path=/data/enwik8.zip --workdir runs/enwik8_fma_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/enwik8/fma.py:node8 --dry_run
 """
 
 from configs.enwik8 import dense
 
-VARIANTS = ("n512", "n1024", "n2048", "linear", "tiny")
+VARIANTS = ("n512", "n1024", "n2048", "linear", "tiny", "node8")
 SIZES = {"": (1024, 64), "n1024": (1024, 64), "n512": (512, 64), "n2048": (2048, 128)}
 
 
@@ -36,6 +46,8 @@ def get_config(arg: str | None = None):
         f.max_len = c.train.seq_len
         f.allow_truncated_window = True  # sampling past the training length
         return c
+    if arg == "node8":
+        return dense.node8(get_config())
     c = dense.get_config()
     arg = arg or ""
     linear = arg == "linear"

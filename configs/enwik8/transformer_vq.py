@@ -12,17 +12,30 @@ Eval resets the state every 8192-token row (the paper's protocol). Reported: 0.9
 on a 2-core CPU:
 
     longctx-train --config configs/enwik8/transformer_vq.py:tiny --config.data.path=/data/enwik8.zip --workdir runs/vq_tiny
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 8, 4 micro-batches, bf16,
+scanned GAUs, remat nothing_saveable;
+see node8() below):
+
+    longctx-train --config configs/enwik8/transformer_vq.py:node8 --config.data.path=/data/enwik8.zip --workdir runs/vq_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/enwik8/transformer_vq.py:node8 --dry_run
 """
 
 from configs.enwik8 import dense
 from longctx.config import base_config as base
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):
     if arg == "tiny":
         return tiny()
+    if arg == "node8":
+        return node8(get_config())
     c = base()
     c.data.source = "enwik8"
     c.data.tokenizer = "bytes"
@@ -84,4 +97,22 @@ def tiny():
     c.train.window = 64  # seq_len 128 in two windows, cache carried
     c.eval.reset = "row"
     c.eval.row_len = 0  # = train.seq_len
+    return c
+
+
+def node8(c):
+    """The launch on one node of 8 x 80 GB GPUs (``:node8``), same batch, rows and windows as the paper:
+    bf16 activations over fp32 master weights, the 48 GAUs stacked and scanned, each GAU rematerialised
+    with nothing saved, data parallel over the 8 GPUs (data = 8: 184M parameters + AdamW moments, ~3 GB,
+    replicated), the 128 rows of each update in 4 micro-batches (4 rows of each 2048-token window per device
+    at a time). fsdp = 8 plans far worse here (110 GiB per device): with the parameters sharded on their
+    d_model axis, XLA partitions the projections over that contraction axis and all-reduces whole-micro-batch
+    activations ([65536, 3200] f32) instead of keeping the rows split."""
+    c.model.dtype = "bfloat16"
+    c.model.scan_layers = True
+    c.model.remat = True
+    c.model.remat_policy = "nothing_saveable"
+    c.train.microbatches = 4
+    c.mesh.data = 8
+    c.mesh.fsdp = 1
     return c

@@ -22,11 +22,21 @@ train (10^6, so preparing stays quick; the full config uses the standard 10^9):
 
 On a max_tokens-limited evaluation the word-level perplexity is not comparable: it divides a
 partial NLL by all words.
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 8, bf16, scanned layers, remat nothing_saveable, loss_chunk 8000;
+see node8() below):
+
+    longctx-train --config configs/pg19/dense.py:node8 --config.data.path=/data/pg19 --workdir runs/pg19_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/pg19/dense.py:node8 --dry_run
 """
 
 from longctx.config import base_config as base
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):
@@ -36,6 +46,8 @@ def get_config(arg: str | None = None):
     c.data.path = ""  # set on the command line: --config.data.path=/path/to/deepmind-gutenberg
     if arg == "tiny":
         return tiny(c)
+    if arg == "node8":
+        return node8(get_config())
     c.data.options.vocab_size = 32000
     c.model.d_model = 768
     c.model.num_layers = 12
@@ -76,4 +88,20 @@ def tiny(c):
     c.train.eval_tokens = 4096
     c.train.ckpt_every = 100
     c.eval.max_tokens = 32768
+    return c
+
+
+def node8(c):
+    """The launch on one node of 8 x 80 GB GPUs (``:node8``), same batch and rows: bf16 activations over
+    fp32 master weights, the 12 layers stacked and scanned, each block rematerialised with nothing saved,
+    data parallel over the 8 GPUs (data = 8, 4 rows per
+    device; parameters and AdamW moments replicated), the 32k softmax NLL over
+    vocabulary chunks (no [rows, 2048, 32000] logits)."""
+    c.model.dtype = "bfloat16"
+    c.model.scan_layers = True
+    c.model.remat = True
+    c.model.remat_policy = "nothing_saveable"
+    c.model.loss_chunk = 8000
+    c.mesh.data = 8
+    c.mesh.fsdp = 1
     return c

@@ -10,17 +10,30 @@ is AdamW, so this file uses AdamW with lr 4e-4 instead of Adafactor's 1e-2. Repo
 
 ``:tiny`` is a 4-GAU Transformer-VQ (S = L = M = 32) on configs/pg19/dense.py:tiny's data and schedule,
 for a 2-core CPU smoke run.
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 8, 8 micro-batches, bf16,
+scanned GAUs, remat nothing_saveable, loss_chunk 8000;
+see node8() below):
+
+    longctx-train --config configs/pg19/transformer_vq.py:node8 --config.data.path=/data/pg19 --workdir runs/pg19_vq_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/pg19/transformer_vq.py:node8 --dry_run
 """
 
 from configs.pg19 import dense
 from longctx.config import base_config as base
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):
     if arg == "tiny":
         return tiny()
+    if arg == "node8":
+        return node8(get_config())
     c = base()
     c.data.source = "pg19"
     c.data.tokenizer = "sentencepiece"
@@ -79,4 +92,23 @@ def tiny():
     c.train.window = c.train.seq_len // 2
     c.eval.reset = "row"
     c.eval.row_len = 0
+    return c
+
+
+def node8(c):
+    """The launch on one node of 8 x 80 GB GPUs (``:node8``), same batch, rows and windows as the paper:
+    bf16 activations over fp32 master weights, the 48 GAUs stacked and scanned, each GAU rematerialised
+    with nothing saved, data parallel over the 8 GPUs (data = 8: the 1.3B fp32 parameters + AdamW moments,
+    ~16 GB, replicated), the 128 rows of each update in 8 micro-batches (2 rows of each 2048-token window per
+    device at a time), the 32k softmax NLL over vocabulary chunks. fsdp = 8 is not used: with the parameters
+    sharded on d_model, XLA all-reduces whole-micro-batch activations instead of keeping the rows split
+    (configs/enwik8/transformer_vq.py node8())."""
+    c.model.dtype = "bfloat16"
+    c.model.scan_layers = True
+    c.model.remat = True
+    c.model.remat_policy = "nothing_saveable"
+    c.model.loss_chunk = 8000
+    c.train.microbatches = 8
+    c.mesh.data = 8
+    c.mesh.fsdp = 1
     return c

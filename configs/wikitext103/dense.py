@@ -24,11 +24,21 @@ every line is a token):
     longctx-prepare --config configs/wikitext103/dense.py:tiny --config.data.path=/data/wikitext-103
     longctx-train   --config configs/wikitext103/dense.py:tiny --config.data.path=/data/wikitext-103 --workdir runs/wt103_tiny
     longctx-eval    --workdir runs/wt103_tiny --split test --config.eval.max_tokens=16384
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 4 x tensor = 2, bf16, scanned layers;
+see node8() below):
+
+    longctx-train --config configs/wikitext103/dense.py:node8 --config.data.path=/data/wikitext-103 --workdir runs/wt103_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/wikitext103/dense.py:node8 --dry_run
 """
 
 from longctx.config import base_config as base
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):
@@ -38,6 +48,8 @@ def get_config(arg: str | None = None):
     c.data.path = ""  # set on the command line: --config.data.path=/path/to/wikitext-103
     if arg == "tiny":
         return tiny(c)
+    if arg == "node8":
+        return node8(get_config())
     c.model.d_model = 410
     c.model.num_layers = 16
     c.model.num_heads = 10
@@ -82,4 +94,19 @@ def tiny(c):
     c.eval.reset = "never"
     c.eval.max_tokens = 16384
     c.eval.batch_size = 4
+    return c
+
+
+def node8(c):
+    """The launch on one node of 8 x 80 GB GPUs (``:node8``), same batch (60 rows) and rows: 60 rows split
+    over at most 4 batch-parallel devices and d_model 410 over no more than 2, so the mesh is data = 4 x
+    tensor = 2 (10 heads and the 2100-wide MLP split 2 ways; the adaptive softmax's 267,735-word vocabulary,
+    odd, is not split: mesh.rules 'vocab='); bf16 activations over fp32 master weights, the 16 layers stacked
+    and scanned. model.vocab_size is the corpus's fixed 267,735 words, so the plan needs no data."""
+    c.model.vocab_size = 267_735
+    c.model.dtype = "bfloat16"
+    c.model.scan_layers = True
+    c.mesh.data = 4
+    c.mesh.tensor = 2
+    c.mesh.rules = "vocab="
     return c

@@ -16,11 +16,21 @@ with EVA attention (block 32, chunks of 8):
 
     longctx-train   --config configs/wikitext103/eva_16l.py:tiny --config.data.path=/data/wikitext-103 --workdir runs/wt103_eva_tiny
     longctx-eval    --workdir runs/wt103_eva_tiny --split test --config.eval.max_tokens=16384
+
+One node of 8 GPUs of 80 GB (``:node8``, the paper's batch and rows: data = 8, bf16, scanned layers, remat nothing_saveable;
+see node8() in configs/wikitext103/_eva_common.py):
+
+    longctx-train --config configs/wikitext103/eva_16l.py:node8 --config.data.path=/data/wikitext-103 --workdir runs/wt103_eva16_node8
+
+Its per-device memory plan on 8 simulated devices (a row of the README's flagship table,
+scripts/flagship_plans.py; at most 70 GiB per device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/wikitext103/eva_16l.py:node8 --dry_run
 """
 
 from configs.wikitext103 import _eva_common
 
-VARIANTS = ("tiny",)
+VARIANTS = ("tiny", "node8")
 
 
 def get_config(arg: str | None = None):

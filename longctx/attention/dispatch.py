@@ -2,9 +2,14 @@
 section", STYLE §3, rule 4).
 
 Each attention core declares its implementations in order (``AttentionCore.implementations()``): an
-:class:`Implementation` names one way of computing the method (``'naive'``, ``'blockwise'``, ``'pallas'``, ...),
+:class:`Implementation` names one way of computing the method (``'reference'``, ``'xla'``, ``'pallas'``, ...),
 the platforms and dtypes it serves, and a function ``reasons(platform, **shapes) -> list[str]`` for everything
-else it refuses (empty: it serves the call), in the style of xformers' ``not_supported_reasons``. ``platform`` is
+else it refuses (empty: it serves the call), in the style of xformers' ``not_supported_reasons``. A declaration
+also says where ``'auto'`` tries it and in which rank (``auto``: platform -> rank, lower first), optionally only
+for the calls it is preferred for (``prefer(platform, **shapes) -> bool``, e.g. a tiled form for long rows), and
+carries what computes it (``code``: the implementation's module or function). Each implementation module of a
+method's folder declares its own (a module-level ``IMPLEMENTATIONS`` tuple) and :func:`declared` collects them, so
+the platform knowledge of an implementation lives in its file and the layer names none but the reference. ``platform`` is
 ``'cpu'``, ``'tpu'``, ``'cuda'``, ``'rocm'``, or ``'interpret'`` (a Pallas kernel run in interpret mode on a CPU:
 only what the kernel computes is checked, not hardware limits).
 
@@ -22,9 +27,11 @@ implementations ``cudnn`` and ``splash``: ``longctx/attention/dense/platform.py`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -48,6 +55,11 @@ class Implementation:
     kernel:    a Pallas kernel (interpret mode on a CPU, never chosen there by 'auto').
     config:    the execution settings that select it (tests and benchmarks build the core with them).
     test_config: settings that make it exercise its own structure at test lengths (e.g. small tiles).
+    auto:      platform -> rank: where ``'auto'`` tries it, lower ranks first (absent platform: never by 'auto').
+    prefer:    ``prefer(platform, **shapes) -> bool``: 'auto' tries it only for calls where this holds (None:
+               always). Unlike ``reasons`` this is a preference: a named implementation ignores it.
+    code:      what computes it (a module or a function), for the layer that runs the choice.
+    directions: the attention directions it computes ('causal', 'bidirectional').
     """
 
     name: str
@@ -57,6 +69,10 @@ class Implementation:
     kernel: bool = False
     config: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     test_config: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    auto: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    prefer: Callable[..., bool] | None = dataclasses.field(default=None, hash=False, compare=False)
+    code: Any = dataclasses.field(default=None, hash=False, compare=False)
+    directions: tuple[str, ...] = ("causal", "bidirectional")
 
     def unsupported_reasons(self, platform: str, **shapes) -> list[str]:
         """Why this implementation cannot serve a call with ``shapes`` on ``platform`` (empty: it can)."""
@@ -138,22 +154,58 @@ def by_name(implementations: Sequence[Implementation]) -> dict[str, Implementati
     return {i.name: i for i in implementations}
 
 
-def auto_order(implementations: Sequence[Implementation], platform: str) -> tuple[str, ...]:
-    """The default 'auto' list: the declared order, less the kernels on a CPU (no compiled Pallas there)."""
-    return tuple(i.name for i in implementations if not (i.kernel and platform == "cpu"))
+def auto_order(implementations: Sequence[Implementation], platform: str, **shapes) -> tuple[str, ...]:
+    """The 'auto' list on ``platform`` from the declarations: the implementations whose ``auto`` names the platform
+    and whose ``prefer`` (if any) holds for ``shapes``, by rank (ties in declared order); never a kernel on a CPU."""
+    ranked = [(i.auto[platform], n, i.name) for n, i in enumerate(implementations)
+              if platform in i.auto and not (i.kernel and platform == "cpu")
+              and (i.prefer is None or i.prefer(platform, **shapes))]
+    return tuple(name for _, _, name in sorted(ranked))
+
+
+@functools.lru_cache(maxsize=None)
+def _module_declarations(package: str) -> tuple[Implementation, ...]:
+    """Every ``IMPLEMENTATIONS`` entry of ``package``'s modules, modules in name order, the kernels last (scanned
+    once)."""
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    out: list[Implementation] = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        out.extend(getattr(importlib.import_module(f"{package}.{info.name}"), "IMPLEMENTATIONS", ()))
+    return tuple(sorted(out, key=lambda i: i.kernel))
+
+
+def declared(package: str, *, first: Sequence[Implementation] = (), causal: bool | None = None
+             ) -> tuple[Implementation, ...]:
+    """The implementations declared by the modules of ``package`` (each module's ``IMPLEMENTATIONS`` tuple, the
+    modules in name order, the Pallas kernels last), after ``first`` (the reference); with ``causal`` given, those
+    of that direction only.
+    Names must be unique."""
+    out = list(first) + list(_module_declarations(package))
+    if causal is not None:
+        out = [i for i in out if ("causal" if causal else "bidirectional") in i.directions]
+    names = [i.name for i in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{package}: implementation names declared twice: {', '.join(dup)}")
+    return tuple(out)
 
 
 def select(impl, implementations: Sequence[Implementation], *, method: str, platform: str | None = None,
-           order: Callable[[str], Sequence[str]] | None = None, **shapes) -> Choice:
-    """Pick one of ``implementations`` for ``impl`` (a name, a list or 'auto'; module docstring). ``order``:
-    the platform's ordered list for 'auto' (default: :func:`auto_order`). ``shapes`` go to every candidate's
-    ``unsupported_reasons``."""
+           **shapes) -> Choice:
+    """Pick one of ``implementations`` for ``impl`` (a name, a list or 'auto'; module docstring). 'auto' is
+    :func:`auto_order` of the declarations. ``shapes`` go to every candidate's ``unsupported_reasons`` and
+    ``prefer``."""
     plat = platform or current_platform()
     table = by_name(implementations)
     names = parse_impl(impl)
     explicit = names != ("auto",)
     if not explicit:
-        names = tuple(order(plat) if order is not None else auto_order(implementations, plat))
+        names = auto_order(implementations, plat, **shapes)
+        if not names:
+            raise KernelUnsupportedError(f"{method}: impl='auto' has no implementation declared for {plat}")
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"{method}: impl={impl!r}: unknown {', '.join(map(repr, unknown))}; "
@@ -182,4 +234,4 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
 
 
 __all__ = ["ALL_PLATFORMS", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
-           "current_platform", "impl_problem", "parse_impl", "select"]
+           "current_platform", "declared", "impl_problem", "parse_impl", "select"]

@@ -122,7 +122,7 @@ def slow_reduce(body: list[str]) -> bool:
     """Whether a fused computation (its lines) reduces the product of two different operands into a result that
     keeps a dimension of size 1 (``f32[1,4,8192]`` from ``[1,4,8192,64]``): as a YNNPACK fusion, XLA:CPU (jax
     0.10.2) runs that far slower than the same sum written as a dot, whose reduce folds the size-1 dimensions
-    away (``longctx/xla_cpu.py``; docs/DESIGN.md, "XLA:CPU slow paths"; measure one with this command's
+    away (the XLA:CPU helpers; docs/DESIGN.md, "XLA:CPU slow paths"; measure one with this command's
     ``--method`` on the core that holds it)."""
     ops = {m[1]: m for m in map(_INSTR.match, body) if m}
     operands = lambda m: re.findall(r"%([\w.\-]+)", m[4].split("), ")[0])  # noqa: E731
@@ -140,7 +140,7 @@ def row_dot(line: str, shapes: dict) -> bool:
     """Whether an unfused ``dot`` instruction contracts the second-to-last axis of its left operand (the rows of a
     ``[.., rows, d]`` array: ``dk = dsᵀ q`` as autodiff writes it): XLA:CPU (jax 0.10.2) does not give that form to
     YNNPACK and runs it as a generic dot at a lower rate than YNNPACK's plain product
-    (``longctx.xla_cpu.rows_dot``, ``scores``, ``mix``; docs/DESIGN.md, "XLA:CPU slow paths")."""
+    (the XLA:CPU helpers ``rows_dot``, ``scores``, ``mix``; docs/DESIGN.md, "XLA:CPU slow paths")."""
     im = _INSTR.match(line)
     if not im or im[3] != "dot":
         return False
@@ -423,10 +423,10 @@ def _slow_section(res: dict, top: int) -> list[str]:
     return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
             "'row sum': a YNNPACK fusion that reduces the product of two operands into a result that keeps a dimension "
             "of size 1 (batch 1, one head); XLA:CPU can run these many times slower than the same sum as a dot. Rewrites, "
-            "same arithmetic: `longctx.xla_cpu.rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
+            "same arithmetic (the XLA:CPU helpers, docs/DESIGN.md \"XLA:CPU slow paths\"): `rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
             "gradient sums rows), `longctx.layout.rows_apply` (a row norm over flattened rows). 'row dot': a dot that contracts the "
             "rows of its left operand (`dk = dsᵀ q` as autodiff writes it), which XLA:CPU runs as a generic dot at "
-            "a lower rate than YNNPACK's; rewrites: `longctx.xla_cpu.rows_dot` on a `transposed` operand (a hand-written "
+            "a lower rate than YNNPACK's; rewrites: `rows_dot` on a `transposed` operand (a hand-written "
             "backward) or the einsums `scores` / `mix` (autodiff). Measure before and after (next to large score "
             "passes a flagged op can be cheap, and a rewrite can cost more).", "",
             C.md_table(["op", "why", "shape", "ms per call", "source"],

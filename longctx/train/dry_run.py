@@ -9,6 +9,8 @@ so even a model that does not fit on the host can be planned.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import ml_collections
 import numpy as np
@@ -40,6 +42,29 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
+    """Training matmul FLOPs per token: 3 x the forward matmul FLOPs of the loss on one row, counted in its
+    jaxpr (``longctx.bench.common.jaxpr_matmul_flops``: a scan body -- stacked layers -- times its length),
+    divided by the row's tokens. With windows carrying state, one window with the carried state is traced
+    and the count scaled by the windows per row (as ``longctx.bench.step_bench.forward_matmul_flops``).
+    Works on abstract parameters (``nnx.eval_shape``): nothing is computed or allocated."""
+    from longctx.bench.common import jaxpr_matmul_flops
+    from longctx.train.step import make_loss_fn
+
+    tc = cfg.train
+    W = tc.window or tc.seq_len
+    n_windows = tc.seq_len // W
+    loss = make_loss_fn(graphdef)
+    toks = jax.ShapeDtypeStruct((1, W), np.int32)
+    state = (jax.eval_shape(lambda p, n, r: nnx.merge(graphdef, p, n, r).init_state(1, tc.seq_len),
+                            params, nongrad, rest) if n_windows > 1 else None)
+    res = jaxpr_matmul_flops(lambda p, n, r, s, t: loss(p, n, r, t, t, s, jax.random.key(0))[0],
+                             params, nongrad, rest, state, toks)
+    fwd_row = res["flops"] * n_windows
+    return {"training_flops_per_token": 3.0 * fwd_row / tc.seq_len, "forward_flops_per_row": fwd_row,
+            "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
+
+
 def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     """Compile one train step for ``cfg``'s mesh; return per-device memory (bytes) and FLOPs."""
     cfg = config_lib.validate(cfg)
@@ -61,7 +86,9 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
         jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len + 1), np.int32, sharding=p.batch),
         jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=p.scalar),
     )
+    t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
@@ -77,7 +104,11 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
         "generated_code_bytes": int(getattr(mem, "generated_code_size_in_bytes", 0)),
         "flops_per_step": float(cost.get("flops", 0.0)),
         "tokens_per_step": tc.batch_size * tc.seq_len,
+        # windows carrying state are one optimizer update each (longctx.train.step.make_train_step)
+        "tokens_per_update": tc.batch_size * (tc.window or tc.seq_len),
+        "compile_s": compile_s,
     }
+    out.update(training_flops_per_token(cfg, graphdef, params, nongrad, rest))
     # XLA's cost analysis counts the body of a loop once: scanned layers and micro-batches run it many times
     out["flops_loop_note"] = ("scanned layers / micro-batches: XLA counts a loop body once, so the FLOPs understate "
                               "the step") if (cfg.model.get("scan_layers", False) or tc.microbatches > 1) else ""
@@ -100,4 +131,8 @@ def report(res: dict) -> str:
         f"FLOPs per step per device: {res['flops_per_step']:.3e} "
         f"({res['tokens_per_step']:,} tokens per step, whole batch)"
         + (f"; {res['flops_loop_note']}" if res.get("flops_loop_note") else ""),
+        f"tokens per update: {res['tokens_per_update']:,} (batch x window); compile {res['compile_s']:.1f} s",
+        f"training FLOPs per token (3 x forward matmuls): {res['training_flops_per_token']:.4e}"
+        + (" (a lower bound: loops of unknown trip count counted once)" if res.get("flops_count_while_loops") else "")
+        + (f" (not counted: {', '.join(res['flops_count_opaque'])})" if res.get("flops_count_opaque") else ""),
     ])

@@ -26,8 +26,9 @@ def fake_reasons(platform, *, n, **_):
 def two_way(reasons_fn, extra=()):
     """A kernel ``pallas`` (GPU/TPU) before a portable ``xla``."""
     return (dispatch.Implementation("pallas", platforms=("tpu", "cuda", "rocm"), kernel=True,
-                                    reasons=lambda plat, **s: list(extra) + list(reasons_fn(plat, **s))),
-            dispatch.Implementation("xla"))
+                                    reasons=lambda plat, **s: list(extra) + list(reasons_fn(plat, **s)),
+                                    auto={"tpu": 0, "cuda": 0, "rocm": 0, "cpu": 0}),
+            dispatch.Implementation("xla", auto={p: 1 for p in dispatch.ALL_PLATFORMS}))
 
 
 def pick(impl, reasons_fn=fake_reasons, extra=(), **kw):
@@ -58,6 +59,35 @@ def test_auto_on_cpu_never_takes_a_kernel():
     c = pick("auto", platform="cpu", n=1)
     assert not c.use_kernel and c.name == "xla"
     assert dispatch.auto_order(two_way(fake_reasons), "cpu") == ("xla",)
+
+
+def test_auto_order_comes_from_the_declarations_by_rank_and_preference():
+    impls = (dispatch.Implementation("reference"),  # never tried by 'auto'
+             dispatch.Implementation("slow", auto={"cpu": 2, "cuda": 0}),
+             dispatch.Implementation("tiles", auto={"cpu": 1}, prefer=lambda plat, *, n, **_: n > 8),
+             dispatch.Implementation("kernel", kernel=True, auto={"cpu": 0, "cuda": 1}))
+    assert dispatch.auto_order(impls, "cpu", n=16) == ("tiles", "slow")  # no kernel on a CPU
+    assert dispatch.auto_order(impls, "cpu", n=4) == ("slow",)  # tiles not preferred for short rows
+    assert dispatch.auto_order(impls, "cuda", n=16) == ("slow", "kernel")
+    assert dispatch.select("auto", impls, method="m", platform="cpu", n=16).name == "tiles"
+    assert dispatch.select("tiles", impls, method="m", platform="cpu", n=4).name == "tiles"  # named: no preference
+    with pytest.raises(dispatch.KernelUnsupportedError, match="no implementation declared for tpu"):
+        dispatch.select("auto", impls, method="m", platform="tpu", n=4)
+
+
+def test_declared_collects_each_modules_implementations(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakemethod"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, impl in (("b_impl", "second"), ("a_impl", "first")):
+        (pkg / f"{name}.py").write_text("from longctx.attention.dispatch import Implementation\n"
+                                        f"IMPLEMENTATIONS = (Implementation({impl!r}),)\n")
+    (pkg / "helpers.py").write_text("X = 1\n")  # no declarations: skipped
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref = dispatch.Implementation("reference")
+    assert [i.name for i in dispatch.declared("fakemethod", first=(ref,))] == ["reference", "first", "second"]
+    with pytest.raises(ValueError, match="declared twice: reference"):
+        dispatch.declared("fakemethod", first=(ref, ref))
 
 
 def test_a_named_kernel_where_unsupported_raises_listing_every_reason():

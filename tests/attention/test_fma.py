@@ -362,7 +362,7 @@ def test_level_summaries_gradients_equal_the_einsum_form():
 
 # ----------------------------------------------------------------------------- implementations by name
 def _pick(cls, impl, platform, d=8, dropout=0.0):
-    return dispatch.select(impl, cls.implementations(), method=cls.name, platform=platform, order=cls.auto_order,
+    return dispatch.select(impl, cls.implementations(), method=cls.name, platform=platform,
                            m=64, d=d, dv=d, coarse_kind="stats" if cls.linear else "packed", dropout=dropout).name
 
 

@@ -40,3 +40,63 @@ def test_dry_run_cli_on_eight_devices_shards_the_arguments(tmp_path):
     assert "RATIO" in r.stdout, r.stderr[-3000:]
     ratio = float(r.stdout.split("RATIO")[1].split()[0])
     assert ratio > 2.0, ratio  # parameters and optimizer state split 4 ways by fsdp (the batch 8 ways)
+
+
+def _tiny_flops_config(tmp_path, **model):
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache")
+    cfg.model.vocab_size = 256
+    for k, v in model.items():
+        cfg.model[k] = v
+    return cfg
+
+
+def test_training_flops_per_token_is_three_forward_matmul_passes(tmp_path):
+    """plan()'s FLOPs per token = 3 x step_bench.forward_matmul_flops (the bench's jaxpr count of the loss
+    over a step's rows, on concrete parameters) / tokens; stacking the layers into a scan changes nothing."""
+    from longctx import config as config_lib
+    from longctx.bench import step_bench
+    from longctx.models.decoder import build_model
+    from longctx.train import dry_run
+    from longctx.train.step import split_model
+
+    cfg = config_lib.validate(_tiny_flops_config(tmp_path))
+    graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0, execution=cfg.execution))
+    bench = step_bench.forward_matmul_flops(cfg, graphdef, params, nongrad, rest)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    res = dry_run.plan(_tiny_flops_config(tmp_path))
+    assert res["training_flops_per_token"] > 0
+    assert abs(res["training_flops_per_token"] - 3 * bench["flops"] / tokens) <= 1e-9 * res["training_flops_per_token"]
+    assert "training FLOPs per token (3 x forward matmuls)" in dry_run.report(res)
+    scanned = dry_run.plan(_tiny_flops_config(tmp_path, scan_layers=True))
+    assert scanned["training_flops_per_token"] == res["training_flops_per_token"]
+
+
+def test_training_flops_per_token_with_windows_carrying_state(tmp_path):
+    """Windows with a carried state: one window traced with the state, times the windows per row; the
+    per-token figure matches the bench's count on concrete parameters over one row (the VQ codebook's own
+    matmuls do not grow with the rows, so the figure is the one-row count)."""
+    from longctx import config as config_lib
+    from longctx.bench import step_bench
+    from longctx.models.decoder import build_model
+    from longctx.train import dry_run
+    from longctx.train.step import split_model
+
+    def windowed():
+        c = _tiny_flops_config(tmp_path, block="gau", num_heads=1, norm="rmsnorm", positions="none")
+        c.model.attention.name = "transformer_vq"
+        c.model.attention.transformer_vq.codebook_size = 8
+        c.model.attention.transformer_vq.block_len = 8
+        c.train.window = 16
+        c.train.batch_size = 1
+        return c
+
+    cfg = config_lib.validate(windowed())
+    graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0, execution=cfg.execution))
+    bench = step_bench.forward_matmul_flops(cfg, graphdef, params, nongrad, rest)
+    assert bench["windows"] == 2
+    res = dry_run.training_flops_per_token(cfg, graphdef, params, nongrad, rest)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    assert res["training_flops_per_token"] > 0
+    assert abs(res["training_flops_per_token"] - 3 * bench["flops"] / tokens) <= 1e-9 * res["training_flops_per_token"]

@@ -4,10 +4,13 @@ One function, named implementations (``DenseAttention.implementations()``, the r
 
 * ``reference`` (``reference.py``; old name ``naive``): one masked softmax over the [Tq, Tk] score matrix;
 * ``blockwise`` (``xla.py``): online softmax over key blocks, FlashAttention-2's backward; portable;
-* ``xla_cpu`` (``xla_cpu.py``): the same tiles with XLA:CPU's ops (the CPU's ``auto`` path for long rows);
+* the XLA:CPU implementation (its own file): the same tiles with XLA:CPU's ops (the CPU's ``auto`` path for long
+  rows);
 * ``cudnn`` (GPU), ``splash`` (TPU) (``platform.py``): the platforms' fused kernels, full passes only.
 
-``layer.py`` holds the core (config, state, the call that selects an implementation).
+Each implementation module declares its own (``IMPLEMENTATIONS``: platforms, where ``auto`` takes it, what computes
+it); ``layer.py`` holds the core (config, state, the reference's declaration, the call that selects an
+implementation and runs it).
 """
 
 from longctx.attention.dense.layer import DenseAttention, attend, choose, implementations

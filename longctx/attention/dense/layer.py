@@ -11,13 +11,14 @@ older ones are dropped by design (Transformer-XL-style memory, not exact attenti
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
 from longctx.attention.dense import platform as kernels
-from longctx.attention.dense import xla, xla_cpu
 from longctx.attention.dense.reference import naive_attention
 
 METHOD = "dense"
@@ -29,52 +30,28 @@ def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, **_):
     return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal)
 
 
-def _tiled(module):
-    def run(q, k, v, q_pos, k_pos, k_valid, *, causal, block_q, block_k, full_pass, **_):
-        return module.attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                             full_pass=full_pass)
-    return run
+def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
+    """'auto' takes the reference's one softmax up to auto_threshold scores (Tq*Tk), the tiles past it."""
+    return not large
 
 
-def _cudnn(q, k, v, *_, causal, **__):
-    return kernels.cudnn_attention(q, k, v, causal=causal)
+# 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold)
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
+                                    auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=_reference)
 
 
-def _splash(q, k, v, *_, causal, interpret, **__):
-    return kernels.splash_attention(q, k, v, causal=causal, interpret=interpret)
+@functools.lru_cache(maxsize=None)  # the declarations are module constants: collected once
+def implementations(causal: bool | None = None):
+    """dense's implementations, the reference first, then each implementation module's declarations
+    (``dispatch.declared``), the platforms' fused kernels last (``DenseAttention.implementations``)."""
+    impls = dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
+    return tuple(sorted(impls, key=lambda i: i.name in kernels.FAST_IMPLS))  # stable: declared order otherwise
 
 
-RUN = {"reference": _reference, "blockwise": _tiled(xla), "xla_cpu": _tiled(xla_cpu), "cudnn": _cudnn,
-       "splash": _splash}
-
-
-def implementations():
-    """dense's implementations in order, the reference first (``DenseAttention.implementations``)."""
-    return (
-        dispatch.Implementation("reference", config={"impl": "reference"}),
-        dispatch.Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8}),
-        dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
-                                test_config={"block_q": 8, "block_k": 8}),
-        dispatch.Implementation("cudnn", platforms=("cuda",), reasons=kernels.cudnn_unsupported_reasons,
-                                config={"impl": "cudnn"}),
-        dispatch.Implementation("splash", platforms=("tpu",), kernel=True,
-                                reasons=kernels.splash_unsupported_reasons, config={"impl": "splash"}),
-    )
-
-
-def xla_order(platform: str, large: bool) -> tuple[str, ...]:
-    """The XLA implementations ``auto`` takes on ``platform``: the tiled ones once Tq*Tk exceeds auto_threshold
+def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
+    """The 'auto' list on ``platform`` without the fused kernels: the tiles once Tq*Tk exceeds auto_threshold
     (``large``; on a CPU its tuned form first), else the reference's one softmax."""
-    if not large:
-        return ("reference",)
-    return ("xla_cpu", "blockwise") if platform == "cpu" else ("blockwise",)
-
-
-def auto_order(platform: str, large: bool) -> tuple[str, ...]:
-    """``impl='auto'`` on ``platform``: its fused kernel where it serves the call (cuda: cudnn, tpu: splash), then
-    :func:`xla_order`."""
-    kernel = kernels.PLATFORM_KERNEL.get(platform)
-    return ((kernel,) if kernel else ()) + xla_order(platform, large)
+    return tuple(n for n in dispatch.auto_order(impls, platform, **shapes) if n not in kernels.FAST_IMPLS)
 
 
 def impl_names(impl) -> tuple[str, ...]:
@@ -85,10 +62,11 @@ def impl_names(impl) -> tuple[str, ...]:
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str | None = None) -> dispatch.Choice:
-    """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` with
-    :func:`auto_order`. A KV-cache step (``kv_cache``) is no call for a fused kernel: a kernel named explicitly is
-    passed over for the rest of the list, or for :func:`xla_order` (one log line), unless it cannot serve even a
-    full pass here and nothing else is named (then the error lists its reasons)."""
+    """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
+    declarations' order on the platform; ``large``: Tq*Tk > auto_threshold). A KV-cache step (``kv_cache``) is no
+    call for a fused kernel: a kernel named explicitly is passed over for the rest of the list, or for the 'auto'
+    list without the kernels (one log line), unless it cannot serve even a full pass here and nothing else is named
+    (then the error lists its reasons)."""
     plat = platform or dispatch.current_platform()
     impls = implementations()
     table = dispatch.by_name(impls)
@@ -105,11 +83,11 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
                         f"{METHOD}: impl={impl!r} cannot use {kernels.KERNEL_NAMES[n]} on {plat}: "
                         + "; ".join(static + [kernels.KV_CACHE_REASON])
                         + ". Use impl='auto' (falls back to the XLA path) or impl='reference' / 'blockwise'.")
-        names = rest or xla_order(plat, large)
+        names = rest or _xla_forms(impls, plat, kv_cache=kv_cache, large=large, **shapes)
         dispatch._log_once(f"{METHOD}: impl={impl!r} uses {', '.join(names)} for this call: {kernels.KV_CACHE_REASON}")
     try:
-        return dispatch.select(",".join(names), impls, method=METHOD, platform=plat,
-                               order=lambda p: auto_order(p, large), kv_cache=kv_cache, **shapes)
+        return dispatch.select(",".join(names), impls, method=METHOD, platform=plat, kv_cache=kv_cache, large=large,
+                               **shapes)
     except dispatch.KernelUnsupportedError as e:
         raise dispatch.KernelUnsupportedError(f"{e}. Use impl='auto' (falls back to the XLA path) or "
                                               "impl='reference' / 'blockwise'.") from None
@@ -118,13 +96,15 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
            full_pass: bool = False, platform: str | None = None):
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
-    :func:`choose` picks for ``impl`` (``platform``: default the running one). ``full_pass`` (static): q_pos = k_pos
-    = arange(T) and every key valid (no cache): the fused kernels and the unrolled tiles serve only that."""
+    :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
+    ``code``. ``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid (no cache): the fused kernels
+    and the unrolled tiles serve only that."""
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
                     value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > auto_threshold,
                     platform=platform)
-    return RUN[choice.name](q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                            full_pass=full_pass, interpret=choice.interpret)
+    run = dispatch.by_name(implementations())[choice.name].code
+    return run(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
+               interpret=choice.interpret)
 
 
 class DenseAttention(AttentionCore):
@@ -140,19 +120,21 @@ class DenseAttention(AttentionCore):
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
-        """reference (one masked softmax), blockwise (the portable tiled online softmax, ``xla.py``), xla_cpu (the
-        same tiles with XLA:CPU's ops, ``xla_cpu.py``), cudnn (GPU) and splash (TPU; interpret mode on CPU) for
-        full passes (``platform.py``). ``impl='auto'``: the platform's fused kernel where it serves the call, else
-        once Tq*Tk > auto_threshold the tiles (xla_cpu on a CPU, blockwise elsewhere), else reference."""
-        return implementations()
+        """reference (one masked softmax), blockwise (the portable tiled online softmax, ``xla.py``), the XLA:CPU
+        implementation (the same tiles with XLA:CPU's ops, its own file), cudnn (GPU) and splash (TPU; interpret
+        mode on CPU) for full passes (``platform.py``). ``impl='auto'``: the platform's fused kernel where it serves
+        the call, else once Tq*Tk > auto_threshold the tiles (the CPU-tuned ones first on a CPU), else reference;
+        each implementation's file declares where 'auto' takes it."""
+        return implementations(causal=causal)
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(
             {
-                # 'reference' (also 'naive') | 'blockwise' | 'xla_cpu' | 'cudnn' (GPU) | 'splash' (TPU), a list of
-                # them ('cudnn,blockwise'), or 'auto': the platform's fused kernel where it serves the call, else the
-                # tiles when Tq*Tk > auto_threshold (xla_cpu on a CPU), else reference
+                # 'reference' (also 'naive') | 'blockwise' | the XLA:CPU tiles (named in their own file) | 'cudnn'
+                # (GPU) | 'splash' (TPU), a list of them ('cudnn,blockwise'), or 'auto': the platform's fused kernel
+                # where it serves the call, else the tiles when Tq*Tk > auto_threshold (the CPU-tuned ones on a
+                # CPU), else reference
                 "impl": "auto",
                 # query / key block sizes: on a 2-core CPU, 1024x512 was the fastest of 1024x512, 512x512 and
                 # 512x256 for a causal forward+backward at 8k, in the unrolled full pass and in the loop alike
@@ -176,12 +158,13 @@ class DenseAttention(AttentionCore):
 
     @classmethod
     def bench_variants(cls):
-        """naive: the reference; blockwise: the platform's tiled form (xla_cpu on a CPU); its fused kernel by name (an
-        error, never a fallback, where it refuses)."""
+        """naive: the reference; blockwise: the platform's tiled form ('auto''s first for long rows: the CPU-tuned
+        tiles on a CPU); its fused kernel by name (an error, never a fallback, where it refuses)."""
         plat = dispatch.current_platform()
-        out = {"naive": {"impl": "reference"}, "blockwise": {"impl": "xla_cpu" if plat == "cpu" else "blockwise"}}
-        kernel = kernels.PLATFORM_KERNEL.get(plat)
-        if kernel:
+        impls = implementations()
+        tiles = _xla_forms(impls, plat, large=True)
+        out = {"naive": {"impl": "reference"}, "blockwise": {"impl": tiles[0]}}
+        for kernel in [n for n in dispatch.auto_order(impls, plat, large=True) if n in kernels.FAST_IMPLS][:1]:
             out[kernel] = {"impl": kernel}
         return out
 
@@ -192,10 +175,12 @@ class DenseAttention(AttentionCore):
     @classmethod
     def contract_cases(cls):
         tiles = {"block_q": 8, "block_k": 8}
+        # each tiled implementation (blockwise, the CPU-tuned tiles: the declarations with small test tiles), causal
+        tiled = {i.name: ContractCase(cfg={**i.config, **i.test_config}, length=40, directions=("causal",))
+                 for i in implementations() if i.test_config}
         return {
             "reference": ContractCase(cfg={"impl": "reference"}, length=40),
-            "blockwise": ContractCase(cfg={"impl": "blockwise", **tiles}, length=40, directions=("causal",)),
-            "xla_cpu": ContractCase(cfg={"impl": "xla_cpu", **tiles}, length=40, directions=("causal",)),
+            **tiled,
             "blockwise_bidirectional": ContractCase(cfg={"impl": "blockwise", **tiles}, length=40,
                                                     directions=("bidirectional",), slow=True),
             # the TPU kernel in Pallas interpret mode: full passes by splash, KV-cache steps by the XLA path
@@ -271,5 +256,4 @@ class DenseAttention(AttentionCore):
         return out, new_state
 
 
-__all__ = ["ALIASES", "DenseAttention", "attend", "auto_order", "choose", "impl_names", "implementations",
-           "xla_order"]
+__all__ = ["ALIASES", "REFERENCE", "DenseAttention", "attend", "choose", "impl_names", "implementations"]

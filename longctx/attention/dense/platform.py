@@ -1,6 +1,9 @@
 """``cudnn`` and ``splash``: exact attention by the platform's own fused kernel, cuDNN flash attention on NVIDIA
 GPUs, Pallas splash attention on TPUs (DESIGN.md §3 and §8; STYLE rule 4), two of dense's implementations
-(``layer.py`` declares them; ``dispatch.select`` chooses):
+(``dispatch.select`` chooses):
+
+Both are declared here (:data:`IMPLEMENTATIONS`): ``impl='auto'`` tries the platform's kernel first (cudnn on cuda,
+splash on tpu) wherever it serves the call, then the XLA forms.
 
 * ``'cudnn'``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (bf16/fp16; causal or
   bidirectional; optional per-row key lengths for right-padded batches).
@@ -23,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention.dispatch import Implementation
+
 FAST_IMPLS = ("cudnn", "splash")
-# the fused kernel 'auto' takes on each platform
-PLATFORM_KERNEL = {"cuda": "cudnn", "tpu": "splash"}
 KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "Pallas splash attention"}
 
 KV_CACHE_REASON = ("a KV-cache step (positions offset by the cache, empty slots) is not a full pass; the fused "
@@ -169,5 +172,25 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
     return out[:, :, :T].astype(v.dtype)
 
 
-__all__ = ["FAST_IMPLS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL", "cudnn_attention", "cudnn_head_dim_max",
+# ----------------------------------------------------------------------------------------------------- declarations
+def _run_cudnn(q, k, v, *_, causal: bool, **__):
+    return cudnn_attention(q, k, v, causal=causal)
+
+
+def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, **__):
+    return splash_attention(q, k, v, causal=causal, interpret=interpret)
+
+
+# 'auto' tries the platform's fused kernel first (rank 0) wherever it serves the call, long or short
+IMPLEMENTATIONS = (
+    Implementation("cudnn", platforms=("cuda",), reasons=cudnn_unsupported_reasons, config={"impl": "cudnn"},
+                   auto={"cuda": 0}, code=_run_cudnn),
+    Implementation("splash", platforms=("tpu",), kernel=True, reasons=splash_unsupported_reasons,
+                   config={"impl": "splash"}, auto={"tpu": 0}, code=_run_splash),
+)
+# the fused kernel 'auto' takes on each platform (from the declarations)
+PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
+
+
+__all__ = ["FAST_IMPLS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL", "cudnn_attention", "cudnn_head_dim_max",
            "cudnn_unsupported_reasons", "splash_attention", "splash_block", "splash_unsupported_reasons"]

@@ -14,8 +14,11 @@ Two structures compute it:
   every key block is visited and masked by positions.
 
 The algorithm takes the few ops it needs as a :class:`TileOps` argument: :data:`PLAIN` here (no branch inside a
-loop: each visited block is computed under its mask), the XLA:CPU forms in ``xla_cpu.py``, which runs this same code
-with them (its ``visit`` skips a key block wholly in a query block's future with a ``lax.cond``).
+loop: each visited block is computed under its mask); the XLA:CPU implementation (its own file) runs this same code
+with the XLA:CPU forms of them (its ``visit`` skips a key block wholly in a query block's future with a ``lax.cond``).
+
+Declares ``blockwise`` (:data:`IMPLEMENTATIONS`): ``impl='auto'`` takes the tiles on every platform once Tq*Tk exceeds
+``auto_threshold`` (the ``large`` flag of the call), after the platform's fused kernel and its CPU-tuned tiles.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.dense.reference import NEG_INF, positions_mask
+from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 
 
 def _masked_visit(step, causal: bool, qpi, kmi, carry, skipped):
@@ -395,5 +399,23 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_
                  full_pass=full_pass, ops=PLAIN)
 
 
-__all__ = ["MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "attend", "blockwise_attention", "self_blocks_apply",
+def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
+    """Where 'auto' takes tiles: calls with Tq*Tk past ``auto_threshold`` (``large``); shorter ones take the
+    reference's one softmax."""
+    return large
+
+
+def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False, **_):
+    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass)
+
+
+# 'auto' on every platform: after the fused kernel (cuda, tpu) and the CPU-tuned tiles (cpu), for long calls only
+TILES_RANK = 2
+IMPLEMENTATIONS = (
+    Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8},
+                   auto={p: TILES_RANK for p in ALL_PLATFORMS}, prefer=prefers_long_rows, code=_run),
+)
+
+
+__all__ = ["IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
            "self_blockwise_attention", "tiled"]

@@ -8,6 +8,9 @@ The same tiled code (the unrolled full pass where whole blocks tile it, else the
   docs/DESIGN.md "Where the time goes");
 * in the position-general loop, a key block wholly after every query of a block is skipped by a ``lax.cond`` (a
   branch costs little on a CPU; the portable path computes such a block under its mask instead).
+
+Declares ``xla_cpu`` (:data:`IMPLEMENTATIONS`, CPU only): ``impl='auto'`` on a CPU takes it first once Tq*Tk exceeds
+``auto_threshold`` (``xla.prefers_long_rows``), then ``blockwise``; shorter calls take the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx.attention.dense import xla
+from longctx.attention.dispatch import Implementation
 from longctx.xla_cpu import rowdot, rows_dot, transposed
 
 
@@ -35,4 +39,14 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_
                      full_pass=full_pass, ops=CPU)
 
 
-__all__ = ["CPU", "attend"]
+def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False, **_):
+    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass)
+
+
+IMPLEMENTATIONS = (
+    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, test_config={"block_q": 8, "block_k": 8},
+                   auto={"cpu": xla.TILES_RANK - 1}, prefer=xla.prefers_long_rows, code=_run),
+)
+
+
+__all__ = ["CPU", "IMPLEMENTATIONS", "attend"]

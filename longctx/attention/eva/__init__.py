@@ -10,9 +10,10 @@ Method notes: ``docs/methods/eva.md``. Each query ``n`` sees
 combined by one log-sum-exp normalised softmax over ``[local logits ; chunk logits]`` (eq. 16, Phase B, §2.4).
 
 The package: ``reference.py`` (the paper's computation, the implementation every other one must equal),
-``xla.py`` (portable XLA tiles), ``xla_cpu.py`` (the tiles tuned for XLA:CPU), ``pallas.py`` (the kernels),
-``common.py`` (options, geometry, masks, bias, random draws and decoding state they share) and ``layer.py``
-(:class:`EVAAttention`: parameters, configuration, state, and the choice of implementation).
+``xla.py`` (portable XLA tiles), the tiles tuned for XLA:CPU (the CPU-tuned implementation, its own file),
+``pallas.py`` (the kernels), each declaring itself (``IMPLEMENTATIONS``), ``common.py`` (options, geometry, masks,
+bias, random draws and decoding state they share) and ``layer.py`` (:class:`EVAAttention`: parameters,
+configuration, state, and the choice of implementation).
 """
 
 from longctx.attention.eva.common import (

@@ -172,7 +172,8 @@ def dropout_keep_full(drop_key, opts: EVAOptions, batch: int, heads: int, L_pad:
 
 
 # ---------------------------------------------------------------------------
-# the few ops a tiled implementation takes from its platform (xla.py plain, xla_cpu.py tuned)
+# the few ops a tiled implementation takes from its platform (xla.py plain; the CPU-tuned implementation, in its
+# own file, passes tuned ones)
 # ---------------------------------------------------------------------------
 
 
@@ -184,8 +185,8 @@ def _plain_scale_rows(x, s):
 class TileOps:
     """layer_norm: Phase A's LayerNorm; noise: applied to the drawn chunk noise; scale_rows(x, s): x · s[..., None];
     fused_groups(ctx) -> run_group or None: a full pass's groups of query tiles, written out for the
-    representative-logit estimator without dropout (xla_cpu.py); fused_tile: the same for one tile of a stream
-    (``attend_tile``'s arguments plus the masks and bias), or None."""
+    representative-logit estimator without dropout (the CPU-tuned implementation); fused_tile: the same for one
+    tile of a stream (``attend_tile``'s arguments plus the masks and bias), or None."""
 
     layer_norm: Callable = layer_norm
     noise: Callable = lambda x: x  # noqa: E731

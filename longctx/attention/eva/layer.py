@@ -3,14 +3,20 @@
 
 * ``reference`` (reference.py): the paper's computation over the whole sequence, plain autodiff, O(L²);
 * ``xla`` (xla.py): XLA tiles with plain einsums (portable);
-* ``xla_cpu`` (xla_cpu.py): the same tiles tuned for XLA:CPU ('auto' on a CPU);
+* the same tiles tuned for XLA:CPU (the CPU-tuned implementation, its own file; 'auto' on a CPU);
 * ``pallas`` (pallas.py): the Phase A and Phase B kernels ('auto' on a GPU / TPU where they serve, then ``xla``).
 
-A call with a carried state (decoding, streaming) runs the chosen implementation's stream: the XLA tiles
-(xla_cpu's with its ops; the kernels' with Phase A in the kernel).
+Each implementation module declares itself (its ``IMPLEMENTATIONS``: platforms, limits, where 'auto' tries it, and
+its ``code``, a module with ``eva_forward`` and ``eva_stream``); the layer declares only the reference and runs
+whatever ``dispatch.select`` chooses through that declaration's code. A call with a carried state (decoding,
+streaming) runs the chosen implementation's stream: the XLA tiles (the CPU-tuned ones with their ops; the kernels'
+with Phase A in the kernel; the reference's are the portable ones).
 """
 
 from __future__ import annotations
+
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,16 +33,22 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from longctx.attention.eva import pallas, reference, xla, xla_cpu
+from longctx.attention.eva import reference, xla
 from longctx.attention.eva.common import EVAOptions, empty_state, geometry, rpe_num_buckets, state_from_forward
 
-IMPLEMENTATIONS = ("reference", "xla", "xla_cpu", "pallas")
+# the paper's computation over the whole sequence; a stream after a carried state has no O(L²) form of its own
+# and runs the portable tiles. Never tried by 'auto'.
+REFERENCE = dispatch.Implementation(
+    "reference", config={"impl": "reference"},
+    code=types.SimpleNamespace(eva_forward=reference.eva_reference, eva_stream=xla.eva_stream))
 
 
-def _auto_order(platform: str) -> tuple[str, ...]:
-    """'auto': the CPU-tuned tiles on a CPU; elsewhere the kernels where they serve, then the portable tiles."""
-    return ("xla_cpu",) if platform == "cpu" else ("pallas", "xla")
-
+@functools.cache
+def _declared(causal: bool | None) -> tuple[dispatch.Implementation, ...]:
+    """The reference, then each module's declarations, the kernels last (the order the names were listed in before
+    the modules declared themselves)."""
+    found = dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
+    return tuple(sorted(found, key=lambda i: i.kernel))  # stable: declared order within each kind
 
 
 class EVAAttention(AttentionCore):
@@ -48,14 +60,9 @@ class EVAAttention(AttentionCore):
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
-        """reference (the paper's math, first), xla (portable tiles), xla_cpu (the tiles tuned for XLA:CPU) and
-        pallas (the Phase A and Phase B kernels; interpret mode on a CPU when named)."""
-        Impl = dispatch.Implementation
-        return (Impl("reference", config={"impl": "reference"}),
-                Impl("xla", config={"impl": "xla"}),
-                Impl("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
-                Impl("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=pallas.unsupported_reasons,
-                     config={"impl": "pallas"}))
+        """reference (the paper's math, first), xla (portable tiles), the tiles tuned for XLA:CPU and pallas (the
+        Phase A and Phase B kernels; interpret mode on a CPU when named): each declared by its own module."""
+        return _declared(causal)
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -73,7 +80,7 @@ class EVAAttention(AttentionCore):
                 "rf_scale": "released",  # 'released' s(ω·k−½‖k‖²) | 'principled' √s ω·k − (s/2)‖k‖²
                 "use_rpe": True,  # T5 relative position bias inside the local block
                 "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
-                # 'reference' | 'xla' | 'xla_cpu' | 'pallas', an ordered list ('pallas,xla') or 'auto' (xla_cpu on a
+                # a name from implementations(), an ordered list ('pallas,xla') or 'auto' (the CPU-tuned tiles on a
                 # CPU; pallas where it serves, then xla, elsewhere): longctx/attention/dispatch.py. 'pallas' runs
                 # Phase B of a step with attention dropout (attn_dropout > 0, deterministic=False) in the xla tiles
                 "impl": "auto",
@@ -122,7 +129,7 @@ class EVAAttention(AttentionCore):
         require(not (causal and cfg.adaptive_proj == "none"),
                 f"{p}.adaptive_proj='none' exists only for bidirectional layers; use 'qk' or 'no-ln'")
         require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
-        why = dispatch.impl_problem(cfg.impl, IMPLEMENTATIONS)
+        why = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
         require(why is None, f"{p}.{why}")
         require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
         require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
@@ -176,7 +183,7 @@ class EVAAttention(AttentionCore):
         # window 8, chunk 4, 48 tokens: the carried state holds 8+ finished chunks beyond the window
         small = {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.0}
         return {
-            "auto": ContractCase(cfg={**small, "impl": "auto"}, length=48),  # xla_cpu on a CPU
+            "auto": ContractCase(cfg={**small, "impl": "auto"}, length=48),  # the CPU-tuned tiles on a CPU
             "reference": ContractCase(cfg={**small, "impl": "reference"}, length=48, slow=True),
             "xla": ContractCase(cfg={**small, "impl": "xla"}, length=48, slow=True),
             "auto_overlap_disjoint": ContractCase(cfg={**small, "overlap_window": True, "partition": "disjoint"},
@@ -195,7 +202,7 @@ class EVAAttention(AttentionCore):
         of ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
-        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva", order=_auto_order,
+        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva",
                                P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
                                chunk_logit=o.chunk_logit, full=not streaming)
 
@@ -248,17 +255,14 @@ class EVAAttention(AttentionCore):
         choice = self._select(q.shape[2], streaming=state is not None)
         kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
         args = (self.chunk_params(), rpe, noise_key, drop_key, o)
+        code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code
         if state is None:
-            forward = {"reference": reference.eva_reference, "xla": xla.eva_forward, "xla_cpu": xla_cpu.eva_forward,
-                       "pallas": pallas.eva_forward}[choice.name]
-            out, extras = forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
+            out, extras = code.eva_forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
             new_state = None
             if self.causal:
                 new_state = state_from_forward(extras, q.shape[2], o.W + o.e_l, o.chunk_logit == "exact_lse")
             return out.astype(v.dtype), new_state
         if not self.causal:
             raise ValueError("eva: a bidirectional core takes no state")
-        stream = {"reference": xla.eva_stream, "xla": xla.eva_stream, "xla_cpu": xla_cpu.eva_stream,
-                  "pallas": pallas.eva_stream}[choice.name]
-        out, new_state = stream(q, k, v, state, *args, P=c.chunk_size, **kernel)
+        out, new_state = code.eva_stream(q, k, v, state, *args, P=c.chunk_size, **kernel)
         return out.astype(v.dtype), new_state

@@ -5,10 +5,12 @@ portable XLA tiles (the kernel has none; docs/methods/eva.md §8.3); a stream at
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.eva import xla
 from longctx.attention.eva.common import EVAOptions, chunk_noise, geometry, local_bias_tiles
 from pallas_kernels import eva_attend, eva_chunks
@@ -59,3 +61,12 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     """Tokens after a carried state: Phase A of the chunks they finish by the kernel, the rest in XLA tiles."""
     return xla.eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts, P=P,
                           stats_fn=_stats_fn(interpret, platform))
+
+
+# 'auto' tries the kernels first on a GPU / TPU (where they serve; rocm has no lowering, so the portable tiles
+# follow), never on a CPU (interpret mode only when named)
+IMPLEMENTATIONS = (
+    dispatch.Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=unsupported_reasons,
+                            config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
+                            code=sys.modules[__name__]),
+)

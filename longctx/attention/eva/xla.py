@@ -1,5 +1,5 @@
 """EVA in XLA tiles (implementation ``xla``, portable: plain einsums under autodiff), and the tiled algorithm the
-CPU implementation shares (``xla_cpu.py`` passes its ops, :class:`common.TileOps`).
+CPU-tuned implementation (its own file) shares by passing its ops (:class:`common.TileOps`).
 
 A full pass (:func:`eva_forward`): Phase A over every chunk of the padded sequence, then Phase B per query tile
 (the blocks of W queries; tile ``w``'s local candidates are positions ``[wW − e_l, (w+1)W + e_r)``), in
@@ -12,10 +12,13 @@ absolute positions, so every mask and the relative-position bias are functions o
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.eva.common import (
     NEG,
     PLAIN,
@@ -270,3 +273,10 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     new_state["win_v"] = v_cat[:, :, T:T + R]
     new_state["pos"] = pos + T
     return out, new_state
+
+
+# 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
+IMPLEMENTATIONS = (
+    dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
+                            code=sys.modules[__name__]),
+)

@@ -9,11 +9,13 @@ XLA:CPU measurements (docs/DESIGN.md, "Where the time goes"); the arithmetic is 
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.eva import xla
 from longctx.attention.eva.common import (
     NEG,
@@ -340,3 +342,10 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
 def attend_tile(*args, **kwargs):
     """``xla.attend_tile`` with the CPU ops."""
     return xla.attend_tile(*args, **kwargs, ops=CPU_OPS)
+
+
+# the implementation 'auto' runs on a CPU (and only there: it is the whole 'auto' list on a CPU)
+IMPLEMENTATIONS = (
+    dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0},
+                            code=sys.modules[__name__]),
+)

@@ -1,12 +1,14 @@
 """The FMA and FMA-linear cores (docs/methods/fma.md): parameters, config, validation, the decoding state, and
 the call that asks ``dispatch.select`` for an implementation and runs it.
 
-Implementations (reference first, :meth:`FMAAttention.implementations`):
+Implementations (reference first, :meth:`FMAAttention.implementations`): the layer declares the reference, each
+implementation module its own (``IMPLEMENTATIONS``, collected by ``dispatch.declared``; where ``impl='auto'``
+tries it and what computes it, its ``code``):
 
 * ``reference`` -- the paper's n x n matrix C~ (``reference.py``; O(n^2), tests and checks);
 * ``xla`` -- the blocked path, portable (``xla.py``);
-* ``xla_cpu`` -- the blocked path with XLA:CPU's forms of its products and summaries (``xla_cpu.py``;
-  ``impl='auto'`` on a CPU);
+* the XLA:CPU implementation -- the blocked path with XLA:CPU's forms of its products and summaries (the
+  CPU-tuned implementation, its own file, which declares its name; ``impl='auto'`` on a CPU);
 * ``pallas`` -- the blocked path with the Pallas block kernel (``pallas.py``, ``pallas_kernels/fma_blocks.py``;
   FMA only; ``impl='auto'`` on GPU and TPU where it serves the call, else ``xla``).
 
@@ -26,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_qkv, logical, require
-from longctx.attention.fma import pallas, reference, xla, xla_cpu
+from longctx.attention.fma import reference, xla
 from longctx.attention.fma.options import FMAOptions
 from longctx.attention.fma.state import RING, empty_state, fma_stream, state_from_forward
 from longctx.errors import ConfigError
@@ -74,6 +76,16 @@ class Downsample(nnx.Module):
         return {"kernel": self.kernel[...], "bias": self.bias[...]}
 
 
+def _reference_forward(q, k, v, ds, opts, drop_key=None):
+    return reference.fma_dense_reference(q, k, v, ds, opts)
+
+
+def _reference_bind(choice):
+    """``(forward, attend)`` of the reference: the dense C~ for full passes; streamed steps run the portable block
+    function."""
+    return _reference_forward, xla.attend
+
+
 # ---------------------------------------------------------------------------
 # the cores
 # ---------------------------------------------------------------------------
@@ -88,37 +100,20 @@ class FMAAttention(AttentionCore):
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
-        """reference (the dense C~; no dropout), xla (the blocked path; ``test_config`` makes it take several
-        ``lax.map`` steps at test lengths), xla_cpu (its XLA:CPU form) and, for FMA, pallas (the block kernel;
-        interpret mode on a CPU). See the module docstring."""
-        from longctx.attention.dispatch import Implementation
+        """reference (the dense C~; no dropout; declared here), then what the implementation modules of this
+        folder declare for this method (``dispatch.declared``): xla (the blocked path), its XLA:CPU form and, for
+        FMA, pallas (the block kernel; interpret mode on a CPU), the kernel last. A declaration with ``methods``
+        serves only the methods it names. See the module docstring."""
+        from longctx.attention import dispatch
 
         def no_dropout(platform, *, dropout=0.0, **_):
             return ["no attention dropout in the reference (a call with a dropout key)"] if dropout > 0 else []
 
-        impls = (
-            Implementation("reference", reasons=no_dropout, config={"impl": "reference"}),
-            Implementation("xla", config={"impl": "xla"}, test_config={"logit_budget": 2000}),
-            Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
-        )
-        if not cls.linear:
-            def kernel_reasons(platform, *, release_zero_slots=False, **shapes):
-                out = list(pallas.unsupported_reasons(platform, **shapes))
-                if release_zero_slots:
-                    out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference "
-                               "and the XLA paths; the kernel is not tested with the extra slot")
-                return out
-
-            impls += (Implementation("pallas", platforms=("tpu", "cuda"), kernel=True,
-                                     reasons=kernel_reasons, config={"impl": "pallas"}),)
-        return impls
-
-    @classmethod
-    def auto_order(cls, platform: str) -> tuple[str, ...]:
-        """``impl='auto'``: the CPU form on a CPU; elsewhere the kernel where it serves the call, else xla."""
-        if platform == "cpu":
-            return ("xla_cpu", "xla")
-        return ("xla",) if cls.linear else ("pallas", "xla")
+        ref = dispatch.Implementation("reference", reasons=no_dropout, config={"impl": "reference"},
+                                      code=_reference_bind)
+        impls = [i for i in dispatch.declared(__package__, first=(ref,), causal=causal)
+                 if cls.name in (getattr(i, "methods", None) or (cls.name,))]
+        return tuple(sorted(impls, key=lambda i: i.kernel))  # stable: the portable ones as declared, kernels last
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -138,8 +133,8 @@ class FMAAttention(AttentionCore):
             # n > max_len: only L levels; each query then sees back 1/2..1 x max_len tokens (not more)
             "allow_truncated_window": False,
             "attn_dropout": 0.0,
-            # 'reference' | 'xla' | 'xla_cpu' | 'pallas' (FMA) | 'auto' (xla_cpu on a CPU; pallas, else xla, on
-            # GPU/TPU) | a list 'a,b' (the first that serves the call)
+            # 'reference' | 'xla' | the XLA:CPU implementation's name (its own file) | 'pallas' (FMA) | 'auto' (the
+            # XLA:CPU implementation on a CPU; pallas, else xla, on GPU/TPU) | a list 'a,b' (the first that serves)
             "impl": "auto",
             "logit_budget": 1 << 24,  # max materialised scores per lax.map step of the blocked path
         }
@@ -288,18 +283,14 @@ class FMAAttention(AttentionCore):
         ``forward(q, k, v, ds, opts, drop_key)`` and the block function of the streamed steps."""
         from longctx.attention import dispatch
 
+        impls = self.implementations(causal=self.causal)
         choice = dispatch.select(
-            self.cfg.impl, self.implementations(causal=self.causal), method=self.name, order=self.auto_order,
+            self.cfg.impl, impls, method=self.name,
             m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
             dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
             release_zero_slots=self.opts.release_zero_slots,
         )
-        if choice.name == "reference":
-            return (lambda q, k, v, ds, opts, drop_key=None: reference.fma_dense_reference(q, k, v, ds, opts)), xla.attend
-        if choice.name == "pallas":
-            return pallas.forward(choice), pallas.attend(choice)
-        impl = xla_cpu if choice.name == "xla_cpu" else xla
-        return impl.forward, impl.attend
+        return dispatch.by_name(impls)[choice.name].code(choice)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:

@@ -123,7 +123,7 @@ def fma_dense_reference(q, k, v, ds, opts: FMAOptions):
     if opts.linear and opts.normalization == "per_level":  # paper eq. (11): each level normalised apart
         return sum(softmax_out(lev == l) for l in range(Lu + 1))
     if opts.release_zero_slots:  # §9.3: the release's zero-padded columns, score 0 and value 0, left unmasked
-        zeros = jnp.asarray(release_zero_columns(n, opts, Lu))[:, None]  # [n, 1] columns per query
+        zeros = jnp.asarray(release_zero_columns(n, opts))[:, None]  # [n, 1] columns per query
         s = jnp.where(lev >= 0, full, NEG)
         M = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), jnp.where(zeros > 0, 0.0, NEG))
         e = jnp.where(lev >= 0, jnp.exp(s - M), 0.0)
@@ -132,14 +132,16 @@ def fma_dense_reference(q, k, v, ds, opts: FMAOptions):
     return softmax_out(lev >= 0)
 
 
-def release_zero_columns(n: int, opts: FMAOptions, Lu: int) -> np.ndarray:
+def release_zero_columns(n: int, opts: FMAOptions) -> np.ndarray:
     """§9.3 (causal): how many score-0, value-0 columns of C~ query i sees in the release, which pads the keys
     with m zero rows (the previous block of block 0) and each level's summaries with one zero chunk of 2p rows
     (the lower partner chunk of groups 0 and 1) and masks neither: m for i < m, plus per level l, for level-l
-    group a < 2, (a + 1) p summary slots, each m_l/p columns with multiplicity weighting (1 without)."""
+    group a < 2, (a + 1) p summary slots, each m_l/p columns with multiplicity weighting (1 without). Every one
+    of the layer's L levels counts, also those a shorter input leaves without real summaries: the release runs
+    them all (tests/fidelity/test_fma_release.py, the short input)."""
     i = np.arange(n)
     z = np.where(i < opts.m, opts.m, 0).astype(np.float64)
-    for l in range(1, Lu + 1):
+    for l in range(1, opts.L + 1):
         a = i // opts.m_l(l)
         z += np.where(a < 2, (a + 1) * opts.p * (opts.m_l(l) / opts.p if opts.multiplicity else 1.0), 0.0)
     return z

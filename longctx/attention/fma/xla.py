@@ -5,8 +5,8 @@ Per fine block: a 2m (bidirectional 3m) window of raw keys plus the block's pack
 softmax, query blocks processed in groups under a rematerialised ``lax.map`` so memory is O(n (m + p L)) at
 most and O(``logit_budget``) per step. The block math is ``pallas_kernels/fma_blocks_ref.py`` (beside the
 Pallas kernel that must match it). :func:`fma_forward` takes the block function (``attend``) and the
-summaries (``summaries``) as arguments: ``xla_cpu.py`` passes its CPU forms of the same products, ``pallas.py``
-the kernel.
+summaries (``summaries``) as arguments: the CPU-tuned implementation (its own file) passes its forms of the same
+products, ``pallas.py`` the kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 from longctx.attention.fma.options import FMAOptions, f32, levels_used, pad_to
 from longctx.attention.fma.reference import lagged, summarize
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
@@ -170,16 +171,21 @@ def release_zero_slots(kall, vall, idx, bias, nb: int, Lu: int, opts: FMAOptions
     """§9.3 (causal): the release's unmasked zero slots as packed slots. One zero row is appended to the
     summaries; a level-l slot of the lower chunk of groups a < 2 (h <= a mod 2, the chunk before the first)
     points to it with bias beta_l, and one extra slot per block stands for block 0's m zero fine keys (bias
-    ln m: m columns of score 0)."""
+    ln m: m columns of score 0). The levels past the Lu the input uses, up to the layer's L, have no real
+    summaries but the release runs them: each adds its zero slots as 2p more columns."""
     B, H, R = kall.shape[:3]
     kall = jnp.concatenate([kall, jnp.zeros((B, H, 1, kall.shape[-1]), kall.dtype)], axis=2)
     vall = jnp.concatenate([vall, jnp.zeros((B, H, 1, vall.shape[-1]), vall.dtype)], axis=2)
     idx, bias = np.array(idx), np.array(bias)
     b, p = np.arange(nb), opts.p
-    for l in range(1, Lu + 1):  # slots of level l: [2p (l-1), 2p l), low chunk halves h = 0, 1, then r
+    h = np.arange(2 * p) // p
+    for l in range(1, opts.L + 1):  # slots of level l: [2p (l-1), 2p l), low chunk halves h = 0, 1, then r
         a = b >> (l - 1)
-        h = np.arange(2 * p) // p
         zero = (a[:, None] < 2) & (h[None, :] <= (a % 2)[:, None])
+        if l > Lu:  # a level without real summaries here: only its zero slots, appended
+            idx = np.concatenate([idx, np.full((nb, 2 * p), R, idx.dtype)], axis=1)
+            bias = np.concatenate([bias, np.where(zero, np.float32(opts.beta(l)), np.float32(NEG))], axis=1)
+            continue
         cols = slice(2 * p * (l - 1), 2 * p * l)
         idx[:, cols] = np.where(zero, R, idx[:, cols])
         bias[:, cols] = np.where(zero, np.float32(opts.beta(l)), bias[:, cols])
@@ -193,5 +199,17 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return fma_forward(q, k, v, ds, opts, drop_key)
 
 
-__all__ = ["all_level_summaries", "attend", "combine", "fma_forward", "forward", "level_summaries",
-           "linear_coarse_full", "row_stats"]
+def bind(choice):
+    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function."""
+    return forward, attend
+
+
+# 'auto' on every platform after the platform's own form (the CPU-tuned one on a CPU, the kernel on GPU and TPU
+# where it serves the call); ``test_config`` makes it take several ``lax.map`` steps at test lengths
+IMPLEMENTATIONS = (
+    Implementation("xla", config={"impl": "xla"}, test_config={"logit_budget": 2000},
+                   auto={p: 1 for p in ALL_PLATFORMS}, code=bind),
+)
+
+__all__ = ["IMPLEMENTATIONS", "all_level_summaries", "attend", "bind", "combine", "fma_forward", "forward",
+           "level_summaries", "linear_coarse_full", "row_stats"]

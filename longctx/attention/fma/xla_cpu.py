@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.dispatch import Implementation
 from longctx.attention.fma import xla
 from longctx.attention.fma.options import FMAOptions, pad_to
 from longctx.attention.fma.reference import bias_rows
@@ -91,4 +92,14 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return xla.fma_forward(q, k, v, ds, opts, drop_key, attend=attend, summaries=all_level_summaries)
 
 
-__all__ = ["OPS", "all_level_summaries", "attend", "forward"]
+def bind(choice):
+    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function."""
+    return forward, attend
+
+
+# the name ``xla_cpu`` (users and saved configs use it); 'auto' on a CPU tries it first, before ``xla``
+IMPLEMENTATIONS = (
+    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bind),
+)
+
+__all__ = ["IMPLEMENTATIONS", "OPS", "all_level_summaries", "attend", "bind", "forward"]

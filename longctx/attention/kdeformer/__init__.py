@@ -1,6 +1,7 @@
 """KDEformer attention (docs/methods/kdeformer.md): the core (``layer.py``), the estimator as math
 (``reference.py``), the draws every implementation shares (``common.py``) and the tiled forms (``xla.py``,
-portable; ``xla_cpu.py``, XLA:CPU)."""
+portable; the XLA:CPU implementations in their own file). Each implementation module declares its implementations
+(``IMPLEMENTATIONS``); the layer collects them (``dispatch.declared``)."""
 
 from longctx.attention.kdeformer.common import (
                                                 BidirOptions,

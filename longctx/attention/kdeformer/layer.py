@@ -7,17 +7,19 @@ residual ``A − A_spar`` from ``m`` i.i.d. key columns weighted ``1/(m p_j)``. 
 ``D̃`` is estimated by the same estimator (the released code's ones column appended to ``V``), so
 every output row is a softmax over the union of its heavy, local and sampled entries (§2.3h).
 The math is ``reference.py`` (bidirectional §2.3, causal §4.1); the shared hash, Gray order and
-samplers are ``common.py``; the tiled forms are ``xla.py`` (portable) and ``xla_cpu.py``.
+samplers are ``common.py``; the tiled forms are ``xla.py`` (portable) and the XLA:CPU implementations (their
+own file).
 
 The theoretical estimator (§2.2, paper Alg. 1–3: ``D̃`` and the sampling probabilities from weighted
 exponential KDEs reduced to Gaussian KDE, Eq. 7–8) has data-dependent control flow and sizes; the
 released code does not run it either (§2.3). An O(n²) oracle of ``WExpKDE`` lives in the tests only.
 
-Implementations (``implementations()``; ``impl`` names one, a list, or 'auto'):
-    bidirectional: reference, xla_cpu (CPU), xla.  causal: reference, gather, scores, band (CPU: one per
-    heavy route, xla_cpu.py), xla (its route by ``heavy_impl``). 'auto': on a CPU ``xla_cpu`` / the route
-    for the cache length (``xla_cpu.auto_route``), elsewhere ``xla``. ``heavy_impl`` (a route) written
-    without ``impl`` selects that route: on a CPU its implementation, elsewhere ``xla`` with that route.
+Implementations (``implementations()``; ``impl`` names one, a list, or 'auto'): the reference (declared here),
+then those each implementation module declares (``IMPLEMENTATIONS``, collected by ``dispatch.declared``):
+    bidirectional: xla (portable), the XLA:CPU implementation (CPU).  causal: xla (its route by ``heavy_impl``),
+    gather, scores, band (CPU: one per heavy route, with XLA:CPU's products). 'auto' is the declarations': on a
+    CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``. ``heavy_impl`` (a route)
+    written without ``impl`` selects that route: on a CPU its implementation, elsewhere ``xla`` with that route.
 
 Decoding state (causal): the KV cache, the code cache, the projections ``W`` and the token count
 (``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
@@ -53,13 +55,10 @@ import ml_collections
 
 from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
-from longctx.attention.kdeformer import reference, xla, xla_cpu
+from longctx.attention.kdeformer import reference
 from longctx.attention.kdeformer.common import BidirOptions, CausalOptions, draw_projections, next_state
 
 ROUTES = ("gather", "scores", "band")  # the causal heavy routes (xla.py), each a CPU implementation
-_BIDIR = {"reference": reference.bidirectional, "xla_cpu": xla_cpu.bidirectional, "xla": xla.bidirectional}
-_CAUSAL = {"reference": reference.causal, "gather": xla_cpu.gather, "scores": xla_cpu.scores, "band": xla_cpu.band,
-           "xla": xla.causal}
 
 CAPACITY_MESSAGE = ("kdeformer: the decoding state holds {capacity} tokens but {needed} were fed; build it with "
                     "core.init_state(batch_size, max_len) with a larger max_len")
@@ -74,20 +73,13 @@ class KDEformerAttention(AttentionCore):
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
-        """The reference (``reference.py``) first, then the tiled forms: bidirectional ``xla_cpu`` (CPU) and
-        ``xla``; causal ``gather``, ``scores``, ``band`` (CPU, one per heavy route; ``band`` gathers in a call
-        with a state) and ``xla``."""
-        Implementation = dispatch.Implementation
-        ref = Implementation("reference", config={"impl": "reference"})
-        if not causal:
-            return (ref, Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}),
-                    Implementation("xla", config={"impl": "xla"}))
-        return (ref,
-                Implementation("gather", platforms=("cpu",), config={"impl": "gather"}),
-                Implementation("scores", platforms=("cpu",), config={"impl": "scores"}),
-                Implementation("band", platforms=("cpu",), config={"impl": "band"},
-                               test_config={"heavy_band_block": 8}),
-                Implementation("xla", config={"impl": "xla"}, test_config={"heavy_impl": "band", "heavy_band_block": 8}))
+        """The reference (``reference.py``) first, then the tiled forms each implementation module declares for
+        the direction (``dispatch.declared``): ``xla`` (portable), and the XLA:CPU implementations: bidirectional
+        one, causal ``gather``, ``scores``, ``band`` (CPU, one per heavy route; ``band`` gathers in a call with a
+        state)."""
+        ref = dispatch.Implementation("reference", config={"impl": "reference"},
+                                      code=reference.causal if causal else reference.bidirectional)
+        return dispatch.declared(__package__, first=(ref,), causal=causal)
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -193,19 +185,20 @@ class KDEformerAttention(AttentionCore):
             return (self.cfg.heavy_impl, "xla")
         return self.cfg.impl
 
+    def _implementation(self, dtype, *, cache_len: int = 0, full_pass: bool = True, platform: str | None = None):
+        """The declaration of the implementation a call runs (``dispatch.select`` over :meth:`implementations`;
+        ``cache_len``, ``full_pass`` and the causal options are the shapes the declarations' ``prefer`` reads)."""
+        impls = self.implementations(causal=self.causal)
+        choice = dispatch.select(self._impl_setting(), impls, method=self.name, platform=platform, dtype=dtype,
+                                 cache_len=cache_len, full_pass=full_pass, opts=self.causal_opts)
+        return dispatch.by_name(impls)[choice.name]
+
     def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True,
                            platform: str | None = None) -> str:
         """The implementation a call runs (``dispatch.select`` over :meth:`implementations`): ``cache_len`` the
         keys a causal call sees (a full pass: its length rounded up to whole chunks; with a state: the cache's
         capacity), ``full_pass`` whether it has no state; ``platform`` (default: this machine's)."""
-        if not self.causal:
-            order = lambda plat: ("xla_cpu",) if plat == "cpu" else ("xla",)  # noqa: E731
-        else:
-            order = lambda plat: ((xla_cpu.auto_route(cache_len, full_pass, self.causal_opts),)  # noqa: E731
-                                  if plat == "cpu" else ("xla",))
-        impls = self.implementations(causal=self.causal)
-        return dispatch.select(self._impl_setting(), impls, method=self.name, platform=platform, order=order,
-                               dtype=dtype).name
+        return self._implementation(dtype, cache_len=cache_len, full_pass=full_pass, platform=platform).name
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):
@@ -247,19 +240,19 @@ class KDEformerAttention(AttentionCore):
         if not self.causal:
             if state is not None:
                 raise ValueError("kdeformer: a bidirectional core takes no state")
-            run = _BIDIR[self.implementation_for(q.dtype)]
+            run = self._implementation(q.dtype).code
             return run(q, k, v, W, k_s, self.bidir_opts).astype(v.dtype), None
         T, c = q.shape[2], self.causal_opts.chunk_size
         if state is None:
-            name = self.implementation_for(q.dtype, cache_len=-(-T // c) * c)
+            impl = self._implementation(q.dtype, cache_len=-(-T // c) * c)
         else:
             M = state["k"].shape[2]
             if T > M:  # static: more new tokens than the whole state holds
                 raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=T))
             check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
             W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
-            name = self.implementation_for(q.dtype, cache_len=M, full_pass=False)
-        out = _CAUSAL[name](q, k, v, W, k_s, self.causal_opts, state)
+            impl = self._implementation(q.dtype, cache_len=M, full_pass=False)
+        out = impl.code(q, k, v, W, k_s, self.causal_opts, state)
         return out.astype(v.dtype), next_state(state, k, v, W, q.dtype)
 
 

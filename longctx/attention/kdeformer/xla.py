@@ -16,9 +16,14 @@ of code-sorted keys their runs touch, as products. 'auto': 'scores' while the ca
 Gradient policy (§6): the plans (:func:`bidir_plan`, :func:`causal_plan`: hashes, permutations, samples,
 log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` / :func:`causal_apply` are differentiable.
 
-The one op the tiled algorithm takes as an argument is ``rescale_rows(x, s) = x * s[..., None]`` (the softmax's
-division and the band's rescaling): this module's plain multiply is the portable implementation ``xla``; the
-CPU implementations (``xla_cpu.py``) pass the XLA:CPU form of the same product.
+The three heavy routes are portable: the implementation ``xla`` runs any of them on any platform (the
+``heavy_impl`` setting picks it), and the CPU implementations ``gather``, ``scores`` and ``band`` are the same routes
+with XLA:CPU's products. The one op the tiled algorithm takes as an argument is ``rescale_rows(x, s) = x * s[..., None]``
+(the softmax's division and the band's rescaling): this module's plain multiply is the portable implementation
+``xla``; the CPU-tuned implementations (their own file) pass the XLA:CPU form of the same product.
+
+Declared here (``IMPLEMENTATIONS``): ``xla``, both directions; 'auto' takes it on GPUs and TPUs. On a CPU 'auto'
+takes the CPU-tuned implementations instead (``xla`` runs there when named).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer.common import (
     INT_MAX,
     NEG,
@@ -472,3 +478,12 @@ def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, rescale_rows=resc
         return causal_forward(q, k, v, W, key_s, opts, rescale_rows=rescale_rows)[0]
     cache = (state["k"], state["v"], state["codes"])
     return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], rescale_rows)[0]
+
+
+# 'auto' takes the portable implementation off a CPU (on a CPU: the CPU-tuned implementations, their own file)
+_AUTO = {"cuda": 0, "rocm": 0, "tpu": 0}
+IMPLEMENTATIONS = (
+    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=causal, directions=("causal",),
+                   test_config={"heavy_impl": "band", "heavy_band_block": 8}),
+    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=bidirectional, directions=("bidirectional",)),
+)

@@ -2,15 +2,18 @@
 band's rescaling as ``longctx.xla_cpu.scale_rows`` (an einsum whose gradient over batch-1 rows is a dot, where
 the broadcasting multiply's is a slow multiply-and-reduce on XLA:CPU; docs/DESIGN.md, "Where the time goes").
 
-Bidirectional: ``xla_cpu``. Causal: one implementation per heavy route (xla.py's docstring), ``gather``,
-``scores`` and ``band`` (a call with a state gathers); on a CPU ``auto`` takes ``scores`` while the cache holds
-at most ``heavy_scores_max_len`` tokens, else ``band`` for a full pass and ``gather`` for a call with a state.
+Bidirectional: ``xla_cpu``. Causal: one implementation per heavy route (xla.py's docstring: the routes are
+portable, these are the same routes with XLA:CPU's products), ``gather``, ``scores`` and ``band`` (a call with a
+state gathers); on a CPU ``auto`` takes ``scores`` while the cache holds at most ``heavy_scores_max_len`` tokens,
+else ``band`` for a full pass and ``gather`` for a call with a state (:func:`auto_route`, the ``prefer`` of each
+declaration below: the layer passes ``cache_len``, ``full_pass`` and ``opts`` to ``dispatch.select``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer import xla
 from longctx.attention.kdeformer.common import BidirOptions, CausalOptions
 from longctx.xla_cpu import scale_rows
@@ -37,4 +40,24 @@ def auto_route(cache_len: int, full_pass: bool, opts: CausalOptions) -> str:
     return xla.heavy_route_of(dataclasses.replace(opts, heavy_impl="auto"), cache_len, full_pass)
 
 
-__all__ = ["auto_route", "band", "bidirectional", "gather", "scores"]
+def _prefers(name: str):
+    """'auto' on a CPU tries the route ``name`` only for the calls whose cache length makes it :func:`auto_route`'s."""
+    def prefer(platform, *, cache_len: int, full_pass: bool, opts: CausalOptions, **_) -> bool:
+        return auto_route(cache_len, full_pass, opts) == name
+
+    return prefer
+
+
+_CPU = ("cpu",)
+IMPLEMENTATIONS = (
+    Implementation("xla_cpu", platforms=_CPU, config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bidirectional,
+                   directions=("bidirectional",)),
+    Implementation("gather", platforms=_CPU, config={"impl": "gather"}, auto={"cpu": 0}, prefer=_prefers("gather"),
+                   code=gather, directions=("causal",)),
+    Implementation("scores", platforms=_CPU, config={"impl": "scores"}, auto={"cpu": 0}, prefer=_prefers("scores"),
+                   code=scores, directions=("causal",)),
+    Implementation("band", platforms=_CPU, config={"impl": "band"}, auto={"cpu": 0}, prefer=_prefers("band"),
+                   code=band, directions=("causal",), test_config={"heavy_band_block": 8}),
+)
+
+__all__ = ["IMPLEMENTATIONS", "auto_route", "band", "bidirectional", "gather", "scores"]

@@ -7,8 +7,11 @@ per-code (mean value, count) summaries: a lossless compressed cache *for the qua
 * ``reference.py`` -- the paper's computation (quadratic in the call's length): the implementation ``reference``
 * ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, state, codebook learning, dispatch
 * ``xla.py``       -- the portable linear-time forms: ``parallel``, ``blocks``, ``stream``, ``encoder``
-* ``xla_cpu.py``   -- those forms laid out for XLA:CPU: ``xla_cpu`` (what ``impl='auto'`` runs on a CPU)
+* the XLA:CPU implementation (its own file) -- those forms laid out for XLA:CPU (what ``impl='auto'`` runs on a
+  CPU)
 * ``pallas.py``    -- the §9 kernel (``pallas_kernels/vq_cache.py``): ``pallas``
+
+Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects.
 """
 
 from longctx.attention.transformer_vq.layer import (

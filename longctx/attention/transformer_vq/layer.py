@@ -5,8 +5,12 @@ method's implementations and runs it:
 
 * ``reference`` (``reference.py``) -- the quadratic softmax over cache, band and present keys: the paper's math;
 * ``parallel``, ``blocks``, ``stream``, ``encoder`` (``xla.py``) -- the portable linear-time forms;
-* ``xla_cpu`` (``xla_cpu.py``) -- those forms with products laid out for XLA:CPU (``impl='auto'`` on a CPU);
+* the XLA:CPU implementation (its own file) -- those forms with products laid out for XLA:CPU (``impl='auto'`` on
+  a CPU);
 * ``pallas`` (``pallas.py``) -- the §9 kernel (``impl='auto'`` on a GPU / TPU where it serves the call).
+
+Each implementation module declares its own (``IMPLEMENTATIONS``: where 'auto' tries it, for which calls, what
+computes it); :meth:`TransformerVQAttention.implementations` collects them after the reference.
 
 State of a causal core (constant size, canonical: a function of the prefix only)::
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -113,21 +118,6 @@ def commit_loss(k, c_z, mask=None):
 
 
 # ----------------------------------------------------------------------------- implementations
-def _band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
-    return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
-
-
-def _blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", **_) -> list[str]:
-    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the tiled form computes the serial one)"]
-    return _band_reasons(platform, L=L, M=M) + extra
-
-
-def _pallas_reasons(platform, **shapes) -> list[str]:
-    from longctx.attention.transformer_vq import pallas
-
-    return pallas.reasons(platform, **shapes)
-
-
 def _run_reference(core, choice, pre, v, C, state):
     k_hat, z, err2, c_z = reference.stvq(pre["k"], C)
     dt = float_dtype(pre["q_v"], pre["r"])
@@ -140,15 +130,17 @@ def _run_reference(core, choice, pre, v, C, state):
     return o, new, (z, err2, c_z)
 
 
-def _runner(name: str):
-    """(run, per-code sums) of the implementation ``name``: run(core, choice, pre, v, C, state) ->
-    (o, new_state, (z, err2, c_z))."""
-    if name == "reference":
-        return _run_reference, code_sums
-    from longctx.attention.transformer_vq import pallas, xla, xla_cpu
+# what computes the reference (its declaration's ``code``, as each implementation module is its own): ``run(core,
+# choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))`` and the per-code sums of the EMA statistics
+_REFERENCE = types.SimpleNamespace(run=_run_reference, code_sums=code_sums)
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=_REFERENCE)
+FORMS = ("parallel", "blocks", "stream")  # the causal forms the ``form`` setting names
 
-    mod = {"xla_cpu": xla_cpu, "pallas": pallas}.get(name, xla)
-    return mod.run, mod.code_sums
+
+@functools.cache
+def _declared(causal: bool | None):
+    """The reference, then this package's declarations (read once: every call's selection asks for them)."""
+    return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
 
 # ----------------------------------------------------------------------------- the core
@@ -167,27 +159,14 @@ class TransformerVQAttention(AttentionCore):
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
-        """The reference first (the quadratic form, ``reference.py``). Causal: parallel (the block-parallel form,
-        the kernel's reference, under autodiff), blocks (its tiled form with a recomputing backward), stream
-        (block by block, as decoding runs; any band), xla_cpu (those forms laid out for XLA:CPU, by call size),
-        pallas (the §9 kernel; interpret mode on a CPU). Bidirectional: encoder (§2.5), xla_cpu. The ``form``
-        setting (old configs) keeps its meaning through ``impl='xla'``, ``'auto'``, ``'pallas'`` and ``xla_cpu``."""
-        from longctx.attention.dispatch import Implementation
-
-        ref = Implementation("reference", config={"impl": "reference"})
-        # xla_cpu's test settings: the tiled form with a recomputing backward (its one-shot form, below
-        # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
-        cpu = Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
-                             test_config={"tiled_min_scores": 0, "keep_budget": 0})
-        if not causal:
-            return (ref, Implementation("encoder", config={"impl": "encoder"}), cpu)
-        return (ref,
-                Implementation("parallel", reasons=_band_reasons, config={"impl": "parallel"}),
-                Implementation("blocks", reasons=_blocks_reasons, config={"impl": "blocks", "reduction": "serial"}),
-                Implementation("stream", config={"impl": "stream"}),
-                cpu,
-                Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_pallas_reasons,
-                               config={"impl": "pallas", "reduction": "serial"}))
+        """The reference first (the quadratic form, ``reference.py``), then what the modules of this package
+        declare (``dispatch.declared``, modules in name order). Causal: pallas (the §9 kernel; interpret mode on a
+        CPU), parallel (the block-parallel form, the kernel's reference, under autodiff), blocks (its tiled form
+        with a recomputing backward), stream (block by block, as decoding runs; any band), the XLA:CPU
+        implementation (those forms laid out for XLA:CPU, by call size). Bidirectional: encoder (§2.5), the XLA:CPU
+        implementation. The ``form`` setting (old configs) keeps its meaning through ``impl='xla'``, ``'auto'``,
+        ``'pallas'`` and the implementations that are not a form themselves (:meth:`validate_config`)."""
+        return _declared(causal)
 
     # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
     # signal is the XL relative bias inside the core, optionally with absolute embeddings.
@@ -208,13 +187,14 @@ class TransformerVQAttention(AttentionCore):
                 "p_dropsin": 0.0,  # dropout on the sinusoid table (training only)
                 "encoder_band": True,  # bidirectional: keep the exact symmetric band (False: Thm 3.5)
                 # -- execution settings (execution.attention.transformer_vq) --
-                # an implementation (reference | parallel | blocks | stream | xla_cpu | pallas; bidirectional:
-                # reference | encoder | xla_cpu), an ordered list 'a,b', or 'auto': xla_cpu on a CPU, elsewhere the
-                # kernel where it serves the call, then the form below. 'xla' (older configs): the XLA form
+                # an implementation (reference | parallel | blocks | stream | pallas | the XLA:CPU one;
+                # bidirectional: reference | encoder | the XLA:CPU one: implementations()), an ordered list 'a,b',
+                # or 'auto': the XLA:CPU implementation on a CPU, elsewhere the kernel where it serves the call,
+                # then the form below. 'xla' (older configs): the XLA implementation 'auto' takes for the call
                 "impl": "auto",
-                # the causal form of impl='auto' | 'xla' | 'pallas' | 'xla_cpu': 'auto' (stream for calls shorter
-                # than a block, blocks for calls of at least tiled_min_scores scores, else parallel) | 'parallel' |
-                # 'blocks' | 'stream'; with another implementation named, 'auto'
+                # the causal form of impl='auto' | 'xla' | 'pallas' | the XLA:CPU implementation: 'auto' (stream
+                # for calls shorter than a block, blocks for calls of at least tiled_min_scores scores, else
+                # parallel) | 'parallel' | 'blocks' | 'stream'; with another implementation named, 'auto'
                 "form": "auto",
                 "reduction": "serial",  # 'serial' | 'matmul' | 'assoc' (the block-parallel form's cross-block scan)
                 # the tiled causal form keeps its attention weights for the backward when a call has at most this
@@ -240,7 +220,7 @@ class TransformerVQAttention(AttentionCore):
         M = cfg.mem_len or cfg.block_len
         allowed = ("serial", "matmul", "assoc")
         require(cfg.reduction in allowed, f"{p}.reduction={cfg.reduction!r}; allowed: {', '.join(allowed)}")
-        forms = ("auto", "parallel", "blocks", "stream")
+        forms = ("auto",) + FORMS
         require(cfg.form in forms, f"{p}.form={cfg.form!r}; allowed: {', '.join(forms)}")
         require(cfg.form != "blocks" or cfg.reduction == "serial",
                 f"{p}.form='blocks' computes the serial reduction; set {p}.reduction='serial'")
@@ -257,9 +237,13 @@ class TransformerVQAttention(AttentionCore):
         why = dispatch.impl_problem(cfg.impl, names + LEGACY_IMPLS + ("pallas",))
         require(why is None, f"{p}.{why}")
         impls = dispatch.parse_impl(cfg.impl)
-        takes_form = set(impls) <= {"auto", "xla", "pallas", "xla_cpu", cfg.form}
+        # the settings that take the form: 'auto', the older 'xla' and 'pallas', and every declared implementation
+        # that is not a form itself (nor the reference): the XLA:CPU one picks its form by it
+        takers = ("auto", *LEGACY_IMPLS, "pallas") + tuple(
+            n for n in names if n not in ("reference", "encoder", "pallas", *FORMS))
+        takes_form = set(impls) <= {*takers, cfg.form}
         require(cfg.form == "auto" or takes_form,
-                f"{p}.form={cfg.form!r} chooses the form of impl='auto' | 'xla' | 'pallas' | 'xla_cpu'; with "
+                f"{p}.form={cfg.form!r} chooses the form of impl=" + " | ".join(map(repr, takers)) + "; with "
                 f"impl={cfg.impl!r} leave form='auto'")
         linear = {"parallel", "blocks"} & set(impls) or (takes_form and cfg.form in ("parallel", "blocks"))
         if linear or not causal:
@@ -318,11 +302,13 @@ class TransformerVQAttention(AttentionCore):
     def contract_cases(cls):
         # block 8, codebook 16, 48 tokens = 6 blocks: the compressive cache holds 4 blocks when the last is read
         small = {"codebook_size": 16, "block_len": 8}
+        cpu_auto = dispatch.auto_order(cls.implementations(causal=True), "cpu")[0]  # what 'auto' runs on a CPU
         case = functools.partial(ContractCase, length=48, atol=5e-5, rtol=5e-5)
         return {
-            "serial": case(cfg=small),  # impl='auto': on a CPU xla_cpu's one-shot block-parallel form
-            # xla_cpu's tiled form with its recomputing backward (form='auto' picks it for large calls only)
-            "blocks": case(cfg={**small, "impl": "xla_cpu,blocks", "form": "blocks"}, directions=("causal",)),
+            "serial": case(cfg=small),  # impl='auto': on a CPU the XLA:CPU implementation's one-shot form
+            # the XLA:CPU implementation's tiled form with its recomputing backward (form='auto' picks it for large
+            # calls only); on other platforms the portable tiled form
+            "blocks": case(cfg={**small, "impl": cpu_auto + ",blocks", "form": "blocks"}, directions=("causal",)),
             "matmul": case(cfg={**small, "reduction": "matmul"}, directions=("causal",)),
             "assoc": case(cfg={**small, "reduction": "assoc"}, directions=("causal",), slow=True),
             "stream_short_band": case(cfg={**small, "mem_len": 3, "impl": "stream"}, directions=("causal",),
@@ -387,31 +373,31 @@ class TransformerVQAttention(AttentionCore):
     def implementation_for(self, *, B: int, T: int, dtype, platform: str | None = None) -> dispatch.Choice:
         """The implementation a call of B x T tokens takes (``dispatch.select`` over :meth:`implementations`).
 
-        ``impl`` may name implementations, or say 'auto': on a CPU xla_cpu, elsewhere the kernel where it serves
-        the call, then the portable XLA form ``form`` gives for the call (``xla.form_for``). As older configs wrote
-        it, 'xla' is that XLA form (xla_cpu on a CPU), and 'pallas' runs the streaming form for the calls that
-        form gives to it (shorter than a block)."""
+        ``impl`` may name implementations, or say 'auto': the declarations' order for the platform and the call
+        (``dispatch.auto_order``; the shape ``form`` is the portable form ``form`` gives for the call,
+        ``xla.form_for``): on a CPU the XLA:CPU implementation, elsewhere the kernel where it serves the call, then
+        that form. As older configs wrote it, 'xla' is the XLA implementation 'auto' takes for the call (the first
+        that is not a kernel: the XLA:CPU one on a CPU, else the form), and 'pallas' is the kernel for the calls it
+        is preferred for and that XLA implementation for the others (the streaming ones, shorter than a block)."""
         from longctx.attention.transformer_vq import xla
 
         plat = platform or dispatch.current_platform()
         H, S, L, M = self.num_heads, self.S, self.L, self.M
         form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M) if self.causal else "encoder"
-        xla_name = "xla_cpu" if plat == "cpu" else form
-
-        def auto(platform):
-            if platform == "cpu":
-                return ("xla_cpu",)
-            return (form,) if form in ("stream", "encoder") else ("pallas", form)
-
+        shapes = dict(L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype, reduction=self.cfg.reduction,
+                      form=form)
+        impls = self.implementations(causal=self.causal)
         names = dispatch.parse_impl(self.cfg.impl)
         if names == ("auto",):
             impl = "auto"
         else:
-            old = {"xla": xla_name, "pallas": "pallas" if form in ("parallel", "blocks") else xla_name}
+            table = dispatch.by_name(impls)
+            xla_name = next((n for n in dispatch.auto_order(impls, plat, **shapes) if not table[n].kernel), form)
+            kernel = table.get("pallas")
+            old = {"xla": xla_name,
+                   "pallas": "pallas" if kernel is not None and kernel.prefer(plat, **shapes) else xla_name}
             impl = tuple(dict.fromkeys(old.get(n, n) for n in names))
-        return dispatch.select(impl, self.implementations(causal=self.causal), method=METHOD, platform=plat,
-                               order=auto, L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype,
-                               reduction=self.cfg.reduction)
+        return dispatch.select(impl, impls, method=METHOD, platform=plat, **shapes)
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
@@ -426,8 +412,9 @@ class TransformerVQAttention(AttentionCore):
         elif state is not None:
             raise ValueError(f"{METHOD}: a bidirectional core takes no state")
         choice = self.implementation_for(B=B, T=T, dtype=vv.dtype)
-        run, sums = _runner(choice.name)
-        o, new_state, (z, err2, c_z) = run(self, choice, pre, vv, C, state)
+        code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code
+        sums = code.code_sums
+        o, new_state, (z, err2, c_z) = code.run(self, choice, pre, vv, C, state)
         if aux is not None:
             aux.add_loss("commit", self.cfg.beta * commit_loss(pre["k"], c_z, mask))
             aux.add_stats("codebook", vq_stats(pre["k"], z, self.S, mask, sums))

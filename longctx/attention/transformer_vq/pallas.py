@@ -1,9 +1,15 @@
 """The ``pallas`` implementation of Transformer-VQ: the §9 compressive VQ-cache kernel
 (``pallas_kernels/vq_cache.py``: TPU; ``vq_cache_gpu.py``: GPU; interpret mode on a CPU when named) for the causal
-block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9)."""
+block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9).
+
+'auto' tries it first on a GPU / TPU (never on a CPU), for the calls whose form is the block-parallel or tiled one
+(the shape ``form``: ``xla.form_for``); :func:`reasons` then says whether it serves the call."""
 
 from __future__ import annotations
 
+import sys
+
+from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from pallas_kernels import vq_cache
 
@@ -26,4 +32,17 @@ def run(core, choice, pre, v, C, state):
 
 code_sums = xla.code_sums
 
-__all__ = ["code_sums", "reasons", "run"]
+
+def prefer(platform, *, form: str | None = None, **_) -> bool:
+    """'auto' tries the kernel for the calls of the block-parallel form (one-shot or tiled), not the streaming
+    ones (shorter than a block, or a band longer than one) nor the encoder's."""
+    return form in ("parallel", "blocks")
+
+
+IMPLEMENTATIONS = (
+    Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=reasons,
+                   config={"impl": "pallas", "reduction": "serial"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
+                   prefer=prefer, code=sys.modules[__name__], directions=("causal",)),
+)
+
+__all__ = ["IMPLEMENTATIONS", "code_sums", "prefer", "reasons", "run"]

@@ -8,20 +8,24 @@ plain JAX for any backend, each equal to the reference (``reference.py``) in val
 * ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5)
 
 Each form is written with the products of ``vq_cache_ref.Ops`` (``ops``) and the tiled backward with those of
-:class:`TileOps` (``tiles``): plain ones here; the XLA:CPU implementation (``xla_cpu.py``) runs the same forms
-with its own. :func:`form_for` is the size rule that picks among the forms for ``impl='auto'``.
+:class:`TileOps` (``tiles``): plain ones here; the XLA:CPU implementation (its own file) runs the same forms
+with its own. :func:`form_for` is the size rule that picks among the forms for ``impl='auto'``; the declarations
+(``IMPLEMENTATIONS``, at the end) say where 'auto' tries each form: on a GPU / TPU, for the calls whose form
+(``form_for``, the shape ``form`` the layer passes to ``dispatch.select``) it is, after the kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.dispatch import Implementation
 from pallas_kernels.vq_cache_ref import (
     NEG,
     PLAIN,
@@ -103,7 +107,7 @@ def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int) -> str:
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked
 class TileOps(NamedTuple):
-    """The products of the tiled backward (plain here; ``xla_cpu.py`` passes its own, same results)."""
+    """The products of the tiled backward (plain here; the XLA:CPU implementation passes its own, same results)."""
 
     rowdot: Callable  # (a [..., d], b [..., d]) -> sum_d a b  [...]
     transposed: Callable  # (*xs) -> each x with its last two axes swapped (one array if one x)
@@ -464,5 +468,44 @@ def run(core, choice, pre, v, C, state):
 
 code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the layer's vq_stats)
 
-__all__ = ["PLAIN_TILES", "TileOps", "attend", "band_scores", "causal_blocks", "causal_parallel", "causal_stream",
-           "code_sums", "encoder_parallel", "form_for", "gather_codes", "nearest", "run", "stvq"]
+
+# ----------------------------------------------------------------------------- the declarations
+def band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
+    """What the block-parallel forms refuse: a band longer than a block."""
+    return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
+
+
+def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", **_) -> list[str]:
+    """What the tiled form refuses: a band longer than a block, a reduction but the serial one."""
+    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the tiled form computes the serial one)"]
+    return band_reasons(platform, L=L, M=M) + extra
+
+
+def is_form(name: str):
+    """``prefer``: 'auto' tries the form ``name`` for the calls whose form (the shape ``form``) it is."""
+    def prefer(platform, *, form: str | None = None, **_) -> bool:
+        return form == name
+    return prefer
+
+
+# 'auto' on a GPU / TPU: the kernel first where it prefers the call (pallas.py, rank 0), then the call's form
+_AUTO = {"cuda": 1, "rocm": 1, "tpu": 1}
+_self = sys.modules[__name__]
+IMPLEMENTATIONS = (
+    # the block-parallel form (the kernel's reference) under autodiff
+    Implementation("parallel", reasons=band_reasons, config={"impl": "parallel"}, auto=_AUTO,
+                   prefer=is_form("parallel"), code=_self, directions=("causal",)),
+    # its tiled form with a recomputing backward
+    Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
+                   prefer=is_form("blocks"), code=_self, directions=("causal",)),
+    # block by block, as decoding runs (any band)
+    Implementation("stream", config={"impl": "stream"}, auto=_AUTO, prefer=is_form("stream"), code=_self,
+                   directions=("causal",)),
+    # the bidirectional form (§2.5)
+    Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, prefer=is_form("encoder"), code=_self,
+                   directions=("bidirectional",)),
+)
+
+__all__ = ["IMPLEMENTATIONS", "PLAIN_TILES", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons",
+           "causal_blocks", "causal_parallel", "causal_stream", "code_sums", "encoder_parallel", "form_for",
+           "gather_codes", "is_form", "nearest", "run", "stvq"]

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from longctx.xla_cpu import mix, rowdot, rows_dot, scores, transposed
 from pallas_kernels.vq_cache_ref import Ops, acc_einsum, causal_parallel, float_dtype
@@ -104,5 +106,13 @@ def run(core, choice, pre, v, C, state):
     return xla.attend(form, core, pre, v, C, state, ops=OPS, tiles=TILES, quantize=stvq)
 
 
-__all__ = ["OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums", "code_sums_scatter",
-           "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "run", "score_dot", "stvq"]
+IMPLEMENTATIONS = (
+    # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form itself), and what the older
+    # impl='xla' means there. Test settings: the tiled form with a recomputing backward (its one-shot form, below
+    # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
+    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
+                   test_config={"tiled_min_scores": 0, "keep_budget": 0}, auto={"cpu": 0}, code=sys.modules[__name__]),
+)
+
+__all__ = ["IMPLEMENTATIONS", "OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
+           "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "run", "score_dot", "stvq"]

@@ -2,55 +2,51 @@
 implementation and runs it (the compression itself is the stack wrapper's, ``longctx/models/vcc_stack.py``).
 
 Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once) and
-``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows, the default). ``impl='auto'``
-takes ``chunked`` when ``query_chunk`` > 0, else ``reference``: configs written before ``impl`` existed (only
-``query_chunk``) select what they computed then.
+``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows, the default; declared there).
+``impl='auto'`` takes ``chunked`` when ``query_chunk`` > 0, else ``reference``: configs written before ``impl``
+existed (only ``query_chunk``) select what they computed then.
 """
 
 from __future__ import annotations
+
+import functools
 
 import ml_collections
 
 from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
-from longctx.attention.vcc import xla
 from longctx.attention.vcc.reference import biased_attention
 
 METHOD = "vcc"
 
 
-def _chunked_reasons(platform, *, query_chunk: int = 0, **_):
-    if query_chunk <= 0:
-        return [f"chunked needs query_chunk > 0 (query_chunk={query_chunk}: all queries at once is the reference)"]
-    return []
+def _reference(q, k, v, key_bias, **_):
+    return biased_attention(q, k, v, key_bias)
 
 
-def implementations():
-    """vcc's implementations in order, the reference first (``VCCAttention.implementations``)."""
-    return (
-        dispatch.Implementation("reference", config={"impl": "reference"}),
-        dispatch.Implementation("chunked", reasons=_chunked_reasons, config={"impl": "chunked"},
-                                test_config={"query_chunk": 16}),
-    )
+# 'auto' on every platform: after chunked (which it takes only where query_chunk > 0)
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
+                                    auto={p: 1 for p in dispatch.ALL_PLATFORMS}, code=_reference)
 
 
-def auto_order(query_chunk: int) -> tuple[str, ...]:
-    """``impl='auto'`` (every platform): ``chunked`` when ``query_chunk`` > 0, else ``reference``."""
-    return ("chunked", "reference") if query_chunk > 0 else ("reference",)
+@functools.lru_cache(maxsize=None)  # the declarations are module constants: collected once
+def implementations(causal: bool | None = None):
+    """vcc's implementations, the reference first, then each implementation module's declarations
+    (``dispatch.declared``; ``VCCAttention.implementations``)."""
+    return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
 
 def choose(impl, *, query_chunk: int, platform: str | None = None) -> dispatch.Choice:
-    """The implementation of one call: ``dispatch.select`` over :func:`implementations` with :func:`auto_order`."""
-    return dispatch.select(impl, implementations(), method=METHOD, platform=platform,
-                           order=lambda _plat: auto_order(query_chunk), query_chunk=query_chunk)
+    """The implementation of one call: ``dispatch.select`` over :func:`implementations` ('auto': chunked when
+    ``query_chunk`` > 0, then reference, on every platform)."""
+    return dispatch.select(impl, implementations(), method=METHOD, platform=platform, query_chunk=query_chunk)
 
 
 def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = 0, platform: str | None = None):
-    """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks."""
+    """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks,
+    run through its declaration's ``code``."""
     name = choose(impl, query_chunk=query_chunk, platform=platform).name
-    if name == "chunked":
-        return xla.chunked_attention(q, k, v, key_bias, query_chunk=query_chunk)
-    return biased_attention(q, k, v, key_bias)
+    return dispatch.by_name(implementations())[name].code(q, k, v, key_bias, query_chunk=query_chunk)
 
 
 class VCCAttention(AttentionCore):
@@ -67,7 +63,7 @@ class VCCAttention(AttentionCore):
         """reference (the whole biased softmax), chunked (query chunks of ``query_chunk`` rows; ``test_config``
         makes it take several chunks at test lengths). ``impl='auto'``: chunked when query_chunk > 0. Causal
         (VCC-LM): its layers compute their attention in ``longctx.models.vcc_stack`` (one path), so one."""
-        return implementations() if not causal else implementations()[:1]
+        return implementations(causal=causal)
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -159,4 +155,4 @@ class VCCAttention(AttentionCore):
         return out, None
 
 
-__all__ = ["METHOD", "VCCAttention", "attend", "auto_order", "choose", "implementations"]
+__all__ = ["METHOD", "REFERENCE", "VCCAttention", "attend", "choose", "implementations"]

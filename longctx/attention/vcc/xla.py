@@ -4,6 +4,10 @@ Queries run in chunks of ``query_chunk`` rows under ``lax.map``, each chunk rema
 so the [R, R] logits are never held whole: peak memory O(query_chunk * R) per head instead of O(R^2). Each chunk
 is :func:`reference.biased_attention` on fp32 keys and values cast once outside the loop (their gradients
 accumulate across chunks in fp32).
+
+Declares ``chunked`` (:data:`IMPLEMENTATIONS`, the encoder's direction): ``impl='auto'`` takes it first on every
+platform when ``query_chunk`` > 0 (then the reference), so configs written before ``impl`` existed (only
+``query_chunk``) select what they computed then.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 from longctx.attention.vcc.reference import biased_attention
 
 
@@ -34,4 +39,22 @@ def chunked_attention(q, k, v, key_bias, *, query_chunk: int):
     return out.astype(v.dtype)
 
 
-__all__ = ["chunked_attention"]
+def _chunked_reasons(platform, *, query_chunk: int = 0, **_):
+    if query_chunk <= 0:
+        return [f"chunked needs query_chunk > 0 (query_chunk={query_chunk}: all queries at once is the reference)"]
+    return []
+
+
+def _chunks_set(platform, *, query_chunk: int = 0, **_) -> bool:
+    """'auto' takes chunked where ``query_chunk`` > 0 (0: all queries at once, the reference)."""
+    return query_chunk > 0
+
+
+IMPLEMENTATIONS = (
+    Implementation("chunked", reasons=_chunked_reasons, config={"impl": "chunked"}, test_config={"query_chunk": 16},
+                   auto={p: 0 for p in ALL_PLATFORMS}, prefer=_chunks_set, code=chunked_attention,
+                   directions=("bidirectional",)),
+)
+
+
+__all__ = ["IMPLEMENTATIONS", "chunked_attention"]
