@@ -15,6 +15,7 @@
 #   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU) against every method as shipped,
 #             8k-64k, forward and forward+backward, at the bench's accelerator defaults (B8 H8 d64 bf16,
 #             calls per sample filling 50 ms), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
+#   attention_d128  the same at head dim 128 (exact attention, its XLA tiles, transformer_vq, eva, fma; 8k, 32k)
 #   kernels   each Pallas kernel against its XLA path at the same shapes (`longctx-bench kernels`)
 #   step_*    the training step of three configs at reduced depth (`longctx-bench step`): enwik8
 #             Transformer-VQ, WikiText-103 EVA, enwik8 FMA: tokens/s, model FLOPs per token, MFU against the
@@ -50,7 +51,7 @@ STAMP="$(date -u +%Y-%m-%d)-$DEVICE"
 WORK="$OUT/$STAMP"
 mkdir -p "$WORK"
 BENCH=("$PY" -m longctx.bench.cli)
-STEPS="${STEPS:-env tests attention kernels step_tvq step_eva step_fma memplan}"
+STEPS="${STEPS:-env tests attention attention_d128 kernels step_tvq step_eva step_fma memplan}"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
@@ -66,6 +67,8 @@ if [ "$SMOKE" = 1 ]; then
   TESTS=(tests/kernels/test_vq_cache.py -k "export_lowering")
   ATTN=(--methods dense:naive,transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32
         --repeats 1 --warmup 0 --no_isolate)
+  ATTN128=(--methods dense:naive --lengths 256 --batch 1 --heads 2 --head_dim 32 --dtype float32 --repeats 1
+           --warmup 0 --no_isolate)
   KERN=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1
         --warmup 0 --no_backward)
   STEP=(--lengths 128 --batch_size 1 --repeats 1 --warmup 0 --matmul_n 512)
@@ -83,6 +86,10 @@ else
   DEPTH=(model.num_layers=2)
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
+  # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
+  # shipped, at the bench's accelerator batch and heads, two lengths
+  ATTN128=(--methods "$EXACT,dense:blockwise,transformer_vq,eva,fma" --head_dim 128 --lengths 8k,32k --repeats 3
+           --warmup 1 --mem_budget_gb 60 --max_cell_s 15)
 fi
 
 limit() {  # the step's time limit: GPU_CHECK_LIMIT_<STEP>, else its own (on the accelerator) or the smoke default
@@ -158,17 +165,19 @@ print(json.dumps(info, indent=1))
 EOF
 step env "$(limit env 30)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
 
-step tests "$(limit tests 90)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
-step attention "$(limit attention 120)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
+step tests "$(limit tests 75)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
+step attention "$(limit attention 100)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
   --no_torch --noprogress "${ATTN[@]}"
-step kernels "$(limit kernels 50)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+step attention_d128 "$(limit attention_d128 40)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
+  --matmul_n 0 --no_torch --noprogress "${ATTN128[@]}"
+step kernels "$(limit kernels 45)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
 mapfile -t DEPTH_FLAGS < <(over "${DEPTH[@]}")
 for pair in "tvq configs/enwik8/transformer_vq.py" "eva configs/wikitext103/eva_16l.py" "fma configs/enwik8/fma.py"; do
   set -- $pair
   step "step_$1" "$(limit "step_$1" 50)" "${BENCH[@]}" step --config "$2$VARIANT" --out "$WORK/step_$1" \
     --noprogress "${STEP[@]}" "${DEPTH_FLAGS[@]}"
 done
-step memplan "$(limit memplan 50)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
+step memplan "$(limit memplan 40)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
 
@@ -177,7 +186,7 @@ wait
 import json, math, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 work, base, exact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-STEPS = ["env", "tests", "attention", "kernels", "step_tvq", "step_eva", "step_fma", "memplan"]
+STEPS = ["env", "tests", "attention", "attention_d128", "kernels", "step_tvq", "step_eva", "step_fma", "memplan"]
 
 def load(p):
     try:
@@ -230,30 +239,34 @@ section("Kernel tests, compiled", "tests",
         [f"{tests.get('tests', 0)} tests: {tests.get('failures', 0)} failed, {tests.get('errors', 0)} errors, "
          f"{tests.get('skipped', 0)} skipped"] + [f"- failed: `{f}`" for f in tests.get("failed", [])])
 
-att = load(work / "attention" / "attention.json") or load(work / "attention" / "attention.partial.json") or {}
-rows = att.get("rows", []) if isinstance(att, dict) else []
-report["attention"] = rows
-ref = {(r.get("direction"), r.get("length")): r for r in rows if r.get("variant") == exact}
-a_args = (att.get("header") or {}).get("args", {}) if isinstance(att, dict) else {}
-peak = (att.get("peak") or {}) if isinstance(att, dict) else {}
-body = [f"Exact row: `{exact}`; ratio = method time / exact time (below 1: faster than exact attention). Shapes: "
-        f"batch {a_args.get('batch')}, heads {a_args.get('heads')}, head_dim {a_args.get('head_dim')}, "
-        f"{a_args.get('dtype')}, calls per timing sample {a_args.get('calls_per_sample')} (0: as many as fill 50 ms). "
-        + (f"Peak: {peak['tflops'] * 1e3:.4g} GFLOP/s, {peak.get('source')}." if peak.get("tflops")
-           else f"No % of peak: {peak.get('reason')}."), "",
-        "| variant | T | fwd ms | fwd+bwd ms | fwd / exact | fwd+bwd / exact | TFLOP/s fwd+bwd | % of peak fwd+bwd | status |",
-        "|---|---|---|---|---|---|---|---|---|"]
-for r in rows:
-    e = ref.get((r.get("direction"), r.get("length")), {})
-    ratio = lambda k: (r[k] / e[k]) if r.get(k) and e.get(k) else None  # noqa: E731
-    tf = r.get("fwdbwd_analytic_gflops_per_s") or r.get("fwdbwd_xla_gflops_per_s")
-    lb = "" if r.get("fwdbwd_analytic_gflops_per_s") or not r.get("fwdbwd_xla_flops_has_loops") else "≥"
-    pf = r.get("fwdbwd_peak_fraction")
-    body.append(f"| {r.get('variant')} | {r.get('length')} | {fmt((r.get('fwd_s') or math.nan) * 1e3)} | "
-                f"{fmt((r.get('fwdbwd_s') or math.nan) * 1e3)} | {fmt(ratio('fwd_s'))} | {fmt(ratio('fwdbwd_s'))} | "
-                f"{lb + fmt(tf / 1e3) if tf else '–'} | {lb + fmt(100 * pf) if pf is not None else '–'} | "
-                f"{r.get('fwd_status', '')}/{r.get('fwdbwd_status', '')} |")
-section("Exact attention against every method", "attention", body)
+def attention_section(name, title):
+    att = load(work / name / "attention.json") or load(work / name / "attention.partial.json") or {}
+    rows = att.get("rows", []) if isinstance(att, dict) else []
+    report[name] = rows
+    ref = {(r.get("direction"), r.get("length")): r for r in rows if r.get("variant") == exact}
+    a_args = (att.get("header") or {}).get("args", {}) if isinstance(att, dict) else {}
+    peak = (att.get("peak") or {}) if isinstance(att, dict) else {}
+    body = [f"Exact row: `{exact}`; ratio = method time / exact time (below 1: faster than exact attention). Shapes: "
+            f"batch {a_args.get('batch')}, heads {a_args.get('heads')}, head_dim {a_args.get('head_dim')}, "
+            f"{a_args.get('dtype')}, calls per timing sample {a_args.get('calls_per_sample')} (0: as many as fill 50 ms). "
+            + (f"Peak: {peak['tflops'] * 1e3:.4g} GFLOP/s, {peak.get('source')}." if peak.get("tflops")
+               else f"No % of peak: {peak.get('reason')}."), "",
+            "| variant | T | fwd ms | fwd+bwd ms | fwd / exact | fwd+bwd / exact | TFLOP/s fwd+bwd | % of peak fwd+bwd | status |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        e = ref.get((r.get("direction"), r.get("length")), {})
+        ratio = lambda k: (r[k] / e[k]) if r.get(k) and e.get(k) else None  # noqa: E731
+        tf = r.get("fwdbwd_analytic_gflops_per_s") or r.get("fwdbwd_xla_gflops_per_s")
+        lb = "" if r.get("fwdbwd_analytic_gflops_per_s") or not r.get("fwdbwd_xla_flops_has_loops") else "≥"
+        pf = r.get("fwdbwd_peak_fraction")
+        body.append(f"| {r.get('variant')} | {r.get('length')} | {fmt((r.get('fwd_s') or math.nan) * 1e3)} | "
+                    f"{fmt((r.get('fwdbwd_s') or math.nan) * 1e3)} | {fmt(ratio('fwd_s'))} | {fmt(ratio('fwdbwd_s'))} | "
+                    f"{lb + fmt(tf / 1e3) if tf else '–'} | {lb + fmt(100 * pf) if pf is not None else '–'} | "
+                    f"{r.get('fwd_status', '')}/{r.get('fwdbwd_status', '')} |")
+    section(title, name, body)
+
+attention_section("attention", "Exact attention against every method")
+attention_section("attention_d128", "Exact attention against the methods at head dim 128")
 
 kern = load(work / "kernels" / "kernels.json") or {}
 krows = kern.get("rows", []) if isinstance(kern, dict) else []

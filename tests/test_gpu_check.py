@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("## Environment", "## Kernel tests, compiled", "## Exact attention against every method",
+            "## Exact attention against the methods at head dim 128",
             "## Each kernel against its XLA path", "## Model training steps, reduced depth",
             "### enwik8 Transformer-VQ", "### WikiText-103 EVA", "### enwik8 FMA",
             "## Flagship memory plan")
@@ -29,6 +30,7 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
     assert {k: v["status"] for k, v in report["steps"].items()} == dict.fromkeys(report["steps"], "ok")
     assert report["env"]["jax"] and report["tests"]["tests"] > 0 and report["tests"]["failures"] == 0
     assert {r["variant"] for r in report["attention"]} >= {"dense:naive", "transformer_vq"}
+    assert {r["variant"] for r in report["attention_d128"]} >= {"dense:naive"}
     assert report["kernels"] and all(r["status"] == "ok" for r in report["kernels"])
     assert report["env"]["jax_in_supported_range"] is True and report["env"]["jax_supported_range"].startswith(">=")
     for name in ("step_tvq", "step_eva", "step_fma"):

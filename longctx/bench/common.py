@@ -431,12 +431,18 @@ def _eqn_matmul_flops(eqn) -> float:
 def jaxpr_matmul_flops(fn, *args) -> dict:
     """Matrix-multiply FLOPs of ``fn(*args)`` counted in its jaxpr: 2·M·N·K per ``dot_general`` and per
     convolution output element 2·(kernel size), a ``scan`` body times its length, a ``cond`` its most expensive
-    branch, every nested jaxpr (jit, remat, custom derivatives) once. Elementwise work is not counted (the MFU
-    convention). ``while_loops``: loops of unknown trip count, counted once (the number is then a lower bound);
-    ``opaque``: primitives whose work is not visible (Pallas calls)."""
+    branch, a ``shard_map`` body (per-device shapes) times the devices of the axes it makes manual, every other
+    nested jaxpr (jit, remat, custom derivatives) once. A fused attention call (cuDNN, splash: a jit the kernel
+    module tags, ``longctx.attention.dense.platform.fused_call_flops``) counts its analytic 4·B·H·Tq·Tk·D, halved
+    for causal, in place of its opaque custom call. Elementwise work is not counted (the MFU convention).
+    ``while_loops``: loops of unknown trip count, counted once (the number is then a lower bound); ``opaque``:
+    primitives whose work is not visible (untagged Pallas or custom calls); ``fused_calls``: the tagged fused
+    attention calls counted analytically."""
     from jax.extend import core as jcore
 
-    stats = {"while_loops": 0, "opaque": set()}
+    from longctx.attention.dense.platform import fused_call_flops
+
+    stats = {"while_loops": 0, "opaque": set(), "fused_calls": 0}
 
     def count(jaxpr) -> float:
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
@@ -444,13 +450,21 @@ def jaxpr_matmul_flops(fn, *args) -> dict:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             total += _eqn_matmul_flops(eqn)
-            if name == "scan":
+            fused = fused_call_flops(eqn.params.get("name", ""), [v.aval for v in eqn.invars]) \
+                if name in ("jit", "pjit") else None
+            if fused is not None:
+                stats["fused_calls"] += 1
+                total += fused
+            elif name == "scan":
                 total += eqn.params["length"] * count(eqn.params["jaxpr"])
             elif name == "while":
                 stats["while_loops"] += 1
                 total += count(eqn.params["body_jaxpr"]) + count(eqn.params["cond_jaxpr"])
             elif name == "cond":
                 total += max((count(b) for b in eqn.params["branches"]), default=0.0)
+            elif name == "shard_map":
+                mesh, manual = eqn.params["mesh"], eqn.params.get("newly_manual_axes", ())
+                total += _prod([mesh.shape[a] for a in manual]) * count(eqn.params["jaxpr"])
             elif "pallas" in name or name in ("custom_call", "ffi_call"):
                 stats["opaque"].add(name)
             else:
@@ -461,7 +475,8 @@ def jaxpr_matmul_flops(fn, *args) -> dict:
         return total
 
     flops = count(jax.make_jaxpr(fn)(*args))
-    return {"flops": flops, "while_loops": stats["while_loops"], "opaque": sorted(stats["opaque"])}
+    return {"flops": flops, "while_loops": stats["while_loops"], "opaque": sorted(stats["opaque"]),
+            "fused_calls": stats["fused_calls"]}
 
 
 # ----------------------------------------------------------------------------- outputs

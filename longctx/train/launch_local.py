@@ -54,15 +54,17 @@ def process_env(i: int, n: int, port: int, devices: int, base: dict | None = Non
 
 
 def start(n: int, train_args: list[str], *, devices: int, logdir: Path, port: int | None = None,
-          base_env: dict | None = None, heartbeat: int = 5, init_timeout: int = 60, cwd=None) -> list[subprocess.Popen]:
-    """Start the ``n`` processes (stdout and stderr of process i into ``logdir/process_<i>.log``)."""
+          base_env: dict | None = None, heartbeat: int = 5, init_timeout: int = 60, cwd=None,
+          code: str = TRAIN) -> list[subprocess.Popen]:
+    """Start the ``n`` processes (stdout and stderr of process i into ``logdir/process_<i>.log``), each
+    running ``python -c code train_args`` (``code``: longctx-train; a test may wrap it)."""
     logdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     procs = []
     for i in range(n):
         env = process_env(i, n, port, devices, base_env, heartbeat=heartbeat, init_timeout=init_timeout)
         with open(logdir / f"process_{i}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-c", TRAIN, *train_args], stdout=log,
+            procs.append(subprocess.Popen([sys.executable, "-c", code, *train_args], stdout=log,
                                           stderr=subprocess.STDOUT, env=env, cwd=cwd))
     return procs
 

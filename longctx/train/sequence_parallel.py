@@ -128,7 +128,22 @@ def train_hidden(model, mesh, *, window, seq_len: int, mode: str = "auto", fold_
     """(the mode, the ``hidden`` hook for ``make_train_step`` or None): what the trainer calls
     (``window``: the row length(s) the step sees, ``seq_len``: the longest, which sizes the states)."""
     mode = train_plan(model, mesh, window, mode)
-    return mode, (make_hidden(mesh, seq_len, fold_key=fold_key) if mode == "compose" else None)
+    if mode == "compose":
+        return mode, make_hidden(mesh, seq_len, fold_key=fold_key)
+    return mode, (xla_hidden(mesh) if mesh is not None and mesh.shape[AXIS] > 1 else None)
+
+
+def xla_hidden(mesh):
+    """``model.hidden`` traced with the row split over ``mesh.sequence`` by XLA's partitioner (mode 'xla'), under
+    ``longctx.attention.row_split.sequence_mesh``: a fused attention kernel (a custom call the partitioner
+    cannot split along the row) runs in a ``shard_map`` over the mesh; everything else is unchanged."""
+    from longctx.attention.row_split import sequence_mesh
+
+    def hidden(model, tokens, state=None, **kw):
+        with sequence_mesh(mesh):
+            return model.hidden(tokens, state, **kw)
+
+    return hidden
 
 
 def make_hidden(mesh, max_len: int, *, fold_key: bool = True):

@@ -68,10 +68,19 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
     return shape
 
 
+def device_grid(mesh_cfg, devices) -> np.ndarray:
+    """``devices`` (in ``jax.devices()`` order: a multi-process job lists process 0's first) as the
+    mesh's array of shape (data, fsdp, tensor, sequence), the last axis varying fastest: an axis
+    crosses the process boundary where its size times the sizes of the axes after it exceeds the
+    devices of one process (e.g. sequence 8 over 2 processes x 4 devices; not data 2 x sequence 4)."""
+    devices = list(devices)
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = devices
+    return grid.reshape(mesh_shape(mesh_cfg, len(devices)))
+
+
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-    devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(mesh_cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), AXES)
+    return Mesh(device_grid(mesh_cfg, jax.devices() if devices is None else devices), AXES)
 
 
 def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
@@ -188,7 +197,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 def shard_batch(mesh: Mesh, array: np.ndarray):
     """Global batch [B, ...] split over the batch axes (data x fsdp); B must divide evenly."""
     n = data_parallel_size(mesh)
-    rows = array.shape[0] * jax.process_count()  # each process holds an equal share (host_shard)
+    rows = array.shape[0] * n // _local_batch_groups(mesh)  # this process's share (host_shard) of the rows
     if rows % n:
         raise ConfigError(f"train.batch_size={rows} must be a multiple of the {n} batch-parallel devices "
                           "(mesh.data x mesh.fsdp)")
@@ -198,9 +207,18 @@ def shard_batch(mesh: Mesh, array: np.ndarray):
     return jax.make_array_from_process_local_data(sharding, array, (rows, *array.shape[1:]))
 
 
+def _local_batch_groups(mesh: Mesh) -> int:
+    """How many positions of the batch axes (data x fsdp) this process's devices take."""
+    me = jax.process_index()
+    return len({idx[:2] for idx in np.ndindex(mesh.devices.shape) if mesh.devices[idx].process_index == me})
+
+
 def host_shard(mesh: Mesh, batch_size: int) -> tuple[int, int]:
     """(k, n): this process holds rows [k * B / n, (k + 1) * B / n) of every global batch of ``batch_size``
-    rows split over the batch axes -- the slice its batcher reads. (0, 1) in a single-process job."""
+    rows split over the batch axes -- the slice its batcher reads. (0, 1) in a single-process job, and
+    where each process's devices hold every row (e.g. data 1 x sequence 8 over two processes: the
+    processes then hold different tokens of the same rows). Processes may share a slice (n below the
+    number of processes)."""
     n = jax.process_count()
     if n == 1:
         return 0, 1
@@ -212,10 +230,10 @@ def host_shard(mesh: Mesh, batch_size: int) -> tuple[int, int]:
     rows = sorted({(sl[0].start or 0, batch_size if sl[0].stop is None else sl[0].stop) for sl in index.values()})
     lo, hi = rows[0][0], rows[-1][1]
     covered = sum(b - a for a, b in rows)
-    if covered != hi - lo or (hi - lo) * n != batch_size or lo % (hi - lo):
+    if covered != hi - lo or batch_size % (hi - lo) or lo % (hi - lo):
         raise ConfigError(f"the mesh gives process {jax.process_index()} rows {rows} of each batch, not one equal "
                           f"contiguous share of {batch_size} rows; order the mesh's batch axes by process")
-    return lo // (hi - lo), n
+    return lo // (hi - lo), batch_size // (hi - lo)
 
 
 def constrain_tokens(x, mesh: Mesh | None):

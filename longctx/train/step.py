@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from longctx.attention import NonGradState
+from longctx.attention import NonGradState, row_split
 
 
 def split_model(model):
@@ -411,15 +411,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     return step
 
 
-def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None):
-    """Masked-LM loss: mean NLL over the masked positions only (gathered by index, ``num_masked`` per row)."""
+def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None, row_mesh=None):
+    """Masked-LM loss: mean NLL over the masked positions only (gathered by index, ``num_masked`` per row).
+    ``row_mesh``: the mesh whose ``sequence`` axis splits the rows (XLA partitions the encoder; a fused attention
+    kernel runs in a ``shard_map`` over it, ``longctx.attention.row_split``)."""
 
     def loss_fn(params, nongrad, rest, batch, state, key):
         inputs, targets, mask = batch["inputs"], batch["targets"], batch["mask"]
         if constrain is not None:
             inputs, targets, mask = constrain(inputs), constrain(targets), constrain(mask)
         model = nnx.merge(graphdef, params, nongrad, rest)
-        h, aux = model.hidden(inputs, mask, deterministic=False, key=key)
+        with row_split.sequence_mesh(row_mesh):
+            h, aux = model.hidden(inputs, mask, deterministic=False, key=key)
         nll, valid, _ = model.masked_nll(h, targets, mask, num_masked)
         ce = jnp.sum(nll) / jnp.maximum(jnp.sum(valid), 1)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
@@ -429,11 +432,11 @@ def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None):
 
 
 def make_mlm_train_step(graphdef, tx: optax.GradientTransformation, *, num_masked: int, skip_nonfinite: bool,
-                        constrain=None):
+                        constrain=None, row_mesh=None):
     """Encoder (masked-LM) step: step(params, nongrad, rest, opt_state, batch, key) -> (params, nongrad, opt_state,
     metrics) with batch = {'inputs', 'targets': [B, T] int32, 'mask': [B, T] bool} (longctx.data.masking).
     One update per row batch: windows do not apply to encoders."""
-    loss = make_mlm_loss_fn(graphdef, num_masked, constrain)
+    loss = make_mlm_loss_fn(graphdef, num_masked, constrain, row_mesh)
     grad_fn = scaled_value_and_grad(loss) if isinstance(tx, LossScaling) else jax.value_and_grad(loss, has_aux=True)
     update = _make_update(graphdef, tx, grad_fn, skip_nonfinite)
 

@@ -166,8 +166,9 @@ class MaskedLM(Task):
     def make_step(self, model, graphdef, tx, plan):
         cfg, tc = self.cfg, self.cfg.train
         n_mask = masking.num_masked(tc.seq_len, cfg.mlm.rate)
+        split = plan.mesh.shape.get("sequence", 1) > 1  # rows split over the mesh: a fused kernel needs to know
         step = plan.jit_step(make_mlm_train_step(graphdef, tx, num_masked=n_mask, skip_nonfinite=True,
-                                                 constrain=plan.constrain))
+                                                 constrain=plan.constrain, row_mesh=plan.mesh if split else None))
         self.row0 = self.batcher.shard_index * tc.batch_size // self.batcher.num_shards  # this host's first global row
         return step, jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
 

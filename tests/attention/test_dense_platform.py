@@ -16,6 +16,8 @@ TPUs, chosen by the shared implementation rule (``dispatch.select`` with dense's
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import re
 import sys
@@ -360,3 +362,51 @@ def test_splash_lowers_for_tpu(causal):
 def test_splash_refuses_a_head_dim_tpu_blocks_cannot_take():
     with pytest.raises(dispatch.KernelUnsupportedError, match="head_dim=96"):
         export_fwd_bwd("splash", "tpu", True, qkv(256, B=1, D=96, dtype=BF16))
+
+
+# ------------------------------------------------------------------------------------------------ sequence parallelism
+def test_kernels_under_sequence_parallelism_refuse_slices_they_cannot_tile(fresh_log):
+    """A row split over mesh.sequence: splash needs whole 128-token blocks per device, cuDNN's bias-masked causal
+    form an even slice; 'auto' then takes the XLA path with one line, a kernel named alone raises."""
+    assert dense.choose("auto", platform="tpu", dtype=BF16, head_dim=128, sequence_slice=256).name == "splash"
+    assert dense.choose("auto", platform="cuda", dtype=BF16, head_dim=64, sequence_slice=255, causal=False).name \
+        == "cudnn"
+    for plat, n, why in (("tpu", 200, "128"), ("cuda", 255, "even")):
+        c = dense.choose("auto", platform=plat, dtype=BF16, head_dim=128, large=True, sequence_slice=n)
+        assert c.name == "blockwise" and any("sequence parallelism" in r and why in r for r in c.reasons)
+        with pytest.raises(dispatch.KernelUnsupportedError, match="sequence parallelism"):
+            dense.choose(dp.PLATFORM_KERNEL[plat], platform=plat, dtype=BF16, head_dim=128, sequence_slice=n)
+    lines = log_lines(fresh_log)
+    assert len(lines) == 2 and all("sequence parallelism" in x for x in lines)
+
+
+def test_no_sequence_mesh_outside_a_split_call():
+    assert dp.active_sequence_mesh(64) is None
+    mesh = jax.sharding.AbstractMesh((1, 4), ("data", "sequence"))
+    with dp.sequence_mesh(mesh):
+        assert dp.active_sequence_mesh(64) is mesh
+        assert dp.active_sequence_mesh(66) is None  # the partitioner does not split a row 4 does not divide
+    assert dp.active_sequence_mesh(64) is None
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_calls_count_their_analytic_flops(fake_cudnn, causal):
+    """The cuDNN call (traced for cuda) and splash (interpret mode) are opaque to a jaxpr's dot_generals: the
+    counter takes 4·B·H·T²·D (halved causal) from the tagged call, as attention_bench's analytic count."""
+    from longctx.bench import common as C
+    from longctx.bench.attention_bench import analytic_dense_flops
+
+    B, H, T, D = 2, 2, 256, 64
+    args = qkv(T, B=B, H=H, D=D, dtype=BF16)
+    pos = full(T)
+    for impl, plat in (("cudnn", "cuda"), ("splash", "cpu")):
+        fn = functools.partial(dense.attend, q_pos=pos[0], k_pos=pos[1], k_valid=pos[2], causal=causal, impl=impl,
+                               block_q=64, block_k=64, auto_threshold=1, full_pass=True, platform=plat)
+        with pytest.warns(UserWarning, match="interpret") if impl == "splash" else contextlib.nullcontext():
+            res = C.jaxpr_matmul_flops(fn, *args)
+        assert res["fused_calls"] == 1 and res["opaque"] == [], (impl, res)
+        assert res["flops"] == analytic_dense_flops(B, H, T, D, causal), impl
+    # the XLA path is still counted from its dot_generals (the whole masked T x T)
+    res = C.jaxpr_matmul_flops(lambda q, k, v: naive_attention(q, k, v, *pos, causal=causal), *args)
+    assert res["fused_calls"] == 0 and res["flops"] == analytic_dense_flops(B, H, T, D, False)

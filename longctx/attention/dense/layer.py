@@ -61,9 +61,12 @@ def impl_names(impl) -> tuple[str, ...]:
 
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
-           k_dtype=None, v_dtype=None, platform: str | None = None) -> dispatch.Choice:
+           k_dtype=None, v_dtype=None, platform: str | None = None, sequence_slice: int | None = None,
+           causal: bool = True) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
-    declarations' order on the platform; ``large``: Tq*Tk > auto_threshold). A KV-cache step (``kv_cache``) is no
+    declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
+    device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
+    takes the XLA path with one log line, a kernel named alone raises). A KV-cache step (``kv_cache``) is no
     call for a fused kernel: a kernel named explicitly is passed over for the rest of the list, or for the 'auto'
     list without the kernels (one log line), unless it cannot serve even a full pass here and nothing else is named
     (then the error lists its reasons)."""
@@ -72,6 +75,8 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     table = dispatch.by_name(impls)
     names = impl_names(impl)
     shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype)
+    if sequence_slice is not None:
+        shapes.update(sequence_slice=sequence_slice, causal=causal)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
         rest = tuple(n for n in names if n not in kernels.FAST_IMPLS)
         if not rest:
@@ -98,10 +103,17 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, 
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
     :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
     ``code``. ``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid (no cache): the fused kernels
-    and the unrolled tiles serve only that."""
+    and the unrolled tiles serve only that. A full pass traced with its row split over a mesh's ``sequence`` axis
+    (``platform.sequence_mesh``, or jax's ambient mesh) runs a fused kernel in a ``shard_map`` over the mesh
+    (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner."""
+    mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
+    split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
                     value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > auto_threshold,
-                    platform=platform)
+                    platform=platform, sequence_slice=split, causal=causal)
+    if split is not None and choice.name in kernels.FAST_IMPLS:
+        return kernels.sequence_parallel_attention(choice.name, q, k, v, mesh=mesh, causal=causal,
+                                                   interpret=choice.interpret)
     run = dispatch.by_name(implementations())[choice.name].code
     return run(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
                interpret=choice.interpret)

@@ -16,6 +16,24 @@ supported). A KV-cache step (a call with a state: positions offset by the cache,
 one form neither kernel computes whatever the configuration (cuDNN's causal mask is aligned to the first key and
 its padding to the last; splash's masks are built ahead of the call from static positions): the layer runs it by
 the XLA path under every ``impl``, so a model configured for a kernel still decodes.
+
+Under sequence parallelism (a row split over the mesh's ``sequence`` axis, :func:`sequence_mesh`) a fused kernel
+is a custom call XLA's partitioner cannot split along the row, so :func:`sequence_parallel_attention` runs it in a
+``shard_map`` over the whole mesh (rows over the batch axes, heads over ``tensor`` where they divide, as the
+activations are): each device gathers K and V along ``sequence`` and attends its own query rows to the whole row.
+The causal offset of a device's rows is where the kernels differ:
+
+* splash: the kernel is built for the whole row with ``q_seq_shards`` = the axis size (its mask tables sharded
+  along the query blocks, passed as a ``shard_map`` argument), so each device's blocks carry its own causal
+  offset and fully masked blocks are skipped; each device's slice must be whole 128-token blocks.
+* cuDNN: jax's cuDNN call aligns its causal mask to the first key and takes no query offset, so a causal slice
+  is masked by a boolean ``mask`` [1, 1, n, T] (key j visible from row i when j <= offset + i), which jax passes
+  to cuDNN as an additive bias: the kernel computes the slice's whole n x T (no causal block skipping) and its
+  backward a bias gradient that is discarded; cuDNN's bias form needs an even slice length. Bidirectional
+  slices need no mask.
+
+Where a kernel refuses a split call (its ``unsupported_reasons`` with ``sequence_slice``), 'auto' takes the XLA
+path, which the partitioner splits, with one log line.
 """
 
 from __future__ import annotations
@@ -25,8 +43,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from longctx.attention.dispatch import Implementation
+from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, sequence_mesh  # noqa: F401
 
 FAST_IMPLS = ("cudnn", "splash")
 KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "Pallas splash attention"}
@@ -68,9 +89,11 @@ def cudnn_head_dim_max(capability: tuple[int, int] | None) -> int:
 
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
-                              capability: tuple[int, int] | None = None, **_) -> list[str]:
+                              capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
+                              causal: bool = True, **_) -> list[str]:
     """Why cuDNN flash attention cannot serve this call on ``platform`` ('cuda' | 'rocm' | 'tpu' | 'cpu').
-    ``capability``: the GPU's compute capability (default: the running device's, None from a CPU)."""
+    ``capability``: the GPU's compute capability (default: the running device's, None from a CPU).
+    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
     out = []
     if platform != "cuda":
         out.append(f"cuDNN runs only on NVIDIA GPUs (platform {platform})")
@@ -89,15 +112,20 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
                    + ("" if h_max == 256 else " (256 on Hopper or later)"))
     if value_dim is not None and value_dim != head_dim:
         out.append(f"value_dim={value_dim} != head_dim={head_dim} (cuDNN's different-value-dim form is not wired)")
+    if sequence_slice is not None and causal and sequence_slice % 2:
+        out.append(f"sequence parallelism: a causal slice of {sequence_slice} tokens per device; cuDNN's "
+                   "bias-masked form (the slice's causal offset) needs an even slice length")
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
 
 
 def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
-                               kv_cache: bool = False, k_dtype=None, v_dtype=None, **_) -> list[str]:
+                               kv_cache: bool = False, k_dtype=None, v_dtype=None, sequence_slice: int | None = None,
+                               **_) -> list[str]:
     """Why splash attention cannot serve this call on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'cpu' |
-    'interpret': the CPU's Pallas interpret mode, where only what the kernel computes is checked)."""
+    'interpret': the CPU's Pallas interpret mode, where only what the kernel computes is checked).
+    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
     out = []
     if platform not in ("tpu", "interpret"):
         out.append(f"splash attention is a TPU (Mosaic) kernel (platform {platform})")
@@ -111,22 +139,60 @@ def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim
         for name, d in dims:
             if d % 128 and d != 64:
                 out.append(f"{name}={d}: TPU blocks want a multiple of 128 (or 64)")
+    if sequence_slice is not None and sequence_slice % SPLASH_MIN_BLOCK:
+        out.append(f"sequence parallelism: a slice of {sequence_slice} tokens per device; splash's query blocks "
+                   f"(multiples of {SPLASH_MIN_BLOCK}) must tile each device's slice")
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
 
 
+# ----------------------------------------------------------------------------------------------------- FLOPs
+FLOPS_TAGS = {"fused_attention_causal": True, "fused_attention_full": False}  # jit name -> causal
+
+
+def _tagged(fn, causal: bool):
+    """``fn(q, k, v, *rest)`` as a jit named for :func:`fused_call_flops`: a fused kernel's work is not visible in
+    the jaxpr (a custom call, a Pallas call), so a FLOP count reads it from the named call's q, k, v (its first
+    three inputs: ``fn`` closes over no traced value, which jit would add as inputs before them)."""
+    def call(*args):
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = "fused_attention_causal" if causal else "fused_attention_full"
+    return jax.jit(call)
+
+
+def fused_call_flops(name: str, avals) -> float | None:
+    """Forward matmul FLOPs of a fused attention call tagged by :func:`_tagged` (``name``: the jit's name,
+    ``avals``: its inputs, q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv] first): 2·B·H·Tq·Tk·(D + Dv), i.e.
+    4·B·H·Tq·Tk·D, halved for causal (the MFU convention: the visible half; under sequence parallelism each
+    device's Tq rows against the whole row average the same half). None: not a tagged call."""
+    if name not in FLOPS_TAGS:
+        return None
+    q, k, v = (a.shape for a in avals[:3])
+    B, H, Tq, D = q
+    flops = 2.0 * B * H * Tq * k[2] * (D + v[3])
+    return flops / 2 if FLOPS_TAGS[name] else flops
+
+
 # ----------------------------------------------------------------------------------------------------- cuDNN
-def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn"):
+def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn", q_offset=None):
     """Exact attention of q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,D] through ``jax.nn.dot_product_attention``
     (scale D**-0.5; causal: query i sees keys j <= i). ``kv_lengths`` [B] int32: row b's keys from
-    ``kv_lengths[b]`` on are padding. ``implementation='xla'`` runs the same call on jax's XLA path (the CPU
-    tests check this wiring against dense's naive path that way)."""
+    ``kv_lengths[b]`` on are padding. ``q_offset`` (an int or a traced scalar; causal only): the queries are rows
+    ``q_offset ..`` of the keys' sequence, masked by a boolean [1,1,Tq,Tk] mask (cuDNN's own causal mask is
+    aligned to the first key). ``implementation='xla'`` runs the same call on jax's XLA path (the CPU tests check
+    this wiring against dense's naive path that way)."""
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> jax's [B,T,H,D]
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
-    out = jax.nn.dot_product_attention(t(q), t(k), t(v), is_causal=causal, key_value_seq_lengths=kv_lengths,
-                                       implementation=implementation)
+    mask = None
+    if causal and q_offset is not None:
+        rows = q_offset + jnp.arange(q.shape[2], dtype=jnp.int32)
+        mask = (jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] <= rows[:, None])[None, None]
+        causal = False
+    out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal,
+                                       key_value_seq_lengths=kv_lengths, implementation=implementation)
     return t(out).astype(v.dtype)
 
 
@@ -140,17 +206,37 @@ def splash_block(T: int, block: int = SPLASH_BLOCK) -> int:
     return min(block, -(-T // SPLASH_MIN_BLOCK) * SPLASH_MIN_BLOCK)
 
 
+def splash_slice_block(n: int, block: int = SPLASH_BLOCK) -> int:
+    """The largest block <= ``block`` (a multiple of 128 halved from it) that tiles a slice of n tokens."""
+    bl = block
+    while bl > SPLASH_MIN_BLOCK and n % bl:
+        bl //= 2
+    if n % bl:
+        raise ValueError(f"splash: a slice of {n} tokens is not whole {SPLASH_MIN_BLOCK}-token blocks")
+    return bl
+
+
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, T: int, causal: bool, block: int, interpret: bool):
+def _splash_kernel(heads: int, T: int, causal: bool, block: int, interpret: bool, head_shards: int = 1,
+                   q_seq_shards: int = 1, q_len: int | None = None):
+    """The kernel of ``heads`` heads over a row of T keys and ``q_len`` (default T) queries; ``head_shards`` /
+    ``q_seq_shards``: its mask tables split for a ``shard_map`` (``manual_sharding_spec``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    one = sm.CausalMask((T, T)) if causal else sm.FullMask((T, T))
+    shape = (q_len or T, T)
+    one = sm.CausalMask(shape) if causal else sm.FullMask(shape)
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     with jax.ensure_compile_time_eval():  # the mask tables are constants, also when first built inside a trace
-        return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+        return sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=head_shards,
+                                  q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def _splash_call(kernel, q, k, v, seg=None):
+    D = q.shape[-1]
+    qs = (q.astype(jnp.float32) * D**-0.5).astype(q.dtype)
+    return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=seg))(qs, k, v)
 
 
 def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: int = SPLASH_BLOCK):
@@ -161,20 +247,80 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
     B, H, T, D = q.shape
     bl = splash_block(T, block)
     Tp = -(-T // bl) * bl
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, 0))) if Tp > T else x  # noqa: E731
-    qs = (q.astype(jnp.float32) * D**-0.5).astype(q.dtype)
-    kernel = _splash_kernel(H, Tp, causal, bl, interpret)
-    seg = None
-    if Tp > T and not causal:
-        ids = jnp.asarray(np.arange(Tp) >= T, jnp.int32)  # 0: a real token, 1: padding
-        seg = sk.SegmentIds(q=ids, kv=ids)
-    out = jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=seg))(pad(qs), pad(k), pad(v))
-    return out[:, :, :T].astype(v.dtype)
+
+    def run(q, k, v):
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, 0))) if Tp > T else x  # noqa: E731
+        seg = None
+        if Tp > T and not causal:
+            ids = jnp.asarray(np.arange(Tp) >= T, jnp.int32)  # 0: a real token, 1: padding
+            seg = sk.SegmentIds(q=ids, kv=ids)
+        out = _splash_call(_splash_kernel(H, Tp, causal, bl, interpret), pad(q), pad(k), pad(v), seg)
+        return out[:, :, :T].astype(v.dtype)
+
+    return _tagged(run, causal)(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------------- sequence parallelism
+BATCH_AXES = ("data", "fsdp")  # the activations' row axes and heads axis (longctx.train.sharding)
+HEADS_AXES = ("tensor",)
+def _mesh_axes(mesh, names, size: int):
+    """The axes of ``names`` (size > 1) in ``mesh`` as one PartitionSpec entry, or None where their product does
+    not divide ``size`` (that dimension is then replicated inside the shard_map)."""
+    axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+    count = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or size % count:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def sequence_parallel_attention(kernel: str, q, k, v, *, mesh, causal: bool, interpret: bool = False,
+                                cudnn_implementation: str = "cudnn"):
+    """Exact attention of a full pass, q, k [B,H,T,D], v [B,H,T,Dv], by ``kernel`` ('cudnn' | 'splash') with the
+    row split over ``mesh``'s ``sequence`` axis (module docstring): a ``shard_map`` over the mesh, rows over the
+    batch axes and heads over ``tensor`` where they divide; each device gathers K and V along ``sequence`` and
+    attends its rows (offset ``index * T / size``) to the whole row. ``cudnn_implementation='xla'``: the same call
+    on jax's XLA path (the CPU tests)."""
+    B, H, T, _ = q.shape
+    size = mesh.shape[SEQUENCE_AXIS]
+    if T % size:
+        raise ValueError(f"sequence parallelism: the row length {T} must be divisible by mesh.sequence={size}")
+    n = T // size
+    bspec, hspec = _mesh_axes(mesh, BATCH_AXES, B), _mesh_axes(mesh, HEADS_AXES, H)
+    spec = P(bspec, hspec, SEQUENCE_AXIS, None)
+    gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=2, tiled=True)  # noqa: E731
+
+    if kernel == "cudnn":
+        def rows(q, k, v):
+            return cudnn_attention(q, k, v, causal=causal, implementation=cudnn_implementation,
+                                   q_offset=jax.lax.axis_index(SEQUENCE_AXIS) * n if causal else None)
+
+        def local(q, k, v):
+            return _tagged(rows, causal)(q, gather(k), gather(v))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+    if kernel != "splash":
+        raise ValueError(f"sequence_parallel_attention: kernel={kernel!r}; allowed: cudnn, splash")
+    head_shards = 1 if hspec is None else int(np.prod([mesh.shape[a] for a in np.atleast_1d(hspec)]))
+    block = splash_slice_block(n)
+    if causal:  # the whole row's causal tables, each device's query blocks its own rows
+        table = _splash_kernel(H, T, True, block, interpret, head_shards=head_shards, q_seq_shards=size)
+        table_spec = table.manual_sharding_spec(NamedSharding(mesh, P(hspec, SEQUENCE_AXIS)))
+    else:  # every device's rows see every key: one kernel of n queries (jax cannot shard a FullMask's tables)
+        table = _splash_kernel(H // head_shards, T, False, block, interpret, q_len=n)
+        table_spec = jax.tree.map(lambda _: P(), table)
+
+    def local(table, q, k, v):  # table: this device's rows of the kernel's mask tables (arguments after q, k, v)
+        leaves, tree = jax.tree.flatten(table)
+        run = lambda q, k, v, *t: _splash_call(jax.tree.unflatten(tree, t), q, k, v).astype(v.dtype)  # noqa: E731
+        return _tagged(run, causal)(q, gather(k), gather(v), *leaves)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, spec, spec, spec), out_specs=spec,
+                         check_vma=False)(table, q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------------- declarations
 def _run_cudnn(q, k, v, *_, causal: bool, **__):
-    return cudnn_attention(q, k, v, causal=causal)
+    return _tagged(functools.partial(cudnn_attention, causal=causal), causal)(q, k, v)
 
 
 def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, **__):
@@ -192,5 +338,7 @@ IMPLEMENTATIONS = (
 PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
 
 
-__all__ = ["FAST_IMPLS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL", "cudnn_attention", "cudnn_head_dim_max",
-           "cudnn_unsupported_reasons", "splash_attention", "splash_block", "splash_unsupported_reasons"]
+__all__ = ["FAST_IMPLS", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
+           "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
+           "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
+           "splash_slice_block", "splash_unsupported_reasons"]

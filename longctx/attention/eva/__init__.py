@@ -14,6 +14,12 @@ The package: ``reference.py`` (the paper's computation, the implementation every
 ``pallas.py`` (the kernels), each declaring itself (``IMPLEMENTATIONS``), ``common.py`` (options, geometry, masks,
 bias, random draws and decoding state they share) and ``layer.py`` (:class:`EVAAttention`: parameters,
 configuration, state, and the choice of implementation).
+Checked against the release (HKUNLP/efficient-attention at 531ff51, ``tests/fidelity/test_eva_release.py``):
+both directions equal a port of the released forward with the release's draws and options (``partition='full'``,
+``rf_scale='released'``). Remaining differences: with ``overlap_window`` the release indexes the relative bias by
+position inside the widened window (longctx: by offset; equal without overlap); the release's bidirectional
+overlap also widens the chunks (no option here); chunks made only of padding stay visible in the release (masked
+here); the release masks with -5e4 and pads before its projections (longctx: -1e30, zero-padded q, k, v).
 """
 
 from longctx.attention.eva.common import (

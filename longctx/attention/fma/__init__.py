@@ -56,6 +56,10 @@ Departures from the paper, all named:
   streamed or decoded);
 * the attention dropout of FMA-linear is applied to the per-row (shared) coarse weights;
 * bidirectional padding as described above.
+Checked against the release (yanmingk/FMA at 66c689a, ``tests/fidelity/test_fma_release.py``): causal FMA with
+``release_zero_slots=True``, depthwise downsampling shared over heads and ``multiplicity_weighting`` = the release's
+``scale_attn`` equals a port of the released forward, also on inputs shorter than ``max_len``. Remaining
+difference: the mask value (the release: d·(-65504)/(d+1); longctx: -1e30; both give those slots weight 0).
 """
 
 from __future__ import annotations

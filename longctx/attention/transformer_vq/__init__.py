@@ -12,6 +12,10 @@ per-code (mean value, count) summaries: a lossless compressed cache *for the qua
 * ``pallas.py``    -- the §9 kernel (``pallas_kernels/vq_cache.py``): ``pallas``
 
 Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects.
+Checked against the release (transformer-vq/transformer_vq at 21943e4, ``tests/fidelity/test_transformer_vq_release.py``):
+output, codes and final cache equal a port of the released attention (``agg_cache=1``, sinusoid dropout included),
+in one call and block by block. Remaining differences: the initial band codes (code S in the release, 0 here;
+both slots are invalid by position); the cache is kept in float32 (the release: the activation dtype).
 """
 
 from longctx.attention.transformer_vq.layer import (

@@ -23,6 +23,12 @@ Files: ``reference.py`` (the biased softmax, the reference), ``xla.py`` (``chunk
 ``layer.py`` (config, implementations, the core). Departures from the paper / reference code are listed in
 ``longctx/models/vcc_stack.py``'s docstring (selection score form, two resolutions only, max(count, 1) means,
 masked-coarse layout, Python loop instead of scan; VCC-LM's state layout).
+Checked against the release (mlpen/VCC at 356f806, ``tests/fidelity/test_vcc_release.py``): a dense layer and two
+VCC layers of the encoder stack equal a port of the released RoBERTa encoder (fine-block choice, selection logits,
+output) with these departures applied: block means divide by max(count, 1) (the release: count + 1e-4), averaged
+keys get exactly log k (the release: log(k + 1e-4)), tanh GELU (the release: erf); with erf GELU the release's
+output itself is matched within its epsilons. Also: no projection biases; all-padding blocks score -1e30 (the
+release: log 1e-5; neither picks them); masked keys -1e9 (the release: -1000).
 """
 
 from longctx.attention.vcc.layer import VCCAttention, attend, choose, implementations
