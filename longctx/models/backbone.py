@@ -44,6 +44,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from longctx import attention
@@ -113,25 +114,66 @@ def _remat_after_cotangent(fn):
     and then computes every block's recomputation early, so that all activations are live at once (measured: the
     same compiled temporary memory with and without it). Here the recomputation's inputs are tied to the incoming
     cotangent of x's successor (+ 0·ct[0]), a data dependency that any scheduler must respect: the recomputation
-    runs only once the backward has reached the block."""
+    runs only once the backward has reached the block.
+
+    As under ``jax.checkpoint``, the backward differentiates with respect to the perturbed inputs only (the
+    parameters and x in training; the carried state, positions, key and non-gradient variables are constants
+    there, and their cotangents are zeros): differentiating a window's carried state would linearize paths no
+    gradient takes (Transformer-VQ's tiled form declares its cache counts constant, and JAX's scan transpose
+    then fails on that symbolic-zero cotangent)."""
 
     @jax.custom_vjp
     def f(*args):
         return fn(*args)
 
-    def fwd(*args):
-        return fn(*args), args
+    trees = []  # the arguments' structures (the same in every trace of f; residuals hold arrays only)
 
-    def bwd(args, ct):
+    def fwd(*primals):
+        # per argument, its leaves' values split by whether they are perturbed (None marks the other kind's slot)
+        flat = [jax.tree.flatten(a, is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+                for a in primals]
+        trees[:] = [tree for _, tree in flat]
+        varied = [[p.value if p.perturbed else None for p in leaves] for leaves, _ in flat]
+        fixed = [[None if p.perturbed else p.value for p in leaves] for leaves, _ in flat]
+        args = [tree.unflatten([p.value for p in leaves]) for leaves, tree in flat]
+        return fn(*args), (varied, fixed)
+
+    def bwd(res, ct):
+        varied, fixed = res
+        ct = jax.tree.map(_instantiate_zero, ct, is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero))
         first = jax.tree.leaves(ct[0])[0]
         tie = 0.0 * first.reshape(-1)[0]
-        floating = lambda a: jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731
-        tied = [jax.tree.map(lambda a: a + tie.astype(a.dtype) if floating(a) else a, arg) for arg in args[1:3]]
-        _, vjp = jax.vjp(fn, args[0], *tied, *args[3:])
-        return vjp(ct)
 
-    f.defvjp(fwd, bwd)
+        def tied(i, a):  # x and the state (arguments 1 and 2) wait for the cotangent
+            if i in (1, 2) and a is not None and jnp.issubdtype(a.dtype, jnp.floating):
+                return a + tie.astype(a.dtype)
+            return a
+
+        varied = [[tied(i, a) for a in leaves] for i, leaves in enumerate(varied)]
+        fixed = [[tied(i, a) for a in leaves] for i, leaves in enumerate(fixed)]
+
+        def of_varied(*vs):
+            it = iter(vs)
+            args = [tree.unflatten([next(it) if v is not None else c for v, c in zip(vl, cl)])
+                    for tree, vl, cl in zip(trees, varied, fixed)]
+            return fn(*args)
+
+        _, vjp = jax.vjp(of_varied, *[a for leaves in varied for a in leaves if a is not None])
+        it = iter(vjp(ct))
+        return tuple(tree.unflatten([next(it) if v is not None else None for v in vl])
+                     for tree, vl in zip(trees, varied))
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f
+
+
+def _instantiate_zero(c):
+    """A symbolic zero cotangent as an array (float0 for an integer output), anything else as it is."""
+    if not isinstance(c, jax.custom_derivatives.SymbolicZero):
+        return c
+    if c.dtype == jax.dtypes.float0:
+        return np.zeros(c.shape, jax.dtypes.float0)
+    return jnp.zeros(c.shape, c.dtype)
 
 
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (longctx/train/sharding.py maps it to no mesh axis)

@@ -127,6 +127,21 @@ def _rows_dot(a_t, b):
     return jnp.einsum("...iq,...qj->...ij", a_t, b)
 
 
+def _mm(spec: str, a, b):
+    """``jnp.einsum(spec, a, b)``: exactly that for operands of float32 or wider, else (compute-dtype operands, e.g.
+    bfloat16) accumulated and returned in float32. The tiled form's own backward calls it: no autodiff through it."""
+    if a.dtype == b.dtype == float_dtype(a, b):
+        return jnp.einsum(spec, a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _acc_rows_dot(t, a_t, b):
+    """``t.rows_dot`` for operands of float32 or wider, else its product accumulated and returned in float32."""
+    if a_t.dtype == b.dtype == float_dtype(a_t, b):
+        return t.rows_dot(a_t, b)
+    return jnp.einsum("...iq,...qj->...ij", a_t, b, preferred_element_type=jnp.float32)
+
+
 PLAIN_TILES = TileOps(_rowdot, _transposed, _rows_dot)
 
 
@@ -146,9 +161,10 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     """
     B, H, T, _ = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
-    # the tiled form computes its products in float32 or wider (block_inputs' default): its hand-written backward
-    # has no compute-dtype path yet
-    p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial", ops=ops)
+    # the matmul operands (queries, keys, values, codes, cache means) take the compute dtype, the values' (as the
+    # one-shot form's); scores, softmax statistics, the cache counts and the state stay float32 or wider, and
+    # every product accumulates in float32, forward and backward (float32 inputs: all float32, as the reference)
+    p = block_inputs(q_u, None, k_hat, z, v, C, state, L=L, M=M, reduction="serial", compute=v.dtype, ops=ops)
     qb = p["qb"]
     qvb = pad_to(q_v.astype(qb.dtype), 2, qb.shape[2] * L).reshape(qb.shape)
     # [H, M+1, Dk] (then broadcast to [B, H, M+1, Dk]), head-major for the per-tile batched matmuls, and reversed
@@ -160,9 +176,11 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     rh, Cs = (jnp.broadcast_to(x[None], (B,) + x.shape) for x in (rh, p["Cs"]))
     q_tile = math.gcd(L, max(1, min(q_tile, L)))
     keep = B * H * qb.shape[2] * L * (S + 2 * L) <= keep_budget
-    o = _tiled(tiles)(qb, qvb, rh, p["kx"], p["vx"], p["cmu"], log_count(p["cn"]), Cs, p["validx"], q_tile, keep)
+    o = _tiled(tiles)(qb, qvb, rh, p["kx"], p["vx"], p["cmu"].astype(qb.dtype), log_count(p["cn"]), Cs, p["validx"],
+                      q_tile, keep)
     o = o.reshape(B, H, -1, Dv)[:, :, :T]
-    return o, final_state(p["state"], k_hat.astype(qb.dtype), z, v.astype(qb.dtype), T, M, S, ops)
+    dt = p["state"]["agg_mu"].dtype  # the state stays in the statistics dtype
+    return o, final_state(p["state"], k_hat.astype(dt), z, v.astype(dt), T, M, S, ops)
 
 def _tile_bias(bdr, off: int, L: int):
     """Band bias [.., Lq, L + off + Lq] of the queries off..off+Lq-1 of a block (off static): bd[i, L + off + i - j]
@@ -182,12 +200,12 @@ def _tile_scores(qt, qvt, off, r, Cs, lcr, K, valid_p, valid_c):
     Lq = qt.shape[2]
     L = valid_c.shape[0]
     n_pres = off + Lq  # present keys any query of the tile can see
-    s_c = jnp.einsum("bhld,bhsd->bhls", qt, Cs) + lcr[:, :, None, :]
-    bdt = jnp.einsum("bhld,bhnd->bhln", qvt, r)
+    s_c = _mm("bhld,bhsd->bhls", qt, Cs) + lcr[:, :, None, :]
+    bdt = _mm("bhld,bhnd->bhln", qvt, r)
     causal = jnp.arange(n_pres)[None, :] <= (off + jnp.arange(Lq))[:, None]
     keep = jnp.concatenate([jnp.broadcast_to(valid_p[None, :], (Lq, L)), causal & valid_c[None, :n_pres]], axis=-1)
     band = _tile_bias(bdt, off, L) + jnp.where(keep, 0.0, NEG).astype(bdt.dtype)
-    return s_c, jnp.einsum("bhld,bhnd->bhln", qt, K[:, :, :L + n_pres]) + band, bdt
+    return s_c, _mm("bhld,bhnd->bhln", qt, K[:, :, :L + n_pres]) + band, bdt
 
 
 def _block_kv(ops, i):
@@ -221,7 +239,8 @@ def _vq_blocks_fwd_impl(qb, qvb, r, kx, vx, cmu, lc, Cs, validx, Lq, keep: bool 
             m = jnp.maximum(jnp.max(s_c, axis=-1, keepdims=True), jnp.max(s_l, axis=-1, keepdims=True))
             p_c, p_l = jnp.exp(s_c - m), jnp.exp(s_l - m)
             den = jnp.sum(p_c, axis=-1, keepdims=True) + jnp.sum(p_l, axis=-1, keepdims=True)
-            o = jnp.einsum("bhls,bhsd->bhld", p_c, cm) + jnp.einsum("bhln,bhnd->bhld", p_l, V[:, :, :s_l.shape[-1]])
+            Vt = V[:, :, :s_l.shape[-1]]
+            o = _mm("bhls,bhsd->bhld", p_c.astype(cm.dtype), cm) + _mm("bhln,bhnd->bhld", p_l.astype(Vt.dtype), Vt)
             return o / den, (m + jnp.log(den))[..., 0], ((p_c, p_l, 1.0 / den) if keep else None)
 
         outs = [tile(c) for c in range(L // Lq)]
@@ -243,6 +262,7 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
     (no score matmuls and no exp pass; the normalizer is folded into the small [Lq, Dv] operands)."""
     qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept = res
     B, H, R, L, Dk = qb.shape
+    cd = qb.dtype  # the products' operands (the cotangents cast to it); float32 accumulation
     delta = t.rowdot(do, o)  # [B,H,R,L]
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
@@ -258,36 +278,38 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
                 p_c, p_l, w = kept_i[c]
                 nk = p_l.shape[-1]
                 bdt_shape = qvt.shape[:3] + (r.shape[2],)
-                dow = dot * w
-                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dow, cm) - delta_t * w)
-                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dow, V[:, :, :nk]) - delta_t * w)
+                dow = (dot * w).astype(cd)
+                ds_c = p_c * (_mm("bhld,bhsd->bhls", dow, cm) - delta_t * w)
+                ds_l = p_l * (_mm("bhld,bhnd->bhln", dow, V[:, :, :nk]) - delta_t * w)
             else:
                 s_c, s_l, bdt = _tile_scores(qt, qvt, c * Lq, r, Cs, lcr, K, valid_p, valid_c)
                 nk = s_l.shape[-1]
                 bdt_shape = bdt.shape
                 lse_t = _tile_rows(lse, i, c, Lq)[..., None]
                 p_c, p_l = jnp.exp(s_c - lse_t), jnp.exp(s_l - lse_t)  # masked entries: exp(NEG - lse) = 0
-                dow = dot
-                ds_c = p_c * (jnp.einsum("bhld,bhsd->bhls", dot, cm) - delta_t)
-                ds_l = p_l * (jnp.einsum("bhld,bhnd->bhln", dot, V[:, :, :nk]) - delta_t)
+                dow = dot.astype(cd)
+                ds_c = p_c * (_mm("bhld,bhsd->bhls", dow, cm) - delta_t)
+                ds_l = p_l * (_mm("bhld,bhnd->bhln", dow, V[:, :, :nk]) - delta_t)
             Kt = K[:, :, :nk]
-            dq = jnp.einsum("bhls,bhsd->bhld", ds_c, Cs) + jnp.einsum("bhln,bhnd->bhld", ds_l, Kt)
+            ds_cc, ds_lc = ds_c.astype(cd), ds_l.astype(cd)
+            dq = _mm("bhls,bhsd->bhld", ds_cc, Cs) + _mm("bhln,bhnd->bhld", ds_lc, Kt)
             # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
             # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
             # [Lq, keys] tile into keys-major order, an extra pass over the scores), and transposed
             # first, so that the dots are plain products (``tiles.rows_dot``)
             qt_t, dow_t, qvt_t = t.transposed(qt, dow, qvt)
-            dK = dK.at[..., :nk].add(t.rows_dot(qt_t, ds_l))  # the codebook takes no gradient
-            dV = dV.at[..., :nk].add(t.rows_dot(dow_t, p_l))
-            dcm = dcm + t.rows_dot(dow_t, p_c)
+            dK = dK.at[..., :nk].add(_acc_rows_dot(t, qt_t, ds_lc))  # the codebook takes no gradient
+            dV = dV.at[..., :nk].add(_acc_rows_dot(t, dow_t, p_l.astype(cd)))
+            dcm = dcm + _acc_rows_dot(t, dow_t, p_c.astype(cd))
             # the bias is linear in bdt: its transpose needs only bdt's shape
-            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, qvt.dtype))
+            _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, ds_l.dtype))
             (dbd,) = bias_t(ds_l)
-            dqv = jnp.einsum("bhln,bhnd->bhld", dbd, r)
-            dr = dr + t.rows_dot(qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
+            dbd = dbd.astype(cd)
+            dqv = _mm("bhln,bhnd->bhld", dbd, r)
+            dr = dr + _acc_rows_dot(t, qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
             return (dr, dK, dV, dcm), (dq, dqv)
 
-        zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2))  # noqa: E731
+        zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2), delta.dtype)  # noqa: E731 -- float32 sums
         carry = (dr, zt(K), zt(V), zt(cm))
         grads = []
         for c in range(L // Lq):
@@ -300,8 +322,8 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
         # the loop one swap per array goes into the pass that adds the blocks' two halves (ext)
         return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:])
 
-    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(block, jnp.zeros_like(jnp.swapaxes(r, -1, -2)),
-                                                            (jnp.arange(R), kept))
+    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(
+        block, jnp.zeros_like(jnp.swapaxes(r, -1, -2), delta.dtype), (jnp.arange(R), kept))
     dr = jnp.swapaxes(drt, -1, -2)
     dcm = jnp.swapaxes(dcmt, -1, -2)
 
@@ -313,7 +335,8 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
     def rows(x):  # [R, nt, B,H,Lq,.] -> [B,H,R,L,.]
         return jnp.moveaxis(x, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
 
-    return (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2), None, None, None)
+    cts = (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2))
+    return tuple(g.astype(x.dtype) for g, x in zip(cts, (qb, qvb, r, kx, vx, cmu))) + (None, None, None)
 
 
 @functools.lru_cache(maxsize=None)
