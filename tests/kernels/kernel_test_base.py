@@ -8,13 +8,19 @@ A kernel's test subclasses :class:`KernelTestBase` and fills in data, never test
 * ``FORWARD_CASES`` / ``GRAD_CASES``: ``(shape name, dtype name)`` pairs; ``TOLERANCES`` / ``GRAD_TOLERANCES``:
   per dtype ``(atol, rtol)`` (rtol is relative to the largest reference magnitude of that output);
 * ``STATE``: a function picking the final state out of the outputs (None if the kernel returns none);
-* ``KERNEL_BACKWARD``: False when the kernel's backward is the reference's own VJP; its gradient test is then an
-  explicit skip ("backward is the reference VJP, no kernel backward to test"), because comparing the
-  reference's VJP with itself cannot fail;
+* ``KERNEL_BACKWARD``: False when the kernel has no backward kernel (a ``custom_vjp`` whose backward is
+  ``jax.vjp`` of the reference). The gradient test then still differentiates the kernel-based function and
+  compares it with autodiff of the reference: it checks the custom VJP's wiring (residuals, argument order,
+  dtype casts, padding), not a backward kernel; the test records ``backward`` = "reference VJP" so a report
+  says which it is;
 * ``EXPORT_CASES``: ``(platform, shape name, dtype name)``; the kernel is lowered with
-  ``jax.export.export(jax.jit(f), platforms=[platform])`` (forward, and the VJP when the kernel has a backward).
-  Where the kernel's ``unsupported_reasons`` refuse the platform/shape, the test instead expects the kernel to
-  raise a ``ValueError`` naming them.
+  ``jax.export.export(jax.jit(f), platforms=[platform])`` (forward and its VJP). Where the kernel's
+  ``unsupported_reasons`` refuse the platform/shape, the test instead expects the kernel to raise a
+  ``ValueError`` naming them;
+* coverage (``test_case_coverage``): ``is_ragged(shape)`` says whether a shape's length is not a multiple of the
+  kernel's block sizes; ``PAPER_SHAPES`` (or ``paper_shapes(platform)``) names the shapes of the paper's configs; ``EXPORT_PLATFORMS`` the
+  platforms this form of the kernel lowers for. Every dtype of ``DTYPES`` needs a ragged forward and gradient
+  case, and every platform an export case at every paper shape.
 
 ``INTERPRET`` (default: True on CPU) runs the kernels in Pallas interpret mode; on an accelerator a subclass
 with ``INTERPRET = False`` runs the same tests compiled. Each (shape, dtype) compiles once: forward outputs
@@ -46,7 +52,7 @@ if jax.default_backend() == "gpu":
     # (an H100 run: eva chunk statistics and vq_cache forward off by 1e-4..1.5e-3 at the default precision,
     # within tolerance at 'highest')
     jax.config.update("jax_default_matmul_precision", "highest")
-NO_KERNEL_BACKWARD = "backward is the reference VJP, no kernel backward to test"
+NO_KERNEL_BACKWARD = "reference VJP (custom_vjp backward = jax.vjp of the reference), no backward kernel"
 
 
 @contextlib.contextmanager
@@ -127,6 +133,8 @@ class KernelTestBase:
     GRAD_TOLERANCES: dict[str, tuple[float, float]] = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}
     DIFF_ARGNUMS: tuple[int, ...] = ()
     KERNEL_BACKWARD: bool = True
+    PAPER_SHAPES: tuple[str, ...] = ()
+    EXPORT_PLATFORMS: tuple[str, ...] = ("tpu", "cuda")
     STATE: Callable[[Any], Any] | None = None
 
     _cache: dict = {}
@@ -146,6 +154,12 @@ class KernelTestBase:
 
     def export_disabled_checks(self, platform: str) -> list:
         return []
+
+    def is_ragged(self, shape: dict) -> bool:
+        raise NotImplementedError
+
+    def paper_shapes(self, platform: str) -> tuple[str, ...]:
+        return self.PAPER_SHAPES
 
     # -- parametrization ----------------------------------------------------------------------------------------
     def pytest_generate_tests(self, metafunc):
@@ -208,9 +222,23 @@ class KernelTestBase:
         assert jax.tree.structure(st_ref) == jax.tree.structure(st_out)
         assert_close(st_ref, st_out, self.TOLERANCES[dtype_name], f"{shape_name}/{dtype_name} final state")
 
-    def test_gradient_matches_autodiff_of_reference(self, grad_case):
-        if not self.KERNEL_BACKWARD:
-            pytest.skip(NO_KERNEL_BACKWARD)
+    def test_case_coverage(self):
+        """Each dtype has a forward and a gradient case at a ragged length; each platform an export case at each
+        of the paper's shapes."""
+        missing = []
+        for kind, cases in (("forward", self.FORWARD_CASES), ("gradient", self.GRAD_CASES)):
+            for dt in DTYPES:
+                if not any(d == dt and self.is_ragged(self.SHAPES[s]) for s, d in cases):
+                    missing.append(f"{kind} {dt} at a ragged length")
+        for plat in self.EXPORT_PLATFORMS:
+            assert self.paper_shapes(plat), f"no paper shapes named for {plat}"
+            for s in self.paper_shapes(plat):
+                if not any(p == plat and sh == s for p, sh, _ in self.EXPORT_CASES):
+                    missing.append(f"export {plat} at {s}")
+        assert not missing, "missing cases: " + "; ".join(missing)
+
+    def test_gradient_matches_autodiff_of_reference(self, grad_case, record_property):
+        record_property("backward", "kernel" if self.KERNEL_BACKWARD else NO_KERNEL_BACKWARD)
         self._skip_if_not_runnable()
         shape_name, dtype_name = grad_case
         args, static = self.make_inputs(self.SHAPES[shape_name], DTYPES[dtype_name])
@@ -248,18 +276,21 @@ class KernelTestBase:
         with verified_triton_modules() as triton:
             exp = jax.export.export(jax.jit(fwd), platforms=[platform], disabled_checks=disabled)(*args)
             assert marker in exp.mlir_module()
-            if self.KERNEL_BACKWARD:
-                def loss(*diff):
-                    full = list(args)
-                    for i, x in zip(self.DIFF_ARGNUMS, diff):
-                        full[i] = x
-                    return weighted_sum(fwd(*full))
 
-                g = jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS))))
-                exp_b = jax.export.export(jax.jit(g), platforms=[platform], disabled_checks=disabled)(
-                    *(args[i] for i in self.DIFF_ARGNUMS))
-                n_fwd = exp.mlir_module().count(marker)
-                assert exp_b.mlir_module().count(marker) > n_fwd  # the backward kernels are in the lowered module
+            def loss(*diff):
+                full = list(args)
+                for i, x in zip(self.DIFF_ARGNUMS, diff):
+                    full[i] = x
+                return weighted_sum(fwd(*full))
+
+            g = jax.grad(loss, argnums=tuple(range(len(self.DIFF_ARGNUMS))))
+            exp_b = jax.export.export(jax.jit(g), platforms=[platform], disabled_checks=disabled)(
+                *(args[i] for i in self.DIFF_ARGNUMS))
+            n_fwd = exp.mlir_module().count(marker)
+            if self.KERNEL_BACKWARD:  # the backward kernels are in the lowered module
+                assert exp_b.mlir_module().count(marker) > n_fwd
+            else:  # the VJP (the reference's, in XLA) lowers too; the forward module holds the kernel
+                assert n_fwd > 0
         if platform == "cuda" and triton is not None:  # what the GPU's XLA would reject when it parses them
             assert triton, "no Triton module was lowered"
             bad = [f"{name}: {err}" for name, err in triton if err]

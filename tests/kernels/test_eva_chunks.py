@@ -1,8 +1,9 @@
 """EVA chunk-statistics Pallas kernel (docs/methods/eva.md §8.2) on the shared kernel test base: interpret-mode forward
 against the jnp Phase A reference (option variants, ragged lengths, with and without noise, fp32 and bf16),
-TPU / CUDA lowering through jax.export (and a clear refusal for non-power-of-two sizes on GPU), and the method
-running the kernel with impl='pallas'. Its backward is the reference's VJP (§8.2), so the base skips the
-gradient test and says so."""
+TPU / CUDA lowering through jax.export (at WikiText-103's chunk 8 and heads of 128 too, and a clear refusal for
+non-power-of-two sizes on GPU), and the method running the kernel with impl='pallas'. The kernel has no backward
+kernel: its custom_vjp backward is jax.vjp of the reference (§8.2), so the gradient test checks that wiring
+(fp32 and bf16, ragged) against autodiff of the reference."""
 
 from __future__ import annotations
 
@@ -30,33 +31,41 @@ class TestEVAChunkStats(KernelTestBase):
         "mu_none_5x4_dv8": dict(C=5, P=4, L=18, dv=8, noise=True, opts=dict(adaptive_proj="none")),
         "export_16x8": dict(C=16, P=8, L=120, dv=D, noise=True),
         "export_p6": dict(C=4, P=6, L=20, dv=D, noise=True),
+        # configs/wikitext103/eva_16l.py: chunks of 8, heads of 128, 512-token rows (C = 64)
+        "wt103_paper": dict(C=64, P=8, L=512, d=128, dv=128, noise=True),
     }
     FORWARD_CASES = (("ragged_5x4_noise", "float32"), ("noln_half_principled_16x8", "float32"),
                      ("identity_tiny_3x8", "float32"), ("mu_none_5x4_dv8", "float32"),
                      ("ragged_5x4_noise", "bfloat16"))
-    GRAD_CASES = (("ragged_5x4_noise", "float32"),)
+    GRAD_CASES = (("ragged_5x4_noise", "float32"), ("ragged_5x4_noise", "bfloat16"))
     EXPORT_CASES = (("tpu", "export_16x8", "float32"), ("cuda", "export_16x8", "float32"),
-                    ("tpu", "export_p6", "float32"), ("cuda", "export_p6", "float32"))
+                    ("tpu", "export_p6", "float32"), ("cuda", "export_p6", "float32"),
+                    ("tpu", "wt103_paper", "float32"), ("cuda", "wt103_paper", "float32"),
+                    ("tpu", "wt103_paper", "bfloat16"), ("cuda", "wt103_paper", "bfloat16"))
+    PAPER_SHAPES = ("wt103_paper",)
     # the kernel upcasts bf16 inputs and computes in fp32 like the reference: same tolerance
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}
     DIFF_ARGNUMS = (0, 1, 2, 4, 5)
     KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (§8.2)
 
+    def is_ragged(self, shape):  # padding tokens in the last chunk, or chunks not filling the kernel's group
+        return shape["L"] % shape["P"] != 0 or shape["C"] % eva_chunks.GROUP != 0
+
     def make_inputs(self, shape, dtype):
-        C, P, L, dv = shape["C"], shape["P"], shape["L"], shape["dv"]
+        C, P, L, dv, d = shape["C"], shape["P"], shape["L"], shape["dv"], shape.get("d", D)
         core = attention.build("eva", dict(window_size=16, chunk_size=P if 16 % P == 0 else 4), num_heads=H,
-                               head_dim=D, causal=True, rngs=nnx.Rngs(0))
+                               head_dim=d, causal=True, rngs=nnx.Rngs(0))
         ks = jax.random.split(jax.random.PRNGKey(C * P + L), 6)
-        q, k = (jax.random.normal(kk, (B, H, C, P, D)) for kk in ks[:2])
+        q, k = (jax.random.normal(kk, (B, H, C, P, d)) for kk in ks[:2])
         v = jax.random.normal(ks[2], (B, H, C, P, dv))
         valid = (jnp.arange(C * P) < L).reshape(C, P)
         q, k, v = (jnp.where(valid[..., None], x, 0.0).astype(dtype) for x in (q, k, v))  # padding rows zero
-        noise = jax.random.normal(ks[3], (B, H, C, D)) if shape["noise"] else None
+        noise = jax.random.normal(ks[3], (B, H, C, d)) if shape["noise"] else None
         # non-trivial LN affine / biases so every parameter path is exercised
         params = {n: p + 0.1 * jax.random.normal(jax.random.fold_in(ks[4], i), p.shape)
                   for i, (n, p) in enumerate(sorted(core.chunk_params().items()))}
         opts = dataclasses.replace(core.opts, **shape.get("opts", {}))
-        return (q, k, v, valid, params, noise), dict(opts=opts, scale=D**-0.5)
+        return (q, k, v, valid, params, noise), dict(opts=opts, scale=d**-0.5)
 
     def kernel(self, q, k, v, valid, params, noise, *, interpret, platform=None, opts, scale):
         return eva_chunks.eva_chunk_stats(q, k, v, valid, params, noise, opts, scale, interpret=interpret,
@@ -67,7 +76,7 @@ class TestEVAChunkStats(KernelTestBase):
         return eva_chunks_ref.chunk_summaries(f32(q), f32(k), f32(v), valid, params, noise, opts, scale)
 
     def unsupported_reasons(self, platform, shape, dtype):
-        return eva_chunks.unsupported_reasons(platform, P=shape["P"], d=D, dv=shape["dv"], dtype=dtype)
+        return eva_chunks.unsupported_reasons(platform, P=shape["P"], d=shape.get("d", D), dv=shape["dv"], dtype=dtype)
 
     def export_disabled_checks(self, platform):
         # Triton custom calls carry no serialization-compatibility guarantee; lowering is what we check.

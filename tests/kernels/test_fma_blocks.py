@@ -1,8 +1,10 @@
 """FMA multilevel-blocks Pallas kernel (docs/methods/fma.md §8) on the shared kernel test base: interpret-mode forward
 against the pure-JAX reference (causal and bidirectional, ragged lengths, fine level only, fp32 and bf16),
 TPU / CUDA lowering through jax.export (and a clear refusal of shapes a platform cannot take), and the method
-with impl='pallas' equal to impl='xla' in value and gradient (§6 check 7). The kernel's backward is v1
-(docs/methods/fma.md §8): the reference's VJP, so the base skips its gradient test and says so."""
+with impl='pallas' equal to impl='xla' in value and gradient (§6 check 7). The kernel has no backward kernel (v1,
+docs/methods/fma.md §8): its custom_vjp backward is jax.vjp of the reference, so the gradient test checks that
+wiring (fp32 and bf16, ragged) against autodiff of the reference. Export at configs/enwik8/fma.py's shapes (n 1024,
+m 64, p 4, heads of 64: 24 packed coarse slots per block, padded to 24 on TPU and 32 on GPU as the method does)."""
 
 from __future__ import annotations
 
@@ -31,15 +33,26 @@ class TestFMABlocks(KernelTestBase):
         "export": dict(n=512, m=64, d=64, dv=64, C=32, causal=True, n_valid=509),
         "export_bidir": dict(n=512, m=64, d=64, dv=64, C=32, causal=False, n_valid=512),
         "export_odd_d": dict(n=256, m=64, d=48, dv=48, C=32, causal=True, n_valid=256),
+        "enwik8_paper_tpu": dict(n=1024, m=64, d=64, dv=64, C=24, causal=True, n_valid=1024),
+        "enwik8_paper_cuda": dict(n=1024, m=64, d=64, dv=64, C=32, causal=True, n_valid=1024),
     }
     FORWARD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
                      ("causal_ragged", "bfloat16"))
-    GRAD_CASES = (("causal_ragged", "float32"),)
+    GRAD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("causal_ragged", "bfloat16"))
     EXPORT_CASES = (("tpu", "export", "float32"), ("cuda", "export", "float32"), ("tpu", "export_bidir", "float32"),
-                    ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"))
+                    ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"),
+                    ("tpu", "enwik8_paper_tpu", "float32"), ("tpu", "enwik8_paper_tpu", "bfloat16"),
+                    ("cuda", "enwik8_paper_cuda", "float32"), ("cuda", "enwik8_paper_cuda", "bfloat16"))
+    PAPER_SHAPES = ("enwik8_paper_tpu", "enwik8_paper_cuda")
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}  # both upcast to f32 inside
     DIFF_ARGNUMS = (0, 1, 2, 3, 4)
     KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (§8, v1)
+
+    def is_ragged(self, shape):  # valid tokens end inside a fine block
+        return shape["n_valid"] % shape["m"] != 0
+
+    def paper_shapes(self, platform):  # the coarse slots padded as the method pads them for that platform
+        return (f"enwik8_paper_{platform}",)
 
     def make_inputs(self, shape, dtype):
         n, m, d, dv, C = shape["n"], shape["m"], shape["d"], shape["dv"], shape["C"]

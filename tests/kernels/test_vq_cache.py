@@ -74,9 +74,14 @@ class VQCacheKernelCases(KernelTestBase):
     DIFF_ARGNUMS = (0, 1, 2, 4, 8, 9, 10)
     KERNEL_BACKWARD = True
 
+    PAPER_SHAPES = ("enwik8_paper", "pg19_paper")
+
     @staticmethod
     def STATE(out):
         return out[1]
+
+    def is_ragged(self, shape):  # the last block of L tokens is partial
+        return shape["T"] % shape["L"] != 0
 
     def make_inputs(self, shape, dtype):
         return make_vq_inputs(shape, dtype)
@@ -98,13 +103,16 @@ class TestVQCache(VQCacheKernelCases):
         "pg19_paper": dict(T=1024, L=512, M=512, S=512, Dk=128, Dv=4096, warm=0, block_v=None),
     }
     FORWARD_CASES = (("ragged_fresh", "float32"), ("carried_kernel_state", "float32"),
-                     ("short_band_ragged", "float32"), ("carried_kernel_state", "bfloat16"))
+                     ("short_band_ragged", "float32"), ("carried_kernel_state", "bfloat16"),
+                     ("short_band_ragged", "bfloat16"))
     GRAD_CASES = (("carried_kernel_state", "float32"), ("short_band_ragged", "float32"),
-                  ("carried_kernel_state", "bfloat16"))
+                  ("carried_kernel_state", "bfloat16"), ("short_band_ragged", "bfloat16"))
     # ("cuda", ...) lowers the GPU form (pallas_kernels/vq_cache_gpu.py) through this module's entry point
     EXPORT_CASES = (("tpu", "tpu_blocks", "float32"), ("tpu", "tpu_ragged_short_band", "bfloat16"),
-                    ("tpu", "enwik8_paper", "float32"), ("tpu", "pg19_paper", "float32"),
-                    ("tpu", "pg19_paper", "bfloat16"), ("cuda", "tpu_blocks", "float32"))
+                    ("tpu", "enwik8_paper", "float32"), ("tpu", "enwik8_paper", "bfloat16"),
+                    ("tpu", "pg19_paper", "float32"), ("tpu", "pg19_paper", "bfloat16"),
+                    ("cuda", "tpu_blocks", "float32"))
+    EXPORT_PLATFORMS = ("tpu",)  # 'cuda' at the paper's shapes: test_vq_cache_gpu.py
     # bf16 inputs are exact in the fp32 reference; the kernel computes in fp32 (bf16 q·k̂ and one-hot MXU
     # operands, fp32 accumulation), so bf16 needs only a little more room than fp32.
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (1e-4, 1e-4)}
