@@ -1,6 +1,7 @@
 """Sharded train steps on 8 simulated CPU devices equal the single-device step: every registered
 method (at its first contract case; transformer_vq and dense also in GAU blocks) on the meshes (data, fsdp, tensor, sequence) of the scale-out
-issue, parameters really sharded, and the plan's errors."""
+issue, parameters really sharded, the Pallas kernels (interpret mode) each run per shard in a shard_map, and the
+plan's errors."""
 
 import os
 import subprocess
@@ -21,6 +22,12 @@ SCRIPT = textwrap.dedent(
     from longctx.train.step import make_train_step, split_model
 
     assert jax.device_count() == 8, jax.devices()
+
+    def shard_maps(jaxpr):
+        # shard_map calls in a step's jaxpr, nested ones included
+        from jax._src.core import jaxprs_in_params
+        return sum((e.primitive.name == "shard_map") + sum(shard_maps(getattr(j, "jaxpr", j))
+                                                           for j in jaxprs_in_params(e.params)) for e in jaxpr.eqns)
     methods = sys.argv[1].split(",")
     # "2x1x1x4" (mesh.sequence_mode auto) or "2x1x1x4:compose"
     meshes = [(tuple(int(x) for x in m.partition(":")[0].split("x")), m.partition(":")[2] or "auto")
@@ -28,16 +35,19 @@ SCRIPT = textwrap.dedent(
     seq_len, window = (int(x) for x in sys.argv[3].split("/"))  # two windows carry the state
     tokens = np.random.default_rng(0).integers(0, 64, (8, seq_len + 1)).astype(np.int32)
     for spec in methods:
-        method, _, block = spec.partition("@")  # name@gau: the method inside GAU blocks
+        spec_name, _, impl = spec.partition("=")  # name=pallas: execution.attention.<name>.impl
+        method, _, block = spec_name.partition("@")  # name@gau: the method inside GAU blocks
         case = next(iter(attention.get_class(method).contract_cases().values()))
         c = base_config()
         if block:
             c.model.block = block
+        if impl:
+            c.execution.attention[method].impl = impl
         c.model.vocab_size = 64
         c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
         c.model.positions = "none"
         c.model.attention.name = method
-        c.model.attention[method] = dict(case.cfg)
+        c.model.attention[method] = {k: v for k, v in case.cfg.items() if not (impl and k == "impl")}
         if c.model.attention[method].get("max_len", seq_len) < seq_len:  # levels sized for the row (fma)
             c.model.attention[method].max_len = seq_len
         c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = seq_len, window, 8, 10, 1
@@ -48,7 +58,7 @@ SCRIPT = textwrap.dedent(
             n = int(np.prod(shape))
             mc = ml_collections.ConfigDict(dict(zip(sharding.AXES, shape)))
             mesh = sharding.make_mesh(mc, jax.devices()[:n])
-            model = build_model(cfg.model, seed=0)
+            model = build_model(cfg.model, seed=0, execution=cfg.execution)
             # the trainer's choice: composed states over 'sequence' where the cores compose, else XLA
             mode, hidden = sequence_parallel.train_hidden(model, mesh, window=window, seq_len=seq_len, mode=seq_mode,
                                                           fold_key=False)
@@ -62,6 +72,10 @@ SCRIPT = textwrap.dedent(
             step = plan.jit_step(make_train_step(graphdef, tx, seq_len=seq_len, window=window, skip_nonfinite=False,
                                                  constrain=plan.constrain, hidden=hidden), donate=False)
             batch = sharding.shard_batch(mesh, tokens)
+            if impl == "pallas":  # the kernels run per shard (a shard_map) where the mesh splits rows or heads
+                count = shard_maps(jax.make_jaxpr(step)(params, nongrad, rest, opt, batch, jax.random.key(0)).jaxpr)
+                assert (count > 0) == (n > 1), (spec, shape, count)
+                print("SHARD_MAPS", spec, shape, count)
             p, ng, o, m = step(params, nongrad, rest, opt, batch, jax.random.key(0))
             results.append((shape, jax.device_get(p), jax.device_get(ng), jax.device_get(m["loss"])))
             if shape[3] > 1:
@@ -95,6 +109,29 @@ def test_sharded_steps_equal_single_device_fast():
     out = _run("dense", "2x2x2x1,2x1x1x4,2x1x1x4:compose")
     assert "MODE dense (2, 1, 1, 4) xla" in out, out  # auto: the partitioner's split for exact attention
     assert "MODE dense (2, 1, 1, 4) compose" in out, out
+
+
+KERNEL_SPECS = "transformer_vq=pallas,eva=pallas,fma=pallas"  # method=impl: execution.attention.<method>.impl
+
+
+@pytest.mark.slow  # three kernels in interpret mode under 8 devices: the heaviest compile of the file
+def test_pallas_kernels_run_per_shard_and_equal_single_device():
+    """impl='pallas' (interpret mode) for the methods with Pallas kernels on a data x fsdp x tensor mesh, one
+    window per row (full passes, where every kernel serves): each kernel call runs in a shard_map over the rows and
+    heads (none on one device) and the step equals the single-device step."""
+    out = _run(KERNEL_SPECS, "2x2x2x1", lengths="32/32")
+    for spec in KERNEL_SPECS.split(","):
+        assert f"SHARD_MAPS {spec} (1, 1, 1, 1) 0" in out, out
+        assert f"SHARD_MAPS {spec} (2, 2, 2, 1)" in out, out
+
+
+@pytest.mark.slow
+def test_pallas_kernels_on_every_mesh_equal_single_device():
+    """The kernels on every mesh: one window per row (full passes), and two windows carrying the state for the
+    kernels that serve a call after a state (transformer_vq's, also in GAU blocks; EVA's Phase A). FMA's streamed
+    calls run the kernel's reference, so a windowed step has no FMA kernel call to place."""
+    _run(KERNEL_SPECS + ",transformer_vq@gau=pallas", MESHES, lengths="32/32")
+    _run("transformer_vq=pallas,eva=pallas,transformer_vq@gau=pallas", MESHES, lengths="32/16")
 
 
 @pytest.mark.slow

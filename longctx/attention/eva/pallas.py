@@ -1,16 +1,24 @@
 """EVA through its Pallas kernels (implementation ``pallas``): Phase A by ``pallas_kernels/eva_chunks.py`` and
 Phase B of a full pass by ``pallas_kernels/eva_attend.py``. A full pass with attention dropout runs Phase B in the
-portable XLA tiles (the kernel has none; docs/methods/eva.md §8.3); a stream attends in them too."""
+portable XLA tiles (the kernel has none; docs/methods/eva.md §8.3); a stream attends in them too.
+
+Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernels are calls XLA's partitioner
+cannot split, so a full pass runs both per shard: one ``shard_map`` with the rows over the batch axes and the
+heads over ``tensor`` (the sequence axis whole), the chunk parameters replicated, the relative-position bias split
+by heads where it has one per head, the chunk noise drawn for the whole batch first (the same draws as one
+device); a stream's Phase A runs per shard the same way."""
 
 from __future__ import annotations
 
 import functools
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from longctx.attention import dispatch
+from longctx.attention import dispatch, row_split
 from longctx.attention.eva import xla
 from longctx.attention.eva.common import EVAOptions, chunk_noise, geometry, local_bias_tiles
 from pallas_kernels import eva_attend, eva_chunks
@@ -27,7 +35,22 @@ def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: in
 
 
 def _stats_fn(interpret: bool, platform: str):
-    return eva_chunks.make_stats_fn(interpret=interpret, platform=platform)
+    """Phase A by the kernel, per shard of the batch and heads under a mesh (module docstring)."""
+    inner = eva_chunks.make_stats_fn(interpret=interpret, platform=platform)
+
+    def stats_fn(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale):
+        mesh = row_split.active_mesh(q_ch, k_ch, v_ch)
+        bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *q_ch.shape[:2])
+        if bspec is None and hspec is None:
+            return inner(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale)
+        bh = PartitionSpec(bspec, hspec)
+        specs = (bh, bh, bh, PartitionSpec(), jax.tree.map(lambda _: PartitionSpec(), params),
+                 None if noise is None else bh)
+        local = lambda q, k, v, ok, p, n: inner(q, k, v, ok, p, n, opts, scale)  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(bh, bh), check_vma=False)(
+            q_ch, k_ch, v_ch, k_valid, params, noise)
+
+    return stats_fn
 
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
@@ -44,16 +67,32 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
     qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
     valid = jnp.asarray((np.arange(L_pad) < L).reshape(C, P))
-    q_ch, k_ch, v_ch = (x.reshape(B, H, C, P, x.shape[-1]) for x in (qf, kf, vf))
     noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
-    k_hat, beta = stats_fn(q_ch, k_ch, v_ch, valid, params, noise, opts, scale)
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
-    flat = lambda x: x.reshape((B * H,) + x.shape[2:])  # noqa: E731
     attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform)
-    o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W, e_l=opts.e_l,
-                  e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=H)
+
+    def kernels(qf, kf, vf, params, noise, bias):
+        b, h = qf.shape[:2]
+        q_ch, k_ch, v_ch = (x.reshape(b, h, C, P, x.shape[-1]) for x in (qf, kf, vf))
+        k_hat, beta = stats_fn(q_ch, k_ch, v_ch, valid, params, noise, opts, scale)
+        flat = lambda x: x.reshape((b * h,) + x.shape[2:])  # noqa: E731
+        o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W, e_l=opts.e_l,
+                      e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=h)
+        return o.reshape(b, h, L_pad, dv), k_hat, beta
+
+    mesh = row_split.active_mesh(qf, kf, vf)
+    bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, B, H)
+    if bspec is None and hspec is None:
+        o, k_hat, beta = kernels(qf, kf, vf, params, noise, bias)
+    else:
+        bh = PartitionSpec(bspec, hspec)
+        per_head = bias is not None and bias.shape[0] == H > 1  # else one table shared by the heads
+        specs = (bh, bh, bh, jax.tree.map(lambda _: PartitionSpec(), params), None if noise is None else bh,
+                 None if bias is None else PartitionSpec(hspec if per_head else None))
+        o, k_hat, beta = jax.shard_map(kernels, mesh=mesh, in_specs=specs, out_specs=(bh, bh, bh),
+                                       check_vma=False)(qf, kf, vf, params, noise, bias)
     extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
-    return o.reshape(B, H, L_pad, dv)[:, :, :L], extras
+    return o[:, :, :L], extras
 
 
 def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,

@@ -3,13 +3,21 @@ Pallas block kernel ``pallas_kernels/fma_blocks.py`` (docs/methods/fma.md §8) a
 serves full passes of FMA (packed coarse slots, no dropout); streaming steps run the kernel's reference.
 
 FMA's only: the kernel computes FMA's packed coarse slots, not FMA-linear's statistics, so the declaration names
-the one method it serves (``methods``); ``impl='auto'`` tries it first on GPU and TPU, before ``xla``."""
+the one method it serves (``methods``); ``impl='auto'`` tries it first on GPU and TPU, before ``xla``.
+
+Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernel is a call XLA's partitioner
+cannot split, so each kernel call runs per shard: a ``shard_map`` with the rows over the batch axes and the heads
+over ``tensor`` (the sequence axis whole), the coarse slots' block tables replicated."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 
+import jax
+from jax.sharding import PartitionSpec as P
+
+from longctx.attention import row_split
 from longctx.attention.dispatch import Implementation
 from longctx.attention.fma import xla
 from pallas_kernels import fma_blocks
@@ -18,9 +26,32 @@ unsupported_reasons = fma_blocks.unsupported_reasons
 
 
 def attend(choice):
-    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU)."""
-    return fma_blocks.make_attend(interpret=choice.interpret,
-                                  platform="interpret" if choice.interpret else choice.platform)
+    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU); the kernel's
+    calls run per shard of the batch and heads under a mesh (module docstring)."""
+    inner = fma_blocks.make_attend(interpret=choice.interpret,
+                                   platform="interpret" if choice.interpret else choice.platform)
+
+    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
+        kind = None if coarse is None else coarse[0]
+        kernel = (kind in (None, "packed") and isinstance(q_block0, int) and q_block0 == 0
+                  and isinstance(n_valid, int) and not (drop_key is not None and attn_dropout > 0))
+        mesh = row_split.active_mesh(qb, kp, vp) if kernel else None
+        bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *qb.shape[:2])
+        call = functools.partial(inner, q_block0=q_block0, n_valid=n_valid, causal=causal, drop_key=drop_key,
+                                 attn_dropout=attn_dropout, **kw)
+        if bspec is None and hspec is None:
+            return call(qb, kp, vp, coarse)
+        bh = P(bspec, hspec)
+        tables = () if coarse is None else tuple(coarse[1:])
+        table_specs = () if coarse is None else (bh, bh, P(), P())  # kall, vall [B,H,..]; idx, bias per block
+
+        def local(qb, kp, vp, *tables):
+            return call(qb, kp, vp, None if kind is None else (kind, *tables))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(bh, bh, bh, *table_specs), out_specs=bh,
+                             check_vma=False)(qb, kp, vp, *tables)
+
+    return run
 
 
 def forward(choice):

@@ -3,12 +3,21 @@
 block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9).
 
 'auto' tries it first on a GPU / TPU (never on a CPU), for the calls whose form is the block-parallel or tiled one
-(the shape ``form``: ``xla.form_for``); :func:`reasons` then says whether it serves the call."""
+(the shape ``form``: ``xla.form_for``); :func:`reasons` then says whether it serves the call.
+
+Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernel is a call XLA's partitioner
+cannot split, so it runs per shard: a ``shard_map`` with the rows over the batch axes and the heads over
+``tensor`` (the sequence axis whole; the codebook split by heads, the carried state as its rows and heads)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
+import jax
+from jax.sharding import PartitionSpec as P
+
+from longctx.attention import row_split
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from pallas_kernels import vq_cache
@@ -25,8 +34,18 @@ def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="f
 def run(core, choice, pre, v, C, state):
     """One causal call through the kernel (``choice``: interpret mode and the platform it lowers for)."""
     k_hat, z, err2, c_z = xla.stvq(pre["k"], C)
-    o, new = vq_cache.vq_cache_attention(pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, C, state,
-                                         L=core.L, M=core.M, interpret=choice.interpret, platform=choice.platform)
+    args = (pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, C, state)
+    call = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=choice.interpret,
+                             platform=choice.platform)
+    mesh = row_split.active_mesh(*args[:5])
+    bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *v.shape[:2])
+    if bspec is None and hspec is None:
+        o, new = call(*args)
+    else:
+        bh = P(bspec, hspec)
+        state_specs = {name: P() if x.ndim == 0 else bh for name, x in state.items()}  # pos; [B,H,..] the rest
+        o, new = jax.shard_map(call, mesh=mesh, in_specs=(bh,) * 5 + (P(hspec), state_specs),
+                               out_specs=(bh, state_specs), check_vma=False)(*args)
     return o, new, (z, err2, c_z)
 
 
