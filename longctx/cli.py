@@ -475,6 +475,8 @@ def recall_report_main(argv=None) -> int:
         flags.DEFINE_string("task", None, "use each run's newest result for this task", flag_values=fv)
         flags.DEFINE_integer("length", None, "... and this row length", flag_values=fv)
         flags.DEFINE_string("title", "", "heading of the table and the plot", flag_values=fv)
+        flags.DEFINE_boolean("merge", False, "keep the rows already in OUT/recall.json (runs not given again): "
+                             "add new runs to a table whose runs are gone", flag_values=fv)
 
     with user_errors():
         fv, overrides = parse(argv, "longctx-recall-report", config="run", define=define, require_workdir=False)
@@ -487,5 +489,5 @@ def recall_report_main(argv=None) -> int:
             return 0
         from longctx.recall import report
 
-        report(fv.runs, fv.out, task=fv.task, length=fv.length, title=fv.title)
+        report(fv.runs, fv.out, task=fv.task, length=fv.length, title=fv.title, merge=fv.merge)
     return 0

@@ -230,24 +230,63 @@ def run_summary(workdir) -> dict:
         for line in log.read_text().splitlines():
             if line.startswith("model: ") and " parameters" in line:
                 out["params"] = int(line.split()[1].replace(",", ""))
+    pattern = cfg.get("model", {}).get("attention", {}).get("pattern") if cfg else None
+    if pattern:
+        out["pattern"] = list(pattern)
     return out
 
 
+def row_label(res: dict | None, summ: dict, workdir) -> str:
+    """A table row's name: the method, ``hybrid_<method>`` for a stack whose layers run different methods
+    (``model.attention.pattern``), the folder's name when there is no result."""
+    if res is None:
+        return Path(str(workdir)).name
+    return f"hybrid_{res['attention']}" if len(set(summ.get("pattern") or ())) > 1 else res["attention"]
+
+
+def _comparison(named: dict[str, dict], reference: str = "dense") -> str:
+    """Pure vs hybrid vs ``reference`` overall accuracy, one line per method that has a hybrid row."""
+    ref = named.get(reference)
+    methods = [n[len("hybrid_"):] for n in named if n.startswith("hybrid_")]
+    if not methods or ref is None:
+        return ""
+    lines = [f"Pure vs hybrid (the same depth with one exact layer) vs {reference} ({reference}: "
+             f"{ref['accuracy']:.3f}), overall accuracy:\n",
+             f"| method | pure | hybrid | {reference} | hybrid / {reference} |", "|---|---|---|---|---|"]
+    for m in sorted(methods):
+        pure, hyb = named.get(m), named[f"hybrid_{m}"]
+        cells = [m, f"{pure['accuracy']:.3f}" if pure else "-", f"{hyb['accuracy']:.3f}", f"{ref['accuracy']:.3f}",
+                 f"{hyb['accuracy'] / ref['accuracy']:.2f}" if ref["accuracy"] else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _merged_rows(out: Path, workdirs: list[str]) -> list[tuple[str, dict, dict]]:
+    """The rows of ``OUT/recall.json`` that ``workdirs`` do not replace (``--merge``), each with the run summary
+    it was written with (``"run"``; empty for a file written before the summaries were kept)."""
+    path = out / "recall.json"
+    if not path.exists():
+        raise ConfigError(f"--merge: {path} does not exist; run the report without --merge first")
+    old = json.loads(path.read_text())
+    keep = {str(Path(w)) for w in workdirs}
+    return [(wd, res, dict(res.get("run", {}))) for wd, res in old.items()
+            if res is not None and str(Path(wd)) not in keep]
+
+
 def report(workdirs: list[str], out: str | Path, *, task: str | None = None, length: int | None = None,
-           title: str = "") -> str:
+           title: str = "", merge: bool = False) -> str:
     """Write ``OUT/recall.md`` (a markdown table: accuracy per distance bin, overall accuracy and answer
-    loss per run) and ``OUT/recall.png`` from the runs' newest recall results. Returns the table."""
+    loss per run; with hybrid rows, a pure / hybrid / dense comparison) and ``OUT/recall.png`` from the runs'
+    newest recall results. ``merge``: keep the rows already in ``OUT/recall.json`` (those of runs not given
+    again), so new runs join a table whose runs are gone. Returns the table."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results, rows = {}, []
+    rows = _merged_rows(out, workdirs) if merge else []
     for wd in workdirs:
-        res = newest_result(wd, task, length)
-        if res is None:
-            rows.append((wd, None, run_summary(wd)))
-            continue
-        rows.append((wd, res, run_summary(wd)))
-        if res["status"] == "ok":
-            results[f"{res['attention']} ({res['block']})"] = res
+        rows.append((wd, newest_result(wd, task, length), run_summary(wd)))
+    # each method's pure row, then its hybrid row; runs without a result last
+    rows.sort(key=lambda r: (r[1] is None, r[1]["attention"] if r[1] else "", len(set(r[2].get("pattern") or ())) > 1))
+    results = {row_label(res, summ, wd): res for wd, res, summ in rows if res and res["status"] == "ok"}
     ok = [r for _, r, _ in rows if r and r["status"] == "ok"]
     if not ok and not rows:
         raise ConfigError("no runs given (--runs=DIR,DIR,...)")
@@ -256,7 +295,7 @@ def report(workdirs: list[str], out: str | Path, *, task: str | None = None, len
     head += [f"d {lo}-{hi}" for lo, hi in edges]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for wd, res, summ in rows:
-        name = res["attention"] if res else Path(wd).name
+        name = row_label(res, summ, wd)
         cells = [name, res["block"] if res else "-", f"{summ.get('params', 0):,}" if "params" in summ else "-",
                  str(summ.get("steps", "-")), f"{summ['train_seconds']:.0f}" if "train_seconds" in summ else "-"]
         if res is None:
@@ -275,9 +314,16 @@ def report(workdirs: list[str], out: str | Path, *, task: str | None = None, len
                 f"{first['protocol']['rows']} evaluation rows ({first['split']} stream), {first['answers']:,} answers "
                 "per method; accuracy = exact match of every answer token (argmax given the true prefix); "
                 "columns `d lo-hi`: accuracy of the answers whose distance to the recalled token is in that range.\n\n")
+    if any(n.startswith("hybrid_") for n in results):
+        desc += ("`hybrid_<method>`: the same depth with one layer exact (the layer pattern of "
+                 "configs/recall/hybrid_<method>.py, `model.attention.pattern`).\n\n")
     table = desc + "\n".join(lines) + "\n"
+    comparison = _comparison(results)
+    if comparison:
+        table += "\n" + comparison
     (out / "recall.md").write_text((f"## {title}\n\n" if title else "") + table)
-    (out / "recall.json").write_text(json.dumps({str(wd): res for wd, res, _ in rows}, indent=1))
+    (out / "recall.json").write_text(json.dumps(
+        {str(wd): (dict(res, run=summ) if res else res) for wd, res, summ in rows}, indent=1))
     if results:
         plot_by_distance(results, out / "recall.png",
                          title=title or f"{first['task']}, rows of {first['length']} tokens")

@@ -8,10 +8,14 @@
 #   scripts/recall_all.sh                      # -> results/recall/{recall.md,recall.png,recall.json}
 #   OUT=/tmp/r RUNS=/tmp/runs scripts/recall_all.sh
 #   LM_RUNS="runs/default runs/eva" scripts/recall_all.sh   # + zero-shot passkey probe of text LMs
+#   ONLY="hybrid_eva hybrid_fma" scripts/recall_all.sh      # these runs only, merged into $OUT's table
 #
 # The methods come from the registry (longctx.attention.names(), those with a causal form); a
-# method without configs/recall/<method>.py is reported and skipped. Re-running resumes finished
-# or interrupted runs from their checkpoints (a finished run is only re-scored).
+# method without configs/recall/<method>.py is reported and skipped. Then every hybrid stack found
+# as configs/recall/hybrid_<method>.py (layer 1 exact, layer 2 the method) is a row hybrid_<method>.
+# With ONLY set, just those names run and the report keeps $OUT/recall.json's other rows (--merge).
+# Re-running resumes finished or interrupted runs from their checkpoints (a finished run is only
+# re-scored).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,9 +30,16 @@ report() { "$PY" -c 'import sys; from longctx.cli import recall_report_main; sys
 
 METHODS=$("$PY" -c 'from longctx import attention
 print(" ".join(n for n in attention.names() if attention.get_class(n).supports_causal))')
+HYBRIDS=$(for f in configs/recall/hybrid_*.py; do [ -f "$f" ] && basename "$f" .py; done)
+MERGE=()
+if [ -n "${ONLY:-}" ]; then
+  METHODS="$ONLY"
+  HYBRIDS=""
+  MERGE=(--merge)
+fi
 T0=$(date +%s)
 done_runs=()
-for m in $METHODS; do
+for m in $METHODS $HYBRIDS; do
   cfg="configs/recall/$m.py"
   if [ ! -f "$cfg" ]; then
     echo "== $m: no $cfg, skipped" | tee -a "$RUNS/skipped.txt"
@@ -46,7 +57,7 @@ for m in $METHODS; do
   done_runs+=("$wd")
 done
 runs=$(IFS=,; echo "${done_runs[*]}")
-report --runs="$runs" --out="$OUT" --task=mqar --length=1024 \
+report --runs="$runs" --out="$OUT" --task=mqar --length=1024 "${MERGE[@]}" \
   --title="Associative recall (fused-pair MQAR) at 1,024 tokens, by distance"
 
 # optional: zero-shot passkey probe of language models trained on text, at 1x, 2x and 4x their

@@ -82,6 +82,13 @@ def add_args(p):
     p.add_argument("--update", action="store_true",
                    help="merge into --out's existing attention.json: the variants and directions run here replace "
                         "theirs, every other row is kept (to rerun one method without the others)")
+    p.add_argument("--group", action="append", default=[],
+                   help="time a stack of layers instead of single cores: a comma list of methods or variants, one a "
+                        "layer (e.g. eva,eva,eva,dense), repeatable; the all-exact group of the same depth "
+                        "(dense,dense,dense,dense) is timed beside it. Writes attention_group.{json,md}; see run_group")
+    p.add_argument("--group_remat", action="store_true",
+                   help="--group: rematerialise each layer in the backward (jax.checkpoint), so the backward holds one "
+                        "layer's residuals at a time (as a model trained with remat)")
 
 
 def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
@@ -101,6 +108,8 @@ def _torch():
 
 
 def run(args) -> dict:
+    if getattr(args, "group", None):
+        return run_group(args)
     out = C.out_dir(args.out)
     C.shape_defaults(args)
     lengths = C.parse_ints(args.lengths)
@@ -539,3 +548,210 @@ def plots(res: dict, out) -> list[str]:
 
 
 __all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run"]
+
+
+# ----------------------------------------------------------------------------------------------
+# --group: a stack of layers (a hybrid pattern's group) against the all-exact stack of the same depth
+
+EXACT = "dense"
+
+
+def validate(args) -> None:
+    """``--group``'s checks (one line each): known methods or variants, at least one layer, causal or
+    bidirectional, not both."""
+    from longctx import attention
+
+    for g in getattr(args, "group", None) or ():
+        names = [n.strip() for n in g.split(",")]
+        if not g.strip() or not all(names):
+            raise ConfigError(f"--group {g!r}: give a comma list of methods, one a layer, e.g. eva,eva,eva,dense")
+        for n in names:
+            if n.split(":")[0] not in attention.names():
+                raise ConfigError(f"--group {g!r}: unknown method {n.split(':')[0]!r}; known: "
+                                  f"{', '.join(attention.names())}")
+    if getattr(args, "group", None) and args.causal and args.bidirectional:
+        raise ConfigError("--group: give --causal or --bidirectional, not both (default: causal)")
+
+
+def _group_layer(name: str) -> tuple[str, dict]:
+    """(method, config overrides) of one layer: a bench variant label (``dense:blockwise``, ``fma``), else the
+    method's default config (what a model's layer of that method runs, e.g. ``dense``: its platform default)."""
+    method = name.split(":")[0]
+    for label, ov in variants(method):
+        if label == name:
+            return method, ov
+    if ":" in name:
+        raise ConfigError(f"--group: {name!r} is not a variant of {method}; known: "
+                          f"{', '.join(label for label, _ in variants(method))}")
+    return method, {}
+
+
+def group_fns(layers: list[str], *, heads: int, head_dim: int, causal: bool, seed: int, remat: bool = False):
+    """(params, rest, forward, grads) of a stack of cores. Layer 1 reads its own standard-normal q, k, v; layer
+    i > 1 reads its own q, k, v plus the previous layer's output (a residual stream without the per-layer
+    projections, so the layers run one after another and keep unit-scale inputs). forward: the last layer's
+    output, deterministic; grads: gradient of sum(last output * w) plus every core's auxiliary losses with respect
+    to every core's parameters and every layer's q, k, v, deterministic=False with a key (the training path).
+    ``remat``: each layer's core is rematerialised in the backward (``jax.checkpoint``, as a model trained with
+    remat runs it), so the backward holds one layer's residuals at a time instead of every layer's."""
+    from longctx.attention import Aux
+
+    fns = []
+    for i, name in enumerate(layers):
+        method, ov = _group_layer(name)
+        fns.append(CoreFns(build_core(method, ov, heads=heads, head_dim=head_dim, causal=causal, seed=seed + i)))
+    params = [f.params for f in fns]
+    rest = [f.rest for f in fns]
+
+    def one(i, deterministic, p, r, q, k, v, key):
+        aux = Aux()
+        kw = {} if deterministic else {"key": key}
+        x, _ = fns[i].merge(p, r)(q, k, v, deterministic=deterministic, aux=aux, **kw)
+        return x, dict(aux.losses)
+
+    layer = jax.checkpoint(one, static_argnums=(0, 1)) if remat else one
+
+    def stack(params, rest, qkvs, deterministic, key):
+        x, losses = None, []
+        for i, (p, r, (q, k, v)) in enumerate(zip(params, rest, qkvs)):
+            if x is not None:
+                q, k, v = q + x.astype(q.dtype), k + x.astype(k.dtype), v + x.astype(v.dtype)
+            x, aux = layer(i, deterministic, p, r, q, k, v, None if deterministic else jax.random.fold_in(key, i))
+            losses += list(aux.values())
+        return x, losses
+
+    def forward(params, rest, qkvs):
+        return stack(params, rest, qkvs, True, None)[0]
+
+    def loss(params, qkvs, rest, w, key):
+        x, losses = stack(params, rest, qkvs, False, key)
+        total = jnp.sum(x.astype(jnp.float32) * w)
+        for val in losses:
+            total = total + val
+        return total
+
+    g = jax.grad(loss, argnums=(0, 1))
+
+    def grads(params, rest, qkvs, w, key):
+        return g(params, qkvs, rest, w, key)
+
+    return params, rest, forward, grads
+
+
+def _groups(args) -> list[list[str]]:
+    """The stacks to time: the all-exact stack of each depth first (the reference), then the others as given."""
+    groups = [[n.strip() for n in g.split(",")] for g in args.group]
+    refs = [[EXACT] * depth for depth in dict.fromkeys(len(g) for g in groups)]
+    return refs + [g for g in groups if g not in refs]
+
+
+def group_command(args) -> list[str]:
+    """The command line that repeats this ``--group`` run (its resolved shapes and timing settings)."""
+    argv = ["longctx-bench", "attention"]
+    for g in args.group:
+        argv += ["--group", g]
+    argv += ["--lengths", args.lengths, "--bidirectional" if args.bidirectional else "--causal"]
+    for name in ("batch", "heads", "head_dim", "dtype", "repeats", "warmup", "calls_per_sample", "seed"):
+        if getattr(args, name, None) is not None:
+            argv += [f"--{name}", str(getattr(args, name))]
+    for flag in ("no_backward", "group_remat"):
+        if getattr(args, flag, False):
+            argv.append(f"--{flag}")
+    return argv
+
+
+def run_group(args) -> dict:
+    """``--group``: forward and forward+backward time of each stack (:func:`group_fns`) at each length, in this
+    process, and its ratio to the all-exact stack of the same depth. Writes ``attention_group.json`` and
+    ``attention_group.md`` into ``--out``."""
+    out = C.out_dir(args.out)
+    C.shape_defaults(args)
+    lengths = C.parse_ints(args.lengths)
+    dtype = C.dtype_of(args.dtype)
+    causal = not args.bidirectional
+    dname = C.dir_name(causal)
+    B, H, D = args.batch, args.heads, args.head_dim
+    budget = args.mem_budget_gb * C.GB
+    groups = _groups(args)
+    header = dict(C.header(args, "attention --group"), argv=group_command(args),
+                  inputs="layer 1: its own standard-normal q, k, v; layer i > 1: its own q, k, v + the previous "
+                         "layer's output (no per-layer projections)" + (
+                             "; each layer rematerialised in the backward (--group_remat)" if args.group_remat else ""))
+    res = {"header": header, "rows": []}
+    bar = C.progress_bar(len(groups) * len(lengths), "attention --group", args.progress)
+    for layers in groups:
+        label = ",".join(layers)
+        try:
+            params, rest, fwd, grads = group_fns(layers, heads=H, head_dim=D, causal=causal, seed=args.seed,
+                                                 remat=args.group_remat)
+        except ConfigError as e:
+            for T in lengths:
+                res["rows"].append({"group": label, "layers": layers, "direction": dname, "length": T,
+                                    "fwd_status": f"error: {e}", "fwdbwd_status": f"error: {e}"})
+            bar.update(len(lengths))
+            continue
+        for T in lengths:
+            bar.set_postfix_str(f"{label} T={C.fmt_len(T)}")
+            row = {"group": label, "layers": layers, "direction": dname, "length": T, "batch": B, "heads": H,
+                   "head_dim": D, "dtype": args.dtype}
+            qkvs = [C.random_qkv(args.seed + T + 1000 * i, B, H, T, D, dtype) for i in range(len(layers))]
+            w = jax.random.normal(jax.random.key(args.seed + 7), (B, H, T, D), jnp.float32)
+            kinds = [("fwd", fwd, (params, rest, qkvs))]
+            if not args.no_backward:
+                kinds.append(("fwdbwd", grads, (params, rest, qkvs, w, jax.random.key(args.seed + 11))))
+            for kind, fn, fargs in kinds:
+                try:
+                    compiled = jax.jit(fn).lower(*fargs).compile()
+                    mem = C.memory_stats(compiled)
+                    row[f"{kind}_xla_mem"] = mem
+                    if mem.get("total", 0) > budget:
+                        row[f"{kind}_status"] = (f"skipped: XLA estimate {mem['total'] / C.GB:.1f} GB > "
+                                                 f"--mem_budget_gb {args.mem_budget_gb:g}")
+                        continue
+                    t = C.time_auto(compiled, *fargs, repeats=args.repeats, warmup=args.warmup,
+                                    calls=getattr(args, "calls_per_sample", 1) or 0)
+                    row[f"{kind}_s"] = t["median_s"]
+                    row[f"{kind}_times"] = t
+                    row[f"{kind}_status"] = "ok"
+                    del compiled
+                except Exception as e:  # noqa: BLE001 -- a failing cell is reported, the run goes on
+                    row[f"{kind}_status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            res["rows"].append(row)
+            C.write_json(out / "attention_group.partial.json", res)
+            bar.update(1)
+    bar.close()
+    (out / "attention_group.partial.json").unlink(missing_ok=True)
+    add_group_ratios(res["rows"])
+    C.write_json(out / "attention_group.json", res)
+    (out / "attention_group.md").write_text(group_markdown(res))
+    return res
+
+
+def add_group_ratios(rows: list[dict]) -> None:
+    """``{kind}_vs_exact``: a stack's time over the all-exact stack's of the same depth, length and direction."""
+    ref = {(len(r["layers"]), r["length"], r["direction"]): r for r in rows if set(r["layers"]) == {EXACT}}
+    for r in rows:
+        base = ref.get((len(r["layers"]), r["length"], r["direction"]))
+        for kind in ("fwd", "fwdbwd"):
+            if base and r.get(f"{kind}_s") and base.get(f"{kind}_s"):
+                r[f"{kind}_vs_exact"] = r[f"{kind}_s"] / base[f"{kind}_s"]
+
+
+def group_markdown(res: dict) -> str:
+    h = res["header"]
+    rows = res["rows"]
+    first = rows[0] if rows else {}
+    lines = [f"## Attention time of a stack of layers ({first.get('direction', '')}, batch {first.get('batch')}, "
+             f"{first.get('heads')} heads of {first.get('head_dim')}, {first.get('dtype')})", "",
+             f"Command: `{' '.join(h.get('argv', []))}`", "",
+             f"Inputs: {h.get('inputs', '')}. Time = median over the timed calls of one jitted program running "
+             "every layer's core; `vs exact` = the stack's time over the all-exact stack's of the same depth.", ""]
+    body = []
+    for r in rows:
+        cells = [f"`{r['group']}`", C.fmt_len(r["length"])]
+        for kind in ("fwd", "fwdbwd"):
+            cells.append(_ms(r[f"{kind}_s"]) if r.get(f"{kind}_s") else r.get(f"{kind}_status", "-"))
+            cells.append(f"{r[f'{kind}_vs_exact']:.2f}" if r.get(f"{kind}_vs_exact") else "-")
+        body.append(cells)
+    lines.append(C.md_table(["layers", "T", "forward ms", "vs exact", "forward+backward ms", "vs exact"], body))
+    return "\n".join(lines) + "\n"
