@@ -244,8 +244,13 @@ def row_label(res: dict | None, summ: dict, workdir) -> str:
     return f"hybrid_{res['attention']}" if len(set(summ.get("pattern") or ())) > 1 else res["attention"]
 
 
-def _comparison(named: dict[str, dict], reference: str = "dense") -> str:
-    """Pure vs hybrid vs ``reference`` overall accuracy, one line per method that has a hybrid row."""
+def _comparison(named: dict[str, dict], reference: str | None = None) -> str:
+    """Pure vs hybrid vs ``reference`` (default: the registry's exact method) overall accuracy, one line per
+    method that has a hybrid row."""
+    if reference is None:
+        from longctx.bench.capture import exact_method
+
+        reference = exact_method()
     ref = named.get(reference)
     methods = [n[len("hybrid_"):] for n in named if n.startswith("hybrid_")]
     if not methods or ref is None:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx.bench import common as C
+from longctx.bench.capture import exact_method as _exact_method
 from longctx.bench.cores import CoreFns, build_core, is_exact, variants
 from longctx.errors import ConfigError
 
@@ -553,7 +554,6 @@ __all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run"]
 # ----------------------------------------------------------------------------------------------
 # --group: a stack of layers (a hybrid pattern's group) against the all-exact stack of the same depth
 
-EXACT = "dense"
 
 
 def validate(args) -> None:
@@ -641,7 +641,8 @@ def group_fns(layers: list[str], *, heads: int, head_dim: int, causal: bool, see
 def _groups(args) -> list[list[str]]:
     """The stacks to time: the all-exact stack of each depth first (the reference), then the others as given."""
     groups = [[n.strip() for n in g.split(",")] for g in args.group]
-    refs = [[EXACT] * depth for depth in dict.fromkeys(len(g) for g in groups)]
+    exact = _exact_method()
+    refs = [[exact] * depth for depth in dict.fromkeys(len(g) for g in groups)]
     return refs + [g for g in groups if g not in refs]
 
 
@@ -729,7 +730,7 @@ def run_group(args) -> dict:
 
 def add_group_ratios(rows: list[dict]) -> None:
     """``{kind}_vs_exact``: a stack's time over the all-exact stack's of the same depth, length and direction."""
-    ref = {(len(r["layers"]), r["length"], r["direction"]): r for r in rows if set(r["layers"]) == {EXACT}}
+    ref = {(len(r["layers"]), r["length"], r["direction"]): r for r in rows if set(r["layers"]) == {_exact_method()}}
     for r in rows:
         base = ref.get((len(r["layers"]), r["length"], r["direction"]))
         for kind in ("fwd", "fwdbwd"):

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import re, warnings
@@ -100,6 +102,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess with 8 devices; the default suite keeps the exports of test_dense_platform.py
 def test_fused_kernels_split_over_8_devices_match_the_reference_and_lower():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

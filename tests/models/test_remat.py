@@ -61,7 +61,8 @@ def assert_close(a, b, msg):
                                    err_msg=msg)
 
 
-@pytest.mark.parametrize("policy,microbatches", [("cotangent_tied", K), ("cotangent_tied", 1), ("nothing_saveable", K)])
+@pytest.mark.parametrize("policy,microbatches", [("cotangent_tied", K), ("cotangent_tied", 1),
+                                                 pytest.param("nothing_saveable", K, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name,block", [("transformer_vq", "gau"), ("dense", "transformer")])
 def test_remat_with_carried_state_and_microbatches_equals_no_remat(name, block, policy, microbatches):
     ref = second_window_step(build_model(model_cfg(name, block, dropout=0.1), seed=0), microbatches)
