@@ -3,7 +3,7 @@
 
 The reference it must match is :func:`pallas_kernels.eva_attend_ref.eva_attend_reference` (operands described
 there: ``q`` pre-scaled, ``k, v``, chunk summaries ``k̂, β`` from Phase A, local bias tiles). This module imports
-only JAX and that reference.
+only JAX, that reference and the dropout hash beside it (:mod:`pallas_kernels.hash_dropout`).
 
 Kernels (``W`` = window = query tile, ``Tc`` = chunk tile, ``nq = Lp / W``, offsets = the key blocks a window
 touches: ``(0,)``, ``(−1, 0)`` causal with overlap, ``(−1, 0, 1)`` bidirectional with overlap):
@@ -21,15 +21,23 @@ touches: ``(0,)``, ``(−1, 0)`` causal with overlap, ``(−1, 0, 1)`` bidirecti
   tile (Triton grids have no sequential axis). ``dk̂, dβ`` then flow through Phase A by JAX autodiff.
 
 Dtypes: fp32 or bf16 operands; scores by dots with fp32 accumulation, softmax statistics and accumulators fp32;
-outputs fp32. No attention dropout (EVA runs its XLA path for training steps with ``attn_dropout > 0``) and only
-the ``rep`` chunk logit (eq. 16).
+outputs fp32. Only the ``rep`` chunk logit (eq. 16).
 
-Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up to 128 chunks; on GPU local
-blocks are scored in key sub-tiles of :data:`GPU_KEY_TILE` and chunk tiles hold up to 64 chunks, so a score tile is
-at most ``[W, 64]``, with 4 or 8 warps by a register estimate (:func:`gpu_plan`).
+Attention dropout (``dropout_rate``, ``seeds``): on the normalised joint weights, as EVA's other implementations
+apply it (the weights the accumulator takes are multiplied by ``D = keep / (1 − rate)``, the normaliser is not);
+the keep bit of query ``n`` on local key ``m`` is the counter hash of :mod:`pallas_kernels.hash_dropout` of
+(row seed, ``n``, ``m``), on chunk ``c`` of (row seed, ``n``, ``CHUNK_KEY_BASE + c``), all absolute indices, so the
+backward kernels recompute the mask the forward used and plain JAX can draw it too. Backward: ``dV += (P ⊙ D)ᵀ dO``,
+``dS = P ⊙ (D ⊙ dP − Δ)`` with the same ``Δ = rowsum(dO ⊙ O)``.
+
+Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up to 128 chunks; on GPU
+(:func:`gpu_plan`) local blocks are scored in key sub-tiles and chunk tiles of 64 (heads up to 64) or 32 (larger
+heads), and a window block's queries in sub-tiles of ``Tq`` rows (the window, halved while the register estimate
+of the dq kernel exceeds :data:`REG_WORDS_LIMIT`), with 4 or 8 warps; the plan's tiles are the tiles the kernels
+compile with.
 
 Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128] and the
-register estimate within :data:`REG_WORDS_LIMIT`; TPU:
+register estimate within :data:`REG_WORDS_LIMIT` at a query sub-tile of at least 32 rows; TPU:
 ``W % 8 == 0``, ``d``, ``dv`` multiples of 128 or 64, and a VMEM estimate of the largest kernel's blocks
 (double-buffered) below :data:`VMEM_LIMIT_BYTES` -- the chunk summaries are whole blocks, so this bounds ``C``.
 """
@@ -43,33 +51,72 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import hash_dropout
 from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offsets
+from pallas_kernels.precision import dot_nn as _nn
+from pallas_kernels.precision import dot_nt as _nt
+from pallas_kernels.precision import dot_tn as _tn
 
 f32 = jnp.float32
 VMEM_LIMIT_BYTES = 48 * 2**20
-GPU_KEY_TILE = 64  # local keys per score tile on GPU (a [W, 64] fp32 tile per dot at W = 128)
-REG_WORDS_LIMIT = 192  # live f32 tile words per thread the GPU estimate allows (of 255 registers)
+REG_WORDS_LIMIT = 192  # live 32-bit tile words per thread the GPU estimate allows (of 255 registers)
 PLATFORMS = ("tpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 
 
 # ----------------------------------------------------------------------------- support
 def chunk_tile(C: int, cap: int = 128) -> int:
-    """Chunk tile Tc: a power of two in [16, cap] (Triton dots; TPU sublane-aligned); cap 64 on GPU."""
+    """Chunk tile Tc: a power of two in [16, cap] (Triton dots; TPU sublane-aligned); cap 64 or 32 on GPU."""
     return int(min(cap, max(16, 1 << max(C - 1, 1).bit_length())))
 
 
-def gpu_plan(*, W: int, d: int, dv: int, Tk: int, Tc: int) -> tuple[int, float]:
-    """(num_warps, live f32 words per thread) of the costliest GPU kernel, dq: two [W, max(Tk, Tc)] tiles (scores
-    then probabilities; dP then dS), dO [W, dv], the dq accumulator and the query [W, d]. 8 warps where 4 would
-    exceed :data:`REG_WORDS_LIMIT`. An estimate for choosing warps and refusing clearly too large tiles, not a
-    measurement (no GPU has compiled these kernels yet): WikiText-103's W = 128, d = 64 gives 160 words at 8
-    warps; d = 128 at W = 128 (256) is refused."""
-    words = 2 * W * max(Tk, Tc) + W * dv + 2 * W * d
-    for warps in (4, 8):
-        if words / (32 * warps) <= REG_WORDS_LIMIT:
-            break
-    return warps, words / (32 * warps)
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """The tiles the GPU (Triton) kernels compile with: query sub-tile ``Tq`` (rows of a window block scored at
+    once), local key sub-tile ``Tk``, chunk tile ``Tc``, warps, and the register estimate (words per thread)."""
+
+    Tq: int
+    Tk: int
+    Tc: int
+    num_warps: int
+    words: float
+
+
+def gpu_key_tile(d: int, dv: int) -> int:
+    """Key and chunk tiles on GPU: 64 for heads up to 64, 32 for larger heads (FlashAttention's Triton kernels take
+    key blocks of 32 at head dim 128 for the same register budget)."""
+    return 64 if max(d, dv) <= 64 else 32
+
+
+def gpu_words(*, Tq: int, T: int, d: int, dv: int, itemsize: int = 4, dropout: bool = False) -> int:
+    """Live 32-bit tile words of the costliest GPU kernel, dq, per query sub-tile: the query ``[Tq, d]`` in the
+    operand dtype (bf16 packs two per word), dO ``[Tq, dv]`` and the dq accumulator ``[Tq, d]`` in fp32, the key and
+    value tiles ``[T, d + dv]`` (upcast to fp32 for the dots), and two ``[Tq, T]`` fp32 tiles (scores then
+    probabilities; dP then dS), a third with dropout (the keep multiplier)."""
+    return int(Tq * d * itemsize / 4 + Tq * dv + Tq * d + T * (d + dv) + (3 if dropout else 2) * Tq * T)
+
+
+def gpu_plan(*, W: int, d: int, dv: int, C: int, itemsize: int = 4, dropout: bool = False,
+             limit: float | None = None) -> GpuPlan:
+    """The GPU tiles: key and chunk tiles by :func:`gpu_key_tile`, then the largest query sub-tile (the window,
+    halved down to 32 rows) whose :func:`gpu_words` at 4 or 8 warps is within ``limit`` (default
+    :data:`REG_WORDS_LIMIT`); where none is, the smallest at 8 warps (``words`` then exceeds the limit: refused).
+    An estimate for choosing tiles and warps and refusing clearly too large ones, not a measurement (no GPU has
+    compiled these kernels yet). fp32 at W = 128: heads of 64 keep the whole window (192 words at 8 warps; with
+    dropout sub-tiles of 64 rows, 128 words); heads of 128 take sub-tiles of 64 rows (144 words, 152 with
+    dropout)."""
+    limit = REG_WORDS_LIMIT if limit is None else limit
+    T = gpu_key_tile(d, dv)
+    Tk, Tc = min(W, T), chunk_tile(C, T)
+    Tq = W
+    while True:
+        words = gpu_words(Tq=Tq, T=max(Tk, Tc), d=d, dv=dv, itemsize=itemsize, dropout=dropout)
+        for warps in (4, 8):
+            if words / (32 * warps) <= limit:
+                return GpuPlan(Tq, Tk, Tc, warps, words / (32 * warps))
+        if Tq // 2 < 32 or W % (Tq // 2):
+            return GpuPlan(Tq, Tk, Tc, 8, words / (32 * 8))
+        Tq //= 2
 
 
 def _padded_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -87,8 +134,9 @@ def vmem_bytes(*, W: int, d: int, dv: int, C: int, n_lt: int, itemsize: int = 4)
 
 
 def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: int = 0, e_r: int = 0,
-                        chunk_logit: str = "rep", dtype=f32, **_) -> list[str]:
-    """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret')."""
+                        chunk_logit: str = "rep", dtype=f32, dropout: bool = False, **_) -> list[str]:
+    """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret');
+    ``dropout``: the call applies attention dropout (one more tile in the GPU register estimate)."""
     out = []
     if W <= 0:
         out.append("needs a local window (window_size > 0)")
@@ -108,10 +156,10 @@ def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: 
             if x & (x - 1) or not 16 <= x <= 128:
                 out.append(f"{name}={x}: GPU (Triton) blocks need a power of two in [16, 128]")
         if not out:
-            warps, words = gpu_plan(W=W, d=d, dv=dv, Tk=min(W, GPU_KEY_TILE), Tc=chunk_tile(C, 64))
-            if words > REG_WORDS_LIMIT:
-                out.append(f"register estimate {words:.0f} f32 words per thread at {warps} warps exceeds "
-                           f"{REG_WORDS_LIMIT} (window {W}, head {d}, value {dv})")
+            plan = gpu_plan(W=W, d=d, dv=dv, C=C, itemsize=jnp.dtype(dtype).itemsize, dropout=dropout)
+            if plan.words > REG_WORDS_LIMIT:
+                out.append(f"register estimate {plan.words:.0f} words per thread at {plan.num_warps} warps exceeds "
+                           f"{REG_WORDS_LIMIT} (window {W}, query sub-tile {plan.Tq}, head {d}, value {dv})")
     else:
         if W % 8:
             out.append(f"window_size={W}: TPU blocks need a multiple of 8")
@@ -127,20 +175,6 @@ def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: 
 
 
 # ----------------------------------------------------------------------------- shared tile math
-def _nt(a, b):
-    """a @ b.T, fp32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-
-
-def _nn(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=f32)
-
-
-def _tn(a, b):
-    """a.T @ b."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
-
-
 def _div(a, b: int):
     """a // b for non-negative traced ints (truncating division: Mosaic has no floor-division lowering here)."""
     return jax.lax.div(a, jnp.asarray(b, jnp.int32))
@@ -155,7 +189,8 @@ class _Geo:
     L: int
     C: int
     Tc: int
-    Tk: int  # key sub-tile of a local block (W on TPU; at most 64 on GPU, so a [W, Tk] score tile fits registers)
+    Tk: int  # key sub-tile of a local block (W on TPU; the GPU plan's on GPU)
+    Tq: int  # query sub-tile: rows of a window block scored at once (W on TPU; the GPU plan's on GPU)
     num_warps: int  # GPU only
     offsets: tuple[int, ...]
     causal: bool
@@ -163,29 +198,35 @@ class _Geo:
     e_l: int
     e_r: int
     has_bias: bool
+    rate: float  # attention dropout (0: none; then no seed operand)
 
 
-def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int):
-    """Scores and mask of query block ``i`` against keys ``c0 .. c0+Tk-1`` of key block ``blk`` (traced ints):
-    [W, Tk]."""
+def _qpos(g: _Geo, i, r0: int, cols: int):
+    """Absolute positions of rows ``r0 .. r0+Tq-1`` of query block ``i``: [Tq, cols]."""
+    return i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, cols), 0)
+
+
+def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int, r0: int):
+    """Scores and mask of rows ``r0 .. r0+Tq-1`` of query block ``i`` against keys ``c0 .. c0+Tk-1`` of key block
+    ``blk`` (traced ints): [Tq, Tk]."""
     W, Tk = g.W, g.Tk
     s = _nt(q, k)
     if bias is not None:
         s = s + bias
-    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, Tk), 0)
-    kpos = blk * W + c0 + jax.lax.broadcasted_iota(jnp.int32, (W, Tk), 1)
+    qpos = _qpos(g, i, r0, Tk)
+    kpos = blk * W + c0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, Tk), 1)
     valid = (kpos >= i * W - g.e_l) & (kpos < (i + 1) * W + g.e_r) & (kpos >= 0) & (kpos < g.L) & in_range
     if g.causal:
         valid = valid & (kpos <= qpos)
     return jnp.where(valid, s, NEG), valid
 
 
-def _chunk_scores(g: _Geo, q, kh, i, c0):
-    """Scores and mask of query block ``i`` against chunks ``c0 .. c0+Tc-1``: [W, Tc]."""
+def _chunk_scores(g: _Geo, q, kh, i, c0, r0: int):
+    """Scores and mask of rows ``r0 .. r0+Tq-1`` of query block ``i`` against chunks ``c0 .. c0+Tc-1``: [Tq, Tc]."""
     W, Tc, P = g.W, g.Tc, g.P
     s = _nt(q, kh)
-    qpos = i * W + jax.lax.broadcasted_iota(jnp.int32, (W, Tc), 0)
-    cid = c0 + jax.lax.broadcasted_iota(jnp.int32, (W, Tc), 1)
+    qpos = _qpos(g, i, r0, Tc)
+    cid = c0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, Tc), 1)
     valid = cid < g.C
     if g.causal:
         valid = valid & (cid < _div(qpos, P))
@@ -193,6 +234,25 @@ def _chunk_scores(g: _Geo, q, kh, i, c0):
         lo, hi = jnp.maximum(i * W - g.e_l, 0), (i + 1) * W + g.e_r
         valid = valid & ~((cid * P < hi) & ((cid + 1) * P > lo))
     return jnp.where(valid, s, NEG), valid
+
+
+def _local_drop(g: _Geo, seed, i, r0: int, blk, c0: int):
+    """Dropout multiplier of rows ``r0..`` of query block ``i`` on keys ``c0..`` of key block ``blk`` (key index:
+    the absolute position): [Tq, Tk] fp32, or None without dropout."""
+    if seed is None:
+        return None
+    qpos = i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, 1), 0)
+    kpos = blk * g.W + c0 + jax.lax.broadcasted_iota(jnp.int32, (1, g.Tk), 1)
+    return hash_dropout.multiplier(seed, qpos, kpos, g.rate)
+
+
+def _chunk_drop(g: _Geo, seed, i, r0: int, c0):
+    """Dropout multiplier on chunks ``c0..`` (key index ``CHUNK_KEY_BASE + c``): [Tq, Tc] fp32, or None."""
+    if seed is None:
+        return None
+    qpos = i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, 1), 0)
+    cid = hash_dropout.CHUNK_KEY_BASE + c0 + jax.lax.broadcasted_iota(jnp.int32, (1, g.Tc), 1)
+    return hash_dropout.multiplier(seed, qpos, cid, g.rate)
 
 
 def _n_chunk_tiles(g: _Geo, i):
@@ -210,32 +270,41 @@ def _first_query_block(g: _Geo, j):
     return _div((j * g.Tc + 1) * g.P, g.W)
 
 
-def _online(carry, s, valid, vals):
+def _online(carry, s, valid, vals, drop):
+    """One tile of the online softmax; dropout (``drop``, the multiplier) scales the weights the accumulator takes,
+    never the normaliser (dropout on the normalised weights)."""
     m, lsum, acc = carry
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     lsum = alpha * lsum + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + _nn(p, vals.astype(f32))
+    acc = alpha * acc + _nn(p if drop is None else p * drop, vals.astype(f32))
     return m_new, lsum, acc
 
 
+def _dscores(p, dp, delta, drop):
+    """dS = P ⊙ (D ⊙ dP − Δ) for dropout multiplier D (1 without dropout); Δ = rowsum(dO ⊙ O) either way."""
+    return p * ((dp if drop is None else dp * drop) - delta)
+
+
 def _split_refs(g: _Geo, refs, n_extra_in: int, n_out: int):
-    """(q, [(k, v) per offset], kh, beta, bias, extra inputs, outputs)."""
+    """(q, [(k, v) per offset], kh, beta, bias, seed, extra inputs, outputs)."""
     n_lt = len(g.offsets)
     q_ref = refs[0]
     kv = [(refs[1 + 2 * t], refs[2 + 2 * t]) for t in range(n_lt)]
     rest = refs[1 + 2 * n_lt:]
     kh_ref, beta_ref = rest[0], rest[1]
     rest = rest[2:]
-    bias_ref = None
+    bias_ref = seed = None
     if g.has_bias:
         bias_ref, rest = rest[0], rest[1:]
-    return q_ref, kv, kh_ref, beta_ref, bias_ref, rest[:n_extra_in], rest[n_extra_in:n_extra_in + n_out]
+    if g.rate > 0:
+        seed, rest = rest[0][...], rest[1:]
+    return q_ref, kv, kh_ref, beta_ref, bias_ref, seed, rest[:n_extra_in], rest[n_extra_in:n_extra_in + n_out]
 
 
-def _bias(bias_ref, t: int, cols: slice):
-    return None if bias_ref is None else bias_ref[t, :, cols].astype(f32)
+def _bias(bias_ref, t: int, rows: slice, cols: slice):
+    return None if bias_ref is None else bias_ref[t, rows, cols].astype(f32)
 
 
 def _local_blocks(g: _Geo, i):
@@ -243,69 +312,78 @@ def _local_blocks(g: _Geo, i):
     return [(i + o, (i + o >= 0) & (i + o < nq)) for o in g.offsets]
 
 
+def _row_tiles(g: _Geo):
+    return [(r0, slice(r0, r0 + g.Tq)) for r0 in range(0, g.W, g.Tq)]
+
+
 # ----------------------------------------------------------------------------- forward / dq kernels
 def _fwd_kernel(*refs, g: _Geo):
-    q_ref, kv, kh_ref, beta_ref, bias_ref, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
+    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
     i = pl.program_id(1)
-    W, dv = g.W, o_ref.shape[-1]
-    q = q_ref[...]
-    carry = (jnp.full((W, 1), NEG, f32), jnp.zeros((W, 1), f32), jnp.zeros((W, dv), f32))
-    for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
-        for c0 in range(0, W, g.Tk):
-            cols = slice(c0, c0 + g.Tk)
-            s, valid = _local_scores(g, q, k_ref[cols, :], _bias(bias_ref, t, cols), i, blk, ok, c0)
-            carry = _online(carry, s, valid, v_ref[cols, :])
+    dv = o_ref.shape[-1]
+    for r0, rows in _row_tiles(g):
+        q = q_ref[rows, :]
+        carry = (jnp.full((g.Tq, 1), NEG, f32), jnp.zeros((g.Tq, 1), f32), jnp.zeros((g.Tq, dv), f32))
+        for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
+            for c0 in range(0, g.W, g.Tk):
+                cols = slice(c0, c0 + g.Tk)
+                s, valid = _local_scores(g, q, k_ref[cols, :], _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0)
+                carry = _online(carry, s, valid, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
 
-    def body(j, carry):
-        c0 = pl.multiple_of(j * g.Tc, g.Tc)
-        s, valid = _chunk_scores(g, q, kh_ref[pl.ds(c0, g.Tc), :], i, c0)
-        return _online(carry, s, valid, beta_ref[pl.ds(c0, g.Tc), :])
+        def body(j, carry, q=q, r0=r0):
+            c0 = pl.multiple_of(j * g.Tc, g.Tc)
+            s, valid = _chunk_scores(g, q, kh_ref[pl.ds(c0, g.Tc), :], i, c0, r0)
+            return _online(carry, s, valid, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0))
 
-    m, lsum, acc = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, carry)
-    lsum = jnp.maximum(lsum, 1e-30)
-    o_ref[...] = (acc / lsum).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(lsum)
+        m, lsum, acc = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, carry)
+        lsum = jnp.maximum(lsum, 1e-30)
+        o_ref[rows, :] = (acc / lsum).astype(o_ref.dtype)
+        lse_ref[rows, :] = m + jnp.log(lsum)
 
 
 def _dq_kernel(*refs, g: _Geo):
-    q_ref, kv, kh_ref, beta_ref, bias_ref, (do_ref, lse_ref, dl_ref), (dq_ref,) = _split_refs(g, refs, 3, 1)
+    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, (do_ref, lse_ref, dl_ref), (dq_ref,) = _split_refs(g, refs, 3, 1)
     i = pl.program_id(1)
-    q = q_ref[...]
-    do = do_ref[...].astype(f32)
-    lse, delta = lse_ref[...], dl_ref[...]
+    for r0, rows in _row_tiles(g):
+        q = q_ref[rows, :]
+        do = do_ref[rows, :].astype(f32)
+        lse, delta = lse_ref[rows, :], dl_ref[rows, :]
 
-    def grad_q(dq, s, valid, keys, vals):
-        p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-        ds = p * (_nt(do, vals.astype(f32)) - delta)
-        return dq + _nn(ds, keys.astype(f32))
+        def grad_q(dq, s, valid, keys, vals, drop, do=do, lse=lse, delta=delta):
+            p = jnp.where(valid, jnp.exp(s - lse), 0.0)
+            ds = _dscores(p, _nt(do, vals.astype(f32)), delta, drop)
+            return dq + _nn(ds, keys.astype(f32))
 
-    dq = jnp.zeros(dq_ref.shape, f32)
-    for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
-        for c0 in range(0, g.W, g.Tk):
-            cols = slice(c0, c0 + g.Tk)
-            k = k_ref[cols, :]
-            s, valid = _local_scores(g, q, k, _bias(bias_ref, t, cols), i, blk, ok, c0)
-            dq = grad_q(dq, s, valid, k, v_ref[cols, :])
+        dq = jnp.zeros((g.Tq, dq_ref.shape[-1]), f32)
+        for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
+            for c0 in range(0, g.W, g.Tk):
+                cols = slice(c0, c0 + g.Tk)
+                k = k_ref[cols, :]
+                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0)
+                dq = grad_q(dq, s, valid, k, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
 
-    def body(j, dq):
-        c0 = pl.multiple_of(j * g.Tc, g.Tc)
-        kh = kh_ref[pl.ds(c0, g.Tc), :]
-        s, valid = _chunk_scores(g, q, kh, i, c0)
-        return grad_q(dq, s, valid, kh, beta_ref[pl.ds(c0, g.Tc), :])
+        def body(j, dq, q=q, r0=r0, grad_q=grad_q):
+            c0 = pl.multiple_of(j * g.Tc, g.Tc)
+            kh = kh_ref[pl.ds(c0, g.Tc), :]
+            s, valid = _chunk_scores(g, q, kh, i, c0, r0)
+            return grad_q(dq, s, valid, kh, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0))
 
-    dq_ref[...] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq)
+        dq_ref[rows, :] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq)
 
 
 # ----------------------------------------------------------------------------- local dk, dv (and bias) kernel
 def _dlocal_kernel(*refs, g: _Geo):
-    # refs: k, v (key block j), then per offset t: q, do, lse, delta of query block j - offsets[t]; bias; outputs
+    # refs: k, v (key block j), then per offset t: q, do, lse, delta of query block j - offsets[t]; bias; seed;
+    # outputs
     n_lt = len(g.offsets)
     k_ref, v_ref = refs[0], refs[1]
     per = [refs[2 + 4 * t: 6 + 4 * t] for t in range(n_lt)]
     rest = refs[2 + 4 * n_lt:]
-    bias_ref = None
+    bias_ref = seed = None
     if g.has_bias:
         bias_ref, rest = rest[0], rest[1:]
+    if g.rate > 0:
+        seed, rest = rest[0][...], rest[1:]
     dk_ref, dv_ref = rest[0], rest[1]
     db_ref = rest[2] if g.has_bias else None
     j = pl.program_id(1)
@@ -319,14 +397,16 @@ def _dlocal_kernel(*refs, g: _Geo):
             q_ref, do_ref, lse_ref, dl_ref = per[t]
             i = j - o
             ok = (i >= 0) & (i < nq)
-            q, do = q_ref[...], do_ref[...].astype(f32)
-            s, valid = _local_scores(g, q, k, _bias(bias_ref, t, cols), i, j, ok, c0)
-            p = jnp.where(valid, jnp.exp(s - lse_ref[...]), 0.0)
-            dv = dv + _tn(p, do)
-            ds = p * (_nt(do, v) - dl_ref[...])
-            dk = dk + _tn(ds, q.astype(f32))
-            if db_ref is not None:
-                db_ref[t, :, cols] = ds
+            for r0, rows in _row_tiles(g):
+                q, do = q_ref[rows, :], do_ref[rows, :].astype(f32)
+                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0)
+                p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
+                drop = _local_drop(g, seed, i, r0, j, c0)
+                dv = dv + _tn(p if drop is None else p * drop, do)
+                ds = _dscores(p, _nt(do, v), dl_ref[rows, :], drop)
+                dk = dk + _tn(ds, q.astype(f32))
+                if db_ref is not None:
+                    db_ref[t, rows, cols] = ds
         dk_ref[cols, :] = dk
         dv_ref[cols, :] = dv
     if db_ref is not None:
@@ -335,16 +415,20 @@ def _dlocal_kernel(*refs, g: _Geo):
 
 
 # ----------------------------------------------------------------------------- chunk dk̂, dβ kernels
-def _chunk_grad_tile(g: _Geo, q, do, lse, delta, kh, beta, i, c0):
-    """Contribution of query block ``i`` to the gradients of chunks ``c0 .. c0+Tc-1``: (dk̂, dβ)."""
-    s, valid = _chunk_scores(g, q, kh, i, c0)
+def _chunk_grad_tile(g: _Geo, q, do, lse, delta, kh, beta, i, c0, r0: int, seed):
+    """Contribution of rows ``r0 .. r0+Tq-1`` of query block ``i`` to the gradients of chunks ``c0 .. c0+Tc-1``:
+    (dk̂, dβ)."""
+    s, valid = _chunk_scores(g, q, kh, i, c0, r0)
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    dbeta = _tn(p, do)
-    ds = p * (_nt(do, beta.astype(f32)) - delta)
+    drop = _chunk_drop(g, seed, i, r0, c0)
+    dbeta = _tn(p if drop is None else p * drop, do)
+    ds = _dscores(p, _nt(do, beta.astype(f32)), delta, drop)
     return _tn(ds, q.astype(f32)), dbeta
 
 
-def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_ref, dbeta_ref, *, g: _Geo):
+def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo):
+    seed = rest[0][...] if g.rate > 0 else None
+    dkh_ref, dbeta_ref = rest[-2:]
     j, i = pl.program_id(1), pl.program_id(2)
 
     @pl.when(i == 0)
@@ -354,23 +438,26 @@ def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_ref
 
     @pl.when(i >= _first_query_block(g, j))
     def _():
-        dkh, dbeta = _chunk_grad_tile(g, q_ref[...], do_ref[...].astype(f32), lse_ref[...], dl_ref[...],
-                                      kh_ref[...], beta_ref[...], i, j * g.Tc)
-        dkh_ref[...] += dkh
-        dbeta_ref[...] += dbeta
+        for r0, rows in _row_tiles(g):
+            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
+                                          dl_ref[rows, :], kh_ref[...], beta_ref[...], i, j * g.Tc, r0, seed)
+            dkh_ref[...] += dkh
+            dbeta_ref[...] += dbeta
 
 
-def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, dkh_ref, dbeta_ref, *, g: _Geo, nq: int):
+def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo, nq: int):
+    seed = rest[0][...] if g.rate > 0 else None
+    dkh_ref, dbeta_ref = rest[-2:]
     j = pl.program_id(1)
     kh, beta = kh_ref[...], beta_ref[...]
-    W = g.W
 
     def body(i, acc):
-        r0 = pl.multiple_of(i * W, W)
-        rows = pl.ds(r0, W)
-        dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
-                                      dl_ref[rows, :], kh, beta, i, j * g.Tc)
-        return acc[0] + dkh, acc[1] + dbeta
+        for r0, _ in _row_tiles(g):
+            rows = pl.ds(pl.multiple_of(i * g.W + r0, g.Tq), g.Tq)
+            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
+                                          dl_ref[rows, :], kh, beta, i, j * g.Tc, r0, seed)
+            acc = (acc[0] + dkh, acc[1] + dbeta)
+        return acc
 
     init = (jnp.zeros(dkh_ref.shape, f32), jnp.zeros(dbeta_ref.shape, f32))
     dkh, dbeta = jax.lax.fori_loop(_first_query_block(g, j), nq, body, init)
@@ -399,9 +486,17 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, platform, sem
                           compiler_params=None if interpret else _compiler_params(platform, semantics, g))
 
 
-def _qside(g: _Geo, q, k, v, kh, beta, bias, heads, extra, kernel, outs, interpret, platform):
+def _seed_spec(seeds, grid_rank: int):
+    """The row's dropout seed, a [1, 1] block of ``seeds [BH, 1, 1]`` (None without dropout)."""
+    if seeds is None:
+        return []
+    idx = (lambda bh, i: (bh, 0, 0)) if grid_rank == 2 else (lambda bh, j, i: (bh, 0, 0))
+    return [pl.BlockSpec((None, 1, 1), idx)]
+
+
+def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, interpret, platform):
     """Run a kernel on grid (BH, nq) with the query block, its local key blocks, the whole chunk summaries,
-    the bias tiles and ``extra`` per-query-block inputs ``[(array, cols)]``."""
+    the bias tiles, the row's dropout seed and ``extra`` per-query-block inputs ``[(array, cols)]``."""
     BH, Lp, d = q.shape
     dv, Cp, W = v.shape[-1], kh.shape[1], g.W
     nq = Lp // W
@@ -419,6 +514,8 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, heads, extra, kernel, outs, interpr
         hmap = (lambda bh, i: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, i: (0, 0, 0, 0))
         specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
         args.append(bias)
+    specs += _seed_spec(seeds, 2)
+    args += [] if seeds is None else [seeds]
     for arr in extra:
         specs.append(pl.BlockSpec((None, W, arr.shape[-1]), lambda bh, i: (bh, i, 0)))
         args.append(arr)
@@ -427,18 +524,19 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, heads, extra, kernel, outs, interpr
                  ("parallel", "parallel"))(*args)
 
 
-def _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform):
+def _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform):
     BH, Lp, _ = q.shape
     outs = [jax.ShapeDtypeStruct((BH, Lp, v.shape[-1]), f32), jax.ShapeDtypeStruct((BH, Lp, 1), f32)]
-    return _qside(g, q, k, v, kh, beta, bias, heads, [], _fwd_kernel, outs, interpret, platform)
+    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [], _fwd_kernel, outs, interpret, platform)
 
 
-def _dq(g, q, k, v, kh, beta, bias, heads, do, lse, delta, interpret, platform):
+def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform):
     outs = [jax.ShapeDtypeStruct(q.shape, f32)]
-    return _qside(g, q, k, v, kh, beta, bias, heads, [do, lse, delta], _dq_kernel, outs, interpret, platform)[0]
+    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [do, lse, delta], _dq_kernel, outs, interpret,
+                  platform)[0]
 
 
-def _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform):
+def _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform):
     BH, Lp, d = q.shape
     dv, W = v.shape[-1], g.W
     nq = Lp // W
@@ -453,10 +551,14 @@ def _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform):
     outs = [jax.ShapeDtypeStruct((BH, Lp, d), f32), jax.ShapeDtypeStruct((BH, Lp, dv), f32)]
     out_specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
     if bias is not None:
-        Hb, n_lt = bias.shape[0], bias.shape[1]
+        Hb = bias.shape[0]
         hmap = (lambda bh, j: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, j: (0, 0, 0, 0))
         specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
         args.append(bias)
+    specs += _seed_spec(seeds, 2)
+    args += [] if seeds is None else [seeds]
+    if bias is not None:
+        n_lt = bias.shape[1]
         outs.append(jax.ShapeDtypeStruct((BH, nq, n_lt, W, W), f32))
         out_specs.append(pl.BlockSpec((None, None, n_lt, W, W), lambda bh, j: (bh, j, 0, 0, 0)))
     res = _call(functools.partial(_dlocal_kernel, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
@@ -464,11 +566,12 @@ def _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform):
     return res[0], res[1], (res[2] if bias is not None else None)
 
 
-def _dchunk(g, q, kh, beta, do, lse, delta, interpret, platform, form):
+def _dchunk(g, q, kh, beta, seeds, do, lse, delta, interpret, platform, form):
     BH, Lp, d = q.shape
     Cp, dv, W, Tc = kh.shape[1], beta.shape[-1], g.W, g.Tc
     nq, nct = Lp // W, Cp // Tc
     outs = [jax.ShapeDtypeStruct((BH, Cp, d), f32), jax.ShapeDtypeStruct((BH, Cp, dv), f32)]
+    extra = [] if seeds is None else [seeds]
     if form == "tpu":
         def qmap(bh, j, i):
             # blocks before the first that sees the tile are never read: fetch the first one once
@@ -477,75 +580,85 @@ def _dchunk(g, q, kh, beta, do, lse, delta, interpret, platform, form):
         cmap = lambda bh, j, i: (bh, j, 0)  # noqa: E731
         specs = [pl.BlockSpec((None, W, d), qmap), pl.BlockSpec((None, W, dv), qmap),
                  pl.BlockSpec((None, W, 1), qmap), pl.BlockSpec((None, W, 1), qmap),
-                 pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)]
+                 pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)] + _seed_spec(seeds, 3)
         out_specs = [pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)]
         return _call(functools.partial(_dchunk_kernel_tpu, g=g), (BH, nct, nq), specs, out_specs, outs, interpret,
-                     platform, ("parallel", "parallel", "arbitrary"))(q, do, lse, delta, kh, beta)
+                     platform, ("parallel", "parallel", "arbitrary"))(q, do, lse, delta, kh, beta, *extra)
     whole = lambda bh, j: (bh, 0, 0)  # noqa: E731
     cmap2 = lambda bh, j: (bh, j, 0)  # noqa: E731
     specs = [pl.BlockSpec((None, Lp, d), whole), pl.BlockSpec((None, Lp, dv), whole),
              pl.BlockSpec((None, Lp, 1), whole), pl.BlockSpec((None, Lp, 1), whole),
-             pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)]
+             pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)] + _seed_spec(seeds, 2)
     out_specs = [pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)]
     return _call(functools.partial(_dchunk_kernel_loop, g=g, nq=nq), (BH, nct), specs, out_specs, outs, interpret,
-                 platform, ("parallel", "parallel"))(q, do, lse, delta, kh, beta)
+                 platform, ("parallel", "parallel"))(q, do, lse, delta, kh, beta, *extra)
 
 
 # ----------------------------------------------------------------------------- differentiable entry
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attend(q, k, v, kh, beta, bias, g, heads, interpret, platform, form):
-    o, lse = _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attend(q, k, v, kh, beta, bias, seeds, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform)
     return o, lse
 
 
-def _attend_fwd(q, k, v, kh, beta, bias, g, heads, interpret, platform, form):
-    o, lse = _forward(g, q, k, v, kh, beta, bias, heads, interpret, platform)
-    return (o, lse), (q, k, v, kh, beta, bias, o, lse)
+def _attend_fwd(q, k, v, kh, beta, bias, seeds, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform)
+    return (o, lse), (q, k, v, kh, beta, bias, seeds, o, lse)
 
 
 def _attend_bwd(g, heads, interpret, platform, form, res, cts):
-    q, k, v, kh, beta, bias, o, lse = res
+    q, k, v, kh, beta, bias, seeds, o, lse = res
     do = cts[0].astype(f32)
-    # dS = P ⊙ (dP − Δ) + P ⊙ dlse: a cotangent on the log-sum-exp enters as a shift of Δ
+    # dS = P ⊙ (D ⊙ dP − Δ) + P ⊙ dlse with Δ = rowsum(dO ⊙ O) (O already holds the dropout D): a cotangent on the
+    # log-sum-exp enters as a shift of Δ
     delta = jnp.sum(do * o, axis=-1, keepdims=True) - cts[1].astype(f32)
-    dq = _dq(g, q, k, v, kh, beta, bias, heads, do, lse, delta, interpret, platform)
-    dk, dv, db = _dlocal(g, q, k, v, bias, heads, do, lse, delta, interpret, platform)
-    dkh, dbeta = _dchunk(g, q, kh, beta, do, lse, delta, interpret, platform, form)
+    dq = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform)
+    dk, dv, db = _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
+    dkh, dbeta = _dchunk(g, q, kh, beta, seeds, do, lse, delta, interpret, platform, form)
     dbias = None
     if bias is not None:
         BH = q.shape[0]
         db = db.reshape((BH // heads, heads) + db.shape[1:]).sum(axis=(0, 2))  # [H, n_lt, W, W]
         dbias = (db if bias.shape[0] > 1 else db.sum(axis=0, keepdims=True)).astype(bias.dtype)
     cast = lambda x, ref: x.astype(ref.dtype)  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
-               disjoint: bool, heads: int, interpret: bool = False, platform: str | None = None,
-               key_tile: int | None = None):
+               disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None, interpret: bool = False,
+               platform: str | None = None, key_tile: int | None = None, query_tile: int | None = None):
     """Phase B by the kernels; same contract as :func:`eva_attend_reference` (kernel operands, ``q`` pre-scaled):
     returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
 
-    ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters and the form of
-    the chunk-gradient kernel and the tiles (GPU: key and chunk tiles of at most 64); in interpret mode it
-    picks only those (default the TPU form). ``key_tile`` overrides the local key sub-tile (tests)."""
+    ``dropout_rate`` > 0 with ``seeds`` (int32 ``[BH]``, :func:`pallas_kernels.hash_dropout.row_seeds`): attention
+    dropout on the normalised weights by the hash mask of the module docstring, the same in the backward.
+    ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters, the form of
+    the chunk-gradient kernel and the tiles (GPU: :func:`gpu_plan`); in interpret mode it picks only those
+    (default the TPU form). ``key_tile`` / ``query_tile`` override the local key / query sub-tile (tests)."""
     BH, Lp, d = q.shape
     dv = v.shape[-1]
     C = -(-L // P)
     if Lp % W or Lp < L:
         raise ValueError(f"eva_attend: padded length {Lp} must be a multiple of W={W} and >= L={L}")
+    if not 0.0 <= dropout_rate < 1.0 or (dropout_rate > 0) != (seeds is not None):
+        raise ValueError(f"eva_attend: dropout_rate={dropout_rate} needs seeds (and seeds a rate in (0, 1))")
     plat = platform or {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+    dtype = jnp.promote_types(q.dtype, v.dtype)
     reasons = unsupported_reasons("interpret" if interpret else plat, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r,
-                                  dtype=jnp.promote_types(q.dtype, v.dtype))
+                                  dtype=dtype, dropout=dropout_rate > 0)
     if not interpret and plat == "cpu":
         reasons = ["Pallas runs on CPU only with interpret=True"] + reasons
     if reasons:
         raise ValueError("eva_attend cannot run: " + "; ".join(reasons))
     gpu = plat in ("cuda", "gpu")
-    Tc = chunk_tile(C, 64 if gpu else 128)
+    if gpu:
+        plan = gpu_plan(W=W, d=d, dv=dv, C=C, itemsize=jnp.dtype(dtype).itemsize, dropout=dropout_rate > 0)
+    else:  # TPU: one [W, W] score tile per local block, chunk tiles of up to 128
+        plan = GpuPlan(W, W, chunk_tile(C, 128), 4, 0.0)
+    Tc = plan.Tc
     Cp = -(-C // Tc) * Tc
     kh = jnp.pad(k_hat[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
     bt = jnp.pad(beta[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
@@ -554,15 +667,16 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
         raise ValueError(f"eva_attend: bias has {bias.shape[1]} tiles for {len(offsets)} key-block offsets")
     if bias is not None and len(offsets) & (len(offsets) - 1):  # Triton blocks: a power-of-two tile count
         bias = jnp.pad(bias, ((0, 0), (0, (1 << (len(offsets) - 1).bit_length()) - len(offsets)), (0, 0), (0, 0)))
-    Tk = key_tile or (min(W, GPU_KEY_TILE) if gpu else W)
-    if W % Tk:
-        raise ValueError(f"eva_attend: key_tile={Tk} must divide W={W}")
-    warps = gpu_plan(W=W, d=d, dv=dv, Tk=Tk, Tc=Tc)[0]
-    g = _Geo(W, P, L, C, Tc, Tk, warps, offsets, causal, disjoint, e_l, e_r, bias is not None)
+    Tk, Tq = key_tile or plan.Tk, query_tile or plan.Tq
+    if W % Tk or W % Tq:
+        raise ValueError(f"eva_attend: key_tile={Tk} and query_tile={Tq} must divide W={W}")
+    g = _Geo(W, P, L, C, Tc, Tk, Tq, plan.num_warps, offsets, causal, disjoint, e_l, e_r, bias is not None,
+             float(dropout_rate))
+    sd = None if seeds is None else jnp.asarray(seeds, jnp.int32).reshape(BH, 1, 1)
     form = "loop" if gpu else "tpu"
-    o, lse = _attend(q, k, v, kh, bt, bias, g, heads, interpret, None if interpret else plat, form)
+    o, lse = _attend(q, k, v, kh, bt, bias, sd, g, heads, interpret, None if interpret else plat, form)
     return o, lse[..., 0]
 
 
-__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "chunk_tile", "eva_attend", "eva_attend_reference",
-           "unsupported_reasons", "vmem_bytes"]
+__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "GpuPlan", "chunk_tile", "eva_attend", "eva_attend_reference",
+           "gpu_plan", "unsupported_reasons", "vmem_bytes"]

@@ -10,14 +10,19 @@ Kernel operands, all flattened over batch × heads (``BH``) and padded to whole 
 ``k [BH, Lp, d]``, ``v [BH, Lp, dv]``, ``k_hat [BH, Cp, d]``, ``beta [BH, Cp, dv]`` (chunks ``c >= ⌈L/P⌉`` are
 padding) and the local bias ``bias [Hb, n_lt, W, W]`` (``s·θ[bucket]`` of query row ``r`` and key column ``c`` in key block
 ``i + offsets[t]`` of query block ``i``; it depends on ``offsets[t]·W + c − r`` only, so one tile per offset
-serves every block; ``Hb`` is 1 (shared by heads) or the number of heads). The reference materialises the
-``[BH, Lp, Lp + Cp]`` logits, so it is for tests (small ``Lp``) only. This module imports only JAX.
+serves every block; ``Hb`` is 1 (shared by heads) or the number of heads). Attention dropout (``dropout_rate``,
+``seeds [BH]``): the keep mask of :func:`dropout_multiplier` (:mod:`pallas_kernels.hash_dropout` at absolute query
+and key indices, chunk ``c`` at ``CHUNK_KEY_BASE + c``) on the normalised weights. The reference materialises the
+``[BH, Lp, Lp + Cp]`` logits, so it is for tests (small ``Lp``) only. This module imports only JAX and the dropout
+hash.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import hash_dropout
 
 NEG = -1e30  # finite mask value, never -inf (§9.11)
 
@@ -78,8 +83,18 @@ def full_bias(bias, Lp: int, W: int, offsets) -> jax.Array:
     return jnp.where(hit[None], b, 0.0)
 
 
+def dropout_multiplier(seeds, q_pos, key_pos, chunk_ids, rate: float):
+    """The dropout multiplier ``keep / (1 − rate)`` of rows with int32 ``seeds [...]`` (one per row, e.g. ``[BH]`` or
+    ``[B, H]``) for queries ``q_pos [Tq]`` on local keys ``key_pos [Tk]`` then chunks ``chunk_ids [C]``:
+    ``[..., Tq, Tk + C]`` fp32 (absolute indices; the kernel draws the same)."""
+    s = jnp.asarray(seeds, jnp.int32)[..., None, None]
+    kidx = jnp.concatenate([jnp.asarray(key_pos, jnp.int32), hash_dropout.CHUNK_KEY_BASE + jnp.asarray(chunk_ids,
+                                                                                                      jnp.int32)])
+    return hash_dropout.multiplier(s, jnp.asarray(q_pos, jnp.int32)[:, None], kidx[None, :], rate)
+
+
 def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
-                         disjoint: bool, heads: int):
+                         disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None):
     """Phase B on kernel operands (see the module docstring). Returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32:
     the normalised output and the log-sum-exp of each query's logits over its local and chunk candidates."""
     f32 = jnp.float32
@@ -101,9 +116,12 @@ def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: i
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
+    lse = (m + jnp.log(den))[..., 0]
+    if dropout_rate > 0:  # on the normalised weights: drop the unnormalised ones, keep the normaliser
+        p = p * dropout_multiplier(seeds, pos, pos, cids, dropout_rate)
     o = jnp.einsum("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1)) / den
-    return o, (m + jnp.log(den))[..., 0]
+    return o, lse
 
 
-__all__ = ["NEG", "chunk_mask", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
+__all__ = ["NEG", "chunk_mask", "dropout_multiplier", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
            "window_bounds"]

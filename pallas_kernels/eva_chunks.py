@@ -26,7 +26,9 @@ outputs are fp32, like the reference.
 Platforms: TPU (Mosaic) and GPU (Triton) lowering are exercised by
 ``tests/kernels/test_eva_chunks.py`` through ``jax.export``; on CPU the kernel runs only in
 interpret mode. Triton needs power-of-two block dims: ``P`` and the head dims must be
-powers of two on GPU (``G = 16`` makes ``T`` one as well). :func:`unsupported_reasons` lists why a
+powers of two on GPU (``G = 16`` makes ``T`` one as well). The token tiles are loaded where they are
+used (q for its means, k through the logits, v for β), and the GPU form takes 4 or 8 warps by a register
+estimate (:func:`gpu_warps`; heads of 128 at chunks of 8 take 8). :func:`unsupported_reasons` lists why a
 platform or shape is refused (the shared implementation-selection rule).
 """
 
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_summaries
+from pallas_kernels.precision import dot_nt as _nt
 
 GROUP = 16  # chunks per kernel step (multiple of 8 for TPU sublanes, >= 16 for Triton dots)
 
@@ -52,6 +55,23 @@ def _is_pow2(n: int) -> bool:
 PLATFORMS = ("tpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 VMEM_LIMIT_BYTES = 16 * 2**20  # Mosaic's default scoped VMEM limit (this kernel sets none)
+REG_WORDS_LIMIT = 192  # live fp32 tile words per thread the GPU estimate allows (of 255 registers), as eva_attend's
+
+
+def gpu_words(*, P: int, d: int, dv: int, group: int = GROUP) -> int:
+    """Live fp32 tile words of one GPU step: the key tile ``[T, d]`` (live from its means through the logits) and
+    one other token tile (the queries, ``k ⊙ k`` for the norms, or the values: each loaded or made where it is used),
+    ``T = G·P``, plus three ``[G, T]`` tiles (segment matrix, logits, weights). An estimate, not a measurement."""
+    T = group * P
+    return 2 * T * max(d, dv) + 3 * group * T
+
+
+def gpu_warps(*, P: int, d: int, dv: int, group: int = GROUP) -> tuple[int, float]:
+    """(num_warps, words per thread): 4 warps where :func:`gpu_words` fits :data:`REG_WORDS_LIMIT`, else 8 (chunks
+    of 8: heads of 64 take 4 warps at 176 words, heads of 128 take 8 at 152)."""
+    words = gpu_words(P=P, d=d, dv=dv, group=group)
+    warps = 4 if words / 128 <= REG_WORDS_LIMIT else 8
+    return warps, words / (32 * warps)
 
 
 def vmem_bytes(*, P: int, d: int, dv: int, group: int = GROUP) -> int:
@@ -77,6 +97,11 @@ def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, dtype=jnp.flo
         return reasons + [f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})"]
     if platform == "cuda" and not (_is_pow2(P) and _is_pow2(d) and _is_pow2(dv)):
         reasons.append(f"GPU (Triton) blocks need power-of-two chunk_size and head dims; got P={P}, d={d}, dv={dv}")
+    elif platform == "cuda":
+        warps, words = gpu_warps(P=P, d=d, dv=dv, group=group)
+        if words > REG_WORDS_LIMIT:
+            reasons.append(f"register estimate {words:.0f} words per thread at {warps} warps exceeds "
+                           f"{REG_WORDS_LIMIT} (P={P}, d={d}, dv={dv}, group={group})")
     if platform == "tpu":
         need = vmem_bytes(P=P, d=d, dv=dv, group=group)
         if need > VMEM_LIMIT_BYTES:
@@ -101,22 +126,16 @@ def _layer_norm(x, g, b):
     return xc * jax.lax.rsqrt(var + LN_EPS) * g + b
 
 
-def _nt(a, b):
-    """a @ b.T (contract the last dims)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbeta_ref, kw_ref, kb_ref, kg_ref,
             kbeta_ref, khat_ref, beta_ref, *, P: int, G: int, scale: float, opts: EVAOptions):
     T = G * P
-    q = q_ref[...].astype(jnp.float32)
-    k = k_ref[...].astype(jnp.float32)
-    v = v_ref[...].astype(jnp.float32)
     t_idx = jax.lax.broadcasted_iota(jnp.int32, (G, T), 1)
     start = jax.lax.broadcasted_iota(jnp.int32, (G, T), 0) * P  # no integer division (no sign op on Mosaic)
     seg = (t_idx >= start) & (t_idx < start + P)
     segf = seg.astype(jnp.float32)
-    q_bar = jnp.dot(segf, q, preferred_element_type=jnp.float32) / P
+    # each token tile loaded where it is used (gpu_words): q for its means, k through the logits, v for β
+    q_bar = jnp.dot(segf, q_ref[...].astype(jnp.float32), preferred_element_type=jnp.float32) / P
+    k = k_ref[...].astype(jnp.float32)
     k_bar = jnp.dot(segf, k, preferred_element_type=jnp.float32) / P
     if opts.chunk_rep == "identity":
         k_hat, q_hat = k_bar, q_bar
@@ -145,12 +164,12 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbe
     m = jnp.max(ell, axis=1, keepdims=True)
     p = jnp.where(mask, jnp.exp(ell - m), 0.0)
     den = jnp.sum(p, axis=1, keepdims=True)
-    beta = jnp.dot(p, v, preferred_element_type=jnp.float32) / jnp.maximum(den, 1e-30)
+    beta = jnp.dot(p, v_ref[...].astype(jnp.float32), preferred_element_type=jnp.float32) / jnp.maximum(den, 1e-30)
     khat_ref[...] = k_hat.astype(khat_ref.dtype)
     beta_ref[...] = beta.astype(beta_ref.dtype)
 
 
-def _compiler_params(platform):
+def _compiler_params(platform, warps: int = 4):
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -158,7 +177,7 @@ def _compiler_params(platform):
     if platform in ("gpu", "cuda", "rocm"):
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+        return pltriton.CompilerParams(num_warps=warps, num_stages=2)
     return None
 
 
@@ -185,7 +204,7 @@ def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interp
         in_specs=in_specs,
         out_specs=(grp(d), grp(dv)),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(platform),
+        compiler_params=None if interpret else _compiler_params(platform, gpu_warps(P=P, d=d, dv=dv, group=G)[0]),
         name="eva_chunk_stats",
     )(q, k, v, valid_rows, eps, *pr)
 
@@ -248,4 +267,4 @@ def make_stats_fn(*, interpret: bool = False, group: int = GROUP, platform: str 
 
 
 __all__ = ["DTYPES", "GROUP", "PLATFORMS", "check_supported", "eva_chunk_stats", "eva_chunk_stats_reference",
-           "make_stats_fn", "unsupported_reasons", "vmem_bytes"]
+           "gpu_warps", "gpu_words", "make_stats_fn", "unsupported_reasons", "vmem_bytes"]

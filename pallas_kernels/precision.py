@@ -49,3 +49,19 @@ _acc_einsum.defvjp(_acc_einsum_fwd, _acc_einsum_bwd)
 
 
 __all__ = ["acc_einsum", "compute_dtype", "float_dtype"]
+
+
+# two-dimensional tile products with float32 accumulation and the operands as they are (inside kernel bodies)
+def dot_nn(a, b):
+    """a @ b."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+    """a @ b.T."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+    """a.T @ b."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)

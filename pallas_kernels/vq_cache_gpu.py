@@ -78,6 +78,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.precision import dot_nn as _dot
+from pallas_kernels.precision import dot_nt as _dot_nt
+from pallas_kernels.precision import dot_tn as _dot_tn
 from pallas_kernels.vq_cache_ref import (
     KERNEL_DTYPES,
     NEG,
@@ -210,21 +213,6 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
 
 
 # ----------------------------------------------------------------------------- kernel bodies
-def _dot(a, b):
-    """a @ b, f32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=f32)
-
-
-def _dot_nt(a, b):
-    """a @ b.T, f32 accumulation."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-
-
-def _dot_tn(a, b):
-    """a.T @ b, f32 accumulation."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=f32)
-
-
 def _ds(i, n):
     return pl.ds(pl.multiple_of(i * n, n), n)
 

@@ -15,7 +15,7 @@ cd "$ROOT"
 OUT="${OUT:-results}"
 PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
 BENCH=("$PY" -m longctx.bench.cli)
-STEPS="${STEPS:-attention attention_8k_32k decode quality train kernels kernels_gpu peers recall report}"
+STEPS="${STEPS:-attention attention_8k_32k decode quality train precision kernels kernels_gpu peers recall report}"
 
 # attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents, every method, 1k-128k
 # (cells over the memory budget or the per-cell time cap are skipped and say so)
@@ -45,6 +45,13 @@ quality() {
 train() {
   "${BENCH[@]}" train --out "$OUT" --runs runs/bench_train --steps 150 --eval_tokens 32768 \
     --config.train.seq_len=512 --config.train.batch_size=8
+}
+# bf16 against fp32: every built-in config (its own rows, batch and schedule) trained 300 steps in each dtype
+precision() {
+  for dt in float32 bfloat16; do
+    "${BENCH[@]}" train --out "$OUT/precision/$dt" --runs "runs/bench_precision/$dt" --steps 300 --eval_tokens 32768 \
+      --no_xla_mem --config.model.dtype=$dt
+  done
 }
 # Pallas kernels against the XLA paths they must match (on a CPU: interpret mode, the differences are the result)
 kernels() {

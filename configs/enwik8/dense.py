@@ -32,6 +32,7 @@ scripts/flagship_plans.py; at most 70 GiB per device):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/enwik8/dense.py:node8 --dry_run
 """
 
+from configs.base import gpu_node
 from longctx.config import base_config as base
 
 VARIANTS = ("tiny", "node8")
@@ -94,8 +95,4 @@ def node8(c):
     over at most 2 batch-parallel devices, so the mesh is data = 2 x tensor = 4 (heads, MLP and vocabulary split
     4 ways); bf16 activations over fp32 master weights, the 12 layers stacked and scanned. Shared by the
     enwik8 configs built on this one (configs/enwik8/fma.py)."""
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.mesh.data = 2
-    c.mesh.tensor = 4
-    return c
+    return gpu_node(c, data=2, tensor=4)

@@ -25,6 +25,7 @@ scripts/flagship_plans.py; at most 70 GiB per device):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/enwik8/transformer_vq.py:node8 --dry_run
 """
 
+from configs.base import gpu_node
 from configs.enwik8 import dense
 from longctx.config import base_config as base
 
@@ -108,11 +109,4 @@ def node8(c):
     at a time). fsdp = 8 plans far worse here (110 GiB per device): with the parameters sharded on their
     d_model axis, XLA partitions the projections over that contraction axis and all-reduces whole-micro-batch
     activations ([65536, 3200] f32) instead of keeping the rows split."""
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.model.remat = True
-    c.model.remat_policy = "nothing_saveable"
-    c.train.microbatches = 4
-    c.mesh.data = 8
-    c.mesh.fsdp = 1
-    return c
+    return gpu_node(c, data=8, remat_policy="nothing_saveable", microbatches=4)

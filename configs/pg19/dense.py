@@ -34,6 +34,7 @@ scripts/flagship_plans.py; at most 70 GiB per device):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/pg19/dense.py:node8 --dry_run
 """
 
+from configs.base import gpu_node
 from longctx.config import base_config as base
 
 VARIANTS = ("tiny", "node8")
@@ -97,11 +98,4 @@ def node8(c):
     data parallel over the 8 GPUs (data = 8, 4 rows per
     device; parameters and AdamW moments replicated), the 32k softmax NLL over
     vocabulary chunks (no [rows, 2048, 32000] logits)."""
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.model.remat = True
-    c.model.remat_policy = "nothing_saveable"
-    c.model.loss_chunk = 8000
-    c.mesh.data = 8
-    c.mesh.fsdp = 1
-    return c
+    return gpu_node(c, data=8, remat_policy="nothing_saveable", loss_chunk=8000)

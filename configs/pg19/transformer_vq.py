@@ -23,6 +23,7 @@ scripts/flagship_plans.py; at most 70 GiB per device):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/pg19/transformer_vq.py:node8 --dry_run
 """
 
+from configs.base import gpu_node
 from configs.pg19 import dense
 from longctx.config import base_config as base
 
@@ -103,12 +104,4 @@ def node8(c):
     device at a time), the 32k softmax NLL over vocabulary chunks. fsdp = 8 is not used: with the parameters
     sharded on d_model, XLA all-reduces whole-micro-batch activations instead of keeping the rows split
     (configs/enwik8/transformer_vq.py node8())."""
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.model.remat = True
-    c.model.remat_policy = "nothing_saveable"
-    c.model.loss_chunk = 8000
-    c.train.microbatches = 8
-    c.mesh.data = 8
-    c.mesh.fsdp = 1
-    return c
+    return gpu_node(c, data=8, remat_policy="nothing_saveable", microbatches=8, loss_chunk=8000)

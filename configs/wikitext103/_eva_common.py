@@ -1,6 +1,7 @@
 """Shared settings of the EVA WikiText-103 configs (paper §5.2 / App. E.3, released main.sh;
 docs/methods/eva.md §3.3). Not a config by itself (no get_config)."""
 
+from configs.base import gpu_node
 from configs.wikitext103 import dense
 from longctx.config import base_config as base
 
@@ -72,10 +73,4 @@ def node8(c):
     each block rematerialised with nothing saved, data parallel over the 8 GPUs (data = 8,
     18 rows per device; parameters and AdamW moments replicated). model.vocab_size is the corpus's fixed 267,735 words, so the plan needs no data."""
     c.model.vocab_size = 267_735
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.model.remat = True
-    c.model.remat_policy = "nothing_saveable"
-    c.mesh.data = 8
-    c.mesh.fsdp = 1
-    return c
+    return gpu_node(c, data=8, remat_policy="nothing_saveable")

@@ -36,6 +36,7 @@ scripts/flagship_plans.py; at most 70 GiB per device):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/longctx-train --config=configs/wikitext103/dense.py:node8 --dry_run
 """
 
+from configs.base import gpu_node
 from longctx.config import base_config as base
 
 VARIANTS = ("tiny", "node8")
@@ -104,9 +105,5 @@ def node8(c):
     odd, is not split: mesh.rules 'vocab='); bf16 activations over fp32 master weights, the 16 layers stacked
     and scanned. model.vocab_size is the corpus's fixed 267,735 words, so the plan needs no data."""
     c.model.vocab_size = 267_735
-    c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
-    c.mesh.data = 4
-    c.mesh.tensor = 2
     c.mesh.rules = "vocab="
-    return c
+    return gpu_node(c, data=4, tensor=2)

@@ -402,6 +402,7 @@ def extra_sections(out: Path, rel: str) -> list[str]:
             if cmd:
                 parts.append(f"`.venv/bin/python {cmd}`\n")
             parts.append((out / d / f"{f}.md").read_text().strip() + "\n")
+    parts += precision_section(out)
     rec = out / "recall"
     if (rec / "recall.md").is_file():
         parts.append("## Recall by distance (`recall/`)\n")
@@ -413,6 +414,51 @@ def extra_sections(out: Path, rel: str) -> list[str]:
         for px in sorted(rec.glob("passkey_x*/recall.md")):
             parts.append(px.read_text().strip().replace("## ", "### ", 1) + "\n")
     return parts
+
+
+PRECISION_TOLERANCE = 0.02  # bf16's validation bits per byte within 2 % of fp32's
+
+
+def precision_section(out: Path) -> list[str]:
+    """bf16 against fp32: every built-in config trained the same number of steps in each ``model.dtype``
+    (``precision/<dtype>/train.json`` from ``longctx-bench train --config.model.dtype=<dtype>``), validation bits
+    per byte side by side."""
+    runs = {dt: _read(out / "precision" / dt / "train.json") for dt in ("float32", "bfloat16")}
+    if not all(runs.values()):
+        return []
+    rows = {dt: {r["method"]: r for r in res["rows"]} for dt, res in runs.items()}
+    methods = [m for m in _registry_order() if m in rows["float32"] and m in rows["bfloat16"]]
+    if not methods:
+        return []
+    f32, b16 = rows["float32"], rows["bfloat16"]
+    steps = sorted({r.get("steps") for dt in rows for r in rows[dt].values()})
+    table = ["| method | config | params | steps | fp32 valid bits/byte | bf16 valid bits/byte | bf16 vs fp32 | "
+             f"within {PRECISION_TOLERANCE:.0%} | fp32 tokens/s | bf16 tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for m in methods:
+        a, b = f32[m], b16[m]
+        va, vb = a.get("valid_bits_per_byte"), b.get("valid_bits_per_byte")
+        if va is None or vb is None:
+            miss = lambda x: "–" if x is None else f"{x:.4f}"  # noqa: E731
+            table.append(f"| {m} | `{a.get('config_file')}` | {a.get('params', 0):,} | {a.get('steps')} | {miss(va)} | "
+                         f"{miss(vb)} | – | – | {a.get('tokens_per_s') or 0:,.0f} | {b.get('tokens_per_s') or 0:,.0f} |")
+            continue
+        rel = vb / va - 1.0
+        worst = max(worst, abs(rel))
+        table.append(f"| {m} | `{a.get('config_file')}` | {a.get('params', 0):,} | {a.get('steps')} | {va:.4f} | "
+                     f"{vb:.4f} | {rel:+.2%} | {'yes' if abs(rel) <= PRECISION_TOLERANCE else '**no**'} | "
+                     f"{a.get('tokens_per_s', 0):,.0f} | {b.get('tokens_per_s', 0):,.0f} |")
+    a = runs["bfloat16"].get("header", {}).get("args", {})
+    argv = (f"longctx-bench train --steps {a.get('steps')} --eval_tokens {a.get('eval_tokens')} "
+            + " ".join(f"--config.{kv}" for kv in a.get("overrides") or [])).strip() if a else ""
+    return ["## Precision: bf16 against fp32 (`precision/`)\n",
+            f"Every built-in config trained {', '.join(str(x) for x in steps)} steps with `model.dtype=float32` and "
+            "with `model.dtype=bfloat16` (bf16 activations and matmul operands; fp32 master weights, optimizer "
+            "state, softmax statistics, norms and losses), same seed and data; validation bits per byte of the final "
+            "eval. `bash scripts/bench_all.sh` step `precision`"
+            + (f" (`{argv}` for bf16)" if argv else "") + f". Largest difference: {worst:.2%}. Tokens/s are "
+            "XLA:CPU's, which emulates bf16 arithmetic: on a CPU bf16 is for checking, not for speed.\n",
+            "\n".join(table) + "\n"]
 
 
 # ----------------------------------------------------------------------------- hand-written part

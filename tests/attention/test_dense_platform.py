@@ -65,10 +65,10 @@ def test_cudnn_serves_bf16_and_fp16_full_passes_on_cuda():
 
 
 def test_cudnn_reasons_name_every_limit():
-    r = dp.cudnn_unsupported_reasons("cuda", dtype=F32, head_dim=60, value_dim=32, kv_cache=True)
+    r = dp.cudnn_unsupported_reasons("cuda", dtype=F32, head_dim=260, value_dim=32, kv_cache=True)
     text = " | ".join(r)
     assert len(r) == 4
-    for part in ("float32", "head_dim=60", "value_dim=32", "KV-cache"):
+    for part in ("float32", "head_dim=260", "value_dim=32", "KV-cache"):
         assert part in text
     assert any("NVIDIA" in x for x in dp.cudnn_unsupported_reasons("tpu", dtype=BF16, head_dim=64))
     assert any("NVIDIA" in x for x in dp.cudnn_unsupported_reasons("cpu", dtype=BF16, head_dim=64))
@@ -78,11 +78,15 @@ def test_cudnn_reasons_name_every_limit():
 
 def test_cudnn_head_dim_limit_follows_the_device():
     assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=72) == []  # any multiple of 8
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=41) == []  # padded to 48
     assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256, capability=(9, 0)) == []  # Hopper
-    assert any("<= 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256,
-                                                                    capability=(8, 0)))
+    assert any("up to 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256,
+                                                                       capability=(8, 0)))
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=127, capability=(8, 0)) == []  # padded: 128
+    assert any("up to 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=129,
+                                                                       capability=(8, 0)))  # padded to 136
     # no device visible (lowering from a CPU): jax checks against 128, so the declaration does too
-    assert any("<= 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256))
+    assert any("up to 128" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256))
 
 
 def test_splash_reasons():
@@ -113,7 +117,7 @@ def test_auto_takes_cudnn_on_cuda_and_splash_on_tpu(fresh_log):
 @pytest.mark.parametrize("platform, kw, why", [
     ("cuda", dict(dtype=F32, head_dim=64), "float32"),
     ("cuda", dict(dtype=BF16, head_dim=64, kv_cache=True), "KV-cache"),
-    ("cuda", dict(dtype=BF16, head_dim=12), "head_dim=12"),
+    ("cuda", dict(dtype=BF16, head_dim=264), "head_dim=264"),
     ("tpu", dict(dtype=BF16, head_dim=128, kv_cache=True), "KV-cache"),
     ("tpu", dict(dtype=BF16, head_dim=96), "head_dim=96"),
 ])
@@ -231,12 +235,13 @@ def check_values_and_grads(fn, ref, args, tol, gtol):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("padded", [False, True])
-def test_cudnn_call_on_the_xla_implementation_matches_naive(causal, padded):
-    """The cuDNN path's own call (layout, scale, causal flag, key lengths) on jax's XLA implementation."""
+@pytest.mark.parametrize("padded,D", [(False, 16), (True, 16), (False, 41)])
+def test_cudnn_call_on_the_xla_implementation_matches_naive(causal, padded, D):
+    """The cuDNN path's own call (layout, scale, causal flag, key lengths, a head dim zero-padded to a multiple of
+    8) on jax's XLA implementation."""
     T = 48
     lengths = np.asarray([T, 29] if padded else [T, T], np.int32)
-    args = qkv(T)
+    args = qkv(T, D=D)
 
     def fn(q, k, v):
         return dp.cudnn_attention(q, k, v, causal=causal, kv_lengths=lengths if padded else None,
@@ -325,6 +330,14 @@ def test_cudnn_lowers_for_cuda(fake_cudnn, causal, impl):
     masks = set(re.findall(r'mask_type\\22: \\22(\w+)', fwd))
     assert masks == {"CAUSAL" if causal else "NO_MASK"}
     assert "fmha_scale\\22: 1.250000e-01" in fwd or "fmha_scale\\22: 0.125" in fwd  # 64 ** -0.5
+
+
+def test_cudnn_pads_an_odd_head_dim_for_cuda(fake_cudnn):
+    """WikiText-103's heads of 41: the cuDNN call sees 48 columns and the true scale 41 ** -0.5."""
+    fwd, bwd = export_fwd_bwd("auto", "cuda", True, qkv(256, D=41, dtype=BF16), CUDNN_CHECKS)
+    assert f"@{CUDNN_FWD}(" in fwd and f"@{CUDNN_BWD}(" in bwd
+    assert re.search(r"tensor<2x256x\d+x48xbf16>", fwd), "q, k, v reach cuDNN padded to 48 columns"
+    assert re.search(r"fmha_scale\\22: 0?\.15617", fwd), "the scale of the true head dim"
 
 
 def test_cudnn_key_lengths_lower_as_a_padding_mask(fake_cudnn):

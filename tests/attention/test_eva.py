@@ -236,6 +236,21 @@ def test_state_returned_by_full_pass_continues_and_capacity_error():
         core(q[:, :, :4], k[:, :, :4], v[:, :, :4], state)
 
 
+def test_training_step_streams_too():
+    """deterministic=False: the ω samples are drawn per chunk and the dropout mask by absolute positions, so a
+    stream in pieces with one key gives the full pass's training outputs, dropout included."""
+    core = make(**LEAK_CFG, attn_dropout=0.3)
+    q, k, v = qkv(30, seed=9)
+    key = jax.random.PRNGKey(3)
+    full = run(core, q, k, v, deterministic=False, key=key)[0]
+    assert maxdiff(full, run(core, q, k, v)[0]) > 1e-2
+    state, outs = core.init_state(B, 30), []
+    for a, b in ((0, 7), (7, 8), (8, 30)):
+        o, state = run(core, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, deterministic=False, key=key)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, 2), full) < 1e-5
+
+
 def test_exact_lse_streams_too():
     core = make(chunk_logit="exact_lse", **LEAK_CFG)
     q, k, v = qkv(30, seed=9)
@@ -503,14 +518,20 @@ def test_many_tile_groups_same_as_autodiff():
 
 @pytest.mark.parametrize("causal,dropout", [pytest.param(True, 0.0, marks=pytest.mark.slow), (True, 0.2),
                                             pytest.param(False, 0.2, marks=pytest.mark.slow)])
-def test_training_mode_same_across_implementations(causal, dropout):
+def test_training_mode_same_across_implementations(causal, dropout, monkeypatch):
     """deterministic=False with one key: the ω sample of every chunk and the attention-dropout draws are the
-    same in every implementation (common.py's draws), so outputs and gradients equal the reference's (the shared
-    law, tests/attention/test_implementations.py, runs deterministic)."""
+    same in every implementation (common.py's draws; the Phase B kernel draws the same hash mask inside its forward
+    and backward kernels), so outputs and gradients equal the reference's (the shared law,
+    tests/attention/test_implementations.py, runs deterministic)."""
+    from pallas_kernels import eva_attend
+
     chunking = dict(chunk_size=4) if causal else dict(num_chunks=4)
     q, k, v = qkv(45, seed=12)
     w = jax.random.normal(jax.random.PRNGKey(13), q.shape)
     train = dict(deterministic=False, key=jax.random.PRNGKey(14))
+    rates = []
+    real = eva_attend.eva_attend
+    monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **kw: rates.append(kw["dropout_rate"]) or real(*a, **kw))
 
     def run(impl):
         core = make(causal=causal, window_size=8, overlap_window=not causal, attn_dropout=dropout, impl=impl,
@@ -518,8 +539,11 @@ def test_training_mode_same_across_implementations(causal, dropout):
         return _value_and_grads(core, q, k, v, w, **train)
 
     want = run("reference")
-    for impl in ("xla", "xla_cpu"):
-        _assert_same(run(impl), want)
+    for impl in ("xla", "xla_cpu", "pallas"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*interpret mode.*")
+            _assert_same(run(impl), want)
+    assert rates == [dropout]  # the training step ran Phase B in the kernel, with its dropout
     if dropout:  # the draws matter: another key, another result
         core = make(causal=causal, window_size=8, attn_dropout=dropout, impl="reference", **chunking)
         assert maxdiff(run_key(core, q, k, v, 14), run_key(core, q, k, v, 15)) > 1e-3
@@ -585,3 +609,45 @@ def test_small_logit_budget_same_outputs_and_gradients(causal, overlap):
     np.testing.assert_allclose(small_l, big_l, rtol=1e-5)
     for g, r in zip(jax.tree.leaves(small_g), jax.tree.leaves(big_g)):  # fp32 noise grows with a leaf's scale
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 + 1e-6 * float(np.max(np.abs(r))))
+
+
+_SHARDED_DROPOUT = """
+import warnings; warnings.simplefilter("ignore")
+import jax, jax.numpy as jnp, ml_collections
+from flax import nnx
+from longctx import attention
+from longctx.train import sharding
+from pallas_kernels import eva_attend
+rows, real = [], eva_attend.eva_attend
+eva_attend.eva_attend = lambda *a, **k: rows.append(a[0].shape[0]) or real(*a, **k)
+core = attention.build("eva", {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.2, "impl": "pallas"},
+                       num_heads=4, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 4, 29, 16)) for i in range(3))
+gd, st = nnx.split(core)
+loss = lambda q, k, v: jnp.sum(nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(9))[0]
+                               * jnp.cos(q))
+step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+one = step(q, k, v)
+mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(zip(sharding.AXES, (2, 1, 2, 1)))), jax.devices()[:4])
+put = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "tensor"))
+many = step(*(jax.device_put(x, put) for x in (q, k, v)))
+err = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(a)))) for a, b in zip(jax.tree.leaves(one),
+                                                                                      jax.tree.leaves(many)))
+print("ROWS", rows, "ERR", err)
+"""
+
+
+@pytest.mark.slow  # a subprocess on 4 simulated devices
+def test_kernel_dropout_per_shard_equals_one_device():
+    """impl='pallas' with attention dropout on a data x tensor mesh: the kernel runs per shard of the rows and heads
+    (2 of the 8 rows each) with the row seeds drawn for the whole batch, so the step equals one device's."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _SHARDED_DROPOUT], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ROWS"))
+    assert "[8, 2]" in line, line  # one device: 8 rows in one call; per shard: 2
+    assert float(line.split("ERR")[1]) < 1e-5, line

@@ -1,9 +1,10 @@
 """EVA chunk + local attention Pallas kernel "eva_attend" (docs/methods/eva.md §8.3) on the shared kernel test base:
 interpret-mode forward and the Pallas backward kernels against autodiff of the jnp reference (causal and
 bidirectional, with and without window overlap, shared / per-head relative-position bias, the disjoint partition,
-ragged lengths, both forms of the chunk-gradient kernel, fp32 and bf16), TPU / CUDA lowering at the WikiText-103
-shapes through jax.export (a clear refusal where Triton cannot take the head size), the VMEM budget, and the method
-running both EVA kernels with impl='pallas'."""
+ragged lengths, both forms of the chunk-gradient kernel, query sub-tiles, attention dropout by the shared hash mask,
+fp32 and bf16), TPU / CUDA lowering at the WikiText-103 shapes through jax.export (heads of 128 with dropout
+included), the GPU tile plan and its refusal, the VMEM budget, the dropout hash, and the method running both EVA
+kernels with impl='pallas' in evaluation and training steps."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from kernel_test_base import KernelTestBase, verified_triton_modules, weighted_sum  # noqa: I001
+from kernel_test_base import KernelTestBase  # noqa: I001
 
 from longctx import attention
-from pallas_kernels import eva_attend, eva_attend_ref
+from pallas_kernels import eva_attend, eva_attend_ref, hash_dropout
 
 H = 2
 
@@ -39,22 +40,33 @@ class TestEVAAttend(KernelTestBase):
         "wt103_bidir_overlap": dict(L=512, W=128, P=8, d=64, dv=64, e_l=64, e_r=64, causal=False, hb=H, B=1),
         "long_8k": dict(L=8192, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1),
         "odd_head": dict(L=512, W=128, P=8, d=48, dv=48, e_l=0, e_r=0, causal=True, hb=1, B=1),
-        # configs/wikitext103/eva_16l.py: window 128 without overlap, chunk 8, heads of 128, shared RPE, 512 tokens
+        # configs/wikitext103/eva_16l.py: window 128 without overlap, chunk 8, heads of 128, shared RPE, 512 tokens,
+        # and its training step (attention dropout 0.1)
         "wt103_paper": dict(L=512, W=128, P=8, d=128, dv=128, e_l=0, e_r=0, causal=True, hb=1, B=1),
+        "wt103_paper_drop": dict(L=512, W=128, P=8, d=128, dv=128, e_l=0, e_r=0, causal=True, hb=1, B=1, rate=0.1),
+        # attention dropout at ragged lengths: the GPU form with key and query sub-tiles (the mask's indices must
+        # follow the tiles), the TPU form bidirectional with overlap and per-head bias
+        "causal_drop_loop": dict(L=45, W=8, P=4, d=16, dv=16, e_l=8, e_r=0, causal=True, hb=1, form="cuda",
+                                 key_tile=4, query_tile=4, rate=0.2),
+        "bidir_drop": dict(L=43, W=8, P=2, d=16, dv=8, e_l=4, e_r=4, causal=False, hb=H, form="tpu", rate=0.3),
     }
     FORWARD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
                      ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
-                     ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("bidir_overlap_loop", "bfloat16"))
+                     ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("bidir_overlap_loop", "bfloat16"),
+                     ("causal_drop_loop", "float32"), ("bidir_drop", "float32"), ("causal_drop_loop", "bfloat16"),
+                     ("bidir_drop", "bfloat16"))
     GRAD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
                   ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
-                  ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"))
+                  ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("causal_drop_loop", "float32"),
+                  ("bidir_drop", "float32"), ("causal_drop_loop", "bfloat16"), ("bidir_drop", "bfloat16"))
     EXPORT_CASES = (("tpu", "wt103", "float32"), ("cuda", "wt103", "float32"), ("tpu", "wt103", "bfloat16"),
                     ("cuda", "wt103", "bfloat16"), ("tpu", "wt103_bidir_overlap", "float32"),
                     ("cuda", "wt103_bidir_overlap", "float32"), ("tpu", "long_8k", "float32"),
                     ("cuda", "odd_head", "float32"), ("tpu", "wt103_paper", "float32"),
                     ("tpu", "wt103_paper", "bfloat16"), ("cuda", "wt103_paper", "float32"),
-                    ("cuda", "wt103_paper", "bfloat16"))
-    PAPER_SHAPES = ("wt103_paper",)
+                    ("cuda", "wt103_paper", "bfloat16"), ("tpu", "wt103_paper_drop", "bfloat16"),
+                    ("cuda", "wt103_paper_drop", "float32"), ("cuda", "wt103_paper_drop", "bfloat16"))
+    PAPER_SHAPES = ("wt103_paper", "wt103_paper_drop")
     # bf16 operands are exact in the fp32 reference and the kernel's dots accumulate in fp32: fp32-like outputs;
     # gradients with respect to bf16 inputs are rounded to bf16 (reference and kernel alike)
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (5e-5, 5e-5)}
@@ -77,22 +89,26 @@ class TestEVAAttend(KernelTestBase):
         beta = jax.random.normal(ks[4], (BH, Cp, dv)).astype(dtype)
         n_lt = len(eva_attend_ref.local_offsets(shape["e_l"], shape["e_r"]))
         bias = jax.random.normal(ks[5], (shape["hb"], n_lt, W, W)) if shape["hb"] else None
+        rate = shape.get("rate", 0.0)
+        seeds = hash_dropout.row_seeds(L + 1, jnp.arange(BH)) if rate else None
         static = dict(W=W, e_l=shape["e_l"], e_r=shape["e_r"], P=P, L=L, causal=shape["causal"],
                       disjoint=shape.get("disjoint", False), heads=H, form=shape.get("form"),
-                      key_tile=shape.get("key_tile"))
+                      key_tile=shape.get("key_tile"), query_tile=shape.get("query_tile"), dropout_rate=rate,
+                      seeds=seeds)
         return (q, k, v, kh, beta, bias), static
 
     def kernel(self, q, k, v, kh, beta, bias, *, interpret, platform=None, form=None, **static):
         return eva_attend.eva_attend(q, k, v, kh, beta, bias, **static, interpret=interpret,
                                      platform=platform or (form if interpret else None))
 
-    def reference(self, q, k, v, kh, beta, bias, *, form=None, key_tile=None, **static):
+    def reference(self, q, k, v, kh, beta, bias, *, form=None, key_tile=None, query_tile=None, **static):
         return eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **static)
 
     def unsupported_reasons(self, platform, shape, dtype):
         C = -(-shape["L"] // shape["P"])
         return eva_attend.unsupported_reasons(platform, W=shape["W"], d=shape["d"], dv=shape["dv"], C=C,
-                                              e_l=shape["e_l"], e_r=shape["e_r"], dtype=dtype)
+                                              e_l=shape["e_l"], e_r=shape["e_r"], dtype=dtype,
+                                              dropout=shape.get("rate", 0.0) > 0)
 
     def export_disabled_checks(self, platform):
         return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
@@ -103,7 +119,7 @@ def test_reference_padding_rows_and_chunks_carry_no_weight():
     changing them leaves every real query's output unchanged."""
     t = TestEVAAttend()
     (q, k, v, kh, beta, bias), st = t.make_inputs(TestEVAAttend.SHAPES["bidir_overlap_loop"], jnp.float32)
-    st.pop("form"), st.pop("key_tile")
+    st.pop("form"), st.pop("key_tile"), st.pop("query_tile")
     L, P = st["L"], st["P"]
     ref = jax.jit(lambda *a: eva_attend_ref.eva_attend_reference(*a, **st)[0])
     o1 = ref(q, k, v, kh, beta, bias)
@@ -126,24 +142,60 @@ def test_vmem_budget_bounds_the_chunk_count(L, fits):
         W=128, d=64, dv=64, C=L // 4, n_lt=1)
 
 
-def test_refusals_name_their_reasons():
+def test_refusals_name_their_reasons(monkeypatch):
     assert any("power of two" in r for r in eva_attend.unsupported_reasons("cuda", W=128, d=48, dv=64, C=64))
     assert any("window" in r for r in eva_attend.unsupported_reasons("interpret", W=0, d=64, dv=64, C=64))
     assert any("exact_lse" in r for r in eva_attend.unsupported_reasons("tpu", W=128, d=64, dv=64, C=64,
                                                                          chunk_logit="exact_lse"))
     assert any("rocm" in r for r in eva_attend.unsupported_reasons("rocm", W=128, d=64, dv=64, C=64))
-    # GPU register estimate: WikiText-103's window 128 with heads of 64 fits at 8 warps, heads of 128 do not
-    assert eva_attend.gpu_plan(W=128, d=64, dv=64, Tk=64, Tc=64) == (8, 160.0)
-    assert any("register" in r for r in eva_attend.unsupported_reasons("cuda", W=128, d=128, dv=128, C=64))
-    assert eva_attend.unsupported_reasons("cuda", W=64, d=128, dv=128, C=64) == []
+    # a register budget no query sub-tile fits is refused by name (the default budget takes every head <= 128)
+    monkeypatch.setattr(eva_attend, "REG_WORDS_LIMIT", 80)
+    assert any("register estimate" in r for r in eva_attend.unsupported_reasons("cuda", W=128, d=128, dv=128, C=64))
+    assert eva_attend.unsupported_reasons("cuda", W=128, d=64, dv=64, C=64) == []
 
 
-def test_method_runs_both_kernels_and_falls_back_for_dropout(monkeypatch):
-    """impl='pallas' routes a full pass through eva_attend (counted), equal to impl='xla'; a step with attention
-    dropout runs Phase B in XLA (the kernel has no dropout) without an error."""
+def test_gpu_plan_is_what_the_kernel_compiles(monkeypatch):
+    """The GPU tile plan: WikiText-103's window 128 keeps whole windows at heads of 64; heads of 128 take key and
+    chunk tiles of 32 and query sub-tiles of 64 (dropout adds a tile to the estimate); the estimate counts bf16
+    queries at half a word. A cuda call builds its kernels' geometry (the tiles every kernel body slices) from that
+    plan."""
+    P = eva_attend.GpuPlan
+    assert eva_attend.gpu_plan(W=128, d=64, dv=64, C=64) == P(128, 64, 64, 8, 192.0)
+    assert eva_attend.gpu_plan(W=128, d=64, dv=64, C=64, dropout=True) == P(64, 64, 64, 8, 128.0)
+    assert eva_attend.gpu_plan(W=128, d=128, dv=128, C=64) == P(64, 32, 32, 8, 144.0)
+    assert eva_attend.gpu_plan(W=128, d=128, dv=128, C=64, itemsize=2, dropout=True) == P(64, 32, 32, 8, 136.0)
+    assert eva_attend.gpu_plan(W=128, d=128, dv=128, C=64, limit=64).words > 64  # nothing fits: refused
+    assert eva_attend.gpu_plan(W=32, d=16, dv=16, C=3) == P(32, 32, 16, 4, 36.0)
+    seen = []
+    real = eva_attend._Geo
+    monkeypatch.setattr(eva_attend, "_Geo", lambda *a: seen.append(real(*a)) or seen[-1])
+    t = TestEVAAttend()
+    args, st = t.make_inputs(TestEVAAttend.SHAPES["wt103_paper_drop"], jnp.bfloat16)
+    jax.eval_shape(lambda *a: t.kernel(*a, interpret=False, platform="cuda", **st), *args)
+    (g,) = seen
+    assert (g.Tq, g.Tk, g.Tc, g.num_warps, g.rate) == (64, 32, 32, 8, 0.1)
+
+
+def test_dropout_hash_keeps_the_rate_and_separates_chunks():
+    """The hash mask keeps about 1 − rate of the weights, independently of neighbours, and a chunk's index space is
+    not a local key's: the same (row, query) gives other bits on chunk c than on key position c."""
+    rs = hash_dropout.row_seeds(hash_dropout.seed_from_key(jax.random.PRNGKey(0)), jnp.arange(8))
+    qi, ki = jnp.arange(256)[:, None], jnp.arange(256)[None, :]
+    loc = np.asarray(hash_dropout.keep(rs[:, None, None], qi[None], ki[None], 0.1))
+    ch = np.asarray(hash_dropout.keep(rs[:, None, None], qi[None], hash_dropout.CHUNK_KEY_BASE + ki[None], 0.1))
+    for m in (loc, ch):
+        assert abs(m.mean() - 0.9) < 0.005
+        assert abs((m[:, :, 1:] == m[:, :, :-1]).mean() - 0.82) < 0.01  # 0.9² + 0.1²: neighbours independent
+    assert abs((loc == ch).mean() - 0.82) < 0.01
+    assert hash_dropout.threshold(0.0) == 0 and hash_dropout.threshold(1.0) == 2**32 - 1
+
+
+def test_method_runs_both_kernels_in_training_steps_with_dropout(monkeypatch):
+    """impl='pallas' routes a full pass through eva_attend (counted), equal to impl='xla'; a training step with
+    attention dropout runs Phase B in the kernel too, with the same mask as the XLA tiles (same key, same result)."""
     calls = []
     real = eva_attend.eva_attend
-    monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **k: calls.append(k["dropout_rate"]) or real(*a, **k))
     cfg = {"window_size": 16, "chunk_size": 4, "attn_dropout": 0.1}  # a window a GPU compiles too (>= 16)
     xla = attention.build("eva", {**cfg, "impl": "xla"}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
     pal = attention.build("eva", {**cfg, "impl": "pallas"}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
@@ -151,32 +203,12 @@ def test_method_runs_both_kernels_and_falls_back_for_dropout(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = jax.jit(lambda q, k, v: pal(q, k, v)[0])(q, k, v)
-        assert len(calls) == 1
+        assert calls == [0.0]
         np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(lambda q, k, v: xla(q, k, v)[0])(q, k, v)),
                                    atol=2e-5)
         key = jax.random.PRNGKey(5)
         drop = jax.jit(lambda core, q, k, v: core(q, k, v, deterministic=False, key=key)[0], static_argnums=0)
         a = drop(pal, q, k, v)
-        assert len(calls) == 1  # dropout step: XLA Phase B
+        assert calls == [0.0, 0.1]  # the dropout step: the kernel's Phase B
         np.testing.assert_allclose(np.asarray(a), np.asarray(drop(xla, q, k, v)), atol=2e-5)
-
-
-def test_cuda_refusal_at_the_paper_head_is_the_register_estimate_only(monkeypatch):
-    """At WikiText-103's heads of 128 the GPU form is refused by its register estimate alone (the export test
-    checks that refusal); past it, the forward and backward Triton modules still lower and pass MLIR's verifier,
-    so the refusal guards register pressure, not a lowering the GPU's XLA would reject."""
-    t = TestEVAAttend()
-    shape = TestEVAAttend.SHAPES["wt103_paper"]
-    reasons = t.unsupported_reasons("cuda", shape, jnp.float32)
-    assert len(reasons) == 1 and "register estimate" in reasons[0]
-    monkeypatch.setattr(eva_attend, "unsupported_reasons", lambda *a, **k: [])
-    args, st = t.make_inputs(shape, jnp.bfloat16)
-    fwd = lambda *a: t.kernel(*a, interpret=False, platform="cuda", **st)  # noqa: E731
-    grad = jax.grad(lambda *a: weighted_sum(fwd(*a)), argnums=tuple(range(6)))
-    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    with verified_triton_modules() as triton:
-        jax.export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=disabled)(*args)
-    if triton is None:
-        pytest.skip("this jax has no Triton lowering hook to verify")
-    assert {n for n, _ in triton} >= {"_fwd_kernel", "_dq_kernel", "_dlocal_kernel"}
-    assert not [f"{n}: {e}" for n, e in triton if e]
+        assert float(jnp.max(jnp.abs(a - out))) > 1e-2  # dropout changed the output

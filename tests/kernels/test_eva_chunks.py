@@ -88,6 +88,12 @@ def test_unsupported_sizes_name_their_reasons():
     assert eva_chunks.unsupported_reasons("tpu", P=6, d=16, dv=16) == []  # Mosaic takes full-dim blocks
     assert any("no rocm lowering" in r for r in eva_chunks.unsupported_reasons("rocm", P=8, d=16, dv=16))
     assert any("VMEM" in r for r in eva_chunks.unsupported_reasons("tpu", P=1024, d=128, dv=128))
+    # GPU register estimate: chunks of 8 with heads of 64 take 4 warps, heads of 128 (WikiText-103) 8; chunks of 16
+    # with heads of 128 exceed it even at 8 warps
+    assert eva_chunks.gpu_warps(P=8, d=64, dv=64) == (4, 176.0)
+    assert eva_chunks.gpu_warps(P=8, d=128, dv=128) == (8, 152.0)
+    assert eva_chunks.unsupported_reasons("cuda", P=8, d=128, dv=128) == []
+    assert any("register estimate" in r for r in eva_chunks.unsupported_reasons("cuda", P=16, d=128, dv=128))
     with pytest.raises(ValueError, match="power-of-two"):
         eva_chunks.check_supported(6, 16, 16, "cuda")
     args, static = TestEVAChunkStats().make_inputs(TestEVAChunkStats.SHAPES["ragged_5x4_noise"], jnp.float32)

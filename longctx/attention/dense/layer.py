@@ -125,8 +125,8 @@ class DenseAttention(AttentionCore):
     name = "dense"
     exact = True
     # composed KV caches are exact but attend each slice to a whole-row buffer without the causal
-    # skip; XLA's partitioner splits the queries and gathers K/V instead: 226 MiB against 1,847 MiB
-    # of temporaries per device at 8k tokens over 8 devices (README, sequence parallelism)
+    # skip; XLA's partitioner splits the queries and gathers K/V instead, which plans a fraction of the
+    # temporaries per device (compare both with `--dry_run` and mesh.sequence > 1)
     sequence_compose_in_training = False
     EXECUTION_KEYS = ("impl", "block_q", "block_k", "auto_threshold")
 

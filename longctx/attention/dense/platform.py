@@ -87,6 +87,12 @@ def cudnn_head_dim_max(capability: tuple[int, int] | None) -> int:
     return 256 if capability is not None and capability >= (9, 0) else 128
 
 
+def cudnn_head_dim(head_dim: int) -> int:
+    """The head dim cuDNN computes with: ``head_dim`` rounded up to a multiple of 8 (:func:`cudnn_attention` pads
+    q, k and v with zero columns: the scores and the first ``head_dim`` output columns are unchanged)."""
+    return -(-head_dim // 8) * 8
+
+
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
                               capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
@@ -107,8 +113,8 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
     if platform == "cuda" and capability is None:
         capability = _cuda_capability()
     h_max = cudnn_head_dim_max(capability)
-    if head_dim % 8 or head_dim > h_max:
-        out.append(f"head_dim={head_dim}: cuDNN needs a multiple of 8 <= {h_max}"
+    if cudnn_head_dim(head_dim) > h_max:  # a head dim off the multiples of 8 is zero-padded to one
+        out.append(f"head_dim={head_dim}: cuDNN takes head dims up to {h_max}"
                    + ("" if h_max == 256 else " (256 on Hopper or later)"))
     if value_dim is not None and value_dim != head_dim:
         out.append(f"value_dim={value_dim} != head_dim={head_dim} (cuDNN's different-value-dim form is not wired)")
@@ -181,9 +187,16 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
     (scale D**-0.5; causal: query i sees keys j <= i). ``kv_lengths`` [B] int32: row b's keys from
     ``kv_lengths[b]`` on are padding. ``q_offset`` (an int or a traced scalar; causal only): the queries are rows
     ``q_offset ..`` of the keys' sequence, masked by a boolean [1,1,Tq,Tk] mask (cuDNN's own causal mask is
-    aligned to the first key). ``implementation='xla'`` runs the same call on jax's XLA path (the CPU tests check
-    this wiring against dense's naive path that way)."""
+    aligned to the first key). A head dim that is not a multiple of 8 (cuDNN's granule; e.g. WikiText-103's 410 / 10
+    = 41) is zero-padded to :func:`cudnn_head_dim` with the scale of the true one: zero columns add nothing to the
+    scores, the padded output columns are sliced off, and their cost is the padded dims' share of the FLOPs.
+    ``implementation='xla'`` runs the same call on jax's XLA path (the CPU tests check this wiring against dense's
+    naive path that way)."""
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> jax's [B,T,H,D]
+    D, Dv = q.shape[-1], v.shape[-1]
+    pad = cudnn_head_dim(D) - D
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k, v))
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     mask = None
@@ -191,9 +204,9 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
         rows = q_offset + jnp.arange(q.shape[2], dtype=jnp.int32)
         mask = (jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] <= rows[:, None])[None, None]
         causal = False
-    out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal,
+    out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal, scale=D ** -0.5,
                                        key_value_seq_lengths=kv_lengths, implementation=implementation)
-    return t(out).astype(v.dtype)
+    return t(out)[..., :Dv].astype(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------- splash
@@ -339,6 +352,6 @@ PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.
 
 
 __all__ = ["FAST_IMPLS", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
-           "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
+           "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
            "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
            "splash_slice_block", "splash_unsupported_reasons"]

@@ -44,33 +44,33 @@ def _masked_visit(step, causal: bool, qpi, kmi, carry, skipped):
 class TileOps:
     """The ops the tiled algorithm takes as arguments (hashable: a static argument of its custom VJPs).
 
-    rowdot(a, b):     ``Σ_d a[..., d] b[..., d]`` in float32.
-    transposed(*xs):  each x with its last two axes swapped (one x: that array, else a tuple).
-    rows_dot(a_t, b, preferred_element_type=None): ``Σ_q a_t[..., i, q] b[..., q, j]`` as ``[..., i, j]``.
+    rowsum_product(a, b): ``Σ_d a[..., d] b[..., d]`` in float32.
+    swap_last(*xs):       each x with its last two axes swapped (one x: that array, else a tuple).
+    matmul_tn(a_t, b, preferred_element_type=None): ``Σ_q a_t[..., i, q] b[..., q, j]`` as ``[..., i, j]``.
     visit(step, causal, qpi, kmi, carry, skipped): one key block of the position-general loop: ``step(carry)``,
         or ``skipped(carry)`` where (causal) the block's earliest key ``kmi`` lies after every query ``qpi``.
     """
 
-    rowdot: Callable
-    transposed: Callable
-    rows_dot: Callable
+    rowsum_product: Callable
+    swap_last: Callable
+    matmul_tn: Callable
     visit: Callable = _masked_visit
 
 
-def _rowdot(a, b):
+def _rowsum_product(a, b):
     return jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), axis=-1)
 
 
-def _transposed(*xs):
+def _swap_last(*xs):
     out = tuple(jnp.swapaxes(x, -1, -2) for x in xs)
     return out if len(xs) > 1 else out[0]
 
 
-def _rows_dot(a_t, b, precision=None, preferred_element_type=None):
+def _matmul_tn(a_t, b, precision=None, preferred_element_type=None):
     return jnp.einsum("...iq,...qj->...ij", a_t, b, precision=precision, preferred_element_type=preferred_element_type)
 
 
-PLAIN = TileOps(rowdot=_rowdot, transposed=_transposed, rows_dot=_rows_dot)
+PLAIN = TileOps(rowsum_product=_rowsum_product, swap_last=_swap_last, matmul_tn=_matmul_tn)
 
 # query blocks unrolled at most (each is a loop forward and one backward in the compiled program)
 MAX_UNROLLED_BLOCKS = 32
@@ -132,7 +132,7 @@ def _pair_grads(ops: TileOps, qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None)
     di = rowsum(dO * O): its share of dq [.., bq, D] and, transposed, of dk [.., D, bk] and dv [.., Dv, bk].
 
     The key-side gradients contract over the queries; they are taken from qi_t, doi_t (qi, doi transposed,
-    [.., D, bq], by the caller once per pass) as [D, bq] x [bq, bk] products (``ops.rows_dot``)."""
+    [.., D, bq], by the caller once per pass) as [D, bq] x [bq, bk] products (``ops.matmul_tn``)."""
     # operands in the compute dtype (q's), products accumulated in float32
     p = jnp.exp(jnp.einsum("bhqd,bhkd->bhqk", qi, ki, preferred_element_type=jnp.float32) - lsei[..., None])
     if mask is not None:
@@ -140,8 +140,8 @@ def _pair_grads(ops: TileOps, qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None)
     ds = p * (jnp.einsum("bhqd,bhkd->bhqk", doi, vi, preferred_element_type=jnp.float32) - di[..., None])
     p, ds = p.astype(qi.dtype), ds.astype(qi.dtype)
     return (jnp.einsum("bhqk,bhkd->bhqd", ds, ki, preferred_element_type=jnp.float32),
-            ops.rows_dot(qi_t, ds, preferred_element_type=jnp.float32),
-            ops.rows_dot(doi_t, p, preferred_element_type=jnp.float32))
+            ops.matmul_tn(qi_t, ds, preferred_element_type=jnp.float32),
+            ops.matmul_tn(doi_t, p, preferred_element_type=jnp.float32))
 
 
 # ----------------------------------------------------------------------------- the position-general loop
@@ -180,9 +180,9 @@ def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb
     """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
     each visited (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
-    delta = ops.rowdot(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O); float32
+    delta = ops.rowsum_product(dob, ob)  # [nq, B, H, bq]: rowsum(dO * O); float32
     dob = dob.astype(qb.dtype)  # the products' operands in the compute dtype
-    qb_t, dob_t = ops.transposed(qb, dob)
+    qb_t, dob_t = ops.swap_last(qb, dob)
     zeros_k, zeros_v = (jnp.zeros(x.shape[1:-2] + x.shape[:-3:-1], jnp.float32) for x in (kb, vb))  # [B,H,D,bk]
 
     def query_block(dkv, xs):
@@ -310,9 +310,9 @@ def _self_backward(ops: TileOps, qs, k, v, out, lse, do, causal: bool, bq: int, 
     B, H, T, D = qs.shape
     nk = T // bk
     kb, vb = _key_blocks(k, 0, nk, bk), _key_blocks(v, 0, nk, bk)
-    delta = ops.rowdot(do, out)  # float32
+    delta = ops.rowsum_product(do, out)  # float32
     do = do.astype(qs.dtype)  # the products' operands in the compute dtype
-    qs_t, do_t = ops.transposed(qs, do)  # [B,H,D,T]
+    qs_t, do_t = ops.swap_last(qs, do)  # [B,H,D,T]
     dk = jnp.zeros((nk, B, H, D, bk), jnp.float32)  # transposed, as _pair_grads gives them
     dv = jnp.zeros((nk, B, H, v.shape[-1], bk), jnp.float32)
     dqs = []

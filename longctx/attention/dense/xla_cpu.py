@@ -30,7 +30,7 @@ def _visit(step, causal: bool, qpi, kmi, carry, skipped):
     return jax.lax.cond(kmi <= jnp.max(qpi), step, skipped, carry)
 
 
-CPU = xla.TileOps(rowdot=rowdot, transposed=transposed, rows_dot=rows_dot, visit=_visit)
+CPU = xla.TileOps(rowsum_product=rowdot, swap_last=transposed, matmul_tn=rows_dot, visit=_visit)
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False):

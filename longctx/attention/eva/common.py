@@ -4,11 +4,11 @@ and the decoding state (docs/methods/eva.md; the section numbers (§) are its se
 
 Randomness: ``key`` -> ``noise_key, drop_key = jax.random.split(key)``. Chunk ``c`` (absolute index) draws
 ``normal(fold_in(noise_key, c), (B, H, d))`` (§4.4 / §9.4), in a full pass and when a chunk is finished during
-streaming alike. Attention dropout (§9.12) is drawn per query tile ``w`` (the blocks of ``tile`` queries of
-:func:`geometry`): ``kl, kc = split(fold_in(drop_key, w))``; the tile's local weights keep
-``bernoulli(kl, 1 - rate, (B, H, tile, Tk))`` in window coordinates (key slot ``j`` of tile ``w`` is position
-``w·tile − e_l + j``), and its weight of chunk ``c`` keeps ``bernoulli(fold_in(kc, c), 1 - rate, (B, H, tile))``:
-every implementation draws the same bits, whatever subset of chunks it scores.
+streaming alike. Attention dropout (§9.12) is a counter hash (pallas_kernels/hash_dropout.py, the one copy the
+Phase B kernel uses too): ``seed = bits(drop_key)`` (uint32), row ``b·H + h`` gets ``row_seeds(seed, b·H + h)``,
+and the weight of query position ``n`` on key position ``m`` is kept iff ``hash(row seed, n, m) >= rate·2^32``,
+on chunk ``c`` iff ``hash(row seed, n, 2^31 + c) >= rate·2^32``: absolute indices only, so every implementation
+(kernel, tiles, reference, a stream after a carried state) drops the same weights, whatever tiles it scores.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.base import check_capacity
-from pallas_kernels import eva_attend_ref
+from pallas_kernels import eva_attend_ref, hash_dropout
 
 # Phase A (chunk statistics, §2.3) and the static options live beside the Pallas kernel that must match them
 # (pallas_kernels/eva_chunks_ref.py, DESIGN.md "Kernels beside their references"): one copy of the math.
@@ -137,38 +137,19 @@ def chunk_noise(noise_key, chunk_ids, batch: int, heads: int, dim: int):
     return jnp.moveaxis(eps, 0, 2)
 
 
-def tile_keys(drop_key, n_tiles: int):
-    """The dropout key of each query tile, ``fold_in(drop_key, w)`` [n_tiles, 2] (None without dropout)."""
-    if drop_key is None:
+def dropout_seeds(drop_key, opts: EVAOptions, batch: int, heads: int):
+    """The dropout row seeds int32 [B, H] (module docstring), or None without dropout (no key or rate 0)."""
+    if drop_key is None or opts.attn_dropout <= 0.0:
         return None
-    return jax.vmap(lambda i: jax.random.fold_in(drop_key, i))(jnp.arange(n_tiles))
+    seed = hash_dropout.seed_from_key(drop_key)
+    return hash_dropout.row_seeds(seed, jnp.arange(batch * heads).reshape(batch, heads))
 
 
-def dropout_keep(tile_key, rate: float, local_shape, chunk_ids):
-    """The dropout draws of one query tile: (keep of its local weights, bool ``local_shape`` [B, H, Tq, Tk];
-    keep of its chunk weights, bool [B, H, Tq, len(chunk_ids)]), chunk ``c`` from its own key (module docstring)."""
-    kl, kc = jax.random.split(tile_key)
-    keep = 1.0 - rate
-    loc = jax.random.bernoulli(kl, keep, local_shape)
-    ch = jax.vmap(lambda c: jax.random.bernoulli(jax.random.fold_in(kc, c), keep, local_shape[:3]))(chunk_ids)
-    return loc, jnp.moveaxis(ch, 0, -1)
-
-
-def dropout_keep_full(drop_key, opts: EVAOptions, batch: int, heads: int, L_pad: int, tile: int, C: int):
-    """The draws of :func:`dropout_keep` for a whole padded sequence in absolute coordinates: (keep of the local
-    weights [B, H, L_pad, L_pad] (False outside each query's window slots), keep of the chunk weights
-    [B, H, L_pad, C])."""
-    Tk, n = window_keys(opts, tile), L_pad // tile
-    loc, ch = jax.vmap(lambda key: dropout_keep(key, opts.attn_dropout, (batch, heads, tile, Tk), jnp.arange(C)))(
-        tile_keys(drop_key, n))
-    loc, ch = (jnp.moveaxis(x, 0, 2).reshape(batch, heads, L_pad, x.shape[-1]) for x in (loc, ch))
-    pos = np.arange(L_pad)
-    slot = pos[None, :] - (pos[:, None] // tile) * tile + opts.e_l  # key m's slot in query n's window
-    in_window = (slot >= 0) & (slot < Tk)
-    if Tk == 0:
-        return jnp.zeros((batch, heads, L_pad, L_pad), bool), ch
-    idx = np.broadcast_to(np.clip(slot, 0, Tk - 1), (batch, heads, L_pad, L_pad))
-    return jnp.take_along_axis(loc, idx, axis=-1) & in_window, ch
+def dropout_multipliers(seeds, rate: float, q_pos, k_pos, chunk_ids):
+    """``keep / (1 − rate)`` of the rows' seeds [B, H] for queries at q_pos [Tq]: on local keys at k_pos [Tk]
+    ([B, H, Tq, Tk]) and on chunks chunk_ids [C] ([B, H, Tq, C]), all absolute."""
+    m = eva_attend_ref.dropout_multiplier(seeds, q_pos, k_pos, chunk_ids, rate)
+    return m[..., :k_pos.shape[0]], m[..., k_pos.shape[0]:]
 
 
 # ---------------------------------------------------------------------------
@@ -205,10 +186,10 @@ class TileOps:
 PLAIN = TileOps()
 
 
-def uses_fused(drop_key, opts: EVAOptions) -> bool:
-    """A written-out backward covers the paper's estimator: representative chunk logits, no attention dropout.
-    'exact_lse' chunk logits and dropout run through autodiff."""
-    return opts.chunk_logit == "rep" and (drop_key is None or opts.attn_dropout == 0.0)
+def uses_fused(seeds, opts: EVAOptions) -> bool:
+    """A written-out backward covers the paper's estimator: representative chunk logits, no attention dropout
+    (``seeds`` None). 'exact_lse' chunk logits and dropout run through autodiff."""
+    return opts.chunk_logit == "rep" and (seeds is None or opts.attn_dropout == 0.0)
 
 
 # ---------------------------------------------------------------------------

@@ -81,8 +81,7 @@ class EVAAttention(AttentionCore):
                 "use_rpe": True,  # T5 relative position bias inside the local block
                 "attn_dropout": 0.0,  # on the joint attention weights, only when not deterministic
                 # a name from implementations(), an ordered list ('pallas,xla') or 'auto' (the CPU-tuned tiles on a
-                # CPU; pallas where it serves, then xla, elsewhere): longctx/attention/dispatch.py. 'pallas' runs
-                # Phase B of a step with attention dropout (attn_dropout > 0, deterministic=False) in the xla tiles
+                # CPU; pallas where it serves, then xla, elsewhere): longctx/attention/dispatch.py
                 "impl": "auto",
                 # max materialized logits per lax.map step (memory knob): larger is faster (fewer, bigger calls) and
                 # takes more memory; the returns shrink past 2^22, and 2^26 pays off only at 32k and beyond
@@ -197,14 +196,16 @@ class EVAAttention(AttentionCore):
         names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
         return {n: getattr(self, n)[...] for n in names}
 
-    def _select(self, L: int, streaming: bool) -> dispatch.Choice:
-        """The implementation for a call over L tokens (``streaming``: after a carried state), by the shared rule
-        of ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
+    def _select(self, L: int, streaming: bool, deterministic: bool = True) -> dispatch.Choice:
+        """The implementation for a call over L tokens (``streaming``: after a carried state; ``deterministic``
+        False: a training call, with attention dropout when ``attn_dropout > 0``), by the shared rule of
+        ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
         return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva",
                                P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
-                               chunk_logit=o.chunk_logit, full=not streaming)
+                               chunk_logit=o.chunk_logit, full=not streaming,
+                               dropout=not deterministic and o.attn_dropout > 0.0)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -252,7 +253,7 @@ class EVAAttention(AttentionCore):
         noise_key, drop_key = self._keys(deterministic, key)
         rpe = self.rpe_table[...] if self.rpe_table is not None else None
         c, o = self.cfg, self.opts
-        choice = self._select(q.shape[2], streaming=state is not None)
+        choice = self._select(q.shape[2], streaming=state is not None, deterministic=deterministic)
         kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
         args = (self.chunk_params(), rpe, noise_key, drop_key, o)
         code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code

@@ -1,12 +1,13 @@
 """EVA through its Pallas kernels (implementation ``pallas``): Phase A by ``pallas_kernels/eva_chunks.py`` and
-Phase B of a full pass by ``pallas_kernels/eva_attend.py``. A full pass with attention dropout runs Phase B in the
-portable XLA tiles (the kernel has none; docs/methods/eva.md §8.3); a stream attends in them too.
+Phase B of a full pass by ``pallas_kernels/eva_attend.py``, attention dropout included (the kernel draws the hash
+mask of ``common.dropout_seeds``, the same as the XLA tiles; docs/methods/eva.md §8.3); a stream attends in the
+XLA tiles.
 
 Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernels are calls XLA's partitioner
 cannot split, so a full pass runs both per shard: one ``shard_map`` with the rows over the batch axes and the
 heads over ``tensor`` (the sequence axis whole), the chunk parameters replicated, the relative-position bias split
-by heads where it has one per head, the chunk noise drawn for the whole batch first (the same draws as one
-device); a stream's Phase A runs per shard the same way."""
+by heads where it has one per head, the chunk noise and the dropout row seeds drawn for the whole batch first (the
+same draws as one device); a stream's Phase A runs per shard the same way."""
 
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from jax.sharding import PartitionSpec
 
 from longctx.attention import dispatch, row_split
 from longctx.attention.eva import xla
-from longctx.attention.eva.common import EVAOptions, chunk_noise, geometry, local_bias_tiles
+from longctx.attention.eva.common import EVAOptions, chunk_noise, dropout_seeds, geometry, local_bias_tiles
 from pallas_kernels import eva_attend, eva_chunks
 
 
 def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int,
-                        chunk_logit: str, full: bool, **_) -> list[str]:
-    """Why the kernels cannot serve a call: Phase A's limits, and Phase B's for a full pass (``full``)."""
+                        chunk_logit: str, full: bool, dropout: bool = False, **_) -> list[str]:
+    """Why the kernels cannot serve a call: Phase A's limits, and Phase B's for a full pass (``full``; ``dropout``:
+    with attention dropout)."""
     out = [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
     if full:
         out += [f"eva_attend: {r}" for r in eva_attend.unsupported_reasons(
-            platform, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit)]
+            platform, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit, dropout=dropout)]
     return out
 
 
@@ -57,9 +59,6 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
                 num_chunks: int, interpret: bool, platform: str):
     """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``."""
     stats_fn = _stats_fn(interpret, platform)
-    if drop_key is not None and opts.attn_dropout > 0.0:
-        return xla.eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=chunk_size,
-                               num_chunks=num_chunks, stats_fn=stats_fn)
     B, H, L, d = q.shape
     dv = v.shape[-1]
     scale = d**-0.5
@@ -69,28 +68,31 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     valid = jnp.asarray((np.arange(L_pad) < L).reshape(C, P))
     noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
-    attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform)
+    seeds = dropout_seeds(drop_key, opts, B, H)  # [B, H]: row b·H + h of the whole batch, sharded like the rows
+    attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
+                               dropout_rate=opts.attn_dropout if seeds is not None else 0.0)
 
-    def kernels(qf, kf, vf, params, noise, bias):
+    def kernels(qf, kf, vf, params, noise, bias, seeds):
         b, h = qf.shape[:2]
         q_ch, k_ch, v_ch = (x.reshape(b, h, C, P, x.shape[-1]) for x in (qf, kf, vf))
         k_hat, beta = stats_fn(q_ch, k_ch, v_ch, valid, params, noise, opts, scale)
         flat = lambda x: x.reshape((b * h,) + x.shape[2:])  # noqa: E731
         o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W, e_l=opts.e_l,
-                      e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=h)
+                      e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=h,
+                      seeds=None if seeds is None else seeds.reshape(b * h))
         return o.reshape(b, h, L_pad, dv), k_hat, beta
 
     mesh = row_split.active_mesh(qf, kf, vf)
     bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, B, H)
     if bspec is None and hspec is None:
-        o, k_hat, beta = kernels(qf, kf, vf, params, noise, bias)
+        o, k_hat, beta = kernels(qf, kf, vf, params, noise, bias, seeds)
     else:
         bh = PartitionSpec(bspec, hspec)
         per_head = bias is not None and bias.shape[0] == H > 1  # else one table shared by the heads
         specs = (bh, bh, bh, jax.tree.map(lambda _: PartitionSpec(), params), None if noise is None else bh,
-                 None if bias is None else PartitionSpec(hspec if per_head else None))
+                 None if bias is None else PartitionSpec(hspec if per_head else None), None if seeds is None else bh)
         o, k_hat, beta = jax.shard_map(kernels, mesh=mesh, in_specs=specs, out_specs=(bh, bh, bh),
-                                       check_vma=False)(qf, kf, vf, params, noise, bias)
+                                       check_vma=False)(qf, kf, vf, params, noise, bias, seeds)
     extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
     return o[:, :, :L], extras
 

@@ -24,7 +24,8 @@ from longctx.attention.eva.common import (
     chunk_mask,
     chunk_noise,
     chunk_summaries,
-    dropout_keep_full,
+    dropout_multipliers,
+    dropout_seeds,
     geometry,
     local_mask,
     rpe_bias,
@@ -36,7 +37,7 @@ def eva_reference(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOpti
     """q, k [B,H,L,d], v [B,H,L,dv] -> (out [B,H,L,dv] fp32, extras for ``common.state_from_forward``)."""
     B, H, L, d = q.shape
     s = d**-0.5
-    L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)  # padded to whole blocks (§2.1)
+    L_pad, P, C, _ = geometry(opts, L, chunk_size, num_chunks)  # padded to whole blocks (§2.1)
     q, k, v = (jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, L_pad - L), (0, 0))) for x in (q, k, v))
     pos = np.arange(L_pad)
     valid = pos < L
@@ -59,8 +60,8 @@ def eva_reference(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOpti
     logits = jnp.where(mask, jnp.concatenate([a_loc, a_ch], axis=-1), NEG)
     p = jnp.where(mask, jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))), 0.0)
     den = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # empty rows (only if W = 0) give 0
-    if drop_key is not None and opts.attn_dropout > 0.0:  # on the normalised weights, normaliser kept (§9.12)
-        keep = jnp.concatenate(dropout_keep_full(drop_key, opts, B, H, L_pad, tile, C), axis=-1)
-        p = jnp.where(keep, p / (1.0 - opts.attn_dropout), 0.0)
+    seeds = dropout_seeds(drop_key, opts, B, H)
+    if seeds is not None:  # on the normalised weights, normaliser kept (§9.12)
+        p = p * jnp.concatenate(dropout_multipliers(seeds, opts.attn_dropout, pos, pos, jnp.arange(C)), axis=-1)
     out = jnp.einsum("bhnm,bhmd->bhnd", p, jnp.concatenate([v, beta], axis=2)) / den
     return out[:, :, :L], {"k_hat": k_hat, "beta": beta, "P": P, "padded": (q, k, v)}

@@ -27,11 +27,11 @@ from longctx.attention.eva.common import (
     check_state_capacity,
     chunk_mask,
     chunk_noise,
-    dropout_keep,
+    dropout_multipliers,
+    dropout_seeds,
     geometry,
     local_mask,
     rpe_bias,
-    tile_keys,
     uses_fused,
     window_keys,
 )
@@ -46,19 +46,19 @@ def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
     return jax.nn.logsumexp(s, axis=-1)
 
 
-def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, drop_key,
+def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, P, rpe_table, seeds,
                 opts: EVAOptions, scale: float, ops: TileOps = PLAIN):
     """Outputs [B,H,Tq,dv] of a tile of queries at absolute positions q_pos [Tq].
 
     Local candidates k, v [B,H,Tk,*] at positions k_pos [Tk] (k_valid: real key);
     chunks = (k̂ [B,H,C,d], β [B,H,C,dv], k_raw, k_raw_valid) with absolute ids chunk_ids [C].
-    One max-subtracted softmax over [local ; chunk] logits (eq. 16 in log-sum-exp form); ``drop_key``: the
-    tile's dropout key (common.dropout_keep) or None."""
+    One max-subtracted softmax over [local ; chunk] logits (eq. 16 in log-sum-exp form); ``seeds``: the rows'
+    dropout seeds [B, H] (common.dropout_seeds) or None."""
     k_hat, beta, k_raw, k_raw_valid = chunks
     lmask = local_mask(q_pos, k_pos, k_valid, opts)
     cmask = chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts)
     bias = rpe_bias(rpe_table, q_pos, k_pos, opts, scale) if opts.use_rpe and rpe_table is not None else None
-    if ops.fused_tile is not None and uses_fused(drop_key, opts):
+    if ops.fused_tile is not None and uses_fused(seeds, opts):
         return ops.fused_tile(q, q_pos, k, v, k_hat, beta, bias, lmask, cmask, chunk_ids, chunk_valid, P, opts, scale)
     a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k)
     if bias is not None:
@@ -70,12 +70,10 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
     p_ch = jnp.where(cmask, jnp.exp(a_ch - m), 0.0)
     denom = jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1)
-    if drop_key is not None and opts.attn_dropout > 0.0:
+    if seeds is not None and opts.attn_dropout > 0.0:
         # dropout on the joint normalized weights == drop unnormalized p, keep the normalizer (§9.12)
-        keep_loc, keep_ch = dropout_keep(drop_key, opts.attn_dropout, p_loc.shape, chunk_ids)
-        rate = 1.0 - opts.attn_dropout
-        p_loc = jnp.where(keep_loc, p_loc / rate, 0.0)
-        p_ch = jnp.where(keep_ch, p_ch / rate, 0.0)
+        d_loc, d_ch = dropout_multipliers(seeds, opts.attn_dropout, q_pos, k_pos, chunk_ids)
+        p_loc, p_ch = p_loc * d_loc, p_ch * d_ch
     num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v)
     num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta)
     return ops.scale_rows(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
@@ -130,6 +128,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     implementation's few ops (common.TileOps); its ``fused_groups`` (if any) runs each group of tiles of the
     representative-logit estimator without dropout."""
     B, H, L, d = q.shape
+    seeds = dropout_seeds(drop_key, opts, B, H)
     dv = v.shape[-1]
     scale = d**-0.5
     L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)
@@ -161,13 +160,13 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     else:
         k_t, v_t = gather_tiles(kf, idx), gather_tiles(vf, idx)
 
-    xs = (q_t, q_pos, k_t, v_t, k_pos, k_val, tile_keys(drop_key, n_tiles))
-    axes = (2, 0, 2, 2, 0, 0, 0)  # each operand's tile axis
+    xs = (q_t, q_pos, k_t, v_t, k_pos, k_val)
+    axes = (2, 0, 2, 2, 0, 0)  # each operand's tile axis
     # 8 tile groups up to 64 tiles, then groups of 8 tiles (at most 32 groups): fewer chunks scored at long
     # lengths for more, smaller calls (a small gain over 8 groups at 16k and 32k)
     groups = tile_groups(n_tiles, tile, P, C, opts.causal, min(32, max(8, n_tiles // 8)))
     run_group = None
-    if ops.fused_groups is not None and uses_fused(drop_key, opts):
+    if ops.fused_groups is not None and uses_fused(seeds, opts):
         run_group = ops.fused_groups(dict(B=B, H=H, tile=tile, Tk=Tk, P=P, k_hat=k_hat, beta=beta,
                                           chunk_ids=chunk_ids, chunk_valid=chunk_valid, rpe_table=rpe_table,
                                           opts=opts, scale=scale, axes=axes, groups=groups))
@@ -187,9 +186,9 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
         # [tile, local + chunks] scores alive (at 32k this cut XLA's memory by about two thirds, and the step got
         # faster too)
         @jax.checkpoint
-        def one(qt, qp, kt, vt, kp, kv, dk, nc=nc):
+        def one(qt, qp, kt, vt, kp, kv, nc=nc):
             ch = tuple(None if x is None else x[:, :, :nc] for x in chunks)
-            return attend_tile(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, dk,
+            return attend_tile(qt, qp, kt, vt, kp, kv, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, seeds,
                                opts, scale, ops)
 
         lead = tuple(x if x is None or ax == 0 else jnp.moveaxis(x, ax, 0) for x, ax in zip(group, axes))
@@ -260,13 +259,14 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     chunk_ids = jnp.arange(C_max)
     chunk_valid = jnp.ones((C_max,), bool)
 
-    def one(qt, qp, kt, vt, kp, kv, dk):
-        return attend_tile(qt, qp, kt, vt, kp, kv, chunks, chunk_ids, chunk_valid, P, rpe_table, dk, opts, scale,
+    seeds = dropout_seeds(drop_key, opts, B, H)
+
+    def one(qt, qp, kt, vt, kp, kv):
+        return attend_tile(qt, qp, kt, vt, kp, kv, chunks, chunk_ids, chunk_valid, P, rpe_table, seeds, opts, scale,
                            ops)
 
     cost = B * H * tile * (tile + R + C_max * (P if exact else 1))
-    out = map_tiles(one, (q_t, q_pos, k_t, v_t, k_pos, k_val, tile_keys(drop_key, n_tiles)), n_tiles, cost,
-                    opts.logit_budget)
+    out = map_tiles(one, (q_t, q_pos, k_t, v_t, k_pos, k_val), n_tiles, cost, opts.logit_budget)
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_tiles * tile, dv)[:, :, :T]
     # -- 3. advance ---------------------------------------------------------------------
     new_state["win_k"] = k_cat[:, :, T:T + R]

@@ -301,7 +301,7 @@ def _fused_groups(ctx):
     keep = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in ctx["groups"]) <= opts.keep_budget
 
     def run_group(group, lo, hi, nc, cost):
-        def batch(qt, qp, kt, vt, kp, kv, dk):
+        def batch(qt, qp, kt, vt, kp, kv):
             ch = (k_hat[:, :, :nc], beta[:, :, :nc])
             attend = lambda *a, halves=False, off=opts.e_l: tiles_attend(  # noqa: E731
                 *a, ch, chunk_ids[:nc], chunk_valid[:nc], P, rpe_table, opts, scale, keep, halves, off)

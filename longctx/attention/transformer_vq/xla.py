@@ -109,21 +109,21 @@ def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int) -> str:
 class TileOps(NamedTuple):
     """The products of the tiled backward (plain here; the XLA:CPU implementation passes its own, same results)."""
 
-    rowdot: Callable  # (a [..., d], b [..., d]) -> sum_d a b  [...]
-    transposed: Callable  # (*xs) -> each x with its last two axes swapped (one array if one x)
-    rows_dot: Callable  # (a_t [..., i, q], b [..., q, j]) -> [..., i, j]
+    rowsum_product: Callable  # (a [..., d], b [..., d]) -> sum_d a b  [...]
+    swap_last: Callable  # (*xs) -> each x with its last two axes swapped (one array if one x)
+    matmul_tn: Callable  # (a_t [..., i, q], b [..., q, j]) -> [..., i, j]
 
 
-def _rowdot(a, b):
+def _rowsum_product(a, b):
     return jnp.sum(a * b, axis=-1)
 
 
-def _transposed(*xs):
+def _swap_last(*xs):
     out = tuple(jnp.swapaxes(x, -1, -2) for x in xs)
     return out if len(xs) > 1 else out[0]
 
 
-def _rows_dot(a_t, b):
+def _matmul_tn(a_t, b):
     return jnp.einsum("...iq,...qj->...ij", a_t, b)
 
 
@@ -135,14 +135,14 @@ def _mm(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _acc_rows_dot(t, a_t, b):
-    """``t.rows_dot`` for operands of float32 or wider, else its product accumulated and returned in float32."""
+def _acc_matmul_tn(t, a_t, b):
+    """``t.matmul_tn`` for operands of float32 or wider, else its product accumulated and returned in float32."""
     if a_t.dtype == b.dtype == float_dtype(a_t, b):
-        return t.rows_dot(a_t, b)
+        return t.matmul_tn(a_t, b)
     return jnp.einsum("...iq,...qj->...ij", a_t, b, preferred_element_type=jnp.float32)
 
 
-PLAIN_TILES = TileOps(_rowdot, _transposed, _rows_dot)
+PLAIN_TILES = TileOps(_rowsum_product, _swap_last, _matmul_tn)
 
 
 def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile: int = 256, keep_budget: int = 0,
@@ -263,7 +263,7 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
     qb, qvb, r, kx, vx, cmu, lc, Cs, validx, o, lse, kept = res
     B, H, R, L, Dk = qb.shape
     cd = qb.dtype  # the products' operands (the cotangents cast to it); float32 accumulation
-    delta = t.rowdot(do, o)  # [B,H,R,L]
+    delta = t.rowsum_product(do, o)  # [B,H,R,L]
     ops = (qb, qvb, kx, vx, cmu, lc, validx)
 
     def block(dr, xs):
@@ -294,19 +294,18 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
             ds_cc, ds_lc = ds_c.astype(cd), ds_l.astype(cd)
             dq = _mm("bhls,bhsd->bhld", ds_cc, Cs) + _mm("bhln,bhnd->bhld", ds_lc, Kt)
             # key-side gradients accumulate transposed, [.., D, keys] = qᵀ ds: the large query-major ds and p
-            # stay as laid out and only small [Lq, D] operands are transposed (XLA:CPU otherwise copies each
-            # [Lq, keys] tile into keys-major order, an extra pass over the scores), and transposed
-            # first, so that the dots are plain products (``tiles.rows_dot``)
-            qt_t, dow_t, qvt_t = t.transposed(qt, dow, qvt)
-            dK = dK.at[..., :nk].add(_acc_rows_dot(t, qt_t, ds_lc))  # the codebook takes no gradient
-            dV = dV.at[..., :nk].add(_acc_rows_dot(t, dow_t, p_l.astype(cd)))
-            dcm = dcm + _acc_rows_dot(t, dow_t, p_c.astype(cd))
+            # stay as laid out and only the small [Lq, D] operands are transposed, first, so that the dots are
+            # plain products (``tiles.matmul_tn``)
+            qt_t, dow_t, qvt_t = t.swap_last(qt, dow, qvt)
+            dK = dK.at[..., :nk].add(_acc_matmul_tn(t, qt_t, ds_lc))  # the codebook takes no gradient
+            dV = dV.at[..., :nk].add(_acc_matmul_tn(t, dow_t, p_l.astype(cd)))
+            dcm = dcm + _acc_matmul_tn(t, dow_t, p_c.astype(cd))
             # the bias is linear in bdt: its transpose needs only bdt's shape
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, ds_l.dtype))
             (dbd,) = bias_t(ds_l)
             dbd = dbd.astype(cd)
             dqv = _mm("bhln,bhnd->bhld", dbd, r)
-            dr = dr + _acc_rows_dot(t, qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
+            dr = dr + _acc_matmul_tn(t, qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
             return (dr, dK, dV, dcm), (dq, dqv)
 
         zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2), delta.dtype)  # noqa: E731 -- float32 sums

@@ -86,7 +86,7 @@ def nearest(k, C, half_c2):
 
 
 OPS = Ops(scores=score_dot, mix=mix_dot, normalize=normalize, code_sums=code_sums)
-TILES = xla.TileOps(rowdot=rowdot, transposed=transposed, rows_dot=rows_dot)
+TILES = xla.TileOps(rowsum_product=rowdot, swap_last=transposed, matmul_tn=rows_dot)
 
 # the forms with these products (the names tests and benchmarks call)
 stvq = functools.partial(xla.stvq, nearest=nearest)
