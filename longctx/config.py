@@ -74,7 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 1024
     c.model.block = "transformer"  # see longctx.models.blocks.block_names()
     c.model.norm = "layernorm"  # 'layernorm' | 'rmsnorm'
-    c.model.positions = "rotary"  # 'none' | 'learned' | 'sinusoidal' | 'rotary'
+    # 'none' | 'learned' | 'sinusoidal' | 'rotary' (rotary: in each layer whose method takes it, a pattern's others
+    # run unrotated; longctx.models.blocks.takes_rotary)
+    c.model.positions = "rotary"
     c.model.max_len = 0  # learned positions: table size (0 -> train.seq_len)
     c.model.dropout = 0.0
     c.model.tie_embeddings = True
@@ -485,7 +487,10 @@ def _check_attention(c) -> None:
 
     if m.get("remat_policy", "auto") not in REMAT_POLICIES:
         raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
-    resolved = {name: _check_method(c, name) for name in methods}
+    from longctx.models.blocks import takes_rotary
+
+    rotated = any(takes_rotary(n) for n in methods)  # rotary reaches at least one layer
+    resolved = {name: _check_method(c, name, rotated=rotated) for name in methods}
     for other in list(m.attention.keys()):
         if other not in ("name", "pattern", *methods):
             del m.attention[other]
@@ -666,13 +671,17 @@ def _check_pattern(c) -> tuple[str, ...]:
     return tuple(dict.fromkeys((name, *per_layer)))
 
 
-def _check_method(c, name: str):
-    """One attention method's settings as a layer runs them: (its merged config, its execution keys)."""
+def _check_method(c, name: str, *, rotated: bool = False):
+    """One attention method's settings as a layer runs them: (its merged config, its execution keys).
+    ``rotated``: some layer of the model takes rotary; then a method that takes none runs its layers unrotated
+    (rotary is applied per layer, ``longctx.models.blocks.takes_rotary``); a model none of whose layers takes it
+    is refused."""
     m = c.model
     allowed_pos = attention.get_class(name).allowed_positions
-    if allowed_pos is not None and m.positions not in allowed_pos:
+    if allowed_pos is not None and m.positions not in allowed_pos and not (m.positions == "rotary" and rotated):
         raise ConfigError(
             f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
+            + (" (or rotary in a model.attention.pattern whose other layers take it)" if m.positions == "rotary" else "")
         )
     method_cfg = attention.default_config(name)
     method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})

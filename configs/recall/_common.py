@@ -82,7 +82,9 @@ def hybrid(c, name: str, d_ff: int):
     ('dense', name)``), ``d_ff`` trimmed so the parameter count matches the dense run's (182,016) within 1 %.
     The exact layer comes first: the staged schedule's short rows (64 tokens, inside every method's local part)
     teach the retrieval to the first layer, which then must reach the whole 1,024-token row; with the method
-    first the hybrids stayed at their pure method's accuracy (0.07-0.28 against dense's 0.70)."""
+    first the hybrids stayed at their pure method's accuracy (0.07-0.28 against dense's 0.70). Positions are the
+    recipe's rotary, applied in each layer whose method takes it (a method with its own position signal, e.g. a
+    relative bias, runs its layer unrotated), so the exact layer is the dense run's layer."""
     c.model.attention.name = name
     c.model.attention.pattern = ("dense", name)
     c.model.d_ff = d_ff

@@ -411,6 +411,8 @@ def extra_sections(out: Path, rel: str) -> list[str]:
                      "(with `LM_RUNS=...` for the passkey probe of language models trained on text).\n")
         parts.append((rec / "recall.md").read_text().strip().replace("## ", "### ", 1) + "\n")
         parts += _pngs(rec, "recall", f"{rel}/recall")
+        if (rec / "seeds.md").is_file():
+            parts.append((rec / "seeds.md").read_text().strip().replace("## ", "### ", 1) + "\n")
         for px in sorted(rec.glob("passkey_x*/recall.md")):
             parts.append(px.read_text().strip().replace("## ", "### ", 1) + "\n")
     return parts

@@ -75,6 +75,15 @@ def layer_config(cfg, layer_index: int):
     return layer_cfg
 
 
+def takes_rotary(method: str) -> bool:
+    """Whether a layer running ``method`` rotates its q and k when ``model.positions='rotary'``: every method
+    whose ``allowed_positions`` admits rotary. One that does not (a core with its own position signal, e.g. a
+    relative bias inside the core) runs unrotated; :func:`longctx.config.validate` accepts that only in a pattern
+    where another layer's method takes the rotation (a model with no rotated layer is refused)."""
+    allowed = attention.get_class(method).allowed_positions
+    return allowed is None or "rotary" in allowed
+
+
 def split_key(key, n: int):
     if key is None:
         return [None] * n
@@ -88,7 +97,8 @@ class TransformerBlock(nnx.Module):
     def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
         d, H, Dh = cfg.d_model, cfg.num_heads, cfg.head_dim
         self.num_heads, self.head_dim = H, Dh
-        self.rotary = cfg.positions == "rotary"
+        # rotary per layer: a layer whose method takes no rotary (a pattern's other layers do) runs unrotated
+        self.rotary = cfg.positions == "rotary" and takes_rotary(cfg.attention.name)
         self.dropout_rate = cfg.dropout
         pol = precision.policy(cfg)
         self.norm1 = make_norm(cfg.norm, d, rngs, pol)

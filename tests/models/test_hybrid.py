@@ -20,6 +20,7 @@ from flax import nnx
 from longctx import attention
 from longctx.config import base_config, validate
 from longctx.errors import ConfigError
+from longctx.models.blocks import takes_rotary
 from longctx.models.decoder import build_model
 from tests.models import test_model_contract as contract
 
@@ -44,6 +45,8 @@ HYBRID = _hybrid_cases()
 
 
 def _positions(methods) -> str:
+    if any(takes_rotary(n) for n in methods):  # rotary per layer: the others run unrotated
+        return "rotary"
     for pos in POSITIONS:
         if all(attention.get_class(n).allowed_positions is None or pos in attention.get_class(n).allowed_positions
                for n in methods):
@@ -149,7 +152,6 @@ def ml_tiny(v):
     (("eva", "nonesuch"), {}, "unknown method 'nonesuch'"),
     (("eva", "dense", "dense"), {}, "neither equals nor divides"),
     (("dense", "dense"), {}, "not in model.attention.pattern"),
-    (("eva", "transformer_vq"), {}, "not supported with attention 'transformer_vq'"),
     (("eva", 3), {}, "must be a tuple of method names"),
 ])
 def test_pattern_config_errors(pattern, extra, match):
@@ -157,6 +159,46 @@ def test_pattern_config_errors(pattern, extra, match):
     with pytest.raises(ConfigError, match=match) as err:
         validate(c)
     assert "\n" not in str(err.value)
+
+
+ROTARY_FREE = [n for n in attention.names() if not takes_rotary(n)]  # methods with their own position signal
+
+
+@pytest.mark.parametrize("name", ROTARY_FREE)
+def test_rotary_applies_per_layer_and_a_model_with_no_rotated_layer_is_refused(name):
+    """model.positions='rotary' with a pattern: the layers whose method takes rotary rotate q and k, the others
+    run unrotated; the same method alone (or a pattern of only such methods) is refused in one line."""
+    v = validate(_cfg((name, EXACT), name=name))
+    assert v.model.positions == "rotary"
+    model = build_model(ml_tiny(v).model)
+    assert [b.rotary for b in model.blocks] == [False, True, False, True]
+    x = jax.random.normal(jax.random.key(0), (1, 8, 16))
+    p0, p1 = jnp.arange(8, dtype=jnp.int32), jnp.arange(8, dtype=jnp.int32) + 5
+    for block, rotated in zip(model.blocks, (False, True)):  # the layer's q, k depend on positions iff rotated
+        q0, k0, _ = block.project(x, p0)
+        q1, k1, _ = block.project(x, p1)
+        assert (not np.allclose(q0, q1)) == rotated and (not np.allclose(k0, k1)) == rotated
+    for pattern in ((), (name,)):
+        with pytest.raises(ConfigError, match=f"not supported with attention {name!r}") as err:
+            validate(_cfg(pattern, name=name))
+        assert "\n" not in str(err.value)
+
+
+def test_recall_hybrids_validate_with_the_recipe_positions():
+    """Every configs/recall/hybrid_<method>.py validates; its exact layer runs the dense recall run's positions
+    (rotary: additive sinusoids left a 2-layer model of the recipe at chance)."""
+    import importlib
+    import pathlib
+
+    dense = validate(importlib.import_module("configs.recall.dense").get_config())
+    files = sorted(pathlib.Path(__file__).resolve().parents[2].glob("configs/recall/hybrid_*.py"))
+    assert files
+    for f in files:
+        v = validate(importlib.import_module(f"configs.recall.{f.stem}").get_config())
+        assert v.model.positions == dense.model.positions == "rotary", f.stem
+        methods = v.model.attention.pattern
+        assert methods[0] == EXACT and len(methods) == v.model.num_layers, f.stem
+        assert takes_rotary(methods[0]), f.stem
 
 
 def test_pattern_refuses_sequence_parallelism_for_now():
