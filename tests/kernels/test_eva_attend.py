@@ -212,3 +212,45 @@ def test_method_runs_both_kernels_in_training_steps_with_dropout(monkeypatch):
         assert calls == [0.0, 0.1]  # the dropout step: the kernel's Phase B
         np.testing.assert_allclose(np.asarray(a), np.asarray(drop(xla, q, k, v)), atol=2e-5)
         assert float(jnp.max(jnp.abs(a - out))) > 1e-2  # dropout changed the output
+
+
+_SHARDED_DROPOUT = """
+import warnings; warnings.simplefilter("ignore")
+import jax, jax.numpy as jnp, ml_collections
+from flax import nnx
+from longctx import attention
+from longctx.train import sharding
+from pallas_kernels import eva_attend
+rows, real = [], eva_attend.eva_attend
+eva_attend.eva_attend = lambda *a, **k: rows.append(a[0].shape[0]) or real(*a, **k)
+core = attention.build("eva", {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.2, "impl": "pallas"},
+                       num_heads=4, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 4, 29, 16)) for i in range(3))
+gd, st = nnx.split(core)
+loss = lambda q, k, v: jnp.sum(nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(9))[0]
+                               * jnp.cos(q))
+step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+one = step(q, k, v)
+mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(zip(sharding.AXES, (2, 1, 2, 1)))), jax.devices()[:4])
+put = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "tensor"))
+many = step(*(jax.device_put(x, put) for x in (q, k, v)))
+err = max(float(jnp.max(jnp.abs(a - b)) / (1 + jnp.max(jnp.abs(a)))) for a, b in zip(jax.tree.leaves(one),
+                                                                                      jax.tree.leaves(many)))
+print("ROWS", rows, "ERR", err)
+"""
+
+
+@pytest.mark.slow  # a subprocess on 4 simulated devices
+def test_kernel_dropout_per_shard_equals_one_device():
+    """impl='pallas' with attention dropout on a data x tensor mesh: the kernel runs per shard of the rows and heads
+    (2 of the 8 rows each) with the row seeds drawn for the whole batch, so the step equals one device's."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _SHARDED_DROPOUT], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ROWS"))
+    assert "[8, 2]" in line, line  # one device: 8 rows in one call; per shard: 2
+    assert float(line.split("ERR")[1]) < 1e-5, line
