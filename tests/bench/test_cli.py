@@ -113,3 +113,21 @@ def test_report_from_results_keeps_the_reading(tmp_path):
     import re
 
     assert not re.search(r"(?i)(session|issue) [0-9]+", text)
+
+
+def test_precision_section_sets_bf16_beside_fp32(tmp_path):
+    """results/precision/<dtype>/train.json -> one row per method, the relative difference, and a flag past 2 %."""
+    import json
+
+    rows = {"float32": {"dense": 2.50, "eva": 2.40}, "bfloat16": {"dense": 2.49, "eva": 2.50}}
+    for dt, vals in rows.items():
+        (tmp_path / "precision" / dt).mkdir(parents=True)
+        (tmp_path / "precision" / dt / "train.json").write_text(json.dumps({
+            "header": {"args": {"steps": 300, "eval_tokens": 32768, "overrides": [f"model.dtype={dt}"]}},
+            "rows": [{"method": m, "config_file": f"configs/builtin/{m}.py", "params": 10, "steps": 300,
+                      "valid_bits_per_byte": v, "tokens_per_s": 1000.0} for m, v in vals.items()]}))
+    text = "\n".join(report.precision_section(tmp_path))
+    assert "| dense | `configs/builtin/dense.py` | 10 | 300 | 2.5000 | 2.4900 | -0.40% | yes |" in text
+    assert "| eva | `configs/builtin/eva.py` | 10 | 300 | 2.4000 | 2.5000 | +4.17% | **no** |" in text
+    assert "--config.model.dtype=bfloat16" in text and "Largest difference: 4.17%" in text
+    assert report.precision_section(tmp_path / "nothing") == []
