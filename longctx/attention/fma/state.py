@@ -201,10 +201,11 @@ def _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts: FMAOptions):
                                  offsets=[0], group_base=[g_first - RING], n_rows=n_ext * p, xp=jnp)
         kc = jnp.take(EK.reshape(B, H, n_ext * p, d), idx.reshape(-1), axis=2).reshape(B, H, nbs, -1, d)
         vc = jnp.take(EV.reshape(B, H, n_ext * p, -1), idx.reshape(-1), axis=2).reshape(B, H, nbs, idx.shape[1], -1)
-        s = jnp.einsum("bhcid,bhcsd->bhcis", qr * scale, kc) + bias[:, None, :]
+        # compute-dtype operands, float32 scores and statistics, as the full pass
+        s = jnp.einsum("bhcid,bhcsd->bhcis", qr * scale, kc, preferred_element_type=jnp.float32) + bias[:, None, :]
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = row_stats(s, (bias > NEG / 2)[:, None, :], vc, key, opts)
-        num = jnp.einsum("bhcis,bhcsf->bhcif", e, vc)
+        num = jnp.einsum("bhcis,bhcsf->bhcif", e.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
         acc = combine(acc, (M, num, den), opts)
     return acc
 
