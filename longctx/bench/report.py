@@ -458,8 +458,8 @@ def precision_section(out: Path) -> list[str]:
             "with `model.dtype=bfloat16` (bf16 activations and matmul operands; fp32 master weights, optimizer "
             "state, softmax statistics, norms and losses), same seed and data; validation bits per byte of the final "
             "eval. `bash scripts/bench_all.sh` step `precision`"
-            + (f" (`{argv}` for bf16)" if argv else "") + f". Largest difference: {worst:.2%}. Tokens/s are "
-            "XLA:CPU's, which emulates bf16 arithmetic: on a CPU bf16 is for checking, not for speed.\n",
+            + (f" (`{argv}` for bf16)" if argv else "") + f". Largest difference: {worst:.2%}. The result is the "
+            "bits per byte: tokens/s are XLA:CPU's (which emulates bf16 arithmetic) and say nothing of a GPU.\n",
             "\n".join(table) + "\n"]
 
 
