@@ -42,19 +42,19 @@ NEG = -1e30
 
 
 class BlockOps(NamedTuple):
-    """The products of :func:`attend_group`: ``scores(q, k)`` = ``q kᵀ`` over the last axis (``[..., i, d]``,
-    ``[..., j, d]`` -> ``[..., i, j]``), ``mix(p, v)`` = ``p v`` (``[..., i, j]``, ``[..., j, f]`` -> ``[..., i, f]``)
-    and ``scale_rows(x, s)`` = ``x * s[..., None]``."""
+    """The products of :func:`attend_group`: ``qk_dot(q, k)`` = ``q kᵀ`` over the last axis (``[..., i, d]``,
+    ``[..., j, d]`` -> ``[..., i, j]``), ``pv_dot(p, v)`` = ``p v`` (``[..., i, j]``, ``[..., j, f]`` -> ``[..., i, f]``)
+    and ``row_scale(x, s)`` = ``x * s[..., None]``."""
 
-    scores: Callable
-    mix: Callable
-    scale_rows: Callable
+    qk_dot: Callable
+    pv_dot: Callable
+    row_scale: Callable
 
 
 PLAIN_OPS = BlockOps(
-    scores=lambda q, k: jnp.einsum("...id,...jd->...ij", q, k),
-    mix=lambda p, v: jnp.einsum("...ij,...jd->...id", p, v),
-    scale_rows=lambda x, s: x * s[..., None],
+    qk_dot=lambda q, k: jnp.einsum("...id,...jd->...ij", q, k),
+    pv_dot=lambda p, v: jnp.einsum("...ij,...jd->...id", p, v),
+    row_scale=lambda x, s: x * s[..., None],
 )
 
 
@@ -136,7 +136,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         rep = m // coarse[1].shape[3]
         coarse = (coarse[0],) + tuple(jnp.repeat(x, rep, axis=3) for x in coarse[1:])
     kwin, vwin = _blocks_of(kg, G, w, m), _blocks_of(vg, G, w, m)
-    s_f = ops.scores(qg, kwin)
+    s_f = ops.qk_dot(qg, kwin)
     c = jnp.arange(G)
     qpos = (blk0 + c)[:, None] * m + jnp.arange(m)[None, :]  # [G, m]
     kpos = (blk0 + c - 1)[:, None] * m + jnp.arange(w * m)[None, :]  # [G, w m]
@@ -149,7 +149,7 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     if kind == "packed":
         _, kc, vc, cb = coarse
         valid_c = (cb > NEG / 2)[:, None, :]  # [G,1,C]
-        s_c = ops.scores(qg, kc) + cb[:, None, :]
+        s_c = ops.qk_dot(qg, kc) + cb[:, None, :]
         s_c = jnp.where(valid_c, s_c, NEG)
         mx = jnp.maximum(mx, jnp.max(s_c, axis=-1))
     elif kind == "stats":
@@ -170,12 +170,12 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         p_f = jnp.where(jax.random.bernoulli(kf, keep, p_f.shape), p_f / keep, 0.0)
         if kind == "packed":
             p_c = jnp.where(jax.random.bernoulli(kc_, keep, p_c.shape), p_c / keep, 0.0)
-    num = ops.mix(p_f, vwin)
+    num = ops.pv_dot(p_f, vwin)
     if kind == "packed":
-        num = num + ops.mix(p_c, vc)
+        num = num + ops.pv_dot(p_c, vc)
     elif kind == "stats":
         num = num + coarse[2] * sc[..., None]
-    out = ops.scale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
+    out = ops.row_scale(num, 1.0 / jnp.maximum(den, 1e-30))
     if kind == "normed":
         out = out + coarse[1]
     return out

@@ -158,20 +158,20 @@ def dropout_multipliers(seeds, rate: float, q_pos, k_pos, chunk_ids):
 # ---------------------------------------------------------------------------
 
 
-def _plain_scale_rows(x, s):
+def _plain_row_scale(x, s):
     return x * s[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
 class TileOps:
-    """layer_norm: Phase A's LayerNorm; noise: applied to the drawn chunk noise; scale_rows(x, s): x · s[..., None];
+    """layer_norm: Phase A's LayerNorm; noise: applied to the drawn chunk noise; row_scale(x, s): x · s[..., None];
     fused_groups(ctx) -> run_group or None: a full pass's groups of query tiles, written out for the
     representative-logit estimator without dropout (the CPU-tuned implementation); fused_tile: the same for one
     tile of a stream (``attend_tile``'s arguments plus the masks and bias), or None."""
 
     layer_norm: Callable = layer_norm
     noise: Callable = lambda x: x  # noqa: E731
-    scale_rows: Callable = _plain_scale_rows
+    row_scale: Callable = _plain_row_scale
     fused_groups: Callable | None = None
     fused_tile: Callable | None = None
 

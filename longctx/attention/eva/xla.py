@@ -76,7 +76,7 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
         p_loc, p_ch = p_loc * d_loc, p_ch * d_ch
     num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v)
     num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta)
-    return ops.scale_rows(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
+    return ops.row_scale(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
 
 
 def map_tiles(fn, xs, n_tiles: int, cost_per_tile: int, budget: int):

@@ -323,7 +323,7 @@ def _fused_groups(ctx):
 
 # the chunk noise materialised once (longctx.xla_cpu.materialized): else XLA:CPU fused the sampler into the chunk
 # keys' gradient and recomputed it P times per element
-CPU_OPS = TileOps(layer_norm=layer_norm_rows, noise=materialized, scale_rows=scale_rows, fused_groups=_fused_groups,
+CPU_OPS = TileOps(layer_norm=layer_norm_rows, noise=materialized, row_scale=scale_rows, fused_groups=_fused_groups,
                   fused_tile=_fused_tile)
 
 

@@ -24,7 +24,7 @@ from longctx.attention.fma.reference import bias_rows
 from longctx.xla_cpu import mix, scale_rows, scores
 from pallas_kernels.fma_blocks_ref import BlockOps, attend_blocks
 
-OPS = BlockOps(scores=scores, mix=mix, scale_rows=scale_rows)
+OPS = BlockOps(qk_dot=scores, pv_dot=mix, row_scale=scale_rows)
 attend = functools.partial(attend_blocks, ops=OPS)  # the block function; also the streaming steps'
 
 

@@ -18,7 +18,7 @@ log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` / :func:`causal_a
 
 The three heavy routes are portable: the implementation ``xla`` runs any of them on any platform (the
 ``heavy_impl`` setting picks it), and the CPU implementations ``gather``, ``scores`` and ``band`` are the same routes
-with XLA:CPU's products. The one op the tiled algorithm takes as an argument is ``rescale_rows(x, s) = x * s[..., None]``
+with XLA:CPU's products. The one op the tiled algorithm takes as an argument is ``row_scale(x, s) = x * s[..., None]``
 (the softmax's division and the band's rescaling): this module's plain multiply is the portable implementation
 ``xla``; the CPU-tuned implementations (their own file) pass the XLA:CPU form of the same product.
 
@@ -51,7 +51,7 @@ from longctx.attention.kdeformer.common import (
 from longctx.models.precision import einsum_f32
 
 
-def rescale_rows(x, s):
+def row_scale(x, s):
     """``x [..., d] * s[..., None]``."""
     return x * s[..., None]
 
@@ -69,7 +69,7 @@ def _take(x, idx):
 _ssorted = jax.vmap(jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left")))
 
 
-def _combine(parts, rescale_rows=rescale_rows):
+def _combine(parts, row_scale=row_scale):
     """One log-space softmax over the union of entry groups (§2.3h).
 
     parts: list of (logits [..., n_i], mask (broadcastable), value_fn) where value_fn(p) gives
@@ -85,7 +85,7 @@ def _combine(parts, rescale_rows=rescale_rows):
         p = jnp.where(mk, jnp.exp(s - mx[..., None]), 0.0)
         den = den + jnp.sum(p, axis=-1)
         num = num + vf(p)
-    out = rescale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
+    out = row_scale(num, 1.0 / jnp.maximum(den, 1e-30))
     lse = mx + jnp.log(jnp.maximum(den, 1e-30))
     return out, lse
 
@@ -117,7 +117,7 @@ def bidir_plan(q, k, v, W, key_s, n_valid: int, opts: BidirOptions):
     return jax.tree.map(jax.lax.stop_gradient, plan)
 
 
-def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions, rescale_rows=rescale_rows):
+def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions, row_scale=row_scale):
     """Differentiable part. Returns (out [B,H,Np,dv] in original order, lse [B,H,Np] = log D̃)."""
     B, H, Np, d = q.shape
     dv = v.shape[-1]
@@ -144,14 +144,14 @@ def bidir_apply(q, k, v, plan, n_valid: int, opts: BidirOptions, rescale_rows=re
         s_s = s_s + plan["omega"][:, :, None, None, :]
         mask = plan["sblk"][:, :, None, None, :] != blk
         parts.append((s_s, mask, lambda p: einsum_f32("bhnqm,bhmd->bhnqd", p.astype(Vl.dtype), Vl)))
-    out_s, lse_s = _combine(parts, rescale_rows)
+    out_s, lse_s = _combine(parts, row_scale)
     inv_q = inverse_permutation(perm_q)
     out = _take(out_s.reshape(B, H, Np, dv), inv_q)
     lse = jnp.take_along_axis(lse_s.reshape(B, H, Np), inv_q, axis=-1)
     return out, lse
 
 
-def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = False, rescale_rows=rescale_rows):
+def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = False, row_scale=row_scale):
     """Full bidirectional estimator. q,k [B,H,N,d], v [B,H,N,dv] -> out [B,H,N,dv] (fp32)."""
     N = q.shape[2]
     b = opts.bucket_size
@@ -159,7 +159,7 @@ def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = F
     pad = ((0, 0), (0, 0), (0, Np - N), (0, 0))
     qp, kp, vp = (jnp.pad(x.astype(q.dtype), pad) for x in (q, k, v))  # compute dtype (statistics: float32)
     plan = bidir_plan(qp, kp, vp, W, key_s, N, opts)
-    out, lse = bidir_apply(qp, kp, vp, plan, N, opts, rescale_rows)
+    out, lse = bidir_apply(qp, kp, vp, plan, N, opts, row_scale)
     if return_lse:
         return out[:, :, :N], lse[:, :, :N], plan
     return out[:, :, :N]
@@ -219,7 +219,7 @@ def band_pairs(lo, hi, tq: int, kb: int, n_keys: int):
     return b0, cnt, ends
 
 
-def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int, rescale_rows=rescale_rows):
+def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int, row_scale=row_scale):
     """The heavy part of a full causal pass (§4.1 'Heavy') as dense blocks of the code-sorted keys.
 
     q [B,H,N,d]; Ks, Vs [B,H,M,·] the keys and values in code-sorted order (κ_s); query i's heavy set is the
@@ -271,8 +271,8 @@ def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int
         mt = jnp.maximum(jax.ops.segment_max(m, tile, n_t, indices_are_sorted=True), NEG)  # empty: -inf
         w = jnp.exp(m - mt[tile])
         den = jax.ops.segment_sum(w * den, tile, n_t, indices_are_sorted=True).reshape(Np)
-        num = jax.ops.segment_sum(rescale_rows(num, w), tile, n_t, indices_are_sorted=True).reshape(Np, dv)
-        out_s = rescale_rows(num, 1.0 / jnp.maximum(den, 1e-30))
+        num = jax.ops.segment_sum(row_scale(num, w), tile, n_t, indices_are_sorted=True).reshape(Np, dv)
+        out_s = row_scale(num, 1.0 / jnp.maximum(den, 1e-30))
         lse_s = jnp.where(den > 0, mt.reshape(Np) + jnp.log(jnp.maximum(den, 1e-30)), NEG)
         back = inverse_permutation(qord)  # sorted row of every query
         return out_s[back], lse_s[back]
@@ -344,7 +344,7 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
 
 
 def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=None, full_pass: bool = False,
-                 rescale_rows=rescale_rows):
+                 row_scale=row_scale):
     """Differentiable part: (outputs [n_t,B,H,c,dv], lse = log D̃ [n_t,B,H,c]) of query tiles
     [n_t,B,H,c,d] at absolute chunks tile_ids. ``heavy``: the tiles' heavy part already merged
     ((out [n_t,B,H,c,dv], lse [n_t,B,H,c]) of :func:`heavy_band`; then the plan has no heavy sets)."""
@@ -378,7 +378,7 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
         elif opts.heavy_capacity > 0 and heavy_route == "band":
             # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
             h_out, h_lse = hv
-            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: rescale_rows(h_out, p[..., 0])))
+            parts.append((h_lse[..., None], (h_lse > 0.5 * NEG)[..., None], lambda p: row_scale(h_out, p[..., 0])))
         elif opts.heavy_capacity > 0:
             hidx = pl["hidx"].reshape(B, H, -1)
             kh = _take(Kc, hidx).reshape(B, H, c, -1, d)
@@ -393,7 +393,7 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
         if "rmask" in pl:
             s_r = sig * einsum_f32("bhqd,bhkd->bhqk", qt, Kc)
             parts.append((s_r, pl["rmask"], lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
-        return _combine(parts, rescale_rows)
+        return _combine(parts, row_scale)
 
     per_tile = B * H * c * (w + (1 if heavy_route == "band" else opts.heavy_capacity) + opts.num_samples
                             + (M if "rmask" in plan or heavy_route == "scores" else 0))
@@ -404,7 +404,7 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
     return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy), batch_size=bs)
 
 
-def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, rescale_rows=rescale_rows):
+def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale):
     """Causal estimator over T new tokens at positions [length, length+T).
 
     cache=None: a full pass from position 0 (the sequence itself is the cache). Otherwise
@@ -450,11 +450,11 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
         hi = jnp.where(jnp.arange(n_t * c) < T, hi, lo)  # padded queries: empty
         Ks, Vs = _take(Kc, order), _take(Vc, order)
         h_out, h_lse = heavy_band(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
-                                  opts.tile_budget, rescale_rows)
+                                  opts.tile_budget, row_scale)
         tiles = lambda x: jnp.moveaxis(x.reshape((B, H, n_t, c) + x.shape[3:]), 2, 0)  # noqa: E731
         heavy = (tiles(h_out), tiles(h_lse))
     out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None,
-                          rescale_rows=rescale_rows)
+                          row_scale=row_scale)
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
     out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
     return out, (Kc_state, Vc_state, HKc), n_valid
@@ -466,18 +466,18 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
 # ---------------------------------------------------------------------------
 
 
-def bidirectional(q, k, v, W, key_s, opts: BidirOptions, rescale_rows=rescale_rows):
+def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale):
     """The bidirectional estimator (§2.3): out [B,H,N,dv]."""
-    return bidir_forward(q, k, v, W, key_s, opts, rescale_rows=rescale_rows)
+    return bidir_forward(q, k, v, W, key_s, opts, row_scale=row_scale)
 
 
-def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, rescale_rows=rescale_rows):
+def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale):
     """The causal estimator (§4) for the T new tokens after ``state`` (None: a full pass), its heavy logits by
     ``opts.heavy_impl``: out [B,H,T,dv]. (The state after the call is :func:`common.next_state`'s.)"""
     if state is None:
-        return causal_forward(q, k, v, W, key_s, opts, rescale_rows=rescale_rows)[0]
+        return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale)[0]
     cache = (state["k"], state["v"], state["codes"])
-    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], rescale_rows)[0]
+    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale)[0]
 
 
 # 'auto' takes the portable implementation off a CPU (on a CPU: the CPU-tuned implementations, their own file)

@@ -20,12 +20,12 @@ from longctx.xla_cpu import scale_rows
 
 
 def bidirectional(q, k, v, W, key_s, opts: BidirOptions):
-    return xla.bidirectional(q, k, v, W, key_s, opts, rescale_rows=scale_rows)
+    return xla.bidirectional(q, k, v, W, key_s, opts, row_scale=scale_rows)
 
 
 def _route(name: str):
     def causal(q, k, v, W, key_s, opts: CausalOptions, state=None):
-        return xla.causal(q, k, v, W, key_s, dataclasses.replace(opts, heavy_impl=name), state, rescale_rows=scale_rows)
+        return xla.causal(q, k, v, W, key_s, dataclasses.replace(opts, heavy_impl=name), state, row_scale=scale_rows)
 
     causal.__name__ = causal.__qualname__ = name
     causal.__doc__ = f"The causal estimator (§4), heavy logits by the '{name}' route."
