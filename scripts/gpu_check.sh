@@ -2,40 +2,55 @@
 # The first thing to run whenever an accelerator is available: one markdown report and its JSON,
 # results/gpu/<date>-<device>.md / .json, with the step outputs in results/gpu/<date>-<device>/.
 #
-#   bash scripts/gpu_check.sh                       # on the GPU (about 8 minutes on one H100)
+#   bash scripts/gpu_check.sh                       # on the GPU (at most 9.2 minutes: the steps' limits)
 #   bash scripts/gpu_check.sh --smoke --out /tmp/x  # the same steps at tiny shapes on the CPU (the default
 #                                                   # test suite runs this: tests/test_gpu_check.py)
+#   STEPS=none bash scripts/gpu_check.sh --out DIR --stamp STAMP
+#                                                   # the report again from DIR/STAMP's step outputs (a run cut
+#                                                   # short, or its outputs fetched from another machine)
 #
 # Steps, each under its own `timeout` and writing its files as it goes (a slow step costs only itself; the
 # report says which step failed or ran out of time and shows the end of its log):
 #   env       jax / jaxlib / plugin versions (and whether jax lies in pyproject's supported range), the
 #             device, driver and cuDNN, the commit
 #   tests     the kernel tests compiled (tests/kernels: interpret mode is off on an accelerator) and
-#             dense's cuDNN / splash tests (tests/attention/test_dense_platform.py)
-#   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU) against every method as shipped,
-#             8k-64k, forward and forward+backward, at the bench's accelerator defaults (B8 H8 d64 bf16,
-#             calls per sample filling 50 ms), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
-#   attention_d128  the same at head dim 128 (exact attention, its XLA tiles, transformer_vq, eva, fma; 8k, 32k)
+#             dense's cuDNN / splash tests (tests/attention/test_dense_platform.py); GPU_CHECK_TESTS="PATHS"
+#             runs others (e.g. the files a cut-short run did not reach)
+#   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU; timed first) against every causal
+#             method as shipped and dense's XLA tiles, 8k and 32k, forward and forward+backward, at the bench's
+#             accelerator defaults (B8 H8 d64 bf16, as many calls per timing sample as fill the bench's target
+#             sample time), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
+#   attention_d128  the same at head dim 128 (exact attention, its XLA tiles, transformer_vq, eva, fma; 8k, 32k);
+#             not in the default STEPS
 #   kernels   each Pallas kernel against its XLA path at the same shapes (`longctx-bench kernels`)
-#   step_*    the training step of three configs at reduced depth (`longctx-bench step`): enwik8
-#             Transformer-VQ, WikiText-103 EVA, enwik8 FMA: tokens/s, model FLOPs per token, MFU against the
-#             device's bf16 peak, compile time, device peak memory
-#   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`)
-# The limits add up to 8 minutes; per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests"
-# runs a subset (the report is always written).
+#   step_*    the training step of three configs at reduced depth (2 layers; `longctx-bench step`), each at
+#             its own row and window: enwik8 Transformer-VQ (8k rows in 2k windows, batch 8), WikiText-103 EVA
+#             (512 words, batch 32, the 267,735-word vocabulary), enwik8 FMA (1k bytes, batch 64): tokens/s,
+#             model FLOPs per token, MFU against the device's bf16 peak, compile time, device peak memory
+#   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); not in the
+#             default STEPS (its compile outlasted the 30 s it was given on the H200, and one device plans what a
+#             CPU plans)
+# The default steps' limits add up to 9.2 minutes, for one call on a 15-minute lease (the step times of the H200
+# runs are in results/gpu/2026-11-27-NVIDIA-H200-a.md and -b.md: the compiled tests need most of their limit,
+# and a benchmark row costs a compile per length and direction); per step:
+# GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset, STEPS=all
+# every step (the report is always written, from every step output in the folder).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
 SMOKE=0
 OUT=""
+STAMP=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --out) OUT="$2"; shift ;;
     --out=*) OUT="${1#--out=}" ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: gpu_check.sh: unknown argument $1 (use --smoke, --out DIR)" >&2; exit 2 ;;
+    --stamp) STAMP="$2"; shift ;;
+    --stamp=*) STAMP="${1#--stamp=}" ;;
+    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: gpu_check.sh: unknown argument $1 (use --smoke, --out DIR, --stamp NAME)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -45,13 +60,18 @@ if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
 fi
 
+if [ -z "$STAMP" ]; then
 DEVICE="$(timeout 120 "$PY" -c 'import jax, re; d = jax.devices()[0]; print(re.sub(r"[^A-Za-z0-9]+", "-", d.device_kind).strip("-") or d.platform)' 2>/dev/null || echo unknown)"
 STAMP="$(date -u +%Y-%m-%d)-$DEVICE"
 [ "$SMOKE" = 1 ] && STAMP="$STAMP-smoke"
+fi
 WORK="$OUT/$STAMP"
 mkdir -p "$WORK"
 BENCH=("$PY" -m longctx.bench.cli)
-STEPS="${STEPS:-env tests attention attention_d128 kernels step_tvq step_eva step_fma memplan}"
+ALL_STEPS="env tests attention attention_d128 kernels step_tvq step_eva step_fma memplan"
+if [ "$SMOKE" = 1 ]; then STEPS="${STEPS:-all}"; fi
+STEPS="${STEPS:-env tests attention kernels step_tvq step_eva step_fma}"
+[ "$STEPS" = all ] && STEPS="$ALL_STEPS"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
@@ -65,32 +85,51 @@ fi
 if [ "$SMOKE" = 1 ]; then
   LIMIT_DEFAULT=300  # the steps overlap on a CPU that may be busy
   TESTS=(tests/kernels/test_vq_cache.py -k "export_lowering")
-  ATTN=(--methods dense:naive,transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32
-        --repeats 1 --warmup 0 --no_isolate)
+  ISOLATE=(--no_isolate)
+  ATTN=(--lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32
+        --repeats 1 --warmup 0)
   ATTN128=(--methods dense:naive --lengths 256 --batch 1 --heads 2 --head_dim 32 --dtype float32 --repeats 1
-           --warmup 0 --no_isolate)
+           --warmup 0)
   KERN=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1
         --warmup 0 --no_backward)
-  STEP=(--lengths 128 --batch_size 1 --repeats 1 --warmup 0 --matmul_n 512)
+  STEP=(--repeats 1 --warmup 0 --matmul_n 512)
+  STEP_TVQ=(--lengths 128 --batch_size 1)
+  STEP_EVA=(--lengths 128 --batch_size 1 --vocab_size 256)
+  STEP_FMA=(--lengths 128 --batch_size 1)
   DEPTH=(model.num_layers=1)
   VARIANT=":tiny"
   EXACT="dense:naive"
 else
   LIMIT_DEFAULT=150
-  TESTS=(tests/kernels tests/attention/test_dense_platform.py -x)
+  read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py}"
+  TESTS+=(--maxfail=5)
+  # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell
+  ISOLATE=(--no_isolate)
   # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
   # shapes, dtype and calls per timing sample: the bench's accelerator defaults (B8 H8 d64 bf16)
-  ATTN=(--lengths 8k,16k,32k,64k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 20)
-  KERN=(--lengths 8k,16k --repeats 3 --warmup 1 --max_cell_s 20)
-  STEP=(--lengths 8k --batch_size 8 --repeats 3 --warmup 1)
+  ATTN=(--lengths 8k,32k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 15)
+  KERN=(--lengths 8k,32k --repeats 3 --warmup 1 --max_cell_s 15)
+  STEP=(--repeats 3 --warmup 1)
+  STEP_TVQ=(--lengths 8k --window 2048 --batch_size 8)
+  STEP_EVA=(--lengths 512 --batch_size 32 --vocab_size 267735)
+  STEP_FMA=(--lengths 1k --batch_size 64)
   DEPTH=(model.num_layers=2)
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
   # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
   # shipped, at the bench's accelerator batch and heads, two lengths
   ATTN128=(--methods "$EXACT,dense:blockwise,transformer_vq,eva,fma" --head_dim 128 --lengths 8k,32k --repeats 3
-           --warmup 1 --mem_budget_gb 60 --max_cell_s 15)
+           --warmup 1 --mem_budget_gb 60 --max_cell_s 10)
 fi
+
+# exact attention first (a limit may stop the run), then every causal method as shipped, then dense's XLA tiles
+if [ "$SMOKE" = 1 ]; then ATTN_METHODS="$EXACT,transformer_vq"; else
+  ATTN_METHODS="$EXACT,transformer_vq,eva,fma,fma_linear,kdeformer,dense:blockwise"; fi
+
+# the exact row the report compares with: the one this folder's attention step ran with (a report made again
+# elsewhere, STEPS=none, keeps it)
+if [ -s "$WORK/exact.txt" ] && [[ " $STEPS " != *" attention "* ]]; then EXACT="$(cat "$WORK/exact.txt")"; else
+  echo "$EXACT" > "$WORK/exact.txt"; fi
 
 limit() {  # the step's time limit: GPU_CHECK_LIMIT_<STEP>, else its own (on the accelerator) or the smoke default
   local var="GPU_CHECK_LIMIT_$(echo "$1" | tr '[:lower:]' '[:upper:]')"
@@ -163,21 +202,22 @@ info["dirty"] = bool(run(["git", "status", "--porcelain", "--untracked-files=no"
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info, indent=1))
 EOF
-step env "$(limit env 30)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
+step env "$(limit env 20)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
 
-step tests "$(limit tests 75)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
-step attention "$(limit attention 100)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
-  --no_torch --noprogress "${ATTN[@]}"
-step attention_d128 "$(limit attention_d128 40)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
-  --matmul_n 0 --no_torch --noprogress "${ATTN128[@]}"
-step kernels "$(limit kernels 45)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+step tests "$(limit tests 200)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
+step attention "$(limit attention 150)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
+  --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN[@]}"
+step attention_d128 "$(limit attention_d128 45)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
+  --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" "${ATTN128[@]}"
+step kernels "$(limit kernels 60)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
 mapfile -t DEPTH_FLAGS < <(over "${DEPTH[@]}")
-for pair in "tvq configs/enwik8/transformer_vq.py" "eva configs/wikitext103/eva_16l.py" "fma configs/enwik8/fma.py"; do
-  set -- $pair
-  step "step_$1" "$(limit "step_$1" 50)" "${BENCH[@]}" step --config "$2$VARIANT" --out "$WORK/step_$1" \
-    --noprogress "${STEP[@]}" "${DEPTH_FLAGS[@]}"
-done
-step memplan "$(limit memplan 40)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
+step step_tvq "$(limit step_tvq 30)" "${BENCH[@]}" step --config "configs/enwik8/transformer_vq.py$VARIANT" \
+  --out "$WORK/step_tvq" --noprogress "${STEP[@]}" "${STEP_TVQ[@]}" "${DEPTH_FLAGS[@]}"
+step step_eva "$(limit step_eva 60)" "${BENCH[@]}" step --config "configs/wikitext103/eva_16l.py$VARIANT" \
+  --out "$WORK/step_eva" --noprogress "${STEP[@]}" "${STEP_EVA[@]}" "${DEPTH_FLAGS[@]}"
+step step_fma "$(limit step_fma 30)" "${BENCH[@]}" step --config "configs/enwik8/fma.py$VARIANT" \
+  --out "$WORK/step_fma" --noprogress "${STEP[@]}" "${STEP_FMA[@]}" "${DEPTH_FLAGS[@]}"
+step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
 
@@ -234,10 +274,21 @@ try:
                        if c.find("failure") is not None or c.find("error") is not None]
 except (OSError, ET.ParseError, AttributeError):
     pass
+if not tests:  # no JUnit file (the step ran out of time): count pytest's progress characters in its log
+    try:
+        prog = "".join(l.split("[")[0].strip() for l in (work / "tests.log").read_text(errors="replace").splitlines()
+                       if l.strip() and set(l.split("[")[0].strip()) <= set(".sFExX"))
+    except OSError:
+        prog = ""
+    if prog:
+        tests = {"tests": len(prog), "failures": prog.count("F"), "errors": prog.count("E"),
+                 "skipped": prog.count("s"), "counted_from_log": True}
 report["tests"] = tests
 section("Kernel tests, compiled", "tests",
         [f"{tests.get('tests', 0)} tests: {tests.get('failures', 0)} failed, {tests.get('errors', 0)} errors, "
-         f"{tests.get('skipped', 0)} skipped"] + [f"- failed: `{f}`" for f in tests.get("failed", [])])
+         f"{tests.get('skipped', 0)} skipped"
+         + (" (the tests that ran before the step was stopped, counted from its log)"
+            if tests.get("counted_from_log") else "")] + [f"- failed: `{f}`" for f in tests.get("failed", [])])
 
 def attention_section(name, title):
     att = load(work / name / "attention.json") or load(work / name / "attention.partial.json") or {}
@@ -268,7 +319,7 @@ def attention_section(name, title):
 attention_section("attention", "Exact attention against every method")
 attention_section("attention_d128", "Exact attention against the methods at head dim 128")
 
-kern = load(work / "kernels" / "kernels.json") or {}
+kern = load(work / "kernels" / "kernels.json") or load(work / "kernels" / "kernels.partial.json") or {}
 krows = kern.get("rows", []) if isinstance(kern, dict) else []
 report["kernels"] = krows
 body = ["| method | kernel | T | mode | XLA fwd ms | kernel fwd ms | kernel / XLA fwd | kernel / XLA fwd+bwd | "

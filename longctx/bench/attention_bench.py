@@ -128,6 +128,8 @@ def run(args) -> dict:
         for label, ov in variants(m):
             if C.variant_selected(requested, m, label):
                 cells.append((m, label, ov))
+    if requested:  # in the order asked for (the exact baseline first, say, where a time limit may stop the run)
+        cells.sort(key=lambda c: min(i for i, r in enumerate(requested) if r in (c[0], c[1])))
     dirs = C.directions(args)
     res = {"header": C.header(args, "attention"), "rows": [], "skipped_variants": [], "exponents": []}
     if args.matmul_n > 0:
@@ -135,6 +137,11 @@ def run(args) -> dict:
     n_total = len(dirs) * (len(cells) + (1 if with_torch else 0)) * len(lengths)
     bar = C.progress_bar(n_total, "attention", args.progress)
     ran = set()  # (variant, direction) pairs this run measured (or tried to)
+
+    def checkpoint(rows, current=None):  # what a killed run leaves behind (read by the parent of a child run)
+        C.write_json(out / PARTIAL, {"rows": res["rows"] + rows, "skipped_variants": res["skipped_variants"],
+                                     "current": current})
+
     if getattr(args, "isolate", False):
         labels = list(dict.fromkeys(label for _, label, _ in cells)) + ([TORCH] if with_torch else [])
         for label in labels:
@@ -144,14 +151,11 @@ def run(args) -> dict:
                 res["rows"] += child["rows"]
                 res["skipped_variants"] += child["skipped_variants"]
                 ran.add((label, C.dir_name(causal)))
+                checkpoint([])  # a run stopped later keeps the variants timed so far
                 bar.update(len(lengths))
         dirs_run = []
     else:
         dirs_run = dirs
-
-    def checkpoint(rows, current=None):  # what a killed run leaves behind (read by the parent of a child run)
-        C.write_json(out / PARTIAL, {"rows": res["rows"] + rows, "skipped_variants": res["skipped_variants"],
-                                     "current": current})
 
     for causal in dirs_run:
         dname = C.dir_name(causal)

@@ -54,7 +54,8 @@ def add_args(p):
     p.add_argument("--batch_size", type=int, default=1, help="rows per step (train.batch_size)")
     p.add_argument("--window", type=int, default=0,
                    help="train.window: tokens per update, state carried (0: the whole row, one update)")
-    p.add_argument("--vocab_size", type=int, default=256, help="the tokenizer's vocabulary (256: bytes)")
+    p.add_argument("--vocab_size", type=int, default=None,
+                   help="the tokenizer's vocabulary (default: the config's model.vocab_size, else 256 for bytes)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per length (interleaved)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per length after compiling")
     p.add_argument("--matmul_n", type=int, default=4096,
@@ -77,7 +78,20 @@ def length_config(base, T: int, args):
         cfg.train.short_steps = 0
         cfg.train.short_seq_len = 0
     cfg = config_lib.validate(cfg)
-    return config_lib.resolve_vocab(cfg, args.vocab_size)
+    return config_lib.resolve_vocab(cfg, vocab_size(cfg, args.vocab_size))
+
+
+def vocab_size(cfg, given: int | None) -> int:
+    """The vocabulary the random tokens are drawn from: ``--vocab_size``, else the config's own
+    ``model.vocab_size``, else 256 for a byte-level config; a config whose tokenizer decides it needs the flag."""
+    if given:
+        return int(given)
+    if cfg.model.vocab_size:
+        return int(cfg.model.vocab_size)
+    if cfg.data.tokenizer == "bytes":
+        return 256
+    raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} decides the vocabulary and model.vocab_size is 0: "
+                      f"give --vocab_size (e.g. 267735 for WikiText-103's words)")
 
 
 def forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed: int = 0) -> dict:

@@ -422,7 +422,7 @@ class Backbone(nnx.Module):
         if not self.policy.full:  # compute-dtype operands, float32 accumulation and logits (the loss's input)
             W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
             cd = self.policy.compute
-            return rows_apply(lambda x: precision.einsum_f32("nd,dv->nv", x.astype(cd), W.astype(cd)), h)
+            return rows_apply(lambda x: precision.einsum_f32("...d,dv->...v", x.astype(cd), W.astype(cd)), h)
         if self.head is None:
             return rows_apply(self.embed.attend, h).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)

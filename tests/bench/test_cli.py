@@ -131,3 +131,37 @@ def test_precision_section_sets_bf16_beside_fp32(tmp_path):
     assert "| eva | `configs/builtin/eva.py` | 10 | 300 | 2.4000 | 2.5000 | +4.17% | **no** |" in text
     assert "--config.model.dtype=bfloat16" in text and "Largest difference: 4.17%" in text
     assert report.precision_section(tmp_path / "nothing") == []
+
+
+def test_step_draws_tokens_from_the_configs_own_vocabulary():
+    from longctx import config_files
+    from longctx.bench import step_bench
+
+    words = config_files.load("configs/wikitext103/eva_16l.py")  # data.tokenizer='words', model.vocab_size 0
+    with pytest.raises(ConfigError, match="give --vocab_size"):
+        step_bench.vocab_size(words, None)
+    assert step_bench.vocab_size(words, 1000) == 1000
+    assert step_bench.vocab_size(config_files.load("configs/wikitext103/eva_16l.py:node8"), None) == 267_735
+    assert step_bench.vocab_size(config_files.load("configs/enwik8/fma.py"), None) == 256  # bytes
+
+
+def test_gpu_check_section_shows_each_accelerator_report(tmp_path):
+    import json
+
+    (tmp_path / "gpu").mkdir()
+    rep = {"env": {"device": "NVIDIA H200", "jax": "0.11.2", "commit": "abc", "smoke": False},
+           "steps": {"env": {"status": "ok", "wall_s": 2}, "memplan": {"status": "not run"}},
+           "tests": {"tests": 146, "failures": 0, "skipped": 20, "counted_from_log": True},
+           "steps_model": {"step_tvq": {"config": "configs/enwik8/transformer_vq.py", "sets": ["model.num_layers=2"],
+                                        "rows": [{"T": 8192, "window": 2048, "batch_size": 8, "tokens_per_s": 8e5,
+                                                  "model_flops_per_token": 6.7e7, "mfu": 0.054, "compile_s": 14.4,
+                                                  "device_peak_bytes": 2**30, "forward_flops_opaque": ["pallas_call"]}]}},
+           "kernels": [{"method": "eva", "kernel": "k", "length": 8192, "xla_fwd_s": 3.6e-3, "pallas_fwd_s": 1.7e-3}]}
+    (tmp_path / "gpu" / "2026-01-01-H200.json").write_text(json.dumps(rep))
+    (tmp_path / "gpu" / "2026-01-01-cpu-smoke.json").write_text(json.dumps({"env": {"smoke": True}}))
+    text = "\n".join(report.gpu_check_section(tmp_path))
+    assert "2026-01-01-H200: NVIDIA H200, jax 0.11.2" in text and "smoke" not in text
+    assert "146 run, 0 failed" in text and "memplan" not in text and "env ok (2 s)" in text
+    assert "| 8192 in windows of 2048 | 8 | 800,000 | ≥67 | ≥5.4 |" in text
+    assert "| eva: k | 8192 | 3.6 | 1.7 |" in text
+    assert report.gpu_check_section(tmp_path / "nothing") == []

@@ -182,3 +182,20 @@ def test_bf16_model_keeps_fp32_parameters_optimizer_state_and_statistics(method)
     assert model.logits(h).dtype == jnp.float32 and model.nll(h, tokens).dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in floats(aux["stats"]))  # non-gradient statistics
     assert all(x.dtype == jnp.float32 for x in floats(aux["losses"]))
+
+
+def test_bf16_train_step_with_the_accelerator_row_layout(monkeypatch):
+    """On a GPU / TPU ``layout.rows_apply`` hands the row-wise layers ``[B, T, d]`` as they are (a CPU host
+    flattens them to ``[N, d]``): the bf16 output layer must take either (it once assumed two dimensions)."""
+    from types import SimpleNamespace
+
+    from longctx import layout
+
+    cfg = small_config("dense")
+    flat = lowered_train_step(cfg).as_text()
+    monkeypatch.setattr(layout, "jax", SimpleNamespace(default_backend=lambda: "gpu"))
+    as_is = lowered_train_step(cfg).as_text()
+    # the same matmul FLOPs either way, and in the accelerator's layout the output layer contracts [B, T, d]
+    assert sum(f for f, *_ in dot_flops(as_is)) == sum(f for f, *_ in dot_flops(flat))
+    B, T, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    assert any(lhs[:2] == (B, T) and rhs[-1] == V for _, _, _, lhs, rhs in dot_flops(as_is))
