@@ -60,8 +60,8 @@ def code_sums(z, v, valid, S: int):
 class Ops(NamedTuple):
     """The products the forms below are written with (same signatures and results as the defaults here)."""
 
-    scores: Callable = score_dot  # (q [..., i, d], k [..., j, d]) -> [..., i, j]
-    mix: Callable = mix_dot  # (p [..., i, j], v [..., j, d]) -> [..., i, d]
+    qk_dot: Callable = score_dot  # (q [..., i, d], k [..., j, d]) -> [..., i, j]
+    pv_dot: Callable = mix_dot  # (p [..., i, j], v [..., j, d]) -> [..., i, d]
     normalize: Callable = normalize  # (num [..., q, d], den [..., q]) -> num / den
     code_sums: Callable = code_sums  # (z, v, valid, S) -> (sum, count)
 
@@ -148,7 +148,7 @@ def softmax_mix(groups, ops: Ops = PLAIN):
     probs = [jnp.where(mask, jnp.exp(jnp.where(mask, s, NEG) - m), 0.0) for s, mask, _ in groups]
     den = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
     den = jnp.maximum(den, 1e-30)
-    num = sum(ops.mix(p, vals) for p, (_, _, vals) in zip(probs, groups))
+    num = sum(ops.pv_dot(p, vals) for p, (_, _, vals) in zip(probs, groups))
     lse = (m + jnp.log(den))[..., 0]
     return ops.normalize(num, den[..., 0]), lse
 
@@ -276,8 +276,8 @@ def causal_parallel(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, reduction
     qb, kx, vx, validx, cn, R = p["qb"], p["kx"], p["vx"], p["validx"], p["cn"], p["qb"].shape[2]
     bias = skew_bias(p["bdb"], L, 2 * L)  # [B,H,R,L,2L]: bd[i, L + i - j] for 0 <= L + i - j <= M
     s_c = acc_einsum("bhrld,hsd->bhrls", qb, p["Cs"]) + log_count(cn)[:, :, :, None, :]
-    s_p = ops.scores(qb, kx[:, :, :R]) + bias[..., :L]
-    s_r = ops.scores(qb, kx[:, :, 1:]) + bias[..., L:]
+    s_p = ops.qk_dot(qb, kx[:, :, :R]) + bias[..., :L]
+    s_r = ops.qk_dot(qb, kx[:, :, 1:]) + bias[..., L:]
     mask_c = (cn > 0)[:, :, :, None, :]
     mask_p = validx[:R][:, None, :]
     mask_r = (jnp.arange(L)[None, :] <= jnp.arange(L)[:, None])[None] & validx[1:][:, None, :]

@@ -517,7 +517,42 @@ def precision_section(out: Path) -> list[str]:
             "eval. `bash scripts/bench_all.sh` step `precision`"
             + (f" (`{argv}` for bf16)" if argv else "") + f". Largest difference: {worst:.2%}. The result is the "
             "bits per byte: tokens/s are XLA:CPU's (which emulates bf16 arithmetic) and say nothing of a GPU.\n",
-            "\n".join(table) + "\n"]
+            "\n".join(table) + "\n"] + precision_seeds(out, f32, b16)
+
+
+def precision_seeds(out: Path, f32: dict, b16: dict) -> list[str]:
+    """The methods trained again at other seeds (``precision/seed<k>/<dtype>/train.json``): per seed the two
+    validation bits per byte, and the mean difference over every seed (seed 0 from the table above)."""
+    per = {}  # method -> {seed: (fp32, bf16)}
+    for m in f32:
+        if f32[m].get("valid_bits_per_byte") and (b16.get(m) or {}).get("valid_bits_per_byte"):
+            per.setdefault(m, {})[0] = (f32[m]["valid_bits_per_byte"], b16[m]["valid_bits_per_byte"])
+    extra = set()
+    for d in sorted(out.glob("precision/seed*")):
+        a, b = _read(d / "float32" / "train.json"), _read(d / "bfloat16" / "train.json")
+        if not (a and b and d.name[4:].isdigit()):
+            continue
+        rb = {r["method"]: r for r in b["rows"]}
+        for r in a["rows"]:
+            m = r["method"]
+            va, vb = r.get("valid_bits_per_byte"), (rb.get(m) or {}).get("valid_bits_per_byte")
+            if va and vb:
+                per.setdefault(m, {})[int(d.name[4:])] = (va, vb)
+                extra.add(m)
+    if not extra:
+        return []
+    rows = ["| method | seed | fp32 valid bits/byte | bf16 valid bits/byte | bf16 vs fp32 |", "|---|---|---|---|---|"]
+    for m in [m for m in _registry_order() if m in extra]:
+        diffs = []
+        for seed, (va, vb) in sorted(per[m].items()):
+            diffs.append(vb / va - 1.0)
+            rows.append(f"| {m} | {seed} | {va:.4f} | {vb:.4f} | {diffs[-1]:+.2%} |")
+        lo, hi = min(v[0] for v in per[m].values()), max(v[0] for v in per[m].values())
+        rows.append(f"| {m} | mean of {len(diffs)} | fp32 alone spans {lo:.4f}-{hi:.4f} ({hi / lo - 1:.2%}) | | "
+                    f"**{sum(diffs) / len(diffs):+.2%}** |")
+    return ["Methods trained again at other seeds (`PRECISION_SEED_METHODS`, default the one whose seed-0 "
+            "difference was past the tolerance; `bash scripts/bench_all.sh` step `precision`):\n",
+            "\n".join(rows) + "\n"]
 
 
 # ----------------------------------------------------------------------------- hand-written part

@@ -130,6 +130,14 @@ def test_precision_section_sets_bf16_beside_fp32(tmp_path):
     assert "| dense | `configs/builtin/dense.py` | 10 | 300 | 2.5000 | 2.4900 | -0.40% | yes |" in text
     assert "| eva | `configs/builtin/eva.py` | 10 | 300 | 2.4000 | 2.5000 | +4.17% | **no** |" in text
     assert "--config.model.dtype=bfloat16" in text and "Largest difference: 4.17%" in text
+    assert "trained again at other seeds" not in text
+    for dt, v in (("float32", 2.40), ("bfloat16", 2.424)):  # eva at seed 1: +1.00 %
+        (tmp_path / "precision" / "seed1" / dt).mkdir(parents=True)
+        (tmp_path / "precision" / "seed1" / dt / "train.json").write_text(json.dumps({
+            "rows": [{"method": "eva", "valid_bits_per_byte": v}]}))
+    text = "\n".join(report.precision_section(tmp_path))
+    assert "| eva | 0 | 2.4000 | 2.5000 | +4.17% |" in text and "| eva | 1 | 2.4000 | 2.4240 | +1.00% |" in text
+    assert "| eva | mean of 2 | fp32 alone spans 2.4000-2.4000 (0.00%) | | **+2.58%** |" in text and "| dense | 1 |" not in text
     assert report.precision_section(tmp_path / "nothing") == []
 
 

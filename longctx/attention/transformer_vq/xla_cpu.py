@@ -85,7 +85,7 @@ def nearest(k, C, half_c2):
     return z, jnp.sum(k * k, -1) - 2.0 * g_max
 
 
-OPS = Ops(scores=score_dot, mix=mix_dot, normalize=normalize, code_sums=code_sums)
+OPS = Ops(qk_dot=score_dot, pv_dot=mix_dot, normalize=normalize, code_sums=code_sums)
 TILES = xla.TileOps(rowsum_product=rowdot, swap_last=transposed, matmul_tn=rows_dot)
 
 # the forms with these products (the names tests and benchmarks call)
