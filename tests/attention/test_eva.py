@@ -401,9 +401,15 @@ def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P, g):
     assert tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
 
 
-@pytest.mark.parametrize("keep,halves", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("hb,nb", [(0, 0), (1, 3), (H, 3), (H, 1)])  # no bias, one shared bias (causal T5), one
-def test_tile_softmax_backward_matches_autodiff(hb, nb, keep, halves):  # per head; per tile (nb = N) or shared
+_BIASES = [(0, 0), (1, 3), (H, 3), (H, 1)]  # no bias, one shared bias (causal T5), one per head; per tile or shared
+_KEEPS = [(False, False), (True, False), (True, True)]
+
+
+# each bias layout and each keep / halves setting once by default; the whole grid with -m slow
+@pytest.mark.parametrize("hb,nb,keep,halves", [
+    (*b, *kh) if i % len(_KEEPS) == j else pytest.param(*b, *kh, marks=pytest.mark.slow)
+    for i, b in enumerate(_BIASES) for j, kh in enumerate(_KEEPS)])
+def test_tile_softmax_backward_matches_autodiff(hb, nb, keep, halves):
     """xla_cpu: the written-out backward of tile_softmax (keys-major, from the saved log-sum-exp; or, ``keep``, from the
     forward's kept weights, with ``halves`` in two row blocks) against autodiff of the same forward over whole
     tiles, with masked entries and an empty row in both parts."""
@@ -478,7 +484,7 @@ def _assert_same(got, want):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 + 1e-6 * float(np.max(np.abs(r))))
 
 
-@pytest.mark.parametrize("causal,overlap", [(True, False), (False, True)])
+@pytest.mark.parametrize("causal,overlap", [(True, False), pytest.param(False, True, marks=pytest.mark.slow)])
 def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
     """xla_cpu: a full pass within keep_budget keeps its attention weights for the backward; with keep_budget = 0
     it recomputes them: the same outputs and gradients (inputs and every parameter, RPE table included), and the
@@ -499,6 +505,7 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
     assert exps(build(1 << 28)) < exps(build(0))
 
 
+@pytest.mark.slow  # the split itself: test_tile_groups_cover_every_visible_chunk, without a long pass
 def test_many_tile_groups_same_as_autodiff():
     """A pass long enough for more than 8 causal tile groups (128 tiles of 8: 16 groups) gives through xla_cpu,
     kept and recomputed, the outputs and gradients of the autodiff tiles (xla)."""
@@ -590,7 +597,8 @@ def test_chunk_mask_keys_major_is_the_transpose(causal, disjoint):
     np.testing.assert_array_equal(km, qm.T)
 
 
-@pytest.mark.parametrize("causal,overlap", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("causal,overlap", [(True, False), pytest.param(True, True, marks=pytest.mark.slow),
+                                            pytest.param(False, False, marks=pytest.mark.slow)])
 def test_small_logit_budget_same_outputs_and_gradients(causal, overlap):
     """A logit budget small enough that every tile group runs as a lax.map over batches of tiles gives the outputs
     and gradients of the one-call path (tiles as reshapes without overlap, gathered with one)."""

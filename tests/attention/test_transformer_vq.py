@@ -419,7 +419,8 @@ def test_gradients_match_reference(x64, form, L, M):
 
 
 # (21, 4, 3, 2): ragged T, a band shorter than the block, two tiles per block; the others run under -m slow
-@pytest.mark.parametrize("keep", [True, False])  # backward from the forward's kept weights / recomputed
+# backward from the forward's kept weights by default, recomputed with -m slow
+@pytest.mark.parametrize("keep", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("T,L,M,q_tile", [(21, 4, 3, 2), pytest.param(5, 4, 4, 4, marks=pytest.mark.slow),
                                           pytest.param(16, 8, 8, 4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mod", [xla_cpu, pytest.param(xla, marks=pytest.mark.slow)], ids=["xla_cpu", "xla"])

@@ -61,9 +61,12 @@ def assert_close(a, b, msg):
                                    err_msg=msg)
 
 
-@pytest.mark.parametrize("policy,microbatches", [("cotangent_tied", K), ("cotangent_tied", 1),
-                                                 pytest.param("nothing_saveable", K, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name,block", [("transformer_vq", "gau"), ("dense", "transformer")])
+# carried state (transformer_vq) and micro-batches (dense) each once by default; every combination with -m slow
+@pytest.mark.parametrize("name,block,policy,microbatches", [
+    ("transformer_vq", "gau", "cotangent_tied", 1), ("dense", "transformer", "cotangent_tied", K),
+    *(pytest.param(*c, marks=pytest.mark.slow) for c in [
+        ("transformer_vq", "gau", "cotangent_tied", K), ("dense", "transformer", "cotangent_tied", 1),
+        ("transformer_vq", "gau", "nothing_saveable", K), ("dense", "transformer", "nothing_saveable", K)])])
 def test_remat_with_carried_state_and_microbatches_equals_no_remat(name, block, policy, microbatches):
     ref = second_window_step(build_model(model_cfg(name, block, dropout=0.1), seed=0), microbatches)
     got = second_window_step(build_model(model_cfg(name, block, dropout=0.1, remat=True, remat_policy=policy),

@@ -54,7 +54,7 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("method", ["dense", "transformer_vq"])
-@pytest.mark.parametrize("microbatches", [2, 4])
+@pytest.mark.parametrize("microbatches", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_accumulated_update_equals_the_whole_batch_update(method, microbatches):
     cfg = _cfg(method)
     tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, 40)
