@@ -247,3 +247,32 @@ def test_train_update_replaces_only_the_methods_rerun(tmp_path):
     assert res["rows"] == [{"method": "a", "x": 1}, {"method": "b", "x": 2}, {"method": "c", "x": 2}]
     assert res["header"] == {"run": 2} and res["merged_into"] == {"run": 1, "merged_into": None}
     assert merge_rows(tmp_path / "none.json", res) is res
+
+
+def test_attention_times_variants_in_the_order_asked_and_keeps_finished_ones(tmp_path, monkeypatch):
+    """`--methods` order is the timing order (an exact baseline named first is timed first), and in the isolated
+    mode the parent writes the rows of every finished variant before the next starts (a run stopped by a time limit
+    keeps them)."""
+    from longctx.bench import attention_bench as ab
+
+    out = tmp_path / "o"
+    assert cli.main(["attention", "--out", str(out), "--no_progress", "--no_isolate", "--methods",
+                     "transformer_vq,dense:naive", "--lengths", "32", "--repeats", "1", "--warmup", "0", "--causal",
+                     "--matmul_n", "0", "--no_torch", "--no_backward", "--batch", "1", "--heads", "2",
+                     "--head_dim", "8"]) == 0
+    res = json.loads((out / "attention.json").read_text())
+    assert [r["variant"] for r in res["rows"]] == ["transformer_vq", "dense:naive"]
+
+    seen = []  # what the partial file held when each child started
+
+    def child(args, label, causal):
+        part = out2 / ab.PARTIAL
+        seen.append([r["variant"] for r in json.loads(part.read_text())["rows"]] if part.exists() else None)
+        return {"rows": [{"variant": label, "direction": "causal", "length": 32}], "skipped_variants": []}
+
+    out2 = tmp_path / "p"
+    monkeypatch.setattr(ab, "_run_child", child)
+    monkeypatch.setattr(ab, "plots", lambda *a, **k: None)
+    assert cli.main(["attention", "--out", str(out2), "--no_progress", "--methods", "eva,dense:naive", "--lengths",
+                     "32", "--causal", "--matmul_n", "0", "--no_torch"]) == 0
+    assert seen == [None, ["eva"]]
