@@ -361,6 +361,10 @@ def error_line(stderr: str) -> str | None:
     return lines[0] if len(lines) == 1 and "Traceback" not in stderr else None
 
 
+# one worker for the module: its context (five tiny trained runs) is built once, not once per xdist worker
+pytestmark = pytest.mark.xdist_group("bad_inputs")
+
+
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     return make_context(tmp_path_factory.mktemp("bad_inputs"))

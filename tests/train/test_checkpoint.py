@@ -17,6 +17,8 @@ from longctx.train import checkpoint
 from longctx.train.loop import train
 from tests.conftest import tiny_config, write_corpus
 
+pytestmark = pytest.mark.xdist_group("checkpoint")  # one worker: the trained run below is built once
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
