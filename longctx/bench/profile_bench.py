@@ -139,8 +139,8 @@ def slow_reduce(body: list[str]) -> bool:
 def row_dot(line: str, shapes: dict) -> bool:
     """Whether an unfused ``dot`` instruction contracts the second-to-last axis of its left operand (the rows of a
     ``[.., rows, d]`` array: ``dk = dsᵀ q`` as autodiff writes it): XLA:CPU (jax 0.10.2) does not give that form to
-    YNNPACK and runs it as a generic dot at a lower rate than YNNPACK's plain product
-    (the XLA:CPU helpers ``rows_dot``, ``scores``, ``mix``; docs/DESIGN.md, "XLA:CPU slow paths")."""
+    YNNPACK and runs it as a generic dot at a lower rate than YNNPACK's plain product (the rewrites the CPU
+    implementations use: docs/DESIGN.md, "XLA:CPU slow paths")."""
     im = _INSTR.match(line)
     if not im or im[3] != "dot":
         return False
@@ -423,12 +423,13 @@ def _slow_section(res: dict, top: int) -> list[str]:
     return ["", f"### Possible XLA:CPU slow paths ({len(slow)} ops, {res['slow_path_ms']:.2f} ms per call)", "",
             "'row sum': a YNNPACK fusion that reduces the product of two operands into a result that keeps a dimension "
             "of size 1 (batch 1, one head); XLA:CPU can run these many times slower than the same sum as a dot. Rewrites, "
-            "same arithmetic (the XLA:CPU helpers, docs/DESIGN.md \"XLA:CPU slow paths\"): `rowdot` (a row sum of a product), `scale_rows` (a normalisation whose "
-            "gradient sums rows), `longctx.layout.rows_apply` (a row norm over flattened rows). 'row dot': a dot that contracts the "
-            "rows of its left operand (`dk = dsᵀ q` as autodiff writes it), which XLA:CPU runs as a generic dot at "
-            "a lower rate than YNNPACK's; rewrites: `rows_dot` on a `transposed` operand (a hand-written "
-            "backward) or the einsums `scores` / `mix` (autodiff). Measure before and after (next to large score "
-            "passes a flagged op can be cheap, and a rewrite can cost more).", "",
+            "same arithmetic (the CPU implementations' helpers, docs/DESIGN.md \"XLA:CPU slow paths\"): the row sum "
+            "written as a dot, a normalisation whose gradient is written as a dot, `longctx.layout.rows_apply` (a row "
+            "norm over flattened rows). 'row dot': a dot that contracts the rows of its left operand (`dk = dsᵀ q` as "
+            "autodiff writes it), which XLA:CPU runs as a generic dot at a lower rate than YNNPACK's; rewrites: the "
+            "product with an explicitly transposed operand (a hand-written backward) or einsums that put the "
+            "contracted axis last (autodiff). Measure before and after (next to large score passes a flagged op can be "
+            "cheap, and a rewrite can cost more).", "",
             C.md_table(["op", "why", "shape", "ms per call", "source"],
                        [[f"`{o['name']}`", o["slow_path"], f"`{o['shape']}`", f"{o['ms']:.2f}", f"`{o['source']}`"]
                         for o in slow[:top]])]

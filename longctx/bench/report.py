@@ -430,7 +430,6 @@ def gpu_check_section(out: Path) -> list[str]:
              "`bash scripts/gpu_check.sh` on a lent accelerator (the script's header says what each step runs and its "
              "limit; a step cut short by its limit keeps the rows it finished). Each report in full: "
              + ", ".join(f"`gpu/{f.with_suffix('.md').name}`" for f, _ in reports) + ".\n"]
-    fmt = lambda x, nd=3: "–" if x is None else (f"{x:,.0f}" if abs(x) >= 100 else f"{x:.{nd}g}")  # noqa: E731
     for f, r in reports:
         env, steps, tests = r.get("env") or {}, r.get("steps") or {}, r.get("tests") or {}
         parts.append(f"### {f.stem}: {env.get('device')}, jax {env.get('jax')}, commit {env.get('commit')}"
@@ -442,36 +441,36 @@ def gpu_check_section(out: Path) -> list[str]:
                          f"{tests.get('skipped', 0)} skipped"
                          + (" (counted from the log of a step stopped by its limit)" if tests.get("counted_from_log")
                             else "") + "".join(f"; failed: `{t}`" for t in tests.get("failed", [])) + ".\n")
-        rows = []
-        for d in (r.get("steps_model") or {}).values():
-            for x in (d or {}).get("rows", []):
-                rows.append(f"| {d.get('config')} | {', '.join(d.get('sets') or [])} | {x.get('T')}"
-                            + (f" in windows of {x['window']}" if x.get("window") and x["window"] != x.get("T") else "") + " | "
-                            + f"{x.get('batch_size')} | {fmt(x.get('tokens_per_s'))} | "
-                            + ("≥" if x.get("forward_flops_opaque") else "")  # a kernel's FLOPs are not counted
-                            + f"{fmt((x.get('model_flops_per_token') or 0) / 1e6)} | "
-                            + ("≥" if x.get("forward_flops_opaque") else "")
-                            + f"{fmt(100 * x['mfu'] if x.get('mfu') is not None else None)} | {fmt(x.get('compile_s'))} | "
-                            f"{fmt((x.get('device_peak_bytes') or 0) / 2**20)} |")
+        def ms(x):
+            return None if x is None else 1e3 * x
+
+        def lower(x, opaque):  # a kernel's FLOPs are not counted in the jaxpr: a lower bound
+            return None if x is None else (f"≥{x:.3g}" if opaque else x)
+
+        rows = [[d.get("config"), ", ".join(d.get("sets") or []),
+                 f"{x.get('T')}" + (f" in windows of {x['window']}" if x.get("window") and x["window"] != x.get("T")
+                                    else ""), x.get("batch_size"), x.get("tokens_per_s"),
+                 lower((x.get("model_flops_per_token") or 0) / 1e6, x.get("forward_flops_opaque")),
+                 lower(100 * x["mfu"] if x.get("mfu") is not None else None, x.get("forward_flops_opaque")),
+                 x.get("compile_s"), (x.get("device_peak_bytes") or 0) / 2**20]
+                for d in (r.get("steps_model") or {}).values() for x in (d or {}).get("rows", [])]
         if rows:
             parts.append("≥: a lower bound (the FLOPs inside a Pallas kernel are not counted).\n")
-            parts.append("| training step | overrides | T | batch | tokens/s | model MFLOP / token | MFU % | compile s | "
-                         "device peak MiB |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            parts.append(C.md_table(["training step", "overrides", "T", "batch", "tokens/s", "model MFLOP / token",
+                                     "MFU %", "compile s", "device peak MiB"], rows))
         krows = [x for x in r.get("kernels") or [] if x.get("length")]
         if krows:
-            parts.append("| kernel | T | XLA fwd ms | kernel fwd ms | kernel / XLA fwd | kernel / XLA fwd+bwd | "
-                         "max abs diff |\n|---|---|---|---|---|---|---|\n" + "\n".join(
-                             f"| {x.get('method')}: {x.get('kernel')} | {x.get('length')} | "
-                             f"{fmt((x.get('xla_fwd_s') or 0) * 1e3)} | {fmt((x.get('pallas_fwd_s') or 0) * 1e3)} | "
-                             f"{fmt(x.get('fwd_kernel_over_xla'))} | {fmt(x.get('fwdbwd_kernel_over_xla'))} | "
-                             f"{fmt(x.get('max_abs_diff_out'))} |" for x in krows) + "\n")
+            parts.append(C.md_table(
+                ["kernel", "T", "XLA fwd ms", "kernel fwd ms", "kernel / XLA fwd", "kernel / XLA fwd+bwd",
+                 "max abs diff"],
+                [[f"{x.get('method')}: {x.get('kernel')}", x.get("length"), ms(x.get("xla_fwd_s")),
+                  ms(x.get("pallas_fwd_s")), x.get("fwd_kernel_over_xla"), x.get("fwdbwd_kernel_over_xla"),
+                  x.get("max_abs_diff_out")] for x in krows]))
         arows = [x for name in ("attention", "attention_d128") for x in r.get(name) or []]
         if arows:
-            parts.append("| attention variant | head dim | T | fwd ms | fwd+bwd ms | status |\n|---|---|---|---|---|---|\n"
-                         + "\n".join(f"| {x.get('variant')} | {x.get('head_dim')} | {x.get('length')} | "
-                                      f"{fmt((x.get('fwd_s') or 0) * 1e3 or None)} | "
-                                      f"{fmt((x.get('fwdbwd_s') or 0) * 1e3 or None)} | "
-                                      f"{(x.get('fwd_status') or '')[:60]} |" for x in arows) + "\n")
+            parts.append(C.md_table(["attention variant", "head dim", "T", "fwd ms", "fwd+bwd ms", "status"],
+                                    [[x.get("variant"), x.get("head_dim"), x.get("length"), ms(x.get("fwd_s")),
+                                      ms(x.get("fwdbwd_s")), (x.get("fwd_status") or "")[:60]] for x in arows]))
     return parts
 
 

@@ -170,6 +170,6 @@ def test_gpu_check_section_shows_each_accelerator_report(tmp_path):
     text = "\n".join(report.gpu_check_section(tmp_path))
     assert "2026-01-01-H200: NVIDIA H200, jax 0.11.2" in text and "smoke" not in text
     assert "146 run, 0 failed" in text and "memplan" not in text and "env ok (2 s)" in text
-    assert "| 8192 in windows of 2048 | 8 | 800,000 | ≥67 | ≥5.4 |" in text
-    assert "| eva: k | 8192 | 3.6 | 1.7 |" in text
+    assert "| 8192 in windows of 2048 | 8 | 800,000 | ≥67 | ≥5.4 | 14.4 | 1,024 |" in text
+    assert "| eva: k | 8192 | 3.6 | 1.7 | – | – | – |" in text
     assert report.gpu_check_section(tmp_path / "nothing") == []
