@@ -24,6 +24,13 @@ _have = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_have] + [f"--{k}={v}" for k, v in _FLAGS.items() if k not in _have]).strip()
 
 
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a process a test starts: the suite's flags above (a child given a bare device-count flag
+    compiles at full optimisation, 2-3x slower), with ``devices`` simulated host devices."""
+    extra = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return (os.environ.get("XLA_FLAGS", "") + extra).strip()
+
+
 def pytest_configure(config):
     """One JAX persistent compilation cache per test session for the subprocesses the tests start
     (the CLI tests launch the same tiny train step several times), removed at the end, so each

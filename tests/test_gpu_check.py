@@ -5,6 +5,7 @@ every step that ran ends ok (by default one step of each kind of command; every 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,9 @@ SOME = "env tests attention kernels step_tvq memplan"
 
 @pytest.mark.parametrize("steps", [SOME, pytest.param("all", marks=pytest.mark.slow)])
 def test_gpu_check_smoke_writes_every_section(tmp_path, steps):
-    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "HOME": str(tmp_path), "STEPS": steps}
+    # a bare environment, with the suite's XLA flags (tests/conftest.py: compile speed) for the steps' processes
+    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "HOME": str(tmp_path), "STEPS": steps,
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--out", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

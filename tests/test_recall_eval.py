@@ -48,8 +48,8 @@ def test_weighted_step_scores_only_the_weighted_targets():
     weighted = jax.jit(make_train_step(graphdef, tx, seq_len=16, window=8, skip_nonfinite=False, weighted=True))
     whole = jax.jit(make_train_step(graphdef, tx, seq_len=16, window=16, skip_nonfinite=False, weighted=True))
     key = jax.random.key(0)
-    model = nnx.merge(graphdef, params, nongrad, rest)
-    logits, _, _ = model(tokens[:, :-1])
+    # the model's forward, jitted (op-by-op it compiles every primitive on its own)
+    logits, _, _ = jax.jit(lambda p, n, r, x: nnx.merge(graphdef, p, n, r)(x))(params, nongrad, rest, tokens[:, :-1])
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
     _, _, _, m1 = whole(params, nongrad, rest, opt, {"tokens": tokens, "weights": jnp.ones((2, 16))}, key)
     np.testing.assert_allclose(m1["ce"][0], nll.mean(), rtol=1e-5)  # all weights 1: the plain LM loss

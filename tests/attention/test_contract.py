@@ -345,8 +345,8 @@ def test_randomness_comes_from_the_key(name, cname, direction):
     b, _ = h(q, k, v, key=jax.random.key(2))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))
     assert float(jnp.max(jnp.abs(a - b))) > 1e-4, "another key gives the same output"
-    d1, _ = h.core(q, k, v, None, deterministic=True, key=jax.random.key(1))
-    d2, _ = h.core(q, k, v, None, deterministic=True, key=jax.random.key(2))
+    d1, _ = h.call(h.variables, q, k, v, None, jax.random.key(1), deterministic=True)
+    d2, _ = h.call(h.variables, q, k, v, None, jax.random.key(2), deterministic=True)
     np.testing.assert_array_equal(np.asarray(d1), np.asarray(d2))
 
 

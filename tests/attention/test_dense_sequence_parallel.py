@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from tests.conftest import xla_flags
+
 SCRIPT = textwrap.dedent(
     """
     import re, warnings
@@ -105,7 +107,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow  # a subprocess with 8 devices; the default suite keeps the exports of test_dense_platform.py
 def test_fused_kernels_split_over_8_devices_match_the_reference_and_lower():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = xla_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -49,7 +49,10 @@ def _pairs(model_level: bool = False):
                 continue
             for impl in cls.implementations(causal=causal)[1:]:
                 suffix = "-model" if model_level else ""
-                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}"))
+                # one xdist worker per (method, direction): the reference's results are computed once for all
+                group = pytest.mark.xdist_group(f"implementations-{name}-{direction}{suffix}")
+                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}",
+                                        marks=group))
     return out
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.conftest import xla_flags
+
 SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
@@ -49,7 +51,7 @@ SCRIPT = textwrap.dedent(
 
 def test_codebook_stats_psum_over_8_devices_equals_single_device():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = xla_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -179,10 +179,11 @@ def test_gpu_plan_is_what_the_kernel_compiles(monkeypatch):
 def test_dropout_hash_keeps_the_rate_and_separates_chunks():
     """The hash mask keeps about 1 − rate of the weights, independently of neighbours, and a chunk's index space is
     not a local key's: the same (row, query) gives other bits on chunk c than on key position c."""
-    rs = hash_dropout.row_seeds(hash_dropout.seed_from_key(jax.random.PRNGKey(0)), jnp.arange(8))
+    rs = jax.jit(hash_dropout.row_seeds)(hash_dropout.seed_from_key(jax.random.PRNGKey(0)), jnp.arange(8))
     qi, ki = jnp.arange(256)[:, None], jnp.arange(256)[None, :]
-    loc = np.asarray(hash_dropout.keep(rs[:, None, None], qi[None], ki[None], 0.1))
-    ch = np.asarray(hash_dropout.keep(rs[:, None, None], qi[None], hash_dropout.CHUNK_KEY_BASE + ki[None], 0.1))
+    keep = jax.jit(hash_dropout.keep, static_argnums=3)  # jitted: an eager call compiles op by op
+    loc = np.asarray(keep(rs[:, None, None], qi[None], ki[None], 0.1))
+    ch = np.asarray(keep(rs[:, None, None], qi[None], hash_dropout.CHUNK_KEY_BASE + ki[None], 0.1))
     for m in (loc, ch):
         assert abs(m.mean() - 0.9) < 0.005
         assert abs((m[:, :, 1:] == m[:, :, :-1]).mean() - 0.82) < 0.01  # 0.9² + 0.1²: neighbours independent
@@ -248,7 +249,9 @@ def test_kernel_dropout_per_shard_equals_one_device():
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    from conftest import xla_flags
+
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", _SHARDED_DROPOUT], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("ROWS"))

@@ -120,7 +120,8 @@ def test_refusals_name_their_reasons():
     st = TestVQCacheGPU._state(*args[6:])
     with pytest.raises(ValueError, match=r"at least 16 \(got block_q=8\)"):
         vq_cache_gpu.vq_cache_attention(*args[:6], st, **static, block_q=8, block_s=16, block_v=16)
-    vq_cache_gpu.vq_cache_attention(*args[:6], st, **static, block_q=8, block_s=16, block_v=16, interpret=True)
+    jax.jit(lambda *a: vq_cache_gpu.vq_cache_attention(*a, st, **static, block_q=8, block_s=16, block_v=16,
+                                                       interpret=True))(*args[:6])  # jitted: eager runs op by op
 
 
 def test_entry_point_picks_the_form_by_platform():

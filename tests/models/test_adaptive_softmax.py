@@ -46,8 +46,9 @@ def test_chunked_nll_equals_full_softmax(chunk):
     W = jax.random.normal(k2, (d, V)) * 2.0
     b = jax.random.normal(k3, (V,))
     t = jax.random.randint(k4, (B, T), 0, V)
-    np.testing.assert_allclose(chunked_softmax_nll(h, W, t, chunk), plain_nll(h, W, t), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(chunked_softmax_nll(h, W, t, chunk, bias=b), plain_nll(h, W, t, b), rtol=1e-5, atol=1e-5)
+    chunked, plain = jax.jit(chunked_softmax_nll, static_argnums=3), jax.jit(plain_nll)  # jitted: eager compiles op by op
+    np.testing.assert_allclose(chunked(h, W, t, chunk), plain(h, W, t), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked(h, W, t, chunk, bias=b), plain(h, W, t, b), rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_nll_gradients_match():
@@ -81,7 +82,8 @@ def test_chunked_nll_never_materialises_the_full_logits():
 def test_chunked_logsumexp_with_extreme_logits():
     x = jnp.array([[1.0], [-1.0]])
     W = jnp.array([[500.0, -500.0, 0.0]])
-    np.testing.assert_allclose(chunked_logsumexp(x, W, chunk=2), jax.nn.logsumexp(x @ W, -1), rtol=1e-6)
+    got = jax.jit(chunked_logsumexp, static_argnames="chunk")(x, W, chunk=2)  # jitted: eager compiles op by op
+    np.testing.assert_allclose(got, jax.nn.logsumexp(x @ W, -1), rtol=1e-6)
 
 
 def make_asm(V=300, cutoffs=(40, 100, 220), d=16, div_val=2.0, chunk=33):
@@ -94,7 +96,7 @@ def test_adaptive_shapes_and_normalisation():
     assert [p.kernel.shape for p in asm.tail_proj] == [(16, 8), (16, 4), (16, 2)]
     assert [o.kernel.shape for o in asm.tail_out] == [(8, 60), (4, 120), (2, 80)]
     h = jax.random.normal(jax.random.key(2), (2, 3, 16)) * 3.0
-    lp = asm.log_probs(h)
+    lp = nnx.jit(lambda m, h: m.log_probs(h))(asm, h)  # jitted: an eager call compiles op by op
     assert lp.shape == (2, 3, 300)
     np.testing.assert_allclose(jax.nn.logsumexp(lp, -1), 0.0, atol=1e-5)
 
@@ -104,8 +106,8 @@ def test_adaptive_nll_is_the_exact_log_prob_of_its_own_distribution():
     h = jax.random.normal(jax.random.key(3), (2, 50, 16)) * 3.0
     # targets in every region, including the cluster edges
     t = jnp.array([0, 39, 40, 41, 99, 100, 101, 219, 220, 299] * 10).reshape(2, 50)
-    nll = asm.nll(h, t)
-    ref = -jnp.take_along_axis(asm.log_probs(h), t[..., None], -1)[..., 0]
+    nll, lp = nnx.jit(lambda m, h: (m.nll(h, t), m.log_probs(h)))(asm, h)  # jitted: eager compiles op by op
+    ref = -jnp.take_along_axis(lp, t[..., None], -1)[..., 0]
     assert nll.shape == (2, 50)
     np.testing.assert_allclose(nll, ref, rtol=1e-5, atol=1e-5)
 

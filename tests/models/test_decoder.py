@@ -44,17 +44,19 @@ def test_chunked_and_token_by_token_equal_full(positions):
 
 def test_untied_head_and_rmsnorm_build_and_run():
     model = build_model(small_model_cfg(tie_embeddings=False, norm="rmsnorm"), seed=0)
-    logits, _, aux = model(jnp.zeros((1, 5), jnp.int32))
+    logits, _, aux = nnx.jit(lambda m: m(jnp.zeros((1, 5), jnp.int32)))(model)  # jitted: eager compiles op by op
     assert logits.shape == (1, 5, 50) and aux["losses"] == {}
 
 
 def test_dropout_needs_key_and_is_reproducible():
     model = build_model(small_model_cfg(dropout=0.5), seed=0)
     tokens = jnp.ones((1, 8), jnp.int32)
-    a = model(tokens, deterministic=False, key=jax.random.key(1))[0]
-    b = model(tokens, deterministic=False, key=jax.random.key(1))[0]
-    c = model(tokens, deterministic=False, key=jax.random.key(2))[0]
-    d = model(tokens)[0]
+    # jitted (an eager call compiles op by op); key None: the deterministic pass
+    call = nnx.jit(lambda m, key: m(tokens, deterministic=key is None, key=key)[0])
+    a = call(model, jax.random.key(1))
+    b = call(model, jax.random.key(1))
+    c = call(model, jax.random.key(2))
+    d = call(model, None)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.allclose(np.asarray(a), np.asarray(c)) and not np.allclose(np.asarray(a), np.asarray(d))
 
@@ -64,20 +66,28 @@ def test_chunked_output_loss_equals_full_softmax_loss():
     for tie in (True, False):
         full = build_model(small_model_cfg(tie_embeddings=tie), seed=0)
         chunked = build_model(small_model_cfg(tie_embeddings=tie, loss_chunk=16), seed=0)
-        h, _, _ = full.hidden(tokens[:, :-1])
-        logp = jax.nn.log_softmax(full(tokens[:, :-1])[0], -1)
-        ref = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
-        np.testing.assert_allclose(np.asarray(chunked.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+        def both(full, chunked):  # jitted: an eager call compiles op by op
+            h, _, _ = full.hidden(tokens[:, :-1])
+            logp = jax.nn.log_softmax(full(tokens[:, :-1])[0], -1)
+            return chunked.nll(h, tokens[:, 1:]), -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+
+        nll, ref = nnx.jit(both)(full, chunked)
+        np.testing.assert_allclose(np.asarray(nll), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_adaptive_output_nll_matches_its_log_probs_and_decodes():
     model = build_model(small_model_cfg(output="adaptive", tie_embeddings=False, adaptive_cutoffs=(10, 30)), seed=0)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 50)
-    h, _, _ = model.hidden(tokens[:, :-1])
-    logp = model.logits(h)
+
+    def run(model):  # jitted: an eager call compiles op by op
+        h, _, _ = model.hidden(tokens[:, :-1])
+        return model.logits(h), model.nll(h, tokens[:, 1:])
+
+    logp, nll = nnx.jit(run)(model)
     np.testing.assert_allclose(np.asarray(jnp.exp(logp).sum(-1)), 1.0, rtol=1e-5)
     ref = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(model.nll(h, tokens[:, 1:])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(nll), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name,block,policy", [

@@ -72,15 +72,16 @@ def test_encoder_sees_the_whole_row(method):
     T = bidir_case(method).length
     tokens = jax.random.randint(jax.random.key(0), (2, T), 0, 60)
     later = tokens.at[:, -1].set((tokens[:, -1] + 7) % 60)
+    call = nnx.jit(lambda m, t: m(t)[0])  # jitted: an eager call compiles op by op
     enc = build_model(model_cfg(method), seed=0)
-    a, _ = enc(tokens)
-    b, _ = enc(later)
+    a = call(enc, tokens)
+    b = call(enc, later)
     assert a.shape == (2, T, 64)
     assert np.abs(np.asarray(a[:, 0] - b[:, 0])).max() > 1e-4, method
     if attention.get_class(method).supports_causal:
         dec = build_model(model_cfg(method, kind="decoder"), seed=0)
         # the decoder's first position sees only itself (tolerance: the approximate cores)
-        np.testing.assert_allclose(np.asarray(dec(tokens)[0][:, 0]), np.asarray(dec(later)[0][:, 0]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(call(dec, tokens)[:, 0]), np.asarray(call(dec, later)[:, 0]), atol=1e-5)
 
 
 def test_unmasked_positions_carry_no_loss():
@@ -93,7 +94,7 @@ def test_unmasked_positions_carry_no_loss():
     mask[0, [1, 5, 9]] = True
     mask[1, [0, 20, 23]] = True
     inputs = np.where(mask, 63, targets).astype(np.int32)
-    loss_fn = make_mlm_loss_fn(graphdef, num_masked=3)
+    loss_fn = jax.jit(make_mlm_loss_fn(graphdef, num_masked=3))  # jitted: an eager call compiles op by op
 
     def loss(t):
         batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(t), "mask": jnp.asarray(mask)}
@@ -101,7 +102,7 @@ def test_unmasked_positions_carry_no_loss():
 
     base = loss(targets)
     # the reference: mean over the masked positions of the full-logits NLL
-    logp = jax.nn.log_softmax(enc(jnp.asarray(inputs), jnp.asarray(mask))[0], -1)
+    logp = jax.nn.log_softmax(nnx.jit(lambda m, x, k: m(x, k)[0])(enc, jnp.asarray(inputs), jnp.asarray(mask)), -1)
     nll = -np.take_along_axis(np.asarray(logp), targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(base, nll[mask].mean(), rtol=1e-5)
     other = np.where(mask, targets, (targets + 11) % 60)  # every unmasked target changed
@@ -109,9 +110,13 @@ def test_unmasked_positions_carry_no_loss():
     one = targets.copy()
     one[0, 5] = (one[0, 5] + 11) % 60  # one masked target changed
     assert abs(loss(one) - base) > 1e-4
+
+    def masked_nll(m, x, t, k):  # jitted below: an eager call compiles op by op
+        h, _ = m.hidden(x, k)
+        return m.masked_nll(h, t, k, 5)
+
     # gathered per-position losses are zero outside the mask
-    h, _ = enc.hidden(jnp.asarray(inputs), jnp.asarray(mask))
-    per, valid, idx = enc.masked_nll(h, jnp.asarray(targets), jnp.asarray(mask), 5)
+    per, valid, idx = nnx.jit(masked_nll)(enc, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(mask))
     assert np.asarray(valid).sum() == 6
     assert (np.asarray(per)[~np.asarray(valid)] == 0).all()
     np.testing.assert_array_equal(np.sort(np.asarray(idx)[np.asarray(valid)].reshape(2, 3)),
@@ -128,14 +133,14 @@ class _RecordingBlock(blocks_lib.TransformerBlock):
 def test_important_reaches_blocks_that_take_it(monkeypatch):
     monkeypatch.setitem(blocks_lib._BLOCKS, "recording", f"{__name__}:_RecordingBlock")
     mask = jnp.zeros((1, 10), bool).at[0, [2, 3, 7]].set(True)
+    call = nnx.jit(lambda m, k: m(jnp.ones((1, 10), jnp.int32), k))  # jitted: an eager call compiles op by op
     rec = build_model(model_cfg(block="recording"), seed=0)
-    _, aux = rec(jnp.ones((1, 10), jnp.int32), mask)
+    _, aux = call(rec, mask)
     assert [int(aux["metrics"][f"layer{i}/important"]) for i in range(2)] == [3, 3]
-    _, aux = rec(jnp.ones((1, 10), jnp.int32))
+    _, aux = call(rec, None)
     assert int(aux["metrics"]["layer0/important"]) == -1
     plain = build_model(model_cfg(), seed=0)  # a block without the keyword never sees it
-    np.testing.assert_array_equal(np.asarray(plain(jnp.ones((1, 10), jnp.int32), mask)[0]),
-                                  np.asarray(plain(jnp.ones((1, 10), jnp.int32))[0]))
+    np.testing.assert_array_equal(np.asarray(call(plain, mask)[0]), np.asarray(call(plain, None)[0]))
 
 
 @pytest.mark.parametrize("method", BY_METHOD)

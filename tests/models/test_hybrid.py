@@ -24,6 +24,9 @@ from longctx.models.blocks import takes_rotary
 from longctx.models.decoder import build_model
 from tests.models import test_model_contract as contract
 
+# one worker: the cached harnesses below (built models, compiled forwards) are shared between tests
+pytestmark = pytest.mark.xdist_group("hybrid")
+
 EXACT = "dense"
 POSITIONS = ("rotary", "sinusoidal", "learned", "none")  # the first one every method of the pattern allows
 
@@ -251,7 +254,7 @@ def test_hybrid_remat_and_non_gradient_state_per_layer():
     c = ml_tiny(_cfg(("transformer_vq", "dense"), name="transformer_vq", positions="sinusoidal")).model
     c.attention.transformer_vq = {"codebook_size": 16, "block_len": 8}
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 63)
-    grads = []
+    grads, stats = [], []
     for remat in (False, True):
         c.remat = remat
         model = build_model(c)
@@ -259,15 +262,18 @@ def test_hybrid_remat_and_non_gradient_state_per_layer():
 
         def loss(p, graphdef=graphdef, rest=rest):
             logits, _, aux = nnx.merge(graphdef, p, rest)(tokens, None, deterministic=False, key=jax.random.key(1))
-            return jnp.mean(jax.nn.logsumexp(logits, -1)) + sum(aux["losses"].values())
+            return jnp.mean(jax.nn.logsumexp(logits, -1)) + sum(aux["losses"].values()), aux["stats"]
 
-        grads.append(jax.jit(jax.grad(loss))(params))
+        g, st = jax.jit(jax.grad(loss, has_aux=True))(params)  # the training pass's statistics come with it
+        grads.append(g)
+        stats.append(st)
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
-    _, _, aux = model(tokens, None, deterministic=False, key=jax.random.key(1))
-    assert len(aux["stats"]) == 4
+    for a, b in zip(jax.tree.leaves(stats[0]), jax.tree.leaves(stats[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    assert len(stats[1]) == 4
     before = _tree(model)
-    model.apply_stats(aux["stats"])
+    model.apply_stats(stats[1])
     after = _tree(model)
     changed = {k.split("]")[1].lstrip("[") for k in before if not np.array_equal(before[k], after[k])}
     assert changed == {"0", "2"}, changed  # the transformer_vq layers' codebooks; the dense layers have none

@@ -28,6 +28,9 @@ from longctx import attention
 from longctx.config import base_config
 from longctx.models.decoder import build_model
 
+# one worker: the cached harnesses below (built models, compiled forwards) are shared between tests
+pytestmark = pytest.mark.xdist_group("model_contract")
+
 B, V = 2, 64
 SPLIT_SIZES = (13, 1, 7)
 

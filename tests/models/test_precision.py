@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from longctx import config_files
 from longctx.config import base_config, resolve_vocab, validate
@@ -33,6 +35,9 @@ CONFIGS = {
     "transformer_vq": "configs/builtin/transformer_vq.py",
     "vcc": "configs/builtin/vcc.py",
 }
+
+# one worker: the lowered dense train step is shared between two tests
+pytestmark = pytest.mark.xdist_group("precision")
 
 MIN_BF16_SHARE = 0.9
 
@@ -96,8 +101,14 @@ def lowered_train_step(cfg):
     return jax.jit(step).lower(abstract(params), abstract(nongrad), abstract(rest), opt, tokens, jax.random.key(0))
 
 
+@functools.cache
+def bf16_train_step_text(method: str) -> str:
+    """The lowered bfloat16 train step of ``method``'s built-in config (shared by the tests below)."""
+    return lowered_train_step(small_config(method)).as_text()
+
+
 def bf16_share(method: str):
-    text = lowered_train_step(small_config(method)).as_text()
+    text = bf16_train_step_text(method)
     dots = dot_flops(text)
     assert len(dots) == text.count("stablehlo.dot_general") > 0  # every dot parsed
     total = sum(f for f, *_ in dots)
@@ -177,9 +188,14 @@ def test_bf16_model_keeps_fp32_parameters_optimizer_state_and_statistics(method)
     opt = make_optimizer(cfg.train).init(params)
     assert floats(opt) and all(x.dtype == jnp.float32 for x in floats(opt))
     tokens = jnp.zeros((2, 64), jnp.int32)
-    h, _, aux = model.hidden(tokens, deterministic=False, key=jax.random.key(0))
+
+    def run(model):
+        h, _, aux = model.hidden(tokens, deterministic=False, key=jax.random.key(0))
+        return h, model.logits(h), model.nll(h, tokens), aux
+
+    h, logits, nll, aux = nnx.jit(run)(model)  # jitted: an eager call compiles op by op
     assert h.dtype == jnp.bfloat16  # activations in the compute dtype
-    assert model.logits(h).dtype == jnp.float32 and model.nll(h, tokens).dtype == jnp.float32
+    assert logits.dtype == jnp.float32 and nll.dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in floats(aux["stats"]))  # non-gradient statistics
     assert all(x.dtype == jnp.float32 for x in floats(aux["losses"]))
 
@@ -192,7 +208,7 @@ def test_bf16_train_step_with_the_accelerator_row_layout(monkeypatch):
     from longctx import layout
 
     cfg = small_config("dense")
-    flat = lowered_train_step(cfg).as_text()
+    flat = bf16_train_step_text("dense")
     monkeypatch.setattr(layout, "jax", SimpleNamespace(default_backend=lambda: "gpu"))
     as_is = lowered_train_step(cfg).as_text()
     # the same matmul FLOPs either way, and in the accelerator's layout the output layer contracts [B, T, d]

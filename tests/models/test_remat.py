@@ -35,21 +35,32 @@ def model_cfg(name, block, **kw):
     return c
 
 
-def second_window_step(model, microbatches: int):
-    """The training step's gradient of the second window: the first window's state carried in (a constant), the
-    rows in ``microbatches`` micro-batches (``accumulate_grads``) or all at once (``value_and_grad``)."""
+def tokens():
+    return jax.random.randint(jax.random.key(0), (B, 2 * W + 1), 0, V)
+
+
+def first_window_state(model):
+    """The state the first window leaves (the model's training pass over it): what the second window carries in."""
     graphdef, params, nongrad, rest = split_model(model)
-    tokens = jax.random.randint(jax.random.key(0), (B, 2 * W + 1), 0, V)
+    t = tokens()
+    _, (_, state, _) = jax.jit(make_loss_fn(graphdef))(params, nongrad, rest, t[:, :W], t[:, 1:W + 1],
+                                                        model.init_state(B, 2 * W), jax.random.key(1))
+    return state
+
+
+def second_window_step(model, microbatches: int, state):
+    """The training step's gradient of the second window: ``state`` carried in (a constant), the rows in
+    ``microbatches`` micro-batches (``accumulate_grads``) or all at once (``value_and_grad``)."""
+    graphdef, params, nongrad, rest = split_model(model)
+    t = tokens()
     loss = make_loss_fn(graphdef)
-    _, (_, state, _) = loss(params, nongrad, rest, tokens[:, :W], tokens[:, 1:W + 1],
-                            model.init_state(B, 2 * W), jax.random.key(1))
     if microbatches == 1:
         grad_fn = jax.value_and_grad(loss, has_aux=True)
     else:
         axes = _batch_axes(graphdef, params, nongrad, rest, B, microbatches, 2 * W)
         grad_fn = accumulate_grads(loss, microbatches, state_axes=axes)
     (value, (ce, new_state, aux)), grads = jax.jit(grad_fn)(
-        params, nongrad, rest, tokens[:, W:2 * W], tokens[:, W + 1:], state, jax.random.key(2))
+        params, nongrad, rest, t[:, W:2 * W], t[:, W + 1:], state, jax.random.key(2))
     return value, grads, new_state, aux["losses"]
 
 
@@ -68,9 +79,13 @@ def assert_close(a, b, msg):
         ("transformer_vq", "gau", "cotangent_tied", K), ("dense", "transformer", "cotangent_tied", 1),
         ("transformer_vq", "gau", "nothing_saveable", K), ("dense", "transformer", "nothing_saveable", K)])])
 def test_remat_with_carried_state_and_microbatches_equals_no_remat(name, block, policy, microbatches):
-    ref = second_window_step(build_model(model_cfg(name, block, dropout=0.1), seed=0), microbatches)
+    model = build_model(model_cfg(name, block, dropout=0.1), seed=0)
+    # both steps carry in the same first-window state; the remat model's own forward is held to the reference's
+    # through the new state it returns
+    state = first_window_state(model)
+    ref = second_window_step(model, microbatches, state)
     got = second_window_step(build_model(model_cfg(name, block, dropout=0.1, remat=True, remat_policy=policy),
-                                         seed=0), microbatches)
+                                         seed=0), microbatches, state)
     assert jax.tree.leaves(ref[1]) and jax.tree.leaves(ref[2])  # gradients and a carried state to compare
     for part, x, y in zip(("loss", "gradients", "new state", "aux losses"), got, ref):
         assert_close(x, y, f"{name} remat={policy} microbatches={microbatches}: {part}")

@@ -23,6 +23,9 @@ from longctx.models.backbone import layer_layout, relayout
 from longctx.models.decoder import build_model
 from longctx.train import sharding
 
+# one worker: the cached model pairs and reference gradients below are shared between tests
+pytestmark = pytest.mark.xdist_group("scan_layers")
+
 B, V = 2, 64
 # (method, block): every method whose blocks the backbone runs itself; transformer_vq with the paper's GAU blocks
 METHODS = [("dense", "transformer"), ("transformer_vq", "gau"), ("eva", "transformer"), ("fma", "transformer"),
@@ -72,17 +75,24 @@ def loss_and_grads(model, tokens, key):
     return value, grads, aux
 
 
+@functools.cache
+def unrolled_loss_and_grads(name, block):
+    """The unrolled model's training-mode loss, gradients and aux (the reference the scanned forms are held to)."""
+    unrolled, _, T = pair(name, block, dropout=0.1)
+    tokens = jax.random.randint(jax.random.key(0), (B, T), 0, V - 1)
+    return tokens, loss_and_grads(unrolled, tokens, jax.random.key(1))
+
+
 def _params(name):
     return [pytest.param(n, b, id=n, marks=[] if n in FAST else [pytest.mark.slow]) for n, b in METHODS if n == name]
 
 
 @pytest.mark.parametrize("name,block", [p for n, _ in METHODS for p in _params(n)])
 def test_scanned_equals_unrolled_loss_and_gradients(name, block):
-    unrolled, scanned, T = pair(name, block, dropout=0.1)
+    unrolled, scanned, _ = pair(name, block, dropout=0.1)
     assert layer_layout(nnx.state(unrolled)) == "unrolled" and layer_layout(nnx.state(scanned)) == "scanned"
     close(relayout(nnx.state(unrolled), scanned=True), nnx.state(scanned), 0.0, "same seed, same initial values")
-    tokens = jax.random.randint(jax.random.key(0), (B, T), 0, V - 1)
-    lu, gu, au = loss_and_grads(unrolled, tokens, jax.random.key(1))
+    tokens, (lu, gu, au) = unrolled_loss_and_grads(name, block)
     ls, gs, as_ = loss_and_grads(scanned, tokens, jax.random.key(1))
     np.testing.assert_allclose(float(ls), float(lu), atol=1e-6, rtol=1e-6)
     close(gs, relayout(gu, scanned=True), 1e-6, "gradients")
@@ -99,11 +109,9 @@ def test_scanned_equals_unrolled_loss_and_gradients(name, block):
 @pytest.mark.parametrize("policy", ["cotangent_tied", pytest.param("nothing_saveable", marks=pytest.mark.slow),
                                     pytest.param("dots_saveable", marks=pytest.mark.slow)])
 def test_remat_inside_the_scan(policy):
-    unrolled, _, T = pair("transformer_vq", "gau", dropout=0.1)
     cfg, _ = model_cfg("transformer_vq", "gau", scan=True, dropout=0.1, remat=True, remat_policy=policy)
     scanned = build_model(cfg, seed=0)
-    tokens = jax.random.randint(jax.random.key(0), (B, T), 0, V - 1)
-    lu, gu, _ = loss_and_grads(unrolled, tokens, jax.random.key(1))
+    tokens, (lu, gu, _) = unrolled_loss_and_grads("transformer_vq", "gau")
     ls, gs, _ = loss_and_grads(scanned, tokens, jax.random.key(1))
     np.testing.assert_allclose(float(ls), float(lu), atol=1e-6, rtol=1e-6)
     close(gs, relayout(gu, scanned=True), 1e-6, f"remat {policy}")

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, xla_flags
 
 
 def test_plan_reports_memory_and_flops_without_data(tmp_path):
@@ -34,7 +34,7 @@ def test_dry_run_cli_on_eight_devices_shards_the_arguments(tmp_path):
         eight = dry_run.plan(cfg)
         print("RATIO", one["argument_bytes"] / eight["argument_bytes"])
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert "RATIO" in r.stdout, r.stderr[-3000:]

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from longctx.train import launch_local
-from tests.conftest import tiny_config, write_corpus
+from tests.conftest import tiny_config, write_corpus, xla_flags
 from tests.train.test_resume import write_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,8 @@ def _args(cfg: Path, wd: Path) -> list[str]:
 
 def _single_start(cfg: Path, wd: Path) -> subprocess.Popen:
     """The single-process 8-device run of ``cfg`` (the reference), started."""
-    env = {**_base_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    # the suite's XLA flags, as launch_local keeps them for the job's processes
+    env = {**_base_env(), "XLA_FLAGS": xla_flags(8)}
     return subprocess.Popen([sys.executable, "-c", launch_local.TRAIN, *_args(cfg, wd)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
@@ -122,8 +123,12 @@ def _only_primary_wrote(wd: Path, logdir: Path) -> None:
 def test_two_processes_train_what_one_process_trains(tmp_path):
     steps = 4
     cfg = _config(tmp_path, steps=steps, ckpt_every=2)
-    _single(cfg, tmp_path / "ref")
-    _run(cfg, tmp_path / "run", tmp_path / "logs")
+    ref = _single_start(cfg, tmp_path / "ref")  # the reference runs beside the job
+    try:
+        _run(cfg, tmp_path / "run", tmp_path / "logs")
+    finally:
+        _, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err[-3000:]
     _same_run(tmp_path / "ref", tmp_path / "run", steps)
     _only_primary_wrote(tmp_path / "run", tmp_path / "logs")
     assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]

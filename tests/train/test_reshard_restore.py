@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, xla_flags
 from tests.train.test_resume import train_losses, write_cfg
 
 
@@ -19,9 +19,7 @@ def _train(cfg_file, workdir, devices, *extra):
     cmd = [sys.executable, "-c", "from longctx.cli import train_main; train_main()", f"--config={cfg_file}",
            f"--workdir={workdir}", "--noprogress", *extra]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    env.pop("XLA_FLAGS", None)
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices if devices > 1 else None)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return r

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 SCRIPT = textwrap.dedent(
     """
     import sys, jax, jax.numpy as jnp, numpy as np, ml_collections
@@ -70,7 +72,7 @@ COMPOSING = "dense,transformer_vq,eva,fma,fma_linear"
 
 
 def _run(specs, T, devices="4,8", modes="auto"):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     r = subprocess.run([sys.executable, "-c", SCRIPT, specs, str(T), devices, modes, COMPOSING], capture_output=True,
                        text=True, timeout=3000, env=env)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import xla_flags
+
 SCRIPT = textwrap.dedent(
     """
     import sys, jax, numpy as np, ml_collections
@@ -94,9 +96,14 @@ SCRIPT = textwrap.dedent(
 MESHES = "8x1x1x1,2x2x2x1,1x4x2x1,2x1x1x4"
 
 
+def _env() -> dict:
+    """The suite's XLA flags and 8 simulated devices, the checkout importable."""
+    return {**os.environ, "XLA_FLAGS": xla_flags(8),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
 def _run(methods, meshes, lengths="32/16"):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = _env()
     r = subprocess.run([sys.executable, "-c", SCRIPT, methods, meshes, lengths], capture_output=True, text=True,
                        timeout=1800, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == len(methods.split(",")), r.stderr[-4000:]
@@ -167,8 +174,7 @@ def test_plan_errors_name_the_dimension():
 
 
 def test_indivisible_dimension_is_a_config_error_naming_it():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = _env()
     code = textwrap.dedent("""
         import jax, ml_collections
         from longctx.config import base_config
