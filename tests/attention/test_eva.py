@@ -36,6 +36,7 @@ def qkv(L, seed=0, scale=1.0, b=B):
     return tuple(scale * jax.random.normal(kk, (b, H, L, D), jnp.float32) for kk in ks)
 
 
+@functools.partial(jax.jit, static_argnums=3)  # an eager call dispatches op by op
 def softmax_ref(q, k, v, causal):
     L = q.shape[2]
     pos = jnp.arange(L)
@@ -49,8 +50,9 @@ def maxdiff(a, b):
 # --------------------------------------------------------------------------- §6.1
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("L", [64, 45])
+# a ragged bidirectional row with -m slow (its padded chunks: test_ragged_bidirectional_padding_masked)
+@pytest.mark.parametrize("causal,L", [(True, 64), (False, 64), (True, 45),
+                                      pytest.param(False, 45, marks=pytest.mark.slow)])
 def test_full_window_disjoint_is_exact_and_full_partition_differs(causal, L):
     q, k, v = qkv(L)
     ref = softmax_ref(q, k, v, causal)
@@ -65,7 +67,7 @@ def test_full_window_disjoint_is_exact_and_full_partition_differs(causal, L):
 
 
 def test_one_token_per_chunk_causal():
-    q, k, v = qkv(40)
+    q, k, v = qkv(20)
     ref = softmax_ref(q, k, v, True)
     base = dict(window_size=1, chunk_size=1, use_rpe=False)
     assert maxdiff(run(make(chunk_rep="identity", **base), q, k, v)[0], ref) < 1e-5
@@ -244,6 +246,8 @@ def test_training_step_streams_too():
     key = jax.random.PRNGKey(3)
     full = run(core, q, k, v, deterministic=False, key=key)[0]
     assert maxdiff(full, run(core, q, k, v)[0]) > 1e-2
+    with pytest.raises(ValueError, match="key"):  # a training call needs the key
+        core(q, k, v, deterministic=False)
     state, outs = core.init_state(B, 30), []
     for a, b in ((0, 7), (7, 8), (8, 30)):
         o, state = run(core, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, deterministic=False, key=key)
@@ -313,20 +317,6 @@ def test_ragged_bidirectional_padding_masked():
     logits = s * jnp.einsum("bhnd,bhcd->bhnc", q, kc.sum(3) / P)
     ref = jnp.einsum("bhnc,bhcd->bhnd", jax.nn.softmax(logits, -1), beta)
     assert maxdiff(out, ref) < 1e-5
-
-
-def test_jit_reproducible_with_key_and_key_matters():
-    core = make(**LEAK_CFG, attn_dropout=0.1)
-    q, k, v = qkv(30, seed=14)
-    graphdef, params = nnx.split(core)
-    f = jax.jit(lambda p, key: nnx.merge(graphdef, p)(q, k, v, deterministic=False, key=key)[0])
-    a, b = f(params, jax.random.PRNGKey(1)), f(params, jax.random.PRNGKey(1))
-    assert maxdiff(a, b) == 0.0
-    assert maxdiff(a, f(params, jax.random.PRNGKey(2))) > 1e-3
-    det = run(core, q, k, v)[0]
-    assert maxdiff(det, run(core, q, k, v)[0]) == 0.0 and maxdiff(det, a) > 1e-3
-    with pytest.raises(ValueError, match="key"):
-        core(q, k, v, deterministic=False)
 
 
 def test_rpe_buckets_and_bias_used():
@@ -432,14 +422,21 @@ def test_tile_softmax_backward_matches_autodiff(hb, nb, keep, halves):
     ours = lambda *a: xla_cpu.tile_softmax(*a, lmask, cmask, cmask_t, 0.3, keep, halves)  # noqa: E731
     ref = lambda *a: xla_cpu._joint_softmax(*a, lmask, cmask, 0.3)[0]  # noqa: E731
 
-    def loss(f):
-        return lambda *a: jnp.sum(f(*a) * w)
-
     n = 6 if hb else 5
-    got = jax.grad(loss(ours), argnums=tuple(range(n)))(*args)
-    want = jax.grad(loss(ref), argnums=tuple(range(n)))(*args)
-    np.testing.assert_allclose(ours(*args), ref(*args), rtol=1e-6, atol=1e-6)
-    assert float(jnp.abs(ours(*args)[0, 0, 0, 0]).max()) == 0.0
+
+    def out_and_grads(f, jit):
+        def loss(*a):
+            out = f(*a)
+            return jnp.sum(out * w), out
+        vg = jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)
+        (_, out), grads = (jax.jit(vg) if jit else vg)(*args)
+        return out, grads
+
+    # ours jitted (an eager call dispatches op by op); the autodiff oracle eager: jitted at XLA:CPU's optimization
+    # level 0 (tests/conftest.py) its bias gradient has NaN entries
+    (got_out, got), (want_out, want) = out_and_grads(ours, True), out_and_grads(ref, False)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-6, atol=1e-6)
+    assert float(jnp.abs(got_out[0, 0, 0, 0]).max()) == 0.0
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
 
@@ -464,7 +461,8 @@ def test_tile_softmax_cotangents_in_primal_dtypes(keep):
         out = xla_cpu.tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, 0.3, keep, False)
         return jnp.sum(out.astype(jnp.float32))
 
-    grads = jax.grad(loss, argnums=tuple(range(6)))(q, k, v, k_hat, beta, table)
+    # jitted: an eager grad dispatches op by op
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, k_hat, beta, table)
     assert [g.dtype for g in grads] == [jnp.float32] * 5 + [jnp.bfloat16]
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
 
@@ -489,7 +487,7 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
     """xla_cpu: a full pass within keep_budget keeps its attention weights for the backward; with keep_budget = 0
     it recomputes them: the same outputs and gradients (inputs and every parameter, RPE table included), and the
     budget really switches the path (the kept backward redoes none of the softmax's exp passes)."""
-    q, k, v = qkv(96, seed=8)
+    q, k, v = qkv(32, seed=8)  # 4 tiles of 8, each its own tile group
     w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
 
     def build(budget):
@@ -533,7 +531,7 @@ def test_training_mode_same_across_implementations(causal, dropout, monkeypatch)
     from pallas_kernels import eva_attend
 
     chunking = dict(chunk_size=4) if causal else dict(num_chunks=4)
-    q, k, v = qkv(45, seed=12)
+    q, k, v = qkv(21, seed=12)  # 6 chunks of 4 (the last with padding), 3 local blocks
     w = jax.random.normal(jax.random.PRNGKey(13), q.shape)
     train = dict(deterministic=False, key=jax.random.PRNGKey(14))
     rates = []

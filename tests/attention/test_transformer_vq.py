@@ -179,11 +179,12 @@ def _pairs(T):
     return [(L, M) for L in divisors(T) for M in divisors(T) if M <= L]
 
 
-FAST_PAIRS = [(1, 1), (2, 1), (3, 3), (4, 2), (6, 6), (12, 4)]
+# one block of one token, M = L, M < L, one block of the whole row (each reduction among them); every pair with -m slow
+FAST_PAIRS = [(1, 1), (3, 3), (4, 2), (12, 4)]
 
 
-@pytest.mark.parametrize("dtype,pairs", [("float64", FAST_PAIRS), ("float32", FAST_PAIRS[2:4]),
-                                         ("bfloat16", FAST_PAIRS[2:4]),
+@pytest.mark.parametrize("dtype,pairs", [("float64", FAST_PAIRS), ("float32", FAST_PAIRS[1:3]),
+                                         ("bfloat16", FAST_PAIRS[1:3]),
                                          pytest.param("float64", None, marks=pytest.mark.slow)])
 def test_linear_equals_quadratic(x64, dtype, pairs):
     T = 12
@@ -541,7 +542,10 @@ def test_ema_update_closed_form_and_masking():
 
 
 # ---------------------------------------------------------------------- check 11: encoder
-@pytest.mark.parametrize("T,L,M", [(12, 3, 3), (12, 4, 2), (10, 3, 2), (12, 12, 5), (14, 2, 1)])
+# a band shorter than the block, a ragged row, one block by default; M = L (the shared law's band, whose encoders
+# tests/attention/test_implementations.py compares with the reference) and blocks of 2 with -m slow
+@pytest.mark.parametrize("T,L,M", [pytest.param(12, 3, 3, marks=pytest.mark.slow), (12, 4, 2), (10, 3, 2), (12, 12, 5),
+                                   pytest.param(14, 2, 1, marks=pytest.mark.slow)])
 def test_encoder_equals_dense_bidirectional(x64, T, L, M):
     d = make_inputs(T=T, M=M, signed=True)
     q_u, q_v, bd = derived(d)

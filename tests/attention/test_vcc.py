@@ -92,6 +92,11 @@ def dense_hidden(model, tokens):
     return x
 
 
+# jitted: an eager call dispatches op by op
+format_rows = jax.jit(vs.format_rows, static_argnums=(4, 5))
+materialize = jax.jit(vs.materialize)
+
+
 def layer_kw(model, h=None, deterministic=True):
     return model.stack.layer_kwargs(deterministic, model.stack.num_fine if h is None else h)
 
@@ -148,6 +153,9 @@ def _gamma_reference(block, Y, bias):
     return A + F
 
 
+gamma_reference = nnx.jit(_gamma_reference)
+
+
 def test_dense_matrix_reference():
     T, n_p, k, h = 64, 8, 4, 3
     nb = (T - n_p) // k
@@ -155,7 +163,7 @@ def test_dense_matrix_reference():
     tokens, imp = inputs(T, seed=4)
     x = model.embed_tokens(tokens, jnp.arange(T))
     got, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
-    st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
+    st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
     for b in range(B):
         fine = np.asarray(infos[0]["fine_idx"][b])
         S_c, S_dag, D = vs.compression_matrices(fine, nb, k)
@@ -164,7 +172,7 @@ def test_dense_matrix_reference():
         P, C = X[:n_p], X[n_p:]
         SX = np.concatenate([P, S_c @ C])
         bias = np.concatenate([np.zeros(n_p), np.log(D)])
-        U = np.asarray(_gamma_reference(model.blocks[0], jnp.asarray(SX, jnp.float32), jnp.asarray(bias, jnp.float32)))
+        U = np.asarray(gamma_reference(model.blocks[0], jnp.asarray(SX, jnp.float32), jnp.asarray(bias, jnp.float32)))
         X_new = X + np.concatenate([U[:n_p], S_dag @ U[n_p:]])
         want = np.empty_like(X_new)
         want[perm] = X_new
@@ -198,13 +206,13 @@ def test_format_materialize_round_trip_and_block_update_reaches_every_token():
     vip = jax.random.bernoulli(jax.random.key(1), 0.2, (B, T))
     valid = jnp.ones((B, T), bool).at[1, -6:].set(False)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    st, _ = vs.format_rows(x, vip, valid, pos, n_p, k)
+    st, _ = format_rows(x, vip, valid, pos, n_p, k)
     want = x * valid[..., None]
-    np.testing.assert_allclose(np.asarray(vs.materialize(st)), np.asarray(want), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(materialize(st)), np.asarray(want), atol=1e-6)
     # an update of block b's mean reaches all k of its tokens (and nothing else)
     u = jax.random.normal(jax.random.key(2), (D_MODEL,))
     st2 = vs.VCCState(**{**st.__dict__, "coarse": st.coarse.at[0, 3].add(u)})
-    moved = np.asarray(vs.materialize(st2) - vs.materialize(st))[0]
+    moved = np.asarray(materialize(st2) - materialize(st))[0]
     members = np.asarray(st.perm[0, n_p + 3 * k: n_p + 4 * k])
     np.testing.assert_allclose(moved[members], np.broadcast_to(np.asarray(u), (k, D_MODEL)), atol=1e-6)
     others = np.setdiff1d(np.arange(T), members)
@@ -219,20 +227,22 @@ def test_tree_consistency_after_every_layer():
     valid = jnp.ones((B, T), bool).at[1, -10:].set(False)  # two whole blocks of row 1 are padding
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     x = model.embed_tokens(tokens, jnp.arange(T))
-    x = vs.segment_local_layer(model.blocks[0], x, pos, valid, 64, rotary=True, deterministic=True, key=None)
-    st, _ = vs.format_rows(x, imp, valid, pos, n_p, k)
+    x = nnx.jit(lambda b, x: vs.segment_local_layer(b, x, pos, valid, 64, rotary=True, deterministic=True, key=None))(
+        model.blocks[0], x)
+    st, _ = format_rows(x, imp, valid, pos, n_p, k)
+    layer = nnx.jit(lambda block, s: vs.vcc_layer(block, s, key=None, **layer_kw(model)))  # one program, 3 layers
     for i in range(1, 4):
-        st, info = jax.jit(lambda s, i=i: vs.vcc_layer(model.blocks[i], s, key=None, **layer_kw(model)))(st)
-        toks = vs.tokens_of(st)
+        st, info = layer(model.blocks[i], st)
+        toks = jax.jit(vs.tokens_of)(st)
         bv = np.asarray(st.block_valid)
-        mean = np.asarray(vs.masked_mean(toks, st.tok_valid, 2))
+        mean = np.asarray(jax.jit(vs.masked_mean, static_argnums=2)(toks, st.tok_valid, 2))
         np.testing.assert_allclose(np.asarray(st.coarse)[bv], mean[bv], atol=1e-5)
         tv = np.asarray(st.tok_valid)[..., None]
         np.testing.assert_allclose(np.asarray(st.diff) * tv,
                                    (np.asarray(st.coarse)[:, :, None] - np.asarray(toks)) * tv, atol=1e-5)
         np.testing.assert_allclose((np.asarray(st.diff) * tv).sum(2)[bv], 0.0, atol=1e-5)
         # the incremental update equals rebuilding T(C) from the materialized tokens
-        rebuilt, _ = vs.format_rows(vs.materialize(st), imp, valid, pos, n_p, k)
+        rebuilt, _ = format_rows(materialize(st), imp, valid, pos, n_p, k)
         np.testing.assert_allclose(np.asarray(rebuilt.coarse)[bv], np.asarray(st.coarse)[bv], atol=1e-5)
         np.testing.assert_allclose(np.asarray(rebuilt.diff) * tv, np.asarray(st.diff) * tv, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(rebuilt.P), np.asarray(st.P) * np.asarray(st.vip_valid)[..., None])
@@ -301,7 +311,7 @@ def test_straight_through_gate_changes_gradients_not_values():
         outs[ste] = stack_hidden(model, tokens, imp, deterministic=False, key=key)
         x = model.embed_tokens(tokens, jnp.arange(T))
         pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-        st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), pos, 8, 4)
+        st, _ = format_rows(x, imp, jnp.ones((B, T), bool), pos, 8, 4)
         kw = layer_kw(model, deterministic=False)
         kw["explore_prob"] = 0.0
 
@@ -336,15 +346,14 @@ def test_format_vip_order_underflow_and_overflow():
     vip[1, [1, 2, 5, 11, 20, 23]] = True  # more than n_p
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     # jitted: an eager call dispatches op by op (most of this test's time)
-    st, overflow = jax.jit(vs.format_rows, static_argnums=(4, 5))(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos,
-                                                                 n_p, k)
+    st, overflow = format_rows(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos, n_p, k)
     perm = np.asarray(st.perm)
     assert perm[0, :4].tolist() == [3, 9, 17, 0]  # VIP in order, then the earliest other token
     assert np.asarray(st.imp)[0].tolist() == [True, True, True, False]
     assert perm[1, :4].tolist() == [1, 2, 5, 11] and np.asarray(st.imp)[1].all()
     assert sorted(perm[1, 4:].tolist()) == sorted(set(range(T)) - {1, 2, 5, 11})  # surplus VIPs compressed
     assert np.asarray(overflow).tolist() == [0, 2]
-    np.testing.assert_allclose(np.asarray(jax.jit(vs.materialize)(st)), np.asarray(x), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(materialize(st)), np.asarray(x), atol=1e-6)
     model = build(num_vip=n_p)
     _, aux = call(model, jax.random.randint(jax.random.key(1), (B, T), 0, V - 1), jnp.asarray(vip))
     assert int(aux["metrics"]["stack/vip_overflow"]) == 2
@@ -395,7 +404,7 @@ def test_gradient_reaches_a_token_of_an_unselected_block():
     tokens, imp = inputs(T, seed=8)
     x = model.embed_tokens(tokens, jnp.arange(T))
     _, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
-    st, _ = vs.format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
+    st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
     unselected = [b for b in range(8) if b not in np.asarray(infos[0]["fine_idx"][0]).tolist()][0]
     tok = int(st.perm[0, n_p + unselected * k + 1])
     vip_rows = np.asarray(st.perm[0, :n_p])[np.asarray(st.imp[0])]
@@ -513,6 +522,12 @@ def lm_hidden(model, tokens, state=None, *, deterministic=True, key=None, embedd
     return model.stack(model.blocks, x, state, positions=pos, deterministic=deterministic, key=key, return_info=True)
 
 
+@nnx.jit
+def lm_logits(model, tokens):
+    """model(tokens)'s logits, jitted."""
+    return model(tokens)[0]
+
+
 def test_lm_parameter_tree_is_the_dense_decoders():
     pd, pv = nnx.state(lm("dense"), nnx.Param), nnx.state(lm(), nnx.Param)
     assert jax.tree.structure(pd) == jax.tree.structure(pv)
@@ -525,17 +540,23 @@ def test_lm_reduces_to_dense_causal(kind):
     T = 64
     kw = {"num_fine_blocks": (T - 8 - 8) // 4} if kind == "all_old_blocks_fine" else {"block_size": 1}
     tokens, _ = inputs(T, seed=1)
-    want = lm("dense")(tokens)[0]
-    np.testing.assert_allclose(np.asarray(lm(**kw)(tokens)[0]), np.asarray(want), atol=1e-5, rtol=1e-5)
+    want = lm_logits(lm("dense"), tokens)
     got = lm(**kw)
-    y, _, _ = lm_hidden(got, tokens, deterministic=False, key=jax.random.key(2))  # training mode too
-    np.testing.assert_allclose(np.asarray(got.logits(got.norm(y))), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lm_logits(got, tokens)), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+    @nnx.jit
+    def train_logits(model, tokens, key):  # training mode too
+        y, _, _ = lm_hidden(model, tokens, deterministic=False, key=key)
+        return model.logits(model.norm(y))
+
+    np.testing.assert_allclose(np.asarray(train_logits(got, tokens, jax.random.key(2))), np.asarray(want), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_lm_first_windows_are_dense_and_later_ones_compressed():
     T, w, g, k = 64, 8, 8, 4
     tokens, _ = inputs(T, seed=2)
-    want, got = lm("dense")(tokens)[0], lm()(tokens)[0]
+    want, got = lm_logits(lm("dense"), tokens), lm_logits(lm(), tokens)
     exact = w + g + k  # windows whose old history holds no complete block: t0 - g < k
     np.testing.assert_allclose(np.asarray(got[:, :exact]), np.asarray(want[:, :exact]), atol=1e-5, rtol=1e-5)
     assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
