@@ -187,6 +187,10 @@ class EVAAttention(AttentionCore):
             "xla": ContractCase(cfg={**small, "impl": "xla"}, length=48, slow=True),
             "auto_overlap_disjoint": ContractCase(cfg={**small, "overlap_window": True, "partition": "disjoint"},
                                                   length=48, directions=("causal",), slow=True),
+            # the paper's overlapping windows, the exact chunk log-sum-exp and attention dropout: every law on them
+            # (the streamed and decoded laws run training mode with a key: ω draws and dropout masks included)
+            "overlap_lse_dropout": ContractCase(cfg={**small, "overlap_window": True, "chunk_logit": "exact_lse",
+                                                     "attn_dropout": 0.3}, length=48, directions=("causal",)),
             # Phase A and Phase B through the Pallas kernels (interpret mode on CPU)
             "pallas": ContractCase(cfg={**small, "impl": "pallas"}, length=48, slow=True),  # interpret mode
         }
