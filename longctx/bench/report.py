@@ -468,9 +468,26 @@ def gpu_check_section(out: Path) -> list[str]:
                   x.get("max_abs_diff_out")] for x in krows]))
         arows = [x for name in ("attention", "attention_d128") for x in r.get(name) or []]
         if arows:
-            parts.append(C.md_table(["attention variant", "head dim", "T", "fwd ms", "fwd+bwd ms", "status"],
+            exact = r.get("exact")
+            ref = {(x.get("head_dim"), x.get("length")): x for x in arows if x.get("variant") == exact}
+
+            def vs_exact(x, key, ref=ref):  # the method's time over exact attention's, same head dim and length
+                e = ref.get((x.get("head_dim"), x.get("length")), {})
+                return x[key] / e[key] if x.get(key) and e.get(key) else None
+
+            def peak(x):  # ≥: FLOPs counted by XLA in a program with loops (or a kernel) are a lower bound
+                pf = x.get("fwdbwd_peak_fraction")
+                opaque = not x.get("fwdbwd_analytic_gflops_per_s") and x.get("fwdbwd_xla_flops_has_loops")
+                return lower(None if pf is None else 100 * pf, opaque)
+
+            parts.append(f"Attention: time over `{exact}`'s at the same shape (below 1: faster than exact "
+                         "attention); % of the device's bf16 peak from the analytic FLOPs where the method has them, "
+                         "else XLA's count.\n")
+            parts.append(C.md_table(["attention variant", "head dim", "T", "fwd ms", "fwd+bwd ms", "fwd / exact",
+                                     "fwd+bwd / exact", "% of peak fwd+bwd", "status"],
                                     [[x.get("variant"), x.get("head_dim"), x.get("length"), ms(x.get("fwd_s")),
-                                      ms(x.get("fwdbwd_s")), (x.get("fwd_status") or "")[:60]] for x in arows]))
+                                      ms(x.get("fwdbwd_s")), vs_exact(x, "fwd_s"), vs_exact(x, "fwdbwd_s"), peak(x),
+                                      (x.get("fwd_status") or "")[:60]] for x in arows]))
     return parts
 
 

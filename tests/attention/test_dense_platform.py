@@ -190,7 +190,8 @@ def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monke
     cfg.impl = "flash"
     with pytest.raises(ConfigError, match="cudnn"):
         attention.validate("dense", cfg, causal=True)
-    # this CPU: the labels as before, the tiles by their CPU form
+    # a CPU: the labels as before, the tiles by their CPU form (pinned: this file also runs on a GPU)
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")
     assert dense.DenseAttention.bench_variants() == {"naive": {"impl": "reference"}, "blockwise": {"impl": "xla_cpu"}}
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     variants = dense.DenseAttention.bench_variants()
@@ -200,7 +201,8 @@ def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monke
 # ------------------------------------------------------------------------------------------------ CPU unchanged
 @pytest.mark.parametrize("T, threshold", [(64, 4096 * 4096), (64, 16)])  # reference; the unrolled tiles
 @pytest.mark.parametrize("full_pass", [True, False])
-def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, T, threshold, full_pass):
+def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, monkeypatch, T, threshold, full_pass):
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")  # the CPU's rule, wherever the suite runs
     q, k, v = qkv(T)
     pos = full(T)
     kw = dict(causal=True, block_q=16, block_k=16)
