@@ -19,23 +19,20 @@ import json
 import math
 import os
 import socket
-import struct
 import sys
 import time
 from pathlib import Path
+
+from longctx.train import tfevents
 
 TB_DIR = "tb"
 
 
 class _EventFile:
-    """One TensorBoard event file written synchronously (tensorboardX's protobufs and record framing,
-    without its background queue, so a flush means the events are in the file)."""
+    """One TensorBoard event file written synchronously (longctx.train.tfevents: no background queue, so a flush
+    means the events are in the file)."""
 
     def __init__(self, logdir: Path, purge_step: int):
-        from tensorboardX.proto import event_pb2, summary_pb2
-        from tensorboardX.record_writer import masked_crc32c
-
-        self._event_pb2, self._summary_pb2, self._crc = event_pb2, summary_pb2, masked_crc32c
         logdir.mkdir(parents=True, exist_ok=True)
         # TensorBoard reads a folder's event files in name order: the time, then a sequence number
         # past every earlier segment's, so a restart within the same second still sorts after it
@@ -43,21 +40,15 @@ class _EventFile:
                        if p.name.rsplit(".", 1)[-1].isdigit()), default=0)
         self.path = logdir / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{seq:06d}"
         self._f = open(self.path, "ab")
-        ev = event_pb2.Event
-        self._write(ev(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
-        self._write(ev(wall_time=time.time(), step=purge_step,
-                       session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self._f.write(tfevents.frame(tfevents.encode_event(wall_time=time.time(), step=purge_step,
+                                                           file_version="brain.Event:2")))
+        # a session start at step s: TensorBoard drops the events of earlier runs at steps >= s
+        self._f.write(tfevents.frame(tfevents.encode_event(wall_time=time.time(), step=purge_step,
+                                                           session_status=tfevents.SESSION_START)))
         self._f.flush()
 
-    def _write(self, event) -> None:
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        self._f.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
-
     def scalars(self, step: int, values: dict) -> None:
-        S = self._summary_pb2.Summary
-        summary = S(value=[S.Value(tag=tag, simple_value=v) for tag, v in values.items()])
-        self._write(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+        self._f.write(tfevents.frame(tfevents.encode_event(wall_time=time.time(), step=int(step), scalars=values)))
         self._f.flush()
 
     def close(self) -> None:
@@ -91,8 +82,6 @@ class MetricsWriter:
         if tensorboard:
             try:
                 self.tb = _EventFile(Path(workdir) / TB_DIR, purge_step=resume_step + 1)
-            except ImportError:  # tensorboardX missing or broken: the JSONL log is the record
-                self.tb = None
             except OSError as e:  # e.g. WORKDIR/tb is a file: train on, with the JSONL log
                 (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(
                     f"warning: no TensorBoard log ({e.strerror or e} in {Path(workdir) / TB_DIR}); metrics.jsonl "
@@ -135,41 +124,18 @@ def read_metrics(workdir: Path) -> list[dict]:
     return [rec for rec in map(_parse, path.read_text().splitlines()) if rec is not None]
 
 
-def _records(path: Path):
-    """The records of one TFRecord file; stops at a record cut short or damaged (as TensorBoard waits
-    for the rest of it)."""
-    from tensorboardX.record_writer import masked_crc32c
-
-    data = path.read_bytes()
-    at = 0
-    while at + 12 <= len(data):
-        header = data[at:at + 8]
-        (n,) = struct.unpack("<Q", header)
-        if struct.unpack("<I", data[at + 8:at + 12])[0] != masked_crc32c(header) or at + 16 + n > len(data):
-            return
-        body = data[at + 12:at + 12 + n]
-        if struct.unpack("<I", data[at + 12 + n:at + 16 + n])[0] != masked_crc32c(body):
-            return
-        yield body
-        at += 16 + n
-
-
 def read_tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     """The scalars of a TensorBoard folder as TensorBoard shows them: ``{tag: [(step, value), ...]}`` in
     the order written, the event files read in name order, and a session-start event at step ``s``
     dropping every earlier event at step >= ``s`` (TensorBoard's purge of orphaned data)."""
-    from tensorboardX.proto import event_pb2
-
     out: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(Path(logdir).glob("*tfevents*")):
-        for raw in _records(path):
-            ev = event_pb2.Event.FromString(raw)
-            if ev.HasField("session_log") and ev.session_log.status == event_pb2.SessionLog.START:
-                out = {tag: [p for p in pts if p[0] < ev.step] for tag, pts in out.items()}
-            elif ev.HasField("summary"):
-                for v in ev.summary.value:
-                    if v.HasField("simple_value"):
-                        out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
+        for raw in tfevents.records(path.read_bytes()):
+            ev = tfevents.decode_event(raw)
+            if ev.get("session_status") == tfevents.SESSION_START:
+                out = {tag: [p for p in pts if p[0] < ev["step"]] for tag, pts in out.items()}
+            for tag, value in ev.get("scalars", []):
+                out.setdefault(tag, []).append((int(ev["step"]), float(value)))
     return out
 
 
