@@ -16,43 +16,16 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import dense
 from longctx.attention.dense import xla, xla_cpu
+from tests.attention.kit import build, np_softmax_attention, out, qkv
 
 TILED = ("blockwise", "xla_cpu")
 
 
-def np_softmax_attention(q, k, v, causal):
-    s = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    if causal:
-        T = q.shape[2]
-        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    s = s - s.max(-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhqk,bhkd->bhqd", p, v)
-
-
-def rand_qkv(T, B=2, H=2, D=8, Dv=None, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (
-        jax.random.normal(ks[0], (B, H, T, D)),
-        jax.random.normal(ks[1], (B, H, T, D)),
-        jax.random.normal(ks[2], (B, H, T, Dv or D)),
-    )
-
-
-def core(causal=True, value_dim=None, **cfg):
-    c = attention.default_config("dense")
-    c.update(cfg)
-    return attention.build("dense", c, num_heads=2, head_dim=8, value_dim=value_dim, causal=causal, rngs=nnx.Rngs(0))
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_reference_matches_numpy_softmax(causal):
-    q, k, v = rand_qkv(37)
-    c = core(causal, impl="reference")
-    out = jax.jit(lambda *a: c(*a)[0])(q, k, v)
-    ref = np_softmax_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), causal)
-    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-4)
+    q, k, v = qkv(37)
+    got = out(build("dense", causal, impl="reference"), q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np_softmax_attention(q, k, v, causal), atol=2e-5, rtol=1e-4)
 
 
 # (T, block_q, block_k): the unrolled full pass with query blocks equal to, twice and half the key blocks and a single
@@ -69,18 +42,18 @@ STRUCTURES = [(32, 8, 8), (32, 16, 8), (32, 8, 16), (32, 32, 32), (37, 16, 8), (
     (False, *s) if s in (STRUCTURES[1], STRUCTURES[4]) else pytest.param(False, *s, marks=pytest.mark.slow)
     for s in STRUCTURES])
 def test_tiles_equal_the_reference_in_every_structure(impl, causal, T, bq, bk):
-    q, k, v = rand_qkv(T, seed=7, Dv=6)
-    ref, tiles = (core(causal, value_dim=6, impl=i, block_q=bq, block_k=bk) for i in ("reference", impl))
+    q, k, v = qkv(T, seed=7, value_dim=6)
+    ref, tiles = (build("dense", causal, value_dim=6, impl=i, block_q=bq, block_k=bk) for i in ("reference", impl))
 
     def out_and_grads(c):  # jitted: an eager call dispatches op by op
         def loss(*a):
-            out = c(*a)[0]
-            return jnp.sum(jnp.sin(out)), out
-        (_, out), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-        return out, g
+            o = c(*a)[0]
+            return jnp.sum(jnp.sin(o)), o
+        (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return o, g
 
-    (out_ref, g_ref), (out, g) = out_and_grads(ref), out_and_grads(tiles)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), atol=2e-6)
+    (out_ref, g_ref), (got, g) = out_and_grads(ref), out_and_grads(tiles)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out_ref), atol=2e-6)
     for a, b in zip(g_ref, g):
         assert np.all(np.isfinite(np.asarray(b)))
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
@@ -97,40 +70,40 @@ def _structure(fn, *args) -> str:
 def test_full_passes_take_the_unrolled_tiles_only_when_they_apply(impl):
     """A cache-free call of a length that whole blocks tile takes the unrolled structure; a length they do not tile,
     a call with a state and one with more query blocks than ``max_unrolled`` take the position-general loop."""
-    c = core(True, impl=impl, block_q=8, block_k=8)
+    c = build("dense", impl=impl, block_q=8, block_k=8)
     call = lambda q, k, v, state=None: c(q, k, v, state)[0]  # noqa: E731
-    assert _structure(call, *rand_qkv(32)) == "unrolled"
-    assert _structure(call, *rand_qkv(30)) == "loop"
-    assert _structure(call, *rand_qkv(8), c.init_state(2, 64)) == "loop"
+    assert _structure(call, *qkv(32)) == "unrolled"
+    assert _structure(call, *qkv(30)) == "loop"
+    assert _structure(call, *qkv(8), c.init_state(2, 64)) == "loop"
     pos = jnp.arange(32)
     ops = {"blockwise": xla.PLAIN, "xla_cpu": xla_cpu.CPU}[impl]
     few = lambda q, k, v: xla.tiled(q, k, v, pos, pos, pos >= 0, causal=True, block_q=8, block_k=8,  # noqa: E731
                                     full_pass=True, ops=ops, max_unrolled=3)
-    assert _structure(few, *rand_qkv(32)) == "loop"
+    assert _structure(few, *qkv(32)) == "loop"
     assert dense.self_blocks_apply(64, 512, 256) and not dense.self_blocks_apply(1000, 512, 256)
     assert not dense.self_blocks_apply(4096, 8, 8) and dense.MAX_UNROLLED_BLOCKS == 32
 
 
-def _primitives(jaxpr, inside_loop=False, out=None):
+def _primitives(jaxpr, inside_loop=False, found=None):
     """(primitive name, inside a scan/while) for every equation of ``jaxpr`` and its sub-jaxprs."""
-    out = [] if out is None else out
+    found = [] if found is None else found
     for e in jaxpr.eqns:
-        out.append((e.primitive.name, inside_loop))
+        found.append((e.primitive.name, inside_loop))
         loop = inside_loop or e.primitive.name in ("scan", "while")
         for p in e.params.values():
             for sub in p if isinstance(p, (tuple, list)) else (p,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _primitives(sub.jaxpr, loop, out)
+                    _primitives(sub.jaxpr, loop, found)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _primitives(sub, loop, out)
-    return out
+                    _primitives(sub, loop, found)
+    return found
 
 
 @pytest.mark.parametrize("full_pass,T", [(True, 32), (True, 30), (False, 30)])
 def test_portable_tiles_have_no_branch_inside_their_loops(full_pass, T):
     """blockwise (GPU, TPU) computes every visited key block under its mask: no ``cond`` in its loops, forward or
     backward, where xla_cpu skips a key block in the future with one."""
-    q, k, v = rand_qkv(T)
+    q, k, v = qkv(T)
     pos = jnp.arange(T) + (0 if full_pass else 5)
 
     def grad_of(mod):
@@ -155,11 +128,11 @@ def test_auto_and_old_values_pick_their_implementations(full_pass):
     assert dense.choose("blockwise", **shapes).name == "blockwise"
     assert dense.choose("cudnn,blockwise", **shapes).name == "blockwise"
     T = 30
-    q, k, v = rand_qkv(T, seed=2)
-    state = None if full_pass else core(True).init_state(2, T + 6)
-    def run(impl):  # jitted: an eager call dispatches op by op
-        c = core(True, impl=impl, block_q=8, block_k=8)
-        return np.asarray(jax.jit(lambda *a: c(*a)[0])(q, k, v, state))
+    q, k, v = qkv(T, seed=2)
+    state = None if full_pass else build("dense").init_state(2, T + 6)
+
+    def run(impl):
+        return np.asarray(out(build("dense", impl=impl, block_q=8, block_k=8), q, k, v, state))
 
     np.testing.assert_array_equal(run("naive"), run("reference"))
     np.testing.assert_array_equal(run("blockwise"), run("xla_cpu"))
@@ -167,27 +140,22 @@ def test_auto_and_old_values_pick_their_implementations(full_pass):
 
 def test_config_takes_names_lists_and_old_values_and_rejects_unknown():
     for impl in ("auto", "reference", "naive", "blockwise", "xla_cpu", "cudnn", "splash", "cudnn,blockwise"):
-        core(impl=impl)
+        build("dense", impl=impl)
     assert "dense" in attention.names()
     with pytest.raises(Exception, match="allowed"):
         attention.build("nope", None, num_heads=1, head_dim=4, causal=True, rngs=nnx.Rngs(0))
     for bad in ("fast", "auto,blockwise"):
         with pytest.raises(Exception, match="impl"):
-            core(impl=bad)
+            build("dense", impl=bad)
 
 
 @pytest.mark.slow
 def test_tiles_run_65536_token_forward():
     T = 65536
-    q, k, v = rand_qkv(T, B=1, H=1, D=16, seed=1)
-    c = core(True, impl="xla_cpu", block_q=1024, block_k=1024)
-    out = jax.jit(lambda q, k, v: c(q, k, v)[0])(q, k, v)
-    out = np.asarray(out)
-    assert out.shape == (1, 1, T, 16) and np.all(np.isfinite(out))
+    q, k, v = qkv(T, batch=1, heads=1, head_dim=16, seed=1)
+    got = np.asarray(out(build("dense", heads=1, head_dim=16, impl="xla_cpu", block_q=1024, block_k=1024), q, k, v))
+    assert got.shape == (1, 1, T, 16) and np.all(np.isfinite(got))
     # spot-check rows against the exact reference on their prefix
     for t in (0, 1000, T - 1):
-        ref = np_softmax_attention(
-            np.asarray(q[:, :, t : t + 1], np.float64), np.asarray(k[:, :, : t + 1], np.float64),
-            np.asarray(v[:, :, : t + 1], np.float64), causal=False,
-        )
-        np.testing.assert_allclose(out[:, :, t : t + 1], ref, atol=2e-5)
+        ref = np_softmax_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=False)
+        np.testing.assert_allclose(got[:, :, t:t + 1], ref, atol=2e-5)

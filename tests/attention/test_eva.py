@@ -1,9 +1,11 @@
-"""EVA (docs/methods/eva.md §6). fp32, small sizes; RPE and dropout off unless stated."""
+"""EVA (docs/methods/eva.md §6). fp32, small sizes; RPE and dropout off unless stated.
+
+A stream in pieces in training mode (ω per chunk, dropout by absolute position) and with the exact chunk
+log-sum-exp equals the full pass: the contract's laws on the case "overlap_lse_dropout" (test_contract.py)."""
 
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 
 import jax
@@ -13,85 +15,48 @@ import pytest
 from flax import nnx
 
 from longctx import attention
-from longctx.attention import eva
-from longctx.attention.dense import naive_attention
+from longctx.attention import dispatch, eva
 from longctx.attention.eva import xla_cpu
 from longctx.errors import ConfigError
+from pallas_kernels import eva_attend, eva_attend_ref
+from tests.attention import kit
+from tests.attention.kit import maxdiff, out, run, softmax_attention
 
-B, H, D = 2, 2, 16
-
-
-def make(causal=True, **cfg):
-    return attention.build("eva", cfg, num_heads=H, head_dim=D, causal=causal, rngs=nnx.Rngs(0))
-
-
-@functools.partial(nnx.jit, static_argnames=("deterministic",))
-def run(core, q, k, v, state=None, deterministic=True, key=None):
-    """Jitted core call (eager first calls compile op by op and are slow on CPU)."""
-    return core(q, k, v, state, deterministic=deterministic, key=key)
+B, H, D = 2, 2, 16  # kit's batch and heads
+make = functools.partial(kit.build, "eva", head_dim=D)
+qkv = functools.partial(kit.qkv, head_dim=D)
+TRAIN = dict(deterministic=False, key=jax.random.PRNGKey(4))
 
 
-def qkv(L, seed=0, scale=1.0, b=B):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return tuple(scale * jax.random.normal(kk, (b, H, L, D), jnp.float32) for kk in ks)
-
-
-@functools.partial(jax.jit, static_argnums=3)  # an eager call dispatches op by op
-def softmax_ref(q, k, v, causal):
-    L = q.shape[2]
-    pos = jnp.arange(L)
-    return naive_attention(q, k, v, pos, pos, jnp.ones((L,), bool), causal=causal)
-
-
-def maxdiff(a, b):
-    return float(jnp.max(jnp.abs(a - b)))
-
-
-# --------------------------------------------------------------------------- §6.1
-
-
-# a ragged bidirectional row with -m slow (its padded chunks: test_ragged_bidirectional_padding_masked)
+# §6.1; a ragged bidirectional row with -m slow (its padded chunks: test_ragged_bidirectional_padding_masked)
 @pytest.mark.parametrize("causal,L", [(True, 64), (False, 64), (True, 45),
                                       pytest.param(False, 45, marks=pytest.mark.slow)])
 def test_full_window_disjoint_is_exact_and_full_partition_differs(causal, L):
     q, k, v = qkv(L)
-    ref = softmax_ref(q, k, v, causal)
+    ref = softmax_attention(q, k, v, causal)
     chunking = dict(chunk_size=8) if causal else dict(num_chunks=8)
     exact = make(causal, window_size=64, partition="disjoint", use_rpe=False, **chunking)
-    assert maxdiff(run(exact, q, k, v)[0], ref) < 1e-5
+    assert maxdiff(out(exact, q, k, v), ref) < 1e-5
     full = make(causal, window_size=64, partition="full", use_rpe=False, **chunking)
-    assert maxdiff(run(full, q, k, v)[0], ref) > 1e-3  # released setting double counts earlier chunks
+    assert maxdiff(out(full, q, k, v), ref) > 1e-3  # released setting double counts earlier chunks
 
 
-# --------------------------------------------------------------------------- §6.2
-
-
-def test_one_token_per_chunk_causal():
-    q, k, v = qkv(20)
-    ref = softmax_ref(q, k, v, True)
-    base = dict(window_size=1, chunk_size=1, use_rpe=False)
-    assert maxdiff(run(make(chunk_rep="identity", **base), q, k, v)[0], ref) < 1e-5
-    assert maxdiff(run(make(chunk_logit="exact_lse", **base), q, k, v)[0], ref) < 1e-5
-    # learned Linear+LN representative with eq. 16 is not exact (LN fixes the norm of k̂)
-    assert maxdiff(run(make(**base), q, k, v)[0], ref) > 1e-2
-    # any ω gives β_c = v_c when P = 1: training mode with a key is still exact
-    out = run(make(chunk_rep="identity", **base), q, k, v, deterministic=False, key=jax.random.PRNGKey(5))[0]
-    assert maxdiff(out, ref) < 1e-5
-
-
-def test_one_token_per_chunk_bidirectional_no_local_block():
-    L = 32
+# §6.2: causal with the block {n}, bidirectional with no local block
+@pytest.mark.parametrize("causal,L,base", [(True, 20, dict(window_size=1, chunk_size=1)),
+                                           (False, 32, dict(window_size=0, num_chunks=32))])
+def test_one_token_per_chunk(causal, L, base):
     q, k, v = qkv(L)
-    ref = softmax_ref(q, k, v, False)
-    base = dict(window_size=0, num_chunks=L, use_rpe=False)
-    assert maxdiff(run(make(False, chunk_rep="identity", **base), q, k, v)[0], ref) < 1e-5
-    assert maxdiff(run(make(False, chunk_logit="exact_lse", **base), q, k, v)[0], ref) < 1e-5
-    assert maxdiff(run(make(False, **base), q, k, v)[0], ref) > 1e-2
+    ref = softmax_attention(q, k, v, causal)
+    identity = make(causal, chunk_rep="identity", use_rpe=False, **base)
+    assert maxdiff(out(identity, q, k, v), ref) < 1e-5
+    assert maxdiff(out(make(causal, chunk_logit="exact_lse", use_rpe=False, **base), q, k, v), ref) < 1e-5
+    # learned Linear+LN representative with eq. 16 is not exact (LN fixes the norm of k̂)
+    assert maxdiff(out(make(causal, use_rpe=False, **base), q, k, v), ref) > 1e-2
+    # any ω gives β_c = v_c when P = 1: training mode with a key is still exact
+    assert maxdiff(run(identity, q, k, v, deterministic=False, key=jax.random.PRNGKey(5))[0], ref) < 1e-5
 
 
-# --------------------------------------------------------------------------- §6.3
-
-
+# §6.3
 @pytest.mark.parametrize("overlap", [False, True])
 def test_exact_control_variate_estimator(overlap):
     """exact_lse + disjoint, random ω: Σ_E π_m v_m + Σ_c (Σ_{P_c} π_m) β_c(ω) (eq. 13)."""
@@ -100,7 +65,7 @@ def test_exact_control_variate_estimator(overlap):
     core = make(window_size=W, chunk_size=P, partition="disjoint", chunk_logit="exact_lse", use_rpe=False,
                 overlap_window=overlap)
     key = jax.random.PRNGKey(7)
-    out = run(core, q, k, v, deterministic=False, key=key)[0]
+    got = run(core, q, k, v, deterministic=False, key=key)[0]
     # independent brute force with β from the same Phase A and the same noise rule
     L_pad, C = 48, 12
 
@@ -120,15 +85,12 @@ def test_exact_control_variate_estimator(overlap):
         mass = jnp.einsum("bhqk,kc->bhqc", jnp.where(in_e, 0.0, pi), onehot, precision="highest")
         return local + jnp.einsum("bhqc,bhcd->bhqd", mass, beta, precision="highest")
 
-    brute = brute_force(q, k, v, core.chunk_params())
-    assert maxdiff(out, brute) < 1e-5
+    assert maxdiff(got, brute_force(q, k, v, core.chunk_params())) < 1e-5
     # the chunk part is really used (not an exact-attention fallback): differs from softmax
-    assert maxdiff(out, softmax_ref(q, k, v, True)) > 1e-3
+    assert maxdiff(got, softmax_attention(q, k, v, True)) > 1e-3
 
 
-# --------------------------------------------------------------------------- §6.4
-
-
+# §6.4
 def test_beta_equal_norm_keys_and_omega_equal_query():
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(2), 3)
     P = 8
@@ -138,26 +100,23 @@ def test_beta_equal_norm_keys_and_omega_equal_query():
     qn = jax.random.normal(kq, (B, H, 3, D))
     s = D**-0.5
     beta_fn = jax.jit(eva.chunk_beta, static_argnums=(4, 5))
-    beta = beta_fn(qn, k, v, jnp.ones((3, P), bool), s, "released")
-    w = jax.nn.softmax(s * jnp.einsum("bhcd,bhcpd->bhcp", qn, k), axis=-1)
-    assert maxdiff(beta, jnp.einsum("bhcp,bhcpd->bhcd", w, v)) < 1e-5
+
+    def beta_and_softmax_average(k):
+        w = jax.nn.softmax(s * jnp.einsum("bhcd,bhcpd->bhcp", qn, k), axis=-1)
+        return beta_fn(qn, k, v, jnp.ones((3, P), bool), s, "released"), jnp.einsum("bhcp,bhcpd->bhcd", w, v)
+
+    assert maxdiff(*beta_and_softmax_average(k)) < 1e-5
     # unequal norms: the -½‖k‖² term no longer cancels
-    k2 = k * jnp.linspace(0.5, 2.0, P)[:, None]
-    beta2 = beta_fn(qn, k2, v, jnp.ones((3, P), bool), s, "released")
-    w2 = jax.nn.softmax(s * jnp.einsum("bhcd,bhcpd->bhcp", qn, k2), axis=-1)
-    assert maxdiff(beta2, jnp.einsum("bhcp,bhcpd->bhcd", w2, v)) > 1e-3
+    assert maxdiff(*beta_and_softmax_average(k * jnp.linspace(0.5, 2.0, P)[:, None])) > 1e-3
 
 
-# --------------------------------------------------------------------------- §6.5
-
-
+# §6.5
 def test_rfa_limit_no_local_one_chunk():
-    L = 32
-    q, k, v = qkv(L, seed=3)
+    q, k, v = qkv(32, seed=3)
     key = jax.random.PRNGKey(11)
     core = make(False, window_size=0, num_chunks=1, use_rpe=False, chunk_rep="identity")
-    out = run(core, q, k, v, deterministic=False, key=key)[0]
-    assert maxdiff(out, jnp.broadcast_to(out[:, :, :1], out.shape)) < 1e-5  # query-independent
+    got = run(core, q, k, v, deterministic=False, key=key)[0]
+    assert maxdiff(got, jnp.broadcast_to(got[:, :, :1], got.shape)) < 1e-5  # query-independent
     # independent single-sample positive-random-feature RFA with the same ω and released scaling
     eps = jax.random.normal(jax.random.fold_in(jax.random.split(key)[0], 0), (B, H, D))
     omega = 0.5 * (q.mean(2) + k.mean(2)) + eps  # bidirectional µ = ½(q̂ + k̂), identity representative
@@ -165,10 +124,10 @@ def test_rfa_limit_no_local_one_chunk():
     log_xi = lambda x: s * (jnp.einsum("bhld,bhd->bhl", x, omega) - 0.5 * jnp.sum(x * x, -1))  # noqa: E731
     w = jnp.exp(log_xi(q)[..., :, None] + log_xi(k)[..., None, :])  # ξ(q,ω) ξ(k_m,ω)
     rfa = jnp.einsum("bhnm,bhmd->bhnd", w, v) / jnp.sum(w, -1, keepdims=True)
-    assert maxdiff(out, rfa) < 1e-5
+    assert maxdiff(got, rfa) < 1e-5
     # learned representative: still one query-independent β
-    out2 = run(make(False, window_size=0, num_chunks=1, use_rpe=False), q, k, v)[0]
-    assert maxdiff(out2, jnp.broadcast_to(out2[:, :, :1], out2.shape)) < 1e-5
+    learned = out(make(False, window_size=0, num_chunks=1, use_rpe=False), q, k, v)
+    assert maxdiff(learned, jnp.broadcast_to(learned[:, :, :1], learned.shape)) < 1e-5
 
 
 def test_positive_random_feature_is_unbiased():
@@ -182,31 +141,22 @@ def test_positive_random_feature_is_unbiased():
     assert abs(float(est) / float(jnp.exp(x @ y)) - 1.0) < 0.01
 
 
-# --------------------------------------------------------------------------- §6.6
-
-
-LEAK_CFG = dict(window_size=16, chunk_size=4)
-TRAIN = dict(deterministic=False, key=jax.random.PRNGKey(4))
-
-
+# §6.6
 def test_prefix_forward_equals_prefix_of_full():
     """Released self-test: forward on a prefix == prefix of the full forward
     (eval mode for all lengths; train mode with a fixed key for two of them)."""
     P, W = 4, 16
-    core = make(overlap_window=True, **LEAK_CFG)
+    core = make(overlap_window=True, window_size=W, chunk_size=P)
     q, k, v = qkv(45, seed=5)
-    full, full_train = run(core, q, k, v)[0], run(core, q, k, v, **TRAIN)[0]
+    full, full_train = out(core, q, k, v), run(core, q, k, v, **TRAIN)[0]
     for n in (1, P - 1, P + 1, W, W + 1, 37):
-        pre = run(core, q[:, :, :n], k[:, :, :n], v[:, :, :n])[0]
-        assert maxdiff(pre, full[:, :, :n]) < 1e-5, n
+        assert maxdiff(out(core, q[:, :, :n], k[:, :, :n], v[:, :, :n]), full[:, :, :n]) < 1e-5, n
     for n in (P + 1, 37):
         pre = run(core, q[:, :, :n], k[:, :, :n], v[:, :, :n], **TRAIN)[0]
         assert maxdiff(pre, full_train[:, :, :n]) < 1e-5, n
 
 
-# --------------------------------------------------------------------------- streaming law / §6.7
-
-
+# §6.7
 @pytest.mark.parametrize("overlap,train", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)])
 def test_token_by_token_decoding_equals_full(overlap, train):
     """Prefill t0 tokens, then decode one token at a time to T (T not a multiple of W or P)."""
@@ -216,29 +166,24 @@ def test_token_by_token_decoding_equals_full(overlap, train):
     q, k, v = qkv(T, seed=7)
     full = run(core, q, k, v, **kw)[0]
     for t0 in (0, W + 3) if train else (0, 1, P, W, W + 3):
-        state = core.init_state(B, T)
-        outs = []
-        if t0:
-            o, state = run(core, q[:, :, :t0], k[:, :, :t0], v[:, :, :t0], state, **kw)
+        state, outs, a = core.init_state(B, T), [], 0
+        for n in ([t0] if t0 else []) + [1] * (T - t0):
+            o, state = run(core, q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], state, **kw)
             outs.append(o)
-        for t in range(t0, T):
-            o, state = run(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, **kw)
-            outs.append(o)
+            a += n
         assert maxdiff(jnp.concatenate(outs, 2), full) < 1e-5, t0
 
 
-# a stream in pieces in training mode (ω per chunk, dropout by absolute position) and with the exact chunk
-# log-sum-exp equals the full pass: the contract's laws on the case "overlap_lse_dropout"
 def test_a_training_call_needs_the_key():
     q, k, v = qkv(30, seed=9)
     with pytest.raises(ValueError, match="key"):
-        make(**LEAK_CFG, attn_dropout=0.3)(q, k, v, deterministic=False)
+        make(window_size=16, chunk_size=4, attn_dropout=0.3)(q, k, v, deterministic=False)
 
 
 def test_state_returned_by_full_pass_continues_and_capacity_error():
-    core = make(**LEAK_CFG)
+    core = make(window_size=16, chunk_size=4)
     q, k, v = qkv(32, seed=8)
-    full = run(core, q, k, v)[0]
+    full = out(core, q, k, v)
     o1, state = run(core, q[:, :, :20], k[:, :, :20], v[:, :, :20])  # L_pad = 32 -> room for 32 tokens
     o2, state = run(core, q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], state)
     assert maxdiff(jnp.concatenate([o1, o2], 2), full) < 1e-5
@@ -246,18 +191,12 @@ def test_state_returned_by_full_pass_continues_and_capacity_error():
         core(q[:, :, :4], k[:, :, :4], v[:, :, :4], state)
 
 
-# --------------------------------------------------------------------------- §6.8
-
-
-@pytest.mark.parametrize(
-    "causal,cfg,L,scale,dtype,train",
-    [
-        (True, dict(window_size=16, chunk_size=4), 45, 1.0, jnp.float32, True),  # padded length
-        (True, dict(window_size=16, chunk_size=4, overlap_window=True), 13, 30.0, jnp.bfloat16, False),  # 1st block
-        (False, dict(window_size=16, num_chunks=8, overlap_window=True), 17, 30.0, jnp.bfloat16, True),  # pad chunks
-        (False, dict(window_size=16, num_chunks=4), 37, 1.0, jnp.float32, False),
-    ],
-)
+# §6.8
+@pytest.mark.parametrize("causal,cfg,L,scale,dtype,train", [
+    (True, dict(window_size=16, chunk_size=4), 45, 1.0, jnp.float32, True),  # padded length
+    (True, dict(window_size=16, chunk_size=4, overlap_window=True), 13, 30.0, jnp.bfloat16, False),  # 1st block
+    (False, dict(window_size=16, num_chunks=8, overlap_window=True), 17, 30.0, jnp.bfloat16, True),  # pad chunks
+    (False, dict(window_size=16, num_chunks=4), 37, 1.0, jnp.float32, False)])
 @pytest.mark.slow
 def test_gradients_finite(causal, cfg, L, scale, dtype, train):
     core = make(causal, **cfg)
@@ -267,8 +206,8 @@ def test_gradients_finite(causal, cfg, L, scale, dtype, train):
     @nnx.jit
     @functools.partial(nnx.grad, argnums=(0, 1, 2, 3))
     def grads(core, q, k, v):
-        out = core(q, k, v, deterministic=not train, key=key)[0]
-        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        o = core(q, k, v, deterministic=not train, key=key)[0]
+        return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
 
     gp, gq, gk, gv = grads(core, q, k, v)
     for g in jax.tree.leaves(gp) + [gq, gk, gv]:
@@ -278,15 +217,12 @@ def test_gradients_finite(causal, cfg, L, scale, dtype, train):
         assert float(jnp.abs(gp.q_ln_scale[...]).max()) > 0
 
 
-# --------------------------------------------------------------------------- misc
-
-
 def test_ragged_bidirectional_padding_masked():
     """L=17, no local block, C=16 -> L_pad=32, P=2: chunk 8 is half padding (divisor P, §9.11),
     chunks 9..15 are all padding and must be masked [ours]; independent eq.-16 computation."""
     L, C, P = 17, 16, 2
     q, k, v = qkv(L, seed=11)
-    out = run(make(False, window_size=0, num_chunks=C, use_rpe=False, chunk_rep="identity"), q, k, v)[0]
+    got = out(make(False, window_size=0, num_chunks=C, use_rpe=False, chunk_rep="identity"), q, k, v)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 1), (0, 0))).reshape(B, H, 9, P, D)  # noqa: E731
     qc, kc, vc = pad(q), pad(k), pad(v)
     valid = (jnp.arange(18) < L).reshape(9, P)
@@ -295,31 +231,30 @@ def test_ragged_bidirectional_padding_masked():
     ell = s * (jnp.einsum("bhcpd,bhcd->bhcp", kc, omega) - 0.5 * jnp.sum(kc * kc, -1))
     beta = jnp.einsum("bhcp,bhcpd->bhcd", jax.nn.softmax(jnp.where(valid, ell, -jnp.inf), -1), vc)
     logits = s * jnp.einsum("bhnd,bhcd->bhnc", q, kc.sum(3) / P)
-    ref = jnp.einsum("bhnc,bhcd->bhnd", jax.nn.softmax(logits, -1), beta)
-    assert maxdiff(out, ref) < 1e-5
+    assert maxdiff(got, jnp.einsum("bhnc,bhcd->bhnd", jax.nn.softmax(logits, -1), beta)) < 1e-5
 
 
 def test_rpe_buckets_and_bias_used():
-    d = jnp.arange(0, -200, -1)
-    b = jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))(d, 64, 128, True)
+    bucket = jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))
+    b = bucket(jnp.arange(0, -200, -1), 64, 128, True)
     assert list(np.asarray(b[:32])) == list(range(32))
     assert int(b.max()) == 63 and bool(jnp.all(jnp.diff(b) >= 0))
-    bb = jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))(jnp.array([-3, 0, 3, 100]), 64, 128, False)
+    bb = bucket(jnp.array([-3, 0, 3, 100]), 64, 128, False)
     assert list(np.asarray(bb[:3])) == [3, 0, 35] and int(bb[3]) <= 63
     # numpy deltas (the tiles' static offsets) give the same buckets, computed while tracing
     dd = np.arange(-20000, 20001)
     for nb, md, causal in [(64, 128, True), (64, 128, False), (33, 1000, True), (16, 37, False)]:
-        want = np.asarray(jax.jit(eva.t5_bucket, static_argnums=(1, 2, 3))(jnp.asarray(dd), nb, md, causal))
+        want = np.asarray(bucket(jnp.asarray(dd), nb, md, causal))
         got = eva.t5_bucket(dd, nb, md, causal)
         assert isinstance(got, np.ndarray) and np.array_equal(got, want)
     q, k, v = qkv(40)
-    assert maxdiff(run(make(**LEAK_CFG), q, k, v)[0], run(make(use_rpe=False, **LEAK_CFG), q, k, v)[0]) > 1e-3
+    cfg = dict(window_size=16, chunk_size=4)
+    assert maxdiff(out(make(**cfg), q, k, v), out(make(use_rpe=False, **cfg), q, k, v)) > 1e-3
 
 
 def test_config_validation():
     cls = attention.get_class("eva")
-    good = cls.default_config()
-    cls.validate_config(good, causal=True)
+    cls.validate_config(cls.default_config(), causal=True)
     for causal, bad, msg in [
         (True, dict(num_chunks=8), "num_chunks"),
         (True, dict(window_size=12, chunk_size=8), "multiple"),
@@ -337,19 +272,12 @@ def test_config_validation():
 @pytest.mark.slow
 def test_long_forward_65k():
     L = 65_536
-    core = attention.build("eva", dict(window_size=128, chunk_size=32), num_heads=1, head_dim=16, causal=True,
-                           rngs=nnx.Rngs(0))
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(kk, (1, 1, L, 16)) for kk in ks)
-    graphdef, params = nnx.split(core)
-    t = time.time()
-    out = jax.jit(lambda p, q, k, v: nnx.merge(graphdef, p)(q, k, v)[0])(params, q, k, v)
-    out.block_until_ready()
-    assert out.shape == (1, 1, L, 16) and bool(jnp.all(jnp.isfinite(out)))
+    core = make(heads=1, window_size=128, chunk_size=32)
+    q, k, v = qkv(L, batch=1, heads=1)
+    full = out(core, q, k, v)
+    assert full.shape == (1, 1, L, 16) and bool(jnp.all(jnp.isfinite(full)))
     # prefix consistency at the end of a short prefix (no leak at long range either)
-    short = run(core, q[:, :, :300], k[:, :, :300], v[:, :, :300])[0]
-    assert maxdiff(out[:, :, :300], short) < 1e-5
-    print(f"65k forward {time.time() - t:.1f}s")
+    assert maxdiff(full[:, :, :300], out(core, q[:, :, :300], k[:, :, :300], v[:, :, :300])) < 1e-5
 
 
 @pytest.mark.parametrize("n_tiles,tile,P,g", [(1, 8, 4, 8), (5, 8, 4, 8), (64, 128, 8, 8), (13, 6, 4, 8), (3, 4, 8, 8),
@@ -357,9 +285,8 @@ def test_long_forward_65k():
 def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P, g):
     """The causal skip passes each group of query tiles every chunk its queries can see (c < n // P) and,
     with several groups, strictly fewer than all chunks to the early ones; bidirectional passes all."""
-    tile_groups = eva.tile_groups
     C = -(-n_tiles * tile // P)
-    groups = tile_groups(n_tiles, tile, P, C, causal=True, groups=g)
+    groups = eva.tile_groups(n_tiles, tile, P, C, causal=True, groups=g)
     assert len(groups) == min(g, n_tiles)
     assert groups[0][0] == 0 and groups[-1][1] == n_tiles
     assert all(a[1] == b[0] for a, b in zip(groups[:-1], groups[1:]))  # contiguous, no gaps
@@ -368,7 +295,7 @@ def test_tile_groups_cover_every_visible_chunk(n_tiles, tile, P, g):
         assert 1 <= nc <= C and nc >= min(C, last_query // P)
     if len(groups) > 2:
         assert groups[0][2] < C
-    assert tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
+    assert eva.tile_groups(n_tiles, tile, P, C, causal=False) == [(0, n_tiles, C)]
 
 
 _BIASES = [(0, 0), (1, 3), (H, 3), (H, 1)]  # no bias, one shared bias (causal T5), one per head; per tile or shared
@@ -406,11 +333,11 @@ def test_tile_softmax_backward_matches_autodiff(hb, nb, keep, halves):
 
     def out_and_grads(f, jit):
         def loss(*a):
-            out = f(*a)
-            return jnp.sum(out * w), out
+            o = f(*a)
+            return jnp.sum(o * w), o
         vg = jax.value_and_grad(loss, argnums=tuple(range(n)), has_aux=True)
-        (_, out), grads = (jax.jit(vg) if jit else vg)(*args)
-        return out, grads
+        (_, o), grads = (jax.jit(vg) if jit else vg)(*args)
+        return o, grads
 
     # ours jitted (an eager call dispatches op by op); the autodiff oracle eager: jitted at XLA:CPU's optimization
     # level 0 (tests/conftest.py) its bias gradient has NaN entries
@@ -438,8 +365,8 @@ def test_tile_softmax_cotangents_in_primal_dtypes(keep):
 
     def loss(q, k, v, k_hat, beta, table):
         bias = (0.5 * table[idx])[None, None]
-        out = xla_cpu.tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, 0.3, keep, False)
-        return jnp.sum(out.astype(jnp.float32))
+        o = xla_cpu.tile_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, cmask_t, 0.3, keep, False)
+        return jnp.sum(o.astype(jnp.float32))
 
     # jitted: an eager grad dispatches op by op
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, k_hat, beta, table)
@@ -456,8 +383,8 @@ def _value_and_grads(core, q, k, v, w, **kw):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(st, q, k, v)
 
 
-def _assert_same(got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+def _assert_same(got, want, value_atol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=value_atol)
     for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):  # fp32 noise grows with a leaf's scale
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 + 1e-6 * float(np.max(np.abs(r))))
 
@@ -471,8 +398,8 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
     w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
 
     def build(budget):
-        return make(causal=causal, window_size=8, chunk_size=4, overlap_window=overlap, use_rpe=True,
-                    keep_budget=budget, impl="xla_cpu")
+        return make(causal, window_size=8, chunk_size=4, overlap_window=overlap, use_rpe=True, keep_budget=budget,
+                    impl="xla_cpu")
 
     def exps(core):  # exp equations in the traced forward and backward
         gd, st = nnx.split(core)
@@ -487,17 +414,17 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
 def test_many_tile_groups_same_as_autodiff():
     """A pass long enough for more than 8 causal tile groups (128 tiles of 8: 16 groups) gives through xla_cpu,
     kept and recomputed, the outputs and gradients of the autodiff tiles (xla)."""
-    q, k, v = qkv(1024, seed=10, b=1)
+    q, k, v = qkv(1024, seed=10, batch=1)
     w = jax.random.normal(jax.random.PRNGKey(11), q.shape)
     n_tiles = 1024 // 8
     assert len(eva.tile_groups(n_tiles, 8, 4, 256, True, min(32, max(8, n_tiles // 8)))) == 16
 
-    def run(impl, budget=0):
-        return _value_and_grads(make(causal=True, window_size=8, chunk_size=4, use_rpe=True, keep_budget=budget,
-                                     impl=impl), q, k, v, w)
+    def grads(impl, budget=0):
+        core = make(window_size=8, chunk_size=4, use_rpe=True, keep_budget=budget, impl=impl)
+        return _value_and_grads(core, q, k, v, w)
 
-    plain = run("xla")
-    for got in (run("xla_cpu", 1 << 28), run("xla_cpu", 0)):
+    plain = grads("xla")
+    for got in (grads("xla_cpu", 1 << 28), grads("xla_cpu", 0)):
         _assert_same(got, plain)
 
 
@@ -508,8 +435,6 @@ def test_training_mode_same_across_implementations(causal, dropout, monkeypatch)
     same in every implementation (common.py's draws; the Phase B kernel draws the same hash mask inside its forward
     and backward kernels), so outputs and gradients equal the reference's (the shared law,
     tests/attention/test_implementations.py, runs deterministic)."""
-    from pallas_kernels import eva_attend
-
     chunking = dict(chunk_size=4) if causal else dict(num_chunks=4)
     q, k, v = qkv(21, seed=12)  # 6 chunks of 4 (the last with padding), 3 local blocks
     w = jax.random.normal(jax.random.PRNGKey(13), q.shape)
@@ -518,32 +443,26 @@ def test_training_mode_same_across_implementations(causal, dropout, monkeypatch)
     real = eva_attend.eva_attend
     monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **kw: rates.append(kw["dropout_rate"]) or real(*a, **kw))
 
-    def run(impl):
-        core = make(causal=causal, window_size=8, overlap_window=not causal, attn_dropout=dropout, impl=impl,
-                    **chunking)
+    def grads(impl):
+        core = make(causal, window_size=8, overlap_window=not causal, attn_dropout=dropout, impl=impl, **chunking)
         return _value_and_grads(core, q, k, v, w, **train)
 
-    want = run("reference")
+    want = grads("reference")
     for impl in ("xla", "xla_cpu", "pallas"):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*interpret mode.*")
-            _assert_same(run(impl), want)
+            _assert_same(grads(impl), want)
     assert rates == [dropout]  # the training step ran Phase B in the kernel, with its dropout
     if dropout:  # the draws matter: another key, another result
-        core = make(causal=causal, window_size=8, attn_dropout=dropout, impl="reference", **chunking)
-        assert maxdiff(run_key(core, q, k, v, 14), run_key(core, q, k, v, 15)) > 1e-3
-
-
-def run_key(core, q, k, v, seed):
-    return run(core, q, k, v, deterministic=False, key=jax.random.PRNGKey(seed))[0]
+        core = make(causal, window_size=8, attn_dropout=dropout, impl="reference", **chunking)
+        a, b = (run(core, q, k, v, deterministic=False, key=jax.random.PRNGKey(s))[0] for s in (14, 15))
+        assert maxdiff(a, b) > 1e-3
 
 
 def test_impl_names_and_earlier_values():
     """impl takes each implementation's name, an ordered list or 'auto'; the values accepted before the
     implementations were named keep their meaning: 'xla' = the XLA tiles (no kernel), 'pallas' = the kernels
     (interpret mode on a CPU), 'auto' = on a CPU today's tuned tiles (xla_cpu), 'xla,pallas' = the XLA tiles."""
-    from longctx.attention import dispatch
-
     cls = attention.get_class("eva")
     assert [i.name for i in cls.implementations()] == ["reference", "xla", "xla_cpu", "pallas"]
     for impl in ("auto", "xla", "pallas", "xla,pallas", "pallas,xla", "reference", "xla_cpu"):
@@ -564,8 +483,6 @@ def test_impl_names_and_earlier_values():
 def test_chunk_mask_keys_major_is_the_transpose(causal, disjoint):
     """The keys-major chunk mask tile_softmax's backward reads is built in that orientation; it must equal the
     transpose of the query-major one for every rule (causal visibility, disjoint windows, invalid chunks)."""
-    from pallas_kernels import eva_attend_ref
-
     q_pos, ids = jnp.arange(3, 40), jnp.arange(10)
     valid = ids < 8
     kw = dict(P=4, W=8, e_l=4, e_r=0 if causal else 4, causal=causal, disjoint=disjoint)
@@ -584,15 +501,7 @@ def test_small_logit_budget_same_outputs_and_gradients(causal, overlap):
     w = jax.random.normal(jax.random.PRNGKey(7), q.shape)
 
     def grads(budget):
-        core = make(causal=causal, window_size=8, chunk_size=4, overlap_window=overlap, logit_budget=budget)
-        gd, st = nnx.split(core)
+        core = make(causal, window_size=8, chunk_size=4, overlap_window=overlap, logit_budget=budget)
+        return _value_and_grads(core, q, k, v, w)
 
-        def loss(st, q, k, v):
-            return jnp.sum(nnx.merge(gd, st)(q, k, v)[0] * w)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(st, q, k, v)
-
-    (big_l, big_g), (small_l, small_g) = grads(1 << 25), grads(B * H * 8 * 30)
-    np.testing.assert_allclose(small_l, big_l, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(small_g), jax.tree.leaves(big_g)):  # fp32 noise grows with a leaf's scale
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5 + 1e-6 * float(np.max(np.abs(r))))
-
+    _assert_same(grads(B * H * 8 * 30), grads(1 << 25), value_atol=0)

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longctx import attention
 from longctx import config as config_lib
 from longctx.attention import dispatch
 from longctx.attention import vcc as vcc_core
+from longctx.attention.base import CapacityError
 from longctx.config import base_config
 from longctx.errors import ConfigError
 from longctx.models import vcc_stack as vs
@@ -29,21 +29,27 @@ from longctx.models.decoder import build_model
 
 B, V, D_MODEL = 2, 64, 16
 NAME = "vcc"
+LM = {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4}
 
 
 def model_cfg(method=NAME, *, num_layers=3, positions="rotary", **vc):
     c = base_config().model
     c.kind, c.causal = "encoder", False
-    c.vocab_size = V
-    c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = D_MODEL, num_layers, 2, 8, 32
-    c.positions = positions
-    c.max_len = 128
+    c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = V, D_MODEL, num_layers, 2, 8, 32
+    c.positions, c.max_len = positions, 128  # max_len: the learned positions' table
     c.attention.name = method
     if method == NAME:
-        base = {"num_vip": 8, "block_size": 4, "num_fine_blocks": 2, "num_dense_layers": 1, "dense_segment_len": 64,
-                "query_chunk": 0}
-        base.update(vc)
-        c.attention[NAME] = base
+        c.attention[NAME] = {"num_vip": 8, "block_size": 4, "num_fine_blocks": 2, "num_dense_layers": 1,
+                             "dense_segment_len": 64, "query_chunk": 0, **vc}
+    return c
+
+
+def lm_cfg(method=NAME, *, explore_prob=0.1, **causal):
+    """The decoder of model_cfg's size, 2 layers; VCC-LM: LM updated with ``causal``."""
+    c = model_cfg(method, num_layers=2)
+    c.kind, c.causal = "decoder", True
+    if method == NAME:
+        c.attention[NAME] = {"causal": dict(LM, **causal), "explore_prob": explore_prob}
     return c
 
 
@@ -51,45 +57,38 @@ def build(method=NAME, **kw):
     return build_model(model_cfg(method, **kw), seed=0)
 
 
-def inputs(T, seed=0, rate=0.15, batch=B):
+def lm(method=NAME, **kw):
+    return build_model(lm_cfg(method, **kw), seed=0)
+
+
+def inputs(T, seed=0, rate=0.15):
     k1, k2 = jax.random.split(jax.random.key(seed))
-    return jax.random.randint(k1, (batch, T), 0, V - 1), jax.random.bernoulli(k2, rate, (batch, T))
+    return jax.random.randint(k1, (B, T), 0, V - 1), jax.random.bernoulli(k2, rate, (B, T))
 
 
-def stack_hidden(model, tokens, imp, valid=None, *, deterministic=True, key=None, embedded=None, info=False):
-    """Pre-final-norm stack output (and per-layer selection info), jitted (eager dispatch of the stack's
-    many small ops cost most of this file's time)."""
-    traced = any(isinstance(a, jax.core.Tracer) for a in (tokens, imp, embedded))
-    fn = _stack_hidden_eager if traced else _stack_hidden  # nnx.jit cannot take an outer module inside a trace
-    y, infos = fn(model, tokens, imp, valid, key, embedded, deterministic)
-    return (y, infos) if info else y
-
-
-def _stack_hidden_eager(model, tokens, imp, valid, key, embedded, deterministic):
-    T = tokens.shape[1]
-    pos = jnp.arange(T, dtype=jnp.int32)
+def backbone(model, tokens, imp=None, *, state=None, valid=None, deterministic=True, key=None, embedded=None):
+    """The output before the final norm, the new states and the per-layer selection info (a dense model: its
+    blocks' output only), from tokens or their embeddings ``embedded``."""
+    s0 = 0 if state is None else state[0]["length"]
+    pos = s0 + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = model.embed_tokens(tokens, pos) if embedded is None else embedded
-    y, _, infos = model.stack(model.blocks, x, None, positions=pos, important=imp, valid=valid,
-                              deterministic=deterministic, key=key, return_info=True)
-    return y, infos
+    if model.stack is None:
+        for block in model.blocks:
+            x, _ = block(x, None, positions=pos)
+        return x, None, None
+    return model.stack(model.blocks, x, state, positions=pos, important=imp, valid=valid,
+                       deterministic=deterministic, key=key, return_info=True)
 
 
-_stack_hidden = nnx.jit(_stack_hidden_eager, static_argnames=("deterministic",))
+# jitted: eager dispatch of the stack's many small ops cost most of this file's time. Inside a trace call backbone
+# itself (nnx.jit cannot take an outer module there).
+hidden = nnx.jit(backbone, static_argnames=("deterministic",))
 
 
 @nnx.jit
-def call(model, tokens, imp):
-    """model(tokens, imp), jitted."""
+def call(model, tokens, imp=None):
+    """model(tokens, imp), jitted (a decoder's second argument is its state)."""
     return model(tokens, imp)
-
-
-@nnx.jit
-def dense_hidden(model, tokens):
-    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = model.embed_tokens(tokens, pos)
-    for block in model.blocks:
-        x, _ = block(x, None, positions=pos)
-    return x
 
 
 # jitted: an eager call dispatches op by op
@@ -97,14 +96,10 @@ format_rows = jax.jit(vs.format_rows, static_argnums=(4, 5))
 materialize = jax.jit(vs.materialize)
 
 
-def layer_kw(model, h=None, deterministic=True):
-    return model.stack.layer_kwargs(deterministic, model.stack.num_fine if h is None else h)
-
-
 # ----------------------------------------------------------------------------- 1. no compression = dense
-def test_parameter_tree_is_the_dense_models():
-    dense, vcc = build("dense"), build()
-    pd, pv = nnx.state(dense, nnx.Param), nnx.state(vcc, nnx.Param)
+@pytest.mark.parametrize("make", [build, lm], ids=["encoder", "lm"])
+def test_parameter_tree_is_the_dense_models(make):
+    pd, pv = nnx.state(make("dense"), nnx.Param), nnx.state(make(), nnx.Param)
     assert jax.tree.structure(pd) == jax.tree.structure(pv)
     for a, b in zip(jax.tree.leaves(pd), jax.tree.leaves(pv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -113,16 +108,15 @@ def test_parameter_tree_is_the_dense_models():
 @pytest.mark.parametrize("positions", ["rotary", pytest.param("learned", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["all_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow)])
 def test_no_compression_equals_dense(kind, positions):
-    T = 40
     vc = {"num_fine_blocks": 8} if kind == "all_blocks_fine" else {"block_size": 1, "num_fine_blocks": 3}
     dense, vcc = build("dense", positions=positions), build(positions=positions, **vc)
-    tokens, imp = inputs(T)
+    tokens, imp = inputs(40)
     want, _ = call(dense, tokens, imp)
     got, _ = call(vcc, tokens, imp)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     # training mode (exploration, straight-through gate): the forward value is still dense's
-    got_t = stack_hidden(vcc, tokens, imp, deterministic=False, key=jax.random.key(3))
-    np.testing.assert_allclose(np.asarray(got_t), np.asarray(dense_hidden(dense, tokens)), atol=1e-5, rtol=1e-5)
+    got_t = hidden(vcc, tokens, imp, deterministic=False, key=jax.random.key(3))[0]
+    np.testing.assert_allclose(np.asarray(got_t), np.asarray(hidden(dense, tokens)[0]), atol=1e-5, rtol=1e-5)
     # and compression does change it (the test can fail)
     lossy = build(positions=positions, num_fine_blocks=1)
     assert float(jnp.max(jnp.abs(call(lossy, tokens, imp)[0] - want))) > 1e-3
@@ -133,14 +127,15 @@ def test_segment_local_dense_layers_are_dense_per_segment():
     vcc = build(positions="none", num_dense_layers=3, dense_segment_len=seg)
     dense = build("dense", positions="none")
     tokens, imp = inputs(T)
-    got = stack_hidden(vcc, tokens, imp)
-    want = jnp.concatenate([dense_hidden(dense, tokens[:, a:a + seg]) for a in range(0, T, seg)], axis=1)
+    got = hidden(vcc, tokens, imp)[0]
+    want = jnp.concatenate([hidden(dense, tokens[:, a:a + seg])[0] for a in range(0, T, seg)], axis=1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
-    assert float(jnp.max(jnp.abs(dense_hidden(dense, tokens) - want))) > 1e-3  # segments really are cut
+    assert float(jnp.max(jnp.abs(hidden(dense, tokens)[0] - want))) > 1e-3  # segments really are cut
 
 
 # ----------------------------------------------------------------------------- 2. dense-matrix reference
-def _gamma_reference(block, Y, bias):
+@nnx.jit
+def gamma_reference(block, Y, bias):
     """γ_D(Y) = A + F of the pre-LN block with a per-key logit bias, written out from its weights."""
     R = Y.shape[0]
     H, Dh = block.num_heads, block.head_dim
@@ -153,16 +148,13 @@ def _gamma_reference(block, Y, bias):
     return A + F
 
 
-gamma_reference = nnx.jit(_gamma_reference)
-
-
 def test_dense_matrix_reference():
     T, n_p, k, h = 64, 8, 4, 3
     nb = (T - n_p) // k
     model = build(num_layers=1, num_dense_layers=0, num_vip=n_p, block_size=k, num_fine_blocks=h, positions="none")
     tokens, imp = inputs(T, seed=4)
     x = model.embed_tokens(tokens, jnp.arange(T))
-    got, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
+    got, _, infos = hidden(model, tokens, imp, embedded=x)
     st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
     for b in range(B):
         fine = np.asarray(infos[0]["fine_idx"][b])
@@ -174,9 +166,7 @@ def test_dense_matrix_reference():
         bias = np.concatenate([np.zeros(n_p), np.log(D)])
         U = np.asarray(gamma_reference(model.blocks[0], jnp.asarray(SX, jnp.float32), jnp.asarray(bias, jnp.float32)))
         X_new = X + np.concatenate([U[:n_p], S_dag @ U[n_p:]])
-        want = np.empty_like(X_new)
-        want[perm] = X_new
-        np.testing.assert_allclose(np.asarray(got[b]), want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[b]), X_new[np.argsort(perm)], atol=1e-5, rtol=1e-5)
         assert len(set(fine.tolist())) == h
 
 
@@ -207,16 +197,14 @@ def test_format_materialize_round_trip_and_block_update_reaches_every_token():
     valid = jnp.ones((B, T), bool).at[1, -6:].set(False)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     st, _ = format_rows(x, vip, valid, pos, n_p, k)
-    want = x * valid[..., None]
-    np.testing.assert_allclose(np.asarray(materialize(st)), np.asarray(want), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(materialize(st)), np.asarray(x * valid[..., None]), atol=1e-6)
     # an update of block b's mean reaches all k of its tokens (and nothing else)
     u = jax.random.normal(jax.random.key(2), (D_MODEL,))
     st2 = vs.VCCState(**{**st.__dict__, "coarse": st.coarse.at[0, 3].add(u)})
     moved = np.asarray(materialize(st2) - materialize(st))[0]
     members = np.asarray(st.perm[0, n_p + 3 * k: n_p + 4 * k])
     np.testing.assert_allclose(moved[members], np.broadcast_to(np.asarray(u), (k, D_MODEL)), atol=1e-6)
-    others = np.setdiff1d(np.arange(T), members)
-    assert np.abs(moved[others]).max() == 0.0
+    assert np.abs(np.delete(moved, members, axis=0)).max() == 0.0
 
 
 # ----------------------------------------------------------------------------- 4. T(C) consistency
@@ -230,7 +218,8 @@ def test_tree_consistency_after_every_layer():
     x = nnx.jit(lambda b, x: vs.segment_local_layer(b, x, pos, valid, 64, rotary=True, deterministic=True, key=None))(
         model.blocks[0], x)
     st, _ = format_rows(x, imp, valid, pos, n_p, k)
-    layer = nnx.jit(lambda block, s: vs.vcc_layer(block, s, key=None, **layer_kw(model)))  # one program, 3 layers
+    kw = model.stack.layer_kwargs(True, model.stack.num_fine)
+    layer = nnx.jit(lambda block, s: vs.vcc_layer(block, s, key=None, **kw))  # one program, 3 layers
     for i in range(1, 4):
         st, info = layer(model.blocks[i], st)
         toks = jax.jit(vs.tokens_of)(st)
@@ -251,21 +240,14 @@ def test_tree_consistency_after_every_layer():
 
 # ----------------------------------------------------------------------------- 5. selection
 def _numpy_selection(qv, kc, imp, block_valid):
+    """log(mean over heads and VIP slots of softmax(kc qv / sqrt(D)) over the valid blocks + 1e-5), -1e30 at
+    padding blocks; a slot that holds no VIP adds 0 but counts in the mean."""
     qv, kc = np.asarray(qv, np.float64), np.asarray(kc, np.float64)
-    Bn, H, n_p, D = qv.shape
-    out = np.zeros((Bn, kc.shape[2]))
-    for b in range(Bn):
-        pbar = np.zeros(kc.shape[2])
-        for e in range(H):
-            for i in range(n_p):
-                s = kc[b, e] @ qv[b, e, i] / math.sqrt(D)
-                s = np.where(block_valid[b], s, -1e9)
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                pbar += float(imp[b, i]) * p
-        pbar /= H * n_p
-        out[b] = np.where(block_valid[b], np.log(pbar + 1e-5), -1e30)
-    return out
+    _, H, n_p, D = qv.shape
+    s = np.where(block_valid[:, None, None], np.einsum("bhid,bhjd->bhij", qv, kc) / math.sqrt(D), -1e9)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    pbar = (p / p.sum(-1, keepdims=True) * imp[:, None, :, None]).sum((1, 2)) / (H * n_p)
+    return np.where(block_valid, np.log(pbar + 1e-5), -1e30)
 
 
 def test_selection_matches_numpy_and_ignores_non_vip_slots():
@@ -307,13 +289,10 @@ def test_straight_through_gate_changes_gradients_not_values():
     outs, grads = {}, {}
     for ste in (True, False):
         model = build(num_layers=2, num_dense_layers=0, ste_gate=ste, explore_prob=0.1)
-        key = jax.random.key(9)
-        outs[ste] = stack_hidden(model, tokens, imp, deterministic=False, key=key)
+        outs[ste] = hidden(model, tokens, imp, deterministic=False, key=jax.random.key(9))[0]
         x = model.embed_tokens(tokens, jnp.arange(T))
-        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-        st, _ = format_rows(x, imp, jnp.ones((B, T), bool), pos, 8, 4)
-        kw = layer_kw(model, deterministic=False)
-        kw["explore_prob"] = 0.0
+        st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), 8, 4)
+        kw = dict(model.stack.layer_kwargs(False, model.stack.num_fine), explore_prob=0.0)
 
         def loss(probe, st=st, model=model, kw=kw):
             new, _ = vs.vcc_layer(model.blocks[0], st, key=jax.random.key(1), probe=probe, **kw)
@@ -326,13 +305,12 @@ def test_straight_through_gate_changes_gradients_not_values():
 
 
 def test_eval_is_deterministic_and_training_explores():
-    T = 40
     model = build(explore_prob=0.5)
-    tokens, imp = inputs(T, seed=6)
-    a, ia = stack_hidden(model, tokens, imp, info=True)
-    b, ib = stack_hidden(model, tokens, imp, info=True, key=jax.random.key(1))  # deterministic ignores the key
+    tokens, imp = inputs(40, seed=6)
+    a, _, ia = hidden(model, tokens, imp)
+    b, _, ib = hidden(model, tokens, imp, key=jax.random.key(1))  # deterministic ignores the key
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    sels = [np.asarray(stack_hidden(model, tokens, imp, deterministic=False, key=jax.random.key(s), info=True)[1][0]
+    sels = [np.asarray(hidden(model, tokens, imp, deterministic=False, key=jax.random.key(s))[2][0]
                        ["fine_idx"]) for s in range(6)]
     assert any((np.sort(s, 1) != np.sort(np.asarray(ia[0]["fine_idx"]), 1)).any() for s in sels)
 
@@ -345,7 +323,6 @@ def test_format_vip_order_underflow_and_overflow():
     vip[0, [3, 9, 17]] = True  # fewer than n_p
     vip[1, [1, 2, 5, 11, 20, 23]] = True  # more than n_p
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    # jitted: an eager call dispatches op by op (most of this test's time)
     st, overflow = format_rows(x, jnp.asarray(vip), jnp.ones((B, T), bool), pos, n_p, k)
     perm = np.asarray(st.perm)
     assert perm[0, :4].tolist() == [3, 9, 17, 0]  # VIP in order, then the earliest other token
@@ -366,9 +343,8 @@ def test_rows_of_any_length_and_short_rows_have_nothing_to_compress():
         tokens, imp = inputs(T, seed=T)
         out, _ = model(tokens, imp)
         assert out.shape == (B, T, V) and bool(jnp.all(jnp.isfinite(out)))
-    dense = build("dense")
     tokens, imp = inputs(14, seed=1)  # 8 VIP slots + 2 blocks <= 2 fine blocks: exact
-    np.testing.assert_allclose(np.asarray(model(tokens, imp)[0]), np.asarray(dense(tokens, imp)[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model(tokens, imp)[0]), np.asarray(build("dense")(tokens, imp)[0]), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- 8. gradients
@@ -384,12 +360,11 @@ def test_gradients_are_finite(variant, dtype):
         imp = jnp.zeros_like(imp)
     valid = jnp.ones((B, T), bool).at[0, -13:].set(False) if variant == "padding" else None
     gd, params, rest = nnx.split(model, nnx.Param, ...)
-    dt = jnp.dtype(dtype)
-    params = jax.tree.map(lambda p: p.astype(dt), params)
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
 
     def loss(p):
         m = nnx.merge(gd, p, rest)
-        y = stack_hidden(m, tokens, imp, valid, deterministic=False, key=jax.random.key(0))
+        y = backbone(m, tokens, imp, valid=valid, deterministic=False, key=jax.random.key(0))[0]
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
     grads = jax.jit(jax.grad(loss))(params)
@@ -403,14 +378,14 @@ def test_gradient_reaches_a_token_of_an_unselected_block():
     model = build(num_layers=1, num_dense_layers=0)
     tokens, imp = inputs(T, seed=8)
     x = model.embed_tokens(tokens, jnp.arange(T))
-    _, infos = stack_hidden(model, tokens, imp, embedded=x, info=True)
+    infos = hidden(model, tokens, imp, embedded=x)[2]
     st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), n_p, k)
     unselected = [b for b in range(8) if b not in np.asarray(infos[0]["fine_idx"][0]).tolist()][0]
     tok = int(st.perm[0, n_p + unselected * k + 1])
     vip_rows = np.asarray(st.perm[0, :n_p])[np.asarray(st.imp[0])]
 
     def loss(x):  # the loss reads only the VIP outputs of row 0
-        return jnp.sum(stack_hidden(model, tokens, imp, embedded=x)[0, vip_rows] ** 2)
+        return jnp.sum(backbone(model, tokens, imp, embedded=x)[0][0, vip_rows] ** 2)
 
     g = jax.jit(jax.grad(loss))(x)
     assert float(jnp.max(jnp.abs(g[0, tok]))) > 1e-6
@@ -428,26 +403,19 @@ def test_one_compilation_per_shape():
         return nnx.merge(gd, state)(tokens, imp)[0]
 
     for seed, rate in ((0, 0.05), (1, 0.3), (2, 0.6)):  # different VIP counts (under- and overflow)
-        tokens, imp = inputs(40, seed=seed, rate=rate)
-        jax.block_until_ready(fwd(state, tokens, imp))
+        jax.block_until_ready(fwd(state, *inputs(40, seed=seed, rate=rate)))
     assert len(traces) == 1
 
 
 # ----------------------------------------------------------------------------- config
 def test_config_refusals():
-    c = lm_cfg(block_size=3)
-    with pytest.raises(ConfigError, match="must divide window"):
-        build_model(c)
-    c = model_cfg(levels=(16, 1))
-    with pytest.raises(ConfigError, match="levels"):
-        build_model(c)
-    c = model_cfg()
-    c.block = "gau"
-    with pytest.raises(ConfigError, match="pre-LN"):
-        build_model(c)
-    c = model_cfg(num_dense_layers=5)
-    with pytest.raises(ConfigError, match="num_dense_layers"):
-        build_model(c)
+    gau = model_cfg()
+    gau.block = "gau"
+    for c, match in ((lm_cfg(block_size=3), "must divide window"), (model_cfg(levels=(16, 1)), "levels"),
+                     (gau, "pre-LN"), (model_cfg(num_dense_layers=5), "num_dense_layers"),
+                     (model_cfg(impl="blockwise"), "unknown 'blockwise'")):
+        with pytest.raises(ConfigError, match=match):
+            build_model(c)
 
 
 def test_the_core_refuses_to_run_without_its_wrapper():
@@ -460,12 +428,6 @@ def test_the_core_refuses_to_run_without_its_wrapper():
 
 
 # ----------------------------------------------------------------------------- implementations of the core
-def _core(impl, **settings):
-    cfg = attention.default_config(NAME)
-    cfg.update({**impl.config, **impl.test_config, **settings})
-    return attention.build(NAME, cfg, num_heads=2, head_dim=8, causal=False, rngs=nnx.Rngs(0))
-
-
 def test_settings_select_implementations_and_old_configs_keep_theirs():
     """impl='auto' maps the settings written before impl existed (query_chunk only) to what they computed:
     0 -> reference (all queries at once), > 0 -> chunked; names and lists are dispatch's."""
@@ -489,77 +451,26 @@ def test_settings_select_implementations_and_old_configs_keep_theirs():
             ex = config_lib.validate(config_lib.merge_over_base(saved)).execution.attention[NAME]
             assert (ex.impl, ex.query_chunk) == ("auto", qc), layout
             assert vcc_core.choose(ex.impl, query_chunk=ex.query_chunk).name == want, (qc, layout)
-    c = model_cfg(impl="blockwise")
-    with pytest.raises(ConfigError, match="unknown 'blockwise'"):
-        build_model(c)
 
 
 # ============================================================================= VCC-LM (§4.2, §6.7)
-LM = {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4}
-
-
-def lm_cfg(method=NAME, *, positions="rotary", explore_prob=0.1, ste_gate=True, num_layers=2, **lc):
-    c = base_config().model
-    c.vocab_size = V
-    c.d_model, c.num_layers, c.num_heads, c.head_dim, c.d_ff = D_MODEL, num_layers, 2, 8, 32
-    c.positions = positions
-    c.attention.name = method
-    if method == NAME:
-        c.attention[NAME] = {"causal": dict(LM, **lc), "explore_prob": explore_prob, "ste_gate": ste_gate}
-    return c
-
-
-def lm(method=NAME, **kw):
-    return build_model(lm_cfg(method, **kw), seed=0)
-
-
-def lm_hidden(model, tokens, state=None, *, deterministic=True, key=None, embedded=None):
-    """Stack output (before the final norm), new states and per-layer info, from tokens or embeddings."""
-    T = tokens.shape[1]
-    s0 = 0 if state is None else state[0]["length"]
-    pos = s0 + jnp.arange(T, dtype=jnp.int32)
-    x = model.embed_tokens(tokens, pos) if embedded is None else embedded
-    return model.stack(model.blocks, x, state, positions=pos, deterministic=deterministic, key=key, return_info=True)
-
-
-@nnx.jit
-def lm_logits(model, tokens):
-    """model(tokens)'s logits, jitted."""
-    return model(tokens)[0]
-
-
-def test_lm_parameter_tree_is_the_dense_decoders():
-    pd, pv = nnx.state(lm("dense"), nnx.Param), nnx.state(lm(), nnx.Param)
-    assert jax.tree.structure(pd) == jax.tree.structure(pv)
-    for a, b in zip(jax.tree.leaves(pd), jax.tree.leaves(pv)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("kind", ["all_old_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow)])
-def test_lm_reduces_to_dense_causal(kind):
-    T = 64
-    kw = {"num_fine_blocks": (T - 8 - 8) // 4} if kind == "all_old_blocks_fine" else {"block_size": 1}
-    tokens, _ = inputs(T, seed=1)
-    want = lm_logits(lm("dense"), tokens)
-    got = lm(**kw)
-    np.testing.assert_allclose(np.asarray(lm_logits(got, tokens)), np.asarray(want), atol=1e-5, rtol=1e-5)
-
-    @nnx.jit
-    def train_logits(model, tokens, key):  # training mode too
-        y, _, _ = lm_hidden(model, tokens, deterministic=False, key=key)
-        return model.logits(model.norm(y))
-
-    np.testing.assert_allclose(np.asarray(train_logits(got, tokens, jax.random.key(2))), np.asarray(want), atol=1e-5,
-                               rtol=1e-5)
-
-
-def test_lm_first_windows_are_dense_and_later_ones_compressed():
+# every old block refined, or blocks of one token: exact everywhere; the defaults: exact in the windows whose old
+# history holds no complete block (t0 - g < k), compressed after
+@pytest.mark.parametrize("kind", ["all_old_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow),
+                                  "default"])
+def test_lm_equals_dense_where_nothing_is_compressed(kind):
     T, w, g, k = 64, 8, 8, 4
-    tokens, _ = inputs(T, seed=2)
-    want, got = lm_logits(lm("dense"), tokens), lm_logits(lm(), tokens)
-    exact = w + g + k  # windows whose old history holds no complete block: t0 - g < k
-    np.testing.assert_allclose(np.asarray(got[:, :exact]), np.asarray(want[:, :exact]), atol=1e-5, rtol=1e-5)
-    assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
+    kw = {"all_old_blocks_fine": {"num_fine_blocks": (T - w - g) // k}, "block_size_1": {"block_size": 1},
+          "default": {}}[kind]
+    exact = T if kw else w + g + k
+    tokens, _ = inputs(T, seed=1 if kw else 2)
+    model = lm(**kw)
+    want, got = call(lm("dense"), tokens)[0], call(model, tokens)[0]
+    y = hidden(model, tokens, deterministic=False, key=jax.random.key(2))[0]  # training mode too
+    for out in (got, model.logits(model.norm(y))):
+        np.testing.assert_allclose(np.asarray(out[:, :exact]), np.asarray(want[:, :exact]), atol=1e-5, rtol=1e-5)
+    if not kw:
+        assert float(jnp.max(jnp.abs(got[:, exact:] - want[:, exact:]))) > 1e-3
 
 
 @pytest.mark.slow  # token-by-token decoding: one compiled step per token
@@ -569,8 +480,8 @@ def test_lm_decoding_selects_the_blocks_of_the_parallel_pass():
     T, w = 64, 8
     model = lm()
     tokens, _ = inputs(T, seed=3)
-    _, _, infos = lm_hidden(model, tokens)
-    step = jax.jit(lambda t, s: lm_hidden(model, t, s)[:2])
+    infos = hidden(model, tokens)[2]
+    step = jax.jit(lambda t, s: backbone(model, t, state=s)[:2])
     state = model.init_state(B, T)["layers"]
     for t in range(T):
         _, state = step(tokens[:, t:t + 1], state)
@@ -587,36 +498,29 @@ def test_lm_no_future_leak_in_training_mode():
     model = lm(explore_prob=0.5)
     tokens, _ = inputs(T, seed=4)
     key = jax.random.key(5)
-    y, _, _ = lm_hidden(model, tokens, deterministic=False, key=key)
+    y = hidden(model, tokens, deterministic=False, key=key)[0]
     pert = tokens.at[:, t_star].set((tokens[:, t_star] + 9) % (V - 1))
-    y2, _, _ = lm_hidden(model, pert, deterministic=False, key=key)
+    y2 = hidden(model, pert, deterministic=False, key=key)[0]
     np.testing.assert_array_equal(np.asarray(y[:, :t_star]), np.asarray(y2[:, :t_star]))
     assert float(jnp.max(jnp.abs(y[:, t_star:] - y2[:, t_star:]))) > 1e-4
     x = model.embed_tokens(tokens, jnp.arange(T))
     for t in (20, 41, 62):
-        def out_t(x, t=t):
-            return lm_hidden(model, tokens, deterministic=False, key=key, embedded=x)[0][:, t]
-
-        _, vjp = jax.vjp(out_t, x)
+        _, vjp = jax.vjp(lambda x, t=t: backbone(model, tokens, deterministic=False, key=key, embedded=x)[0][:, t], x)
         (g,) = vjp(jax.random.normal(jax.random.key(t), (B, D_MODEL)))
         assert float(jnp.max(jnp.abs(g[:, t + 1:]))) == 0.0, f"d y[{t}] / d x[> {t}] is not zero"
         assert float(jnp.max(jnp.abs(g[:, :4]))) > 0.0
 
 
 def _numpy_lm_selection(anchors, valid, ck, nb_j):
+    """log(mean over heads and valid anchors of softmax(ck anchors / sqrt(D)) over the nb_j old blocks + 1e-5),
+    -1e30 at the others."""
     anchors, ck = np.asarray(anchors, np.float64), np.asarray(ck, np.float64)
-    Bn, H, a, D = anchors.shape
-    out = np.full((Bn, ck.shape[2]), -1e30)
-    for b in range(Bn):
-        pbar = np.zeros(nb_j)
-        for e in range(H):
-            for i in range(a):
-                if not valid[i]:
-                    continue
-                s = ck[b, e, :nb_j] @ anchors[b, e, i] / math.sqrt(D)
-                p = np.exp(s - s.max())
-                pbar += p / p.sum()
-        out[b, :nb_j] = np.log(pbar / (H * max(valid.sum(), 1)) + 1e-5)
+    _, H, _, D = anchors.shape
+    s = np.einsum("bhid,bhjd->bhij", anchors, ck[:, :, :nb_j]) / math.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    pbar = (p / p.sum(-1, keepdims=True) * valid[:, None]).sum((1, 2))
+    out = np.full((ck.shape[0], ck.shape[2]), -1e30)
+    out[:, :nb_j] = np.log(pbar / (H * max(valid.sum(), 1)) + 1e-5)
     return out
 
 
@@ -634,13 +538,10 @@ def test_lm_selection_matches_numpy():
 
 
 def test_lm_capacity_is_never_exceeded_silently():
-    from longctx.attention.base import CapacityError
-
     model = lm()
     tokens, _ = inputs(24, seed=6)
-    state = model.init_state(B, 16)
     with pytest.raises(CapacityError):
-        model(tokens, state)
+        model(tokens, model.init_state(B, 16))
     step = jax.jit(lambda t, s: model(t, s)[:2])
     _, state = step(tokens[:, :12], model.init_state(B, 16))
     with pytest.raises(Exception, match="CapacityError|holds 16 tokens"):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.models import vcc_stack as vs
-from tests.attention.test_vcc import B, build, call, inputs, stack_hidden
+from tests.attention.test_vcc import B, build, call, hidden, inputs
 
 
 def test_padding_departures_block_position_and_vip_flags():
@@ -61,7 +61,7 @@ def test_rows_without_vip_tokens_select_from_their_leading_slots(caplog):
     tokens, _ = inputs(40, seed=3)
     vs._warned.clear()
     with caplog.at_level("WARNING", logger="longctx.models.vcc_stack"):
-        _, infos = stack_hidden(model, tokens, None, info=True)
+        _, _, infos = hidden(model, tokens)
         jax.effects_barrier()
     assert sum("no VIP token" in r.getMessage() for r in caplog.records) == 1, caplog.text
     for info in infos:  # the score depends on the blocks, not a constant log(1e-5)

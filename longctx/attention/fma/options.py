@@ -53,6 +53,11 @@ def levels_used(n: int, opts: FMAOptions) -> int:
     return need
 
 
+def acc_type(x):
+    """The accumulation dtype of products of x: at least float32 (float64 stays float64)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def f32(x):
     """Compute dtype: f32 (bf16/f16 inputs are upcast; f64 stays f64 for finite-difference tests)."""
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.base import check_capacity
-from longctx.attention.fma.options import FMAOptions, f32, pad_to
+from longctx.attention.fma.options import FMAOptions, acc_type, f32, pad_to
 from longctx.attention.fma.reference import bias_rows, summarize
 from longctx.attention.fma.xla import combine, row_stats
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, packed_slots
@@ -201,11 +201,11 @@ def _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts: FMAOptions):
                                  offsets=[0], group_base=[g_first - RING], n_rows=n_ext * p, xp=jnp)
         kc = jnp.take(EK.reshape(B, H, n_ext * p, d), idx.reshape(-1), axis=2).reshape(B, H, nbs, -1, d)
         vc = jnp.take(EV.reshape(B, H, n_ext * p, -1), idx.reshape(-1), axis=2).reshape(B, H, nbs, idx.shape[1], -1)
-        # compute-dtype operands, float32 scores and statistics, as the full pass
-        s = jnp.einsum("bhcid,bhcsd->bhcis", qr * scale, kc, preferred_element_type=jnp.float32) + bias[:, None, :]
+        # compute-dtype operands, scores and statistics in at least float32, as the full pass
+        s = jnp.einsum("bhcid,bhcsd->bhcis", qr * scale, kc, preferred_element_type=acc_type(kc)) + bias[:, None, :]
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = row_stats(s, (bias > NEG / 2)[:, None, :], vc, key, opts)
-        num = jnp.einsum("bhcis,bhcsf->bhcif", e.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        num = jnp.einsum("bhcis,bhcsf->bhcif", e.astype(vc.dtype), vc, preferred_element_type=acc_type(vc))
         acc = combine(acc, (M, num, den), opts)
     return acc
 

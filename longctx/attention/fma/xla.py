@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
-from longctx.attention.fma.options import FMAOptions, f32, levels_used, pad_to
+from longctx.attention.fma.options import FMAOptions, acc_type, f32, levels_used, pad_to
 from longctx.attention.fma.reference import lagged, summarize
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
 
@@ -95,11 +95,11 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
         vmask = np.repeat(valid, p, axis=-1)[:, None, :]  # [N, 1, C]
         kc = jnp.take(K.reshape(B, H, N * p, d), rows.reshape(-1), axis=2).reshape(B, H, N, -1, d)
         vc = jnp.take(V.reshape(B, H, N * p, -1), rows.reshape(-1), axis=2).reshape(B, H, N, rows.shape[1], -1)
-        # compute-dtype operands, float32 scores and statistics (M, num, den), as the fine blocks' softmax
-        s = jnp.einsum("bhard,bhacd->bharc", Q * scale, kc, preferred_element_type=jnp.float32) + opts.beta(l)
+        # compute-dtype operands, scores and statistics in at least float32 (M, num, den), as the fine blocks' softmax
+        s = jnp.einsum("bhard,bhacd->bharc", Q * scale, kc, preferred_element_type=acc_type(kc)) + opts.beta(l)
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = row_stats(s, vmask, vc, key, opts)
-        num = jnp.einsum("bharc,bhacf->bharf", e.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        num = jnp.einsum("bharc,bhacf->bharf", e.astype(vc.dtype), vc, preferred_element_type=acc_type(vc))
         flat = tuple(x.reshape((B, H, N * p) + x.shape[4:]) for x in (M, num, den))
         if acc is not None:
             acc = _repeat_rows(acc, 2, N * p)
