@@ -22,7 +22,8 @@
 #             sample time), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
 #   attention_d128  the same at head dim 128 (exact attention, its XLA tiles, transformer_vq, eva, fma; 8k, 32k);
 #             not in the default STEPS
-#   kernels   each Pallas kernel against its XLA path at the same shapes (`longctx-bench kernels`)
+#   kernels   each Pallas kernel against its XLA path at the same shapes, at 32k (`longctx-bench kernels`; each
+#             kernel compiles both paths forward and backward, so the step's limit reaches two or three kernels)
 #   step_*    the training step of three configs at reduced depth (2 layers; `longctx-bench step`), each at
 #             its own row and window: enwik8 Transformer-VQ (8k rows in 2k windows, batch 8), WikiText-103 EVA
 #             (512 words, batch 32, the 267,735-word vocabulary), enwik8 FMA (1k bytes, batch 64): tokens/s,
@@ -31,8 +32,8 @@
 #             default STEPS (its compile outlasted the 30 s it was given on the H200, and one device plans what a
 #             CPU plans)
 # The default steps' limits add up to 9.2 minutes, for one call on a 15-minute lease (the step times of the H200
-# runs are in results/gpu/2026-11-27-NVIDIA-H200-a.md and -b.md: the compiled tests need most of their limit,
-# and a benchmark row costs a compile per length and direction); per step:
+# runs are in results/gpu/2026-11-27-NVIDIA-H200-*.md: the compiled tests need most of their limit, and a row costs a
+# compile per length and direction); per step:
 # GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset, STEPS=all
 # every step (the report is always written, from every step output in the folder).
 set -uo pipefail
@@ -108,7 +109,7 @@ else
   # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
   # shapes, dtype and calls per timing sample: the bench's accelerator defaults (B8 H8 d64 bf16)
   ATTN=(--lengths 8k,32k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 15)
-  KERN=(--lengths 8k,32k --repeats 3 --warmup 1 --max_cell_s 15)
+  KERN=(--lengths 32k --repeats 3 --warmup 1 --max_cell_s 15)
   STEP=(--repeats 3 --warmup 1)
   STEP_TVQ=(--lengths 8k --window 2048 --batch_size 8)
   STEP_EVA=(--lengths 512 --batch_size 32 --vocab_size 267735)
@@ -204,12 +205,12 @@ print(json.dumps(info, indent=1))
 EOF
 step env "$(limit env 20)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
 
-step tests "$(limit tests 200)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
+step tests "$(limit tests 150)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
 step attention "$(limit attention 150)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
   --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN[@]}"
 step attention_d128 "$(limit attention_d128 45)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
   --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" "${ATTN128[@]}"
-step kernels "$(limit kernels 60)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+step kernels "$(limit kernels 110)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
 mapfile -t DEPTH_FLAGS < <(over "${DEPTH[@]}")
 step step_tvq "$(limit step_tvq 30)" "${BENCH[@]}" step --config "configs/enwik8/transformer_vq.py$VARIANT" \
   --out "$WORK/step_tvq" --noprogress "${STEP[@]}" "${STEP_TVQ[@]}" "${DEPTH_FLAGS[@]}"

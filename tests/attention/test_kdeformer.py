@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from longctx.attention import dispatch
 from longctx.attention.base import CapacityError
 from longctx.attention.dispatch import KernelUnsupportedError
 from longctx.attention.kdeformer import common as kd
@@ -562,7 +563,8 @@ def test_a_cpu_route_named_off_a_cpu_raises():
         make(True, causal=SMALL, impl="band").implementation_for(jnp.float32, cache_len=64, platform="cuda")
 
 
-def test_heavy_impl_written_before_impl_runs_that_route():
+def test_heavy_impl_written_before_impl_runs_that_route(monkeypatch):
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")  # the routes are CPU implementations
     q, k, v = qkv(64, seed=50)
     key = jax.random.PRNGKey(51)
     old, _ = run(make(True, causal=SMALL, heavy_impl="gather"), q, k, v, deterministic=False, key=key)
