@@ -149,7 +149,7 @@ def test_prefix_forward_equals_prefix_of_full():
     core = make(overlap_window=True, window_size=W, chunk_size=P)
     q, k, v = qkv(45, seed=5)
     full, full_train = out(core, q, k, v), run(core, q, k, v, **TRAIN)[0]
-    for n in (1, P - 1, P + 1, W, W + 1, 37):
+    for n in (1, P - 1, P, P + 1, W - 1, W, W + 1, 37):  # spec §6.6(b): around a chunk and a window border
         assert maxdiff(out(core, q[:, :, :n], k[:, :, :n], v[:, :, :n]), full[:, :, :n]) < 1e-5, n
     for n in (P + 1, 37):
         pre = run(core, q[:, :, :n], k[:, :, :n], v[:, :, :n], **TRAIN)[0]
