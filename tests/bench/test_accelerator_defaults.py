@@ -76,6 +76,14 @@ def test_jaxpr_matmul_flops_counts_scan_trips_and_cond_branches():
     assert out["while_loops"] == 1 and out["flops"] == 2 * 4 * 8 * 8
 
 
+def test_xla_flops_is_a_lower_bound_with_a_loop_or_a_custom_call():
+    x = jnp.eye(8) + 0.1
+    count = lambda f: C.xla_flops(jax.jit(f).lower(x).compile())  # noqa: E731
+    assert count(lambda a: a @ a) == dict(count(lambda a: a @ a), flops=2 * 8**3, has_loops=False)
+    assert count(lambda a: jax.lax.fori_loop(0, 3, lambda i, b: b @ a, a))["has_loops"]
+    assert count(lambda a: jnp.linalg.eigh(a)[0])["has_loops"]  # LAPACK's custom call on a CPU, as a kernel's
+
+
 def test_time_calls_divides_a_sample_by_its_calls():
     t = C.time_calls(jax.jit(lambda x: x + 1), jnp.ones(4), repeats=2, warmup=1, calls=7)
     assert t["calls_per_sample"] == 7 and t["n"] == 2 and t["median_s"] > 0
