@@ -196,18 +196,51 @@ def run(args) -> dict:
 
 
 def add_peak_fractions(rows: list[dict], peak_tflops: float | None) -> None:
-    """``{kind}_peak_fraction`` of each timed row: its analytic FLOP rate over the peak, else its XLA-counted
-    rate (``{kind}_peak_fraction_lower_bound`` where XLA's count of a program with loops is a lower bound)."""
+    """``{kind}_peak_fraction`` of each timed row: its analytic FLOP rate over the peak (exact attention), else
+    its method count's (:func:`method_flops`), else its XLA-counted rate (``{kind}_peak_fraction_lower_bound``
+    where the count is a lower bound: loops counted once, kernels not counted)."""
     for r in rows:
         for kind in ("fwd", "fwdbwd"):
             rate = r.get(f"{kind}_analytic_gflops_per_s")
             lower = False
-            if rate is None:
+            if rate is None and r.get(f"{kind}_method_gflops_per_s"):
+                rate = r[f"{kind}_method_gflops_per_s"]
+                lower = bool(r.get(f"method_flops_{kind}_lower_bound"))
+            elif rate is None:
                 rate = r.get(f"{kind}_xla_gflops_per_s")
                 lower = bool(r.get(f"{kind}_xla_flops_has_loops"))
             if rate and peak_tflops:
                 r[f"{kind}_peak_fraction"] = rate / (peak_tflops * 1e3)
                 r[f"{kind}_peak_fraction_lower_bound"] = lower
+
+
+def method_flops(core, method: str, fargs: dict, seed: int = 0) -> dict:
+    """The matrix-multiply FLOPs of one call of an efficient method, forward and forward+backward
+    (``fargs``: the timed functions' arguments by kind), counted in its jaxpr (``common.jaxpr_matmul_flops``:
+    scan bodies times their length, no elementwise work): the work the method's program does, where XLA's
+    count misses loop trips and kernels. A program with a kernel (opaque to the count) is counted as the
+    method's portable XLA implementation (``impl='xla'``) computes it, and ``method_flops_source`` says so;
+    ``method_flops_{kind}_lower_bound``: loops of unknown trip count or kernels remained."""
+    from flax import nnx
+
+    from longctx import attention
+
+    out = {"method_flops_source": "the timed program"}
+    fns = CoreFns(core)
+    for kind in fargs:
+        count = C.jaxpr_matmul_flops(fns.forward() if kind == "fwd" else fns.grads(), *fargs[kind])
+        if count["opaque"]:
+            cfg = core.cfg.copy_and_resolve_references()
+            cfg.impl = "xla"
+            twin = CoreFns(attention.build(method, cfg, num_heads=core.num_heads, head_dim=core.head_dim,
+                                           value_dim=core.value_dim, causal=core.causal, rngs=nnx.Rngs(seed)))
+            rest = fargs[kind][2:]
+            count = C.jaxpr_matmul_flops(twin.forward() if kind == "fwd" else twin.grads(), twin.params, twin.rest,
+                                         *rest)
+            out["method_flops_source"] = "the portable XLA implementation (the timed one runs kernels)"
+        out[f"method_flops_{kind}"] = count["flops"]
+        out[f"method_flops_{kind}_lower_bound"] = bool(count["while_loops"] or count["opaque"])
+    return out
 
 
 def child_argv(args, label: str, out, causal: bool | None = None) -> list[str]:
@@ -303,6 +336,11 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, 
         kinds = [("fwd", fwd, (fns.params, fns.rest, q, k, v))]
         if not args.no_backward:
             kinds.append(("fwdbwd", grads, (fns.params, fns.rest, q, k, v, w, key)))
+        if not is_exact(method):
+            try:
+                row.update(method_flops(core, method, {kind: fargs for kind, _, fargs in kinds}, args.seed))
+            except Exception as e:  # noqa: BLE001 -- a count that cannot be made leaves the XLA count
+                row["method_flops_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         for kind, fn, fargs in kinds:
             status = blocked[kind] or _skip_reason_time(*hist[kind], T, n_calls, args.max_cell_s)
             if status is None:
@@ -333,6 +371,8 @@ def _bench_core(core, method, label, causal, lengths, args, dtype, budget, bar, 
                             row[f"{kind}_xla_gflops_per_s"] = fl["flops"] / t["median_s"] / 1e9
                         if row.get(f"analytic_flops_{kind}"):
                             row[f"{kind}_analytic_gflops_per_s"] = row[f"analytic_flops_{kind}"] / t["median_s"] / 1e9
+                        if row.get(f"method_flops_{kind}"):
+                            row[f"{kind}_method_gflops_per_s"] = row[f"method_flops_{kind}"] / t["median_s"] / 1e9
                         hist[kind][0].append(T)
                         hist[kind][1].append(t["median_s"])
                         status = "ok"
@@ -457,7 +497,7 @@ def markdown(res: dict) -> str:
     if res["skipped_variants"]:
         parts.append("\n")
     headers = ["variant", "T", "fwd ms", "fwd+bwd ms", "XLA mem fwd MB", "XLA mem fwd+bwd MB", "peak RSS MB",
-               f"{unit} fwd (analytic)", f"{unit} fwd (XLA)", f"{unit} fwd+bwd (analytic)", f"{unit} fwd+bwd (XLA)",
+               f"{unit} fwd (model)", f"{unit} fwd (XLA)", f"{unit} fwd+bwd (model)", f"{unit} fwd+bwd (XLA)",
                "% of peak fwd", "% of peak fwd+bwd", "status"]
 
     def sc(x):
@@ -474,17 +514,20 @@ def markdown(res: dict) -> str:
             rows.append([
                 r["variant"], C.fmt_len(r["length"]), _ms(r.get("fwd_s")), _ms(r.get("fwdbwd_s")),
                 _mb((r.get("fwd_xla_mem") or {}).get("total")), _mb((r.get("fwdbwd_xla_mem") or {}).get("total")),
-                _mb(rss), sc(r.get("fwd_analytic_gflops_per_s")),
+                _mb(rss), sc(r.get("fwd_analytic_gflops_per_s") or r.get("fwd_method_gflops_per_s")),
                 (f"≥{xf:.3g}" if r.get("fwd_xla_flops_has_loops") else xf) if xf else None,
-                sc(r.get("fwdbwd_analytic_gflops_per_s")),
+                sc(r.get("fwdbwd_analytic_gflops_per_s") or r.get("fwdbwd_method_gflops_per_s")),
                 (f"≥{xb:.3g}" if r.get("fwdbwd_xla_flops_has_loops") else xb) if xb else None,
                 _pct(r, "fwd"), _pct(r, "fwdbwd"), status,
             ])
         parts.append(f"\n### {dname}\n\n" + C.md_table(headers, rows))
-    parts.append(f"\n{unit} (analytic): dense count 4·B·H·T²·D (÷2 causal) forward, ×3.5 forward+backward "
-                 "(backward = 2.5× forward, recomputation not counted). " + unit + " (XLA): flops from "
+    parts.append(f"\n{unit} (model): exact attention's analytic count 4·B·H·T²·D (÷2 causal) forward, ×3.5 forward+backward "
+                 "(backward = 2.5× forward, recomputation not counted); an efficient method's: the matrix-multiply "
+                 "FLOPs in its jaxpr (a scan body times its length; a program with kernels counted as the "
+                 "method's portable XLA implementation computes it). " + unit + " (XLA): flops from "
                  "`compiled.cost_analysis()` (XLA HloCostAnalysis) / time; '≥' marks programs with while loops, "
-                 "whose bodies XLA counts once, so the count is a lower bound. XLA mem = arguments + outputs + "
+                 "whose bodies XLA counts once, or with kernels (custom calls), whose work it does not count, so "
+                 "the count is a lower bound. XLA mem = arguments + outputs + "
                  "temporaries − aliased from `compiled.memory_analysis()`; peak RSS = the whole process "
                  "(includes the JAX runtime and inputs), sampled every 5 ms during the timed calls; the entry "
                  "points keep freed host memory in the process (longctx/host_memory.py), so it is the largest "

@@ -475,14 +475,21 @@ def gpu_check_section(out: Path) -> list[str]:
                 e = ref.get((x.get("head_dim"), x.get("length")), {})
                 return x[key] / e[key] if x.get(key) and e.get(key) else None
 
-            def peak(x):  # ≥: XLA's count (a method without an analytic count) misses kernels and loop trips
+            def peak(x):  # ≥: a lower bound (XLA's count misses kernels and loop trips)
                 pf = x.get("fwdbwd_peak_fraction")
-                return lower(None if pf is None else 100 * pf, not x.get("fwdbwd_analytic_gflops_per_s"))
+                if x.get("fwdbwd_analytic_gflops_per_s"):
+                    bound = False
+                elif x.get("fwdbwd_method_gflops_per_s"):
+                    bound = bool(x.get("method_flops_fwdbwd_lower_bound"))
+                else:
+                    bound = True
+                return lower(None if pf is None else 100 * pf, bound)
 
             parts.append(f"Attention: time over `{exact}`'s at the same shape (below 1: faster than exact "
                          "attention); % of the device's bf16 peak from the analytic FLOPs (exact attention), else "
-                         "from XLA's count of the program, a lower bound (≥: it leaves out the work inside "
-                         "kernels and counts a loop's body once).\n")
+                         "the matrix-multiply FLOPs in the method's jaxpr (with kernels: its portable XLA "
+                         "implementation's), else XLA's count of the program, a lower bound (≥: it leaves out the "
+                         "work inside kernels and counts a loop's body once).\n")
             parts.append(C.md_table(["attention variant", "head dim", "T", "fwd ms", "fwd+bwd ms", "fwd / exact",
                                      "fwd+bwd / exact", "% of peak fwd+bwd", "status"],
                                     [[x.get("variant"), x.get("head_dim"), x.get("length"), ms(x.get("fwd_s")),
