@@ -68,9 +68,13 @@ def add_args(p):
 
 
 def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.base.KernelBench]]:
-    """(method, kernel, KernelBench) of every registered method's declared kernels; unknown names are
-    an error, a requested method that declares none is reported by the caller."""
+    """(method, kernel, KernelBench) of every registered method's declared kernels, in the order ``--methods``
+    names them (a run stopped by a time limit has timed the first); unknown names are an error, a requested
+    method that declares none is reported by the caller."""
     methods = C.select_methods(requested)
+    if requested:
+        order = [r.split(":")[0] for r in requested]
+        methods = sorted(methods, key=order.index)
     return [(m, kname, kb) for m in methods for kname, kb in attention.get_class(m).kernel_benches().items()]
 
 

@@ -173,3 +173,10 @@ def test_gpu_check_section_shows_each_accelerator_report(tmp_path):
     assert "| 8192 in windows of 2048 | 8 | 800,000 | ≥67 | ≥5.4 | 14.4 | 1,024 |" in text
     assert "| eva: k | 8192 | 3.6 | 1.7 | – | – | – |" in text
     assert report.gpu_check_section(tmp_path / "nothing") == []
+
+
+def test_kernel_bench_runs_the_kernels_in_the_order_asked():
+    from longctx.bench.kernel_bench import kernel_cells
+
+    assert [m for m, _, _ in kernel_cells(["transformer_vq", "fma", "eva"])] == ["transformer_vq", "fma", "eva"]
+    assert [m for m, _, _ in kernel_cells(["fma", "eva"])] == ["fma", "eva"]
