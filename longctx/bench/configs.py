@@ -16,7 +16,7 @@ from longctx import config_files
 from longctx.config import apply_overrides
 from longctx.errors import ConfigError
 
-SECTIONS = ("data", "model", "train", "eval", "sample", "mesh")
+SECTIONS = ("data", "model", "train", "eval", "sample", "mesh", "mlm", "execution")  # every section of the config
 DEFAULT = "configs/default.py"
 
 

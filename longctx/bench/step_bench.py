@@ -19,7 +19,8 @@ Model FLOPs and MFU (the output states both definitions):
   computes it (a masked causal dense counts its whole T x T) and the parameter matmuls (the 6·N of the usual
   6·N + attention formula; an embedding lookup is no matmul). XLA's ``cost_analysis()`` of the compiled step
   is recorded beside it but not used: it counts a loop body once, and the layers, windows and blockwise
-  attention are loops.
+  attention are loops. A step whose attention runs kernels (Pallas: opaque to the jaxpr count) is counted as
+  the same model with each method on its portable XLA implementation (:func:`portable_matmul_flops`).
 * MFU = model FLOPs per token x tokens/s / peak. Peak on a CPU: this machine's measured f32 matmul rate on
   ``--matmul_n`` x ``--matmul_n`` matrices, the fastest of 3 calls after a warm-up of jax.jit(jnp.matmul)
   and of numpy, whichever is higher (``common.matmul_rate``, as ``longctx-bench attention`` records it); on a
@@ -144,7 +145,49 @@ def build_step(cfg, seed: int = 0, with_extras: bool = False):
         return compiled, args, C.memory_stats(compiled), n_params
     extras = {"compile_s": compile_s, "xla_flops": C.xla_flops(compiled),
               "fwd_flops": forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed)}
+    if extras["fwd_flops"]["opaque"]:
+        extras["fwd_flops"] = portable_matmul_flops(cfg, seed) or extras["fwd_flops"]
     return compiled, args, C.memory_stats(compiled), n_params, extras
+
+
+def portable_matmul_flops(cfg, seed: int = 0) -> dict | None:
+    """:func:`forward_matmul_flops` of the same model with every attention method on its portable XLA
+    implementation (``impl='xla'``; a model whose kernels hide their work from the jaxpr count), built
+    abstractly (no parameters allocated); None where no method section takes 'xla'."""
+    from flax import nnx
+
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    twin = cfg.copy_and_resolve_references()
+    changed = False
+    for name, sec in twin.execution.attention.items():
+        if "impl" in sec and "xla" in attention_impl_names(name):
+            sec.impl, changed = "xla", True
+    if not changed:
+        return None
+    model = nnx.eval_shape(lambda: build_model(twin.model, seed=twin.train.seed, execution=twin.execution))
+    graphdef, params, nongrad, rest = split_model(model)
+    out = forward_matmul_flops(twin, graphdef, params, nongrad, rest, seed)
+    out["counted_as"] = "the portable XLA implementation of each attention method (impl='xla')"
+    return out
+
+
+def attention_impl_names(name: str) -> set[str]:
+    """The values a method's ``impl`` takes by name (its implementations, and 'xla' where it keeps that older
+    value)."""
+    from longctx import attention
+
+    cls = attention.get_class(name)
+    names = {i.name for i in cls.implementations()} if hasattr(cls, "implementations") else set()
+    try:
+        cfg = cls.default_config()
+        cfg.impl = "xla"
+        attention.validate(name, cfg, causal=cls.supports_causal)
+        names.add("xla")
+    except Exception:  # noqa: BLE001 -- 'xla' is not one of its values
+        pass
+    return names
 
 
 def _timed(compiled, args) -> dict:
@@ -218,7 +261,8 @@ def run(args) -> dict:
             "minor_faults": int(statistics.median(s["minflt"] for s in samples[T])),
             "xla_mem": mem, "compile_s": extras["compile_s"], "build_s": extras["build_s"],
             "attention": cfg.model.attention.name, "block": cfg.model.block,
-            "model_flops_per_token": per_token, "model_flops_counter": "3 x forward matmul FLOPs (jaxpr count)",
+            "model_flops_per_token": per_token, "model_flops_counter": "3 x forward matmul FLOPs (jaxpr count)"
+            + (f", counted as {fwd['counted_as']}" if fwd.get("counted_as") else ""),
             "forward_flops_while_loops": fwd["while_loops"], "forward_flops_opaque": fwd["opaque"],
             "params_6n_flops_per_token": 6.0 * n_params,
             "xla_flops_per_token": (xf["flops"] / tokens) if xf.get("flops") else None,
@@ -276,6 +320,11 @@ def markdown(res: dict) -> str:
              + (f"{rows[0]['device_mem'].get('reason')}." if rows[0].get("device_peak_bytes") is None
                 and rows[0].get("device_mem") else "per length after its compile and warm-up."),
              ""]
+    twins = [r for r in rows if "counted as" in r.get("model_flops_counter", "")]
+    if twins:
+        notes.insert(-1, "At " + ", ".join(C.fmt_len(r["T"]) for r in twins) + " the step runs kernels, whose "
+                     "matmuls the jaxpr does not show: the model FLOPs are those of the same model with each "
+                     "attention method on its portable XLA implementation (impl='xla').")
     loops = [r for r in rows if r.get("forward_flops_while_loops") or r.get("forward_flops_opaque")]
     if loops:
         notes.insert(-1, "Lower bound at " + ", ".join(C.fmt_len(r["T"]) for r in loops) + ": the forward has "

@@ -129,6 +129,30 @@ def test_step_reports_model_flops_and_mfu(tmp_path):
     assert "MFU" in md and "3 x forward matmuls" in md and "measured f32 matmul rate" in md
 
 
+def test_step_counts_a_model_with_kernels_as_its_portable_implementation():
+    import argparse
+
+    from longctx.bench import configs
+    from longctx.bench import step_bench as S
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    args = argparse.Namespace(batch_size=1, window=None, vocab_size=None)
+
+    def cfg(impl):
+        base = configs.with_overrides(configs.load_config_file("configs/enwik8/fma.py:tiny"),
+                                      [f"execution.attention.fma.impl={impl}"])
+        return S.length_config(base, 64, args)
+
+    def count(c):
+        return S.forward_matmul_flops(c, *split_model(build_model(c.model, seed=0, execution=c.execution)))
+
+    kernel, portable = count(cfg("pallas")), count(cfg("xla"))
+    assert kernel["opaque"] and not portable["opaque"]  # the kernel hides its matmuls from the count
+    twin = S.portable_matmul_flops(cfg("pallas"))
+    assert twin["flops"] == portable["flops"] > kernel["flops"] and "impl='xla'" in twin["counted_as"]
+
+
 def test_step_without_a_peak_reports_no_mfu_and_why(tmp_path):
     sets = [f"--config.{s}" for s in ["model.d_model=32", "model.num_layers=1", "model.num_heads=2",
                                       "model.head_dim=16", "model.d_ff=64"]]
