@@ -162,7 +162,7 @@ def portable_matmul_flops(cfg, seed: int = 0) -> dict | None:
     twin = cfg.copy_and_resolve_references()
     changed = False
     for name, sec in twin.execution.attention.items():
-        if "impl" in sec and "xla" in attention_impl_names(name):
+        if "impl" in sec and takes_portable_impl(name):
             sec.impl, changed = "xla", True
     if not changed:
         return None
@@ -173,21 +173,21 @@ def portable_matmul_flops(cfg, seed: int = 0) -> dict | None:
     return out
 
 
-def attention_impl_names(name: str) -> set[str]:
-    """The values a method's ``impl`` takes by name (its implementations, and 'xla' where it keeps that older
-    value)."""
+def takes_portable_impl(name: str) -> bool:
+    """Whether method ``name``'s ``impl`` accepts 'xla' (its portable XLA implementation, or the older value
+    that selects it)."""
     from longctx import attention
 
     cls = attention.get_class(name)
-    names = {i.name for i in cls.implementations()} if hasattr(cls, "implementations") else set()
+    cfg = cls.default_config()
+    if "impl" not in cfg:
+        return False
+    cfg.impl = "xla"
     try:
-        cfg = cls.default_config()
-        cfg.impl = "xla"
         attention.validate(name, cfg, causal=cls.supports_causal)
-        names.add("xla")
-    except Exception:  # noqa: BLE001 -- 'xla' is not one of its values
-        pass
-    return names
+    except ConfigError:
+        return False
+    return True
 
 
 def _timed(compiled, args) -> dict:
