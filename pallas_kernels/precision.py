@@ -48,7 +48,7 @@ def _acc_einsum_bwd(spec, res, g):
 _acc_einsum.defvjp(_acc_einsum_fwd, _acc_einsum_bwd)
 
 
-__all__ = ["acc_einsum", "compute_dtype", "float_dtype"]
+__all__ = ["STATISTIC", "acc_einsum", "compute_dtype", "float_dtype", "statistic"]
 
 
 # two-dimensional tile products with float32 accumulation and the operands as they are (inside kernel bodies)
@@ -65,3 +65,14 @@ def dot_nt(a, b):
 def dot_tn(a, b):
     """a.T @ b."""
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# the name scope that declares a float32 product a statistic (tests/attention/test_compute_dtype.py reads it)
+STATISTIC = "f32_statistic"
+
+
+def statistic(why: str):
+    """``with statistic("codebook counts"):`` the products traced inside are float32 statistics by design (row
+    sums of probabilities written as dots, codebook counts and sums), not matmul work the compute dtype should
+    reach; ``why`` names them in the trace."""
+    return jax.named_scope(f"{STATISTIC}:{why}")

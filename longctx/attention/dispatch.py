@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+PLATFORM_DEFAULT = 0  # an execution knob set to this takes its implementation's default for the platform
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -60,6 +61,11 @@ class Implementation:
                always). Unlike ``reasons`` this is a preference: a named implementation ignores it.
     code:      what computes it (a module or a function), for the layer that runs the choice.
     directions: the attention directions it computes ('causal', 'bidirectional').
+    defaults:  execution key -> {platform: value}: the per-platform defaults of the knobs this implementation reads
+               (tiles, budgets, chunks). A knob configured as ``0`` (:data:`PLATFORM_DEFAULT`) takes the value for
+               the platform it runs on (:meth:`setting`), so a checkpoint trained on one platform runs with the other
+               platform's tuning and a knob tuned for XLA:CPU never drives a GPU path. ``'interpret'`` (a kernel
+               on a CPU) takes the ``'cpu'`` value; a platform not listed takes ``'default'``.
     """
 
     name: str
@@ -73,6 +79,24 @@ class Implementation:
     prefer: Callable[..., bool] | None = dataclasses.field(default=None, hash=False, compare=False)
     code: Any = dataclasses.field(default=None, hash=False, compare=False)
     directions: tuple[str, ...] = ("causal", "bidirectional")
+    defaults: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def setting(self, key: str, value, platform: str):
+        """The value execution setting ``key`` runs with on ``platform``: ``value`` as configured, or, when it is
+        :data:`PLATFORM_DEFAULT` and this implementation declares a default for ``key``, that platform's."""
+        if key not in self.defaults or isinstance(value, bool) or value != PLATFORM_DEFAULT:
+            return value
+        table = self.defaults[key]
+        plat = "cpu" if platform == "interpret" else platform
+        if plat in table:
+            return table[plat]
+        if "default" in table:
+            return table["default"]
+        raise KeyError(f"{self.name}: no default of {key!r} for {plat} (declared: {', '.join(table)})")
+
+    def settings(self, cfg, platform: str) -> dict:
+        """Every knob of :attr:`defaults` as it runs on ``platform`` (``cfg``: the method's merged config)."""
+        return {key: self.setting(key, cfg[key], platform) for key in self.defaults}
 
     def unsupported_reasons(self, platform: str, **shapes) -> list[str]:
         """Why this implementation cannot serve a call with ``shapes`` on ``platform`` (empty: it can)."""
@@ -233,5 +257,5 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
                                  + " | ".join(skipped))
 
 
-__all__ = ["ALL_PLATFORMS", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
+__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
            "current_platform", "declared", "impl_problem", "parse_impl", "select"]
