@@ -34,7 +34,6 @@ def get_config(arg=None):
     v.num_vip, v.block_size, v.num_fine_blocks = 48, 8, 8
     v.num_dense_layers, v.dense_segment_len = 1, 64
     v.explore_prob = 0.1
-    c.execution.attention.vcc.query_chunk = 0
     if arg == "tiny":
         v.num_vip, v.block_size, v.num_fine_blocks = 16, 8, 2
         v.num_dense_layers, v.dense_segment_len = 1, 32

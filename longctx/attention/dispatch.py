@@ -95,8 +95,9 @@ class Implementation:
         raise KeyError(f"{self.name}: no default of {key!r} for {plat} (declared: {', '.join(table)})")
 
     def settings(self, cfg, platform: str) -> dict:
-        """Every knob of :attr:`defaults` as it runs on ``platform`` (``cfg``: the method's merged config)."""
-        return {key: self.setting(key, cfg[key], platform) for key in self.defaults}
+        """The knobs of :attr:`defaults` that ``cfg`` (the method's config, or the settings a call was given)
+        holds, as they run on ``platform``."""
+        return {key: self.setting(key, cfg[key], platform) for key in self.defaults if key in cfg}
 
     def unsupported_reasons(self, platform: str, **shapes) -> list[str]:
         """Why this implementation cannot serve a call with ``shapes`` on ``platform`` (empty: it can)."""

@@ -99,6 +99,7 @@ from longctx.attention.base import Aux, check_capacity
 from longctx.errors import ConfigError
 from longctx.models.blocks import TransformerBlock, get_block, split_key
 from longctx.models.layers import apply_rotary, dropout
+from pallas_kernels.precision import statistic
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # warnings already logged in this process (each once)
@@ -245,10 +246,11 @@ def selection_logits(q_vip, k_coarse, imp, block_valid):
     """ℓ [B, nb] fp32: log(p̄ + 1e-5), p̄_b = (1/n_p) Σ_i imp_i (1/H) Σ_η softmax_b(q·κ/√d_h + mask_b);
     all-padding blocks get -1e30 (never outrank a valid block)."""
     B, H, n_p, D = q_vip.shape
-    s = jnp.einsum("bhid,bhjd->bhij", q_vip.astype(jnp.float32), k_coarse.astype(jnp.float32)) * D**-0.5
-    s = s + jnp.where(block_valid, 0.0, NEG)[:, None, None, :]
-    pi = jax.nn.softmax(s, axis=-1)
-    pbar = jnp.einsum("bhij,bi->bj", pi, imp.astype(jnp.float32)) / (H * max(n_p, 1))
+    with statistic("VCC's block selection scores: rounding them would change which blocks are refined"):
+        s = jnp.einsum("bhid,bhjd->bhij", q_vip.astype(jnp.float32), k_coarse.astype(jnp.float32)) * D**-0.5
+        s = s + jnp.where(block_valid, 0.0, NEG)[:, None, None, :]
+        pi = jax.nn.softmax(s, axis=-1)
+        pbar = jnp.einsum("bhij,bi->bj", pi, imp.astype(jnp.float32)) / (H * max(n_p, 1))
     return jnp.where(block_valid, jnp.log(pbar + EPS), NEG_ELL)
 
 

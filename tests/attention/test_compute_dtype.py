@@ -13,6 +13,10 @@ bodies of ``pallas_call``:
   summaries, codebooks: the operands its matmuls take) is a defect; float32 operands of other shapes are the
   statistics a kernel carries (log-sum-exps, row sums, biases added to scores).
 
+A library's kernel (dense's splash: JAX's own TPU kernel) is read at its operands only: what it does inside is the
+library's. An implementation that cannot be traced on this machine (cuDNN off an NVIDIA GPU) is skipped with the
+reason; the GPU check runs it there.
+
 A core's own parameters (chunk representatives, codebooks, downsampling weights) are float32 master weights; the
 core casts them to the compute dtype before its products, as the backbone's layers do.
 """
@@ -27,9 +31,13 @@ import pytest
 from flax import nnx
 
 from longctx import attention
+from longctx.attention import dispatch
 from pallas_kernels.precision import STATISTIC
 
 B = 2
+
+# implementations whose kernel body is a library's: (method, implementation) -> whose
+LIBRARY_KERNELS = {("dense", "splash"): "JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention)"}
 
 
 def _case(cls, direction):
@@ -39,7 +47,14 @@ def _case(cls, direction):
     return None
 
 
-def _params():
+def _model_case(cls, direction):
+    for case in cls.contract_cases().values():
+        if case.level == "model" and direction in case.directions and not case.slow:
+            return case
+    return None
+
+
+def _params(model_level=False):
     out = []
     for name in attention.names():
         cls = attention.get_class(name)
@@ -47,7 +62,7 @@ def _params():
             causal = direction == "causal"
             if (causal and not cls.supports_causal) or (not causal and not cls.supports_bidirectional):
                 continue
-            if _case(cls, direction) is None:
+            if (_case(cls, direction) is None) != model_level or (model_level and not _model_case(cls, direction)):
                 continue
             for impl in cls.implementations(causal=causal)[1:]:
                 out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}"))
@@ -75,13 +90,14 @@ def _is_matmul(eqn) -> bool:
     return bool(free(lhs, set(lc) | set(lb))) and bool(free(rhs, set(rc) | set(rb)))
 
 
-def defects(jaxpr, widths, in_kernel=False):
-    """The float32 matmul operands of ``jaxpr`` (a list of one-line descriptions)."""
+def defects(jaxpr, widths, in_kernel=False, library=False):
+    """The float32 matmul operands of ``jaxpr`` (a list of one-line descriptions); ``library``: the kernel bodies
+    are a library's (only their operands are read)."""
     out = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         scope = str(eqn.source_info.name_stack)
-        if name == "dot_general" and STATISTIC not in scope and _is_matmul(eqn):
+        if name == "dot_general" and STATISTIC not in scope and _is_matmul(eqn) and not (in_kernel and library):
             dts = [v.aval.dtype for v in eqn.invars]
             if any(dt == jnp.float32 for dt in dts):
                 shapes = [tuple(v.aval.shape) for v in eqn.invars]
@@ -94,7 +110,7 @@ def defects(jaxpr, widths, in_kernel=False):
                     out.append(f"pallas_call operand {i} float32 {tuple(aval.shape)}")
         for p in eqn.params.values():
             for sub in _sub_jaxprs(p):
-                out.extend(defects(sub, widths, in_kernel or name == "pallas_call"))
+                out.extend(defects(sub, widths, in_kernel or name == "pallas_call", library))
     return out
 
 
@@ -125,12 +141,62 @@ def _trace(name, direction, impl_name):
     return closed.jaxpr, {dk, dv}
 
 
+def _trace_model(name, direction, impl_name):
+    """The forward and backward of a tiny bfloat16 model (2 layers) whose attention is ``name`` with ``impl_name``:
+    for cores that run only inside their model (VCC's stack hands its core the compressed rows)."""
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+
+    cls = attention.get_class(name)
+    causal = direction == "causal"
+    case = _model_case(cls, direction)
+    impl = {i.name: i for i in cls.implementations(causal=causal)}[impl_name]
+    c = base_config().model
+    c.kind, c.causal, c.dtype = ("decoder" if causal else "encoder"), causal, "bfloat16"
+    c.vocab_size, c.d_model, c.num_layers, c.d_ff = 64, 16, 2, 32
+    c.num_heads, c.head_dim = case.num_heads, case.head_dim
+    c.positions = "rotary"
+    c.attention.name = name
+    c.attention[name] = {**case.cfg, **impl.config, **impl.test_config}
+    model = build_model(c, seed=0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    tokens = jax.random.randint(k1, (B, case.length), 0, 63)
+    important = None if causal else jax.random.bernoulli(k2, 0.15, (B, case.length))
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest)
+        logits = m(tokens, None if causal else important, deterministic=False, key=k3)[0]
+        return jnp.sum(logits.astype(jnp.float32))
+
+    closed = jax.make_jaxpr(jax.grad(loss))(params)
+    return closed.jaxpr, {case.head_dim, case.value_dim or case.head_dim}
+
+
+def _check(name, direction, impl_name, trace):
+    impl = {i.name: i for i in attention.get_class(name).implementations(causal=direction == "causal")}[impl_name]
+    plat = dispatch.current_platform()
+    if not ((impl.kernel and plat == "cpu") or plat in impl.platforms):
+        pytest.skip(f"{name} {impl_name} runs on {', '.join(impl.platforms)}, not {plat}: traced by the GPU check")
+    jaxpr, widths = trace(name, direction, impl_name)
+    found = defects(jaxpr, widths, library=(name, impl_name) in LIBRARY_KERNELS)
+    return found
+
+
 @pytest.mark.parametrize("name,direction,impl_name", _params())
 def test_bf16_reaches_every_matmul_of_the_attention_path(name, direction, impl_name):
-    jaxpr, widths = _trace(name, direction, impl_name)
-    found = defects(jaxpr, widths)
+    found = _check(name, direction, impl_name, _trace)
     assert not found, (f"{name} {direction} {impl_name}: {len(found)} float32 matmul operands in a bfloat16 "
                        f"step (first 8):\n  " + "\n  ".join(found[:8]))
+
+
+@pytest.mark.parametrize("name,direction,impl_name", _params(model_level=True))
+def test_bf16_reaches_every_matmul_of_a_model_level_core(name, direction, impl_name):
+    """The same for a core that runs only inside its model, read over the whole bfloat16 model (its projections,
+    norms and head included, which the backbone's policy already serves)."""
+    found = _check(name, direction, impl_name, _trace_model)
+    assert not found, (f"{name} {direction} {impl_name}: {len(found)} float32 matmul operands in a bfloat16 "
+                       f"model (first 8):\n  " + "\n  ".join(found[:8]))
 
 
 def test_the_reader_finds_float32_operands_in_kernels_and_scopes():

@@ -56,7 +56,7 @@ def test_accelerator_implementations_declare_accelerator_values(name):
                 if plat in impl.auto:
                     assert plat in table or "default" in table, (
                         f"{name}: {impl.name} is 'auto' on {plat} but declares no {plat} value of {key}")
-            for plat in ("cpu", "cuda", "tpu", "interpret"):
+            for plat in [p for p in impl.platforms if p != "rocm"] + (["interpret"] if impl.kernel else []):
                 value = impl.setting(key, dispatch.PLATFORM_DEFAULT, plat)
                 assert value != dispatch.PLATFORM_DEFAULT, (name, impl.name, key, plat)
                 assert impl.setting(key, 7, plat) == 7  # a written value runs as written
@@ -71,3 +71,4 @@ def test_setting_reads_the_platform_and_keeps_written_values():
     assert impl.setting("budget", 5, "cuda") == 5
     assert impl.setting("other", 0, "cuda") == 0  # not a knob this implementation reads
     assert impl.settings({"budget": 0, "other": 3}, "cuda") == {"budget": 1 << 28}
+    assert impl.settings({"other": 3}, "cuda") == {}

@@ -9,7 +9,6 @@ tests/fidelity/test_vcc_fidelity.py's."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import jax
@@ -18,7 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longctx import config as config_lib
 from longctx.attention import dispatch
 from longctx.attention import vcc as vcc_core
 from longctx.attention.base import CapacityError
@@ -40,7 +38,7 @@ def model_cfg(method=NAME, *, num_layers=3, positions="rotary", **vc):
     c.attention.name = method
     if method == NAME:
         c.attention[NAME] = {"num_vip": 8, "block_size": 4, "num_fine_blocks": 2, "num_dense_layers": 1,
-                             "dense_segment_len": 64, "query_chunk": 0, **vc}
+                             "dense_segment_len": 64, "impl": "reference", **vc}
     return c
 
 
@@ -428,29 +426,24 @@ def test_the_core_refuses_to_run_without_its_wrapper():
 
 
 # ----------------------------------------------------------------------------- implementations of the core
-def test_settings_select_implementations_and_old_configs_keep_theirs():
-    """impl='auto' maps the settings written before impl existed (query_chunk only) to what they computed:
-    0 -> reference (all queries at once), > 0 -> chunked; names and lists are dispatch's."""
-    assert vcc_core.choose("auto", query_chunk=0).name == "reference"
-    assert vcc_core.choose("auto", query_chunk=1024).name == "chunked"
-    assert vcc_core.choose("reference", query_chunk=1024).name == "reference"
-    assert vcc_core.choose("chunked,reference", query_chunk=0).name == "reference"
-    with pytest.raises(dispatch.KernelUnsupportedError, match="query_chunk > 0"):
-        vcc_core.choose("chunked", query_chunk=0)
-    # configs saved before impl existed, in the execution section or (older) among the hyperparameters
-    for qc, want in ((0, "reference"), (512, "chunked")):
-        for layout in ("execution", "model"):
-            saved = json.loads(config_lib.base_config().to_json())
-            saved["model"]["attention"]["name"] = NAME
-            del saved["execution"]["attention"][NAME]["impl"]
-            if layout == "model":
-                del saved["execution"]
-                saved["model"]["attention"][NAME]["query_chunk"] = qc
-            else:
-                saved["execution"]["attention"][NAME]["query_chunk"] = qc
-            ex = config_lib.validate(config_lib.merge_over_base(saved)).execution.attention[NAME]
-            assert (ex.impl, ex.query_chunk) == ("auto", qc), layout
-            assert vcc_core.choose(ex.impl, query_chunk=ex.query_chunk).name == want, (qc, layout)
+def test_auto_takes_chunked_with_the_platforms_query_chunk():
+    """impl='auto' takes chunked on every platform; a query_chunk of 0 runs with the platform's default
+    (xla.QUERY_CHUNK), a written one as written; the reference only when named."""
+    from longctx.attention.vcc import xla as vcc_xla
+
+    for plat in ("cpu", "cuda", "tpu"):
+        assert vcc_core.choose("auto", platform=plat).name == "chunked"
+    assert vcc_core.choose("reference").name == "reference"
+    chunked = dispatch.by_name(vcc_core.implementations())["chunked"]
+    assert chunked.setting("query_chunk", 0, "cpu") == vcc_xla.QUERY_CHUNK["cpu"]
+    assert chunked.setting("query_chunk", 0, "cuda") == vcc_xla.QUERY_CHUNK["cuda"] > vcc_xla.QUERY_CHUNK["cpu"]
+    assert chunked.setting("query_chunk", 512, "cuda") == 512
+    # rows that fit one chunk: the reference's float32 operations exactly
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (jax.random.normal(kk, (1, 2, 24, 8)) for kk in ks[:3])
+    bias = jax.random.normal(ks[3], (1, 24))
+    want = vcc_core.attend(q, k, v, bias, impl="reference")
+    assert np.array_equal(vcc_core.attend(q, k, v, bias, impl="chunked"), want)
 
 
 # ============================================================================= VCC-LM (§4.2, §6.7)

@@ -35,9 +35,11 @@ def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
     return not large
 
 
-# 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold)
+# 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold, the
+# reference's limit: it materialises the [Tq, Tk] scores; one value on every platform, not yet measured on a GPU)
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
-                                    auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=_reference)
+                                    auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=_reference,
+                                    defaults={"auto_threshold": {"default": 4096 * 4096}})
 
 
 @functools.lru_cache(maxsize=None)  # the declarations are module constants: collected once
@@ -108,15 +110,17 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, 
     (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner."""
     mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
     split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
+    plat = platform or dispatch.current_platform()
+    threshold = REFERENCE.setting("auto_threshold", auto_threshold, plat)
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
-                    value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > auto_threshold,
-                    platform=platform, sequence_slice=split, causal=causal)
+                    value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > threshold,
+                    platform=plat, sequence_slice=split, causal=causal)
     if split is not None and choice.name in kernels.FAST_IMPLS:
         return kernels.sequence_parallel_attention(choice.name, q, k, v, mesh=mesh, causal=causal,
                                                    interpret=choice.interpret)
-    run = dispatch.by_name(implementations())[choice.name].code
-    return run(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
-               interpret=choice.interpret)
+    chosen = dispatch.by_name(implementations())[choice.name]
+    return chosen.code(q, k, v, q_pos, k_pos, k_valid, causal=causal, full_pass=full_pass, interpret=choice.interpret,
+                       **chosen.settings({"block_q": block_q, "block_k": block_k}, choice.platform))
 
 
 class DenseAttention(AttentionCore):
@@ -148,12 +152,12 @@ class DenseAttention(AttentionCore):
                 # where it serves the call, else the tiles when Tq*Tk > auto_threshold (the CPU-tuned ones on a
                 # CPU), else reference
                 "impl": "auto",
-                # query / key block sizes: on a 2-core CPU, 1024x512 was the fastest of 1024x512, 512x512 and
-                # 512x256 for a causal forward+backward at 8k, in the unrolled full pass and in the loop alike
-                # (another CPU preferred 512x256 for the loop: rerun `longctx-bench attention` when it matters)
-                "block_q": 1024,
-                "block_k": 512,
-                "auto_threshold": 4096 * 4096,
+                # query / key block sizes of the tiles, and the Tq*Tk past which 'auto' takes the tiles: 0 = the
+                # platform's default, declared beside the implementation that reads it (xla.py, xla_cpu.py, the
+                # reference above)
+                "block_q": 0,
+                "block_k": 0,
+                "auto_threshold": 0,
                 # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
                 # newest init_state(max_len) keys (older keys are dropped on purpose).
                 "kv_window": False,
@@ -165,8 +169,9 @@ class DenseAttention(AttentionCore):
         allowed = tuple(i.name for i in implementations()) + tuple(ALIASES)
         problem = dispatch.impl_problem(cfg.impl, allowed)
         require(problem is None, f"attention.dense.{problem}")
-        require(cfg.block_q > 0 and cfg.block_k > 0, "attention.dense.block_q/block_k must be positive")
-        require(cfg.auto_threshold > 0, "attention.dense.auto_threshold must be positive")
+        require(cfg.block_q >= 0 and cfg.block_k >= 0,
+                "attention.dense.block_q/block_k must be positive (0: the platform's default)")
+        require(cfg.auto_threshold >= 0, "attention.dense.auto_threshold must be positive (0: the platform's default)")
 
     @classmethod
     def bench_variants(cls):

@@ -409,13 +409,20 @@ def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k:
     return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass)
 
 
+# query / key blocks by platform (0 in the config). cpu: on a 2-core CPU, 1024x512 was the fastest of 1024x512,
+# 512x512 and 512x256 for a causal forward+backward at 8k, in the unrolled full pass and in the loop alike (another
+# CPU preferred 512x256 for the loop: rerun `longctx-bench attention` when it matters). GPU / TPU (where these tiles
+# run only when the fused kernel refuses a call): 512x512 score tiles, not yet measured on a GPU or TPU.
+BLOCKS = {"block_q": {"cpu": 1024, "default": 512}, "block_k": {"cpu": 512, "default": 512}}
+
 # 'auto' on every platform: after the fused kernel (cuda, tpu) and the CPU-tuned tiles (cpu), for long calls only
 TILES_RANK = 2
 IMPLEMENTATIONS = (
     Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8},
-                   auto={p: TILES_RANK for p in ALL_PLATFORMS}, prefer=prefers_long_rows, code=_run),
+                   auto={p: TILES_RANK for p in ALL_PLATFORMS}, prefer=prefers_long_rows, code=_run,
+                   defaults=BLOCKS),
 )
 
 
-__all__ = ["IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
+__all__ = ["BLOCKS", "IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
            "self_blockwise_attention", "tiled"]

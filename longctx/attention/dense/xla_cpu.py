@@ -45,7 +45,8 @@ def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k:
 
 IMPLEMENTATIONS = (
     Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, test_config={"block_q": 8, "block_k": 8},
-                   auto={"cpu": xla.TILES_RANK - 1}, prefer=xla.prefers_long_rows, code=_run),
+                   auto={"cpu": xla.TILES_RANK - 1}, prefer=xla.prefers_long_rows, code=_run,
+                   defaults={key: {"cpu": table["cpu"]} for key, table in xla.BLOCKS.items()}),
 )
 
 

@@ -1,10 +1,9 @@
 """The VCC core: configuration, validation, implementations, and the call that asks ``dispatch.select`` for an
 implementation and runs it (the compression itself is the stack wrapper's, ``longctx/models/vcc_stack.py``).
 
-Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once) and
-``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows, the default; declared there).
-``impl='auto'`` takes ``chunked`` when ``query_chunk`` > 0, else ``reference``: configs written before ``impl``
-existed (only ``query_chunk``) select what they computed then.
+Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once, in float32)
+and ``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows in the compute dtype, what
+``impl='auto'`` takes; declared there with its per-platform ``query_chunk``).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ def _reference(q, k, v, key_bias, **_):
     return biased_attention(q, k, v, key_bias)
 
 
-# 'auto' on every platform: after chunked (which it takes only where query_chunk > 0)
-REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
-                                    auto={p: 1 for p in dispatch.ALL_PLATFORMS}, code=_reference)
+# named only: 'auto' takes chunked on every platform
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=_reference)
 
 
 @functools.lru_cache(maxsize=None)  # the declarations are module constants: collected once
@@ -36,17 +34,19 @@ def implementations(causal: bool | None = None):
     return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
 
-def choose(impl, *, query_chunk: int, platform: str | None = None) -> dispatch.Choice:
-    """The implementation of one call: ``dispatch.select`` over :func:`implementations` ('auto': chunked when
-    ``query_chunk`` > 0, then reference, on every platform)."""
-    return dispatch.select(impl, implementations(), method=METHOD, platform=platform, query_chunk=query_chunk)
+def choose(impl, *, platform: str | None = None) -> dispatch.Choice:
+    """The implementation of one call: ``dispatch.select`` over :func:`implementations` ('auto': chunked on every
+    platform)."""
+    return dispatch.select(impl, implementations(), method=METHOD, platform=platform)
 
 
-def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = 0, platform: str | None = None):
+def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = dispatch.PLATFORM_DEFAULT,
+           platform: str | None = None):
     """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks,
-    run through its declaration's ``code``."""
-    name = choose(impl, query_chunk=query_chunk, platform=platform).name
-    return dispatch.by_name(implementations())[name].code(q, k, v, key_bias, query_chunk=query_chunk)
+    run through its declaration's ``code`` with its settings for the platform (``query_chunk`` 0: the platform's)."""
+    choice = choose(impl, platform=platform)
+    chosen = dispatch.by_name(implementations())[choice.name]
+    return chosen.code(q, k, v, key_bias, query_chunk=chosen.setting("query_chunk", query_chunk, choice.platform))
 
 
 class VCCAttention(AttentionCore):
@@ -78,9 +78,9 @@ class VCCAttention(AttentionCore):
                 "scale_correction": True,  # +log k on the logits of averaged keys
                 "ste_gate": True,  # straight-through gate: gives the selection logits a gradient (training)
                 "levels": None,  # the L-level version (§2.10): not implemented, must stay None
-                # 'reference' | 'chunked' | a list ('chunked,reference') | 'auto': chunked when query_chunk > 0
+                # 'reference' (all rows at once, float32) | 'chunked' | a list | 'auto' (chunked)
                 "impl": "auto",
-                "query_chunk": 1024,  # chunked: attention over the compressed rows in query chunks (0: whole)
+                "query_chunk": 0,  # chunked: query rows per chunk over the compressed rows (0: the platform's)
                 # VCC-LM (decoder, §4.2): explore_prob, scale_correction, ste_gate above apply too
                 "causal": ml_collections.ConfigDict({
                     "window": 512,  # w: queries sharing one selection
@@ -111,7 +111,7 @@ class VCCAttention(AttentionCore):
         require(lc.num_fine_blocks >= 1, f"{p}.causal.num_fine_blocks={lc.num_fine_blocks}; must be >= 1")
         require(lc.anchors <= max(lc.local, lc.window),
                 f"{p}.causal.anchors={lc.anchors} must be at most max(local, window)")
-        require(cfg.query_chunk >= 0, f"{p}.query_chunk={cfg.query_chunk}; must be >= 0 (0 = all queries at once)")
+        require(cfg.query_chunk >= 0, f"{p}.query_chunk={cfg.query_chunk}; must be >= 0 (0 = the platform's default)")
         problem = dispatch.impl_problem(cfg.impl, tuple(i.name for i in implementations()))
         require(problem is None, f"{p}.{problem}")
 
@@ -129,10 +129,10 @@ class VCCAttention(AttentionCore):
     def contract_cases(cls) -> dict[str, ContractCase]:
         # rows of 40 = 8 VIP slots + 8 blocks of 4; 2 refined per layer, one segment-local dense layer
         small = {"num_vip": 8, "block_size": 4, "num_fine_blocks": 2, "num_dense_layers": 1,
-                 "dense_segment_len": 16, "query_chunk": 0, "explore_prob": 0.5}
+                 "dense_segment_len": 16, "impl": "reference", "explore_prob": 0.5}
         lm = {"causal": {"window": 8, "local": 8, "block_size": 4, "num_fine_blocks": 2, "anchors": 4},
               "explore_prob": 0.5}
-        # the encoder case runs the reference (query_chunk=0); "encoder_chunked" the chunked implementation over
+        # the encoder case runs the reference; "encoder_chunked" the chunked implementation over
         # its 24 compressed rows (8 VIP + 8 block means + 2 fine blocks of 4) in chunks of 16 (slow run)
         return {"lm": ContractCase(cfg=lm, length=64, directions=("causal",), level="model"),
                 "encoder": ContractCase(cfg=small, length=40, directions=("bidirectional",), level="model"),

@@ -1,13 +1,13 @@
 """The ``chunked`` implementation: the reference's biased softmax over query chunks (portable JAX, plain einsums).
 
 Queries run in chunks of ``query_chunk`` rows under ``lax.map``, each chunk rematerialized in the backward pass,
-so the [R, R] logits are never held whole: peak memory O(query_chunk * R) per head instead of O(R^2). Each chunk
-is :func:`reference.biased_attention` on fp32 keys and values cast once outside the loop (their gradients
-accumulate across chunks in fp32).
+so the [R, R] logits are never held whole: peak memory O(query_chunk * R) per head instead of O(R^2); rows that
+fit one chunk run as one call. Products take the inputs' dtype (bfloat16 stays bfloat16) and accumulate in at least
+float32; the logits, the key bias and the softmax are float32 and the probabilities are cast to the values' dtype
+before their product (float32 inputs: the reference's operations exactly).
 
-Declares ``chunked`` (:data:`IMPLEMENTATIONS`, the encoder's direction): ``impl='auto'`` takes it first on every
-platform when ``query_chunk`` > 0 (then the reference), so configs written before ``impl`` existed (only
-``query_chunk``) select what they computed then.
+Declares ``chunked`` (:data:`IMPLEMENTATIONS`, the encoder's direction), what ``impl='auto'`` takes on every
+platform; ``query_chunk`` (0: the platform's default, :data:`QUERY_CHUNK`) is its knob.
 """
 
 from __future__ import annotations
@@ -16,19 +16,33 @@ import jax
 import jax.numpy as jnp
 
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
-from longctx.attention.vcc.reference import biased_attention
+from pallas_kernels.precision import acc_einsum
+
+# query rows per chunk by platform (0 in the config): the XLA:CPU value measured with the chunked form; the
+# accelerators' (a chunk of [4096, R] float32 logits per head) not yet measured on a GPU or TPU
+QUERY_CHUNK = {"cpu": 1024, "cuda": 4096, "rocm": 4096, "tpu": 4096}
+
+
+def _biased(q, k, v, bias):
+    """softmax(q k^T / sqrt(d_h) + bias) v: compute-dtype products accumulated in float32 (``acc_einsum``: its
+    backward's products take the compute dtype too), float32 logits and softmax (``bias``: [B, R] float32)."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qs = (q.astype(acc) * q.shape[-1] ** -0.5).astype(q.dtype)
+    s = acc_einsum("bhqd,bhkd->bhqk", qs, k)
+    p = jax.nn.softmax(s + bias[:, None, None, :], axis=-1)
+    return acc_einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v)
 
 
 def chunked_attention(q, k, v, key_bias, *, query_chunk: int):
-    """:func:`biased_attention` of q, k: [B, H, R, D], v: [B, H, R, Dv], key_bias: [B, R] in query chunks of
-    ``query_chunk`` (> 0) rows; rows that fit one chunk run as one call."""
+    """:func:`longctx.attention.vcc.reference.biased_attention` of q, k: [B, H, R, D], v: [B, H, R, Dv],
+    key_bias: [B, R] in query chunks of ``query_chunk`` (> 0) rows; rows that fit one chunk run as one call."""
     B, H, R, D = q.shape
+    bias = key_bias.astype(jnp.promote_types(q.dtype, jnp.float32))
     if R <= query_chunk:
-        return biased_attention(q, k, v, key_bias)
-    kf, vf, bias = k.astype(jnp.float32), v.astype(jnp.float32), key_bias.astype(jnp.float32)
+        return _biased(q, k, v, bias).astype(v.dtype)
 
     def one(qc):
-        return biased_attention(qc, kf, vf, bias)
+        return _biased(qc, k, v, bias)
 
     pad = (-R) % query_chunk
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -39,22 +53,11 @@ def chunked_attention(q, k, v, key_bias, *, query_chunk: int):
     return out.astype(v.dtype)
 
 
-def _chunked_reasons(platform, *, query_chunk: int = 0, **_):
-    if query_chunk <= 0:
-        return [f"chunked needs query_chunk > 0 (query_chunk={query_chunk}: all queries at once is the reference)"]
-    return []
-
-
-def _chunks_set(platform, *, query_chunk: int = 0, **_) -> bool:
-    """'auto' takes chunked where ``query_chunk`` > 0 (0: all queries at once, the reference)."""
-    return query_chunk > 0
-
-
 IMPLEMENTATIONS = (
-    Implementation("chunked", reasons=_chunked_reasons, config={"impl": "chunked"}, test_config={"query_chunk": 16},
-                   auto={p: 0 for p in ALL_PLATFORMS}, prefer=_chunks_set, code=chunked_attention,
-                   directions=("bidirectional",)),
+    Implementation("chunked", config={"impl": "chunked"}, test_config={"query_chunk": 16},
+                   auto={p: 0 for p in ALL_PLATFORMS}, code=chunked_attention, directions=("bidirectional",),
+                   defaults={"query_chunk": QUERY_CHUNK}),
 )
 
 
-__all__ = ["IMPLEMENTATIONS", "chunked_attention"]
+__all__ = ["IMPLEMENTATIONS", "QUERY_CHUNK", "chunked_attention"]
