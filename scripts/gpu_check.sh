@@ -10,32 +10,34 @@
 #                                                   # short, or its outputs fetched from another machine)
 #
 # Steps, each under its own `timeout` and writing its files as it goes (a slow step costs only itself; the
-# report says which step failed or ran out of time and shows the end of its log):
+# report says which step failed or ran out of time and shows the end of its log). The default steps answer "how
+# far from cuDNN, and where does the time go" in about 6 minutes (their limits add up to 7.5), so that one
+# 15-minute lease leaves time to fix something and run again:
 #   env       jax / jaxlib / plugin versions (and whether jax lies in pyproject's supported range), the
 #             device, driver and cuDNN, the commit
-#   tests     the kernel tests compiled (tests/kernels: interpret mode is off on an accelerator) and
-#             dense's cuDNN / splash tests (tests/attention/test_dense_platform.py); GPU_CHECK_TESTS="PATHS"
-#             runs others (e.g. the files a cut-short run did not reach)
-#   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU; timed first) against every causal
-#             method as shipped and dense's XLA tiles, 8k and 32k, forward and forward+backward, at the bench's
-#             accelerator defaults (B8 H8 d64 bf16, as many calls per timing sample as fill the bench's target
-#             sample time), TFLOP/s and % of the device's bf16 peak (`longctx-bench attention`)
-#   attention_d128  the same at head dim 128 (exact attention, its XLA tiles, transformer_vq, eva, fma; 8k, 32k);
-#             not in the default STEPS
-#   kernels   each Pallas kernel against its XLA path at the same shapes, at 32k (`longctx-bench kernels`; each
-#             kernel compiles both paths forward and backward, so the step's limit reaches two or three kernels)
-#   step_*    the training step of three configs at reduced depth (2 layers; `longctx-bench step`), each at
-#             its own row and window: enwik8 Transformer-VQ (8k rows in 2k windows, batch 8), WikiText-103 EVA
-#             (512 words, batch 32, the 267,735-word vocabulary), enwik8 FMA (1k bytes, batch 64): tokens/s,
-#             model FLOPs per token, MFU against the device's bf16 peak, compile time, device peak memory
-#   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); not in the
-#             default STEPS (its compile outlasted the 30 s it was given on the H200, and one device plans what a
-#             CPU plans)
-# The default steps' limits add up to 9.2 minutes, for one call on a 15-minute lease (the step times of the H200
-# runs are in results/gpu/2026-11-27-NVIDIA-H200-*.md: the compiled tests need most of their limit, and a row costs a
-# compile per length and direction); per step:
-# GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset, STEPS=all
-# every step (the report is always written, from every step output in the folder).
+#   tests     compiled on the device: the compute-dtype test of every implementation (cuDNN's traced there) and one
+#             bfloat16 forward+gradient case per kernel (tests/kernels, interpret mode off on an accelerator);
+#             STEPS=all runs the whole compiled kernel suite and dense's cuDNN / splash tests instead;
+#             GPU_CHECK_TESTS="PATHS" runs others
+#   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU; timed first, the baseline of every
+#             ratio in the report) against every causal method as shipped, 8k and 32k, forward and
+#             forward+backward, at the bench's accelerator defaults (B8 H8 d64 bf16), TFLOP/s and % of the
+#             device's bf16 peak (`longctx-bench attention`)
+#   attention_128k  the same at 128k (an out-of-memory is a result: the row says so)
+#   precision every method with a kernel at 32k in float32, beside the attention step's bfloat16 rows
+#   profile_tvq, profile_eva  one compiled forward+backward of the Transformer-VQ / EVA core at 32k traced
+#             (`longctx-bench profile`): the time in kernels against the time in XLA's own ops (the glue)
+#   kernels   each Pallas kernel against its XLA path at the same shapes, at 32k (`longctx-bench kernels`)
+#   step_*    the training step of three configs at 2 and at 4 layers (`longctx-bench step`), each at its own row
+#             and window: enwik8 Transformer-VQ (8k rows in 2k windows, batch 8), WikiText-103 EVA (512 words,
+#             batch 32, the 267,735-word vocabulary), enwik8 FMA (1k bytes, batch 64): tokens/s, model FLOPs per
+#             token, MFU against the device's bf16 peak, and per layer (the 4-layer step less the 2-layer one:
+#             the embedding, head and loss cancel), compile time, device peak memory
+#   attention_d128  exact attention, its XLA tiles and the kernel methods at head dim 128 (8k, 32k); STEPS=all
+#   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); STEPS=all
+# Per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset,
+# STEPS=all every step (the report is always written, from every step output in the folder). --smoke writes to a
+# scratch folder (printed) unless --out is given.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -50,11 +52,12 @@ while [ $# -gt 0 ]; do
     --out=*) OUT="${1#--out=}" ;;
     --stamp) STAMP="$2"; shift ;;
     --stamp=*) STAMP="${1#--stamp=}" ;;
-    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: gpu_check.sh: unknown argument $1 (use --smoke, --out DIR, --stamp NAME)" >&2; exit 2 ;;
   esac
   shift
 done
+if [ "$SMOKE" = 1 ] && [ -z "$OUT" ]; then OUT="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-smoke.XXXXXX")"; fi
 OUT="${OUT:-results/gpu}"
 mkdir -p "$OUT"
 if [ "$SMOKE" = 1 ]; then
@@ -69,19 +72,16 @@ fi
 WORK="$OUT/$STAMP"
 mkdir -p "$WORK"
 BENCH=("$PY" -m longctx.bench.cli)
-ALL_STEPS="env tests attention attention_d128 kernels step_tvq step_eva step_fma memplan"
+ALL_STEPS="env tests attention attention_128k precision profile_tvq profile_eva kernels step_tvq step_eva step_fma
+           attention_d128 memplan"
+ALL_STEPS="$(echo $ALL_STEPS)"
 if [ "$SMOKE" = 1 ]; then STEPS="${STEPS:-all}"; fi
-STEPS="${STEPS:-env tests attention kernels step_tvq step_eva step_fma}"
+STEPS="${STEPS:-env tests attention attention_128k precision profile_tvq profile_eva kernels step_tvq step_eva step_fma}"
+FULL_TESTS=0
+[ "$STEPS" = all ] && FULL_TESTS=1
 [ "$STEPS" = all ] && STEPS="$ALL_STEPS"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-
-# --config.KEY=VALUE overrides, or the older --set KEY=VALUE where this checkout's bench lacks them
-if "${BENCH[@]}" step --help 2>/dev/null | grep -q -- '--config\.KEY'; then
-  over() { printf -- '--config.%s\n' "$@"; }
-else
-  over() { for kv in "$@"; do printf -- '--set\n%s\n' "$kv"; done; }
-fi
 
 if [ "$SMOKE" = 1 ]; then
   LIMIT_DEFAULT=300  # the steps overlap on a CPU that may be busy
@@ -93,29 +93,43 @@ if [ "$SMOKE" = 1 ]; then
            --warmup 0)
   KERN=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1
         --warmup 0 --no_backward)
+  ATTN_LONG=(--lengths 512 --batch 1 --heads 2 --head_dim 16 --repeats 1 --warmup 0)
+  PREC=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --repeats 1 --warmup 0)
+  PROF=(--length 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --calls 1 --warmup 0)
   STEP=(--repeats 1 --warmup 0 --matmul_n 512)
   STEP_TVQ=(--lengths 128 --batch_size 1)
   STEP_EVA=(--lengths 128 --batch_size 1 --vocab_size 256)
   STEP_FMA=(--lengths 128 --batch_size 1)
-  DEPTH=(model.num_layers=1)
+  DEPTHS="1 2"
   VARIANT=":tiny"
   EXACT="dense:naive"
 else
   LIMIT_DEFAULT=150
-  read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py}"
+  if [ "$FULL_TESTS" = 1 ]; then
+    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py tests/attention/test_compute_dtype.py}"
+  elif [ -n "${GPU_CHECK_TESTS:-}" ]; then
+    read -r -a TESTS <<< "$GPU_CHECK_TESTS"
+  else  # one bfloat16 forward+gradient case per kernel, and the dtypes every implementation's products take
+    TESTS=(tests/kernels tests/attention/test_compute_dtype.py -k "compute_dtype or (gradient_matches and bfloat16)")
+  fi
   TESTS+=(--maxfail=5)
   # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell
   ISOLATE=(--no_isolate)
   # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
   # shapes, dtype and calls per timing sample: the bench's accelerator defaults (B8 H8 d64 bf16)
   ATTN=(--lengths 8k,32k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 15)
+  # 128k: forward+backward rows of every method; a cell that does not fit is recorded as such
+  ATTN_LONG=(--lengths 128k --repeats 2 --warmup 1 --mem_budget_gb 75 --max_cell_s 10)
+  # float32 against the attention step's bfloat16 rows, the methods whose kernels take the compute dtype
+  PREC=(--methods transformer_vq,eva,fma --lengths 32k --dtype float32 --repeats 2 --warmup 1 --max_cell_s 8)
+  PROF=(--length 32k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --calls 3 --warmup 1)
   # the kernel never timed compiled first (transformer_vq's vq_cache), then fma's and eva's
   KERN=(--methods transformer_vq,fma,eva --lengths 32k --repeats 3 --warmup 1 --max_cell_s 15)
   STEP=(--repeats 3 --warmup 1)
   STEP_TVQ=(--lengths 8k --window 2048 --batch_size 8)
   STEP_EVA=(--lengths 512 --batch_size 32 --vocab_size 267735)
   STEP_FMA=(--lengths 1k --batch_size 64)
-  DEPTH=(model.num_layers=2)
+  DEPTHS="2 4"
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
   # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
@@ -126,7 +140,7 @@ fi
 
 # exact attention first (a limit may stop the run), then every causal method as shipped, then dense's XLA tiles
 if [ "$SMOKE" = 1 ]; then ATTN_METHODS="$EXACT,transformer_vq"; else
-  ATTN_METHODS="$EXACT,transformer_vq,eva,fma,fma_linear,kdeformer,dense:blockwise"; fi
+  ATTN_METHODS="$EXACT,transformer_vq,eva,fma,fma_linear,kdeformer"; fi
 
 # the exact row the report compares with: the one this folder's attention step ran with (a report made again
 # elsewhere, STEPS=none, keeps it)
@@ -206,19 +220,36 @@ print(json.dumps(info, indent=1))
 EOF
 step env "$(limit env 20)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
 
-step tests "$(limit tests 150)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
-step attention "$(limit attention 150)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
+step tests "$(limit tests 50)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
+step attention "$(limit attention 110)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
   --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN[@]}"
+step attention_128k "$(limit attention_128k 50)" "${BENCH[@]}" attention --out "$WORK/attention_128k" --causal \
+  --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN_LONG[@]}"
+step precision "$(limit precision 35)" "${BENCH[@]}" attention --out "$WORK/precision" --causal --matmul_n 0 \
+  --no_torch --noprogress "${ISOLATE[@]}" "${PREC[@]}"
+step profile_tvq "$(limit profile_tvq 25)" "${BENCH[@]}" profile --out "$WORK/profile_tvq" --noprogress \
+  --method transformer_vq --top 12 "${PROF[@]}"
+step profile_eva "$(limit profile_eva 25)" "${BENCH[@]}" profile --out "$WORK/profile_eva" --noprogress \
+  --method eva --top 12 "${PROF[@]}"
 step attention_d128 "$(limit attention_d128 45)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
   --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" "${ATTN128[@]}"
-step kernels "$(limit kernels 110)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
-mapfile -t DEPTH_FLAGS < <(over "${DEPTH[@]}")
-step step_tvq "$(limit step_tvq 30)" "${BENCH[@]}" step --config "configs/enwik8/transformer_vq.py$VARIANT" \
-  --out "$WORK/step_tvq" --noprogress "${STEP[@]}" "${STEP_TVQ[@]}" "${DEPTH_FLAGS[@]}"
-step step_eva "$(limit step_eva 60)" "${BENCH[@]}" step --config "configs/wikitext103/eva_16l.py$VARIANT" \
-  --out "$WORK/step_eva" --noprogress "${STEP[@]}" "${STEP_EVA[@]}" "${DEPTH_FLAGS[@]}"
-step step_fma "$(limit step_fma 30)" "${BENCH[@]}" step --config "configs/enwik8/fma.py$VARIANT" \
-  --out "$WORK/step_fma" --noprogress "${STEP[@]}" "${STEP_FMA[@]}" "${DEPTH_FLAGS[@]}"
+step kernels "$(limit kernels 50)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+# the training step at each depth of DEPTHS: model_steps.sh OUTNAME CONFIG ARGS... -> WORK/OUTNAME_l<depth>/
+cat > "$TMP/model_steps.sh" <<STEPS_EOF
+rc=0
+name="\$1" config="\$2"; shift 2
+for d in $DEPTHS; do
+  $(printf '%q ' "${BENCH[@]}") step --config "\$config" --out "$WORK/\${name}_l\$d" --noprogress "\$@" \
+    --config.model.num_layers=\$d || rc=\$?
+done
+exit \$rc
+STEPS_EOF
+step step_tvq "$(limit step_tvq 30)" bash "$TMP/model_steps.sh" step_tvq "configs/enwik8/transformer_vq.py$VARIANT" \
+  "${STEP[@]}" "${STEP_TVQ[@]}"
+step step_eva "$(limit step_eva 45)" bash "$TMP/model_steps.sh" step_eva "configs/wikitext103/eva_16l.py$VARIANT" \
+  "${STEP[@]}" "${STEP_EVA[@]}"
+step step_fma "$(limit step_fma 25)" bash "$TMP/model_steps.sh" step_fma "configs/enwik8/fma.py$VARIANT" \
+  "${STEP[@]}" "${STEP_FMA[@]}"
 step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
@@ -228,7 +259,8 @@ wait
 import json, math, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 work, base, exact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-STEPS = ["env", "tests", "attention", "attention_d128", "kernels", "step_tvq", "step_eva", "step_fma", "memplan"]
+STEPS = ["env", "tests", "attention", "attention_128k", "precision", "profile_tvq", "profile_eva", "kernels",
+         "step_tvq", "step_eva", "step_fma", "attention_d128", "memplan"]
 
 def load(p):
     try:
@@ -350,6 +382,33 @@ def attention_section(name, title):
     section(title, name, body)
 
 attention_section("attention", "Exact attention against every method")
+attention_section("attention_128k", "Exact attention against every method at 128k")
+
+# float32 against bfloat16: the precision step's rows beside the attention step's at the same length
+bf = {(r.get("variant"), r.get("length")): r for r in report.get("attention", [])}
+prec = load(work / "precision" / "attention.json") or load(work / "precision" / "attention.partial.json") or {}
+prows = prec.get("rows", []) if isinstance(prec, dict) else []
+report["precision"] = prows
+body = ["Each method with a kernel in float32 against the same method in bfloat16 (the attention step's row at that "
+        "length): above 1, the compute dtype pays.", "",
+        "| variant | T | bf16 fwd+bwd ms | f32 fwd+bwd ms | f32 / bf16 | status |", "|---|---|---|---|---|---|"]
+for r in prows:
+    b = bf.get((r.get("variant"), r.get("length")), {})
+    f, g = r.get("fwdbwd_s"), b.get("fwdbwd_s")
+    body.append(f"| {r.get('variant')} | {r.get('length')} | {fmt(g * 1e3 if g else None)} | "
+                f"{fmt(f * 1e3 if f else None)} | {fmt(f / g if f and g else None)} | {r.get('fwdbwd_status', '')} |")
+section("float32 against bfloat16", "precision", body)
+
+for name, title in (("profile_tvq", "Where Transformer-VQ's time goes"), ("profile_eva", "Where EVA's time goes")):
+    prof = load(work / name / "profile.json") or {}
+    report[name] = prof
+    try:
+        text = (work / name / "profile.md").read_text().strip().splitlines()
+    except OSError:
+        text = []
+    # the profile's own tables, one heading level down
+    section(title, name, [("#" + line if line.startswith("#") else line) for line in text] or ["(no profile)"])
+
 attention_section("attention_d128", "Exact attention against the methods at head dim 128")
 
 kern = load(work / "kernels" / "kernels.json") or load(work / "kernels" / "kernels.partial.json") or {}
@@ -377,26 +436,53 @@ cols = ["T", "batch", "params", "step s", "tokens/s", "MFLOP / token", "TFLOP/s"
 report["mfu_definition"] = ("model FLOPs per token = 3 x forward matmul FLOPs counted in the forward's jaxpr "
                             "(longctx-bench step); MFU = that x tokens/s / peak (device bf16 peak on a GPU / TPU, "
                             "the measured f32 matmul rate on a CPU)")
+report["per_layer_definition"] = ("per layer: the step at the larger depth less the step at the smaller one, "
+                                  "model FLOPs per step over step time (embedding, head and loss cancel)")
 for name, title in (("step_tvq", "enwik8 Transformer-VQ"), ("step_eva", "WikiText-103 EVA"),
                     ("step_fma", "enwik8 FMA")):
-    d = load(work / name / "step.json") or {}
-    srows = d.get("rows", []) if isinstance(d, dict) else []
-    report["steps_model"][name] = d
+    runs = {}
+    for folder in sorted(work.glob(f"{name}_l*"), key=lambda p: int(p.name.rsplit("_l", 1)[1])):
+        d = load(folder / "step.json")
+        if isinstance(d, dict):
+            runs[int(folder.name.rsplit("_l", 1)[1])] = d
+    report["steps_model"][name] = {f"layers_{k}": v for k, v in runs.items()}
+    d = next(iter(runs.values()), {})
     pk = (d.get("peak") or {}) if isinstance(d, dict) else {}
+    srows = [dict(r, layers=depth) for depth, dd in runs.items() for r in dd.get("rows", [])]
     part = [f"### {title} (`{d.get('config', '?')}`, overrides {d.get('sets', [])})", "",
             f"step `{name}`: **{status[name]['status']}**", "",
             (f"Peak: {pk['tflops'] * 1e3:.4g} GFLOP/s, {pk.get('source')}." if pk.get("tflops")
              else f"MFU not reported: {pk.get('reason')}." if pk else ""), "",
-            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            "| layers | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for r in srows:
         mem = (r.get("xla_mem") or {}).get("total")
         dev = r.get("device_peak_bytes")
         mf = r.get("model_flops_per_token")
-        part.append("| " + " | ".join(fmt(x) for x in (
+        part.append(f"| {r['layers']} | " + " | ".join(fmt(x) for x in (
             r.get("T"), r.get("batch_size"), r.get("params"), r.get("step_s"), r.get("tokens_per_s"),
             mf / 1e6 if mf else None, r.get("model_tflops_per_s"),
             100 * r["mfu"] if r.get("mfu") is not None else None, r.get("compile_s"),
             dev / 2**20 if dev is not None else None, mem / 2**20 if mem else None)) + " |")
+    depths = sorted(runs)
+    if len(depths) >= 2:
+        lo, hi = ({(r.get("T"), r.get("batch_size")): r for r in runs[x].get("rows", [])} for x in depths[:2])
+        for key, a in lo.items():
+            b = hi.get(key)
+            if not b or not all(x.get(k) for x in (a, b) for k in ("step_s", "model_flops_per_token")):
+                continue
+            tokens = (key[0] or 0) * (key[1] or 0)
+            dl, dt = depths[1] - depths[0], b["step_s"] - a["step_s"]
+            dflops = (b["model_flops_per_token"] - a["model_flops_per_token"]) * tokens
+            rate = dflops / dt if dt > 0 else None
+            peak = pk.get("tflops")
+            per = {"T": key[0], "batch_size": key[1], "layers": depths[:2], "ms_per_layer": 1e3 * dt / dl,
+                   "tflops_per_s": rate / 1e12 if rate else None,
+                   "mfu": rate / (peak * 1e12) if rate and peak else None}
+            report["steps_model"][name].setdefault("per_layer", []).append(per)
+            part.extend(["", f"Per layer ({depths[1]} layers less {depths[0]}, T {key[0]}, batch {key[1]}): "
+                         f"{fmt(per['ms_per_layer'])} ms, {fmt(per['tflops_per_s'])} TFLOP/s"
+                         + (f", MFU {fmt(100 * per['mfu'])} %" if per["mfu"] is not None else "")
+                         + ("" if dt > 0 else " (the deeper step was not slower: timing noise)") + "."])
     if srows and srows[0].get("device_peak_bytes") is None:
         part.extend(["", f"Device memory: {(srows[0].get('device_mem') or {}).get('reason', 'not recorded')}."])
     if status[name]["status"] != "ok":

@@ -14,15 +14,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("## Environment", "## Kernel tests, compiled", "## Exact attention against every method",
+            "## Exact attention against every method at 128k", "## float32 against bfloat16",
+            "## Where Transformer-VQ's time goes", "## Where EVA's time goes",
             "## Exact attention against the methods at head dim 128",
             "## Each kernel against its XLA path", "## Model training steps, reduced depth",
             "### enwik8 Transformer-VQ", "### WikiText-103 EVA", "### enwik8 FMA",
             "## Flagship memory plan")
 
 
-# by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a training
-# step, the dry run); every step with -m slow
-SOME = "env tests attention kernels step_tvq memplan"
+# by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a profile, a
+# training step at two depths, the dry run); every step with -m slow
+SOME = "env tests attention profile_tvq kernels step_tvq memplan"
 
 
 @pytest.mark.parametrize("steps", [SOME, pytest.param("all", marks=pytest.mark.slow)])
@@ -47,9 +49,26 @@ def test_gpu_check_smoke_writes_every_section(tmp_path, steps):
         assert {r["variant"] for r in report["attention_d128"]} >= {"dense:naive"}
     assert report["kernels"] and all(r["status"] == "ok" for r in report["kernels"])
     assert report["env"]["jax_in_supported_range"] is True and report["env"]["jax_supported_range"].startswith(">=")
+    if "profile_tvq" in ran:
+        assert report["profile_tvq"] and "Where Transformer-VQ's time goes" in text
     for name in [s for s in ("step_tvq", "step_eva", "step_fma") if s in ran]:
-        row = report["steps_model"][name]["rows"][0]
+        assert set(report["steps_model"][name]) >= {"layers_1", "layers_2", "per_layer"}
+        row = report["steps_model"][name]["layers_1"]["rows"][0]
         assert row["tokens_per_s"] > 0 and row["model_flops_per_token"] > 0 and row["mfu"] > 0
         assert row["compile_s"] > 0 and "not available" in row["device_mem"]["reason"]
     assert "MFU %" in text and "MFLOP / token" in text and "% of peak fwd+bwd" in text
     assert "peak (est.)" in report["memplan"]
+
+
+def test_a_smoke_run_without_out_writes_to_a_scratch_folder(tmp_path):
+    """``--smoke`` with no ``--out`` leaves nothing beside the committed GPU reports: its report goes to a scratch
+    folder, whose path it prints."""
+    before = sorted((ROOT / "results" / "gpu").iterdir())
+    env = {"PATH": "/usr/bin:/bin", "PY": sys.executable, "HOME": str(tmp_path), "STEPS": "env",
+           "TMPDIR": str(tmp_path)}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert sorted((ROOT / "results" / "gpu").iterdir()) == before
+    (md,) = tmp_path.glob("gpu-check-smoke.*/*-smoke.md")
+    assert str(md) in res.stdout
