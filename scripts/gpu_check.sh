@@ -2,7 +2,7 @@
 # The first thing to run whenever an accelerator is available: one markdown report and its JSON,
 # results/gpu/<date>-<device>.md / .json, with the step outputs in results/gpu/<date>-<device>/.
 #
-#   bash scripts/gpu_check.sh                       # on the GPU (at most 9.2 minutes: the steps' limits)
+#   bash scripts/gpu_check.sh                       # on the GPU (at most 7.5 minutes: the steps' limits)
 #   bash scripts/gpu_check.sh --smoke --out /tmp/x  # the same steps at tiny shapes on the CPU (the default
 #                                                   # test suite runs this: tests/test_gpu_check.py)
 #   STEPS=none bash scripts/gpu_check.sh --out DIR --stamp STAMP
@@ -11,8 +11,8 @@
 #
 # Steps, each under its own `timeout` and writing its files as it goes (a slow step costs only itself; the
 # report says which step failed or ran out of time and shows the end of its log). The default steps answer "how
-# far from cuDNN, and where does the time go" in about 6 minutes (their limits add up to 7.5), so that one
-# 15-minute lease leaves time to fix something and run again:
+# far from cuDNN, and where does the time go" within their limits (the defaults below, added up in the first
+# line), so that one lease leaves time to fix something and run again:
 #   env       jax / jaxlib / plugin versions (and whether jax lies in pyproject's supported range), the
 #             device, driver and cuDNN, the commit
 #   tests     compiled on the device: the compute-dtype test of every implementation (cuDNN's traced there) and one

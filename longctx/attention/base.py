@@ -136,6 +136,9 @@ class AttentionCore(nnx.Module):
     randomized: bool = False
     # -- capabilities: what a core needs from its block, model and tools (asked, never its name) --
     exact: bool = False  # computes exact softmax attention: the reference benchmarks compare against
+    # keys a query sees at most, itself included (a sliding window: the contract checks that nothing older reaches
+    # it); 0: unbounded. An instance attribute where it depends on the config.
+    receptive_window: int = 0
     takes_token_mask: bool = False  # __call__ accepts mask=[B, T] bool: tokens that count in aux losses/stats
     # the trainer's mesh.sequence_mode='auto' takes composed states for this core (when it composes);
     # False where XLA's partitioner splits the row better (measured: README, sequence parallelism)

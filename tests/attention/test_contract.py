@@ -221,7 +221,13 @@ def test_bidirectional_sees_later_tokens(name, cname, direction):
     k2 = k.at[:, :, -3:].add(3.0)
     v2 = v.at[:, :, -3:].add(3.0)
     out2, _ = h(q, k2, v2)
-    assert float(jnp.max(jnp.abs(out2[:, :, :4] - out[:, :, :4]))) > 1e-4, "early outputs ignore later tokens"
+    W = h.core.receptive_window  # a sliding window: the outputs the changed tokens reach, and none further
+    early = slice(h.T - 3 - W + 1, h.T - 3 - W + 5) if W else slice(0, 4)
+    assert float(jnp.max(jnp.abs(out2[:, :, early] - out[:, :, early]))) > 1e-4, "early outputs ignore later tokens"
+    if W:
+        far = slice(0, h.T - 3 - W + 1)
+        np.testing.assert_array_equal(np.asarray(out2[:, :, far]), np.asarray(out[:, :, far]),
+                                      err_msg="tokens beyond the window changed an output")
     with pytest.raises((ValueError, TypeError)):
         h.core(q, k, v, {"not": "a state"})
 
@@ -319,7 +325,17 @@ def test_no_future_leak_by_perturbation_and_jacobian(name, cname, direction):
     gq, gk, gv = jax.jit(lambda a, b, c, ct: jax.vjp(at_t0, a, b, c)[1](ct))(q, k, v, ct)  # eager vjp: op by op
     for g, nm in ((gq, "q"), (gk, "k"), (gv, "v")):
         assert float(jnp.max(jnp.abs(g[:, :, t0 + 1:]))) == 0.0, f"d out[{t0}] / d {nm}[>{t0}] is not zero"
-    early = slice(0, T // 4)
+    W = h.core.receptive_window
+    if W:  # a sliding window: nothing before it reaches t0 (its values, keys or queries), its far edge does
+        for g, nm in ((gq, "q"), (gk, "k"), (gv, "v")):
+            assert float(jnp.max(jnp.abs(g[:, :, :t0 - W + 1]))) == 0.0, f"d out[{t0}] / d {nm} before the window"
+        early = slice(t0 - W + 1, t0 - W + 2)
+        qo, ko, vo = (a.at[:, :, :t0 - W + 1].set(3.0 * n[:, :, :t0 - W + 1]) for a, n in zip((q, k, v), noise))
+        out_o, _ = h(qo, ko, vo)
+        np.testing.assert_allclose(np.asarray(out_o[:, :, t0]), np.asarray(out[:, :, t0]), atol=1e-6, rtol=0,
+                                   err_msg="perturbing the keys before the window changed the output")
+    else:
+        early = slice(0, T // 4)
     assert float(jnp.max(jnp.abs(gv[:, :, early]))) > 1e-6, "the output at t0 does not depend on the distant past"
     assert float(jnp.max(jnp.abs(gq[:, :, t0]))) > 1e-6
 

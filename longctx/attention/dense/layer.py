@@ -7,6 +7,12 @@ Feeding more than ``max_len`` tokens in total raises :class:`CapacityError` (und
 ``kv_window=True`` names the sliding-window cache as a feature: then the cache keeps the newest ``max_len`` keys and
 older ones are dropped by design (Transformer-XL-style memory, not exact attention). The state is the layer's
 (the keys and values it was given), the same whichever implementation attends.
+
+``window`` W > 0 is exact attention over a sliding window (Longformer's and Mistral's local attention): a query
+sees the keys fewer than W positions away (causal: itself and the W - 1 before it) in training, evaluation and
+decoding alike, on every implementation (the tiles skip the key blocks wholly outside it; cuDNN and splash take
+their own local masks). Its decoding state is the window (``init_state`` holds W keys whatever ``max_len``): a
+bounded state that drops only keys no later query can see.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ METHOD = "dense"
 ALIASES = {"naive": "reference"}
 
 
-def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, **_):
-    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal)
+def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, window: int = 0, **_):
+    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, window=window)
 
 
 def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
@@ -64,7 +70,7 @@ def impl_names(impl) -> tuple[str, ...]:
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str | None = None, sequence_slice: int | None = None,
-           causal: bool = True) -> dispatch.Choice:
+           causal: bool = True, window: int = 0) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
     device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
@@ -76,9 +82,10 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     impls = implementations()
     table = dispatch.by_name(impls)
     names = impl_names(impl)
-    shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype)
+    shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype,
+                  causal=causal, window=window)
     if sequence_slice is not None:
-        shapes.update(sequence_slice=sequence_slice, causal=causal)
+        shapes.update(sequence_slice=sequence_slice)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
         rest = tuple(n for n in names if n not in kernels.FAST_IMPLS)
         if not rest:
@@ -101,26 +108,27 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
-           full_pass: bool = False, platform: str | None = None):
+           full_pass: bool = False, platform: str | None = None, window: int = 0):
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
     :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
     ``code``. ``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid (no cache): the fused kernels
     and the unrolled tiles serve only that. A full pass traced with its row split over a mesh's ``sequence`` axis
     (``platform.sequence_mesh``, or jax's ambient mesh) runs a fused kernel in a ``shard_map`` over the mesh
-    (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner."""
+    (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner. ``window`` > 0: a sliding
+    window of that many keys (the reference's ``positions_mask``)."""
     mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
     split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
     plat = platform or dispatch.current_platform()
     threshold = REFERENCE.setting("auto_threshold", auto_threshold, plat)
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
                     value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > threshold,
-                    platform=plat, sequence_slice=split, causal=causal)
+                    platform=plat, sequence_slice=split, causal=causal, window=window)
     if split is not None and choice.name in kernels.FAST_IMPLS:
         return kernels.sequence_parallel_attention(choice.name, q, k, v, mesh=mesh, causal=causal,
                                                    interpret=choice.interpret)
     chosen = dispatch.by_name(implementations())[choice.name]
     return chosen.code(q, k, v, q_pos, k_pos, k_valid, causal=causal, full_pass=full_pass, interpret=choice.interpret,
-                       **chosen.settings({"block_q": block_q, "block_k": block_k}, choice.platform))
+                       window=window, **chosen.settings({"block_q": block_q, "block_k": block_k}, choice.platform))
 
 
 class DenseAttention(AttentionCore):
@@ -161,6 +169,9 @@ class DenseAttention(AttentionCore):
                 # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
                 # newest init_state(max_len) keys (older keys are dropped on purpose).
                 "kv_window": False,
+                # exact attention over a sliding window of this many keys (causal: the key itself and window - 1
+                # before it; bidirectional: fewer than window positions away on either side); 0: the whole row
+                "window": 0,
             }
         )
 
@@ -172,6 +183,7 @@ class DenseAttention(AttentionCore):
         require(cfg.block_q >= 0 and cfg.block_k >= 0,
                 "attention.dense.block_q/block_k must be positive (0: the platform's default)")
         require(cfg.auto_threshold >= 0, "attention.dense.auto_threshold must be positive (0: the platform's default)")
+        require(cfg.window >= 0, f"attention.dense.window={cfg.window}; must be >= 0 (0: no window)")
 
     @classmethod
     def bench_variants(cls):
@@ -202,21 +214,31 @@ class DenseAttention(AttentionCore):
                                                     directions=("bidirectional",), slow=True),
             # the TPU kernel in Pallas interpret mode: full passes by splash, KV-cache steps by the XLA path
             "splash": ContractCase(cfg={"impl": "splash"}, length=40),
+            # a sliding window of 12 keys over whole tiles of 8: blocks wholly inside it, its far edge and the
+            # diagonal; decoding through the window's state
+            "window": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40),
         }
+
+    @property
+    def receptive_window(self) -> int:
+        return int(self.cfg.window)
 
     def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False):
         c = self.cfg
         return attend(
             q, k, v, q_pos, k_pos, k_valid,
             causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
-            full_pass=full_pass,
+            full_pass=full_pass, window=c.window,
         )
 
     def init_state(self, batch_size: int, max_len: int | None = None):
+        """The empty KV cache: ``max_len`` keys, or with a sliding window the window's (whatever ``max_len``)."""
         if not self.causal:
             raise ValueError("dense: bidirectional attention has no prefix state")
         if max_len is None or max_len <= 0:
             raise ValueError("dense: init_state needs max_len (the KV-cache capacity in tokens)")
+        if self.cfg.window:
+            max_len = int(self.cfg.window)
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         return {
             "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
@@ -235,9 +257,12 @@ class DenseAttention(AttentionCore):
 
     def compose_states(self, a, b):
         # both caches are right-aligned (slot j <-> position length - M + j) and zero outside their
-        # own tokens: move a's keys left by the number of b's tokens and add (an exact concatenation)
+        # own tokens: move a's keys left by the number of b's tokens and add (an exact concatenation);
+        # the keys moved past the front are gone (a window's state keeps the newest M)
         shift = b["length"] - a["length"]
-        moved = {name: jnp.roll(a[name], -shift, axis=2) for name in ("k", "v")}
+        M = a["k"].shape[2]
+        kept = (jnp.arange(M) < M - shift)[None, None, :, None]
+        moved = {name: jnp.where(kept, jnp.roll(a[name], -shift, axis=2), 0.0) for name in ("k", "v")}
         return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "length": b["length"]}
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
@@ -246,17 +271,20 @@ class DenseAttention(AttentionCore):
         pos = jnp.arange(T, dtype=jnp.int32)
         if state is None:
             out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True)
-            new_state = (
-                {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "length": jnp.asarray(T, jnp.int32)}
-                if self.causal
-                else None
-            )
+            new_state = None
+            if self.causal:
+                W = int(self.cfg.window)
+                if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
+                    edge = lambda x: jnp.pad(x, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
+                    k, v = edge(k), edge(v)
+                new_state = {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32),
+                             "length": jnp.asarray(T, jnp.int32)}
             return out, new_state
         if not self.causal:
             raise ValueError("dense: a bidirectional core takes no state")
         M = state["k"].shape[2]
         length = state["length"]
-        if not self.cfg.kv_window:
+        if not (self.cfg.kv_window or self.cfg.window):  # a window's state holds every key a later query sees
             check_capacity(length + T, M, "dense: the KV cache holds {capacity} tokens (init_state max_len) but "
                            "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
                            "for a sliding window that drops the oldest keys")

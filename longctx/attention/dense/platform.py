@@ -96,7 +96,7 @@ def cudnn_head_dim(head_dim: int) -> int:
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
                               capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
-                              causal: bool = True, **_) -> list[str]:
+                              causal: bool = True, window: int = 0, **_) -> list[str]:
     """Why cuDNN flash attention cannot serve this call on ``platform`` ('cuda' | 'rocm' | 'tpu' | 'cpu').
     ``capability``: the GPU's compute capability (default: the running device's, None from a CPU).
     ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
@@ -121,6 +121,10 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
     if sequence_slice is not None and causal and sequence_slice % 2:
         out.append(f"sequence parallelism: a causal slice of {sequence_slice} tokens per device; cuDNN's "
                    "bias-masked form (the slice's causal offset) needs an even slice length")
+    if window and not causal:
+        out.append(f"window={window} bidirectional: cuDNN's sliding window is causal only")
+    if window and sequence_slice is not None:
+        out.append(f"window={window} under sequence parallelism: the slices' windows are not wired")
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -128,7 +132,7 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
 
 def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                                kv_cache: bool = False, k_dtype=None, v_dtype=None, sequence_slice: int | None = None,
-                               **_) -> list[str]:
+                               window: int = 0, **_) -> list[str]:
     """Why splash attention cannot serve this call on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'cpu' |
     'interpret': the CPU's Pallas interpret mode, where only what the kernel computes is checked).
     ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
@@ -148,6 +152,8 @@ def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim
     if sequence_slice is not None and sequence_slice % SPLASH_MIN_BLOCK:
         out.append(f"sequence parallelism: a slice of {sequence_slice} tokens per device; splash's query blocks "
                    f"(multiples of {SPLASH_MIN_BLOCK}) must tile each device's slice")
+    if window and sequence_slice is not None:
+        out.append(f"window={window} under sequence parallelism: the slices' local masks are not wired")
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -155,34 +161,49 @@ def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim
 
 # ----------------------------------------------------------------------------------------------------- FLOPs
 FLOPS_TAGS = {"fused_attention_causal": True, "fused_attention_full": False}  # jit name -> causal
+WINDOW_TAG = "_window_"  # a sliding window's tag: <name>_window_<W>
 
 
-def _tagged(fn, causal: bool):
+def _tagged(fn, causal: bool, window: int = 0):
     """``fn(q, k, v, *rest)`` as a jit named for :func:`fused_call_flops`: a fused kernel's work is not visible in
     the jaxpr (a custom call, a Pallas call), so a FLOP count reads it from the named call's q, k, v (its first
-    three inputs: ``fn`` closes over no traced value, which jit would add as inputs before them)."""
+    three inputs: ``fn`` closes over no traced value, which jit would add as inputs before them); a sliding
+    window's width is in the name."""
     def call(*args):
         return fn(*args)
 
-    call.__name__ = call.__qualname__ = "fused_attention_causal" if causal else "fused_attention_full"
+    name = "fused_attention_causal" if causal else "fused_attention_full"
+    call.__name__ = call.__qualname__ = name + (f"{WINDOW_TAG}{window}" if window else "")
     return jax.jit(call)
+
+
+def _window_pairs(T: int, window: int, causal: bool) -> int:
+    """(query, key) pairs of a full pass over T tokens that a sliding window of ``window`` keeps."""
+    w = min(window, T)
+    one_side = w * T - w * (w - 1) // 2  # sum over queries of min(i + 1, w): the key itself and up to w - 1 before
+    return one_side if causal else 2 * one_side - T
 
 
 def fused_call_flops(name: str, avals) -> float | None:
     """Forward matmul FLOPs of a fused attention call tagged by :func:`_tagged` (``name``: the jit's name,
     ``avals``: its inputs, q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv] first): 2·B·H·Tq·Tk·(D + Dv), i.e.
     4·B·H·Tq·Tk·D, halved for causal (the MFU convention: the visible half; under sequence parallelism each
-    device's Tq rows against the whole row average the same half). None: not a tagged call."""
-    if name not in FLOPS_TAGS:
+    device's Tq rows against the whole row average the same half); with a sliding window, the pairs it keeps in
+    place of Tq·Tk. None: not a tagged call."""
+    base, _, window = name.partition(WINDOW_TAG)
+    if base not in FLOPS_TAGS:
         return None
     q, k, v = (a.shape for a in avals[:3])
     B, H, Tq, D = q
+    if window:
+        return 2.0 * B * H * _window_pairs(Tq, int(window), FLOPS_TAGS[base]) * (D + v[3])
     flops = 2.0 * B * H * Tq * k[2] * (D + v[3])
-    return flops / 2 if FLOPS_TAGS[name] else flops
+    return flops / 2 if FLOPS_TAGS[base] else flops
 
 
 # ----------------------------------------------------------------------------------------------------- cuDNN
-def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn", q_offset=None):
+def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn", q_offset=None,
+                    window: int = 0):
     """Exact attention of q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,D] through ``jax.nn.dot_product_attention``
     (scale D**-0.5; causal: query i sees keys j <= i). ``kv_lengths`` [B] int32: row b's keys from
     ``kv_lengths[b]`` on are padding. ``q_offset`` (an int or a traced scalar; causal only): the queries are rows
@@ -191,7 +212,7 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
     = 41) is zero-padded to :func:`cudnn_head_dim` with the scale of the true one: zero columns add nothing to the
     scores, the padded output columns are sliced off, and their cost is the padded dims' share of the FLOPs.
     ``implementation='xla'`` runs the same call on jax's XLA path (the CPU tests check this wiring against dense's
-    naive path that way)."""
+    naive path that way). ``window`` > 0 (causal, no ``q_offset``): cuDNN's sliding window of that many keys."""
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> jax's [B,T,H,D]
     D, Dv = q.shape[-1], v.shape[-1]
     pad = cudnn_head_dim(D) - D
@@ -204,8 +225,14 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
         rows = q_offset + jnp.arange(q.shape[2], dtype=jnp.int32)
         mask = (jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] <= rows[:, None])[None, None]
         causal = False
+    local = None
+    if window:
+        if not causal or q_offset is not None:
+            raise ValueError("cudnn_attention: a sliding window is wired for causal full passes only")
+        local = (window - 1, 0)  # the key itself and window - 1 before it
     out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal, scale=D ** -0.5,
-                                       key_value_seq_lengths=kv_lengths, implementation=implementation)
+                                       key_value_seq_lengths=kv_lengths, implementation=implementation,
+                                       local_window_size=local)
     return t(out)[..., :Dv].astype(v.dtype)
 
 
@@ -231,14 +258,17 @@ def splash_slice_block(n: int, block: int = SPLASH_BLOCK) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(heads: int, T: int, causal: bool, block: int, interpret: bool, head_shards: int = 1,
-                   q_seq_shards: int = 1, q_len: int | None = None):
+                   q_seq_shards: int = 1, q_len: int | None = None, window: int = 0):
     """The kernel of ``heads`` heads over a row of T keys and ``q_len`` (default T) queries; ``head_shards`` /
     ``q_seq_shards``: its mask tables split for a ``shard_map`` (``manual_sharding_spec``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     shape = (q_len or T, T)
-    one = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+    if window:  # the key itself and window - 1 before it (and after it, bidirectional)
+        one = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else window - 1), offset=0)
+    else:
+        one = sm.CausalMask(shape) if causal else sm.FullMask(shape)
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     with jax.ensure_compile_time_eval():  # the mask tables are constants, also when first built inside a trace
@@ -252,9 +282,10 @@ def _splash_call(kernel, q, k, v, seg=None):
     return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=seg))(qs, k, v)
 
 
-def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: int = SPLASH_BLOCK):
-    """Exact self-attention of a full pass, q, k [B,H,T,D], v [B,H,T,Dv], by the splash kernel (scale D**-0.5).
-    T is padded to whole blocks; padded keys are masked by segment ids (causally they are never visible)."""
+def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: int = SPLASH_BLOCK, window: int = 0):
+    """Exact self-attention of a full pass, q, k [B,H,T,D], v [B,H,T,Dv], by the splash kernel (scale D**-0.5;
+    ``window`` > 0: its local mask, a sliding window of that many keys). T is padded to whole blocks; padded keys
+    are masked by segment ids (causally they are never visible)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     B, H, T, D = q.shape
@@ -267,10 +298,10 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
         if Tp > T and not causal:
             ids = jnp.asarray(np.arange(Tp) >= T, jnp.int32)  # 0: a real token, 1: padding
             seg = sk.SegmentIds(q=ids, kv=ids)
-        out = _splash_call(_splash_kernel(H, Tp, causal, bl, interpret), pad(q), pad(k), pad(v), seg)
+        out = _splash_call(_splash_kernel(H, Tp, causal, bl, interpret, window=window), pad(q), pad(k), pad(v), seg)
         return out[:, :, :T].astype(v.dtype)
 
-    return _tagged(run, causal)(q, k, v)
+    return _tagged(run, causal, window)(q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------------- sequence parallelism
@@ -332,12 +363,12 @@ def sequence_parallel_attention(kernel: str, q, k, v, *, mesh, causal: bool, int
 
 
 # ----------------------------------------------------------------------------------------------------- declarations
-def _run_cudnn(q, k, v, *_, causal: bool, **__):
-    return _tagged(functools.partial(cudnn_attention, causal=causal), causal)(q, k, v)
+def _run_cudnn(q, k, v, *_, causal: bool, window: int = 0, **__):
+    return _tagged(functools.partial(cudnn_attention, causal=causal, window=window), causal, window)(q, k, v)
 
 
-def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, **__):
-    return splash_attention(q, k, v, causal=causal, interpret=interpret)
+def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, window: int = 0, **__):
+    return splash_attention(q, k, v, causal=causal, interpret=interpret, window=window)
 
 
 # 'auto' tries the platform's fused kernel first (rank 0) wherever it serves the call, long or short

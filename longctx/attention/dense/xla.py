@@ -145,7 +145,7 @@ def _pair_grads(ops: TileOps, qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None)
 
 
 # ----------------------------------------------------------------------------- the position-general loop
-def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool):
+def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool, window: int = 0):
     """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked.
     Returns the output blocks [nq, B, H, bq, Dv] and the log-sum-exp [nq, B, H, bq]
     (NEG_INF for a query that sees no key)."""
@@ -159,7 +159,7 @@ def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: 
             ki, vi, kpi, kvi, kmi = xs
 
             def compute(carry):
-                return _softmax_step(carry, qi, ki, vi, positions_mask(qpi, kpi, kvi, causal))
+                return _softmax_step(carry, qi, ki, vi, positions_mask(qpi, kpi, kvi, causal, window))
 
             return ops.visit(compute, causal, qpi, kmi, carry, lambda c: c), None
 
@@ -176,7 +176,8 @@ def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: 
     return jax.lax.map(one_query_block, (qb, qposb))
 
 
-def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal: bool):
+def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal: bool,
+                    window: int = 0):
     """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
     each visited (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
@@ -193,7 +194,7 @@ def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb
 
             def compute(dq):
                 dqi, dk, dv = _pair_grads(ops, qi, ki, vi, doi, lsei, di, qi_t, doi_t,
-                                          positions_mask(qpi, kpi, kvi, causal))
+                                          positions_mask(qpi, kpi, kvi, causal, window))
                 return dq + dqi, (dk, dv)
 
             return ops.visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
@@ -206,26 +207,26 @@ def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb
     return dq, jnp.swapaxes(dk, -1, -2), jnp.swapaxes(dv, -1, -2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _blockwise(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops):
-    return _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _blockwise(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window):
+    return _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window)[0]
 
 
-def _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops):
+def _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window):
     Tq, D = q.shape[2], q.shape[3]
     qb = _blocks(_pad_axis(q * D**-0.5, 2, bq), -(-Tq // bq), bq)
     kb = _blocks(_pad_axis(k, 2, bk), -(-k.shape[2] // bk), bk)
     vb = _blocks(_pad_axis(v, 2, bk), -(-k.shape[2] // bk), bk)
     layout = _layout(q_pos, k_pos, k_valid, bq, bk)
-    ob, lseb = _flash_forward(ops, qb, kb, vb, *layout, causal)
+    ob, lseb = _flash_forward(ops, qb, kb, vb, *layout, causal, window)
     return _unblocks(ob, Tq), (qb, kb, vb, ob, lseb, layout, k_valid)
 
 
-def _blockwise_bwd(causal, bq, bk, ops, res, dout):
+def _blockwise_bwd(causal, bq, bk, ops, window, res, dout):
     qb, kb, vb, ob, lseb, layout, k_valid = res
     Tq, Tk, D = dout.shape[2], k_valid.shape[0], qb.shape[-1]
     dob = _blocks(_pad_axis(dout, 2, bq), ob.shape[0], bq)
-    dq, dk, dv = _flash_backward(ops, qb, kb, vb, ob, lseb, dob, *layout, causal)
+    dq, dk, dv = _flash_backward(ops, qb, kb, vb, ob, lseb, dob, *layout, causal, window)
     return ((_unblocks(dq, Tq) * D**-0.5).astype(qb.dtype), _unblocks(dk, Tk).astype(kb.dtype),
             _unblocks(dv, Tk).astype(vb.dtype), None, None, None)
 
@@ -234,15 +235,16 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int,
-                        ops: TileOps = PLAIN):
+                        ops: TileOps = PLAIN, window: int = 0):
     """Exact attention by online softmax over key blocks (memory O(block_q*block_k)), with
     FlashAttention-2's backward: only the output and the per-query log-sum-exp are saved, and the
-    backward recomputes each visited block's probabilities once."""
+    backward recomputes each visited block's probabilities once. ``window`` > 0: the sliding window, by the
+    positions' mask (every key block is visited)."""
     Tq, Tk = q.shape[2], k.shape[2]
     bq, bk = min(block_q, Tq), min(block_k, Tk)
     cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
     out = _blockwise(cd(q), cd(k), cd(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
-                     causal, bq, bk, ops)
+                     causal, bq, bk, ops, window)
     return out.astype(v.dtype)
 
 
@@ -271,32 +273,68 @@ def _diag_mask(i: int, j: int, bq: int, bk: int):
     return (j * bk + np.arange(bk))[None, :] <= (i * bq + np.arange(bq))[:, None]
 
 
+def _pair_visibility(i: int, j: int, bq: int, bk: int, causal: bool, window: int) -> tuple[bool, bool]:
+    """(every query of block i sees every key of block j, some query of block i sees some key of it): the offsets
+    r - c of the block pair run over [r0 - c1, r1 - c0], every integer between; visible offsets are [0, W - 1]
+    (causal) or [-(W - 1), W - 1] (bidirectional), W = ``window`` (0: unbounded)."""
+    lo, hi = i * bq - ((j + 1) * bk - 1), (i + 1) * bq - 1 - j * bk
+    vis_hi = window - 1 if window else max(abs(lo), abs(hi))
+    vis_lo = 0 if causal else -vis_hi
+    return vis_lo <= lo and hi <= vis_hi, hi >= vis_lo and lo <= vis_hi
+
+
+def _block_plan(i: int, bq: int, bk: int, nk: int, causal: bool, window: int):
+    """Query block i's key blocks: (lo, hi, partial): blocks lo..hi-1 wholly visible to every query of the block,
+    and the blocks it sees only in part, in order (the diagonal's, and with a sliding window its far edge's). No
+    window: :func:`_visible`'s blocks."""
+    if not window:
+        full, seen = _visible(i, bq, bk, nk, causal)
+        return 0, full, list(range(full, seen))
+    vis = [_pair_visibility(i, j, bq, bk, causal, window) for j in range(nk)]
+    full = [j for j, (a, _) in enumerate(vis) if a]
+    lo, hi = (full[0], full[-1] + 1) if full else (0, 0)
+    return lo, hi, [j for j, (a, b) in enumerate(vis) if b and not a]
+
+
+def _block_mask(i: int, j: int, bq: int, bk: int, causal: bool, window: int):
+    """[bq, bk] mask of query block i against key block j (numpy constant; :func:`_diag_mask` without a window)."""
+    if causal and not window:
+        return _diag_mask(i, j, bq, bk)
+    d = (i * bq + np.arange(bq))[:, None] - (j * bk + np.arange(bk))[None, :]
+    m = d >= 0 if causal else np.ones(d.shape, bool)
+    if window:
+        m &= (d < window) & (causal or d > -window)
+    return m
+
+
 def _key_blocks(x, lo: int, hi: int, bk: int):
     """Key blocks lo..hi-1 of x [B, H, T, D] as [hi - lo, B, H, bk, D]."""
     B, H, _, D = x.shape
     return jnp.moveaxis(x[:, :, lo * bk:hi * bk].reshape(B, H, hi - lo, bk, D), 2, 0)
 
 
-def _self_forward(qs, k, v, causal: bool, bq: int, bk: int):
-    """Online softmax for each query block over its visible key blocks. qs is pre-scaled. Returns out [B,H,T,Dv] and
-    the log-sum-exp [B,H,T]."""
+def _self_forward(qs, k, v, causal: bool, bq: int, bk: int, window: int = 0):
+    """Online softmax for each query block over its visible key blocks (``window``: only those the sliding window
+    reaches; the blocks wholly outside it are never read). qs is pre-scaled. Returns out [B,H,T,Dv] and the
+    log-sum-exp [B,H,T]."""
     B, H, T, _ = qs.shape
     nk = T // bk
     kb, vb = _key_blocks(k, 0, nk, bk), _key_blocks(v, 0, nk, bk)  # [nk, B, H, bk, .]: blocked once per pass
     outs, lses = [], []
     for i in range(T // bq):
         qi = qs[:, :, i * bq:(i + 1) * bq]
-        full, seen = _visible(i, bq, bk, nk, causal)
+        lo, full, partial = _block_plan(i, bq, bk, nk, causal, window)
 
         carry = (jnp.full((B, H, bq), NEG_INF, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
                  jnp.zeros((B, H, bq, v.shape[-1]), jnp.float32))
-        if full:
+        if full > lo:
             # a loop over block indices reading kb, vb in place (a scan over kb[:full] copied the slice every time)
-            carry = jax.lax.fori_loop(0, full, lambda j, c, qi=qi: _softmax_step(c, qi, kb[j], vb[j]), carry)
-        for j in range(full, seen):  # the blocks the diagonal crosses: masked, from the first row that sees them
-            r0 = _first_row(i, j, bq, bk)
+            carry = jax.lax.fori_loop(lo, full, lambda j, c, qi=qi: _softmax_step(c, qi, kb[j], vb[j]), carry)
+        for j in partial:  # the blocks seen in part: masked, from the first row that sees them
+            r0 = _first_row(i, j, bq, bk) if causal else 0
             tail = _softmax_step(tuple(c[:, :, r0:] for c in carry), qi[:, :, r0:], k[:, :, j * bk:(j + 1) * bk],
-                                 v[:, :, j * bk:(j + 1) * bk], _diag_mask(i, j, bq, bk)[r0:], True)
+                                 v[:, :, j * bk:(j + 1) * bk], _block_mask(i, j, bq, bk, causal, window)[r0:],
+                                 not window)
             carry = tail if r0 == 0 else tuple(jnp.concatenate([c[:, :, :r0], t], axis=2) for c, t in zip(carry, tail))
         m, l, acc = carry
         outs.append(acc / l[..., None])  # l >= 1: the row max contributes exp(0)
@@ -304,7 +342,7 @@ def _self_forward(qs, k, v, causal: bool, bq: int, bk: int):
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-def _self_backward(ops: TileOps, qs, k, v, out, lse, do, causal: bool, bq: int, bk: int):
+def _self_backward(ops: TileOps, qs, k, v, out, lse, do, causal: bool, bq: int, bk: int, window: int = 0):
     """FlashAttention-2's backward per query block from the saved log-sum-exp: dq carried along its key blocks,
     each (query block, key block) pair's dk, dv added to that key block's."""
     B, H, T, D = qs.shape
@@ -320,25 +358,25 @@ def _self_backward(ops: TileOps, qs, k, v, out, lse, do, causal: bool, bq: int, 
         rows = lambda x, i=i: x[:, :, i * bq:(i + 1) * bq]  # noqa: E731
         cols = lambda x, i=i: x[..., i * bq:(i + 1) * bq]  # noqa: E731
         qi, doi, li, di, qi_t, doi_t = rows(qs), rows(do), rows(lse), rows(delta), cols(qs_t), cols(do_t)
-        full, seen = _visible(i, bq, bk, nk, causal)
+        lo, full, partial = _block_plan(i, bq, bk, nk, causal, window)
 
         def pair(dq, kj, vj, mask=None, qi=qi, doi=doi, li=li, di=di, qi_t=qi_t, doi_t=doi_t):
             dqi, dkj, dvj = _pair_grads(ops, qi, kj, vj, doi, li, di, qi_t, doi_t, mask)
             return dq + dqi, (dkj, dvj)
 
         dq = jnp.zeros(qi.shape, jnp.float32)
-        if full:
+        if full > lo:
             def visible_block(j, c, pair=pair):  # dk, dv of key block j updated in place
                 dq, dk, dv = c
                 dq, (dkj, dvj) = pair(dq, kb[j], vb[j])
                 return dq, dk.at[j].add(dkj), dv.at[j].add(dvj)
 
-            dq, dk, dv = jax.lax.fori_loop(0, full, visible_block, (dq, dk, dv))
-        for j in range(full, seen):  # as the forward: the rows from the first that sees key block j
-            r0 = _first_row(i, j, bq, bk)
+            dq, dk, dv = jax.lax.fori_loop(lo, full, visible_block, (dq, dk, dv))
+        for j in partial:  # as the forward: the rows from the first that sees key block j
+            r0 = _first_row(i, j, bq, bk) if causal else 0
             dqi, dkj, dvj = _pair_grads(ops, qi[:, :, r0:], k[:, :, j * bk:(j + 1) * bk],
                                         v[:, :, j * bk:(j + 1) * bk], doi[:, :, r0:], li[:, :, r0:], di[:, :, r0:],
-                                        qi_t[..., r0:], doi_t[..., r0:], _diag_mask(i, j, bq, bk)[r0:])
+                                        qi_t[..., r0:], doi_t[..., r0:], _block_mask(i, j, bq, bk, causal, window)[r0:])
             dq = dq + dqi if r0 == 0 else jnp.concatenate([dq[:, :, :r0], dq[:, :, r0:] + dqi], axis=2)
             dk, dv = dk.at[j].add(dkj), dv.at[j].add(dvj)
         dqs.append(dq)
@@ -346,20 +384,20 @@ def _self_backward(ops: TileOps, qs, k, v, out, lse, do, causal: bool, bq: int, 
     return jnp.concatenate(dqs, axis=2), unblock(jnp.swapaxes(dk, -1, -2)), unblock(jnp.swapaxes(dv, -1, -2))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _self_blocks(q, k, v, causal, bq, bk, ops):
-    return _self_forward(q * q.shape[-1] ** -0.5, k, v, causal, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _self_blocks(q, k, v, causal, bq, bk, ops, window):
+    return _self_forward(q * q.shape[-1] ** -0.5, k, v, causal, bq, bk, window)[0]
 
 
-def _self_blocks_fwd(q, k, v, causal, bq, bk, ops):
+def _self_blocks_fwd(q, k, v, causal, bq, bk, ops, window):
     qs = q * q.shape[-1] ** -0.5
-    out, lse = _self_forward(qs, k, v, causal, bq, bk)
+    out, lse = _self_forward(qs, k, v, causal, bq, bk, window)
     return out, (qs, k, v, out, lse)
 
 
-def _self_blocks_bwd(causal, bq, bk, ops, res, do):
+def _self_blocks_bwd(causal, bq, bk, ops, window, res, do):
     qs, k, v, out, lse = res
-    dq, dk, dv = _self_backward(ops, qs, k, v, out, lse, do, causal, bq, bk)
+    dq, dk, dv = _self_backward(ops, qs, k, v, out, lse, do, causal, bq, bk, window)
     return (dq * qs.shape[-1] ** -0.5).astype(qs.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -373,30 +411,33 @@ def self_blocks_apply(T: int, block_q: int, block_k: int, max_unrolled: int = MA
     return T % bq == 0 and T % bk == 0 and T // bq <= max_unrolled
 
 
-def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: int, ops: TileOps = PLAIN):
+def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: int, ops: TileOps = PLAIN,
+                             window: int = 0):
     """Exact self-attention of a full pass (query and key i at position i, every key real) by whole blocks: the
     same function and backward as :func:`blockwise_attention` with positions ``arange(T)``; T must be a multiple
     of both block sizes (:func:`self_blocks_apply`)."""
     T = q.shape[2]
     bq, bk = min(block_q, T), min(block_k, T)
     cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
-    return _self_blocks(cd(q), cd(k), cd(v), causal, bq, bk, ops).astype(v.dtype)
+    return _self_blocks(cd(q), cd(k), cd(v), causal, bq, bk, ops, window).astype(v.dtype)
 
 
 def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-          ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS):
+          ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS, window: int = 0):
     """The tiled algorithm with ``ops``: the unrolled structure for a full pass (``full_pass``, static: q_pos =
     k_pos = arange(T), every key valid) that whole blocks tile, else the position-general loop."""
     if full_pass and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
-        return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k, ops=ops)
+        return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k, ops=ops,
+                                        window=window)
     return blockwise_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                               ops=ops)
+                               ops=ops, window=window)
 
 
-def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False):
+def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
+           window: int = 0):
     """The ``blockwise`` implementation: :func:`tiled` with :data:`PLAIN` ops."""
     return tiled(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                 full_pass=full_pass, ops=PLAIN)
+                 full_pass=full_pass, ops=PLAIN, window=window)
 
 
 def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
@@ -405,8 +446,10 @@ def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
     return large
 
 
-def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False, **_):
-    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass)
+def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
+         window: int = 0, **_):
+    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
+                  window=window)
 
 
 # query / key blocks by platform (0 in the config). cpu: on a 2-core CPU, 1024x512 was the fastest of 1024x512,

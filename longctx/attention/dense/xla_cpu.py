@@ -33,14 +33,17 @@ def _visit(step, causal: bool, qpi, kmi, carry, skipped):
 CPU = xla.TileOps(rowsum_product=rowdot, swap_last=transposed, matmul_tn=rows_dot, visit=_visit)
 
 
-def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False):
+def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
+           window: int = 0):
     """The ``xla_cpu`` implementation: :func:`xla.tiled` with the :data:`CPU` ops."""
     return xla.tiled(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                     full_pass=full_pass, ops=CPU)
+                     full_pass=full_pass, ops=CPU, window=window)
 
 
-def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False, **_):
-    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass)
+def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
+         window: int = 0, **_):
+    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
+                  window=window)
 
 
 IMPLEMENTATIONS = (
