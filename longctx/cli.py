@@ -108,7 +108,9 @@ def help_text(prog: str, fv, config: str) -> str:
                 f"in the working directory is read from the project's configs ({config_files.CONFIG_DIR}).",
                 "Change any key with --config.KEY=VALUE, e.g. --config.train.steps=1000 "
                 "--config.model.attention.name=eva",
-                "(keys and defaults: longctx/config.py). Shipped configs, [:VARIANT] where a file has variants:"]
+                "(keys and defaults: longctx/config.py); a hybrid stack, one method per layer, repeated to the depth:",
+                "--config.model.attention.pattern=dense,eva,eva,eva. Shipped configs, [:VARIANT] where a file has "
+                "variants:"]
     elif prog in ("longctx-fill", "longctx-recall-report"):
         out += ["Config: the run's own, saved in WORKDIR/config.json when it trained; this command takes no",
                 "--config.KEY=VALUE overrides. Runs are trained with longctx-train from these configs:"]
@@ -306,7 +308,7 @@ def train_main(argv=None) -> int:
 
             c = config_lib.validate(cfg)
             print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
-                  f"attention={c.model.attention.name} on {c.data.source}"
+                  f"attention={config_lib.attention_label(c.model)} on {c.data.source}"
                   + (f" in {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
             return 0
         if fv.dry_run:

@@ -72,6 +72,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.num_heads = 4
     c.model.head_dim = 64
     c.model.d_ff = 1024
+    # transformer blocks (longctx/models/blocks.py:TransformerBlock); the defaults build the model as before the keys:
+    c.model.num_kv_heads = 0  # grouped-query attention: k/v heads, a divisor of num_heads (0 = num_heads)
+    c.model.mlp = "gelu"  # 'gelu' (down(GELU(up x))) | 'swiglu' | 'geglu' (gated: down(act(gate x) * up x))
+    c.model.mlp_bias = True  # biases on the MLP's projections
+    c.model.qkv_bias = False  # biases on the q/k/v projection
+    c.model.out_bias = False  # bias on the attention's output projection
+    c.model.rope_theta = 10000.0  # rotary base (Hugging Face's rope_theta; the rotate-half layout)
+    c.model.norm_eps = 1e-6  # the norms' epsilon (LayerNorm and RMSNorm)
     c.model.block = "transformer"  # see longctx.models.blocks.block_names()
     c.model.norm = "layernorm"  # 'layernorm' | 'rmsnorm'
     # 'none' | 'learned' | 'sinusoidal' | 'rotary' (rotary: in each layer whose method takes it, a pattern's others
@@ -247,6 +255,7 @@ _CHOICES = {
     "model.output": ("dense", "adaptive"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "model.mlp": ("gelu", "swiglu", "geglu"),
     "train.on_nonfinite": ("stop", "skip"),
     "eval.split": ("train", "valid", "test"),
     "eval.protocol": ("stream", "sliding"),
@@ -311,6 +320,9 @@ _RANGES = (
     ("model.gau_expansion", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("model.gau_layerdrop", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("model.adaptive_div", lambda v: _finite(v) and v >= 1, "a finite number >= 1"),
+    ("model.num_kv_heads", lambda v: v >= 0, "an integer >= 0 (0 = model.num_heads)"),
+    ("model.rope_theta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("model.norm_eps", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("train.seed", lambda v: v >= 0, "an integer >= 0"),
     *((f"train.{k}", *_POS) for k in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "ckpt_every",
                                       "keep_checkpoints", "eval_tokens", "max_skipped_in_row",
@@ -513,6 +525,42 @@ def _fit_to_run_length(c) -> None:
     fit_to_run_length(c.train)
 
 
+def _resolve_pattern(c) -> None:
+    """``model.attention.pattern`` given on the command line as ``eva,dense`` (or ``(eva,dense)``) arrives as one
+    string: split it into the method names."""
+    pattern = c.model.attention.get("pattern", ())
+    if isinstance(pattern, (tuple, list)) and any(isinstance(p, str) and "," in p for p in pattern):
+        text = ",".join(p for p in pattern if isinstance(p, str)).strip().strip("()[]")
+        c.model.attention.pattern = tuple(p.strip().strip("'\"") for p in text.split(",") if p.strip())
+
+
+def attention_label(m) -> str:
+    """How logs and ``--check`` name a model's attention (``m``: the ``model`` section): its method, or the
+    ``model.attention.pattern`` of a stack of several methods (``eva,dense``)."""
+    pattern = tuple(m.attention.get("pattern", None) or ())
+    return ",".join(pattern) if len(set(pattern)) > 1 else m.attention.name
+
+
+# data keys holding local paths: a relative one that exists (and a relative cache folder) is saved absolute, so
+# that the run's saved config reads the same files from any working directory (longctx-eval, longctx-sample)
+_PATH_KEYS = (("path",), ("cache_dir",), ("options", "train_path"), ("options", "valid_path"),
+              ("options", "test_path"), ("options", "tokenizer_file"))
+
+
+def _resolve_data_paths(c) -> None:
+    import glob
+    import os
+
+    for keys in _PATH_KEYS:
+        node = c.data
+        for k in keys[:-1]:
+            node = node.get(k) if hasattr(node, "get") else None
+        value = node.get(keys[-1]) if hasattr(node, "get") else None
+        if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)) and "://" not in value \
+                and (keys == ("cache_dir",) or os.path.exists(value) or glob.glob(value)):
+            node[keys[-1]] = os.path.abspath(value)
+
+
 def _resolve_eval(c) -> None:
     """The eval keys left at 0 take the training's values."""
     t, e = c.train, c.eval
@@ -544,6 +592,7 @@ _VALIDATION = (
     _check_choices,
     check_ranges,
     _check_registries,
+    _resolve_data_paths,
     Rule(_always, _loss_scale_ok,
          "config train.loss_scale={train.loss_scale!r} is not allowed; choose one of: auto, dynamic, none, or a "
          "fixed scale (a number > 0, e.g. '1024')"),
@@ -554,6 +603,18 @@ _VALIDATION = (
          "model.positions='sinusoidal' needs an even model.d_model, got {model.d_model}"),
     Rule(lambda c: c.model.output == "adaptive", lambda c: not c.model.tie_embeddings,
          "model.output='adaptive' has its own output weights; set model.tie_embeddings=False"),
+    Rule(lambda c: c.model.num_kv_heads > 0, lambda c: c.model.num_heads % c.model.num_kv_heads == 0,
+         "model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads} (0 = num_heads)"),
+    Rule(lambda c: c.model.block != "transformer",
+         lambda c: (c.model.num_kv_heads in (0, c.model.num_heads) and c.model.mlp == "gelu" and c.model.mlp_bias
+                    and not c.model.qkv_bias and not c.model.out_bias and c.model.rope_theta == 10000.0),
+         "model.block={model.block!r} has its own projections: model.num_kv_heads, mlp, mlp_bias, qkv_bias, out_bias "
+         "and rope_theta apply to model.block='transformer'; leave them at their defaults"),
+    Rule(lambda c: c.model.attention.name in attention.names() and any(
+             attention.get_class(c.model.attention.name).stack_wrapper(causal=x) for x in (True, False)),
+         lambda c: c.model.num_kv_heads in (0, c.model.num_heads) and c.model.rope_theta == 10000.0,
+         "model.attention.name={model.attention.name!r} runs the blocks in its own stack wrapper, which takes neither "
+         "grouped-query attention nor another rotary base; leave model.num_kv_heads=0 and model.rope_theta=10000"),
     _check_model_vocab,
     # a masked-LM encoder
     _resolve_encoder,
@@ -582,6 +643,7 @@ _VALIDATION = (
          "data.synthetic.eval_rows and data.synthetic.bins must be positive integers"),
     When(_generated, _fits_rows("seq_len")),
     # attention
+    _resolve_pattern,
     _check_attention,
     # the training run
     _resolve_train,
@@ -597,6 +659,7 @@ _VALIDATION = (
     Rule(_always, lambda c: c.train.steps % n_windows(c) == 0,
          lambda c: f"train.steps={c.train.steps} counts optimizer updates and must be a multiple of "
                    f"seq_len/window={n_windows(c)}"),
+    _fit_to_run_length,
     # staged training (train.short_steps > 0)
     Rule(lambda c: c.train.short_steps > 0, lambda c: c.train.short_steps < c.train.steps,
          "train.short_steps={train.short_steps} must be in [0, train.steps={train.steps}) (0 = off)"),
@@ -610,7 +673,6 @@ _VALIDATION = (
     When(lambda c: c.train.short_steps > 0 and _generated(c), _fits_rows("short_seq_len")),
     Rule(lambda c: c.model.positions == "learned", lambda c: c.model.max_len >= c.train.seq_len,
          "model.max_len={model.max_len} is shorter than train.seq_len={train.seq_len} (learned positions)"),
-    _fit_to_run_length,
     Rule(_always, lambda c: 0 <= c.train.warmup_steps < c.train.steps,
          "train.warmup_steps={train.warmup_steps} must be in [0, train.steps={train.steps})"),
     # evaluation
@@ -706,13 +768,16 @@ def _check_method(c, name: str, *, rotated: bool = False):
 
 def fit_to_run_length(t, *, say=print) -> list[str]:
     """A short run needs no extra overrides: a warm-up at least as long as the run becomes a tenth of
-    it, and log / eval / checkpoint intervals longer than the run become the run's length (the run
-    still evaluates and checkpoints at its end). Changes ``t`` (the ``train`` section) in place and
-    says so in one line."""
+    it, a staged phase (``train.short_steps``) at least as long as the run its first half, and log / eval /
+    checkpoint intervals longer than the run become the run's length (the run still evaluates and
+    checkpoints at its end). Changes ``t`` (the ``train`` section) in place and says so in one line."""
     changed = []
     if t.warmup_steps >= t.steps > 0:
         changed.append(f"train.warmup_steps {t.warmup_steps} -> {t.steps // 10}")
         t.warmup_steps = t.steps // 10
+    if t.short_steps >= t.steps > 0:
+        changed.append(f"train.short_steps {t.short_steps} -> {t.steps // 2}")
+        t.short_steps = t.steps // 2
     for key in ("log_every", "eval_every", "ckpt_every"):
         if t[key] > t.steps > 0:
             changed.append(f"train.{key} {t[key]} -> {t.steps}")

@@ -19,9 +19,10 @@ from longctx.protocols import score_mlm_split, score_split
 LN2 = math.log(2.0)
 
 
-def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressors=False) -> tuple[dict, np.ndarray]:
-    """Evaluate ``runner`` (a :class:`longctx.runtime.Runner`) on a prepared split. An encoder is
-    scored on masked tokens under one fixed, seeded masking of the split (loss, accuracy)."""
+def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressors=False) -> tuple[dict, tuple]:
+    """Evaluate ``runner`` (a :class:`longctx.runtime.Runner`) on a prepared split: (result, (loss sum, token
+    count) per position in the context). An encoder is scored on masked tokens under one fixed, seeded masking of
+    the split (loss, accuracy)."""
     if runner.is_encoder:
         cfg = runner.cfg
         return score_mlm_split(runner.forward, runner.params, data, ecfg, cfg.mlm, context=ecfg.context,
@@ -51,15 +52,16 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
     ecfg = runner.cfg.eval
     split = ecfg.split
     data = runner.load_split(split, progress=progress)
-    res, curve = evaluate_split(runner, data, ecfg, progress=progress, desc=f"eval {split}", compressors=True)
-    res.update({"split": split, "step": runner.step, "workdir": str(workdir)})
+    res, (sums, counts) = evaluate_split(runner, data, ecfg, progress=progress, desc=f"eval {split}", compressors=True)
+    res.update({"split": split, "step": runner.step, "workdir": str(workdir), "by_position": position_bins(sums, counts)})
     print(format_eval(res), flush=True)  # the result first: a failed write below cannot lose it
     out_dir = Path(workdir) / "eval"
     stem = f"{split}_step{int(runner.step)}_{protocol_tag(runner.cfg)}"  # another protocol never overwrites it
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / f"{stem}.json", res)
-        plot_position_curve(curve, out_dir / f"{stem}_loss_vs_position.png", title=f"{split}, step {runner.step}")
+        plot_position_curve(res["by_position"], out_dir / f"{stem}_loss_vs_position.png",
+                            title=f"{split}, step {runner.step}")
     except OSError as e:
         raise WorkdirError(f"the result above could not be written to {out_dir} ({e.strerror or e}); "
                            "free space or fix the folder and run again") from None
@@ -106,7 +108,9 @@ def write_json_atomic(path: Path, obj) -> None:
 def format_eval(res: dict) -> str:
     p = res["protocol"]
     what = res.get("scored", "tokens")
-    lines = [f"{res.get('split', '?')} @ step {res.get('step', '?')}: {res['tokens_scored']:,} {what} scored ({p})"]
+    how = ", ".join(f"{k} {v}" for k, v in p.items() if k != "mode")
+    lines = [f"{res.get('split', '?')} @ step {res.get('step', '?')}: {res['tokens_scored']:,} {what} scored, "
+             f"{p.get('mode', '?')} ({how})"]
     if "bits_per_byte" in res:
         lines.append(f"  bits per {'masked ' if what == 'masked tokens' else ''}byte   {res['bits_per_byte']:.4f}")
     lines.append(f"  bits per token  {res['bits_per_token']:.4f}   token perplexity {res['token_perplexity']:.3f}")
@@ -119,23 +123,42 @@ def format_eval(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_position_curve(curve: np.ndarray, path: Path, *, title: str) -> None:
+def position_bins(sums: np.ndarray, counts: np.ndarray, n_bins: int = 24) -> list[dict]:
+    """Loss by position in the context (positions from 1) in about ``n_bins`` log-spaced bins, each with its
+    scored tokens: ``[{"lo", "hi" (inclusive), "tokens", "bits_per_token"}]``; empty bins are left out."""
+    n = len(sums)
+    edges = np.unique(np.geomspace(1, n + 1, n_bins + 1).astype(int))
+    edges[0], edges[-1] = 1, n + 1
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        c = int(counts[lo - 1 : hi - 1].sum())
+        if c:
+            out.append({"lo": int(lo), "hi": int(hi - 1), "tokens": c,
+                        "bits_per_token": float(sums[lo - 1 : hi - 1].sum()) / c / LN2})
+    return out
+
+
+def plot_position_curve(bins: list[dict], path: Path, *, title: str) -> None:
+    """Mean loss per log-spaced position bin (each bin a horizontal segment over its positions) above the tokens
+    each bin scored."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(curve)
-    bucket = max(1, n // 64)
-    xs = np.arange(0, n - n % bucket or n, bucket)
-    ys = [curve[x : x + bucket].mean() / LN2 for x in xs]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs + 1, ys, ".-")
-    ax.set_xlabel("position in context (tokens)")
+    fig, (ax, ax_n) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": (3, 1)})
+    lo, hi = np.array([b["lo"] for b in bins]), np.array([b["hi"] for b in bins]) + 1
+    ys = [b["bits_per_token"] for b in bins]
+    ax.hlines(ys, lo, hi, lw=2)
+    ax.plot(np.sqrt(lo * hi), ys, ".", color="C0")
     ax.set_ylabel("mean loss (bits per token)")
-    ax.set_xscale("log")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax_n.bar(lo, [b["tokens"] for b in bins], width=hi - lo, align="edge", color="C7")
+    ax_n.set_xscale("log")
+    ax_n.set_ylabel("tokens scored")
+    ax_n.set_xlabel("position in context (tokens; log-spaced bins)")
+    ax_n.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -113,5 +113,14 @@ def fill_run(workdir, text: str, *, step=None, mask_char="_", mask_spans=None, p
     filled, passes = fill_bytes(runner, data, mask, per_pass=per_pass)
     out = filled.decode("utf-8", errors="replace")
     print(out)
-    print(f"(filled {int(mask.sum())} masked bytes in {passes} passes, step {runner.step} of {workdir})", file=sys.stderr)
+    print(f"(filled {int(mask.sum())} masked bytes in {passes} passes, step {runner.step} of {workdir}; "
+          f"{filled_spans(filled, mask)})", file=sys.stderr)
     return out
+
+
+def filled_spans(filled: bytes, mask: np.ndarray) -> str:
+    """Which bytes were filled, each run of them as ``start:end 'bytes'`` (escaped, so a filled space or
+    newline shows): ``filled 21:25 'x + '``."""
+    idx = np.flatnonzero(mask)
+    runs = np.split(idx, np.flatnonzero(np.diff(idx) > 1) + 1) if len(idx) else []
+    return "filled " + ", ".join(f"{r[0]}:{r[-1] + 1} {repr(filled[r[0]:r[-1] + 1])[1:]}" for r in runs)

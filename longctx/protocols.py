@@ -181,9 +181,9 @@ def make_jobs(ecfg, doc_starts):
 
 
 def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool, word_count: int | None = None,
-                progress: bool = True, desc: str = "eval", compressors: bool = False) -> tuple[dict, np.ndarray]:
+                progress: bool = True, desc: str = "eval", compressors: bool = False) -> tuple[dict, tuple]:
     """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
-    (a validated ``eval`` section). Returns (result, mean loss per position in the context)."""
+    (a validated ``eval`` section). Returns (result, (loss sum, token count) per position in the context)."""
     jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
     t0 = time.time()
     nll_sum, count, pos_sum, pos_cnt = run_jobs(
@@ -197,8 +197,7 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
     if compressors and one_token_per_byte:
         scored = np.concatenate([np.asarray(data.tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs])
         res["compressors_bits_per_byte"] = compressor_bits_per_byte(scored.astype(np.uint8).tobytes())
-    curve = pos_sum / np.maximum(pos_cnt, 1)
-    return res, curve[pos_cnt > 0]
+    return res, (pos_sum, pos_cnt)
 
 
 def split_word_count(data) -> int | None:
@@ -238,14 +237,14 @@ def mlm_protocol(ecfg, mcfg, *, context: int, n_rows: int) -> dict:
 
 
 def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id: int, one_token_per_byte: bool,
-                    progress: bool = True, desc: str = "eval") -> tuple[dict, np.ndarray]:
+                    progress: bool = True, desc: str = "eval") -> tuple[dict, tuple]:
     """Masked-token loss and accuracy of an encoder on a prepared split.
 
     The split is cut into rows of ``context`` tokens (:func:`mlm_rows`); row i is masked by
     :func:`longctx.data.masking.mask_rows` with seed ``mlm.eval_seed``, step 0 and row i, so every run
     and method scores the same tokens in the same corrupted contexts, whatever the batch size.
     ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
-    masked positions). Returns (result, mean loss by position in the row)."""
+    masked positions). Returns (result, (loss sum, token count) by position in the row)."""
     from longctx.data.masking import mask_rows
 
     rows = mlm_rows(data.doc_starts, context=context, max_tokens=ecfg.max_tokens)
@@ -282,8 +281,7 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     res["accuracy"] = correct_sum / max(count, 1)
     res["scored"] = "masked tokens"
     res["seconds"] = time.time() - t0
-    curve = pos_sum / np.maximum(pos_cnt, 1)
-    return res, curve[pos_cnt > 0]
+    return res, (pos_sum, pos_cnt)
 
 
 # ----------------------------------------------------------------------------------------------

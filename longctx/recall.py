@@ -125,17 +125,19 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
 
         out_dir = Path(out) if out else Path(workdir) / "recall"
         stem = f"{task}_len{L}_step{int(runner.step)}"
+        plot, plotted = out_dir / f"{stem}_by_distance.png", False
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(out_dir / f"{stem}.json", res)
             if res["status"] == "ok":
-                plot_by_distance({f"{method} ({cfg.model.block})": res}, out_dir / f"{stem}_by_distance.png",
-                                 title=f"{task}, rows of {L} tokens (trained at {cfg.train.seq_len}), "
-                                       f"step {runner.step}")
+                plotted = plot_by_distance({f"{method} ({cfg.model.block})": res}, plot,
+                                           title=f"{task}, rows of {L} tokens (trained at {cfg.train.seq_len}), "
+                                                 f"step {runner.step}")
         except OSError as e:
             raise WorkdirError(f"the result above could not be written to {out_dir} ({e.strerror or e}); "
                                "free space or fix the folder (or give --out) and run again") from None
         res["json"] = str(out_dir / f"{stem}.json")
+        print(f"wrote {res['json']}" + (f" and {plot}" if plotted else ""), flush=True)
     return res
 
 
@@ -148,13 +150,31 @@ def format_recall(res: dict) -> str:
                 f"tokens exceed ({res['message']}). Evaluate shorter rows (--length) or build the state larger "
                 "(the method's capacity setting) and retrain if its parameters depend on it.")
     lines = [head, f"  {res['answers']:,} answers ({res['tokens_scored']:,} tokens) in {res['protocol']['rows']} rows: "
-                   f"accuracy {res['accuracy']:.4f}, answer loss {res['bits_per_token']:.4f} bits/token",
+                   f"accuracy {res['accuracy']:.4f}{_chance(res)}, answer loss {res['bits_per_token']:.4f} bits/token",
              "  distance          answers  accuracy  loss (bits/token)"]
     for b in res["by_distance"]:
         acc = "-" if b["accuracy"] is None else f"{b['accuracy']:.3f}"
         loss = "-" if b["loss_nats_per_token"] is None else f"{b['loss_nats_per_token'] / LN2:.3f}"
         lines.append(f"  {b['lo']:>6} - {b['hi']:<7}  {b['answers']:>7}  {acc:>8}  {loss:>8}")
     return "\n".join(lines)
+
+
+def chance(res: dict) -> tuple[float, str] | None:
+    """(the accuracy of a uniform guess of each answer, what is guessed) for a result's task and options."""
+    o = res.get("options", {})
+    if "num_values" in o:  # mqar: one value token
+        return 1.0 / o["num_values"], f"1 of {o['num_values']} values"
+    if "passkey_len" in o:
+        return 10.0 ** -o["passkey_len"], f"{o['passkey_len']} digits"
+    if "copy_len" in o:
+        return float(o["copy_vocab"]) ** -o["copy_len"], f"{o['copy_len']} ids of {o['copy_vocab']}"
+    return None
+
+
+def _chance(res: dict) -> str:
+    """`` (chance 0.0625: 1 of 16 values)``."""
+    c = chance(res)
+    return f" (chance {c[0]:.4g}: {c[1]})" if c else ""
 
 
 def _matplotlib():
@@ -175,14 +195,20 @@ def plot_by_distance(results: dict, path: Path, *, title: str) -> bool:
     if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    top = 0.0
     for label, res in results.items():
         bins = [b for b in res["by_distance"] if b["answers"]]
         xs = [(b["lo"] + b["hi"]) / 2 for b in bins]
         ax1.plot(xs, [b["accuracy"] for b in bins], ".-", label=label)
         ax2.plot(xs, [b["loss_nats_per_token"] / LN2 for b in bins], ".-", label=label)
+        top = max([top, *(b["loss_nats_per_token"] / LN2 for b in bins)])
+    guess = chance(next(iter(results.values()), {}))
+    if guess:
+        ax1.axhline(guess[0], color="gray", ls="--", lw=1, label=f"chance ({guess[1]})")
     ax1.set_ylabel("accuracy (exact match of the answer)")
     ax1.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("answer loss (bits per token)")
+    ax2.set_ylim(0, max(top * 1.1, 0.5))  # from zero: a few hundredths of a bit stay flat
     for ax in (ax1, ax2):
         ax.set_xlabel("distance to the recalled token (tokens)")
         ax.grid(alpha=0.3)

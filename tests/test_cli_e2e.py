@@ -17,6 +17,9 @@ def test_train_eval_sample(tiny_cfg, tmp_path, capsys):
     assert res["tokens_scored"] == 512 and res["protocol"]["mode"] == "stream-with-state"
     assert res["bits_per_byte"] < 8.0 and "gzip-9" in res["compressors_bits_per_byte"]
     assert (wd / "eval" / "test_step8_stream-w32-document32-n512_loss_vs_position.png").exists()
+    bins = res["by_position"]  # the plot's log-spaced bins, each with its tokens: every scored token once
+    assert bins[0]["lo"] == 1 and bins[-1]["hi"] == 32 and sum(b["tokens"] for b in bins) == 512
+    assert all(a["hi"] < b["lo"] for a, b in zip(bins, bins[1:]))
     assert evaluate.main(["longctx-eval", "--workdir", str(wd), "--config.eval.protocol=sliding",
                           "--config.eval.max_tokens=100", "--noprogress"]) == 0
     res = json.loads((wd / "eval" / "valid_step8_sliding-c32-s16-n100.json").read_text())

@@ -66,3 +66,36 @@ def test_short_runs_fit_their_intervals(capsys):
     assert out.count("note: fitted to the run's length, train.steps=20: ") == 1 and "train.warmup_steps 50 -> 2" in out
     validate(config_files.load("configs/default.py"))
     assert "note:" not in capsys.readouterr().out  # a config that fits says nothing
+
+
+@pytest.mark.parametrize("value", ["dense,eva", "(dense,eva)", "dense, eva", "[dense,eva]", '("dense","eva")'])
+def test_a_pattern_on_the_command_line_is_a_comma_list_and_is_reported(value, capsys):
+    """``--config.model.attention.pattern=dense,eva`` (as the shell passes it, or as a quoted tuple) is the two
+    methods, and ``--check`` reports the stack, not only ``model.attention.name``."""
+    argv = ["x", "--config=configs/default.py:tiny", f"--config.model.attention.pattern={value}", "--workdir=w"]
+    _, cfg = cli.parse(argv, "longctx-train", config="file")
+    assert tuple(validate(cfg).model.attention.pattern) == ("dense", "eva")
+    assert cli.train_main([*argv, "--check"]) == 0
+    assert "with attention=dense,eva on builtin" in capsys.readouterr().out
+
+
+def test_short_runs_fit_their_staged_phase(capsys):
+    """configs/recall/dense.py (250 of 300 updates on short rows) with 40 steps: the staged phase becomes the
+    run's first half, with the note, instead of a refusal."""
+    _, cfg = cli.parse(["x", "--config=configs/recall/dense.py", "--config.train.steps=40", "--workdir=w"],
+                       "longctx-train", config="file")
+    assert validate(cfg).train.short_steps == 20
+    assert "train.short_steps 250 -> 20" in capsys.readouterr().out
+
+
+def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
+    """A relative data.path (and cache folder) that exists is resolved against the working directory, so the
+    run's saved config reads the same data from any other directory; a name that is no path stays as written."""
+    (tmp_path / "corpus").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = config_files.load("configs/default.py:tiny")
+    cfg.data.path, cfg.data.cache_dir = "corpus", "cache"
+    c = validate(cfg)
+    assert (c.data.path, c.data.cache_dir) == (str(tmp_path / "corpus"), str(tmp_path / "cache"))
+    cfg.data.path = "Salesforce/wikitext"
+    assert validate(cfg).data.path == "Salesforce/wikitext"

@@ -63,6 +63,18 @@ def test_metric_arithmetic():
     assert 0 < c["gzip-9"] < 1 and 0 < c["xz-9e"] < 1
 
 
+def test_loss_by_position_bins_are_log_spaced_and_count_their_tokens():
+    from longctx.evaluate import position_bins
+
+    sums, counts = np.full(1000, math.log(2)), np.ones(1000)
+    counts[:10] = 0  # positions 1-10 not scored (the sliding protocol's)
+    bins = position_bins(sums * counts, counts)
+    assert sum(b["tokens"] for b in bins) == 990 and bins[0]["hi"] > 10 and bins[-1]["hi"] == 1000
+    assert all(b["bits_per_token"] == pytest.approx(1.0) for b in bins)
+    widths = [b["hi"] - b["lo"] + 1 for b in bins]
+    assert widths[-1] > 10 * widths[0] and len(bins) <= 24
+
+
 def make_runner(tiny_cfg):
     cfg = resolve_vocab(validate(tiny_cfg), 256)
     model = build_model(cfg.model, seed=0)

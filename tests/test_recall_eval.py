@@ -111,6 +111,9 @@ def test_train_resume_and_recall_by_distance(tmp_path, capsys):
     assert cli.recall_main(["x", f"--workdir={tmp_path / 'run'}", "--noprogress", "--rows=12", "--bins=3"]) == 0
     out = capsys.readouterr().out
     assert "accuracy" in out and "distance" in out
+    assert " (chance 0.0625: 1 of 16 values), answer loss" in out  # recall_tiny's mqar: 16 values
+    stem = tmp_path / "run" / "recall" / "mqar_len64_step6"
+    assert f"wrote {stem}.json and {stem}_by_distance.png" in out.splitlines()
     res = json.loads((tmp_path / "run" / "recall" / "mqar_len64_step6.json").read_text())
     assert res["status"] == "ok" and res["task"] == "mqar" and res["trained_on"] == "mqar"
     assert res["answers"] == 12 * 4 == sum(b["answers"] for b in res["by_distance"])

@@ -191,7 +191,7 @@ def run(args) -> dict:
             res["exponents"].append(e)
     C.write_json(out / "attention.json", res)
     (out / "attention.md").write_text(markdown(res))
-    plots(res, out)
+    print(summary(res, out, plots(res, out)), flush=True)
     return res
 
 
@@ -473,6 +473,27 @@ def _pct(r, kind):
     return f"≥{100 * f:.3g}" if r.get(f"{kind}_peak_fraction_lower_bound") else 100 * f
 
 
+def _status(r: dict) -> str:
+    """A row's status cell: ok, or what failed; a forward timed slower than its forward+backward (which contains
+    it) is flagged, as a measurement to repeat."""
+    st = [r.get("fwd_status")] + ([r.get("fwdbwd_status")] if "fwdbwd_status" in r else [])
+    status = "ok" if all(s == "ok" for s in st) else "; ".join(
+        f"{k}: {s}" for k, s in zip(("fwd", "fwd+bwd"), st) if s != "ok")
+    if r.get("fwd_s") and r.get("fwdbwd_s") and r["fwd_s"] > r["fwdbwd_s"]:
+        status += "; check: fwd slower than fwd+bwd (noise? remeasure)"
+    return status
+
+
+def summary(res: dict, out, files: list[str]) -> str:
+    """What a run prints at its end: each cell's times and status, then the files it wrote."""
+    rows = [[r["variant"], r["direction"], C.fmt_len(r["length"]), _ms(r.get("fwd_s")), _ms(r.get("fwdbwd_s")),
+             _status(r)] for r in res["rows"]]
+    skipped = [f"not run: {s['variant']} {s['direction']}: {s['reason']}" for s in res["skipped_variants"]]
+    wrote = ", ".join(str(Path(out) / f) for f in ["attention.json", "attention.md", *files])
+    return "\n".join([C.md_table(["variant", "direction", "T", "fwd ms", "fwd+bwd ms", "status"], rows), *skipped,
+                      f"wrote {wrote}"])
+
+
 def markdown(res: dict) -> str:
     a = res["header"]["args"]
     accel = (res["header"].get("machine") or {}).get("jax_backend", "cpu") != "cpu"
@@ -505,9 +526,7 @@ def markdown(res: dict) -> str:
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         rows = []
         for r in (r for r in res["rows"] if r["direction"] == dname):
-            st = [r.get("fwd_status")] + ([r.get("fwdbwd_status")] if "fwdbwd_status" in r else [])
-            status = "ok" if all(s == "ok" for s in st) else "; ".join(
-                f"{k}: {s}" for k, s in zip(("fwd", "fwd+bwd"), st) if s != "ok")
+            status = _status(r)
             xf = sc(r.get("fwd_xla_gflops_per_s"))
             xb = sc(r.get("fwdbwd_xla_gflops_per_s"))
             rss = max([x for x in (r.get("fwd_rss_peak_bytes"), r.get("fwdbwd_rss_peak_bytes")) if x] or [0]) or None
@@ -541,13 +560,30 @@ def markdown(res: dict) -> str:
     return "".join(parts)
 
 
+def _bars(ax, labels: list[str], values: list, unit: str, title: str) -> None:
+    """One length measured: each variant's value as a bar (a line plot over lengths would be a column of dots)."""
+    shown = [(lab, v) for lab, v in zip(labels, values) if v]
+    ax.barh([lab for lab, _ in shown], [v for _, v in shown], color="C0")
+    for i, (_, v) in enumerate(shown):
+        ax.annotate(f" {v:.3g}", (v, i), va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+
+
 def plots(res: dict, out) -> list[str]:
     files = []
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         rs = [r for r in res["rows"] if r["direction"] == dname]
         labels = list(dict.fromkeys(r["variant"] for r in rs))
+        one = len({r["length"] for r in rs}) == 1 and C.fmt_len(rs[0]["length"])
         fig, axes = C.new_figure(2)
         for ax, kind, title in ((axes[0], "fwd_s", "forward"), (axes[1], "fwdbwd_s", "forward+backward")):
+            if one:
+                _bars(ax, labels, [next((1e3 * r[kind] for r in rs if r["variant"] == lab and r.get(kind)), None)
+                                   for lab in labels], "ms (median)", f"{title}, {dname}, T = {one}")
+                continue
             for lab in labels:
                 pts = sorted((r["length"], r[kind]) for r in rs if r["variant"] == lab and r.get(kind))
                 if pts:
@@ -566,6 +602,7 @@ def plots(res: dict, out) -> list[str]:
         fig, axes = C.new_figure(2)
         for ax, kind, title in ((axes[0], "xla", "XLA compiled memory (fwd+bwd, else fwd)"),
                                 (axes[1], "rss", "peak process RSS")):
+            bars = []
             for lab in labels:
                 pts = []
                 for r in rs:
@@ -579,8 +616,13 @@ def plots(res: dict, out) -> list[str]:
                         val = max([x for x in (r.get("fwd_rss_peak_bytes"), r.get("fwdbwd_rss_peak_bytes")) if x] or [0])
                     if val:
                         pts.append((r["length"], val / C.MB))
-                if pts:
+                if pts and one:
+                    bars.append((lab, pts[0][1]))
+                elif pts:
                     ax.plot([p[0] for p in sorted(pts)], [p[1] for p in sorted(pts)], "o-", label=lab)
+            if one:
+                _bars(ax, [b[0] for b in bars], [b[1] for b in bars], "MB", f"{title}, {dname}, T = {one}")
+                continue
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length")

@@ -24,6 +24,7 @@ import math
 import signal
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -149,6 +150,29 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
             )
 
 
+# train keys that change what the remaining updates compute (the schedule, the batches, the update itself)
+TRAINING_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "b1", "b2", "eps", "grad_clip",
+                 "seed", "batch_size", "seq_len", "window", "short_steps", "short_seq_len", "microbatches")
+
+
+def resume_changes(saved: dict, cfg: ml_collections.ConfigDict, step: int) -> str | None:
+    """One line naming the training settings that differ from the checkpoint's run, with the learning rate at
+    ``step`` before and after when the schedule moved (the resumed run then differs from an uninterrupted one
+    of either config); None when nothing differs."""
+    was, now = saved.get("train", {}), cfg.train
+    changed = [k for k in TRAINING_KEYS if k in was and was[k] != now[k]]
+    if not changed:
+        return None
+    what = ", ".join(f"train.{k} {was[k]} -> {now[k]}" for k in changed)
+    lr = ""
+    keys = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+    if set(keys) & set(changed):
+        old = schedule(types.SimpleNamespace(**{k: was.get(k, now[k]) for k in keys}))
+        lr = f"; learning rate at step {step}: {float(old(step)):.3g} -> {float(schedule(now)(step)):.3g}"
+    return (f"note: resuming with {what}{lr} (the schedule follows the new settings: the run differs from an "
+            "uninterrupted run of either config)")
+
+
 def check_resume_loss_scale(saved: dict, cfg: ml_collections.ConfigDict) -> None:
     """A loss-scaled run keeps its scale in the optimizer state: refuse to resume it with loss scaling turned off,
     or a run without it with loss scaling on (the checkpoint's optimizer state would not fit)."""
@@ -233,6 +257,9 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         step = last_saved = meta["step"]
         scale = f" (loss scale {float(opt_state.scale):g})" if isinstance(opt_state, LossScaleState) else ""
         print(f"resuming from the checkpoint at step {step} in {workdir}{scale}")
+        note = resume_changes(meta["config"], cfg, step)
+        if note:
+            print(note)
     write_config(workdir, cfg)
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -242,7 +269,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     def tokens_per_step(at_step):
         return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
-    print(f"model: {n_params:,} parameters, attention={cfg.model.attention.name}, block={cfg.model.block}; "
+    print(f"model: {n_params:,} parameters, attention={config_lib.attention_label(cfg.model)}, block={cfg.model.block}; "
           f"data: {task.summary()}")
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
 
@@ -340,9 +367,9 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     t_last, tok_since, steps_since = time.time(), 0, 0
                     if print_lines:
                         tqdm.write(log_line(step, tc.steps, rec))
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", bpt=f"{rec['bits_per_token']:.3f}",
-                                    tok_s=f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
-                                    valid=f"{last_valid:.3f}" if last_valid else "-")
+                    bar.set_postfix({"loss": f"{rec['loss']:.3f}", "bpt": f"{rec['bits_per_token']:.3f}",
+                                     "tok_s": f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
+                                     **({"valid bpt": f"{last_valid:.3f}"} if last_valid is not None else {})})
                 bar.update(n_win)
                 if crossed(prev, step, tc.eval_every) or step >= tc.steps:
                     settle()
@@ -350,7 +377,6 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     res = task.evaluate((params, nongrad, rest))
                     writer.write(step, "valid", task.valid_record(res))
                     last_valid = res["bits_per_token"]
-                    t_last += time.time() - t_eval  # tokens/s and step time count training only
                     if print_lines:
                         tqdm.write(f"step {step}/{tc.steps}: valid {last_valid:.4f} bits/token")
                     # a disabled bar (--noprogress, non-primary hosts) has no postfix
@@ -358,6 +384,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     bar.set_postfix_str(", ".join(p for p in (shown, f"valid bpt={last_valid:.3f}") if p))
                     if distributed.is_primary():
                         plot_losses(workdir)
+                    t_last += time.time() - t_eval  # tokens/s and step time count training only
+                    bar.unpause()  # and so does the bar's own rate
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
                     settle()  # never a checkpoint of a step not checked
                     save(step)

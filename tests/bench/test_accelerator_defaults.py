@@ -178,3 +178,32 @@ def test_attention_markdown_on_an_accelerator_shows_tflops_and_peak_fraction():
     md = ab.markdown(res)
     assert "TFLOP/s fwd+bwd (model)" in md and "% of peak fwd+bwd" in md and "989 TFLOP/s" in md
     assert "| 450.0 |" in md and "45.5" in md and "as many calls as fill about 50 ms" in md
+
+
+def test_attention_flags_a_forward_slower_than_its_forward_backward_and_names_its_files(tmp_path):
+    """A forward timed slower than the forward+backward that contains it is flagged in the table and in what
+    the run prints at its end, with the paths written."""
+    from longctx.bench import attention_bench as ab
+
+    rows = [{"variant": "dense:blockwise", "direction": "causal", "length": 256, "fwd_s": 47.3e-3, "fwdbwd_s": 19.2e-3,
+             "fwd_status": "ok", "fwdbwd_status": "ok"},
+            {"variant": "eva", "direction": "causal", "length": 256, "fwd_s": 1e-3, "fwdbwd_s": 3e-3,
+             "fwd_status": "ok", "fwdbwd_status": "ok"}]
+    assert ab._status(rows[0]).startswith("ok; check: fwd slower than fwd+bwd") and ab._status(rows[1]) == "ok"
+    text = ab.summary({"rows": rows, "skipped_variants": []}, tmp_path, ["attention_time_causal.png"])
+    assert "| dense:blockwise | causal | 256 | 47.3 | 19.2 | ok; check: fwd slower than fwd+bwd" in text
+    assert text.splitlines()[-1] == (f"wrote {tmp_path / 'attention.json'}, {tmp_path / 'attention.md'}, "
+                                     f"{tmp_path / 'attention_time_causal.png'}")
+
+
+def test_attention_plots_at_one_length_are_bars(tmp_path, monkeypatch):
+    """One length measured: each variant is a bar (a line over lengths would be a column of dots)."""
+    from longctx.bench import attention_bench as ab
+
+    calls = []
+    monkeypatch.setattr(ab, "_bars", lambda ax, labels, values, unit, title: calls.append((labels, values, title)))
+    rows = [{"variant": v, "direction": "causal", "length": 8192, "fwd_s": t, "fwdbwd_s": 3 * t, "fwd_status": "ok",
+             "fwdbwd_status": "ok", "fwd_rss_peak_bytes": 1e8} for v, t in (("dense:blockwise", 0.2), ("eva", 0.05))]
+    assert ab.plots({"rows": rows}, tmp_path) == ["attention_time_causal.png", "attention_memory_causal.png"]
+    assert calls[0] == (["dense:blockwise", "eva"], [200.0, 50.0], "forward, causal, T = 8k")
+    assert len(calls) == 4 and all((tmp_path / f).exists() for f in ("attention_time_causal.png",))

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -81,6 +82,21 @@ def test_train_resumes_from_the_newest_valid_checkpoint_and_matches(trained, tmp
     # the rewritten step 8 is valid again
     _, meta = checkpoint.restore(checkpoint.manager(wd, create=False), lambda m: _params_target(cfg, m), partial=True)
     assert meta["step"] == 8
+
+
+def test_resuming_with_more_steps_says_what_changed_in_one_line(trained, tmp_path, capsys):
+    """A finished 8-step run continued with train.steps=12: the schedule is recomputed for 12 steps, and the
+    resume says so (the old and new learning rate at the resumed step); the same config says nothing."""
+    cfg, run = trained
+    wd = copy_run(run, tmp_path / "run")
+    more = ml_collections.ConfigDict(cfg.to_dict())
+    more.train.steps = 12
+    train(more, wd, progress=False)
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note: resuming with")]
+    assert len(notes) == 1 and "train.steps 8 -> 12; learning rate at step 8: " in notes[0], notes
+    assert sorted(losses(wd)) == list(range(1, 13))
+    train(more, wd, progress=False)  # finished: the same config again resumes and says nothing more
+    assert "note: resuming with" not in capsys.readouterr().out
 
 
 def _params_target(cfg, meta):

@@ -3,6 +3,7 @@ and after SIGTERM through the CLI), evaluation is one fixed masking of the split
 only the masked bytes, and the encoder's configuration errors are one line."""
 
 import json
+import re
 import runpy
 import signal
 import time
@@ -62,14 +63,16 @@ def test_resume_in_process_matches_uninterrupted(tiny_corpus, tmp_path):
     import contextlib
     import io
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert cli.fill_main(["x", f"--workdir={tmp_path / 'run'}", f"--text={text}", "--noprogress"]) == 0
     filled = out.getvalue()[:-1]  # print's newline
     want = text.replace("\\n", "\n")
     assert len(filled) == len(want)
     keep = [i for i, ch in enumerate(want) if ch != "_"]
     assert [filled[i] for i in keep] == [want[i] for i in keep]
+    # the filled bytes are named on stderr, escaped (a filled space or newline shows)
+    assert re.search(r"; filled 28:32 ['\"].{4,16}['\"]\)$", err.getvalue().strip()), err.getvalue()
 
 
 def test_fill_refuses_a_decoder(tiny_cfg, tmp_path, capsys):
