@@ -304,9 +304,12 @@ def train_main(argv=None) -> int:
         if fv.max_steps is not None and fv.max_steps <= 0:
             raise ConfigError(f"--max_steps={fv.max_steps} must be a positive integer")
         if fv.check:
+            from longctx import attention
             from longctx import config as config_lib
+            from longctx.attention import dispatch
 
             c = config_lib.validate(cfg)
+            attention.check_execution(c, dispatch.current_platform())
             print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
                   f"attention={config_lib.attention_label(c.model)} on {c.data.source}"
                   + (f" in {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))

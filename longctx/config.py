@@ -508,6 +508,14 @@ def _check_attention(c) -> None:
             del m.attention[other]
     for name, (method_cfg, exec_keys) in resolved.items():
         m.attention[name] = {k: v for k, v in method_cfg.items() if k not in exec_keys}
+    for other in c.execution.attention.keys():  # a setting for a method no layer runs is named, not dropped silently
+        if other not in methods:
+            defaults = attention.execution_config(other)
+            changed = [k for k in c.execution.attention[other].keys()
+                       if k in defaults and c.execution.attention[other][k] != defaults[k]]
+            if changed:
+                print(f"warning: execution.attention.{other}.{changed[0]}={c.execution.attention[other][changed[0]]!r}"
+                      f" is set but the model's layers run {', '.join(methods)}: it has no effect")
     c.execution.attention = ml_collections.ConfigDict(
         {name: {k: method_cfg[k] for k in exec_keys} for name, (method_cfg, exec_keys) in resolved.items()})
 

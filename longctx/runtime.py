@@ -9,7 +9,9 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from longctx import attention
 from longctx import config as config_lib
+from longctx.attention import dispatch
 from longctx.config import apply_overrides  # noqa: F401 -- re-exported for longctx.bench.configs
 from longctx.errors import CheckpointError, ConfigError
 from longctx.models.decoder import build_model
@@ -115,6 +117,7 @@ class Runner:
         finally:
             mngr.close()
         cfg = built["cfg"]
+        attention.check_execution(cfg, dispatch.current_platform())  # before any compile
         graphdef, _, _, rest = built["split"]
         from longctx.data import tokenizers
 

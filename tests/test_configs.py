@@ -99,3 +99,14 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     assert (c.data.path, c.data.cache_dir) == (str(tmp_path / "corpus"), str(tmp_path / "cache"))
     cfg.data.path = "Salesforce/wikitext"
     assert validate(cfg).data.path == "Salesforce/wikitext"
+
+
+def test_a_setting_for_a_method_no_layer_runs_is_a_warning(capsys):
+    """``execution.attention.eva.impl=pallas`` on a dense model: one warning line, and the run goes on."""
+    argv = ["x", "--config=configs/default.py:tiny", "--config.execution.attention.eva.impl=pallas", "--workdir=w"]
+    _, cfg = cli.parse(argv, "longctx-train", config="file")
+    validate(cfg)
+    out = capsys.readouterr().out
+    assert "warning: execution.attention.eva.impl='pallas' is set but the model's layers run dense" in out
+    validate(config_files.load("configs/default.py"))
+    assert "warning" not in capsys.readouterr().out

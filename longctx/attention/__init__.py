@@ -131,8 +131,46 @@ def build(
     return cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
 
 
+def methods_of(model_cfg) -> tuple[str, ...]:
+    """The attention methods a model's layers use: its ``attention.pattern``'s, else ``attention.name``."""
+    pattern = tuple(model_cfg.attention.get("pattern", None) or ())
+    return tuple(dict.fromkeys(pattern)) if pattern else (model_cfg.attention.name,)
+
+
+def check_execution(cfg, platform: str) -> None:
+    """Before any work on ``platform`` (``cfg``: a validated config): an implementation named explicitly
+    (``execution.attention.<m>.impl``) for a method the model uses, none of whose names can run on this platform,
+    is refused in one line (ConfigError). What a named implementation refuses for the call's shapes is its own to
+    say when the call is made; a setting for a method no layer runs is named by the config's validation."""
+    from longctx.attention import dispatch
+
+    used = methods_of(cfg.model)
+    for name in used:
+        impl = cfg.execution.attention[name].impl if name in cfg.execution.attention else "auto"
+        names = dispatch.parse_impl(impl)
+        if names == ("auto",):
+            continue
+        cls = get_class(name)
+        table = {i.name: i for causal in (True, False) for i in cls.implementations(causal=causal)}
+        why = []
+        for n in names:
+            decl = table.get(n)
+            if decl is None:
+                continue
+            if platform in decl.platforms or (decl.kernel and platform == "cpu"):
+                why = []
+                break
+            why.append(f"{n} runs on {', '.join(decl.platforms)}")
+        if why:
+            serving = [n for n, d in table.items() if platform in d.platforms or (d.kernel and platform == "cpu")]
+            raise ConfigError(f"execution.attention.{name}.impl={impl!r} cannot run on {platform} ({'; '.join(why)}); "
+                              f"use 'auto' or one of: {', '.join(serving)}")
+
+
 __all__ = [
     "AttentionCore",
+    "check_execution",
+    "methods_of",
     "Aux",
     "NonGradState",
     "build",
