@@ -163,12 +163,3 @@ def plot_position_curve(bins: list[dict], path: Path, *, title: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def main(argv=None) -> int:
-    from longctx import cli
-
-    return cli.eval_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

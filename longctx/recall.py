@@ -361,12 +361,3 @@ def report(workdirs: list[str], out: str | Path, *, task: str | None = None, len
     print(table)
     return table
 
-
-def main(argv=None) -> int:
-    from longctx import cli
-
-    return cli.recall_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

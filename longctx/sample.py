@@ -237,12 +237,3 @@ def _sample_to(out_path, runner, tok, prompt, ids, n, settings, *, quiet):
           f"at the end (x{report['end_over_start']:.2f}); wrote {out_path}]")
     return {**report, "path": str(out_path)}
 
-
-def main(argv=None) -> int:
-    from longctx import cli
-
-    return cli.sample_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -147,6 +147,7 @@ def tokenizer_kwargs(data_cfg) -> dict:
 class HFTokenizer:
     name = "hf"
     one_token_per_byte = False
+    cache_kwargs = staticmethod(tokenizer_kwargs)  # what longctx.data.prepare keys the token cache by
 
     def __init__(self, tokenizer_file: str = "", eos_token: str = "", **_ignored):
         if not tokenizer_file:

@@ -185,12 +185,10 @@ def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenDat
 
 def tokenizer_kwargs(source, data_cfg, meta) -> dict:
     """What the tokenizer is built from; part of the cache key (a tokenizer file by its sha256)."""
-    kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
-    if data_cfg.tokenizer == "hf":
-        from longctx.data.hf import tokenizer_kwargs as hf_kwargs
+    from longctx.data import tokenizers
 
-        kw = {**kw, **hf_kwargs(data_cfg)}
-    return kw
+    kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
+    return {**kw, **tokenizers.cache_kwargs(data_cfg.tokenizer, data_cfg)}
 
 
 def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bool = True):

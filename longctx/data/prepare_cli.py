@@ -58,12 +58,3 @@ def prepare_all(cfg, *, progress: bool = True) -> None:
     tokenizer, data, directory = prepare(cfg.data, progress=progress)
     print(summary(tokenizer, data, directory))
 
-
-def main(argv=None) -> int:
-    from longctx import cli
-
-    return cli.prepare_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

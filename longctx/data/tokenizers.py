@@ -50,13 +50,25 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(_TOKENIZERS))
 
 
-def build(name: str, **kwargs):
+def factory(name: str):
+    """The tokenizer class (or factory) registered as ``name``, imported on first use."""
     if name not in _TOKENIZERS:
         raise ConfigError(f"data.tokenizer={name!r} is unknown; allowed: {', '.join(names())}")
-    factory = _TOKENIZERS[name]
-    if isinstance(factory, str):
+    made = _TOKENIZERS[name]
+    if isinstance(made, str):
         import importlib
 
-        module_name, cls_name = factory.split(":")
-        factory = getattr(importlib.import_module(module_name), cls_name)
-    return factory(**kwargs)
+        module_name, cls_name = made.split(":")
+        made = getattr(importlib.import_module(module_name), cls_name)
+    return made
+
+
+def cache_kwargs(name: str, data_cfg) -> dict:
+    """What a tokenizer of ``name`` is built from beyond its name (e.g. a tokenizer file by its sha256): its
+    ``cache_kwargs(data_cfg)`` where it declares one, else nothing."""
+    declared = getattr(factory(name), "cache_kwargs", None)
+    return declared(data_cfg) if declared is not None else {}
+
+
+def build(name: str, **kwargs):
+    return factory(name)(**kwargs)

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longctx.data import prepare_cli, sources
+from longctx import cli
+from longctx.data import sources
 from longctx.data.prepare import cache_path, load_split, prepare, prepare_split
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def snapshot(directory: Path) -> dict:
 
 def test_cli_prepares_all_splits_prints_summary_and_is_idempotent(tmp_path, capsys):
     f, data = enwik8_fixture(tmp_path)
-    assert prepare_cli.main(enwik8_argv(f, tmp_path / "cache")) == 0
+    assert cli.prepare_main(enwik8_argv(f, tmp_path / "cache")) == 0
     out1 = capsys.readouterr().out
     dirs = list((tmp_path / "cache").iterdir())
     assert len(dirs) == 1 and dirs[0].name.startswith("enwik8-bytes-")
@@ -49,14 +50,14 @@ def test_cli_prepares_all_splits_prints_summary_and_is_idempotent(tmp_path, caps
         assert f"{n:,} tokens" in out1 and m["sha256"] in out1
     assert str(d) in out1 and "vocabulary 256" in out1
     stamp = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
-    assert prepare_cli.main(enwik8_argv(f, tmp_path / "cache")) == 0
+    assert cli.prepare_main(enwik8_argv(f, tmp_path / "cache")) == 0
     assert capsys.readouterr().out == out1
     assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == stamp
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        prepare_cli.main(["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense.py") + ":tiny",
+        cli.prepare_main(["longctx-prepare", "--config", str(ROOT / "configs/enwik8/dense.py") + ":tiny",
                           f"--config.data.path={tmp_path}", "--noprogress"])
     assert e.value.code == 2
     err = capsys.readouterr().err
@@ -119,7 +120,8 @@ def test_sigkill_while_writing_then_rerun_equals_a_clean_run(tmp_path, capsys):
     cache = tmp_path / "killed"
     argv = ["--config", str(ROOT / "configs/wikitext103/dense.py") + ":tiny", f"--config.data.path={wt}",
             f"--config.data.cache_dir={cache}", "--noprogress"]
-    proc = subprocess.Popen([sys.executable, "-m", "longctx.data.prepare_cli", *argv], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from longctx.cli import prepare_main; sys.exit(prepare_main())",
+                             *argv], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     tmp_file = None
     deadline = time.time() + 120
@@ -139,10 +141,10 @@ def test_sigkill_while_writing_then_rerun_equals_a_clean_run(tmp_path, capsys):
     assert proc.returncode == -signal.SIGKILL
     directory = tmp_file.parent
     assert tmp_file.exists() and not (directory / "train.json").exists()  # killed while writing train.bin
-    assert prepare_cli.main(["longctx-prepare", *argv]) == 0
+    assert cli.prepare_main(["longctx-prepare", *argv]) == 0
     assert "removed 1 temporary file" in capsys.readouterr().out
     clean_argv = [a.replace(str(cache), str(tmp_path / "clean")) for a in argv]
-    assert prepare_cli.main(["longctx-prepare", *clean_argv]) == 0
+    assert cli.prepare_main(["longctx-prepare", *clean_argv]) == 0
     clean = tmp_path / "clean" / directory.name
     assert snapshot(directory) == snapshot(clean)  # same names (no leftovers) and same bytes
     assert {"vocab.txt", "train.bin", "train.json", "test.json"} <= set(snapshot(clean))
