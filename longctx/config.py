@@ -204,45 +204,12 @@ def base_config() -> ml_collections.ConfigDict:
     # how the model is computed, never what: each attention method's implementation choice, tiles and budgets
     # (its EXECUTION_KEYS; docs/DESIGN.md "Implementations and the execution section"). Changing one changes
     # no parameter and no result beyond floating-point rounding, so a run trained with one setting evaluates
-    # with another. A key of these given under model.attention.<method> (the layout before this section) is
-    # moved here: silently in a saved config (merge_over_base), with one note in a config being validated.
+    # with another.
     c.execution = ml_collections.ConfigDict()
     c.execution.attention = ml_collections.ConfigDict()
     for name in attention.names():
         c.execution.attention[name] = attention.execution_config(name)
     return c
-
-
-_moved_noted: set[str] = set()
-
-
-def migrate_execution(cfg: ml_collections.ConfigDict, *, note=None) -> list[str]:
-    """Move execution keys found under ``model.attention.<method>`` to ``execution.attention.<method>`` in place
-    (a config saved before the execution section, or one still written that way); the moved value wins over the
-    section's. ``note(message)`` is called once per process for each moved key. Returns the moved paths."""
-    moved = []
-    att = cfg.model.attention
-    if "execution" not in cfg:
-        cfg.execution = ml_collections.ConfigDict()
-    if "attention" not in cfg.execution:
-        cfg.execution.attention = ml_collections.ConfigDict()
-    for name in list(att.keys()):
-        if name == "name" or name not in attention.names() or not isinstance(att[name], ml_collections.ConfigDict):
-            continue
-        for key in attention.execution_keys(name):
-            if key not in att[name]:
-                continue
-            if name not in cfg.execution.attention:
-                cfg.execution.attention[name] = attention.execution_config(name)
-            cfg.execution.attention[name][key] = att[name][key]
-            del att[name][key]
-            path = f"model.attention.{name}.{key}"
-            moved.append(path)
-            if note is not None and path not in _moved_noted:
-                _moved_noted.add(path)
-                note(f"config: {path} is an execution setting; it now lives at execution.attention.{name}.{key} "
-                     "(moved; set it there)")
-    return moved
 
 
 _CHOICES = {
@@ -369,12 +336,6 @@ def check_ranges(c: ml_collections.ConfigDict) -> None:
         val = _get(c, path)
         if not ok(val):
             raise ConfigError(f"config {path}={val!r} must be {allowed}")
-
-
-def _deprecation_note(message: str) -> None:
-    import sys
-
-    print(message, file=sys.stderr)
 
 
 class Rule:
@@ -708,10 +669,9 @@ _VALIDATION = (
 
 def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Check keys, types, values and combinations; return a resolved frozen copy. The checks are the
-    rows of :data:`_VALIDATION`, run in order on a copy (execution keys moved to their section first)."""
+    rows of :data:`_VALIDATION`, run in order on a copy."""
     check_against_base(cfg)
     c = ml_collections.ConfigDict(cfg.to_dict())
-    migrate_execution(c, note=_deprecation_note)
     for check in _VALIDATION:
         check(c)
     c.lock()
@@ -757,6 +717,10 @@ def _check_method(c, name: str, *, rotated: bool = False):
     method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})
     method_cfg.update(m.attention[name].to_dict() if name in m.attention else {})
     exec_keys = attention.execution_keys(name)
+    for key in (m.attention[name].keys() if name in m.attention else ()):
+        if key in exec_keys:
+            raise ConfigError(f"config key 'model.attention.{name}.{key}' is an execution setting: set "
+                              f"execution.attention.{name}.{key}")
     for key in (c.execution.attention[name].keys() if name in c.execution.attention else ()):
         if key not in exec_keys:
             where = "model.attention" if key in attention.default_config(name) else None
@@ -846,7 +810,7 @@ def parse_value(text: str, like):
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: list[str], *, allowed_sections=("eval", "sample")):
-    """A copy of ``cfg`` with ``section.key=value`` strings applied (``longctx-bench --set``)."""
+    """A copy of ``cfg`` with ``section.key=value`` strings applied (``longctx-bench --config.section.key=value``)."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     for item in overrides:
         if "=" not in item:
@@ -885,9 +849,7 @@ def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.C
                 dst[k] = v
 
     deep(merged, saved)
-    merged = ml_collections.ConfigDict(merged)
-    migrate_execution(merged)  # a run saved before the execution section kept these keys among the model's
-    return merged
+    return ml_collections.ConfigDict(merged)
 
 
 def n_windows(cfg) -> int:

@@ -78,8 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "the working directory")
             sp.add_argument("--noprogress", "--no_progress", dest="progress", action="store_false",
                             help="no progress bar")
-        if name in TAKES_OVERRIDES:  # deprecated spelling of --config.KEY=VALUE
-            sp.add_argument("--set", dest="deprecated_set", action="append", default=[], help=argparse.SUPPRESS)
         mod.add_args(sp)
         sp.set_defaults(func=mod.run, validate=getattr(mod, "validate", None))
     return p
@@ -210,12 +208,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if overrides and args.command not in TAKES_OVERRIDES:
         raise ConfigError(f"longctx-bench {args.command} takes no --config.KEY=VALUE overrides "
                           f"(they apply to {', '.join(TAKES_OVERRIDES)})")
-    dep = getattr(args, "deprecated_set", None) or []
-    if dep:
-        print("warning: --set KEY=VALUE is deprecated; write --config.KEY=VALUE", file=sys.stderr)
-    args.overrides = dep + overrides
-    if hasattr(args, "deprecated_set"):
-        del args.deprecated_set
+    args.overrides = overrides
     validate(args)
     return args
 

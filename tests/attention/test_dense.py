@@ -117,14 +117,13 @@ def test_portable_tiles_have_no_branch_inside_their_loops(full_pass, T):
 
 
 @pytest.mark.parametrize("full_pass", [True, False])
-def test_auto_and_old_values_pick_their_implementations(full_pass):
-    """On a CPU, 'auto' takes the reference up to auto_threshold scores and xla_cpu past it; the old value 'naive' is
-    the reference; the old 'blockwise' (the tiles, on a CPU then with XLA:CPU's ops) gives today's xla_cpu forward
-    bit for bit (the same ops on the forward; the backward differs only in rounding)."""
+def test_auto_and_named_values_pick_their_implementations(full_pass):
+    """On a CPU, 'auto' takes the reference up to auto_threshold scores and xla_cpu past it; 'blockwise' (the
+    portable tiles) gives xla_cpu's forward bit for bit (the same ops on the forward; the backward differs only in
+    rounding)."""
     shapes = dict(dtype=jnp.float32, head_dim=8, kv_cache=not full_pass, platform="cpu")
     assert dense.choose("auto", large=False, **shapes).name == "reference"
     assert dense.choose("auto", large=True, **shapes).name == "xla_cpu"
-    assert dense.choose("naive", **shapes).name == "reference"
     assert dense.choose("blockwise", **shapes).name == "blockwise"
     assert dense.choose("cudnn,blockwise", **shapes).name == "blockwise"
     T = 30
@@ -134,17 +133,16 @@ def test_auto_and_old_values_pick_their_implementations(full_pass):
     def run(impl):
         return np.asarray(out(build("dense", impl=impl, block_q=8, block_k=8), q, k, v, state))
 
-    np.testing.assert_array_equal(run("naive"), run("reference"))
     np.testing.assert_array_equal(run("blockwise"), run("xla_cpu"))
 
 
 def test_config_takes_names_lists_and_old_values_and_rejects_unknown():
-    for impl in ("auto", "reference", "naive", "blockwise", "xla_cpu", "cudnn", "splash", "cudnn,blockwise"):
+    for impl in ("auto", "reference", "blockwise", "xla_cpu", "cudnn", "splash", "cudnn,blockwise"):
         build("dense", impl=impl)
     assert "dense" in attention.names()
     with pytest.raises(Exception, match="allowed"):
         attention.build("nope", None, num_heads=1, head_dim=4, causal=True, rngs=nnx.Rngs(0))
-    for bad in ("fast", "auto,blockwise"):
+    for bad in ("fast", "naive", "auto,blockwise"):
         with pytest.raises(Exception, match="impl"):
             build("dense", impl=bad)
 

@@ -174,7 +174,7 @@ def test_explicit_splash_on_cpu_is_interpret_mode_with_a_warning():
     assert c.name == "splash" and c.interpret
 
 
-@pytest.mark.parametrize("impl, name", [("naive", "reference"), ("reference", "reference"), ("blockwise", "blockwise")])
+@pytest.mark.parametrize("impl, name", [("reference", "reference"), ("blockwise", "blockwise")])
 def test_xla_impls_stay_xla_everywhere(impl, name):
     for plat in ("cpu", "cuda", "tpu"):
         for kv_cache in (False, True):

@@ -68,10 +68,10 @@ def test_parse_args_checks_without_running(tmp_path):
     assert e.value.code == 2
 
 
-def test_set_is_a_deprecated_alias(capsys):
-    args = cli.parse_args(["train", "--set", "model.d_model=64", "--config.model.num_layers=1"])
-    assert args.overrides == ["model.d_model=64", "model.num_layers=1"]
-    assert "deprecated" in capsys.readouterr().err
+def test_set_is_no_flag():
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["train", "--set", "model.d_model=64"])
+    assert e.value.code == 2
 
 
 def test_configs_resolve_from_another_directory(tmp_path, monkeypatch):

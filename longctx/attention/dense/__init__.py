@@ -2,7 +2,7 @@
 
 One function, named implementations (``DenseAttention.implementations()``, the reference first):
 
-* ``reference`` (``reference.py``; old name ``naive``): one masked softmax over the [Tq, Tk] score matrix;
+* ``reference`` (``reference.py``): one masked softmax over the [Tq, Tk] score matrix;
 * ``blockwise`` (``xla.py``): online softmax over key blocks, FlashAttention-2's backward; portable;
 * the XLA:CPU implementation (its own file): the same tiles with XLA:CPU's ops (the CPU's ``auto`` path for long
   rows);

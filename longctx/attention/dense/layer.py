@@ -28,8 +28,6 @@ from longctx.attention.dense import platform as kernels
 from longctx.attention.dense.reference import naive_attention
 
 METHOD = "dense"
-# old configuration values and the implementation each names now
-ALIASES = {"naive": "reference"}
 
 
 def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, window: int = 0, **_):
@@ -62,12 +60,6 @@ def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
     return tuple(n for n in dispatch.auto_order(impls, platform, **shapes) if n not in kernels.FAST_IMPLS)
 
 
-def impl_names(impl) -> tuple[str, ...]:
-    """``impl`` (a name, a list, 'auto') as an ordered tuple of implementation names, old names mapped (``naive``
-    is ``reference``)."""
-    return tuple(ALIASES.get(n, n) for n in dispatch.parse_impl(impl))
-
-
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str | None = None, sequence_slice: int | None = None,
            causal: bool = True, window: int = 0) -> dispatch.Choice:
@@ -81,7 +73,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     plat = platform or dispatch.current_platform()
     impls = implementations()
     table = dispatch.by_name(impls)
-    names = impl_names(impl)
+    names = dispatch.parse_impl(impl)
     shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype,
                   causal=causal, window=window)
     if sequence_slice is not None:
@@ -155,7 +147,7 @@ class DenseAttention(AttentionCore):
     def default_config(cls) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(
             {
-                # 'reference' (also 'naive') | 'blockwise' | the XLA:CPU tiles (named in their own file) | 'cudnn'
+                # 'reference' | 'blockwise' | the XLA:CPU tiles (named in their own file) | 'cudnn'
                 # (GPU) | 'splash' (TPU), a list of them ('cudnn,blockwise'), or 'auto': the platform's fused kernel
                 # where it serves the call, else the tiles when Tq*Tk > auto_threshold (the CPU-tuned ones on a
                 # CPU), else reference
@@ -177,7 +169,7 @@ class DenseAttention(AttentionCore):
 
     @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
-        allowed = tuple(i.name for i in implementations()) + tuple(ALIASES)
+        allowed = tuple(i.name for i in implementations())
         problem = dispatch.impl_problem(cfg.impl, allowed)
         require(problem is None, f"attention.dense.{problem}")
         require(cfg.block_q >= 0 and cfg.block_k >= 0,
@@ -301,4 +293,4 @@ class DenseAttention(AttentionCore):
         return out, new_state
 
 
-__all__ = ["ALIASES", "REFERENCE", "DenseAttention", "attend", "choose", "impl_names", "implementations"]
+__all__ = ["REFERENCE", "DenseAttention", "attend", "choose", "implementations"]
