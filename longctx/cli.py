@@ -453,6 +453,8 @@ def recall_main(argv=None) -> int:
                             "trained on, else passkey)", flag_values=fv)
         flags.DEFINE_integer("length", None, "tokens per evaluation row (default: train.seq_len); longer rows "
                              "probe distances beyond the training length", flag_values=fv)
+        flags.DEFINE_list("lengths", None, "several row lengths: the needle grid (accuracy by length x depth of the "
+                          "needle, --bins depths), as a table and a heat map", flag_values=fv)
         flags.DEFINE_integer("rows", None, "evaluation rows (= --config.data.synthetic.eval_rows)", flag_values=fv)
         flags.DEFINE_integer("bins", None, "distance bins (= --config.data.synthetic.bins)", flag_values=fv)
         flags.DEFINE_integer("step", None, "checkpoint step (default: the newest valid one)", flag_values=fv)
@@ -462,8 +464,18 @@ def recall_main(argv=None) -> int:
         fv, overrides = parse(argv, "longctx-recall", config="run", define=define)
         if fv.check:
             return _check_run("longctx-recall", fv, overrides)
-        from longctx.recall import recall_run
+        from longctx.recall import needle_grid, recall_run
 
+        if fv.lengths:
+            if fv.length is not None:
+                raise ConfigError("give --length (one row length) or --lengths (the needle grid), not both")
+            try:
+                lengths = [int(x) for x in fv.lengths]
+            except ValueError:
+                raise ConfigError(f"--lengths={','.join(fv.lengths)}: row lengths are integers") from None
+            needle_grid(fv.workdir, lengths, task=fv.task, rows=fv.rows, bins=fv.bins, step=fv.step,
+                        overrides=overrides, progress=fv.progress, out=fv.out)
+            return 0
         recall_run(fv.workdir, task=fv.task, length=fv.length, rows=fv.rows, bins=fv.bins, step=fv.step,
                    overrides=overrides, progress=fv.progress, out=fv.out)
     return 0

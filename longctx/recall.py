@@ -361,3 +361,95 @@ def report(workdirs: list[str], out: str | Path, *, task: str | None = None, len
     print(table)
     return table
 
+
+
+def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None = None, bins: int | None = None,
+                step: int | None = None, overrides: dict | None = None, progress: bool = True,
+                out: str | Path | None = None) -> dict:
+    """The needle-in-a-haystack layout of long-context suites: accuracy by context length (``lengths``) x depth of
+    the needle in the context (``bins`` equal bins of the answer's distance, read as depth = 1 - distance/length:
+    0 % the start of the row, 100 % next to the question). Each length is one :func:`recall_run` (printed); the grid
+    is written as JSON, a markdown table and a heat map (``needle_grid_<task>_step<step>.*`` under ``out``, default
+    ``WORKDIR/recall``)."""
+    from longctx.errors import WorkdirError
+    from longctx.evaluate import write_json_atomic
+
+    lengths = [int(L) for L in lengths]
+    if not lengths or any(L <= 0 for L in lengths):
+        raise ConfigError(f"--lengths={','.join(map(str, lengths))}: positive row lengths, comma-separated")
+    results = [recall_run(workdir, task=task, length=L, rows=rows, bins=bins, step=step, overrides=overrides,
+                          progress=progress, write=False) for L in sorted(lengths)]
+    first = results[0]
+    grid = []
+    for res in results:
+        cells = []
+        if res["status"] == "ok":
+            for b in reversed(res["by_distance"]):  # the farthest needle first: depth 0 % leftmost
+                L = res["length"]
+                cells.append({"depth_lo": max(0.0, 1 - (b["hi"] - 1) / L), "depth_hi": min(1.0, 1 - b["lo"] / L),
+                              "accuracy": b["accuracy"], "answers": b["answers"]})
+        grid.append({"length": res["length"], "status": res["status"], "message": res.get("message"),
+                     "cells": cells})
+    c = chance(first)
+    out_json = {"task": first["task"], "options": first.get("options"), "attention": first["attention"],
+                "block": first["block"], "step": first["step"], "train_seq_len": first["train_seq_len"],
+                "chance": c[0] if c else None, "grid": grid}
+    ncol = max((len(g["cells"]) for g in grid), default=0)
+    head = ["length"] + [f"depth {i}/{ncol}" for i in range(1, ncol + 1)]
+    lines = [f"Needle grid: `{first['task']}`, {first['attention']} ({first['block']}) at step {first['step']}, "
+             f"trained on rows of {first['train_seq_len']} tokens; accuracy by row length and depth of the needle "
+             f"(columns: equal bins of depth from the start of the row to the question)"
+             + (f"; chance {c[0]:.4g}" if c else "") + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in grid:
+        if g["status"] != "ok":
+            lines.append(f"| {g['length']} | {g['status']}: {(g['message'] or '')[:80]} |" + " - |" * (ncol - 1))
+            continue
+        lines.append(f"| {g['length']} | " + " | ".join(
+            "-" if x["accuracy"] is None else f"{x['accuracy']:.2f}" for x in g["cells"]) + " |")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    out_dir = Path(out) if out else Path(workdir) / "recall"
+    stem = out_dir / f"needle_grid_{first['task']}_step{int(first['step'])}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(stem.with_suffix(".json"), out_json)
+        stem.with_suffix(".md").write_text(table + "\n")
+        plotted = _plot_grid(grid, stem.with_suffix(".png"), chance_level=c[0] if c else None,
+                             title=f"{first['task']}: {first['attention']} ({first['block']}), step {first['step']}")
+    except OSError as e:
+        raise WorkdirError(f"the grid above could not be written to {out_dir} ({e.strerror or e}); free space or "
+                           "fix the folder (or give --out) and run again") from None
+    print(f"wrote {stem}.json, {stem}.md" + (f" and {stem}.png" if plotted else ""), flush=True)
+    return {**out_json, "json": str(stem.with_suffix(".json"))}
+
+
+def _plot_grid(grid, path: Path, *, chance_level, title: str) -> bool:
+    plt = _matplotlib()
+    ok = [g for g in grid if g["status"] == "ok" and g["cells"]]
+    if plt is None or not ok:
+        return False
+    import numpy as np
+
+    ncol = max(len(g["cells"]) for g in ok)
+    acc = np.full((len(grid), ncol), np.nan)
+    for i, g in enumerate(grid):
+        for j, x in enumerate(g["cells"]):
+            acc[i, j] = np.nan if x["accuracy"] is None else x["accuracy"]
+    fig, ax = plt.subplots(figsize=(1.2 * ncol + 3, 0.6 * len(grid) + 2))
+    im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            if not np.isnan(acc[i, j]):
+                ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center",
+                        color="white" if acc[i, j] < 0.5 else "black", fontsize=8)
+    ax.set_yticks(range(len(grid)), [str(g["length"]) for g in grid])
+    ax.set_xticks(range(ncol), [f"{round(100 * (j + 0.5) / ncol)} %" for j in range(ncol)])
+    ax.set_xlabel("depth of the needle (0 %: the start of the row; 100 %: next to the question)")
+    ax.set_ylabel("row length (tokens)")
+    ax.set_title(title + (f"; chance {chance_level:.3g}" if chance_level is not None else ""), fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -139,6 +139,17 @@ def test_passkey_probe_on_a_text_lm_beyond_its_training_length(tiny_corpus, tmp_
     assert res["length"] == 128 and res["protocol"]["state_carried"]
     assert res["tokens_scored"] == 8 * 5 and res["by_distance"][-1]["hi"] > 2 * cfg.train.seq_len
     assert (tmp_path / "lm" / "recall" / "passkey_len128_step2.json").exists()
+    # the needle grid: row lengths x depths of the needle, as JSON, a table and a heat map
+    from longctx.recall import needle_grid
+
+    grid = needle_grid(tmp_path / "lm", [128, 64], rows=6, bins=3, progress=False)
+    assert [g["length"] for g in grid["grid"]] == [64, 128] and all(len(g["cells"]) == 3 for g in grid["grid"])
+    cells = grid["grid"][1]["cells"]
+    assert cells[0]["depth_lo"] < cells[-1]["depth_lo"] and all(0 <= x["depth_lo"] <= x["depth_hi"] <= 1
+                                                                 for x in cells)
+    assert grid["chance"] == 10.0 ** -grid["options"]["passkey_len"]
+    for ext in ("json", "md", "png"):
+        assert (tmp_path / "lm" / "recall" / f"needle_grid_passkey_step2.{ext}").exists()
 
 
 def test_a_state_with_static_capacity_is_reported_not_truncated(tiny_corpus, tmp_path, capsys):
