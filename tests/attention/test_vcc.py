@@ -20,9 +20,9 @@ from flax import nnx
 from longctx.attention import dispatch
 from longctx.attention import vcc as vcc_core
 from longctx.attention.base import CapacityError
+from longctx.attention.vcc import stack as vs
 from longctx.config import base_config
 from longctx.errors import ConfigError
-from longctx.models import vcc_stack as vs
 from longctx.models.decoder import build_model
 
 B, V, D_MODEL = 2, 64, 16

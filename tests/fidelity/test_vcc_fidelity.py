@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longctx.models import vcc_stack as vs
+from longctx.attention.vcc import stack as vs
 from tests.attention.test_vcc import B, build, call, hidden, inputs
 
 
@@ -60,7 +60,7 @@ def test_rows_without_vip_tokens_select_from_their_leading_slots(caplog):
     model = build(num_vip=8)
     tokens, _ = inputs(40, seed=3)
     vs._warned.clear()
-    with caplog.at_level("WARNING", logger="longctx.models.vcc_stack"):
+    with caplog.at_level("WARNING", logger="longctx.attention.vcc.stack"):
         _, _, infos = hidden(model, tokens)
         jax.effects_barrier()
     assert sum("no VIP token" in r.getMessage() for r in caplog.records) == 1, caplog.text
@@ -76,7 +76,7 @@ def test_vip_overflow_and_rows_without_vips_are_counted_and_logged_once(caplog):
     tokens, _ = inputs(40, seed=3)
     imp = jnp.zeros((B, 40), bool).at[0, :12].set(True)  # row 0: 12 VIPs for 8 slots; row 1: none
     vs._warned.clear()
-    with caplog.at_level("WARNING", logger="longctx.models.vcc_stack"):
+    with caplog.at_level("WARNING", logger="longctx.attention.vcc.stack"):
         for _ in range(2):
             _, aux = jax.block_until_ready(call(model, tokens, imp))
         jax.effects_barrier()

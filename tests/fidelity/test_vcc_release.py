@@ -7,7 +7,7 @@ mode: 2 rows of 64 tokens, hidden 8, 2 heads, 8 VIP slots, blocks of 4 (14 block
 Row 0 has fewer VIP tokens than slots, row 1 more (the surplus is compressed) and 6 padding tokens at its end
 (one block all padding, one half padded). The release's encoder-final LayerNorm is not part of the comparison.
 
-longctx's unit is the encoder stack wrapper (``longctx.models.vcc_stack.VCCEncoderStack``) over the backbone's
+longctx's unit is the encoder stack wrapper (``longctx.attention.vcc.stack.VCCEncoderStack``) over the backbone's
 pre-LN blocks, built with ``num_dense_layers=1``, ``dense_segment_len=32``, ``scale_correction=True`` (the
 release's ``scale_correction``), loaded with the fixture's weights and fed the fixture's embedded input, VIP flags
 and padding mask; the core runs ``impl='reference'`` and ``impl='chunked'`` (query chunks of 16 rows).

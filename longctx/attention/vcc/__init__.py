@@ -6,8 +6,8 @@ compressed to a short multi-resolution list (the blocks the VIP tokens attend to
 token resolution, every other block of k tokens becomes its mean), the unchanged layer (attention
 + FFN) runs on the compressed rows with a ``+log k`` logit bias on every averaged key, and only
 the residual update is decompressed back to the tokens. That is a *stack wrapper*
-(DESIGN §2, §4.1): :class:`longctx.models.vcc_stack.VCCEncoderStack` in an encoder and
-:class:`longctx.models.vcc_stack.VCCDecoderStack` (VCC-LM, our causal extension, §4.2) in a
+(DESIGN §2, §4.1): :class:`longctx.attention.vcc.stack.VCCEncoderStack` in an encoder and
+:class:`longctx.attention.vcc.stack.VCCDecoderStack` (VCC-LM, our causal extension, §4.2) in a
 decoder. The backbone builds it in place of its plain block loop whenever ``model.attention.name``
 names this method (capability :meth:`AttentionCore.stack_wrapper`), over the same blocks and
 parameter tree (a dense checkpoint loads unchanged).
@@ -21,7 +21,7 @@ tests/models/test_model_contract.py).
 
 Files: ``reference.py`` (the biased softmax, the reference), ``xla.py`` (``chunked``: the same in query chunks),
 ``layer.py`` (config, implementations, the core). Departures from the paper / reference code are listed in
-``longctx/models/vcc_stack.py``'s docstring (selection score form, two resolutions only, max(count, 1) means,
+``longctx/attention/vcc/stack.py``'s docstring (selection score form, two resolutions only, max(count, 1) means,
 masked-coarse layout, Python loop instead of scan; VCC-LM's state layout).
 Checked against the release (mlpen/VCC at 356f806, ``tests/fidelity/test_vcc_release.py``): a dense layer and two
 VCC layers of the encoder stack equal a port of the released RoBERTa encoder (fine-block choice, selection logits,

@@ -1,5 +1,5 @@
 """The VCC core: configuration, validation, implementations, and the call that asks ``dispatch.select`` for an
-implementation and runs it (the compression itself is the stack wrapper's, ``longctx/models/vcc_stack.py``).
+implementation and runs it (the compression itself is the stack wrapper's, ``longctx/attention/vcc/stack.py``).
 
 Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once, in float32)
 and ``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows in the compute dtype, what
@@ -51,18 +51,18 @@ def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = dispatch.PLATFO
 
 class VCCAttention(AttentionCore):
     """The attention of a VCC layer over the compressed rows (key-biased softmax); the compression
-    itself is the stack wrapper's (``longctx/models/vcc_stack.py``)."""
+    itself is the stack wrapper's (``longctx/attention/vcc/stack.py``)."""
 
     name = "vcc"
     EXECUTION_KEYS = ("impl", "query_chunk")
-    supports_causal = True  # VCC-LM (§4.2): longctx.models.vcc_stack.VCCDecoderStack
+    supports_causal = True  # VCC-LM (§4.2): longctx.attention.vcc.stack.VCCDecoderStack
     supports_bidirectional = True
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
         """reference (the whole biased softmax), chunked (query chunks of ``query_chunk`` rows; ``test_config``
         makes it take several chunks at test lengths). ``impl='auto'``: chunked when query_chunk > 0. Causal
-        (VCC-LM): its layers compute their attention in ``longctx.models.vcc_stack`` (one path), so one."""
+        (VCC-LM): its layers compute their attention in ``longctx.attention.vcc.stack`` (one path), so one."""
         return implementations(causal=causal)
 
     @classmethod
@@ -117,7 +117,7 @@ class VCCAttention(AttentionCore):
 
     @classmethod
     def stack_wrapper(cls, *, causal: bool) -> str | None:
-        return "longctx.models.vcc_stack:" + ("VCCDecoderStack" if causal else "VCCEncoderStack")
+        return "longctx.attention.vcc.stack:" + ("VCCDecoderStack" if causal else "VCCEncoderStack")
 
     @classmethod
     def bench_variants(cls):
@@ -146,7 +146,7 @@ class VCCAttention(AttentionCore):
         check_qkv(q, k, v)
         if key_bias is None:
             raise ValueError(
-                "vcc: the core runs only inside its stack wrapper (longctx.models.vcc_stack.VCCEncoderStack), "
+                "vcc: the core runs only inside its stack wrapper (longctx.attention.vcc.stack.VCCEncoderStack), "
                 "which hands it the compressed rows and their key bias; a plain block loop would compute exact "
                 "attention in place of VCC")
         if state is not None:

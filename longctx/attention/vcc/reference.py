@@ -9,7 +9,7 @@ VIP and single-token keys get 0. §2.5 adds the straight-through gate ``δ`` (va
     bias_j = mask_j + log D_j + δ_j
     A      = softmax(q k^T / sqrt(d_h) + bias) v          (softmax in fp32)
 
-The stack wrapper (``longctx/models/vcc_stack.py``) builds the rows and ``bias``; this is the whole sequence at
+The stack wrapper (``longctx/attention/vcc/stack.py``) builds the rows and ``bias``; this is the whole sequence at
 once (O(R^2) logits).
 """
 
