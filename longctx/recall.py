@@ -104,9 +104,12 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
         except ValueError as e:  # a state that cannot be built for n tokens (e.g. levels built for fewer)
             raise CapacityError(str(e)) from e
 
+    from longctx.config import attention_label
+
     method = cfg.model.attention.name
     head = {"task": task, "options": source.options(), "trained_on": trained_on, "length": L,
-            "train_seq_len": int(cfg.train.seq_len), "attention": method, "block": cfg.model.block,
+            "train_seq_len": int(cfg.train.seq_len), "attention": method, "stack": attention_label(cfg.model),
+            "block": cfg.model.block,
             "step": runner.step, "workdir": str(workdir), "split": cfg.eval.split}
     try:
         res = score_answers(lambda p, i, t, s: fwd(*p, i, t, s), runner.params, eval_set, edges,
@@ -144,7 +147,7 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
 def format_recall(res: dict) -> str:
     head = (f"{res['task']} {res['options']} @ step {res['step']}, rows of {res['length']} tokens "
             f"(trained at {res['train_seq_len']}{', on ' + res['trained_on'] if res['trained_on'] else ', on text'}), "
-            f"attention={res['attention']}")
+            f"attention={res.get('stack', res['attention'])}")
     if res["status"] != "ok":
         return (f"{head}\n  not measured: the method's state has a static capacity that rows of {res['length']} "
                 f"tokens exceed ({res['message']}). Evaluate shorter rows (--length) or build the state larger "
@@ -391,12 +394,12 @@ def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None =
         grid.append({"length": res["length"], "status": res["status"], "message": res.get("message"),
                      "cells": cells})
     c = chance(first)
-    out_json = {"task": first["task"], "options": first.get("options"), "attention": first["attention"],
+    out_json = {"task": first["task"], "options": first.get("options"), "attention": first["stack"],
                 "block": first["block"], "step": first["step"], "train_seq_len": first["train_seq_len"],
                 "chance": c[0] if c else None, "grid": grid}
     ncol = max((len(g["cells"]) for g in grid), default=0)
     head = ["length"] + [f"depth {i}/{ncol}" for i in range(1, ncol + 1)]
-    lines = [f"Needle grid: `{first['task']}`, {first['attention']} ({first['block']}) at step {first['step']}, "
+    lines = [f"Needle grid: `{first['task']}`, {first['stack']} ({first['block']}) at step {first['step']}, "
              f"trained on rows of {first['train_seq_len']} tokens; accuracy by row length and depth of the needle "
              f"(columns: equal bins of depth from the start of the row to the question)"
              + (f"; chance {c[0]:.4g}" if c else "") + ".", "",
@@ -416,7 +419,7 @@ def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None =
         write_json_atomic(stem.with_suffix(".json"), out_json)
         stem.with_suffix(".md").write_text(table + "\n")
         plotted = _plot_grid(grid, stem.with_suffix(".png"), chance_level=c[0] if c else None,
-                             title=f"{first['task']}: {first['attention']} ({first['block']}), step {first['step']}")
+                             title=f"{first['task']}: {first['stack']} ({first['block']}), step {first['step']}")
     except OSError as e:
         raise WorkdirError(f"the grid above could not be written to {out_dir} ({e.strerror or e}); free space or "
                            "fix the folder (or give --out) and run again") from None

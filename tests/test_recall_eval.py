@@ -157,7 +157,8 @@ def test_a_state_with_static_capacity_is_reported_not_truncated(tiny_corpus, tmp
 
     cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=2, warmup_steps=1, eval_every=2, ckpt_every=2)
     cfg.model.attention.name = "fma"
-    cfg.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64, "impl": "xla"})
+    cfg.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64})
+    cfg.execution.attention.fma.impl = "xla"
     train(cfg, tmp_path / "fma", progress=False)  # rows of 32, levels built for 64 tokens
     res = recall_run(tmp_path / "fma", length=128, rows=4, bins=2, progress=False)
     assert res["status"] == "capacity" and "max_len=64" in res["message"]
@@ -194,16 +195,14 @@ def test_exact_attention_given_the_answer_in_context_reaches_100_percent(tmp_pat
 
 
 def test_runs_saved_by_an_earlier_version_resume_and_layout_keys_may_change():
-    """A saved config without keys added since (remat_policy, scan_layers) and with execution settings among
-    the model's resumes; switching the layer layout or the recomputation is allowed, a hyperparameter is not."""
+    """A saved config without keys added since (remat_policy, scan_layers) resumes; switching the layer layout
+    or the recomputation is allowed, a hyperparameter is not."""
     from longctx.train.loop import check_resume_config
 
     cfg = validate(base_config())
     saved = json.loads(cfg.to_json())
     for key in ("remat_policy", "scan_layers"):
         saved["model"].pop(key, None)
-    name = saved["model"]["attention"]["name"]
-    saved["model"]["attention"][name].update(saved.pop("execution")["attention"][name])  # the old place
     check_resume_config(saved, cfg)
     saved["model"]["scan_layers"], saved["model"]["remat"] = True, True
     check_resume_config(saved, cfg)

@@ -284,7 +284,15 @@ def _attention_numbers(att: dict) -> list[str]:
         ok = [r["length"] for r in att["rows"] if (r["variant"], r["direction"]) == v and r.get("fwd_s")]
         if ok:
             lines.append(f"- `{v[0]}` {v[1]}: longest forward measured {C.fmt_len(max(ok))}")
-    return lines + _crossovers(att)
+    return lines + _crossovers(att) + _odd_cells(att)
+
+
+def _odd_cells(att: dict) -> list[str]:
+    """Cells whose forward alone was timed slower than the forward+backward of the same call: noise on a busy
+    machine (remeasure them, e.g. ``longctx-bench attention --methods=<variant> --lengths=<T> --update``)."""
+    return [f"- remeasure `{r['variant']}` {r['direction']} at {C.fmt_len(r['length'])}: forward "
+            f"{r['fwd_s'] * 1e3:,.1f} ms timed slower than its forward+backward {r['fwdbwd_s'] * 1e3:,.1f} ms"
+            for r in att["rows"] if r.get("fwd_s") and r.get("fwdbwd_s") and r["fwd_s"] > r["fwdbwd_s"]]
 
 
 def numbers_section(res: dict, extra: list[tuple[str, dict]] = ()) -> str:

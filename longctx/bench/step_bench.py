@@ -260,7 +260,7 @@ def run(args) -> dict:
             "sys_fraction": statistics.median(s["sys_s"] / max(s["cpu_s"], 1e-9) for s in samples[T]),
             "minor_faults": int(statistics.median(s["minflt"] for s in samples[T])),
             "xla_mem": mem, "compile_s": extras["compile_s"], "build_s": extras["build_s"],
-            "attention": cfg.model.attention.name, "block": cfg.model.block,
+            "attention": config_lib.attention_label(cfg.model), "block": cfg.model.block,
             "model_flops_per_token": per_token, "model_flops_counter": "3 x forward matmul FLOPs (jaxpr count)"
             + (f", counted as {fwd['counted_as']}" if fwd.get("counted_as") else ""),
             "forward_flops_while_loops": fwd["while_loops"], "forward_flops_opaque": fwd["opaque"],
