@@ -173,7 +173,9 @@ class HFTokenizer:
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
 
     def encode(self, data: bytes | str) -> np.ndarray:
-        text = data.decode("utf-8") if isinstance(data, bytes) else str(data)
+        # a Hugging Face tokenizer reads text: bytes that are not UTF-8 (a Latin-1 source file in the built-in
+        # corpus) become U+FFFD, as Python's own replacement decoding makes them
+        text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else str(data)
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if isinstance(data, TextWithEos) and self.eos_id is not None:
             ids.append(self.eos_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from longctx import attention
@@ -90,26 +91,50 @@ def split_key(key, n: int):
     return list(jax.random.split(key, n))
 
 
+def kv_heads(cfg) -> int:
+    """The k/v heads of a ``model`` section: ``model.num_kv_heads``, 0 (and configs saved before the key) =
+    ``model.num_heads``."""
+    return int(cfg.get("num_kv_heads", 0) or cfg.num_heads)
+
+
 class TransformerBlock(nnx.Module):
     """Pre-LN block: x + Drop(Attn(LN(x))); x + Drop(MLP(LN(x))). Multi-head attention
-    whose mixer is the configured attention core."""
+    whose mixer is the configured attention core.
+
+    Options of the ``model`` section it reads (each default builds the block as before the option existed):
+
+    * ``num_kv_heads`` (grouped-query attention): the k and v projections produce ``num_kv_heads`` heads (one
+      projection ``qkv`` of width ``(num_heads + 2 * num_kv_heads) * head_dim``: q's heads, then k's, then v's), and
+      each k/v head is repeated to the ``num_heads // num_kv_heads`` query heads of its group (Hugging Face's
+      ``repeat_kv``) before the attention core, so every method takes them unchanged (its decoding state holds the
+      repeated heads);
+    * ``qkv_bias``, ``out_bias``: biases on the q/k/v projection and on the output projection;
+    * ``mlp``, ``mlp_bias``: the feed-forward sublayer (:class:`longctx.models.layers.MLP`);
+    * ``rope_theta``: the rotary base; ``norm_eps``: the norms' epsilon.
+    """
 
     def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
         d, H, Dh = cfg.d_model, cfg.num_heads, cfg.head_dim
-        self.num_heads, self.head_dim = H, Dh
+        Hkv = kv_heads(cfg)
+        self.num_heads, self.head_dim, self.num_kv_heads = H, Dh, Hkv
         # rotary per layer: a layer whose method takes no rotary (a pattern's other layers do) runs unrotated
         self.rotary = cfg.positions == "rotary" and takes_rotary(cfg.attention.name)
+        self.rope_theta = float(cfg.get("rope_theta", 10_000.0))
         self.dropout_rate = cfg.dropout
         pol = precision.policy(cfg)
-        self.norm1 = make_norm(cfg.norm, d, rngs, pol)
-        self.norm2 = make_norm(cfg.norm, d, rngs, pol)
-        self.qkv = linear(d, 3 * H * Dh, ("embed", "qkv"), use_bias=False, rngs=rngs, **pol.layer_kw)
-        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=False, rngs=rngs, **pol.layer_kw)
+        eps = float(cfg.get("norm_eps", 1e-6))
+        self.norm1 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
+        self.norm2 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
+        self.qkv = linear(d, (H + 2 * Hkv) * Dh, ("embed", "qkv"), use_bias=bool(cfg.get("qkv_bias", False)),
+                          rngs=rngs, **pol.layer_kw)
+        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=bool(cfg.get("out_bias", False)), rngs=rngs,
+                          **pol.layer_kw)
         name = cfg.attention.name
         self.core = attention.build(
             name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
         )
-        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol)
+        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.get("mlp", "gelu")),
+                       use_bias=bool(cfg.get("mlp_bias", True)))
 
     def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
         B, T, _ = x.shape
@@ -123,13 +148,24 @@ class TransformerBlock(nnx.Module):
         return x, state
 
     def project(self, x, positions):
-        """The q, k, v [B, H, T, Dh] this block hands its attention core."""
+        """The q, k, v [B, H, T, Dh] this block hands its attention core (k and v repeated to the H query heads
+        under grouped-query attention)."""
         B, T, _ = x.shape
+        H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.norm1(x)
-        qkv = self.qkv(h).reshape(B, T, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        if Hkv == H:
+            qkv = self.qkv(h).reshape(B, T, 3, H, Dh).transpose(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        else:
+            qkv = self.qkv(h)
+            heads = lambda a, n: a.reshape(B, T, n, Dh).transpose(0, 2, 1, 3)  # noqa: E731
+            q = heads(qkv[..., : H * Dh], H)
+            k = heads(qkv[..., H * Dh : (H + Hkv) * Dh], Hkv)
+            v = heads(qkv[..., (H + Hkv) * Dh :], Hkv)
         if self.rotary:
-            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
+            q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
+        if Hkv != H:
+            k, v = jnp.repeat(k, H // Hkv, axis=1), jnp.repeat(v, H // Hkv, axis=1)
         return q, k, v
 
     def init_state(self, batch_size: int, max_len: int | None):

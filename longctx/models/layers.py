@@ -30,27 +30,51 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype)
 
 
-def make_norm(kind: str, dim: int, rngs: nnx.Rngs, policy=None):
+def make_norm(kind: str, dim: int, rngs: nnx.Rngs, policy=None, *, eps: float = 1e-6):
     """A norm over the last axis; ``policy`` (:mod:`longctx.models.precision`): parameters in its ``param`` dtype,
-    output in its compute dtype, statistics in float32 either way."""
+    output in its compute dtype, statistics in float32 either way. ``eps`` (``model.norm_eps``): added to the
+    variance (LayerNorm) or the mean square (RMSNorm)."""
     kw = {} if policy is None else policy.layer_kw
     if kind == "layernorm":
-        return LayerNorm(dim, scale_init=logical(nnx.initializers.ones, "norm"),
+        return LayerNorm(dim, epsilon=eps, scale_init=logical(nnx.initializers.ones, "norm"),
                          bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs, **kw)
     if kind == "rmsnorm":
-        return RMSNorm(dim, **({} if policy is None else {"param_dtype": policy.param}))
+        return RMSNorm(dim, eps=eps, **({} if policy is None else {"param_dtype": policy.param}))
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
 
 
+MLP_KINDS = ("gelu", "swiglu", "geglu")  # model.mlp
+
+
 class MLP(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs, policy=None):
+    """The feed-forward sublayer, ``kind`` = ``model.mlp``:
+
+    * ``'gelu'``: down(GELU(up(x))), GELU in its tanh form (GPT-2's ``gelu_new``);
+    * ``'swiglu'``: down(SiLU(gate(x)) * up(x)) (Llama, Mistral, Qwen2);
+    * ``'geglu'``: down(GELU(gate(x)) * up(x)), GELU in its tanh form (Gemma).
+
+    ``use_bias`` (``model.mlp_bias``): biases on every projection. The gated kinds have a third projection
+    ``gate``; the parameter tree of ``'gelu'`` is ``up``, ``down`` only."""
+
+    def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs, policy=None, kind: str = "gelu",
+                 use_bias: bool = True):
+        if kind not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {kind!r}; allowed: {', '.join(MLP_KINDS)}")
         kw = {} if policy is None else policy.layer_kw
-        self.up = linear(dim, hidden, ("embed", "mlp"), rngs=rngs, **kw)
-        self.down = linear(hidden, dim, ("mlp", "embed"), rngs=rngs, **kw)
+        self.kind = kind
+        if kind != "gelu":
+            self.gate = linear(dim, hidden, ("embed", "mlp"), use_bias=use_bias, rngs=rngs, **kw)
+        self.up = linear(dim, hidden, ("embed", "mlp"), use_bias=use_bias, rngs=rngs, **kw)
+        self.down = linear(hidden, dim, ("mlp", "embed"), use_bias=use_bias, rngs=rngs, **kw)
         self.dropout = dropout
 
     def __call__(self, x, *, deterministic: bool, key=None):
-        h = jax.nn.gelu(self.up(x))
+        if self.kind == "gelu":
+            h = jax.nn.gelu(self.up(x))
+        elif self.kind == "swiglu":
+            h = jax.nn.silu(self.gate(x)) * self.up(x)
+        else:
+            h = jax.nn.gelu(self.gate(x)) * self.up(x)
         h = dropout(h, self.dropout, deterministic, key)
         return self.down(h)
 
@@ -94,7 +118,9 @@ def sinusoidal_table(positions, dim: int, base: float = 10_000.0):
 
 
 def apply_rotary(x, positions, base: float = 10_000.0):
-    """Rotary position embedding on [B, H, T, D] with absolute positions [T] (half-split form)."""
+    """Rotary position embedding on [B, H, T, D] with absolute positions [T] (half-split form: the first half of
+    each head's dimensions pairs with the second half, which is Hugging Face's ``rotate_half`` layout, frequencies
+    ``base**(-2k/D)``; ``base`` = ``model.rope_theta``)."""
     D = x.shape[-1]
     half = D // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / D)

@@ -118,15 +118,16 @@ def test_no_valid_checkpoint_is_one_clear_error(trained, tmp_path):
         truncate_data_files(wd / "checkpoints" / str(step))
     with pytest.raises(CheckpointError, match=r"no valid checkpoint .*step 8: .*step 4: "):
         Runner.from_workdir(wd)
-    r = subprocess.run([*_cmd("longctx.evaluate"), f"--workdir={wd}"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*_cmd("eval_main"), f"--workdir={wd}"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "no valid checkpoint" in one_error_line(r.stderr)
 
 
-def _cmd(module):
+def _cmd(entry):
+    """A console script of longctx.cli (``eval_main``, ...) as its installed entry point runs it."""
     import sys
 
-    return [sys.executable, "-m", module]
+    return [sys.executable, "-c", f"import sys; from longctx.cli import {entry}; sys.exit({entry}())"]
 
 
 def test_checksum_mismatch_and_nonfinite_values_are_rejected(trained, tmp_path, capsys):

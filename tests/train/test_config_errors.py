@@ -90,7 +90,8 @@ def test_missing_checkpoint(tmp_path):
 
 def test_cli_prints_one_line(tmp_path):
     cmds = [
-        [sys.executable, "-m", "longctx.evaluate", "--workdir", str(tmp_path / "none")],
+        [sys.executable, "-c", "import sys; from longctx.cli import eval_main; sys.exit(eval_main())", "--workdir",
+         str(tmp_path / "none")],
         [sys.executable, "-c", "from longctx.cli import train_main; train_main()", "--config=configs/default.py",
          "--config.train.window=100", f"--workdir={tmp_path / 'w'}"],
     ]

@@ -1,0 +1,310 @@
+"""Hugging Face folder <-> longctx run.
+
+``import_hf``: a local Hugging Face folder of a supported family (``config.json``, ``*.safetensors``, possibly
+sharded with ``model.safetensors.index.json``, and ``tokenizer.json``) -> a longctx run folder: one checkpoint at
+step 0 written by :mod:`longctx.train.checkpoint` (params, non-gradient state and a fresh optimizer state, so
+``longctx-train`` resumes it), ``config.json`` (the resolved config, as ``longctx-train`` writes it), ``config.py``
+(the same config as a config file, for ``longctx-train --config=WORKDIR/config.py --workdir=WORKDIR``),
+``tokenizer.json`` (copied; ``data.tokenizer='hf'`` points at it) and ``hf_config.json`` (the source's config).
+
+``export_hf``: a run's newest valid checkpoint (or ``step``) -> ``config.json`` + ``model.safetensors`` (float32,
+or the run's parameter dtype) that ``transformers`` loads, plus the run's ``tokenizer.json`` when it has one.
+
+Tensors are read one at a time from the files' memory maps and written one at a time, so a model is held in host
+memory once (as the run's parameters), never twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longctx.convert import families
+from longctx.convert.errors import ConvertError
+from longctx.convert.safetensors import Folder, write
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    if not hf_dir.exists():
+        raise ConvertError(f"--hf_dir {hf_dir} does not exist; point it at a local Hugging Face model folder "
+                           "(config.json, *.safetensors, tokenizer.json)")
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf_dir {hf_dir} is not a folder; point it at a local Hugging Face model folder")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{hf_dir} has no config.json; is it a Hugging Face model folder?")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path} is not readable JSON ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{path} is not a JSON object")
+    return hf
+
+
+def exact_method() -> str:
+    """The attention method that computes exact softmax attention (the capability ``exact``): what
+    ``transformers`` computes, so the one an import builds and an export requires."""
+    from longctx import attention
+
+    return next(n for n in attention.names() if attention.get_class(n).exact)
+
+
+def hf_model_config(hf: dict, base=None, log=None):
+    """The longctx config of a ``config.json``: ``base`` (default: the base config) with the model keys the
+    family sets, exact attention in every layer."""
+    from longctx import config as config_lib
+
+    fam = families.family_of(hf.get("model_type"))
+    cfg = config_lib.base_config() if base is None else base
+    for k, v in fam.model_keys(hf).items():
+        cfg.model[k] = v
+    cfg.model.output = config_lib.base_config().model.output  # the full softmax over the vocabulary
+    cfg.model.attention.name = exact_method()
+    cfg.model.attention.pattern = ()
+    if cfg.model.positions == "learned" and cfg.train.seq_len > cfg.model.max_len:
+        (log or (lambda *_: None))(f"note: train.seq_len {cfg.train.seq_len} -> {cfg.model.max_len}, the model's "
+                                   "learned positions")
+        cfg.train.seq_len = cfg.model.max_len
+    return fam, cfg
+
+
+def check_tensors(fam, m, folder: Folder) -> list:
+    """The family's entries for the model ``m``, every Hugging Face tensor present with its shape; raises one
+    line naming the first missing or mis-shaped tensor, or a tensor the model has no place for."""
+    folder.rename(fam.rename(folder.names()))
+    entries = fam.entries(m)
+    used = set()
+    for e in entries:
+        for name, shape in zip(e.names, e.shapes):
+            if name not in folder:
+                raise ConvertError(f"tensor {name} is missing from the safetensors files; the config.json "
+                                   f"({m.num_layers} layers, tie_word_embeddings={m.tie_embeddings}) needs it")
+            got = tuple(folder.shape(name))
+            if got != tuple(shape):
+                raise ConvertError(f"tensor {name} has shape {list(got)}; the config.json implies {list(shape)}")
+            used.add(name)
+    extra = [n for n in folder.names() if n not in used and not n.endswith(fam.ignored_suffixes)
+             and not (m.tie_embeddings and n == "lm_head.weight")]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConvertError(f"tensor {extra[0]}{more} has no place in a {fam.name} model of this config.json; the "
+                           "folder holds another architecture")
+    return entries
+
+
+def abstract_model(cfg):
+    """(graphdef, abstract params, abstract non-gradient state, rest) of the unrolled model of ``cfg``."""
+    from flax import nnx
+
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    m = cfg.model.copy_and_resolve_references()
+    m.scan_layers = False
+    model = nnx.eval_shape(lambda: build_model(m, seed=cfg.train.seed, execution=cfg.get("execution")))
+    return split_model(model)
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _paths(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _paths(v, (*prefix, k))
+    else:
+        yield prefix
+
+
+def load_params(fam, cfg, folder: Folder):
+    """The model's parameters (an ``nnx.State``, unrolled layout) filled from ``folder``, tensor by tensor; and
+    the split model (graphdef, params, nongrad, rest)."""
+    from flax import nnx
+
+    entries = check_tensors(fam, cfg.model, folder)
+    graphdef, params, nongrad, rest = abstract_model(cfg)
+    pure = nnx.to_pure_dict(params)
+    filled = set()
+    for e in entries:
+        want = _get(pure, e.path)
+        x = e.join([folder.get(n) for n in e.names], np.dtype(want.dtype))
+        if x.shape != tuple(want.shape):  # the family's table and the model disagree: a bug, not an input error
+            raise AssertionError(f"{'/'.join(map(str, e.path))}: built {x.shape}, the model has {want.shape}")
+        _set(pure, e.path, jnp.asarray(x))
+        filled.add(e.path)
+    left = [p for p in _paths(pure) if p not in filled]
+    if left:
+        raise ConvertError(f"the longctx model has parameter {'/'.join(map(str, left[0]))}, which no {fam.name} "
+                           "tensor fills")
+    nnx.replace_by_pure_dict(params, pure)
+    return graphdef, params, nongrad, rest
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a Python literal: a raw triple-quoted block where it can be, else its repr."""
+    return repr(text) if "'''" in text or text.endswith("\\") else f"r'''{text}'''"
+
+
+def _config_py(cfg) -> str:
+    return ('"""The config of a run imported by longctx-convert: longctx-train --config=THIS_FILE --workdir=RUN '
+            'resumes it."""\n\nimport json\n\nfrom longctx import config as config_lib\n\n'
+            f"CONFIG = json.loads({_quoted(cfg.to_json(indent=1))})\n\n\n"
+            "def get_config(arg=None):\n    return config_lib.merge_over_base(CONFIG)\n")
+
+
+def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_state: bool = True,
+              rope_theta: float | None = None, log=print) -> dict:
+    """Convert the Hugging Face folder ``hf_dir`` into the run folder ``workdir`` (see the module's docstring).
+    ``config``: a longctx config (a ConfigDict, or a config file ``FILE[:VARIANT]``; default: the base config)
+    whose sections other than the architecture the run takes (data, train, eval, execution; the model's
+    ``dtype``, ``param_dtype``, ``scan_layers``, ``remat``, ``loss_chunk``). ``dry_run``: check the folder (its
+    config, every tensor's name and shape) and write nothing. ``optimizer_state=False`` writes no optimizer state
+    (enough for longctx-eval and longctx-sample; longctx-train then cannot resume the run). ``rope_theta``: the
+    run's rotary base instead of config.json's (context extension by a larger base before continued pretraining;
+    the logits then differ from the source's). Returns a summary."""
+    from longctx import config as config_lib
+    from longctx import config_files
+
+    hf_dir, workdir = Path(hf_dir), Path(workdir)
+    hf = read_hf_config(hf_dir)
+    base = config_files.load(config) if isinstance(config, str) else copy.deepcopy(config)
+    fam, cfg = hf_model_config(hf, base, log)
+    if rope_theta is not None:
+        if cfg.model.positions != "rotary":
+            raise ConvertError(f"--rope_theta: a {hf['model_type']} model has {cfg.model.positions} positions, no "
+                               "rotary base")
+        if not (np.isfinite(rope_theta) and rope_theta > 0):
+            raise ConvertError(f"--rope_theta={rope_theta} must be a finite number > 0")
+        log(f"note: rotary base {cfg.model.rope_theta:g} -> {rope_theta:g} (--rope_theta): the logits differ from "
+            "the source's until the model is trained with it")
+        cfg.model.rope_theta = float(rope_theta)
+    tokenizer = hf_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        log(f"note: no tokenizer.json in {hf_dir}: the run keeps data.tokenizer={cfg.data.tokenizer!r}, whose ids "
+            "must be the model's")
+    else:
+        cfg.data.tokenizer = "hf"
+        cfg.data.options.tokenizer_file = str((hf_dir if dry_run else workdir).resolve() / "tokenizer.json")
+    folder = Folder(hf_dir)
+    check_tensors(fam, cfg.model, folder)
+    for note in fam.notes(hf):
+        log(note)
+    n_params = sum(int(np.prod(folder.shape(n))) for n in folder.names())
+    summary = {"family": fam.name, "model_type": hf["model_type"], "tensors": len(folder.names()),
+               "parameters": n_params, "tokenizer": tokenizer.is_file()}
+    if dry_run:
+        cfg = config_lib.validate(cfg)
+        log(f"{hf_dir}: a {hf['model_type']} model of {n_params:,} parameters, {len(folder.names())} tensors, all "
+            f"present with the shapes config.json implies; tokenizer.json: {'yes' if tokenizer.is_file() else 'no'}")
+        return summary
+    if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+        raise ConvertError(f"--workdir {workdir} already holds checkpoints; import into a new folder")
+    given = copy.deepcopy(cfg)  # config.py keeps the keys unresolved (train.window=0 follows a new seq_len)
+    cfg = config_lib.validate(cfg)  # before anything is written
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"cannot create --workdir {workdir} ({e.strerror or e}); choose a writable folder") from None
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, workdir / "tokenizer.json")
+    graphdef, params, nongrad, rest = load_params(fam, cfg, folder)
+    tree = {"params": params, "nongrad": nongrad}
+    if optimizer_state:
+        from longctx.train.optim import make_optimizer
+        from longctx.train.step import with_loss_scale
+
+        tree["opt_state"] = with_loss_scale(make_optimizer(cfg.train), cfg).init(params)
+    if cfg.model.get("scan_layers", False):
+        from longctx.models.backbone import relayout
+
+        tree = {k: relayout(v, scanned=True) for k, v in tree.items()}
+    save_checkpoint(workdir, tree, cfg)
+    (workdir / "config.json").write_text(cfg.to_json(indent=1))
+    (workdir / "config.py").write_text(_config_py(given))
+    (workdir / "hf_config.json").write_text(json.dumps(hf, indent=1))
+    log(f"imported {hf_dir} ({hf['model_type']}, {n_params:,} parameters) into {workdir}: checkpoint at step 0"
+        + ("" if optimizer_state else " without optimizer state"))
+    return summary
+
+
+def save_checkpoint(workdir: Path, tree: dict, cfg) -> None:
+    from longctx.train import checkpoint
+
+    mngr = checkpoint.manager(workdir, keep=cfg.train.keep_checkpoints, async_save=False)
+    try:
+        checkpoint.save(mngr, 0, tree, config=cfg, extra={"data_dir": ""})
+        checkpoint.wait(mngr)
+    finally:
+        mngr.close()
+
+
+def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
+    """Write the run ``workdir``'s model (newest valid checkpoint, or ``step``) as a Hugging Face folder
+    ``hf_dir`` (a new or empty folder)."""
+    from flax import nnx
+
+    from longctx.runtime import Runner
+
+    hf_dir = Path(hf_dir)
+    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
+        raise ConvertError(f"--hf_dir {hf_dir} exists and is not an empty folder; export into a new folder")
+    runner = Runner.from_workdir(workdir, step=step)
+    m = runner.cfg.model
+    fam = families.family_of_model(m)
+    methods = _layer_methods(m)
+    exact = exact_method()
+    if any(x != exact for x in methods):
+        raise ConvertError(f"the run's layers run {sorted(set(methods))}; transformers computes exact softmax "
+                           f"attention, so only a model whose every layer runs {exact!r} exports")
+    params = runner.params[0]
+    if m.get("scan_layers", False):
+        from longctx.models.backbone import relayout
+
+        params = relayout(params, scanned=False)
+    pure = nnx.to_pure_dict(params)
+    source = Path(workdir) / "hf_config.json"
+    max_positions = int(runner.cfg.train.seq_len)
+    if source.is_file():
+        try:
+            max_positions = max(max_positions, int(json.loads(source.read_text()).get("max_position_embeddings", 0)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    hf = fam.hf_config(m, max_positions=max_positions)
+    items = []
+    for e in fam.entries(m):
+        x = _get(pure, e.path)
+        dtype = np.dtype(x.dtype)
+        for j, (name, shape) in enumerate(zip(e.names, e.shapes)):
+            # each tensor is produced when written; the parameter stays where it is until then
+            items.append((name, shape, dtype, lambda e=e, x=x, j=j: e.split(np.asarray(jax.device_get(x)))[j]))
+    hf["torch_dtype"] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[str(items[0][2])]
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    write(hf_dir / "model.safetensors", items, metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    tok = runner.cfg.data.options.get("tokenizer_file", "") if runner.cfg.data.tokenizer == "hf" else ""
+    if tok and Path(tok).is_file():
+        shutil.copyfile(tok, hf_dir / "tokenizer.json")
+    log(f"exported {workdir} (step {runner.step}) to {hf_dir} as a {hf['model_type']} model")
+    return {"step": runner.step, "model_type": hf["model_type"], "tensors": len(items)}
+
+
+def _layer_methods(m) -> tuple:
+    from longctx.models.blocks import layer_methods
+
+    return layer_methods(m)
