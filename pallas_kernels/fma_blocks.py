@@ -24,16 +24,19 @@ Kernels, each on grid ``(BH, nb)`` with both axes parallel (every program writes
   ``j`` itself (causal mask), ``j + 1`` (whose "previous" block ``j`` is) and, bidirectional, ``j - 1`` (whose
   "next" block ``j`` is); ``dv = Σ Pᵀ dO``, ``dk = Σ dSᵀ q``.
 
-Dtypes: operands fp32 or bf16 (one dtype; the entry casts mixed operands to their common type); every dot takes
-its operands as they are (``P``, ``dS`` and ``dO`` cast down to the operand dtype) with fp32 accumulation
-(``preferred_element_type``); scores, softmax statistics and accumulators fp32; ``o`` fp32. Masks use the finite
+Dtypes (DESIGN.md §7): q, k, v, the coarse slots and ``dO`` in the compute dtype (fp32 or bf16, one dtype; the
+entry casts mixed operands to their common type); every dot takes its operands as they are (``P``, ``dS`` and
+``dO`` cast down to the compute dtype) with fp32 accumulation (``preferred_element_type``); scores, softmax
+statistics (``lse``, ``Δ``, the static bias) and accumulators fp32; the activations and gradients written
+(``o``, ``dq``, ``dk``, ``dv``, ``dkc``, ``dvc``) in the compute dtype, each rounded once from its fp32 accumulator. Masks use the finite
 NEG (never -inf). No attention dropout (refused). The static bias gets a zero gradient (the caller's is a
 constant table).
 
 Support (:func:`unsupported_reasons`): GPU ``m`` in :data:`GPU_M` (Triton dots need >= 16 rows; a 256 x 256 fp32
 probability tile, 256 KiB, is more than an H100 SM's 228 KiB of shared memory, through which Triton may stage a
 dot's operand: an estimate, not a GPU measurement), ``d``, ``dv`` powers of two in [16, 256], the coarse slots
-padded to a power of two >= 16, 4 warps up to ``m = 64`` and 8 at 128; TPU ``m`` in :data:`SUPPORTED_M`, ``d``,
+padded to a power of two >= 16, by default 4 warps up to ``m = 64`` and 8 at 128 and 2 pipeline stages (the
+callers' ``num_warps`` / ``num_stages`` override them: :func:`gpu_tiles`); TPU ``m`` in :data:`SUPPORTED_M`, ``d``,
 ``dv`` multiples of 128 (or 64), the coarse slots padded to a multiple of 8. The backward kernels use the
 forward's tiles (one ``[m, m]`` or ``[m, C_pad]`` score tile at a time), so they take every shape the forward takes.
 """
@@ -186,11 +189,11 @@ def _dq_kernel(*refs, m: int, nb: int, causal: bool, n_valid: int, has_coarse: b
         s, valid = _coarse_scores(q, kc, cb_ref[...])
         p, ds = probs_and_ds(s, valid, vc_ref[...])
         dq = dq + _nn(ds.astype(kc.dtype), kc)
-        dkc_ref[...] = _tn(ds.astype(q.dtype), q)
-        dvc_ref[...] = _tn(p.astype(do.dtype), do)
+        dkc_ref[...] = _tn(ds.astype(q.dtype), q).astype(dkc_ref.dtype)
+        dvc_ref[...] = _tn(p.astype(do.dtype), do).astype(dvc_ref.dtype)
     else:
         (dq_ref,) = outs
-    dq_ref[...] = dq
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- dk / dv kernel
@@ -219,12 +222,18 @@ def _dkv_kernel(*refs, m: int, nb: int, causal: bool, n_valid: int):
         dv = dv + _tn(p.astype(do.dtype), do)
         ds = p * (_nt(do, v) - dl_ref[...])
         dk = dk + _tn(ds.astype(q.dtype), q)
-    dk_ref[...] = dk
-    dv_ref[...] = dv
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- pallas_call wrappers
-def _compiler_params(platform, m: int):
+def gpu_tiles(m: int, num_warps: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the GPU lowering: as given, else the rule (4 warps up to ``m = 64`` rows, 8
+    at 128; 2 stages)."""
+    return (num_warps or (4 if m <= 64 else 8), num_stages or 2)
+
+
+def _compiler_params(platform, m: int, tiles=(None, None)):
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -232,16 +241,19 @@ def _compiler_params(platform, m: int):
     if platform in ("gpu", "cuda"):
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=4 if m <= 64 else 8, num_stages=2)
+        warps, stages = gpu_tiles(m, *tiles)
+        return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     return None
 
 
-def _call(kernel, nb, BH, specs, out_specs, outs, interpret, platform, m):
+def _call(kernel, nb, BH, specs, out_specs, outs, interpret, platform, m, tiles=(None, None)):
     return pl.pallas_call(kernel, grid=(BH, nb), in_specs=specs, out_specs=out_specs, out_shape=outs,
-                          interpret=interpret, compiler_params=None if interpret else _compiler_params(platform, m))
+                          interpret=interpret,
+                          compiler_params=None if interpret else _compiler_params(platform, m, tiles))
 
 
-def _qside(kernel, q, k, v, kc, vc, cbias, extra, outs, out_specs, *, m, causal, n_valid, interpret, platform):
+def _qside(kernel, q, k, v, kc, vc, cbias, extra, outs, out_specs, *, m, causal, n_valid, interpret, platform,
+           tiles=(None, None)):
     """Run a kernel on the forward's grid: the query block, its fine key blocks, its coarse slots and ``extra``
     per-query-row inputs ``[BH, n_pad, *]``."""
     BH, n_pad, d = q.shape
@@ -266,7 +278,7 @@ def _qside(kernel, q, k, v, kc, vc, cbias, extra, outs, out_specs, *, m, causal,
         specs.append(pl.BlockSpec((None, m, arr.shape[-1]), cur))
         args.append(arr)
     body = functools.partial(kernel, m=m, nb=nb, causal=causal, n_valid=n_valid, has_coarse=has_coarse)
-    return _call(body, nb, BH, specs, out_specs, outs, interpret, platform, m)(*args)
+    return _call(body, nb, BH, specs, out_specs, outs, interpret, platform, m, tiles)(*args)
 
 
 def _check(q, v, m, interpret, platform):
@@ -281,41 +293,45 @@ def _check(q, v, m, interpret, platform):
 
 
 def fma_blocks_forward(q, k, v, kc, vc, cbias, *, m: int, causal: bool, n_valid: int, interpret: bool = False,
-                       platform: str | None = None):
+                       platform: str | None = None, num_warps: int | None = None, num_stages: int | None = None):
     """q, k [BH, n_pad, d] (q pre-scaled), v [BH, n_pad, dv]; kc [BH, nb, C_pad, d], vc [BH, nb, C_pad, dv],
-    cbias [nb, 1, C_pad] (or kc = None: fine level only). Returns ``(o [BH, n_pad, dv], lse [BH, n_pad, 1])``, f32.
-    ``platform`` ('tpu' | 'cuda'; None: the default backend) picks the lowering's compiler parameters;
-    shapes the kernel does not support there raise ValueError naming the reasons."""
+    cbias [nb, 1, C_pad] (or kc = None: fine level only). Returns ``(o [BH, n_pad, dv], lse [BH, n_pad, 1])``: ``o``
+    in the operands' (compute) dtype, ``lse`` f32.
+    ``platform`` ('tpu' | 'cuda'; None: the default backend) picks the lowering's compiler parameters
+    (``num_warps``, ``num_stages``: the GPU lowering's, None: :func:`gpu_tiles`' rule); shapes the kernel does not
+    support there raise ValueError naming the reasons."""
     platform = _check(q, v, m, interpret, platform)
     BH, n_pad, _ = q.shape
     dv = v.shape[-1]
     cur = lambda bh, b: (bh, b, 0)  # noqa: E731
-    outs = [jax.ShapeDtypeStruct((BH, n_pad, dv), f32), jax.ShapeDtypeStruct((BH, n_pad, 1), f32)]
+    outs = [jax.ShapeDtypeStruct((BH, n_pad, dv), v.dtype), jax.ShapeDtypeStruct((BH, n_pad, 1), f32)]
     out_specs = [pl.BlockSpec((None, m, dv), cur), pl.BlockSpec((None, m, 1), cur)]
     o, lse = _qside(_fwd_kernel, q, k, v, kc, vc, cbias, [], outs, out_specs, m=m, causal=causal,
-                    n_valid=n_valid, interpret=interpret, platform=platform)
+                    n_valid=n_valid, interpret=interpret, platform=platform, tiles=(num_warps, num_stages))
     return o, lse
 
 
 def fma_blocks_backward(q, k, v, kc, vc, cbias, o, lse, do, *, m: int, causal: bool, n_valid: int,
-                        interpret: bool = False, platform: str | None = None):
-    """Gradients ``(dq, dk, dv, dkc, dvc)`` (f32; ``dkc = dvc = None`` without coarse slots) of the forward's
+                        interpret: bool = False, platform: str | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None):
+    """Gradients ``(dq, dk, dv, dkc, dvc)`` (the operands' dtype; ``dkc = dvc = None`` without coarse slots) of the forward's
     ``o`` for the cotangent ``do [BH, n_pad, dv]``, from its residuals ``o, lse``."""
     platform = _check(q, v, m, interpret, platform)
     BH, n_pad, d = q.shape
     dvd = v.shape[-1]
     nb = n_pad // m
     do = do.astype(f32)
-    delta = jnp.sum(do * o, axis=-1, keepdims=True)
+    delta = jnp.sum(do * o.astype(f32), axis=-1, keepdims=True)  # a statistic: fp32
     do = do.astype(v.dtype)
-    kw = dict(m=m, causal=causal, n_valid=n_valid, interpret=interpret, platform=platform)
+    tiles = (num_warps, num_stages)
+    kw = dict(m=m, causal=causal, n_valid=n_valid, interpret=interpret, platform=platform, tiles=tiles)
     cur = lambda bh, b: (bh, b, 0)  # noqa: E731
-    outs = [jax.ShapeDtypeStruct((BH, n_pad, d), f32)]
+    outs = [jax.ShapeDtypeStruct((BH, n_pad, d), q.dtype)]
     out_specs = [pl.BlockSpec((None, m, d), cur)]
     if kc is not None:
         C = kc.shape[2]
         slot = lambda bh, b: (bh, b, 0, 0)  # noqa: E731
-        outs += [jax.ShapeDtypeStruct((BH, nb, C, d), f32), jax.ShapeDtypeStruct((BH, nb, C, dvd), f32)]
+        outs += [jax.ShapeDtypeStruct((BH, nb, C, d), kc.dtype), jax.ShapeDtypeStruct((BH, nb, C, dvd), vc.dtype)]
         out_specs += [pl.BlockSpec((None, None, C, d), slot), pl.BlockSpec((None, None, C, dvd), slot)]
     res = _qside(_dq_kernel, q, k, v, kc, vc, cbias, [do, lse, delta], outs, out_specs, **kw)
     dq, dkc, dvc = (res[0], res[1], res[2]) if kc is not None else (res[0], None, None)
@@ -327,10 +343,10 @@ def fma_blocks_backward(q, k, v, kc, vc, cbias, o, lse, do, *, m: int, causal: b
         specs += [pl.BlockSpec((None, m, d), imap), pl.BlockSpec((None, m, dvd), imap),
                   pl.BlockSpec((None, m, 1), imap), pl.BlockSpec((None, m, 1), imap)]
         args += [q, do, lse, delta]
-    outs = [jax.ShapeDtypeStruct((BH, n_pad, d), f32), jax.ShapeDtypeStruct((BH, n_pad, dvd), f32)]
+    outs = [jax.ShapeDtypeStruct((BH, n_pad, d), k.dtype), jax.ShapeDtypeStruct((BH, n_pad, dvd), v.dtype)]
     out_specs = [pl.BlockSpec((None, m, d), cur), pl.BlockSpec((None, m, dvd), cur)]
     body = functools.partial(_dkv_kernel, m=m, nb=nb, causal=causal, n_valid=n_valid)
-    dk, dv = _call(body, nb, BH, specs, out_specs, outs, interpret, platform, m)(*args)
+    dk, dv = _call(body, nb, BH, specs, out_specs, outs, interpret, platform, m, tiles)(*args)
     return dq, dk, dv, dkc, dvc
 
 
@@ -352,22 +368,23 @@ def _ref_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, logit_budget):
     return out.reshape(BH, n_pad, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform, tiles):
     return fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret,
-                              platform=platform)[0]
+                              platform=platform, num_warps=tiles[0], num_stages=tiles[1])[0]
 
 
-def _blocks_fwd(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform):
+def _blocks_fwd(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform, tiles):
     o, lse = fma_blocks_forward(q, k, v, kc, vc, cbias, m=m, causal=causal, n_valid=n_valid, interpret=interpret,
-                                platform=platform)
+                                platform=platform, num_warps=tiles[0], num_stages=tiles[1])
     return o, (q, k, v, kc, vc, cbias, o, lse)
 
 
-def _blocks_bwd(m, causal, n_valid, interpret, platform, res, g):
+def _blocks_bwd(m, causal, n_valid, interpret, platform, tiles, res, g):
     q, k, v, kc, vc, cbias, o, lse = res
     dq, dk, dv, dkc, dvc = fma_blocks_backward(q, k, v, kc, vc, cbias, o, lse, g, m=m, causal=causal,
-                                               n_valid=n_valid, interpret=interpret, platform=platform)
+                                               n_valid=n_valid, interpret=interpret, platform=platform,
+                                               num_warps=tiles[0], num_stages=tiles[1])
     cast = lambda x, ref: None if ref is None else x.astype(ref.dtype)  # noqa: E731
     return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dkc, kc), cast(dvc, vc),
             None if cbias is None else jnp.zeros_like(cbias))
@@ -376,23 +393,27 @@ def _blocks_bwd(m, causal, n_valid, interpret, platform, res, g):
 _blocks.defvjp(_blocks_fwd, _blocks_bwd)
 
 
-def fma_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget=None, platform=None):
-    """The kernel's output ``o [BH, n_pad, dv]`` (f32), differentiable in q, k, v, kc, vc by the backward kernels
+def fma_blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, logit_budget=None, platform=None,
+               num_warps=None, num_stages=None):
+    """The kernel's output ``o [BH, n_pad, dv]`` (the operands' common dtype), differentiable in q, k, v, kc, vc by the backward kernels
     (operands as :func:`fma_blocks_forward`; mixed dtypes are cast to their common type). ``logit_budget`` is
-    the reference's and unused here (the kernels hold one block's scores at a time)."""
+    the reference's and unused here (the kernels hold one block's scores at a time); ``num_warps``,
+    ``num_stages``: the GPU lowering's (None: :func:`gpu_tiles`' rule)."""
     del logit_budget
     ops = [x for x in (q, k, v, kc, vc) if x is not None]
     dt = jnp.result_type(*ops)
     q, k, v = (x.astype(dt) for x in (q, k, v))
     if kc is not None:
         kc, vc = kc.astype(dt), vc.astype(dt)
-    return _blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform)
+    return _blocks(q, k, v, kc, vc, cbias, m, causal, n_valid, interpret, platform, (num_warps, num_stages))
 
 
-def make_attend(*, interpret: bool, platform: str = "interpret"):
+def make_attend(*, interpret: bool, platform: str = "interpret", num_warps: int | None = None,
+                num_stages: int | None = None):
     """An ``attend_blocks``-compatible function that runs the kernel on full-pass FMA operands
     (static block offset 0, packed or no coarse slots, no dropout) and the reference otherwise
-    (streaming steps, FMA-linear statistics) -- the caller resolved that the kernel applies."""
+    (streaming steps, FMA-linear statistics) -- the caller resolved that the kernel applies. ``num_warps``,
+    ``num_stages``: the GPU lowering's (None: :func:`gpu_tiles`' rule)."""
     platform_ = None if platform == "interpret" else platform
 
     def attend(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0,
@@ -417,11 +438,12 @@ def make_attend(*, interpret: bool, platform: str = "interpret"):
             cb = jnp.pad(bias, ((0, 0), (0, Cp - C)), constant_values=NEG)[:, None, :]
             kc = jnp.take(kall, idx.reshape(-1), axis=2).reshape(BH, nb, Cp, d)
             vc = jnp.take(vall, idx.reshape(-1), axis=2).reshape(BH, nb, Cp, dv)
-        out = fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, logit_budget, platform_)
+        out = fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, logit_budget, platform_, num_warps,
+                         num_stages)
         return out.reshape(B, H, nb, m, dv)
 
     return attend
 
 
-__all__ = ["GPU_M", "SUPPORTED_M", "fma_blocks", "fma_blocks_backward", "fma_blocks_forward", "make_attend",
-           "unsupported_reasons"]
+__all__ = ["GPU_M", "SUPPORTED_M", "fma_blocks", "fma_blocks_backward", "fma_blocks_forward", "gpu_tiles",
+           "make_attend", "unsupported_reasons"]

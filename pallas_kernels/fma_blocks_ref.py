@@ -25,8 +25,12 @@ Coarse entries come in one of three forms:
   normalised output, added to the separately normalised fine part.
 
 All of a query's fine and coarse scores share one softmax with one row max (no per-level max; a
-fully masked level would give -inf). Scores, softmax statistics and accumulators are f32; masks use
-the finite ``NEG`` (never -inf: a fully masked segment would give exp(-inf - -inf) = NaN).
+fully masked level would give -inf). Precision (DESIGN.md §7): the products take their operands in the
+compute dtype (the dtype of ``qb``, ``kp``, ``vp`` and the coarse slots: bfloat16 stays bfloat16) and accumulate
+in float32 (float64 stays float64); the probabilities are cast down to the values' dtype before ``P V``, and the
+backward casts ``dS`` down before its products (:func:`pallas_kernels.precision.acc_einsum`). Scores, softmax
+statistics, accumulators and the output are at least float32; masks use the finite ``NEG`` (never -inf: a
+fully masked segment would give exp(-inf - -inf) = NaN).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.precision import acc_einsum
 
 NEG = -1e30
 
@@ -51,9 +57,11 @@ class BlockOps(NamedTuple):
     row_scale: Callable
 
 
+# operands as given (the compute dtype), accumulated and returned in float32 for narrower ones (their backward
+# casts the cotangent down first, so the gradient's products take narrow operands too); float32 / float64: plain
 PLAIN_OPS = BlockOps(
-    qk_dot=lambda q, k: jnp.einsum("...id,...jd->...ij", q, k),
-    pv_dot=lambda p, v: jnp.einsum("...ij,...jd->...id", p, v),
+    qk_dot=lambda q, k: acc_einsum("...id,...jd->...ij", q, k),
+    pv_dot=lambda p, v: acc_einsum("...ij,...jd->...id", p, v),
     row_scale=lambda x, s: x * s[..., None],
 )
 
@@ -124,7 +132,7 @@ def _blocks_of(x, G: int, w: int, m: int):
 
 def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=None, attn_dropout: float = 0.0,
                  ops: BlockOps = PLAIN_OPS):
-    """Outputs [B,H,G,m,dv] (f32) of G query blocks; see the module docstring for the operands.
+    """Outputs [B,H,G,m,dv] (at least f32) of G query blocks; see the module docstring for the operands.
 
     ``coarse`` here is already sliced to these G blocks: None, ("packed", kc [B,H,G,C,d],
     vc [B,H,G,C,dv], bias [G,C]), ("stats", M [B,H,G,m], num [B,H,G,m,dv], den [B,H,G,m]) or
@@ -170,9 +178,9 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
         p_f = jnp.where(jax.random.bernoulli(kf, keep, p_f.shape), p_f / keep, 0.0)
         if kind == "packed":
             p_c = jnp.where(jax.random.bernoulli(kc_, keep, p_c.shape), p_c / keep, 0.0)
-    num = ops.pv_dot(p_f, vwin)
+    num = ops.pv_dot(p_f.astype(vwin.dtype), vwin)  # P cast down to the values' (compute) dtype before its product
     if kind == "packed":
-        num = num + ops.pv_dot(p_c, vc)
+        num = num + ops.pv_dot(p_c.astype(vc.dtype), vc)
     elif kind == "stats":
         num = num + coarse[2] * sc[..., None]
     out = ops.row_scale(num, 1.0 / jnp.maximum(den, 1e-30))

@@ -334,3 +334,25 @@ def test_impl_names_old_and_new():
     q, k, v = qkv(45, seed=13)
     old = kit.out(randomize_params(build("fma", True, impl="xla")), q, k, v)
     np.testing.assert_allclose(old, kit.out(randomize_params(build("fma", True)), q, k, v), atol=2e-6, rtol=2e-6)
+
+
+def test_execution_knobs_resolve_for_the_platform_of_the_call(monkeypatch):
+    """logit_budget and the kernel's GPU tiles default to 0 (dispatch.PLATFORM_DEFAULT) and resolve at each call for
+    the platform the selection ran on: a GPU call never runs with the XLA:CPU budget; a written value runs as written
+    on every platform."""
+    from longctx.attention.fma import pallas
+
+    cfg = attention.default_config("fma")
+    assert cfg.logit_budget == cfg.kernel_warps_per_64_rows == cfg.kernel_stages == dispatch.PLATFORM_DEFAULT
+    core, written = build("fma", True, impl="xla"), build("fma", True, impl="xla", logit_budget=5000)
+    assert core._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cpu"]
+    assert build("fma_linear", True)._implementation(None)[1].logit_budget == 1 << 24  # xla_cpu on a CPU
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    assert core._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cuda"] != xla.LOGIT_BUDGET["cpu"]
+    assert written._implementation(None)[1].logit_budget == 5000
+    # the kernel's tiles on cuda: the rule (4 warps per 64 query rows, 2 stages), or as written
+    impl = {i.name: i for i in attention.get_class("fma").implementations()}["pallas"]
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 64) == {"num_warps": 4, "num_stages": 2}
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 8, "num_stages": 2}
+    cfg.update({"kernel_warps_per_64_rows": 2, "kernel_stages": 3})
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 4, "num_stages": 3}

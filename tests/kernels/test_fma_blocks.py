@@ -3,9 +3,10 @@ against the pure-JAX reference (causal and bidirectional, ragged lengths, fine l
 kernels (dq with the packed coarse slots' gradient, dk/dv) against autodiff of the reference in q, k, v and the packed
 coarse operands kc, vc (fp32 tight, bf16 loose), a check that the VJP runs Pallas calls and no XLA recomputation of the
 reference, TPU / CUDA lowering of forward and backward through jax.export (and a clear refusal of shapes a platform
-cannot take), and the method with impl='pallas' equal to impl='xla' in value and gradient (§6 check 7). Export at
-configs/enwik8/fma.py's shapes (n 1024, m 64 and n 2048, m 128; p 4, heads of 64: 24 packed coarse slots per block,
-padded to 24 on TPU and 32 on GPU as the method does)."""
+cannot take), the outputs' dtypes (bf16 activations and gradients, fp32 log-sum-exp) and the GPU lowering's warps and
+stages (the rule, or as given), and the method with impl='pallas' equal to impl='xla' in value and gradient (§6
+check 7). Export at configs/enwik8/fma.py's shapes (n 1024, m 64 and n 2048, m 128; p 4, heads of 64: 24 packed
+coarse slots per block, padded to 24 on TPU and 32 on GPU as the method does)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,31 @@ def test_unsupported_reasons():
     assert any("FMA-linear" in r for r in fma_blocks.unsupported_reasons("interpret", m=8, d=8, dv=8,
                                                                           coarse_kind="stats"))
     assert any("dropout" in r for r in fma_blocks.unsupported_reasons("tpu", m=64, d=64, dv=64, dropout=0.1))
+
+
+def test_gpu_tiles_rule_and_settings():
+    """The GPU lowering's warps and stages: the rule (4 warps up to m = 64 rows, 8 at 128; 2 stages) unless given."""
+    assert fma_blocks.gpu_tiles(64) == (4, 2) and fma_blocks.gpu_tiles(16) == (4, 2)
+    assert fma_blocks.gpu_tiles(128) == (8, 2)
+    assert fma_blocks.gpu_tiles(128, 4, 3) == (4, 3)
+    params = fma_blocks._compiler_params("cuda", 64, (8, 3))
+    assert (params.num_warps, params.num_stages) == (8, 3)
+    params = fma_blocks._compiler_params("cuda", 128)
+    assert (params.num_warps, params.num_stages) == (8, 2)
+
+
+def test_outputs_in_the_compute_dtype():
+    """bf16 operands: the kernels write ``o`` and every gradient in bf16 (activations), ``lse`` in fp32 (a
+    statistic)."""
+    t = TestFMABlocks()
+    args, static = t.make_inputs(t.SHAPES["causal_ragged"], jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o, lse = jax.eval_shape(lambda *a: fma_blocks.fma_blocks_forward(*a, interpret=True, **static), *args)
+        grads = jax.eval_shape(jax.grad(lambda *d: jnp.sum(t.kernel(*d, args[5], interpret=True, **static)
+                                                           .astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)), *args[:5])
+    assert o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 5
 
 
 def _primitives(jaxpr, out):

@@ -19,6 +19,7 @@ meaning: ``'xla'`` the blocked XLA path, ``'pallas'`` the kernel, ``'auto'`` the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -80,7 +81,7 @@ def _reference_forward(q, k, v, ds, opts, drop_key=None):
     return reference.fma_dense_reference(q, k, v, ds, opts)
 
 
-def _reference_bind(choice):
+def _reference_bind(choice, settings=None):
     """``(forward, attend)`` of the reference: the dense C~ for full passes; streamed steps run the portable block
     function."""
     return _reference_forward, xla.attend
@@ -95,7 +96,7 @@ class FMAAttention(AttentionCore):
     """Fast Multipole Attention core (see the module docstring)."""
 
     name = "fma"
-    EXECUTION_KEYS = ("impl", "logit_budget")
+    EXECUTION_KEYS = ("impl", "logit_budget", "kernel_warps_per_64_rows", "kernel_stages")
     linear = False
 
     @classmethod
@@ -109,8 +110,9 @@ class FMAAttention(AttentionCore):
         def no_dropout(platform, *, dropout=0.0, **_):
             return ["no attention dropout in the reference (a call with a dropout key)"] if dropout > 0 else []
 
+        # its streamed steps run the portable block function, which reads logit_budget (xla.py's table)
         ref = dispatch.Implementation("reference", reasons=no_dropout, config={"impl": "reference"},
-                                      code=_reference_bind)
+                                      code=_reference_bind, defaults={"logit_budget": xla.LOGIT_BUDGET})
         impls = [i for i in dispatch.declared(__package__, first=(ref,), causal=causal)
                  if cls.name in (getattr(i, "methods", None) or (cls.name,))]
         return tuple(sorted(impls, key=lambda i: i.kernel))  # stable: the portable ones as declared, kernels last
@@ -136,9 +138,15 @@ class FMAAttention(AttentionCore):
             # 'reference' | 'xla' | the XLA:CPU implementation's name (its own file) | 'pallas' (FMA) | 'auto' (the
             # XLA:CPU implementation on a CPU; pallas, else xla, on GPU/TPU) | a list 'a,b' (the first that serves)
             "impl": "auto",
-            "logit_budget": 1 << 24,  # max materialised scores per lax.map step of the blocked path
+            # max materialised scores per lax.map step of the blocked path; 0 (dispatch.PLATFORM_DEFAULT) = the
+            # value the chosen implementation declares for the platform the call runs on (xla.py: LOGIT_BUDGET)
+            "logit_budget": 0,
         }
         if not cls.linear:
+            # the Pallas kernel's GPU lowering (pallas.py declares the per-platform values; 0 = the platform's):
+            # warps per 64 query rows of a program (a program holds one fine block of m rows) and pipeline stages
+            c["kernel_warps_per_64_rows"] = 0
+            c["kernel_stages"] = 0
             # the release's zero-padded coarse (and first fine block's) slots left unmasked: score 0, weight
             # m_l/p each (a "null" sink over the first half of every sequence); causal only, no decoding
             c["release_zero_slots"] = False
@@ -184,7 +192,10 @@ class FMAAttention(AttentionCore):
         require(0.0 <= cfg.attn_dropout < 1.0, f"{pre}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
         require(not (cfg.impl == "pallas" and cfg.attn_dropout > 0),
                 f"{pre}: the Pallas kernel has no attention dropout; use impl='xla' or attn_dropout=0")
-        require(cfg.logit_budget > 0, f"{pre}.logit_budget must be positive")
+        require(cfg.logit_budget >= 0, f"{pre}.logit_budget must be positive (0: the platform's default)")
+        for key in ("kernel_warps_per_64_rows", "kernel_stages"):
+            if key in cfg:
+                require(cfg[key] >= 0, f"{pre}.{key} must be positive (0: the platform's default)")
         if cls.linear:
             for key, allowed in (("fma_linear_normalization", ("joint", "per_level")),
                                  ("causal_query_summary", ("lagged", "paper_leaky"))):
@@ -279,8 +290,11 @@ class FMAAttention(AttentionCore):
         return out
 
     def _implementation(self, drop_key):
-        """``(forward, attend)`` of the implementation ``dispatch.select`` picks for ``impl``: the full pass
-        ``forward(q, k, v, ds, opts, drop_key)`` and the block function of the streamed steps."""
+        """``((forward, attend), opts)`` of the implementation ``dispatch.select`` picks for ``impl``: the full pass
+        ``forward(q, k, v, ds, opts, drop_key)``, the block function of the streamed steps, and the options with the
+        execution settings resolved for the platform the selection ran on (a knob at 0, ``PLATFORM_DEFAULT``: the
+        implementation's default there, so a value tuned for XLA:CPU never drives a GPU path). The implementation's
+        ``code(choice, settings)`` gets its resolved knobs (``Implementation.settings``)."""
         from longctx.attention import dispatch
 
         impls = self.implementations(causal=self.causal)
@@ -290,7 +304,10 @@ class FMAAttention(AttentionCore):
             dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
             release_zero_slots=self.opts.release_zero_slots,
         )
-        return dispatch.by_name(impls)[choice.name].code(choice)
+        impl = dispatch.by_name(impls)[choice.name]
+        settings = impl.settings(self.cfg, choice.platform)  # its knobs as they run on this platform
+        budget = int(settings.get("logit_budget", self.cfg.logit_budget))
+        return impl.code(choice, settings), dataclasses.replace(self.opts, logit_budget=budget)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:
@@ -352,9 +369,9 @@ class FMAAttention(AttentionCore):
                 raise ValueError(f"{self.name}: attn_dropout > 0 with deterministic=False needs a PRNG `key`")
             drop_key = key
         ds = self.ds_params()
-        forward, attend = self._implementation(drop_key)
+        (forward, attend), opts = self._implementation(drop_key)
         if state is None:
-            out = forward(q, k, v, ds, self.opts, drop_key)
+            out = forward(q, k, v, ds, opts, drop_key)
             new_state = None
             if self.causal and not self.opts.leaky and not self.opts.release_zero_slots:
                 new_state = state_from_forward(q, k, v, ds, self.opts)
@@ -363,7 +380,7 @@ class FMAAttention(AttentionCore):
             raise ValueError(f"{self.name}: a bidirectional core takes no state (state=None only)")
         if not isinstance(state, dict) or "pos" not in state:
             raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
-        out, new_state = fma_stream(q, k, v, state, ds, self.opts, drop_key, attend=attend)
+        out, new_state = fma_stream(q, k, v, state, ds, opts, drop_key, attend=attend)
         return out.astype(v.dtype), new_state
 
 
@@ -371,6 +388,7 @@ class FMALinearAttention(FMAAttention):
     """FMA-linear (paper App. A.1): queries are summarised too, so the coarse part is O(n)."""
 
     name = "fma_linear"
+    EXECUTION_KEYS = ("impl", "logit_budget")  # no kernel knobs
     linear = True  # no pallas implementation: the block kernel computes FMA's packed slots, not these statistics
 
     @classmethod

@@ -25,13 +25,15 @@ from pallas_kernels import fma_blocks
 unsupported_reasons = fma_blocks.unsupported_reasons
 
 
-def attend(choice):
-    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU); the kernel's
-    calls run per shard of the batch and heads under a mesh (module docstring)."""
-    inner = fma_blocks.make_attend(interpret=choice.interpret,
-                                   platform="interpret" if choice.interpret else choice.platform)
+def attend(choice, settings=None):
+    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU) with its
+    resolved ``settings`` (the kernel's GPU tiles; None: the kernel's rule); the kernel's calls run per shard of the
+    batch and heads under a mesh (module docstring)."""
+    settings = settings or {}
+    platform = "interpret" if choice.interpret else choice.platform
 
     def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
+        inner = fma_blocks.make_attend(interpret=choice.interpret, platform=platform, **_tiles(settings, qb.shape[3]))
         kind = None if coarse is None else coarse[0]
         kernel = (kind in (None, "packed") and isinstance(q_block0, int) and q_block0 == 0
                   and isinstance(n_valid, int) and not (drop_key is not None and attn_dropout > 0))
@@ -54,15 +56,24 @@ def attend(choice):
     return run
 
 
-def forward(choice):
+def _tiles(settings, m: int) -> dict:
+    """The kernel's ``num_warps`` / ``num_stages`` for fine blocks of ``m`` rows from the resolved settings (absent
+    or 0: the kernel's rule, :func:`pallas_kernels.fma_blocks.gpu_tiles`). The warps are configured per 64 query
+    rows (a program holds one block of ``m`` rows), so one setting serves every ``m``: 4 gives the rule's 4 warps
+    up to ``m = 64`` and 8 at 128."""
+    warps, stages = settings.get("kernel_warps_per_64_rows"), settings.get("kernel_stages")
+    return {"num_warps": warps * max(1, m // 64) if warps else None, "num_stages": stages or None}
+
+
+def forward(choice, settings=None):
     """``forward(q, k, v, ds, opts, drop_key=None)`` running the kernel."""
-    return functools.partial(xla.fma_forward, attend=attend(choice))
+    return functools.partial(xla.fma_forward, attend=attend(choice, settings))
 
 
-def bind(choice):
-    """``(forward, attend)`` of this implementation for ``choice``: the full pass and the streamed steps' block
-    function."""
-    return forward(choice), attend(choice)
+def bind(choice, settings=None):
+    """``(forward, attend)`` of this implementation for ``choice`` and its resolved ``settings``: the full pass and
+    the streamed steps' block function."""
+    return forward(choice, settings), attend(choice, settings)
 
 
 def _reasons(platform, *, release_zero_slots=False, **shapes):
@@ -81,10 +92,15 @@ class MethodImplementation(Implementation):
     methods: tuple[str, ...] = ()
 
 
+# logit_budget: read by the streamed steps only (they run the kernel's reference, xla.py's table); the kernel holds
+# one block's scores at a time. The GPU lowering's tiles: cuda the kernel's rule (4 warps per 64 query rows, 2
+# stages), not yet measured against other values on a GPU; the Mosaic (TPU) lowering and interpret mode read neither
+# ('default')
+TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages": {"cuda": 2, "default": 2}}
 IMPLEMENTATIONS = (
     MethodImplementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_reasons,
                          config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, code=bind,
-                         methods=("fma",)),
+                         methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 
 __all__ = ["IMPLEMENTATIONS", "MethodImplementation", "attend", "bind", "forward", "unsupported_reasons"]

@@ -23,7 +23,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from longctx.attention.fma.options import FMAOptions, f32, levels_used, pad_to
+from longctx.attention.fma.options import FMAOptions, acc_type, f32, levels_used, pad_to
+from pallas_kernels.precision import acc_einsum
 
 NEG = -1e30  # a masked score (finite: a fully masked row must not give NaN)
 
@@ -40,16 +41,19 @@ def summarize(x, prm, ml: int, opts: FMAOptions, with_bias: bool = True):
     """§2.1: summaries of every group of ``ml`` tokens, x [B,H,N*ml,f] -> [B,H,N,p,f].
 
     depthwise (the paper's): x^_{G,r}[f] = c[f,r] + sum_t W[t,f,r] x_{G ml + t}[f]; dense_conv mixes features
-    (W [ml, f_in, f, p]); avgpool: the mean over sub-interval r of length ml/p (no parameters)."""
+    (W [ml, f_in, f, p]); avgpool: the mean over sub-interval r of length ml/p (no parameters).
+
+    The product takes x in its own (compute) dtype and the float32 master weights cast to it, accumulated in at
+    least float32 (the result's dtype; bfloat16 x gives float32 summaries, float32 and float64 x as before)."""
     B, H, n, f = x.shape
     xg = x.reshape(B, H, n // ml, ml, f)
     if opts.downsample == "avgpool":
-        return jnp.mean(xg.reshape(B, H, n // ml, opts.p, ml // opts.p, f), axis=4)
-    W = prm["kernel"]
+        return jnp.mean(xg.astype(acc_type(xg)).reshape(B, H, n // ml, opts.p, ml // opts.p, f), axis=4)
+    W = prm["kernel"].astype(x.dtype)
     if opts.downsample == "depthwise_conv":
-        s = jnp.einsum("bhgtf,tfr->bhgrf" if opts.shared else "bhgtf,htfr->bhgrf", xg, W)
+        s = acc_einsum("bhgtf,tfr->bhgrf" if opts.shared else "bhgtf,htfr->bhgrf", xg, W)
     else:
-        s = jnp.einsum("bhgte,tefr->bhgrf" if opts.shared else "bhgte,htefr->bhgrf", xg, W)
+        s = acc_einsum("bhgte,tefr->bhgrf" if opts.shared else "bhgte,htefr->bhgrf", xg, W)
     return s + bias_rows(prm, opts) if with_bias else s
 
 

@@ -6,6 +6,10 @@ The state holds the last ``2m`` raw keys and values, and per level the partial c
 (``acc_*``) plus a ring of the last 4 finished group summaries (``ring_*``; query i in level group a reads
 groups a-2 and, if a is odd, a-3, which are always finished). It is O(m d + p d L) -- it does not grow with the
 context -- and a step costs O(m d + p d L). Streaming in any split equals the full pass.
+
+Precision: the state is carried in at least float32 (the window's raw keys and values, the rings and the open
+groups' conv sums); a step's products take the compute dtype (the inputs' dtype, bfloat16 as given, the state's
+window and summaries cast down to it) and accumulate in float32, as the full pass does.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.base import check_capacity
-from longctx.attention.fma.options import FMAOptions, acc_type, f32, pad_to
+from longctx.attention.fma.options import FMAOptions, acc_type, pad_to
 from longctx.attention.fma.reference import bias_rows, summarize
 from longctx.attention.fma.xla import combine, row_stats
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, packed_slots
+from pallas_kernels.precision import acc_einsum, compute_dtype, statistic
 
 RING = 4  # finished groups kept per level: a query in group a reads a-2, a-3; the lagged query row a-1
 
@@ -42,19 +47,21 @@ def empty_state(B, H, d, dv, opts: FMAOptions):
 
 def token_contrib(x, tau, prm, ml: int, opts: FMAOptions):
     """Each token's additive contribution (no bias) to its group's summary: x [B,H,T,f], tau [T]
-    (offset inside the group) -> [B,H,T,p,f]. Summing these over a group gives summarize(...) - bias."""
+    (offset inside the group) -> [B,H,T,p,f] (at least float32: x and the weights cast to x's dtype are the
+    operands, accumulated in float32). Summing these over a group gives summarize(...) - bias."""
     p = opts.p
     if opts.downsample == "avgpool":
-        oh = (jnp.arange(p)[None, :] == (tau * p // ml)[:, None]).astype(x.dtype) * (p / ml)  # [T, p]
-        return x[:, :, :, None, :] * oh[None, None, :, :, None]
-    W = prm["kernel"]
+        xa = x.astype(acc_type(x))
+        oh = (jnp.arange(p)[None, :] == (tau * p // ml)[:, None]).astype(xa.dtype) * (p / ml)  # [T, p]
+        return xa[:, :, :, None, :] * oh[None, None, :, :, None]
+    W = prm["kernel"].astype(x.dtype)
     if opts.downsample == "depthwise_conv":
         if opts.shared:
-            return jnp.einsum("bhtf,tfr->bhtrf", x, jnp.take(W, tau, axis=0))
-        return jnp.einsum("bhtf,htfr->bhtrf", x, jnp.take(W, tau, axis=1))
+            return acc_einsum("bhtf,tfr->bhtrf", x, jnp.take(W, tau, axis=0))
+        return acc_einsum("bhtf,htfr->bhtrf", x, jnp.take(W, tau, axis=1))
     if opts.shared:
-        return jnp.einsum("bhte,tefr->bhtrf", x, jnp.take(W, tau, axis=0))
-    return jnp.einsum("bhte,htefr->bhtrf", x, jnp.take(W, tau, axis=1))
+        return acc_einsum("bhte,tefr->bhtrf", x, jnp.take(W, tau, axis=0))
+    return acc_einsum("bhte,htefr->bhtrf", x, jnp.take(W, tau, axis=1))
 
 
 def _tail_state(x, prm, ml: int, n: int, opts: FMAOptions):
@@ -62,21 +69,24 @@ def _tail_state(x, prm, ml: int, n: int, opts: FMAOptions):
     B, H, _, f = x.shape
     G = n // ml
     lo = max(0, G - RING)
-    ring = summarize(x[:, :, lo * ml:G * ml], prm, ml, opts) if G > lo else jnp.zeros((B, H, 0, opts.p, f))
+    ring = (summarize(x[:, :, lo * ml:G * ml], prm, ml, opts) if G > lo
+            else jnp.zeros((B, H, 0, opts.p, f), acc_type(x)))
     ring = jnp.pad(ring, ((0, 0), (0, 0), (RING - (G - lo), 0), (0, 0), (0, 0)))
-    tail = pad_to(x[:, :, G * ml:n], ml) if n > G * ml else jnp.zeros((B, H, ml, f))
+    tail = pad_to(x[:, :, G * ml:n], ml) if n > G * ml else jnp.zeros((B, H, ml, f), x.dtype)
     acc = summarize(tail, prm, ml, opts, with_bias=False)[:, :, 0]
     return ring, acc
 
 
 def state_from_forward(q, k, v, ds, opts: FMAOptions):
-    """The state the streaming path would hold after the n tokens of a full pass."""
+    """The state the streaming path would hold after the n tokens of a full pass (carried in at least float32;
+    the summaries' products take the compute dtype, as the full pass's)."""
     B, H, n, d = k.shape
-    qf, kf, vf = (f32(x) for x in (q, k, v))
+    cdt = compute_dtype(q, k, v)
+    qf, kf, vf = (x.astype(cdt) for x in (q, k, v))
     m = opts.m
 
     def last(x):
-        x = x[:, :, max(0, n - 2 * m):]
+        x = x[:, :, max(0, n - 2 * m):].astype(acc_type(x))
         return jnp.pad(x, ((0, 0), (0, 0), (2 * m - x.shape[2], 0), (0, 0)))
 
     st = {"pos": jnp.asarray(n, jnp.int32), "win_k": last(kf), "win_v": last(vf)}
@@ -102,7 +112,8 @@ def _extend_level(x, prm, ring, acc, pos, T: int, ml: int, opts: FMAOptions):
     abs_t = pos + jnp.arange(T)
     e_t = abs_t // ml - g_first + RING
     oh = (e_t[:, None] == jnp.arange(n_ext)[None, :]).astype(jnp.float32)  # [T, n_ext]
-    raw = jnp.einsum("bhtrf,te->bherf", token_contrib(x, abs_t % ml, prm, ml, opts), oh)
+    with statistic("the groups' conv sums, carried in float32: a one-hot segment sum of the tokens' terms"):
+        raw = jnp.einsum("bhtrf,te->bherf", token_contrib(x, abs_t % ml, prm, ml, opts), oh)
     raw = raw.at[:, :, RING].add(acc)
     done = raw[:, :, RING:]
     b = bias_rows(prm, opts)
@@ -133,7 +144,8 @@ def fma_stream(q, k, v, state, ds, opts: FMAOptions, drop_key=None, *, attend=at
         check_capacity(pos + T, opts.max_len,
                        "fma: the stream reached {needed} tokens but the layer's levels cover max_len={capacity}; "
                        "raise attention.fma.max_len or set allow_truncated_window=True")
-    qf, kf, vf = (f32(x) for x in (q, k, v))
+    cdt = compute_dtype(q, k, v)
+    qf, kf, vf = (x.astype(cdt) for x in (q, k, v))
     scale = d**-0.5
     new_state = {"pos": pos + T}
     E = {}
@@ -152,8 +164,9 @@ def fma_stream(q, k, v, state, ds, opts: FMAOptions, drop_key=None, *, attend=at
     nbs = (T - 1) // m + 2
     ext_q = jnp.pad(qf * scale, ((0, 0), (0, 0), (m, nbs * m - T), (0, 0)))
     qb = jax.lax.dynamic_slice_in_dim(ext_q, m - r, nbs * m, axis=2).reshape(B, H, nbs, m, d)
-    ext_k = jnp.concatenate([state["win_k"], kf, jnp.zeros((B, H, nbs * m - T, d))], axis=2)
-    ext_v = jnp.concatenate([state["win_v"], vf, jnp.zeros((B, H, nbs * m - T, dv))], axis=2)
+    # the window in the compute dtype (the state holds it in float32: the values as given, a bf16 one exactly)
+    ext_k = jnp.concatenate([state["win_k"].astype(cdt), kf, jnp.zeros((B, H, nbs * m - T, d), cdt)], axis=2)
+    ext_v = jnp.concatenate([state["win_v"].astype(cdt), vf, jnp.zeros((B, H, nbs * m - T, dv), cdt)], axis=2)
     kp = jax.lax.dynamic_slice_in_dim(ext_k, m - r, (nbs + 1) * m, axis=2)
     vp = jax.lax.dynamic_slice_in_dim(ext_v, m - r, (nbs + 1) * m, axis=2)
     blocks = b0 + jnp.arange(nbs)
@@ -166,16 +179,16 @@ def fma_stream(q, k, v, state, ds, opts: FMAOptions, drop_key=None, *, attend=at
                                  betas=[opts.beta(l) for l in range(1, L + 1)], offsets=offsets,
                                  group_base=[pos // opts.m_l(l) - RING for l in range(1, L + 1)],
                                  n_rows=int(offsets[-1]), xp=jnp)
-        kall = jnp.concatenate([x.reshape(B, H, -1, d) for x in E["k"]], axis=2)
-        vall = jnp.concatenate([x.reshape(B, H, -1, dv) for x in E["v"]], axis=2)
+        kall = jnp.concatenate([x.reshape(B, H, -1, d) for x in E["k"]], axis=2).astype(cdt)
+        vall = jnp.concatenate([x.reshape(B, H, -1, dv) for x in E["v"]], axis=2).astype(cdt)
         coarse = ("packed", kall, vall, idx, bias)
     elif L > 0:
         coarse = _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts)
     out = attend(qb, kp, vp, coarse, q_block0=b0, n_valid=pos + T, causal=True, drop_key=drop_key,
                  attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)
     out = jax.lax.dynamic_slice_in_dim(out.reshape(B, H, nbs * m, dv), r, T, axis=2)
-    new_state["win_k"] = ext_k[:, :, T:T + 2 * m]
-    new_state["win_v"] = ext_v[:, :, T:T + 2 * m]
+    new_state["win_k"] = ext_k[:, :, T:T + 2 * m].astype(state["win_k"].dtype)
+    new_state["win_v"] = ext_v[:, :, T:T + 2 * m].astype(state["win_v"].dtype)
     return out, new_state
 
 
@@ -191,7 +204,7 @@ def _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts: FMAOptions):
     for l in range(1, opts.L + 1):
         ml = opts.m_l(l)
         g_first = pos // ml
-        EK, EV, EQ = E["k"][l - 1], E["v"][l - 1], E["q"][l - 1]
+        EK, EV, EQ = (E[nm][l - 1].astype(qb.dtype) for nm in ("k", "v", "q"))  # the compute dtype
         n_ext = EK.shape[2]
         a = i // ml
         qrow = jnp.clip((a - 1 - g_first + RING) * p + (i % ml) * p // ml, 0, n_ext * p - 1)
@@ -202,10 +215,10 @@ def _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts: FMAOptions):
         kc = jnp.take(EK.reshape(B, H, n_ext * p, d), idx.reshape(-1), axis=2).reshape(B, H, nbs, -1, d)
         vc = jnp.take(EV.reshape(B, H, n_ext * p, -1), idx.reshape(-1), axis=2).reshape(B, H, nbs, idx.shape[1], -1)
         # compute-dtype operands, scores and statistics in at least float32, as the full pass
-        s = jnp.einsum("bhcid,bhcsd->bhcis", qr * scale, kc, preferred_element_type=acc_type(kc)) + bias[:, None, :]
+        s = acc_einsum("bhcid,bhcsd->bhcis", qr * scale, kc) + bias[:, None, :]
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = row_stats(s, (bias > NEG / 2)[:, None, :], vc, key, opts)
-        num = jnp.einsum("bhcis,bhcsf->bhcif", e.astype(vc.dtype), vc, preferred_element_type=acc_type(vc))
+        num = acc_einsum("bhcis,bhcsf->bhcif", e.astype(vc.dtype), vc)
         acc = combine(acc, (M, num, den), opts)
     return acc
 

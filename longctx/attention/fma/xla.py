@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
-from longctx.attention.fma.options import FMAOptions, acc_type, f32, levels_used, pad_to
+from longctx.attention.fma.options import FMAOptions, levels_used, pad_to
 from longctx.attention.fma.reference import lagged, summarize
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
+from pallas_kernels.precision import acc_einsum, compute_dtype
 
 attend = attend_blocks  # the block function (plain products); also the streaming steps' of the reference
 
@@ -96,10 +97,10 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
         kc = jnp.take(K.reshape(B, H, N * p, d), rows.reshape(-1), axis=2).reshape(B, H, N, -1, d)
         vc = jnp.take(V.reshape(B, H, N * p, -1), rows.reshape(-1), axis=2).reshape(B, H, N, rows.shape[1], -1)
         # compute-dtype operands, scores and statistics in at least float32 (M, num, den), as the fine blocks' softmax
-        s = jnp.einsum("bhard,bhacd->bharc", Q * scale, kc, preferred_element_type=acc_type(kc)) + opts.beta(l)
+        s = acc_einsum("bhard,bhacd->bharc", Q * scale, kc) + opts.beta(l)
         key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
         M, e, den = row_stats(s, vmask, vc, key, opts)
-        num = jnp.einsum("bharc,bhacf->bharf", e.astype(vc.dtype), vc, preferred_element_type=acc_type(vc))
+        num = acc_einsum("bharc,bhacf->bharf", e.astype(vc.dtype), vc)
         flat = tuple(x.reshape((B, H, N * p) + x.shape[4:]) for x in (M, num, den))
         if acc is not None:
             acc = _repeat_rows(acc, 2, N * p)
@@ -124,28 +125,35 @@ def _to_blocks(coarse, nb: int, m: int):
 
 def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_blocks,
                 summaries=all_level_summaries):
-    """One full pass over n tokens (no prefix). q, k [B,H,n,d], v [B,H,n,dv] -> out [B,H,n,dv] f32.
+    """One full pass over n tokens (no prefix). q, k [B,H,n,d], v [B,H,n,dv] -> out [B,H,n,dv] (the block
+    function's dtype: at least float32 from the XLA block functions, the compute dtype from the kernel).
 
     ``ds``: {'k': [params per level], 'v': [...], 'q': [...]} (None entries for avgpool). ``attend``: the block
     function (:func:`pallas_kernels.fma_blocks_ref.attend_blocks`'s signature); ``summaries``: the form of
-    :func:`all_level_summaries` to use."""
+    :func:`all_level_summaries` to use.
+
+    Precision (DESIGN.md §7): q, k, v stay in their (compute) dtype, bfloat16 as given; the summaries are
+    accumulated in float32 from compute-dtype operands (the float32 downsampling weights cast down) and cast to
+    the compute dtype, so every product of the block function takes compute-dtype operands; float32 and float64
+    inputs run as they are."""
     B, H, n, d = q.shape
     dv = v.shape[-1]
     m, p = opts.m, opts.p
     nb = -(-n // m)
     n_pad = nb * m
     Lu = levels_used(n, opts)
-    qf, kf, vf = (f32(x) for x in (q, k, v))
+    cdt = compute_dtype(q, k, v)
+    qf, kf, vf = (x.astype(cdt) for x in (q, k, v))
     scale = d**-0.5
     qb = pad_to(qf * scale, m).reshape(B, H, nb, m, d)
     back = n_pad - n + (0 if opts.causal else m)
     kp = jnp.pad(kf, ((0, 0), (0, 0), (m, back), (0, 0)))
     vp = jnp.pad(vf, ((0, 0), (0, 0), (m, back), (0, 0)))
-    kh = summaries(kf, ds["k"], Lu, opts)
-    vh = summaries(vf, ds["v"], Lu, opts)
+    kh = [x.astype(cdt) for x in summaries(kf, ds["k"], Lu, opts)]
+    vh = [x.astype(cdt) for x in summaries(vf, ds["v"], Lu, opts)]
     coarse = None
     if Lu == 0 and opts.release_zero_slots:  # only block 0's zero fine keys
-        kall, vall = jnp.zeros((B, H, 0, d), jnp.float32), jnp.zeros((B, H, 0, dv), jnp.float32)
+        kall, vall = jnp.zeros((B, H, 0, d), cdt), jnp.zeros((B, H, 0, dv), cdt)
         kall, vall, idx, bias = release_zero_slots(kall, vall, np.zeros((nb, 0), np.int32),
                                                    np.zeros((nb, 0), np.float32), nb, 0, opts)
         coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
@@ -161,7 +169,7 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
             kall, vall, idx, bias = release_zero_slots(kall, vall, idx, bias, nb, Lu, opts)
         coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
     elif Lu > 0:
-        qh = summaries(qf, ds["q"], Lu, opts)
+        qh = [x.astype(cdt) for x in summaries(qf, ds["q"], Lu, opts)]
         coarse = _to_blocks(linear_coarse_full(qf, kh, vh, qh, n_pad, Lu, drop_key, opts), nb, m)
     out = attend(qb, kp, vp, coarse, q_block0=0, n_valid=n, causal=opts.causal, drop_key=drop_key,
                  attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)
@@ -200,17 +208,26 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return fma_forward(q, k, v, ds, opts, drop_key)
 
 
-def bind(choice):
-    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function."""
+def bind(choice, settings=None):
+    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function (its one
+    knob, ``logit_budget``, reaches them through the options)."""
     return forward, attend
 
+
+# ``logit_budget`` (materialised scores per ``lax.map`` step of :func:`attend_blocks`) per platform, for the
+# config's 0 (dispatch.PLATFORM_DEFAULT). cpu: the value the blocked path was tuned with on XLA:CPU (the former
+# single default). A step's working set is about 16 bytes per logit (scores, probabilities, masks in fp32), and a
+# step of 2^24 logits is a fraction of a millisecond of an accelerator's work, where the loop's per-step cost
+# dominates: cuda 2^27 (~2 GiB, a few % of an 80 GB H100), tpu 2^26 (~1 GiB of a v5e's 16 GiB); reasoned values,
+# not yet measured on a GPU or TPU.
+LOGIT_BUDGET = {"cpu": 1 << 24, "cuda": 1 << 27, "tpu": 1 << 26, "default": 1 << 24}
 
 # 'auto' on every platform after the platform's own form (the CPU-tuned one on a CPU, the kernel on GPU and TPU
 # where it serves the call); ``test_config`` makes it take several ``lax.map`` steps at test lengths
 IMPLEMENTATIONS = (
     Implementation("xla", config={"impl": "xla"}, test_config={"logit_budget": 2000},
-                   auto={p: 1 for p in ALL_PLATFORMS}, code=bind),
+                   auto={p: 1 for p in ALL_PLATFORMS}, code=bind, defaults={"logit_budget": LOGIT_BUDGET}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "all_level_summaries", "attend", "bind", "combine", "fma_forward", "forward",
+__all__ = ["IMPLEMENTATIONS", "LOGIT_BUDGET", "all_level_summaries", "attend", "bind", "combine", "fma_forward", "forward",
            "level_summaries", "linear_coarse_full", "row_stats"]

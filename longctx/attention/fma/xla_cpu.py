@@ -8,6 +8,10 @@ the CPU forms of its products and of the level summaries:
   multiply-and-reduce that XLA:CPU runs on a slow path when a dimension has size 1, batch 1);
 * the summaries of all levels are one fused multiply-and-reduce per level with a written-out backward
   (:func:`all_level_summaries`, :func:`_depthwise_groups`).
+
+Narrow inputs (bfloat16, float16): the products take compute-dtype operands with float32 accumulation
+(:func:`pallas_kernels.precision.acc_einsum`; ``longctx.xla_cpu``'s ``scores`` / ``mix`` return their operands'
+dtype, so they serve float32 and float64 only) and the summaries' multiply-and-reduce runs in float32.
 """
 
 from __future__ import annotations
@@ -19,12 +23,27 @@ import jax.numpy as jnp
 
 from longctx.attention.dispatch import Implementation
 from longctx.attention.fma import xla
-from longctx.attention.fma.options import FMAOptions, pad_to
+from longctx.attention.fma.options import FMAOptions, acc_type, pad_to
 from longctx.attention.fma.reference import bias_rows
 from longctx.xla_cpu import mix, scale_rows, scores
 from pallas_kernels.fma_blocks_ref import BlockOps, attend_blocks
+from pallas_kernels.precision import acc_einsum
 
-OPS = BlockOps(qk_dot=scores, pv_dot=mix, row_scale=scale_rows)
+
+def _wide(a, b) -> bool:
+    """Operands of one float32-or-wider dtype: the CPU forms, as they are; narrower ones accumulate in float32."""
+    return a.dtype == b.dtype == acc_type(a)
+
+
+def _qk(q, k):
+    return scores(q, k) if _wide(q, k) else acc_einsum("...id,...jd->...ij", q, k)
+
+
+def _pv(p, v):
+    return mix(p, v) if _wide(p, v) else acc_einsum("...ij,...jd->...id", p, v)
+
+
+OPS = BlockOps(qk_dot=_qk, pv_dot=_pv, row_scale=scale_rows)
 attend = functools.partial(attend_blocks, ops=OPS)  # the block function; also the streaming steps'
 
 
@@ -66,8 +85,12 @@ def _depthwise_groups(xg, W):
 
     The backward is written out. Autodiff of the multiply-and-reduce materialised [G, p, m, f] broadcasts of x,
     of the cotangent and of W for every level (134 MB each at 32k) and reduced them over the groups: at 32k
-    causal the summaries' backward took an order of magnitude longer than the whole forward."""
-    return jnp.sum(xg[:, None] * W[None], axis=2)
+    causal the summaries' backward took an order of magnitude longer than the whole forward.
+
+    Narrow x and W (bfloat16): multiplied and summed in float32 (an element-wise reduce, not a product the
+    compute dtype should take), the result float32; the backward's matmul ``dW`` takes compute-dtype operands."""
+    acc = acc_type(xg)
+    return jnp.sum(xg[:, None].astype(acc) * W[None].astype(acc), axis=2)
 
 
 def _depthwise_groups_fwd(xg, W):
@@ -80,8 +103,9 @@ def _depthwise_groups_bwd(res, ct):
     dx = ct[:, 0, None, :] * W[0][None]
     for r in range(1, W.shape[0]):
         dx = dx + ct[:, r, None, :] * W[r][None]
-    dW = jnp.einsum("gtf,grf->rtf", xg, ct)  # a matmul over the groups, batched over features
-    return dx, dW
+    # a matmul over the groups, batched over features: compute-dtype operands, accumulated in at least float32
+    dW = jnp.einsum("gtf,grf->rtf", xg, ct.astype(xg.dtype), preferred_element_type=acc_type(xg))
+    return dx.astype(xg.dtype), dW.astype(W.dtype)
 
 
 _depthwise_groups.defvjp(_depthwise_groups_fwd, _depthwise_groups_bwd)
@@ -92,14 +116,17 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return xla.fma_forward(q, k, v, ds, opts, drop_key, attend=attend, summaries=all_level_summaries)
 
 
-def bind(choice):
-    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function."""
+def bind(choice, settings=None):
+    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function (its one
+    knob, ``logit_budget``, reaches them through the options)."""
     return forward, attend
 
 
 # the name ``xla_cpu`` (users and saved configs use it); 'auto' on a CPU tries it first, before ``xla``
+# its logit_budget: the XLA:CPU value (it runs on XLA:CPU only; 'default' answers the platforms it never runs on)
 IMPLEMENTATIONS = (
-    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bind),
+    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bind,
+                   defaults={"logit_budget": {"cpu": 1 << 24, "default": 1 << 24}}),
 )
 
 __all__ = ["IMPLEMENTATIONS", "OPS", "all_level_summaries", "attend", "bind", "forward"]
