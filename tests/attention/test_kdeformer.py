@@ -526,7 +526,8 @@ def test_padded_keys_get_zero_weight_and_zero_gradient():
 @pytest.mark.parametrize("bad", [{"bucket_size": 0}, {"gray_order": "up"}, {"sampling": "paper_mc"},
                                  {"causal": {"chunk_size": 0}}, {"causal": {"local_chunks": 0}},
                                  {"causal": {"sampling": "ref2"}}, {"num_projs": 40}, {"impl": "pallas"},
-                                 {"impl": "xla_cpu"}, {"heavy_impl": "reference"}])
+                                 {"impl": "xla_cpu"}, {"heavy_impl": "reference"}, {"tile_budget": -1},
+                                 {"heavy_band_block": -1}, {"heavy_scores_max_len": -1}])
 def test_bad_config_raises(bad):
     with pytest.raises(ConfigError):
         make(True, **bad)
@@ -556,6 +557,87 @@ def test_bidirectional_core_takes_no_state():
 def test_execution_settings_select_implementations(is_causal, cfg, platform, cache_len, full_pass, want):
     core = make(is_causal, causal=SMALL, **cfg)
     assert core.implementation_for(jnp.float32, cache_len=cache_len, full_pass=full_pass, platform=platform) == want
+
+
+# --------------------------------------------------------------------------- per-platform execution defaults
+KNOBS = {"tile_budget": "tile_budget", "heavy_scores_max_len": "heavy_scores_max_len", "heavy_band_block": "band_block"}
+
+
+@pytest.mark.parametrize("platform,cache_len,want", [("cuda", 64, "xla"), ("tpu", 4096, "xla"), ("cpu", 64, "scores"),
+                                                     ("cpu", 2048, "band")])
+def test_the_resolver_runs_the_platforms_knobs(platform, cache_len, want):
+    """The config leaves the knobs at PLATFORM_DEFAULT; the selection on ``platform`` picks the implementation and
+    the options it runs with carry that platform's values: a GPU never runs with the CPU's tile budget."""
+    core = make(True, causal=SMALL)
+    assert all(core.cfg[key] == dispatch.PLATFORM_DEFAULT for key in KNOBS)
+    impl, opts = core.resolve(jnp.bfloat16, cache_len=cache_len, platform=platform)
+    assert impl.name == want
+    for key, field in KNOBS.items():
+        if key in impl.defaults:
+            assert getattr(opts, field) == kx.DEFAULTS[key][platform], (key, platform)
+    assert opts.tile_budget == kx.DEFAULTS["tile_budget"][platform]
+    if platform == "cpu":
+        assert opts.tile_budget == 1 << 22 and opts.heavy_scores_max_len == 1024  # the CPU's values of before
+        if "heavy_band_block" in impl.defaults:  # 'band' ('scores' reads no block)
+            assert opts.band_block == 64
+    else:
+        assert opts.tile_budget > kx.DEFAULTS["tile_budget"]["cpu"]  # not the CPU budget
+        assert (opts.tile_budget, opts.heavy_scores_max_len, opts.band_block) == tuple(
+            kx.DEFAULTS[key][platform] for key in KNOBS)
+
+
+def test_written_knobs_run_as_written_on_every_platform():
+    core = make(True, causal=SMALL, tile_budget=12345, heavy_scores_max_len=77, heavy_band_block=16)
+    for platform, cache_len in (("cuda", 64), ("cpu", 64), ("cpu", 2048)):
+        _, opts = core.resolve(jnp.float32, cache_len=cache_len, platform=platform)
+        assert (opts.tile_budget, opts.heavy_scores_max_len) == (12345, 77)
+    assert core.resolve(jnp.float32, cache_len=2048, platform="cuda")[1].band_block == 16
+    # heavy_scores_max_len written: the CPU's 'auto' takes 'band' past 77 keys, not past the CPU default's 1024
+    assert core.implementation_for(jnp.float32, cache_len=128, platform="cpu") == "band"
+
+
+def test_the_tiled_code_refuses_unresolved_knobs():
+    q, k, v = qkv(64, seed=7)
+    W = kd.draw_projections(jax.random.PRNGKey(8), B, 2, D, 3)
+    with pytest.raises(ValueError, match="tile_budget left at dispatch.PLATFORM_DEFAULT"):
+        kx.causal(q, k, v, W, jax.random.PRNGKey(9), copts(tile_budget=dispatch.PLATFORM_DEFAULT))
+
+
+def _serial_steps(jaxpr):
+    """The lax.map / scan steps of the tiled pass (scans of the query tiles and the band's pairs; not the binary
+    searches' few steps inside jnp.searchsorted, whose scans have no jvp/transpose in their name stack)."""
+    steps = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and "jvp" in str(eqn.source_info.name_stack):
+            steps += eqn.params["length"]
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    steps += _serial_steps(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    steps += _serial_steps(sub)
+    return steps
+
+
+@pytest.mark.parametrize("platform,most", [("cuda", 4), ("cpu", None)])
+def test_a_32k_causal_pass_on_gpu_settings_is_a_few_serial_steps(platform, most, monkeypatch):
+    """Traced, not run: the 'auto' causal training call at 32k tokens, B8 H8 d64 bf16 (forward and backward). With
+    the GPU defaults the query tiles and the band's (tile, block) pairs take a few fused steps; the CPU budget
+    (2^22 logits) takes hundreds (256 tile steps and 128 pair steps each way)."""
+    monkeypatch.setattr(dispatch, "current_platform", lambda: platform)
+    core = kit.build("kdeformer", True, heads=8, head_dim=64)
+    gd, st = nnx.split(core)
+
+    def loss(q, k, v):
+        out, _ = nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(1))
+        return jnp.sum(out.astype(jnp.float32))
+
+    x = jax.ShapeDtypeStruct((8, 8, 32768, 64), jnp.bfloat16)
+    steps = _serial_steps(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x).jaxpr)
+    if most is None:
+        assert steps == 2 * (256 + 128)
+    else:
+        assert 0 < steps <= most, steps
 
 
 def test_a_cpu_route_named_off_a_cpu_raises():

@@ -3,8 +3,13 @@ prefix ends (docs/methods/kdeformer.md; § as there). The reference and the tile
 same key gives them the same projections, codes and samples, and they differ only in how the estimator's
 entries are computed.
 
-Nothing here is tuned for a platform: products are plain einsums at the default precision. The hash codes of
-a full pass and of decoding come from the same function on the same vectors.
+Nothing here is tuned for a platform: products take the compute dtype with float32 accumulation
+(``einsum_f32``), and the one float32 product, the hash projections, is a declared statistic (:func:`lsh_codes`).
+The hash codes of a full pass and of decoding come from the same function on the same vectors.
+
+The execution knobs the tiled implementations read (``tile_budget``, ``heavy_scores_max_len``,
+``heavy_band_block``) are fields of :class:`CausalOptions`; the config leaves them at ``dispatch.PLATFORM_DEFAULT``
+and :func:`platform_options` puts in the values the chosen implementation declares for the platform it runs on.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from longctx.models.precision import einsum_f32
+from pallas_kernels.precision import statistic
 
 NEG = -1e30  # masked logits (finite: a row without any entry then outputs 0)
 NORM_SHIFT = 6  # integer norm weights u = ⌊‖ṽ‖·2^6⌋ + 1 (§4.3)
@@ -50,6 +58,20 @@ class CausalOptions:
     band_block: int = 64  # 'band': sorted queries per tile = sorted keys per block
 
 
+# the execution knobs with per-platform defaults (config key -> CausalOptions field)
+KNOB_FIELDS = {"tile_budget": "tile_budget", "heavy_scores_max_len": "heavy_scores_max_len",
+               "heavy_band_block": "band_block"}
+
+
+def platform_options(opts, impl, platform: str):
+    """``opts`` with every knob that ``impl`` (a ``dispatch.Implementation``) declares a default for at the value it
+    runs with on ``platform`` (``impl.setting``: a knob left at ``dispatch.PLATFORM_DEFAULT`` takes the platform's
+    value, a written one stays). Options without such knobs (the bidirectional ones) are returned as they are."""
+    fields = {f: impl.setting(k, getattr(opts, f), platform) for k, f in KNOB_FIELDS.items()
+              if k in impl.defaults and hasattr(opts, f)}
+    return dataclasses.replace(opts, **fields) if fields else opts
+
+
 # ---------------------------------------------------------------------------
 # hashing (§2.3a, b)
 # ---------------------------------------------------------------------------
@@ -61,10 +83,16 @@ def draw_projections(key, batch: int, heads: int, dim: int, num_projs: int):
 
 
 def lsh_codes(x, W):
-    """Sign-random-projection code h(x) = Σ_t 1[⟨w_t,x⟩ > 0] 2^t. x [B,H,N,d], W [B,H,d,r] -> int32 [B,H,N]."""
+    """Sign-random-projection code h(x) = Σ_t 1[⟨w_t,x⟩ > 0] 2^t. x [B,H,N,d], W [B,H,d,r] -> int32 [B,H,N].
+
+    The projections are float32 whatever the compute dtype (§2.3a), a declared statistic: only their signs are
+    used, and a sign near 0 flips with W rounded to bfloat16, so float32 keeps the codes of every implementation,
+    of the reference and of the decoding state the same function of the (exactly upcast) inputs; r ≤ 16 columns,
+    O(N·d·r) work."""
     r = W.shape[-1]
     W = jnp.broadcast_to(W, x.shape[:2] + W.shape[2:])
-    proj = jnp.einsum("bhnd,bhdr->bhnr", x.astype(jnp.float32), W.astype(jnp.float32))
+    with statistic("kdeformer LSH projections: float32 sign decisions (spec 2.3a)"):
+        proj = jnp.einsum("bhnd,bhdr->bhnr", x.astype(jnp.float32), W.astype(jnp.float32))
     bits = (proj > 0).astype(jnp.int32)
     return jnp.sum(bits << jnp.arange(r, dtype=jnp.int32), axis=-1).astype(jnp.int32)
 
@@ -107,10 +135,13 @@ def norm_weights(v, valid):
 
 
 def augmented_gram(v, valid):
-    """Σ_j [v_j;1][v_j;1]ᵀ over valid rows (float32). v [..., N, dv], valid broadcastable to [..., N]."""
-    va = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
-    va = jnp.where(valid[..., None], va, 0.0)
-    return jnp.einsum("...ne,...nf->...ef", va, va)
+    """Σ_j [v_j;1][v_j;1]ᵀ over valid rows, accumulated and returned in float32 (operands in v's dtype, the compute
+    dtype: products of bfloat16 values are exact in float32; float32 or wider values: float32, the plain einsum).
+    v [..., N, dv], valid broadcastable to [..., N]."""
+    v = v if jnp.dtype(v.dtype).itemsize < 4 else v.astype(jnp.float32)
+    va = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+    va = jnp.where(valid[..., None], va, jnp.zeros((), v.dtype))
+    return einsum_f32("...ne,...nf->...ef", va, va)
 
 
 def power_lambda(gram, iters: int):
@@ -276,6 +307,6 @@ def next_state(state, k, v, W, compute_dtype):
             "length": jnp.asarray(P0 + T, jnp.int32)}
 
 
-__all__ = ["CUM_SHIFT", "INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions", "augmented_gram",
-           "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
-           "next_state", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]
+__all__ = ["CUM_SHIFT", "INT_MAX", "KNOB_FIELDS", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions",
+           "augmented_gram", "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
+           "next_state", "norm_weights", "platform_options", "power_lambda", "prefix_end", "weight_prefix_sums"]

@@ -20,6 +20,11 @@ then those each implementation module declares (``IMPLEMENTATIONS``, collected b
     gather, scores, band (CPU: one per heavy route, with XLA:CPU's products). 'auto' is the declarations': on a
     CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``. ``heavy_impl`` (a route)
     written without ``impl`` selects that route: on a CPU its implementation, elsewhere ``xla`` with that route.
+:meth:`KDEformerAttention.resolve` returns the choice and the options it runs with: the numeric execution knobs
+(``tile_budget``, ``heavy_scores_max_len``, ``heavy_band_block``) default to ``dispatch.PLATFORM_DEFAULT`` and take
+the values the chosen implementation declares for the platform the selection ran on (``xla.DEFAULTS``: the CPU's
+tuning on a CPU, budgets sized for an 80 GB accelerator on a GPU or TPU); a value written in the config runs as
+written.
 
 Decoding state (causal): the KV cache, the code cache, the projections ``W`` and the token count
 (``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
@@ -56,7 +61,13 @@ import ml_collections
 from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
 from longctx.attention.kdeformer import reference
-from longctx.attention.kdeformer.common import BidirOptions, CausalOptions, draw_projections, next_state
+from longctx.attention.kdeformer.common import (
+    BidirOptions,
+    CausalOptions,
+    draw_projections,
+    next_state,
+    platform_options,
+)
 
 ROUTES = ("gather", "scores", "band")  # the causal heavy routes (xla.py), each a CPU implementation
 
@@ -100,7 +111,10 @@ class KDEformerAttention(AttentionCore):
                 "eval_rng_seed": 0,  # deterministic=True uses PRNGKey(eval_rng_seed)
                 # execution: the implementation (a name, 'a,b' or 'auto'; module docstring)
                 "impl": "auto",
-                "tile_budget": 1 << 22,  # tiled causal: logits materialized per lax.map step (memory knob)
+                # the numeric knobs below default to dispatch.PLATFORM_DEFAULT (0): each implementation that reads
+                # one declares its value per platform (xla.DEFAULTS: CPU 2^22 / 1024 / 64; GPU, TPU sized for an
+                # 80 GB accelerator), resolved for the platform a call runs on; a value written here runs as written
+                "tile_budget": dispatch.PLATFORM_DEFAULT,  # tiled causal: logits materialized per lax.map step
                 # causal heavy logits' route of the tiled forms (xla.py): 'gather' the ≤ b_h keys of every query
                 # (O(N b_h d)); 'scores': one [c, M] matmul per chunk kept only on the heavy set (same entries,
                 # quadratic); 'band' (full passes; calls with a state gather): tiles of code-sorted queries against
@@ -108,8 +122,8 @@ class KDEformerAttention(AttentionCore):
                 # while the cache has ≤ heavy_scores_max_len, else 'band' for a full pass and 'gather' for a call
                 # with a state. Without ``impl``, a route here also selects that CPU implementation.
                 "heavy_impl": "auto",
-                "heavy_scores_max_len": 1024,
-                "heavy_band_block": 64,  # 'band': sorted queries per tile = sorted keys per block
+                "heavy_scores_max_len": dispatch.PLATFORM_DEFAULT,
+                "heavy_band_block": dispatch.PLATFORM_DEFAULT,  # 'band': sorted queries per tile = keys per block
                 # causal (§4)
                 "causal": ml_collections.ConfigDict({
                     "chunk_size": 128,  # c
@@ -131,12 +145,13 @@ class KDEformerAttention(AttentionCore):
         require(0 <= cfg.num_projs <= 16, f"{p}.num_projs={cfg.num_projs}; must be in [0, 16]")
         require(cfg.power_iters >= 1, f"{p}.power_iters must be >= 1")
         require(cfg.logit_scale >= 0.0, f"{p}.logit_scale={cfg.logit_scale}; must be >= 0 (0 = head_dim^-1/2)")
-        require(cfg.tile_budget > 0, f"{p}.tile_budget must be positive")
+        for key in ("tile_budget", "heavy_scores_max_len", "heavy_band_block"):
+            require(cfg[key] >= 0, f"{p}.{key}={cfg[key]}; must be > 0, or 0 (dispatch.PLATFORM_DEFAULT): the "
+                                   "platform's default")
         problem = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
         require(problem is None, f"{p}.{problem}")
         require(cfg.heavy_impl in ("auto",) + ROUTES,
                 f"{p}.heavy_impl={cfg.heavy_impl!r}; allowed: auto, {', '.join(ROUTES)}")
-        require(cfg.heavy_band_block > 0, f"{p}.heavy_band_block={cfg.heavy_band_block}; must be > 0")
         for key, allowed in (("gray_order", ("inverse", "forward")), ("sampling", ("ref", "uniform")),
                              ("residual", ("sampled", "exact"))):
             require(cfg[key] in allowed, f"{p}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
@@ -185,20 +200,24 @@ class KDEformerAttention(AttentionCore):
             return (self.cfg.heavy_impl, "xla")
         return self.cfg.impl
 
-    def _implementation(self, dtype, *, cache_len: int = 0, full_pass: bool = True, platform: str | None = None):
-        """The declaration of the implementation a call runs (``dispatch.select`` over :meth:`implementations`;
-        ``cache_len``, ``full_pass`` and the causal options are the shapes the declarations' ``prefer`` reads)."""
+    def resolve(self, dtype, *, cache_len: int = 0, full_pass: bool = True, platform: str | None = None):
+        """(declaration, options) of the call: the implementation ``dispatch.select`` picks over
+        :meth:`implementations` (``cache_len``, ``full_pass`` and the causal options are the shapes the
+        declarations' ``prefer`` reads), and the options it runs with: the knobs it declares at their values for
+        the platform the selection ran on (``common.platform_options``)."""
         impls = self.implementations(causal=self.causal)
         choice = dispatch.select(self._impl_setting(), impls, method=self.name, platform=platform, dtype=dtype,
                                  cache_len=cache_len, full_pass=full_pass, opts=self.causal_opts)
-        return dispatch.by_name(impls)[choice.name]
+        impl = dispatch.by_name(impls)[choice.name]
+        opts = self.causal_opts if self.causal else self.bidir_opts
+        return impl, platform_options(opts, impl, choice.platform)
 
     def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True,
                            platform: str | None = None) -> str:
-        """The implementation a call runs (``dispatch.select`` over :meth:`implementations`): ``cache_len`` the
-        keys a causal call sees (a full pass: its length rounded up to whole chunks; with a state: the cache's
-        capacity), ``full_pass`` whether it has no state; ``platform`` (default: this machine's)."""
-        return self._implementation(dtype, cache_len=cache_len, full_pass=full_pass, platform=platform).name
+        """The implementation a call runs (:meth:`resolve`): ``cache_len`` the keys a causal call sees (a full pass:
+        its length rounded up to whole chunks; with a state: the cache's capacity), ``full_pass`` whether it has no
+        state; ``platform`` (default: this machine's)."""
+        return self.resolve(dtype, cache_len=cache_len, full_pass=full_pass, platform=platform)[0].name
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):
@@ -240,19 +259,19 @@ class KDEformerAttention(AttentionCore):
         if not self.causal:
             if state is not None:
                 raise ValueError("kdeformer: a bidirectional core takes no state")
-            run = self._implementation(q.dtype).code
-            return run(q, k, v, W, k_s, self.bidir_opts).astype(v.dtype), None
+            impl, opts = self.resolve(q.dtype)
+            return impl.code(q, k, v, W, k_s, opts).astype(v.dtype), None
         T, c = q.shape[2], self.causal_opts.chunk_size
         if state is None:
-            impl = self._implementation(q.dtype, cache_len=-(-T // c) * c)
+            impl, opts = self.resolve(q.dtype, cache_len=-(-T // c) * c)
         else:
             M = state["k"].shape[2]
             if T > M:  # static: more new tokens than the whole state holds
                 raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=T))
             check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
             W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
-            impl = self._implementation(q.dtype, cache_len=M, full_pass=False)
-        out = impl.code(q, k, v, W, k_s, self.causal_opts, state)
+            impl, opts = self.resolve(q.dtype, cache_len=M, full_pass=False)
+        out = impl.code(q, k, v, W, k_s, opts, state)
         return out.astype(v.dtype), next_state(state, k, v, W, q.dtype)
 
 

@@ -23,7 +23,8 @@ with XLA:CPU's products. The one op the tiled algorithm takes as an argument is 
 ``xla``; the CPU-tuned implementations (their own file) pass the XLA:CPU form of the same product.
 
 Declared here (``IMPLEMENTATIONS``): ``xla``, both directions; 'auto' takes it on GPUs and TPUs. On a CPU 'auto'
-takes the CPU-tuned implementations instead (``xla`` runs there when named).
+takes the CPU-tuned implementations instead (``xla`` runs there when named). The causal one declares the per-platform
+defaults of ``tile_budget``, ``heavy_scores_max_len`` and ``heavy_band_block`` (:data:`DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -404,6 +405,15 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
     return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy), batch_size=bs)
 
 
+def _check_resolved(opts: CausalOptions, **fields):
+    """Raise if a knob the call reads (``fields``: name -> whether it is read) is still ``dispatch.PLATFORM_DEFAULT``
+    (0): the layer resolves them for the platform (``common.platform_options``) before calling."""
+    unresolved = [f for f, read in fields.items() if read and getattr(opts, f) <= 0]
+    if unresolved:
+        raise ValueError(f"kdeformer: {', '.join(unresolved)} left at dispatch.PLATFORM_DEFAULT; resolve the options "
+                         f"for the platform first (common.platform_options): {opts}")
+
+
 def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale):
     """Causal estimator over T new tokens at positions [length, length+T).
 
@@ -412,6 +422,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
     B, H, T, d = q.shape
     c = opts.chunk_size
+    _check_resolved(opts, tile_budget=True, heavy_scores_max_len=opts.heavy_impl == "auto")
     qf, kf, vf = (x.astype(q.dtype) for x in (q, k, v))  # the compute dtype (scores, softmax: float32)
     hq, hk = lsh_codes(qf, W), lsh_codes(kf, W)
     if cache is None:
@@ -436,6 +447,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     q_tiles = jnp.moveaxis(q_buf.reshape(B, H, n_t, c, d), 2, 0)
     hq_tiles = jnp.moveaxis(hq_buf.reshape(B, H, n_t, c), 2, 0)
     route = heavy_route_of(opts, Kc.shape[2], full_pass=cache is None)
+    _check_resolved(opts, band_block=route == "band")
     sorted_keys = code_sort(HKc, n_valid)
     band = route == "band" and opts.heavy_capacity > 0
     Kc_state, Vc_state = Kc, Vc  # a decoding cache keeps its dtype; the products take the compute dtype
@@ -480,10 +492,25 @@ def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_sca
     return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale)[0]
 
 
+# Per-platform defaults of the knobs the tiled causal forms read (``dispatch.Implementation.defaults``; the config
+# leaves them at dispatch.PLATFORM_DEFAULT and the layer resolves them for the platform the call runs on).
+# cpu: the values XLA:CPU was tuned with (CPU results are those of before the knobs were per platform).
+# cuda / rocm / tpu: sized for an 80 GB accelerator, not yet measured on a GPU:
+#   tile_budget 2^29 logits per lax.map step (~2 GiB per float32 logits array; the checkpointed step's backward
+#   holds a few): a 32k causal full pass at B8 H8 (c=128, nl=2, m=128) runs its 256 query tiles in 2 groups and
+#   the band's 2048 (tile, block) pairs in one fused pass, where the CPU budget 2^22 took 256 + 128 serial steps;
+#   heavy_scores_max_len 2048: one [c, M] product per chunk is cheap on a GPU up to a few thousand keys;
+#   heavy_band_block 64 (128 on a TPU: the MXU's tile width).
+DEFAULTS = {
+    "tile_budget": {"cpu": 1 << 22, "cuda": 1 << 29, "rocm": 1 << 29, "tpu": 1 << 29},
+    "heavy_scores_max_len": {"cpu": 1024, "cuda": 2048, "rocm": 2048, "tpu": 2048},
+    "heavy_band_block": {"cpu": 64, "cuda": 64, "rocm": 64, "tpu": 128},
+}
+
 # 'auto' takes the portable implementation off a CPU (on a CPU: the CPU-tuned implementations, their own file)
 _AUTO = {"cuda": 0, "rocm": 0, "tpu": 0}
 IMPLEMENTATIONS = (
     Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=causal, directions=("causal",),
-                   test_config={"heavy_impl": "band", "heavy_band_block": 8}),
+                   test_config={"heavy_impl": "band", "heavy_band_block": 8}, defaults=DEFAULTS),
     Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=bidirectional, directions=("bidirectional",)),
 )

@@ -15,7 +15,7 @@ import dataclasses
 
 from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer import xla
-from longctx.attention.kdeformer.common import BidirOptions, CausalOptions
+from longctx.attention.kdeformer.common import BidirOptions, CausalOptions, platform_options
 from longctx.xla_cpu import scale_rows
 
 
@@ -41,23 +41,33 @@ def auto_route(cache_len: int, full_pass: bool, opts: CausalOptions) -> str:
 
 
 def _prefers(name: str):
-    """'auto' on a CPU tries the route ``name`` only for the calls whose cache length makes it :func:`auto_route`'s."""
+    """'auto' on a CPU tries the route ``name`` only for the calls whose cache length makes it :func:`auto_route`'s
+    (``heavy_scores_max_len`` at the value the implementation runs with there)."""
     def prefer(platform, *, cache_len: int, full_pass: bool, opts: CausalOptions, **_) -> bool:
-        return auto_route(cache_len, full_pass, opts) == name
+        return auto_route(cache_len, full_pass, platform_options(opts, _DECLARED[name], platform)) == name
 
     return prefer
 
 
+def _defaults(*keys):
+    """The CPU values (xla.DEFAULTS['cpu']) of the knobs an implementation reads. These implementations run only on
+    a CPU; 'default' is the same value, the answer for any other platform name asked (never run there)."""
+    return {k: {"cpu": xla.DEFAULTS[k]["cpu"], "default": xla.DEFAULTS[k]["cpu"]} for k in keys}
+
+
 _CPU = ("cpu",)
+# every route reads tile_budget, and 'auto' picks among them by heavy_scores_max_len; 'band' tiles by heavy_band_block
 IMPLEMENTATIONS = (
     Implementation("xla_cpu", platforms=_CPU, config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bidirectional,
                    directions=("bidirectional",)),
     Implementation("gather", platforms=_CPU, config={"impl": "gather"}, auto={"cpu": 0}, prefer=_prefers("gather"),
-                   code=gather, directions=("causal",)),
+                   code=gather, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
     Implementation("scores", platforms=_CPU, config={"impl": "scores"}, auto={"cpu": 0}, prefer=_prefers("scores"),
-                   code=scores, directions=("causal",)),
+                   code=scores, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
     Implementation("band", platforms=_CPU, config={"impl": "band"}, auto={"cpu": 0}, prefer=_prefers("band"),
-                   code=band, directions=("causal",), test_config={"heavy_band_block": 8}),
+                   code=band, directions=("causal",), test_config={"heavy_band_block": 8},
+                   defaults=_defaults("tile_budget", "heavy_scores_max_len", "heavy_band_block")),
 )
+_DECLARED = {i.name: i for i in IMPLEMENTATIONS}
 
 __all__ = ["IMPLEMENTATIONS", "auto_route", "band", "bidirectional", "gather", "scores"]
