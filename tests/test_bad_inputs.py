@@ -304,7 +304,8 @@ def make_context(root: Path) -> dict:
     mqar.data.synthetic.update({"num_pairs": 4, "num_keys": 8, "num_values": 8, "eval_rows": 8, "bins": 2})
     fma = ml_collections.ConfigDict(cfg.to_dict())
     fma.model.attention.name = "fma"
-    fma.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64, "impl": "xla"})
+    fma.model.attention.fma = ml_collections.ConfigDict({"m": 8, "p": 2, "max_len": 64})
+    fma.execution.attention.fma.impl = "xla"
     learned = ml_collections.ConfigDict(cfg.to_dict())
     learned.model.positions = "learned"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -49,7 +49,11 @@ SCRIPT = textwrap.dedent(
         c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
         c.model.positions = "none"
         c.model.attention.name = method
-        c.model.attention[method] = {k: v for k, v in case.cfg.items() if not (impl and k == "impl")}
+        exec_keys = attention.execution_keys(method)
+        c.model.attention[method] = {k: v for k, v in case.cfg.items() if k not in exec_keys}
+        for k, v in case.cfg.items():  # the case's execution settings go to their section (impl= here wins)
+            if k in exec_keys and not (impl and k == "impl"):
+                c.execution.attention[method][k] = v
         if c.model.attention[method].get("max_len", seq_len) < seq_len:  # levels sized for the row (fma)
             c.model.attention[method].max_len = seq_len
         c.train.seq_len, c.train.window, c.train.batch_size, c.train.steps, c.train.warmup_steps = seq_len, window, 8, 10, 1
