@@ -26,11 +26,12 @@ def _knobs(cls) -> list[str]:
 
 
 def _impls(cls):
+    """Every declaration of each direction (a name may be declared once per direction, with its own knobs)."""
     out = []
     for causal in (True, False):
         if (causal and cls.supports_causal) or (not causal and cls.supports_bidirectional):
             out.extend(cls.implementations(causal=causal))
-    return {i.name: i for i in out}.values()
+    return out
 
 
 @pytest.mark.parametrize("name", attention.names())
