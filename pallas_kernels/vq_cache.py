@@ -14,8 +14,8 @@ block, one shared softmax). This module imports only JAX, NumPy, that reference 
 
 Layout. Stage 0 stays in XLA (and is differentiated by JAX): the blocked queries, the extended key/value/code
 arrays (the carried band is prepended as extended block 0, so extended block ``e`` is block ``e-1``) and the
-band bias split into its previous-block and present-block halves ``BP, BR [B·H, R, L, L]``. Because the bias
-and the band validity are precomputed, any ``1 <= M <= L`` works. The kernels:
+band bias ``[B·H, R, L, 2L]`` (its previous-block and present-block halves, read as one (L, 2L) block). Because
+the bias and the band validity are precomputed, any ``1 <= M <= L`` works. The kernels:
 
 * **forward** -- grid ``(B·H, R, Dv/tv)``, semantics ``("parallel", "arbitrary", "arbitrary")``. At ``j = 0``
   of query block ``r`` the probabilities of the three groups (cache ``q_u·Cᵀ + log N``, previous block,
@@ -32,11 +32,17 @@ and the band validity are precomputed, any ``1 <= M <= L`` works. The kernels:
   ``dv`` (``onehotᵀ·h_{r+1}``) and ``∂/∂μ_0``: ``h_r = (P_cᵀ·dO_r + N_r h_{r+1}) / max(N_r, 1)``, with the
   counts stepped back exactly. No gradient reaches the codebook or the counts (§9).
 
-Dtypes: inputs fp32 or bf16 (q, k̂, v stored in bf16 when all three are bf16); the bf16 ``q·k̂ᵀ`` and one-hot
-folds use bf16 MXU operands with fp32 accumulation, everything else (softmax, ``μ``, P·V) is fp32. The output
-and state are in ``promote(dtype, float32)`` like the reference.
+Dtypes: inputs fp32 or bf16 (q, k̂, v stored in bf16 when they and the carried band are all bf16; never round a
+wider input). With bf16 storage every product takes bf16 MXU operands with fp32 accumulation: ``q·k̂ᵀ``, the
+one-hot folds, ``P·V`` and ``P·μ`` (the probabilities and the fp32 running means cast down first), ``dO·Vᵀ``,
+``dS·k̂``, ``dSᵀ·q``, ``Pᵀ·dO``; dO, the carried means and their cotangent enter in bf16 (the running means stay
+fp32 in VMEM). The cache scores ``q·Cᵀ`` and ``dS·C`` take the codebook as given: bf16 when it is bf16 (the layer
+casts it to its compute dtype), else fp32 (never rounded). Softmax statistics, the bias, ``μ`` and ``N`` are fp32;
+the count products with the one-hot are declared statistics (``precision.statistic``). The output and state are in
+``promote(dtype, float32)`` like the reference.
 
-Final state: when ``T % L == 0`` and ``M == L`` the kernel's last fold *is* the new carried aggregate;
+Final state: when ``T % L == 0``, ``M == L`` and the storage is fp32 the kernel's last fold *is* the new carried
+aggregate;
 otherwise the aggregate is computed in XLA by the reference's ``final_state``.
 
 Support (:func:`unsupported_reasons`): on TPU (Mosaic), ``L % 8 == 0`` and a VMEM estimate computed from
@@ -56,6 +62,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import vq_cache_gpu
+from pallas_kernels.precision import statistic
 from pallas_kernels.vq_cache_ref import (
     KERNEL_DTYPES,
     NEG,
@@ -75,6 +82,8 @@ TV_CANDIDATES = (512, 256, 128)
 PLATFORMS = ("tpu", "cuda")  # 'tpu': the kernels of this module; 'cuda': pallas_kernels.vq_cache_gpu
 DTYPES = KERNEL_DTYPES
 f32 = jnp.float32
+# the per-code counts folded and unfolded inside the kernels (products with a one-hot, exact integers): statistics
+COUNTS = "per-code counts of the compressive cache (state)"
 
 
 # ----------------------------------------------------------------------------- block plans (VMEM budget)
@@ -96,8 +105,8 @@ def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype):
     idt = jnp.dtype(in_dtype)
     common_in = [("q", (L, Dk), idt), ("k_prev", (L, Dk), idt), ("k_pres", (L, Dk), idt),
                  ("v_prev", (L, tv), idt), ("v_pres", (L, tv), idt), ("z_prev", (1, L), jnp.int32),
-                 ("valid_prev", (1, L), f32), ("valid_pres", (1, L), f32), ("C", (S, Dk), f32),
-                 ("bias_prev", (L, L), f32), ("bias_pres", (L, L), f32), ("mu0", (S, tv), f32),
+                 ("valid_prev", (1, L), jnp.int32), ("valid_pres", (1, L), jnp.int32), ("C", (S, Dk), f32),
+                 ("bias", (L, 2 * L), f32), ("mu0", (S, tv), idt),
                  ("n0_row", (SUB, S), f32), ("n0_col", (S, LANES), f32)]
     state_scratch = [("mu", (n_tv, S, tv), f32), ("n_row", (SUB, S), f32), ("n_col", (S, LANES), f32)]
     probs = [("p_cache", (L, S), f32), ("p_prev", (L, L), f32), ("p_pres", (L, L), f32)]
@@ -106,15 +115,16 @@ def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype):
         outs = [("o", (L, tv), f32), ("mu_fin", (S, tv), f32), ("n_fin", (SUB, S), f32)]
         return common_in, outs, state_scratch + probs, logits_tmp + [("acc", (L, tv), f32)]
     if kind == "bwd1":
-        ins = common_in + [("do", (L, tv), f32)]
+        ins = common_in + [("do", (L, tv), idt)]
         outs = [("lse", (L, LANES), f32), ("dq", (L, Dk), f32), ("dk_prev", (L, Dk), f32),
-                ("dk_pres", (L, Dk), f32), ("dbias_prev", (L, L), f32), ("dbias_pres", (L, L), f32),
+                ("dk_pres", (L, Dk), f32), ("dbias", (L, 2 * L), f32),
                 ("dv_prev", (L, tv), f32), ("dv_pres", (L, tv), f32)]
         dprobs = [("dp_cache", (L, S), f32), ("dp_prev", (L, L), f32), ("dp_pres", (L, L), f32)]
         return ins, outs, state_scratch + probs + dprobs, logits_tmp + [("ds", (L, S + 2 * L), f32)]
     if kind == "bwd2":
-        ins = [("q", (L, Dk), idt), ("C", (S, Dk), f32), ("z_prev", (1, L), jnp.int32), ("valid_prev", (1, L), f32),
-               ("lse", (L, LANES), f32), ("do", (L, tv), f32), ("gmu_fin", (S, tv), f32),
+        ins = [("q", (L, Dk), idt), ("C", (S, Dk), f32), ("z_prev", (1, L), jnp.int32),
+               ("valid_prev", (1, L), jnp.int32),
+               ("lse", (L, LANES), f32), ("do", (L, tv), idt), ("gmu_fin", (S, tv), idt),
                ("n_fin_row", (SUB, S), f32), ("n_fin_col", (S, LANES), f32)]
         outs = [("dv_fold", (L, tv), f32), ("dmu0", (S, tv), f32)]
         scratch = [("h", (S, tv), f32), ("n_row", (SUB, S), f32), ("n_col", (S, LANES), f32)]
@@ -190,9 +200,15 @@ def _tn(a, b):
     return jnp.dot(a.T, b, preferred_element_type=f32)
 
 
+def _code_operands(q, c):
+    """The operands of ``q·Cᵀ``: the codebook as passed (the compute dtype when the caller gives it so) with the
+    query in its dtype when they match, else both float32 (a float32 codebook is never rounded)."""
+    return (q, c) if q.dtype == c.dtype else (q.astype(f32), c.astype(f32))
+
+
 def _cache_logits(q, c, n_row):
     has = n_row > 0.0  # (1, S)
-    s_c = _nt(q.astype(f32), c) + jnp.where(has, jnp.log(jnp.maximum(n_row, 1.0)), NEG)
+    s_c = _nt(*_code_operands(q, c)) + jnp.where(has, jnp.log(jnp.maximum(n_row, 1.0)), NEG)
     return jnp.where(has, s_c, NEG), has
 
 
@@ -225,7 +241,8 @@ def _onehot(z_row, valid_row, S, L):
 def _fold(mu_s, j, onehot, vp, ncol_old):
     """μ[j] ← μ[j]·N/max(N',1) + onehot·v / max(N',1) for block r-1; returns the per-code count column."""
     blk = _nn(onehot.astype(vp.dtype), vp)  # [S, tv], exact one-hot sums, f32 accumulation
-    cnt_col = _nn(onehot.astype(f32), jnp.ones((onehot.shape[1], LANES), f32))  # [S, 128]
+    with statistic(COUNTS):
+        cnt_col = _nn(onehot.astype(f32), jnp.ones((onehot.shape[1], LANES), f32))  # [S, 128]
     n_new = ncol_old[:, 0:1] + cnt_col[:, 0:1]
     inv = 1.0 / jnp.maximum(n_new, 1.0)
     mu_s[j] = mu_s[j] * (ncol_old[:, 0:1] * inv) + blk * inv
@@ -235,7 +252,7 @@ def _fold(mu_s, j, onehot, vp, ncol_old):
 def _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref):
     @pl.when(r == 0)
     def _():
-        mu_s[j] = mu0_ref[...]
+        mu_s[j] = mu0_ref[...].astype(f32)
 
     @pl.when((r == 0) & (j == 0))
     def _():
@@ -243,23 +260,25 @@ def _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref):
         ncol_s[...] = n0col_ref[...]
 
 
-def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, bp_ref, br_ref,
+def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, b_ref,
                 mu0_ref, n0row_ref, n0col_ref,
                 o_ref, mufin_ref, nfin_ref,
                 mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, *, L: int, S: int):
     r, j = pl.program_id(1), pl.program_id(2)
     last_r, last_j = pl.num_programs(1) - 1, pl.num_programs(2) - 1
     _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
-    valid_p = validp_ref[...] > 0.5
+    valid_p = validp_ref[...] > 0
 
     @pl.when(j == 0)
     def _():
-        pc, pp, pr, _ = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], bp_ref[...], br_ref[...],
-                               nrow_s[0:1, :], valid_p, validr_ref[...] > 0.5, L)
+        pc, pp, pr, _ = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], b_ref[:, :L], b_ref[:, L:],
+                               nrow_s[0:1, :], valid_p, validr_ref[...] > 0, L)
         pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
 
     vp, vr = vp_ref[...], vr_ref[...]
-    out = _nn(pc_s[...], mu_s[j]) + _nn(pp_s[...], vp.astype(f32)) + _nn(pr_s[...], vr.astype(f32))
+    cd = vp.dtype  # the products' operands: the probabilities and cache means cast to the values' dtype
+    out = (_nn(pc_s[...].astype(cd), mu_s[j].astype(cd)) + _nn(pp_s[...].astype(cd), vp)
+           + _nn(pr_s[...].astype(cd), vr))
     o_ref[...] = out.astype(o_ref.dtype)
     onehot = _onehot(zp_ref[...], valid_p, S, L)
     cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])  # lag 2: after the output
@@ -271,26 +290,27 @@ def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, valid
     @pl.when(j == last_j)
     def _():
         ncol_s[...] = ncol_s[...] + cnt_col
-        nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+        with statistic(COUNTS):
+            nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
 
         @pl.when(r == last_r)
         def _():
             nfin_ref[...] = nrow_s[...]
 
 
-def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, bp_ref, br_ref,
+def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, b_ref,
                  mu0_ref, n0row_ref, n0col_ref, do_ref,
-                 lse_ref, dq_ref, dkp_ref, dkr_ref, dbp_ref, dbr_ref, dvp_ref, dvr_ref,
+                 lse_ref, dq_ref, dkp_ref, dkr_ref, db_ref, dvp_ref, dvr_ref,
                  mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, dpc_s, dpp_s, dpr_s, *, L: int, S: int):
     r, j = pl.program_id(1), pl.program_id(2)
     last_j = pl.num_programs(2) - 1
     _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
-    valid_p = validp_ref[...] > 0.5
+    valid_p = validp_ref[...] > 0
 
     @pl.when(j == 0)
     def _():
-        pc, pp, pr, lse = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], bp_ref[...], br_ref[...],
-                                 nrow_s[0:1, :], valid_p, validr_ref[...] > 0.5, L)
+        pc, pp, pr, lse = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], b_ref[:, :L], b_ref[:, L:],
+                                 nrow_s[0:1, :], valid_p, validr_ref[...] > 0, L)
         pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
         lse_ref[...] = jnp.broadcast_to(lse, (L, LANES))
         dpc_s[...] = jnp.zeros_like(pc)
@@ -299,11 +319,12 @@ def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, vali
 
     do = do_ref[...]
     vp, vr = vp_ref[...], vr_ref[...]
-    dpc_s[...] += _nt(do, mu_s[j])
-    dpp_s[...] += _nt(do, vp.astype(f32))
-    dpr_s[...] += _nt(do, vr.astype(f32))
-    dvp_ref[...] = _tn(pp_s[...], do)
-    dvr_ref[...] = _tn(pr_s[...], do)
+    cd = do.dtype  # the products' operands (dO in the compute dtype; P, μ, v cast to it)
+    dpc_s[...] += _nt(do, mu_s[j].astype(cd))
+    dpp_s[...] += _nt(do, vp.astype(cd))
+    dpr_s[...] += _nt(do, vr.astype(cd))
+    dvp_ref[...] = _tn(pp_s[...].astype(cd), do)
+    dvr_ref[...] = _tn(pr_s[...].astype(cd), do)
     onehot = _onehot(zp_ref[...], valid_p, S, L)
     cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])
 
@@ -314,15 +335,17 @@ def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, vali
         delta = (jnp.sum(pc * dpc, axis=1, keepdims=True) + jnp.sum(pp * dpp, axis=1, keepdims=True)
                  + jnp.sum(pr * dpr, axis=1, keepdims=True))  # = rowsum(dO ⊙ O)
         dsc, dsp, dsr = pc * (dpc - delta), pp * (dpp - delta), pr * (dpr - delta)
-        q = q_ref[...].astype(f32)
-        kp, kr = kp_ref[...].astype(f32), kr_ref[...].astype(f32)
-        dq_ref[...] = _nn(dsc, c_ref[...]) + _nn(dsp, kp) + _nn(dsr, kr)
-        dkp_ref[...] = _tn(dsp, q)
-        dkr_ref[...] = _tn(dsr, q)
-        dbp_ref[...] = dsp
-        dbr_ref[...] = dsr
+        q, kp, kr = q_ref[...], kp_ref[...], kr_ref[...]  # the compute dtype: dS cast to it
+        _, c = _code_operands(q, c_ref[...])
+        kd = kp.dtype
+        dq_ref[...] = _nn(dsc.astype(c.dtype), c) + _nn(dsp.astype(kd), kp) + _nn(dsr.astype(kd), kr)
+        dkp_ref[...] = _tn(dsp.astype(q.dtype), q)
+        dkr_ref[...] = _tn(dsr.astype(q.dtype), q)
+        db_ref[:, :L] = dsp
+        db_ref[:, L:] = dsr
         ncol_s[...] = ncol_s[...] + cnt_col
-        nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+        with statistic(COUNTS):
+            nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
 
 
 def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nrow_fin_ref, ncol_fin_ref,
@@ -334,18 +357,21 @@ def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nro
     def _():
         nrow_s[...] = nrow_fin_ref[...]
         ncol_s[...] = ncol_fin_ref[...]
-        h_s[...] = gmu_ref[...] / jnp.maximum(ncol_fin_ref[:, 0:1], 1.0)
+        h_s[...] = gmu_ref[...].astype(f32) / jnp.maximum(ncol_fin_ref[:, 0:1], 1.0)
 
-    onehot = _onehot(zp_ref[...], validp_ref[...] > 0.5, S, L).astype(f32)  # block r-1, folded at step r
+    onehot = _onehot(zp_ref[...], validp_ref[...] > 0, S, L).astype(f32)  # block r-1, folded at step r
     h_next = h_s[...]  # h_{r+1}
-    dvf_ref[...] = _tn(onehot, h_next)
-    nrow_s[...] = nrow_s[...] - _nt(jnp.ones((SUB, L), f32), onehot)  # counts are integers: exact
-    ncol = ncol_s[...] - _nn(onehot, jnp.ones((L, LANES), f32))
+    do = do_ref[...]
+    cd = do.dtype  # the products' operands (the one-hot is exact in it; h cast to it)
+    dvf_ref[...] = _tn(onehot.astype(cd), h_next.astype(cd))
+    with statistic(COUNTS):
+        nrow_s[...] = nrow_s[...] - _nt(jnp.ones((SUB, L), f32), onehot)  # counts are integers: exact
+        ncol = ncol_s[...] - _nn(onehot, jnp.ones((L, LANES), f32))
     ncol_s[...] = ncol
     s_c, has = _cache_logits(q_ref[...], c_ref[...], nrow_s[0:1, :])
     pc = jnp.where(has, jnp.exp(s_c - lse_ref[:, 0:1]), 0.0)
     n_r = ncol[:, 0:1]
-    h = (_tn(pc, do_ref[...]) + n_r * h_next) / jnp.maximum(n_r, 1.0)
+    h = (_tn(pc.astype(cd), do) + n_r * h_next) / jnp.maximum(n_r, 1.0)
     h_s[...] = h
 
     @pl.when(rr == pl.num_programs(2) - 1)
@@ -380,8 +406,7 @@ def _in_specs(H, L, S, Dk, R, tv, n_tv):
         pl.BlockSpec((None, 1, L), lambda b, r, j: (r, 0, 0)),  # validity, previous
         pl.BlockSpec((None, 1, L), lambda b, r, j: (r + 1, 0, 0)),  # validity, present
         pl.BlockSpec((None, S, Dk), lambda b, r, j: (jax.lax.rem(b, H), 0, 0)),  # codebook of head b % H
-        pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0)),  # band bias, previous half
-        pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0)),  # band bias, present half
+        pl.BlockSpec((None, None, L, 2 * L), lambda b, r, j: (b, r, 0, 0)),  # band bias: previous, present half
         # initial μ tile j: only read at r = 0; afterwards the index stays put (no DMA)
         pl.BlockSpec((None, S, tv), lambda b, r, j: (b, 0, jnp.where(r == 0, j, n_tv - 1))),
         per_bh((SUB, S)), per_bh((S, LANES)),  # initial counts (row and column layouts)
@@ -397,9 +422,10 @@ def _check_plan(kind, specs, *, L, S, Dk, Dv, tv, in_dtype):
         raise AssertionError(f"vq_cache {kind}: BlockSpecs {got} differ from the VMEM plan {want}")
 
 
-def _fwd_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, *, H, L, tv, interpret, platform):
-    """qb [BH, R·L, Dk]; kx [BH, (R+1)L, Dk]; vx [BH, (R+1)L, Dv]; zx [BH, R+1, 1, L] int32; validx [R+1, 1, L];
-    C [H, S, Dk]; bp, br [BH, R, L, L]; mu0 [BH, S, Dv]; n0row [BH, 8, S]; n0col [BH, S, 128]."""
+def _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, *, H, L, tv, interpret, platform):
+    """qb [BH, R·L, Dk]; kx [BH, (R+1)L, Dk]; vx [BH, (R+1)L, Dv]; zx [BH, R+1, 1, L] int32; validx [R+1, 1, L]
+    int32; C [H, S, Dk]; bias [BH, R, L, 2L] (previous-block half, present-block half); mu0 [BH, S, Dv];
+    n0row [BH, 8, S]; n0col [BH, S, 128]."""
     BH, RL, Dk = qb.shape
     R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
     n_tv = Dv // tv
@@ -420,25 +446,25 @@ def _fwd_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, *, H, L, tv,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
         name="vq_cache_fwd",
-    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bp, br, mu0, n0row, n0col)
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col)
 
 
-def _bwd1_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, do, *, H, L, tv, interpret, platform):
+def _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, *, H, L, tv, interpret, platform):
     BH, RL, Dk = qb.shape
     R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
     n_tv = Dv // tv
     in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv) + [pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))]
     row = lambda w: pl.BlockSpec((None, L, w), lambda b, r, j: (b, r, 0))  # noqa: E731
-    sq = pl.BlockSpec((None, None, L, L), lambda b, r, j: (b, r, 0, 0))
+    sq = pl.BlockSpec((None, None, L, 2 * L), lambda b, r, j: (b, r, 0, 0))
     tile = pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))
-    out_specs = [row(LANES), row(Dk), row(Dk), row(Dk), sq, sq, tile, tile]
+    out_specs = [row(LANES), row(Dk), row(Dk), row(Dk), sq, tile, tile]
     _check_plan("bwd1", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
     _, _, scratch, _ = _plan("bwd1", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
     shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_bwd1_kernel, L=L, S=S),
-        out_shape=(shp(BH, RL, LANES), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, R, L, L),
-                   shp(BH, R, L, L), shp(BH, RL, Dv), shp(BH, RL, Dv)),
+        out_shape=(shp(BH, RL, LANES), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, R, L, 2 * L),
+                   shp(BH, RL, Dv), shp(BH, RL, Dv)),
         grid=(BH, R, n_tv),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -446,7 +472,7 @@ def _bwd1_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, do, *, H, L
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
         name="vq_cache_bwd_logits",
-    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bp, br, mu0, n0row, n0col, do)
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col, do)
 
 
 def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv, interpret, platform):
@@ -483,33 +509,34 @@ def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv,
 
 
 # ----------------------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
-def _attend(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg):
     H, L, tv, interpret, platform = cfg
-    return _fwd_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col, H=H, L=L, tv=tv, interpret=interpret,
+    return _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, H=H, L=L, tv=tv, interpret=interpret,
                      platform=platform)
 
 
-def _attend_fwd(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg):
-    out = _attend(qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, cfg)
-    return out, (qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, out[2])
+def _attend_fwd(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg):
+    out = _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg)
+    return out, (qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, out[2])
 
 
 def _attend_bwd(cfg, res, g):
     H, L, tv, interpret, platform = cfg
-    qb, kx, vx, bp, br, mu0, zx, validx, C, n0row, n0col, nfin = res
+    qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, nfin = res
     do, gmu, _ = g
     kw = dict(H=H, L=L, tv=tv, interpret=interpret, platform=platform)
-    lse, dq, dkp, dkr, dbp, dbr, dvp, dvr = _bwd1_call(qb, kx, vx, zx, validx, C, bp, br, mu0, n0row, n0col,
-                                                       do.astype(f32), **kw)
+    sdt = qb.dtype  # dO and the final means' cotangent enter in the storage dtype (the products' operands)
+    do = do.astype(sdt)
+    lse, dq, dkp, dkr, dbias, dvp, dvr = _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, **kw)
     BH, S = nfin.shape[0], nfin.shape[2]
     nfin_col = jnp.broadcast_to(nfin[:, 0, :, None], (BH, S, LANES))
-    dvf, dmu0 = _bwd2_call(qb, zx, validx, C, lse, do.astype(f32), gmu.astype(f32), nfin, nfin_col, **kw)
+    dvf, dmu0 = _bwd2_call(qb, zx, validx, C, lse, do, gmu.astype(sdt), nfin, nfin_col, **kw)
     zeros = jnp.zeros((BH, L) + dkp.shape[2:], f32)
     dkx = jnp.concatenate([dkp, zeros], axis=1) + jnp.concatenate([zeros, dkr], axis=1)
     zv = jnp.zeros((BH, L, vx.shape[-1]), f32)
     dvx = jnp.concatenate([dvp + dvf, zv], axis=1) + jnp.concatenate([zv, dvr], axis=1)
-    return (dq.astype(qb.dtype), dkx.astype(kx.dtype), dvx.astype(vx.dtype), dbp, dbr, dmu0,
+    return (dq.astype(qb.dtype), dkx.astype(kx.dtype), dvx.astype(vx.dtype), dbias, dmu0.astype(mu0.dtype),
             None, None, None, None, None)
 
 
@@ -566,20 +593,24 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     zx = flat(zx).reshape(BH, R + 1, 1, L)
     band_pos = pos - L + jnp.arange(L)
     band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)
-    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).astype(f32).reshape(R + 1, 1, L)
+    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).astype(jnp.int32).reshape(R + 1, 1, L)
     bdb = pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
     bias = flat(skew_bias(bdb, L, 2 * L))  # [BH, R, L, 2L]
     n0 = jax.lax.stop_gradient(flat(agg_n.astype(f32)))
     n0row = jnp.broadcast_to(n0[:, None, :], (BH, SUB, S))
     n0col = jnp.broadcast_to(n0[:, :, None], (BH, S, LANES))
     cfg = (H, L, int(block_v), bool(interpret), platform)
-    o, mu_fin, n_fin = _attend(qb, kx, vx, bias[..., :L], bias[..., L:], flat(agg_mu.astype(f32)), zx, validx,
-                               jax.lax.stop_gradient(C).astype(f32), n0row, n0col, cfg)
+    # the carried means enter in the storage dtype (float32, or bfloat16 when q, k̂, v and the band are: the
+    # kernel's running means stay float32 in VMEM, and the new state's are then computed in XLA, exactly); a
+    # bfloat16 codebook with bfloat16 storage is used as given, any other is float32 (never rounded)
+    cdt = C.dtype if C.dtype == sdt else f32
+    o, mu_fin, n_fin = _attend(qb, kx, vx, bias, flat(agg_mu.astype(f32)).astype(sdt), zx, validx,
+                               jax.lax.stop_gradient(C).astype(cdt), n0row, n0col, cfg)
     o = o.reshape(B, H, Tp, Dv)[:, :, :T].astype(dt)
     ek = jnp.concatenate([band_k, k_hat.astype(dt)], axis=2)
     ev = jnp.concatenate([band_v, v.astype(dt)], axis=2)
     ez = jnp.concatenate([state["band_z"], z], axis=2)
-    if T % L == 0 and M == L:  # the kernel's last fold is exactly the new carried aggregate
+    if T % L == 0 and M == L and sdt == f32:  # the kernel's last fold is exactly the new carried aggregate
         new_mu = mu_fin.reshape(B, H, S, Dv).astype(dt)
         new_n = jax.lax.stop_gradient(n_fin[:, 0]).reshape(B, H, S).astype(dt)
     else:

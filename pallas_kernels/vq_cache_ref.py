@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.precision import acc_einsum, compute_dtype, float_dtype  # noqa: F401 (re-exported)
+from pallas_kernels.precision import acc_einsum, compute_dtype, float_dtype, statistic  # noqa: F401 (re-exported)
 
 NEG = -1e30
 sg = jax.lax.stop_gradient
@@ -49,12 +49,18 @@ def normalize(num, den):
     return num / den[..., None]
 
 
+# the per-code sums are statistics (the compressive cache's means and counts, carried as state; the codebook's
+# EMA sums of the keys): kept in the dtype the caller gives them, float32 or wider in every caller
+CODE_SUMS = "per-code sums: the cache's means and counts (state) and the codebook's EMA statistics"
+
+
 def code_sums(z, v, valid, S: int):
     """Per-code (sum [..., S, Dv], count [..., S]) of values v [..., L, Dv] with codes z [..., L] and validity
-    ``valid`` (broadcastable to z): a code-major one-hot [..., S, L] and a matmul."""
+    ``valid`` (broadcastable to z): a code-major one-hot [..., S, L] and a matmul (a declared statistic)."""
     w = jnp.broadcast_to(valid, z.shape).astype(v.dtype)
     onehot = (z[..., None, :] == jnp.arange(S, dtype=z.dtype)[:, None]).astype(v.dtype) * w[..., None, :]
-    return jnp.einsum("...sl,...ld->...sd", onehot, v), jnp.sum(onehot, axis=-1)
+    with statistic(CODE_SUMS):
+        return jnp.einsum("...sl,...ld->...sd", onehot, v), jnp.sum(onehot, axis=-1)
 
 
 class Ops(NamedTuple):

@@ -335,7 +335,7 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mo
     """causal_blocks (tiled scan, FlashAttention-style backward) == causal_parallel (serial): output, new state and
     the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0 (the shared
     law differentiates the empty state's calls only)."""
-    keep_budget = 1 << 30 if keep else 0  # the execution setting attention.transformer_vq.keep_budget
+    keep_budget = 1 << 30 if keep else -1  # causal_blocks keeps at most this many scores (-1: never)
     d = make_inputs(T=T, M=M, S=6, Dv=3)
     B, H, _, Dk = d["q"].shape
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
@@ -502,8 +502,9 @@ def test_long_forward_65536():  # ~5 s on CPU
 
 # (config, platform, T) -> the implementation it selects: impl='auto' and the settings older configs wrote
 # (impl 'xla' | 'pallas' | 'auto' with a form) select what they selected before the named implementations.
-# Shapes the TPU kernel takes (B = H = 2, S = L = Dk = 128): tiled_min_scores (2^23) is reached from T = 5462 on
-BIG = 1 << 14
+# Shapes the TPU kernel takes (B = H = 2, S = L = Dk = 128): the platform default of tiled_min_scores (xla.DEFAULTS:
+# 2^23 on a CPU, 2^26 on a GPU / TPU) is reached from T = 5462 on a CPU and from T = 43691 on an accelerator
+BIG = 1 << 16
 SELECTED = [
     (dict(), "cpu", 2, "xla_cpu"), (dict(), "cpu", BIG, "xla_cpu"),
     (dict(), "cuda", 2, "stream"), (dict(), "rocm", 256, "parallel"), (dict(), "rocm", BIG, "blocks"),
@@ -550,6 +551,27 @@ def test_auto_form_picks_tiles_by_call_size():
     q, k, v = qkv(12, seed=1)
     # jitted (the form is picked at trace time; an eager call compiles op by op)
     assert maxdiff(kit.out(core, q, k, v), kit.out(small_core(tiled_min_scores=1), q, k, v)) < 1e-5
+
+
+def test_numeric_knobs_run_with_the_platform_value():
+    """keep_budget, tiled_min_scores and search_chunk left at 0 take the value the implementation that reads them
+    declares for the call's platform (a GPU never runs the XLA:CPU tuning); a written value runs everywhere."""
+    from longctx.attention import dispatch
+
+    core = _kernel_sized()
+    shape = dict(B=2, H=2, S=128, L=128, M=128)
+    T = (1 << 23) // (2 * 2 * 384) + 128  # just past the CPU threshold, far below the accelerators'
+    assert xla.form_for(core.cfg, T=T, platform="cpu", **shape) == "blocks"
+    assert xla.form_for(core.cfg, T=T, platform="cuda", **shape) == "parallel"
+    assert xla.form_for(_kernel_sized(tiled_min_scores=1 << 23).cfg, T=T, platform="cuda", **shape) == "blocks"
+    assert core.implementation_for(B=2, T=T, dtype=jnp.float32, platform="rocm").name == "parallel"
+    impls = dispatch.by_name(core.implementations())
+    assert impls["blocks"].settings(core.cfg, "cuda") == {"search_chunk": 2048, "keep_budget": -1,
+                                                          "tiled_min_scores": 1 << 26}
+    assert impls["xla_cpu"].settings(core.cfg, "cpu") == {"search_chunk": 512, "keep_budget": 1 << 26,
+                                                          "tiled_min_scores": 1 << 23}
+    assert impls["pallas"].settings(core.cfg, "cuda") == {"search_chunk": 2048}
+    assert impls["pallas"].settings(_kernel_sized(search_chunk=64).cfg, "cuda") == {"search_chunk": 64}
 
 
 def test_first_argmax_matches_lax_argmax_ties_low_and_stays_in_range():

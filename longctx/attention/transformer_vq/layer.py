@@ -155,7 +155,7 @@ class TransformerVQAttention(AttentionCore):
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
 
     name = METHOD
-    EXECUTION_KEYS = ("impl", "form", "reduction", "keep_budget", "tiled_min_scores")
+    EXECUTION_KEYS = ("impl", "form", "reduction", "keep_budget", "tiled_min_scores", "search_chunk")
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -197,17 +197,18 @@ class TransformerVQAttention(AttentionCore):
                 # parallel) | 'parallel' | 'blocks' | 'stream'; with another implementation named, 'auto'
                 "form": "auto",
                 "reduction": "serial",  # 'serial' | 'matmul' | 'assoc' (the block-parallel form's cross-block scan)
-                # the tiled causal form keeps its attention weights for the backward when a call has at most this
+                # The numeric knobs below default to dispatch.PLATFORM_DEFAULT (0): the value the implementation
+                # that reads them declares for the platform the call runs on (xla.DEFAULTS, xla_cpu.DEFAULTS, the
+                # kernel's search_chunk in pallas.py; a value written here runs as written on every platform).
+                # The tiled causal form keeps its attention weights for the backward when a call has at most this
                 # many scores B*H*T*(S+2L) (fp32 entries, held from each layer's forward to its backward unless
-                # model.remat recomputes the block); larger calls recompute them; 0 always recomputes. 2^26 (256 MB
-                # per attention call) keeps the attention bench's 8k call (4 heads, L = S = 512; 50M entries)
-                "keep_budget": 1 << 26,
+                # model.remat recomputes the block); larger calls recompute them; -1 always recomputes
+                "keep_budget": dispatch.PLATFORM_DEFAULT,
                 # form='auto' takes the tiled form (blocks) for calls with at least this many scores B*H*T*(S+2L)
-                # (32 MB in fp32): below it the one-shot block-parallel form is as fast or faster (small blocks
-                # make the tile scan's per-iteration cost dominate: configs/main.py, batch 8, L = S = 64, windows
-                # of 256, trains about a sixth slower through the tiles), above it autodiff's [T, S+2L] residuals
-                # make the one-shot form memory-bound
-                "tiled_min_scores": 1 << 23,
+                # (1: every call of at least a block); below it the one-shot block-parallel form
+                "tiled_min_scores": dispatch.PLATFORM_DEFAULT,
+                # keys per step of the nearest-code search (a [chunk, S] distance tile per batch row and head)
+                "search_chunk": dispatch.PLATFORM_DEFAULT,
             }
         )
 
@@ -228,8 +229,12 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.beta >= 0.0, f"{p}.beta={cfg.beta}; must be >= 0")
         require(0.0 <= cfg.p_dropsin < 1.0, f"{p}.p_dropsin={cfg.p_dropsin}; allowed: 0 <= p < 1")
         require(cfg.rel_dim >= 0 and cfg.rel_dim % 2 == 0, f"{p}.rel_dim={cfg.rel_dim}; must be even and >= 0")
-        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
-        require(cfg.tiled_min_scores >= 0, f"{p}.tiled_min_scores={cfg.tiled_min_scores}; must be >= 0")
+        require(cfg.keep_budget >= -1, f"{p}.keep_budget={cfg.keep_budget}; must be >= -1 (0: the platform's "
+                "default; -1: always recompute)")
+        require(cfg.tiled_min_scores >= 0, f"{p}.tiled_min_scores={cfg.tiled_min_scores}; must be >= 0 (0: the "
+                "platform's default; 1: every call of at least a block is tiled)")
+        require(cfg.search_chunk >= 0, f"{p}.search_chunk={cfg.search_chunk}; must be >= 0 (0: the platform's "
+                "default)")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
         # impl: this direction's implementations, plus 'xla' and 'pallas' as older configs wrote them (a
         # bidirectional core ran its encoder whatever impl said)
@@ -383,7 +388,7 @@ class TransformerVQAttention(AttentionCore):
 
         plat = platform or dispatch.current_platform()
         H, S, L, M = self.num_heads, self.S, self.L, self.M
-        form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M) if self.causal else "encoder"
+        form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M, platform=plat) if self.causal else "encoder"
         shapes = dict(L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype, reduction=self.cfg.reduction,
                       form=form)
         impls = self.implementations(causal=self.causal)

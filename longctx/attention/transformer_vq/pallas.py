@@ -32,9 +32,19 @@ def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="f
 
 
 def run(core, choice, pre, v, C, state):
-    """One causal call through the kernel (``choice``: interpret mode and the platform it lowers for)."""
-    k_hat, z, err2, c_z = xla.stvq(pre["k"], C)
-    args = (pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, C, state)
+    """One causal call through the kernel (``choice``: interpret mode and the platform it lowers for).
+
+    The kernel takes the band scores ``bd = (q + v')·r'ᵀ`` [B, H, T, M+1] (float32) and forms each tile's band bias
+    itself. Its matmul operands arrive in the compute dtype (the values' dtype): k̂ (``stvq`` keeps it), the
+    codebook (cast here; the EMA statistics it comes from stay float32) and the carried band's keys and values
+    (cast here: a band a bfloat16 call wrote holds bfloat16 values, so the cast is exact); the carried cache
+    means and counts stay float32 state."""
+    settings = IMPLEMENTATIONS[0].settings(core.cfg, choice.platform)
+    k_hat, z, err2, c_z = xla.stvq(pre["k"], C, chunk=settings["search_chunk"])
+    cd = v.dtype
+    band = {"band_k": state["band_k"].astype(cd), "band_v": state["band_v"].astype(cd)}
+    args = (pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, jax.lax.stop_gradient(C).astype(cd),
+            {**state, **band})
     call = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=choice.interpret,
                              platform=choice.platform)
     mesh = row_split.active_mesh(*args[:5])
@@ -61,7 +71,8 @@ def prefer(platform, *, form: str | None = None, **_) -> bool:
 IMPLEMENTATIONS = (
     Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=reasons,
                    config={"impl": "pallas", "reduction": "serial"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                   prefer=prefer, code=sys.modules[__name__], directions=("causal",)),
+                   prefer=prefer, code=sys.modules[__name__], directions=("causal",),
+                   defaults={"search_chunk": xla.SEARCH_CHUNK}),  # the key quantization before the kernel
 )
 
 __all__ = ["IMPLEMENTATIONS", "code_sums", "prefer", "reasons", "run"]

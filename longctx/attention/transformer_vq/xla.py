@@ -25,7 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
+from pallas_kernels.precision import statistic
 from pallas_kernels.vq_cache_ref import (
     NEG,
     PLAIN,
@@ -50,18 +52,26 @@ sg = jax.lax.stop_gradient
 
 
 # ----------------------------------------------------------------------------- STVQ
+# the nearest-code search runs in float32 or wider whatever the compute dtype (docs/methods/transformer_vq.md §10.6:
+# every device and every implementation assign the same codes, which a bfloat16 product would not on near ties):
+# a statistic, like the codebook's EMA sums it decides
+SEARCH = "nearest-code search in float32 (the codes every device and implementation agree on)"
+
+
 def nearest(k, C, half_c2):
     """(z, d2min) of keys k [B,H,t,Dk] against codes C [H,S,Dk] with half_c2 = |c|^2 / 2 [H,S]:
     argmin ||k - c||^2 = argmax (k.c - |c|^2 / 2), d^2 = |k|^2 - 2 max(.)."""
-    g = jnp.einsum("bhtd,hsd->bhts", k, C) - half_c2[:, None, :]
+    with statistic(SEARCH):
+        g = jnp.einsum("bhtd,hsd->bhts", k, C) - half_c2[:, None, :]
     return jnp.argmax(g, axis=-1).astype(jnp.int32), jnp.sum(k * k, -1) - 2.0 * jnp.max(g, -1)
 
 
 def stvq(k, C, *, chunk: int = 512, nearest: Callable = nearest):
     """Straight-through VQ (§2.2). k: [B, H, T, Dk]; C: [H, S, Dk] (read under stop_gradient).
 
-    Returns (k_hat, z, err2, c_z): k_hat = k + sg(c_z - k) (value c_z, Jacobian I),
-    z = argmin_s ||k - c_s||^2 in >= fp32 (ties -> lowest index), err2 = relu(min d^2), c_z = sg(C)[z].
+    Returns (k_hat, z, err2, c_z): k_hat = k + sg(c_z - k) (value c_z, Jacobian I) in k's dtype (the compute dtype:
+    bfloat16 keys give a bfloat16 k_hat), z = argmin_s ||k - c_s||^2 in >= fp32 (ties -> lowest index),
+    err2 = relu(min d^2), c_z = sg(C)[z] (>= fp32).
     The search runs over ``chunk`` keys at a time (a [chunk, S] distance tile instead of one [T, S] tensor),
     each by ``nearest(keys, C, half_c2)``.
     """
@@ -77,7 +87,7 @@ def stvq(k, C, *, chunk: int = 512, nearest: Callable = nearest):
         z, d2min = jax.lax.map(lambda x: nearest(x, Cf, half_c2), kc)
         z, d2min = (jnp.moveaxis(x, 0, 2).reshape(B, H, n * chunk)[:, :, :T] for x in (z, d2min))
     c_z = gather_codes(Cf, z)
-    k_hat = kf + sg(c_z - kf)
+    k_hat = (kf + sg(c_z - kf)).astype(k.dtype)  # float32 or wider keys: unchanged
     return k_hat, z, jax.nn.relu(d2min), c_z
 
 
@@ -92,16 +102,20 @@ def band_scores(q_v, r):
 
 
 # ----------------------------------------------------------------------------- the size rule
-def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int) -> str:
+def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int, platform: str = "cpu",
+             min_scores: int | None = None) -> str:
     """The causal form ``cfg.form`` names, or for ``form='auto'`` the one a call of this size takes: the streaming
     form for calls shorter than a block (decoding) or a band longer than a block, else the tiled form when the
-    call's score tensor B*H*T*(S+2L) has at least ``cfg.tiled_min_scores`` entries (serial reduction), else the
-    one-shot block-parallel form."""
+    call's score tensor B*H*T*(S+2L) has at least ``min_scores`` entries (serial reduction), else the one-shot
+    block-parallel form. ``min_scores``: by default ``cfg.tiled_min_scores`` as the tiled form declares it for
+    ``platform`` (:data:`DEFAULTS`; 1: every call of at least a block is tiled)."""
     if cfg.form != "auto":
         return cfg.form
     if not (M <= L and T >= L):
         return "stream"
-    big = B * H * T * (S + 2 * L) >= cfg.tiled_min_scores
+    if min_scores is None:
+        min_scores = _by_name()["blocks"].setting("tiled_min_scores", cfg.tiled_min_scores, platform)
+    big = B * H * T * (S + 2 * L) >= min_scores
     return "blocks" if cfg.reduction == "serial" and big else "parallel"
 
 
@@ -156,7 +170,8 @@ def causal_blocks(q_u, q_v, r, k_hat, z, v, C, state, *, L: int, M: int, q_tile:
     S codes (values = the lag-2 cache), the previous block and the causal present: a [q_tile, S + 2L]
     score tile whose working set stays in cache, instead of [T, S + 2L] scores, probabilities and masks
     held for autodiff. ``q_tile`` is reduced to a divisor of L. ``keep_budget``: a call with at most this many
-    scores B*H*T*(S+2L) keeps its attention weights from the forward for the backward (0: always recompute).
+    scores B*H*T*(S+2L) keeps its attention weights from the forward for the backward (0 or -1: always recompute;
+    the core passes the value its platform runs with).
     Same result and state as ``causal_parallel``. Returns (o [B,H,T,Dv], new_state).
     """
     B, H, T, _ = q_u.shape
@@ -460,11 +475,13 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
 
 
 # ----------------------------------------------------------------------------- running a form
-def attend(form: str, core, pre, v, C, state, *, ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES,
+def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES,
            quantize: Callable = stvq):
-    """One call of ``core`` (its L, M and execution settings) by ``form``: 'parallel' | 'blocks' | 'stream' |
-    'encoder'. ``pre``: the core's prepared q_u, q_v, r and normalized keys. Returns (o, new_state, (z, err2, c_z))."""
-    k_hat, z, err2, c_z = quantize(pre["k"], C)
+    """One call of ``core`` (its L, M and settings) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
+    ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's knobs
+    as they run on the platform (``Implementation.settings``: ``search_chunk``, and ``keep_budget`` for the tiled
+    form). Returns (o, new_state, (z, err2, c_z))."""
+    k_hat, z, err2, c_z = quantize(pre["k"], C, chunk=settings["search_chunk"])
     L, M, cfg = core.L, core.M, core.cfg
     bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
     if form == "encoder":
@@ -472,7 +489,7 @@ def attend(form: str, core, pre, v, C, state, *, ops: Ops = PLAIN, tiles: TileOp
         return o, None, (z, err2, c_z)
     if form == "blocks":
         o, new = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, v, C, state, L=L, M=M,
-                               keep_budget=cfg.keep_budget, ops=ops, tiles=tiles)
+                               keep_budget=settings["keep_budget"], ops=ops, tiles=tiles)
     elif form == "parallel":
         o, new = causal_parallel(pre["q_u"], bd(), k_hat, z, v, C, state, L=L, M=M, reduction=cfg.reduction,
                                  compute=v.dtype, ops=ops)
@@ -484,8 +501,10 @@ def attend(form: str, core, pre, v, C, state, *, ops: Ops = PLAIN, tiles: TileOp
 
 
 def run(core, choice, pre, v, C, state):
-    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``)."""
-    return attend(choice.name, core, pre, v, C, state)
+    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``), with the knobs
+    they declare as they run on the call's platform."""
+    settings = _by_name()[choice.name].settings(core.cfg, choice.platform)
+    return attend(choice.name, core, pre, v, C, state, settings=settings)
 
 
 code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the layer's vq_stats)
@@ -510,24 +529,58 @@ def is_form(name: str):
     return prefer
 
 
+# Per-platform defaults of the execution knobs these forms read (a knob left at dispatch.PLATFORM_DEFAULT takes the
+# value for the platform the call runs on). The CPU values are the ones the XLA:CPU forms were tuned with; the
+# accelerator values are reasoned, not yet measured on a GPU or TPU.
+SEARCH_CHUNK = {
+    # keys per step of the nearest-code search (stvq: a serial lax.map, a [B, H, chunk, S] distance tile per step)
+    "cpu": 512,
+    # an accelerator runs a 512-key step's matmul far below the step's fixed cost (a loop iteration, its launches):
+    # 2048 keys a step is a quarter of the steps at 256 MiB of float32 distances per step at B·H = 64, S = 512
+    # (not yet measured on a GPU)
+    "cuda": 2048, "rocm": 2048, "tpu": 2048,
+}
+DEFAULTS = {
+    "search_chunk": SEARCH_CHUNK,
+    # the tiled form keeps its attention weights (float32, B*H*T*(S+2L) entries per call) for the backward up to
+    # this many; -1: always recompute. cpu: 2^26 (256 MiB per call) keeps the attention bench's 8k call (4 heads,
+    # L = S = 512; 50M entries). On a GPU / TPU reading a kept weight back (4 bytes of HBM traffic) costs more than
+    # recomputing it (a Dk-long product on the tensor cores and one exp), so they recompute (not yet measured on
+    # a GPU)
+    "keep_budget": {"cpu": 1 << 26, "cuda": -1, "rocm": -1, "tpu": -1},
+    # form='auto' takes the tiled form for calls with at least this many scores B*H*T*(S+2L) (1: every call of at
+    # least a block). cpu: 2^23 (32 MB in float32): below it the one-shot form is as fast or faster (configs/main.py,
+    # batch 8, L = S = 64, windows of 256, trains about a sixth slower through the tiles), above it autodiff's
+    # [T, S+2L] residuals make it memory-bound. GPU / TPU: 2^26 (256 MiB per float32 score tensor, about 1 GiB of
+    # autodiff residuals per layer call): the one-shot form is a few large batched products, while each tile of the
+    # tiled form's scan is a loop step with its own launches, so the accelerators stay one-shot longer (not yet
+    # measured on a GPU)
+    "tiled_min_scores": {"cpu": 1 << 23, "cuda": 1 << 26, "rocm": 1 << 26, "tpu": 1 << 26},
+}
+
 # 'auto' on a GPU / TPU: the kernel first where it prefers the call (pallas.py, rank 0), then the call's form
 _AUTO = {"cuda": 1, "rocm": 1, "tpu": 1}
 _self = sys.modules[__name__]
+_SEARCH = {"search_chunk": SEARCH_CHUNK}
 IMPLEMENTATIONS = (
     # the block-parallel form (the kernel's reference) under autodiff
     Implementation("parallel", reasons=band_reasons, config={"impl": "parallel"}, auto=_AUTO,
-                   prefer=is_form("parallel"), code=_self, directions=("causal",)),
-    # its tiled form with a recomputing backward
+                   prefer=is_form("parallel"), code=_self, directions=("causal",), defaults=_SEARCH),
+    # its tiled form with a recomputing backward (form='auto' on a GPU / TPU reads its tiled_min_scores)
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
-                   prefer=is_form("blocks"), code=_self, directions=("causal",)),
+                   prefer=is_form("blocks"), code=_self, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
     Implementation("stream", config={"impl": "stream"}, auto=_AUTO, prefer=is_form("stream"), code=_self,
-                   directions=("causal",)),
+                   directions=("causal",), defaults=_SEARCH),
     # the bidirectional form (§2.5)
     Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, prefer=is_form("encoder"), code=_self,
-                   directions=("bidirectional",)),
+                   directions=("bidirectional",), defaults=_SEARCH),
 )
 
-__all__ = ["IMPLEMENTATIONS", "PLAIN_TILES", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons",
-           "causal_blocks", "causal_parallel", "causal_stream", "code_sums", "encoder_parallel", "form_for",
-           "gather_codes", "is_form", "nearest", "run", "stvq"]
+
+def _by_name() -> dict:
+    return dispatch.by_name(IMPLEMENTATIONS)
+
+__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "SEARCH", "SEARCH_CHUNK", "TileOps", "attend", "band_reasons",
+           "band_scores", "blocks_reasons", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
+           "encoder_parallel", "form_for", "gather_codes", "is_form", "nearest", "run", "stvq"]

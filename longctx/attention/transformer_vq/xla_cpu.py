@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from longctx.xla_cpu import mix, rowdot, rows_dot, scores, transposed
+from pallas_kernels.precision import statistic
 from pallas_kernels.vq_cache_ref import Ops, acc_einsum, causal_parallel, float_dtype
 
 
@@ -80,7 +81,8 @@ def first_argmax(g):
 def nearest(k, C, half_c2):
     """``xla.nearest`` heads-major: [H, B, chunk, S], the order of the head-batched matmul's output (in [B, H, ..]
     order XLA:CPU copied every distance tile into place, twice), the argmax by :func:`first_argmax`."""
-    g = jnp.einsum("bhtd,hsd->hbts", k, C) - half_c2[:, None, None, :]
+    with statistic(xla.SEARCH):
+        g = jnp.einsum("bhtd,hsd->hbts", k, C) - half_c2[:, None, None, :]
     z, g_max = (jnp.swapaxes(x, 0, 1) for x in (first_argmax(g), jnp.max(g, -1)))
     return z, jnp.sum(k * k, -1) - 2.0 * g_max
 
@@ -97,22 +99,32 @@ encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
 
 
 def run(core, choice, pre, v, C, state):
-    """One call: the encoder, or the causal form :func:`xla.form_for` picks for the call's size."""
+    """One call: the encoder, or the causal form :func:`xla.form_for` picks for the call's size (with this
+    implementation's knobs, :data:`DEFAULTS`)."""
+    settings = IMPLEMENTATIONS[0].settings(core.cfg, choice.platform)
     if not core.causal:
         form = "encoder"
     else:
         B, H, T, _ = v.shape
-        form = xla.form_for(core.cfg, B=B, H=H, T=T, S=core.S, L=core.L, M=core.M)
-    return xla.attend(form, core, pre, v, C, state, ops=OPS, tiles=TILES, quantize=stvq)
+        form = xla.form_for(core.cfg, B=B, H=H, T=T, S=core.S, L=core.L, M=core.M,
+                            min_scores=settings["tiled_min_scores"])
+    return xla.attend(form, core, pre, v, C, state, settings=settings, ops=OPS, tiles=TILES, quantize=stvq)
+
+
+# The knobs this implementation reads, with the XLA:CPU values (xla.DEFAULTS' cpu column, which they were tuned as).
+# It runs on a CPU only; 'default' answers a lookup for another platform with the same values.
+DEFAULTS = {key: {"cpu": table["cpu"], "default": table["cpu"]} for key, table in xla.DEFAULTS.items()}
 
 
 IMPLEMENTATIONS = (
     # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form itself), and what the older
-    # impl='xla' means there. Test settings: the tiled form with a recomputing backward (its one-shot form, below
-    # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
+    # impl='xla' means there. Test settings: the tiled form (every call of a block or more) with a recomputing
+    # backward (its one-shot form, below tiled_min_scores, runs in the contract cases and
+    # tests/attention/test_transformer_vq.py)
     Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
-                   test_config={"tiled_min_scores": 0, "keep_budget": 0}, auto={"cpu": 0}, code=sys.modules[__name__]),
+                   test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=sys.modules[__name__],
+                   defaults=DEFAULTS),
 )
 
-__all__ = ["IMPLEMENTATIONS", "OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
+__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
            "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "run", "score_dot", "stvq"]

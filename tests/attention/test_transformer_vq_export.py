@@ -1,0 +1,97 @@
+"""Transformer-VQ's GPU path holds no band-bias array in memory (pallas_kernels/vq_cache_gpu.py): the forward and
+backward of the layer as ``impl='auto'`` runs it on a GPU (the ``pallas`` implementation: the GPU form of the §9
+kernel), bfloat16, at T = 32k with the paper configs' block length L = 512, is lowered with ``jax.export`` for
+``cuda`` (lowering only, nothing is compiled), and the StableHLO text's tensor types are read outside the kernels'
+custom calls (whose Triton modules are string attributes): no value of shape ``[.., L, L]`` or ``[.., L, 2L]`` (a
+band bias per block, its previous / present halves, or their gradients) may appear. The kernels gather the bias
+from the band scores ``[.., T, M+1]`` and scatter its gradient back to that shape.
+
+The codebook has S = 256 codes so that the per-code sums' one-hot ``[.., S, L]`` (not a bias) cannot be mistaken
+for one.
+
+The same GPU path, traced at a small shape, takes bfloat16 into every matmul of its kernels (the shared reader of
+tests/attention/test_compute_dtype.py over the jaxpr, kernel bodies included): the CPU run of that test traces the
+TPU form, which is what a kernel named on a CPU runs."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longctx import attention
+from longctx.attention import dispatch
+
+T, L, S, H, D = 32768, 512, 256, 2, 64
+
+
+def _exported_text(monkeypatch) -> str:
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")  # 'auto' as a GPU run resolves it
+    cfg = attention.default_config("transformer_vq")
+    cfg.update({"block_len": L, "codebook_size": S})
+    core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=D, causal=True, rngs=nnx.Rngs(0))
+    assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16).name == "pallas"
+    graphdef, params, rest = nnx.split(core, nnx.Param, ...)
+
+    def loss(params, q, k, v):
+        out, _ = nnx.merge(graphdef, params, rest)(q, k, v)
+        return jnp.sum(out.astype(jnp.float32))
+
+    x = jax.ShapeDtypeStruct((1, H, T, D), jnp.bfloat16)
+    exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+                            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        params, x, x, x)
+    return exp.mlir_module()
+
+
+def _bias_shaped(text: str) -> list[str]:
+    """The tensor types of ``text`` (string attributes removed: the kernels' bodies) whose last two dims are
+    (L, L) or (L, 2L)."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    found = set()
+    for dims in re.findall(r"tensor<((?:\d+x)+)[a-z]", outside):
+        shape = tuple(int(d) for d in dims.rstrip("x").split("x"))
+        if len(shape) >= 2 and shape[-2:] in ((L, L), (L, 2 * L)):
+            found.add(f"tensor<{dims}...>")
+    return sorted(found)
+
+
+def test_gpu_forward_backward_holds_no_band_bias_array(monkeypatch):
+    text = _exported_text(monkeypatch)
+    assert "__gpu$xla.gpu.triton" in text and "vq_cache_gpu_bwd_q" in text  # the kernels are in the program
+    assert "tensor<" in text
+    found = _bias_shaped(text)
+    assert not found, f"[.., L, L] / [.., L, 2L] values outside the kernels (L = {L}): {found}"
+
+
+def test_gpu_path_takes_the_compute_dtype(monkeypatch):
+    from test_compute_dtype import defects
+
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    Dk, Dv = 16, 32  # S = 40 codes (64 after padding), L = 16: no statistic's last axis is a head width
+    cfg = attention.default_config("transformer_vq")
+    cfg.update({"block_len": 16, "codebook_size": 40})
+    core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=Dk, value_dim=Dv, causal=True,
+                           rngs=nnx.Rngs(0))
+    assert core.implementation_for(B=1, T=64, dtype=jnp.bfloat16).name == "pallas"
+    graphdef, params, rest = nnx.split(core, nnx.Param, ...)
+
+    def loss(params, q, k, v):
+        out, _ = nnx.merge(graphdef, params, rest)(q, k, v)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jnp.ones((1, H, 64, Dk), jnp.bfloat16)
+    v = jnp.ones((1, H, 64, Dv), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, q, v).jaxpr
+    assert "vq_cache_gpu_fwd" in str(jaxpr)
+    found = defects(jaxpr, {Dk, Dv})
+    assert not found, "float32 matmul operands on the GPU path:\n  " + "\n  ".join(found[:8])
+
+
+def test_the_reader_sees_bias_shaped_values():
+    """The reader has teeth: a [.., L, 2L] value is found, one inside a string attribute is not."""
+    text = ('%0 = stablehlo.add %a, %b : tensor<1x2x64x512x1024xf32>\n'
+            'stablehlo.custom_call @x() {backend_config = "tensor<4x512x512xf32>"} : () -> tensor<8xf32>')
+    assert _bias_shaped(text) == ["tensor<1x2x64x512x1024x...>"]
