@@ -20,8 +20,13 @@ touches: ``(0,)``, ``(−1, 0)`` causal with overlap, ``(−1, 0, 1)`` bidirecti
   that see no chunk of the tile are skipped), GPU grid ``(BH, Cp/Tc)`` looping over the query blocks that see the
   tile (Triton grids have no sequential axis). ``dk̂, dβ`` then flow through Phase A by JAX autodiff.
 
-Dtypes: fp32 or bf16 operands; scores by dots with fp32 accumulation, softmax statistics and accumulators fp32;
-outputs fp32. Only the ``rep`` chunk logit (eq. 16).
+Dtypes (DESIGN.md §7): fp32 or bf16 operands; :func:`eva_attend` casts q, k, v, k̂, β and the bias to their
+compute dtype (that of q and v) and the kernels keep them there: every product takes operands in the compute dtype
+with fp32 accumulation, the probabilities ``P`` and score gradients ``dS`` are cast down before their products (as
+flash kernels do), ``dO`` enters in the compute dtype; softmax statistics, ``lse``, ``Δ`` and accumulators are fp32.
+Outputs: ``o`` and ``dq, dk, dv`` in the compute dtype, ``lse`` and the chunk gradients ``dk̂, dβ`` (accumulated
+across grid steps on TPU) in fp32. Under fp32 operands every cast is the identity. Only the ``rep`` chunk logit
+(eq. 16).
 
 Attention dropout (``dropout_rate``, ``seeds``): on the normalised joint weights, as EVA's other implementations
 apply it (the weights the accumulator takes are multiplied by ``D = keep / (1 − rate)``, the normaliser is not);
@@ -34,7 +39,7 @@ Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up
 (:func:`gpu_plan`) local blocks are scored in key sub-tiles and chunk tiles of 64 (heads up to 64) or 32 (larger
 heads), and a window block's queries in sub-tiles of ``Tq`` rows (the window, halved while the register estimate
 of the dq kernel exceeds :data:`REG_WORDS_LIMIT`), with 4 or 8 warps; the plan's tiles are the tiles the kernels
-compile with.
+compile with, unless a call overrides them (:func:`eva_attend`'s tile and warp arguments: EVA's execution settings).
 
 Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128] and the
 register estimate within :data:`REG_WORDS_LIMIT` at a query sub-tile of at least 32 rows; TPU:
@@ -53,6 +58,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import hash_dropout
 from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offsets
+from pallas_kernels.precision import compute_dtype
 from pallas_kernels.precision import dot_nn as _nn
 from pallas_kernels.precision import dot_nt as _nt
 from pallas_kernels.precision import dot_tn as _tn
@@ -62,12 +68,16 @@ VMEM_LIMIT_BYTES = 48 * 2**20
 REG_WORDS_LIMIT = 192  # live 32-bit tile words per thread the GPU estimate allows (of 255 registers)
 PLATFORMS = ("tpu", "cuda")
 DTYPES = ("float32", "bfloat16")
+PLAN = -1  # a tile / warp setting that takes the plan's rule (gpu_plan on a GPU, whole windows on a TPU)
 
 
 # ----------------------------------------------------------------------------- support
 def chunk_tile(C: int, cap: int = 128) -> int:
     """Chunk tile Tc: a power of two in [16, cap] (Triton dots; TPU sublane-aligned); cap 64 or 32 on GPU."""
     return int(min(cap, max(16, 1 << max(C - 1, 1).bit_length())))
+
+
+_chunk_tile_rule = chunk_tile  # the rule, for eva_attend (whose chunk_tile argument is an override)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +288,7 @@ def _online(carry, s, valid, vals, drop):
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     lsum = alpha * lsum + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + _nn(p if drop is None else p * drop, vals.astype(f32))
+    acc = alpha * acc + _nn((p if drop is None else p * drop).astype(vals.dtype), vals)
     return m_new, lsum, acc
 
 
@@ -346,13 +356,13 @@ def _dq_kernel(*refs, g: _Geo):
     i = pl.program_id(1)
     for r0, rows in _row_tiles(g):
         q = q_ref[rows, :]
-        do = do_ref[rows, :].astype(f32)
+        do = do_ref[rows, :]
         lse, delta = lse_ref[rows, :], dl_ref[rows, :]
 
         def grad_q(dq, s, valid, keys, vals, drop, do=do, lse=lse, delta=delta):
             p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-            ds = _dscores(p, _nt(do, vals.astype(f32)), delta, drop)
-            return dq + _nn(ds, keys.astype(f32))
+            ds = _dscores(p, _nt(do, vals), delta, drop)
+            return dq + _nn(ds.astype(keys.dtype), keys)
 
         dq = jnp.zeros((g.Tq, dq_ref.shape[-1]), f32)
         for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
@@ -368,7 +378,7 @@ def _dq_kernel(*refs, g: _Geo):
             s, valid = _chunk_scores(g, q, kh, i, c0, r0)
             return grad_q(dq, s, valid, kh, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0))
 
-        dq_ref[rows, :] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq)
+        dq_ref[rows, :] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq).astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- local dk, dv (and bias) kernel
@@ -390,7 +400,7 @@ def _dlocal_kernel(*refs, g: _Geo):
     nq = pl.num_programs(1)
     for c0 in range(0, g.W, g.Tk):  # key sub-tiles of block j
         cols = slice(c0, c0 + g.Tk)
-        k, v = k_ref[cols, :], v_ref[cols, :].astype(f32)
+        k, v = k_ref[cols, :], v_ref[cols, :]
         dk = jnp.zeros((g.Tk, dk_ref.shape[-1]), f32)
         dv = jnp.zeros((g.Tk, dv_ref.shape[-1]), f32)
         for t, o in enumerate(g.offsets):
@@ -398,17 +408,17 @@ def _dlocal_kernel(*refs, g: _Geo):
             i = j - o
             ok = (i >= 0) & (i < nq)
             for r0, rows in _row_tiles(g):
-                q, do = q_ref[rows, :], do_ref[rows, :].astype(f32)
+                q, do = q_ref[rows, :], do_ref[rows, :]
                 s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0)
                 p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
                 drop = _local_drop(g, seed, i, r0, j, c0)
-                dv = dv + _tn(p if drop is None else p * drop, do)
+                dv = dv + _tn((p if drop is None else p * drop).astype(do.dtype), do)
                 ds = _dscores(p, _nt(do, v), dl_ref[rows, :], drop)
-                dk = dk + _tn(ds, q.astype(f32))
+                dk = dk + _tn(ds.astype(q.dtype), q)
                 if db_ref is not None:
                     db_ref[t, rows, cols] = ds
-        dk_ref[cols, :] = dk
-        dv_ref[cols, :] = dv
+        dk_ref[cols, :] = dk.astype(dk_ref.dtype)
+        dv_ref[cols, :] = dv.astype(dv_ref.dtype)
     if db_ref is not None:
         for t in range(n_lt, db_ref.shape[0]):  # tiles padded to a power-of-two count
             db_ref[t] = jnp.zeros(db_ref.shape[1:], f32)
@@ -421,9 +431,9 @@ def _chunk_grad_tile(g: _Geo, q, do, lse, delta, kh, beta, i, c0, r0: int, seed)
     s, valid = _chunk_scores(g, q, kh, i, c0, r0)
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
     drop = _chunk_drop(g, seed, i, r0, c0)
-    dbeta = _tn(p if drop is None else p * drop, do)
-    ds = _dscores(p, _nt(do, beta.astype(f32)), delta, drop)
-    return _tn(ds, q.astype(f32)), dbeta
+    dbeta = _tn((p if drop is None else p * drop).astype(do.dtype), do)
+    ds = _dscores(p, _nt(do, beta), delta, drop)
+    return _tn(ds.astype(q.dtype), q), dbeta
 
 
 def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo):
@@ -439,7 +449,7 @@ def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, 
     @pl.when(i >= _first_query_block(g, j))
     def _():
         for r0, rows in _row_tiles(g):
-            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
+            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :],
                                           dl_ref[rows, :], kh_ref[...], beta_ref[...], i, j * g.Tc, r0, seed)
             dkh_ref[...] += dkh
             dbeta_ref[...] += dbeta
@@ -454,7 +464,7 @@ def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest,
     def body(i, acc):
         for r0, _ in _row_tiles(g):
             rows = pl.ds(pl.multiple_of(i * g.W + r0, g.Tq), g.Tq)
-            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :].astype(f32), lse_ref[rows, :],
+            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :],
                                           dl_ref[rows, :], kh, beta, i, j * g.Tc, r0, seed)
             acc = (acc[0] + dkh, acc[1] + dbeta)
         return acc
@@ -526,12 +536,12 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, 
 
 def _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform):
     BH, Lp, _ = q.shape
-    outs = [jax.ShapeDtypeStruct((BH, Lp, v.shape[-1]), f32), jax.ShapeDtypeStruct((BH, Lp, 1), f32)]
+    outs = [jax.ShapeDtypeStruct((BH, Lp, v.shape[-1]), v.dtype), jax.ShapeDtypeStruct((BH, Lp, 1), f32)]
     return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [], _fwd_kernel, outs, interpret, platform)
 
 
 def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform):
-    outs = [jax.ShapeDtypeStruct(q.shape, f32)]
+    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [do, lse, delta], _dq_kernel, outs, interpret,
                   platform)[0]
 
@@ -548,7 +558,7 @@ def _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
         specs += [pl.BlockSpec((None, W, d), blk), pl.BlockSpec((None, W, dv), blk),
                   pl.BlockSpec((None, W, 1), blk), pl.BlockSpec((None, W, 1), blk)]
         args += [q, do, lse, delta]
-    outs = [jax.ShapeDtypeStruct((BH, Lp, d), f32), jax.ShapeDtypeStruct((BH, Lp, dv), f32)]
+    outs = [jax.ShapeDtypeStruct((BH, Lp, d), k.dtype), jax.ShapeDtypeStruct((BH, Lp, dv), v.dtype)]
     out_specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
     if bias is not None:
         Hb = bias.shape[0]
@@ -608,10 +618,10 @@ def _attend_fwd(q, k, v, kh, beta, bias, seeds, g, heads, interpret, platform, f
 
 def _attend_bwd(g, heads, interpret, platform, form, res, cts):
     q, k, v, kh, beta, bias, seeds, o, lse = res
-    do = cts[0].astype(f32)
+    do = cts[0].astype(v.dtype)  # dO in the compute dtype (a product operand of every backward kernel)
     # dS = P ⊙ (D ⊙ dP − Δ) + P ⊙ dlse with Δ = rowsum(dO ⊙ O) (O already holds the dropout D): a cotangent on the
-    # log-sum-exp enters as a shift of Δ
-    delta = jnp.sum(do * o, axis=-1, keepdims=True) - cts[1].astype(f32)
+    # log-sum-exp enters as a shift of Δ; Δ in fp32 (a statistic)
+    delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1, keepdims=True) - cts[1].astype(f32)
     dq = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform)
     dk, dv, db = _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
     dkh, dbeta = _dchunk(g, q, kh, beta, seeds, do, lse, delta, interpret, platform, form)
@@ -629,15 +639,20 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
                disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None, interpret: bool = False,
-               platform: str | None = None, key_tile: int | None = None, query_tile: int | None = None):
+               platform: str | None = None, key_tile: int | None = None, query_tile: int | None = None,
+               chunk_tile: int | None = None, num_warps: int | None = None):
     """Phase B by the kernels; same contract as :func:`eva_attend_reference` (kernel operands, ``q`` pre-scaled):
-    returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
+    returns ``(o [BH, Lp, dv], lse [BH, Lp])``, ``o`` in the compute dtype (that of q, k, v, to which k̂, β and the
+    bias are cast: module docstring) and ``lse`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
 
     ``dropout_rate`` > 0 with ``seeds`` (int32 ``[BH]``, :func:`pallas_kernels.hash_dropout.row_seeds`): attention
     dropout on the normalised weights by the hash mask of the module docstring, the same in the backward.
     ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters, the form of
     the chunk-gradient kernel and the tiles (GPU: :func:`gpu_plan`); in interpret mode it picks only those
-    (default the TPU form). ``key_tile`` / ``query_tile`` override the local key / query sub-tile (tests)."""
+    (default the TPU form). ``key_tile`` / ``query_tile`` / ``chunk_tile`` / ``num_warps`` (None or <= 0: the plan's)
+    override the local key sub-tile, the query sub-tile (both must divide W), the chunk tile (a power of two >= 16)
+    and the GPU warps: execution settings for sweeps; an override is not checked against the register or VMEM
+    estimates (the compiler has the last word)."""
     BH, Lp, d = q.shape
     dv = v.shape[-1]
     C = -(-L // P)
@@ -646,7 +661,7 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     if not 0.0 <= dropout_rate < 1.0 or (dropout_rate > 0) != (seeds is not None):
         raise ValueError(f"eva_attend: dropout_rate={dropout_rate} needs seeds (and seeds a rate in (0, 1))")
     plat = platform or {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
-    dtype = jnp.promote_types(q.dtype, v.dtype)
+    dtype = compute_dtype(q, k, v)
     reasons = unsupported_reasons("interpret" if interpret else plat, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r,
                                   dtype=dtype, dropout=dropout_rate > 0)
     if not interpret and plat == "cpu":
@@ -657,9 +672,18 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     if gpu:
         plan = gpu_plan(W=W, d=d, dv=dv, C=C, itemsize=jnp.dtype(dtype).itemsize, dropout=dropout_rate > 0)
     else:  # TPU: one [W, W] score tile per local block, chunk tiles of up to 128
-        plan = GpuPlan(W, W, chunk_tile(C, 128), 4, 0.0)
+        plan = GpuPlan(W, W, _chunk_tile_rule(C, 128), 4, 0.0)
+    if chunk_tile is not None and chunk_tile > 0:
+        if chunk_tile < 16 or chunk_tile & (chunk_tile - 1):
+            raise ValueError(f"eva_attend: chunk_tile={chunk_tile} must be a power of two >= 16")
+        plan = dataclasses.replace(plan, Tc=chunk_tile)
+    if num_warps is not None and num_warps > 0:
+        plan = dataclasses.replace(plan, num_warps=num_warps)
     Tc = plan.Tc
     Cp = -(-C // Tc) * Tc
+    # every operand of the kernels' products in the compute dtype (module docstring); the identity under fp32
+    q, k, v, k_hat, beta = (x.astype(dtype) for x in (q, k, v, k_hat, beta))
+    bias = None if bias is None else bias.astype(dtype)
     kh = jnp.pad(k_hat[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
     bt = jnp.pad(beta[:, :C], ((0, 0), (0, Cp - C), (0, 0)))
     offsets = local_offsets(e_l, e_r)
@@ -667,7 +691,8 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
         raise ValueError(f"eva_attend: bias has {bias.shape[1]} tiles for {len(offsets)} key-block offsets")
     if bias is not None and len(offsets) & (len(offsets) - 1):  # Triton blocks: a power-of-two tile count
         bias = jnp.pad(bias, ((0, 0), (0, (1 << (len(offsets) - 1).bit_length()) - len(offsets)), (0, 0), (0, 0)))
-    Tk, Tq = key_tile or plan.Tk, query_tile or plan.Tq
+    Tk = key_tile if key_tile is not None and key_tile > 0 else plan.Tk
+    Tq = query_tile if query_tile is not None and query_tile > 0 else plan.Tq
     if W % Tk or W % Tq:
         raise ValueError(f"eva_attend: key_tile={Tk} and query_tile={Tq} must divide W={W}")
     g = _Geo(W, P, L, C, Tc, Tk, Tq, plan.num_warps, offsets, causal, disjoint, e_l, e_r, bias is not None,
@@ -678,5 +703,5 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     return o, lse[..., 0]
 
 
-__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "GpuPlan", "chunk_tile", "eva_attend", "eva_attend_reference",
+__all__ = ["DTYPES", "PLAN", "PLATFORMS", "VMEM_LIMIT_BYTES", "GpuPlan", "chunk_tile", "eva_attend", "eva_attend_reference",
            "gpu_plan", "unsupported_reasons", "vmem_bytes"]

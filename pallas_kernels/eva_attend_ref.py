@@ -13,16 +13,19 @@ padding) and the local bias ``bias [Hb, n_lt, W, W]`` (``s·θ[bucket]`` of quer
 serves every block; ``Hb`` is 1 (shared by heads) or the number of heads). Attention dropout (``dropout_rate``,
 ``seeds [BH]``): the keep mask of :func:`dropout_multiplier` (:mod:`pallas_kernels.hash_dropout` at absolute query
 and key indices, chunk ``c`` at ``CHUNK_KEY_BASE + c``) on the normalised weights. The reference materialises the
-``[BH, Lp, Lp + Cp]`` logits, so it is for tests (small ``Lp``) only. This module imports only JAX and the dropout
-hash.
+``[BH, Lp, Lp + Cp]`` logits, so it is for tests (small ``Lp``) only. This module imports only JAX, the dropout
+hash and the precision helpers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import hash_dropout
+from pallas_kernels.precision import compute_dtype
 
 NEG = -1e30  # finite mask value, never -inf (§9.11)
 
@@ -93,24 +96,57 @@ def dropout_multiplier(seeds, q_pos, key_pos, chunk_ids, rate: float):
     return hash_dropout.multiplier(s, jnp.asarray(q_pos, jnp.int32)[:, None], kidx[None, :], rate)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _product(spec: str, a, b, cd):
+    """``einsum(spec, a, b)`` of fp32-held ``a``, ``b`` taken in the compute dtype ``cd`` with fp32 accumulation, as the
+    kernels take their products; its backward casts the cotangent to ``cd`` too (``dS``, ``dO`` as the kernels take
+    them) and returns fp32 cotangents accumulated in fp32 (each index of ``spec`` in two of its three terms)."""
+    return jnp.einsum(spec, a.astype(cd), b.astype(cd), preferred_element_type=jnp.float32)
+
+
+def _product_fwd(spec, a, b, cd):
+    return _product(spec, a, b, cd), (a, b)
+
+
+def _product_bwd(spec, cd, res, g):
+    a, b = res
+    ins, out = spec.split("->")
+    sa, sb = ins.split(",")
+    gc = g.astype(cd)
+    da = jnp.einsum(f"{out},{sb}->{sa}", gc, b.astype(cd), preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{sa},{out}->{sb}", a.astype(cd), gc, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
 def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
                          disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None):
-    """Phase B on kernel operands (see the module docstring). Returns ``(o [BH, Lp, dv], lse [BH, Lp])`` in fp32:
-    the normalised output and the log-sum-exp of each query's logits over its local and chunk candidates."""
+    """Phase B on kernel operands (see the module docstring). Returns ``(o [BH, Lp, dv], lse [BH, Lp])``: the
+    normalised output (in the compute dtype) and the log-sum-exp (fp32) of each query's logits over its local and
+    chunk candidates.
+
+    Precision, as the kernel (DESIGN.md §7): q, k, v, k̂, β and the bias are cast to the compute dtype (that of q,
+    k, v), the products take it with fp32 accumulation, the weights are cast to it before their product with the
+    values; the softmax is fp32. Under fp32 operands every cast is the identity."""
     f32 = jnp.float32
-    q, k, v, k_hat, beta = (x.astype(f32) for x in (q, k, v, k_hat, beta))
+    cd = compute_dtype(q, k, v)
+    # values of the compute dtype, held in fp32 so that autodiff sums the gradient pieces in fp32 (as the kernels
+    # accumulate them) and rounds once, at the cast back to the inputs' dtype
+    q, k, v, k_hat, beta = (x.astype(cd).astype(f32) for x in (q, k, v, k_hat, beta))
     BH, Lp, _ = q.shape
     Cp = k_hat.shape[1]
     pos = jnp.arange(Lp)
     lmask = local_mask(pos, pos, pos < L, W=W, e_l=e_l, e_r=e_r, causal=causal)
-    a_loc = jnp.einsum("bqd,bkd->bqk", q, k)
+    a_loc = _product("bqd,bkd->bqk", q, k, cd)
     if bias is not None:
-        fb = full_bias(bias.astype(f32), Lp, W, local_offsets(e_l, e_r))  # [Hb, Lp, Lp]
+        fb = full_bias(bias.astype(cd).astype(f32), Lp, W, local_offsets(e_l, e_r))  # [Hb, Lp, Lp]
         head = jnp.arange(BH) % heads if fb.shape[0] > 1 else jnp.zeros((BH,), jnp.int32)
         a_loc = a_loc + fb[head]
     cids = jnp.arange(Cp)
     cmask = chunk_mask(pos, cids, cids * P < L, P=P, W=W, e_l=e_l, e_r=e_r, causal=causal, disjoint=disjoint)
-    a_ch = jnp.einsum("bqd,bcd->bqc", q, k_hat)
+    a_ch = _product("bqd,bcd->bqc", q, k_hat, cd)
     logits = jnp.concatenate([jnp.where(lmask, a_loc, NEG), jnp.where(cmask, a_ch, NEG)], axis=-1)
     mask = jnp.concatenate([lmask, cmask], axis=-1)
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -119,8 +155,8 @@ def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: i
     lse = (m + jnp.log(den))[..., 0]
     if dropout_rate > 0:  # on the normalised weights: drop the unnormalised ones, keep the normaliser
         p = p * dropout_multiplier(seeds, pos, pos, cids, dropout_rate)
-    o = jnp.einsum("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1)) / den
-    return o, lse
+    o = _product("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1), cd) / den
+    return o.astype(cd), lse
 
 
 __all__ = ["NEG", "chunk_mask", "dropout_multiplier", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",

@@ -20,8 +20,11 @@ Backward: ``custom_vjp`` whose backward is ``jax.vjp`` of the jnp reference (Pha
 ``O(L·d)``; a hand-written backward kernel would not pay off). So there is no kernel backward to test:
 the kernel test skips its gradient check and says so.
 
-Dtypes: fp32 and bf16 inputs; everything is computed in fp32 (inputs are upcast on load) and the
-outputs are fp32, like the reference.
+Dtypes: fp32 and bf16 inputs, as the reference (DESIGN.md §7): q, k, v, the noise and the parameters enter in
+the compute dtype (the inputs' dtype; the wrapper casts the float32 parameters and noise to it), every product
+takes operands in it with fp32 accumulation (the segment matrix is exact in it; the chunk means, ``ω`` and the
+weights are cast down before their products), LayerNorm, log-features and softmax run in fp32, and the outputs
+``k̂``, ``β`` are fp32 statistics.
 
 Platforms: TPU (Mosaic) and GPU (Triton) lowering are exercised by
 ``tests/kernels/test_eva_chunks.py`` through ``jax.export``; on CPU the kernel runs only in
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_summaries
+from pallas_kernels.precision import compute_dtype
 from pallas_kernels.precision import dot_nt as _nt
 
 GROUP = 16  # chunks per kernel step (multiple of 8 for TPU sublanes, >= 16 for Triton dots)
@@ -129,20 +133,21 @@ def _layer_norm(x, g, b):
 def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbeta_ref, kw_ref, kb_ref, kg_ref,
             kbeta_ref, khat_ref, beta_ref, *, P: int, G: int, scale: float, opts: EVAOptions):
     T = G * P
+    cd = k_ref.dtype  # the compute dtype: every product's operands (module docstring)
     t_idx = jax.lax.broadcasted_iota(jnp.int32, (G, T), 1)
     start = jax.lax.broadcasted_iota(jnp.int32, (G, T), 0) * P  # no integer division (no sign op on Mosaic)
     seg = (t_idx >= start) & (t_idx < start + P)
-    segf = seg.astype(jnp.float32)
+    segf = seg.astype(cd)  # 0 / 1: exact in any float dtype
     # each token tile loaded where it is used (gpu_words): q for its means, k through the logits, v for β
-    q_bar = jnp.dot(segf, q_ref[...].astype(jnp.float32), preferred_element_type=jnp.float32) / P
-    k = k_ref[...].astype(jnp.float32)
+    q_bar = jnp.dot(segf, q_ref[...], preferred_element_type=jnp.float32) / P
+    k = k_ref[...]
     k_bar = jnp.dot(segf, k, preferred_element_type=jnp.float32) / P
     if opts.chunk_rep == "identity":
         k_hat, q_hat = k_bar, q_bar
     else:
         use_ln = opts.adaptive_proj != "no-ln"
-        k_hat = jnp.dot(k_bar, kw_ref[...], preferred_element_type=jnp.float32) + kb_ref[...]
-        q_hat = jnp.dot(q_bar, qw_ref[...], preferred_element_type=jnp.float32) + qb_ref[...]
+        k_hat = jnp.dot(k_bar.astype(cd), kw_ref[...], preferred_element_type=jnp.float32) + kb_ref[...]
+        q_hat = jnp.dot(q_bar.astype(cd), qw_ref[...], preferred_element_type=jnp.float32) + qb_ref[...]
         if use_ln:
             k_hat = _layer_norm(k_hat, kg_ref[...], kbeta_ref[...])
             q_hat = _layer_norm(q_hat, qg_ref[...], qbeta_ref[...])
@@ -153,8 +158,9 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbe
     else:
         mu = 0.5 * (q_hat + k_hat)
     omega = mu + eps_ref[...].astype(jnp.float32)
-    dots = _nt(omega, k)  # (G, T)
-    sq = 0.5 * _nt(jnp.ones((1, k.shape[1]), jnp.float32), k * k)  # (1, T): ½‖k_t‖²
+    dots = _nt(omega.astype(cd), k)  # (G, T)
+    kf = k.astype(jnp.float32)
+    sq = 0.5 * _nt(jnp.ones((1, k.shape[1]), jnp.float32), kf * kf)  # (1, T): ½‖k_t‖², a row of fp32 norms
     if opts.rf_scale == "released":
         ell = scale * (dots - sq)
     else:
@@ -164,7 +170,7 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbe
     m = jnp.max(ell, axis=1, keepdims=True)
     p = jnp.where(mask, jnp.exp(ell - m), 0.0)
     den = jnp.sum(p, axis=1, keepdims=True)
-    beta = jnp.dot(p, v_ref[...].astype(jnp.float32), preferred_element_type=jnp.float32) / jnp.maximum(den, 1e-30)
+    beta = jnp.dot(p.astype(cd), v_ref[...], preferred_element_type=jnp.float32) / jnp.maximum(den, 1e-30)
     khat_ref[...] = k_hat.astype(khat_ref.dtype)
     beta_ref[...] = beta.astype(beta_ref.dtype)
 
@@ -182,7 +188,8 @@ def _compiler_params(platform, warps: int = 4):
 
 
 def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interpret, platform):
-    """q, k: [B,H,N,d]; v: [B,H,N,dv]; N = C_pad·P; valid_rows [N/T, 1, T] f32; eps [B,H,C_pad,d]."""
+    """q, k: [B,H,N,d]; v: [B,H,N,dv]; N = C_pad·P; valid_rows [N/T, 1, T] f32; eps [B,H,C_pad,d]; all but the
+    validity rows in one compute dtype (the parameters are cast to it here)."""
     B, H, N, d = q.shape
     dv = v.shape[-1]
     T = G * P
@@ -192,7 +199,7 @@ def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interp
     grp = lambda dim: pl.BlockSpec((None, None, G, dim), lambda b, h, i: (b, h, i, 0))  # noqa: E731
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))  # noqa: E731
     order = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
-    pr = [params[n].astype(jnp.float32).reshape((d, d) if n.endswith("_w") else (1, d)) for n in order]
+    pr = [params[n].astype(q.dtype).reshape((d, d) if n.endswith("_w") else (1, d)) for n in order]
     in_specs = [tok(d), tok(d), tok(dv), pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0)), grp(d)]
     in_specs += [full(x.shape) for x in pr]
     kernel = functools.partial(_kernel, P=P, G=G, scale=scale, opts=opts)
@@ -217,9 +224,10 @@ def _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, 
     flat = lambda x: padc(x).reshape(B, H, C_pad * P, x.shape[-1])  # noqa: E731
     valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
     valid_rows = valid.reshape(C_pad // G, 1, G * P)
-    k_hat, beta = _pallas_stats(flat(q_ch.astype(jnp.float32)), flat(k_ch.astype(jnp.float32)),
-                                flat(v_ch.astype(jnp.float32)), valid_rows, padc(noise.astype(jnp.float32)), params,
-                                P=P, G=G, scale=scale, opts=opts, interpret=interpret, platform=platform)
+    cd = compute_dtype(q_ch, k_ch, v_ch)  # the reference's: q, k, v, noise and parameters enter in it
+    k_hat, beta = _pallas_stats(flat(q_ch.astype(cd)), flat(k_ch.astype(cd)), flat(v_ch.astype(cd)), valid_rows,
+                                padc(noise.astype(cd)), params, P=P, G=G, scale=scale, opts=opts,
+                                interpret=interpret, platform=platform)
     return k_hat[:, :, :C], beta[:, :, :C]
 
 

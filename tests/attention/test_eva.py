@@ -391,8 +391,8 @@ def _assert_same(got, want, value_atol=1e-5):
 
 @pytest.mark.parametrize("causal,overlap", [(True, False), pytest.param(False, True, marks=pytest.mark.slow)])
 def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
-    """xla_cpu: a full pass within keep_budget keeps its attention weights for the backward; with keep_budget = 0
-    it recomputes them: the same outputs and gradients (inputs and every parameter, RPE table included), and the
+    """xla_cpu: a full pass within keep_budget keeps its attention weights for the backward; with a negative
+    keep_budget it recomputes them: the same outputs and gradients (inputs and every parameter, RPE table included), and the
     budget really switches the path (the kept backward redoes none of the softmax's exp passes)."""
     q, k, v = qkv(32, seed=8)  # 4 tiles of 8, each its own tile group
     w = jax.random.normal(jax.random.PRNGKey(9), q.shape)
@@ -406,8 +406,9 @@ def test_kept_weights_same_gradients_as_recomputed(causal, overlap):
         f = jax.grad(lambda st: jnp.sum(nnx.merge(gd, st)(q, k, v)[0] * w))
         return str(jax.make_jaxpr(f)(st)).count(" exp ")
 
-    _assert_same(_value_and_grads(build(1 << 28), q, k, v, w), _value_and_grads(build(0), q, k, v, w))
-    assert exps(build(1 << 28)) < exps(build(0))
+    _assert_same(_value_and_grads(build(1 << 28), q, k, v, w), _value_and_grads(build(-1), q, k, v, w))
+    assert exps(build(1 << 28)) < exps(build(-1))
+    assert exps(build(0)) == exps(build(1 << 28))  # 0: xla_cpu's CPU default (2^28), which keeps them here
 
 
 @pytest.mark.slow  # the split itself: test_tile_groups_cover_every_visible_chunk, without a long pass
@@ -419,12 +420,12 @@ def test_many_tile_groups_same_as_autodiff():
     n_tiles = 1024 // 8
     assert len(eva.tile_groups(n_tiles, 8, 4, 256, True, min(32, max(8, n_tiles // 8)))) == 16
 
-    def grads(impl, budget=0):
+    def grads(impl, budget=-1):
         core = make(window_size=8, chunk_size=4, use_rpe=True, keep_budget=budget, impl=impl)
         return _value_and_grads(core, q, k, v, w)
 
     plain = grads("xla")
-    for got in (grads("xla_cpu", 1 << 28), grads("xla_cpu", 0)):
+    for got in (grads("xla_cpu", 1 << 28), grads("xla_cpu", -1)):
         _assert_same(got, plain)
 
 
@@ -505,3 +506,55 @@ def test_small_logit_budget_same_outputs_and_gradients(causal, overlap):
         return _value_and_grads(core, q, k, v, w)
 
     _assert_same(grads(B * H * 8 * 30), grads(1 << 25), value_atol=0)
+
+
+def test_execution_knobs_take_the_platform_of_the_call(monkeypatch):
+    """logit_budget and keep_budget default to dispatch.PLATFORM_DEFAULT and are resolved at call time for the
+    platform the selection ran on (the implementation's declared value: a GPU never runs the XLA:CPU budget); a
+    written value runs as written; a negative keep_budget (always recompute) stays negative."""
+    from longctx.attention.eva import xla as eva_xla
+
+    assert attention.default_config("eva").logit_budget == dispatch.PLATFORM_DEFAULT
+    assert attention.default_config("eva").keep_budget == dispatch.PLATFORM_DEFAULT
+    seen = []
+    real = eva_xla.eva_forward
+    monkeypatch.setattr(eva_xla, "eva_forward", lambda *a, **k: seen.append(a[7]) or real(*a, **k))
+    q, k, v = qkv(16)
+
+    def opts(platform, **cfg):
+        monkeypatch.setattr(dispatch, "current_platform", lambda: platform)
+        core = make(window_size=8, chunk_size=4, **cfg)
+        jax.eval_shape(lambda q, k, v: core(q, k, v)[0], q, k, v)  # traced only
+        return seen[-1]
+
+    for platform, want in (("cpu", 1 << 25), ("cuda", 1 << 28), ("tpu", 1 << 27)):
+        assert opts(platform, impl="xla").logit_budget == want, platform
+    assert opts("cuda", impl="xla", logit_budget=12345).logit_budget == 12345
+    o = opts("cpu", impl="xla_cpu")  # xla_cpu runs xla.eva_forward with its ops
+    assert (o.logit_budget, o.keep_budget) == (1 << 25, 1 << 28)
+    assert opts("cpu", impl="xla_cpu", keep_budget=-1).keep_budget == -1
+
+
+def test_kernel_tiles_are_execution_settings(monkeypatch):
+    """pallas: Phase B's tiles and warps are execution settings that default to the kernel's plan on every platform
+    (eva_attend.PLAN) and reach the kernel as written (a sweep sets them); other implementations take none."""
+    seen = []
+    real = eva_attend.eva_attend
+    monkeypatch.setattr(eva_attend, "eva_attend", lambda *a, **k: seen.append(k) or real(*a, **k))
+    q, k, v = qkv(16)
+    keys = ("query_tile", "key_tile", "chunk_tile", "num_warps")
+
+    def tiles(**cfg):
+        core = make(window_size=8, chunk_size=4, impl="pallas", **cfg)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*interpret mode.*")
+            jax.eval_shape(lambda q, k, v: core(q, k, v)[0], q, k, v)  # traced only
+        return tuple(seen[-1][key] for key in keys)
+
+    assert all(attention.default_config("eva")[key] == dispatch.PLATFORM_DEFAULT for key in keys)
+    assert tiles() == (None, None, None, None)  # the plan's
+    assert tiles(query_tile=4, key_tile=2, chunk_tile=32, num_warps=8) == (4, 2, 32, 8)
+    with pytest.raises(ConfigError, match="chunk_tile"):
+        make(window_size=8, chunk_size=4, impl="pallas", chunk_tile=24)
+    with pytest.raises(ConfigError, match="query_tile"):
+        make(window_size=8, chunk_size=4, impl="pallas", query_tile=3)

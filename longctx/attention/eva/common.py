@@ -224,9 +224,9 @@ def _last(x, R):
 
 def state_from_forward(extras, L: int, R: int, exact: bool):
     """The state the step path would have built after L tokens (§4.3), from a full pass's ``extras``: its
-    chunk statistics ``k_hat``, ``beta`` [B,H,C,.], chunk size ``P`` and fp32 inputs padded to whole chunks
-    (``padded``: q, k, v)."""
-    qf, kf, vf = extras["padded"]
+    chunk statistics ``k_hat``, ``beta`` [B,H,C,.] (float32), chunk size ``P`` and the inputs padded to whole chunks
+    (``padded``: q, k, v, in the compute dtype; the state keeps them in float32)."""
+    qf, kf, vf = (x.astype(jnp.float32) for x in extras["padded"])  # the state is float32 whatever the inputs
     P = extras["P"]
     c_cur = L // P
     cur = [jnp.pad(x, ((0, 0), (0, 0), (0, P), (0, 0)))[:, :, c_cur * P:(c_cur + 1) * P] for x in (qf, kf, vf)]

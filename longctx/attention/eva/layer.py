@@ -15,6 +15,7 @@ with Phase A in the kernel; the reference's are the portable ones).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -39,7 +40,7 @@ from longctx.attention.eva.common import EVAOptions, empty_state, geometry, rpe_
 # the paper's computation over the whole sequence; a stream after a carried state has no O(L²) form of its own
 # and runs the portable tiles. Never tried by 'auto'.
 REFERENCE = dispatch.Implementation(
-    "reference", config={"impl": "reference"},
+    "reference", config={"impl": "reference"}, defaults={"logit_budget": xla.LOGIT_BUDGET},  # its stream's tiles
     code=types.SimpleNamespace(eva_forward=reference.eva_reference, eva_stream=xla.eva_stream))
 
 
@@ -55,7 +56,7 @@ class EVAAttention(AttentionCore):
     """EVA attention core (causal: App. D; bidirectional: eq. 16). See module docstring."""
 
     name = "eva"
-    EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget")
+    EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget", "query_tile", "key_tile", "chunk_tile", "num_warps")
     randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
 
     @classmethod
@@ -84,15 +85,22 @@ class EVAAttention(AttentionCore):
                 # CPU; pallas where it serves, then xla, elsewhere): longctx/attention/dispatch.py
                 "impl": "auto",
                 # max materialized logits per lax.map step (memory knob): larger is faster (fewer, bigger calls) and
-                # takes more memory; the returns shrink past 2^22, and 2^26 pays off only at 32k and beyond
-                "logit_budget": 1 << 25,
+                # takes more memory. 0 (dispatch.PLATFORM_DEFAULT): the value the implementation declares for the
+                # platform it runs on (xla.py, xla_cpu.py, pallas.py; XLA:CPU 2^25)
+                "logit_budget": dispatch.PLATFORM_DEFAULT,
                 # max attention weights (fp32 entries, all tiles of a full pass) kept from the forward for the
-                # backward, which then recomputes no logits (one chunk matmul and the exp passes fewer); larger
-                # passes recompute them. 2^28 = 1 GiB per layer: causal 4 heads of 64 keep up to 16k tokens at
-                # batch 1 (a faster backward at 8k and 16k, with the halves as row blocks); 0 always recomputes.
-                # Per layer: a deep model holds one set per layer from its forward to its
-                # backward unless model.remat recomputes each block when the backward reaches it
-                "keep_budget": 1 << 28,
+                # backward by xla_cpu, which then recomputes no logits; larger passes recompute them. 0
+                # (dispatch.PLATFORM_DEFAULT): xla_cpu's declared value (2^28 = 1 GiB per layer); a negative value
+                # always recomputes (what 0 meant before the platform defaults). Per layer: a deep model holds one
+                # set per layer from its forward to its backward unless model.remat recomputes each block
+                "keep_budget": dispatch.PLATFORM_DEFAULT,
+                # pallas, Phase B: the query sub-tile and local key sub-tile (each divides window_size), the chunk
+                # tile (a power of two >= 16) and the GPU warps. 0 (dispatch.PLATFORM_DEFAULT): the kernel's plan for
+                # the platform (eva_attend.gpu_plan on a GPU, whole windows on a TPU); written: that value (sweeps)
+                "query_tile": dispatch.PLATFORM_DEFAULT,
+                "key_tile": dispatch.PLATFORM_DEFAULT,
+                "chunk_tile": dispatch.PLATFORM_DEFAULT,
+                "num_warps": dispatch.PLATFORM_DEFAULT,
             }
         )
 
@@ -130,8 +138,17 @@ class EVAAttention(AttentionCore):
         require(0.0 <= cfg.attn_dropout < 1.0, f"{p}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
         why = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
         require(why is None, f"{p}.{why}")
-        require(cfg.logit_budget > 0, f"{p}.logit_budget must be positive")
-        require(cfg.keep_budget >= 0, f"{p}.keep_budget={cfg.keep_budget}; must be >= 0 (0: always recompute)")
+        require(cfg.logit_budget >= 0, f"{p}.logit_budget={cfg.logit_budget}; must be positive, or "
+                                       f"{dispatch.PLATFORM_DEFAULT} for the platform's default")
+        require(isinstance(cfg.keep_budget, int), f"{p}.keep_budget={cfg.keep_budget!r}; an integer (0: the "
+                                                  "platform's default; negative: always recompute)")
+        for key in ("query_tile", "key_tile", "chunk_tile", "num_warps"):
+            require(cfg[key] >= 0 or cfg[key] == -1, f"{p}.{key}={cfg[key]}; must be positive, 0 (the platform's "
+                                                       "default) or -1 (the kernel's plan)")
+        require(cfg.chunk_tile <= 0 or (cfg.chunk_tile >= 16 and not cfg.chunk_tile & (cfg.chunk_tile - 1)),
+                f"{p}.chunk_tile={cfg.chunk_tile}; a power of two >= 16")
+        for key in ("query_tile", "key_tile"):
+            require(cfg[key] <= 0 or (W > 0 and W % cfg[key] == 0), f"{p}.{key}={cfg[key]} must divide window_size={W}")
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
         super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
@@ -256,11 +273,17 @@ class EVAAttention(AttentionCore):
         check_qkv(q, k, v)
         noise_key, drop_key = self._keys(deterministic, key)
         rpe = self.rpe_table[...] if self.rpe_table is not None else None
-        c, o = self.cfg, self.opts
+        c = self.cfg
         choice = self._select(q.shape[2], streaming=state is not None, deterministic=deterministic)
         kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
+        impl = dispatch.by_name(self.implementations(causal=self.causal))[choice.name]
+        # the execution knobs as they run on the platform the selection ran on (dispatch.Implementation.setting):
+        # the budgets in the options, the kernel's tiles (pallas) beside the platform
+        knobs = impl.settings(c, choice.platform)
+        o = dataclasses.replace(self.opts, **{k: knobs.pop(k) for k in ("logit_budget", "keep_budget") if k in knobs})
+        kernel.update(knobs)
         args = (self.chunk_params(), rpe, noise_key, drop_key, o)
-        code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code
+        code = impl.code
         if state is None:
             out, extras = code.eva_forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
             new_state = None

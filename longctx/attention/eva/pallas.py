@@ -7,7 +7,11 @@ Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kern
 cannot split, so a full pass runs both per shard: one ``shard_map`` with the rows over the batch axes and the
 heads over ``tensor`` (the sequence axis whole), the chunk parameters replicated, the relative-position bias split
 by heads where it has one per head, the chunk noise and the dropout row seeds drawn for the whole batch first (the
-same draws as one device); a stream's Phase A runs per shard the same way."""
+same draws as one device); a stream's Phase A runs per shard the same way.
+
+Precision (DESIGN.md §7): q, k, v enter both kernels in the compute dtype (the inputs'); Phase A casts its float32
+parameters and noise to it and returns float32 statistics ``k̂``, ``β``, which are cast to it for Phase B with the
+relative-position bias; Phase B returns ``o`` in it. Under float32 inputs every cast is the identity."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from longctx.attention import dispatch, row_split
 from longctx.attention.eva import xla
 from longctx.attention.eva.common import EVAOptions, chunk_noise, dropout_seeds, geometry, local_bias_tiles
 from pallas_kernels import eva_attend, eva_chunks
+from pallas_kernels.precision import compute_dtype
 
 
 def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int,
@@ -56,30 +61,37 @@ def _stats_fn(interpret: bool, platform: str):
 
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
-                num_chunks: int, interpret: bool, platform: str):
-    """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``."""
+                num_chunks: int, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
+                key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN):
+    """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``. ``query_tile``, ``key_tile``, ``chunk_tile``,
+    ``num_warps``: Phase B's tiles and GPU warps (execution settings; ``eva_attend.PLAN``: the kernel's plan)."""
     stats_fn = _stats_fn(interpret, platform)
     B, H, L, d = q.shape
     dv = v.shape[-1]
     scale = d**-0.5
     L_pad, P, C, _ = geometry(opts, L, chunk_size, num_chunks)
     pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
-    qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
+    cd = compute_dtype(q, k, v)
+    qf, kf, vf = (jnp.pad(x.astype(cd), pad) for x in (q, k, v))
     valid = jnp.asarray((np.arange(L_pad) < L).reshape(C, P))
     noise = None if noise_key is None else chunk_noise(noise_key, jnp.arange(C), B, H, d)
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
+    bias = None if bias is None else bias.astype(cd)  # a kernel operand: the compute dtype (eva_attend)
     seeds = dropout_seeds(drop_key, opts, B, H)  # [B, H]: row b·H + h of the whole batch, sharded like the rows
     attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
-                               dropout_rate=opts.attn_dropout if seeds is not None else 0.0)
+                               dropout_rate=opts.attn_dropout if seeds is not None else 0.0,
+                               **{name: None if x <= 0 else x for name, x in (
+                                   ("query_tile", query_tile), ("key_tile", key_tile), ("chunk_tile", chunk_tile),
+                                   ("num_warps", num_warps))})
 
     def kernels(qf, kf, vf, params, noise, bias, seeds):
         b, h = qf.shape[:2]
         q_ch, k_ch, v_ch = (x.reshape(b, h, C, P, x.shape[-1]) for x in (qf, kf, vf))
         k_hat, beta = stats_fn(q_ch, k_ch, v_ch, valid, params, noise, opts, scale)
         flat = lambda x: x.reshape((b * h,) + x.shape[2:])  # noqa: E731
-        o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat), flat(beta), bias, W=opts.W, e_l=opts.e_l,
-                      e_r=opts.e_r, P=P, L=L, causal=opts.causal, disjoint=opts.partition == "disjoint", heads=h,
-                      seeds=None if seeds is None else seeds.reshape(b * h))
+        o, _ = attend(flat(qf * scale), flat(kf), flat(vf), flat(k_hat.astype(cd)), flat(beta.astype(cd)), bias,
+                      W=opts.W, e_l=opts.e_l, e_r=opts.e_r, P=P, L=L, causal=opts.causal,
+                      disjoint=opts.partition == "disjoint", heads=h, seeds=None if seeds is None else seeds.reshape(b * h))
         return o.reshape(b, h, L_pad, dv), k_hat, beta
 
     mesh = row_split.active_mesh(qf, kf, vf)
@@ -98,16 +110,24 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
 
 
 def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,
-               interpret: bool, platform: str):
-    """Tokens after a carried state: Phase A of the chunks they finish by the kernel, the rest in XLA tiles."""
+               interpret: bool, platform: str, **tiles):
+    """Tokens after a carried state: Phase A of the chunks they finish by the kernel, the rest in XLA tiles (Phase B's
+    ``tiles`` unused)."""
     return xla.eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts, P=P,
                           stats_fn=_stats_fn(interpret, platform))
 
+
+# Phase B's tiles and GPU warps as execution settings (eva_attend.eva_attend's overrides; a sweep writes them)
+TILE_KEYS = ("query_tile", "key_tile", "chunk_tile", "num_warps")
 
 # 'auto' tries the kernels first on a GPU / TPU (where they serve; rocm has no lowering, so the portable tiles
 # follow), never on a CPU (interpret mode only when named)
 IMPLEMENTATIONS = (
     dispatch.Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=unsupported_reasons,
                             config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                            code=sys.modules[__name__]),
+                            code=sys.modules[__name__],
+                            # a stream attends in the XLA tiles: their logit budget ('cpu': interpret mode); Phase B's
+                            # tiles and warps take the kernel's plan on every platform unless written
+                            defaults={"logit_budget": xla.LOGIT_BUDGET,
+                                      **{key: {"default": eva_attend.PLAN} for key in TILE_KEYS}}),
 )

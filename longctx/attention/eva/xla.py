@@ -8,6 +8,12 @@ each tile rematerialised in the backward (``jax.checkpoint``) and mapped over in
 A stream (:func:`eva_stream`): the tokens after a carried state. Both call :func:`attend_tile` with explicit
 absolute positions, so every mask and the relative-position bias are functions of positions only: what makes
 "streamed in any split == one full pass" hold.
+
+Precision (DESIGN.md §7): the tiles' products take the compute dtype (the inputs' dtype) with float32
+accumulation (``pallas_kernels.precision.acc_einsum``: its backward casts the cotangents down, so the backward's
+products take it too); the chunk summaries ``k̂``, ``β`` (float32 statistics of Phase A, and of the carried state)
+are cast to it for Phase B and the weights are cast to it before their products with the values; the softmax and
+its statistics are float32, and so is the carried state. Under float32 inputs every cast is the identity.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ from longctx.attention.eva.common import (
     uses_fused,
     window_keys,
 )
+from pallas_kernels.precision import acc_einsum, compute_dtype
 
 
 def chunk_logits(q, k_hat, k_raw, k_raw_valid, scale: float, chunk_logit: str):
-    """[B,H,Tq,C]: s q·k̂_c (eq. 16) or, 'exact_lse', logsumexp_{m∈P_c} s q·k_m (eq. 13)."""
+    """[B,H,Tq,C] (float32): s q·k̂_c (eq. 16) or, 'exact_lse', logsumexp_{m∈P_c} s q·k_m (eq. 13); the keys are
+    cast to q's dtype."""
     if chunk_logit == "rep":
-        return scale * jnp.einsum("bhqd,bhcd->bhqc", q, k_hat)
-    s = scale * jnp.einsum("bhqd,bhcpd->bhqcp", q, k_raw)
+        return scale * acc_einsum("bhqd,bhcd->bhqc", q, k_hat.astype(q.dtype))
+    s = scale * acc_einsum("bhqd,bhcpd->bhqcp", q, k_raw.astype(q.dtype))
     s = jnp.where(k_raw_valid[:, None], s, NEG)  # k_raw_valid: [B|1, 1, C, P] -> broadcast
     return jax.nn.logsumexp(s, axis=-1)
 
@@ -53,14 +61,17 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     Local candidates k, v [B,H,Tk,*] at positions k_pos [Tk] (k_valid: real key);
     chunks = (k̂ [B,H,C,d], β [B,H,C,dv], k_raw, k_raw_valid) with absolute ids chunk_ids [C].
     One max-subtracted softmax over [local ; chunk] logits (eq. 16 in log-sum-exp form); ``seeds``: the rows'
-    dropout seeds [B, H] (common.dropout_seeds) or None."""
+    dropout seeds [B, H] (common.dropout_seeds) or None. Products in q's dtype (module docstring): k, v, k̂, β are
+    cast to it, the weights too before their products; the result is float32."""
     k_hat, beta, k_raw, k_raw_valid = chunks
+    cd = q.dtype
+    k, v, k_hat, beta = (x.astype(cd) for x in (k, v, k_hat, beta))
     lmask = local_mask(q_pos, k_pos, k_valid, opts)
     cmask = chunk_mask(q_pos, chunk_ids, chunk_valid, P, opts)
     bias = rpe_bias(rpe_table, q_pos, k_pos, opts, scale) if opts.use_rpe and rpe_table is not None else None
     if ops.fused_tile is not None and uses_fused(seeds, opts):
         return ops.fused_tile(q, q_pos, k, v, k_hat, beta, bias, lmask, cmask, chunk_ids, chunk_valid, P, opts, scale)
-    a_loc = scale * jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    a_loc = scale * acc_einsum("bhqd,bhkd->bhqk", q, k)
     if bias is not None:
         a_loc = a_loc + bias
     a_loc = jnp.where(lmask, a_loc, NEG)
@@ -74,8 +85,8 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
         # dropout on the joint normalized weights == drop unnormalized p, keep the normalizer (§9.12)
         d_loc, d_ch = dropout_multipliers(seeds, opts.attn_dropout, q_pos, k_pos, chunk_ids)
         p_loc, p_ch = p_loc * d_loc, p_ch * d_ch
-    num = jnp.einsum("bhqk,bhkd->bhqd", p_loc, v)
-    num = num + jnp.einsum("bhqc,bhcd->bhqd", p_ch, beta)
+    num = acc_einsum("bhqk,bhkd->bhqd", p_loc.astype(cd), v)
+    num = num + acc_einsum("bhqc,bhcd->bhqd", p_ch.astype(cd), beta)
     return ops.row_scale(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
 
 
@@ -133,15 +144,18 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     scale = d**-0.5
     L_pad, P, C, tile = geometry(opts, L, chunk_size, num_chunks)
     pad = ((0, 0), (0, 0), (0, L_pad - L), (0, 0))
-    qf, kf, vf = (jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v))
+    cd = compute_dtype(q, k, v)  # the products' operands (module docstring)
+    qf, kf, vf = (jnp.pad(x.astype(cd), pad) for x in (q, k, v))
     valid = np.arange(L_pad) < L  # static: a constant of the program, not a reduce computed at run time
     # Phase A
     k_valid_ch = jnp.asarray(valid.reshape(C, P))
     q_ch, k_ch, v_ch = (x.reshape(B, H, C, P, x.shape[-1]) for x in (qf, kf, vf))
-    noise = None if noise_key is None else ops.noise(chunk_noise(noise_key, jnp.arange(C), B, H, d))
+    # the noise joins ω in the compute dtype (pallas_kernels/eva_chunks_ref.py): cast where drawn
+    noise = None if noise_key is None else ops.noise(chunk_noise(noise_key, jnp.arange(C), B, H, d).astype(cd))
     k_hat, beta = ops.summaries(stats_fn)(q_ch, k_ch, v_ch, k_valid_ch, params, noise, opts, scale)
     exact = opts.chunk_logit == "exact_lse"
-    chunks = (k_hat, beta, k_ch if exact else None, k_valid_ch[None, None] if exact else None)
+    k_hat_c, beta_c = k_hat.astype(cd), beta.astype(cd)  # Phase B's operands; the extras keep the statistics
+    chunks = (k_hat_c, beta_c, k_ch if exact else None, k_valid_ch[None, None] if exact else None)
     extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
     chunk_ids = jnp.arange(C)
     chunk_valid = np.any(valid.reshape(C, P), axis=-1)  # [ours] all-padding chunks masked (bidirectional)
@@ -167,7 +181,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     groups = tile_groups(n_tiles, tile, P, C, opts.causal, min(32, max(8, n_tiles // 8)))
     run_group = None
     if ops.fused_groups is not None and uses_fused(seeds, opts):
-        run_group = ops.fused_groups(dict(B=B, H=H, tile=tile, Tk=Tk, P=P, k_hat=k_hat, beta=beta,
+        run_group = ops.fused_groups(dict(B=B, H=H, tile=tile, Tk=Tk, P=P, k_hat=k_hat_c, beta=beta_c,
                                           chunk_ids=chunk_ids, chunk_valid=chunk_valid, rpe_table=rpe_table,
                                           opts=opts, scale=scale, axes=axes, groups=groups))
     # one split per operand (its gradient is one concatenate; slicing each group out of the whole would pad every
@@ -215,6 +229,7 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     exact = opts.chunk_logit == "exact_lse"
     pos = state["pos"]
     check_state_capacity(pos, T, P, C_max)
+    cd = compute_dtype(q, k, v)  # the products' operands; the state stays float32 (module docstring)
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     # -- 1. finish chunks -------------------------------------------------------------
     c0, r = pos // P, pos % P
@@ -226,8 +241,9 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     n_have = r + T  # ext slot j <-> position c0*P + j, valid for j < n_have
     ext_valid = (jnp.arange(n_ext * P) < n_have).reshape(n_ext, P)
     ext_ids = c0 + jnp.arange(n_ext)
-    q_ch, k_ch, v_ch = (x.reshape(B, H, n_ext, P, x.shape[-1]) for x in ext)
-    noise = None if noise_key is None else ops.noise(chunk_noise(noise_key, ext_ids, B, H, d))
+    # Phase A in the compute dtype, as a full pass (the buffers hold values of that dtype: the cast is exact)
+    q_ch, k_ch, v_ch = (x.reshape(B, H, n_ext, P, x.shape[-1]).astype(cd) for x in ext)
+    noise = None if noise_key is None else ops.noise(chunk_noise(noise_key, ext_ids, B, H, d).astype(cd))
     k_hat, beta = ops.summaries(stats_fn)(q_ch, k_ch, v_ch, ext_valid, params, noise, opts, scale)
     complete = (jnp.arange(n_ext) + 1) * P <= n_have
     slot = jnp.where(complete, ext_ids, C_max)  # out of range -> dropped
@@ -235,7 +251,7 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     mem_beta = state["mem_beta"].at[:, :, slot].set(beta, mode="drop")
     new_state = {"mem_khat": mem_khat, "mem_beta": mem_beta}
     if exact:
-        new_state["mem_kraw"] = state["mem_kraw"].at[:, :, slot].set(k_ch, mode="drop")
+        new_state["mem_kraw"] = state["mem_kraw"].at[:, :, slot].set(k_ch.astype(jnp.float32), mode="drop")
     off = (n_have // P) * P
     for name, x in zip(("cur_q", "cur_k", "cur_v"), ext):
         new_state[name] = jax.lax.dynamic_slice_in_dim(x, off, P, axis=2)
@@ -254,6 +270,7 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     q_pos = pos + jnp.arange(n_tiles * tile).reshape(n_tiles, tile)
     q_t = jnp.moveaxis(jnp.pad(qf, ((0, 0), (0, 0), (0, tail), (0, 0))).reshape(B, H, n_tiles, tile, d), 2, 0)
     k_t, v_t = (jnp.moveaxis(gather_tiles(x, kidx), 2, 0) for x in (k_ext, v_ext))  # [n_tiles,B,H,tile+R,.]
+    q_t, k_t, v_t = (x.astype(cd) for x in (q_t, k_t, v_t))  # exact: values of the compute dtype
     kraw = new_state.get("mem_kraw")
     chunks = (mem_khat, mem_beta, kraw, jnp.ones((1, 1, C_max, P), bool) if exact else None)
     chunk_ids = jnp.arange(C_max)
@@ -275,8 +292,14 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     return out, new_state
 
 
+# logit_budget (max materialized logits per lax.map step) by platform. XLA:CPU: measured (the returns shrink past
+# 2^22, and 2^26 pays off only at 32k and beyond). GPU / TPU: not yet measured on a GPU or TPU; an accelerator runs
+# larger calls better and has far more memory than the CPU budget assumes: 2^28 fp32 logits (1 GiB per step, and
+# as much for their gradient) on a GPU's 80 GB, 2^27 on a TPU core's 16-32 GB
+LOGIT_BUDGET = {"cpu": 1 << 25, "cuda": 1 << 28, "rocm": 1 << 28, "tpu": 1 << 27}
+
 # 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
-                            code=sys.modules[__name__]),
+                            code=sys.modules[__name__], defaults={"logit_budget": LOGIT_BUDGET}),
 )

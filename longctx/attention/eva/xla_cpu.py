@@ -4,6 +4,11 @@ dropout, Phase B written out per group of query tiles (:func:`tile_softmax`: a c
 or from the forward's kept weights within ``keep_budget``, causal tiles in halves). Every choice here was made on
 XLA:CPU measurements (docs/DESIGN.md, "Where the time goes"); the arithmetic is the reference's
 (tests/attention/test_implementations.py).
+
+Precision (DESIGN.md §7), as ``xla.py``: q, k, v, k̂, β arrive in the compute dtype; every product takes it with
+float32 accumulation (:func:`_mm`, :func:`_rows_mm_t`), the weights and score gradients are cast to it before their
+products, and dO too; the softmax, its statistics, the kept weights (float32 entries, ``keep_budget``) and the
+bias gradient are float32. Under float32 inputs every cast is the identity and the products are the plain ones.
 """
 
 from __future__ import annotations
@@ -27,6 +32,24 @@ from longctx.attention.eva.common import (
     rpe_bias,
 )
 from longctx.xla_cpu import materialized, rowdot, rows_dot, scale_rows, transposed
+from pallas_kernels.precision import float_dtype
+
+
+def _mm(spec: str, a, b):
+    """``einsum(spec, a, b)`` with float32 accumulation of operands in their (common) compute dtype; the plain einsum
+    for float32 operands."""
+    return jnp.einsum(spec, a, b, preferred_element_type=float_dtype(a, b))
+
+
+def _rows_mm_t(a_t, b):
+    """``swapaxes(rows_dot(a_t, b))`` (:func:`longctx.xla_cpu.rows_dot`, ``[..., j, i]``) with float32 accumulation
+    (operands in their compute dtype). Narrower operands (bf16): the product is kept as laid out (an optimization
+    barrier) before the transpose, which XLA:CPU otherwise folds into the dot's output layout, a form its dot
+    runtime cannot run for bf16 operands into float32 (UNIMPLEMENTED "BF16 x BF16 = F32"); float32: as before."""
+    out = rows_dot(a_t, b, preferred_element_type=float_dtype(a_t, b))
+    if out.dtype != a_t.dtype:
+        out = jax.lax.optimization_barrier(out)
+    return jnp.swapaxes(out, -1, -2)
 
 
 def layer_norm_rows(x, scale, bias):
@@ -62,15 +85,16 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     from iotas inside the fusion, made the chunk part's exp pass several times slower per element on
     XLA:CPU)."""
     Tq, Tk = q.shape[3], k.shape[3]
+    cd = q.dtype
     pieces = _local_pieces(Tq, Tk, halves)
     a_loc = []
     for piece in pieces:
         r0, r1, nk = piece
-        a = scale * jnp.einsum("bhnqd,bhnkd->bhnqk", q[:, :, :, r0:r1], k[:, :, :, :nk])
+        a = scale * _mm("bhnqd,bhnkd->bhnqk", q[:, :, :, r0:r1], k[:, :, :, :nk])
         if bias is not None:
             a = a + _piece_bias(bias, piece)
         a_loc.append(jnp.where(lmask[:, r0:r1, :nk], a, NEG))
-    s_ch = scale * jnp.einsum("bhnqd,bhcd->bhnqc", q, k_hat)
+    s_ch = scale * _mm("bhnqd,bhcd->bhnqc", q, k_hat)
     a_ch = jnp.where(cmask, s_ch, _fill_like(s_ch, NEG))
     m_loc = jnp.concatenate([jnp.max(a, axis=-1, initial=NEG) for a in a_loc], axis=-1)
     m = jnp.maximum(m_loc, jnp.max(a_ch, axis=-1, initial=NEG))[..., None]
@@ -81,9 +105,9 @@ def _joint_softmax(q, k, v, k_hat, beta, bias, lmask, cmask, scale: float, probs
     p_ch = e_ch if rows_see_a_key else jnp.where(cmask, e_ch, _fill_like(e_ch, 0.0))
     den = jnp.concatenate([jnp.sum(p, axis=-1) for p in p_loc], axis=-1) + jnp.sum(p_ch, axis=-1)
     den = jnp.maximum(den, 1e-30)
-    num = jnp.concatenate([jnp.einsum("bhnqk,bhnkd->bhnqd", p, v[:, :, :, :nk])
+    num = jnp.concatenate([_mm("bhnqk,bhnkd->bhnqd", p.astype(cd), v[:, :, :, :nk])
                            for p, (_, _, nk) in zip(p_loc, pieces)], axis=3)
-    num = num + jnp.einsum("bhnqc,bhcd->bhnqd", p_ch, beta)
+    num = num + _mm("bhnqc,bhcd->bhnqd", p_ch.astype(cd), beta)
     if probs:
         return num / den[..., None], (tuple(p_loc), p_ch, 1.0 / den)
     return num / den[..., None], m[..., 0] + jnp.log(den)  # empty rows (only if W = 0) give 0
@@ -138,9 +162,11 @@ def _kept_bwd(scale, halves, res, do):
     q, k, v, k_hat, beta, bias, _, _, out, (p_loc, p_ch, inv_den) = res
     B, H, N, Tq, d = q.shape
     Tk = k.shape[3]
-    delta = rowdot(do, out)[..., None]  # [B,H,N,Tq,1] (a dot: longctx.xla_cpu)
+    cd = q.dtype
+    delta = rowdot(do, out)[..., None]  # [B,H,N,Tq,1] (a dot: longctx.xla_cpu; fp32, a statistic)
     w = inv_den[..., None]
-    do_w = do * w  # the weights' row normaliser folded into do ([Tq, dv]), not into the [Tq, Tk + C] weights
+    do_w = (do * w).astype(cd)  # the weights' row normaliser folded into do ([Tq, dv]), not into the weights
+    do = do.astype(cd)
     pad = lambda x, n: x if n == Tk else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, Tk - n), (0, 0)])  # noqa: E731
     # the key-side gradients contract over the queries: from q and do_w transposed first ([d, Tq], small), the dots
     # are plain [d, Tq] x [Tq, keys] products (longctx.xla_cpu.rows_dot: XLA:CPU runs row-contracting dots on a
@@ -151,21 +177,23 @@ def _kept_bwd(scale, halves, res, do):
         r0, r1, nk = piece
         rows = lambda x, r0=r0, r1=r1: x[:, :, :, r0:r1]  # noqa: E731
         cols = lambda x, r0=r0, r1=r1: x[..., r0:r1]  # noqa: E731
-        ds = p * rows(w) * (jnp.einsum("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk])
+        ds = p * rows(w) * (_mm("bhnqd,bhnkd->bhnqk", rows(do), v[:, :, :, :nk])
                             - rows(delta))
-        dq_loc.append(jnp.einsum("bhnqk,bhnkd->bhnqd", ds, k[:, :, :, :nk]))
-        dk = dk + pad(jnp.swapaxes(rows_dot(cols(q_t), ds), -1, -2), nk)
-        dv = dv + pad(jnp.swapaxes(rows_dot(cols(dow_t), p), -1, -2), nk)
+        ds_c = ds.astype(cd)
+        dq_loc.append(_mm("bhnqk,bhnkd->bhnqd", ds_c, k[:, :, :, :nk]))
+        dk = dk + pad(_rows_mm_t(cols(q_t), ds_c), nk)
+        dv = dv + pad(_rows_mm_t(cols(dow_t), p.astype(cd)), nk)
         if bias is not None:
             g = _bias_grad(bias[..., r0:r1, :nk], ds)
             dbias.append(g if nk == Tk else jnp.pad(g, [(0, 0)] * 3 + [(0, Tk - nk)]))
-    dp_ch = jnp.einsum("bhnqd,bhcd->bhnqc", do, beta)
+    dp_ch = _mm("bhnqd,bhcd->bhnqc", do, beta)
     ds_ch = p_ch * w * (dp_ch - delta)
-    dq = scale * (jnp.concatenate(dq_loc, axis=3) + jnp.einsum("bhnqc,bhcd->bhnqd", ds_ch, k_hat))
+    ds_ch_c = ds_ch.astype(cd)
+    dq = scale * (jnp.concatenate(dq_loc, axis=3) + _mm("bhnqc,bhcd->bhnqd", ds_ch_c, k_hat))
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     flat_t = lambda x: jnp.moveaxis(x, 2, 3).reshape(x.shape[:2] + (x.shape[3], N * Tq))  # noqa: E731 -- [B,H,d,N*Tq]
-    dk_hat = scale * jnp.swapaxes(rows_dot(flat_t(q_t), flat(ds_ch)), -1, -2)
-    dbeta = jnp.swapaxes(rows_dot(flat_t(dow_t), flat(p_ch)), -1, -2)
+    dk_hat = scale * _rows_mm_t(flat_t(q_t), flat(ds_ch_c))
+    dbeta = _rows_mm_t(flat_t(dow_t), flat(p_ch.astype(cd)))
     dbias = None if bias is None else jnp.concatenate(dbias, axis=2)
     return dq, scale * dk, dv, dk_hat, dbeta, dbias, None, None, None
 
@@ -194,34 +222,38 @@ def _recomputing_bwd(scale, res, do):
     """The backward from the saved log-sum-exp: the logits recomputed keys-major."""
     q, k, v, k_hat, beta, bias, lmask, ct, out, lse = res
     B, H, N, Tq, d = q.shape
+    cd = q.dtype
     lse_r = lse[..., None, :]  # [B,H,N,1,Tq]
-    delta = rowdot(do, out)[..., None, :]
+    delta = rowdot(do, out)[..., None, :]  # fp32, a statistic
+    do = do.astype(cd)
     # local part, per tile, keys-major [B,H,N,Tk,Tq]
-    at_loc = scale * jnp.einsum("bhnkd,bhnqd->bhnkq", k, q)
+    at_loc = scale * _mm("bhnkd,bhnqd->bhnkq", k, q)
     if bias is not None:
         bt = jnp.swapaxes(bias, -1, -2)  # [N,Hb,Tk,Tq]
         at_loc = at_loc + (jnp.moveaxis(bt, 0, 1)[None] if bt.shape[1] > 1 else bt[:, 0][None, None])
     lt = jnp.swapaxes(lmask, -1, -2)
     pt_loc = jnp.where(lt, jnp.exp(at_loc - lse_r), 0.0)
-    dst_loc = pt_loc * (jnp.einsum("bhnkd,bhnqd->bhnkq", v, do) - delta)
-    dk = scale * jnp.einsum("bhnkq,bhnqd->bhnkd", dst_loc, q)
-    dv = jnp.einsum("bhnkq,bhnqd->bhnkd", pt_loc, do)
+    dst_loc = pt_loc * (_mm("bhnkd,bhnqd->bhnkq", v, do) - delta)
+    dst_loc_c = dst_loc.astype(cd)
+    dk = scale * _mm("bhnkq,bhnqd->bhnkd", dst_loc_c, q)
+    dv = _mm("bhnkq,bhnqd->bhnkd", pt_loc.astype(cd), do)
     # dq as (kᵀ dsᵀ)ᵀ: the large keys-major operand stays as laid out and only the small [d, Tq] result is
     # transposed (XLA:CPU otherwise copies dsᵀ into query-major order, a full extra pass over the scores)
-    dq_t = jnp.einsum("bhnkd,bhnkq->bhndq", k, dst_loc)  # [B,H,N,d,Tq]
+    dq_t = _mm("bhnkd,bhnkq->bhndq", k, dst_loc_c)  # [B,H,N,d,Tq]
     # chunk part: all N*Tq queries against the C shared chunks, keys-major [B,H,C,N*Tq]
     flat = lambda x: x.reshape(x.shape[:2] + (N * Tq,) + x.shape[4:])  # noqa: E731
     qf, dof = flat(q), flat(do)
-    st_ch = scale * jnp.einsum("bhcd,bhmd->bhcm", k_hat, qf)
+    st_ch = scale * _mm("bhcd,bhmd->bhcm", k_hat, qf)
     # exp of the masked logits, not a select of exp: the probabilities are then one fusion's output, read by dβ's
     # matmul and by ds, where XLA materialised exp and the select separately (one more pass over [C, N·Tq]).
     # exp(NEG - lse) = 0; lse is clamped so that a row with nothing visible (lse ~ NEG, only if W = 0) gives 0 too
     lse_c = jnp.maximum(flat(lse), 0.5 * NEG)[:, :, None, :]
     pt_ch = jnp.exp(jnp.where(ct, st_ch, _fill_like(st_ch, NEG)) - lse_c)
-    dst_ch = pt_ch * (jnp.einsum("bhcd,bhmd->bhcm", beta, dof) - flat(delta[..., 0, :])[:, :, None])
-    dk_hat = scale * jnp.einsum("bhcm,bhmd->bhcd", dst_ch, qf)
-    dbeta = jnp.einsum("bhcm,bhmd->bhcd", pt_ch, dof)
-    dqc_t = jnp.einsum("bhcd,bhcm->bhdm", k_hat, dst_ch).reshape(B, H, d, N, Tq)
+    dst_ch = pt_ch * (_mm("bhcd,bhmd->bhcm", beta, dof) - flat(delta[..., 0, :])[:, :, None])
+    dst_ch_c = dst_ch.astype(cd)
+    dk_hat = scale * _mm("bhcm,bhmd->bhcd", dst_ch_c, qf)
+    dbeta = _mm("bhcm,bhmd->bhcd", pt_ch.astype(cd), dof)
+    dqc_t = _mm("bhcd,bhcm->bhdm", k_hat, dst_ch_c).reshape(B, H, d, N, Tq)
     # both parts summed as computed ([d, Tq] per tile), then one transpose (a sum of transposed reads is a slow,
     # strided pass on XLA:CPU)
     dq = scale * jnp.swapaxes(dq_t + jnp.moveaxis(dqc_t, 3, 2), -1, -2)
@@ -298,7 +330,7 @@ def _fused_groups(ctx):
     rpe_table, scale, axes = ctx["rpe_table"], ctx["scale"], ctx["axes"]
     halves = opts.causal and Tk == tile and tile % 2 == 0
     # the attention weights of every tile, kept from the forward for the backward when they fit the budget
-    keep = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in ctx["groups"]) <= opts.keep_budget
+    keep = sum(B * H * (hi - lo) * tile * (Tk + nc) for lo, hi, nc in ctx["groups"]) <= opts.keep_budget  # < 0: never
 
     def run_group(group, lo, hi, nc, cost):
         def batch(qt, qp, kt, vt, kp, kv):
@@ -344,8 +376,14 @@ def attend_tile(*args, **kwargs):
     return xla.attend_tile(*args, **kwargs, ops=CPU_OPS)
 
 
+# its knobs, measured on XLA:CPU (docs/DESIGN.md "Where the time goes"): logit_budget 2^25 (the returns shrink past
+# 2^22, and 2^26 pays off only at 32k and beyond); keep_budget 2^28 fp32 weights = 1 GiB per layer (causal 4 heads of
+# 64 keep up to 16k tokens at batch 1: a faster backward at 8k and 16k). It runs on a CPU only; 'default' is the
+# same tuning for any other platform name a caller passes
+DEFAULTS = {"logit_budget": {"cpu": 1 << 25, "default": 1 << 25}, "keep_budget": {"cpu": 1 << 28, "default": 1 << 28}}
+
 # the implementation 'auto' runs on a CPU (and only there: it is the whole 'auto' list on a CPU)
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0},
-                            code=sys.modules[__name__]),
+                            code=sys.modules[__name__], defaults=DEFAULTS),
 )
