@@ -30,7 +30,7 @@ def test_execution_settings_reach_the_core_and_stay_out_of_the_model_section():
     c.model.attention.name = "eva"
     c.model.attention.eva.update(dict(window_size=8, chunk_size=4))
     c.execution.attention.eva.impl = "xla,pallas"  # an ordered list, as a comma string
-    c.execution.attention.eva.keep_budget = 0
+    c.execution.attention.eva.keep_budget = 12345  # a written value (0 would be the platform's default)
     v = config_lib.validate(c)
     assert "impl" not in v.model.attention.eva and v.execution.attention.eva.impl == "xla,pallas"
     assert list(v.execution.attention.keys()) == ["eva"]
@@ -38,7 +38,7 @@ def test_execution_settings_reach_the_core_and_stay_out_of_the_model_section():
         return [m for _, m in nnx.iter_graph(model) if isinstance(m, attention.AttentionCore)]
 
     built = cores(build_model(v.model, seed=0, execution=v.execution))
-    assert built and all(m.cfg.impl == "xla,pallas" and m.cfg.keep_budget == 0 for m in built)
+    assert built and all(m.cfg.impl == "xla,pallas" and m.cfg.keep_budget == 12345 for m in built)
     assert all(m.cfg.impl == "xla,pallas" for m in cores(build_model(v, seed=0)))  # the whole config
     assert all(m.cfg.impl == "auto" for m in cores(build_model(v.model, seed=0)))  # the method's default
 
