@@ -489,7 +489,7 @@ def summary(res: dict, out, files: list[str]) -> str:
     rows = [[r["variant"], r["direction"], C.fmt_len(r["length"]), _ms(r.get("fwd_s")), _ms(r.get("fwdbwd_s")),
              _status(r)] for r in res["rows"]]
     skipped = [f"not run: {s['variant']} {s['direction']}: {s['reason']}" for s in res["skipped_variants"]]
-    wrote = ", ".join(str(Path(out) / f) for f in ["attention.json", "attention.md", *files])
+    wrote = ", ".join(str(Path(out) / f) for f in ["attention.json", "attention.md", *(files or [])])
     return "\n".join([C.md_table(["variant", "direction", "T", "fwd ms", "fwd+bwd ms", "status"], rows), *skipped,
                       f"wrote {wrote}"])
 
