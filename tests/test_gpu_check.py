@@ -22,9 +22,9 @@ SECTIONS = ("## Environment", "## Kernel tests, compiled", "## Exact attention a
             "## Flagship memory plan")
 
 
-# by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a profile, a
-# training step at two depths, the dry run); every step with -m slow
-SOME = "env tests attention profile_tvq kernels step_tvq memplan"
+# by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a training step
+# at two depths, the dry run); every step with -m slow
+SOME = "env tests attention kernels step_tvq memplan"  # the profile command: tests/bench/test_profile.py
 
 
 @pytest.mark.parametrize("steps", [SOME, pytest.param("all", marks=pytest.mark.slow)])

@@ -54,7 +54,8 @@ RUNNABLE = [i.name for i in dense.implementations() if (i.kernel or "cpu" in i.p
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("T,W", [(40, 12), (37, 5), (24, 40)])
+@pytest.mark.parametrize("T,W", [(40, 12), pytest.param(37, 5, marks=pytest.mark.slow),
+                                 pytest.param(24, 40, marks=pytest.mark.slow)])
 def test_every_implementation_equals_the_windowed_reference(causal, T, W):
     """T=40 in tiles of 8: the unrolled pass (blocks wholly inside, the far edge, the diagonal); T=37: the
     position-general loop; W > T: the whole row."""

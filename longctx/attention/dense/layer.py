@@ -208,7 +208,9 @@ class DenseAttention(AttentionCore):
             "splash": ContractCase(cfg={"impl": "splash"}, length=40),
             # a sliding window of 12 keys over whole tiles of 8: blocks wholly inside it, its far edge and the
             # diagonal; decoding through the window's state
-            "window": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40),
+            "window": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40, directions=("causal",)),
+            "window_bidirectional": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40,
+                                                 directions=("bidirectional",), slow=True),
         }
 
     @property
