@@ -382,7 +382,7 @@ class Backbone(nnx.Module):
             self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
         else:
             self.stack = None
-        self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.get("norm_eps", 1e-6)))
+        self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps))
         self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
         self.remat_policy = str(cfg.get("remat_policy", "auto"))
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk

@@ -92,9 +92,8 @@ def split_key(key, n: int):
 
 
 def kv_heads(cfg) -> int:
-    """The k/v heads of a ``model`` section: ``model.num_kv_heads``, 0 (and configs saved before the key) =
-    ``model.num_heads``."""
-    return int(cfg.get("num_kv_heads", 0) or cfg.num_heads)
+    """The k/v heads of a ``model`` section: ``model.num_kv_heads`` (0: ``model.num_heads``)."""
+    return int(cfg.num_kv_heads or cfg.num_heads)
 
 
 class TransformerBlock(nnx.Module):
@@ -119,22 +118,22 @@ class TransformerBlock(nnx.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = H, Dh, Hkv
         # rotary per layer: a layer whose method takes no rotary (a pattern's other layers do) runs unrotated
         self.rotary = cfg.positions == "rotary" and takes_rotary(cfg.attention.name)
-        self.rope_theta = float(cfg.get("rope_theta", 10_000.0))
+        self.rope_theta = float(cfg.rope_theta)
         self.dropout_rate = cfg.dropout
         pol = precision.policy(cfg)
-        eps = float(cfg.get("norm_eps", 1e-6))
+        eps = float(cfg.norm_eps)
         self.norm1 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
         self.norm2 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
-        self.qkv = linear(d, (H + 2 * Hkv) * Dh, ("embed", "qkv"), use_bias=bool(cfg.get("qkv_bias", False)),
+        self.qkv = linear(d, (H + 2 * Hkv) * Dh, ("embed", "qkv"), use_bias=bool(cfg.qkv_bias),
                           rngs=rngs, **pol.layer_kw)
-        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=bool(cfg.get("out_bias", False)), rngs=rngs,
+        self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=bool(cfg.out_bias), rngs=rngs,
                           **pol.layer_kw)
         name = cfg.attention.name
         self.core = attention.build(
             name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
         )
-        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.get("mlp", "gelu")),
-                       use_bias=bool(cfg.get("mlp_bias", True)))
+        self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.mlp),
+                       use_bias=bool(cfg.mlp_bias))
 
     def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
         B, T, _ = x.shape

@@ -33,25 +33,12 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import dispatch
 from pallas_kernels.precision import STATISTIC
+from tests.attention.test_implementations import _case, _model_case
 
 B = 2
 
 # implementations whose kernel body is a library's: (method, implementation) -> whose
 LIBRARY_KERNELS = {("dense", "splash"): "JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention)"}
-
-
-def _case(cls, direction):
-    for case in cls.contract_cases().values():
-        if case.level == "core" and direction in case.directions:
-            return case
-    return None
-
-
-def _model_case(cls, direction):
-    for case in cls.contract_cases().values():
-        if case.level == "model" and direction in case.directions and not case.slow:
-            return case
-    return None
 
 
 def _params(model_level=False):
