@@ -2,7 +2,7 @@
 # The first thing to run whenever an accelerator is available: one markdown report and its JSON,
 # results/gpu/<date>-<device>.md / .json, with the step outputs in results/gpu/<date>-<device>/.
 #
-#   bash scripts/gpu_check.sh                       # on the GPU (at most 7.5 minutes: the steps' limits)
+#   bash scripts/gpu_check.sh                       # on the GPU (at most 8.5 minutes: the steps' limits)
 #   bash scripts/gpu_check.sh --smoke --out /tmp/x  # the same steps at tiny shapes on the CPU (the default
 #                                                   # test suite runs this: tests/test_gpu_check.py)
 #   STEPS=none bash scripts/gpu_check.sh --out DIR --stamp STAMP
@@ -28,6 +28,9 @@
 #   profile_tvq, profile_eva  one compiled forward+backward of the Transformer-VQ / EVA core at 32k traced
 #             (`longctx-bench profile`): the time in kernels against the time in XLA's own ops (the glue)
 #   kernels   each Pallas kernel against its XLA path at the same shapes, at 32k (`longctx-bench kernels`)
+#   sweep     each kernel's declared knobs (tiles, warps, stages, budgets) tried at half and twice their platform
+#             default, one at a time, at 32k forward+backward; the fastest setting and the `defaults` entry it
+#             proposes for the platform (`longctx-bench sweep`)
 #   step_*    the training step of three configs at 2 and at 4 layers (`longctx-bench step`), each at its own row
 #             and window: enwik8 Transformer-VQ (8k rows in 2k windows, batch 8), WikiText-103 EVA (512 words,
 #             batch 32, the 267,735-word vocabulary), enwik8 FMA (1k bytes, batch 64): tokens/s, model FLOPs per
@@ -35,6 +38,8 @@
 #             the embedding, head and loss cancel), compile time, device peak memory
 #   attention_d128  exact attention, its XLA tiles and the kernel methods at head dim 128 (8k, 32k); STEPS=all
 #   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); STEPS=all
+#   compile   the Transformer-VQ flagship's training step compiled at 4 and at 48 layers (its depth): compile
+#             seconds at each depth, whether depth costs compile time (`longctx-bench step`); STEPS=all
 # Per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset,
 # STEPS=all every step (the report is always written, from every step output in the folder). --smoke writes to a
 # scratch folder (printed) unless --out is given.
@@ -72,11 +77,13 @@ fi
 WORK="$OUT/$STAMP"
 mkdir -p "$WORK"
 BENCH=("$PY" -m longctx.bench.cli)
-ALL_STEPS="env tests attention attention_128k precision profile_tvq profile_eva kernels step_tvq step_eva step_fma
-           attention_d128 memplan"
+ALL_STEPS="env tests attention attention_128k precision profile_tvq profile_eva kernels sweep step_tvq step_eva
+           step_fma attention_d128 memplan compile"
 ALL_STEPS="$(echo $ALL_STEPS)"
 if [ "$SMOKE" = 1 ]; then STEPS="${STEPS:-all}"; fi
-STEPS="${STEPS:-env tests attention attention_128k precision profile_tvq profile_eva kernels step_tvq step_eva step_fma}"
+STEPS="${STEPS:-env tests attention attention_128k precision profile_tvq profile_eva kernels sweep step_tvq step_eva
+         step_fma}"
+STEPS="$(echo $STEPS)"
 FULL_TESTS=0
 [ "$STEPS" = all ] && FULL_TESTS=1
 [ "$STEPS" = all ] && STEPS="$ALL_STEPS"
@@ -96,11 +103,14 @@ if [ "$SMOKE" = 1 ]; then
   ATTN_LONG=(--lengths 512 --batch 1 --heads 2 --head_dim 16 --repeats 1 --warmup 0)
   PREC=(--methods transformer_vq --lengths 256 --batch 1 --heads 2 --head_dim 16 --repeats 1 --warmup 0)
   PROF=(--length 256 --batch 1 --heads 2 --head_dim 16 --dtype float32 --calls 1 --warmup 0)
+  SWEEP=(--methods fma --length 128 --batch 1 --heads 2 --head_dim 16 --dtype float32 --repeats 1 --warmup 0
+         --max_settings 3)
   STEP=(--repeats 1 --warmup 0 --matmul_n 512)
   STEP_TVQ=(--lengths 128 --batch_size 1)
   STEP_EVA=(--lengths 128 --batch_size 1 --vocab_size 256)
   STEP_FMA=(--lengths 128 --batch_size 1)
   DEPTHS="1 2"
+  COMPILE_DEPTHS="1 3"
   VARIANT=":tiny"
   EXACT="dense:naive"
 else
@@ -125,11 +135,14 @@ else
   PROF=(--length 32k --batch 8 --heads 8 --head_dim 64 --dtype bfloat16 --calls 3 --warmup 1)
   # the kernel never timed compiled first (transformer_vq's vq_cache), then fma's and eva's
   KERN=(--methods transformer_vq,fma,eva --lengths 32k --repeats 3 --warmup 1 --max_cell_s 15)
+  # each kernel's knobs at 32k forward+backward: the baseline and up to 6 single-knob moves per kernel
+  SWEEP=(--methods transformer_vq,eva,fma --length 32k --repeats 2 --warmup 1 --max_settings 7)
   STEP=(--repeats 3 --warmup 1)
   STEP_TVQ=(--lengths 8k --window 2048 --batch_size 8)
   STEP_EVA=(--lengths 512 --batch_size 32 --vocab_size 267735)
   STEP_FMA=(--lengths 1k --batch_size 64)
   DEPTHS="2 4"
+  COMPILE_DEPTHS="4 48"
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
   # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
@@ -221,7 +234,7 @@ EOF
 step env "$(limit env 20)" "$PY" "$TMP/env.py" "$WORK/env.json" "$SMOKE"
 
 step tests "$(limit tests 50)" "$PY" -m pytest -q -n 0 -p no:cacheprovider --junitxml="$WORK/tests.xml" "${TESTS[@]}"
-step attention "$(limit attention 110)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
+step attention "$(limit attention 100)" "${BENCH[@]}" attention --out "$WORK/attention" --causal --matmul_n 0 \
   --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN[@]}"
 step attention_128k "$(limit attention_128k 50)" "${BENCH[@]}" attention --out "$WORK/attention_128k" --causal \
   --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" --methods "${ATTN_METHODS}" "${ATTN_LONG[@]}"
@@ -234,11 +247,12 @@ step profile_eva "$(limit profile_eva 25)" "${BENCH[@]}" profile --out "$WORK/pr
 step attention_d128 "$(limit attention_d128 45)" "${BENCH[@]}" attention --out "$WORK/attention_d128" --causal \
   --matmul_n 0 --no_torch --noprogress "${ISOLATE[@]}" "${ATTN128[@]}"
 step kernels "$(limit kernels 50)" "${BENCH[@]}" kernels --out "$WORK/kernels" --causal --noprogress "${KERN[@]}"
+step sweep "$(limit sweep 60)" "${BENCH[@]}" sweep --out "$WORK/sweep" --noprogress "${SWEEP[@]}"
 # the training step at each depth of DEPTHS: model_steps.sh OUTNAME CONFIG ARGS... -> WORK/OUTNAME_l<depth>/
 cat > "$TMP/model_steps.sh" <<STEPS_EOF
 rc=0
 name="\$1" config="\$2"; shift 2
-for d in $DEPTHS; do
+for d in \${DEPTHS_RUN:-$DEPTHS}; do
   $(printf '%q ' "${BENCH[@]}") step --config "\$config" --out "$WORK/\${name}_l\$d" --noprogress "\$@" \
     --config.model.num_layers=\$d || rc=\$?
 done
@@ -246,10 +260,12 @@ exit \$rc
 STEPS_EOF
 step step_tvq "$(limit step_tvq 30)" bash "$TMP/model_steps.sh" step_tvq "configs/enwik8/transformer_vq.py$VARIANT" \
   "${STEP[@]}" "${STEP_TVQ[@]}"
-step step_eva "$(limit step_eva 45)" bash "$TMP/model_steps.sh" step_eva "configs/wikitext103/eva_16l.py$VARIANT" \
+step step_eva "$(limit step_eva 35)" bash "$TMP/model_steps.sh" step_eva "configs/wikitext103/eva_16l.py$VARIANT" \
   "${STEP[@]}" "${STEP_EVA[@]}"
 step step_fma "$(limit step_fma 25)" bash "$TMP/model_steps.sh" step_fma "configs/enwik8/fma.py$VARIANT" \
   "${STEP[@]}" "${STEP_FMA[@]}"
+step compile "$(limit compile 120)" env DEPTHS_RUN="$COMPILE_DEPTHS" bash "$TMP/model_steps.sh" compile \
+  "configs/enwik8/transformer_vq.py$VARIANT" "${STEP[@]}" "${STEP_TVQ[@]}"
 step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
@@ -260,7 +276,7 @@ import json, math, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 work, base, exact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 STEPS = ["env", "tests", "attention", "attention_128k", "precision", "profile_tvq", "profile_eva", "kernels",
-         "step_tvq", "step_eva", "step_fma", "attention_d128", "memplan"]
+         "sweep", "step_tvq", "step_eva", "step_fma", "attention_d128", "memplan", "compile"]
 
 def load(p):
     try:
@@ -429,6 +445,16 @@ for r in krows:
                 f"{fmt(r.get('max_abs_diff_out'))} | {r.get('status')} |")
 section("Each kernel against its XLA path", "kernels", body)
 
+sweep = load(work / "sweep" / "sweep.json") or {}
+report["sweep"] = [{k: v for k, v in kern.items()} for kern in sweep.get("kernels", [])]
+try:
+    body = (work / "sweep" / "sweep.md").read_text().splitlines()[2:]
+except OSError:  # a sweep stopped by its limit: the settings it timed
+    body = [f"- {kern.get('method')}: " + "; ".join(
+        f"{r.get('settings')} {fmt((r.get('seconds') or math.nan) * 1e3)} ms {r.get('status')}"
+        for r in kern.get("rows", [])) for kern in report["sweep"]]
+section("Kernel knob sweep", "sweep", [("#" + line if line.startswith("#") else line) for line in body])
+
 body = []
 report["steps_model"] = {}
 cols = ["T", "batch", "params", "step s", "tokens/s", "MFLOP / token", "TFLOP/s", "MFU %", "compile s",
@@ -498,6 +524,23 @@ except OSError:
     pass
 report["memplan"] = plan
 section("Flagship memory plan (longctx-train --dry_run)", "memplan", ["```", plan.strip() or "(none)", "```"])
+
+comp = {}
+for folder in work.glob("compile_l*"):
+    d = load(folder / "step.json")
+    if isinstance(d, dict) and d.get("rows"):
+        comp[int(folder.name.rsplit("_l", 1)[1])] = d["rows"][0]
+report["compile"] = {f"layers_{k}": v for k, v in sorted(comp.items())}
+body = ["| layers | compile s | step s | params |", "|---|---|---|---|"]
+body += [f"| {k} | {fmt(r.get('compile_s'))} | {fmt(r.get('step_s'))} | {fmt(r.get('params'))} |"
+         for k, r in sorted(comp.items())]
+if len(comp) >= 2:
+    lo, hi = sorted(comp)[0], sorted(comp)[-1]
+    a, b = comp[lo].get("compile_s"), comp[hi].get("compile_s")
+    if a and b:
+        body += ["", f"{hi} layers compile in {b / a:.2f}x the time of {lo} ({'scanned' if b / a < 2 else 'unrolled'}"
+                 " layers, judged by the ratio)."]
+section("Flagship compile time against depth", "compile", body)
 
 Path(base + ".md").write_text("\n".join(md) + "\n")
 Path(base + ".json").write_text(json.dumps(report, indent=1, default=str) + "\n")

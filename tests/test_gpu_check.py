@@ -19,12 +19,12 @@ SECTIONS = ("## Environment", "## Kernel tests, compiled", "## Exact attention a
             "## Exact attention against the methods at head dim 128",
             "## Each kernel against its XLA path", "## Model training steps, reduced depth",
             "### enwik8 Transformer-VQ", "### WikiText-103 EVA", "### enwik8 FMA",
-            "## Flagship memory plan")
+            "## Kernel knob sweep", "## Flagship memory plan", "## Flagship compile time against depth")
 
 
 # by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a training step
 # at two depths, the dry run); every step with -m slow
-SOME = "env tests attention kernels step_tvq memplan"  # the profile command: tests/bench/test_profile.py
+SOME = "env tests attention kernels sweep step_tvq memplan"  # the profile command: tests/bench/test_profile.py
 
 
 @pytest.mark.parametrize("steps", [SOME, pytest.param("all", marks=pytest.mark.slow)])
@@ -58,6 +58,12 @@ def test_gpu_check_smoke_writes_every_section(tmp_path, steps):
         assert row["compile_s"] > 0 and "not available" in row["device_mem"]["reason"]
     assert "MFU %" in text and "MFLOP / token" in text and "% of peak fwd+bwd" in text
     assert "peak (est.)" in report["memplan"]
+    if "sweep" in ran:  # every setting of the smoke sweep computed the baseline's output
+        (kern,) = report["sweep"]
+        assert kern["rows"] and all(r["status"] == "ok" and r.get("max_abs_diff_out", 0.0) < 1e-5
+                                    for r in kern["rows"])
+    if "compile" in ran:
+        assert set(report["compile"]) == {"layers_1", "layers_3"}
 
 
 def test_a_smoke_run_without_out_writes_to_a_scratch_folder(tmp_path):

@@ -8,6 +8,7 @@ into ``results/``).
     longctx-bench train     --steps 200 --config.train.seq_len=512
     longctx-bench step      --config configs/default.py --lengths 1k,4k,16k --config.model.d_model=512
     longctx-bench kernels   --lengths 8k,16k,32k   (Pallas kernels vs their XLA paths)
+    longctx-bench sweep     --length 32k   (each kernel's tiles / warps / stages tried; the fastest proposed)
     longctx-bench profile   --method eva --length 8k   (where one call's time goes)
     longctx-bench ab        TREE_A TREE_B --method eva --length 8k   (two source trees, interleaved)
     longctx-bench report    --out results --output BENCHMARKS.md   (assembles BENCHMARKS.md)
@@ -46,6 +47,7 @@ def _modules():
         quality_bench,
         report,
         step_bench,
+        sweep_bench,
         train_bench,
     )
 
@@ -56,6 +58,7 @@ def _modules():
         ("train", train_bench, "training tokens/s, peak memory and validation bits/byte per method"),
         ("step", step_bench, "whole-model training step time of any config at given lengths (interleaved)"),
         ("kernels", kernel_bench, "each Pallas kernel against the XLA path it must match: time and differences"),
+        ("sweep", sweep_bench, "each Pallas kernel's knobs tried on this device; the fastest proposed as its default"),
         ("profile", profile_bench, "one call of a core or a training step traced: time by XLA op, kind, source line"),
         ("ab", ab_bench, "one core or training step of two source trees, calls alternated, medians"),
         ("report", report, "assemble BENCHMARKS.md from the JSON in results/"),

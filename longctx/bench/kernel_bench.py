@@ -50,13 +50,7 @@ def add_args(p):
     p.add_argument("--lengths", default=None,
                    help=f"comma list of sequence lengths (k = 1024); default {CPU_LENGTHS} on cpu "
                         f"(interpret mode), {ACCEL_LENGTHS} on a GPU or TPU")
-    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--head_dim", type=int, default=None, help="default 64")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
-    p.add_argument("--calls_per_sample", type=int, default=None,
-                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
+    add_shape_args(p)
     p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
     p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
     p.add_argument("--repeats", type=int, default=3)
@@ -65,6 +59,17 @@ def add_args(p):
                    help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")
     p.add_argument("--no_backward", action="store_true", help="forward only")
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_shape_args(p):
+    """The shape, dtype and timing flags of a kernel cell (defaults by platform: ``common.SHAPE_DEFAULTS``)."""
+    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
+    p.add_argument("--head_dim", type=int, default=None, help="default 64")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
+    p.add_argument("--calls_per_sample", type=int, default=None,
+                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
 
 
 def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.base.KernelBench]]:
