@@ -91,9 +91,13 @@ def defects(jaxpr, widths, in_kernel=False, library=False):
                 out.append(f"{'kernel ' if in_kernel else ''}dot_general {shapes} {[str(d) for d in dts]} at "
                            f"{scope or '(top)'}")
         if name == "pallas_call":
+            # an operand an output aliases is a float32 accumulator the kernel adds into (atomics), not a product's
+            # operand: its reads inside the kernel are checked like every other equation there
+            aliased = {i for i, _ in eqn.params.get("input_output_aliases", ())}
             for i, v in enumerate(eqn.invars):
                 aval = v.aval
-                if getattr(aval, "dtype", None) == jnp.float32 and aval.shape and aval.shape[-1] in widths:
+                if (getattr(aval, "dtype", None) == jnp.float32 and aval.shape and aval.shape[-1] in widths
+                        and i not in aliased):
                     out.append(f"pallas_call operand {i} float32 {tuple(aval.shape)}")
         for p in eqn.params.values():
             for sub in _sub_jaxprs(p):

@@ -289,7 +289,8 @@ def test_spec_parameter_count_example():
 
 def test_config_errors():
     for bad, match in (({"p": 3}, "divide"), ({"max_len": 96}, "power of two"), ({"num_levels": 2}, "truncat"),
-                       ({"downsample": "fft"}, "downsample"), ({"impl": "pallas", "attn_dropout": 0.1}, "dropout")):
+                       ({"downsample": "fft"}, "downsample"), ({"impl": "pallas", "attn_dropout": 0.1}, "dropout"),
+                       ({"blocks_per_program": 3}, "blocks_per_program")):
         with pytest.raises(ConfigError, match=match):
             build("fma", True, **bad)
 
@@ -337,7 +338,7 @@ def test_impl_names_old_and_new():
 
 
 def test_execution_knobs_resolve_for_the_platform_of_the_call(monkeypatch):
-    """logit_budget and the kernel's GPU tiles default to 0 (dispatch.PLATFORM_DEFAULT) and resolve at each call for
+    """logit_budget, the kernel's GPU tiles and its blocks per program default to 0 (dispatch.PLATFORM_DEFAULT) and resolve at each call for
     the platform the selection ran on: a GPU call never runs with the XLA:CPU budget; a written value runs as written
     on every platform."""
     from longctx.attention.fma import pallas
@@ -352,7 +353,14 @@ def test_execution_knobs_resolve_for_the_platform_of_the_call(monkeypatch):
     assert written._implementation(None)[1].logit_budget == 5000
     # the kernel's tiles on cuda: the rule (4 warps per 64 query rows, 2 stages), or as written
     impl = {i.name: i for i in attention.get_class("fma").implementations()}["pallas"]
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 64) == {"num_warps": 4, "num_stages": 2}
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 8, "num_stages": 2}
-    cfg.update({"kernel_warps_per_64_rows": 2, "kernel_stages": 3})
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 4, "num_stages": 3}
+    bpp = pallas.TILES["blocks_per_program"]
+    assert cfg.blocks_per_program == dispatch.PLATFORM_DEFAULT
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 64) == {"num_warps": 4, "num_stages": 2,
+                                                            "blocks_per_program": bpp["cuda"]}
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 8, "num_stages": 2,
+                                                             "blocks_per_program": bpp["cuda"]}
+    assert pallas._tiles(impl.settings(cfg, "tpu"), 64)["blocks_per_program"] == bpp["tpu"]
+    assert pallas._tiles(impl.settings(cfg, "interpret"), 64)["blocks_per_program"] == bpp["cpu"]
+    cfg.update({"kernel_warps_per_64_rows": 2, "kernel_stages": 3, "blocks_per_program": 8})
+    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 4, "num_stages": 3,
+                                                             "blocks_per_program": 8}

@@ -28,22 +28,31 @@ BH = 3
 
 
 class TestFMABlocks(KernelTestBase):
+    # C: coarse slots per block (padded as the platform pads them), R: summary rows; G: fine blocks per program;
+    # form 'tpu': the TPU lowering's coarse access (slots copied row by row, resident gradients) in interpret mode
     SHAPES = {
-        "causal_ragged": dict(n=64, m=8, d=8, dv=6, C=12, causal=True, n_valid=59),
-        "bidir_ragged": dict(n=64, m=8, d=8, dv=8, C=16, causal=False, n_valid=61),
-        "fine_only": dict(n=32, m=8, d=8, dv=8, C=0, causal=True, n_valid=32),
-        "export": dict(n=512, m=64, d=64, dv=64, C=32, causal=True, n_valid=509),
-        "export_bidir": dict(n=512, m=64, d=64, dv=64, C=32, causal=False, n_valid=512),
-        "export_odd_d": dict(n=256, m=64, d=48, dv=48, C=32, causal=True, n_valid=256),
-        "enwik8_paper_tpu": dict(n=1024, m=64, d=64, dv=64, C=24, causal=True, n_valid=1024),
-        "enwik8_paper_cuda": dict(n=1024, m=64, d=64, dv=64, C=32, causal=True, n_valid=1024),
-        "enwik8_n2048_tpu": dict(n=2048, m=128, d=64, dv=64, C=24, causal=True, n_valid=2048),
-        "enwik8_n2048_cuda": dict(n=2048, m=128, d=64, dv=64, C=32, causal=True, n_valid=2048),
+        "causal_ragged": dict(n=64, m=8, d=8, dv=6, C=12, R=20, causal=True, n_valid=59),
+        "bidir_ragged": dict(n=64, m=8, d=8, dv=8, C=16, R=24, causal=False, n_valid=61),
+        "fine_only": dict(n=32, m=8, d=8, dv=8, C=0, R=0, causal=True, n_valid=32),
+        "causal_ragged_g4": dict(n=64, m=8, d=8, dv=6, C=12, R=20, causal=True, n_valid=59, G=4),
+        "bidir_ragged_g2": dict(n=64, m=8, d=8, dv=8, C=16, R=24, causal=False, n_valid=61, G=2),
+        "causal_ragged_tpu_form": dict(n=64, m=8, d=8, dv=6, C=16, R=20, causal=True, n_valid=59, G=2, form="tpu"),
+        "bidir_ragged_tpu_form": dict(n=64, m=8, d=8, dv=8, C=16, R=24, causal=False, n_valid=61, form="tpu"),
+        "export": dict(n=512, m=64, d=64, dv=64, C=32, R=56, causal=True, n_valid=509, G=2),
+        "export_bidir": dict(n=512, m=64, d=64, dv=64, C=32, R=56, causal=False, n_valid=512, G=4),
+        "export_odd_d": dict(n=256, m=64, d=48, dv=48, C=32, R=48, causal=True, n_valid=256),
+        "enwik8_paper_tpu": dict(n=1024, m=64, d=64, dv=64, C=24, R=112, causal=True, n_valid=1024, G=4),
+        "enwik8_paper_cuda": dict(n=1024, m=64, d=64, dv=64, C=32, R=112, causal=True, n_valid=1024, G=2),
+        "enwik8_n2048_tpu": dict(n=2048, m=128, d=64, dv=64, C=24, R=112, causal=True, n_valid=2048, G=4),
+        "enwik8_n2048_cuda": dict(n=2048, m=128, d=64, dv=64, C=32, R=112, causal=True, n_valid=2048, G=2),
     }
     FORWARD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
-                     ("causal_ragged", "bfloat16"))
+                     ("causal_ragged", "bfloat16"), ("causal_ragged_g4", "float32"), ("bidir_ragged_g2", "bfloat16"),
+                     ("causal_ragged_tpu_form", "float32"), ("bidir_ragged_tpu_form", "bfloat16"))
     GRAD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
-                  ("causal_ragged", "bfloat16"), ("bidir_ragged", "bfloat16"))
+                  ("causal_ragged", "bfloat16"), ("bidir_ragged", "bfloat16"), ("causal_ragged_g4", "float32"),
+                  ("bidir_ragged_g2", "float32"), ("causal_ragged_tpu_form", "float32"),
+                  ("bidir_ragged_tpu_form", "float32"))
     EXPORT_CASES = (("tpu", "export", "float32"), ("cuda", "export", "float32"), ("tpu", "export_bidir", "float32"),
                     ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"),
                     ("tpu", "enwik8_paper_tpu", "float32"), ("tpu", "enwik8_paper_tpu", "bfloat16"),
@@ -52,7 +61,7 @@ class TestFMABlocks(KernelTestBase):
                     ("cuda", "causal_ragged", "float32"))  # m = 8: refused on GPU
     # bf16: the probabilities enter the P V product as bf16 (operands are never up-cast before a dot)
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (1e-2, 1e-2)}
-    DIFF_ARGNUMS = (0, 1, 2, 3, 4)  # q, k, v and the packed coarse slots kc, vc
+    DIFF_ARGNUMS = (0, 1, 2, 3, 4)  # q, k, v and the level summaries kall, vall the coarse slots index
 
     def is_ragged(self, shape):  # valid tokens end inside a fine block
         return shape["n_valid"] % shape["m"] != 0
@@ -61,28 +70,36 @@ class TestFMABlocks(KernelTestBase):
         return (f"enwik8_paper_{platform}", f"enwik8_n2048_{platform}")
 
     def make_inputs(self, shape, dtype):
-        n, m, d, dv, C = shape["n"], shape["m"], shape["d"], shape["dv"], shape["C"]
+        n, m, d, dv, C, R = shape["n"], shape["m"], shape["d"], shape["dv"], shape["C"], shape["R"]
         nb = n // m
         ks = jax.random.split(jax.random.key(n + C), 6)
         q = (jax.random.normal(ks[0], (BH, n, d)) * d**-0.5).astype(dtype)
         k = jax.random.normal(ks[1], (BH, n, d)).astype(dtype)
         v = jax.random.normal(ks[2], (BH, n, dv)).astype(dtype)
-        kc = vc = cb = None
+        kall = vall = idx = cb = None
         if C:
-            kc = jax.random.normal(ks[3], (BH, nb, C, d)).astype(dtype)
-            vc = jax.random.normal(ks[4], (BH, nb, C, dv)).astype(dtype)
+            kall = jax.random.normal(ks[3], (BH, R, d)).astype(dtype)
+            vall = jax.random.normal(ks[4], (BH, R, dv)).astype(dtype)
             rng = np.random.default_rng(C)
-            bias = np.where(rng.random((nb, 1, C)) < 0.3, NEG, np.log(4.0)).astype(np.float32)
-            bias[0] = NEG  # a block with every coarse slot masked
-            cb = jnp.asarray(bias)
-        return (q, k, v, kc, vc, cb), dict(m=m, causal=shape["causal"], n_valid=shape["n_valid"])
+            # a block's valid slots read distinct summary rows (as the method's levels do), shared by other blocks;
+            # masked slots read any row, repeats of the valid ones included
+            rows = np.stack([rng.permutation(R)[:C] for _ in range(nb)]).astype(np.int32)
+            masked = rng.random((nb, C)) < 0.3
+            masked[0] = True  # a block with every coarse slot masked
+            rows = np.where(masked & (rng.random((nb, C)) < 0.5), rows[:, :1], rows)
+            idx = jnp.asarray(rows)
+            cb = jnp.asarray(np.where(masked, NEG, np.log(4.0)).astype(np.float32))
+        return (q, k, v, kall, vall, idx, cb), dict(m=m, causal=shape["causal"], n_valid=shape["n_valid"],
+                                                      G=shape.get("G", 1), form=shape.get("form"))
 
-    def kernel(self, q, k, v, kc, vc, cb, *, interpret, platform=None, m, causal, n_valid):
-        return fma_blocks.fma_blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret, 1 << 24, platform)
+    def kernel(self, q, k, v, kall, vall, idx, cb, *, interpret, platform=None, m, causal, n_valid, G, form):
+        return fma_blocks.fma_blocks(q, k, v, kall, vall, idx, cb, m, causal, n_valid, interpret, 1 << 24,
+                                     form if interpret else platform, blocks_per_program=G)
 
-    def reference(self, q, k, v, kc, vc, cb, *, m, causal, n_valid):
+    def reference(self, q, k, v, kall, vall, idx, cb, *, m, causal, n_valid, G, form):
         f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-        return fma_blocks._ref_blocks(f32(q), f32(k), f32(v), f32(kc), f32(vc), cb, m, causal, n_valid, 1 << 24)
+        return fma_blocks._ref_blocks(f32(q), f32(k), f32(v), f32(kall), f32(vall), idx, cb, m, causal, n_valid,
+                                      1 << 24)
 
     def unsupported_reasons(self, platform, shape, dtype):
         return fma_blocks.unsupported_reasons(platform, m=shape["m"], d=shape["d"], dv=shape["dv"])
@@ -122,26 +139,33 @@ def test_outputs_in_the_compute_dtype():
     args, static = t.make_inputs(t.SHAPES["causal_ragged"], jnp.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        o, lse = jax.eval_shape(lambda *a: fma_blocks.fma_blocks_forward(*a, interpret=True, **static), *args)
-        grads = jax.eval_shape(jax.grad(lambda *d: jnp.sum(t.kernel(*d, args[5], interpret=True, **static)
+        o, lse = jax.eval_shape(lambda *a: fma_blocks.fma_blocks_forward(
+            *a, interpret=True, m=static["m"], causal=static["causal"], n_valid=static["n_valid"]), *args)
+        grads = jax.eval_shape(jax.grad(lambda *d: jnp.sum(t.kernel(*d, *args[5:], interpret=True, **static)
                                                            .astype(jnp.float32)), argnums=(0, 1, 2, 3, 4)), *args[:5])
     assert o.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     assert [g.dtype for g in grads] == [jnp.bfloat16] * 5
 
 
-def _primitives(jaxpr, out):
-    """Count the primitives of a jaxpr and its sub-jaxprs into ``out``: ``pallas_call`` itself, and every other
-    primitive outside a kernel body (a kernel's own body is not walked)."""
+def _eqns_outside_kernels(jaxpr, out):
+    """Every equation of a jaxpr and its sub-jaxprs, a ``pallas_call``'s own body not walked, into ``out``."""
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        out[name] = out.get(name, 0) + 1
-        if name == "pallas_call":
+        out.append(eqn)
+        if eqn.primitive.name == "pallas_call":
             continue
         for p in eqn.params.values():
             for sub in p if isinstance(p, (list, tuple)) else (p,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    _primitives(sub, out)
+                    _eqns_outside_kernels(sub, out)
+    return out
+
+
+def _primitives(jaxpr, out):
+    """Count the primitives of a jaxpr and its sub-jaxprs into ``out``: ``pallas_call`` itself, and every other
+    primitive outside a kernel body (a kernel's own body is not walked)."""
+    for eqn in _eqns_outside_kernels(jaxpr, []):
+        out[eqn.primitive.name] = out.get(eqn.primitive.name, 0) + 1
     return out
 
 
@@ -153,7 +177,7 @@ def test_vjp_is_the_backward_kernels(causal):
     args, static = t.make_inputs(t.SHAPES["causal_ragged" if causal else "bidir_ragged"], jnp.float32)
 
     def loss(*diff):
-        return jnp.sum(t.kernel(*diff, args[5], interpret=True, **static) ** 2)
+        return jnp.sum(t.kernel(*diff, *args[5:], interpret=True, **static) ** 2)
 
     grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args[:5])
     prims = _primitives(grad.jaxpr, {})
@@ -193,3 +217,42 @@ def test_method_pallas_equals_xla_forward_and_vjp(causal):
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_no_gathered_coarse_slots_outside_the_kernel(causal):
+    """The method with impl='pallas' at a long length (n 8192, m 64, p 4: 128 fine blocks, 6 coarse levels), forward
+    and backward: the kernel reads the coarse slots of each block from the level summaries by index, so no array of
+    the per-block slots ([.., blocks, slots, d], or its flat [.., blocks * slots, d]) exists outside the kernels, and
+    their gradient reaches the summaries without an XLA scatter-add."""
+    n, m, p, d = 8192, 64, 4, 64
+    nb, L = n // m, (n // m).bit_length() - 2
+    C = (2 if causal else 4) * p * L
+    slot_counts = {C, fma_blocks._c_pad(C, "interpret")}  # the slots as the interpret mode pads them
+    slot_counts |= {nb * c for c in slot_counts}
+    cfg = ml_collections.ConfigDict({"m": m, "p": p, "max_len": n, "impl": "pallas"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        core = attention.build("fma", cfg, num_heads=1, head_dim=d, causal=causal, rngs=nnx.Rngs(0))
+        gd, params, rest = nnx.split(core, nnx.Param, ...)
+
+        def loss(params, q, k, v):
+            return jnp.sum(nnx.merge(gd, params, rest)(q, k, v)[0].astype(jnp.float32))
+
+        x = jax.ShapeDtypeStruct((1, 1, n, d), jnp.float32)
+        grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, x, x, x)
+    eqns = _eqns_outside_kernels(grad.jaxpr, [])
+    assert sum(e.primitive.name == "pallas_call" for e in eqns) == 3
+    gathered = [(e.primitive.name, v.aval.shape) for e in eqns for v in e.outvars
+                if len(getattr(v.aval, "shape", ())) >= 2 and v.aval.shape[-1] == d and v.aval.shape[-2] in slot_counts]
+    assert not gathered, f"per-block coarse slots materialised outside the kernel: {gathered[:4]}"
+    scatters = [e.primitive.name for e in eqns if e.primitive.name.startswith("scatter")]
+    assert not scatters, scatters
+
+
+def test_tpu_refuses_summaries_past_its_vmem_budget():
+    """The TPU form holds a row's level summaries and their gradients in VMEM: 2^16 fine blocks' worth is refused
+    with the reason; the paper's lengths are not."""
+    assert fma_blocks.unsupported_reasons("tpu", m=64, d=64, dv=64, summary_rows=112) == []
+    assert any("VMEM" in r for r in fma_blocks.unsupported_reasons("tpu", m=64, d=64, dv=64, summary_rows=1 << 18))
+    assert fma_blocks.unsupported_reasons("cuda", m=64, d=64, dv=64, summary_rows=1 << 18) == []

@@ -96,7 +96,7 @@ class FMAAttention(AttentionCore):
     """Fast Multipole Attention core (see the module docstring)."""
 
     name = "fma"
-    EXECUTION_KEYS = ("impl", "logit_budget", "kernel_warps_per_64_rows", "kernel_stages")
+    EXECUTION_KEYS = ("impl", "logit_budget", "kernel_warps_per_64_rows", "kernel_stages", "blocks_per_program")
     linear = False
 
     @classmethod
@@ -144,9 +144,11 @@ class FMAAttention(AttentionCore):
         }
         if not cls.linear:
             # the Pallas kernel's GPU lowering (pallas.py declares the per-platform values; 0 = the platform's):
-            # warps per 64 query rows of a program (a program holds one fine block of m rows) and pipeline stages
+            # warps per 64 query rows of a program (a program works on one fine block of m rows at a time), pipeline
+            # stages, and the fine blocks one program loops over (a power of two)
             c["kernel_warps_per_64_rows"] = 0
             c["kernel_stages"] = 0
+            c["blocks_per_program"] = 0
             # the release's zero-padded coarse (and first fine block's) slots left unmasked: score 0, weight
             # m_l/p each (a "null" sink over the first half of every sequence); causal only, no decoding
             c["release_zero_slots"] = False
@@ -193,9 +195,11 @@ class FMAAttention(AttentionCore):
         require(not (cfg.impl == "pallas" and cfg.attn_dropout > 0),
                 f"{pre}: the Pallas kernel has no attention dropout; use impl='xla' or attn_dropout=0")
         require(cfg.logit_budget >= 0, f"{pre}.logit_budget must be positive (0: the platform's default)")
-        for key in ("kernel_warps_per_64_rows", "kernel_stages"):
+        for key in ("kernel_warps_per_64_rows", "kernel_stages", "blocks_per_program"):
             if key in cfg:
                 require(cfg[key] >= 0, f"{pre}.{key} must be positive (0: the platform's default)")
+        bpp = cfg.get("blocks_per_program", 0)
+        require(bpp & (bpp - 1) == 0, f"{pre}.blocks_per_program={bpp} must be a power of two (0: the platform's)")
         if cls.linear:
             for key, allowed in (("fma_linear_normalization", ("joint", "per_level")),
                                  ("causal_query_summary", ("lagged", "paper_leaky"))):

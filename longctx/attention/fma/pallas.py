@@ -57,12 +57,13 @@ def attend(choice, settings=None):
 
 
 def _tiles(settings, m: int) -> dict:
-    """The kernel's ``num_warps`` / ``num_stages`` for fine blocks of ``m`` rows from the resolved settings (absent
-    or 0: the kernel's rule, :func:`pallas_kernels.fma_blocks.gpu_tiles`). The warps are configured per 64 query
-    rows (a program holds one block of ``m`` rows), so one setting serves every ``m``: 4 gives the rule's 4 warps
-    up to ``m = 64`` and 8 at 128."""
+    """The kernel's ``num_warps`` / ``num_stages`` / ``blocks_per_program`` for fine blocks of ``m`` rows from the
+    resolved settings (absent or 0: the kernel's rule, :func:`pallas_kernels.fma_blocks.gpu_tiles`; one block per
+    program). The warps are configured per 64 query rows (a program works on one block of ``m`` rows at a time),
+    so one setting serves every ``m``: 4 gives the rule's 4 warps up to ``m = 64`` and 8 at 128."""
     warps, stages = settings.get("kernel_warps_per_64_rows"), settings.get("kernel_stages")
-    return {"num_warps": warps * max(1, m // 64) if warps else None, "num_stages": stages or None}
+    return {"num_warps": warps * max(1, m // 64) if warps else None, "num_stages": stages or None,
+            "blocks_per_program": settings.get("blocks_per_program") or None}
 
 
 def forward(choice, settings=None):
@@ -95,8 +96,12 @@ class MethodImplementation(Implementation):
 # logit_budget: read by the streamed steps only (they run the kernel's reference, xla.py's table); the kernel holds
 # one block's scores at a time. The GPU lowering's tiles: cuda the kernel's rule (4 warps per 64 query rows, 2
 # stages), not yet measured against other values on a GPU; the Mosaic (TPU) lowering and interpret mode read neither
-# ('default')
-TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages": {"cuda": 2, "default": 2}}
+# ('default'). blocks_per_program (fine blocks one program loops over, a power of two; fewer where the block count
+# has no such divisor): a program of G blocks reads G + 1 (causal; bidirectional G + 2) fine key blocks instead of
+# 2 G (3 G). cuda 2, tpu 4 (a core runs its programs one after another: fewer, larger steps); interpret mode
+# ('cpu') 2, so the loop runs at test lengths. Reasoned values, not yet measured on a GPU or TPU.
+TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages": {"cuda": 2, "default": 2},
+         "blocks_per_program": {"cuda": 2, "tpu": 4, "cpu": 2, "default": 1}}
 IMPLEMENTATIONS = (
     MethodImplementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_reasons,
                          config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, code=bind,
