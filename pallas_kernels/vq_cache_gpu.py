@@ -21,27 +21,56 @@ Triton grids are parallel and a ``[S, tv]`` f32 carry does not fit in registers,
   where that distance is at most M, else 0, with the causal and validity masks from iotas. No ``[.., L, L]`` or
   ``[.., L, 2L]`` array exists outside the kernels, forward or backward
   (tests/attention/test_transformer_vq_export.py reads the exported program).
-* **Phase 2 forward kernel** ``vq_cache_gpu_fwd``: grid ``(BH, R·L/tq, Dv/tv)``, all parallel. One online softmax
-  (running max ``m``, sum ``l``, accumulator ``[tq, tv]``, all f32) over the codes in chunks of ``ts`` (scores
-  ``q_u·Cᵀ + ℓ``, values ``μ̄``), then the previous block in key tiles of ``tq``, then the present block up to the
-  diagonal tile (each with its gathered band bias). Writes ``o`` (f32) and the row log-sum-exp.
+* **Phase 2 forward kernel** ``vq_cache_gpu_fwd``: grid ``(BH, R·L/tq)``, all parallel; the value width ``Dv``
+  is not a grid axis, so each query tile computes its scores and probabilities once. One online softmax (running
+  max ``m`` and sum ``l``, f32) over the codes in chunks of ``ts`` (scores ``q_u·Cᵀ + ℓ``, values ``μ̄``), then
+  the previous block in key tiles of ``tq``, then the present block up to the diagonal tile (each with its gathered
+  band bias); each such key step rescales the accumulator by ``exp(m_old − m_new)`` and adds ``P·V``. Two paths,
+  chosen statically by the number of value-width slices ``n_tv = Dv/tv``, sharing that step:
+
+  - ``n_tv = 1`` (one slice, e.g. Dv = 64, or 128 in bf16): the accumulator ``[tq, Dv]`` f32 is in the loop carry
+    (registers) with ``m`` and ``l``; ``o`` is written once at the end and never read back;
+  - ``n_tv > 1`` (the configs' Dv = 1536 / 4096, whose ``[tq, Dv]`` f32 accumulator does not fit in registers):
+    the program's own f32 output block ``[tq, Dv]`` is the accumulator; after each key step's probabilities a loop
+    over the slices re-reads, rescales and re-writes one ``[tq, tv]`` slice (zeroed first, normalised last).
+
+  Writes ``o`` (f32) and the row log-sum-exp.
+
+**Cost of the several-slice path** (arithmetic, not a measurement). The output block is read and written once
+per key step: ``2·tq·Dv·4`` bytes, 768 KiB at tq = 64, Dv = 1536. At L = S = 512, tq = ts = 64 a query tile takes
+S_p/ts + L/tq + (it + 1) = 8 + 8 + 1..8 key steps (20.5 on average, 24 at most); at T = 32k, B = H = 8 there are
+B·H·T/tq = 32768 query tiles, so one forward moves 32768 × 20.5 × 786432 B ≈ 528 GB (≈ 618 GB at 24 steps per
+tile) through L2 / HBM where the block is not held in L2, plus ≈ 39 GB for zeroing and normalising
+(3·tq·Dv·4 B per tile). ``bwd_kv``'s dv block costs the same per (key tile, query tile) pair, 12.5 pairs per
+query tile on average: ≈ 322 GB. That is the price of computing the scores once instead of once per Dv tile (a
+Dv grid axis recomputes ``q·k̂ᵀ``, the band gather and the softmax ``n_tv`` times); which is faster has not been
+measured. This path also relies on each Triton thread re-reading exactly the output elements it wrote itself (the
+load and the store of a slice use the same pointer tensor, hence, presumably, the same layout): a read-after-write
+on global memory inside one program with no barrier, which interpret mode cannot check.
 
 **Backward** (``jax.custom_vjp``; flash-style recompute of the probabilities from the saved ``lse``,
-``Δ = rowsum(dO ⊙ O)`` in XLA, ``dS = P ⊙ (dP − Δ)``). Every program owns its output blocks, so no kernel relies
-on a sequential grid:
+``Δ = rowsum(dO ⊙ O)`` in XLA, ``dS = P ⊙ (dP − Δ)``), two passes, neither with a value-width grid axis:
 
-* ``vq_cache_gpu_bwd_q`` -- grid ``(BH, R·L/tq)``, query-major: ``dP = dO·Wᵀ`` accumulated over the Dv tiles for
-  each code chunk / key tile, ``dq = dS^c·C + dS^p·k̂_{n-1} + dS^r·k̂_n`` and the band scores' gradient
-  ``dbd [BH, R·L, M+1]``: ``dbd[i, d]`` is dS at the one key at distance ``d`` from query ``i``, scattered by index
-  arithmetic (every entry written once: a query row's distances ``0..M`` are its present keys up to the diagonal
-  and its previous block); it reaches ``q + v'`` and ``r'`` through ``band_scores``' autodiff, in XLA;
-* ``vq_cache_gpu_bwd_kv`` -- grid ``(BH, (R+1)·L/tq, Dv/tv)``, key-tile-major over the extended key array (band
-  prepended): a key tile of extended block ``e`` is seen by query block ``e`` (as previous block) and by query
-  block ``e-1`` (as present block, the query tiles at or below the diagonal); it loops over exactly those query
-  tiles for ``dv_local = Pᵀ·dO`` (its Dv tile) and, in the ``Dv``-tile-0 program, from the same ``P``,
-  ``dk̂ = dSᵀ·q_u`` with ``dS = P ⊙ (dO·vᵀ − Δ)`` (``dO·vᵀ`` accumulated over the Dv tiles);
-* ``vq_cache_gpu_bwd_mu`` -- grid ``(BH, R, S_p/ts, Dv/tv)``, code-chunk-major: ``dμ̄_n = P^{c}ᵀ·dO`` over the
-  query tiles of block ``n``; it flows back to ``v`` and the carried ``agg_mu`` through Phase 1 by JAX autodiff.
+* ``vq_cache_gpu_bwd_q`` -- the query-side pass, grid ``(BH, R·L/tq)``: for each code chunk / key tile, ``P``
+  once, then a loop over the value-width slices for ``dP = dO·Wᵀ`` and, for a code chunk, ``dμ̄_n += P^cᵀ·dO``;
+  ``dq = dS^c·C + dS^p·k̂_{n-1} + dS^r·k̂_n`` and the band scores' gradient ``dbd [BH, R·L, M+1]``: ``dbd[i, d]``
+  is dS at the one key at distance ``d`` from query ``i``, scattered by index arithmetic (every entry written once:
+  a query row's distances ``0..M`` are its present keys up to the diagonal and its previous block); it reaches
+  ``q + v'`` and ``r'`` through ``band_scores``' autodiff, in XLA. ``dμ̄ [BH, R, S_p, Dv]`` (f32) gets one
+  contribution per query tile of block ``n`` (``L/tq`` of them): atomic adds into a zeros array that the output
+  aliases, so on a GPU the order of those few float32 additions, and their rounding, may differ from run to run
+  (interpret mode adds them in grid order). It flows back to ``v`` and the carried ``agg_mu`` through Phase 1 by
+  JAX autodiff;
+* ``vq_cache_gpu_bwd_kv`` -- the key-side pass, grid ``(BH, (R+1)·L/tq)``, key-tile-major over the extended key
+  array (band prepended): a key tile of extended block ``e`` is seen by query block ``e`` (as previous block) and
+  by query block ``e-1`` (as present block, the query tiles at or below the diagonal); for each of exactly those
+  query tiles it computes ``P`` once, then ``dv += Pᵀ·dO`` and ``dO·vᵀ`` per value-width slice, and adds
+  ``dk̂ += dSᵀ·q_u``. As in the forward, ``dv [tq, Dv]`` f32 is in the loop carry and written once where
+  ``n_tv = 1``, and is the program's own f32 output block, updated one slice at a time, where ``n_tv > 1``.
+
+So ``P`` is computed once per (query tile, key step) in the forward, and twice in the backward for the local keys
+(once per pass) and once for the codes; the value width costs its ``P·V``-shaped products and, where ``n_tv > 1``,
+the accumulator traffic above.
 
 No gradient reaches the codebook, the codes or the counts (as in the TPU kernel and §9). The new carried
 state is computed in XLA by the reference's ``final_state``.
@@ -56,20 +85,27 @@ never rounded, as the reference); softmax statistics, the band scores, ``dS``, `
 rounding of ``μ̄``, ``P`` and ``dO`` (about 2⁻⁹ relative), not more.
 
 **Tiles and budget** (:func:`choose_tiles`, :func:`tile_budget`). ``tq`` (query rows = key-tile width) is the
-largest of 64/32/16 dividing L, ``ts = min(64, next_pow2(S))`` codes per chunk, ``tv`` the largest of
-128/64/32/16 dividing Dv whose four kernels fit the budget; ``num_warps`` 4, or 8 where the register estimate
-needs it; ``num_stages = 2``. Per program the estimate counts (a) shared memory: the resident operands (q tile and
-its f32 copy, or the key tile / code chunk) plus ``num_stages`` × the dot operands loaded per loop step (key or code
-tile, value / μ̄ / dO tiles, bias tile), against ``SMEM_LIMIT_BYTES`` = 227 KiB (H100's per-block maximum), and
-(b) registers: the live f32 tiles (accumulators, scores, probabilities, dP, dS) divided over ``32·num_warps``
+largest of 64/32/16 dividing L, ``ts = min(64, next_pow2(S))`` codes per chunk, ``tv`` (the value-width slice of
+the loops inside the programs) the largest of 128/64/32/16 dividing Dv whose three kernels fit the budget;
+``num_warps`` 4, or 8 where the register estimate needs it; ``num_stages = 2``. Per program the estimate counts
+(a) shared memory: the resident operands (q tile and its f32 copy, or the key tile) plus ``num_stages`` × (the
+operands one key step loads: key / query or code tile, bias tile; plus those one value-width slice of that step
+loads: value / μ̄ / dO slices and, where ``n_tv > 1``, the f32 output / dv slice updated in place; where
+``n_tv = 1`` the accumulator is not staged), against ``SMEM_LIMIT_BYTES`` = 227 KiB (H100's per-block maximum),
+and (b) registers: the live f32 tiles (the ``[tq, Dv]`` accumulator of o / dv where ``n_tv = 1``, else the slice
+being updated; dq / dk, scores, probabilities, dP, dS, the ``P^cᵀ·dO`` slice) divided over ``32·num_warps``
 threads, against ``REG_WORDS_LIMIT`` = 128 words per thread (half of the 255 hardware registers, the rest left to
 addresses, MMA fragments and temporaries). The gathered bias tile is counted as a [tq, tq] f32 load per key tile.
-At the paper's shapes (L = S = 512, Dk = 128, Dv = 1536 or 4096; ``tq = ts = 64``) bf16 takes ``tv = 128`` with
-every kernel at or below 144 KiB and 128 words per thread; fp32 takes ``tv = 64`` (``bwd_kv`` at 192 KiB, 8 warps).
-It is an estimate for refusing clearly too large tiles, not a measurement. The earlier form of these kernels (bias
-arrays ``BP, BR [BH, R, L, L]`` built in XLA) was compiled and tested on an H200 (jax 0.11.2); the gathered-bias
-form here is tested in interpret mode and lowered for 'cuda' (with the MLIR verifier) but not yet compiled or
-timed on a GPU.
+At the paper's shapes (L = S = 512, Dk = 128, Dv = 1536 or 4096; ``tq = ts = 64``) bf16 takes ``tv = 128``
+(8 warps each; at most 208.5 KiB, 128 words per thread); fp32 takes ``tv = 64`` (``bwd_kv`` at 224 KiB, 8 warps).
+At one slice (L = S = 512, ``tq = ts = 64``): Dk = Dv = 64 at most 144 KiB (fp32, the backward; 4 warps forward,
+8 backward); Dk = Dv = 128 in bf16 at most 176.5 KiB (8 warps, the forward at 65 words per thread, the backward
+at 128); Dk = Dv = 128 in fp32 does not fit one slice (both backward kernels at 256 KiB) and takes two of 64. It is an
+estimate for refusing clearly too large tiles, not a measurement. The earlier form of these kernels (bias arrays
+``BP, BR [BH, R, L, L]`` built in XLA, a Dv grid axis, three backward kernels) was compiled and tested on an H200
+(jax 0.11.2); the form here (gathered bias, value width looped inside the programs, two backward passes, the
+accumulator in registers at one slice) is tested in interpret mode and lowered for 'cuda' (with the MLIR verifier)
+but not yet compiled or timed on a GPU.
 
 Support (:func:`unsupported_reasons`): ``'cuda'`` needs ``L % 16 == 0`` (``tq ≥ 16``, the Triton dot minimum),
 ``Dk`` a power of two ≥ 16 (loaded whole), ``Dv % 16 == 0`` and a tile plan within the budget, and explicit
@@ -112,7 +148,7 @@ TQ_CANDIDATES = (64, 32, 16)
 TV_CANDIDATES = (128, 64, 32, 16)
 TS_MAX = 64
 NUM_STAGES = 2
-KINDS = ("fwd", "bwd_q", "bwd_kv", "bwd_mu")
+KINDS = ("fwd", "bwd_q", "bwd_kv")
 
 
 # ----------------------------------------------------------------------------- tiles and budget
@@ -120,35 +156,35 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def tile_budget(kind: str, *, tq: int, ts: int, tv: int, Dk: int, in_dtype=f32, num_warps: int = 4,
+def tile_budget(kind: str, *, tq: int, ts: int, tv: int, Dk: int, Dv: int, in_dtype=f32, num_warps: int = 4,
                 num_stages: int = NUM_STAGES) -> tuple[int, float]:
     """(shared-memory bytes, live f32 tile words per thread) of one program of kernel ``kind`` (see the module
-    docstring for what is counted)."""
+    docstring for what is counted): the resident tiles plus ``num_stages`` × (the tiles one key / query step
+    loads + the tiles one value-width slice of that step loads). Where ``tv == Dv`` (one slice) the forward's
+    accumulator and the key-side pass's dv are in the loop carry: counted as live words, no f32 output slice in
+    shared memory; with several slices the f32 output / dv slice, re-read and re-written per step, is staged too."""
     isz = jnp.dtype(in_dtype).itemsize
     q_res = tq * Dk * isz + (tq * Dk * 4 if isz != 4 else 0)  # q tile and its f32 copy (cache scores)
+    code_step = ts * Dk * 4 + ts * 4  # code chunk (f32 at most), ℓ
+    key_step = tq * Dk * isz + tq * tq * 4  # key (or query) tile, gathered bias tile
+    w = max(ts, tq)  # key-step width (a code chunk or a key tile)
+    acc_slice = 0 if tv == Dv else tq * tv * 4  # the f32 output / dv slice updated in place (several slices)
     if kind == "fwd":
-        stage = max(ts * Dk * 4 + ts * tv * isz + ts * 4,  # code chunk, μ̄ chunk, ℓ
-                    tq * Dk * isz + tq * tv * isz + tq * tq * 4)  # key tile, value tile, bias tile
-        smem = q_res + num_stages * stage
-        words = tq * tv + 2 * tq * max(ts, tq) + 2 * tq  # acc, scores + probabilities, m and l
+        resident, step = q_res, max(code_step, key_step)
+        slice_ = w * tv * isz + acc_slice  # μ̄ / value slice (+ the output slice)
+        # the accumulator [tq, Dv] (one slice) or the output slice being rescaled; scores + probabilities; m, l, α
+        words = tq * tv + 2 * w * tq + 3 * tq
     elif kind == "bwd_q":
-        inner = tq * tv * isz + max(ts, tq) * tv * isz  # dO tile and μ̄ / v tile of the dP loop
-        outer = max(ts * Dk * 4, tq * Dk * isz + tq * tq * 4)  # code chunk or key tile + bias tile
-        smem = q_res + num_stages * inner + outer
-        words = tq * Dk + 4 * tq * max(ts, tq)  # dq, scores/probabilities, dP, dS
+        resident, step = q_res, max(code_step, key_step)
+        slice_ = tq * tv * isz + w * tv * isz  # dO slice, μ̄ / value slice
+        words = tq * Dk + 4 * tq * w + ts * tv  # dq; scores/probabilities, dP, dS; the Pᵀ·dO slice (dμ̄)
     elif kind == "bwd_kv":
-        # every query tile: its q tile and gathered bias tile, then the dO tile (dv loop) or, in the Dv-tile-0
-        # program, the dO and v tiles of the dP loop over the Dv tiles (dk loop); the key tile stays resident
-        stage = tq * Dk * isz + tq * tq * 4 + 2 * tq * tv * isz
-        smem = tq * Dk * isz + num_stages * stage
-        words = tq * tv + tq * Dk + 4 * tq * tq  # the Dv-tile-0 program: dv, dk, scores/P, dP, dS
-    elif kind == "bwd_mu":
-        stage = tq * Dk * 4 + tq * tv * isz + tq * 4  # q tile (f32), dO tile, lse
-        smem = ts * Dk * 4 + ts * 4 + num_stages * stage
-        words = ts * tv + 2 * tq * ts  # dμ̄ accumulator, scores + probabilities
+        resident, step = tq * Dk * isz, key_step  # the key tile; a query tile and its bias tile per step
+        slice_ = 2 * tq * tv * isz + acc_slice  # dO and value slices (+ the dv slice)
+        words = tq * Dk + 4 * tq * tq + tq * tv  # dk; scores/probabilities, dP, dS; dv [tq, Dv] or its slice
     else:
         raise ValueError(f"unknown kernel {kind!r}; allowed: {', '.join(KINDS)}")
-    return int(smem), words / (32 * num_warps)
+    return int(resident + num_stages * (step + slice_)), words / (32 * num_warps)
 
 
 def _warps_for(kind, **kw) -> tuple[int, int, float]:
@@ -160,11 +196,11 @@ def _warps_for(kind, **kw) -> tuple[int, int, float]:
     return 8, smem, words
 
 
-def _fits(*, tq, ts, tv, Dk, in_dtype, kinds) -> tuple[bool, dict]:
+def _fits(*, tq, ts, tv, Dk, Dv, in_dtype, kinds) -> tuple[bool, dict]:
     plan = {}
     ok = True
     for kind in kinds:
-        w, smem, words = _warps_for(kind, tq=tq, ts=ts, tv=tv, Dk=Dk, in_dtype=in_dtype)
+        w, smem, words = _warps_for(kind, tq=tq, ts=ts, tv=tv, Dk=Dk, Dv=Dv, in_dtype=in_dtype)
         plan[kind] = {"num_warps": w, "smem_bytes": smem, "words_per_thread": words}
         ok &= smem <= SMEM_LIMIT_BYTES and words <= REG_WORDS_LIMIT
     return ok, plan
@@ -172,9 +208,10 @@ def _fits(*, tq, ts, tv, Dk, in_dtype, kinds) -> tuple[bool, dict]:
 
 def choose_tiles(*, L: int, S: int, Dk: int, Dv: int, in_dtype=f32, with_grad: bool = True,
                  block_q: int | None = None, block_s: int | None = None, block_v: int | None = None) -> dict:
-    """The tile plan: ``tq`` (query rows and key-tile width), ``ts`` (codes per chunk), ``tv`` (Dv tile), the padded
-    code count ``Sp``, per-kernel ``num_warps`` / budget (``plan``) and ``fits`` (every kernel within the budget).
-    Explicit ``block_*`` arguments override the choice (tests use small tiles in interpret mode)."""
+    """The tile plan: ``tq`` (query rows and key-tile width), ``ts`` (codes per chunk), ``tv`` (value-width slice of
+    the loops inside the programs; ``tv == Dv`` keeps the accumulators in registers), the padded code count ``Sp``,
+    per-kernel ``num_warps`` / budget (``plan``) and ``fits`` (every kernel within the budget). Explicit
+    ``block_*`` arguments override the choice (tests use small tiles in interpret mode)."""
     tq = block_q or next((t for t in TQ_CANDIDATES if L % t == 0), L)
     ts = block_s or min(TS_MAX, max(16, _next_pow2(S)))  # at least 16 (a Triton dot); padded codes are masked
     kinds = KINDS if with_grad else ("fwd",)
@@ -183,7 +220,7 @@ def choose_tiles(*, L: int, S: int, Dk: int, Dv: int, in_dtype=f32, with_grad: b
     else:
         tvs = [t for t in TV_CANDIDATES if Dv % t == 0] or [Dv]
     for tv in tvs:
-        ok, plan = _fits(tq=tq, ts=ts, tv=tv, Dk=Dk, in_dtype=in_dtype, kinds=kinds)
+        ok, plan = _fits(tq=tq, ts=ts, tv=tv, Dk=Dk, Dv=Dv, in_dtype=in_dtype, kinds=kinds)
         if ok:
             break
     Sp = -(-S // ts) * ts
@@ -214,7 +251,7 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
         t = choose_tiles(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=in_dtype, with_grad=with_grad)
         if not t["fits"]:
             worst = max(t["plan"].values(), key=lambda p: p["smem_bytes"])
-            reasons.append(f"GPU tile budget exceeded at the smallest Dv tile tv={t['tv']} (tq={t['tq']}, "
+            reasons.append(f"GPU tile budget exceeded at the smallest value-width slice tv={t['tv']} (tq={t['tq']}, "
                            f"ts={t['ts']}, Dk={Dk}): {worst['smem_bytes'] / 1024:.0f} KiB shared memory "
                            f"(limit {SMEM_LIMIT_BYTES // 1024} KiB) / {worst['words_per_thread']:.0f} words per "
                            f"thread (limit {REG_WORDS_LIMIT})")
@@ -251,26 +288,63 @@ def _causal(row0, key0, shape):
             <= row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
 
 
+def _slices(n_tv: int, body, init):
+    """``body(j, carry)`` over the value-width slices ``j = 0 .. n_tv-1`` (a loop inside the program: the scores
+    and probabilities it uses are computed once, outside)."""
+    return jax.lax.fori_loop(0, n_tv, body, init)
+
+
+def _accumulator(out_ref, n_tv: int, tv: int):
+    """The start of the f32 accumulator of the output block ``out_ref [tq, Dv]``: zeros for the loop carry where
+    the value width is one slice (``n_tv == 1``); else None, the block itself zeroed one slice at a time (it
+    accumulates in place)."""
+    if n_tv == 1:
+        return jnp.zeros(out_ref.shape, f32)
+
+    def zero(j, c):
+        out_ref[:, _ds(j, tv)] = jnp.zeros((out_ref.shape[0], tv), f32)
+        return c
+
+    _slices(n_tv, zero, 0)
+    return None
+
+
 def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, vr_ref, okr_ref, bd_ref,
-                o_ref, lse_ref, *, tq: int, ts: int, n_s: int, nq: int, L: int, M: int):
+                o_ref, lse_ref, *, tq: int, ts: int, tv: int, n_s: int, n_tv: int, nq: int, L: int, M: int):
     it = jax.lax.rem(pl.program_id(1), nq)  # query tile inside its block
     q = q_ref[...]
-    tv = o_ref.shape[-1]
     row0 = it * tq
+    # Where the value width is one slice (n_tv == 1) the accumulator [tq, Dv] f32 is in the loop carry and o is
+    # written once at the end; otherwise (acc None) the f32 output block is the accumulator, rescaled and added to
+    # one value-width slice at a time (re-read and re-written per key step: the module docstring gives the cost).
 
-    def update(carry, s, valid, vals):
+    def update(carry, s, valid, w_ref, rows):  # one code chunk / key tile: online softmax, then acc·α + P·W
         m, l, acc = carry
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
+        alpha = jnp.exp(m - m_new)[:, None]
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = alpha[:, None] * acc + _dot(p.astype(vals.dtype), vals)
-        return m_new, alpha * l + jnp.sum(p, axis=1), acc
+        pw = p.astype(w_ref.dtype)
+
+        def step(acc_cols, cols):  # one value-width slice: acc·α + P·W
+            return alpha * acc_cols + _dot(pw, w_ref[rows, cols])
+
+        if n_tv == 1:
+            acc = step(acc, slice(None))
+        else:
+            def pv(j, c):
+                cols = _ds(j, tv)
+                o_ref[:, cols] = step(o_ref[:, cols], cols)
+                return c
+
+            _slices(n_tv, pv, 0)
+        return m_new, alpha[:, 0] * l + jnp.sum(p, axis=1), acc
 
     def cache(c, carry):
-        el = ell_ref[_ds(c, ts)][None, :]
-        s = _dot_nt(*_code_operands(q, c_ref[_ds(c, ts), :])) + el
-        return update(carry, s, el > HALF_NEG, mu_ref[_ds(c, ts), :])
+        rows = _ds(c, ts)
+        el = ell_ref[rows][None, :]
+        s = _dot_nt(*_code_operands(q, c_ref[rows, :])) + el
+        return update(carry, s, el > HALF_NEG, mu_ref, rows)
 
     def local(k_ref, v_ref, ok_ref, off):
         def body(kt, carry):
@@ -279,39 +353,50 @@ def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, 
             if off == 0:
                 valid = valid & _causal(row0, kt * tq, (tq, tq))
             s = _dot_nt(q, k_ref[_ds(kt, tq), :]) + b
-            return update(carry, s, valid, v_ref[_ds(kt, tq), :])
+            return update(carry, s, valid, v_ref, _ds(kt, tq))
 
         return body
 
-    carry = (jnp.full((tq,), NEG, f32), jnp.zeros((tq,), f32), jnp.zeros((tq, tv), f32))
+    carry = (jnp.full((tq,), NEG, f32), jnp.zeros((tq,), f32), _accumulator(o_ref, n_tv, tv))
     carry = jax.lax.fori_loop(0, n_s, cache, carry)
     carry = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, okp_ref, L), carry)
-    carry = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, 0), carry)  # up to the diagonal tile
-    m, l, acc = carry
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    m, l, acc = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, 0), carry)  # up to the diagonal tile
+    if n_tv == 1:
+        o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    else:
+        def normalize(j, c):
+            cols = _ds(j, tv)
+            o_ref[:, cols] = o_ref[:, cols] / l[:, None]
+            return c
+
+        _slices(n_tv, normalize, 0)
     lse_ref[...] = m + jnp.log(l)
 
 
 def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, vr_ref, okr_ref, bd_ref,
-                  lse_ref, dl_ref, do_ref, dq_ref, dbd_ref, *, tq: int, ts: int, tv: int, n_s: int, nq: int,
-                  n_tv: int, L: int, M: int):
+                  lse_ref, dl_ref, do_ref, dmu_in_ref, dq_ref, dbd_ref, dmu_ref, *, tq: int, ts: int, tv: int,
+                  n_s: int, nq: int, n_tv: int, L: int, M: int):
+    del dmu_in_ref  # the zeros dmu_ref starts from (aliased)
     it = jax.lax.rem(pl.program_id(1), nq)
     q = q_ref[...]
     lse = lse_ref[...][:, None]
     dl = dl_ref[...][:, None]
     row0 = it * tq
 
-    def dp(w_ref, r, n):  # dO · w[rows r]ᵀ accumulated over the Dv tiles: [tq, n]
-        def body(j, acc):
-            return acc + _dot_nt(do_ref[:, _ds(j, tv)], w_ref[r, _ds(j, tv)])
-
-        return jax.lax.fori_loop(0, n_tv, body, jnp.zeros((tq, n), f32))
-
     def cache(c, dq):
-        el = ell_ref[_ds(c, ts)][None, :]
-        qc, ck = _code_operands(q, c_ref[_ds(c, ts), :])
+        rows = _ds(c, ts)
+        el = ell_ref[rows][None, :]
+        qc, ck = _code_operands(q, c_ref[rows, :])
         p = jnp.where(el > HALF_NEG, jnp.exp(_dot_nt(qc, ck) + el - lse), 0.0)
-        ds = p * (dp(mu_ref, _ds(c, ts), ts) - dl)
+        pd = p.astype(do_ref.dtype)
+
+        def body(j, acc):  # per value-width slice: dμ̄ += Pᵀ·dO (the block's query tiles add up) and dO·μ̄ᵀ
+            cols = _ds(j, tv)
+            do = do_ref[:, cols]
+            pltriton.atomic_add(dmu_ref, (rows, cols), _dot_tn(pd, do))
+            return acc + _dot_nt(do, mu_ref[rows, cols])
+
+        ds = p * (_slices(n_tv, body, jnp.zeros((tq, ts), f32)) - dl)
         return dq + _dot(ds.astype(ck.dtype), ck)
 
     def local(k_ref, v_ref, ok_ref, off):
@@ -320,9 +405,14 @@ def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref
             valid = ok_ref[_ds(kt, tq)][None, :] > 0.5
             if off == 0:
                 valid = valid & _causal(row0, kt * tq, (tq, tq))
-            k = k_ref[_ds(kt, tq), :]
+            keys = _ds(kt, tq)
+            k = k_ref[keys, :]
             p = jnp.where(valid, jnp.exp(_dot_nt(q, k) + b - lse), 0.0)
-            ds = p * (dp(v_ref, _ds(kt, tq), tq) - dl)
+
+            def dp(j, acc):  # dO · vᵀ over the value-width slices
+                return acc + _dot_nt(do_ref[:, _ds(j, tv)], v_ref[keys, _ds(j, tv)])
+
+            ds = p * (_slices(n_tv, dp, jnp.zeros((tq, tq), f32)) - dl)
             # dbd[a, d] = dS at the one key at distance d of query a (every 0 <= d <= M is written once: the
             # previous block for d > a, the present block up to the diagonal for d <= a); the lanes out of the
             # band go to the spare column M + 1, which is dropped
@@ -340,7 +430,7 @@ def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref
 def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, qr_ref, lser_ref, dlr_ref,
                    dor_ref, bdr_ref, dk_ref, dv_ref, *, tq: int, nq: int, R: int, L: int, M: int, tv: int,
                    n_tv: int):
-    u, j = pl.program_id(1), pl.program_id(2)
+    u = pl.program_id(1)
     e = jax.lax.div(u, nq)  # extended block of this key tile (0: the carried band)
     kt = jax.lax.rem(u, nq)
     # integer arithmetic, not jnp.where: Pallas-Triton lowers a select of scalar constants to an i1 value, and a
@@ -351,68 +441,45 @@ def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp
     key_ok = ok_ref[...][None, :] > 0.5
     key0 = kt * tq
 
-    def probs(q_ref, lse_ref, bd_ref, off, qt):
-        r = _ds(qt, tq)
-        b, _, _, _ = _band(bd_ref, qt * tq, key0, off, shape=(tq, tq), M=M)
-        valid = key_ok
-        if off == 0:
-            valid = valid & _causal(qt * tq, key0, (tq, tq))
-        q = q_ref[r, :]
-        return q, jnp.where(valid, jnp.exp(_dot_nt(q, k) + b - lse_ref[r][:, None]), 0.0)
-
-    def dv_body(q_ref, lse_ref, do_ref, bd_ref, off):
-        def body(qt, dv):
-            _, p = probs(q_ref, lse_ref, bd_ref, off, qt)
-            do = do_ref[_ds(qt, tq), _ds(j, tv)]
-            return dv + _dot_tn(p.astype(do.dtype), do)
-
-        return body
-
-    def dkv_body(q_ref, lse_ref, dl_ref, do_ref, bd_ref, off):  # the Dv-tile-0 program: one P for dv and dk
-        def body(qt, carry):
-            dv, dk = carry
-            q, p = probs(q_ref, lse_ref, bd_ref, off, qt)
+    # dv [tq, Dv] f32 is in the loop carry where the value width is one slice (n_tv == 1), written once at the
+    # end; otherwise (dv None) the f32 dv block is the accumulator, one value-width slice at a time
+    def role(q_ref, lse_ref, dl_ref, do_ref, bd_ref, off):
+        def body(qt, carry):  # one P per query tile for dv and dk
+            dk, dv = carry
             r = _ds(qt, tq)
-            do = do_ref[r, _ds(j, tv)]
-            dv = dv + _dot_tn(p.astype(do.dtype), do)
+            b, _, _, _ = _band(bd_ref, qt * tq, key0, off, shape=(tq, tq), M=M)
+            valid = key_ok
+            if off == 0:
+                valid = valid & _causal(qt * tq, key0, (tq, tq))
+            q = q_ref[r, :]
+            p = jnp.where(valid, jnp.exp(_dot_nt(q, k) + b - lse_ref[r][:, None]), 0.0)
+            pd = p.astype(do_ref.dtype)
 
-            def dp(jj, acc):  # dO · vᵀ over the Dv tiles
-                return acc + _dot_nt(do_ref[r, _ds(jj, tv)], v_ref[:, _ds(jj, tv)])
+            def step(dv_cols, cols):  # one value-width slice: (dv + Pᵀ·dO, dO·vᵀ)
+                do = do_ref[r, cols]
+                return dv_cols + _dot_tn(pd, do), _dot_nt(do, v_ref[:, cols])
 
-            dpv = jax.lax.fori_loop(0, n_tv, dp, jnp.zeros((tq, tq), f32))
+            if n_tv == 1:
+                dv, dpv = step(dv, slice(None))
+            else:
+                def sl(j, acc):
+                    cols = _ds(j, tv)
+                    dv_cols, dp = step(dv_ref[:, cols], cols)
+                    dv_ref[:, cols] = dv_cols
+                    return acc + dp
+
+                dpv = _slices(n_tv, sl, jnp.zeros((tq, tq), f32))
             ds = p * (dpv - dl_ref[r][:, None])
-            return dv, dk + _dot_tn(ds.astype(q.dtype), q)
+            return dk + _dot_tn(ds.astype(q.dtype), q), dv
 
         return body
 
-    @pl.when(j == 0)
-    def _():
-        carry = (jnp.zeros(dv_ref.shape, f32), jnp.zeros(dk_ref.shape, f32))
-        carry = jax.lax.fori_loop(0, n_prev, dkv_body(qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, L), carry)
-        dv, dk = jax.lax.fori_loop(lo_pres, nq, dkv_body(qr_ref, lser_ref, dlr_ref, dor_ref, bdr_ref, 0), carry)
+    carry = (jnp.zeros(dk_ref.shape, f32), _accumulator(dv_ref, n_tv, tv))
+    carry = jax.lax.fori_loop(0, n_prev, role(qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, L), carry)
+    dk, dv = jax.lax.fori_loop(lo_pres, nq, role(qr_ref, lser_ref, dlr_ref, dor_ref, bdr_ref, 0), carry)
+    dk_ref[...] = dk
+    if n_tv == 1:
         dv_ref[...] = dv
-        dk_ref[...] = dk
-
-    @pl.when(j > 0)
-    def _():
-        dv = jax.lax.fori_loop(0, n_prev, dv_body(qp_ref, lsep_ref, dop_ref, bdp_ref, L),
-                               jnp.zeros(dv_ref.shape, f32))
-        dv_ref[...] = jax.lax.fori_loop(lo_pres, nq, dv_body(qr_ref, lser_ref, dor_ref, bdr_ref, 0), dv)
-
-
-def _bwd_mu_kernel(c_ref, ell_ref, q_ref, lse_ref, do_ref, dmu_ref, *, tq: int, nq: int):
-    ck = c_ref[...]
-    el = ell_ref[...][None, :]
-    valid = el > HALF_NEG
-
-    def body(qt, acc):
-        r = _ds(qt, tq)
-        s = _dot_nt(*_code_operands(q_ref[r, :], ck)) + el
-        p = jnp.where(valid, jnp.exp(s - lse_ref[r][:, None]), 0.0)
-        do = do_ref[r, :]
-        return acc + _dot_tn(p.astype(do.dtype), do)
-
-    dmu_ref[...] = jax.lax.fori_loop(0, nq, body, jnp.zeros(dmu_ref.shape, f32))
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -425,31 +492,31 @@ def _params(cfg, kind):
 def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg):
     """q [BH, R·L, Dk]; C [H, Sp, Dk]; mu [BH, R, Sp, Dv]; ell [BH, R, Sp] f32; kx [BH, (R+1)L, Dk];
     vx [BH, (R+1)L, Dv]; kval [(R+1)L] f32 (1: a valid key); bd [BH, R·L, M+1] f32 (band scores).
-    Returns o [BH, R·L, Dv] f32, lse [BH, R·L] f32."""
+    Returns o [BH, R·L, Dv] f32, lse [BH, R·L] f32. Grid (BH, R·L/tq): the value width is a loop in the program."""
     BH, RL, Dk = q.shape
     H, L, M, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "M", "tq", "ts", "tv", "Sp"))
     Dv = vx.shape[-1]
     nq = L // tq
     blk = lambda t: jax.lax.div(t, nq)  # noqa: E731  (query block of query tile t)
     in_specs = [
-        pl.BlockSpec((None, tq, Dk), lambda b, t, j: (b, t, 0)),
-        pl.BlockSpec((None, Sp, Dk), lambda b, t, j: (jax.lax.rem(b, H), 0, 0)),
-        pl.BlockSpec((None, None, Sp, tv), lambda b, t, j: (b, blk(t), 0, j)),
-        pl.BlockSpec((None, None, Sp), lambda b, t, j: (b, blk(t), 0)),
-        pl.BlockSpec((None, L, Dk), lambda b, t, j: (b, blk(t), 0)),  # previous block = extended block n
-        pl.BlockSpec((None, L, tv), lambda b, t, j: (b, blk(t), j)),
-        pl.BlockSpec((L,), lambda b, t, j: (blk(t),)),
-        pl.BlockSpec((None, L, Dk), lambda b, t, j: (b, blk(t) + 1, 0)),  # present block = extended block n+1
-        pl.BlockSpec((None, L, tv), lambda b, t, j: (b, blk(t) + 1, j)),
-        pl.BlockSpec((L,), lambda b, t, j: (blk(t) + 1,)),
-        pl.BlockSpec((None, tq, M + 1), lambda b, t, j: (b, t, 0)),
+        pl.BlockSpec((None, tq, Dk), lambda b, t: (b, t, 0)),
+        pl.BlockSpec((None, Sp, Dk), lambda b, t: (jax.lax.rem(b, H), 0, 0)),
+        pl.BlockSpec((None, None, Sp, Dv), lambda b, t: (b, blk(t), 0, 0)),
+        pl.BlockSpec((None, None, Sp), lambda b, t: (b, blk(t), 0)),
+        pl.BlockSpec((None, L, Dk), lambda b, t: (b, blk(t), 0)),  # previous block = extended block n
+        pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t), 0)),
+        pl.BlockSpec((L,), lambda b, t: (blk(t),)),
+        pl.BlockSpec((None, L, Dk), lambda b, t: (b, blk(t) + 1, 0)),  # present block = extended block n+1
+        pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t) + 1, 0)),
+        pl.BlockSpec((L,), lambda b, t: (blk(t) + 1,)),
+        pl.BlockSpec((None, tq, M + 1), lambda b, t: (b, t, 0)),
     ]
-    out_specs = [pl.BlockSpec((None, tq, tv), lambda b, t, j: (b, t, j)),
-                 pl.BlockSpec((None, tq), lambda b, t, j: (b, t))]  # every Dv tile writes the same lse
+    out_specs = [pl.BlockSpec((None, tq, Dv), lambda b, t: (b, t, 0)),
+                 pl.BlockSpec((None, tq), lambda b, t: (b, t))]
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, tq=tq, ts=ts, n_s=Sp // ts, nq=nq, L=L, M=M),
+        functools.partial(_fwd_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, n_tv=Dv // tv, nq=nq, L=L, M=M),
         out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, RL), f32)),
-        grid=(BH, RL // tq, Dv // tv),
+        grid=(BH, RL // tq),
         in_specs=in_specs,
         out_specs=out_specs,
         interpret=cfg["interpret"],
@@ -459,13 +526,17 @@ def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg):
 
 
 def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg):
+    """The query-side pass: (dq [BH, R·L, Dk], dbd [BH, R·L, M+1], dμ̄ [BH, R, Sp, Dv]), all f32. The query tiles
+    of a block add their share of dμ̄ with atomic adds into a zeros array (aliased to the output)."""
     BH, RL, Dk = q.shape
     H, L, M, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "M", "tq", "ts", "tv", "Sp"))
     Dv = vx.shape[-1]
     nq = L // tq
+    R = RL // L
     blk = lambda t: jax.lax.div(t, nq)  # noqa: E731
     rows = lambda w: pl.BlockSpec((None, tq, w), lambda b, t: (b, t, 0))  # noqa: E731
     vec = pl.BlockSpec((None, tq), lambda b, t: (b, t))
+    dmu_spec = pl.BlockSpec((None, None, Sp, Dv), lambda b, t: (b, blk(t), 0, 0))
     in_specs = [
         rows(Dk),
         pl.BlockSpec((None, Sp, Dk), lambda b, t: (jax.lax.rem(b, H), 0, 0)),
@@ -477,24 +548,27 @@ def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg):
         pl.BlockSpec((None, L, Dk), lambda b, t: (b, blk(t) + 1, 0)),
         pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t) + 1, 0)),
         pl.BlockSpec((L,), lambda b, t: (blk(t) + 1,)),
-        rows(M + 1), vec, vec, rows(Dv),
+        rows(M + 1), vec, vec, rows(Dv), dmu_spec,
     ]
-    out_specs = [rows(Dk), rows(M + 2)]
+    out_specs = [rows(Dk), rows(M + 2), dmu_spec]
     shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
-    dq, dbd = pl.pallas_call(
+    dq, dbd, dmu = pl.pallas_call(
         functools.partial(_bwd_q_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, nq=nq, n_tv=Dv // tv, L=L, M=M),
-        out_shape=(shp(BH, RL, Dk), shp(BH, RL, M + 2)),
+        out_shape=(shp(BH, RL, Dk), shp(BH, RL, M + 2), shp(BH, R, Sp, Dv)),
         grid=(BH, RL // tq),
         in_specs=in_specs,
         out_specs=out_specs,
+        input_output_aliases={14: 2},
         interpret=cfg["interpret"],
         compiler_params=_params(cfg, "bwd_q"),
         name="vq_cache_gpu_bwd_q",
-    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd, lse, delta, do)
-    return dq, dbd[..., : M + 1]
+    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd, lse, delta, do, jnp.zeros((BH, R, Sp, Dv), f32))
+    return dq, dbd[..., : M + 1], dmu
 
 
 def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg):
+    """The key-side pass over the extended keys (band prepended): (dk̂ [BH, (R+1)L, Dk], dv [BH, (R+1)L, Dv]),
+    f32. Grid (BH, (R+1)·L/tq): the value width is a loop in the program."""
     BH, RL, Dk = q.shape
     L, M, tq, tv = cfg["L"], cfg["M"], cfg["tq"], cfg["tv"]
     Dv = do.shape[-1]
@@ -504,52 +578,28 @@ def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg):
     pres = lambda u: jnp.maximum(jax.lax.div(u, nq) - 1, 0)  # noqa: E731  (query block e-1, clamped)
 
     def role(blk):
-        return [pl.BlockSpec((None, L, Dk), lambda b, u, j: (b, blk(u), 0)),
-                pl.BlockSpec((None, L), lambda b, u, j: (b, blk(u))),
-                pl.BlockSpec((None, L), lambda b, u, j: (b, blk(u))),
-                pl.BlockSpec((None, L, Dv), lambda b, u, j: (b, blk(u), 0)),
-                pl.BlockSpec((None, L, M + 1), lambda b, u, j: (b, blk(u), 0))]
+        return [pl.BlockSpec((None, L, Dk), lambda b, u: (b, blk(u), 0)),
+                pl.BlockSpec((None, L), lambda b, u: (b, blk(u))),
+                pl.BlockSpec((None, L), lambda b, u: (b, blk(u))),
+                pl.BlockSpec((None, L, Dv), lambda b, u: (b, blk(u), 0)),
+                pl.BlockSpec((None, L, M + 1), lambda b, u: (b, blk(u), 0))]
 
-    in_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u, j: (b, u, 0)),
-                pl.BlockSpec((None, tq, Dv), lambda b, u, j: (b, u, 0)),
-                pl.BlockSpec((tq,), lambda b, u, j: (u,))] + role(prev) + role(pres)
-    out_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u, j: (b, u, 0)),  # written by the Dv-tile-0 program
-                 pl.BlockSpec((None, tq, tv), lambda b, u, j: (b, u, j))]
+    in_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u: (b, u, 0)),
+                pl.BlockSpec((None, tq, Dv), lambda b, u: (b, u, 0)),
+                pl.BlockSpec((tq,), lambda b, u: (u,))] + role(prev) + role(pres)
+    out_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u: (b, u, 0)),
+                 pl.BlockSpec((None, tq, Dv), lambda b, u: (b, u, 0))]
     n_ext = RL + L
     return pl.pallas_call(
         functools.partial(_bwd_kv_kernel, tq=tq, nq=nq, R=R, L=L, M=M, tv=tv, n_tv=Dv // tv),
         out_shape=(jax.ShapeDtypeStruct((BH, n_ext, Dk), f32), jax.ShapeDtypeStruct((BH, n_ext, Dv), f32)),
-        grid=(BH, n_ext // tq, Dv // tv),
+        grid=(BH, n_ext // tq),
         in_specs=in_specs,
         out_specs=out_specs,
         interpret=cfg["interpret"],
         compiler_params=_params(cfg, "bwd_kv"),
         name="vq_cache_gpu_bwd_kv",
     )(kx, vx, kval, q, lse, delta, do, bd, q, lse, delta, do, bd)
-
-
-def _bwd_mu_call(q, C, ell, lse, do, cfg):
-    BH, RL, Dk = q.shape
-    H, L, tq, ts, tv, Sp = (cfg[k] for k in ("H", "L", "tq", "ts", "tv", "Sp"))
-    Dv = do.shape[-1]
-    R = RL // L
-    in_specs = [
-        pl.BlockSpec((None, ts, Dk), lambda b, n, c, j: (jax.lax.rem(b, H), c, 0)),
-        pl.BlockSpec((None, None, ts), lambda b, n, c, j: (b, n, c)),
-        pl.BlockSpec((None, L, Dk), lambda b, n, c, j: (b, n, 0)),
-        pl.BlockSpec((None, L), lambda b, n, c, j: (b, n)),
-        pl.BlockSpec((None, L, tv), lambda b, n, c, j: (b, n, j)),
-    ]
-    return pl.pallas_call(
-        functools.partial(_bwd_mu_kernel, tq=tq, nq=L // tq),
-        out_shape=jax.ShapeDtypeStruct((BH, R, Sp, Dv), f32),
-        grid=(BH, R, Sp // ts, Dv // tv),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, ts, tv), lambda b, n, c, j: (b, n, c, j)),
-        interpret=cfg["interpret"],
-        compiler_params=_params(cfg, "bwd_mu"),
-        name="vq_cache_gpu_bwd_mu",
-    )(C, ell, q, lse, do)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -582,9 +632,8 @@ def _attend_bwd(cfg, res, do):
     do = do.astype(f32)
     delta = jnp.sum(do * o, axis=-1)  # Δ = rowsum(dO ⊙ O)
     (do_s,) = _store(cfg, do)
-    dq, dbd = _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do_s, cfg)
+    dq, dbd, dmu = _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do_s, cfg)
     dkx, dvx = _bwd_kv_call(q, kx, vx, kval, lse, delta, do_s, bd, cfg)
-    dmu = _bwd_mu_call(q, C, ell, lse, do_s, cfg)
     return dq, dkx, dvx, dbd, None, dmu, None, None
 
 

@@ -1,13 +1,16 @@
 """The GPU (Pallas-Triton) form of the Transformer-VQ compressive VQ-cache kernel (pallas_kernels/vq_cache_gpu.py,
 docs/methods/transformer_vq.md §9) on the shared kernel test base: forward, final state and the Pallas backward kernels in
 interpret mode against the jnp §2.6 serial reference and its autodiff (ragged T, carried state, M < L, several query
-tiles per block, several code chunks, two Dv tiles, fp32 and bf16 storage), its 'cuda' lowering (jax.export, forward
-and VJP) at the paper's shapes, the shared-memory / register budget there, the refusals, and the entry point of
-pallas_kernels/vq_cache.py picking the form by platform."""
+tiles per block, several code chunks, fp32 and bf16 storage; both value-width paths: one slice, the accumulator in
+the loop carry, and two slices, the output block as accumulator), its 'cuda' lowering (jax.export, forward and VJP)
+at the paper's shapes and at one slice, the shared-memory / register budget, the refusals, the entry point of
+pallas_kernels/vq_cache.py picking the form by platform, and the kernels' structure read from the jaxpr (one forward
+and two backward ``pallas_call``s, no value-width grid axis, no read of the output block at one slice)."""
 
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 from test_vq_cache import VQCacheKernelCases, make_vq_inputs
@@ -15,9 +18,11 @@ from test_vq_cache import VQCacheKernelCases, make_vq_inputs
 from pallas_kernels import vq_cache, vq_cache_gpu, vq_cache_ref
 
 # the smallest tiles Triton compiles (16: its dot minimum), also run in interpret mode on CPU: L = 32 in two query
-# tiles of 16; S = 24 (or 20) padded to two code chunks of 16; Dk = 16; Dv = 32 in two tiles of 16.
+# tiles of 16; S = 24 (or 20) padded to two code chunks of 16; Dk = 16; Dv = 32 in two value-width slices of 16
+# (the output block is the accumulator); ONE_SLICE: Dv = 32 in one slice (the accumulator in the loop carry).
 # state_dtype='input': bf16 runs store q, k̂, v and μ̄ in bf16.
 TINY = dict(L=32, S=24, Dk=16, Dv=32, block_q=16, block_s=16, block_v=16, state_dtype="input")
+ONE_SLICE = dict(TINY, block_v=32)
 
 
 class TestVQCacheGPU(VQCacheKernelCases):
@@ -27,20 +32,27 @@ class TestVQCacheGPU(VQCacheKernelCases):
         "short_band_ragged": dict(TINY, T=75, M=21, S=20, warm=53),
         # bf16 inputs with an fp32 carried state: stored in fp32 (never round a wider input)
         "carried_f32_state": dict(TINY, T=64, M=32, warm=45, state_dtype=None),
+        # one value-width slice (n_tv == 1): ragged, causal, a carried cache and a partly valid band
+        "one_slice_short_band_ragged": dict(ONE_SLICE, T=75, M=21, S=20, warm=53),
         # the default tile choice through pallas_kernels.vq_cache.vq_cache_attention(platform='cuda')
         "entry_default_tiles": dict(T=50, L=16, M=16, S=24, Dk=16, Dv=32, warm=21, state_dtype="input"),
-        # 'cuda' lowering: ragged T, M < L, three Dv tiles of 64, S padded to the code chunk
+        # 'cuda' lowering: ragged T, M < L, three value-width slices of 64, S padded to the code chunk
         "cuda_ragged_short_band": dict(T=200, L=64, M=40, S=100, Dk=64, Dv=192, warm=0, state_dtype="input"),
+        # 'cuda' lowering at one value-width slice (a benchmark head dim: Dv = 64), the accumulator in registers
+        "cuda_one_slice": dict(T=200, L=64, M=40, S=100, Dk=64, Dv=64, warm=0, state_dtype="input"),
         "enwik8_paper": dict(T=1024, L=512, M=512, S=512, Dk=128, Dv=1536, warm=0, state_dtype="input"),
         "pg19_paper": dict(T=1024, L=512, M=512, S=512, Dk=128, Dv=4096, warm=0, state_dtype="input"),
         "refused_block_len": dict(T=48, L=24, M=24, S=32, Dk=32, Dv=32, warm=0),
     }
     FORWARD_CASES = (("ragged_fresh", "float32"), ("carried", "float32"), ("short_band_ragged", "float32"),
                      ("carried", "bfloat16"), ("short_band_ragged", "bfloat16"), ("carried_f32_state", "bfloat16"),
-                     ("entry_default_tiles", "float32"))
+                     ("entry_default_tiles", "float32"), ("one_slice_short_band_ragged", "float32"),
+                     ("one_slice_short_band_ragged", "bfloat16"))
     # ragged_fresh: empty cache and band (fully masked groups); short_band_ragged: carried cache, partly valid band
-    GRAD_CASES = (("ragged_fresh", "float32"), ("short_band_ragged", "float32"), ("short_band_ragged", "bfloat16"))
-    EXPORT_CASES = (("cuda", "cuda_ragged_short_band", "float32"), ("cuda", "enwik8_paper", "float32"),
+    GRAD_CASES = (("ragged_fresh", "float32"), ("short_band_ragged", "float32"), ("short_band_ragged", "bfloat16"),
+                  ("one_slice_short_band_ragged", "float32"), ("one_slice_short_band_ragged", "bfloat16"))
+    EXPORT_CASES = (("cuda", "cuda_ragged_short_band", "float32"), ("cuda", "cuda_one_slice", "float32"),
+                    ("cuda", "cuda_one_slice", "bfloat16"), ("cuda", "enwik8_paper", "float32"),
                     ("cuda", "enwik8_paper", "bfloat16"), ("cuda", "pg19_paper", "float32"),
                     ("cuda", "pg19_paper", "bfloat16"), ("cuda", "refused_block_len", "float32"))
     EXPORT_PLATFORMS = ("cuda",)  # the Triton form; 'tpu' lowers the TPU form (test_vq_cache.py)
@@ -86,15 +98,136 @@ def test_tile_budget_fits_at_paper_shapes(Dv, dtype):
 
 
 def test_tile_budget_counts_the_tiles():
-    """The forward's shared memory is q (+ its f32 copy) plus num_stages × the larger loop step; a wider Dv tile
-    adds num_stages × (a [tq, Δtv] value tile); bf16 halves the stored tiles."""
-    kw = dict(tq=64, ts=64, Dk=128)
+    """With several value-width slices the forward's shared memory is q (+ its f32 copy) plus num_stages × (the
+    larger key step + one slice: a μ̄ / value slice and the f32 output slice it rescales in place); a wider slice
+    adds num_stages × both slices' growth; bf16 halves the stored tiles. With one slice (tv == Dv) the accumulator is
+    in the loop carry: the same live words, no f32 output (or dv) slice in shared memory."""
+    kw = dict(tq=64, ts=64, Dk=128, Dv=256)
     a, _ = vq_cache_gpu.tile_budget("fwd", tv=64, **kw)
     b, _ = vq_cache_gpu.tile_budget("fwd", tv=128, **kw)
-    assert b - a == vq_cache_gpu.NUM_STAGES * 64 * 64 * 4
-    assert a == 64 * 128 * 4 + vq_cache_gpu.NUM_STAGES * (64 * 128 * 4 + 64 * 64 * 4 + 64 * 64 * 4)
+    assert b - a == vq_cache_gpu.NUM_STAGES * 2 * 64 * 64 * 4
+    assert a == 64 * 128 * 4 + vq_cache_gpu.NUM_STAGES * (64 * 128 * 4 + 64 * 64 * 4 + 2 * 64 * 64 * 4)
     c, words = vq_cache_gpu.tile_budget("fwd", tv=64, in_dtype=jnp.bfloat16, num_warps=8, **kw)
-    assert c < a and words == (64 * 64 + 2 * 64 * 64 + 2 * 64) / 256
+    assert c < a and words == (64 * 64 + 2 * 64 * 64 + 3 * 64) / 256
+    kw1 = dict(kw, Dv=64)  # one slice
+    for kind in ("fwd", "bwd_kv"):
+        (s1, w1), (s2, w2) = (vq_cache_gpu.tile_budget(kind, tv=64, **k) for k in (kw1, kw))
+        assert s2 - s1 == vq_cache_gpu.NUM_STAGES * 64 * 64 * 4 and w1 == w2
+    assert vq_cache_gpu.tile_budget("bwd_q", tv=64, **kw1) == vq_cache_gpu.tile_budget("bwd_q", tv=64, **kw)
+    one, _ = vq_cache_gpu.tile_budget("fwd", tv=64, **kw1)
+    assert one == 64 * 128 * 4 + vq_cache_gpu.NUM_STAGES * (64 * 128 * 4 + 64 * 64 * 4 + 64 * 64 * 4)
+    _, words = vq_cache_gpu.tile_budget("fwd", tv=64, num_warps=8, **kw1)
+    assert words == (64 * 64 + 2 * 64 * 64 + 3 * 64) / 256  # the [tq, Dv] accumulator as live words
+
+
+def test_cases_cover_both_value_width_paths():
+    """The tile plans of the cases named for each path give that path: one value-width slice (Dv // tv == 1: the
+    accumulator in the loop carry) or several (the output block as accumulator)."""
+    def n_tv(name, dtype=jnp.float32):
+        sh = TestVQCacheGPU.SHAPES[name]
+        t = vq_cache_gpu.choose_tiles(L=sh["L"], S=sh["S"], Dk=sh["Dk"], Dv=sh["Dv"], in_dtype=dtype,
+                                      block_q=sh.get("block_q"), block_s=sh.get("block_s"), block_v=sh.get("block_v"))
+        return sh["Dv"] // t["tv"]
+
+    for name in ("one_slice_short_band_ragged", "entry_default_tiles", "cuda_one_slice"):
+        assert n_tv(name) == n_tv(name, jnp.bfloat16) == 1, name
+    for name in ("ragged_fresh", "carried", "short_band_ragged", "cuda_ragged_short_band", "enwik8_paper"):
+        assert n_tv(name) > 1, name
+
+
+def _pallas_calls(jaxpr) -> list:
+    """The ``pallas_call`` equations of ``jaxpr`` and of every jaxpr its equations hold (kernel bodies excluded)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn)
+            continue
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    out.extend(_pallas_calls(sub))
+    return out
+
+
+def test_two_backward_passes_and_no_value_width_grid_axis():
+    """The forward is one ``pallas_call`` whose grid is (B·H, query tiles): the value width is a loop inside each
+    program (its scores and probabilities computed once), not a grid axis. The gradient adds two: the query-side
+    pass (dq, the band scores' and the cache means' gradients) and the key-side pass (dk̂, dv), neither with a
+    value-width axis. TINY: Dv = 32 in slices of 16, so a value-width axis would be a grid dimension of 2."""
+    args, static = make_vq_inputs(dict(TINY, T=64, M=32, warm=45), jnp.float32)
+    z, C, st = args[3], args[5], TestVQCacheGPU._state(*args[6:])
+    L, tq, tv, Dv = TINY["L"], TINY["block_q"], TINY["block_v"], TINY["Dv"]
+    assert Dv // tv == 2
+
+    def loss(q_u, bd, k_hat, v):
+        o, _ = vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, st, interpret=True, **static)
+        return jnp.sum(o)
+
+    diff = (args[0], args[1], args[2], args[4])
+    fwd = _pallas_calls(jax.make_jaxpr(loss)(*diff).jaxpr)
+    grad = _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*diff).jaxpr)
+    assert [e.params["name"] for e in fwd] == ["vq_cache_gpu_fwd"]
+    grids = {e.params["name"]: tuple(e.params["grid_mapping"].grid) for e in grad}
+    assert len(grad) == 3 and set(grids) == {"vq_cache_gpu_fwd", "vq_cache_gpu_bwd_q", "vq_cache_gpu_bwd_kv"}
+    BH, n_q = 1 * 2, 64 // tq  # batch × heads; query tiles (T = 64 = R·L)
+    assert grids["vq_cache_gpu_fwd"] == (BH, n_q)
+    assert grids["vq_cache_gpu_bwd_q"] == (BH, n_q)
+    assert grids["vq_cache_gpu_bwd_kv"] == (BH, n_q + L // tq)  # the extended keys: the band's block in front
+
+
+def _ref_accesses(jaxpr, refs) -> list[str]:
+    """The primitives applied to the refs ``refs`` (variables of ``jaxpr``) in ``jaxpr`` and, following each
+    argument into the jaxprs its equations hold (loops, conditionals, calls), in every nested jaxpr."""
+    ids = {id(r) for r in refs}
+    out = []
+    for eqn in jaxpr.eqns:
+        p = eqn.params
+        if eqn.primitive.name == "while":  # cond consts, body consts, carry
+            nc, nb = p["cond_nconsts"], p["body_nconsts"]
+            subs = [(p["cond_jaxpr"], eqn.invars[:nc] + eqn.invars[nc + nb:]), (p["body_jaxpr"], eqn.invars[nc:])]
+        elif eqn.primitive.name == "cond":  # the branch index, then the operands
+            subs = [(br, eqn.invars[1:]) for br in p["branches"]]
+        else:
+            subs = [(sub, eqn.invars) for v in p.values() for sub in (v if isinstance(v, (tuple, list)) else (v,))
+                    if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))]
+        if not subs and eqn.invars and id(eqn.invars[0]) in ids:  # a ref primitive: get, swap, load, ...
+            out.append(eqn.primitive.name)
+        for sub, args in subs:
+            sub = getattr(sub, "jaxpr", sub)
+            assert len(sub.invars) == len(args), f"unmapped arguments of {eqn.primitive.name}"
+            inner = [v for v, a in zip(sub.invars, args) if id(a) in ids]
+            if inner:
+                out.extend(_ref_accesses(sub, inner))
+    return out
+
+
+@pytest.mark.parametrize("block_v", [32, 16])
+def test_one_slice_keeps_the_accumulator_in_the_carry(block_v):
+    """At one value-width slice (TINY's Dv = 32 with block_v = 32) the forward's output block and the key-side
+    pass's dv block are written once and never read back inside the program (the accumulator is in the loop
+    carry); at two slices (block_v = 16) they are the accumulators, read and written per slice."""
+    args, static = make_vq_inputs(dict(TINY, T=64, M=32, warm=45, block_v=block_v), jnp.float32)
+    z, C, st = args[3], args[5], TestVQCacheGPU._state(*args[6:])
+
+    def loss(q_u, bd, k_hat, v):
+        o, _ = vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, st, interpret=True, **static)
+        return jnp.sum(o)
+
+    calls = {e.params["name"]: e for e in _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+        args[0], args[1], args[2], args[4]).jaxpr)}
+    for name, out in (("vq_cache_gpu_fwd", 0), ("vq_cache_gpu_bwd_kv", 1)):  # o; dv
+        eqn = calls[name]
+        body, gm = eqn.params["jaxpr"], eqn.params["grid_mapping"]
+        ref = body.invars[gm.num_index_operands + gm.num_inputs + out]
+        assert tuple(ref.aval.shape) == (TINY["block_q"], TINY["Dv"])
+        acc = _ref_accesses(body, [ref])
+        assert "swap" in acc, f"{name}: the walk does not reach the block's write"
+        if block_v == 32:
+            assert acc == ["swap"], f"{name}: the output block is read back / written per step at one slice: {acc}"
+        else:
+            assert "get" in acc, f"{name}: several slices accumulate in the output block: {acc}"
 
 
 def test_refusals_name_their_reasons():
