@@ -12,21 +12,26 @@ touches: ``(0,)``, ``(−1, 0)`` causal with overlap, ``(−1, 0, 1)`` bidirecti
   index maps (out-of-range blocks masked); the chunk summaries are one full block each and the kernel loops over
   the chunk tiles its queries may see (causal: ``⌈min(C, (i+1)W/P − 1) / Tc⌉`` tiles, so chunks no query of the
   block sees are never scored); running max, sum and accumulator in fp32. Writes ``o`` and ``lse``.
-* **backward** (flash-style, probabilities recomputed from the saved ``lse``, ``Δ = rowsum(dO ⊙ O)``):
-  ``dq`` kernel (grid and loop of the forward); local ``dk, dv`` kernel, grid ``(BH, nq)`` over key blocks, each
-  taking the ≤ 3 query blocks that see it through clamped index maps, also writing its blocks' bias gradient
-  (summed over batch and blocks in XLA); chunk ``dk̂, dβ`` kernel in two forms over the same tile update: TPU grid
-  ``(BH, Cp/Tc, nq)`` with the query axis ``arbitrary`` accumulating in the resident output block (query blocks
-  that see no chunk of the tile are skipped), GPU grid ``(BH, Cp/Tc)`` looping over the query blocks that see the
-  tile (Triton grids have no sequential axis). ``dk̂, dβ`` then flow through Phase A by JAX autodiff.
+* **backward**: two passes (flash-style, each recomputing a tile's probabilities once from the saved ``lse``,
+  ``Δ = rowsum(dO ⊙ O)``). *Query side*, grid ``(BH, nq)`` as the forward: ``dq`` from the local and the visible
+  chunk tiles; on TPU (query axis ``arbitrary``) the same chunk tiles also add their ``dk̂, dβ`` into resident
+  ``[Cp, ·]`` fp32 output blocks, so a chunk tile costs five products in all. *Key side*: local ``dk, dv``, one key
+  block per program, taking the ≤ 3 query blocks that see it, and the relative-position bias gradient summed inside
+  the kernel into one ``[n_lt, W, W]`` block per row (XLA then sums the rows of a head): on TPU grid ``(BH, nq)``
+  with the key axis ``arbitrary`` accumulating in the resident block; on GPU grid ``(BH, nq + Cp/Tc)``, whose first
+  ``nq`` programs are the key blocks (bias gradient by atomic adds, so its fp32 sum order varies from run to run)
+  and whose last ``Cp/Tc`` programs are the chunk tiles' ``dk̂, dβ``, each looping over the query blocks that see
+  it (Triton grids have no sequential axis; every GPU gradient but the bias's is deterministic). Tile products
+  (forward: 2 per tile): a local tile 3 + 4; a chunk tile 5 on TPU, 3 + 4 on GPU. ``dk̂, dβ`` then flow through
+  Phase A by JAX autodiff.
 
 Dtypes (DESIGN.md §7): fp32 or bf16 operands; :func:`eva_attend` casts q, k, v, k̂, β and the bias to their
 compute dtype (that of q and v) and the kernels keep them there: every product takes operands in the compute dtype
 with fp32 accumulation, the probabilities ``P`` and score gradients ``dS`` are cast down before their products (as
 flash kernels do), ``dO`` enters in the compute dtype; softmax statistics, ``lse``, ``Δ`` and accumulators are fp32.
-Outputs: ``o`` and ``dq, dk, dv`` in the compute dtype, ``lse`` and the chunk gradients ``dk̂, dβ`` (accumulated
-across grid steps on TPU) in fp32. Under fp32 operands every cast is the identity. Only the ``rep`` chunk logit
-(eq. 16).
+Outputs: ``o`` and ``dq, dk, dv`` in the compute dtype, ``lse``, the chunk gradients ``dk̂, dβ`` and the bias
+gradient (accumulated across grid steps) in fp32. Under fp32 operands every cast is the identity. Only the ``rep``
+chunk logit (eq. 16).
 
 Attention dropout (``dropout_rate``, ``seeds``): on the normalised joint weights, as EVA's other implementations
 apply it (the weights the accumulator takes are multiplied by ``D = keep / (1 − rate)``, the normaliser is not);
@@ -38,7 +43,7 @@ backward kernels recompute the mask the forward used and plain JAX can draw it t
 Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up to 128 chunks; on GPU
 (:func:`gpu_plan`) local blocks are scored in key sub-tiles and chunk tiles of 64 (heads up to 64) or 32 (larger
 heads), and a window block's queries in sub-tiles of ``Tq`` rows (the window, halved while the register estimate
-of the dq kernel exceeds :data:`REG_WORDS_LIMIT`), with 4 or 8 warps; the plan's tiles are the tiles the kernels
+of the query-side pass exceeds :data:`REG_WORDS_LIMIT`), with 4 or 8 warps; the plan's tiles are the tiles the kernels
 compile with, unless a call overrides them (:func:`eva_attend`'s tile and warp arguments: EVA's execution settings).
 
 Support (:func:`unsupported_reasons`): ``W > 0``; GPU: ``W``, ``d``, ``dv`` powers of two in [16, 128] and the
@@ -55,6 +60,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import hash_dropout
 from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offsets
@@ -99,10 +105,10 @@ def gpu_key_tile(d: int, dv: int) -> int:
 
 
 def gpu_words(*, Tq: int, T: int, d: int, dv: int, itemsize: int = 4, dropout: bool = False) -> int:
-    """Live 32-bit tile words of the costliest GPU kernel, dq, per query sub-tile: the query ``[Tq, d]`` in the
-    operand dtype (bf16 packs two per word), dO ``[Tq, dv]`` and the dq accumulator ``[Tq, d]`` in fp32, the key and
-    value tiles ``[T, d + dv]`` (upcast to fp32 for the dots), and two ``[Tq, T]`` fp32 tiles (scores then
-    probabilities; dP then dS), a third with dropout (the keep multiplier)."""
+    """Live 32-bit tile words of the costliest GPU kernel body, the query-side backward pass, per query sub-tile:
+    the query ``[Tq, d]`` in the operand dtype (bf16 packs two per word), dO ``[Tq, dv]`` and the dq accumulator
+    ``[Tq, d]`` in fp32, the key and value tiles ``[T, d + dv]`` (upcast to fp32 for the dots), and two ``[Tq, T]``
+    fp32 tiles (scores then probabilities; dP then dS), a third with dropout (the keep multiplier)."""
     return int(Tq * d * itemsize / 4 + Tq * dv + Tq * d + T * (d + dv) + (3 if dropout else 2) * Tq * T)
 
 
@@ -134,11 +140,13 @@ def _padded_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 
 def vmem_bytes(*, W: int, d: int, dv: int, C: int, n_lt: int, itemsize: int = 4) -> int:
-    """VMEM of the forward / dq kernels on TPU (the largest): double-buffered blocks + in-body temporaries."""
+    """VMEM of the TPU query-side backward pass (the largest kernel: the forward's blocks, dO, lse, Δ and dq, and
+    the fp32 chunk gradients resident across its query blocks): double-buffered blocks + in-body temporaries."""
     Cp = -(-C // chunk_tile(C)) * chunk_tile(C)
     blocks = (_padded_bytes(W, d, itemsize) * (1 + n_lt) + _padded_bytes(W, dv, itemsize) * (n_lt + 1)
               + _padded_bytes(Cp, d, itemsize) + _padded_bytes(Cp, dv, itemsize)
-              + n_lt * _padded_bytes(W, W, 4) + 3 * _padded_bytes(W, 1, 4) + _padded_bytes(W, max(d, dv), 4))
+              + n_lt * _padded_bytes(W, W, 4) + 3 * _padded_bytes(W, 1, 4) + _padded_bytes(W, max(d, dv), 4)
+              + _padded_bytes(Cp, d, 4) + _padded_bytes(Cp, dv, 4))
     temps = 4 * _padded_bytes(W, max(W, chunk_tile(C)), 4) + 3 * _padded_bytes(W, max(d, dv), 4)
     return 2 * blocks + temps
 
@@ -326,7 +334,7 @@ def _row_tiles(g: _Geo):
     return [(r0, slice(r0, r0 + g.Tq)) for r0 in range(0, g.W, g.Tq)]
 
 
-# ----------------------------------------------------------------------------- forward / dq kernels
+# ----------------------------------------------------------------------------- forward kernel
 def _fwd_kernel(*refs, g: _Geo):
     q_ref, kv, kh_ref, beta_ref, bias_ref, seed, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
     i = pl.program_id(1)
@@ -351,40 +359,85 @@ def _fwd_kernel(*refs, g: _Geo):
         lse_ref[rows, :] = m + jnp.log(lsum)
 
 
-def _dq_kernel(*refs, g: _Geo):
-    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, (do_ref, lse_ref, dl_ref), (dq_ref,) = _split_refs(g, refs, 3, 1)
+def _grad_tile(p_s, valid, lse, delta, do, vals, drop):
+    """One score tile of the backward from its scores ``p_s``: P recomputed from the saved ``lse``, then
+    ``(P ⊙ D, dS)`` (D the dropout multiplier, 1 without dropout)."""
+    p = jnp.where(valid, jnp.exp(p_s - lse), 0.0)
+    return (p if drop is None else p * drop), _dscores(p, _nt(do, vals), delta, drop)
+
+
+# ----------------------------------------------------------------------------- query-side backward pass
+def _dq_kernel(*refs, g: _Geo, chunk_grads: bool):
+    """dq of one query block (its local key tiles, then its visible chunk tiles); with ``chunk_grads`` (TPU form,
+    query axis ``arbitrary``) also the chunk gradients dk̂, dβ, accumulated across query blocks in resident
+    ``[Cp, ·]`` output blocks from the same chunk tile (P and dS computed once for all three)."""
+    n_out = 3 if chunk_grads else 1
+    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, (do_ref, lse_ref, dl_ref), outs = _split_refs(g, refs, 3, n_out)
+    dq_ref = outs[0]
     i = pl.program_id(1)
+    if chunk_grads:
+        dkh_ref, dbeta_ref = outs[1:]
+
+        @pl.when(i == 0)
+        def _():
+            dkh_ref[...] = jnp.zeros(dkh_ref.shape, f32)
+            dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, f32)
+
     for r0, rows in _row_tiles(g):
-        q = q_ref[rows, :]
-        do = do_ref[rows, :]
+        q, do = q_ref[rows, :], do_ref[rows, :]
         lse, delta = lse_ref[rows, :], dl_ref[rows, :]
-
-        def grad_q(dq, s, valid, keys, vals, drop, do=do, lse=lse, delta=delta):
-            p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-            ds = _dscores(p, _nt(do, vals), delta, drop)
-            return dq + _nn(ds.astype(keys.dtype), keys)
-
         dq = jnp.zeros((g.Tq, dq_ref.shape[-1]), f32)
         for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
             for c0 in range(0, g.W, g.Tk):
                 cols = slice(c0, c0 + g.Tk)
                 k = k_ref[cols, :]
                 s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0)
-                dq = grad_q(dq, s, valid, k, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
+                _, ds = _grad_tile(s, valid, lse, delta, do, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
+                dq = dq + _nn(ds.astype(k.dtype), k)
 
-        def body(j, dq, q=q, r0=r0, grad_q=grad_q):
+        def body(j, dq, q=q, do=do, lse=lse, delta=delta, r0=r0):
             c0 = pl.multiple_of(j * g.Tc, g.Tc)
             kh = kh_ref[pl.ds(c0, g.Tc), :]
             s, valid = _chunk_scores(g, q, kh, i, c0, r0)
-            return grad_q(dq, s, valid, kh, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0))
+            pd, ds = _grad_tile(s, valid, lse, delta, do, beta_ref[pl.ds(c0, g.Tc), :],
+                                _chunk_drop(g, seed, i, r0, c0))
+            if chunk_grads:
+                dkh_ref[pl.ds(c0, g.Tc), :] += _tn(ds.astype(q.dtype), q)
+                dbeta_ref[pl.ds(c0, g.Tc), :] += _tn(pd.astype(do.dtype), do)
+            return dq + _nn(ds.astype(kh.dtype), kh)
 
         dq_ref[rows, :] = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, dq).astype(dq_ref.dtype)
 
 
-# ----------------------------------------------------------------------------- local dk, dv (and bias) kernel
-def _dlocal_kernel(*refs, g: _Geo):
-    # refs: k, v (key block j), then per offset t: q, do, lse, delta of query block j - offsets[t]; bias; seed;
-    # outputs
+# ----------------------------------------------------------------------------- key-side backward pass
+def _dkv_tiles(g: _Geo, j, nq, k_at, q_at, bias_ref, seed, emit, db_add):
+    """dk, dv of local key block ``j`` over the ≤ 3 query blocks that see it, one key sub-tile at a time; the
+    operands come through ``k_at(c0) -> (k, v)`` and ``q_at(t, i, r0) -> (q, dO, lse, Δ)`` (rows ``r0..`` of query
+    block ``i = j − offsets[t]``, any rows where that block is out of range: masked), the results leave through
+    ``emit(c0, dk, dv)`` and, with a bias, each score tile's dS through ``db_add(t, r0, c0, dS)``."""
+    for c0 in range(0, g.W, g.Tk):
+        cols = slice(c0, c0 + g.Tk)
+        k, v = k_at(c0)
+        dk = jnp.zeros((g.Tk, k.shape[-1]), f32)
+        dv = jnp.zeros((g.Tk, v.shape[-1]), f32)
+        for t, o in enumerate(g.offsets):
+            i = j - o
+            ok = (i >= 0) & (i < nq)
+            for r0, rows in _row_tiles(g):
+                q, do, lse, delta = q_at(t, i, r0)
+                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0)
+                pd, ds = _grad_tile(s, valid, lse, delta, do, v, _local_drop(g, seed, i, r0, j, c0))
+                dv = dv + _tn(pd.astype(do.dtype), do)
+                dk = dk + _tn(ds.astype(q.dtype), q)
+                if db_add is not None:
+                    db_add(t, r0, c0, ds)
+        emit(c0, dk, dv)
+
+
+def _dkey_kernel_tpu(*refs, g: _Geo):
+    """TPU key-side pass, grid ``(BH, nq)``: local dk, dv of key block ``j`` (the query blocks that see it arrive
+    through clamped index maps) and, with a bias, its gradient summed over the row's key blocks in a resident
+    ``[n_lt, W, W]`` output block (key axis ``arbitrary``)."""
     n_lt = len(g.offsets)
     k_ref, v_ref = refs[0], refs[1]
     per = [refs[2 + 4 * t: 6 + 4 * t] for t in range(n_lt)]
@@ -397,82 +450,76 @@ def _dlocal_kernel(*refs, g: _Geo):
     dk_ref, dv_ref = rest[0], rest[1]
     db_ref = rest[2] if g.has_bias else None
     j = pl.program_id(1)
-    nq = pl.num_programs(1)
-    for c0 in range(0, g.W, g.Tk):  # key sub-tiles of block j
-        cols = slice(c0, c0 + g.Tk)
-        k, v = k_ref[cols, :], v_ref[cols, :]
-        dk = jnp.zeros((g.Tk, dk_ref.shape[-1]), f32)
-        dv = jnp.zeros((g.Tk, dv_ref.shape[-1]), f32)
-        for t, o in enumerate(g.offsets):
-            q_ref, do_ref, lse_ref, dl_ref = per[t]
-            i = j - o
-            ok = (i >= 0) & (i < nq)
-            for r0, rows in _row_tiles(g):
-                q, do = q_ref[rows, :], do_ref[rows, :]
-                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0)
-                p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
-                drop = _local_drop(g, seed, i, r0, j, c0)
-                dv = dv + _tn((p if drop is None else p * drop).astype(do.dtype), do)
-                ds = _dscores(p, _nt(do, v), dl_ref[rows, :], drop)
-                dk = dk + _tn(ds.astype(q.dtype), q)
-                if db_ref is not None:
-                    db_ref[t, rows, cols] = ds
-        dk_ref[cols, :] = dk.astype(dk_ref.dtype)
-        dv_ref[cols, :] = dv.astype(dv_ref.dtype)
+    db_add = None
     if db_ref is not None:
-        for t in range(n_lt, db_ref.shape[0]):  # tiles padded to a power-of-two count
-            db_ref[t] = jnp.zeros(db_ref.shape[1:], f32)
+        @pl.when(j == 0)
+        def _():
+            db_ref[...] = jnp.zeros(db_ref.shape, f32)
+
+        def db_add(t, r0, c0, ds):
+            db_ref[t, r0:r0 + g.Tq, c0:c0 + g.Tk] += ds
+
+    def emit(c0, dk, dv):
+        dk_ref[c0:c0 + g.Tk, :] = dk.astype(dk_ref.dtype)
+        dv_ref[c0:c0 + g.Tk, :] = dv.astype(dv_ref.dtype)
+
+    _dkv_tiles(g, j, pl.num_programs(1), lambda c0: (k_ref[c0:c0 + g.Tk, :], v_ref[c0:c0 + g.Tk, :]),
+               lambda t, i, r0: tuple(r[r0:r0 + g.Tq, :] for r in per[t]), bias_ref, seed, emit, db_add)
 
 
-# ----------------------------------------------------------------------------- chunk dk̂, dβ kernels
-def _chunk_grad_tile(g: _Geo, q, do, lse, delta, kh, beta, i, c0, r0: int, seed):
-    """Contribution of rows ``r0 .. r0+Tq-1`` of query block ``i`` to the gradients of chunks ``c0 .. c0+Tc-1``:
-    (dk̂, dβ)."""
-    s, valid = _chunk_scores(g, q, kh, i, c0, r0)
-    p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    drop = _chunk_drop(g, seed, i, r0, c0)
-    dbeta = _tn((p if drop is None else p * drop).astype(do.dtype), do)
-    ds = _dscores(p, _nt(do, beta), delta, drop)
-    return _tn(ds.astype(q.dtype), q), dbeta
-
-
-def _dchunk_kernel_tpu(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo):
-    seed = rest[0][...] if g.rate > 0 else None
-    dkh_ref, dbeta_ref = rest[-2:]
-    j, i = pl.program_id(1), pl.program_id(2)
-
-    @pl.when(i == 0)
-    def _():
-        dkh_ref[...] = jnp.zeros(dkh_ref.shape, f32)
-        dbeta_ref[...] = jnp.zeros(dbeta_ref.shape, f32)
-
-    @pl.when(i >= _first_query_block(g, j))
-    def _():
-        for r0, rows in _row_tiles(g):
-            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :],
-                                          dl_ref[rows, :], kh_ref[...], beta_ref[...], i, j * g.Tc, r0, seed)
-            dkh_ref[...] += dkh
-            dbeta_ref[...] += dbeta
-
-
-def _dchunk_kernel_loop(q_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo, nq: int):
-    seed = rest[0][...] if g.rate > 0 else None
-    dkh_ref, dbeta_ref = rest[-2:]
+def _dkey_kernel_gpu(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo, nq: int):
+    """GPU key-side pass, grid ``(BH, nq + Cp/Tc)`` (Triton grids have no sequential axis): programs ``j < nq``
+    take local key block ``j`` (dk, dv; the bias gradient added atomically into the row's ``[n_lt, W, W]`` block),
+    programs ``j >= nq`` chunk tile ``j − nq``, looping over the query blocks that see it (dk̂, dβ). Operands are
+    whole rows, sliced in the body."""
+    rest = list(rest)
+    bias_ref = rest.pop(0) if g.has_bias else None
+    if g.has_bias:
+        rest.pop(0)  # the zeros the bias gradient's output aliases
+    seed = rest.pop(0)[...] if g.rate > 0 else None
+    dk_ref, dv_ref, dkh_ref, dbeta_ref = rest[:4]
+    db_ref = rest[4] if g.has_bias else None
     j = pl.program_id(1)
-    kh, beta = kh_ref[...], beta_ref[...]
 
-    def body(i, acc):
-        for r0, _ in _row_tiles(g):
-            rows = pl.ds(pl.multiple_of(i * g.W + r0, g.Tq), g.Tq)
-            dkh, dbeta = _chunk_grad_tile(g, q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :],
-                                          dl_ref[rows, :], kh, beta, i, j * g.Tc, r0, seed)
-            acc = (acc[0] + dkh, acc[1] + dbeta)
-        return acc
+    @pl.when(j < nq)
+    def _():
+        def q_at(t, i, r0):
+            rows = pl.ds(pl.multiple_of(jnp.clip(i, 0, nq - 1) * g.W + r0, g.Tq), g.Tq)
+            return q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :], dl_ref[rows, :]
 
-    init = (jnp.zeros(dkh_ref.shape, f32), jnp.zeros(dbeta_ref.shape, f32))
-    dkh, dbeta = jax.lax.fori_loop(_first_query_block(g, j), nq, body, init)
-    dkh_ref[...] = dkh
-    dbeta_ref[...] = dbeta
+        def keys(c0):
+            return pl.ds(pl.multiple_of(j * g.W + c0, g.Tk), g.Tk)
+
+        def emit(c0, dk, dv):
+            dk_ref[keys(c0), :] = dk.astype(dk_ref.dtype)
+            dv_ref[keys(c0), :] = dv.astype(dv_ref.dtype)
+
+        def db_add(t, r0, c0, ds):
+            pltriton.atomic_add(db_ref, (pl.ds(t, 1), pl.ds(r0, g.Tq), pl.ds(c0, g.Tk)), ds[None])
+
+        _dkv_tiles(g, j, nq, lambda c0: (k_ref[keys(c0), :], v_ref[keys(c0), :]), q_at, bias_ref, seed, emit,
+                   None if db_ref is None else db_add)
+
+    @pl.when(j >= nq)
+    def _():
+        jc = j - nq
+        ch = pl.ds(pl.multiple_of(jc * g.Tc, g.Tc), g.Tc)
+        kh, beta = kh_ref[ch, :], beta_ref[ch, :]
+
+        def body(i, acc):
+            for r0, _ in _row_tiles(g):
+                rows = pl.ds(pl.multiple_of(i * g.W + r0, g.Tq), g.Tq)
+                q, do = q_ref[rows, :], do_ref[rows, :]
+                s, valid = _chunk_scores(g, q, kh, i, jc * g.Tc, r0)
+                pd, ds = _grad_tile(s, valid, lse_ref[rows, :], dl_ref[rows, :], do, beta,
+                                    _chunk_drop(g, seed, i, r0, jc * g.Tc))
+                acc = (acc[0] + _tn(ds.astype(q.dtype), q), acc[1] + _tn(pd.astype(do.dtype), do))
+            return acc
+
+        init = (jnp.zeros((g.Tc, dkh_ref.shape[-1]), f32), jnp.zeros((g.Tc, dbeta_ref.shape[-1]), f32))
+        dkh, dbeta = jax.lax.fori_loop(_first_query_block(g, jc), nq, body, init)
+        dkh_ref[ch, :] = dkh
+        dbeta_ref[ch, :] = dbeta
 
 
 # ----------------------------------------------------------------------------- pallas_call wrappers
@@ -482,33 +529,41 @@ def _compiler_params(platform, semantics, g: _Geo | None = None):
 
         return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES)
     if platform in ("gpu", "cuda"):
-        from jax.experimental.pallas import triton as pltriton
-
         warps = 4 if g is None else g.num_warps
         return pltriton.CompilerParams(num_warps=warps, num_stages=2)
     return None
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, platform, semantics):
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, platform, semantics, aliases=None):
     g = kernel.keywords["g"]
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret,
+                          interpret=interpret, input_output_aliases=aliases or {},
                           compiler_params=None if interpret else _compiler_params(platform, semantics, g))
 
 
-def _seed_spec(seeds, grid_rank: int):
+def _seed_spec(seeds):
     """The row's dropout seed, a [1, 1] block of ``seeds [BH, 1, 1]`` (None without dropout)."""
-    if seeds is None:
-        return []
-    idx = (lambda bh, i: (bh, 0, 0)) if grid_rank == 2 else (lambda bh, j, i: (bh, 0, 0))
-    return [pl.BlockSpec((None, 1, 1), idx)]
+    return [] if seeds is None else [pl.BlockSpec((None, 1, 1), lambda bh, i: (bh, 0, 0))]
 
 
-def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, interpret, platform):
+def _bias_spec(bias, heads: int):
+    """The bias tiles of the row's head (or the one table the heads share), a whole block."""
+    hmap = (lambda bh, i: (bh % heads, 0, 0, 0)) if bias.shape[0] > 1 else (lambda bh, i: (0, 0, 0, 0))
+    return pl.BlockSpec((None,) + bias.shape[1:], hmap)
+
+
+def _row_block(shape):
+    """A row's whole ``[·, ·]`` block of a ``[BH, ·, ·]`` operand (or ``[BH, ·, ·, ·]``)."""
+    return pl.BlockSpec((None,) + tuple(shape[1:]), lambda bh, i: (bh,) + (0,) * (len(shape) - 1))
+
+
+def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, interpret, platform,
+           out_specs=None, semantics=("parallel", "parallel")):
     """Run a kernel on grid (BH, nq) with the query block, its local key blocks, the whole chunk summaries,
-    the bias tiles, the row's dropout seed and ``extra`` per-query-block inputs ``[(array, cols)]``."""
+    the bias tiles, the row's dropout seed and ``extra`` per-query-block inputs ``[(array, cols)]``; outputs
+    per query block unless ``out_specs`` says otherwise."""
     BH, Lp, d = q.shape
-    dv, Cp, W = v.shape[-1], kh.shape[1], g.W
+    dv, W = v.shape[-1], g.W
     nq = Lp // W
     specs = [pl.BlockSpec((None, W, d), lambda bh, i: (bh, i, 0))]
     args = [q]
@@ -516,22 +571,20 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, 
         blk = lambda bh, i, o=o: (bh, jnp.clip(i + o, 0, nq - 1), 0)  # noqa: E731
         specs += [pl.BlockSpec((None, W, d), blk), pl.BlockSpec((None, W, dv), blk)]
         args += [k, v]
-    specs += [pl.BlockSpec((None, Cp, d), lambda bh, i: (bh, 0, 0)),
-              pl.BlockSpec((None, Cp, dv), lambda bh, i: (bh, 0, 0))]
+    specs += [_row_block(kh.shape), _row_block(beta.shape)]
     args += [kh, beta]
     if bias is not None:
-        Hb = bias.shape[0]
-        hmap = (lambda bh, i: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, i: (0, 0, 0, 0))
-        specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
+        specs.append(_bias_spec(bias, heads))
         args.append(bias)
-    specs += _seed_spec(seeds, 2)
+    specs += _seed_spec(seeds)
     args += [] if seeds is None else [seeds]
     for arr in extra:
         specs.append(pl.BlockSpec((None, W, arr.shape[-1]), lambda bh, i: (bh, i, 0)))
         args.append(arr)
-    out_specs = [pl.BlockSpec((None, W, s.shape[-1]), lambda bh, i: (bh, i, 0)) for s in outs]
+    if out_specs is None:
+        out_specs = [pl.BlockSpec((None, W, s.shape[-1]), lambda bh, i: (bh, i, 0)) for s in outs]
     return _call(functools.partial(kernel, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
-                 ("parallel", "parallel"))(*args)
+                 semantics)(*args)
 
 
 def _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform):
@@ -540,13 +593,21 @@ def _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform):
     return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [], _fwd_kernel, outs, interpret, platform)
 
 
-def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform):
+def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, chunk_grads: bool):
+    """The query-side pass: dq, and with ``chunk_grads`` (TPU form) dk̂, dβ in fp32."""
+    W = g.W
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [do, lse, delta], _dq_kernel, outs, interpret,
-                  platform)[0]
+    out_specs = [pl.BlockSpec((None, W, q.shape[-1]), lambda bh, i: (bh, i, 0))]
+    if chunk_grads:
+        outs += [jax.ShapeDtypeStruct(kh.shape, f32), jax.ShapeDtypeStruct(beta.shape, f32)]
+        out_specs += [_row_block(kh.shape), _row_block(beta.shape)]
+    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [do, lse, delta],
+                  functools.partial(_dq_kernel, chunk_grads=chunk_grads), outs, interpret, platform, out_specs,
+                  ("parallel", "arbitrary") if chunk_grads else ("parallel", "parallel"))
 
 
-def _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform):
+def _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform):
+    """The TPU key-side pass: (dk, dv, bias gradient per row ``[BH, n_lt, W, W]`` fp32 or None)."""
     BH, Lp, d = q.shape
     dv, W = v.shape[-1], g.W
     nq = Lp // W
@@ -561,47 +622,39 @@ def _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
     outs = [jax.ShapeDtypeStruct((BH, Lp, d), k.dtype), jax.ShapeDtypeStruct((BH, Lp, dv), v.dtype)]
     out_specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
     if bias is not None:
-        Hb = bias.shape[0]
-        hmap = (lambda bh, j: (bh % heads, 0, 0, 0)) if Hb > 1 else (lambda bh, j: (0, 0, 0, 0))
-        specs.append(pl.BlockSpec((None,) + bias.shape[1:], hmap))
+        specs.append(_bias_spec(bias, heads))
         args.append(bias)
-    specs += _seed_spec(seeds, 2)
+        outs.append(jax.ShapeDtypeStruct((BH,) + bias.shape[1:], f32))
+        out_specs.append(_row_block(outs[-1].shape))
+    specs += _seed_spec(seeds)
     args += [] if seeds is None else [seeds]
-    if bias is not None:
-        n_lt = bias.shape[1]
-        outs.append(jax.ShapeDtypeStruct((BH, nq, n_lt, W, W), f32))
-        out_specs.append(pl.BlockSpec((None, None, n_lt, W, W), lambda bh, j: (bh, j, 0, 0, 0)))
-    res = _call(functools.partial(_dlocal_kernel, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
-                ("parallel", "parallel"))(*args)
+    res = _call(functools.partial(_dkey_kernel_tpu, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
+                ("parallel", "arbitrary" if bias is not None else "parallel"))(*args)
     return res[0], res[1], (res[2] if bias is not None else None)
 
 
-def _dchunk(g, q, kh, beta, seeds, do, lse, delta, interpret, platform, form):
+def _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform):
+    """The GPU key-side pass: (dk, dv, dk̂, dβ, bias gradient per row ``[BH, n_lt, W, W]`` fp32 or None)."""
     BH, Lp, d = q.shape
-    Cp, dv, W, Tc = kh.shape[1], beta.shape[-1], g.W, g.Tc
-    nq, nct = Lp // W, Cp // Tc
-    outs = [jax.ShapeDtypeStruct((BH, Cp, d), f32), jax.ShapeDtypeStruct((BH, Cp, dv), f32)]
-    extra = [] if seeds is None else [seeds]
-    if form == "tpu":
-        def qmap(bh, j, i):
-            # blocks before the first that sees the tile are never read: fetch the first one once
-            return (bh, jnp.minimum(jnp.maximum(i, _first_query_block(g, j)), nq - 1), 0)
-
-        cmap = lambda bh, j, i: (bh, j, 0)  # noqa: E731
-        specs = [pl.BlockSpec((None, W, d), qmap), pl.BlockSpec((None, W, dv), qmap),
-                 pl.BlockSpec((None, W, 1), qmap), pl.BlockSpec((None, W, 1), qmap),
-                 pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)] + _seed_spec(seeds, 3)
-        out_specs = [pl.BlockSpec((None, Tc, d), cmap), pl.BlockSpec((None, Tc, dv), cmap)]
-        return _call(functools.partial(_dchunk_kernel_tpu, g=g), (BH, nct, nq), specs, out_specs, outs, interpret,
-                     platform, ("parallel", "parallel", "arbitrary"))(q, do, lse, delta, kh, beta, *extra)
-    whole = lambda bh, j: (bh, 0, 0)  # noqa: E731
-    cmap2 = lambda bh, j: (bh, j, 0)  # noqa: E731
-    specs = [pl.BlockSpec((None, Lp, d), whole), pl.BlockSpec((None, Lp, dv), whole),
-             pl.BlockSpec((None, Lp, 1), whole), pl.BlockSpec((None, Lp, 1), whole),
-             pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)] + _seed_spec(seeds, 2)
-    out_specs = [pl.BlockSpec((None, Tc, d), cmap2), pl.BlockSpec((None, Tc, dv), cmap2)]
-    return _call(functools.partial(_dchunk_kernel_loop, g=g, nq=nq), (BH, nct), specs, out_specs, outs, interpret,
-                 platform, ("parallel", "parallel"))(q, do, lse, delta, kh, beta, *extra)
+    dv, Cp = v.shape[-1], kh.shape[1]
+    nq, nct = Lp // g.W, Cp // g.Tc
+    args = [q, k, v, do, lse, delta, kh, beta]
+    specs = [_row_block(x.shape) for x in args]
+    outs = [jax.ShapeDtypeStruct((BH, Lp, d), k.dtype), jax.ShapeDtypeStruct((BH, Lp, dv), v.dtype),
+            jax.ShapeDtypeStruct(kh.shape, f32), jax.ShapeDtypeStruct(beta.shape, f32)]
+    aliases = {}
+    if bias is not None:
+        db0 = jnp.zeros((BH,) + bias.shape[1:], f32)  # the atomic sums start from zero
+        specs += [_bias_spec(bias, heads), _row_block(db0.shape)]
+        args += [bias, db0]
+        aliases = {len(args) - 1: len(outs)}
+        outs.append(jax.ShapeDtypeStruct(db0.shape, f32))
+    specs += _seed_spec(seeds)
+    args += [] if seeds is None else [seeds]
+    out_specs = [_row_block(s.shape) for s in outs]
+    res = _call(functools.partial(_dkey_kernel_gpu, g=g, nq=nq), (BH, nq + nct), specs, out_specs, outs, interpret,
+                platform, ("parallel", "parallel"), aliases)(*args)
+    return tuple(res) + ((None,) if bias is None else ())
 
 
 # ----------------------------------------------------------------------------- differentiable entry
@@ -622,13 +675,18 @@ def _attend_bwd(g, heads, interpret, platform, form, res, cts):
     # dS = P ⊙ (D ⊙ dP − Δ) + P ⊙ dlse with Δ = rowsum(dO ⊙ O) (O already holds the dropout D): a cotangent on the
     # log-sum-exp enters as a shift of Δ; Δ in fp32 (a statistic)
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1, keepdims=True) - cts[1].astype(f32)
-    dq = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform)
-    dk, dv, db = _dlocal(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
-    dkh, dbeta = _dchunk(g, q, kh, beta, seeds, do, lse, delta, interpret, platform, form)
+    # two passes (module docstring): query side, then key side
+    if form == "tpu":
+        dq, dkh, dbeta = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, True)
+        dk, dv, db = _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
+    else:
+        (dq,) = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, False)
+        dk, dv, dkh, dbeta, db = _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret,
+                                           platform)
     dbias = None
-    if bias is not None:
+    if bias is not None:  # per row [BH, n_lt, W, W] -> per head, or one table shared by the heads
         BH = q.shape[0]
-        db = db.reshape((BH // heads, heads) + db.shape[1:]).sum(axis=(0, 2))  # [H, n_lt, W, W]
+        db = db.reshape((BH // heads, heads) + db.shape[1:]).sum(axis=0)
         dbias = (db if bias.shape[0] > 1 else db.sum(axis=0, keepdims=True)).astype(bias.dtype)
     cast = lambda x, ref: x.astype(ref.dtype)  # noqa: E731
     return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None
@@ -648,7 +706,7 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     ``dropout_rate`` > 0 with ``seeds`` (int32 ``[BH]``, :func:`pallas_kernels.hash_dropout.row_seeds`): attention
     dropout on the normalised weights by the hash mask of the module docstring, the same in the backward.
     ``platform`` ('tpu' | 'cuda'; default: the default backend) picks the compiler parameters, the form of
-    the chunk-gradient kernel and the tiles (GPU: :func:`gpu_plan`); in interpret mode it picks only those
+    the backward passes and the tiles (GPU: :func:`gpu_plan`); in interpret mode it picks only those
     (default the TPU form). ``key_tile`` / ``query_tile`` / ``chunk_tile`` / ``num_warps`` (None or <= 0: the plan's)
     override the local key sub-tile, the query sub-tile (both must divide W), the chunk tile (a power of two >= 16)
     and the GPU warps: execution settings for sweeps; an override is not checked against the register or VMEM

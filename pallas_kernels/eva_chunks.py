@@ -16,9 +16,14 @@ tokens. The chunk means and β use a ``(G, T)`` segment matrix built from iota
 total). ε is drawn outside by the per-chunk ``fold_in`` rule (zeros in deterministic mode).
 Padding: a ``(1, T)`` validity row per tile masks ``ℓ`` (never -inf: all-padding chunks give β = 0).
 
-Backward: ``custom_vjp`` whose backward is ``jax.vjp`` of the jnp reference (Phase A is
-``O(L·d)``; a hand-written backward kernel would not pay off). So there is no kernel backward to test:
-the kernel test skips its gradient check and says so.
+Backward (``custom_vjp``): the chunk-level half of Phase A (means, projections, LayerNorms, ``ω = µ + ε``:
+``O(C·d²)`` after the ``O(L·d)`` means) is autodiff of the reference's :func:`chunk_proposals` in XLA; the
+token-level half, β's weights over each chunk's keys, is a second kernel (``eva_chunk_stats_bwd``, the same grid
+and tiles): the forward of a differentiated call also writes ``ω`` (compute dtype) and each chunk's log-sum-exp of
+``ℓ`` (fp32), from which it recomputes the weights (flash style), and returns ``dv``, ``dω`` and the logits' share
+of ``dk`` (fp32), so ``dω`` then joins the cotangent of ``k̂`` in the chunk-level VJP, which adds the means' shares
+of ``dq`` and ``dk``. Products in the compute dtype as in the forward (``dβ`` and ``ω`` cast to it, the weights
+and their gradient cast down before their products), fp32 accumulation.
 
 Dtypes: fp32 and bf16 inputs, as the reference (DESIGN.md §7): q, k, v, the noise and the parameters enter in
 the compute dtype (the inputs' dtype; the wrapper casts the float32 parameters and noise to it), every product
@@ -43,9 +48,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_summaries
+from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_proposals, chunk_summaries
 from pallas_kernels.precision import compute_dtype
+from pallas_kernels.precision import dot_nn as _nn
 from pallas_kernels.precision import dot_nt as _nt
+from pallas_kernels.precision import dot_tn as _tn
 
 GROUP = 16  # chunks per kernel step (multiple of 8 for TPU sublanes, >= 16 for Triton dots)
 
@@ -62,27 +69,33 @@ VMEM_LIMIT_BYTES = 16 * 2**20  # Mosaic's default scoped VMEM limit (this kernel
 REG_WORDS_LIMIT = 192  # live fp32 tile words per thread the GPU estimate allows (of 255 registers), as eva_attend's
 
 
-def gpu_words(*, P: int, d: int, dv: int, group: int = GROUP) -> int:
+def gpu_words(*, P: int, d: int, dv: int, group: int = GROUP, backward: bool = False) -> int:
     """Live fp32 tile words of one GPU step: the key tile ``[T, d]`` (live from its means through the logits) and
     one other token tile (the queries, ``k ⊙ k`` for the norms, or the values: each loaded or made where it is used),
-    ``T = G·P``, plus three ``[G, T]`` tiles (segment matrix, logits, weights). An estimate, not a measurement."""
+    ``T = G·P``, plus three ``[G, T]`` tiles (segment matrix, logits, weights). The ``backward`` step holds the key
+    tile and one other (the values, then the key gradient) and a fourth ``[G, T]`` tile (the weights' gradient). An
+    estimate, not a measurement."""
     T = group * P
-    return 2 * T * max(d, dv) + 3 * group * T
+    return 2 * T * max(d, dv) + (4 if backward else 3) * group * T
 
 
-def gpu_warps(*, P: int, d: int, dv: int, group: int = GROUP) -> tuple[int, float]:
+def gpu_warps(*, P: int, d: int, dv: int, group: int = GROUP, backward: bool = False) -> tuple[int, float]:
     """(num_warps, words per thread): 4 warps where :func:`gpu_words` fits :data:`REG_WORDS_LIMIT`, else 8 (chunks
-    of 8: heads of 64 take 4 warps at 176 words, heads of 128 take 8 at 152)."""
-    words = gpu_words(P=P, d=d, dv=dv, group=group)
+    of 8: heads of 64 take 4 warps at 176 words, heads of 128 take 8 at 152; backward: 192 and 160)."""
+    words = gpu_words(P=P, d=d, dv=dv, group=group, backward=backward)
     warps = 4 if words / 128 <= REG_WORDS_LIMIT else 8
     return warps, words / (32 * warps)
 
 
-def vmem_bytes(*, P: int, d: int, dv: int, group: int = GROUP) -> int:
+def vmem_bytes(*, P: int, d: int, dv: int, group: int = GROUP, backward: bool = False) -> int:
     """VMEM estimate of one step: double-buffered blocks (q, k, v, validity, ε in; k̂, β out), the
-    parameter blocks, and the (G, T) f32 temporaries (segment matrix, logits, weights); fp32 blocks."""
+    parameter blocks, and the (G, T) f32 temporaries (segment matrix, logits, weights); fp32 blocks. ``backward``:
+    k, v, validity, ω, dβ in; dk, dv, dω out; four temporaries."""
     T = group * P
     pad = lambda r, c: (-(-r // 8) * 8) * (-(-c // 128) * 128) * 4  # noqa: E731
+    if backward:
+        blocks = 2 * pad(T, d) + 2 * pad(T, dv) + pad(1, T) + 2 * pad(group, d) + pad(group, dv)
+        return 2 * blocks + 4 * pad(group, T)
     blocks = 2 * pad(T, d) + pad(T, dv) + pad(1, T) + pad(group, d) + pad(group, d) + pad(group, dv)
     params = 2 * pad(d, d) + 6 * pad(1, d)
     return 2 * (blocks + params) + 3 * pad(group, T)
@@ -102,12 +115,15 @@ def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, dtype=jnp.flo
     if platform == "cuda" and not (_is_pow2(P) and _is_pow2(d) and _is_pow2(dv)):
         reasons.append(f"GPU (Triton) blocks need power-of-two chunk_size and head dims; got P={P}, d={d}, dv={dv}")
     elif platform == "cuda":
-        warps, words = gpu_warps(P=P, d=d, dv=dv, group=group)
-        if words > REG_WORDS_LIMIT:
-            reasons.append(f"register estimate {words:.0f} words per thread at {warps} warps exceeds "
-                           f"{REG_WORDS_LIMIT} (P={P}, d={d}, dv={dv}, group={group})")
+        for step in (False, True):
+            warps, words = gpu_warps(P=P, d=d, dv=dv, group=group, backward=step)
+            if words > REG_WORDS_LIMIT:
+                reasons.append(f"register estimate {words:.0f} words per thread at {warps} warps exceeds "
+                               f"{REG_WORDS_LIMIT} (P={P}, d={d}, dv={dv}, group={group}"
+                               f"{', backward kernel' if step else ''})")
+                break
     if platform == "tpu":
-        need = vmem_bytes(P=P, d=d, dv=dv, group=group)
+        need = max(vmem_bytes(P=P, d=d, dv=dv, group=group, backward=b) for b in (False, True))
         if need > VMEM_LIMIT_BYTES:
             reasons.append(f"VMEM estimate {need / 2**20:.1f} MiB exceeds the {VMEM_LIMIT_BYTES / 2**20:.0f} MiB "
                            f"default limit (P={P}, d={d}, dv={dv}, group={group})")
@@ -130,13 +146,39 @@ def _layer_norm(x, g, b):
     return xc * jax.lax.rsqrt(var + LN_EPS) * g + b
 
 
-def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbeta_ref, kw_ref, kb_ref, kg_ref,
-            kbeta_ref, khat_ref, beta_ref, *, P: int, G: int, scale: float, opts: EVAOptions):
+def _segments(G: int, P: int):
+    """The (G, T) segment mask: token t belongs to chunk g of the tile."""
     T = G * P
-    cd = k_ref.dtype  # the compute dtype: every product's operands (module docstring)
     t_idx = jax.lax.broadcasted_iota(jnp.int32, (G, T), 1)
     start = jax.lax.broadcasted_iota(jnp.int32, (G, T), 0) * P  # no integer division (no sign op on Mosaic)
-    seg = (t_idx >= start) & (t_idx < start + P)
+    return (t_idx >= start) & (t_idx < start + P)
+
+
+def _rf_coefficients(scale: float, opts: EVAOptions) -> tuple[float, float]:
+    """(a, b) of the log-feature ``ℓ = a·(ω·k) − b·½‖k‖²`` (eva_chunks_ref.rf_log_feature)."""
+    return (scale, scale) if opts.rf_scale == "released" else (scale**0.5, scale)
+
+
+def _logits(seg, valid, omega, k, scale: float, opts: EVAOptions):
+    """The log-features ``ℓ`` of a tile, fp32 (G, T) (masked off each chunk's tokens and at padding), and the mask:
+    ``omega`` (G, d) and ``k`` (T, d) in the compute dtype; ``valid`` (1, T)."""
+    dots = _nt(omega, k)  # (G, T)
+    kf = k.astype(jnp.float32)
+    sq = 0.5 * _nt(jnp.ones((1, k.shape[1]), jnp.float32), kf * kf)  # (1, T): ½‖k_t‖², a row of fp32 norms
+    if opts.rf_scale == "released":
+        ell = scale * (dots - sq)
+    else:
+        ell = (scale**0.5) * dots - scale * sq
+    mask = seg & (valid > 0.5)
+    return jnp.where(mask, ell, NEG), mask
+
+
+def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbeta_ref, kw_ref, kb_ref, kg_ref,
+            kbeta_ref, khat_ref, beta_ref, *saved, P: int, G: int, scale: float, opts: EVAOptions):
+    """Phase A of a tile of G chunks; ``saved`` (the forward of a differentiated call): also ω in the compute dtype
+    and each chunk's log-sum-exp of ``ℓ`` (fp32), for the backward kernel."""
+    cd = k_ref.dtype  # the compute dtype: every product's operands (module docstring)
+    seg = _segments(G, P)
     segf = seg.astype(cd)  # 0 / 1: exact in any float dtype
     # each token tile loaded where it is used (gpu_words): q for its means, k through the logits, v for β
     q_bar = jnp.dot(segf, q_ref[...], preferred_element_type=jnp.float32) / P
@@ -157,22 +199,39 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, eps_ref, qw_ref, qb_ref, qg_ref, qbe
         mu = q_hat + k_hat
     else:
         mu = 0.5 * (q_hat + k_hat)
-    omega = mu + eps_ref[...].astype(jnp.float32)
-    dots = _nt(omega.astype(cd), k)  # (G, T)
-    kf = k.astype(jnp.float32)
-    sq = 0.5 * _nt(jnp.ones((1, k.shape[1]), jnp.float32), kf * kf)  # (1, T): ½‖k_t‖², a row of fp32 norms
-    if opts.rf_scale == "released":
-        ell = scale * (dots - sq)
-    else:
-        ell = (scale**0.5) * dots - scale * sq
-    mask = seg & (valid_ref[...] > 0.5)
-    ell = jnp.where(mask, ell, NEG)
+    omega = (mu + eps_ref[...].astype(jnp.float32)).astype(cd)
+    ell, mask = _logits(seg, valid_ref[...], omega, k, scale, opts)
     m = jnp.max(ell, axis=1, keepdims=True)
     p = jnp.where(mask, jnp.exp(ell - m), 0.0)
-    den = jnp.sum(p, axis=1, keepdims=True)
-    beta = jnp.dot(p.astype(cd), v_ref[...], preferred_element_type=jnp.float32) / jnp.maximum(den, 1e-30)
+    den = jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)
+    beta = jnp.dot(p.astype(cd), v_ref[...], preferred_element_type=jnp.float32) / den
     khat_ref[...] = k_hat.astype(khat_ref.dtype)
     beta_ref[...] = beta.astype(beta_ref.dtype)
+    if saved:
+        saved[0][...] = omega.astype(saved[0].dtype)
+        saved[1][...] = m + jnp.log(den)
+
+
+def _bwd_kernel(k_ref, v_ref, valid_ref, omega_ref, lse_ref, dbeta_ref, dk_ref, dv_ref, domega_ref, *, P: int,
+                G: int, scale: float, opts: EVAOptions):
+    """The token-level backward of one tile of G chunks: from ``dβ`` (G, dv) and the weights
+    ``w = softmax_p(ℓ) = exp(ℓ − lse)`` recomputed from the forward's ω and log-sum-exp: ``dv_t = Σ_g w_gt dβ_g``,
+    ``dℓ = w ⊙ (v·dβ − Σ_p w v·dβ)``, then through ``ℓ = a·(ω·k) − b·½‖k‖²``: ``dω_g = a Σ_t dℓ_gt k_t`` and the
+    key gradient of the logits ``dk_t = a Σ_g dℓ_gt ω_g − b (Σ_g dℓ_gt) k_t`` (the means' share is added outside)."""
+    cd = k_ref.dtype
+    seg = _segments(G, P)
+    k, omega, dbeta = k_ref[...], omega_ref[...], dbeta_ref[...]
+    ell, mask = _logits(seg, valid_ref[...], omega, k, scale, opts)
+    w = jnp.where(mask, jnp.exp(ell - lse_ref[...]), 0.0)
+    v = v_ref[...]
+    dw = _nt(dbeta, v)  # (G, T): v_t · dβ_g
+    dv_ref[...] = _tn(w.astype(cd), dbeta).astype(dv_ref.dtype)
+    dl = w * (dw - jnp.sum(w * dw, axis=1, keepdims=True))  # zero off the segment and at padding (w = 0 there)
+    a, b = _rf_coefficients(scale, opts)
+    ddot = (a * dl).astype(cd)
+    domega_ref[...] = _nn(ddot, k)
+    dsq = _tn(dl, jnp.ones((G, 1), jnp.float32))  # (T, 1): Σ_g dℓ_gt, one chunk's entry per token
+    dk_ref[...] = _tn(ddot, omega) - b * dsq * k.astype(jnp.float32)
 
 
 def _compiler_params(platform, warps: int = 4):
@@ -187,9 +246,10 @@ def _compiler_params(platform, warps: int = 4):
     return None
 
 
-def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interpret, platform):
+def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interpret, platform, save=False):
     """q, k: [B,H,N,d]; v: [B,H,N,dv]; N = C_pad·P; valid_rows [N/T, 1, T] f32; eps [B,H,C_pad,d]; all but the
-    validity rows in one compute dtype (the parameters are cast to it here)."""
+    validity rows in one compute dtype (the parameters are cast to it here). -> (k̂, β) fp32 [B,H,C_pad,·], and
+    with ``save`` ω [B,H,C_pad,d] in the compute dtype and the log-sum-exps [B,H,C_pad,1] fp32."""
     B, H, N, d = q.shape
     dv = v.shape[-1]
     T = G * P
@@ -203,21 +263,26 @@ def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interp
     in_specs = [tok(d), tok(d), tok(dv), pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0)), grp(d)]
     in_specs += [full(x.shape) for x in pr]
     kernel = functools.partial(_kernel, P=P, G=G, scale=scale, opts=opts)
+    out_shape = [jax.ShapeDtypeStruct((B, H, C_pad, d), jnp.float32),
+                 jax.ShapeDtypeStruct((B, H, C_pad, dv), jnp.float32)]
+    out_specs = [grp(d), grp(dv)]
+    if save:
+        out_shape += [jax.ShapeDtypeStruct((B, H, C_pad, d), q.dtype),
+                      jax.ShapeDtypeStruct((B, H, C_pad, 1), jnp.float32)]
+        out_specs += [grp(d), grp(1)]
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((B, H, C_pad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H, C_pad, dv), jnp.float32)),
+        out_shape=tuple(out_shape),
         grid=(B, H, n_t),
         in_specs=in_specs,
-        out_specs=(grp(d), grp(dv)),
+        out_specs=tuple(out_specs),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, gpu_warps(P=P, d=d, dv=dv, group=G)[0]),
         name="eva_chunk_stats",
     )(q, k, v, valid_rows, eps, *pr)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform):
+def _run(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform, save):
     B, H, C, P, _ = q_ch.shape
     C_pad = -(-C // G) * G
     padc = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, C_pad - C)) + ((0, 0),) * (x.ndim - 3))  # noqa: E731
@@ -225,23 +290,70 @@ def _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, 
     valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
     valid_rows = valid.reshape(C_pad // G, 1, G * P)
     cd = compute_dtype(q_ch, k_ch, v_ch)  # the reference's: q, k, v, noise and parameters enter in it
-    k_hat, beta = _pallas_stats(flat(q_ch.astype(cd)), flat(k_ch.astype(cd)), flat(v_ch.astype(cd)), valid_rows,
-                                padc(noise.astype(cd)), params, P=P, G=G, scale=scale, opts=opts,
-                                interpret=interpret, platform=platform)
-    return k_hat[:, :, :C], beta[:, :, :C]
+    out = _pallas_stats(flat(q_ch.astype(cd)), flat(k_ch.astype(cd)), flat(v_ch.astype(cd)), valid_rows,
+                        padc(noise.astype(cd)), params, P=P, G=G, scale=scale, opts=opts, interpret=interpret,
+                        platform=platform, save=save)
+    return (out[0][:, :, :C], out[1][:, :, :C]), out[2:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform):
+    return _run(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform, False)[0]
 
 
 def _stats_fwd(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform):
-    out = _stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform)
-    return out, (q_ch, k_ch, v_ch, k_valid, params, noise)
+    out, saved = _run(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, platform, True)
+    return out, (q_ch, k_ch, v_ch, k_valid, params, noise) + tuple(saved)
+
+
+def _pallas_stats_bwd(k, v, valid_rows, omega, lse, dbeta, *, P, G, scale, opts, interpret, platform):
+    """k: [B,H,N,d], v: [B,H,N,dv], omega [B,H,C_pad,d], dbeta [B,H,C_pad,dv] in the compute dtype; lse
+    [B,H,C_pad,1] fp32; valid_rows [N/T, 1, T] -> (dk of the logits [B,H,N,d] fp32, dv [B,H,N,dv],
+    dω [B,H,C_pad,d] fp32)."""
+    B, H, N, d = k.shape
+    dv = v.shape[-1]
+    T = G * P
+    tok = lambda dim: pl.BlockSpec((None, None, T, dim), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    grp = lambda dim: pl.BlockSpec((None, None, G, dim), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    kernel = functools.partial(_bwd_kernel, P=P, G=G, scale=scale, opts=opts)
+    warps = gpu_warps(P=P, d=d, dv=dv, group=G, backward=True)[0]
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, H, N, d), jnp.float32), jax.ShapeDtypeStruct((B, H, N, dv), v.dtype),
+                   jax.ShapeDtypeStruct(omega.shape, jnp.float32)),
+        grid=(B, H, N // T),
+        in_specs=[tok(d), tok(dv), pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0)), grp(d), grp(1), grp(dv)],
+        out_specs=(tok(d), tok(dv), grp(d)),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(platform, warps),
+        name="eva_chunk_stats_bwd",
+    )(k, v, valid_rows, omega, lse, dbeta)
 
 
 def _stats_bwd(opts, scale, G, interpret, platform, res, g):
-    q_ch, k_ch, v_ch, k_valid, params, noise = res
-    f = lambda q, k, v, p, n: chunk_summaries(q, k, v, k_valid, p, n, opts, scale)  # noqa: E731
-    _, vjp = jax.vjp(f, q_ch, k_ch, v_ch, params, noise)
-    dq, dk, dv, dp, dn = vjp(g)
-    return dq, dk, dv, None, dp, dn
+    """Phase A's backward: the chunk-level half (means, projections, LayerNorms, ω = µ + ε: O(C·d²)) by autodiff of
+    the reference's :func:`chunk_proposals` in XLA, the token-level half (β's weights over the chunk's keys: the
+    O(L·d) part) by :func:`_bwd_kernel`, whose ``dω`` enters the chunk-level VJP with the cotangent of ``k̂``."""
+    q_ch, k_ch, v_ch, k_valid, params, noise, omega_k, lse = res
+    dk_hat, dbeta = g
+    B, H, C, P, d = q_ch.shape
+    cd = compute_dtype(q_ch, k_ch, v_ch)
+    chunk_level = lambda q, k, p, n: chunk_proposals(q, k, p, n, opts, dtype=cd)  # noqa: E731
+    (_, omega), vjp = jax.vjp(chunk_level, q_ch.astype(cd), k_ch.astype(cd), params, noise)
+    C_pad = -(-C // G) * G
+    padc = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, C_pad - C)) + ((0, 0),) * (x.ndim - 3))  # noqa: E731
+    flat = lambda x: padc(x).reshape(B, H, C_pad * P, x.shape[-1])  # noqa: E731
+    valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
+    # the weights from the forward's own ω and log-sum-exps (the kernel's rounding, not XLA's)
+    dk_tok, dv, domega = _pallas_stats_bwd(flat(k_ch.astype(cd)), flat(v_ch.astype(cd)),
+                                           valid.reshape(C_pad // G, 1, G * P), omega_k, lse,
+                                           padc(dbeta.astype(cd)), P=P, G=G, scale=scale, opts=opts,
+                                           interpret=interpret, platform=platform)
+    unflat = lambda x: x.reshape(B, H, C_pad, P, x.shape[-1])[:, :, :C]  # noqa: E731
+    dq, dk_means, dp, dn = vjp((dk_hat, domega[:, :, :C].astype(omega.dtype)))
+    dk = dk_means.astype(jnp.float32) + unflat(dk_tok)
+    return (dq.astype(q_ch.dtype), dk.astype(k_ch.dtype), unflat(dv).astype(v_ch.dtype), None, dp,
+            dn.astype(noise.dtype))
 
 
 _stats.defvjp(_stats_fwd, _stats_bwd)

@@ -117,6 +117,20 @@ def chunk_beta(omega, k_ch, v_ch, k_valid, scale: float, rf_scale: str):
     return jnp.einsum("...p,...pd->...d", w, v_ch)
 
 
+def chunk_proposals(q_ch, k_ch, params, noise, opts: EVAOptions, norm=layer_norm, dtype=None):
+    """Phase A's chunk-level half: (k̂ [B,H,C,d], ω [B,H,C,d]) from the chunk means of q_ch, k_ch [B,H,C,P,d]
+    (``dtype``: the compute dtype, default theirs; ``noise`` None: ω = µ). :func:`chunk_summaries` is this, then
+    :func:`chunk_beta`."""
+    cd = compute_dtype(q_ch, k_ch) if dtype is None else dtype
+    q_ch, k_ch = (x.astype(cd) for x in (q_ch, k_ch))
+    sd = float_dtype(q_ch)
+    P = q_ch.shape[-2]
+    q_bar = jnp.sum(q_ch, axis=-2, dtype=sd) / P
+    k_bar = jnp.sum(k_ch, axis=-2, dtype=sd) / P
+    k_hat, mu = representatives(q_bar, k_bar, params, opts, norm, dtype=cd)
+    return k_hat, (mu if noise is None else mu + noise.astype(cd))
+
+
 def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float, norm=layer_norm):
     """Phase A. q_ch, k_ch: [B,H,C,P,d]; v_ch: [B,H,C,P,dv] (padding rows zero);
     k_valid: [C,P]; noise: [B,H,C,d] or None (deterministic: ω = µ); ``norm``: see :func:`representatives`.
@@ -124,15 +138,10 @@ def chunk_summaries(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, 
     Precision: the module docstring (q, k, v are cast to their common compute dtype; the noise joins ω in it)."""
     cd = compute_dtype(q_ch, k_ch, v_ch)
     q_ch, k_ch, v_ch = (x.astype(cd) for x in (q_ch, k_ch, v_ch))
-    sd = float_dtype(q_ch)
-    P = q_ch.shape[-2]
-    q_bar = jnp.sum(q_ch, axis=-2, dtype=sd) / P
-    k_bar = jnp.sum(k_ch, axis=-2, dtype=sd) / P
-    k_hat, mu = representatives(q_bar, k_bar, params, opts, norm, dtype=cd)
-    omega = mu if noise is None else mu + noise.astype(cd)
+    k_hat, omega = chunk_proposals(q_ch, k_ch, params, noise, opts, norm, dtype=cd)
     return k_hat, chunk_beta(omega, k_ch, v_ch, k_valid, scale, opts.rf_scale)
 
 eva_chunk_stats_reference = chunk_summaries
 
-__all__ = ["LN_EPS", "NEG", "EVAOptions", "chunk_beta", "chunk_summaries", "eva_chunk_stats_reference",
-           "layer_norm", "representatives", "rf_log_feature"]
+__all__ = ["LN_EPS", "NEG", "EVAOptions", "chunk_beta", "chunk_proposals", "chunk_summaries",
+           "eva_chunk_stats_reference", "layer_norm", "representatives", "rf_log_feature"]

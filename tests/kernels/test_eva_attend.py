@@ -1,10 +1,11 @@
 """EVA chunk + local attention Pallas kernel "eva_attend" (docs/methods/eva.md §8.3) on the shared kernel test base:
 interpret-mode forward and the Pallas backward kernels against autodiff of the jnp reference (causal and
 bidirectional, with and without window overlap, shared / per-head relative-position bias, the disjoint partition,
-ragged lengths, both forms of the chunk-gradient kernel, query sub-tiles, attention dropout by the shared hash mask,
+ragged lengths, both forms of the two backward passes, query sub-tiles, attention dropout by the shared hash mask,
 fp32 and bf16), TPU / CUDA lowering at the WikiText-103 shapes through jax.export (heads of 128 with dropout
 included), the GPU tile plan and its refusal, the VMEM budget, the dropout hash, and the method running both EVA
-kernels with impl='pallas' in evaluation and training steps."""
+kernels with impl='pallas' in evaluation and training steps; the backward's pass count and the bias gradient summed
+inside the kernel (jaxpr checks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from kernel_test_base import KernelTestBase  # noqa: I001
+from kernel_test_base import KernelTestBase, weighted_sum  # noqa: I001
 
 from longctx import attention
 from pallas_kernels import eva_attend, eva_attend_ref, hash_dropout
@@ -25,7 +26,8 @@ H = 2
 
 class TestEVAAttend(KernelTestBase):
     # W window, P chunk size, L valid tokens (ragged unless stated), e_l/e_r window extensions, hb: bias heads
-    # (0: no bias), form: the chunk-gradient kernel's form in interpret mode ('tpu' grid-accumulation, 'cuda' loop)
+    # (0: no bias), form: the backward passes' form in interpret mode ('tpu' grid accumulation, 'cuda' loops and
+    # atomic bias sums)
     SHAPES = {
         "causal_rpe": dict(L=45, W=8, P=4, d=16, dv=16, e_l=0, e_r=0, causal=True, hb=1, form="tpu"),
         "causal_overlap_loop": dict(L=45, W=8, P=4, d=16, dv=8, e_l=8, e_r=0, causal=True, hb=1, form="cuda",
@@ -275,3 +277,53 @@ def test_tile_and_warp_overrides_reach_the_kernel_geometry(monkeypatch):
     assert (seen[-1].Tq, seen[-1].Tk, seen[-1].Tc, seen[-1].num_warps) == (64, 32, 16, 4)
     with pytest.raises(ValueError, match="chunk_tile"):
         t.kernel(*args, interpret=False, platform="cuda", **st, chunk_tile=24)
+
+
+def _eqns(jaxpr, inside_kernels: bool = False):
+    """Every equation of a jaxpr and of the jaxprs nested in it (jit, custom_vjp, loops, ...); a ``pallas_call``'s
+    body only with ``inside_kernels``."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == "pallas_call" and not inside_kernels:
+            continue
+        for val in eqn.params.values():
+            for sub in val if isinstance(val, (tuple, list)) else (val,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub, inside_kernels)
+
+
+def _grad_jaxpr(shape_name: str, form: str):
+    t = TestEVAAttend()
+    args, st = t.make_inputs(TestEVAAttend.SHAPES[shape_name], jnp.float32)
+    st["form"] = form
+    fwd = lambda *a: t.kernel(*a, interpret=True, **st)  # noqa: E731
+    loss = lambda *a: weighted_sum(fwd(*a))  # noqa: E731
+    return (jax.make_jaxpr(fwd)(*args).jaxpr, jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(*args).jaxpr,
+            args, st)
+
+
+@pytest.mark.parametrize("form", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape_name", ["causal_drop_loop", "bidir_drop"])
+def test_backward_is_two_kernel_passes(shape_name, form):
+    """The gradient of eva_attend runs the forward kernel once and two backward kernels (a query-side and a
+    key-side pass), in both forms, with the bias and dropout on."""
+    fwd, grad, _, _ = _grad_jaxpr(shape_name, form)
+    count = lambda j: sum(e.primitive.name == "pallas_call" for e in _eqns(j))  # noqa: E731
+    assert count(fwd) == 1
+    assert count(grad) - count(fwd) == 2
+
+
+@pytest.mark.parametrize("form", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape_name", ["causal_rpe", "bidir_drop"])
+def test_bias_gradient_is_summed_inside_the_kernel(shape_name, form):
+    """No per-tile bias gradient reaches HBM: outside the kernels, every array of the gradient ending in a
+    ``[W, W]`` tile holds at most one ``[n_lt, W, W]`` stack per row (none has a query- or key-block axis)."""
+    _, grad, args, st = _grad_jaxpr(shape_name, form)
+    bias, W, BH = args[5], st["W"], args[0].shape[0]
+    n_lt = 1 << (bias.shape[1] - 1).bit_length()  # tiles padded to a power-of-two count
+    assert args[0].shape[1] // W not in (1, BH, n_lt)  # the query-block count is told apart from the other axes
+    tiles = [v.aval.shape for e in _eqns(grad) for v in e.outvars
+             if hasattr(v.aval, "shape") and len(v.aval.shape) >= 3 and v.aval.shape[-2:] == (W, W)]
+    assert tiles, "no bias gradient found"
+    assert max(int(np.prod(s)) for s in tiles) <= BH * n_lt * W * W, tiles

@@ -1,9 +1,9 @@
 """EVA chunk-statistics Pallas kernel (docs/methods/eva.md §8.2) on the shared kernel test base: interpret-mode forward
 against the jnp Phase A reference (option variants, ragged lengths, with and without noise, fp32 and bf16),
 TPU / CUDA lowering through jax.export (at WikiText-103's chunk 8 and heads of 128 too, and a clear refusal for
-non-power-of-two sizes on GPU), and the method running the kernel with impl='pallas'. The kernel has no backward
-kernel: its custom_vjp backward is jax.vjp of the reference (§8.2), so the gradient test checks that wiring
-(fp32 and bf16, ragged) against autodiff of the reference."""
+non-power-of-two sizes on GPU), and the method running the kernel with impl='pallas'. Gradients: the backward
+kernel (token level) with the chunk-level VJP against autodiff of the reference (option variants, fp32 and bf16,
+ragged)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class TestEVAChunkStats(KernelTestBase):
     FORWARD_CASES = (("ragged_5x4_noise", "float32"), ("noln_half_principled_16x8", "float32"),
                      ("identity_tiny_3x8", "float32"), ("mu_none_5x4_dv8", "float32"),
                      ("ragged_5x4_noise", "bfloat16"))
-    GRAD_CASES = (("ragged_5x4_noise", "float32"), ("ragged_5x4_noise", "bfloat16"))
+    GRAD_CASES = (("ragged_5x4_noise", "float32"), ("noln_half_principled_16x8", "float32"),
+                  ("identity_tiny_3x8", "float32"), ("mu_none_5x4_dv8", "float32"), ("ragged_5x4_noise", "bfloat16"),
+                  ("noln_half_principled_16x8", "bfloat16"))
     EXPORT_CASES = (("tpu", "export_16x8", "float32"), ("cuda", "export_16x8", "float32"),
                     ("tpu", "export_p6", "float32"), ("cuda", "export_p6", "float32"),
                     ("tpu", "wt103_paper", "float32"), ("cuda", "wt103_paper", "float32"),
@@ -46,7 +48,7 @@ class TestEVAChunkStats(KernelTestBase):
     # the kernel follows the reference's precision (bf16 operands, fp32 accumulation, fp32 softmax and LayerNorm)
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}
     DIFF_ARGNUMS = (0, 1, 2, 4, 5)
-    KERNEL_BACKWARD = False  # custom_vjp backward = jax.vjp of the reference (§8.2)
+    KERNEL_BACKWARD = True  # the token-level backward kernel; the chunk-level half by autodiff (module docstring)
 
     def is_ragged(self, shape):  # padding tokens in the last chunk, or chunks not filling the kernel's group
         return shape["L"] % shape["P"] != 0 or shape["C"] % eva_chunks.GROUP != 0
@@ -93,6 +95,9 @@ def test_unsupported_sizes_name_their_reasons():
     # with heads of 128 exceed it even at 8 warps
     assert eva_chunks.gpu_warps(P=8, d=64, dv=64) == (4, 176.0)
     assert eva_chunks.gpu_warps(P=8, d=128, dv=128) == (8, 152.0)
+    # the backward kernel holds one more [G, T] tile
+    assert eva_chunks.gpu_warps(P=8, d=64, dv=64, backward=True) == (4, 192.0)
+    assert eva_chunks.gpu_warps(P=8, d=128, dv=128, backward=True) == (8, 160.0)
     assert eva_chunks.unsupported_reasons("cuda", P=8, d=128, dv=128) == []
     assert any("register estimate" in r for r in eva_chunks.unsupported_reasons("cuda", P=16, d=128, dv=128))
     with pytest.raises(ValueError, match="power-of-two"):
