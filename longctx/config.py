@@ -45,8 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
         "tokenizer_file": "",  # data.tokenizer='hf': a Hugging Face tokenizer.json
         "eos_token": "",  # data.tokenizer='hf': end-of-document token ('' = the first of <|endoftext|>, </s>, ...)
     })
-    # training rows: 'document' (each row inside one document; shorter documents are not trained on) or
-    # 'pack' (rows of consecutive documents separated by the end-of-document token; longctx/data/batching.py)
+    # training rows: 'document' (each row inside one document; shorter documents are not trained on),
+    # 'pack' (rows of consecutive documents separated by the end-of-document token, attention running across them)
+    # or 'segments' (the same rows with segment ids and positions: each document attended alone; methods that take
+    # segment ids only); longctx/data/batching.py
     c.data.packing = "document"
     # generated recall tasks (data.source = 'mqar' | 'passkey' | 'copy'; longctx/data/synthetic.py)
     c.data.synthetic = ml_collections.ConfigDict({
@@ -88,6 +90,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.max_len = 0  # learned positions: table size (0 -> train.seq_len)
     c.model.dropout = 0.0
     c.model.tie_embeddings = True
+    # encoders of the BERT kind (each default builds the model as before the keys existed):
+    # post_norm: post-norm transformer blocks x = norm(x + attn(x)); x = norm(x + mlp(x)), a norm after the embeddings
+    # and none after the last block; type_vocab_size > 0: a token-type embedding table of that many rows, its row 0
+    # added to every token (the data carries no segment ids); position_offset: learned positions, the token at
+    # position p reads row p + position_offset of a table of max_len + position_offset rows (RoBERTa: 2);
+    # head_transform: dense + GELU + norm on the hidden states before the output projection (the MLM head's
+    # transform; exact GELU with model.mlp='gelu_exact', else its tanh form); head_bias: a bias on the logits
+    c.model.post_norm = False
+    c.model.type_vocab_size = 0
+    c.model.position_offset = 0
+    c.model.head_transform = False
+    c.model.head_bias = False
     c.model.output = "dense"  # 'dense' (full softmax) | 'adaptive' (adaptive softmax, large vocabularies)
     # recompute each block's forward in the backward (remat per block): activation memory of one block
     # instead of all of them, for ~1/4 more FLOPs; refused with a method whose stack wrapper runs the blocks
@@ -213,7 +227,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 _CHOICES = {
-    "data.packing": ("document", "pack"),
+    "data.packing": ("document", "pack", "segments"),
     "data.options.format": ("auto", "text", "jsonl", "parquet"),
     "model.kind": ("decoder", "encoder"),
     "mlm.masking": ("bert", "span", "clustered"),
@@ -222,7 +236,7 @@ _CHOICES = {
     "model.output": ("dense", "adaptive"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
-    "model.mlp": ("gelu", "swiglu", "geglu"),
+    "model.mlp": ("gelu", "gelu_exact", "swiglu", "geglu"),
     "train.on_nonfinite": ("stop", "skip"),
     "eval.split": ("train", "valid", "test"),
     "eval.protocol": ("stream", "sliding"),
@@ -290,6 +304,8 @@ _RANGES = (
     ("model.num_kv_heads", lambda v: v >= 0, "an integer >= 0 (0 = model.num_heads)"),
     ("model.rope_theta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
     ("model.norm_eps", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("model.type_vocab_size", lambda v: v >= 0, "an integer >= 0 (0 = no token-type embeddings)"),
+    ("model.position_offset", lambda v: v >= 0, "an integer >= 0"),
     ("train.seed", lambda v: v >= 0, "an integer >= 0"),
     *((f"train.{k}", *_POS) for k in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "ckpt_every",
                                       "keep_checkpoints", "eval_tokens", "max_skipped_in_row",
@@ -375,6 +391,28 @@ def _generated(c) -> bool:
     from longctx.data import sources  # local: config is imported by everything
 
     return sources.is_generated(c.data.source)
+
+
+def _check_packing(c) -> None:
+    """``data.packing='segments'``: a prepared corpus, a decoder on one device per row, and every layer's method
+    taking segment ids (``AttentionCore.takes_segments``), refused in one line before any work."""
+    if c.data.packing != "segments":
+        return
+    if _generated(c):
+        raise ConfigError(f"data.packing='segments' applies to prepared corpora; data.source={c.data.source!r} "
+                          "generates whole rows (leave data.packing at its default)")
+    if c.model.kind == "encoder":
+        raise ConfigError("data.packing='segments' with model.kind='encoder' is not supported yet (the masked-LM step "
+                          "takes no segment ids); use data.packing='document' or 'pack'")
+    if c.mesh.sequence > 1:
+        raise ConfigError(f"data.packing='segments' with mesh.sequence={c.mesh.sequence} is not supported yet (the "
+                          "sequence-parallel step takes no segment ids); set mesh.sequence=1")
+    from longctx.attention.base import segments_refusal
+    from longctx.models.blocks import layer_methods
+
+    for name in dict.fromkeys(layer_methods(c.model)):
+        if not attention.get_class(name).takes_segments:
+            raise ConfigError(segments_refusal(name))
 
 
 def _sequence_parallel(c) -> bool:
@@ -584,6 +622,17 @@ _VALIDATION = (
          lambda c: c.model.num_kv_heads in (0, c.model.num_heads) and c.model.rope_theta == 10000.0,
          "model.attention.name={model.attention.name!r} runs the blocks in its own stack wrapper, which takes neither "
          "grouped-query attention nor another rotary base; leave model.num_kv_heads=0 and model.rope_theta=10000"),
+    Rule(lambda c: c.model.post_norm, lambda c: c.model.block == "transformer" and not any(
+             attention.get_class(n).stack_wrapper(causal=x) for n in (c.model.attention.name,) for x in (True, False)
+             if n in attention.names()),
+         "model.post_norm=True applies to model.block='transformer' with a method that runs on the plain loop of "
+         "blocks (model.block={model.block!r}, model.attention.name={model.attention.name!r})"),
+    Rule(lambda c: c.model.position_offset > 0, lambda c: c.model.positions == "learned",
+         "model.position_offset={model.position_offset} applies to learned positions; model.positions is "
+         "{model.positions!r}"),
+    Rule(lambda c: c.model.head_transform or c.model.head_bias, lambda c: c.model.output == "dense",
+         "model.head_transform and model.head_bias apply to model.output='dense' (the adaptive softmax has its own "
+         "head)"),
     _check_model_vocab,
     # a masked-LM encoder
     _resolve_encoder,
@@ -614,6 +663,7 @@ _VALIDATION = (
     # attention
     _resolve_pattern,
     _check_attention,
+    _check_packing,
     # the training run
     _resolve_train,
     Rule(_always, lambda c: c.train.seq_len % c.train.window == 0,

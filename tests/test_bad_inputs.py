@@ -284,7 +284,16 @@ CASES = [
          r"set data.options.tokenizer_file"),
     Case("vocabulary larger than the model's", "train", (*T, "--config.model.vocab_size=100"),
          r"model.vocab_size=100 is smaller than the tokenizer's 256"),
-    Case("unknown packing rule", "train", (*T, "--config.data.packing=greedy"), r"choose one of: document, pack"),
+    Case("unknown packing rule", "train", (*T, "--config.data.packing=greedy"),
+         r"choose one of: document, pack, segments"),
+    Case("packed rows with a method that takes no segment ids", "train",
+         (*T, "--config.data.packing=segments", "--config.model.attention.name=kdeformer"), r"kdeformer: packed rows .* not supported yet"),
+    Case("packed rows for an encoder", "train",
+         (*T, "--config.data.packing=segments", "--config.model.kind=encoder", "--config.model.causal=false"),
+         r"model.kind='encoder' is not supported yet"),
+    Case("packed rows from a corpus of one document", "train",
+         (*T, "--config.data.packing=segments", "--config.data.source=files", "--config.data.options.train_path={tmp}/a.txt",
+          "--config.data.options.valid_path={tmp}/a.txt"), r"train split is one document"),
 ]
 
 

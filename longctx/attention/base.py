@@ -11,6 +11,11 @@ that summarizes the prefix seen so far (causal cores)::
 empty prefix state explicitly, with room for ``max_len`` tokens where a method's
 state grows (dense KV cache); methods with constant-size state ignore ``max_len``.
 
+Packed rows (``data.packing='segments'``): a core that declares ``takes_segments`` also takes
+``segment_ids=[B, T] int32`` (the document of each of the call's tokens) and attends only within a token's
+document, its carried state starting afresh at each boundary; a block passes the keyword only when it has
+segment ids (:func:`segment_kwargs`), and a core without the capability refuses them in one line.
+
 Auxiliary outputs (extra losses, non-gradient statistics such as VQ codebook
 counts) are reported through an optional :class:`Aux` collector, so the
 two-value return of the contract holds for every method.
@@ -140,6 +145,9 @@ class AttentionCore(nnx.Module):
     # it); 0: unbounded. An instance attribute where it depends on the config.
     receptive_window: int = 0
     takes_token_mask: bool = False  # __call__ accepts mask=[B, T] bool: tokens that count in aux losses/stats
+    # __call__ accepts segment_ids=[B, T] int32 (a packed row's documents): a query sees only its own document, and
+    # the carried state starts afresh at every boundary (inside a call and across calls)
+    takes_segments: bool = False
     # the trainer's mesh.sequence_mode='auto' takes composed states for this core (when it composes);
     # False where XLA's partitioner splits the row better (measured: README, sequence parallelism)
     sequence_compose_in_training: bool = True
@@ -342,6 +350,33 @@ def require(cond: bool, message: str) -> None:
     """Raise ConfigError(message) unless cond holds."""
     if not cond:
         raise ConfigError(message)
+
+
+def segments_refusal(method: str) -> str:
+    """The one line a method without ``takes_segments`` answers packed rows with."""
+    return f"{method}: packed rows (data.packing='segments') are not supported yet; use data.packing='document'"
+
+
+def check_segments(core, q, segment_ids) -> None:
+    """Refuse ``segment_ids`` where ``core`` does not take them (:class:`ConfigError`, one line), and check their
+    shape [B, T] against q [B, H, T, D]. None: nothing to check."""
+    if segment_ids is None:
+        return
+    if not core.takes_segments:
+        raise ConfigError(segments_refusal(core.name))
+    if segment_ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"{core.name}: segment_ids {segment_ids.shape} must be [batch, length] = "
+                         f"{(q.shape[0], q.shape[2])}")
+
+
+def segment_kwargs(core, segment_ids) -> dict:
+    """The keyword a block hands ``core`` for ``segment_ids``: none without them; a one-line
+    :class:`ConfigError` (:func:`segments_refusal`) where the core does not take them."""
+    if segment_ids is None:
+        return {}
+    if not core.takes_segments:
+        raise ConfigError(segments_refusal(core.name))
+    return {"segment_ids": segment_ids}
 
 
 def check_qkv(q, k, v) -> None:

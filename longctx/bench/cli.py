@@ -172,7 +172,7 @@ def validate(args) -> None:
         if cmd not in ("profile", "ab"):
             _lengths(args, name)
     _at_least(args, 1, "repeats", "batch", "heads", "head_dim", "seeds", "calls", "prefill_chunk",
-              "eval_tokens", "train_steps", "top", "reps")
+              "eval_tokens", "train_steps", "top", "reps", "max_settings")
     _at_least(args, 0, "warmup", "seed", "layer", "matmul_n", "window", "seq_len", "d_model", "num_layers",
               "calls_per_sample")
     _positive(args, "peak_tflops")
@@ -183,13 +183,13 @@ def validate(args) -> None:
         _at_least(args, 1, "batch_size", "vocab_size")
     elif cmd == "train":
         _at_least(args, 0, "batch_size")
-    if cmd in ("attention", "decode", "quality", "train", "kernels"):
+    if cmd in ("attention", "decode", "quality", "train", "kernels", "sweep"):
         _methods(args, extra=("torch_sdpa",) if cmd == "attention" else ())
     if cmd == "quality":
         bad = [s for s in (args.sources or "").split(",") if s.strip() not in ("gaussian", "captured")]
         if bad or not args.sources:
             raise ConfigError(f"--sources {args.sources!r}: give gaussian and/or captured, e.g. --sources gaussian")
-    if cmd in ("profile", "ab"):
+    if cmd in ("profile", "ab", "sweep"):
         _lengths(args, "length", one=True)
         if bool(args.method) == bool(args.config):
             raise ConfigError(f"longctx-bench {cmd}: give exactly one of --method (an attention core) or --config "

@@ -49,15 +49,6 @@ def add_args(p):
     p.add_argument("--seed", type=int, default=0)
 
 
-def validate(args) -> None:
-    """What the shared checks of ``longctx-bench`` leave to this command."""
-    from longctx.bench.cli import _at_least, _lengths, _methods
-
-    _lengths(args, "length", one=True)
-    _at_least(args, 1, "max_settings")
-    _methods(args)
-
-
 def knobs(method: str, impl_name: str, platform: str) -> dict[str, int]:
     """The integer knobs the implementation ``impl_name`` of ``method`` declares, at their ``platform`` defaults."""
     impls = dispatch.by_name(attention.get_class(method).implementations(causal=True))

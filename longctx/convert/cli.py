@@ -18,8 +18,9 @@ USAGE = ("usage: longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FIL
          "[--dry_run] [--nooptimizer_state] [--rope_theta=BASE]\n"
          "       longctx-convert export --workdir=RUN --hf_dir=OUT [--step=N]")
 ABOUT = ("import: a local Hugging Face folder of a decoder (config.json with model_type llama, mistral, qwen2 or "
-         "gpt2; *.safetensors, sharded or not; tokenizer.json) -> a longctx run folder that longctx-eval, "
-         "longctx-sample and longctx-train (resume: --config=OUT/config.py --workdir=OUT) take.\n"
+         "gpt2) or a masked-LM encoder (bert, roberta) (*.safetensors, sharded or not; tokenizer.json) -> a longctx "
+         "run folder that longctx-eval, longctx-sample and longctx-train (resume: --config=OUT/config.py "
+         "--workdir=OUT) take; --config.model.attention.pattern=dense,eva runs another method in chosen layers.\n"
          "export: a run whose model is in one of those families -> config.json + model.safetensors that transformers "
          "loads. docs/pretrained.md has the whole path.")
 

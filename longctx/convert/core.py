@@ -58,16 +58,27 @@ def exact_method() -> str:
 
 def hf_model_config(hf: dict, base=None, log=None):
     """The longctx config of a ``config.json``: ``base`` (default: the base config) with the model keys the
-    family sets, exact attention in every layer."""
+    family sets. Attention: ``base``'s ``model.attention.pattern`` where it names one (the swap: chosen layers run
+    another method, :func:`load_params`; ``attention.name`` becomes the pattern's first other method unless it is
+    in the pattern), else ``base``'s ``model.attention.name`` in every layer (by default the exact method)."""
     from longctx import config as config_lib
 
     fam = families.family_of(hf.get("model_type"))
     cfg = config_lib.base_config() if base is None else base
+    defaults = config_lib.base_config().model
+    for k in families.ARCHITECTURE_KEYS:  # what a family leaves unset is the default, whatever the given config says
+        cfg.model[k] = defaults[k]
     for k, v in fam.model_keys(hf).items():
         cfg.model[k] = v
     cfg.model.output = config_lib.base_config().model.output  # the full softmax over the vocabulary
-    cfg.model.attention.name = exact_method()
-    cfg.model.attention.pattern = ()
+    exact = exact_method()
+    config_lib._resolve_pattern(cfg)  # a pattern from the command line ('dense,eva') arrives as one string
+    pattern = tuple(cfg.model.attention.get("pattern", ()) or ())
+    if pattern and cfg.model.attention.name not in pattern:
+        cfg.model.attention.name = next((p for p in pattern if p != exact), exact)
+    if len(set(pattern)) == 1:
+        cfg.model.attention.name, pattern = pattern[0], ()
+    cfg.model.attention.pattern = pattern
     if cfg.model.positions == "learned" and cfg.train.seq_len > cfg.model.max_len:
         (log or (lambda *_: None))(f"note: train.seq_len {cfg.train.seq_len} -> {cfg.model.max_len}, the model's "
                                    "learned positions")
@@ -78,7 +89,7 @@ def hf_model_config(hf: dict, base=None, log=None):
 def check_tensors(fam, m, folder: Folder) -> list:
     """The family's entries for the model ``m``, every Hugging Face tensor present with its shape; raises one
     line naming the first missing or mis-shaped tensor, or a tensor the model has no place for."""
-    folder.rename(fam.rename(folder.names()))
+    folder.rename(fam.rename(folder.names(), m))
     entries = fam.entries(m)
     used = set()
     for e in entries:
@@ -134,7 +145,9 @@ def _paths(tree, prefix=()):
 
 def load_params(fam, cfg, folder: Folder):
     """The model's parameters (an ``nnx.State``, unrolled layout) filled from ``folder``, tensor by tensor; and
-    the split model (graphdef, params, nongrad, rest)."""
+    the split model (graphdef, params, nongrad, rest). A layer whose method is not the exact one (the swap) takes
+    the same tensors (its block's projections, MLP and norms); its core's own parameters and non-gradient state
+    (EVA's, FMA's projections, Transformer-VQ's codebook, ...) are the method's initial values (:func:`_fresh`)."""
     from flax import nnx
 
     entries = check_tensors(fam, cfg.model, folder)
@@ -149,11 +162,43 @@ def load_params(fam, cfg, folder: Folder):
         _set(pure, e.path, jnp.asarray(x))
         filled.add(e.path)
     left = [p for p in _paths(pure) if p not in filled]
-    if left:
-        raise ConvertError(f"the longctx model has parameter {'/'.join(map(str, left[0]))}, which no {fam.name} "
-                           "tensor fills")
+    pure_nongrad = nnx.to_pure_dict(nongrad)
+    fresh = _fresh(cfg, {p[1] for p in [*left, *_paths(pure_nongrad)] if p[:1] == ("blocks",)})
+    for p in left:
+        if p[:1] == ("blocks",) and p[1] in fresh and p[2] == "core":
+            _set(pure, p, _get(fresh[p[1]][0], p[2:]))
+        else:
+            raise ConvertError(f"the longctx model has parameter {'/'.join(map(str, p))}, which no {fam.name} "
+                               "tensor fills")
+    for p in _paths(pure_nongrad):
+        if p[:1] != ("blocks",) or p[1] not in fresh:
+            raise ConvertError(f"the longctx model has state {'/'.join(map(str, p))}, which an import cannot fill")
+        _set(pure_nongrad, p, _get(fresh[p[1]][1], p[2:]))
     nnx.replace_by_pure_dict(params, pure)
+    nnx.replace_by_pure_dict(nongrad, pure_nongrad)
     return graphdef, params, nongrad, rest
+
+
+def _fresh(cfg, layers) -> dict:
+    """{layer: (its parameters, its non-gradient state)} as pure dicts, of each of ``layers`` that runs a method
+    other than the exact one: the block built alone, as the model builds it (seed ``train.seed`` + the layer), so
+    its core's values are the method's initialisation. One block at a time in host memory."""
+    from flax import nnx
+
+    from longctx.models.blocks import get_block, layer_config
+    from longctx.models.decoder import with_execution
+    from longctx.train.step import split_model
+
+    m = with_execution(cfg.model, cfg.get("execution"))
+    methods, exact = _layer_methods(m), exact_method()
+    out = {}
+    for i in sorted(layers):
+        if methods[i] == exact:
+            continue
+        block = get_block(m.block)(layer_config(m, i), layer_index=i, rngs=nnx.Rngs(int(cfg.train.seed) + i))
+        _, p, ng, _ = split_model(block)
+        out[i] = (nnx.to_pure_dict(p), nnx.to_pure_dict(ng))
+    return out
 
 
 def _quoted(text: str) -> str:
@@ -173,7 +218,8 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
     """Convert the Hugging Face folder ``hf_dir`` into the run folder ``workdir`` (see the module's docstring).
     ``config``: a longctx config (a ConfigDict, or a config file ``FILE[:VARIANT]``; default: the base config)
     whose sections other than the architecture the run takes (data, train, eval, execution; the model's
-    ``dtype``, ``param_dtype``, ``scan_layers``, ``remat``, ``loss_chunk``). ``dry_run``: check the folder (its
+    ``dtype``, ``param_dtype``, ``scan_layers``, ``remat``, ``loss_chunk`` and ``attention``: exact attention by
+    default, a ``pattern`` to run another method in chosen layers, :func:`hf_model_config`). ``dry_run``: check the folder (its
     config, every tensor's name and shape) and write nothing. ``optimizer_state=False`` writes no optimizer state
     (enough for longctx-eval and longctx-sample; longctx-train then cannot resume the run). ``rope_theta``: the
     run's rotary base instead of config.json's (context extension by a larger base before continued pretraining;
@@ -217,13 +263,13 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         raise ConvertError(f"--workdir {workdir} already holds checkpoints; import into a new folder")
     given = copy.deepcopy(cfg)  # config.py keeps the keys unresolved (train.window=0 follows a new seq_len)
     cfg = config_lib.validate(cfg)  # before anything is written
+    graphdef, params, nongrad, rest = load_params(fam, cfg, folder)  # so are the tensors' values
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConvertError(f"cannot create --workdir {workdir} ({e.strerror or e}); choose a writable folder") from None
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, workdir / "tokenizer.json")
-    graphdef, params, nongrad, rest = load_params(fam, cfg, folder)
     tree = {"params": params, "nongrad": nongrad}
     if optimizer_state:
         from longctx.train.optim import make_optimizer

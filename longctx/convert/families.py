@@ -8,7 +8,9 @@ them, each with its exact inverse for export:
 * ``'copy'``: the tensor itself (embeddings, norm scales);
 * ``'linear'``: PyTorch ``Linear`` weights [out, in], transposed to flax's [in, out] kernel and, when there are
   several (q, k and v), concatenated along the output axis in the order given;
-* ``'concat'``: biases, concatenated in the order given.
+* ``'concat'``: biases, concatenated in the order given;
+* ``'same'``: one tensor stored under several names (an untied BERT head's ``bias`` and ``decoder.bias``), which
+  must be equal; export writes it under each.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ class Entry:
     path: tuple
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
-    kind: str  # 'copy' | 'linear' | 'concat'
+    kind: str  # 'copy' | 'linear' | 'concat' | 'same'
 
     def join(self, arrays: list[np.ndarray], dtype) -> np.ndarray:
+        if self.kind == "same":
+            if not all(np.array_equal(arrays[0], a) for a in arrays[1:]):
+                raise ConvertError(f"tensors {' and '.join(self.names)} differ; the model has one tensor for them")
+            return np.asarray(arrays[0], dtype=dtype)
         if self.kind == "copy":
             return np.asarray(arrays[0], dtype=dtype)
         if self.kind == "linear":
@@ -40,10 +46,27 @@ class Entry:
         x = np.asarray(x)
         if self.kind == "copy":
             return [x]
+        if self.kind == "same":
+            return [x] * len(self.names)
         sizes = np.cumsum([s[0] for s in self.shapes])[:-1]
         if self.kind == "linear":
             return [np.ascontiguousarray(p.T) for p in np.split(x, sizes, axis=1)]
         return [np.ascontiguousarray(p) for p in np.split(x, sizes, axis=0)]
+
+# the architecture keys some family sets and others leave at their defaults (an import resets them first)
+ARCHITECTURE_KEYS = ("post_norm", "type_vocab_size", "position_offset", "head_transform", "head_bias")
+
+
+def encoder_options(m) -> str | None:
+    """The first of :data:`ARCHITECTURE_KEYS` the model ``m`` sets away from its default (a decoder family has
+    none of them), as ``model.KEY=VALUE``; None: all at their defaults."""
+    from longctx import config as config_lib
+
+    defaults = config_lib.base_config().model
+    for k in ARCHITECTURE_KEYS:
+        if m.get(k, defaults[k]) != defaults[k]:
+            return f"model.{k}={m.get(k)!r}"
+    return None
 
 
 def need(hf: dict, *keys: str) -> None:
@@ -111,7 +134,7 @@ class Llama:
         return []
 
     @classmethod
-    def rename(cls, names) -> dict:
+    def rename(cls, names, m=None) -> dict:
         """Folder name -> the name :meth:`entries` uses (here: the same)."""
         return {n: n for n in names}
 
@@ -151,6 +174,8 @@ class Llama:
         for k, v in want.items():
             if m[k] != v:
                 return f"model.{k}={m[k]!r} (the Llama family has {k}={v!r})"
+        if encoder_options(m):
+            return f"{encoder_options(m)} (the Llama family has none of BERT's options)"
         if m.mlp not in ("swiglu", "geglu"):
             return f"model.mlp={m.mlp!r} (the Llama family has a gated MLP: 'swiglu' or 'geglu')"
         if m.qkv_bias != m.out_bias and not (m.qkv_bias and not m.mlp_bias and m.mlp == "swiglu"):
@@ -224,7 +249,7 @@ class GPT2:
         return []
 
     @classmethod
-    def rename(cls, names) -> dict:
+    def rename(cls, names, m=None) -> dict:
         """Folder name -> the name :meth:`entries` uses (the ``transformer.`` prefix added where it is missing)."""
         return {n: n if n.startswith("transformer.") or n == "lm_head.weight" else f"transformer.{n}" for n in names}
 
@@ -257,6 +282,8 @@ class GPT2:
         for k, v in want.items():
             if m[k] != v:
                 return f"model.{k}={m[k]!r} (GPT-2 has {k}={v!r})"
+        if encoder_options(m):
+            return f"{encoder_options(m)} (GPT-2 has none of BERT's options)"
         if m.num_kv_heads not in (0, m.num_heads) or m.num_heads * m.head_dim != m.d_model:
             return "GPT-2 has num_heads * head_dim = d_model and no grouped-query attention"
         return None
@@ -272,7 +299,176 @@ class GPT2:
         }
 
 
-FAMILIES = (Llama, GPT2)
+class Bert:
+    """BERT and RoBERTa encoders with their masked-LM head (``model_type`` bert or roberta; ``BertForMaskedLM``,
+    ``RobertaForMaskedLM``) onto longctx's encoder (``model.kind='encoder'``): post-norm LayerNorm blocks
+    (``model.post_norm``) with a norm after the embeddings, learned positions (RoBERTa's start at row
+    ``pad_token_id + 1``: ``model.position_offset``), token-type embeddings (``model.type_vocab_size``; every token
+    is type 0), biases on every projection, a GELU MLP (``hidden_act='gelu'`` is the exact GELU,
+    ``model.mlp='gelu_exact'``), and the head's transform (dense, GELU, LayerNorm: ``model.head_transform``) before
+    the output embeddings (tied, or the head's own decoder) plus a bias (``model.head_bias``).
+
+    Tensor names are read with or without the ``bert.`` / ``roberta.`` prefix (a checkpoint saved from the bare
+    encoder has none, and then no head: its head tensors are named missing), and with the LayerNorm ``gamma`` /
+    ``beta`` of the original TensorFlow conversions. The pooler and the next-sentence head of a pre-training
+    checkpoint, the tied decoder and its bias (the head's ``bias`` itself) and the ``position_ids`` buffer carry
+    nothing the masked-LM model needs."""
+
+    name = "bert"
+    model_types = ("bert", "roberta")
+    ACTS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+    ignored_suffixes = ("pooler.dense.weight", "pooler.dense.bias", "seq_relationship.weight",
+                        "seq_relationship.bias", "embeddings.position_ids", "predictions.decoder.bias",
+                        "lm_head.decoder.bias", "predictions.decoder.weight", "lm_head.decoder.weight")
+    PREFIX = {"bert": "bert.", "roberta": "roberta."}
+
+    @classmethod
+    def model_keys(cls, hf: dict) -> dict:
+        mt = hf["model_type"]
+        need(hf, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+             "max_position_embeddings")
+        d, H = hf["hidden_size"], hf["num_attention_heads"]
+        if d % H:
+            raise ConvertError(f"config.json: hidden_size={d} is not a multiple of num_attention_heads={H}")
+        act = hf.get("hidden_act", "gelu")
+        if act not in cls.ACTS:
+            raise ConvertError(f"config.json: hidden_act={act!r} is not supported; allowed: {', '.join(cls.ACTS)}")
+        pos = hf.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ConvertError(f"config.json: position_embedding_type={pos!r} is not supported (only 'absolute', "
+                               "learned positions)")
+        if hf.get("is_decoder") or hf.get("add_cross_attention"):
+            raise ConvertError(f"config.json: is_decoder or add_cross_attention is set; longctx converts the {mt} "
+                               "masked-LM encoder only")
+        offset = 0
+        if mt == "roberta":
+            pad = hf.get("pad_token_id", 1)
+            if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+                raise ConvertError(f"config.json: pad_token_id={pad!r}; a roberta config needs an integer >= 0 (its "
+                                   "positions start at pad_token_id + 1)")
+            offset = pad + 1
+        P = hf["max_position_embeddings"]
+        if P <= offset:
+            raise ConvertError(f"config.json: max_position_embeddings={P} leaves no position after the offset "
+                               f"pad_token_id + 1 = {offset}")
+        types = hf.get("type_vocab_size", 2)
+        if not isinstance(types, int) or isinstance(types, bool) or types < 1:
+            raise ConvertError(f"config.json: type_vocab_size={types!r}; a {mt} config needs a positive integer")
+        return {
+            "kind": "encoder", "causal": False, "block": "transformer", "dropout": 0.0,
+            "vocab_size": hf["vocab_size"], "d_model": d, "num_layers": hf["num_hidden_layers"], "num_heads": H,
+            "head_dim": d // H, "d_ff": hf["intermediate_size"], "num_kv_heads": 0, "mlp": cls.ACTS[act],
+            "mlp_bias": True, "qkv_bias": True, "out_bias": True, "norm": "layernorm",
+            "norm_eps": float(hf.get("layer_norm_eps", 1e-12)), "positions": "learned", "max_len": P - offset,
+            "position_offset": offset, "type_vocab_size": types, "post_norm": True, "head_transform": True,
+            "head_bias": True, "rope_theta": 10000.0, "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        }
+
+    @classmethod
+    def notes(cls, hf: dict) -> list[str]:
+        if hf["model_type"] == "roberta":
+            return [f"note: roberta positions start at pad_token_id + 1 = {hf.get('pad_token_id', 1) + 1}; longctx "
+                    "gives every token of a row its position, so rows hold no padding tokens (transformers gives "
+                    "padding tokens the padding position)"]
+        return []
+
+    @classmethod
+    def rename(cls, names, m=None) -> dict:
+        """Folder name -> the name :meth:`entries` uses: the encoder's prefix (``bert.`` / ``roberta.``, as the
+        model ``m`` is) added where it is missing, LayerNorm ``gamma`` / ``beta`` as ``weight`` / ``bias``."""
+        prefix = cls.PREFIX[cls.model_type_of(m)]
+        old = {".gamma": ".weight", ".beta": ".bias"}
+        out = {}
+        for n in names:
+            new = f"{prefix}{n}" if n.startswith(("embeddings.", "encoder.", "pooler.")) else n
+            for a, b in old.items():
+                if new.endswith(a) and ("LayerNorm" in new or "layer_norm" in new):
+                    new = new.removesuffix(a) + b
+            out[n] = new
+        return out
+
+    @classmethod
+    def entries(cls, m) -> list[Entry]:
+        d, I, V = m.d_model, m.d_ff, m.vocab_size
+        P, types = m.max_len + m.position_offset, m.type_vocab_size
+        roberta = cls.model_type_of(m) == "roberta"
+        p = cls.PREFIX[cls.model_type_of(m)]
+        E = [Entry(("embed", "embedding"), (f"{p}embeddings.word_embeddings.weight",), ((V, d),), "copy"),
+             Entry(("pos_embed", "embedding"), (f"{p}embeddings.position_embeddings.weight",), ((P, d),), "copy"),
+             Entry(("type_embed", "embedding"), (f"{p}embeddings.token_type_embeddings.weight",), ((types, d),),
+                   "copy")]
+        E += cls._norm(("embed_norm",), f"{p}embeddings.LayerNorm", d)
+        for i in range(m.num_layers):
+            q, b = f"{p}encoder.layer.{i}.", ("blocks", i)
+            att = [f"{q}attention.self.{x}" for x in ("query", "key", "value")]
+            E.append(Entry((*b, "qkv", "kernel"), tuple(f"{a}.weight" for a in att), ((d, d),) * 3, "linear"))
+            E.append(Entry((*b, "qkv", "bias"), tuple(f"{a}.bias" for a in att), ((d,),) * 3, "concat"))
+            E += cls._dense((*b, "out"), f"{q}attention.output.dense", d, d)
+            E += cls._norm((*b, "norm1"), f"{q}attention.output.LayerNorm", d)
+            E += cls._dense((*b, "mlp", "up"), f"{q}intermediate.dense", I, d)
+            E += cls._dense((*b, "mlp", "down"), f"{q}output.dense", d, I)
+            E += cls._norm((*b, "norm2"), f"{q}output.LayerNorm", d)
+        h = "lm_head." if roberta else "cls.predictions."
+        E += cls._dense(("head_transform", "proj"), "lm_head.dense" if roberta else f"{h}transform.dense", d, d)
+        E += cls._norm(("head_transform", "norm"), f"{h}layer_norm" if roberta else f"{h}transform.LayerNorm", d)
+        if m.tie_embeddings:  # transformers ties the decoder's bias to the head's bias
+            E.append(Entry(("head_bias",), (f"{h}bias",), ((V,),), "copy"))
+        else:  # the decoder is a Linear of its own, whose bias transformers uses: the head's bias in a checkpoint
+            E.append(Entry(("head_bias",), (f"{h}bias", f"{h}decoder.bias"), ((V,), (V,)), "same"))
+            E.append(Entry(("head", "kernel"), (f"{h}decoder.weight",), ((V, d),), "linear"))
+        return E
+
+    @staticmethod
+    def _dense(path: tuple, name: str, out: int, inp: int) -> list[Entry]:
+        return [Entry((*path, "kernel"), (f"{name}.weight",), ((out, inp),), "linear"),
+                Entry((*path, "bias"), (f"{name}.bias",), ((out,),), "concat")]
+
+    @staticmethod
+    def _norm(path: tuple, name: str, d: int) -> list[Entry]:
+        return [Entry((*path, "scale"), (f"{name}.weight",), ((d,),), "copy"),
+                Entry((*path, "bias"), (f"{name}.bias",), ((d,),), "copy")]
+
+    @classmethod
+    def exportable(cls, m) -> str | None:
+        want = {"kind": "encoder", "block": "transformer", "norm": "layernorm", "positions": "learned",
+                "post_norm": True, "head_transform": True, "head_bias": True, "mlp_bias": True, "qkv_bias": True,
+                "out_bias": True}
+        for k, v in want.items():
+            if m.get(k) != v:
+                return f"model.{k}={m.get(k)!r} (BERT has {k}={v!r})"
+        if m.mlp not in ("gelu", "gelu_exact"):
+            return f"model.mlp={m.mlp!r} (BERT has a GELU MLP: 'gelu_exact' or 'gelu')"
+        if m.type_vocab_size < 1:
+            return "model.type_vocab_size=0 (BERT has token-type embeddings)"
+        if m.num_kv_heads not in (0, m.num_heads) or m.num_heads * m.head_dim != m.d_model:
+            return "BERT has num_heads * head_dim = d_model and no grouped-query attention"
+        return None
+
+    @classmethod
+    def model_type_of(cls, m) -> str:
+        """``roberta`` for a model whose positions start past row 0 (``model.position_offset``), else ``bert``."""
+        return "roberta" if m.position_offset > 0 else "bert"
+
+    @classmethod
+    def hf_config(cls, m, *, max_positions: int) -> dict:
+        roberta = cls.model_type_of(m) == "roberta"
+        cfg = {
+            "architectures": ["RobertaForMaskedLM" if roberta else "BertForMaskedLM"],
+            "model_type": "roberta" if roberta else "bert", "vocab_size": m.vocab_size, "hidden_size": m.d_model,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads, "intermediate_size": m.d_ff,
+            "hidden_act": "gelu" if m.mlp == "gelu_exact" else "gelu_new",
+            "max_position_embeddings": m.max_len + m.position_offset, "type_vocab_size": m.type_vocab_size,
+            "layer_norm_eps": m.norm_eps, "pad_token_id": m.position_offset - 1 if roberta else 0,
+            "position_embedding_type": "absolute", "tie_word_embeddings": bool(m.tie_embeddings),
+            "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": 0.0, "initializer_range": 0.02,
+            "is_decoder": False, "torch_dtype": "float32",
+        }
+        if roberta:
+            cfg.update(bos_token_id=0, eos_token_id=2)
+        return cfg
+
+
+FAMILIES = (Llama, GPT2, Bert)
 
 
 def family_of(model_type) -> type:

@@ -5,14 +5,16 @@ and the output head over the vocabulary (tied to the embedding, untied, or adapt
 (masked LM) are this module with their own call; they differ only in the ``causal`` flag their
 blocks are built with and in what they predict.
 
-    h, new_state, aux = backbone.run(tokens, state, deterministic=True, key=None, important=None)
+    h, new_state, aux = backbone.run(tokens, state, deterministic=True, key=None, important=None,
+                                     positions=None, segment_ids=None)
 
 ``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} or None (no prefix); scanned: the
 per-block states stacked (one tree, leading layer axis).
 ``aux`` = {'losses': {name: scalar summed over layers}, 'stats': [per-layer stats], 'metrics': {...}}.
 ``important``: optional [B, T] bool of tokens a method may treat specially (VCC's VIP tokens, e.g.
 an encoder's masked positions); it reaches every block whose call takes an ``important`` keyword,
-and the others never see it.
+and the others never see it. ``positions`` / ``segment_ids``: optional [B, T] int32 of a packed row
+(``data.packing='segments'``, :meth:`Backbone.run`).
 
 ``model.scan_layers``: the blocks' variables (parameters and non-gradient state such as VQ codebooks) are
 stacked on a leading ``layers`` axis (:class:`LayerStack`) and one ``jax.lax.scan`` runs them, so a step
@@ -49,13 +51,13 @@ from flax import nnx
 
 from longctx import attention
 from longctx.attention import Aux
-from longctx.attention.base import logical
+from longctx.attention.base import axes, logical, segments_refusal
 from longctx.errors import ConfigError
 from longctx.layout import rows_apply
 from longctx.models import precision
 from longctx.models.adaptive_softmax import AdaptiveSoftmax, chunked_softmax_nll
 from longctx.models.blocks import get_block, layer_config, layer_methods, split_key
-from longctx.models.layers import linear, make_norm, sinusoidal_table
+from longctx.models.layers import HeadTransform, Identity, linear, make_norm, sinusoidal_table
 from longctx.models.sequence_shard import SequenceShard
 
 
@@ -174,6 +176,12 @@ def _instantiate_zero(c):
     if c.dtype == jax.dtypes.float0:
         return np.zeros(c.shape, jax.dtypes.float0)
     return jnp.zeros(c.shape, c.dtype)
+
+
+def _per_row(table, positions):
+    """A position table read at ``positions``: [T] positions shared by the rows (broadcast over them), or [B, T]
+    per-row positions (a packed row) as they are."""
+    return table[None] if positions.ndim == 1 else table
 
 
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (longctx/train/sharding.py maps it to no mesh axis)
@@ -358,13 +366,24 @@ class Backbone(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
                                embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs,
                                **pol.layer_kw)
+        # model.position_offset (RoBERTa's padding_idx + 1): position p reads row p + offset of the learned table
+        self.position_offset = int(cfg.position_offset)
         if cfg.positions == "learned":
-            self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model,
+            self.pos_embed = nnx.Embed(cfg.max_len + self.position_offset, cfg.d_model,
                                        embedding_init=logical(nnx.initializers.normal(0.02), "position", "embed"),
                                        rngs=rngs, **pol.layer_kw)
             self.max_len = cfg.max_len
         else:
             self.pos_embed = None
+        # model.type_vocab_size (BERT's token types): a table whose row 0 every token adds (no segment ids); its
+        # first axis is named 'position', the small replicated tables' name
+        types = int(cfg.type_vocab_size)
+        self.type_embed = nnx.Embed(types, cfg.d_model, embedding_init=logical(nnx.initializers.normal(0.02),
+                                                                              "position", "embed"),
+                                    rngs=rngs, **pol.layer_kw) if types else None
+        # model.post_norm: the blocks end in a norm, so the embeddings get one and the stack's last norm is none
+        post_norm = bool(cfg.post_norm)
+        self.embed_norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps)) if post_norm else None
         block_cls = get_block(cfg.block)
         self.scan_layers = bool(cfg.get("scan_layers", False))  # configs saved before the key existed: unrolled
         methods = layer_methods(cfg)
@@ -377,12 +396,19 @@ class Backbone(nnx.Module):
         if wrapper and self.scan_layers:
             raise ValueError(f"model.scan_layers=True: attention {cfg.attention.name!r} runs the blocks inside its own "
                              "stack wrapper; set model.scan_layers=False")
+        self.stack_method = methods[0]
         if wrapper:
             module_name, cls_name = wrapper.split(":")
             self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
         else:
             self.stack = None
-        self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps))
+        self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps)) if not post_norm else Identity()
+        # model.head_transform, model.head_bias: BERT's masked-LM head (transform, then the tied output plus a bias)
+        self.head_transform = HeadTransform(cfg.d_model, norm=cfg.norm, eps=float(cfg.norm_eps), rngs=rngs,
+                                            exact=cfg.mlp == "gelu_exact", policy=pol) \
+            if cfg.head_transform else None
+        self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), pol.param), **axes("vocab")) \
+            if cfg.head_bias else None
         self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
         self.remat_policy = str(cfg.get("remat_policy", "auto"))
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
@@ -410,15 +436,31 @@ class Backbone(nnx.Module):
     def embed_tokens(self, tokens, positions):
         x = self.embed(tokens)
         if self.cfg_positions == "learned":
-            x = x + self.pos_embed(jnp.minimum(positions, self.max_len - 1))[None]
+            x = x + _per_row(self.pos_embed(jnp.minimum(positions, self.max_len - 1) + self.position_offset),
+                             positions)
         elif self.cfg_positions == "sinusoidal":
-            x = x + sinusoidal_table(positions, self.d_model)[None].astype(x.dtype)
+            x = x + _per_row(sinusoidal_table(positions, self.d_model), positions).astype(x.dtype)
+        if self.type_embed is not None:
+            x = x + self.type_embed.embedding[0].astype(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         return x
 
     def logits(self, h):
         """[..., V] fp32 logits (log-probabilities for the adaptive softmax)."""
         if self.adaptive is not None:
             return self.adaptive.log_probs(h)
+        if self.head_transform is not None:
+            h = self.head_transform(h)
+        return self._vocab_logits(h)
+
+    def _vocab_logits(self, h):
+        """The dense output projection of (transformed) hidden states, plus ``head_bias``: [..., V] fp32."""
+        if self.head_bias is not None:
+            return self._projected(h) + self.head_bias[...].astype(jnp.float32)
+        return self._projected(h)
+
+    def _projected(self, h):
         if not self.policy.full:  # compute-dtype operands, float32 accumulation and logits (the loss's input)
             W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
             cd = self.policy.compute
@@ -431,19 +473,32 @@ class Backbone(nnx.Module):
         """Per-token negative log-likelihood [B, T] in nats, exact for every output kind."""
         if self.adaptive is not None:
             return self.adaptive.nll(h, targets)
+        if self.head_transform is not None:
+            h = self.head_transform(h)
         if self.loss_chunk > 0:
             W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
-            return chunked_softmax_nll(h, W, targets, chunk=self.loss_chunk)
-        logp = jax.nn.log_softmax(self.logits(h), axis=-1)
+            bias = None if self.head_bias is None else self.head_bias[...].astype(jnp.float32)
+            return chunked_softmax_nll(h, W, targets, chunk=self.loss_chunk, bias=bias)
+        logp = jax.nn.log_softmax(self._vocab_logits(h), axis=-1)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
-    def run(self, tokens, state=None, *, deterministic: bool = True, key=None, important=None):
-        """Final-norm hidden states [B, T, d_model], the new state and the blocks' aux."""
+    def run(self, tokens, state=None, *, deterministic: bool = True, key=None, important=None, positions=None,
+            segment_ids=None):
+        """Final-norm hidden states [B, T, d_model], the new state and the blocks' aux. A packed row
+        (``data.packing='segments'``) brings ``positions`` [B, T] (restarting at 0 at each document: every position
+        encoding reads them) and ``segment_ids`` [B, T] (each block hands them its core, which attends within a
+        document and starts its carried state afresh at each boundary); without them the positions are the row's,
+        counted on from ``state['pos']``."""
         T = tokens.shape[1]
         pos0 = jnp.zeros((), jnp.int32) if state is None else state["pos"]
-        positions = pos0 + jnp.arange(T, dtype=jnp.int32)
+        if positions is None:
+            positions = pos0 + jnp.arange(T, dtype=jnp.int32)
+        elif positions.shape != tokens.shape:
+            raise ValueError(f"positions {positions.shape} must be [batch, length] = {tokens.shape}")
         x = self.embed_tokens(tokens, positions)
         layer_states = [None] * len(self.blocks) if state is None else state["layers"]
+        if self.stack is not None and segment_ids is not None:  # a stack wrapper's call takes no segment ids (yet)
+            raise ConfigError(segments_refusal(self.stack_method))
         if self.stack is not None:
             aux = Aux()
             x, new_states = self.stack(self.blocks, x, layer_states, positions=positions, important=important,
@@ -453,6 +508,8 @@ class Backbone(nnx.Module):
             return h, {"pos": pos0 + T, "layers": new_states}, {
                 "losses": dict(aux.losses), "stats": [{} for _ in self.blocks], "metrics": metrics}
         extra = {"important": important} if important is not None and self._block_takes_important else {}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
         if self.scan_layers:
             x, new_states, aux = self._run_scanned(x, None if state is None else state["layers"], positions, extra,
                                                    deterministic=deterministic, key=key)

@@ -8,8 +8,10 @@ Block interface (every block type follows it)::
     block.apply_stats(stats)                         # non-gradient updates (aux.stats of this layer)
     q, k, v = block.project(x, positions)            # what the block hands its attention core
 
-x: [B, T, d_model]; positions: [T] int32 absolute positions of x's tokens;
-aux: a ``longctx.attention.Aux`` for this layer.
+x: [B, T, d_model]; positions: [T] int32 absolute positions of x's tokens, or [B, T] per row (a packed row's
+positions restart at each document); aux: a ``longctx.attention.Aux`` for this layer. A packed row also brings
+``segment_ids=[B, T]`` (a keyword given only with them), which the block hands its core
+(``longctx.attention.base.segment_kwargs``: a core that does not take them refuses in one line).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx import attention
+from longctx.attention.base import segment_kwargs
 from longctx.errors import ConfigError
 from longctx.models import precision
 from longctx.models.layers import MLP, apply_rotary, dropout, linear, make_norm
@@ -109,7 +112,9 @@ class TransformerBlock(nnx.Module):
       repeated heads);
     * ``qkv_bias``, ``out_bias``: biases on the q/k/v projection and on the output projection;
     * ``mlp``, ``mlp_bias``: the feed-forward sublayer (:class:`longctx.models.layers.MLP`);
-    * ``rope_theta``: the rotary base; ``norm_eps``: the norms' epsilon.
+    * ``rope_theta``: the rotary base; ``norm_eps``: the norms' epsilon;
+    * ``post_norm`` (BERT, RoBERTa): the post-norm block x = LN1(x + Drop(Attn(x))); x = LN2(x + Drop(MLP(x))),
+      the same parameters, ``norm1`` after the attention and ``norm2`` after the MLP.
     """
 
     def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
@@ -120,6 +125,7 @@ class TransformerBlock(nnx.Module):
         self.rotary = cfg.positions == "rotary" and takes_rotary(cfg.attention.name)
         self.rope_theta = float(cfg.rope_theta)
         self.dropout_rate = cfg.dropout
+        self.post_norm = bool(cfg.post_norm)
         pol = precision.policy(cfg)
         eps = float(cfg.norm_eps)
         self.norm1 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
@@ -135,13 +141,18 @@ class TransformerBlock(nnx.Module):
         self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.mlp),
                        use_bias=bool(cfg.mlp_bias))
 
-    def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None):
+    def __call__(self, x, state, *, positions, deterministic: bool = True, key=None, aux=None, segment_ids=None):
         B, T, _ = x.shape
         k_core, k_attn, k_mlp, k_res = split_key(key, 4)
+        segs = segment_kwargs(self.core, segment_ids)
         q, k, v = self.project(x, positions)
-        o, state = call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux)
+        o, state = call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **segs)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.head_dim)
         x = x + dropout(self.out(o.astype(x.dtype)), self.dropout_rate, deterministic, k_attn)
+        if self.post_norm:
+            x = self.norm1(x)
+            h = self.mlp(x, deterministic=deterministic, key=k_mlp)
+            return self.norm2(x + dropout(h, self.dropout_rate, deterministic, k_res)), state
         h = self.mlp(self.norm2(x), deterministic=deterministic, key=k_mlp)
         x = x + dropout(h, self.dropout_rate, deterministic, k_res)
         return x, state
@@ -151,7 +162,7 @@ class TransformerBlock(nnx.Module):
         under grouped-query attention)."""
         B, T, _ = x.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        h = self.norm1(x)
+        h = x if self.post_norm else self.norm1(x)
         if Hkv == H:
             qkv = self.qkv(h).reshape(B, T, 3, H, Dh).transpose(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx import attention
+from longctx.attention.base import segment_kwargs
 from longctx.errors import ConfigError
 from longctx.layout import rows_apply
 from longctx.models import precision
@@ -71,13 +72,17 @@ class GAUBlock(nnx.Module):
                                     causal=cfg.causal, rngs=rngs)
         self._core_takes_mask = bool(core_cls.takes_token_mask)
 
-    def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None):
-        """mask: optional [B, T] bool of tokens that count in the VQ commit loss / codebook statistics."""
+    def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None,
+                 segment_ids=None):
+        """mask: optional [B, T] bool of tokens that count in the VQ commit loss / codebook statistics.
+        segment_ids: optional [B, T] int32 of a packed row, handed to the core (``segment_kwargs``)."""
         B, T, _ = x.shape
         H, Dv = self.num_heads, self.value_dim
         k_core, k_res, k_ld = _split_key(key, 3)
+        segs = segment_kwargs(self.core, segment_ids)
         q, k, v, g = self._project(x)
         extra = {"mask": mask} if (self._core_takes_mask and mask is not None) else {}
+        extra.update(segs)
         o, state = call_core(self.core, q, k, v, state, deterministic=deterministic, key=k_core, aux=aux, **extra)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dv).astype(x.dtype) * g
         y = dropout(self.wo(o), self.dropout_rate, deterministic, k_res)

@@ -43,18 +43,19 @@ def make_norm(kind: str, dim: int, rngs: nnx.Rngs, policy=None, *, eps: float = 
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
 
 
-MLP_KINDS = ("gelu", "swiglu", "geglu")  # model.mlp
+MLP_KINDS = ("gelu", "gelu_exact", "swiglu", "geglu")  # model.mlp
 
 
 class MLP(nnx.Module):
     """The feed-forward sublayer, ``kind`` = ``model.mlp``:
 
     * ``'gelu'``: down(GELU(up(x))), GELU in its tanh form (GPT-2's ``gelu_new``);
+    * ``'gelu_exact'``: the same with the exact (erf) GELU (BERT's and RoBERTa's ``gelu``);
     * ``'swiglu'``: down(SiLU(gate(x)) * up(x)) (Llama, Mistral, Qwen2);
     * ``'geglu'``: down(GELU(gate(x)) * up(x)), GELU in its tanh form (Gemma).
 
     ``use_bias`` (``model.mlp_bias``): biases on every projection. The gated kinds have a third projection
-    ``gate``; the parameter tree of ``'gelu'`` is ``up``, ``down`` only."""
+    ``gate``; the parameter tree of ``'gelu'`` and ``'gelu_exact'`` is ``up``, ``down`` only."""
 
     def __init__(self, dim: int, hidden: int, *, dropout: float, rngs: nnx.Rngs, policy=None, kind: str = "gelu",
                  use_bias: bool = True):
@@ -62,7 +63,7 @@ class MLP(nnx.Module):
             raise ValueError(f"unknown mlp {kind!r}; allowed: {', '.join(MLP_KINDS)}")
         kw = {} if policy is None else policy.layer_kw
         self.kind = kind
-        if kind != "gelu":
+        if kind not in ("gelu", "gelu_exact"):
             self.gate = linear(dim, hidden, ("embed", "mlp"), use_bias=use_bias, rngs=rngs, **kw)
         self.up = linear(dim, hidden, ("embed", "mlp"), use_bias=use_bias, rngs=rngs, **kw)
         self.down = linear(hidden, dim, ("mlp", "embed"), use_bias=use_bias, rngs=rngs, **kw)
@@ -71,6 +72,8 @@ class MLP(nnx.Module):
     def __call__(self, x, *, deterministic: bool, key=None):
         if self.kind == "gelu":
             h = jax.nn.gelu(self.up(x))
+        elif self.kind == "gelu_exact":
+            h = jax.nn.gelu(self.up(x), approximate=False)
         elif self.kind == "swiglu":
             h = jax.nn.silu(self.gate(x)) * self.up(x)
         else:
@@ -101,6 +104,27 @@ def linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel
                   bias_init=logical(nnx.initializers.zeros, names[1]), rngs=rngs, **kw)
 
 
+class Identity(nnx.Module):
+    """x itself (the backbone's final norm under ``model.post_norm``, whose blocks end in a norm)."""
+
+    def __call__(self, x):
+        return x
+
+
+class HeadTransform(nnx.Module):
+    """``model.head_transform``: norm(GELU(dense(h))) on the hidden states before the output projection (the
+    transform of BERT's and RoBERTa's masked-LM head); ``exact``: the erf GELU, else its tanh form."""
+
+    def __init__(self, dim: int, *, norm: str, eps: float, exact: bool, rngs: nnx.Rngs, policy=None):
+        kw = {} if policy is None else policy.layer_kw
+        self.proj = linear(dim, dim, ("embed", "mlp"), rngs=rngs, **kw)
+        self.norm = make_norm(norm, dim, rngs, policy, eps=eps)
+        self.exact = exact
+
+    def __call__(self, h):
+        return self.norm(jax.nn.gelu(self.proj(h), approximate=not self.exact))
+
+
 def dropout(x, rate: float, deterministic: bool, key):
     """Functional dropout driven by an explicit key (None or deterministic: identity)."""
     if deterministic or rate == 0.0 or key is None:
@@ -118,13 +142,16 @@ def sinusoidal_table(positions, dim: int, base: float = 10_000.0):
 
 
 def apply_rotary(x, positions, base: float = 10_000.0):
-    """Rotary position embedding on [B, H, T, D] with absolute positions [T] (half-split form: the first half of
-    each head's dimensions pairs with the second half, which is Hugging Face's ``rotate_half`` layout, frequencies
-    ``base**(-2k/D)``; ``base`` = ``model.rope_theta``)."""
+    """Rotary position embedding on [B, H, T, D] with absolute positions [T], or per row [B, T] (a packed row's
+    positions restart at each document) (half-split form: the first half of each head's dimensions pairs with the
+    second half, which is Hugging Face's ``rotate_half`` layout, frequencies ``base**(-2k/D)``; ``base`` =
+    ``model.rope_theta``)."""
     D = x.shape[-1]
     half = D // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / D)
-    ang = positions.astype(jnp.float32)[:, None] * freqs  # [T, half]
+    ang = positions.astype(jnp.float32)[..., None] * freqs  # [T, half], or per row [B, 1, T, half]
+    if positions.ndim == 2:
+        ang = ang[:, None]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half : 2 * half]

@@ -82,6 +82,34 @@ def make_weighted_loss_fn(graphdef, constrain=None, hidden=None):
     return loss_fn
 
 
+def target_weights(segment_ids):
+    """[B, T+1] segment ids of a packed row -> [B, T] float32 weights of its targets: 1 where the target token is in
+    the same document as its input token, 0 where it opens the next document (no document predicts another's
+    first token, so the loss is the token-weighted mean of the documents' own losses)."""
+    return (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
+
+
+def make_packed_loss_fn(graphdef, constrain=None):
+    """The LM loss of packed rows (``data.packing='segments'``): ``model.run`` with the rows' per-token
+    ``positions`` and ``segment_ids`` [B, W] (each document attended alone, its positions restarting at 0, the
+    carried state starting afresh at its first token), the loss sum(w * nll) / sum(w) over the targets inside a
+    document (:func:`target_weights`)."""
+
+    def loss_fn(params, nongrad, rest, inputs, targets, positions, segment_ids, weights, state, key):
+        if constrain is not None:
+            inputs, targets, weights = constrain(inputs), constrain(targets), constrain(weights)
+            positions, segment_ids = constrain(positions), constrain(segment_ids)
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        h, new_state, aux = model.run(inputs, state, deterministic=False, key=key, positions=positions,
+                                      segment_ids=segment_ids)
+        w = weights.astype(jnp.float32)
+        ce = jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
+        extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
+        return ce + extra, (ce, new_state, aux)
+
+    return loss_fn
+
+
 # ---- loss scaling
 
 MIN_LOSS_SCALE = 1.0  # a dynamic scale is never halved below this; an overflow at it is a real non-finite gradient
@@ -364,7 +392,7 @@ def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1):
+                    constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1, packed: bool = False):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
     ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
     ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
@@ -372,9 +400,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     ``hidden``: optional replacement of ``model.hidden`` taking the model first (sequence parallelism).
     ``microbatches``: gradient accumulation over that many micro-batches of the rows per update
     (:func:`accumulate_grads`; 1 = the whole batch at once).
+    ``packed``: the batch is ``{'tokens', 'segment_ids', 'positions': [B, T+1] int32}`` (``data.packing='segments'``,
+    :func:`make_packed_loss_fn`; the windows slice the positions and segment ids with the tokens, so a document
+    that runs on into the next window keeps its cached keys and one that starts there starts afresh; not with
+    ``weighted`` or ``hidden``).
     ``tx`` made by :func:`with_loss_scale` / :func:`loss_scaling`: the updates are loss-scaled."""
     n_windows = seq_len // window
-    loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
+    if packed:
+        if weighted or hidden is not None:
+            raise ValueError("packed rows take neither per-target weights nor a sequence-parallel hidden hook")
+        loss = make_packed_loss_fn(graphdef, constrain)
+    else:
+        loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
+    weighted = weighted or packed  # the packed loss's last per-target input is its weights too
 
     def make_update(params, nongrad, rest, batch_size):
         if microbatches == 1:
@@ -390,10 +428,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
 
     def step(params, nongrad, rest, opt_state, tokens, key):
         update = make_update(params, nongrad, rest, (tokens["tokens"] if weighted else tokens).shape[0])
-        if weighted:
-            tokens, weights = tokens["tokens"], tokens["weights"]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        per_target = (inputs, targets, weights) if weighted else (inputs, targets)
+        if packed:
+            segs, positions = tokens["segment_ids"], tokens["positions"]
+            tokens = tokens["tokens"]
+            per_target = (tokens[:, :-1], tokens[:, 1:], positions[:, :-1], segs[:, :-1], target_weights(segs))
+        else:
+            if weighted:
+                tokens, weights = tokens["tokens"], tokens["weights"]
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            per_target = (inputs, targets, weights) if weighted else (inputs, targets)
         if n_windows == 1:
             (params, nongrad, _, opt_state, _), metrics = update(
                 (params, nongrad, rest, opt_state, None), (*per_target, jax.random.fold_in(key, 0))

@@ -15,7 +15,9 @@ then only calls this interface::
 The tasks:
 
 * :class:`LanguageModel`: a decoder on a prepared corpus; rows of ``seq_len + 1`` tokens, next-token
-  loss in windows of ``train.window``, validation by :func:`longctx.protocols.score_split`.
+  loss in windows of ``train.window``, validation by :func:`longctx.protocols.score_split`. With
+  ``data.packing='segments'`` the rows carry their documents' segment ids and positions, and the step
+  attends within each document (``make_train_step(packed=True)``).
 * :class:`MaskedLM`: an encoder (``model.kind='encoder'``); rows of ``seq_len`` tokens masked as a
   function of (seed, step, row), loss on the masked tokens, validation by
   :func:`longctx.protocols.score_mlm_split` (loss and accuracy).
@@ -61,7 +63,7 @@ class Task:
     def make_batcher(self, seq_len: int, host: tuple[int, int]):
         tc = self.cfg.train
         return Batcher(self.splits["train"], row_len=seq_len + 1, batch_size=tc.batch_size, seed=tc.seed,
-                       shard=host, packing=self.cfg.data.get("packing", "document"))
+                       shard=host, packing=self.cfg.data.packing)
 
     def summary(self) -> str:
         return self.batcher.summary()
@@ -132,14 +134,21 @@ class LanguageModel(Task):
             print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
         step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
                                              constrain=plan.constrain, weighted=self.weighted, hidden=seq_hidden,
-                                             microbatches=tc.microbatches))
+                                             microbatches=tc.microbatches, packed=self.packed()))
         return step, jax.jit(self.make_forward(graphdef))
 
     def make_forward(self, graphdef):
         return make_forward(graphdef)
 
+    def packed(self) -> bool:
+        """Whether the rows carry document boundaries (``data.packing='segments'``)."""
+        return self.cfg.data.packing == "segments"
+
     def batch(self, at_step):
-        return sharding.shard_batch(self.mesh, self.host_batch(at_step)["tokens"])
+        batch = self.host_batch(at_step)
+        if self.packed():
+            return {k: sharding.shard_batch(self.mesh, batch[k]) for k in ("tokens", "segment_ids", "positions")}
+        return sharding.shard_batch(self.mesh, batch["tokens"])
 
     def evaluate(self, state):
         fwd = self.forward
@@ -161,7 +170,7 @@ class MaskedLM(Task):
     def make_batcher(self, seq_len, host):
         tc = self.cfg.train
         return Batcher(self.splits["train"], row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed, shard=host,
-                       packing=self.cfg.data.get("packing", "document"))
+                       packing=self.cfg.data.packing)
 
     def make_step(self, model, graphdef, tx, plan):
         cfg, tc = self.cfg, self.cfg.train
@@ -211,6 +220,9 @@ class Recall(LanguageModel):
 
     def make_forward(self, graphdef):
         return make_scored_forward(graphdef)
+
+    def packed(self) -> bool:
+        return False  # generated rows are made whole (config validation refuses data.packing='segments' here)
 
     def summary(self):
         return (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}), "

@@ -24,14 +24,17 @@ def _params(folder: Path) -> dict:
     return nnx.to_pure_dict(params)
 
 
-@pytest.fixture(scope="module", params=["llama_tiny", "qwen2_tiny", "gpt2_tiny"])
-def exported(request, tmp_path_factory):
-    name = request.param
-    tmp = tmp_path_factory.mktemp(name)
+def import_then_export(name: str, tmp: Path) -> Path:
+    """The fixture ``name`` imported into a run under ``tmp`` and exported by the command; the exported folder."""
     run, out = tmp / "run", tmp / "hf"
     core.import_hf(FIXTURES / name, run, optimizer_state=False, log=lambda *_: None)
     assert main(["longctx-convert", "export", f"--workdir={run}", f"--hf_dir={out}"]) == 0
-    return name, out
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama_tiny", "qwen2_tiny", "gpt2_tiny"])
+def exported(request, tmp_path_factory):
+    return request.param, import_then_export(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_export_then_import_is_bit_identical(exported):
@@ -60,7 +63,8 @@ def test_export_then_import_is_bit_identical(exported):
 
 LOAD = """
 import sys, numpy as np, torch, transformers
-model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="eager").float().eval()
+auto = getattr(transformers, sys.argv[3])
+model = auto.from_pretrained(sys.argv[1], attn_implementation="eager").float().eval()
 ref = np.load(sys.argv[2])
 with torch.no_grad():
     logits = model(torch.from_numpy(ref["ids"]).long()).logits.numpy()
@@ -68,10 +72,10 @@ print(float(np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()))
 """
 
 
-def test_transformers_loads_the_export(exported):
-    """transformers loads the exported folder and computes the fixture's logits: in this interpreter where
-    transformers and torch are installed, else in the one named by $LONGCTX_HF_PYTHON (e.g. the environment
-    scripts/make_hf_fixtures.py runs in); skipped without either."""
+def transformers_rel_err(out: Path, name: str, auto: str = "AutoModelForCausalLM") -> float:
+    """The relative error of the logits transformers (its class ``auto``) computes from the folder ``out`` against
+    the fixture ``name``'s: in this interpreter where transformers and torch are installed, else in the one named by
+    $LONGCTX_HF_PYTHON (e.g. the environment scripts/make_hf_fixtures.py runs in); skips the test without either."""
     import importlib.util
     import os
     import subprocess
@@ -82,11 +86,16 @@ def test_transformers_loads_the_export(exported):
     if not python:
         pytest.skip("transformers and torch are not installed (not dependencies of longctx); set "
                     "LONGCTX_HF_PYTHON to a Python that has them")
-    name, out = exported
-    run = subprocess.run([python, "-c", LOAD, str(out), str(FIXTURES / name / "reference.npz")],
+    run = subprocess.run([python, "-c", LOAD, str(out), str(FIXTURES / name / "reference.npz"), auto],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert float(run.stdout.strip().splitlines()[-1]) <= 1e-5
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def test_transformers_loads_the_export(exported):
+    """transformers loads the exported folder and computes the fixture's logits."""
+    name, out = exported
+    assert transformers_rel_err(out, name) <= 1e-5
 
 
 def test_scanned_layers_import_and_export(tmp_path):

@@ -13,6 +13,13 @@ sees the keys fewer than W positions away (causal: itself and the W - 1 before i
 decoding alike, on every implementation (the tiles skip the key blocks wholly outside it; cuDNN and splash take
 their own local masks). Its decoding state is the window (``init_state`` holds W keys whatever ``max_len``): a
 bounded state that drops only keys no later query can see.
+
+Packed rows (``segment_ids`` [B, T] int32, ``data.packing='segments'``): a query sees only the keys of its own
+document (``takes_segments``), on every implementation that serves them (the reference's mask, the tiles'
+position-general loop, splash's ``SegmentIds``; cuDNN refuses them, so 'auto' takes the tiles on a GPU). The KV
+cache keeps each key's segment id beside it (``state['segment_ids']`` [B, M], right-aligned like the keys; 0 where
+the call had none), so a window or a decoding step carried across a document boundary starts that document
+afresh: the keys of earlier documents stay in the cache but no later query sees them.
 """
 
 from __future__ import annotations
@@ -23,15 +30,25 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, check_capacity, check_qkv, require
+from longctx.attention.base import (
+    AttentionCore,
+    ContractCase,
+    DropIn,
+    check_capacity,
+    check_qkv,
+    check_segments,
+    require,
+)
 from longctx.attention.dense import platform as kernels
 from longctx.attention.dense.reference import naive_attention
 
 METHOD = "dense"
 
 
-def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, window: int = 0, **_):
-    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, window=window)
+def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, window: int = 0, q_segment_ids=None, k_segment_ids=None,
+               **_):
+    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, window=window, q_segment_ids=q_segment_ids,
+                           k_segment_ids=k_segment_ids)
 
 
 def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
@@ -62,20 +79,22 @@ def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str | None = None, sequence_slice: int | None = None,
-           causal: bool = True, window: int = 0) -> dispatch.Choice:
+           causal: bool = True, window: int = 0, segments: bool = False) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
     device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
     takes the XLA path with one log line, a kernel named alone raises). A KV-cache step (``kv_cache``) is no
     call for a fused kernel: a kernel named explicitly is passed over for the rest of the list, or for the 'auto'
     list without the kernels (one log line), unless it cannot serve even a full pass here and nothing else is named
-    (then the error lists its reasons)."""
+    (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN refuses."""
     plat = platform or dispatch.current_platform()
     impls = implementations()
     table = dispatch.by_name(impls)
     names = dispatch.parse_impl(impl)
     shapes = dict(dtype=dtype, head_dim=head_dim, value_dim=value_dim, k_dtype=k_dtype, v_dtype=v_dtype,
                   causal=causal, window=window)
+    if segments:
+        shapes.update(segments=True)
     if sequence_slice is not None:
         shapes.update(sequence_slice=sequence_slice)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
@@ -100,27 +119,32 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
-           full_pass: bool = False, platform: str | None = None, window: int = 0):
+           full_pass: bool = False, platform: str | None = None, window: int = 0, q_segment_ids=None,
+           k_segment_ids=None):
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
     :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
     ``code``. ``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid (no cache): the fused kernels
     and the unrolled tiles serve only that. A full pass traced with its row split over a mesh's ``sequence`` axis
     (``platform.sequence_mesh``, or jax's ambient mesh) runs a fused kernel in a ``shard_map`` over the mesh
     (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner. ``window`` > 0: a sliding
-    window of that many keys (the reference's ``positions_mask``)."""
+    window of that many keys (the reference's ``positions_mask``). ``q_segment_ids`` [B, Tq] / ``k_segment_ids``
+    [B, Tk]: a packed row's documents (a query sees only its own document's keys; None: one document)."""
     mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
     split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
     plat = platform or dispatch.current_platform()
     threshold = REFERENCE.setting("auto_threshold", auto_threshold, plat)
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
                     value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > threshold,
-                    platform=plat, sequence_slice=split, causal=causal, window=window)
+                    platform=plat, sequence_slice=split, causal=causal, window=window,
+                    segments=q_segment_ids is not None)
     if split is not None and choice.name in kernels.FAST_IMPLS:
         return kernels.sequence_parallel_attention(choice.name, q, k, v, mesh=mesh, causal=causal,
                                                    interpret=choice.interpret)
     chosen = dispatch.by_name(implementations())[choice.name]
+    segs = {} if q_segment_ids is None else {"q_segment_ids": q_segment_ids, "k_segment_ids": k_segment_ids}
     return chosen.code(q, k, v, q_pos, k_pos, k_valid, causal=causal, full_pass=full_pass, interpret=choice.interpret,
-                       window=window, **chosen.settings({"block_q": block_q, "block_k": block_k}, choice.platform))
+                       window=window, **segs, **chosen.settings({"block_q": block_q, "block_k": block_k},
+                                                                 choice.platform))
 
 
 class DenseAttention(AttentionCore):
@@ -128,6 +152,7 @@ class DenseAttention(AttentionCore):
 
     name = "dense"
     exact = True
+    takes_segments = True
     # composed KV caches are exact but attend each slice to a whole-row buffer without the causal
     # skip; XLA's partitioner splits the queries and gathers K/V instead, which plans a fraction of the
     # temporaries per device (compare both with `--dry_run` and mesh.sequence > 1)
@@ -217,16 +242,17 @@ class DenseAttention(AttentionCore):
     def receptive_window(self) -> int:
         return int(self.cfg.window)
 
-    def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False):
+    def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False, q_seg=None, k_seg=None):
         c = self.cfg
         return attend(
             q, k, v, q_pos, k_pos, k_valid,
             causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
-            full_pass=full_pass, window=c.window,
+            full_pass=full_pass, window=c.window, q_segment_ids=q_seg, k_segment_ids=k_seg,
         )
 
     def init_state(self, batch_size: int, max_len: int | None = None):
-        """The empty KV cache: ``max_len`` keys, or with a sliding window the window's (whatever ``max_len``)."""
+        """The empty KV cache: ``max_len`` keys, or with a sliding window the window's (whatever ``max_len``), and
+        their segment ids (0: no packed row)."""
         if not self.causal:
             raise ValueError("dense: bidirectional attention has no prefix state")
         if max_len is None or max_len <= 0:
@@ -237,6 +263,7 @@ class DenseAttention(AttentionCore):
         return {
             "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
             "v": jnp.zeros((batch_size, H, max_len, Dv), jnp.float32),
+            "segment_ids": jnp.zeros((batch_size, max_len), jnp.int32),
             "length": jnp.zeros((), jnp.int32),
         }
 
@@ -255,23 +282,31 @@ class DenseAttention(AttentionCore):
         # the keys moved past the front are gone (a window's state keeps the newest M)
         shift = b["length"] - a["length"]
         M = a["k"].shape[2]
-        kept = (jnp.arange(M) < M - shift)[None, None, :, None]
-        moved = {name: jnp.where(kept, jnp.roll(a[name], -shift, axis=2), 0.0) for name in ("k", "v")}
-        return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "length": b["length"]}
+        kept = jnp.arange(M) < M - shift
+        moved = {name: jnp.where(kept[None, None, :, None], jnp.roll(a[name], -shift, axis=2), 0.0)
+                 for name in ("k", "v")}
+        segs = jnp.where(kept[None, :], jnp.roll(a["segment_ids"], -shift, axis=1), 0) + b["segment_ids"]
+        return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "segment_ids": segs, "length": b["length"]}
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, segment_ids=None):
+        """``segment_ids`` [B, T] int32 (optional): the documents of a packed row; a query sees only its own
+        document's keys, in the call and in the cache (module docstring)."""
         check_qkv(q, k, v)
+        check_segments(self, q, segment_ids)
         T = q.shape[2]
         pos = jnp.arange(T, dtype=jnp.int32)
+        seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        kept_seg = jnp.zeros((q.shape[0], T), jnp.int32) if seg is None else seg  # what the cache keeps
         if state is None:
-            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True)
+            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True, q_seg=seg, k_seg=seg)
             new_state = None
             if self.causal:
                 W = int(self.cfg.window)
                 if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
                     edge = lambda x: jnp.pad(x, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
                     k, v = edge(k), edge(v)
-                new_state = {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32),
+                    kept_seg = jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:]
+                new_state = {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
                              "length": jnp.asarray(T, jnp.int32)}
             return out, new_state
         if not self.causal:
@@ -286,10 +321,12 @@ class DenseAttention(AttentionCore):
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
         k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)
         v_all = jnp.concatenate([state["v"].astype(v.dtype), v], axis=2)
-        out = self._attend(q, k_all, v_all, q_pos, k_pos, k_pos >= 0)
+        seg_all = jnp.concatenate([state["segment_ids"], kept_seg], axis=1)
+        out = self._attend(q, k_all, v_all, q_pos, k_pos, k_pos >= 0, q_seg=seg, k_seg=None if seg is None else seg_all)
         new_state = {
             "k": k_all[:, :, -M:].astype(jnp.float32),
             "v": v_all[:, :, -M:].astype(jnp.float32),
+            "segment_ids": seg_all[:, -M:],
             "length": length + T,
         }
         return out, new_state

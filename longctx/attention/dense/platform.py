@@ -52,6 +52,11 @@ from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, seq
 FAST_IMPLS = ("cudnn", "splash")
 KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "Pallas splash attention"}
 
+# jax.nn.dot_product_attention (the public cuDNN entry) takes no segment ids in the installed jax; a dense [T, T]
+# boolean mask would reach cuDNN as a materialised bias, which is not what a fused kernel is for
+CUDNN_SEGMENTS_REASON = ("packed rows (segment ids): jax.nn.dot_product_attention takes no segment ids; the XLA "
+                         "tiles serve them")
+
 KV_CACHE_REASON = ("a KV-cache step (positions offset by the cache, empty slots) is not a full pass; the fused "
                    "kernels serve full passes only")
 
@@ -96,10 +101,11 @@ def cudnn_head_dim(head_dim: int) -> int:
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
                               capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
-                              causal: bool = True, window: int = 0, **_) -> list[str]:
+                              causal: bool = True, window: int = 0, segments: bool = False, **_) -> list[str]:
     """Why cuDNN flash attention cannot serve this call on ``platform`` ('cuda' | 'rocm' | 'tpu' | 'cpu').
     ``capability``: the GPU's compute capability (default: the running device's, None from a CPU).
-    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
+    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis.
+    ``segments``: a packed row (segment ids), refused: :data:`CUDNN_SEGMENTS_REASON`."""
     out = []
     if platform != "cuda":
         out.append(f"cuDNN runs only on NVIDIA GPUs (platform {platform})")
@@ -125,6 +131,8 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
         out.append(f"window={window} bidirectional: cuDNN's sliding window is causal only")
     if window and sequence_slice is not None:
         out.append(f"window={window} under sequence parallelism: the slices' windows are not wired")
+    if segments:
+        out.append(CUDNN_SEGMENTS_REASON)
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -132,10 +140,11 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
 
 def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                                kv_cache: bool = False, k_dtype=None, v_dtype=None, sequence_slice: int | None = None,
-                               window: int = 0, **_) -> list[str]:
+                               window: int = 0, segments: bool = False, **_) -> list[str]:
     """Why splash attention cannot serve this call on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'cpu' |
     'interpret': the CPU's Pallas interpret mode, where only what the kernel computes is checked).
-    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis."""
+    ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis.
+    ``segments``: a packed row, served by the kernel's own ``SegmentIds`` (not under sequence parallelism)."""
     out = []
     if platform not in ("tpu", "interpret"):
         out.append(f"splash attention is a TPU (Mosaic) kernel (platform {platform})")
@@ -154,6 +163,8 @@ def splash_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim
                    f"(multiples of {SPLASH_MIN_BLOCK}) must tile each device's slice")
     if window and sequence_slice is not None:
         out.append(f"window={window} under sequence parallelism: the slices' local masks are not wired")
+    if segments and sequence_slice is not None:
+        out.append("packed rows (segment ids) under sequence parallelism: the slices' segment ids are not wired")
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -276,32 +287,44 @@ def _splash_kernel(heads: int, T: int, causal: bool, block: int, interpret: bool
                                   q_seq_shards=q_seq_shards, interpret=interpret)
 
 
-def _splash_call(kernel, q, k, v, seg=None):
+def _splash_call(kernel, q, k, v, seg=None, rows=None):
+    """The kernel over each row of q [B,H,T,D]: ``seg`` one SegmentIds for every row, or ``rows`` [B, T] int32 the
+    segment ids of each row (a packed batch)."""
     D = q.shape[-1]
     qs = (q.astype(jnp.float32) * D**-0.5).astype(q.dtype)
+    if rows is not None:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+        return jax.vmap(lambda a, b, c, r: kernel(a, b, c, segment_ids=sk.SegmentIds(q=r, kv=r)))(qs, k, v, rows)
     return jax.vmap(lambda a, b, c: kernel(a, b, c, segment_ids=seg))(qs, k, v)
 
 
-def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: int = SPLASH_BLOCK, window: int = 0):
+def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: int = SPLASH_BLOCK, window: int = 0,
+                     segment_ids=None):
     """Exact self-attention of a full pass, q, k [B,H,T,D], v [B,H,T,Dv], by the splash kernel (scale D**-0.5;
-    ``window`` > 0: its local mask, a sliding window of that many keys). T is padded to whole blocks; padded keys
-    are masked by segment ids (causally they are never visible)."""
+    ``window`` > 0: its local mask, a sliding window of that many keys; ``segment_ids`` [B, T] int32: a packed
+    row's documents, through the kernel's own ``SegmentIds``). T is padded to whole blocks; padded keys are masked
+    by segment ids (causally they are never visible; a packed row's padding is a segment of its own)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     B, H, T, D = q.shape
     bl = splash_block(T, block)
     Tp = -(-T // bl) * bl
 
-    def run(q, k, v):
+    def run(q, k, v, *rows):
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, 0))) if Tp > T else x  # noqa: E731
         seg = None
-        if Tp > T and not causal:
+        if rows:  # the padding: one more segment, never one of the row's (every padded query sees itself)
+            ids = rows[0].astype(jnp.int32)
+            rows = (jnp.pad(ids, ((0, 0), (0, Tp - T)), constant_values=jnp.iinfo(jnp.int32).min),)
+        elif Tp > T and not causal:
             ids = jnp.asarray(np.arange(Tp) >= T, jnp.int32)  # 0: a real token, 1: padding
             seg = sk.SegmentIds(q=ids, kv=ids)
-        out = _splash_call(_splash_kernel(H, Tp, causal, bl, interpret, window=window), pad(q), pad(k), pad(v), seg)
+        out = _splash_call(_splash_kernel(H, Tp, causal, bl, interpret, window=window), pad(q), pad(k), pad(v), seg,
+                           *rows)
         return out[:, :, :T].astype(v.dtype)
 
-    return _tagged(run, causal, window)(q, k, v)
+    return _tagged(run, causal, window)(q, k, v, *(() if segment_ids is None else (segment_ids,)))
 
 
 # ----------------------------------------------------------------------------------------------------- sequence parallelism
@@ -363,12 +386,14 @@ def sequence_parallel_attention(kernel: str, q, k, v, *, mesh, causal: bool, int
 
 
 # ----------------------------------------------------------------------------------------------------- declarations
-def _run_cudnn(q, k, v, *_, causal: bool, window: int = 0, **__):
+def _run_cudnn(q, k, v, *_, causal: bool, window: int = 0, q_segment_ids=None, **__):
+    if q_segment_ids is not None:  # its reasons refuse packed rows; never attend across documents silently
+        raise ValueError(f"cudnn: {CUDNN_SEGMENTS_REASON}")
     return _tagged(functools.partial(cudnn_attention, causal=causal, window=window), causal, window)(q, k, v)
 
 
-def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, window: int = 0, **__):
-    return splash_attention(q, k, v, causal=causal, interpret=interpret, window=window)
+def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, window: int = 0, q_segment_ids=None, **__):
+    return splash_attention(q, k, v, causal=causal, interpret=interpret, window=window, segment_ids=q_segment_ids)
 
 
 # 'auto' tries the platform's fused kernel first (rank 0) wherever it serves the call, long or short
@@ -382,7 +407,7 @@ IMPLEMENTATIONS = (
 PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
 
 
-__all__ = ["FAST_IMPLS", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
+__all__ = ["CUDNN_SEGMENTS_REASON", "FAST_IMPLS", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
            "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
            "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
            "splash_slice_block", "splash_unsupported_reasons"]

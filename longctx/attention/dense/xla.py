@@ -10,8 +10,10 @@ Two structures compute it:
   (:func:`self_blockwise_attention`): each query block is its own loop over exactly the key blocks it can see (the
   causal skip is in the loop bounds, static), only the blocks the diagonal crosses are masked, from the first query
   row that sees them;
-* every other call (a KV-cache step, other lengths) by the position-general loop (:func:`blockwise_attention`):
-  every key block is visited and masked by positions.
+* every other call (a KV-cache step, other lengths, a packed row) by the position-general loop
+  (:func:`blockwise_attention`): every key block is visited and masked by positions, and for a packed row
+  (``q_segment_ids`` / ``k_segment_ids``) by the documents too: a pair of blocks whose documents do not meet is
+  computed under its mask, not skipped (its share is exp(NEG_INF - m) = 0).
 
 The algorithm takes the few ops it needs as a :class:`TileOps` argument: :data:`PLAIN` here (no branch inside a
 loop: each visited block is computed under its mask); the XLA:CPU implementation (its own file) runs this same code
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longctx.attention.dense.reference import NEG_INF, positions_mask
+from longctx.attention.dense.reference import NEG_INF, visible
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 
 
@@ -98,6 +100,14 @@ def _unblocks(x, length: int):
     return jnp.moveaxis(x, 0, 2).reshape(B, H, n * block, *x.shape[4:])[:, :, :length]
 
 
+def _segment_blocks(ids, block: int):
+    """Segment ids [B, T] padded (0) and blocked as [n, B, block]; None stays None."""
+    if ids is None:
+        return None
+    ids = _pad_axis(ids.astype(jnp.int32), 1, block)
+    return jnp.moveaxis(ids.reshape(ids.shape[0], -1, block), 1, 0)
+
+
 def _layout(q_pos, k_pos, k_valid, bq: int, bk: int):
     """Padded, blocked positions: query positions [nq, bq], key positions/validity [nk, bk], and the
     earliest valid key position of each key block [nk] (to skip blocks wholly in the future)."""
@@ -145,21 +155,23 @@ def _pair_grads(ops: TileOps, qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None)
 
 
 # ----------------------------------------------------------------------------- the position-general loop
-def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool, window: int = 0):
-    """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked.
+def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool, window: int = 0, qsegb=None,
+                   ksegb=None):
+    """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked; ``qsegb``
+    [nq, B, bq] / ``ksegb`` [nk, B, bk]: a packed row's segment ids (None: one document).
     Returns the output blocks [nq, B, H, bq, Dv] and the log-sum-exp [nq, B, H, bq]
     (NEG_INF for a query that sees no key)."""
     _, B, H, bq, _ = qb.shape
     Dv = vb.shape[-1]
 
     def one_query_block(args):
-        qi, qpi = args
+        qi, qpi, qsi = args
 
         def step(carry, xs):
-            ki, vi, kpi, kvi, kmi = xs
+            ki, vi, kpi, kvi, kmi, ksi = xs
 
             def compute(carry):
-                return _softmax_step(carry, qi, ki, vi, positions_mask(qpi, kpi, kvi, causal, window))
+                return _softmax_step(carry, qi, ki, vi, visible(qpi, kpi, kvi, causal, window, qsi, ksi))
 
             return ops.visit(compute, causal, qpi, kmi, carry, lambda c: c), None
 
@@ -168,16 +180,16 @@ def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: 
             jnp.zeros((B, H, bq), jnp.float32),
             jnp.zeros((B, H, bq, Dv), jnp.float32),
         )
-        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kposb, kvalb, kmin))
+        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kposb, kvalb, kmin, ksegb))
         out = acc / jnp.maximum(l, 1e-30)[..., None]
         lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), NEG_INF)
         return out, lse
 
-    return jax.lax.map(one_query_block, (qb, qposb))
+    return jax.lax.map(one_query_block, (qb, qposb, qsegb))
 
 
 def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb, kmin, causal: bool,
-                    window: int = 0):
+                    window: int = 0, qsegb=None, ksegb=None):
     """Gradients of the blocked attention from the saved log-sum-exp (FlashAttention-2's backward):
     each visited (query block, key block) pair recomputes its probabilities once and adds its share
     of dq (carried along the key blocks) and of dk, dv (summed over the query blocks)."""
@@ -187,64 +199,67 @@ def _flash_backward(ops: TileOps, qb, kb, vb, ob, lseb, dob, qposb, kposb, kvalb
     zeros_k, zeros_v = (jnp.zeros(x.shape[1:-2] + x.shape[:-3:-1], jnp.float32) for x in (kb, vb))  # [B,H,D,bk]
 
     def query_block(dkv, xs):
-        qi, doi, lsei, di, qpi, qi_t, doi_t = xs
+        qi, doi, lsei, di, qpi, qi_t, doi_t, qsi = xs
 
         def key_block(dq, ys):
-            ki, vi, kpi, kvi, kmi = ys
+            ki, vi, kpi, kvi, kmi, ksi = ys
 
             def compute(dq):
                 dqi, dk, dv = _pair_grads(ops, qi, ki, vi, doi, lsei, di, qi_t, doi_t,
-                                          positions_mask(qpi, kpi, kvi, causal, window))
+                                          visible(qpi, kpi, kvi, causal, window, qsi, ksi))
                 return dq + dqi, (dk, dv)
 
             return ops.visit(compute, causal, qpi, kmi, dq, lambda dq: (dq, (zeros_k, zeros_v)))
 
-        dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qi.shape, jnp.float32), (kb, vb, kposb, kvalb, kmin))
+        dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qi.shape, jnp.float32),
+                                    (kb, vb, kposb, kvalb, kmin, ksegb))
         return (dkv[0] + dk, dkv[1] + dv), dq
 
     init = tuple(jnp.zeros(x.shape[:1] + zeros.shape, jnp.float32) for x, zeros in ((kb, zeros_k), (vb, zeros_v)))
-    (dk, dv), dq = jax.lax.scan(query_block, init, (qb, dob, lseb, delta, qposb, qb_t, dob_t))
+    (dk, dv), dq = jax.lax.scan(query_block, init, (qb, dob, lseb, delta, qposb, qb_t, dob_t, qsegb))
     return dq, jnp.swapaxes(dk, -1, -2), jnp.swapaxes(dv, -1, -2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _blockwise(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window):
-    return _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window)[0]
+def _blockwise(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window, q_seg=None, k_seg=None):
+    return _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window, q_seg, k_seg)[0]
 
 
-def _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window):
+def _blockwise_fwd(q, k, v, q_pos, k_pos, k_valid, causal, bq, bk, ops, window, q_seg=None, k_seg=None):
     Tq, D = q.shape[2], q.shape[3]
     qb = _blocks(_pad_axis(q * D**-0.5, 2, bq), -(-Tq // bq), bq)
     kb = _blocks(_pad_axis(k, 2, bk), -(-k.shape[2] // bk), bk)
     vb = _blocks(_pad_axis(v, 2, bk), -(-k.shape[2] // bk), bk)
     layout = _layout(q_pos, k_pos, k_valid, bq, bk)
-    ob, lseb = _flash_forward(ops, qb, kb, vb, *layout, causal, window)
-    return _unblocks(ob, Tq), (qb, kb, vb, ob, lseb, layout, k_valid)
+    segs = (_segment_blocks(q_seg, bq), _segment_blocks(k_seg, bk))
+    ob, lseb = _flash_forward(ops, qb, kb, vb, *layout, causal, window, *segs)
+    return _unblocks(ob, Tq), (qb, kb, vb, ob, lseb, layout, k_valid, segs)
 
 
 def _blockwise_bwd(causal, bq, bk, ops, window, res, dout):
-    qb, kb, vb, ob, lseb, layout, k_valid = res
+    qb, kb, vb, ob, lseb, layout, k_valid, segs = res
     Tq, Tk, D = dout.shape[2], k_valid.shape[0], qb.shape[-1]
     dob = _blocks(_pad_axis(dout, 2, bq), ob.shape[0], bq)
-    dq, dk, dv = _flash_backward(ops, qb, kb, vb, ob, lseb, dob, *layout, causal, window)
+    dq, dk, dv = _flash_backward(ops, qb, kb, vb, ob, lseb, dob, *layout, causal, window, *segs)
     return ((_unblocks(dq, Tq) * D**-0.5).astype(qb.dtype), _unblocks(dk, Tk).astype(kb.dtype),
-            _unblocks(dv, Tk).astype(vb.dtype), None, None, None)
+            _unblocks(dv, Tk).astype(vb.dtype), None, None, None, None, None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int,
-                        ops: TileOps = PLAIN, window: int = 0):
+                        ops: TileOps = PLAIN, window: int = 0, q_segment_ids=None, k_segment_ids=None):
     """Exact attention by online softmax over key blocks (memory O(block_q*block_k)), with
     FlashAttention-2's backward: only the output and the per-query log-sum-exp are saved, and the
     backward recomputes each visited block's probabilities once. ``window`` > 0: the sliding window, by the
-    positions' mask (every key block is visited)."""
+    positions' mask (every key block is visited). ``q_segment_ids`` [B, Tq] / ``k_segment_ids`` [B, Tk]: a packed
+    row's documents (a key is visible only from its own document's queries)."""
     Tq, Tk = q.shape[2], k.shape[2]
     bq, bk = min(block_q, Tq), min(block_k, Tk)
     cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
     out = _blockwise(cd(q), cd(k), cd(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
-                     causal, bq, bk, ops, window)
+                     causal, bq, bk, ops, window, q_segment_ids, k_segment_ids)
     return out.astype(v.dtype)
 
 
@@ -423,21 +438,24 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
 
 
 def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-          ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS, window: int = 0):
+          ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS, window: int = 0, q_segment_ids=None,
+          k_segment_ids=None):
     """The tiled algorithm with ``ops``: the unrolled structure for a full pass (``full_pass``, static: q_pos =
-    k_pos = arange(T), every key valid) that whole blocks tile, else the position-general loop."""
-    if full_pass and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
+    k_pos = arange(T), every key valid) of one document that whole blocks tile, else the position-general loop (a
+    packed row's too: its visibility is not static)."""
+    if full_pass and q_segment_ids is None and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
         return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k, ops=ops,
                                         window=window)
     return blockwise_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                               ops=ops, window=window)
+                               ops=ops, window=window, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-           window: int = 0):
+           window: int = 0, q_segment_ids=None, k_segment_ids=None):
     """The ``blockwise`` implementation: :func:`tiled` with :data:`PLAIN` ops."""
     return tiled(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
-                 full_pass=full_pass, ops=PLAIN, window=window)
+                 full_pass=full_pass, ops=PLAIN, window=window, q_segment_ids=q_segment_ids,
+                 k_segment_ids=k_segment_ids)
 
 
 def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
@@ -447,9 +465,9 @@ def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
 
 
 def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-         window: int = 0, **_):
+         window: int = 0, q_segment_ids=None, k_segment_ids=None, **_):
     return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
-                  window=window)
+                  window=window, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
 
 
 # query / key blocks by platform (0 in the config). cpu: on a 2-core CPU, 1024x512 was the fastest of 1024x512,
