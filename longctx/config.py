@@ -169,6 +169,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.train.async_checkpoints = True
     c.train.microbatches = 1  # gradient accumulation: each update's rows run in this many micro-batches
+    # 'auto': the task the data and model imply (language model, masked LM, generated recall);
+    # 'attention_transfer': each swapped layer's core learns to match exact attention on its q, k, v, nothing else
+    # trains (longctx/train/tasks.py; docs/pretrained.md, "Adapt")
+    c.train.task = "auto"
     # JAX's persistent compilation cache, so a restarted run does not compile again: '' -> the
     # JAX_COMPILATION_CACHE_DIR environment variable if set, else <data cache dir>/jax_compile; 'none' -> off
     c.train.compilation_cache_dir = ""
@@ -238,6 +242,7 @@ _CHOICES = {
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.mlp": ("gelu", "gelu_exact", "swiglu", "geglu"),
     "train.on_nonfinite": ("stop", "skip"),
+    "train.task": ("auto", "attention_transfer"),
     "eval.split": ("train", "valid", "test"),
     "eval.protocol": ("stream", "sliding"),
     "eval.reset": ("document", "row", "never"),
@@ -394,25 +399,49 @@ def _generated(c) -> bool:
 
 
 def _check_packing(c) -> None:
-    """``data.packing='segments'``: a prepared corpus, a decoder on one device per row, and every layer's method
-    taking segment ids (``AttentionCore.takes_segments``), refused in one line before any work."""
+    """``data.packing='segments'``: a prepared corpus (a decoder or an encoder) and every layer's method taking
+    segment ids (``AttentionCore.takes_segments``), refused in one line before any work."""
     if c.data.packing != "segments":
         return
     if _generated(c):
         raise ConfigError(f"data.packing='segments' applies to prepared corpora; data.source={c.data.source!r} "
                           "generates whole rows (leave data.packing at its default)")
-    if c.model.kind == "encoder":
-        raise ConfigError("data.packing='segments' with model.kind='encoder' is not supported yet (the masked-LM step "
-                          "takes no segment ids); use data.packing='document' or 'pack'")
-    if c.mesh.sequence > 1:
-        raise ConfigError(f"data.packing='segments' with mesh.sequence={c.mesh.sequence} is not supported yet (the "
-                          "sequence-parallel step takes no segment ids); set mesh.sequence=1")
     from longctx.attention.base import segments_refusal
     from longctx.models.blocks import layer_methods
 
     for name in dict.fromkeys(layer_methods(c.model)):
         if not attention.get_class(name).takes_segments:
             raise ConfigError(segments_refusal(name))
+
+
+def _transfer(c) -> bool:
+    return c.train.task == "attention_transfer"
+
+
+def _check_transfer(c) -> None:
+    """``train.task='attention_transfer'``: a decoder on a prepared corpus trained on whole unpacked rows on one
+    device per row, unrolled transformer blocks, and at least one layer whose method is not the exact one."""
+    if not _transfer(c):
+        return
+    from longctx.models.blocks import layer_methods
+
+    why = ("model.kind='encoder'" if _encoder(c) else
+           f"data.source={c.data.source!r} (a generated task)" if _generated(c) else
+           f"train.window={c.train.window} < train.seq_len" if c.train.window not in (0, c.train.seq_len) else
+           "data.packing='segments'" if c.data.packing == "segments" else
+           f"mesh.sequence={c.mesh.sequence}" if c.mesh.sequence > 1 else
+           "model.scan_layers=True" if c.model.scan_layers else
+           f"model.block={c.model.block!r}" if c.model.block != "transformer" else None)
+    if why is not None:
+        raise ConfigError(f"train.task='attention_transfer' takes a decoder (model.block='transformer', unrolled) "
+                          f"trained on whole unpacked rows of a prepared corpus on one device per row; not {why}")
+    methods = layer_methods(c.model)
+    if all(attention.get_class(m).exact for m in methods):
+        raise ConfigError("train.task='attention_transfer': every layer runs exact attention, so no layer has "
+                          "anything to transfer; swap a method into some layers (model.attention.pattern=dense,eva)")
+    if any(attention.get_class(m).stack_wrapper(causal=c.model.causal) for m in methods):
+        raise ConfigError(f"train.task='attention_transfer': {c.model.attention.name!r} runs the blocks in its own "
+                          "stack wrapper, which hands no layer's q, k, v to a core that could be compared")
 
 
 def _sequence_parallel(c) -> bool:
@@ -664,6 +693,7 @@ _VALIDATION = (
     _resolve_pattern,
     _check_attention,
     _check_packing,
+    _check_transfer,
     # the training run
     _resolve_train,
     Rule(_always, lambda c: c.train.seq_len % c.train.window == 0,

@@ -92,6 +92,7 @@ def test_every_causal_method_has_a_recall_config_with_the_same_budget():
         assert abs(counts[m] / counts["dense"] - 1) < 0.005, counts
 
 
+@pytest.mark.slow
 def test_train_resume_and_recall_by_distance(tmp_path, capsys):
     """Staged training on generated rows resumes exactly (the interruption is in the short stage),
     then longctx-recall scores the run by distance and the report tabulates it."""

@@ -118,9 +118,11 @@ def build(
     rngs: nnx.Rngs,
     value_dim: int | None = None,
     execution: ml_collections.ConfigDict | dict | None = None,
+    platform: str | None = None,
 ) -> AttentionCore:
     """The core of method ``name``: its defaults, then ``execution`` (settings of ``execution.attention.<name>``),
-    then ``cfg`` (hyperparameters; execution keys given here too win), validated as one config."""
+    then ``cfg`` (hyperparameters; execution keys given here too win), validated as one config. ``platform``: where
+    it runs, what its implementations are selected for (default: jax's default backend)."""
     cls = get_class(name)
     merged = cls.default_config()
     if execution is not None:
@@ -128,7 +130,8 @@ def build(
     if cfg is not None:
         merged.update(cfg)
     validate(name, merged, causal=causal)
-    return cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+    return cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+               platform=platform)
 
 
 def methods_of(model_cfg) -> tuple[str, ...]:

@@ -165,8 +165,14 @@ class AttentionCore(nnx.Module):
         causal: bool,
         rngs: nnx.Rngs,
         value_dim: int | None = None,
+        platform: str | None = None,
     ):
+        from longctx.attention import dispatch
+
         self.cfg = ml_collections.ConfigDict(cfg.to_dict())
+        # where the core runs ('cpu', 'cuda', 'rocm', 'tpu'): what its implementations are selected for, given by
+        # whoever builds it (None: the default backend at build time); tests build cores for another platform
+        self.platform = platform or dispatch.current_platform()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.value_dim = value_dim or head_dim
@@ -219,8 +225,9 @@ class AttentionCore(nnx.Module):
         return cfg
 
     @classmethod
-    def bench_variants(cls) -> dict[str, dict]:
-        """Variants the benchmarks time: label suffix -> config overrides ('' is the default config)."""
+    def bench_variants(cls, platform: str) -> dict[str, dict]:
+        """Variants the benchmarks time on ``platform``: label suffix -> config overrides ('' is the default
+        config)."""
         return {"": {}}
 
     @classmethod

@@ -66,6 +66,8 @@ class Implementation:
                the platform it runs on (:meth:`setting`), so a checkpoint trained on one platform runs with the other
                platform's tuning and a knob tuned for XLA:CPU never drives a GPU path. ``'interpret'`` (a kernel
                on a CPU) takes the ``'cpu'`` value; a platform not listed takes ``'default'``.
+    slow_in_interpret: a kernel whose interpret mode on a CPU takes a minute or more per test case (Mosaic GPU's
+               simulates shared memory and barriers): the shared test suites run it with ``-m slow`` only.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Implementation:
     code: Any = dataclasses.field(default=None, hash=False, compare=False)
     directions: tuple[str, ...] = ("causal", "bidirectional")
     defaults: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    slow_in_interpret: bool = False
 
     def setting(self, key: str, value, platform: str):
         """The value execution setting ``key`` runs with on ``platform``: ``value`` as configured, or, when it is
@@ -218,12 +221,12 @@ def declared(package: str, *, first: Sequence[Implementation] = (), causal: bool
     return tuple(out)
 
 
-def select(impl, implementations: Sequence[Implementation], *, method: str, platform: str | None = None,
-           **shapes) -> Choice:
-    """Pick one of ``implementations`` for ``impl`` (a name, a list or 'auto'; module docstring). 'auto' is
-    :func:`auto_order` of the declarations. ``shapes`` go to every candidate's ``unsupported_reasons`` and
+def select(impl, implementations: Sequence[Implementation], *, method: str, platform: str, **shapes) -> Choice:
+    """Pick one of ``implementations`` for ``impl`` (a name, a list or 'auto'; module docstring) on ``platform``
+    (given by the caller: a core selects for the platform it was built for, ``AttentionCore.platform``). 'auto'
+    is :func:`auto_order` of the declarations. ``shapes`` go to every candidate's ``unsupported_reasons`` and
     ``prefer``."""
-    plat = platform or current_platform()
+    plat = platform
     table = by_name(implementations)
     names = parse_impl(impl)
     explicit = names != ("auto",)

@@ -19,14 +19,15 @@ import ml_collections
 from flax import nnx
 
 from longctx import attention
-from longctx.attention import Aux
+from longctx.attention import Aux, dispatch
 
 
 def variants(name: str) -> list[tuple[str, dict]]:
-    """(label, config overrides) of each variant a method asks to be benchmarked in
+    """(label, config overrides) of each variant a method asks to be benchmarked in on the running platform
     (``AttentionCore.bench_variants``; default: its default config, labelled by its name)."""
+    platform = dispatch.current_platform()
     return [(f"{name}:{suffix}" if suffix else name, dict(over))
-            for suffix, over in attention.get_class(name).bench_variants().items()]
+            for suffix, over in attention.get_class(name).bench_variants(platform).items()]
 
 
 def is_exact(name: str) -> bool:

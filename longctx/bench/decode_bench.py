@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx import attention
+from longctx.attention import dispatch
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
@@ -58,7 +59,7 @@ def run(args) -> dict:
     bar = C.progress_bar(len(methods) * len(positions), "decode", args.progress)
     for method in methods:
         try:
-            default = attention.get_class(method).bench_variants().get("")  # the default variant's settings
+            default = attention.get_class(method).bench_variants(dispatch.current_platform()).get("")  # default variant
             core = build_core(method, default, heads=H, head_dim=D, causal=True, seed=args.seed)
         except ConfigError as e:
             res["skipped_methods"].append({"method": method, "reason": str(e)})

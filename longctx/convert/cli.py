@@ -1,7 +1,7 @@
 """``longctx-convert``: Hugging Face folders in and out.
 
     longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FILE[:VARIANT]] [--config.KEY=VALUE ...]
-                           [--dry_run] [--nooptimizer_state] [--rope_theta=BASE]
+                           [--dry_run] [--nooptimizer_state] [--rope_theta=BASE] [--extend_positions=N]
     longctx-convert export --workdir=RUN --hf_dir=OUT [--step=N]
 
 ``import`` takes a config file and overrides as ``longctx-train`` does (default ``configs/default.py``): the run
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 USAGE = ("usage: longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FILE[:VARIANT]] [--config.KEY=VALUE] "
-         "[--dry_run] [--nooptimizer_state] [--rope_theta=BASE]\n"
+         "[--dry_run] [--nooptimizer_state] [--rope_theta=BASE] [--extend_positions=N]\n"
          "       longctx-convert export --workdir=RUN --hf_dir=OUT [--step=N]")
 ABOUT = ("import: a local Hugging Face folder of a decoder (config.json with model_type llama, mistral, qwen2 or "
          "gpt2) or a masked-LM encoder (bert, roberta) (*.safetensors, sharded or not; tokenizer.json) -> a longctx "
@@ -37,6 +37,9 @@ def _define_import(fv):
                       flag_values=fv)
     flags.DEFINE_float("rope_theta", None, "the run's rotary base instead of config.json's (context extension: a "
                        "larger base, e.g. 500000, before continued pretraining at a longer context)", flag_values=fv)
+    flags.DEFINE_integer("extend_positions", 1, "learned positions (GPT-2, BERT, RoBERTa) N times as many, the "
+                         "source's rows copied N times (Longformer's and VCC's initialisation; train.seq_len up to "
+                         "the new length)", flag_values=fv)
 
 
 def _parse_export(argv):
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
 
         if command == "import":
             core.import_hf(fv.hf_dir, fv.workdir, config=cfg, dry_run=fv.dry_run, optimizer_state=fv.optimizer_state,
-                           rope_theta=fv.rope_theta)
+                           rope_theta=fv.rope_theta, extend=fv.extend_positions)
         else:
             core.export_hf(fv.workdir, fv.hf_dir, step=fv.step)
     return 0

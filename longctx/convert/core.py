@@ -213,8 +213,33 @@ def _config_py(cfg) -> str:
             "def get_config(arg=None):\n    return config_lib.merge_over_base(CONFIG)\n")
 
 
+def extend_positions(cfg, factor: int, seq_len: int, log=print):
+    """``cfg`` (the import's config, learned positions) with ``factor`` times the positions (``model.max_len``)
+    and ``train.seq_len`` = ``seq_len`` (the config's own, at most the new length): the longer table is the
+    source's learned rows copied ``factor`` times (Longformer's and VCC's initialisation), the offset rows of a
+    RoBERTa kept in front (:func:`extended_table`)."""
+    if cfg.model.positions != "learned":
+        raise ConvertError(f"--extend_positions: the model has {cfg.model.positions} positions; copying applies to "
+                           "learned ones (a rotary model runs at any length: --rope_theta gives it a larger base)")
+    if factor < 1:
+        raise ConvertError(f"--extend_positions={factor} must be an integer >= 1")
+    ext = copy.deepcopy(cfg)
+    ext.model.max_len = cfg.model.max_len * factor
+    ext.train.seq_len = min(seq_len, ext.model.max_len)
+    log(f"note: learned positions {cfg.model.max_len} -> {ext.model.max_len} (--extend_positions={factor}: the "
+        f"source's rows copied {factor} times), train.seq_len {ext.train.seq_len}")
+    return ext
+
+
+def extended_table(table, factor: int, offset: int):
+    """A learned position table [offset + P, d] -> [offset + factor * P, d]: the first ``offset`` rows (RoBERTa's
+    padding rows) as they are, then the P learned rows ``factor`` times over, so position p reads the source's
+    row p mod P (p < P: the source's model exactly)."""
+    return jnp.concatenate([table[:offset], jnp.tile(table[offset:], (factor, 1))], axis=0)
+
+
 def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_state: bool = True,
-              rope_theta: float | None = None, log=print) -> dict:
+              rope_theta: float | None = None, extend: int = 1, log=print) -> dict:
     """Convert the Hugging Face folder ``hf_dir`` into the run folder ``workdir`` (see the module's docstring).
     ``config``: a longctx config (a ConfigDict, or a config file ``FILE[:VARIANT]``; default: the base config)
     whose sections other than the architecture the run takes (data, train, eval, execution; the model's
@@ -223,14 +248,20 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
     config, every tensor's name and shape) and write nothing. ``optimizer_state=False`` writes no optimizer state
     (enough for longctx-eval and longctx-sample; longctx-train then cannot resume the run). ``rope_theta``: the
     run's rotary base instead of config.json's (context extension by a larger base before continued pretraining;
-    the logits then differ from the source's). Returns a summary."""
+    the logits then differ from the source's). ``extend``: learned positions ``extend`` times as many, the source's
+    rows copied (:func:`extend_positions`; the logits of the first positions stay the source's). Returns a
+    summary."""
     from longctx import config as config_lib
     from longctx import config_files
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
     hf = read_hf_config(hf_dir)
     base = config_files.load(config) if isinstance(config, str) else copy.deepcopy(config)
+    want_len = int(base.train.seq_len) if base is not None else 0
     fam, cfg = hf_model_config(hf, base, log)
+    src_cfg = cfg  # the source's positions: what the tensors are checked and read against
+    if extend != 1:
+        cfg = extend_positions(cfg, int(extend), want_len or cfg.train.seq_len, log)
     if rope_theta is not None:
         if cfg.model.positions != "rotary":
             raise ConvertError(f"--rope_theta: a {hf['model_type']} model has {cfg.model.positions} positions, no "
@@ -248,7 +279,7 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         cfg.data.tokenizer = "hf"
         cfg.data.options.tokenizer_file = str((hf_dir if dry_run else workdir).resolve() / "tokenizer.json")
     folder = Folder(hf_dir)
-    check_tensors(fam, cfg.model, folder)
+    check_tensors(fam, src_cfg.model, folder)
     for note in fam.notes(hf):
         log(note)
     n_params = sum(int(np.prod(folder.shape(n))) for n in folder.names())
@@ -263,7 +294,15 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         raise ConvertError(f"--workdir {workdir} already holds checkpoints; import into a new folder")
     given = copy.deepcopy(cfg)  # config.py keeps the keys unresolved (train.window=0 follows a new seq_len)
     cfg = config_lib.validate(cfg)  # before anything is written
-    graphdef, params, nongrad, rest = load_params(fam, cfg, folder)  # so are the tensors' values
+    graphdef, params, nongrad, rest = load_params(fam, config_lib.validate(src_cfg) if extend != 1 else cfg, folder)
+    if extend != 1:
+        from flax import nnx
+
+        pure = nnx.to_pure_dict(params)
+        pure["pos_embed"]["embedding"] = extended_table(pure["pos_embed"]["embedding"], int(extend),
+                                                        int(cfg.model.position_offset))
+        graphdef, params, _, _ = abstract_model(cfg)
+        nnx.replace_by_pure_dict(params, pure)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

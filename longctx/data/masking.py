@@ -15,7 +15,11 @@ so the loss gathers them by index). Which positions, by ``mlm.masking``:
   uniform in ``mlm.clusters`` and a width sigma uniform in ``mlm.cluster_sigma`` are drawn per row;
   a position's weight is the mean over centres of exp(-(t - c)^2 / (2 sigma^2)), and the positions
   are drawn by weight without replacement (Gumbel top-k). (VCC's collator also shuffles 8-32
-  document segments of a row; rows here are one contiguous piece of one document, unshuffled.)
+  document segments of a row; rows here are one contiguous piece of the split, unshuffled.)
+
+A row of ``data.packing='segments'`` (several documents, :func:`with_boundaries`) is masked like any other: the
+positions are drawn over the whole row whatever its documents (a document's share of the masked tokens
+varies), and the encoder sees each document alone.
 
 Then each predicted position's input is replaced by the mask token with probability
 ``mlm.mask_prob``, by a uniformly random text token with probability ``mlm.random_prob``, and left
@@ -120,3 +124,16 @@ def mask_rows(tokens: np.ndarray, mcfg, *, seed: int, step: int, rows, mask_id: 
         mask[b, pos] = True
         inputs[b] = corrupt_row(rng, tokens[b], pos, mcfg, mask_id)
     return {"inputs": inputs, "targets": tokens, "mask": mask}
+
+
+BOUNDARIES = ("segment_ids", "positions")  # a packed row's arrays (longctx.data.batching, packing='segments')
+
+
+def with_boundaries(masked: dict[str, np.ndarray], batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`mask_rows`'s output plus the batcher's 'segment_ids' and 'positions' [B, T] where ``batch`` (the rows
+    it masked) has them (``data.packing='segments'``), unchanged; ``masked`` itself otherwise."""
+    extra = {k: np.asarray(batch[k], np.int32) for k in BOUNDARIES if k in batch}
+    if extra and any(v.shape != masked["inputs"].shape for v in extra.values()):
+        raise ValueError(f"segment ids / positions {[v.shape for v in extra.values()]} must be like the rows "
+                         f"{masked['inputs'].shape}")
+    return {**masked, **extra}

@@ -1,12 +1,15 @@
 """Decoder language model: embed -> blocks -> norm -> logits, with a stateful call.
 
-    logits, state, aux = model(tokens, state=None, deterministic=True, key=None)
+    logits, state, aux = model(tokens, state=None, deterministic=True, key=None, positions=None, segment_ids=None)
     state = model.init_state(batch_size, max_len)
 
 ``state`` = {'pos': int32 scalar (tokens seen), 'layers': [per-block state]} (``model.scan_layers``: one
 tree of the blocks' states stacked on a leading layer axis).
 ``aux`` = {'losses': {name: scalar summed over layers}, 'stats': [per-layer stats],
 'metrics': {...}}; ``model.apply_stats(aux['stats'])`` applies non-gradient updates.
+``positions`` / ``segment_ids``: optional [B, T] int32 of packed rows (``data.packing='segments'``): each
+document attended alone, its positions restarting at 0 and the carried state afresh at its first token
+(:meth:`longctx.models.backbone.Backbone.run`); without them the call is the plain one.
 
 The embedding, positions, blocks, norm and output head are the shared
 :class:`longctx.models.backbone.Backbone`; :func:`build_model` picks the decoder or the
@@ -23,12 +26,16 @@ from longctx.models.backbone import Backbone
 class DecoderLM(Backbone):
     """The backbone with blocks built per ``cfg.causal`` (True for a language model)."""
 
-    def hidden(self, tokens, state=None, *, deterministic: bool = True, key=None):
-        """Final-norm hidden states [B, T, d_model] (for heads other than the dense one)."""
-        return self.run(tokens, state, deterministic=deterministic, key=key)
+    def hidden(self, tokens, state=None, *, deterministic: bool = True, key=None, positions=None, segment_ids=None):
+        """(final-norm hidden states [B, T, d_model], new state, aux) (for heads other than the dense one);
+        ``positions`` / ``segment_ids``: a packed row's (module docstring)."""
+        return self.run(tokens, state, deterministic=deterministic, key=key, positions=positions,
+                        segment_ids=segment_ids)
 
-    def __call__(self, tokens, state=None, *, deterministic: bool = True, key=None):
-        h, new_state, aux = self.hidden(tokens, state, deterministic=deterministic, key=key)
+    def __call__(self, tokens, state=None, *, deterministic: bool = True, key=None, positions=None,
+                 segment_ids=None):
+        h, new_state, aux = self.hidden(tokens, state, deterministic=deterministic, key=key, positions=positions,
+                                        segment_ids=segment_ids)
         return self.logits(h), new_state, aux
 
 

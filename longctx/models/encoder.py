@@ -1,7 +1,7 @@
 """Encoder for masked-language modelling: the shared backbone with bidirectional blocks.
 
     logits, aux = model(tokens, important=None, deterministic=True, key=None)   # [B, T, V]
-    h, aux = model.hidden(tokens, important=mask)
+    h, aux = model.hidden(tokens, important=mask, positions=None, segment_ids=None)
     nll, weight, idx = model.masked_nll(h, targets, mask, num_masked)     # loss on masked tokens only
 
 Every block is built with ``causal=False`` whatever ``model.causal`` says: each position sees the
@@ -9,6 +9,12 @@ whole row. There is no carried state (bidirectional cores take ``state=None``), 
 call. ``important`` ([B, T] bool, the masked positions in MLM training) reaches the blocks as the
 ``important`` keyword; a block or stack wrapper that treats some tokens specially (VCC's VIP
 tokens) uses it, the others never see it.
+
+Packed rows (``data.packing='segments'``): ``positions`` and ``segment_ids`` [B, T] int32 (the batcher's) make
+each document of the row its own sequence: its positions restart at 0 and a token attends to the whole of
+its own document and to nothing else (bidirectional attention within the document), so a packed row's hidden
+states are those of its documents run alone (where every layer's method takes segment ids,
+``AttentionCore.takes_segments``; the others refuse in one line).
 
 The mask token is one id beyond the tokenizer's vocabulary (``mlm.mask_id`` = the tokenizer's
 vocabulary size; ``model.vocab_size`` = that + 1), so no text token is ever confused with it.
@@ -30,13 +36,18 @@ class EncoderMLM(Backbone):
             cfg.causal = False
         super().__init__(cfg, rngs=rngs)
 
-    def hidden(self, tokens, important=None, *, deterministic: bool = True, key=None):
-        """Final-norm hidden states [B, T, d_model] and the blocks' aux."""
-        h, _, aux = self.run(tokens, None, deterministic=deterministic, key=key, important=important)
+    def hidden(self, tokens, important=None, *, deterministic: bool = True, key=None, positions=None,
+               segment_ids=None):
+        """Final-norm hidden states [B, T, d_model] and the blocks' aux; ``positions`` / ``segment_ids``: a packed
+        row's (module docstring)."""
+        h, _, aux = self.run(tokens, None, deterministic=deterministic, key=key, important=important,
+                             positions=positions, segment_ids=segment_ids)
         return h, aux
 
-    def __call__(self, tokens, important=None, *, deterministic: bool = True, key=None):
-        h, aux = self.hidden(tokens, important, deterministic=deterministic, key=key)
+    def __call__(self, tokens, important=None, *, deterministic: bool = True, key=None, positions=None,
+                 segment_ids=None):
+        h, aux = self.hidden(tokens, important, deterministic=deterministic, key=key, positions=positions,
+                             segment_ids=segment_ids)
         return self.logits(h), aux
 
     @staticmethod

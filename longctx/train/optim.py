@@ -26,3 +26,23 @@ def make_optimizer(tc) -> optax.GradientTransformation:
         optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip > 0 else optax.identity(),
         optax.adamw(schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay, mask=decay_mask),
     )
+
+
+def _key(entry):
+    """A tree path entry's key (a dict key, an attribute name or a sequence index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def core_mask(params, layers):
+    """A tree of bools over ``params`` (an unrolled model's, ``blocks/<i>/...``): True for the parameters of the
+    attention cores of ``layers`` (what attention transfer trains), False for everything else."""
+    layers = set(layers)
+
+    def own(path, _):
+        keys = tuple(_key(e) for e in path)
+        return len(keys) > 2 and keys[0] == "blocks" and keys[1] in layers and keys[2] == "core"
+
+    return jax.tree_util.tree_map_with_path(own, params)

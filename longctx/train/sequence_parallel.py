@@ -147,8 +147,11 @@ def xla_hidden(mesh):
 
 
 def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
-    """``hidden(model, tokens, state, *, deterministic, key) -> (h, new_state, aux)`` for the train
-    step, equal to ``model.hidden`` with the row split over ``mesh.sequence`` by composed states.
+    """``hidden(model, tokens, state, *, deterministic, key, positions=None, segment_ids=None) -> (h, new_state,
+    aux)`` for the train step, equal to ``model.hidden`` with the row split over ``mesh.sequence`` by composed
+    states. Packed rows (``positions`` / ``segment_ids`` [B, T], ``data.packing='segments'``) are split with the
+    tokens: each device's slice reads its own positions, and the composed prefix keeps every key's segment id
+    (a core's state does where it takes segment ids), so no document sees another across the slices.
     Only ``sequence`` is manual inside (``shard_map(axis_names={'sequence'})``): the batch and the
     parameters keep their data/fsdp/tensor shardings. ``fold_key``: the key is folded with the device
     index, so dropout masks differ between slices (False: every slice gets the step's key, which
@@ -159,7 +162,8 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
     the new state is the last device's."""
     D = mesh.shape[AXIS]
 
-    def hidden(model, tokens, state=None, *, deterministic: bool = True, key=None):
+    def hidden(model, tokens, state=None, *, deterministic: bool = True, key=None, positions=None,
+               segment_ids=None):
         B, T = tokens.shape
         n = T // D
         if T % D or T > (max_len or T):
@@ -167,10 +171,11 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
                              f"for {max_len} tokens")
         graphdef, variables = nnx.split(model)
         has_key = key is not None
+        packed = {name: x for name, x in (("positions", positions), ("segment_ids", segment_ids)) if x is not None}
 
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS), P(), P()),
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS), P(), P(), P(None, AXIS)),
                            out_specs=(P(None, AXIS), P(), P()), axis_names={AXIS}, check_vma=False)
-        def run(variables, local, state, key):
+        def run(variables, local, state, key, packed):
             model = nnx.merge(graphdef, variables)
             me = jax.lax.axis_index(AXIS)
             offset = jnp.zeros((), jnp.int32) if state is None else state["pos"]
@@ -181,7 +186,7 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
                 h, new_state, aux = model.hidden(local, {"pos": offset + me * n, "layers": shards},
                                                  deterministic=deterministic,
                                                  key=(jax.random.fold_in(key, me) if fold_key else key)
-                                                 if has_key else None)
+                                                 if has_key else None, **packed)
             last = me == D - 1
             new_state = jax.tree.map(lambda x: jax.lax.psum(jnp.where(last, x, jnp.zeros_like(x)), AXIS),
                                      {**new_state, "pos": offset + T})
@@ -190,6 +195,6 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
                    "metrics": jax.tree.map(lambda x: jax.lax.pmean(x, AXIS), aux["metrics"])}
             return h, new_state, aux
 
-        return run(variables, tokens, state, key if has_key else jnp.zeros((), jnp.uint32))
+        return run(variables, tokens, state, key if has_key else jnp.zeros((), jnp.uint32), packed)
 
     return hidden

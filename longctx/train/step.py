@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from longctx.attention import NonGradState, row_split
+from pallas_kernels.precision import statistic
 
 
 def split_model(model):
@@ -65,6 +66,12 @@ def make_loss_fn(graphdef, constrain=None, hidden=None):
     return loss_fn
 
 
+def _weighted_ce(model, h, targets, weights):
+    """sum(w * nll) / sum(w) over the targets of [B, W] weights ``w`` (0 where nothing is scored)."""
+    w = weights.astype(jnp.float32)
+    return jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
 def make_weighted_loss_fn(graphdef, constrain=None, hidden=None):
     """The LM loss over the scored targets only: sum(w * nll) / sum(w) with per-target weights ``w``
     (a generated source's answer tokens; a window without scored targets contributes 0)."""
@@ -74,8 +81,7 @@ def make_weighted_loss_fn(graphdef, constrain=None, hidden=None):
             inputs, targets, weights = constrain(inputs), constrain(targets), constrain(weights)
         model = nnx.merge(graphdef, params, nongrad, rest)
         h, new_state, aux = _hidden(model, hidden)(inputs, state, deterministic=False, key=key)
-        w = weights.astype(jnp.float32)
-        ce = jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
+        ce = _weighted_ce(model, h, targets, weights)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
         return ce + extra, (ce, new_state, aux)
 
@@ -89,21 +95,20 @@ def target_weights(segment_ids):
     return (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
 
 
-def make_packed_loss_fn(graphdef, constrain=None):
-    """The LM loss of packed rows (``data.packing='segments'``): ``model.run`` with the rows' per-token
+def make_packed_loss_fn(graphdef, constrain=None, hidden=None):
+    """The LM loss of packed rows (``data.packing='segments'``): ``model.hidden`` with the rows' per-token
     ``positions`` and ``segment_ids`` [B, W] (each document attended alone, its positions restarting at 0, the
     carried state starting afresh at its first token), the loss sum(w * nll) / sum(w) over the targets inside a
-    document (:func:`target_weights`)."""
+    document (:func:`target_weights`). ``hidden``: as in :func:`make_loss_fn` (sequence parallelism)."""
 
     def loss_fn(params, nongrad, rest, inputs, targets, positions, segment_ids, weights, state, key):
         if constrain is not None:
             inputs, targets, weights = constrain(inputs), constrain(targets), constrain(weights)
             positions, segment_ids = constrain(positions), constrain(segment_ids)
         model = nnx.merge(graphdef, params, nongrad, rest)
-        h, new_state, aux = model.run(inputs, state, deterministic=False, key=key, positions=positions,
-                                      segment_ids=segment_ids)
-        w = weights.astype(jnp.float32)
-        ce = jnp.sum(model.nll(h, targets) * w) / jnp.maximum(jnp.sum(w), 1e-9)
+        h, new_state, aux = _hidden(model, hidden)(inputs, state, deterministic=False, key=key, positions=positions,
+                                                   segment_ids=segment_ids)
+        ce = _weighted_ce(model, h, targets, weights)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
         return ce + extra, (ce, new_state, aux)
 
@@ -211,22 +216,42 @@ def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
+def _frozen(trainable):
+    """(mask the gradients, keep the frozen parameters): two functions for a static ``trainable`` tree of bools
+    (the parameters' structure; None: everything trains, both the identity). A frozen parameter's gradient is
+    zero and its value after the update is its value before (so neither weight decay nor stale moments move it);
+    the optimizer state keeps its structure, so a run can change what trains when it resumes."""
+    if trainable is None:
+        return (lambda g: g), (lambda new, old: new)
+
+    def grads(g):
+        return jax.tree.map(lambda x, t: x if t else jnp.zeros_like(x), g, trainable)
+
+    def keep(new, old):
+        return jax.tree.map(lambda n, o, t: n if t else o, new, old, trainable)
+
+    return grads, keep
+
+
+def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool, trainable=None):
     """One optimizer update (and non-gradient update): ``update(carry, (*batch, key))`` with
     carry = (params, nongrad, rest, opt_state, model state) and
-    ``grad_fn(params, nongrad, rest, *batch, state, key) -> ((loss, (ce, new_state, aux)), grads)``."""
+    ``grad_fn(params, nongrad, rest, *batch, state, key) -> ((loss, (ce, new_state, aux)), grads)``.
+    ``trainable``: a static tree of bools over the parameters, only those True move (:func:`_frozen`)."""
 
     if isinstance(tx, LossScaling):
-        return _make_scaled_update(graphdef, tx, grad_fn)
+        return _make_scaled_update(graphdef, tx, grad_fn, trainable)
+    mask_grads, keep_frozen = _frozen(trainable)
 
     def update(carry, xs):
         params, nongrad, rest, opt_state, state = carry
         *batch, key = xs
         (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, *batch, state, key)
+        grads = mask_grads(grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        new_params = keep_frozen(optax.apply_updates(params, updates), params)
         model = nnx.merge(graphdef, new_params, nongrad, rest)
         model.apply_stats(aux["stats"])
         new_nongrad = nnx.state(model, NonGradState)
@@ -249,24 +274,25 @@ def _make_update(graphdef, tx, grad_fn, skip_nonfinite: bool):
     return update
 
 
-def _make_scaled_update(graphdef, tx: LossScaling, grad_fn):
+def _make_scaled_update(graphdef, tx: LossScaling, grad_fn, trainable=None):
     """:func:`_make_update` under loss scaling: ``grad_fn(..., scale=)`` returns the gradients of the scaled loss;
     they are unscaled in float32, an update with non-finite gradients is skipped whatever ``train.on_nonfinite``
     says, and the scale in the optimizer state moves (:meth:`LossScaling.next_scale`). Besides the usual metrics:
     ``loss_scale`` (the scale this update used) and ``loss_scale_overflow`` (a dynamic scale's overflow: the loss
     finite, the gradients not, the scale above its minimum -- the loop does not count it as a non-finite step)."""
+    mask_grads, keep_frozen = _frozen(trainable)
 
     def update(carry, xs):
         params, nongrad, rest, opt_state, state = carry
         *batch, key = xs
         scale = opt_state.scale
         (loss, (ce, new_state, aux)), grads = grad_fn(params, nongrad, rest, *batch, state, key, scale=scale)
-        grads = _unscale(grads, scale)
+        grads = mask_grads(_unscale(grads, scale))
         grad_norm = optax.tree.norm(grads)
         loss_finite, grad_finite = jnp.isfinite(loss), jnp.isfinite(grad_norm)
         finite = loss_finite & grad_finite
         updates, new_inner = tx.inner.update(grads, opt_state.inner, params)
-        new_params = optax.apply_updates(params, updates)
+        new_params = keep_frozen(optax.apply_updates(params, updates), params)
         model = nnx.merge(graphdef, new_params, nongrad, rest)
         model.apply_stats(aux["stats"])
         new_nongrad = nnx.state(model, NonGradState)
@@ -392,7 +418,8 @@ def accumulate_grads(loss_fn, k: int, *, weighted: bool = False, state_axes=None
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int, window: int, skip_nonfinite: bool,
-                    constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1, packed: bool = False):
+                    constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1, packed: bool = False,
+                    loss=None, trainable=None):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
     ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
     ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
@@ -403,13 +430,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     ``packed``: the batch is ``{'tokens', 'segment_ids', 'positions': [B, T+1] int32}`` (``data.packing='segments'``,
     :func:`make_packed_loss_fn`; the windows slice the positions and segment ids with the tokens, so a document
     that runs on into the next window keeps its cached keys and one that starts there starts afresh; not with
-    ``weighted`` or ``hidden``).
-    ``tx`` made by :func:`with_loss_scale` / :func:`loss_scaling`: the updates are loss-scaled."""
+    ``weighted``).
+    ``tx`` made by :func:`with_loss_scale` / :func:`loss_scaling`: the updates are loss-scaled.
+    ``loss``: another loss function of :func:`make_loss_fn`'s signature (attention transfer,
+    :func:`make_transfer_loss_fn`); ``trainable``: a static tree of bools over the parameters, only those True
+    are updated (:func:`_frozen`)."""
     n_windows = seq_len // window
-    if packed:
-        if weighted or hidden is not None:
-            raise ValueError("packed rows take neither per-target weights nor a sequence-parallel hidden hook")
-        loss = make_packed_loss_fn(graphdef, constrain)
+    if loss is not None:
+        if weighted or packed:
+            raise ValueError("a given loss function takes neither per-target weights nor packed rows")
+    elif packed:
+        if weighted:
+            raise ValueError("packed rows take no per-target weights (their weights are the segments')")
+        loss = make_packed_loss_fn(graphdef, constrain, hidden)
     else:
         loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
     weighted = weighted or packed  # the packed loss's last per-target input is its weights too
@@ -424,7 +457,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
             axes = (_batch_axes(graphdef, params, nongrad, rest, batch_size, microbatches, seq_len)
                     if n_windows > 1 else None)
             grad_fn = accumulate_grads(loss, microbatches, weighted=weighted, state_axes=axes)
-        return _make_update(graphdef, tx, grad_fn, skip_nonfinite)
+        return _make_update(graphdef, tx, grad_fn, skip_nonfinite, trainable)
 
     def step(params, nongrad, rest, opt_state, tokens, key):
         update = make_update(params, nongrad, rest, (tokens["tokens"] if weighted else tokens).shape[0])
@@ -457,15 +490,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
 def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None, row_mesh=None):
     """Masked-LM loss: mean NLL over the masked positions only (gathered by index, ``num_masked`` per row).
     ``row_mesh``: the mesh whose ``sequence`` axis splits the rows (XLA partitions the encoder; a fused attention
-    kernel runs in a ``shard_map`` over it, ``longctx.attention.row_split``)."""
+    kernel runs in a ``shard_map`` over it, ``longctx.attention.row_split``). A batch of packed rows
+    (``data.packing='segments'``) also holds 'positions' and 'segment_ids' [B, T]: each document is encoded alone,
+    so the loss is the masked-token-weighted mean of the documents' own masked losses."""
 
     def loss_fn(params, nongrad, rest, batch, state, key):
         inputs, targets, mask = batch["inputs"], batch["targets"], batch["mask"]
+        packed = {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
         if constrain is not None:
             inputs, targets, mask = constrain(inputs), constrain(targets), constrain(mask)
+            packed = {k: constrain(v) for k, v in packed.items()}
         model = nnx.merge(graphdef, params, nongrad, rest)
         with row_split.sequence_mesh(row_mesh):
-            h, aux = model.hidden(inputs, mask, deterministic=False, key=key)
+            h, aux = model.hidden(inputs, mask, deterministic=False, key=key, **packed)
         nll, valid, _ = model.masked_nll(h, targets, mask, num_masked)
         ce = jnp.sum(nll) / jnp.maximum(jnp.sum(valid), 1)
         extra = sum(aux["losses"].values()) if aux["losses"] else 0.0
@@ -477,7 +514,8 @@ def make_mlm_loss_fn(graphdef, num_masked: int, constrain=None, row_mesh=None):
 def make_mlm_train_step(graphdef, tx: optax.GradientTransformation, *, num_masked: int, skip_nonfinite: bool,
                         constrain=None, row_mesh=None):
     """Encoder (masked-LM) step: step(params, nongrad, rest, opt_state, batch, key) -> (params, nongrad, opt_state,
-    metrics) with batch = {'inputs', 'targets': [B, T] int32, 'mask': [B, T] bool} (longctx.data.masking).
+    metrics) with batch = {'inputs', 'targets': [B, T] int32, 'mask': [B, T] bool} (longctx.data.masking), and
+    'positions', 'segment_ids' [B, T] int32 for packed rows (:func:`make_mlm_loss_fn`).
     One update per row batch: windows do not apply to encoders."""
     loss = make_mlm_loss_fn(graphdef, num_masked, constrain, row_mesh)
     grad_fn = scaled_value_and_grad(loss) if isinstance(tx, LossScaling) else jax.value_and_grad(loss, has_aux=True)
@@ -529,3 +567,61 @@ def make_forward(graphdef):
         return model.nll(h, targets), new_state
 
     return forward
+
+
+# ---- attention transfer
+
+TRANSFER_LOSS = "attention_transfer"  # the aux loss (summed over the swapped layers) and the metric's name
+
+
+class TransferProbe(nnx.Module):
+    """A swapped layer's core during attention transfer: runs ``inner`` (the layer's own method) and the exact
+    method ``exact`` on the same q, k, v, both under ``stop_gradient`` on q, k, v (only the core's own parameters
+    get a gradient), reports mean((inner - exact)^2) over the outputs as the aux loss :data:`TRANSFER_LOSS` and as
+    the metric ``transfer_mse`` (``layer{i}/transfer_mse`` in the train record), and hands the exact output on,
+    so every layer above sees the exact model's activations (each swapped layer learns on the inputs the exact
+    model gives it, as LoLCATs' attention transfer does)."""
+
+    def __init__(self, inner, exact):
+        self.inner, self.exact = inner, exact
+        self.name, self.causal = inner.name, inner.causal
+
+    def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux=None, **kwargs):
+        q, k, v = (jax.lax.stop_gradient(a) for a in (q, k, v))
+        out, state = self.inner(q, k, v, state, deterministic=deterministic, key=key, aux=aux, **kwargs)
+        ref, _ = self.exact(q, k, v, None, deterministic=True, **kwargs)
+        ref = jax.lax.stop_gradient(ref)
+        with statistic("attention transfer loss"):
+            mse = jnp.mean(jnp.square(out.astype(jnp.float32) - ref.astype(jnp.float32)))
+        if aux is not None:
+            aux.add_loss(TRANSFER_LOSS, mse)
+            aux.add_metric("transfer_mse", mse)
+        return ref.astype(out.dtype), state
+
+    def init_state(self, batch_size: int, max_len: int | None = None):
+        return self.inner.init_state(batch_size, max_len)
+
+    def apply_stats(self, stats) -> None:
+        self.inner.apply_stats(stats)
+
+
+def make_transfer_loss_fn(graphdef, layers, exact_core, constrain=None):
+    """The attention-transfer loss (:func:`make_loss_fn`'s signature): the model with each of ``layers``' cores
+    wrapped in a :class:`TransferProbe` (``exact_core(core)``: the exact method's core of the same heads), the
+    loss the sum over those layers of their transfer MSE plus the methods' own aux losses. The returned ``ce`` is
+    the summed transfer MSE (what the train record's ``loss`` shows during transfer; the LM loss of the swapped
+    model is what the periodic validation scores)."""
+
+    def loss_fn(params, nongrad, rest, inputs, targets, state, key):
+        del targets  # the transfer matches attention outputs; no token is predicted
+        if constrain is not None:
+            inputs = constrain(inputs)
+        model = nnx.merge(graphdef, params, nongrad, rest)
+        for i in layers:
+            block = model.blocks[i]
+            block.core = TransferProbe(block.core, exact_core(block.core))
+        _, new_state, aux = model.hidden(inputs, state, deterministic=False, key=key)
+        transfer = aux["losses"][TRANSFER_LOSS]
+        return sum(aux["losses"].values()), (transfer, new_state, aux)
+
+    return loss_fn

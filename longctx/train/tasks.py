@@ -21,6 +21,9 @@ The tasks:
 * :class:`MaskedLM`: an encoder (``model.kind='encoder'``); rows of ``seq_len`` tokens masked as a
   function of (seed, step, row), loss on the masked tokens, validation by
   :func:`longctx.protocols.score_mlm_split` (loss and accuracy).
+* :class:`AttentionTransfer` (``train.task='attention_transfer'``): the rows of :class:`LanguageModel`; the
+  loss is each swapped layer's distance to exact attention on the same q, k, v, and only those layers' cores'
+  own parameters train; validation as :class:`LanguageModel`.
 * :class:`Recall`: a decoder on a generated recall task (``data.source`` generated, see
   :mod:`longctx.data.synthetic`); rows made on the fly, loss on the answer tokens, validation on the
   task's fixed evaluation rows by :func:`longctx.protocols.score_answers` (answer loss and exact match).
@@ -182,11 +185,12 @@ class MaskedLM(Task):
         return step, jax.jit(make_mlm_forward(graphdef, masking.num_masked(cfg.eval.context, cfg.mlm.rate)))
 
     def batch(self, at_step):
-        tokens = self.host_batch(at_step)["tokens"]
+        host = self.host_batch(at_step)
+        tokens = host["tokens"]
         rows = self.row0 + np.arange(len(tokens))
         mlm = self.cfg.mlm
-        corrupted = masking.mask_rows(tokens, mlm, seed=self.cfg.train.seed, step=at_step, rows=rows,
-                                      mask_id=mlm.mask_id)
+        corrupted = masking.with_boundaries(masking.mask_rows(tokens, mlm, seed=self.cfg.train.seed, step=at_step,
+                                                              rows=rows, mask_id=mlm.mask_id), host)
         return {k: sharding.shard_batch(self.mesh, v) for k, v in corrupted.items()}
 
     def evaluate(self, state):
@@ -244,8 +248,64 @@ class Recall(LanguageModel):
         )
 
 
+class AttentionTransfer(LanguageModel):
+    """Attention transfer (``train.task='attention_transfer'``): the rows of a language model, and a step whose
+    loss is, for each swapped layer (a layer whose method is not the exact one), the mean squared error between
+    its core's output and the exact method's output on the same q, k, v in the same forward (the exact branch
+    under ``stop_gradient``; the exact output is what the layers above see, :class:`longctx.train.step.
+    TransferProbe`). Only the swapped layers' cores' own parameters are updated (the rest is frozen:
+    :func:`longctx.train.step._frozen`); the train record's ``loss`` is the summed transfer MSE and
+    ``layer{i}/transfer_mse`` each layer's. Validation scores the swapped model's LM loss as
+    :class:`LanguageModel` does. The configuration rules (a decoder, whole rows, no packing, one device per row,
+    unrolled transformer blocks, a layer to transfer) are in :mod:`longctx.config`; a run whose swapped layers'
+    methods have no parameters of their own is refused here, in one line."""
+
+    name = "attention_transfer"
+
+    def make_step(self, model, graphdef, tx, plan):
+        from longctx import attention
+        from longctx.errors import ConfigError
+        from longctx.models.blocks import layer_methods
+        from longctx.models.decoder import with_execution
+        from longctx.train.optim import core_mask
+        from longctx.train.step import make_transfer_loss_fn
+
+        cfg, tc = self.cfg, self.cfg.train
+        methods = layer_methods(cfg.model)
+        layers = [i for i, m in enumerate(methods) if not attention.get_class(m).exact]
+        own = {i: len(jax.tree.leaves(nnx.state(model.blocks[i].core, nnx.Param))) for i in layers}
+        if not any(own.values()):
+            names = sorted({methods[i] for i in layers})
+            raise ConfigError(f"train.task='attention_transfer': {', '.join(names)} has no trainable parameters of "
+                              "its own in the swapped layers, so there is nothing to transfer; fine-tune instead "
+                              "(train.task='auto')")
+        for i in (i for i in layers if not own[i]):
+            print(f"attention transfer: layer {i} ({methods[i]}) has no parameters of its own; its transfer loss is "
+                  "logged and nothing there trains")
+        self.layers = tuple(layers)
+        exact = next(n for n in attention.names() if attention.get_class(n).exact)
+        exact_cfg = with_execution(cfg.model, cfg.get("execution")).attention.get(exact)
+
+        def exact_core(core):
+            return attention.build(exact, exact_cfg, num_heads=core.num_heads, head_dim=core.head_dim,
+                                   value_dim=core.value_dim, causal=core.causal, rngs=nnx.Rngs(0))
+
+        loss = make_transfer_loss_fn(graphdef, self.layers, exact_core, constrain=plan.constrain)
+        trainable = core_mask(nnx.state(model, nnx.Param), self.layers)
+        step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
+                                             constrain=plan.constrain, microbatches=tc.microbatches, loss=loss,
+                                             trainable=trainable))
+        return step, jax.jit(self.make_forward(graphdef))
+
+    def summary(self):
+        return (f"{super().summary()}; attention transfer in layer(s) {', '.join(map(str, self.layers))} "
+                "(only their cores' own parameters train)")
+
+
 def task_class(cfg: ml_collections.ConfigDict) -> type[Task]:
     """The task a (validated) config trains."""
+    if cfg.train.task == "attention_transfer":
+        return AttentionTransfer
     if sources.is_generated(cfg.data.source):
         return Recall
     return MaskedLM if cfg.model.kind == "encoder" else LanguageModel

@@ -50,11 +50,11 @@ def np_softmax_attention(q, k, v, causal):
     return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
 
 
-def build(name, is_causal=True, *, heads=2, head_dim=8, value_dim=None, **settings):
+def build(name, is_causal=True, *, heads=2, head_dim=8, value_dim=None, platform=None, **settings):
     """The method's core: its defaults updated with ``settings`` (``is_causal``: a method may have a setting
-    named ``causal``)."""
+    named ``causal``), built for ``platform`` (default: the running one)."""
     return attention.build(name, settings, num_heads=heads, head_dim=head_dim, value_dim=value_dim, causal=is_causal,
-                           rngs=nnx.Rngs(0))
+                           rngs=nnx.Rngs(0), platform=platform)
 
 
 @functools.partial(nnx.jit, static_argnames=("deterministic",))

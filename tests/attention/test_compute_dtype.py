@@ -52,7 +52,8 @@ def _params(model_level=False):
             if (_case(cls, direction) is None) != model_level or (model_level and not _model_case(cls, direction)):
                 continue
             for impl in cls.implementations(causal=causal)[1:]:
-                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}"))
+                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}",
+                                        marks=[pytest.mark.slow] if impl.slow_in_interpret else []))
     return out
 
 
@@ -90,6 +91,10 @@ def defects(jaxpr, widths, in_kernel=False, library=False):
                 shapes = [tuple(v.aval.shape) for v in eqn.invars]
                 out.append(f"{'kernel ' if in_kernel else ''}dot_general {shapes} {[str(d) for d in dts]} at "
                            f"{scope or '(top)'}")
+        if name == "wgmma_ref":  # a Mosaic GPU kernel's product: (accumulator, a, b), the accumulator float32
+            dts = [v.aval.dtype for v in eqn.invars[1:3]]
+            if any(dt == jnp.float32 for dt in dts):
+                out.append(f"kernel wgmma {[str(d) for d in dts]} at {scope or '(top)'}")
         if name == "pallas_call":
             # an operand an output aliases is a float32 accumulator the kernel adds into (atomics), not a product's
             # operand: its reads inside the kernel are checked like every other equation there

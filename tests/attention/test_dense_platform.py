@@ -191,18 +191,16 @@ def test_config_accepts_the_kernels_and_bench_lists_them_on_their_platform(monke
     with pytest.raises(ConfigError, match="cudnn"):
         attention.validate("dense", cfg, causal=True)
     # a CPU: the labels as before, the tiles by their CPU form (pinned: this file also runs on a GPU)
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")
-    assert dense.DenseAttention.bench_variants() == {"naive": {"impl": "reference"}, "blockwise": {"impl": "xla_cpu"}}
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
-    variants = dense.DenseAttention.bench_variants()
+    assert dense.DenseAttention.bench_variants("cpu") == {"naive": {"impl": "reference"},
+                                                          "blockwise": {"impl": "xla_cpu"}}
+    variants = dense.DenseAttention.bench_variants("cuda")
     assert variants["cudnn"] == {"impl": "cudnn"} and variants["blockwise"] == {"impl": "blockwise"}
 
 
 # ------------------------------------------------------------------------------------------------ CPU unchanged
 @pytest.mark.parametrize("T, threshold", [(64, 4096 * 4096), (64, 16)])  # reference; the unrolled tiles
 @pytest.mark.parametrize("full_pass", [True, False])
-def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, monkeypatch, T, threshold, full_pass):
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")  # the CPU's rule, wherever the suite runs
+def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, T, threshold, full_pass):
     q, k, v = qkv(T)
     pos = full(T)
     kw = dict(causal=True, block_q=16, block_k=16)
@@ -213,7 +211,8 @@ def test_auto_on_cpu_is_the_reference_or_xla_cpu_by_threshold(fresh_log, monkeyp
         return naive_attention(q, k, v, *pos, causal=True)
 
     def now(q, k, v):
-        return dense.attend(q, k, v, *pos, impl="auto", auto_threshold=threshold, full_pass=full_pass, **kw)
+        return dense.attend(q, k, v, *pos, impl="auto", auto_threshold=threshold, full_pass=full_pass,
+                            platform="cpu", **kw)  # the CPU's rule, wherever the suite runs
 
     assert str(jax.make_jaxpr(now)(q, k, v)) == str(jax.make_jaxpr(rule)(q, k, v))
     assert log_lines(fresh_log) == []
@@ -289,11 +288,11 @@ def test_platform_kernel_compiled_matches_naive(causal):
     T = 512
     args = qkv(T, D=64, dtype=BF16)
     pos = full(T)
-    assert dense.choose("auto", dtype=BF16, head_dim=64).name == ON_DEVICE
+    assert dense.choose("auto", platform=dispatch.current_platform(), dtype=BF16, head_dim=64).name == ON_DEVICE
 
     def fn(q, k, v):
         return dense.attend(q, k, v, *pos, causal=causal, impl=ON_DEVICE, block_q=128, block_k=128,
-                            auto_threshold=1, full_pass=True)
+                            auto_threshold=1, full_pass=True, platform=dispatch.current_platform())
 
     check_values_and_grads(fn, lambda q, k, v: naive_attention(q, k, v, *pos, causal=causal), args,
                            (2e-2, 2e-2), (5e-2, 5e-2))

@@ -43,7 +43,7 @@ def run(impl, q, k, v, causal, W, block=8):
 
     def f(q, k, v):
         return dense.attend(q, k, v, pos, pos, jnp.ones((T,), bool), causal=causal, impl=impl, block_q=block,
-                            block_k=block, auto_threshold=1, full_pass=True, window=W)
+                            block_k=block, auto_threshold=1, full_pass=True, window=W, platform=dispatch.current_platform())
 
     w = jnp.cos(jnp.arange(q.size // q.shape[-1] * v.shape[-1], dtype=F32)).reshape(v.shape)
     out, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(F32) * w), argnums=(0, 1, 2)))(q, k, v)

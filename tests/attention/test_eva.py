@@ -522,8 +522,7 @@ def test_execution_knobs_take_the_platform_of_the_call(monkeypatch):
     q, k, v = qkv(16)
 
     def opts(platform, **cfg):
-        monkeypatch.setattr(dispatch, "current_platform", lambda: platform)
-        core = make(window_size=8, chunk_size=4, **cfg)
+        core = make(window_size=8, chunk_size=4, platform=platform, **cfg)
         jax.eval_shape(lambda q, k, v: core(q, k, v)[0], q, k, v)  # traced only
         return seen[-1]
 

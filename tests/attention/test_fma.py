@@ -317,7 +317,7 @@ def test_impl_names_old_and_new():
     """The values configs saved before the named implementations hold keep their meaning ('xla' the blocked XLA
     path, 'pallas' the kernel, 'auto' the platform's choice); 'auto' on a CPU is the CPU form."""
     fma, lin = attention.get_class("fma"), attention.get_class("fma_linear")
-    assert [i.name for i in fma.implementations()] == ["reference", "xla", "xla_cpu", "pallas"]
+    assert [i.name for i in fma.implementations()] == ["reference", "xla", "xla_cpu", "mosaic_gpu", "pallas"]
     assert [i.name for i in lin.implementations()] == ["reference", "xla", "xla_cpu"]
     for cls in (fma, lin):
         assert _pick(cls, "xla", "cpu") == _pick(cls, "xla", "cuda") == "xla"
@@ -345,11 +345,11 @@ def test_execution_knobs_resolve_for_the_platform_of_the_call(monkeypatch):
 
     cfg = attention.default_config("fma")
     assert cfg.logit_budget == cfg.kernel_warps_per_64_rows == cfg.kernel_stages == dispatch.PLATFORM_DEFAULT
-    core, written = build("fma", True, impl="xla"), build("fma", True, impl="xla", logit_budget=5000)
+    core = build("fma", True, impl="xla", platform="cpu")
     assert core._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cpu"]
-    assert build("fma_linear", True)._implementation(None)[1].logit_budget == 1 << 24  # xla_cpu on a CPU
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
-    assert core._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cuda"] != xla.LOGIT_BUDGET["cpu"]
+    assert build("fma_linear", True, platform="cpu")._implementation(None)[1].logit_budget == 1 << 24  # xla_cpu
+    gpu, written = (build("fma", True, impl="xla", platform="cuda", **kw) for kw in ({}, {"logit_budget": 5000}))
+    assert gpu._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cuda"] != xla.LOGIT_BUDGET["cpu"]
     assert written._implementation(None)[1].logit_budget == 5000
     # the kernel's tiles on cuda: the rule (4 warps per 64 query rows, 2 stages), or as written
     impl = {i.name: i for i in attention.get_class("fma").implementations()}["pallas"]

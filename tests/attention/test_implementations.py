@@ -51,8 +51,9 @@ def _pairs(model_level: bool = False):
                 suffix = "-model" if model_level else ""
                 # one xdist worker per (method, direction): the reference's results are computed once for all
                 group = pytest.mark.xdist_group(f"implementations-{name}-{direction}{suffix}")
+                marks = [group] + ([pytest.mark.slow] if impl.slow_in_interpret else [])
                 out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}",
-                                        marks=group))
+                                        marks=marks))
     return out
 
 

@@ -555,8 +555,8 @@ def test_bidirectional_core_takes_no_state():
     (False, {"heavy_impl": "band"}, "cpu", 0, True, "xla_cpu"),
 ])
 def test_execution_settings_select_implementations(is_causal, cfg, platform, cache_len, full_pass, want):
-    core = make(is_causal, causal=SMALL, **cfg)
-    assert core.implementation_for(jnp.float32, cache_len=cache_len, full_pass=full_pass, platform=platform) == want
+    core = make(is_causal, causal=SMALL, platform=platform, **cfg)
+    assert core.implementation_for(jnp.float32, cache_len=cache_len, full_pass=full_pass) == want
 
 
 # --------------------------------------------------------------------------- per-platform execution defaults
@@ -568,9 +568,9 @@ KNOBS = {"tile_budget": "tile_budget", "heavy_scores_max_len": "heavy_scores_max
 def test_the_resolver_runs_the_platforms_knobs(platform, cache_len, want):
     """The config leaves the knobs at PLATFORM_DEFAULT; the selection on ``platform`` picks the implementation and
     the options it runs with carry that platform's values: a GPU never runs with the CPU's tile budget."""
-    core = make(True, causal=SMALL)
+    core = make(True, causal=SMALL, platform=platform)
     assert all(core.cfg[key] == dispatch.PLATFORM_DEFAULT for key in KNOBS)
-    impl, opts = core.resolve(jnp.bfloat16, cache_len=cache_len, platform=platform)
+    impl, opts = core.resolve(jnp.bfloat16, cache_len=cache_len)
     assert impl.name == want
     for key, field in KNOBS.items():
         if key in impl.defaults:
@@ -587,13 +587,16 @@ def test_the_resolver_runs_the_platforms_knobs(platform, cache_len, want):
 
 
 def test_written_knobs_run_as_written_on_every_platform():
-    core = make(True, causal=SMALL, tile_budget=12345, heavy_scores_max_len=77, heavy_band_block=16)
+    def core(platform):
+        return make(True, causal=SMALL, tile_budget=12345, heavy_scores_max_len=77, heavy_band_block=16,
+                    platform=platform)
+
     for platform, cache_len in (("cuda", 64), ("cpu", 64), ("cpu", 2048)):
-        _, opts = core.resolve(jnp.float32, cache_len=cache_len, platform=platform)
+        _, opts = core(platform).resolve(jnp.float32, cache_len=cache_len)
         assert (opts.tile_budget, opts.heavy_scores_max_len) == (12345, 77)
-    assert core.resolve(jnp.float32, cache_len=2048, platform="cuda")[1].band_block == 16
+    assert core("cuda").resolve(jnp.float32, cache_len=2048)[1].band_block == 16
     # heavy_scores_max_len written: the CPU's 'auto' takes 'band' past 77 keys, not past the CPU default's 1024
-    assert core.implementation_for(jnp.float32, cache_len=128, platform="cpu") == "band"
+    assert core("cpu").implementation_for(jnp.float32, cache_len=128) == "band"
 
 
 def test_the_tiled_code_refuses_unresolved_knobs():
@@ -624,8 +627,7 @@ def test_a_32k_causal_pass_on_gpu_settings_is_a_few_serial_steps(platform, most,
     """Traced, not run: the 'auto' causal training call at 32k tokens, B8 H8 d64 bf16 (forward and backward). With
     the GPU defaults the query tiles and the band's (tile, block) pairs take a few fused steps; the CPU budget
     (2^22 logits) takes hundreds (256 tile steps and 128 pair steps each way)."""
-    monkeypatch.setattr(dispatch, "current_platform", lambda: platform)
-    core = kit.build("kdeformer", True, heads=8, head_dim=64)
+    core = kit.build("kdeformer", True, heads=8, head_dim=64, platform=platform)
     gd, st = nnx.split(core)
 
     def loss(q, k, v):
@@ -642,13 +644,12 @@ def test_a_32k_causal_pass_on_gpu_settings_is_a_few_serial_steps(platform, most,
 
 def test_a_cpu_route_named_off_a_cpu_raises():
     with pytest.raises(KernelUnsupportedError, match="band runs on cpu"):
-        make(True, causal=SMALL, impl="band").implementation_for(jnp.float32, cache_len=64, platform="cuda")
+        make(True, causal=SMALL, impl="band", platform="cuda").implementation_for(jnp.float32, cache_len=64)
 
 
 def test_heavy_impl_written_before_impl_runs_that_route(monkeypatch):
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cpu")  # the routes are CPU implementations
     q, k, v = qkv(64, seed=50)
-    key = jax.random.PRNGKey(51)
-    old, _ = run(make(True, causal=SMALL, heavy_impl="gather"), q, k, v, deterministic=False, key=key)
-    new, _ = run(make(True, causal=SMALL, impl="gather"), q, k, v, deterministic=False, key=key)
+    key = jax.random.PRNGKey(51)  # the routes are CPU implementations
+    old, _ = run(make(True, causal=SMALL, heavy_impl="gather", platform="cpu"), q, k, v, deterministic=False, key=key)
+    new, _ = run(make(True, causal=SMALL, impl="gather", platform="cpu"), q, k, v, deterministic=False, key=key)
     assert bool(jnp.array_equal(old, new))

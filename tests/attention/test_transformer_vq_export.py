@@ -22,16 +22,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx import attention
-from longctx.attention import dispatch
 
 T, L, S, H, D = 32768, 512, 256, 2, 64
 
 
-def _exported_text(monkeypatch) -> str:
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")  # 'auto' as a GPU run resolves it
+def _exported_text() -> str:
     cfg = attention.default_config("transformer_vq")
     cfg.update({"block_len": L, "codebook_size": S})
-    core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=D, causal=True, rngs=nnx.Rngs(0))
+    core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=D, causal=True, rngs=nnx.Rngs(0),
+                           platform="cuda")  # 'auto' as a GPU run resolves it
     assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16).name == "pallas"
     graphdef, params, rest = nnx.split(core, nnx.Param, ...)
 
@@ -58,8 +57,8 @@ def _bias_shaped(text: str) -> list[str]:
     return sorted(found)
 
 
-def test_gpu_forward_backward_holds_no_band_bias_array(monkeypatch):
-    text = _exported_text(monkeypatch)
+def test_gpu_forward_backward_holds_no_band_bias_array():
+    text = _exported_text()
     # the kernels are in the program: the forward and the two backward passes
     assert "__gpu$xla.gpu.triton" in text and "vq_cache_gpu_bwd_q" in text and "vq_cache_gpu_bwd_kv" in text
     assert "tensor<" in text
@@ -67,15 +66,14 @@ def test_gpu_forward_backward_holds_no_band_bias_array(monkeypatch):
     assert not found, f"[.., L, L] / [.., L, 2L] values outside the kernels (L = {L}): {found}"
 
 
-def test_gpu_path_takes_the_compute_dtype(monkeypatch):
+def test_gpu_path_takes_the_compute_dtype():
     from test_compute_dtype import defects
 
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     Dk, Dv = 16, 32  # S = 40 codes (64 after padding), L = 16: no statistic's last axis is a head width
     cfg = attention.default_config("transformer_vq")
     cfg.update({"block_len": 16, "codebook_size": 40})
     core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=Dk, value_dim=Dv, causal=True,
-                           rngs=nnx.Rngs(0))
+                           rngs=nnx.Rngs(0), platform="cuda")
     assert core.implementation_for(B=1, T=64, dtype=jnp.bfloat16).name == "pallas"
     graphdef, params, rest = nnx.split(core, nnx.Param, ...)
 

@@ -64,11 +64,15 @@ def test_a_split_of_one_document_is_refused_in_one_line():
 
 
 @pytest.mark.slow  # a short training run (about 15 s on 2 cores)
-def test_training_on_packed_rows_runs_and_reports_its_rule(tiny_cfg, tmp_path):
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_training_on_packed_rows_runs_and_reports_its_rule(tiny_cfg, tmp_path, kind):
+    """A decoder (two windows per row carry the state across boundaries) and an encoder (the masked LM, the rows'
+    segment ids and positions beside the masked inputs) train on packed rows."""
     from longctx.train.loop import train
 
     tiny_cfg.data.packing = "segments"
-    tiny_cfg.train.steps, tiny_cfg.train.window = 2, 16  # two windows per row carry the state across boundaries
+    tiny_cfg.model.kind = kind
+    tiny_cfg.train.steps, tiny_cfg.train.window = 2, 16 if kind == "decoder" else 0
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         summary = train(tiny_cfg, tmp_path / "w", progress=False)

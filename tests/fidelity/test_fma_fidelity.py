@@ -83,6 +83,7 @@ def test_release_zero_slots_blocked_equals_reference_and_is_refused_where_unserv
         build("fma", True, release_zero_slots=True).init_state(1, 56)
 
 
+@pytest.mark.slow
 def test_truncated_window_reaches_back_half_to_one_max_len():
     """allow_truncated_window past max_len: query i depends on keys back to i - w with w in [max_len/2,
     max_len) -- 1/2..1 x max_len, measured through the outputs' dependence on v."""

@@ -42,8 +42,7 @@ def _cuda_choice(core, cfg, monkeypatch):
     """The ``dispatch.Choice`` the core's own selection makes for one training call on 'cuda'."""
     from longctx.attention import dispatch
 
-    # the layers that select on the running platform (eva, fma) read it from dispatch.current_platform
-    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    core.platform = "cuda"  # the core as a GPU run builds it (it selects for the platform it was built for)
     T, dt = int(cfg.train.window or cfg.train.seq_len), jnp.bfloat16
     if core.name == "dense":
         from longctx.attention.dense.layer import choose
@@ -52,7 +51,7 @@ def _cuda_choice(core, cfg, monkeypatch):
                       large=T * T > core.cfg.auto_threshold, platform="cuda", causal=core.causal)
     if core.name == "transformer_vq":
         shards = int(cfg.mesh.data) * int(cfg.mesh.fsdp) * int(cfg.train.microbatches)
-        return core.implementation_for(B=max(1, cfg.train.batch_size // shards), T=T, dtype=dt, platform="cuda")
+        return core.implementation_for(B=max(1, cfg.train.batch_size // shards), T=T, dtype=dt)
     if core.name == "eva":
         # a training step: one window per row (the full pass), deterministic=False, so with the config's attention
         # dropout (WikiText-103: 0.1)

@@ -1,8 +1,15 @@
 """Packed rows at model level (``data.packing='segments'``): the loss of a packed batch is the token-weighted loss of
 its documents run alone, with positions restarting at each document and the windows of a row carrying the state
-across document boundaries; the combinations that cannot take packed rows are refused in one line."""
+across document boundaries (decoder), or each document encoded alone (masked LM); evaluating a split of several
+documents scores each from a fresh start; the combinations that cannot take packed rows are refused in one line."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +19,11 @@ import pytest
 from flax import nnx
 
 from longctx.config import base_config, validate
+from longctx.data import masking
 from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
-from longctx.train.step import make_packed_loss_fn, make_train_step, split_model, target_weights
+from longctx.train.step import make_mlm_loss_fn, make_packed_loss_fn, make_train_step, split_model, target_weights
+from tests.conftest import xla_flags
 from tests.models.test_decoder import small_model_cfg
 
 ROWS = ((5, 11, 17), (17, 5, 11))  # document lengths per row: T + 1 = 33 tokens, boundaries at different places
@@ -138,12 +147,14 @@ def _segments_cfg(**model):
 
 def test_config_refuses_what_cannot_take_packed_rows():
     validate(_segments_cfg())  # a dense decoder takes them
-    with pytest.raises(ConfigError, match="^data.packing='segments' with model.kind='encoder' is not supported yet"):
-        validate(_segments_cfg(kind="encoder", causal=False))
+    validate(_segments_cfg(kind="encoder", causal=False))  # and a dense encoder (masked LM)
+    c = _segments_cfg(kind="encoder", causal=False)
+    c.model.attention.name = "vcc"  # a bidirectional method that takes no segment ids
+    with pytest.raises(ConfigError, match=r"^vcc: packed rows \(data.packing='segments'\) are not supported"):
+        validate(c)
     c = _segments_cfg()
     c.mesh.sequence = 2
-    with pytest.raises(ConfigError, match=r"^data.packing='segments' with mesh.sequence=2 is not supported yet"):
-        validate(c)
+    validate(c)  # sequence parallelism splits the segment ids and positions with the tokens
     c = _segments_cfg()
     c.data.source = "mqar"
     c.data.tokenizer = "bytes"
@@ -165,3 +176,176 @@ def test_a_block_whose_method_takes_no_segment_ids_refuses_them():
     c.model.attention.pattern = ("kdeformer", "dense")
     with pytest.raises(ConfigError, match="^kdeformer: packed rows"):
         validate(c)
+
+
+# ---- the encoder (masked LM): bidirectional attention within each document
+
+ENC_ROWS = ((5, 11, 16), (16, 5, 11))  # T = 32 tokens per row
+
+
+def _encoder_batch(mask_id: int):
+    seg = np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in ENC_ROWS]).astype(np.int32)
+    pos = np.stack([np.concatenate([np.arange(n) for n in r]) for r in ENC_ROWS]).astype(np.int32)
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), seg.shape, 0, mask_id), np.int32)
+    mcfg = base_config().mlm
+    mcfg.rate = 0.4  # 13 masked positions per row: every document of the rows gets some
+    masked = masking.mask_rows(tokens, mcfg, seed=0, step=0, rows=np.arange(len(ENC_ROWS)), mask_id=mask_id)
+    return masking.with_boundaries(masked, {"tokens": tokens, "segment_ids": seg, "positions": pos}), \
+        masking.num_masked(T, mcfg.rate)
+
+
+@pytest.mark.parametrize("positions", ["learned", pytest.param("rotary", marks=pytest.mark.slow)])
+def test_packed_masked_lm_loss_is_the_documents_masked_token_weighted(positions):
+    """The masked-LM loss of packed rows (same masks) equals the sum of each document's masked-token nll, run alone,
+    over all masked tokens; without the segment ids the documents see each other and it does not."""
+    model = build_model(small_model_cfg(positions, kind="encoder", causal=False), seed=4)
+    graphdef, params, nongrad, rest = split_model(model)
+    batch, n_mask = _encoder_batch(mask_id=49)
+    assert set(batch) == {"inputs", "targets", "mask", "segment_ids", "positions"}
+    mask = batch["mask"]
+    loss = jax.jit(lambda b: make_mlm_loss_fn(graphdef, n_mask)(params, nongrad, rest, b, None, None)[1][0])
+    got = float(loss({k: jnp.asarray(v) for k, v in batch.items()}))
+
+    alone = nnx.jit(lambda m, x, y, k: m.nll(m.hidden(x, k)[0], y))
+    total, count = 0.0, 0
+    for b, row in enumerate(ENC_ROWS):
+        start = 0
+        for n in row:
+            sl = slice(start, start + n)
+            nll = np.asarray(alone(model, jnp.asarray(batch["inputs"][b:b + 1, sl]),
+                                   jnp.asarray(batch["targets"][b:b + 1, sl]), jnp.asarray(mask[b:b + 1, sl])))
+            assert mask[b, sl].any()  # every document counts in the law
+            total += float(nll[0][mask[b, sl]].sum())
+            count += int(mask[b, sl].sum())
+            start += n
+    assert count == mask.sum()
+    np.testing.assert_allclose(got, total / count, rtol=2e-5)
+    unpacked = {k: jnp.asarray(batch[k]) for k in ("inputs", "targets", "mask")}
+    assert abs(float(loss(unpacked)) - total / count) > 1e-3
+
+
+# ---- evaluation: a split of several documents is scored as its documents alone
+
+EVAL_DOCS = (9, 14, 6, 17)
+
+
+@pytest.mark.parametrize("protocol", ["stream", "sliding"])
+def test_evaluating_a_split_scores_each_document_from_a_fresh_start(protocol):
+    """``evaluate_split`` on a split of several documents (stream: windows of 8 carrying the dense KV cache; sliding:
+    context 16, stride 8) with eval.reset='document' gives the loss of its documents each evaluated as a split of
+    its own; the stream with eval.reset='never' carries the state across documents and does not."""
+    from types import SimpleNamespace
+
+    from longctx.data.prepare import TokenData
+    from longctx.evaluate import evaluate_split
+    from longctx.train.step import make_forward
+
+    model = build_model(small_model_cfg("rotary"), seed=5)
+    graphdef, *state = split_model(model)
+    fwd = jax.jit(make_forward(graphdef))
+    runner = SimpleNamespace(is_encoder=False, forward=lambda p, x, y, s: fwd(*p, x, y, s), params=tuple(state),
+                             init_state=model.init_state, tokenizer_is_bytes=False, word_count=lambda data: None)
+    ecfg = base_config().eval
+    ecfg.protocol, ecfg.window, ecfg.row_len, ecfg.context, ecfg.stride, ecfg.batch_size = protocol, 8, 0, 16, 8, 2
+    tokens = np.asarray(jax.random.randint(jax.random.key(6), (sum(EVAL_DOCS),), 0, 50), np.int32)
+    starts = np.concatenate([[0], np.cumsum(EVAL_DOCS)]).astype(np.int64)
+
+    def score(a, b, reset="document"):
+        ecfg.reset = reset
+        res, _ = evaluate_split(runner, TokenData(tokens[a:b], starts[(starts >= a) & (starts <= b)] - a, {}), ecfg,
+                                progress=False)
+        return res["nll_sum_nats"], res["tokens_scored"]
+
+    whole, n_whole = score(0, len(tokens))
+    alone = [score(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    assert n_whole == sum(n for _, n in alone) == sum(EVAL_DOCS) - len(EVAL_DOCS)
+    np.testing.assert_allclose(whole, sum(s for s, _ in alone), rtol=2e-5)
+    if protocol == "stream":
+        across, n_across = score(0, len(tokens), reset="never")
+        assert n_across == len(tokens) - 1 and abs(across - whole) > 1e-2
+
+
+# ---- sequence parallelism: packed rows split over 8 simulated devices (a subprocess, so XLA_FLAGS takes effect)
+
+SP_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, ml_collections
+    from longctx.config import base_config, validate
+    from longctx.data import masking
+    from longctx.models.decoder import build_model
+    from longctx.train import sequence_parallel, sharding
+    from longctx.train.optim import make_optimizer
+    from longctx.train.step import make_mlm_train_step, make_train_step, split_model
+
+    assert jax.device_count() == 8, jax.devices()
+    rng = np.random.default_rng(0)
+
+    def packed_rows(B, L):  # documents of 1..12 tokens back to back, segment ids and positions restarting
+        seg, pos = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
+        for b in range(B):
+            t, d = 0, 1
+            while t < L:
+                n = min(int(rng.integers(1, 13)), L - t)
+                seg[b, t:t + n], pos[b, t:t + n] = d, np.arange(n)
+                t, d = t + n, d + 1
+        return {"tokens": rng.integers(0, 63, (B, L)).astype(np.int32), "segment_ids": seg, "positions": pos}
+
+    for kind in ("decoder", "encoder"):
+        c = base_config()
+        c.data.packing = "segments"
+        c.model.kind, c.model.causal = kind, kind == "decoder"
+        c.model.vocab_size, c.model.positions = 64, "rotary"
+        c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 2, 2, 16, 64
+        c.train.seq_len, c.train.batch_size, c.train.steps, c.train.warmup_steps = 32, 8, 10, 1
+        c.train.window = 16 if kind == "decoder" else 0
+        c.model.dropout = 0.0
+        cfg = validate(c)
+        rows = packed_rows(8, 33 if kind == "decoder" else 32)
+        if kind == "encoder":
+            n_mask = masking.num_masked(32, 0.25)
+            mcfg = ml_collections.ConfigDict({**cfg.mlm.to_dict(), "rate": 0.25})
+            rows = masking.with_boundaries(masking.mask_rows(rows["tokens"], mcfg, seed=0, step=0, rows=np.arange(8),
+                                                             mask_id=63), rows)
+        # the decoder: XLA's split (dense's 'auto') and composed states; the encoder: XLA's split
+        meshes = [((1, 1, 1, 1), "auto"), ((2, 1, 1, 4), "auto"), ((1, 1, 1, 8), "compose")][:3 if kind == "decoder" else 2]
+        results = []
+        for shape, seq_mode in meshes:
+            mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(zip(sharding.AXES, shape))),
+                                      jax.devices()[:int(np.prod(shape))])
+            model = build_model(cfg.model, seed=0, execution=cfg.execution)
+            graphdef, params, nongrad, rest = split_model(model)
+            tx = make_optimizer(cfg.train)
+            opt = tx.init(params)
+            plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt)
+            params, nongrad, rest, opt = plan.put(params, nongrad, rest, opt)
+            if kind == "decoder":
+                mode, hidden = sequence_parallel.train_hidden(model, mesh, window=16, seq_len=32, mode=seq_mode,
+                                                              fold_key=False)
+                print("MODE", shape, mode, flush=True)
+                step = make_train_step(graphdef, tx, seq_len=32, window=16, skip_nonfinite=False,
+                                       constrain=plan.constrain, hidden=hidden, packed=True)
+            else:
+                step = make_mlm_train_step(graphdef, tx, num_masked=n_mask, skip_nonfinite=False,
+                                           constrain=plan.constrain, row_mesh=mesh if shape[3] > 1 else None)
+            batch = {k: sharding.shard_batch(mesh, v) for k, v in rows.items()}
+            p, _, _, m = plan.jit_step(step, donate=False)(params, nongrad, rest, opt, batch, jax.random.key(0))
+            results.append((shape, jax.device_get(p), np.asarray(m["ce"])))
+        _, p1, l1 = results[0]
+        for shape, p, l in results[1:]:
+            np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{kind} {shape} loss")
+            for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p1)):
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{kind} {shape} params")
+        print("OK", kind, l1, flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # a subprocess on 8 simulated devices compiling six train steps
+def test_packed_rows_under_sequence_parallelism_equal_one_device():
+    """A packed batch's train step (decoder: two windows carrying the state; encoder: the masked LM) with the rows
+    split over the mesh's ``sequence`` axis (4 devices by XLA's partitioner; 8 by composed states) updates the
+    parameters as on one device, where the loss is each document's alone (the tests above)."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    r = subprocess.run([sys.executable, "-c", SP_SCRIPT], capture_output=True, text=True, timeout=1200, env=env)
+    assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout + r.stderr[-4000:]
+    assert "MODE (2, 1, 1, 4) xla" in r.stdout and "MODE (1, 1, 1, 8) compose" in r.stdout, r.stdout

@@ -198,6 +198,7 @@ def test_compilation_cache_dir(tmp_path, monkeypatch):
         jax.config.update("jax_enable_compilation_cache", was_on)
 
 
+@pytest.mark.slow
 def test_a_restarted_run_loads_its_compiled_step_from_the_cache(tiny_corpus, tmp_path):
     """Two processes training the same config: the first fills train.compilation_cache_dir, the
     second's compiles are cache hits (JAX's monitoring events)."""

@@ -33,6 +33,7 @@ def mlm_tiny(method, corpus, cache, **train):
     return ml_collections.ConfigDict(c.to_dict())
 
 
+@pytest.mark.slow
 def test_resume_in_process_matches_uninterrupted(tiny_corpus, tmp_path):
     from longctx.train.loop import train
 
@@ -75,6 +76,7 @@ def test_resume_in_process_matches_uninterrupted(tiny_corpus, tmp_path):
     assert re.search(r"; filled 28:32 ['\"].{4,16}['\"]\)$", err.getvalue().strip()), err.getvalue()
 
 
+@pytest.mark.slow
 def test_fill_refuses_a_decoder(tiny_cfg, tmp_path, capsys):
     from longctx.train.loop import train
 

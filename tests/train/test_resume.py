@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import tiny_config
 
@@ -70,6 +71,7 @@ def test_sigterm_then_resume_matches_uninterrupted(tiny_corpus, tmp_path):
     np.testing.assert_allclose([resumed[s] for s in after], [ref_losses[s] for s in after], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_the_step(tiny_corpus, tmp_path):
     cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=8, lr=1e30, warmup_steps=0, grad_clip=0.0)
     r = run(write_cfg(tmp_path / "cfg.py", cfg), tmp_path / "w")

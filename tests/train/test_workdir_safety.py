@@ -28,6 +28,7 @@ def write_cfg(path: Path, cfg) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_noprogress_with_a_validation_before_any_log_line(tiny_corpus, tmp_path, capsys):
     cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=4, warmup_steps=1, log_every=1000, eval_every=2,
                       ckpt_every=1000)
@@ -151,6 +152,7 @@ def test_skip_counter_warns_counts_and_stops_after_a_run():
     assert len(warnings) == 2
 
 
+@pytest.mark.slow
 def test_skip_stops_a_run_that_skips_every_update(tiny_corpus, tmp_path):
     cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=8, warmup_steps=1, lr=1e30, on_nonfinite="skip",
                       max_skipped_in_row=3, log_every=100, eval_every=100, ckpt_every=100)

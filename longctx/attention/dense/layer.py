@@ -78,7 +78,7 @@ def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
 
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
-           k_dtype=None, v_dtype=None, platform: str | None = None, sequence_slice: int | None = None,
+           k_dtype=None, v_dtype=None, platform: str, sequence_slice: int | None = None,
            causal: bool = True, window: int = 0, segments: bool = False) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
@@ -87,7 +87,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     call for a fused kernel: a kernel named explicitly is passed over for the rest of the list, or for the 'auto'
     list without the kernels (one log line), unless it cannot serve even a full pass here and nothing else is named
     (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN refuses."""
-    plat = platform or dispatch.current_platform()
+    plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)
     names = dispatch.parse_impl(impl)
@@ -119,7 +119,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
-           full_pass: bool = False, platform: str | None = None, window: int = 0, q_segment_ids=None,
+           full_pass: bool = False, platform: str, window: int = 0, q_segment_ids=None,
            k_segment_ids=None):
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
     :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
@@ -131,7 +131,7 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, 
     [B, Tk]: a packed row's documents (a query sees only its own document's keys; None: one document)."""
     mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
     split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
-    plat = platform or dispatch.current_platform()
+    plat = platform
     threshold = REFERENCE.setting("auto_threshold", auto_threshold, plat)
     choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
                     value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > threshold,
@@ -203,10 +203,10 @@ class DenseAttention(AttentionCore):
         require(cfg.window >= 0, f"attention.dense.window={cfg.window}; must be >= 0 (0: no window)")
 
     @classmethod
-    def bench_variants(cls):
+    def bench_variants(cls, platform: str):
         """naive: the reference; blockwise: the platform's tiled form ('auto''s first for long rows: the CPU-tuned
         tiles on a CPU); its fused kernel by name (an error, never a fallback, where it refuses)."""
-        plat = dispatch.current_platform()
+        plat = platform
         impls = implementations()
         tiles = _xla_forms(impls, plat, large=True)
         out = {"naive": {"impl": "reference"}, "blockwise": {"impl": tiles[0]}}
@@ -247,7 +247,7 @@ class DenseAttention(AttentionCore):
         return attend(
             q, k, v, q_pos, k_pos, k_valid,
             causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
-            full_pass=full_pass, window=c.window, q_segment_ids=q_seg, k_segment_ids=k_seg,
+            full_pass=full_pass, window=c.window, q_segment_ids=q_seg, k_segment_ids=k_seg, platform=self.platform,
         )
 
     def init_state(self, batch_size: int, max_len: int | None = None):

@@ -150,8 +150,9 @@ class EVAAttention(AttentionCore):
         for key in ("query_tile", "key_tile"):
             require(cfg[key] <= 0 or (W > 0 and W % cfg[key] == 0), f"{p}.{key}={cfg[key]} must divide window_size={W}")
 
-    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
-        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None, platform=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+                         platform=platform)
         c = self.cfg
         d = head_dim
         W = c.window_size
@@ -223,7 +224,7 @@ class EVAAttention(AttentionCore):
         ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
-        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva",
+        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva", platform=self.platform,
                                P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
                                chunk_logit=o.chunk_logit, full=not streaming,
                                dropout=not deterministic and o.attn_dropout > 0.0)

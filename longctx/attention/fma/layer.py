@@ -224,13 +224,14 @@ class FMAAttention(AttentionCore):
     def resolve_for_run(cls, cfg, *, seq_len: int):
         return cls.resolve_max_len(cfg, seq_len=seq_len)
 
-    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None, platform=None):
         if cfg.max_len == 0:
             raise ConfigError(
                 f"attention.{self.name}.max_len=0 means the training length and is not resolved here: set "
                 f"attention.{self.name}.max_len to the training length (its levels get gradients only up to the "
                 "length they train at), or resolve it with resolve_max_len(cfg, seq_len=...)")
-        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+                         platform=platform)
         c = self.cfg
         L = self.derived_levels(c) if c.num_levels is None else c.num_levels - 1
         L = max(L, 0)
@@ -276,7 +277,7 @@ class FMAAttention(AttentionCore):
                                           pallas={"impl": "pallas", "max_len": BENCH_MAX_LEN})}
 
     @classmethod
-    def bench_variants(cls) -> dict[str, dict]:
+    def bench_variants(cls, platform: str) -> dict[str, dict]:
         return {"": {"max_len": BENCH_MAX_LEN}}  # untrained timing cores: levels for the longest sequence
 
     @classmethod
@@ -303,7 +304,7 @@ class FMAAttention(AttentionCore):
 
         impls = self.implementations(causal=self.causal)
         choice = dispatch.select(
-            self.cfg.impl, impls, method=self.name,
+            self.cfg.impl, impls, method=self.name, platform=self.platform,
             m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
             dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
             release_zero_slots=self.opts.release_zero_slots,

@@ -171,15 +171,16 @@ class KDEformerAttention(AttentionCore):
             "causal_uniform": ContractCase(cfg={"causal": dict(small)}, length=64, directions=("causal",)),
             # the 'band' route (the CPU default beyond heavy_scores_max_len) at a length the tests can afford
             "causal_band": ContractCase(cfg={"causal": dict(small), "impl": "band", "heavy_band_block": 8},
-                                        length=64, directions=("causal",)),
+                                        length=64, directions=("causal",), slow=True),
             "causal_ref": ContractCase(cfg={"causal": dict(small, sampling="ref")}, length=64, directions=("causal",),
                                        slow=True),
             "bidirectional": ContractCase(cfg={"bucket_size": 8, "num_samples": 8, "num_projs": 3}, length=64,
                                           directions=("bidirectional",)),
         }
 
-    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
-        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None, platform=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+                         platform=platform)
         c = self.cfg
         scale = float(c.logit_scale) if c.logit_scale > 0 else head_dim**-0.5
         self.bidir_opts = BidirOptions(
@@ -200,24 +201,23 @@ class KDEformerAttention(AttentionCore):
             return (self.cfg.heavy_impl, "xla")
         return self.cfg.impl
 
-    def resolve(self, dtype, *, cache_len: int = 0, full_pass: bool = True, platform: str | None = None):
+    def resolve(self, dtype, *, cache_len: int = 0, full_pass: bool = True):
         """(declaration, options) of the call: the implementation ``dispatch.select`` picks over
         :meth:`implementations` (``cache_len``, ``full_pass`` and the causal options are the shapes the
         declarations' ``prefer`` reads), and the options it runs with: the knobs it declares at their values for
         the platform the selection ran on (``common.platform_options``)."""
         impls = self.implementations(causal=self.causal)
-        choice = dispatch.select(self._impl_setting(), impls, method=self.name, platform=platform, dtype=dtype,
+        choice = dispatch.select(self._impl_setting(), impls, method=self.name, platform=self.platform, dtype=dtype,
                                  cache_len=cache_len, full_pass=full_pass, opts=self.causal_opts)
         impl = dispatch.by_name(impls)[choice.name]
         opts = self.causal_opts if self.causal else self.bidir_opts
         return impl, platform_options(opts, impl, choice.platform)
 
-    def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True,
-                           platform: str | None = None) -> str:
-        """The implementation a call runs (:meth:`resolve`): ``cache_len`` the keys a causal call sees (a full pass:
-        its length rounded up to whole chunks; with a state: the cache's capacity), ``full_pass`` whether it has no
-        state; ``platform`` (default: this machine's)."""
-        return self.resolve(dtype, cache_len=cache_len, full_pass=full_pass, platform=platform)[0].name
+    def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True) -> str:
+        """The implementation a call runs on the core's platform (:meth:`resolve`): ``cache_len`` the keys a causal
+        call sees (a full pass: its length rounded up to whole chunks; with a state: the cache's capacity),
+        ``full_pass`` whether it has no state."""
+        return self.resolve(dtype, cache_len=cache_len, full_pass=full_pass)[0].name
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):

@@ -261,8 +261,9 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.impl != "pallas" or cfg.reduction == "serial",
                 f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
 
-    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None):
-        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim)
+    def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None, platform=None):
+        super().__init__(cfg, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+                         platform=platform)
         self.cfg = ml_collections.FrozenConfigDict(self.cfg)  # hashable, so the module's graphdef is a jit key
         c = self.cfg
         H, Dk, S = num_heads, head_dim, c.codebook_size
@@ -375,7 +376,7 @@ class TransformerVQAttention(AttentionCore):
         vb = tau_m14 * self.v[...].astype(dt)
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
-    def implementation_for(self, *, B: int, T: int, dtype, platform: str | None = None) -> dispatch.Choice:
+    def implementation_for(self, *, B: int, T: int, dtype) -> dispatch.Choice:
         """The implementation a call of B x T tokens takes (``dispatch.select`` over :meth:`implementations`).
 
         ``impl`` may name implementations, or say 'auto': the declarations' order for the platform and the call
@@ -386,7 +387,7 @@ class TransformerVQAttention(AttentionCore):
         is preferred for and that XLA implementation for the others (the streaming ones, shorter than a block)."""
         from longctx.attention.transformer_vq import xla
 
-        plat = platform or dispatch.current_platform()
+        plat = self.platform
         H, S, L, M = self.num_heads, self.S, self.L, self.M
         form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M, platform=plat) if self.causal else "encoder"
         shapes = dict(L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype, reduction=self.cfg.reduction,

@@ -34,14 +34,14 @@ def implementations(causal: bool | None = None):
     return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
 
-def choose(impl, *, platform: str | None = None) -> dispatch.Choice:
+def choose(impl, *, platform: str) -> dispatch.Choice:
     """The implementation of one call: ``dispatch.select`` over :func:`implementations` ('auto': chunked on every
     platform)."""
     return dispatch.select(impl, implementations(), method=METHOD, platform=platform)
 
 
 def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = dispatch.PLATFORM_DEFAULT,
-           platform: str | None = None):
+           platform: str):
     """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks,
     run through its declaration's ``code`` with its settings for the platform (``query_chunk`` 0: the platform's)."""
     choice = choose(impl, platform=platform)
@@ -120,7 +120,7 @@ class VCCAttention(AttentionCore):
         return "longctx.attention.vcc.stack:" + ("VCCDecoderStack" if causal else "VCCEncoderStack")
 
     @classmethod
-    def bench_variants(cls):
+    def bench_variants(cls, platform: str):
         # the core alone is key-biased exact attention over the rows it is given; VCC's cost and
         # error live in the stack wrapper, so the core-level attention benchmark has nothing to time
         return {}
@@ -151,7 +151,7 @@ class VCCAttention(AttentionCore):
                 "attention in place of VCC")
         if state is not None:
             raise ValueError("vcc: a bidirectional core takes no state")
-        out = attend(q, k, v, key_bias, impl=self.cfg.get("impl", "auto"), query_chunk=self.cfg.query_chunk)
+        out = attend(q, k, v, key_bias, impl=self.cfg.impl, query_chunk=self.cfg.query_chunk, platform=self.platform)
         return out, None
 
 

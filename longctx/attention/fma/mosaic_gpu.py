@@ -1,0 +1,99 @@
+"""The implementation ``mosaic_gpu``: the blocked path (:func:`longctx.attention.fma.xla.fma_forward`) with the
+Pallas Mosaic GPU kernels ``pallas_kernels/fma_blocks_mgpu.py`` (forward and backward, Hopper: wgmma, TMA,
+``emit_pipeline``) as its block function; interpret mode (Mosaic GPU's, ``InterpretGPUParams``) on a CPU. The
+kernels serve full passes of FMA (packed coarse slots, no dropout); streaming steps run the kernels' reference.
+
+FMA's only (the kernels compute FMA's packed slots, not FMA-linear's statistics). Not in ``impl='auto'``: nothing
+of it has run or been measured on a GPU; it runs where named (``impl='mosaic_gpu'``). Under a train step's mesh
+each kernel call runs per shard of the batch and heads (a ``shard_map``), as ``pallas`` does."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from longctx.attention import row_split
+from longctx.attention.fma import xla
+from longctx.attention.fma.pallas import MethodImplementation
+from pallas_kernels import fma_blocks_mgpu
+from pallas_kernels.fma_blocks_ref import attend_blocks
+
+
+def _blocks(qb, kp, vp, coarse, *, n_valid, causal, interpret):
+    """The kernels on one full pass's block operands (``attend_blocks``' layout: ``kp, vp`` with one block in
+    front) -> ``[B, H, nb, m, dv]`` in the compute dtype."""
+    B, H, nb, m, d = qb.shape
+    dv = vp.shape[-1]
+
+    def rows(x, w):  # [B, H, ..., w] -> [BH, -1, w]
+        return x.reshape(B * H, -1, w)
+
+    tables = (None,) * 4 if coarse is None else (rows(coarse[1], d), rows(coarse[2], dv), coarse[3], coarse[4])
+    out = fma_blocks_mgpu.fma_blocks_mgpu(rows(qb, d), rows(kp[:, :, m:m + nb * m], d),
+                                          rows(vp[:, :, m:m + nb * m], dv), *tables, m=m, causal=causal,
+                                          n_valid=n_valid, interpret=interpret)
+    return out.reshape(B, H, nb, m, dv)
+
+
+def attend(choice, settings=None):
+    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU); the
+    kernels read no settings."""
+    del settings
+
+    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
+        kind = None if coarse is None else coarse[0]
+        if (kind not in (None, "packed") or not isinstance(q_block0, int) or q_block0 != 0
+                or not isinstance(n_valid, int) or (drop_key is not None and attn_dropout > 0)):
+            return attend_blocks(qb, kp, vp, coarse, q_block0=q_block0, n_valid=n_valid, causal=causal,
+                                 drop_key=drop_key, attn_dropout=attn_dropout, **kw)
+        call = functools.partial(_blocks, n_valid=n_valid, causal=causal, interpret=choice.interpret)
+        mesh = row_split.active_mesh(qb, kp, vp)
+        bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *qb.shape[:2])
+        if bspec is None and hspec is None:
+            return call(qb, kp, vp, coarse)
+        bh = P(bspec, hspec)
+        tables = () if coarse is None else tuple(coarse[1:])
+        return jax.shard_map(lambda qb, kp, vp, *t: call(qb, kp, vp, (kind, *t) if t else None), mesh=mesh,
+                             in_specs=(bh, bh, bh) + ((bh, bh, P(), P()) if tables else ()), out_specs=bh,
+                             check_vma=False)(qb, kp, vp, *tables)
+
+    return run
+
+
+def bind(choice, settings=None):
+    """``(forward, attend)`` of this implementation for ``choice``: the full pass and the streamed steps' block
+    function."""
+    block = attend(choice, settings)
+    return functools.partial(xla.fma_forward, attend=block), block
+
+
+def _compute_capability():
+    """The first local CUDA device's compute capability (a string like ``"9.0"``), None where there is none."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "compute_capability", None) if devices else None
+
+
+def _reasons(platform, *, release_zero_slots=False, **shapes):
+    if platform == "cuda" and shapes.get("compute_capability") is None:
+        shapes["compute_capability"] = _compute_capability()  # "needs compute capability 9.0 (Hopper)" if not
+    out = list(fma_blocks_mgpu.unsupported_reasons(platform, **shapes))
+    if release_zero_slots:
+        out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference and the XLA "
+                   "paths; the kernels are not tested with the extra slot")
+    return out
+
+
+# logit_budget: read by the streamed steps only (the kernels' reference, xla.py's table); the kernels hold one
+# block's scores at a time. No auto entry: not yet run on a GPU.
+IMPLEMENTATIONS = (
+    MethodImplementation("mosaic_gpu", platforms=("cuda",), kernel=True, reasons=_reasons,
+                         config={"impl": "mosaic_gpu"}, code=bind, methods=("fma",),
+                         defaults={"logit_budget": xla.LOGIT_BUDGET}, slow_in_interpret=True),
+)
+
+__all__ = ["IMPLEMENTATIONS", "attend", "bind"]
