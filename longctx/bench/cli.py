@@ -191,6 +191,7 @@ def validate(args) -> None:
             raise ConfigError(f"--sources {args.sources!r}: give gaussian and/or captured, e.g. --sources gaussian")
     if cmd in ("profile", "ab", "sweep"):
         _lengths(args, "length", one=True)
+    if cmd in ("profile", "ab"):
         if bool(args.method) == bool(args.config):
             raise ConfigError(f"longctx-bench {cmd}: give exactly one of --method (an attention core) or --config "
                               "(a training step)")

@@ -9,8 +9,10 @@ warps, stages, budgets). For each method that declares a kernel (``AttentionCore
 * then one knob at a time (coordinate descent, in the declared order), each tried at half and twice its current
   best value (integers only, at least 1; a value the kernel refuses is a row with the refusal, not a failure), the
   others held at their best so far; a knob keeps the value that was fastest;
-* the knobs the last pass moved are the proposal: ``sweep.md`` shows them as the ``defaults`` entry to declare for
-  this platform, with the time against the baseline.
+* the defaults are timed again at the end (the first setting timed pays for what a process warms once; the
+  baseline is the faster of the two), and the knobs the descent moved are the proposal when they beat it by more
+  than 3 %: ``sweep.md`` shows them as the ``defaults`` entry to declare for this platform, with the time against
+  the baseline.
 
 Every timed setting is a row of ``sweep.json`` (written after each one, so a run stopped by a time limit keeps what
 it measured). On a CPU the kernels run in interpret mode: the rows check that every setting computes (the
@@ -33,6 +35,7 @@ from longctx.bench.kernel_bench import _error, _fns, add_shape_args, kernel_cell
 from longctx.errors import ConfigError
 
 CPU_LENGTH = "256"
+MIN_GAIN = 1.03  # a setting is proposed only when it beats the declared defaults by more than 3 %
 ACCEL_LENGTH = "32k"
 
 
@@ -122,6 +125,12 @@ def sweep_kernel(method, kname, kb, args, dtype, causal, platform, checkpoint=la
             sec = measure(trial, key)
             if sec is not None and (best_s is None or sec < best_s):
                 best, best_s = trial, sec
+    if best != base:  # the defaults again, last: the first setting timed pays for what is warmed once per process
+        again = measure(base, "(defaults, again)")
+        if again is not None and (baseline_s is None or again < baseline_s):
+            baseline_s = again
+        if baseline_s is not None and best_s is not None and best_s > baseline_s / MIN_GAIN:
+            best, best_s = dict(base), baseline_s  # within the noise: keep the declared defaults
     moved = {key: best[key] for key in base if best[key] != base[key]}
     return {"method": method, "kernel": kname, "impl": impl_name, "platform": platform, "defaults": base,
             "best": best, "best_s": best_s, "baseline_s": baseline_s, "proposal": moved, "rows": rows}

@@ -520,21 +520,22 @@ SELECTED = [
 ]
 
 
-def _kernel_sized(causal=True, **over):
-    return kit.build("transformer_vq", causal, head_dim=128, codebook_size=128, block_len=128, **over)
+def _kernel_sized(causal=True, platform=None, **over):
+    return kit.build("transformer_vq", causal, head_dim=128, codebook_size=128, block_len=128, platform=platform,
+                     **over)
 
 
 @pytest.mark.parametrize("over,platform,T,name", SELECTED)
 def test_settings_select_implementations(over, platform, T, name):
-    core = _kernel_sized(**over)
-    assert core.implementation_for(B=2, T=T, dtype=jnp.float32, platform=platform).name == name
+    core = _kernel_sized(platform=platform, **over)
+    assert core.implementation_for(B=2, T=T, dtype=jnp.float32).name == name
 
 
 @pytest.mark.parametrize("over", [dict(), dict(impl="xla"), dict(impl="pallas"), dict(impl="auto")])
 def test_bidirectional_settings_select_the_encoder(over):
-    core = _kernel_sized(causal=False, **over)
-    assert core.implementation_for(B=2, T=12, dtype=jnp.float32, platform="cpu").name == "xla_cpu"
-    assert core.implementation_for(B=2, T=12, dtype=jnp.float32, platform="cuda").name == "encoder"
+    for platform, name in (("cpu", "xla_cpu"), ("cuda", "encoder")):
+        core = _kernel_sized(causal=False, platform=platform, **over)
+        assert core.implementation_for(B=2, T=12, dtype=jnp.float32).name == name
 
 
 def test_auto_form_picks_tiles_by_call_size():
@@ -564,7 +565,7 @@ def test_numeric_knobs_run_with_the_platform_value():
     assert xla.form_for(core.cfg, T=T, platform="cpu", **shape) == "blocks"
     assert xla.form_for(core.cfg, T=T, platform="cuda", **shape) == "parallel"
     assert xla.form_for(_kernel_sized(tiled_min_scores=1 << 23).cfg, T=T, platform="cuda", **shape) == "blocks"
-    assert core.implementation_for(B=2, T=T, dtype=jnp.float32, platform="rocm").name == "parallel"
+    assert _kernel_sized(platform="rocm").implementation_for(B=2, T=T, dtype=jnp.float32).name == "parallel"
     impls = dispatch.by_name(core.implementations())
     assert impls["blocks"].settings(core.cfg, "cuda") == {"search_chunk": 2048, "keep_budget": -1,
                                                           "tiled_min_scores": 1 << 26}
