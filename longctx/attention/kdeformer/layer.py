@@ -18,8 +18,8 @@ Implementations (``implementations()``; ``impl`` names one, a list, or 'auto'): 
 then those each implementation module declares (``IMPLEMENTATIONS``, collected by ``dispatch.declared``):
     bidirectional: xla (portable), the XLA:CPU implementation (CPU).  causal: xla (its route by ``heavy_impl``),
     gather, scores, band (CPU: one per heavy route, with XLA:CPU's products). 'auto' is the declarations': on a
-    CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``. ``heavy_impl`` (a route)
-    written without ``impl`` selects that route: on a CPU its implementation, elsewhere ``xla`` with that route.
+    CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``; ``heavy_impl`` is the
+    route ``xla`` takes (``auto``: by the cache length).
 :meth:`KDEformerAttention.resolve` returns the choice and the options it runs with: the numeric execution knobs
 (``tile_budget``, ``heavy_scores_max_len``, ``heavy_band_block``) default to ``dispatch.PLATFORM_DEFAULT`` and take
 the values the chosen implementation declares for the platform the selection ran on (``xla.DEFAULTS``: the CPU's
@@ -194,20 +194,13 @@ class KDEformerAttention(AttentionCore):
             heavy_scores_max_len=c.heavy_scores_max_len, band_block=c.heavy_band_block)
 
     # -- implementations -------------------------------------------------------------
-    def _impl_setting(self):
-        """``impl``; a causal config that names only a route (``heavy_impl``, the setting before ``impl``
-        existed) asks for that route: its CPU implementation, else ``xla`` with that route."""
-        if self.causal and self.cfg.impl == "auto" and self.cfg.heavy_impl != "auto":
-            return (self.cfg.heavy_impl, "xla")
-        return self.cfg.impl
-
     def resolve(self, dtype, *, cache_len: int = 0, full_pass: bool = True):
         """(declaration, options) of the call: the implementation ``dispatch.select`` picks over
         :meth:`implementations` (``cache_len``, ``full_pass`` and the causal options are the shapes the
         declarations' ``prefer`` reads), and the options it runs with: the knobs it declares at their values for
         the platform the selection ran on (``common.platform_options``)."""
         impls = self.implementations(causal=self.causal)
-        choice = dispatch.select(self._impl_setting(), impls, method=self.name, platform=self.platform, dtype=dtype,
+        choice = dispatch.select(self.cfg.impl, impls, method=self.name, platform=self.platform, dtype=dtype,
                                  cache_len=cache_len, full_pass=full_pass, opts=self.causal_opts)
         impl = dispatch.by_name(impls)[choice.name]
         opts = self.causal_opts if self.causal else self.bidir_opts
