@@ -9,6 +9,8 @@ files are found and their ``FILE:VARIANT`` form are in :mod:`longctx.config_file
 
 from __future__ import annotations
 
+import importlib
+
 import ml_collections
 
 from longctx import attention
@@ -487,6 +489,19 @@ def _check_model_vocab(c) -> None:
     _check_vocab(c.model)
 
 
+def _wrapper_takes_post_norm(c) -> bool:
+    """The model's method runs on the plain loop of blocks, or its stack wrapper (for the model's causality: an
+    encoder is bidirectional) declares ``takes_post_norm``."""
+    name = c.model.attention.name
+    if name not in attention.names():
+        return True  # an unknown name is refused by its own rule
+    wrapper = attention.get_class(name).stack_wrapper(causal=bool(c.model.causal) and c.model.kind != "encoder")
+    if not wrapper:
+        return True
+    module_name, cls_name = wrapper.split(":")
+    return bool(getattr(getattr(importlib.import_module(module_name), cls_name), "takes_post_norm", False))
+
+
 def _resolve_encoder(c) -> None:
     """An encoder's blocks are bidirectional: ``model.causal`` becomes False."""
     if c.model.kind == "encoder":
@@ -651,11 +666,10 @@ _VALIDATION = (
          lambda c: c.model.num_kv_heads in (0, c.model.num_heads) and c.model.rope_theta == 10000.0,
          "model.attention.name={model.attention.name!r} runs the blocks in its own stack wrapper, which takes neither "
          "grouped-query attention nor another rotary base; leave model.num_kv_heads=0 and model.rope_theta=10000"),
-    Rule(lambda c: c.model.post_norm, lambda c: c.model.block == "transformer" and not any(
-             attention.get_class(n).stack_wrapper(causal=x) for n in (c.model.attention.name,) for x in (True, False)
-             if n in attention.names()),
+    Rule(lambda c: c.model.post_norm, lambda c: c.model.block == "transformer" and _wrapper_takes_post_norm(c),
          "model.post_norm=True applies to model.block='transformer' with a method that runs on the plain loop of "
-         "blocks (model.block={model.block!r}, model.attention.name={model.attention.name!r})"),
+         "blocks or in a stack wrapper that takes post-norm blocks (VCC's encoder stack) (model.block="
+         "{model.block!r}, model.attention.name={model.attention.name!r}, model.kind={model.kind!r})"),
     Rule(lambda c: c.model.position_offset > 0, lambda c: c.model.positions == "learned",
          "model.position_offset={model.position_offset} applies to learned positions; model.positions is "
          "{model.positions!r}"),
@@ -850,20 +864,39 @@ def _check_vocab(m) -> None:
             )
 
 
-def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int) -> ml_collections.ConfigDict:
+def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int,
+                  mask_token: int | None = None) -> ml_collections.ConfigDict:
     """A validated config with ``model.vocab_size`` filled in from the tokenizer (0 -> ``vocab_size``).
+
+    An encoder's mask token (``mlm.mask_id``; -1 picks it): one id beyond the tokenizer's vocabulary, or the
+    tokenizer's own mask token ``mask_token`` (its ``<mask>`` / ``[MASK]``, :func:`longctx.data.masking.own_mask_id`)
+    where ``model.vocab_size`` leaves no id beyond the vocabulary (an imported BERT or RoBERTa, whose vocabulary
+    is its tokenizer's). Random replacement tokens are drawn from the ids below the mask id
+    (:mod:`longctx.data.masking`), so an own mask token must be the tokenizer's last id while
+    ``mlm.random_prob`` > 0 (RoBERTa's ``<mask>`` is; BERT's ``[MASK]`` is not).
 
     Checks only the rules that involve the vocabulary; the rest was checked by :func:`validate`,
     which runs once on the way into training."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
-    if cfg.model.kind == "encoder":  # one more id: the mask token, just beyond the tokenizer's vocabulary
+    own = mask_token is not None and 0 <= mask_token < vocab_size
+    if cfg.model.kind == "encoder":
         if cfg.mlm.mask_id == -1:
-            cfg.mlm.mask_id = int(vocab_size)
-        if cfg.model.vocab_size == 0:
-            cfg.model.vocab_size = cfg.mlm.mask_id + 1
-        if not vocab_size <= cfg.mlm.mask_id < cfg.model.vocab_size:
-            raise ConfigError(f"mlm.mask_id={cfg.mlm.mask_id} must be at least the tokenizer's vocabulary size "
-                              f"{vocab_size} and below model.vocab_size={cfg.model.vocab_size} (-1: {vocab_size})")
+            room = cfg.model.vocab_size == 0 or cfg.model.vocab_size > vocab_size  # an id beyond the vocabulary
+            cfg.mlm.mask_id = int(mask_token) if own and not room else int(vocab_size)
+        if own and cfg.mlm.mask_id == mask_token:
+            if cfg.mlm.random_prob > 0 and mask_token != vocab_size - 1:
+                raise ConfigError(f"mlm.mask_id={mask_token} is the tokenizer's own mask token but not its last id "
+                                  f"({vocab_size - 1}): random replacement tokens are drawn from the ids below the "
+                                  "mask id; set mlm.random_prob=0")
+        else:
+            if cfg.model.vocab_size == 0:
+                cfg.model.vocab_size = cfg.mlm.mask_id + 1
+            if not vocab_size <= cfg.mlm.mask_id < cfg.model.vocab_size:
+                own_text = f"the tokenizer's own mask token {mask_token}, or " if own else ""
+                raise ConfigError(f"mlm.mask_id={cfg.mlm.mask_id} must be {own_text}at least the tokenizer's "
+                                  f"vocabulary size {vocab_size} and below model.vocab_size={cfg.model.vocab_size} "
+                                  f"(-1: {vocab_size}, or the tokenizer's own <mask> / [MASK] where model.vocab_size "
+                                  "leaves no id beyond its vocabulary)")
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = int(vocab_size)
     elif cfg.model.vocab_size < vocab_size:

@@ -13,6 +13,7 @@ from longctx import attention
 from longctx import config as config_lib
 from longctx.attention import dispatch
 from longctx.config import apply_overrides  # noqa: F401 -- re-exported for longctx.bench.configs
+from longctx.data import tokenizers
 from longctx.errors import CheckpointError, ConfigError
 from longctx.models.decoder import build_model
 from longctx.protocols import split_word_count
@@ -74,6 +75,10 @@ class Runner:
         return data[split]
 
     def load_tokenizer(self, *, progress: bool = True):
+        """The run's tokenizer. A tokenizer file (``data.tokenizer='hf'``: an imported model's) is read as it is, no
+        corpus needed (sampling an import); one learned from or tied to the data comes from preparing it."""
+        if self.tokenizer is None and self.cfg.data.tokenizer == "hf":
+            self.tokenizer = tokenizers.build("hf", **tokenizers.cache_kwargs("hf", self.cfg.data))
         if self.tokenizer is None:
             from longctx.data.prepare import prepare
 

@@ -94,15 +94,9 @@ def log_count(n):
     return jnp.where(n > 0, jnp.log(jnp.maximum(n, 1.0)), NEG)
 
 
-def rel_bias(bd, idx, max_index: int):
-    """bias[..., i, j] = bd[..., i, idx[i, j]] if 0 <= idx <= max_index else 0. bd: [..., Lq, D]."""
-    ok = (idx >= 0) & (idx <= max_index)
-    full = jnp.broadcast_to(jnp.clip(idx, 0, max_index), bd.shape[:-1] + idx.shape[-1:])
-    return jnp.where(ok, jnp.take_along_axis(bd, full, axis=-1), 0.0)
-
-
 def skew_bias(bd, offset: int, width: int, *, reversed_input: bool = False):
-    """The same banded bias as ``rel_bias(bd, offset + i - j, D - 1)`` for j < width, built without a gather.
+    """The banded bias bias[..., i, j] = bd[..., i, offset + i - j] where 0 <= offset + i - j <= D - 1, else 0, for
+    j < width, built without a gather.
     ``reversed_input``: bd is given as bd[..., ::-1] (a caller that forms it from a reversed table saves the
     reversal here and its transpose in the backward).
 
@@ -157,17 +151,6 @@ def softmax_mix(groups, ops: Ops = PLAIN):
     num = sum(ops.pv_dot(p, vals) for p, (_, _, vals) in zip(probs, groups))
     lse = (m + jnp.log(den))[..., 0]
     return ops.normalize(num, den[..., 0]), lse
-
-
-def empty_state(B, H, M, S, Dk, Dv, dtype=jnp.float32):
-    return {
-        "pos": jnp.zeros((), jnp.int32),
-        "band_k": jnp.zeros((B, H, M, Dk), dtype),
-        "band_v": jnp.zeros((B, H, M, Dv), dtype),
-        "band_z": jnp.zeros((B, H, M), jnp.int32),
-        "agg_mu": jnp.zeros((B, H, S, Dv), dtype),
-        "agg_n": jnp.zeros((B, H, S), dtype),
-    }
 
 
 def cast_state(state, dt):
@@ -327,7 +310,6 @@ __all__ = [
     "code_summary",
     "code_sums",
     "compute_dtype",
-    "empty_state",
     "final_state",
     "float_dtype",
     "log_count",
@@ -337,7 +319,6 @@ __all__ = [
     "pad_left",
     "pad_to",
     "prefix_reduce",
-    "rel_bias",
     "score_dot",
     "skew_bias",
     "softmax_mix",

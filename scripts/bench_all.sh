@@ -15,7 +15,7 @@ cd "$ROOT"
 OUT="${OUT:-results}"
 PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
 BENCH=("$PY" -m longctx.bench.cli)
-STEPS="${STEPS:-attention attention_8k_32k decode quality train precision kernels kernels_gpu peers recall report}"
+STEPS="${STEPS:-attention attention_8k_32k decode quality train precision kernels kernels_gpu peers recall compare report}"
 
 # attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents, every method, 1k-128k
 # (cells over the memory budget or the per-cell time cap are skipped and say so)
@@ -91,6 +91,11 @@ peers() {
 # recall by distance: every causal method trained on the same associative-recall task
 recall() {
   OUT="$OUT/recall" PY="$PY" bash scripts/recall_all.sh
+}
+# which method to use: every causal method at equal training FLOPs, 2 contexts x 3 seeds + hybrids (about 3 h on a
+# 2-core CPU; resumable: a rerun trains only the runs without a result; `--plan` prints the runs and estimate)
+compare() {
+  "${BENCH[@]}" compare --out "$OUT/compare" ${COMPARE_ARGS:-}
 }
 # BENCHMARKS.md from results/ (keeps its hand-written "How to read this")
 report() {

@@ -219,7 +219,7 @@ def method_flops(core, method: str, fargs: dict, seed: int = 0) -> dict:
     (``fargs``: the timed functions' arguments by kind), counted in its jaxpr (``common.jaxpr_matmul_flops``:
     scan bodies times their length, no elementwise work): the work the method's program does, where XLA's
     count misses loop trips and kernels. A program with a kernel (opaque to the count) is counted as the
-    method's portable XLA implementation (``impl='xla'``) computes it, and ``method_flops_source`` says so;
+    XLA implementation its kernels are benchmarked against computes it (:func:`common.portable_impl`), and ``method_flops_source`` says so;
     ``method_flops_{kind}_lower_bound``: loops of unknown trip count or kernels remained."""
     from flax import nnx
 
@@ -231,7 +231,7 @@ def method_flops(core, method: str, fargs: dict, seed: int = 0) -> dict:
         count = C.jaxpr_matmul_flops(fns.forward() if kind == "fwd" else fns.grads(), *fargs[kind])
         if count["opaque"]:
             cfg = core.cfg.copy_and_resolve_references()
-            cfg.impl = "xla"
+            cfg.impl = C.portable_impl(method)
             twin = CoreFns(attention.build(method, cfg, num_heads=core.num_heads, head_dim=core.head_dim,
                                            value_dim=core.value_dim, causal=core.causal, rngs=nnx.Rngs(seed)))
             rest = fargs[kind][2:]

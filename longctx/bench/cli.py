@@ -11,6 +11,8 @@ into ``results/``).
     longctx-bench sweep     --length 32k   (each kernel's tiles / warps / stages tried; the fastest proposed)
     longctx-bench profile   --method eva --length 8k   (where one call's time goes)
     longctx-bench ab        TREE_A TREE_B --method eva --length 8k   (two source trees, interleaved)
+    longctx-bench dropin    --workdir runs/llama_tiny --method kdeformer   (a trained model's layers swapped)
+    longctx-bench compare   --plan   (every causal method at equal training FLOPs; resumable; results/compare)
     longctx-bench report    --out results --output BENCHMARKS.md   (assembles BENCHMARKS.md)
 
 Config overrides take the form of the other entry points: ``--config.KEY=VALUE`` (quality: of its tiny
@@ -27,7 +29,7 @@ from pathlib import Path
 from longctx.errors import ConfigError
 
 # sub-commands whose config takes --config.KEY=VALUE overrides
-TAKES_OVERRIDES = ("quality", "train", "step", "profile", "ab")
+TAKES_OVERRIDES = ("quality", "train", "step", "profile", "ab", "dropin", "compare")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +43,9 @@ def _modules():
     from longctx.bench import (
         ab_bench,
         attention_bench,
+        compare,
         decode_bench,
+        dropin,
         kernel_bench,
         profile_bench,
         quality_bench,
@@ -61,6 +65,8 @@ def _modules():
         ("sweep", sweep_bench, "each Pallas kernel's knobs tried on this device; the fastest proposed as its default"),
         ("profile", profile_bench, "one call of a core or a training step traced: time by XLA op, kind, source line"),
         ("ab", ab_bench, "one core or training step of two source trees, calls alternated, medians"),
+        ("dropin", dropin, "a method in every layer of a trained exact model, no training: per-layer error, bits/byte"),
+        ("compare", compare, "every causal method at equal training FLOPs, contexts and seeds: bits/byte, recall, cost"),
         ("report", report, "assemble BENCHMARKS.md from the JSON in results/"),
     )
 

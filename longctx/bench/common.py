@@ -567,3 +567,11 @@ def header(args, command: str) -> dict:
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "git_sha": _run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]).strip() if root else "",
     }
+
+
+def portable_impl(name: str) -> str | None:
+    """The XLA implementation that method ``name``'s Pallas kernels are benchmarked against (the ``impl`` of its
+    ``kernel_benches`` ``xla`` entries): the portable program whose jaxpr the FLOP counts read where the timed
+    program runs kernels. None: the method declares no kernel."""
+    impls = sorted({b.xla["impl"] for b in attention.get_class(name).kernel_benches().values() if "impl" in b.xla})
+    return impls[0] if impls else None

@@ -10,7 +10,8 @@ What ``results/`` holds (each written by the command quoted in the report's "Com
 * ``kernels_gpu/<method>/kernels.json``: ``longctx-bench kernels`` on a GPU;
 * ``peer_eva/``, ``peer_eva_core/``, ``peer_tvq/``: ``scripts/peer_eva_release.py`` and
   ``scripts/peer_tvq_release.py`` (ours against the authors' releases);
-* ``recall/``: ``scripts/recall_all.sh`` (``longctx-recall-report``).
+* ``recall/``: ``scripts/recall_all.sh`` (``longctx-recall-report``);
+* ``dropin/``: ``longctx-bench dropin`` (a method in every layer of a trained model, no training).
 
 The report opens with a summary (per method: forward+backward time at the longest length measured beside
 PyTorch's SDPA, its speed against SDPA and against exact dense attention in the same run, and its
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from longctx.bench import common as C
@@ -410,7 +412,11 @@ def extra_sections(out: Path, rel: str) -> list[str]:
             if cmd:
                 parts.append(f"`.venv/bin/python {cmd}`\n")
             parts.append((out / d / f"{f}.md").read_text().strip() + "\n")
+    drop = out / "dropin" / "dropin.md"  # longctx-bench dropin --out results/dropin (its own heading)
+    if drop.is_file():
+        parts.append(drop.read_text())
     parts += precision_section(out)
+    parts += compare_section(out, rel)
     parts += gpu_check_section(out)
     rec = out / "recall"
     if (rec / "recall.md").is_file():
@@ -425,6 +431,19 @@ def extra_sections(out: Path, rel: str) -> list[str]:
         for px in sorted(rec.glob("passkey_x*/recall.md")):
             parts.append(px.read_text().strip().replace("## ", "### ", 1) + "\n")
     return parts
+
+
+def compare_section(out: Path, rel: str) -> list[str]:
+    """Which method to use (``compare/compare.md`` from ``longctx-bench compare``, rebuilt from whatever runs
+    finished): its tables, needle grids and plots, the image paths made relative to this page."""
+    md = out / "compare" / "compare.md"
+    if not md.is_file():
+        return []
+    text = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", lambda m: f"]({rel}/compare/{m.group(1)})", md.read_text())
+    return ["## Which method: equal training cost (`compare/`)\n",
+            "Every causal method trained at equal parameters and equal training FLOPs on the same corpus, several "
+            "contexts and seeds (`bash scripts/bench_all.sh` step `compare`, or `longctx-bench compare --out "
+            f"{rel}/compare`; `--plan` lists the runs and their estimated time).\n", text.strip() + "\n"]
 
 
 def gpu_check_section(out: Path) -> list[str]:

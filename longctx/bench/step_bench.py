@@ -151,43 +151,29 @@ def build_step(cfg, seed: int = 0, with_extras: bool = False):
 
 
 def portable_matmul_flops(cfg, seed: int = 0) -> dict | None:
-    """:func:`forward_matmul_flops` of the same model with every attention method on its portable XLA
-    implementation (``impl='xla'``; a model whose kernels hide their work from the jaxpr count), built
-    abstractly (no parameters allocated); None where no method section takes 'xla'."""
+    """:func:`forward_matmul_flops` of the same model with every attention method that has Pallas kernels on the
+    XLA implementation its kernels are benchmarked against (:func:`longctx.bench.common.portable_impl`; a model
+    whose kernels hide their work from the jaxpr count), built abstractly (no parameters allocated); None where
+    no method section has kernels."""
     from flax import nnx
 
     from longctx.models.decoder import build_model
     from longctx.train.step import split_model
 
     twin = cfg.copy_and_resolve_references()
-    changed = False
+    changed = {}
     for name, sec in twin.execution.attention.items():
-        if "impl" in sec and takes_portable_impl(name):
-            sec.impl, changed = "xla", True
+        portable = C.portable_impl(name) if "impl" in sec else None
+        if portable is not None:
+            sec.impl = changed[name] = portable
     if not changed:
         return None
     model = nnx.eval_shape(lambda: build_model(twin.model, seed=twin.train.seed, execution=twin.execution))
     graphdef, params, nongrad, rest = split_model(model)
     out = forward_matmul_flops(twin, graphdef, params, nongrad, rest, seed)
-    out["counted_as"] = "the portable XLA implementation of each attention method (impl='xla')"
+    out["counted_as"] = ("the XLA implementation each method's kernels are benchmarked against ("
+                        + ", ".join(f"{n}: impl={i!r}" for n, i in changed.items()) + ")")
     return out
-
-
-def takes_portable_impl(name: str) -> bool:
-    """Whether method ``name``'s ``impl`` accepts 'xla' (its portable XLA implementation, or the older value
-    that selects it)."""
-    from longctx import attention
-
-    cls = attention.get_class(name)
-    cfg = cls.default_config()
-    if "impl" not in cfg:
-        return False
-    cfg.impl = "xla"
-    try:
-        attention.validate(name, cfg, causal=cls.supports_causal)
-    except ConfigError:
-        return False
-    return True
 
 
 def _timed(compiled, args) -> dict:

@@ -2,6 +2,7 @@
 
     longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FILE[:VARIANT]] [--config.KEY=VALUE ...]
                            [--dry_run] [--nooptimizer_state] [--rope_theta=BASE] [--extend_positions=N]
+    longctx-convert import --hf_dir=DIR --plan [--config=FILE[:VARIANT]] [--config.KEY=VALUE ...]
     longctx-convert export --workdir=RUN --hf_dir=OUT [--step=N]
 
 ``import`` takes a config file and overrides as ``longctx-train`` does (default ``configs/default.py``): the run
@@ -16,6 +17,7 @@ import sys
 
 USAGE = ("usage: longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FILE[:VARIANT]] [--config.KEY=VALUE] "
          "[--dry_run] [--nooptimizer_state] [--rope_theta=BASE] [--extend_positions=N]\n"
+         "       longctx-convert import --hf_dir=DIR --plan [--config=FILE[:VARIANT]] [--config.KEY=VALUE]\n"
          "       longctx-convert export --workdir=RUN --hf_dir=OUT [--step=N]")
 ABOUT = ("import: a local Hugging Face folder of a decoder (config.json with model_type llama, mistral, qwen2 or "
          "gpt2) or a masked-LM encoder (bert, roberta) (*.safetensors, sharded or not; tokenizer.json) -> a longctx "
@@ -31,6 +33,10 @@ def _define_import(fv):
     flags.DEFINE_string("hf_dir", None, "the Hugging Face folder to read (config.json, *.safetensors, tokenizer.json)",
                         flag_values=fv)
     flags.DEFINE_bool("dry_run", False, "check config.json and every tensor's name and shape; write nothing",
+                      flag_values=fv)
+    flags.DEFINE_bool("plan", False, "from config.json alone (no tensor read, no --workdir): compile the run's train "
+                      "step for the config's mesh and print per-device memory (parameters, optimizer state, "
+                      "activations), the sharding and FLOPs, as longctx-train --dry_run; write nothing",
                       flag_values=fv)
     flags.DEFINE_bool("optimizer_state", True, "write a fresh optimizer state beside the parameters (needed by "
                       "longctx-train to resume; --nooptimizer_state: about a third of the memory and disk)",
@@ -80,12 +86,14 @@ def main(argv=None) -> int:
         if command == "import":
             from longctx import cli
 
-            fv, cfg = cli.parse(rest, "longctx-convert import", config="file", define=_define_import)
+            fv, cfg = cli.parse(rest, "longctx-convert import", config="file", define=_define_import,
+                                require_workdir=False)
         elif command == "export":
             fv, cfg = _parse_export(rest), None
         else:
             raise ConvertError(f"unknown command {command!r}; allowed: import, export ({USAGE.splitlines()[0][7:]})")
-        for name in ("hf_dir", "workdir"):
+        planning = command == "import" and fv.plan
+        for name in ("hf_dir",) if planning else ("hf_dir", "workdir"):
             if not fv[name].value:
                 raise ConvertError(f"longctx-convert {command} needs --{name}")
         if fv.check:
@@ -98,7 +106,9 @@ def main(argv=None) -> int:
             return 0
         from longctx.convert import core
 
-        if command == "import":
+        if planning:
+            core.plan_hf(fv.hf_dir, config=cfg, rope_theta=fv.rope_theta, extend=fv.extend_positions)
+        elif command == "import":
             core.import_hf(fv.hf_dir, fv.workdir, config=cfg, dry_run=fv.dry_run, optimizer_state=fv.optimizer_state,
                            rope_theta=fv.rope_theta, extend=fv.extend_positions)
         else:

@@ -238,23 +238,11 @@ def extended_table(table, factor: int, offset: int):
     return jnp.concatenate([table[:offset], jnp.tile(table[offset:], (factor, 1))], axis=0)
 
 
-def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_state: bool = True,
-              rope_theta: float | None = None, extend: int = 1, log=print) -> dict:
-    """Convert the Hugging Face folder ``hf_dir`` into the run folder ``workdir`` (see the module's docstring).
-    ``config``: a longctx config (a ConfigDict, or a config file ``FILE[:VARIANT]``; default: the base config)
-    whose sections other than the architecture the run takes (data, train, eval, execution; the model's
-    ``dtype``, ``param_dtype``, ``scan_layers``, ``remat``, ``loss_chunk`` and ``attention``: exact attention by
-    default, a ``pattern`` to run another method in chosen layers, :func:`hf_model_config`). ``dry_run``: check the folder (its
-    config, every tensor's name and shape) and write nothing. ``optimizer_state=False`` writes no optimizer state
-    (enough for longctx-eval and longctx-sample; longctx-train then cannot resume the run). ``rope_theta``: the
-    run's rotary base instead of config.json's (context extension by a larger base before continued pretraining;
-    the logits then differ from the source's). ``extend``: learned positions ``extend`` times as many, the source's
-    rows copied (:func:`extend_positions`; the logits of the first positions stay the source's). Returns a
-    summary."""
-    from longctx import config as config_lib
+def run_config(hf_dir: Path, config=None, *, rope_theta: float | None = None, extend: int = 1, log=print):
+    """(config.json as a dict, the family, the run's config, the source's config) of an import of ``hf_dir`` with
+    ``config`` (see :func:`import_hf`); reads config.json only."""
     from longctx import config_files
 
-    hf_dir, workdir = Path(hf_dir), Path(workdir)
     hf = read_hf_config(hf_dir)
     base = config_files.load(config) if isinstance(config, str) else copy.deepcopy(config)
     want_len = int(base.train.seq_len) if base is not None else 0
@@ -271,6 +259,43 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         log(f"note: rotary base {cfg.model.rope_theta:g} -> {rope_theta:g} (--rope_theta): the logits differ from "
             "the source's until the model is trained with it")
         cfg.model.rope_theta = float(rope_theta)
+    return hf, fam, cfg, src_cfg
+
+
+def plan_hf(hf_dir, *, config=None, rope_theta: float | None = None, extend: int = 1, devices=None,
+            log=print) -> dict:
+    """The memory plan of training the import of ``hf_dir`` with ``config`` (``longctx-convert import --plan``):
+    from config.json alone (no tensor is read, so a folder with only its config.json plans), the run's config
+    is built as :func:`import_hf` builds it and its train step compiled for the config's mesh by
+    :func:`longctx.train.dry_run.plan` (abstract parameters: nothing is allocated). Returns the plan."""
+    from longctx.train import dry_run
+
+    hf, _, cfg, _ = run_config(Path(hf_dir), config, rope_theta=rope_theta, extend=extend, log=log)
+    res = dry_run.plan(cfg, devices)
+    log(f"plan of training {hf_dir} ({hf['model_type']}) at train.seq_len={cfg.train.seq_len}, "
+        f"train.batch_size={cfg.train.batch_size}, model.remat={cfg.model.remat}, "
+        f"model.scan_layers={cfg.model.get('scan_layers', False)}")
+    log(dry_run.report(res))
+    return res
+
+
+def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_state: bool = True,
+              rope_theta: float | None = None, extend: int = 1, log=print) -> dict:
+    """Convert the Hugging Face folder ``hf_dir`` into the run folder ``workdir`` (see the module's docstring).
+    ``config``: a longctx config (a ConfigDict, or a config file ``FILE[:VARIANT]``; default: the base config)
+    whose sections other than the architecture the run takes (data, train, eval, execution; the model's
+    ``dtype``, ``param_dtype``, ``scan_layers``, ``remat``, ``loss_chunk`` and ``attention``: exact attention by
+    default, a ``pattern`` to run another method in chosen layers, :func:`hf_model_config`). ``dry_run``: check the folder (its
+    config, every tensor's name and shape) and write nothing. ``optimizer_state=False`` writes no optimizer state
+    (enough for longctx-eval and longctx-sample; longctx-train then cannot resume the run). ``rope_theta``: the
+    run's rotary base instead of config.json's (context extension by a larger base before continued pretraining;
+    the logits then differ from the source's). ``extend``: learned positions ``extend`` times as many, the source's
+    rows copied (:func:`extend_positions`; the logits of the first positions stay the source's). Returns a
+    summary."""
+    from longctx import config as config_lib
+
+    hf_dir, workdir = Path(hf_dir), Path(workdir)
+    hf, fam, cfg, src_cfg = run_config(hf_dir, config, rope_theta=rope_theta, extend=extend, log=log)
     tokenizer = hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
         log(f"note: no tokenizer.json in {hf_dir}: the run keeps data.tokenizer={cfg.data.tokenizer!r}, whose ids "

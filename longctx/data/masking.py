@@ -23,8 +23,9 @@ varies), and the encoder sees each document alone.
 
 Then each predicted position's input is replaced by the mask token with probability
 ``mlm.mask_prob``, by a uniformly random text token with probability ``mlm.random_prob``, and left
-unchanged otherwise (BERT's 80/10/10). The mask token id is ``mask_id``, one beyond the
-tokenizer's vocabulary; random tokens are drawn from the tokenizer's ids ``[0, mask_id)``.
+unchanged otherwise (BERT's 80/10/10). The mask token id is ``mask_id``: one beyond the
+tokenizer's vocabulary, or an imported encoder's own mask token (:func:`own_mask_id`, its last id:
+:func:`longctx.config.resolve_vocab`); random tokens are drawn from the ids ``[0, mask_id)``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ from longctx.errors import ConfigError
 
 SCHEMES = ("bert", "span", "clustered")
 _SALT = 0x4D4C4D  # separates the masking stream from the batcher's (seed, step) stream
+
+
+MASK_TOKENS = ("<mask>", "[MASK]")  # a tokenizer's own mask token: RoBERTa's, BERT's
+
+
+def own_mask_id(tokenizer) -> int | None:
+    """The id of the tokenizer's own mask token (the first of :data:`MASK_TOKENS` in a Hugging Face
+    ``tokenizer.json``'s vocabulary), or None (no such token, or a tokenizer of another kind)."""
+    tok = getattr(tokenizer, "tok", None)
+    token_to_id = getattr(tok, "token_to_id", None)
+    if token_to_id is None:
+        return None
+    return next((int(i) for i in map(token_to_id, MASK_TOKENS) if i is not None), None)
 
 
 def num_masked(row_len: int, rate: float) -> int:

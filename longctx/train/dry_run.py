@@ -19,6 +19,7 @@ from flax import nnx
 from longctx import config as config_lib
 from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
+from longctx.models.precision import resolve_dtype
 from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import make_optimizer
 from longctx.train.step import make_train_step, split_model
@@ -65,6 +66,27 @@ def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
             "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
 
 
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of ``tree`` (abstract arrays) laid out by ``shardings``: each leaf's shard shape."""
+    return sum(int(np.prod(s.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def sharding_summary(params, shardings) -> list[dict]:
+    """The parameters grouped by partition spec: [{"spec", "tensors", "bytes" (whole), "example"}], largest first."""
+    groups: dict[str, dict] = {}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, x), s in zip(flat, jax.tree.leaves(shardings)):
+        spec = str(tuple(s.spec))
+        g = groups.setdefault(spec, {"spec": spec, "tensors": 0, "bytes": 0, "example": ""})
+        g["tensors"] += 1
+        g["bytes"] += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        if not g["example"]:
+            name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+            g["example"] = f"{name} {list(x.shape)}"
+    return sorted(groups.values(), key=lambda g: -g["bytes"])
+
+
 def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     """Compile one train step for ``cfg``'s mesh; return per-device memory (bytes) and FLOPs."""
     cfg = config_lib.validate(cfg)
@@ -107,6 +129,13 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
         # windows carrying state are one optimizer update each (longctx.train.step.make_train_step)
         "tokens_per_update": tc.batch_size * (tc.window or tc.seq_len),
         "compile_s": compile_s,
+        # what the arguments hold, per device, from the shardings the step is compiled with
+        "param_bytes": per_device_bytes(params, p.params),
+        "opt_state_bytes": per_device_bytes(opt_state, p.opt_state),
+        "nongrad_bytes": per_device_bytes(nongrad, p.nongrad),
+        "param_dtype": str(jax.tree.leaves(params)[0].dtype) if jax.tree.leaves(params) else "",
+        "compute_dtype": str(np.dtype(resolve_dtype(cfg.model.dtype))),
+        "sharding": sharding_summary(params, p.params),
     }
     out.update(training_flops_per_token(cfg, graphdef, params, nongrad, rest))
     # XLA's cost analysis counts the body of a loop once: scanned layers and micro-batches run it many times
@@ -120,14 +149,20 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
 
 def report(res: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in res["mesh"].items())
+    shards = [f"  {g['spec']:<24} {g['tensors']:4d} tensors {g['bytes'] / MiB:12.1f} MiB in all  (e.g. {g['example']})"
+              for g in res.get("sharding", ())]
     return "\n".join([
         f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
         "per device (XLA memory analysis of the compiled train step):",
         f"  arguments    {res['argument_bytes'] / MiB:10.1f} MiB  (parameters, optimizer, non-grad state, batch)",
-        f"  temporaries  {res['temp_bytes'] / MiB:10.1f} MiB",
+        f"    parameters ({res.get('param_dtype', '?')}) {res.get('param_bytes', 0) / MiB:.1f} MiB, optimizer state "
+        f"{res.get('opt_state_bytes', 0) / MiB:.1f} MiB, non-gradient state {res.get('nongrad_bytes', 0) / MiB:.1f} MiB",
+        f"  temporaries  {res['temp_bytes'] / MiB:10.1f} MiB  (activations, gradients and workspace of the step; "
+        f"compute dtype {res.get('compute_dtype', '?')})",
         f"  outputs      {res['output_bytes'] / MiB:10.1f} MiB  ({res['alias_bytes'] / MiB:.1f} MiB aliased to "
         "donated inputs)",
-        f"  peak (est.)  {res['peak_bytes_estimate'] / MiB:10.1f} MiB",
+        f"  peak (est.)  {res['peak_bytes_estimate'] / MiB:10.1f} MiB  ({res['peak_bytes_estimate'] / (1 << 30):.2f} GiB)",
+        *(["parameter sharding (partition spec over the mesh axes):", *shards] if shards else []),
         f"FLOPs per step per device: {res['flops_per_step']:.3e} "
         f"({res['tokens_per_step']:,} tokens per step, whole batch)"
         + (f"; {res['flops_loop_note']}" if res.get("flops_loop_note") else ""),

@@ -368,8 +368,9 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     writer.write(step, "train", rec)
                     t_last, tok_since, steps_since = time.time(), 0, 0
                     if print_lines:
-                        tqdm.write(log_line(step, tc.steps, rec))
-                    bar.set_postfix({"loss": f"{rec['loss']:.3f}", "bpt": f"{rec['bits_per_token']:.3f}",
+                        tqdm.write(printed_line(step, tc.steps, rec))
+                    bar.set_postfix({"loss": f"{rec['loss']:.3f}",
+                                     **({"bpt": f"{rec['bits_per_token']:.3f}"} if "bits_per_token" in rec else {}),
                                      "tok_s": f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
                                      **({"valid bpt": f"{last_valid:.3f}"} if last_valid is not None else {})})
                 bar.update(n_win)
@@ -462,7 +463,10 @@ def train_record(metrics: dict, *, lr, seconds: float, tokens: int, steps: int) 
     """The 'train' log record of a checked step's ``metrics`` (on the host); ``tokens`` and ``steps``
     trained in the ``seconds`` since the last record (no throughput when only a compiling step ran)."""
     ce = float(np.mean(metrics["ce"]))
-    rec = {"loss": ce, "bits_per_token": ce / LN2, "grad_norm": float(np.mean(metrics["grad_norm"])), "lr": float(lr)}
+    # attention transfer (its per-layer ``layer{i}/transfer_mse``): ``ce`` is the summed transfer MSE, not a
+    # cross-entropy, so it is logged under its own name and has no bits per token
+    named = {"transfer_mse": ce} if any(k.endswith("/transfer_mse") for k in metrics) else {"bits_per_token": ce / LN2}
+    rec = {"loss": ce, **named, "grad_norm": float(np.mean(metrics["grad_norm"])), "lr": float(lr)}
     if steps:  # not measurable when only the compiling step ran since the last record
         rec.update(tokens_per_sec=tokens / max(seconds, 1e-9), step_time=seconds / steps)
     if "loss_scale" in metrics:  # loss scaling: the newest update's scale, and the overflows among the step's
@@ -470,6 +474,15 @@ def train_record(metrics: dict, *, lr, seconds: float, tokens: int, steps: int) 
         rec["loss_scale_overflows"] = int(np.sum(metrics["loss_scale_overflow"]))
     rec.update(extra_metrics(metrics))
     return rec
+
+
+def printed_line(step: int, total: int, rec: dict) -> str:
+    """The printed line of a train record (``--noprogress``): :func:`longctx.train.metrics.log_line`, or during
+    attention transfer the summed transfer MSE in place of the loss and its bits per token."""
+    if "bits_per_token" in rec:
+        return log_line(step, total, rec)
+    speed = f"  {rec['tokens_per_sec']:,.0f} tokens/s  {rec['step_time']:.3f} s/step" if "tokens_per_sec" in rec else ""
+    return f"step {step}/{total}  transfer MSE {rec['transfer_mse']:.4g}  lr {rec['lr']:.3g}{speed}"
 
 
 class SkipCounter:

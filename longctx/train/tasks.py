@@ -55,7 +55,8 @@ class Task:
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, progress: bool = False):
         self.tokenizer, self.splits, self.data_dir = self.load(cfg, progress=progress)
-        self.cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size)
+        self.cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size,
+                                            mask_token=masking.own_mask_id(self.tokenizer))
         self.n_windows = config_lib.n_windows(self.cfg)
 
     # ---- data

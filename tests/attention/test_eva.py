@@ -557,3 +557,41 @@ def test_kernel_tiles_are_execution_settings(monkeypatch):
         make(window_size=8, chunk_size=4, impl="pallas", chunk_tile=24)
     with pytest.raises(ConfigError, match="query_tile"):
         make(window_size=8, chunk_size=4, impl="pallas", query_tile=3)
+
+
+# packed rows (docs/methods/eva.md, "Packed rows"): the options the packed law's configuration leaves out
+@pytest.mark.parametrize("causal,cfg", [
+    (True, dict(overlap_window=True, chunk_logit="exact_lse", attn_dropout=0.3, partition="disjoint")),
+    pytest.param(False, dict(overlap_window=True, attn_dropout=0.3), marks=pytest.mark.slow),
+])
+def test_packed_row_equals_its_documents_alone_in_training_mode(causal, cfg):
+    """Documents of 5, 13 and 9 tokens (cut mid-block and mid-chunk) in one row: outputs with the ω draws, dropout,
+    the overlapping window and (causal) the exact chunk log-sum-exp and the disjoint partition equal each document's
+    own call with the same key; 'auto' takes the reference for the packed call, the tiles refuse it by name."""
+    core = make(causal, window_size=8, chunk_size=4, **cfg)
+    lengths = (5, 13, 9)
+    q, k, v = qkv(sum(lengths), seed=11, head_dim=D)
+    seg = jnp.asarray(np.repeat(np.arange(1, 4), lengths)[None].repeat(B, 0), jnp.int32)
+    packed = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s, **TRAIN)[0])(core, q, k, v, seg)
+    a = 0
+    for n in lengths:
+        alone = run(core, q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], **TRAIN)[0]
+        assert maxdiff(packed[:, :, a:a + n], alone) < 1e-5, (a, n)
+        a += n
+    assert maxdiff(packed, run(core, q, k, v, **TRAIN)[0]) > 1e-2  # the documents do see each other unpacked
+    for name in ("xla", "xla_cpu"):
+        named = make(causal, window_size=8, chunk_size=4, impl=name, **cfg)
+        with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'"):
+            named(q, k, v, segment_ids=seg, **TRAIN)
+
+
+def test_packed_rows_refused_where_not_served():
+    """A stream after a carried state and a bidirectional num_chunks layer refuse packed rows in one line."""
+    q, k, v = qkv(12, seed=3, head_dim=D)
+    seg = jnp.ones((B, 12), jnp.int32)
+    core = make(window_size=8, chunk_size=4, impl="reference")
+    with pytest.raises(dispatch.KernelUnsupportedError, match="carried state") as err:
+        core(q, k, v, core.init_state(B, 12), segment_ids=seg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="^eva: packed rows need a fixed chunk_size"):
+        make(False, window_size=8, num_chunks=4)(q, k, v, segment_ids=seg)

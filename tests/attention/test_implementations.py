@@ -4,7 +4,8 @@ For every method in ``attention.names()``, each direction it supports and each i
 (``AttentionCore.implementations()``, longctx/attention/dispatch.py) that can run on this machine (a Pallas
 kernel runs in interpret mode on a CPU), the core built with that implementation's execution settings gives the
 same outputs, the same gradients (q, k, v and every parameter) and the same final state as the core built with
-the method's first implementation, its reference: fp32 at a tight tolerance, bf16 inputs at a looser one. Both
+the method's first implementation, its reference: fp32 at a tight tolerance, bf16 inputs at a looser one (an
+implementation compiled only for a CPU, whose default compute dtype is fp32, checks bf16 with ``-m slow``). Both
 cores are built from one seed at the method's first contract case (same parameters: execution settings define
 none). A method contributes no test code here: declaring an implementation gives it the law.
 """
@@ -52,8 +53,17 @@ def _pairs(model_level: bool = False):
                 # one xdist worker per (method, direction): the reference's results are computed once for all
                 group = pytest.mark.xdist_group(f"implementations-{name}-{direction}{suffix}")
                 marks = [group] + ([pytest.mark.slow] if impl.slow_in_interpret else [])
-                out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}",
-                                        marks=marks))
+                if model_level:
+                    out.append(pytest.param(name, direction, impl.name, id=f"{name}-{direction}-{impl.name}{suffix}",
+                                            marks=marks))
+                    continue
+                for dtype in ("float32", "bfloat16"):
+                    # bf16 of an implementation that runs compiled only on a CPU (whose 'auto' compute dtype is
+                    # float32) runs with -m slow; every other implementation's bf16 by default
+                    cpu_only = dtype == "bfloat16" and not impl.kernel and tuple(impl.platforms) == ("cpu",)
+                    out.append(pytest.param(name, direction, impl.name, dtype,
+                                            id=f"{name}-{direction}-{impl.name}-{dtype}",
+                                            marks=marks + ([pytest.mark.slow] if cpu_only else [])))
     return out
 
 
@@ -126,8 +136,8 @@ def _compare(what, got, want, *, atol=None, rtol=None, rel=None):
             np.testing.assert_allclose(a, b, atol=atol, rtol=rtol, err_msg=f"{what}{path}")
 
 
-@pytest.mark.parametrize("name,direction,impl_name", _pairs())
-def test_implementation_equals_reference(name, direction, impl_name):
+@pytest.mark.parametrize("name,direction,impl_name,dtype_name", _pairs())
+def test_implementation_equals_reference(name, direction, impl_name, dtype_name):
     cls = attention.get_class(name)
     impls = dispatch.by_name(cls.implementations(causal=direction == "causal"))
     ref_impl = cls.implementations(causal=direction == "causal")[0]
@@ -139,14 +149,14 @@ def test_implementation_equals_reference(name, direction, impl_name):
     run = _runner(_build(name, direction, impl, case))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*interpret mode.*")
-        for dtype, tol in ((jnp.float32, dict(atol=case.atol * 4, rtol=case.rtol * 4)), (jnp.bfloat16, dict(rel=BF16))):
-            out, state, grads = run(*_inputs(case, dtype))
-            r_out, r_state, r_grads = _reference(name, direction, jnp.dtype(dtype).name)
-            label = f"{name} {direction} {impl_name} vs {ref_impl.name} ({jnp.dtype(dtype).name}): "
-            _compare(label + "output", out, r_out, **tol)
-            _compare(label + "final state", state, r_state, **tol)
-            for part, g, r in zip(("d params", "dq", "dk", "dv"), grads, r_grads):
-                _compare(label + part, g, r, **tol)
+        tol = dict(atol=case.atol * 4, rtol=case.rtol * 4) if dtype_name == "float32" else dict(rel=BF16)
+        out, state, grads = run(*_inputs(case, jnp.dtype(dtype_name)))
+        r_out, r_state, r_grads = _reference(name, direction, dtype_name)
+        label = f"{name} {direction} {impl_name} vs {ref_impl.name} ({dtype_name}): "
+        _compare(label + "output", out, r_out, **tol)
+        _compare(label + "final state", state, r_state, **tol)
+        for part, g, r in zip(("d params", "dq", "dk", "dv"), grads, r_grads):
+            _compare(label + part, g, r, **tol)
 
 
 def _model_case(cls, direction):

@@ -480,15 +480,25 @@ def test_encoder_core_has_no_state():
 
 # ---------------------------------------------------------------------- config validation, long forward
 @pytest.mark.parametrize("over,causal", [
-    (dict(reduction="cumsum"), True), (dict(mem_len=8, form="parallel"), True), (dict(mem_len=8), False),
-    (dict(gamma=1.0), True), (dict(impl="pallas", reduction="matmul"), True), (dict(form="x"), True),
+    (dict(reduction="cumsum"), True), (dict(mem_len=8, impl="blocks"), True), (dict(mem_len=8), False),
+    (dict(gamma=1.0), True), (dict(impl="pallas", reduction="matmul"), True), (dict(impl="xla"), True),
     (dict(impl="blocks", reduction="matmul"), True), (dict(impl="parallel", mem_len=8), True),
-    (dict(impl="parallel", form="blocks"), True), (dict(impl="blocks"), False), (dict(impl="naive"), True)])
+    (dict(impl="pallas"), False), (dict(impl="blocks"), False), (dict(impl="naive"), True)])
 def test_config_validation(over, causal):
     cfg = attention.default_config("transformer_vq")
     cfg.update(dict(block_len=4, **over))
     with pytest.raises(ConfigError):
         attention.validate("transformer_vq", cfg, causal=causal)
+
+
+def test_form_is_an_unknown_key():
+    """The causal forms are implementations (``impl='parallel' | 'blocks' | 'stream'``): a ``form`` setting is
+    refused like any unknown key, in one line."""
+    cfg = attention.default_config("transformer_vq")
+    cfg.update(dict(form="blocks"))
+    with pytest.raises(ConfigError, match=r"attention[.]form: unknown key; allowed keys: .*impl") as e:
+        attention.validate("transformer_vq", cfg, causal=True)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow
@@ -500,22 +510,21 @@ def test_long_forward_65536():  # ~5 s on CPU
     assert int(st["pos"]) == 65536 and float(st["agg_n"].sum()) == 65536 - 128
 
 
-# (config, platform, T) -> the implementation it selects: impl='auto' and the settings older configs wrote
-# (impl 'xla' | 'pallas' | 'auto' with a form) select what they selected before the named implementations.
-# Shapes the TPU kernel takes (B = H = 2, S = L = Dk = 128): the platform default of tiled_min_scores (xla.DEFAULTS:
-# 2^23 on a CPU, 2^26 on a GPU / TPU) is reached from T = 5462 on a CPU and from T = 43691 on an accelerator
+# (config, platform, T) -> the implementation it selects: impl='auto' by the declared ranks and preferences (the
+# kernel, then the form the size rule gives the call), a named implementation whatever the call's size, a list the
+# first that serves. Shapes the TPU kernel takes (B = H = 2, S = L = Dk = 128): the platform default of
+# tiled_min_scores (xla.DEFAULTS: 2^23 on a CPU, 2^26 on a GPU / TPU) is reached from T = 5462 on a CPU and from
+# T = 43691 on an accelerator
 BIG = 1 << 16
 SELECTED = [
     (dict(), "cpu", 2, "xla_cpu"), (dict(), "cpu", BIG, "xla_cpu"),
     (dict(), "cuda", 2, "stream"), (dict(), "rocm", 256, "parallel"), (dict(), "rocm", BIG, "blocks"),
     (dict(), "tpu", 2, "stream"), (dict(), "tpu", 256, "pallas"),
     (dict(reduction="matmul"), "tpu", BIG, "parallel"),  # the kernel computes the serial reduction
-    (dict(impl="xla"), "cpu", 256, "xla_cpu"), (dict(impl="xla"), "tpu", 256, "parallel"),
-    (dict(impl="xla"), "tpu", BIG, "blocks"), (dict(impl="xla", form="parallel"), "tpu", BIG, "parallel"),
-    (dict(impl="xla", form="blocks"), "tpu", 2, "blocks"), (dict(impl="xla", form="stream"), "tpu", 256, "stream"),
-    (dict(impl="pallas"), "tpu", 256, "pallas"), (dict(impl="pallas"), "tpu", 2, "stream"),
-    (dict(impl="pallas", form="stream"), "tpu", 256, "stream"), (dict(impl="pallas"), "cpu", 2, "xla_cpu"),
-    (dict(impl="auto", form="parallel"), "tpu", 256, "pallas"), (dict(impl="pallas,xla"), "rocm", 256, "parallel"),
+    (dict(tiled_min_scores=1), "tpu", 256, "pallas"), (dict(tiled_min_scores=1), "rocm", 256, "blocks"),
+    (dict(impl="parallel"), "tpu", BIG, "parallel"), (dict(impl="blocks"), "tpu", 2, "blocks"),
+    (dict(impl="stream"), "tpu", 256, "stream"), (dict(impl="pallas"), "tpu", 256, "pallas"),
+    (dict(impl="pallas"), "tpu", 2, "pallas"), (dict(impl="pallas,stream"), "rocm", 256, "stream"),
     (dict(impl="reference"), "tpu", 256, "reference"), (dict(impl="blocks"), "cpu", 2, "blocks"),
 ]
 
@@ -531,24 +540,24 @@ def test_settings_select_implementations(over, platform, T, name):
     assert core.implementation_for(B=2, T=T, dtype=jnp.float32).name == name
 
 
-@pytest.mark.parametrize("over", [dict(), dict(impl="xla"), dict(impl="pallas"), dict(impl="auto")])
+@pytest.mark.parametrize("over", [dict(), dict(impl="auto"), dict(reduction="matmul")])
 def test_bidirectional_settings_select_the_encoder(over):
     for platform, name in (("cpu", "xla_cpu"), ("cuda", "encoder")):
         core = _kernel_sized(causal=False, platform=platform, **over)
         assert core.implementation_for(B=2, T=12, dtype=jnp.float32).name == name
 
 
-def test_auto_form_picks_tiles_by_call_size():
-    """form='auto' takes the tiled form only for calls with >= tiled_min_scores score entries (an execution
-    setting), else the one-shot block-parallel form, and the streaming form for calls shorter than a block; the
-    tiled and one-shot forms give the same output."""
+def test_size_rule_picks_tiles_by_call_size():
+    """The size rule takes the tiled form only for calls with >= tiled_min_scores score entries (an execution
+    setting) and the serial reduction, else the one-shot block-parallel form, and the streaming form for calls
+    shorter than a block or a band longer than one; the tiled and one-shot forms give the same output."""
     core = small_core()
-    cfg = core.cfg
-    shape = dict(B=2, H=2, S=8, L=4, M=4)
-    assert xla.form_for(cfg, T=12, **shape) == "parallel"  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
-    assert xla.form_for(cfg, T=(1 << 23) // 64, **shape) == "blocks"
-    assert xla.form_for(cfg, T=3, **shape) == "stream"
-    assert xla.form_for(cfg, T=12, **dict(shape, M=5)) == "stream"
+    shape = dict(B=2, H=2, S=8, L=4, M=4, min_scores=1 << 23)
+    assert xla.form_for(T=12, **shape) == "parallel"  # B*H*T*(S+2L) = 2*2*12*16 entries: below the threshold
+    assert xla.form_for(T=(1 << 23) // 64, **shape) == "blocks"
+    assert xla.form_for(T=(1 << 23) // 64, reduction="matmul", **shape) == "parallel"
+    assert xla.form_for(T=3, **shape) == "stream"
+    assert xla.form_for(T=12, **dict(shape, M=5)) == "stream"
     q, k, v = qkv(12, seed=1)
     # jitted (the form is picked at trace time; an eager call compiles op by op)
     assert maxdiff(kit.out(core, q, k, v), kit.out(small_core(tiled_min_scores=1), q, k, v)) < 1e-5
@@ -562,15 +571,17 @@ def test_numeric_knobs_run_with_the_platform_value():
     core = _kernel_sized()
     shape = dict(B=2, H=2, S=128, L=128, M=128)
     T = (1 << 23) // (2 * 2 * 384) + 128  # just past the CPU threshold, far below the accelerators'
-    assert xla.form_for(core.cfg, T=T, platform="cpu", **shape) == "blocks"
-    assert xla.form_for(core.cfg, T=T, platform="cuda", **shape) == "parallel"
-    assert xla.form_for(_kernel_sized(tiled_min_scores=1 << 23).cfg, T=T, platform="cuda", **shape) == "blocks"
+    assert xla.preferred_form("cpu", T=T, **shape) == "blocks"
+    assert xla.preferred_form("cuda", T=T, **shape) == "parallel"
+    assert xla.preferred_form("cuda", T=T, tiled_min_scores=1 << 23, **shape) == "blocks"
     assert _kernel_sized(platform="rocm").implementation_for(B=2, T=T, dtype=jnp.float32).name == "parallel"
     impls = dispatch.by_name(core.implementations())
     assert impls["blocks"].settings(core.cfg, "cuda") == {"search_chunk": 2048, "keep_budget": -1,
                                                           "tiled_min_scores": 1 << 26}
     assert impls["xla_cpu"].settings(core.cfg, "cpu") == {"search_chunk": 512, "keep_budget": 1 << 26,
-                                                          "tiled_min_scores": 1 << 23}
+                                                          "tiled_min_scores": 1 << 23, "reduction": "serial"}
+    assert impls["parallel"].settings(_kernel_sized(reduction="assoc").cfg, "cuda") == {"search_chunk": 2048,
+                                                                                       "reduction": "assoc"}
     assert impls["pallas"].settings(core.cfg, "cuda") == {"search_chunk": 2048}
     assert impls["pallas"].settings(_kernel_sized(search_chunk=64).cfg, "cuda") == {"search_chunk": 64}
 

@@ -1,6 +1,6 @@
-"""Transformer-VQ's tiled causal form (``form='blocks'``) in a narrow compute dtype: its forward and its
-hand-written backward take compute-dtype (bfloat16) matmul operands with float32 accumulation, as the one-shot
-form does under autodiff; float32 inputs keep every product in float32."""
+"""Transformer-VQ's tiled causal form (``impl='blocks'``, and the XLA:CPU implementation's) in a narrow compute
+dtype: its forward and its hand-written backward take compute-dtype (bfloat16) matmul operands with float32
+accumulation, as the one-shot form does under autodiff; float32 inputs keep every product in float32."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from longctx.attention.transformer_vq import xla, xla_cpu
-from pallas_kernels.vq_cache_ref import empty_state
+from longctx.attention.transformer_vq.state import empty_state
 
 _DOT = re.compile(r"stablehlo\.dot_general\s+%[\w#]+,\s*%[\w#]+,\s*(.*?)\s*:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
 _DIMS = re.compile(r"contracting_dims\s*=\s*\[([\d, ]*)\]\s*x\s*\[([\d, ]*)\]")

@@ -51,8 +51,10 @@ def lm_cfg(method=NAME, *, explore_prob=0.1, **causal):
     return c
 
 
-def build(method=NAME, **kw):
-    return build_model(model_cfg(method, **kw), seed=0)
+def build(method=NAME, *, post_norm=False, **kw):
+    c = model_cfg(method, **kw)
+    c.post_norm = post_norm  # BERT / RoBERTa blocks: x = LN1(x + A(x)); x = LN2(x + F(x)), a norm after the embeddings
+    return build_model(c, seed=0)
 
 
 def lm(method=NAME, **kw):
@@ -105,9 +107,14 @@ def test_parameter_tree_is_the_dense_models(make):
 
 @pytest.mark.parametrize("positions", ["rotary", pytest.param("learned", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["all_blocks_fine", pytest.param("block_size_1", marks=pytest.mark.slow)])
-def test_no_compression_equals_dense(kind, positions):
+@pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
+def test_no_compression_equals_dense(kind, positions, post_norm):
+    """post_norm: BERT's / RoBERTa's blocks (an imported encoder; the stack's update is the block's output less its
+    input), a norm after the embeddings."""
     vc = {"num_fine_blocks": 8} if kind == "all_blocks_fine" else {"block_size": 1, "num_fine_blocks": 3}
-    dense, vcc = build("dense", positions=positions), build(positions=positions, **vc)
+    dense, vcc = build("dense", positions=positions, post_norm=post_norm), build(positions=positions,
+                                                                                 post_norm=post_norm, **vc)
+    assert all(b.post_norm == post_norm for b in vcc.blocks)
     tokens, imp = inputs(40)
     want, _ = call(dense, tokens, imp)
     got, _ = call(vcc, tokens, imp)
@@ -116,7 +123,7 @@ def test_no_compression_equals_dense(kind, positions):
     got_t = hidden(vcc, tokens, imp, deterministic=False, key=jax.random.key(3))[0]
     np.testing.assert_allclose(np.asarray(got_t), np.asarray(hidden(dense, tokens)[0]), atol=1e-5, rtol=1e-5)
     # and compression does change it (the test can fail)
-    lossy = build(positions=positions, num_fine_blocks=1)
+    lossy = build(positions=positions, num_fine_blocks=1, post_norm=post_norm)
     assert float(jnp.max(jnp.abs(call(lossy, tokens, imp)[0] - want))) > 1e-3
 
 
@@ -134,22 +141,28 @@ def test_segment_local_dense_layers_are_dense_per_segment():
 # ----------------------------------------------------------------------------- 2. dense-matrix reference
 @nnx.jit
 def gamma_reference(block, Y, bias):
-    """γ_D(Y) = A + F of the pre-LN block with a per-key logit bias, written out from its weights."""
+    """γ_D(Y) = A + F of the pre-LN block with a per-key logit bias, written out from its weights; for a
+    post-norm block the update LN2(x1 + F(x1)) - Y, x1 = LN1(Y + A) (its output less its input)."""
     R = Y.shape[0]
     H, Dh = block.num_heads, block.head_dim
-    qkv = block.qkv(block.norm1(Y[None]))[0].reshape(R, 3, H, Dh)
+    qkv = block.qkv(Y[None] if block.post_norm else block.norm1(Y[None]))[0].reshape(R, 3, H, Dh)
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     s = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(Dh) + bias[None, None, :]
     a = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v).reshape(R, H * Dh)
     A = block.out(a[None])[0]
+    if block.post_norm:
+        x1 = block.norm1((Y + A)[None])
+        return block.norm2(x1 + block.mlp(x1, deterministic=True))[0] - Y
     F = block.mlp(block.norm2((Y + A)[None]), deterministic=True)[0]
     return A + F
 
 
-def test_dense_matrix_reference():
+@pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
+def test_dense_matrix_reference(post_norm):
     T, n_p, k, h = 64, 8, 4, 3
     nb = (T - n_p) // k
-    model = build(num_layers=1, num_dense_layers=0, num_vip=n_p, block_size=k, num_fine_blocks=h, positions="none")
+    model = build(num_layers=1, num_dense_layers=0, num_vip=n_p, block_size=k, num_fine_blocks=h, positions="none",
+                  post_norm=post_norm)
     tokens, imp = inputs(T, seed=4)
     x = model.embed_tokens(tokens, jnp.arange(T))
     got, _, infos = hidden(model, tokens, imp, embedded=x)
@@ -281,12 +294,13 @@ def test_exploration_is_uniform_and_has_the_configured_rate():
     assert (np.sort(np.asarray(top), 1) == [0, 1]).all()
 
 
-def test_straight_through_gate_changes_gradients_not_values():
+@pytest.mark.parametrize("post_norm", [False, True], ids=["pre_norm", "post_norm"])
+def test_straight_through_gate_changes_gradients_not_values(post_norm):
     T = 40
     tokens, imp = inputs(T, seed=5)
     outs, grads = {}, {}
     for ste in (True, False):
-        model = build(num_layers=2, num_dense_layers=0, ste_gate=ste, explore_prob=0.1)
+        model = build(num_layers=2, num_dense_layers=0, ste_gate=ste, explore_prob=0.1, post_norm=post_norm)
         outs[ste] = hidden(model, tokens, imp, deterministic=False, key=jax.random.key(9))[0]
         x = model.embed_tokens(tokens, jnp.arange(T))
         st, _ = format_rows(x, imp, jnp.ones((B, T), bool), jnp.broadcast_to(jnp.arange(T), (B, T)), 8, 4)
@@ -409,8 +423,11 @@ def test_one_compilation_per_shape():
 def test_config_refusals():
     gau = model_cfg()
     gau.block = "gau"
+    post_lm = lm_cfg()
+    post_lm.post_norm = True  # post-norm blocks: the encoder stack only
     for c, match in ((lm_cfg(block_size=3), "must divide window"), (model_cfg(levels=(16, 1)), "levels"),
-                     (gau, "pre-LN"), (model_cfg(num_dense_layers=5), "num_dense_layers"),
+                     (gau, "pre-LN"), (post_lm, "VCC-LM .* wraps pre-LN blocks"),
+                     (model_cfg(num_dense_layers=5), "num_dense_layers"),
                      (model_cfg(impl="blockwise"), "unknown 'blockwise'")):
         with pytest.raises(ConfigError, match=match):
             build_model(c)

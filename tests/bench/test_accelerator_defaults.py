@@ -150,7 +150,7 @@ def test_step_counts_a_model_with_kernels_as_its_portable_implementation():
     kernel, portable = count(cfg("pallas")), count(cfg("xla"))
     assert kernel["opaque"] and not portable["opaque"]  # the kernel hides its matmuls from the count
     twin = S.portable_matmul_flops(cfg("pallas"))
-    assert twin["flops"] == portable["flops"] > kernel["flops"] and "impl='xla'" in twin["counted_as"]
+    assert twin["flops"] == portable["flops"] > kernel["flops"] and "fma: impl='xla'" in twin["counted_as"]
 
 
 def test_step_without_a_peak_reports_no_mfu_and_why(tmp_path):

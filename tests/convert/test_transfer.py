@@ -128,3 +128,58 @@ def test_extend_positions_copies_the_learned_rows(tmp_path):
         np.testing.assert_array_equal(table[off + r * P: off + (r + 1) * P], source[off:])
     with pytest.raises(ConvertError, match="copying applies to learned ones"):
         core.import_hf(FIXTURE, tmp_path / "llama", extend=4, dry_run=True, log=lambda *_: None)
+
+
+def _word_corpus(folder: Path) -> Path:
+    """Documents of runs of consecutive fixture words (w2, w3, ...: the tiny tokenizer's vocabulary), something a
+    tiny model learns in a few steps."""
+    words = [f"w{i}" for i in range(2, 42)]
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for d in range(40):
+        text = " ".join(" ".join(words[(s + j) % len(words)] for j in range(8)) for s in rng.integers(0, 40, 60))
+        (folder / f"doc{d:02d}.txt").write_text(text + "\n")
+    return folder
+
+
+@pytest.mark.slow  # an import, two compiled train steps, two short runs: about 20 s on 2 CPU cores
+def test_fine_tuning_after_transfer_resumes_the_run_as_a_language_model(tmp_path):
+    """docs/pretrained.md, "Attention transfer": import with EVA in every other layer, the transfer run (its train
+    record names the transfer loss ``transfer_mse``, no bits per token), then the same run resumed with
+    ``train.task=auto``: ordinary LM training of every parameter from the transfer's checkpoint, the LM loss falls."""
+    from longctx.cli import train_main
+    from longctx.convert.cli import main as convert
+
+    run, transfer, total = tmp_path / "run", 6, 26
+    assert convert(["longctx-convert", "import", f"--hf_dir={FIXTURE}", f"--workdir={run}",
+                    "--config=configs/pretrained/llama_to_eva.py:tiny", "--noprogress",
+                    f"--config.data.path={_word_corpus(tmp_path / 'corpus')}", f"--config.train.steps={transfer}",
+                    "--config.train.log_every=1", f"--config.train.eval_every={transfer}",
+                    f"--config.train.ckpt_every={transfer}"]) == 0
+    assert train_main(["longctx-train", f"--config={run}/config.py", f"--workdir={run}", "--noprogress"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    stage1 = [r for r in records if r["split"] == "train"]
+    assert len(stage1) == transfer
+    assert all("transfer_mse" in r and "bits_per_token" not in r and "layer1/transfer_mse" in r for r in stage1)
+    after_transfer = {k: np.array(v) for k, v in _params(run).items()}
+
+    assert train_main(["longctx-train", f"--config={run}/config.py", f"--workdir={run}", "--noprogress",
+                       "--config.train.task=auto", f"--config.train.steps={total}", "--config.train.lr=3e-3",
+                       f"--config.train.eval_every={total}", f"--config.train.ckpt_every={total}"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    stage2 = [r for r in records if r["split"] == "train" and r["step"] > transfer]
+    assert len(stage2) == total - transfer
+    assert all("bits_per_token" in r and "transfer_mse" not in r for r in stage2)
+    losses = np.array([r["loss"] for r in stage2])
+    assert np.all(np.isfinite(losses)) and losses[-3:].mean() < losses[:3].mean() - 0.1, losses
+    # every parameter trains now, not only the swapped core's
+    moved = {k for k, v in _params(run).items() if not np.array_equal(after_transfer[k], v)}
+    assert any(k.startswith("blocks/0/") for k in moved) and any("/core/" in k for k in moved), sorted(moved)
+    assert "embed" in " ".join(moved), sorted(moved)
+
+
+def _params(run: Path) -> dict:
+    from longctx.runtime import Runner
+
+    params = Runner.from_workdir(run).params[0]
+    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)}

@@ -22,6 +22,9 @@ A kernel's test subclasses :class:`KernelTestBase` and fills in data, never test
   platforms this form of the kernel lowers for. Every dtype of ``DTYPES`` needs a ragged forward and gradient
   case, and every platform an export case at every paper shape.
 
+The default suite runs a covering subset of these cases (:meth:`KernelTestBase.default_cases`: every shape, every
+dtype at a ragged length, every platform's paper shapes), ``-m slow`` every case.
+
 ``INTERPRET`` (default: True on CPU) runs the kernels in Pallas interpret mode; on an accelerator a subclass
 with ``INTERPRET = False`` runs the same tests compiled. Each (shape, dtype) compiles once: forward outputs
 are cached per class and shared by the forward and final-state tests.
@@ -162,11 +165,32 @@ class KernelTestBase:
         return self.PAPER_SHAPES
 
     # -- parametrization ----------------------------------------------------------------------------------------
+    def default_cases(self, kind: str, cases) -> set:
+        """The cases of ``kind`` ('forward', 'grad', 'export') the default suite runs; the others are marked slow
+        (``-m slow`` runs every case). A covering rule, in declared order: a forward or gradient case runs when it
+        is the first of its shape, or the first ragged case of its dtype; an export case when it is the first of its
+        (platform, shape), or the first of its (platform, dtype). So every shape, every dtype at a ragged length and
+        every platform's paper shapes run by default, not every (shape, dtype) pair."""
+        keep, seen = set(), set()
+        for c in cases:
+            if kind == "export":
+                keys = [("shape", c[0], c[1]), ("dtype", c[0], c[2])]
+            else:
+                keys = [("shape", c[0])] + ([("dtype", c[1])] if self.is_ragged(self.SHAPES[c[0]]) else [])
+            if any(k not in seen for k in keys):
+                keep.add(c)
+            seen.update(keys)
+        return keep
+
+    def _params(self, kind: str, cases, ident):
+        keep = self.default_cases(kind, cases)
+        return [pytest.param(c, id=ident(c), marks=() if c in keep else (pytest.mark.slow,)) for c in cases]
+
     def pytest_generate_tests(self, metafunc):
         params = {
-            "forward_case": [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in self.FORWARD_CASES],
-            "grad_case": [pytest.param(c, id=f"{c[0]}-{c[1]}") for c in self.GRAD_CASES],
-            "export_case": [pytest.param(c, id=f"{c[0]}-{c[1]}-{c[2]}") for c in self.EXPORT_CASES],
+            "forward_case": self._params("forward", self.FORWARD_CASES, lambda c: f"{c[0]}-{c[1]}"),
+            "grad_case": self._params("grad", self.GRAD_CASES, lambda c: f"{c[0]}-{c[1]}"),
+            "export_case": self._params("export", self.EXPORT_CASES, lambda c: f"{c[0]}-{c[1]}-{c[2]}"),
         }
         for name, values in params.items():
             if name in metafunc.fixturenames:

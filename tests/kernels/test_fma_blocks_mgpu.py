@@ -45,12 +45,15 @@ def _reference(args, shape):
     return fma_blocks._ref_blocks(*args, shape["m"], shape["causal"], shape["n_valid"], 1 << 24)
 
 
+SLOW = pytest.mark.slow  # the default suite: each direction, dtype and tile once (interpret mode: ~10-20 s a case)
+
+
 @pytest.mark.parametrize("case", [
     ("causal_ragged", "float32"),
-    ("causal_ragged", "bfloat16"),
+    pytest.param(("causal_ragged", "bfloat16"), marks=SLOW),
     ("bidir_ragged", "bfloat16"),
-    ("fine_only_bidir", "float32"),
-    ("bidir_ragged", "float32"),
+    pytest.param(("fine_only_bidir", "float32"), marks=SLOW),
+    pytest.param(("bidir_ragged", "float32"), marks=SLOW),
     ("m128_causal", "bfloat16"),
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_forward_matches_reference(case):
@@ -77,7 +80,7 @@ def _grads(args, fn):
 
 
 @pytest.mark.parametrize("case", [
-    ("causal_ragged", "float32"),
+    pytest.param(("causal_ragged", "float32"), marks=SLOW),
     ("causal_ragged", "bfloat16"),
     ("fine_only_bidir", "float32"),
     pytest.param(("bidir_ragged", "float32"), marks=pytest.mark.slow),
@@ -116,7 +119,7 @@ def test_unsupported_reasons():
     assert any("dropout" in x for x in r("cuda", m=64, d=64, dv=64, dropout=0.1))
 
 
-@pytest.mark.parametrize("name", ["enwik8_paper", "enwik8_n2048"])
+@pytest.mark.parametrize("name", ["enwik8_paper", pytest.param("enwik8_n2048", marks=SLOW)])
 def test_export_cuda(name):
     """``jax.export`` for cuda lowers the kernels through Pallas' Mosaic GPU lowering on this CPU host (no GPU
     compiles or runs them here): the forward is one ``mosaic_gpu`` custom call, its gradient three (forward, dq,

@@ -137,6 +137,25 @@ def test_windowed_train_step_reports_each_windows_document_loss(microbatches):
     np.testing.assert_allclose(np.asarray(metrics["ce"]), per_window, rtol=2e-5)
 
 
+@pytest.mark.slow
+def test_packed_eva_rows_score_each_document_as_if_alone():
+    """EVA (its reference serves packed rows; a packed row in one call): every in-document target's nll equals its
+    document's alone, blocks of 8 and chunks of 4 cut by the documents."""
+    cfg = small_model_cfg("rotary")
+    cfg.attention.name = "eva"
+    cfg.attention.eva.update(window_size=8, chunk_size=4)
+    model = build_model(cfg, seed=1)
+    batch = _batch()
+    tokens, seg, pos = (batch[k][:, :-1] for k in ("tokens", "segment_ids", "positions"))
+    got = nnx.jit(lambda m, t, p, s, y: m.nll(m.run(t, positions=p, segment_ids=s)[0], y))(
+        model, tokens, pos, seg, batch["tokens"][:, 1:])
+    w = np.asarray(target_weights(batch["segment_ids"]))
+    want = _alone_nll(model, batch)
+    np.testing.assert_allclose(np.asarray(got) * w, want, atol=2e-5, rtol=2e-5)
+    plain = nnx.jit(lambda m, t, y: m.nll(m.run(t)[0], y))(model, tokens, batch["tokens"][:, 1:])
+    assert np.max(np.abs(np.asarray(plain) * w - want)) > 1e-3
+
+
 def _segments_cfg(**model):
     c = base_config()
     c.data.packing = "segments"

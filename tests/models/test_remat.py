@@ -1,8 +1,8 @@
 """``model.remat`` under the training step's conditions: a window that carries the previous window's state in and
 the rows split into micro-batches (``train.microbatches``). Each remat form gives the loss, gradients and new
-state that the same step without remat gives. Transformer-VQ runs its tiled causal form (``form='blocks'``,
-whose hand-written backward takes the cache counts derived from the carried state as constants), the form
-long windows take; dense attention carries its key/value cache."""
+state that the same step without remat gives. Transformer-VQ runs its tiled causal form (``tiled_min_scores=1``:
+every window of a block or more, whose hand-written backward takes the cache counts derived from the carried state
+as constants), the form long windows take; dense attention carries its key/value cache."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def model_cfg(name, block, **kw):
     c.attention.name = name
     if name == "transformer_vq":
         c.num_heads = 1
-        c.attention.transformer_vq.update({"block_len": 8, "codebook_size": 8, "form": "blocks"})
+        c.attention.transformer_vq.update({"block_len": 8, "codebook_size": 8, "tiled_min_scores": 1})
     for k, v in kw.items():
         c[k] = v
     return c

@@ -32,15 +32,29 @@ from longctx.attention.base import (
     KernelBench,
     axes,
     check_qkv,
+    check_segments,
     require,
 )
 from longctx.attention.eva import reference, xla
 from longctx.attention.eva.common import EVAOptions, empty_state, geometry, rpe_num_buckets, state_from_forward
+from longctx.errors import ConfigError
+
+PACKED_STREAM_REASON = ("packed rows (segment ids) with a carried state: EVA's stream takes no segment ids yet; "
+                        "feed a packed row in one call")
+
+
+def _reference_reasons(platform: str, *, segments: bool = False, full: bool = True, **_) -> list[str]:
+    return [PACKED_STREAM_REASON] if segments and not full else []
+
 
 # the paper's computation over the whole sequence; a stream after a carried state has no O(L²) form of its own
-# and runs the portable tiles. Never tried by 'auto'.
+# and runs the portable tiles. 'auto' tries it only for a packed row (segment ids), which the tiles and kernels
+# refuse (common.segments_reasons), and only on a CPU: its O(L²) memory at a GPU's or TPU's training lengths is
+# not a default to fall into there (name impl='reference' to take it)
 REFERENCE = dispatch.Implementation(
     "reference", config={"impl": "reference"}, defaults={"logit_budget": xla.LOGIT_BUDGET},  # its stream's tiles
+    reasons=_reference_reasons, auto={"cpu": 99},
+    prefer=lambda platform, segments=False, **_: segments,
     code=types.SimpleNamespace(eva_forward=reference.eva_reference, eva_stream=xla.eva_stream))
 
 
@@ -58,6 +72,7 @@ class EVAAttention(AttentionCore):
     name = "eva"
     EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget", "query_tile", "key_tile", "chunk_tile", "num_warps")
     randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
+    takes_segments = True  # the reference's full pass (reference.eva_reference_packed); the others refuse them
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -218,7 +233,7 @@ class EVAAttention(AttentionCore):
         names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
         return {n: getattr(self, n)[...] for n in names}
 
-    def _select(self, L: int, streaming: bool, deterministic: bool = True) -> dispatch.Choice:
+    def _select(self, L: int, streaming: bool, deterministic: bool = True, segments: bool = False) -> dispatch.Choice:
         """The implementation for a call over L tokens (``streaming``: after a carried state; ``deterministic``
         False: a training call, with attention dropout when ``attn_dropout > 0``), by the shared rule of
         ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
@@ -227,7 +242,7 @@ class EVAAttention(AttentionCore):
         return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva", platform=self.platform,
                                P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
                                chunk_logit=o.chunk_logit, full=not streaming,
-                               dropout=not deterministic and o.attn_dropout > 0.0)
+                               dropout=not deterministic and o.attn_dropout > 0.0, segments=segments)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -270,12 +285,19 @@ class EVAAttention(AttentionCore):
             out[name] = b[name] + jax.lax.dynamic_slice_in_dim(padded, shift, R, axis=2)
         return out
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, segment_ids=None):
+        """``segment_ids`` [B, T] int32 (optional): a packed row, each document (a run of equal ids) computed as if
+        alone: the reference's full pass; a causal packed call returns no state (docs/methods/eva.md)."""
         check_qkv(q, k, v)
+        check_segments(self, q, segment_ids)
+        c = self.cfg
+        if segment_ids is not None and not self.causal and c.num_chunks > 0:
+            raise ConfigError(f"eva: packed rows need a fixed chunk_size (num_chunks={c.num_chunks} sizes each "
+                              "document's chunks by its length); set num_chunks=0")
         noise_key, drop_key = self._keys(deterministic, key)
         rpe = self.rpe_table[...] if self.rpe_table is not None else None
-        c = self.cfg
-        choice = self._select(q.shape[2], streaming=state is not None, deterministic=deterministic)
+        choice = self._select(q.shape[2], streaming=state is not None, deterministic=deterministic,
+                              segments=segment_ids is not None)
         kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
         impl = dispatch.by_name(self.implementations(causal=self.causal))[choice.name]
         # the execution knobs as they run on the platform the selection ran on (dispatch.Implementation.setting):
@@ -285,6 +307,9 @@ class EVAAttention(AttentionCore):
         kernel.update(knobs)
         args = (self.chunk_params(), rpe, noise_key, drop_key, o)
         code = impl.code
+        if state is None and segment_ids is not None:
+            out, _ = reference.eva_reference_packed(q, k, v, *args, chunk_size=c.chunk_size, segment_ids=segment_ids)
+            return out.astype(v.dtype), None
         if state is None:
             out, extras = code.eva_forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
             new_state = None

@@ -25,16 +25,24 @@ from jax.sharding import PartitionSpec
 
 from longctx.attention import dispatch, row_split
 from longctx.attention.eva import xla
-from longctx.attention.eva.common import EVAOptions, chunk_noise, dropout_seeds, geometry, local_bias_tiles
+from longctx.attention.eva.common import (
+    EVAOptions,
+    chunk_noise,
+    dropout_seeds,
+    geometry,
+    local_bias_tiles,
+    segments_reasons,
+)
 from pallas_kernels import eva_attend, eva_chunks
 from pallas_kernels.precision import compute_dtype
 
 
 def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int,
-                        chunk_logit: str, full: bool, dropout: bool = False, **_) -> list[str]:
+                        chunk_logit: str, full: bool, dropout: bool = False, segments: bool = False, **_) -> list[str]:
     """Why the kernels cannot serve a call: Phase A's limits, and Phase B's for a full pass (``full``; ``dropout``:
-    with attention dropout)."""
-    out = [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
+    with attention dropout); a packed row (``segments``)."""
+    out = segments_reasons(platform, segments=segments)
+    out += [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
     if full:
         out += [f"eva_attend: {r}" for r in eva_attend.unsupported_reasons(
             platform, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit, dropout=dropout)]

@@ -65,3 +65,66 @@ def eva_reference(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOpti
         p = p * jnp.concatenate(dropout_multipliers(seeds, opts.attn_dropout, pos, pos, jnp.arange(C)), axis=-1)
     out = jnp.einsum("bhnm,bhmd->bhnd", p, jnp.concatenate([v, beta], axis=2)) / den
     return out[:, :, :L], {"k_hat": k_hat, "beta": beta, "P": P, "padded": (q, k, v)}
+
+
+def document_positions(segment_ids):
+    """(start, rel) int32 [B, T] of a packed row: the first position of each token's document (a maximal run of
+    equal segment ids) and the token's position inside it. EVA's blocks, chunks, bias, noise and dropout draws
+    of a packed row are those of its documents alone: all indexed by ``rel``."""
+    T = segment_ids.shape[1]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
+    return start, pos - start
+
+
+def eva_reference_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
+                         segment_ids):
+    """:func:`eva_reference` of a packed row (``segment_ids`` [B, T]): each document computed as if alone, its
+    blocks and chunks on its own grid from its first token (docs/methods/eva.md, "Packed rows").
+
+    A document's chunk ``j`` (positions ``rel`` in [jP, (j+1)P), cut by the document's end) sits in the slot of its
+    first position: T slots of P members each, most of them empty (not a chunk start), masked like padded chunks.
+    O(L²) like the unpacked reference, plus O(L·P) for the slots' members."""
+    B, H, T, d = q.shape
+    s = d**-0.5
+    P = chunk_size
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    start, rel = document_positions(segment_ids.astype(jnp.int32))
+    pos = np.arange(T)
+
+    # Phase A (§2.3) per slot: members p + j of the same document, the slot a chunk start
+    member = np.minimum(pos[:, None] + np.arange(P)[None, :], T - 1)  # [T, P]
+    is_start = rel % P == 0  # [B, T]
+    valid = (is_start[:, :, None] & (pos[:, None] + np.arange(P)[None, :] < T)[None]
+             & (start[:, member] == start[:, :, None]))  # [B, T, P]
+    members = [jnp.where(valid[:, None, :, :, None], x[:, :, member], 0.0) for x in (q, k, v)]
+    cid = rel // P  # the slot's chunk index inside its document (a chunk start's)
+    noise = None
+    if noise_key is not None:
+        drawn = chunk_noise(noise_key, jnp.arange(-(-T // P)), B, H, d)  # the draws of chunks 0.. of a document
+        noise = jnp.take_along_axis(drawn, cid[:, None, :, None], axis=2)
+    k_hat, beta = chunk_summaries(*members, valid[:, None], params, noise, opts, s)
+
+    # Phase B (§2.4, eq. 16)
+    qk = s * jnp.einsum("bhnd,bhmd->bhnm", q, k)
+    a_loc = qk + rpe_bias(rpe_table, pos, pos, opts, s)[None] if opts.use_rpe else qk  # offsets: as alone
+    if opts.chunk_logit == "rep":
+        a_ch = s * jnp.einsum("bhnd,bhcd->bhnc", q, k_hat)
+    else:  # eq. 13
+        lse = s * jnp.einsum("bhnd,bhcpd->bhncp", q, members[1])
+        a_ch = jax.nn.logsumexp(jnp.where(valid[:, None, None], lse, NEG), axis=-1)
+    same = start[:, :, None] == start[:, None, :]  # [B, T(query), T(key or slot)]
+    all_keys = jnp.ones((T,), bool)
+    loc = jax.vmap(lambda r: local_mask(r, r, all_keys, opts))(rel) & same
+    ch = jax.vmap(lambda r, c, ok: chunk_mask(r, c, ok, P, opts))(rel, cid, is_start) & same
+    mask = jnp.concatenate([loc, ch], axis=-1)[:, None]
+    logits = jnp.where(mask, jnp.concatenate([a_loc, a_ch], axis=-1), NEG)
+    p = jnp.where(mask, jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))), 0.0)
+    den = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    seeds = dropout_seeds(drop_key, opts, B, H)
+    if seeds is not None:  # the draws of the documents alone: positions and chunk indices inside each document
+        mult = jax.vmap(lambda sd, r, c: jnp.concatenate(dropout_multipliers(sd, opts.attn_dropout, r, r, c), -1))
+        p = p * mult(seeds, rel, cid)
+    out = jnp.einsum("bhnm,bhmd->bhnd", p, jnp.concatenate([v, beta], axis=2)) / den
+    return out, None

@@ -38,6 +38,7 @@ from longctx.attention.eva.common import (
     geometry,
     local_mask,
     rpe_bias,
+    segments_reasons,
     uses_fused,
     window_keys,
 )
@@ -301,5 +302,6 @@ LOGIT_BUDGET = {"cpu": 1 << 25, "cuda": 1 << 28, "rocm": 1 << 28, "tpu": 1 << 27
 # 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
+                            reasons=segments_reasons,
                             code=sys.modules[__name__], defaults={"logit_budget": LOGIT_BUDGET}),
 )

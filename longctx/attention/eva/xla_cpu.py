@@ -30,6 +30,7 @@ from longctx.attention.eva.common import (
     layer_norm,
     local_mask,
     rpe_bias,
+    segments_reasons,
 )
 from longctx.xla_cpu import materialized, rowdot, rows_dot, scale_rows, transposed
 from pallas_kernels.precision import float_dtype
@@ -385,5 +386,6 @@ DEFAULTS = {"logit_budget": {"cpu": 1 << 25, "default": 1 << 25}, "keep_budget":
 # the implementation 'auto' runs on a CPU (and only there: it is the whole 'auto' list on a CPU)
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0},
+                            reasons=segments_reasons,
                             code=sys.modules[__name__], defaults=DEFAULTS),
 )

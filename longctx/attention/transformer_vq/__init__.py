@@ -5,13 +5,17 @@ quantized key is one of S codewords, softmax attention over an arbitrary prefix 
 per-code (mean value, count) summaries: a lossless compressed cache *for the quantized keys*.
 
 * ``reference.py`` -- the paper's computation (quadratic in the call's length): the implementation ``reference``
-* ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, state, codebook learning, dispatch
-* ``xla.py``       -- the portable linear-time forms: ``parallel``, ``blocks``, ``stream``, ``encoder``
+* ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, codebook learning, the call (prepare,
+  ``dispatch.select``, run the chosen implementation)
+* ``state.py``     -- the carried decoding state every implementation returns (empty state, composition)
+* ``xla.py``       -- the portable linear-time forms, one implementation each: ``parallel``, ``blocks``, ``stream``,
+  ``encoder``
 * the XLA:CPU implementation (its own file) -- those forms laid out for XLA:CPU (what ``impl='auto'`` runs on a
   CPU)
 * ``pallas.py``    -- the §9 kernel (``pallas_kernels/vq_cache.py``): ``pallas``
 
-Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects.
+Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects; every one
+is called as ``run(core, choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))``.
 Checked against the release (transformer-vq/transformer_vq at 21943e4, ``tests/fidelity/test_transformer_vq_release.py``):
 output, codes and final cache equal a port of the released attention (``agg_cache=1``, sinusoid dropout included),
 in one call and block by block. Remaining differences: the initial band codes (code S in the release, 0 here;
@@ -29,6 +33,7 @@ from longctx.attention.transformer_vq.layer import (
     sinusoid,
     vq_stats,
 )
+from longctx.attention.transformer_vq.state import empty_state
 from longctx.attention.transformer_vq.xla import (
     band_scores,
     causal_blocks,
@@ -37,7 +42,7 @@ from longctx.attention.transformer_vq.xla import (
     encoder_parallel,
     stvq,
 )
-from pallas_kernels.vq_cache_ref import code_summary, code_sums, empty_state, merge, prefix_reduce
+from pallas_kernels.vq_cache_ref import code_summary, code_sums, merge, prefix_reduce
 
 __all__ = [
     "TransformerVQAttention",

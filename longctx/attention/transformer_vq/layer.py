@@ -1,25 +1,20 @@
 """The Transformer-VQ core (Lingle 2023, arXiv 2309.16354; method notes: docs/methods/transformer_vq.md, whose
 sections the § numbers cite): parameters, configuration, the decoding state, the codebook's EMA learning, and
 the call, which prepares q, k and the position terms (§2.1, §2.3), asks ``dispatch.select`` for one of the
-method's implementations and runs it:
+method's implementations and calls it (every implementation's ``run(core, choice, pre, v, C, state) -> (o,
+new_state, (z, err2, c_z))``):
 
 * ``reference`` (``reference.py``) -- the quadratic softmax over cache, band and present keys: the paper's math;
-* ``parallel``, ``blocks``, ``stream``, ``encoder`` (``xla.py``) -- the portable linear-time forms;
-* the XLA:CPU implementation (its own file) -- those forms with products laid out for XLA:CPU (``impl='auto'`` on
-  a CPU);
+* ``parallel``, ``blocks``, ``stream``, ``encoder`` (``xla.py``) -- the portable linear-time forms, each an
+  implementation of its own;
+* the XLA:CPU implementation (its own file) -- those forms with products laid out for XLA:CPU, the form by its own
+  size rule (``impl='auto'`` on a CPU);
 * ``pallas`` (``pallas.py``) -- the §9 kernel (``impl='auto'`` on a GPU / TPU where it serves the call).
 
-Each implementation module declares its own (``IMPLEMENTATIONS``: where 'auto' tries it, for which calls, what
-computes it); :meth:`TransformerVQAttention.implementations` collects them after the reference.
-
-State of a causal core (constant size, canonical: a function of the prefix only)::
-
-    {"pos": int32[],                       # tokens seen
-     "band_k": [B, H, M, Dk], "band_v": [B, H, M, Dv], "band_z": int32[B, H, M],
-     "agg_mu": [B, H, S, Dv], "agg_n": [B, H, S]}
-
-band = the newest M tokens (right-aligned; slot j holds position pos - M + j, invalid if < 0),
-agg = running mean of values per code and the count of every older token (fp32).
+Each implementation module declares its own (``IMPLEMENTATIONS``: where 'auto' tries it, for which calls, the
+settings it reads, what computes it); :meth:`TransformerVQAttention.implementations` collects them after the
+reference. The carried state of a causal core (constant size, canonical: a function of the prefix only) is
+``state.py``'s.
 """
 
 from __future__ import annotations
@@ -44,13 +39,13 @@ from longctx.attention.base import (
     check_qkv,
     require,
 )
-from longctx.attention.transformer_vq import reference
+from longctx.attention.transformer_vq import reference, xla
+from longctx.attention.transformer_vq.state import compose, empty_state
 from longctx.layout import rows_apply
-from pallas_kernels.vq_cache_ref import code_summary, code_sums, compute_dtype, empty_state, float_dtype, merge
+from pallas_kernels.vq_cache_ref import code_sums, compute_dtype, float_dtype
 
 sg = jax.lax.stop_gradient
 METHOD = "transformer_vq"
-LEGACY_IMPLS = ("xla",)  # impl='xla' (configs before the named implementations): the XLA path of the call's form
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -134,7 +129,6 @@ def _run_reference(core, choice, pre, v, C, state):
 # choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))`` and the per-code sums of the EMA statistics
 _REFERENCE = types.SimpleNamespace(run=_run_reference, code_sums=code_sums)
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=_REFERENCE)
-FORMS = ("parallel", "blocks", "stream")  # the causal forms the ``form`` setting names
 
 
 @functools.cache
@@ -155,7 +149,7 @@ class TransformerVQAttention(AttentionCore):
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
 
     name = METHOD
-    EXECUTION_KEYS = ("impl", "form", "reduction", "keep_budget", "tiled_min_scores", "search_chunk")
+    EXECUTION_KEYS = ("impl", "reduction", "keep_budget", "tiled_min_scores", "search_chunk")
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -164,8 +158,7 @@ class TransformerVQAttention(AttentionCore):
         CPU), parallel (the block-parallel form, the kernel's reference, under autodiff), blocks (its tiled form
         with a recomputing backward), stream (block by block, as decoding runs; any band), the XLA:CPU
         implementation (those forms laid out for XLA:CPU, by call size). Bidirectional: encoder (§2.5), the XLA:CPU
-        implementation. The ``form`` setting (old configs) keeps its meaning through ``impl='xla'``, ``'auto'``,
-        ``'pallas'`` and the implementations that are not a form themselves (:meth:`validate_config`)."""
+        implementation."""
         return _declared(causal)
 
     # Rotary embeddings would rotate keys before quantization (not the paper's model); the position
@@ -189,14 +182,13 @@ class TransformerVQAttention(AttentionCore):
                 # -- execution settings (execution.attention.transformer_vq) --
                 # an implementation (reference | parallel | blocks | stream | pallas | the XLA:CPU one;
                 # bidirectional: reference | encoder | the XLA:CPU one: implementations()), an ordered list 'a,b',
-                # or 'auto': the XLA:CPU implementation on a CPU, elsewhere the kernel where it serves the call,
-                # then the form below. 'xla' (older configs): the XLA implementation 'auto' takes for the call
+                # or 'auto': the XLA:CPU implementation on a CPU, elsewhere the kernel where it serves the call, then
+                # the form the size rule gives the call (stream for calls shorter than a block, blocks for calls of
+                # at least tiled_min_scores scores, else parallel: xla.form_for)
                 "impl": "auto",
-                # the causal form of impl='auto' | 'xla' | 'pallas' | the XLA:CPU implementation: 'auto' (stream
-                # for calls shorter than a block, blocks for calls of at least tiled_min_scores scores, else
-                # parallel) | 'parallel' | 'blocks' | 'stream'; with another implementation named, 'auto'
-                "form": "auto",
-                "reduction": "serial",  # 'serial' | 'matmul' | 'assoc' (the block-parallel form's cross-block scan)
+                # the one-shot block-parallel form's cross-block scan, read by parallel and the XLA:CPU
+                # implementation (xla.REDUCTIONS): 'serial' | 'matmul' | 'assoc'; blocks and pallas compute 'serial'
+                "reduction": "serial",
                 # The numeric knobs below default to dispatch.PLATFORM_DEFAULT (0): the value the implementation
                 # that reads them declares for the platform the call runs on (xla.DEFAULTS, xla_cpu.DEFAULTS, the
                 # kernel's search_chunk in pallas.py; a value written here runs as written on every platform).
@@ -204,8 +196,8 @@ class TransformerVQAttention(AttentionCore):
                 # many scores B*H*T*(S+2L) (fp32 entries, held from each layer's forward to its backward unless
                 # model.remat recomputes the block); larger calls recompute them; -1 always recomputes
                 "keep_budget": dispatch.PLATFORM_DEFAULT,
-                # form='auto' takes the tiled form (blocks) for calls with at least this many scores B*H*T*(S+2L)
-                # (1: every call of at least a block); below it the one-shot block-parallel form
+                # the size rule ('auto', the XLA:CPU implementation) takes the tiled form for calls with at least
+                # this many scores B*H*T*(S+2L) (1: every call of at least a block); below it the one-shot form
                 "tiled_min_scores": dispatch.PLATFORM_DEFAULT,
                 # keys per step of the nearest-code search (a [chunk, S] distance tile per batch row and head)
                 "search_chunk": dispatch.PLATFORM_DEFAULT,
@@ -219,12 +211,8 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.block_len >= 1, f"{p}.block_len={cfg.block_len}; must be >= 1")
         require(cfg.mem_len >= 0, f"{p}.mem_len={cfg.mem_len}; must be >= 0 (0 means mem_len = block_len)")
         M = cfg.mem_len or cfg.block_len
-        allowed = ("serial", "matmul", "assoc")
-        require(cfg.reduction in allowed, f"{p}.reduction={cfg.reduction!r}; allowed: {', '.join(allowed)}")
-        forms = ("auto",) + FORMS
-        require(cfg.form in forms, f"{p}.form={cfg.form!r}; allowed: {', '.join(forms)}")
-        require(cfg.form != "blocks" or cfg.reduction == "serial",
-                f"{p}.form='blocks' computes the serial reduction; set {p}.reduction='serial'")
+        require(cfg.reduction in xla.REDUCTIONS,
+                f"{p}.reduction={cfg.reduction!r}; allowed: {', '.join(xla.REDUCTIONS)}")
         require(0.0 <= cfg.gamma < 1.0, f"{p}.gamma={cfg.gamma}; allowed: 0 <= gamma < 1")
         require(cfg.beta >= 0.0, f"{p}.beta={cfg.beta}; must be >= 0")
         require(0.0 <= cfg.p_dropsin < 1.0, f"{p}.p_dropsin={cfg.p_dropsin}; allowed: 0 <= p < 1")
@@ -236,29 +224,19 @@ class TransformerVQAttention(AttentionCore):
         require(cfg.search_chunk >= 0, f"{p}.search_chunk={cfg.search_chunk}; must be >= 0 (0: the platform's "
                 "default)")
         require(cfg.rel_base > 1.0, f"{p}.rel_base={cfg.rel_base}; must be > 1")
-        # impl: this direction's implementations, plus 'xla' and 'pallas' as older configs wrote them (a
-        # bidirectional core ran its encoder whatever impl said)
+        # impl: this direction's implementations
         names = tuple(i.name for i in cls.implementations(causal=causal))
-        why = dispatch.impl_problem(cfg.impl, names + LEGACY_IMPLS + ("pallas",))
+        why = dispatch.impl_problem(cfg.impl, names)
         require(why is None, f"{p}.{why}")
         impls = dispatch.parse_impl(cfg.impl)
-        # the settings that take the form: 'auto', the older 'xla' and 'pallas', and every declared implementation
-        # that is not a form itself (nor the reference): the XLA:CPU one picks its form by it
-        takers = ("auto", *LEGACY_IMPLS, "pallas") + tuple(
-            n for n in names if n not in ("reference", "encoder", "pallas", *FORMS))
-        takes_form = set(impls) <= {*takers, cfg.form}
-        require(cfg.form == "auto" or takes_form,
-                f"{p}.form={cfg.form!r} chooses the form of impl=" + " | ".join(map(repr, takers)) + "; with "
-                f"impl={cfg.impl!r} leave form='auto'")
-        linear = {"parallel", "blocks"} & set(impls) or (takes_form and cfg.form in ("parallel", "blocks"))
-        if linear or not causal:
+        if {"parallel", "blocks"} & set(impls) or not causal:
             require(M <= cfg.block_len, f"{p}: the block-parallel{'' if causal else ' encoder'} form needs "
                     f"mem_len <= block_len (got {M} > {cfg.block_len}); use impl='stream' or a smaller mem_len")
         require("blocks" not in impls or cfg.reduction == "serial",
                 f"{p}.impl='blocks' computes the serial reduction; set {p}.reduction='serial'")
         # impl='pallas' runs the §9 Pallas kernel (pallas_kernels/vq_cache.py), which computes the serial
         # reduction; 'auto' picks it or XLA by the shared rule of longctx/attention/dispatch.py.
-        require(cfg.impl != "pallas" or cfg.reduction == "serial",
+        require(impls != ("pallas",) or cfg.reduction == "serial",
                 f"{p}.impl='pallas' runs the serial reduction; set {p}.reduction='serial'")
 
     def __init__(self, cfg, *, num_heads, head_dim, causal, rngs, value_dim=None, platform=None):
@@ -312,9 +290,11 @@ class TransformerVQAttention(AttentionCore):
         case = functools.partial(ContractCase, length=48, atol=5e-5, rtol=5e-5)
         return {
             "serial": case(cfg=small),  # impl='auto': on a CPU the XLA:CPU implementation's one-shot form
-            # the XLA:CPU implementation's tiled form with its recomputing backward (form='auto' picks it for large
-            # calls only); on other platforms the portable tiled form
-            "blocks": case(cfg={**small, "impl": cpu_auto + ",blocks", "form": "blocks"}, directions=("causal",)),
+            # the XLA:CPU implementation's tiled form with its recomputing backward (its size rule takes it for
+            # large calls only: tiled_min_scores=1 makes every call of a block or more tiled); on other platforms the
+            # portable tiled form
+            "blocks": case(cfg={**small, "impl": cpu_auto + ",blocks", "tiled_min_scores": 1},
+                           directions=("causal",)),
             "matmul": case(cfg={**small, "reduction": "matmul"}, directions=("causal",)),
             "assoc": case(cfg={**small, "reduction": "assoc"}, directions=("causal",), slow=True),
             "stream_short_band": case(cfg={**small, "mem_len": 3, "impl": "stream"}, directions=("causal",),
@@ -344,12 +324,7 @@ class TransformerVQAttention(AttentionCore):
         return self.init_state(batch_size, max_len)  # the cache is position-free: a true empty state
 
     def compose_states(self, a, b):
-        # b started empty; a's band leaves the band when b's (>= M) tokens arrive and joins the cache
-        M = self.M
-        valid = a["pos"] - M + jnp.arange(M) >= 0
-        band = code_summary(a["band_z"], a["band_v"], valid, self.S)
-        agg_mu, agg_n = merge(merge((a["agg_mu"], a["agg_n"]), band), (b["agg_mu"], b["agg_n"]))
-        return {**b, "pos": a["pos"] + b["pos"], "agg_mu": agg_mu, "agg_n": agg_n}
+        return compose(a, b, M=self.M, S=self.S)
 
     def codebook(self):
         return codebook_from_stats(self.c_sum[...], self.c_count[...])
@@ -377,33 +352,13 @@ class TransformerVQAttention(AttentionCore):
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
     def implementation_for(self, *, B: int, T: int, dtype) -> dispatch.Choice:
-        """The implementation a call of B x T tokens takes (``dispatch.select`` over :meth:`implementations`).
-
-        ``impl`` may name implementations, or say 'auto': the declarations' order for the platform and the call
-        (``dispatch.auto_order``; the shape ``form`` is the portable form ``form`` gives for the call,
-        ``xla.form_for``): on a CPU the XLA:CPU implementation, elsewhere the kernel where it serves the call, then
-        that form. As older configs wrote it, 'xla' is the XLA implementation 'auto' takes for the call (the first
-        that is not a kernel: the XLA:CPU one on a CPU, else the form), and 'pallas' is the kernel for the calls it
-        is preferred for and that XLA implementation for the others (the streaming ones, shorter than a block)."""
-        from longctx.attention.transformer_vq import xla
-
-        plat = self.platform
-        H, S, L, M = self.num_heads, self.S, self.L, self.M
-        form = xla.form_for(self.cfg, B=B, H=H, T=T, S=S, L=L, M=M, platform=plat) if self.causal else "encoder"
-        shapes = dict(L=L, M=M, S=S, Dk=self.head_dim, Dv=self.value_dim, dtype=dtype, reduction=self.cfg.reduction,
-                      form=form)
-        impls = self.implementations(causal=self.causal)
-        names = dispatch.parse_impl(self.cfg.impl)
-        if names == ("auto",):
-            impl = "auto"
-        else:
-            table = dispatch.by_name(impls)
-            xla_name = next((n for n in dispatch.auto_order(impls, plat, **shapes) if not table[n].kernel), form)
-            kernel = table.get("pallas")
-            old = {"xla": xla_name,
-                   "pallas": "pallas" if kernel is not None and kernel.prefer(plat, **shapes) else xla_name}
-            impl = tuple(dict.fromkeys(old.get(n, n) for n in names))
-        return dispatch.select(impl, impls, method=METHOD, platform=plat, **shapes)
+        """The implementation a call of B x T tokens takes: ``dispatch.select`` of ``impl`` over
+        :meth:`implementations`, given the call's shapes, ``reduction`` (which the kernel and the tiled form refuse
+        but for 'serial') and ``tiled_min_scores`` (which the forms' ``prefer`` reads: ``xla.preferred_form``)."""
+        shapes = dict(B=B, H=self.num_heads, T=T, L=self.L, M=self.M, S=self.S, Dk=self.head_dim, Dv=self.value_dim,
+                      dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores)
+        return dispatch.select(self.cfg.impl, self.implementations(causal=self.causal), method=METHOD,
+                               platform=self.platform, **shapes)
 
     def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics

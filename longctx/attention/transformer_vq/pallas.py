@@ -2,8 +2,9 @@
 (``pallas_kernels/vq_cache.py``: TPU; ``vq_cache_gpu.py``: GPU; interpret mode on a CPU when named) for the causal
 block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9).
 
-'auto' tries it first on a GPU / TPU (never on a CPU), for the calls whose form is the block-parallel or tiled one
-(the shape ``form``: ``xla.form_for``); :func:`reasons` then says whether it serves the call.
+'auto' tries it first on a GPU / TPU (never on a CPU), for the calls the size rule gives the block-parallel or tiled
+form (:func:`prefer`: ``xla.preferred_form``); :func:`reasons` then says whether it serves the call. Named, it runs
+every causal call it serves (decoding steps shorter than a block too).
 
 Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernel is a call XLA's partitioner
 cannot split, so it runs per shard: a ``shard_map`` with the rows over the batch axes and the heads over
@@ -62,10 +63,10 @@ def run(core, choice, pre, v, C, state):
 code_sums = xla.code_sums
 
 
-def prefer(platform, *, form: str | None = None, **_) -> bool:
-    """'auto' tries the kernel for the calls of the block-parallel form (one-shot or tiled), not the streaming
-    ones (shorter than a block, or a band longer than one) nor the encoder's."""
-    return form in ("parallel", "blocks")
+def prefer(platform, **shapes) -> bool:
+    """'auto' tries the kernel for the calls the size rule gives the block-parallel form (one-shot or tiled), not
+    the streaming ones (shorter than a block, or a band longer than one)."""
+    return xla.preferred_form(platform, **shapes) in ("parallel", "blocks")
 
 
 IMPLEMENTATIONS = (

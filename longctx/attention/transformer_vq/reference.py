@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.vq_cache_ref import NEG, cast_state, final_state, float_dtype, log_count, rel_bias
+from pallas_kernels.vq_cache_ref import NEG, cast_state, final_state, float_dtype, log_count
 
 sg = jax.lax.stop_gradient
 
@@ -39,6 +39,13 @@ def stvq(k, C):
 def band_scores(q_v, r):
     """bd[b, h, t, n] = (q_t + v') . r'_n: q_v [B,H,T,Dk], r [n, H, Dk] (n = M+1 distances, or 2M+1 signed)."""
     return jnp.einsum("bhtd,nhd->bhtn", q_v, r)
+
+
+def rel_bias(bd, idx, max_index: int):
+    """bias[..., i, j] = bd[..., i, idx[i, j]] if 0 <= idx <= max_index else 0. bd: [..., Lq, D]."""
+    ok = (idx >= 0) & (idx <= max_index)
+    full = jnp.broadcast_to(jnp.clip(idx, 0, max_index), bd.shape[:-1] + idx.shape[-1:])
+    return jnp.where(ok, jnp.take_along_axis(bd, full, axis=-1), 0.0)
 
 
 def _attend(logits, visible, values):
@@ -93,4 +100,4 @@ def bidirectional(q_u, bd, k_hat, v, *, L: int, M: int, band: bool):
     return _attend(s, jnp.ones((T, T), bool), v)
 
 
-__all__ = ["band_scores", "bidirectional", "causal", "stvq"]
+__all__ = ["band_scores", "bidirectional", "causal", "rel_bias", "stvq"]

@@ -2,16 +2,17 @@
 plain JAX for any backend, each equal to the reference (``reference.py``) in value, state and gradient.
 
 * ``parallel``  -- the block-parallel causal form of §2.6 (``pallas_kernels.vq_cache_ref.causal_parallel``, the
-                   Pallas kernel's reference) under autodiff; the ``reduction`` setting picks its cross-block scan
+                   Pallas kernel's reference) under autodiff; its ``reduction`` setting picks the cross-block scan
 * ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward
 * ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M)
 * ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5)
 
 Each form is written with the products of ``vq_cache_ref.Ops`` (``ops``) and the tiled backward with those of
 :class:`TileOps` (``tiles``): plain ones here; the XLA:CPU implementation (its own file) runs the same forms
-with its own. :func:`form_for` is the size rule that picks among the forms for ``impl='auto'``; the declarations
-(``IMPLEMENTATIONS``, at the end) say where 'auto' tries each form: on a GPU / TPU, for the calls whose form
-(``form_for``, the shape ``form`` the layer passes to ``dispatch.select``) it is, after the kernel.
+with its own. :func:`form_for` is the size rule (which causal form suits a call of a given size); the declarations
+(``IMPLEMENTATIONS``, at the end) make each causal form ``'auto'``'s choice on a GPU / TPU for the calls the rule
+gives it (``prefer``, :func:`preferred_form`: the rule with the tiled form's ``tiled_min_scores`` for the
+platform), after the kernel.
 """
 
 from __future__ import annotations
@@ -102,21 +103,24 @@ def band_scores(q_v, r):
 
 
 # ----------------------------------------------------------------------------- the size rule
-def form_for(cfg, *, B: int, H: int, T: int, S: int, L: int, M: int, platform: str = "cpu",
-             min_scores: int | None = None) -> str:
-    """The causal form ``cfg.form`` names, or for ``form='auto'`` the one a call of this size takes: the streaming
-    form for calls shorter than a block (decoding) or a band longer than a block, else the tiled form when the
-    call's score tensor B*H*T*(S+2L) has at least ``min_scores`` entries (serial reduction), else the one-shot
-    block-parallel form. ``min_scores``: by default ``cfg.tiled_min_scores`` as the tiled form declares it for
-    ``platform`` (:data:`DEFAULTS`; 1: every call of at least a block is tiled)."""
-    if cfg.form != "auto":
-        return cfg.form
+def form_for(*, B: int, H: int, T: int, S: int, L: int, M: int, reduction: str = "serial", min_scores: int) -> str:
+    """The causal form a call of this size suits: the streaming form for calls shorter than a block (decoding) or a
+    band longer than a block, else the tiled form when the call's score tensor B*H*T*(S+2L) has at least
+    ``min_scores`` entries (1: every call of at least a block) and the reduction is the serial one, else the
+    one-shot block-parallel form."""
     if not (M <= L and T >= L):
         return "stream"
-    if min_scores is None:
-        min_scores = _by_name()["blocks"].setting("tiled_min_scores", cfg.tiled_min_scores, platform)
     big = B * H * T * (S + 2 * L) >= min_scores
-    return "blocks" if cfg.reduction == "serial" and big else "parallel"
+    return "blocks" if reduction == "serial" and big else "parallel"
+
+
+def preferred_form(platform: str, *, tiled_min_scores=dispatch.PLATFORM_DEFAULT, **shapes) -> str:
+    """:func:`form_for` of a call (``shapes``: the layer's B, H, T, S, L, M, reduction) with ``tiled_min_scores`` as
+    the tiled form declares it for ``platform`` (:data:`DEFAULTS`; a configured value runs as written): what
+    ``'auto'`` prefers on a GPU / TPU (:func:`is_form`, and the kernel's ``prefer``)."""
+    min_scores = _by_name()["blocks"].setting("tiled_min_scores", tiled_min_scores, platform)
+    return form_for(**{k: shapes[k] for k in ("B", "H", "T", "S", "L", "M")},
+                    reduction=shapes.get("reduction", "serial"), min_scores=min_scores)
 
 
 # ----------------------------------------------------------------------------- block-parallel form, blocked
@@ -477,21 +481,21 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
 # ----------------------------------------------------------------------------- running a form
 def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES,
            quantize: Callable = stvq):
-    """One call of ``core`` (its L, M and settings) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
-    ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's knobs
-    as they run on the platform (``Implementation.settings``: ``search_chunk``, and ``keep_budget`` for the tiled
-    form). Returns (o, new_state, (z, err2, c_z))."""
+    """One call of ``core`` (its L, M and hyperparameters) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
+    ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's settings
+    as they run on the platform (``Implementation.settings``: ``search_chunk``; ``keep_budget`` for the tiled form,
+    ``reduction`` for the one-shot block-parallel form). Returns (o, new_state, (z, err2, c_z))."""
     k_hat, z, err2, c_z = quantize(pre["k"], C, chunk=settings["search_chunk"])
-    L, M, cfg = core.L, core.M, core.cfg
+    L, M = core.L, core.M
     bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
     if form == "encoder":
-        o = encoder_parallel(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=cfg.encoder_band, ops=ops)
+        o = encoder_parallel(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band, ops=ops)
         return o, None, (z, err2, c_z)
     if form == "blocks":
         o, new = causal_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, v, C, state, L=L, M=M,
                                keep_budget=settings["keep_budget"], ops=ops, tiles=tiles)
     elif form == "parallel":
-        o, new = causal_parallel(pre["q_u"], bd(), k_hat, z, v, C, state, L=L, M=M, reduction=cfg.reduction,
+        o, new = causal_parallel(pre["q_u"], bd(), k_hat, z, v, C, state, L=L, M=M, reduction=settings["reduction"],
                                  compute=v.dtype, ops=ops)
     elif form == "stream":  # chunks of a block, or the whole call when shorter (the same result)
         o, new = causal_stream(pre["q_u"], bd(), k_hat, z, v, C, state, L=min(L, v.shape[2]), M=M, ops=ops)
@@ -501,8 +505,8 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
 
 
 def run(core, choice, pre, v, C, state):
-    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``), with the knobs
-    they declare as they run on the call's platform."""
+    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``: each is its form),
+    with the settings they declare as they run on the call's platform."""
     settings = _by_name()[choice.name].settings(core.cfg, choice.platform)
     return attend(choice.name, core, pre, v, C, state, settings=settings)
 
@@ -523,9 +527,9 @@ def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", **_) 
 
 
 def is_form(name: str):
-    """``prefer``: 'auto' tries the form ``name`` for the calls whose form (the shape ``form``) it is."""
-    def prefer(platform, *, form: str | None = None, **_) -> bool:
-        return form == name
+    """``prefer``: 'auto' tries the form ``name`` for the calls :func:`preferred_form` gives it."""
+    def prefer(platform, **shapes) -> bool:
+        return preferred_form(platform, **shapes) == name
     return prefer
 
 
@@ -548,8 +552,8 @@ DEFAULTS = {
     # recomputing it (a Dk-long product on the tensor cores and one exp), so they recompute (not yet measured on
     # a GPU)
     "keep_budget": {"cpu": 1 << 26, "cuda": -1, "rocm": -1, "tpu": -1},
-    # form='auto' takes the tiled form for calls with at least this many scores B*H*T*(S+2L) (1: every call of at
-    # least a block). cpu: 2^23 (32 MB in float32): below it the one-shot form is as fast or faster (configs/main.py,
+    # the size rule (form_for) takes the tiled form for calls with at least this many scores B*H*T*(S+2L) (1: every
+    # call of at least a block). cpu: 2^23 (32 MB in float32): below it the one-shot form is as fast or faster (configs/main.py,
     # batch 8, L = S = 64, windows of 256, trains about a sixth slower through the tiles), above it autodiff's
     # [T, S+2L] residuals make it memory-bound. GPU / TPU: 2^26 (256 MiB per float32 score tensor, about 1 GiB of
     # autodiff residuals per layer call): the one-shot form is a few large batched products, while each tile of the
@@ -558,29 +562,39 @@ DEFAULTS = {
     "tiled_min_scores": {"cpu": 1 << 23, "cuda": 1 << 26, "rocm": 1 << 26, "tpu": 1 << 26},
 }
 
+# The ``reduction`` execution setting: the cross-block scan of the one-shot block-parallel form, read by ``parallel``
+# (and by the XLA:CPU implementation's one-shot form): 'serial' (a scan over the blocks), 'matmul' (one triangular
+# product over the blocks), 'assoc' (jax.lax.associative_scan); the same result to rounding. The tiled form and the
+# kernel compute the serial one and refuse the others (their reasons, and one line at config validation). Not a
+# per-platform knob: the config's value runs as written everywhere (this entry declares who reads it).
+REDUCTIONS = ("serial", "matmul", "assoc")
+REDUCTION = {"default": "serial"}
+
 # 'auto' on a GPU / TPU: the kernel first where it prefers the call (pallas.py, rank 0), then the call's form
 _AUTO = {"cuda": 1, "rocm": 1, "tpu": 1}
 _self = sys.modules[__name__]
 _SEARCH = {"search_chunk": SEARCH_CHUNK}
 IMPLEMENTATIONS = (
-    # the block-parallel form (the kernel's reference) under autodiff
+    # the block-parallel form (the kernel's reference) under autodiff, with the reduction it is given
     Implementation("parallel", reasons=band_reasons, config={"impl": "parallel"}, auto=_AUTO,
-                   prefer=is_form("parallel"), code=_self, directions=("causal",), defaults=_SEARCH),
-    # its tiled form with a recomputing backward (form='auto' on a GPU / TPU reads its tiled_min_scores)
+                   prefer=is_form("parallel"), code=_self, directions=("causal",),
+                   defaults={**_SEARCH, "reduction": REDUCTION}),
+    # its tiled form with a recomputing backward ('auto' on a GPU / TPU reads its tiled_min_scores)
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
                    prefer=is_form("blocks"), code=_self, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
     Implementation("stream", config={"impl": "stream"}, auto=_AUTO, prefer=is_form("stream"), code=_self,
                    directions=("causal",), defaults=_SEARCH),
     # the bidirectional form (§2.5)
-    Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, prefer=is_form("encoder"), code=_self,
-                   directions=("bidirectional",), defaults=_SEARCH),
+    Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, code=_self, directions=("bidirectional",),
+                   defaults=_SEARCH),
 )
 
 
 def _by_name() -> dict:
     return dispatch.by_name(IMPLEMENTATIONS)
 
-__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "SEARCH", "SEARCH_CHUNK", "TileOps", "attend", "band_reasons",
-           "band_scores", "blocks_reasons", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
-           "encoder_parallel", "form_for", "gather_codes", "is_form", "nearest", "run", "stvq"]
+__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK", "TileOps",
+           "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks", "causal_parallel", "causal_stream",
+           "code_sums", "encoder_parallel", "form_for", "gather_codes", "is_form", "nearest", "preferred_form", "run",
+           "stvq"]

@@ -1,7 +1,9 @@
 """The XLA:CPU implementation of Transformer-VQ (``xla_cpu``; ``impl='auto'`` on a CPU): the portable forms of
-``xla.py`` (block-parallel, tiled, streaming, encoder), each picked per call as ``impl='auto'`` does
-(:func:`xla.form_for`: the tiled form for calls of at least ``tiled_min_scores`` scores), run with products laid
-out for XLA:CPU (the helpers of ``longctx.xla_cpu``, docs/DESIGN.md "Where the time goes"):
+``xla.py`` (block-parallel, tiled, streaming, encoder) run with products laid out for XLA:CPU (the helpers of
+``longctx.xla_cpu``, docs/DESIGN.md "Where the time goes"). Which causal form a call takes is this implementation's
+own rule over its own settings (:func:`xla.form_for` with its ``tiled_min_scores``: the tiled form for calls of at
+least that many scores, the one-shot form with its ``reduction`` below it, the streaming form for calls shorter
+than a block); the forms by name are the portable implementations. The products:
 
 * the score and value products ``q kᵀ`` and ``p v`` with key-side gradients as plain dots (``scores``, ``mix``);
 * the softmax normalizer applied as an einsum (its gradient's row sum a dot, not a multiply-and-reduce over a
@@ -99,28 +101,29 @@ encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
 
 
 def run(core, choice, pre, v, C, state):
-    """One call: the encoder, or the causal form :func:`xla.form_for` picks for the call's size (with this
-    implementation's knobs, :data:`DEFAULTS`)."""
+    """One call: the encoder, or the causal form :func:`xla.form_for` gives the call's size under this
+    implementation's settings (:data:`DEFAULTS`, as they run on the call's platform)."""
     settings = IMPLEMENTATIONS[0].settings(core.cfg, choice.platform)
     if not core.causal:
         form = "encoder"
     else:
         B, H, T, _ = v.shape
-        form = xla.form_for(core.cfg, B=B, H=H, T=T, S=core.S, L=core.L, M=core.M,
+        form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M, reduction=settings["reduction"],
                             min_scores=settings["tiled_min_scores"])
     return xla.attend(form, core, pre, v, C, state, settings=settings, ops=OPS, tiles=TILES, quantize=stvq)
 
 
-# The knobs this implementation reads, with the XLA:CPU values (xla.DEFAULTS' cpu column, which they were tuned as).
-# It runs on a CPU only; 'default' answers a lookup for another platform with the same values.
-DEFAULTS = {key: {"cpu": table["cpu"], "default": table["cpu"]} for key, table in xla.DEFAULTS.items()}
+# The settings this implementation reads, with the XLA:CPU values of the numeric knobs (xla.DEFAULTS' cpu column,
+# which they were tuned as), and the one-shot form's reduction (xla.REDUCTION). It runs on a CPU only; 'default'
+# answers a lookup for another platform with the same values.
+DEFAULTS = {**{key: {"cpu": table["cpu"], "default": table["cpu"]} for key, table in xla.DEFAULTS.items()},
+            "reduction": xla.REDUCTION}
 
 
 IMPLEMENTATIONS = (
-    # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form itself), and what the older
-    # impl='xla' means there. Test settings: the tiled form (every call of a block or more) with a recomputing
-    # backward (its one-shot form, below tiled_min_scores, runs in the contract cases and
-    # tests/attention/test_transformer_vq.py)
+    # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form by its own settings). Test
+    # settings: the tiled form (every call of a block or more) with a recomputing backward (its one-shot form, below
+    # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
     Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
                    test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=sys.modules[__name__],
                    defaults=DEFAULTS),

@@ -1,6 +1,7 @@
 """The VCC stacks (docs/methods/vcc.md; § numbers below are its sections): the encoder stack (§2, §4.1) and VCC-LM (§4.2, our causal
-extension), stack wrappers over the backbone's own pre-LN transformer blocks (same parameter tree:
-a dense checkpoint loads unchanged).
+extension), stack wrappers over the backbone's own transformer blocks (same parameter tree:
+a dense checkpoint loads unchanged): pre-LN blocks, and in the encoder also post-norm ones
+(``model.post_norm``: an imported BERT or RoBERTa, below).
 
 Encoder
 -------
@@ -55,7 +56,17 @@ Departures from the paper / reference code:
   * the VCC layers are a Python loop over the backbone's separate blocks, not ``nn.scan`` over
     stacked parameters (§2.9), so the parameter tree stays the dense model's; no remat;
   * attention inside a layer has no probability dropout (the project's block has none); the
-    block's residual dropouts apply to the compressed rows.
+    block's residual dropouts apply to the compressed rows;
+  * post-norm blocks (``model.post_norm``, an imported BERT / RoBERTa; our extension: the release
+    wraps pre-LN layers only, §2.1, §8.8, and its RoBERTa runs were continued from the authors' own
+    pre-LN RoBERTa, §3.2): such a block has no residual form x + γ(x), so the layer's update of a
+    compressed row is the block's output minus its input, γ(y) = block(y) - y (for a pre-LN block
+    that is A + F, the release's update), multiplied by the gate (1 + δ) and decompressed as above:
+    VIP rows and fine tokens become the block's output itself, every token of an unselected block
+    moves by its block's update (so only its mean is normalized, not each token). The block's q, k
+    and v, and with them the selection's VIP queries and block-mean keys, are those of the rows
+    themselves (the block has no norm before its attention; the release: its pre-attention LN). With
+    every block fine the stack is the post-norm model exactly. VCC-LM (below) takes pre-LN blocks only.
 
 VCC-LM (decoder)
 ----------------
@@ -111,10 +122,11 @@ EPS = 1e-5  # ℓ = log(p̄ + EPS) (reference)
 
 # ----------------------------------------------------------------------------- one pre-LN layer on given rows
 def project(block, y, pos, rotary: bool):
-    """q, k, v [B, H, R, Dh] of rows y [B, R, d] at per-row positions pos [B, R] (the block's LN_a, W_qkv)."""
+    """q, k, v [B, H, R, Dh] of rows y [B, R, d] at per-row positions pos [B, R] (the block's LN_a, W_qkv; a
+    post-norm block projects the rows themselves, as it does in the plain loop)."""
     B, R, _ = y.shape
     H, Dh = block.num_heads, block.head_dim
-    qkv = block.qkv(block.norm1(y)).reshape(B, R, 3, H, Dh).transpose(2, 0, 3, 1, 4)
+    qkv = block.qkv(y if block.post_norm else block.norm1(y)).reshape(B, R, 3, H, Dh).transpose(2, 0, 3, 1, 4)
     q, k, v = qkv[0], qkv[1], qkv[2]
     if rotary:
         q = jax.vmap(apply_rotary)(q, pos)
@@ -124,12 +136,20 @@ def project(block, y, pos, rotary: bool):
 
 def finish(block, y, q, k, v, key_bias, gate, *, deterministic: bool, keys):
     """y + (A + F) · gate: the block's attention (through its core, with ``key_bias`` [B, R]) and
-    MLP on rows y; gate [B, R] or None (= 1)."""
+    MLP on rows y; gate [B, R] or None (= 1). A post-norm block (``model.post_norm``) has no residual
+    form y + (A + F): its update is its output minus its input, z - y with z = LN2(x1 + F(x1)),
+    x1 = LN1(y + A), so the rows become z + (z - y) · (gate - 1) (z itself where the gate is 1: the
+    forward value always, the straight-through δ being 0; our extension, module docstring)."""
     B, R, _ = y.shape
     _, k_attn, k_mlp, k_res = keys
     o, _ = block.core(q, k, v, None, key_bias=key_bias)
     o = o.transpose(0, 2, 1, 3).reshape(B, R, block.num_heads * block.head_dim)
     a = dropout(block.out(o.astype(y.dtype)), block.dropout_rate, deterministic, k_attn)
+    if block.post_norm:
+        x1 = block.norm1(y + a)
+        f = block.mlp(x1, deterministic=deterministic, key=k_mlp)
+        z = block.norm2(x1 + dropout(f, block.dropout_rate, deterministic, k_res))
+        return z if gate is None else z + (z - y) * (gate - 1.0)[..., None].astype(z.dtype)
     if gate is None:
         y1 = y + a
         f = block.mlp(block.norm2(y1), deterministic=deterministic, key=k_mlp)
@@ -393,6 +413,8 @@ def _report_vips(overflow, empty, num_vip: int) -> None:
 class VCCEncoderStack(nnx.Module):
     """Runs the backbone's blocks as n_dense segment-local layers + VCC layers (module docstring)."""
 
+    takes_post_norm = True  # model.post_norm blocks (module docstring); read by the config's rules
+
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         name = cfg.attention.name
         vc = attention.default_config(name)
@@ -631,6 +653,9 @@ class VCCDecoderStack(nnx.Module):
         if not issubclass(get_block(cfg.block), TransformerBlock):
             raise ConfigError(f"model.attention.name={name!r} wraps the pre-LN transformer block; "
                               f"model.block={cfg.block!r} is not one")
+        if cfg.get("post_norm", False):
+            raise ConfigError(f"model.attention.name={name!r}: VCC-LM (the causal stack) wraps pre-LN blocks; "
+                              "model.post_norm=True applies to the encoder stack (model.kind='encoder') only")
         lc = vc.causal
         self.opts = LMOptions(window=lc.window, local=lc.local, block_size=lc.block_size, num_fine=lc.num_fine_blocks,
                               anchors=lc.anchors, rotary=cfg.positions == "rotary",

@@ -1,0 +1,540 @@
+"""`longctx-bench compare`: which method should I use? Every causal method trained at equal parameters and equal
+training cost on the same corpus, at several training contexts and seeds, then scored the same way.
+
+    longctx-bench compare --plan                       # the runs, their steps and estimated time; nothing runs
+    longctx-bench compare --measure                    # time a few steps of each method at the chosen size
+    longctx-bench compare                              # train / resume what is missing, then the report
+    longctx-bench compare --report_only                # the report from whatever finished
+    longctx-bench compare --scale gpu --out results/compare_gpu   (sizes for about 8 minutes of one H100)
+
+Runs: each method of ``--methods`` (``dense_window`` is dense attention over a sliding window of ``--window``
+tokens, ``model.attention.dense.window``) at each context of ``--contexts`` and each seed below ``--seeds``, plus
+with ``--hybrids`` one hybrid per efficient method (its layers with the last one exact, ``model.attention.pattern``)
+at seed 0 and the longest context. Every run is trained from ``configs/builtin/<method>.py`` (or
+configs/default.py) with the scale's sizes, the same tokens per update at every context (batch = tokens / context)
+and ``--config.KEY=VALUE`` overrides (e.g. ``--config.data.source=files --config.data.path=DIR``).
+
+Equal training cost is equal training FLOPs: the budget is the dense run's ``--dense_steps`` updates at that
+context, and each run gets ``round(budget / (FLOPs per token x tokens per update))`` updates, its FLOPs per token
+counted as ``longctx-bench step`` counts them (3 x the forward's matmul FLOPs in the jaxpr). Wall time is reported
+beside it (measured on a shared machine it is noisy, hence not the budget).
+
+Nothing is lost on interruption: each run is its own folder ``<out>/runs/<label>_ctx<T>_seed<s>`` (the trainer
+resumes from its newest checkpoint) and writes ``compare_result.json`` when trained and scored; a rerun skips
+finished runs. The report (``compare.md``, ``compare.json``, PNGs) is rebuilt from whatever finished and names the
+missing runs. Per run: validation and test bits per byte (``longctx-eval``'s scoring, a bounded number of bytes),
+test bits per byte by position in the context, passkey answer loss by distance (``longctx-recall``, zero-shot on
+the text model), training tokens/s. Per method: decoding cost per token of its core (``longctx-bench decode``);
+a needle grid (``longctx-recall`` ``needle_grid``) for dense, dense_window and one efficient method from seed 0 at
+the longest context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from longctx import attention
+from longctx.bench import common as C
+from longctx.bench import configs
+from longctx.errors import ConfigError
+
+# the registry's causal methods, the exact one first, its sliding-window run ('<exact>_window') beside it
+EXACT = next(n for n in attention.names() if attention.get_class(n).exact)
+WINDOW = f"{EXACT}_window"
+CAUSAL = tuple(n for n in attention.names() if attention.get_class(n).supports_causal and n != EXACT)
+METHODS = (EXACT, WINDOW, *CAUSAL)
+NEEDLE = (EXACT, WINDOW, CAUSAL[0])  # a needle grid for the exact baselines and one efficient method
+
+
+def _hybrid_ok(method: str) -> bool:
+    """A hybrid (the method in every layer but the last, exact attention there) needs the plain loop of blocks:
+    not the exact baselines, nor a method that runs the blocks in its own stack wrapper."""
+    return method not in (EXACT, WINDOW) and not attention.get_class(method).stack_wrapper(causal=True)
+# Sizes per scale: model overrides, contexts, tokens per update, the dense run's updates (the FLOP budget),
+# evaluation bytes. cpu: about three hours of a 2-core CPU for 7 methods x 2 contexts x 3 seeds + 6 hybrids
+# (the estimate comes from `--measure`, `--plan` prints it). gpu: about eight minutes of one H100 in bf16.
+SCALES = {
+    "cpu": {"model": {"model.d_model": 128}, "contexts": "256,1k", "tokens_per_step": 2048, "dense_steps": 160,
+            "eval_tokens": 16384, "valid_every": 5},
+    "gpu": {"model": {"model.d_model": 512, "model.num_layers": 8, "model.d_ff": 2048, "model.num_heads": 8,
+                      "model.dtype": "bfloat16"},
+            "contexts": "1k,4k", "tokens_per_step": 65536, "dense_steps": 400, "eval_tokens": 262144,
+            "valid_every": 8},
+    "smoke": {"model": {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 2, "model.head_dim": 32,
+                        "model.d_ff": 256},
+              "contexts": "128", "tokens_per_step": 512, "dense_steps": 6, "eval_tokens": 2048, "valid_every": 2},
+}
+RESULT = "compare_result.json"
+
+
+def add_args(p):
+    p.set_defaults(out="results/compare")
+    p.add_argument("--scale", default="cpu", choices=sorted(SCALES), help="sizes (see SCALES in this module)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list; dense_window = dense over --window")
+    p.add_argument("--contexts", default=None, help="training contexts (k = 1024); default: the scale's")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. seeds-1 per (method, context)")
+    p.add_argument("--no_hybrids", dest="hybrids", action="store_false", help="no hybrid runs")
+    p.add_argument("--window", type=int, default=128, help="dense_window's sliding window (tokens)")
+    p.add_argument("--dense_steps", type=int, default=0, help="updates of the dense run (the FLOP budget); 0: scale's")
+    p.add_argument("--tokens_per_step", type=int, default=0, help="tokens per update at every context; 0: scale's")
+    p.add_argument("--eval_tokens", type=int, default=None, help="bytes scored per split; default: the scale's")
+    p.add_argument("--needle", default=",".join(NEEDLE), help="methods given a needle grid ('' for none)")
+    p.add_argument("--plan", "--dry_run", dest="plan", action="store_true", help="print the plan; run nothing")
+    p.add_argument("--measure", action="store_true", help="time --measure_steps steps of each method and context "
+                   "(written to <out>/sizing.json, read by --plan); no training")
+    p.add_argument("--measure_steps", type=int, default=3)
+    p.add_argument("--report_only", action="store_true", help="rebuild the report from the finished runs")
+
+
+def validate(args) -> None:
+    bad = [m for m in C.parse_names(args.methods) or () if m not in METHODS]
+    if bad or not C.parse_names(args.methods):
+        raise ConfigError(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}")
+    if args.contexts is not None:
+        vals = C.parse_ints(args.contexts)
+        if not vals or any(v <= 0 for v in vals):
+            raise ConfigError(f"--contexts {args.contexts!r}: positive lengths such as 256,1k")
+    for name in ("window", "measure_steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
+    for name in ("dense_steps", "tokens_per_step"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name} {getattr(args, name)}: must be >= 0 (0: the scale's)")
+
+
+# ----------------------------------------------------------------------------- the runs
+def sizes(args) -> dict:
+    s = dict(SCALES[args.scale])
+    contexts = C.parse_ints(args.contexts or s["contexts"])
+    return {"contexts": contexts, "tokens_per_step": args.tokens_per_step or s["tokens_per_step"],
+            "dense_steps": args.dense_steps or s["dense_steps"], "eval_tokens": args.eval_tokens or s["eval_tokens"],
+            "model": s["model"], "valid_every": s["valid_every"]}
+
+
+def runs(args) -> list[dict]:
+    """Every run of the comparison: ``{label, method, hybrid, context, seed, dir}``, in the order they train (every
+    method once per context before the next seed, so a cut-short comparison has whole seeds)."""
+    sz = sizes(args)
+    methods = C.parse_names(args.methods)
+    out = []
+    for seed in range(args.seeds):
+        for T in sz["contexts"]:
+            for m in methods:
+                out.append({"label": m, "method": m, "hybrid": False, "context": T, "seed": seed})
+    if args.hybrids:
+        for m in methods:
+            if _hybrid_ok(m):
+                out.append({"label": f"hybrid_{m}", "method": m, "hybrid": True, "context": max(sz["contexts"]),
+                            "seed": 0})
+    for r in out:
+        r["dir"] = str(Path(args.out) / "runs" / f"{r['label']}_ctx{r['context']}_seed{r['seed']}")
+    return out
+
+
+def run_config(run: dict, args, steps: int | None = None):
+    """The resolved training config of one run (``steps`` updates; None: one, for counting and timing)."""
+    from longctx import config as config_lib
+
+    sz = sizes(args)
+    base = EXACT if run["method"] == WINDOW else run["method"]
+    cfg, _ = configs.method_config(base)
+    cfg = configs.with_overrides(cfg, [f"{k}={v}" for k, v in sz["model"].items()])
+    if run["method"] == WINDOW:
+        cfg.model.attention[EXACT].window = args.window
+    if run["hybrid"]:
+        L = cfg.model.num_layers
+        cfg.model.attention.pattern = tuple([run["method"]] * (L - 1) + [EXACT])
+    T = run["context"]
+    tc = cfg.train
+    tc.seq_len = T
+    tc.window = 0
+    tc.batch_size = max(1, sz["tokens_per_step"] // T)
+    tc.seed = run["seed"]
+    n = steps or 100  # counting and timing only: long enough for the warm-up
+    tc.steps = n
+    every = max(1, n // sz["valid_every"])
+    tc.eval_every = every
+    tc.ckpt_every = every
+    tc.log_every = max(1, min(every, n // 20 or 1))
+    tc.warmup_steps = max(1, min(tc.warmup_steps, n // 10))
+    tc.async_checkpoints = False
+    tc.eval_tokens = min(tc.eval_tokens, sz["eval_tokens"])
+    cfg.eval.max_tokens = sz["eval_tokens"]
+    cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
+    return config_lib.validate(cfg)
+
+
+def _with_vocab(cfg):
+    """``cfg`` with its vocabulary resolved as ``longctx-bench step`` resolves it (the trainer does it itself)."""
+    from longctx import config as config_lib
+    from longctx.bench.step_bench import vocab_size
+
+    return config_lib.resolve_vocab(cfg, vocab_size(cfg, None))
+
+
+def flops_per_token(cfg) -> dict:
+    """Training FLOPs per token as ``longctx-bench step`` counts them: 3 x the forward's matmul FLOPs (jaxpr), the
+    model built abstractly; a method whose kernels hide their work is counted on its portable XLA program."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from longctx.bench.step_bench import forward_matmul_flops, portable_matmul_flops
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    cfg = _with_vocab(cfg)
+    model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
+    graphdef, params, nongrad, rest = split_model(model)
+    fwd = forward_matmul_flops(cfg, graphdef, params, nongrad, rest)
+    if fwd["opaque"]:
+        fwd = portable_matmul_flops(cfg) or fwd
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    return {"flops_per_token": 3.0 * fwd["flops"] / tokens, "params": int(sum(np.prod(x.shape) for x in
+                                                                             jax.tree.leaves(params)))}
+
+
+def _key(run: dict) -> str:
+    return f"{run['label']}_ctx{run['context']}"
+
+
+def costs(args, rs: list[dict]) -> dict:
+    """FLOPs per token and parameters of every (label, context), cached in ``<out>/costs.json``."""
+    path = Path(args.out) / "costs.json"
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    sig = json.dumps({"sizes": sizes(args), "overrides": list(getattr(args, "overrides", [])),
+                      "window": args.window}, sort_keys=True)
+    if cache.get("signature") != sig:
+        cache = {"signature": sig, "rows": {}}
+    for r in rs:
+        k = _key(r)
+        if k not in cache["rows"]:
+            cache["rows"][k] = flops_per_token(run_config(r, args))
+    C.out_dir(args.out)
+    path.write_text(json.dumps(cache, indent=1))
+    return cache["rows"]
+
+
+def steps_for(run: dict, args, cost: dict) -> int:
+    """Updates of one run at the equal FLOP budget of the dense run's ``dense_steps`` at its context."""
+    sz = sizes(args)
+    dense = cost[f"{EXACT}_ctx{run['context']}"]["flops_per_token"] if f"{EXACT}_ctx{run['context']}" in cost else None
+    mine = cost[_key(run)]["flops_per_token"]
+    if not dense:
+        return sz["dense_steps"]
+    return max(1, round(sz["dense_steps"] * dense / mine))
+
+
+# ----------------------------------------------------------------------------- plan and sizing
+def measure(args, rs: list[dict]) -> dict:
+    """Seconds per update of each (label, context): ``--measure_steps`` timed steps after one (compile) step."""
+    from longctx.bench.step_bench import _timed, build_step
+
+    path = Path(args.out) / "sizing.json"
+    seen, rows = set(), {}
+    for r in rs:
+        if _key(r) in seen:
+            continue
+        seen.add(_key(r))
+        cfg = _with_vocab(run_config(r, args))
+        t0 = time.perf_counter()
+        compiled, call_args, _, _ = build_step(cfg)
+        compile_s = time.perf_counter() - t0
+        C.block(compiled(*call_args))
+        times = [_timed(compiled, call_args)["s"] for _ in range(args.measure_steps)]
+        rows[_key(r)] = {"step_s": statistics.median(times), "all_s": times, "compile_s": compile_s}
+        print(f"{_key(r)}: {rows[_key(r)]['step_s']:.3f} s / update (median of {len(times)}), compile "
+              f"{compile_s:.1f} s", flush=True)
+    res = {"header": C.header(args, "compare --measure"), "rows": rows,
+           "note": "timed on a machine shared with other work: noisy"}
+    C.write_json(path, res)
+    return res
+
+
+def plan(args, rs: list[dict]) -> dict:
+    cost = costs(args, rs)
+    sizing_path = Path(args.out) / "sizing.json"
+    sizing = json.loads(sizing_path.read_text())["rows"] if sizing_path.is_file() else {}
+    rows, total = [], 0.0
+    for r in rs:
+        n = steps_for(r, args, cost)
+        s = sizing.get(_key(r))
+        est = n * s["step_s"] + s["compile_s"] if s else None
+        total += est or 0.0
+        rows.append([r["label"], r["context"], r["seed"], cost[_key(r)]["params"],
+                     cost[_key(r)]["flops_per_token"] / 1e6, n, est / 60 if est else None,
+                     "done" if (Path(r["dir"]) / RESULT).is_file() else "to run"])
+    text = (f"{len(rs)} runs; training FLOPs per run = the dense run's {sizes(args)['dense_steps']} updates at its "
+            f"context; estimated training time {total / 3600:.2f} h"
+            + ("" if sizing else " (no --measure yet: unestimated)")
+            + " (scoring adds a few minutes per run; timings on a shared machine are noisy)\n\n"
+            + C.md_table(["run", "context", "seed", "params", "MFLOP/token", "updates", "est. min", "status"], rows))
+    print(text)
+    return {"rows": rows, "estimated_s": total, "text": text}
+
+
+# ----------------------------------------------------------------------------- one run
+def train_and_score(run: dict, args, steps: int) -> dict:
+    """Train (or resume) one run in a child process (``longctx.bench.train_worker``), then score it; writes
+    ``compare_result.json`` last, so a run without it is resumed by the next call."""
+    from longctx.evaluate import evaluate_run, write_json_atomic
+    from longctx.recall import recall_run
+
+    wd = Path(run["dir"])
+    wd.mkdir(parents=True, exist_ok=True)
+    cfg = run_config(run, args, steps)
+    (wd / "compare_config.json").write_text(cfg.to_json(indent=1))
+    if not (wd / "bench_result.json").is_file():
+        cmd = [sys.executable, "-m", "longctx.bench.train_worker", str(wd / "compare_config.json"), str(wd),
+               str(wd / "bench_result.json")]
+        with open(wd / "train.log", "a") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            tail = (wd / "train.log").read_text().strip().splitlines()[-1:] or [""]
+            raise RuntimeError(f"training exited {rc}: {tail[0][:200]} (see {wd / 'train.log'})")
+    from longctx.bench.train_bench import read_metrics
+
+    trained = json.loads((wd / "bench_result.json").read_text())
+    res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+           "params": trained["summary"].get("params"), "train_wall_s": trained.get("train_wall_s"),
+           **read_metrics(wd), "curve": _curve(wd)}
+    over = {"eval.max_tokens": sizes(args)["eval_tokens"]}
+    for split in ("valid", "test"):
+        e = evaluate_run(wd, split=split, overrides=over, progress=False)
+        res[f"{split}_bits_per_byte"] = e.get("bits_per_byte", e["bits_per_token"])
+        if split == "test":
+            res["test_by_position"] = e["by_position"]
+    rec = recall_run(wd, task="passkey", length=run["context"], rows=16, bins=4, progress=False,
+                     out=wd / "recall")
+    res["passkey"] = {k: rec.get(k) for k in ("status", "accuracy", "bits_per_token", "by_distance", "message")}
+    write_json_atomic(wd / RESULT, res)
+    return res
+
+
+def _curve(wd: Path) -> list[list[float]]:
+    recs = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [[r["step"], r["bits_per_token"]] for r in recs if r["split"] == "valid" and "bits_per_token" in r]
+
+
+def decode_costs(args, out: Path) -> None:
+    """Decoding cost per token of each method's core (``longctx-bench decode``) at the comparison's contexts, the
+    model's heads and head size; written to ``<out>/decode/``; skipped when there."""
+    from longctx.bench import decode_bench
+
+    if (out / "decode" / "decode.json").is_file():
+        return
+    cfg = run_config({"label": EXACT, "method": EXACT, "hybrid": False, "context": 256, "seed": 0}, args)
+    methods = sorted({EXACT if m == WINDOW else m for m in C.parse_names(args.methods)})
+    ns = Namespace(out=str(out / "decode"), progress=False, methods=",".join(methods),
+                   positions=",".join(str(t) for t in sizes(args)["contexts"]), batch=1,
+                   heads=cfg.model.num_heads, head_dim=cfg.model.head_dim, dtype="float32", steps=16, warmup=2,
+                   prefill_chunk=1024, mem_budget_gb=8.0, max_prefill_s=120.0, seed=0, command="decode")
+    decode_bench.run(ns)
+
+
+def needle_grids(args, rs: list[dict], out: Path) -> None:
+    from longctx.recall import needle_grid
+
+    wanted = C.parse_names(args.needle) or []
+    T = max(sizes(args)["contexts"])
+    for r in rs:
+        if r["label"] in wanted and r["context"] == T and r["seed"] == 0 and (Path(r["dir"]) / RESULT).is_file():
+            folder = out / "needle" / r["label"]
+            if not list(folder.glob("needle_grid_*.json")):
+                needle_grid(r["dir"], sorted({max(64, T // 4), max(64, T // 2), T}), task="passkey", rows=16, bins=4,
+                            progress=False, out=folder)
+
+
+# ----------------------------------------------------------------------------- the command
+def run(args) -> dict:
+    out = C.out_dir(args.out)
+    rs = runs(args)
+    if args.plan:
+        return plan(args, rs)
+    if args.measure:
+        return measure(args, rs)
+    if not args.report_only:
+        cost = costs(args, rs)
+        for i, r in enumerate(rs):
+            if (Path(r["dir"]) / RESULT).is_file():
+                continue
+            print(f"[{i + 1}/{len(rs)}] {r['label']} context {r['context']} seed {r['seed']}", flush=True)
+            try:
+                train_and_score(r, args, steps_for(r, args, cost))
+            except (RuntimeError, ConfigError) as e:
+                print(f"  failed: {e} (a rerun resumes it)", flush=True)
+        decode_costs(args, out)
+        needle_grids(args, rs, out)
+    return report(out, rs, args)
+
+
+# ----------------------------------------------------------------------------- the report
+def _mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def _pm(m, sd, n) -> str:
+    if m is None:
+        return "–"
+    return f"{m:.4f}" + (f" ± {sd:.4f}" if sd is not None else "") + f" ({n})"
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """One row per (label, context): means and sample standard deviations over the finished seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["label"], r["context"]), []).append(r)
+    rows = []
+    for (label, T), rs in groups.items():
+        row = {"label": label, "context": T, "seeds": sorted(r["seed"] for r in rs), "params": rs[0].get("params"),
+               "steps": rs[0].get("steps")}
+        for k in ("valid_bits_per_byte", "test_bits_per_byte", "tokens_per_s", "train_wall_s", "flops_per_token"):
+            row[k], row[k + "_sd"] = _mean_sd([r.get(k) for r in rs])
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["context"], r["label"]))
+
+
+def report(out: Path, rs: list[dict], args) -> dict:
+    cost_path = out / "costs.json"
+    cost = json.loads(cost_path.read_text())["rows"] if cost_path.is_file() else {}
+    done, missing = [], []
+    for r in rs:
+        p = Path(r["dir"]) / RESULT
+        if p.is_file():
+            res = json.loads(p.read_text())
+            res["flops_per_token"] = (cost.get(_key(r)) or {}).get("flops_per_token")
+            done.append(res)
+        else:
+            missing.append(r)
+    rows = aggregate(done)
+    sz = sizes(args)
+    cmd = (f"longctx-bench compare --scale {args.scale} --out {args.out}"
+           + "".join(f" --config.{o}" for o in getattr(args, "overrides", [])))
+    parts = [f"`{cmd}` (resumable: rerun it to train what is missing). {len(done)} of {len(rs)} runs finished. "
+             f"Equal training FLOPs: every run's budget is the dense run's {sz['dense_steps']} updates of "
+             f"{sz['tokens_per_step']} tokens at its context (FLOPs per token = 3 x forward matmul FLOPs, as "
+             "`longctx-bench step` counts them); wall time is reported beside it, measured on a shared machine "
+             f"(noisy). Bits per byte: mean ± sample standard deviation (seeds) over {sz['eval_tokens']} bytes of "
+             "each split.\n\n"]
+    if missing:
+        parts.append("Missing runs: " + ", ".join(f"`{r['label']}` ctx {r['context']} seed {r['seed']}"
+                                                   for r in missing) + ".\n\n")
+    table = [[r["label"], r["context"], r["params"], r["steps"],
+              r["flops_per_token"] / 1e6 if r["flops_per_token"] else None,
+              _pm(r["valid_bits_per_byte"], r["valid_bits_per_byte_sd"], len(r["seeds"])),
+              _pm(r["test_bits_per_byte"], r["test_bits_per_byte_sd"], len(r["seeds"])),
+              r["tokens_per_s"], r["train_wall_s"] / 60 if r["train_wall_s"] else None] for r in rows]
+    parts.append(C.md_table(["run", "context", "params", "updates", "train MFLOP/token", "valid bits/byte",
+                             "test bits/byte", "train tokens/s", "train min"], table))
+    pos = position_table(done)
+    if pos:
+        parts.append("\nTest bits per byte by position in the context (seed mean; does the method use distant "
+                     "tokens?):\n\n" + pos)
+    rec = passkey_table(done)
+    if rec:
+        parts.append("\nPasskey answer loss (bits per token) by distance, zero-shot on the text models (seed "
+                     "mean; a model that reads far back keeps it low at long distances):\n\n" + rec)
+    dec = out / "decode" / "decode.md"
+    if dec.is_file():
+        parts.append("\nDecoding cost per token of each method's attention core (`longctx-bench decode` at the "
+                     "model's heads and head size; dense_window decodes as dense here):\n\n" + dec.read_text())
+    for md in sorted(out.glob("needle/*/needle_grid_*.md")):
+        parts.append(f"\n`{md.parent.name}`: " + md.read_text())
+        parts += [f"\n![{p.stem}]({p.relative_to(out)})\n" for p in sorted(md.parent.glob("needle_grid_*.png"))]
+    text = "".join(parts)
+    res = {"rows": rows, "results": done, "missing": missing}
+    C.write_json(out / "compare.json", res)
+    if done:
+        plots(done, rows, out)
+        text += "\n![bits per byte against cost](compare.png)\n\n![validation curves](compare_curves.png)\n"
+    (out / "compare.md").write_text(text)
+    print(text)
+    return res
+
+
+def _avg_bins(lists: list[list[dict]], key: str) -> list[tuple[str, float]]:
+    out: dict[tuple, list[float]] = {}
+    for bins in lists:
+        for b in bins:
+            if b.get(key) is not None:
+                out.setdefault((b["lo"], b["hi"]), []).append(b[key])
+    return [(f"{lo}-{hi}", statistics.fmean(v)) for (lo, hi), v in sorted(out.items())]
+
+
+def position_table(done: list[dict]) -> str:
+    by: dict[tuple, list] = {}
+    for r in done:
+        if r.get("test_by_position"):
+            by.setdefault((r["label"], r["context"]), []).append(r["test_by_position"])
+    return _bins_table(by, "bits_per_token", 6)
+
+
+def passkey_table(done: list[dict]) -> str:
+    by: dict[tuple, list] = {}
+    for r in done:
+        pk = r.get("passkey") or {}
+        if pk.get("status") == "ok":
+            bins = [dict(b, bits=b["loss_nats_per_token"] / math.log(2)) for b in pk["by_distance"]
+                    if b.get("loss_nats_per_token") is not None]
+            by.setdefault((r["label"], r["context"]), []).append(bins)
+    return _bins_table(by, "bits", 4)
+
+
+def _bins_table(by: dict, key: str, most: int) -> str:
+    """One table per context: a row per run label, columns = at most ``most`` of the bins (the last ones kept)."""
+    parts = []
+    for T in sorted({t for _, t in by}):
+        labels = sorted(label for label, t in by if t == T)
+        avg = {label: _avg_bins(by[(label, T)], key) for label in labels}
+        cols = list(dict.fromkeys(c for label in labels for c, _ in avg[label]))
+        keep = sorted(set(cols[:: max(1, math.ceil(len(cols) / most))]) | {cols[-1]}, key=cols.index) if cols else []
+        rows = [[label] + [dict(avg[label]).get(c) for c in keep] for label in labels]
+        parts.append(f"Context {T}:\n\n" + C.md_table(["run"] + keep, rows))
+    return "\n".join(parts)
+
+
+def plots(done: list[dict], rows: list[dict], out: Path) -> None:
+    fig, axes = C.new_figure(2)
+    labels = sorted({r["label"] for r in rows})
+    for i, label in enumerate(labels):
+        rs = [r for r in rows if r["label"] == label and r["valid_bits_per_byte"] is not None]
+        for ax, key in ((axes[0], "flops_per_token"), (axes[1], "tokens_per_s")):
+            pts = [(r[key] if key == "flops_per_token" else 1.0 / r[key], r["valid_bits_per_byte"], r["context"])
+                   for r in rs if r.get(key)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i % 10}", label=label)
+                for x, y, T in pts:
+                    ax.annotate(C.fmt_len(T), (x, y), fontsize=7)
+    for ax, xl in ((axes[0], "training FLOPs per token"), (axes[1], "training seconds per token (wall, noisy)")):
+        ax.set_xscale("log")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("validation bits per byte (seed mean)")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    C.save_figure(fig, out / "compare.png")
+    contexts = sorted({r["context"] for r in done})
+    fig, axes = C.new_figure(len(contexts))
+    for ax, T in zip(axes, contexts):
+        for i, label in enumerate(labels):
+            for r in (r for r in done if r["label"] == label and r["context"] == T and r.get("curve")):
+                per_step = (r.get("flops_per_token") or 0.0) * r["tokens_per_step"]
+                ax.plot([s * per_step for s, _ in r["curve"]], [b for _, b in r["curve"]], color=f"C{i % 10}",
+                        label=label if r["seed"] == min(x["seed"] for x in done if x["label"] == label) else None)
+        ax.set_xlabel("training FLOPs")
+        ax.set_ylabel("validation bits per byte")
+        ax.set_title(f"context {T}")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    C.save_figure(fig, out / "compare_curves.png")

@@ -1,0 +1,109 @@
+"""`longctx-bench compare`: its runs, their equal-FLOP steps, the report rebuilt from whatever finished (means and
+spreads over seeds, missing runs named), and (slow) the whole command end to end at the smoke scale, resumed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from longctx.bench import cli, compare
+from longctx.errors import ConfigError
+
+
+def _args(tmp_path, *extra):
+    return cli.parse_args(["compare", "--out", str(tmp_path / "cmp"), *extra])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "nope"], "--methods 'nope'"),
+    (["--contexts", "0"], "--contexts '0'"),
+    (["--window", "0"], "--window 0"),
+    (["--seeds", "0"], "--seeds"),
+])
+def test_bad_flags_refused(tmp_path, argv, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        _args(tmp_path, *argv)
+
+
+def test_runs_every_method_context_seed_and_one_hybrid_each(tmp_path):
+    a = _args(tmp_path, "--methods", "dense,dense_window,eva", "--contexts", "128,256", "--seeds", "2")
+    rs = compare.runs(a)
+    pure = [r for r in rs if not r["hybrid"]]
+    assert len(pure) == 3 * 2 * 2
+    assert [r["label"] for r in rs if r["hybrid"]] == ["hybrid_eva"]  # no hybrid of the exact methods
+    assert all(r["context"] == 256 and r["seed"] == 0 for r in rs if r["hybrid"])
+    assert len({r["dir"] for r in rs}) == len(rs)
+    assert [r["seed"] for r in pure] == sorted(r["seed"] for r in pure)  # whole seeds first
+
+
+def test_run_config_window_pattern_and_equal_tokens(tmp_path):
+    a = _args(tmp_path, "--scale", "smoke", "--methods", "dense_window,eva", "--contexts", "64,128",
+              "--window", "32")
+    rs = {(r["label"], r["context"]): r for r in compare.runs(a)}
+    win = compare.run_config(rs[("dense_window", 64)], a, steps=10)
+    assert win.model.attention.name == "dense" and win.model.attention.dense.window == 32
+    hyb = compare.run_config(rs[("hybrid_eva", 128)], a, steps=10)
+    assert tuple(hyb.model.attention.pattern) == ("eva",) * (hyb.model.num_layers - 1) + ("dense",)
+    short, long_ = compare.run_config(rs[("eva", 64)], a), compare.run_config(rs[("eva", 128)], a)
+    assert short.train.batch_size * 64 == long_.train.batch_size * 128 == compare.SCALES["smoke"]["tokens_per_step"]
+
+
+def test_steps_equal_flop_budget(tmp_path):
+    a = _args(tmp_path, "--methods", "dense,eva", "--contexts", "256", "--dense_steps", "300")
+    cost = {"dense_ctx256": {"flops_per_token": 2.0e6}, "eva_ctx256": {"flops_per_token": 3.0e6}}
+    rs = {r["label"]: r for r in compare.runs(a)}
+    assert compare.steps_for(rs["dense"], a, cost) == 300
+    assert compare.steps_for(rs["eva"], a, cost) == 200  # 300 x 2/3: the same training FLOPs
+
+
+def _finished(run: dict, valid: float, test: float) -> None:
+    wd = Path(run["dir"])
+    wd.mkdir(parents=True)
+    (wd / compare.RESULT).write_text(json.dumps({
+        **run, "steps": 10, "tokens_per_step": 512, "params": 1000, "train_wall_s": 60.0, "tokens_per_s": 100.0,
+        "valid_bits_per_byte": valid, "test_bits_per_byte": test, "curve": [[5, valid + 1], [10, valid]],
+        "test_by_position": [{"lo": 1, "hi": 1, "tokens": 4, "bits_per_token": test + 0.5},
+                             {"lo": 2, "hi": 128, "tokens": 508, "bits_per_token": test}],
+        "passkey": {"status": "ok", "accuracy": 0.0, "by_distance": [
+            {"lo": 10, "hi": 60, "answers": 8, "accuracy": 0.0, "loss_nats_per_token": 2.0}]}}))
+
+
+def test_report_from_what_finished(tmp_path):
+    a = _args(tmp_path, "--methods", "dense,eva", "--contexts", "128", "--seeds", "3", "--no_hybrids")
+    rs = {(r["label"], r["seed"]): r for r in compare.runs(a)}
+    dense_valid = [2.0, 2.2, 2.4]
+    for s, v in enumerate(dense_valid):
+        _finished(rs[("dense", s)], v, v + 0.1)
+    _finished(rs[("eva", 1)], 2.5, 2.6)
+    res = compare.run(cli.parse_args(["compare", "--out", a.out, "--methods", "dense,eva", "--contexts", "128",
+                                      "--seeds", "3", "--no_hybrids", "--report_only"]))
+    rows = {r["label"]: r for r in res["rows"]}
+    assert rows["dense"]["valid_bits_per_byte"] == pytest.approx(statistics.fmean(dense_valid))
+    assert rows["dense"]["valid_bits_per_byte_sd"] == pytest.approx(statistics.stdev(dense_valid))
+    assert rows["eva"]["seeds"] == [1] and rows["eva"]["valid_bits_per_byte_sd"] is None
+    assert {(r["label"], r["seed"]) for r in res["missing"]} == {("eva", 0), ("eva", 2)}
+    md = (Path(a.out) / "compare.md").read_text()
+    assert "4 of 6 runs finished" in md and "`eva` ctx 128 seed 0" in md
+    assert f"{statistics.fmean(dense_valid):.4f} ± {statistics.stdev(dense_valid):.4f} (3)" in md
+    assert (Path(a.out) / "compare.png").is_file()
+
+
+@pytest.mark.slow
+def test_smoke_end_to_end_and_resume(tmp_path):
+    argv = ["compare", "--scale", "smoke", "--methods", "dense,eva", "--seeds", "1", "--no_hybrids",
+            "--needle", "eva", "--out", str(tmp_path / "cmp")]
+    res = compare.run(cli.parse_args(argv))
+    assert not res["missing"] and {r["label"] for r in res["rows"]} == {"dense", "eva"}
+    for r in res["results"]:
+        assert 0 < r["valid_bits_per_byte"] < 9 and 0 < r["test_bits_per_byte"] < 9 and r["test_by_position"]
+        assert r["curve"] and r["passkey"]["status"] in ("ok", "capacity")
+    out = tmp_path / "cmp"
+    assert list(out.glob("needle/eva/needle_grid_*.md")) and (out / "decode" / "decode.json").is_file()
+    done = sorted(out.glob(f"runs/*/{compare.RESULT}"))
+    stamps = [p.stat().st_mtime_ns for p in done]
+    (done[0]).unlink()  # an unfinished run: scored again from its trained checkpoint, the other skipped
+    compare.run(cli.parse_args(argv))
+    assert done[0].is_file() and done[1].stat().st_mtime_ns == stamps[1]
