@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from longctx import config_files
 from longctx.errors import ConfigError, LongctxError
+from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
 
 def _quiet_closed_event_loop(hook):
@@ -96,8 +98,6 @@ def help_text(prog: str, fv, config: str) -> str:
     configs live, and the command's own flags (never the flattened config)."""
     import textwrap
 
-    from longctx import config_files
-
     usage, about = ABOUT.get(prog, ("[flags]", ""))
     out = [f"usage: {prog} {usage}", ""]
     if about:
@@ -142,8 +142,6 @@ def _config_file_flag(fv, argv):
     from absl import flags
     from ml_collections.config_flags import config_flags  # the module: its flag classes are not re-exported
 
-    from longctx import config_files
-
     class Parser(config_flags.ConfigFileFlagParser):
         def parse(self, path):
             try:
@@ -176,8 +174,7 @@ def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool =
     from absl import flags
     from ml_collections import config_flags
 
-    from longctx import config as config_lib
-    from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
+    from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
 
     if argv is None:  # a console entry point: once, restart with glibc's huge-page tunable (host_memory.py)
         restart_with_huge_pages()
@@ -247,12 +244,10 @@ def _unknown_flag_message(err, argv, fv, prog) -> str:
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     try:
         if path is None:
-            from longctx.config import base_config
+            from longctx.config import base_config  # deferred: CLI start-up: no jax at import
 
             node = base_config()
         else:
-            from longctx import config_files
-
             node = config_files.load(path)
         for p in parts[:-1]:
             node = node[p]
@@ -276,7 +271,7 @@ def _run_flag(fv, overrides: dict, flag: str, key: str) -> None:
 def _check_run(prog: str, fv, overrides: dict) -> int:
     """``--check`` of a command that reads a trained run: the overrides name keys it may change
     (their types were checked by the flag parser); the run itself is not read."""
-    from longctx.runtime import check_run_overrides
+    from longctx.runtime import check_run_overrides  # deferred: CLI start-up: no jax at import
 
     check_run_overrides(overrides)
     shown = " ".join(f"{k}={v}" for k, v in overrides.items())
@@ -304,9 +299,9 @@ def train_main(argv=None) -> int:
         if fv.max_steps is not None and fv.max_steps <= 0:
             raise ConfigError(f"--max_steps={fv.max_steps} must be a positive integer")
         if fv.check:
-            from longctx import attention
-            from longctx import config as config_lib
-            from longctx.attention import dispatch
+            from longctx import attention  # deferred: CLI start-up: no jax at import
+            from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
+            from longctx.attention import dispatch  # deferred: CLI start-up: no jax at import
 
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
@@ -315,11 +310,11 @@ def train_main(argv=None) -> int:
                   + (f" in {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
             return 0
         if fv.dry_run:
-            from longctx.train import dry_run
+            from longctx.train import dry_run  # deferred: CLI start-up: no jax at import
 
             print(dry_run.report(dry_run.plan(cfg)))
             return 0
-        from longctx.train.loop import train
+        from longctx.train.loop import train  # deferred: CLI start-up: no jax at import
 
         try:
             summary = train(cfg, fv.workdir, progress=fv.progress, max_steps=fv.max_steps)
@@ -339,12 +334,12 @@ def prepare_main(argv=None) -> int:
     with user_errors():
         fv, cfg = parse(argv, "longctx-prepare", config="file", require_workdir=False)
         if fv.check:
-            from longctx import config as config_lib
+            from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
 
             c = config_lib.validate(cfg)
             print(f"ok: longctx-prepare would tokenize {c.data.source} with the {c.data.tokenizer} tokenizer")
             return 0
-        from longctx.data.prepare_cli import prepare_all
+        from longctx.data.prepare_cli import prepare_all  # deferred: CLI start-up: no jax at import
 
         prepare_all(cfg, progress=fv.progress)
     return 0
@@ -364,7 +359,7 @@ def eval_main(argv=None) -> int:
         _run_flag(fv, overrides, "split", "eval.split")
         if fv.check:
             return _check_run("longctx-eval", fv, overrides)
-        from longctx.evaluate import evaluate_run
+        from longctx.evaluate import evaluate_run  # deferred: CLI start-up: no jax at import
 
         evaluate_run(fv.workdir, step=fv.step, overrides=overrides, progress=fv.progress)
     return 0
@@ -399,7 +394,7 @@ def sample_main(argv=None) -> int:
             raise ConfigError("give --prompt or --prompt_file, not both")
         if fv.check:
             return _check_run("longctx-sample", fv, overrides)
-        from longctx.sample import sample_run
+        from longctx.sample import sample_run  # deferred: CLI start-up: no jax at import
 
         sample_run(fv.workdir, step=fv.step, overrides=overrides, prompt_file=fv.prompt_file, output=fv.output,
                    quiet=fv.quiet, progress=fv.progress)
@@ -437,7 +432,7 @@ def fill_main(argv=None) -> int:
                 raise ConfigError(f"--text_file={fv.text_file}: cannot read it as UTF-8 text ({e})") from None
         else:
             text = fv.text
-        from longctx.fill import fill_run
+        from longctx.fill import fill_run  # deferred: CLI start-up: no jax at import
 
         fill_run(fv.workdir, text, step=fv.step, mask_char=fv.mask_char, mask_spans=fv.mask_spans,
                  per_pass=fv.per_pass, escapes=fv.escapes and fv.text is not None)
@@ -464,7 +459,7 @@ def recall_main(argv=None) -> int:
         fv, overrides = parse(argv, "longctx-recall", config="run", define=define)
         if fv.check:
             return _check_run("longctx-recall", fv, overrides)
-        from longctx.recall import needle_grid, recall_run
+        from longctx.recall import needle_grid, recall_run  # deferred: CLI start-up: no jax at import
 
         if fv.lengths:
             if fv.length is not None:
@@ -504,7 +499,7 @@ def recall_report_main(argv=None) -> int:
         if fv.check:
             print(f"ok: longctx-recall-report would tabulate {len(fv.runs)} run(s) into {fv.out}")
             return 0
-        from longctx.recall import report
+        from longctx.recall import report  # deferred: CLI start-up: no jax at import
 
         report(fv.runs, fv.out, task=fv.task, length=fv.length, title=fv.title, merge=fv.merge)
     return 0

@@ -9,12 +9,24 @@ files are found and their ``FILE:VARIANT`` form are in :mod:`longctx.config_file
 
 from __future__ import annotations
 
+import glob
 import importlib
+import json
+import math
+import os
 
 import ml_collections
 
 from longctx import attention
+from longctx.attention.base import segments_refusal
+from longctx.data import sources, tokenizers
 from longctx.errors import ConfigError
+from longctx.models import blocks
+from longctx.models.backbone import REMAT_POLICIES
+from longctx.models.backbone import _check_pattern as check_layers
+from longctx.models.blocks import layer_methods, takes_rotary
+from longctx.train import sharding as sharding_lib
+from longctx.train.sequence_parallel import TRAIN_MODES
 
 FORMAT_VERSION = 1
 
@@ -288,7 +300,6 @@ def _same_kind(want, got) -> bool:
 
 
 def _finite(x) -> bool:
-    import math
 
     return math.isfinite(x)
 
@@ -395,7 +406,6 @@ def _encoder(c) -> bool:
 
 
 def _generated(c) -> bool:
-    from longctx.data import sources  # local: config is imported by everything
 
     return sources.is_generated(c.data.source)
 
@@ -408,8 +418,6 @@ def _check_packing(c) -> None:
     if _generated(c):
         raise ConfigError(f"data.packing='segments' applies to prepared corpora; data.source={c.data.source!r} "
                           "generates whole rows (leave data.packing at its default)")
-    from longctx.attention.base import segments_refusal
-    from longctx.models.blocks import layer_methods
 
     for name in dict.fromkeys(layer_methods(c.model)):
         if not attention.get_class(name).takes_segments:
@@ -425,7 +433,6 @@ def _check_transfer(c) -> None:
     device per row, unrolled transformer blocks, and at least one layer whose method is not the exact one."""
     if not _transfer(c):
         return
-    from longctx.models.blocks import layer_methods
 
     why = ("model.kind='encoder'" if _encoder(c) else
            f"data.source={c.data.source!r} (a generated task)" if _generated(c) else
@@ -475,8 +482,6 @@ def _check_choices(c) -> None:
 
 def _check_registries(c) -> None:
     """Names looked up in a registry: the data source, the tokenizer, the block."""
-    from longctx.data import sources, tokenizers
-    from longctx.models import blocks
 
     if c.data.source not in sources.names():
         raise ConfigError(f"data.source={c.data.source!r} is unknown; allowed: {', '.join(sources.names())}")
@@ -516,7 +521,6 @@ def _pair_ok(pair, low_ok) -> bool:
 def _fits_rows(seq_len_key: str):
     """A generated source's settings fit rows of ``train.<seq_len_key>`` tokens (its own message)."""
     def check(c) -> None:
-        from longctx.data import sources
 
         sources.build(c.data).check(c.train[seq_len_key])
     return check
@@ -538,11 +542,9 @@ def _check_attention(c) -> None:
     for key in c.execution.attention.keys():
         if key not in attention.names():
             raise ConfigError(f"config key 'execution.attention.{key}' is unknown; allowed: {', '.join(attention.names())}")
-    from longctx.models.backbone import REMAT_POLICIES
 
     if m.get("remat_policy", "auto") not in REMAT_POLICIES:
         raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
-    from longctx.models.blocks import takes_rotary
 
     rotated = any(takes_rotary(n) for n in methods)  # rotary reaches at least one layer
     resolved = {name: _check_method(c, name, rotated=rotated) for name in methods}
@@ -599,8 +601,6 @@ _PATH_KEYS = (("path",), ("cache_dir",), ("options", "train_path"), ("options", 
 
 
 def _resolve_data_paths(c) -> None:
-    import glob
-    import os
 
     for keys in _PATH_KEYS:
         node = c.data
@@ -626,13 +626,11 @@ def _resolve_eval(c) -> None:
 
 
 def _check_mesh_rules(c) -> None:
-    from longctx.train import sharding as sharding_lib  # local: config is imported by everything
 
     sharding_lib.parse_rules(c.mesh.rules)
 
 
 def _train_modes() -> tuple[str, ...]:
-    from longctx.train.sequence_parallel import TRAIN_MODES
 
     return TRAIN_MODES
 
@@ -781,8 +779,6 @@ def _check_pattern(c) -> tuple[str, ...]:
     if not isinstance(pattern, (tuple, list)) or not all(isinstance(p, str) for p in pattern):
         raise ConfigError(f"model.attention.pattern={pattern!r} must be a tuple of method names, e.g. "
                           "(three efficient layers, then 'dense'); () = every layer runs model.attention.name")
-    from longctx.models.backbone import _check_pattern as check_layers
-    from longctx.models.blocks import layer_methods
 
     per_layer = layer_methods(m)  # unknown names, a length that does not fit num_layers
     if name not in pattern:
@@ -949,7 +945,6 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: list[str], *, all
 def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
     """A saved (resolved) config merged over the current base, so that validation sees every key
     (a run saved before a key was added to the base gets the key's default)."""
-    import json
 
     merged = json.loads(base_config().to_json())
     saved = json.loads(saved.to_json()) if isinstance(saved, ml_collections.ConfigDict) else saved

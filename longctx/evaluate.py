@@ -13,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx.data import sources
 from longctx.errors import ConfigError, WorkdirError
 from longctx.protocols import score_mlm_split, score_split
+from longctx.runtime import Runner
 
 LN2 = math.log(2.0)
 
@@ -38,13 +40,11 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
     """Restore ``workdir``'s newest valid checkpoint (or ``step``), score ``split`` (default:
     ``eval.split``), print the result and write ``eval/<split>_step<N>_<protocol>.json`` and its plot (see
     :func:`protocol_tag`)."""
-    from longctx.runtime import Runner
 
     overrides = dict(overrides or {})
     if split is not None:
         overrides["eval.split"] = split
     runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
-    from longctx.data import sources
 
     if sources.is_generated(runner.cfg.data.source):
         raise ConfigError(f"this run was trained on the generated recall task {runner.cfg.data.source!r}, which has "

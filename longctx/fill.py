@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from longctx.errors import ConfigError
+from longctx.runtime import Runner
 
 PAD_BYTE = ord("\n")
 
@@ -93,8 +94,6 @@ def fill_bytes(runner, data: bytes, mask: np.ndarray, *, per_pass: int = 1) -> t
 
 
 def fill_run(workdir, text: str, *, step=None, mask_char="_", mask_spans=None, per_pass=1, escapes=True) -> str:
-    from longctx.runtime import Runner
-
     if per_pass < 1:
         raise ConfigError(f"--per_pass={per_pass} must be a positive integer")
     try:

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from longctx.errors import ConfigError
+from longctx.data.masking import mask_rows, num_masked
+from longctx.errors import ConfigError, DataError
 
 LN2 = math.log(2.0)
 
@@ -223,8 +224,6 @@ def mlm_rows(doc_starts, *, context: int, max_tokens: int = 0) -> np.ndarray:
 
 
 def mlm_protocol(ecfg, mcfg, *, context: int, n_rows: int) -> dict:
-    from longctx.data.masking import num_masked
-
     return {
         "mode": "masked-token", "context": context, "rows": n_rows,
         "masking": mcfg.masking, "rate": mcfg.rate, "masked_per_row": num_masked(context, mcfg.rate),
@@ -245,12 +244,9 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     and method scores the same tokens in the same corrupted contexts, whatever the batch size.
     ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
     masked positions). Returns (result, (loss sum, token count) by position in the row)."""
-    from longctx.data.masking import mask_rows
 
     rows = mlm_rows(data.doc_starts, context=context, max_tokens=ecfg.max_tokens)
     if len(rows) == 0:
-        from longctx.errors import DataError
-
         raise DataError(f"the split has no document of {context} tokens to evaluate an encoder on; "
                         "lower eval.context (or train.seq_len)")
     t0 = time.time()

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import ml_collections
 
-from longctx.errors import ConfigError
+from longctx.attention.base import CapacityError
+from longctx.bench.capture import exact_method
+from longctx.config import attention_label
+from longctx.data import sources
+from longctx.errors import ConfigError, WorkdirError
+from longctx.evaluate import write_json_atomic
+from longctx.protocols import score_answers
+from longctx.runtime import Runner
+from longctx.train.step import make_scored_forward
 
 LN2 = math.log(2.0)
 RUNNER_OVERRIDES = ("eval.", "data.path", "data.cache_dir")  # the rest of --config.* must be data.synthetic.*
@@ -34,7 +42,6 @@ RUNNER_OVERRIDES = ("eval.", "data.path", "data.cache_dir")  # the rest of --con
 def capacity_message(exc: BaseException) -> str | None:
     """The message when ``exc`` says a state with a static capacity was given more than it holds
     (raised on the host, or from inside a compiled program through a host callback)."""
-    from longctx.attention.base import CapacityError
 
     if isinstance(exc, CapacityError):
         return str(exc)
@@ -53,11 +60,6 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
     ``data.cache_dir`` for the run; ``data.synthetic.*`` for the task). ``out``: the folder for the
     JSON and the plot (default ``WORKDIR/recall``)."""
     import jax
-
-    from longctx.data import sources
-    from longctx.protocols import score_answers
-    from longctx.runtime import Runner
-    from longctx.train.step import make_scored_forward
 
     overrides = dict(overrides or {})
     syn_over = {k: v for k, v in overrides.items() if k.startswith("data.synthetic.")}
@@ -97,14 +99,10 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
     fwd = jax.jit(make_scored_forward(runner.graphdef))
 
     def init_state(b, n):
-        from longctx.attention.base import CapacityError
-
         try:
             return runner.init_state(b, n)
         except ValueError as e:  # a state that cannot be built for n tokens (e.g. levels built for fewer)
             raise CapacityError(str(e)) from e
-
-    from longctx.config import attention_label
 
     method = cfg.model.attention.name
     head = {"task": task, "options": source.options(), "trained_on": trained_on, "length": L,
@@ -123,9 +121,6 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
         res = {**head, "status": "capacity", "message": msg}
     print(format_recall(res), flush=True)  # the result first: a failed write below cannot lose it
     if write:
-        from longctx.errors import WorkdirError
-        from longctx.evaluate import write_json_atomic
-
         out_dir = Path(out) if out else Path(workdir) / "recall"
         stem = f"{task}_len{L}_step{int(runner.step)}"
         plot, plotted = out_dir / f"{stem}_by_distance.png", False
@@ -277,8 +272,6 @@ def _comparison(named: dict[str, dict], reference: str | None = None) -> str:
     """Pure vs hybrid vs ``reference`` (default: the registry's exact method) overall accuracy, one line per
     method that has a hybrid row."""
     if reference is None:
-        from longctx.bench.capture import exact_method
-
         reference = exact_method()
     ref = named.get(reference)
     methods = [n[len("hybrid_"):] for n in named if n.startswith("hybrid_")]
@@ -374,8 +367,6 @@ def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None =
     0 % the start of the row, 100 % next to the question). Each length is one :func:`recall_run` (printed); the grid
     is written as JSON, a markdown table and a heat map (``needle_grid_<task>_step<step>.*`` under ``out``, default
     ``WORKDIR/recall``)."""
-    from longctx.errors import WorkdirError
-    from longctx.evaluate import write_json_atomic
 
     lengths = [int(L) for L in lengths]
     if not lengths or any(L <= 0 for L in lengths):

@@ -14,6 +14,8 @@ from longctx import config as config_lib
 from longctx.attention import dispatch
 from longctx.config import apply_overrides  # noqa: F401 -- re-exported for longctx.bench.configs
 from longctx.data import tokenizers
+from longctx.data.masking import num_masked
+from longctx.data.prepare import prepare
 from longctx.errors import CheckpointError, ConfigError
 from longctx.models.decoder import build_model
 from longctx.protocols import split_word_count
@@ -44,7 +46,6 @@ class Runner:
         self.trust_cache_dir = True
         if cfg.model.kind == "encoder":
             # forward(params, inputs, targets, mask) -> (nll, correct, valid, idx) at the masked positions
-            from longctx.data.masking import num_masked
 
             self.num_masked = num_masked(cfg.eval.context, cfg.mlm.rate)
             fwd = jax.jit(make_mlm_forward(graphdef, self.num_masked))
@@ -68,8 +69,6 @@ class Runner:
         return self.model().init_state(batch_size, max_len)
 
     def load_split(self, split: str, *, progress: bool = True):
-        from longctx.data.prepare import prepare
-
         tok, data, _ = prepare(self.cfg.data, [split], progress=progress, trust_cache_dir=self.trust_cache_dir)
         self.tokenizer = self.tokenizer or tok
         return data[split]
@@ -80,8 +79,6 @@ class Runner:
         if self.tokenizer is None and self.cfg.data.tokenizer == "hf":
             self.tokenizer = tokenizers.build("hf", **tokenizers.cache_kwargs("hf", self.cfg.data))
         if self.tokenizer is None:
-            from longctx.data.prepare import prepare
-
             self.tokenizer, _, _ = prepare(self.cfg.data, [self.cfg.eval.split], progress=progress,
                                            trust_cache_dir=self.trust_cache_dir)
         return self.tokenizer
@@ -124,7 +121,6 @@ class Runner:
         cfg = built["cfg"]
         attention.check_execution(cfg, dispatch.current_platform())  # before any compile
         graphdef, _, _, rest = built["split"]
-        from longctx.data import tokenizers
 
         tok = tokenizers.build(cfg.data.tokenizer) if cfg.data.tokenizer == "bytes" else None
         runner = cls(cfg, graphdef, tree["params"], tree["nongrad"], rest, tokenizer=tok, step=meta["step"])

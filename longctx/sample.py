@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longctx.errors import ConfigError
+from longctx.errors import ConfigError, LongctxError
+from longctx.runtime import Runner
 
 
 def filter_logits(logits, *, temperature: float, top_k: int, top_p: float):
@@ -69,7 +70,6 @@ def generate(runner, prompt_ids: np.ndarray, num_tokens: int, *, temperature=0.8
     try:
         state = runner.init_state(1, n_prompt + num_tokens)
     except ValueError as e:  # a state with a fixed capacity (e.g. fma's levels) refuses the length
-        from longctx.errors import ConfigError
 
         raise ConfigError(f"cannot sample {n_prompt} prompt + {num_tokens} new tokens: {' '.join(str(e).split())}; "
                           "shorten the prompt or lower --num_tokens") from None
@@ -91,7 +91,6 @@ def new_output_path(workdir, step: int, seed: int, output: str | None) -> Path:
     """Where this run's sample goes: ``output`` if given (it must not exist), else the first free
     ``WORKDIR/samples/step<N>_seed<S>[-<k>].txt``. The file is created here (exclusively), so two
     runs never write the same file."""
-    from longctx.errors import ConfigError
 
     if output:
         path = Path(output)
@@ -124,8 +123,6 @@ def new_output_path(workdir, step: int, seed: int, output: str | None) -> Path:
 
 
 def encode_prompt(tok, prompt: str) -> np.ndarray:
-    from longctx.errors import ConfigError, LongctxError
-
     try:
         ids = np.asarray(tok.encode(prompt), np.int32)
     except (UnicodeError, LongctxError, ValueError) as e:
@@ -138,8 +135,6 @@ def encode_prompt(tok, prompt: str) -> np.ndarray:
 
 
 def read_prompt_file(path: str) -> str:
-    from longctx.errors import ConfigError
-
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_PROMPT_BYTES + 1)
@@ -160,7 +155,6 @@ def sample_run(workdir, *, step: int | None = None, overrides: dict | None = Non
     """Restore ``workdir``'s newest valid checkpoint (or ``step``), sample per its ``sample``
     config with ``overrides`` (``{'sample.temperature': 0.5, ...}``), stream the text unless
     ``quiet``, and write the sample and a JSON report to a new file."""
-    from longctx.runtime import Runner
 
     prompt_text = read_prompt_file(prompt_file) if prompt_file else None
     runner = Runner.from_workdir(workdir, step=step, overrides=overrides)

@@ -15,7 +15,7 @@ cd "$ROOT"
 OUT="${OUT:-results}"
 PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
 BENCH=("$PY" -m longctx.bench.cli)
-STEPS="${STEPS:-attention attention_8k_32k decode quality train precision kernels kernels_gpu peers recall compare report}"
+STEPS="${STEPS:-attention attention_8k_32k decode quality train precision packing kernels kernels_gpu peers recall compare report}"
 
 # attention cores: fwd / fwd+bwd time, XLA memory, peak RSS, GFLOP/s, scaling exponents, every method, 1k-128k
 # (cells over the memory budget or the per-cell time cap are skipped and say so)
@@ -58,6 +58,10 @@ precision() {
       --eval_tokens 32768 --no_xla_mem --methods "${PRECISION_SEED_METHODS:-fma_linear}" --config.model.dtype=$dt \
       --config.train.seed=$seed
   done; done
+}
+# short documents: data.packing='segments' against 'document', dense, same model and updates (scripts/packing_bench.py)
+packing() {
+  "$PY" scripts/packing_bench.py --corpus runs/packing/corpus --runs runs/packing --out "$OUT/packing" --overwrite
 }
 # Pallas kernels against the XLA paths they must match (on a CPU: interpret mode, the differences are the result)
 kernels() {

@@ -17,6 +17,7 @@ import importlib
 import ml_collections
 from flax import nnx
 
+from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, Aux, NonGradState, check_qkv, require
 from longctx.errors import ConfigError
 
@@ -145,7 +146,6 @@ def check_execution(cfg, platform: str) -> None:
     (``execution.attention.<m>.impl``) for a method the model uses, none of whose names can run on this platform,
     is refused in one line (ConfigError). What a named implementation refuses for the call's shapes is its own to
     say when the call is made; a setting for a method no layer runs is named by the config's validation."""
-    from longctx.attention import dispatch
 
     used = methods_of(cfg.model)
     for name in used:

@@ -2,7 +2,6 @@
 
 A core maps per-head queries, keys and values to outputs and carries a ``state``
 that summarizes the prefix seen so far (causal cores)::
-
     out, state = core(q, k, v, state=None, deterministic=True, key=None, aux=None)
 
     q, k: [B, H, T, Dk]    v: [B, H, T, Dv]    out: [B, H, T, Dv]
@@ -29,9 +28,12 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from longctx.attention import dispatch
+from longctx.attention.dispatch import Implementation
 from longctx.errors import ConfigError
 
 
@@ -167,8 +169,6 @@ class AttentionCore(nnx.Module):
         value_dim: int | None = None,
         platform: str | None = None,
     ):
-        from longctx.attention import dispatch
-
         self.cfg = ml_collections.ConfigDict(cfg.to_dict())
         # where the core runs ('cpu', 'cuda', 'rocm', 'tpu'): what its implementations are selected for, given by
         # whoever builds it (None: the default backend at build time); tests build cores for another platform
@@ -202,7 +202,6 @@ class AttentionCore(nnx.Module):
         """The method's named implementations in order (``longctx.attention.dispatch.Implementation``), each
         with the execution settings that select it (``config``); the first is the reference every other one
         must equal (tests/attention/test_implementations.py). Default: one, the method's own code."""
-        from longctx.attention.dispatch import Implementation
 
         return (Implementation("reference"),)
 
@@ -362,6 +361,16 @@ def require(cond: bool, message: str) -> None:
 def segments_refusal(method: str) -> str:
     """The one line a method without ``takes_segments`` answers packed rows with."""
     return f"{method}: packed rows (data.packing='segments') are not supported yet; use data.packing='document'"
+
+
+def document_starts(segment_ids):
+    """int32 [B, T]: the row position of the first token of each token's document in a packed row (a document is a
+    maximal run of equal segment ids: an id that comes back after another is a new document). Methods whose
+    packed form restarts every index at a document's first token count from it."""
+    T = segment_ids.shape[1]
+    at = jnp.arange(T, dtype=jnp.int32)
+    opens = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return jax.lax.cummax(jnp.where(opens, at, 0), axis=1)
 
 
 def check_segments(core, q, segment_ids) -> None:

@@ -42,6 +42,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from longctx import attention
+from longctx.attention import Aux
 from longctx.bench import common as C
 from longctx.bench.capture import exact_method as _exact_method
 from longctx.bench.cores import CoreFns, build_core, is_exact, variants
@@ -222,8 +224,6 @@ def method_flops(core, method: str, fargs: dict, seed: int = 0) -> dict:
     XLA implementation its kernels are benchmarked against computes it (:func:`common.portable_impl`), and ``method_flops_source`` says so;
     ``method_flops_{kind}_lower_bound``: loops of unknown trip count or kernels remained."""
     from flax import nnx
-
-    from longctx import attention
 
     out = {"method_flops_source": "the timed program"}
     fns = CoreFns(core)
@@ -648,7 +648,6 @@ __all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run"]
 def validate(args) -> None:
     """``--group``'s checks (one line each): known methods or variants, at least one layer, causal or
     bidirectional, not both."""
-    from longctx import attention
 
     for g in getattr(args, "group", None) or ():
         names = [n.strip() for n in g.split(",")]
@@ -683,7 +682,6 @@ def group_fns(layers: list[str], *, heads: int, head_dim: int, causal: bool, see
     to every core's parameters and every layer's q, k, v, deterministic=False with a key (the training path).
     ``remat``: each layer's core is rematerialised in the backward (``jax.checkpoint``, as a model trained with
     remat runs it), so the backward holds one layer's residuals at a time instead of every layer's."""
-    from longctx.attention import Aux
 
     fns = []
     for i, name in enumerate(layers):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longctx import attention
 from longctx.bench import configs
 
 
@@ -21,7 +22,6 @@ def has_checkpoint(workdir: str | Path) -> bool:
 
 def exact_method() -> str:
     """The registered method that computes exact softmax attention (asked by capability)."""
-    from longctx import attention
 
     return next(n for n in attention.names() if attention.get_class(n).exact)
 
@@ -43,7 +43,7 @@ def ensure_checkpoint(workdir: str | Path, *, steps: int, sets: list[str] | None
     """Train the tiny dense model in ``workdir`` unless it already holds a checkpoint."""
     if has_checkpoint(workdir):
         return {"trained_now": False, "workdir": str(workdir)}
-    from longctx.train.loop import train
+    from longctx.train.loop import train  # deferred: bench --help start-up: no orbax
 
     cfg = tiny_dense_config(steps, sets)
     summary = train(cfg, workdir, progress=progress)
@@ -52,7 +52,7 @@ def ensure_checkpoint(workdir: str | Path, *, steps: int, sets: list[str] | None
 
 class Capturer:
     def __init__(self, workdir: str | Path, *, layer: int = 0, split: str = "valid"):
-        from longctx.runtime import Runner
+        from longctx.runtime import Runner  # deferred: bench --help start-up: no orbax
 
         self.runner = Runner.from_workdir(workdir)
         self.model = self.runner.model()

@@ -26,7 +26,27 @@ import argparse
 import sys
 from pathlib import Path
 
+from longctx import attention
+from longctx.bench import (
+    ab_bench,
+    attention_bench,
+    compare,
+    configs,
+    decode_bench,
+    dropin,
+    kernel_bench,
+    profile_bench,
+    quality_bench,
+    report,
+    step_bench,
+    sweep_bench,
+    train_bench,
+)
+from longctx.bench import common as C
+from longctx.bench.cores import variants
+from longctx.cli import user_errors
 from longctx.errors import ConfigError
+from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
 # sub-commands whose config takes --config.KEY=VALUE overrides
 TAKES_OVERRIDES = ("quality", "train", "step", "profile", "ab", "dropin", "compare")
@@ -40,21 +60,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _modules():
-    from longctx.bench import (
-        ab_bench,
-        attention_bench,
-        compare,
-        decode_bench,
-        dropin,
-        kernel_bench,
-        profile_bench,
-        quality_bench,
-        report,
-        step_bench,
-        sweep_bench,
-        train_bench,
-    )
-
     return (
         ("attention", attention_bench, "forward / forward+backward time, memory, FLOP rate vs length"),
         ("decode", decode_bench, "per-token decoding latency and state size vs context position"),
@@ -113,8 +118,6 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _lengths(args, name: str, *, one: bool = False) -> None:
-    from longctx.bench import common as C
-
     text = getattr(args, name, None)
     if text is None:
         return
@@ -146,10 +149,6 @@ def _positive(args, *names) -> None:
 
 
 def _methods(args, extra=()) -> None:
-    from longctx import attention
-    from longctx.bench import common as C
-    from longctx.bench.cores import variants
-
     names = C.parse_names(getattr(args, "methods", None))
     registered = list(attention.names())
     for req in names or ():
@@ -165,7 +164,6 @@ def _methods(args, extra=()) -> None:
 
 def validate(args) -> None:
     """Every check that needs no computation, so that a bad flag fails before anything runs."""
-    from longctx.bench import configs
 
     cmd = args.command
     out = Path(args.out)
@@ -224,9 +222,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from longctx.cli import user_errors
-    from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
-
     with user_errors():
         if argv is None:  # the console entry point: once, restart with glibc's huge-page tunable
             restart_with_huge_pages()

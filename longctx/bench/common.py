@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx import attention
+from longctx.attention.dense.platform import fused_call_flops
+from longctx.bench.configs import _checkout
+from longctx.errors import ConfigError
 
 MB = 1 << 20
 GB = 1 << 30
@@ -55,8 +58,6 @@ def select_methods(requested: list[str] | None) -> list[str]:
     bases = {r.split(":")[0] for r in requested}
     unknown = sorted(bases - set(names))
     if unknown:
-        from longctx.errors import ConfigError
-
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; registered: {', '.join(names)}")
     return [n for n in names if n in bases]
 
@@ -442,8 +443,6 @@ def jaxpr_matmul_flops(fn, *args) -> dict:
     attention calls counted analytically."""
     from jax.extend import core as jcore
 
-    from longctx.attention.dense.platform import fused_call_flops
-
     stats = {"while_loops": 0, "opaque": set(), "fused_calls": 0}
 
     def count(jaxpr) -> float:
@@ -557,7 +556,6 @@ def progress_bar(total: int, desc: str, enabled: bool):
 
 def header(args, command: str) -> dict:
     """Run description stored at the top of every JSON output."""
-    from longctx.bench.configs import _checkout
 
     root = _checkout()
     return {

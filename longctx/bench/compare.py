@@ -41,9 +41,14 @@ from argparse import Namespace
 from pathlib import Path
 
 from longctx import attention
+from longctx import config as config_lib
 from longctx.bench import common as C
-from longctx.bench import configs
+from longctx.bench import configs, decode_bench
+from longctx.bench.step_bench import _timed, build_step, forward_matmul_flops, portable_matmul_flops, vocab_size
+from longctx.bench.train_bench import read_metrics
 from longctx.errors import ConfigError
+from longctx.models.decoder import build_model
+from longctx.train.step import split_model
 
 # the registry's causal methods, the exact one first, its sliding-window run ('<exact>_window') beside it
 EXACT = next(n for n in attention.names() if attention.get_class(n).exact)
@@ -140,7 +145,6 @@ def runs(args) -> list[dict]:
 
 def run_config(run: dict, args, steps: int | None = None):
     """The resolved training config of one run (``steps`` updates; None: one, for counting and timing)."""
-    from longctx import config as config_lib
 
     sz = sizes(args)
     base = EXACT if run["method"] == WINDOW else run["method"]
@@ -173,8 +177,6 @@ def run_config(run: dict, args, steps: int | None = None):
 
 def _with_vocab(cfg):
     """``cfg`` with its vocabulary resolved as ``longctx-bench step`` resolves it (the trainer does it itself)."""
-    from longctx import config as config_lib
-    from longctx.bench.step_bench import vocab_size
 
     return config_lib.resolve_vocab(cfg, vocab_size(cfg, None))
 
@@ -185,10 +187,6 @@ def flops_per_token(cfg) -> dict:
     import jax
     import numpy as np
     from flax import nnx
-
-    from longctx.bench.step_bench import forward_matmul_flops, portable_matmul_flops
-    from longctx.models.decoder import build_model
-    from longctx.train.step import split_model
 
     cfg = _with_vocab(cfg)
     model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
@@ -235,7 +233,6 @@ def steps_for(run: dict, args, cost: dict) -> int:
 # ----------------------------------------------------------------------------- plan and sizing
 def measure(args, rs: list[dict]) -> dict:
     """Seconds per update of each (label, context): ``--measure_steps`` timed steps after one (compile) step."""
-    from longctx.bench.step_bench import _timed, build_step
 
     path = Path(args.out) / "sizing.json"
     seen, rows = set(), {}
@@ -284,8 +281,8 @@ def plan(args, rs: list[dict]) -> dict:
 def train_and_score(run: dict, args, steps: int) -> dict:
     """Train (or resume) one run in a child process (``longctx.bench.train_worker``), then score it; writes
     ``compare_result.json`` last, so a run without it is resumed by the next call."""
-    from longctx.evaluate import evaluate_run, write_json_atomic
-    from longctx.recall import recall_run
+    from longctx.evaluate import evaluate_run, write_json_atomic  # deferred: bench --help start-up: no orbax
+    from longctx.recall import recall_run  # deferred: bench --help start-up: no orbax
 
     wd = Path(run["dir"])
     wd.mkdir(parents=True, exist_ok=True)
@@ -299,7 +296,6 @@ def train_and_score(run: dict, args, steps: int) -> dict:
         if rc != 0:
             tail = (wd / "train.log").read_text().strip().splitlines()[-1:] or [""]
             raise RuntimeError(f"training exited {rc}: {tail[0][:200]} (see {wd / 'train.log'})")
-    from longctx.bench.train_bench import read_metrics
 
     trained = json.loads((wd / "bench_result.json").read_text())
     res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
@@ -326,7 +322,6 @@ def _curve(wd: Path) -> list[list[float]]:
 def decode_costs(args, out: Path) -> None:
     """Decoding cost per token of each method's core (``longctx-bench decode``) at the comparison's contexts, the
     model's heads and head size; written to ``<out>/decode/``; skipped when there."""
-    from longctx.bench import decode_bench
 
     if (out / "decode" / "decode.json").is_file():
         return
@@ -340,7 +335,7 @@ def decode_costs(args, out: Path) -> None:
 
 
 def needle_grids(args, rs: list[dict], out: Path) -> None:
-    from longctx.recall import needle_grid
+    from longctx.recall import needle_grid  # deferred: bench --help start-up: no orbax
 
     wanted = C.parse_names(args.needle) or []
     T = max(sizes(args)["contexts"])

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import ml_collections
 
+from longctx import config as config_lib
 from longctx import config_files
-from longctx.config import apply_overrides
+from longctx.config import apply_overrides, base_config
 from longctx.errors import ConfigError
 
 SECTIONS = ("data", "model", "train", "eval", "sample", "mesh", "mlm", "execution")  # every section of the config
@@ -60,7 +61,6 @@ def load_config_file(spec: str | Path) -> ml_collections.ConfigDict:
 def default_config() -> ml_collections.ConfigDict:
     if find_config(DEFAULT) is not None:
         return load_config_file(DEFAULT)
-    from longctx.config import base_config
 
     return base_config()
 
@@ -86,7 +86,6 @@ def with_overrides(cfg: ml_collections.ConfigDict, overrides: list[str] | None) 
 def check_overrides(overrides: list[str] | None) -> None:
     """Raise ConfigError for an override whose key is unknown or whose value does not parse as the
     key's type (checked against the base config, before anything runs)."""
-    from longctx import config as config_lib
 
     cfg = with_overrides(config_lib.base_config(), overrides)
     check = getattr(config_lib, "check_ranges", None)  # the allowed range of every numeric key

@@ -29,8 +29,17 @@ from pathlib import Path
 import numpy as np
 
 from longctx import attention
+from longctx import config as config_lib
 from longctx.attention.base import DropIn
+from longctx.bench import common as C
+from longctx.bench import configs
 from longctx.bench.cores import build_core, has_params
+from longctx.data.hf import HFTokenizer
+from longctx.data.tokenizers import ByteTokenizer
+from longctx.errors import ConfigError
+from longctx.models.blocks import layer_methods
+from longctx.models.decoder import build_model
+from pallas_kernels.precision import statistic
 
 
 def resolve(method: str, overrides: dict, *, heads: int, head_dim: int, causal: bool) -> tuple[DropIn | None, str]:
@@ -63,9 +72,6 @@ def add_args(p):
 
 
 def validate(args) -> None:
-    from longctx import attention
-    from longctx.errors import ConfigError
-
     if args.rows < 1 or args.seq_len < 0:
         raise ConfigError(f"--rows {args.rows} / --seq_len {args.seq_len}: rows >= 1, seq_len >= 0 (0: the run's)")
     if args.method not in attention.names():
@@ -78,8 +84,6 @@ def validate(args) -> None:
 
 
 def text_files(spec: str) -> list[Path]:
-    from longctx.errors import ConfigError
-
     if spec:
         roots = [Path(s.strip()) for s in spec.split(",") if s.strip()]
     else:
@@ -103,7 +107,6 @@ def token_rows(tokenizer, files: list[Path], seq_len: int, rows: int):
     file is tokenized alone; a row is seq_len + 1 consecutive tokens of one file, the files taken in turn until
     ``rows`` rows are cut. The bytes of a row: from the end of its first token to the end of its last (a Hugging
     Face tokenizer's offsets), or one byte per token (a byte tokenizer)."""
-    from longctx.errors import ConfigError
 
     out_ids, out_bytes = [], []
     for f in files:
@@ -135,20 +138,14 @@ def run_tokenizer(runner):
     the way longctx-eval loads it (from the run's prepared data)."""
     data = runner.cfg.data
     if data.tokenizer == "hf":
-        from longctx.data.hf import HFTokenizer
-
         return HFTokenizer(data.options.get("tokenizer_file", ""), data.options.get("eos_token", ""))
     if data.tokenizer == "bytes":
-        from longctx.data.tokenizers import ByteTokenizer
-
         return ByteTokenizer()
     return runner.load_tokenizer(progress=False)
 
 
 def _probe_class():
     from flax import nnx
-
-    from pallas_kernels.precision import statistic
 
     class Probe(nnx.Module):
         """A layer's core for the per-layer error: the method and exact attention on the same q, k, v; reports
@@ -187,14 +184,7 @@ def nll_sums(model, rows) -> np.ndarray:
 def run(args) -> dict:
     from flax import nnx
 
-    from longctx import attention
-    from longctx import config as config_lib
-    from longctx.bench import common as C
-    from longctx.bench import configs
-    from longctx.errors import ConfigError
-    from longctx.models.blocks import layer_methods
-    from longctx.models.decoder import build_model
-    from longctx.runtime import Runner
+    from longctx.runtime import Runner  # deferred: bench --help start-up: no orbax
 
     runner = Runner.from_workdir(args.workdir, step=args.step)
     cfg = runner.cfg
@@ -255,8 +245,6 @@ def run(args) -> dict:
 
 
 def markdown(res: dict) -> str:
-    from longctx.bench import common as C
-
     rows = [[r["layer"], r["method"], r["rel_error"]] for r in res["layers"]]
     a = res["header"]["args"]
     cmd = " ".join([f"longctx-bench dropin --workdir {res['workdir']} --method {res['method']} --rows {res['rows']}",

@@ -35,7 +35,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from longctx import attention
 from longctx.bench import common as C
+from longctx.bench import step_bench
+from longctx.bench.cores import CoreFns, build_core, variants
+from longctx.bench.step_bench import _timed
 from longctx.errors import ConfigError
 
 # The folder that holds the ``longctx`` package (a checkout or site-packages): source lines of the
@@ -214,8 +218,6 @@ def op_kind(name: str, root: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------- the target
 def _core_target(args, T: int):
-    from longctx.bench.cores import CoreFns, build_core, variants
-
     method, _, variant = args.method.partition(":")
     options = dict(variants(method))  # a bare method name: its default config (e.g. dense's impl='auto')
     label = args.method
@@ -242,8 +244,6 @@ def _core_target(args, T: int):
 def _step_target(args, T: int):
     from argparse import Namespace
 
-    from longctx.bench import step_bench
-
     base = step_bench.base_config(args)
     cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=args.window, vocab_size=256))
     if cfg.model.kind != "decoder":
@@ -260,7 +260,6 @@ def _step_target(args, T: int):
 # ----------------------------------------------------------------------------- run
 def _usage(compiled, call, n: int) -> dict:
     """Wall time, CPU seconds per wall second and minor page faults of n calls (``longctx-bench step``'s timer)."""
-    from longctx.bench.step_bench import _timed
 
     runs = [_timed(compiled, call) for _ in range(n)]
     return {"wall_ms_median": 1e3 * statistics.median(r["s"] for r in runs), "wall_ms_all": [1e3 * r["s"] for r in runs],
@@ -344,8 +343,6 @@ def validate(args) -> None:
     """``--method`` names a registered method or one of its benchmarked variants."""
     if not args.method:
         return
-    from longctx import attention
-    from longctx.bench.cores import variants
 
     method, _, variant = args.method.partition(":")
     if method not in attention.names():

@@ -24,6 +24,7 @@ import numpy as np
 
 from longctx.attention.dense import naive_attention
 from longctx.bench import baselines as BL
+from longctx.bench import capture, dropin
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core, variants
 from longctx.errors import ConfigError
@@ -70,8 +71,6 @@ def _exact_bidir(q, k, v):
 
 
 def run(args) -> dict:
-    from longctx.bench import dropin
-
     out = C.out_dir(args.out)
     requested = C.parse_names(args.methods)
     methods = C.select_methods(requested)
@@ -86,8 +85,6 @@ def run(args) -> dict:
         data["gaussian"] = lambda T: (*C.random_qkv(args.seed + T, args.batch, H, T, D),
                                       C.random_qkv(args.seed + 10_000 + T, args.batch, H, T, D)[1])
     if "captured" in sources:
-        from longctx.bench import capture
-
         info = capture.ensure_checkpoint(args.workdir, steps=args.train_steps, sets=args.overrides, progress=args.progress)
         cap = capture.Capturer(args.workdir, layer=args.layer)
         mc = cap.cfg.model

@@ -12,6 +12,7 @@ What ``results/`` holds (each written by the command quoted in the report's "Com
   ``scripts/peer_tvq_release.py`` (ours against the authors' releases);
 * ``recall/``: ``scripts/recall_all.sh`` (``longctx-recall-report``);
 * ``dropin/``: ``longctx-bench dropin`` (a method in every layer of a trained model, no training).
+* ``packing/``: ``scripts/packing_bench.py`` (``data.packing='segments'`` against ``'document'`` on short documents).
 
 The report opens with a summary (per method: forward+backward time at the longest length measured beside
 PyTorch's SDPA, its speed against SDPA and against exact dense attention in the same run, and its
@@ -27,7 +28,10 @@ import os
 import re
 from pathlib import Path
 
+from longctx import attention
+from longctx.bench import attention_bench, kernel_bench
 from longctx.bench import common as C
+from longctx.bench.configs import _checkout
 from longctx.errors import ConfigError
 
 SECTIONS = ("attention", "decode", "quality", "train", "kernels")
@@ -82,14 +86,11 @@ def _attention_runs(out: Path, res: dict) -> list[tuple[str, dict]]:
 # ----------------------------------------------------------------------------- helpers
 def _exact(method: str) -> bool:
     """A registered method that computes exact softmax attention (the reference rows)."""
-    from longctx import attention
 
     return method in attention.names() and bool(attention.get_class(method).exact)
 
 
 def _registry_order() -> list[str]:
-    from longctx import attention
-
     return list(attention.names())
 
 
@@ -369,8 +370,6 @@ def _argv_text(meta: dict) -> str:
 
 
 def extra_sections(out: Path, rel: str) -> list[str]:
-    from longctx.bench import attention_bench, kernel_bench
-
     parts = []
     for d, r in _extra_attention(out):
         a = r["header"]["args"]
@@ -416,6 +415,12 @@ def extra_sections(out: Path, rel: str) -> list[str]:
     if drop.is_file():
         parts.append(drop.read_text())
     parts += precision_section(out)
+    packing = out / "packing" / "packing.md"  # scripts/packing_bench.py
+    if packing.is_file():
+        parts.append("## Short documents: packing (`packing/`)\n")
+        parts.append("`data.packing='segments'` against the default `'document'` rule, two otherwise identical runs "
+                     "on a corpus of short documents (`bash scripts/bench_all.sh` step `packing`).\n")
+        parts.append(packing.read_text().strip() + "\n")
     parts += compare_section(out, rel)
     parts += gpu_check_section(out)
     rec = out / "recall"
@@ -624,7 +629,6 @@ def _find_script(script: str) -> Path | None:
     p = Path(script)
     if p.is_file():
         return p
-    from longctx.bench.configs import _checkout
 
     co = _checkout()
     if not p.is_absolute() and co is not None and (co / p).is_file():

@@ -45,6 +45,9 @@ from longctx import config as config_lib
 from longctx.bench import common as C
 from longctx.bench import configs
 from longctx.errors import ConfigError
+from longctx.models.decoder import build_model
+from longctx.train.optim import make_optimizer
+from longctx.train.step import make_loss_fn, make_train_step, split_model
 
 
 def add_args(p):
@@ -100,8 +103,6 @@ def forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed: int = 0) ->
     training loss): the whole row at once, or one window with the carried state times the windows per row."""
     from flax import nnx
 
-    from longctx.train.step import make_loss_fn
-
     tc = cfg.train
     W = tc.window or tc.seq_len
     n_windows = tc.seq_len // W
@@ -122,9 +123,6 @@ def build_step(cfg, seed: int = 0, with_extras: bool = False):
     """(compiled step, its arguments, XLA memory stats, parameter count) for a validated config; with
     ``with_extras`` a fifth item, a dict: ``compile_s`` (lowering + compiling), ``xla_flops`` (cost analysis of the compiled step) and
     ``fwd_flops`` (:func:`forward_matmul_flops`)."""
-    from longctx.models.decoder import build_model
-    from longctx.train.optim import make_optimizer
-    from longctx.train.step import make_train_step, split_model
 
     if cfg.model.kind != "decoder":
         raise ConfigError(f"longctx-bench step times decoder training steps; model.kind={cfg.model.kind!r}")
@@ -156,9 +154,6 @@ def portable_matmul_flops(cfg, seed: int = 0) -> dict | None:
     whose kernels hide their work from the jaxpr count), built abstractly (no parameters allocated); None where
     no method section has kernels."""
     from flax import nnx
-
-    from longctx.models.decoder import build_model
-    from longctx.train.step import split_model
 
     twin = cfg.copy_and_resolve_references()
     changed = {}

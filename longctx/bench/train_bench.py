@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from longctx import config as config_lib
 from longctx.bench import common as C
 from longctx.bench import configs
 from longctx.errors import ConfigError
@@ -83,7 +84,6 @@ def run_config(method: str, args):
     if args.num_layers:
         cfg.model.num_layers = args.num_layers
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
-    from longctx import config as config_lib
 
     config_lib.validate(cfg)
     return cfg, src

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import ml_collections
 
+from longctx import config as config_lib
+from longctx.bench.common import memory_stats
+from longctx.host_memory import keep_freed_memory
+from longctx.models.decoder import build_model
+from longctx.train.optim import make_optimizer
+from longctx.train.step import make_train_step, split_model
+
 
 def xla_train_step_memory(workdir: Path) -> dict:
     """XLA compiled memory analysis of the run's jitted train step (resolved config from WORKDIR/config.json)."""
     import jax
     import jax.numpy as jnp
-
-    from longctx import config as config_lib
-    from longctx.bench.common import memory_stats
-    from longctx.models.decoder import build_model
-    from longctx.train.optim import make_optimizer
-    from longctx.train.step import make_train_step, split_model
 
     cfg = config_lib.validate(ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text())))
     tc = cfg.train
@@ -41,10 +42,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg_path, workdir, result = Path(argv[0]), Path(argv[1]), Path(argv[2])
     progress = "--progress" in argv
-    from longctx.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as longctx-train does
-    from longctx.train.loop import train
+    from longctx.train.loop import train  # deferred: bench --help start-up: no orbax
 
     cfg = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
     t0 = time.time()

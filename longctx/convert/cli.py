@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import sys
 
+from longctx import cli
+from longctx.cli import user_errors
+from longctx.convert.errors import ConvertError
+
 USAGE = ("usage: longctx-convert import --hf_dir=DIR --workdir=OUT [--config=FILE[:VARIANT]] [--config.KEY=VALUE] "
          "[--dry_run] [--nooptimizer_state] [--rope_theta=BASE] [--extend_positions=N]\n"
          "       longctx-convert import --hf_dir=DIR --plan [--config=FILE[:VARIANT]] [--config.KEY=VALUE]\n"
@@ -51,8 +55,6 @@ def _define_import(fv):
 def _parse_export(argv):
     from absl import flags
 
-    from longctx.convert.errors import ConvertError
-
     fv = flags.FlagValues()
     flags.DEFINE_string("workdir", None, "the longctx run to read", flag_values=fv)
     flags.DEFINE_string("hf_dir", None, "the Hugging Face folder to write (new or empty)", flag_values=fv)
@@ -73,19 +75,13 @@ def _parse_export(argv):
 
 
 def main(argv=None) -> int:
-    from longctx.cli import user_errors
-
     with user_errors():
-        from longctx.convert.errors import ConvertError
-
         argv = list(sys.argv if argv is None else argv)
         if len(argv) < 2 or argv[1] in ("-h", "--help", "--helpshort", "--helpfull", "help"):
             print(f"{USAGE}\n\n{ABOUT}")
             return 0 if len(argv) >= 2 else 2
         command, rest = argv[1], [f"{argv[0]} {argv[1]}", *argv[2:]]
         if command == "import":
-            from longctx import cli
-
             fv, cfg = cli.parse(rest, "longctx-convert import", config="file", define=_define_import,
                                 require_workdir=False)
         elif command == "export":
@@ -98,13 +94,13 @@ def main(argv=None) -> int:
                 raise ConvertError(f"longctx-convert {command} needs --{name}")
         if fv.check:
             if cfg is not None:
-                from longctx import config as config_lib
+                from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
 
                 config_lib.validate(cfg)
             print(f"ok: longctx-convert {command} would convert --hf_dir={fv.hf_dir} --workdir={fv.workdir} "
                   "(--check: nothing read or written)")
             return 0
-        from longctx.convert import core
+        from longctx.convert import core  # deferred: CLI start-up: no jax at import
 
         if planning:
             core.plan_hf(fv.hf_dir, config=cfg, rope_theta=fv.rope_theta, extend=fv.extend_positions)

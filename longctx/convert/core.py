@@ -25,9 +25,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx import attention, config_files
+from longctx import config as config_lib
 from longctx.convert import families
 from longctx.convert.errors import ConvertError
 from longctx.convert.safetensors import Folder, write
+from longctx.models.backbone import relayout
+from longctx.models.blocks import get_block, layer_config, layer_methods
+from longctx.models.decoder import build_model, with_execution
+from longctx.runtime import Runner
+from longctx.train import checkpoint, dry_run
+from longctx.train.optim import make_optimizer
+from longctx.train.step import split_model, with_loss_scale
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -51,7 +60,6 @@ def read_hf_config(hf_dir: Path) -> dict:
 def exact_method() -> str:
     """The attention method that computes exact softmax attention (the capability ``exact``): what
     ``transformers`` computes, so the one an import builds and an export requires."""
-    from longctx import attention
 
     return next(n for n in attention.names() if attention.get_class(n).exact)
 
@@ -61,7 +69,6 @@ def hf_model_config(hf: dict, base=None, log=None):
     family sets. Attention: ``base``'s ``model.attention.pattern`` where it names one (the swap: chosen layers run
     another method, :func:`load_params`; ``attention.name`` becomes the pattern's first other method unless it is
     in the pattern), else ``base``'s ``model.attention.name`` in every layer (by default the exact method)."""
-    from longctx import config as config_lib
 
     fam = families.family_of(hf.get("model_type"))
     cfg = config_lib.base_config() if base is None else base
@@ -113,9 +120,6 @@ def check_tensors(fam, m, folder: Folder) -> list:
 def abstract_model(cfg):
     """(graphdef, abstract params, abstract non-gradient state, rest) of the unrolled model of ``cfg``."""
     from flax import nnx
-
-    from longctx.models.decoder import build_model
-    from longctx.train.step import split_model
 
     m = cfg.model.copy_and_resolve_references()
     m.scan_layers = False
@@ -185,10 +189,6 @@ def _fresh(cfg, layers) -> dict:
     its core's values are the method's initialisation. One block at a time in host memory."""
     from flax import nnx
 
-    from longctx.models.blocks import get_block, layer_config
-    from longctx.models.decoder import with_execution
-    from longctx.train.step import split_model
-
     m = with_execution(cfg.model, cfg.get("execution"))
     methods, exact = _layer_methods(m), exact_method()
     out = {}
@@ -241,7 +241,6 @@ def extended_table(table, factor: int, offset: int):
 def run_config(hf_dir: Path, config=None, *, rope_theta: float | None = None, extend: int = 1, log=print):
     """(config.json as a dict, the family, the run's config, the source's config) of an import of ``hf_dir`` with
     ``config`` (see :func:`import_hf`); reads config.json only."""
-    from longctx import config_files
 
     hf = read_hf_config(hf_dir)
     base = config_files.load(config) if isinstance(config, str) else copy.deepcopy(config)
@@ -268,7 +267,6 @@ def plan_hf(hf_dir, *, config=None, rope_theta: float | None = None, extend: int
     from config.json alone (no tensor is read, so a folder with only its config.json plans), the run's config
     is built as :func:`import_hf` builds it and its train step compiled for the config's mesh by
     :func:`longctx.train.dry_run.plan` (abstract parameters: nothing is allocated). Returns the plan."""
-    from longctx.train import dry_run
 
     hf, _, cfg, _ = run_config(Path(hf_dir), config, rope_theta=rope_theta, extend=extend, log=log)
     res = dry_run.plan(cfg, devices)
@@ -292,7 +290,6 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
     the logits then differ from the source's). ``extend``: learned positions ``extend`` times as many, the source's
     rows copied (:func:`extend_positions`; the logits of the first positions stay the source's). Returns a
     summary."""
-    from longctx import config as config_lib
 
     hf_dir, workdir = Path(hf_dir), Path(workdir)
     hf, fam, cfg, src_cfg = run_config(hf_dir, config, rope_theta=rope_theta, extend=extend, log=log)
@@ -336,13 +333,8 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         shutil.copyfile(tokenizer, workdir / "tokenizer.json")
     tree = {"params": params, "nongrad": nongrad}
     if optimizer_state:
-        from longctx.train.optim import make_optimizer
-        from longctx.train.step import with_loss_scale
-
         tree["opt_state"] = with_loss_scale(make_optimizer(cfg.train), cfg).init(params)
     if cfg.model.get("scan_layers", False):
-        from longctx.models.backbone import relayout
-
         tree = {k: relayout(v, scanned=True) for k, v in tree.items()}
     save_checkpoint(workdir, tree, cfg)
     (workdir / "config.json").write_text(cfg.to_json(indent=1))
@@ -354,8 +346,6 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
 
 
 def save_checkpoint(workdir: Path, tree: dict, cfg) -> None:
-    from longctx.train import checkpoint
-
     mngr = checkpoint.manager(workdir, keep=cfg.train.keep_checkpoints, async_save=False)
     try:
         checkpoint.save(mngr, 0, tree, config=cfg, extra={"data_dir": ""})
@@ -368,8 +358,6 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
     """Write the run ``workdir``'s model (newest valid checkpoint, or ``step``) as a Hugging Face folder
     ``hf_dir`` (a new or empty folder)."""
     from flax import nnx
-
-    from longctx.runtime import Runner
 
     hf_dir = Path(hf_dir)
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
@@ -384,8 +372,6 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
                            f"attention, so only a model whose every layer runs {exact!r} exports")
     params = runner.params[0]
     if m.get("scan_layers", False):
-        from longctx.models.backbone import relayout
-
         params = relayout(params, scanned=False)
     pure = nnx.to_pure_dict(params)
     source = Path(workdir) / "hf_config.json"
@@ -415,6 +401,4 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
 
 
 def _layer_methods(m) -> tuple:
-    from longctx.models.blocks import layer_methods
-
     return layer_methods(m)

@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from longctx import config as config_lib
 from longctx.convert.errors import ConvertError
 
 
@@ -60,7 +61,6 @@ ARCHITECTURE_KEYS = ("post_norm", "type_vocab_size", "position_offset", "head_tr
 def encoder_options(m) -> str | None:
     """The first of :data:`ARCHITECTURE_KEYS` the model ``m`` sets away from its default (a decoder family has
     none of them), as ``model.KEY=VALUE``; None: all at their defaults."""
-    from longctx import config as config_lib
 
     defaults = config_lib.base_config().model
     for k in ARCHITECTURE_KEYS:

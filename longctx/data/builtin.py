@@ -13,6 +13,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from longctx.errors import DataError
+
 SPLIT_BUCKETS = {"train": range(0, 90), "valid": range(90, 95), "test": range(95, 100)}
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "turtledemo"}
 
@@ -50,8 +52,6 @@ class BuiltinSource:
         self.root = Path(root or path or stdlib_root())
         self._files = list_files(self.root)
         if not self._files:
-            from longctx.errors import DataError
-
             raise DataError(f"built-in corpus: no .py files under {self.root}; set data.path to a folder of .py files")
 
     def files(self, split: str) -> list[str]:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx.data import spm, tokenizers
 from longctx.data.dsutil import data_path, option
 from longctx.data.prepare import Continued
 from longctx.data.spm import TextWithEos
@@ -410,8 +411,6 @@ class FilesSource:
         return {}
 
     def build_tokenizer(self, data_cfg, directory: Path):
-        from longctx.data import spm, tokenizers
-
         tok = getattr(data_cfg, "tokenizer", "bytes")
         if tok == "words":
             raise ConfigError(f"data.tokenizer='words' is WikiText-103's word vocabulary; with data.source="

@@ -1,7 +1,6 @@
 """PG-19 (Rae et al. 2020): 28,752 Project Gutenberg books published before 1919.
 
 ``data.path`` is a local copy of the bucket ``gs://deepmind-gutenberg`` layout::
-
     metadata.csv              no header; book_id,short_book_title,publication_date,url
     train/<book_id>.txt       28,602 books
     validation/<book_id>.txt  50 books   (split 'valid' here)
@@ -34,7 +33,9 @@ import hashlib
 import io
 from pathlib import Path
 
+from longctx.data import spm, tokenizers
 from longctx.data.dsutil import data_path, option
+from longctx.data.prepare import default_cache_dir
 from longctx.data.spm import TextWithEos
 from longctx.errors import DataError
 
@@ -172,7 +173,6 @@ class PG19Source:
             raise DataError(f"pg19: data.options.tfds=True needs tensorflow-datasets and TensorFlow ({e}): "
                             f"pip install -e '.[tfds]' tensorflow from the longctx checkout, or set data.options.tfds=False to read the folder "
                             f"directly") from None
-        from longctx.data.prepare import default_cache_dir
 
         # tfds 4.9.10 hard-codes gs://deepmind-gutenberg; the builder's own test patches this constant.
         pg19_dataset_builder._DATA_DIR = str(self.root)
@@ -192,8 +192,6 @@ class PG19Source:
         return {}
 
     def build_tokenizer(self, data_cfg, directory: Path):
-        from longctx.data import spm, tokenizers
-
         tok = getattr(data_cfg, "tokenizer", "sentencepiece")
         if tok == "sentencepiece":
             kw = self.tokenizer_kwargs(data_cfg, None)

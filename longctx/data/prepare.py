@@ -1,7 +1,6 @@
 """Token files: a source's split tokenized once into the cache directory.
 
 Layout of ``<cache_dir>/<source>-<tokenizer>-<hash12>/``::
-
     <split>.bin         tokens, raw little-endian array of the tokenizer's dtype
     <split>.docs.npy    int64 document start offsets, plus the total at the end
     <split>.json        manifest: counts, dtype, sha256 of the .bin, source metadata
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from longctx.errors import DataError, LongctxError
+from longctx.data import sources, tokenizers
+from longctx.errors import ConfigError, DataError, LongctxError
 
 
 class Continued(str):
@@ -185,7 +185,6 @@ def load_split(directory: Path, split: str, *, verify: bool = False) -> TokenDat
 
 def tokenizer_kwargs(source, data_cfg, meta) -> dict:
     """What the tokenizer is built from; part of the cache key (a tokenizer file by its sha256)."""
-    from longctx.data import tokenizers
 
     kw = source.tokenizer_kwargs(data_cfg, meta) if hasattr(source, "tokenizer_kwargs") else {}
     return {**kw, **tokenizers.cache_kwargs(data_cfg.tokenizer, data_cfg)}
@@ -199,11 +198,8 @@ def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bo
     default cache is, so a checkpoint cannot point writes anywhere else. Returns (tokenizer,
     {split: TokenData}, directory).
     """
-    from longctx.data import sources, tokenizers
 
     if sources.is_generated(data_cfg.source):
-        from longctx.errors import ConfigError
-
         raise ConfigError(f"data.source={data_cfg.source!r} is a generated recall task: its rows are made on the fly "
                           "and there is nothing to prepare (train on it directly; score it with longctx-recall)")
     source = sources.build(data_cfg)

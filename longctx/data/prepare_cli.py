@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longctx import config as config_lib
+from longctx.data import sources
+from longctx.data.prepare import cache_path, prepare, remove_stale_temporaries, tokenizer_kwargs
+from longctx.errors import ConfigError
+
 
 def target_directory(data_cfg) -> Path:
     """The directory ``prepare`` will use (computed the same way)."""
     import json
-
-    from longctx.data import sources
-    from longctx.data.prepare import cache_path, tokenizer_kwargs
 
     source = sources.build(data_cfg)
     meta = source.metadata()
@@ -43,10 +45,6 @@ def summary(tokenizer, data: dict, directory: Path) -> str:
 
 def prepare_all(cfg, *, progress: bool = True) -> None:
     """Validate ``cfg``, remove temporaries of killed runs, prepare every split, print the summary."""
-    from longctx import config as config_lib
-    from longctx.data import sources
-    from longctx.data.prepare import prepare, remove_stale_temporaries
-    from longctx.errors import ConfigError
 
     cfg = config_lib.validate(cfg)
     if sources.is_generated(cfg.data.source):

@@ -41,7 +41,9 @@ import json
 
 import numpy as np
 
-from longctx.errors import ConfigError
+from longctx.data import builtin
+from longctx.data.prepare import prepare
+from longctx.errors import ConfigError, DataError
 
 VOCAB = 256  # byte ids
 _SALT = 0x52434C  # separates the rows' generator stream from the batcher's and the masking's
@@ -264,8 +266,6 @@ class PasskeySource(SyntheticSource):
 
     def metadata(self):
         if self._meta is None:
-            from longctx.data import builtin
-
             meta = {"source": self.name, "generated": True, **self.options()}
             filler = builtin.BuiltinSource(self._filler_cfg()).metadata()
             meta["filler_content_hash"] = filler["content_hash"]
@@ -276,8 +276,6 @@ class PasskeySource(SyntheticSource):
     def filler(self, split: str) -> np.ndarray:
         """The built-in corpus split as one byte stream (its prepared token file, prepared once)."""
         if split not in self._filler:
-            from longctx.data.prepare import prepare
-
             _, data, _ = prepare(self._filler_cfg(), [split], progress=False)
             self._filler[split] = data[split].tokens
         return self._filler[split]
@@ -299,8 +297,6 @@ class PasskeySource(SyntheticSource):
         L1 = row_len + 1
         stream = self.filler(split)
         if len(stream) < L1:
-            from longctx.errors import DataError
-
             raise DataError(f"passkey: the built-in corpus split {split!r} has {len(stream):,} bytes, fewer than "
                             f"a row of {L1}; set data.path to a larger folder of .py files")
         start = int(rng.integers(0, len(stream) - L1 + 1))

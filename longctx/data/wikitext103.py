@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from longctx.data import wordvocab
+from longctx.data import spm, tokenizers, wordvocab
 from longctx.data.dsutil import data_path, drop_manifests, option
 from longctx.errors import DataError
 
@@ -183,8 +183,6 @@ class WikiText103Source:
         return {}
 
     def build_tokenizer(self, data_cfg, directory: Path):
-        from longctx.data import spm, tokenizers
-
         directory = Path(directory)
         tok = getattr(data_cfg, "tokenizer", "words")
         if tok == "words":

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from flax import nnx
 
+from longctx.errors import ConfigError
 from longctx.models.backbone import Backbone
+from longctx.models.blocks import layer_methods
+from longctx.models.encoder import EncoderMLM
 
 
 class DecoderLM(Backbone):
@@ -45,8 +48,6 @@ def with_execution(model_cfg, execution):
     section win. ``execution=None``: ``model_cfg`` itself (the method's default execution settings apply)."""
     import ml_collections
 
-    from longctx.models.blocks import layer_methods
-
     if execution is None:
         return model_cfg
     merged = None
@@ -66,7 +67,6 @@ def build_model(model_cfg, *, seed: int = 0, execution=None):
     """``model.kind='decoder'`` -> :class:`DecoderLM`; ``'encoder'`` -> :class:`EncoderMLM`. ``model_cfg``: the
     config's ``model`` section, or the whole config (its ``execution`` section then applies); ``execution``:
     the config's ``execution`` section (how the attention cores compute; default: each method's defaults)."""
-    from longctx.errors import ConfigError
 
     if "model" in model_cfg and "kind" not in model_cfg:  # the whole config
         execution = model_cfg.get("execution") if execution is None else execution
@@ -76,7 +76,5 @@ def build_model(model_cfg, *, seed: int = 0, execution=None):
     if model_cfg.kind == "decoder":
         return DecoderLM(model_cfg, rngs=nnx.Rngs(seed))
     if model_cfg.kind == "encoder":
-        from longctx.models.encoder import EncoderMLM
-
         return EncoderMLM(model_cfg, rngs=nnx.Rngs(seed))
     raise ConfigError(f"model.kind={model_cfg.kind!r} is unknown; allowed: decoder, encoder")

@@ -37,8 +37,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from longctx import config as config_lib
 from longctx.config import FORMAT_VERSION
 from longctx.errors import CheckpointError
+from longctx.models.backbone import layer_layout, relayout
 
 # orbax logs a full traceback for a failed async write before re-raising it; we report it in one line
 logging.getLogger("absl").setLevel(logging.CRITICAL)
@@ -182,7 +184,6 @@ def verify_meta(meta, step: int) -> None:
             raise _Invalid(f"metadata {key} is not a string")
     if not isinstance(meta.get("config"), dict):
         raise _Invalid("metadata config is not an object")
-    from longctx import config as config_lib
 
     try:
         config_lib.validate(config_lib.merge_over_base(meta["config"]))
@@ -252,7 +253,6 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
         if bad:
             raise _Invalid(f"non-finite values in {name}{bad[0]}")
     if to_scanned is not None:  # verified in the saved layout; now in the layout the caller asked for
-        from longctx.models.backbone import relayout
 
         def place(x, like):
             sharding = getattr(like, "sharding", None)
@@ -266,7 +266,6 @@ def _saved_layout(target, meta):
     """(``target`` in the layer layout of the checkpoint, the layout to convert the restored tree back to:
     True scanned, False unrolled, None no conversion). A checkpoint saved with ``model.scan_layers`` (stacked
     blocks) restores into an unrolled model and vice versa (:func:`longctx.models.backbone.relayout`)."""
-    from longctx.models.backbone import layer_layout, relayout
 
     asked = layer_layout(target)
     model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None

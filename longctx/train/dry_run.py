@@ -17,12 +17,13 @@ import numpy as np
 from flax import nnx
 
 from longctx import config as config_lib
+from longctx.bench.common import jaxpr_matmul_flops
 from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
 from longctx.models.precision import resolve_dtype
 from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_train_step, split_model
+from longctx.train.step import make_loss_fn, make_train_step, split_model
 
 MiB = 1 << 20
 
@@ -49,8 +50,6 @@ def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
     divided by the row's tokens. With windows carrying state, one window with the carried state is traced
     and the count scaled by the windows per row (as ``longctx.bench.step_bench.forward_matmul_flops``).
     Works on abstract parameters (``nnx.eval_shape``): nothing is computed or allocated."""
-    from longctx.bench.common import jaxpr_matmul_flops
-    from longctx.train.step import make_loss_fn
 
     tc = cfg.train
     W = tc.window or tc.seq_len

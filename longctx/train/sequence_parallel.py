@@ -28,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from longctx.attention import AttentionCore
 from longctx.attention.base import capacity_guaranteed_by_caller
+from longctx.attention.row_split import sequence_mesh
+from longctx.errors import ConfigError
 from longctx.models.sequence_shard import SequenceShard, refusal
 
 AXIS = "sequence"
@@ -105,7 +107,6 @@ def train_plan(model, mesh, window, mode: str = "auto") -> str:
     'auto' takes 'compose' for a causal model whose cores all compose; 'compose' where they do not is
     a ConfigError naming each core and its reason. 'auto' also takes 'xla' where a core says the
     partitioner splits it better (``AttentionCore.sequence_compose_in_training``)."""
-    from longctx.errors import ConfigError
 
     if mode not in TRAIN_MODES:
         raise ConfigError(f"mesh.sequence_mode={mode!r}; allowed: {', '.join(TRAIN_MODES)}")
@@ -137,7 +138,6 @@ def xla_hidden(mesh):
     """``model.hidden`` traced with the row split over ``mesh.sequence`` by XLA's partitioner (mode 'xla'), under
     ``longctx.attention.row_split.sequence_mesh``: a fused attention kernel (a custom call the partitioner
     cannot split along the row) runs in a ``shard_map`` over the mesh; everything else is unchanged."""
-    from longctx.attention.row_split import sequence_mesh
 
     def hidden(model, tokens, state=None, **kw):
         with sequence_mesh(mesh):

@@ -2,7 +2,6 @@
 
 The loop (:mod:`longctx.train.loop`) picks the task once from the config (:func:`from_config`) and
 then only calls this interface::
-
     task = from_config(cfg, progress=...)     # reads (or generates) its data; task.cfg: vocabulary resolved
     task.setup(model, graphdef, tx, plan)     # batchers, task.train_step, the evaluation forward
     task.summary()                            # the data line the loop prints at the start
@@ -36,13 +35,26 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from longctx import attention
 from longctx import config as config_lib
 from longctx.data import masking, sources, tokenizers
 from longctx.data.batching import Batcher
 from longctx.data.prepare import prepare
+from longctx.data.synthetic import RowBatcher
+from longctx.errors import ConfigError
+from longctx.models.blocks import layer_methods
+from longctx.models.decoder import with_execution
 from longctx.protocols import score_answers, score_mlm_split, score_split
 from longctx.train import sequence_parallel, sharding
-from longctx.train.step import make_forward, make_mlm_forward, make_mlm_train_step, make_scored_forward, make_train_step
+from longctx.train.optim import core_mask
+from longctx.train.step import (
+    make_forward,
+    make_mlm_forward,
+    make_mlm_train_step,
+    make_scored_forward,
+    make_train_step,
+    make_transfer_loss_fn,
+)
 
 
 class Task:
@@ -218,8 +230,6 @@ class Recall(LanguageModel):
         return tokenizers.build(cfg.data.tokenizer), None, None
 
     def make_batcher(self, seq_len, host):
-        from longctx.data.synthetic import RowBatcher
-
         tc = self.cfg.train
         return RowBatcher(self.source, row_len=seq_len, batch_size=tc.batch_size, seed=tc.seed, shard=host)
 
@@ -264,13 +274,6 @@ class AttentionTransfer(LanguageModel):
     name = "attention_transfer"
 
     def make_step(self, model, graphdef, tx, plan):
-        from longctx import attention
-        from longctx.errors import ConfigError
-        from longctx.models.blocks import layer_methods
-        from longctx.models.decoder import with_execution
-        from longctx.train.optim import core_mask
-        from longctx.train.step import make_transfer_loss_fn
-
         cfg, tc = self.cfg, self.cfg.train
         methods = layer_methods(cfg.model)
         layers = [i for i, m in enumerate(methods) if not attention.get_class(m).exact]

@@ -23,6 +23,7 @@ from longctx.attention import dispatch
 from longctx.attention import fma as F
 from longctx.attention.base import CapacityError
 from longctx.attention.fma import xla, xla_cpu
+from longctx.attention.fma.reference import fma_packed_reference
 from longctx.errors import ConfigError
 from tests.attention import kit
 
@@ -173,6 +174,48 @@ def test_blocked_equals_dense_reference_variants(name, cfg, causal, n):
     core = randomize_params(build(name, causal, dv=6, **cfg))
     ref = dense_reference(q, k, v, core.ds_params(), core.opts)
     np.testing.assert_allclose(kit.out(core, q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- packed rows (the reference)
+@pytest.mark.parametrize("name,cfg", [
+    ("fma", {}), ("fma_linear", {}),
+    ("fma", {"downsample": "dense_conv", "share_downsample_across_heads": False, "multiplicity_weighting": False}),
+    ("fma", {"downsample": "avgpool"}), ("fma_linear", {"fma_linear_normalization": "per_level"}),
+    ("fma", {"release_zero_slots": True}),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_reference_equals_each_document_alone(name, cfg, causal):
+    """The dense reference of a packed row (documents of 3, 27 and 26 tokens: one under a fine block, one cut by
+    every level's group grid) gives each document's output and q, k, v gradients run alone."""
+    if cfg.get("release_zero_slots") and not causal:
+        pytest.skip("the release is causal only")
+    lengths = (3, 27, 26)
+    n = sum(lengths)
+    q, k, v = qkv(n, dv=6, seed=11)
+    w = jax.random.normal(jax.random.PRNGKey(5), v.shape[:3] + (6,))
+    core = randomize_params(build(name, causal, dv=6, **cfg))
+    ds, opts = core.ds_params(), core.opts
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+
+    def grads(f):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * w[..., :q.shape[2], :]),
+                                          argnums=(0, 1, 2)))
+
+    out = fma_packed_reference(q, k, v, ds, opts, seg)
+    _, packed = grads(lambda q, k, v: fma_packed_reference(q, k, v, ds, opts, seg))(q, k, v)
+    at = 0
+    for n_d in lengths:
+        part = [x[:, :, at:at + n_d] for x in (q, k, v)]
+        want = F.fma_dense_reference(*part, ds, opts)
+        np.testing.assert_allclose(out[:, :, at:at + n_d], want, atol=1e-5, rtol=1e-5, err_msg=f"document {n_d}")
+        wd = w[:, :, at:at + n_d]
+        alone = jax.grad(lambda q, k, v, wd=wd: jnp.sum(F.fma_dense_reference(q, k, v, ds, opts) * wd),
+                         argnums=(0, 1, 2))(*part)
+        for nm, g, r in zip("qkv", packed, alone):
+            np.testing.assert_allclose(g[:, :, at:at + n_d], r, atol=1e-5, rtol=1e-5, err_msg=f"d{nm} {n_d}")
+        at += n_d
+    one = fma_packed_reference(q, k, v, ds, opts, jnp.zeros_like(seg))  # one document: the unpacked row
+    np.testing.assert_allclose(one, F.fma_dense_reference(q, k, v, ds, opts), atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- 5. the paper's causal leak

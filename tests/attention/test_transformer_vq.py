@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from longctx import attention
-from longctx.attention import Aux
+from longctx.attention import Aux, dispatch
 from longctx.attention import transformer_vq as tvq
 from longctx.attention.transformer_vq import reference, xla, xla_cpu
 from longctx.errors import ConfigError
@@ -607,3 +607,111 @@ def test_code_sums_scatter_and_onehot_forms_agree():
     ga = jax.grad(lambda v: jnp.sum(xla_cpu.code_sums(z, v, w, S)[0] ** 2))(v)
     gb = jax.grad(lambda v: jnp.sum(vq_cache_ref.code_sums(z, v, w, S)[0] ** 2))(v)
     np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- packed rows (§2.8)
+PACKED = (3, 10, 7)  # a document shorter than the block of 4, two cut mid-block
+
+
+@nnx.jit
+def train_call(core, q, k, v, w, key, seg, mask):
+    """A training call (``deterministic=False``, ``key``; ``seg``: segment ids or None): the output, the q, k, v
+    gradients of <out, w> and the aux outputs."""
+    def loss(q, k, v):
+        aux = Aux()
+        out, _ = core(q, k, v, aux=aux, mask=mask, deterministic=False, key=key,
+                      **({} if seg is None else {"segment_ids": seg}))
+        return jnp.sum(out * w), (out, aux.as_dict())
+
+    (_, (out, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads, aux
+
+
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
+    """Documents of 3, 10 and 7 tokens in one row (a band of 2 < L = 4), in training mode (sinusoid dropout, the
+    same key), with a token mask across a boundary: outputs and q, k, v gradients equal each document's own call
+    (which 'auto' runs through XLA:CPU's linear forms), the packed call's codebook statistics are its documents'
+    summed and its commit loss their token-weighted mean; 'auto' takes the linear packed form ('parallel') for the
+    causal packed call, the reference for the bidirectional one."""
+    core = small_core(causal, mem_len=2, p_dropsin=0.3)
+    T = sum(PACKED)
+    q, k, v = qkv(T, seed=5)
+    w = jax.random.normal(jax.random.PRNGKey(6), v.shape)
+    seg = jnp.asarray(np.repeat(np.arange(1, 4), PACKED)[None].repeat(2, 0), jnp.int32)
+    mask = jnp.ones((2, T), bool).at[1, 2:6].set(False)
+    key = jax.random.PRNGKey(4)
+    want = "parallel" if causal else "reference"
+    assert core.implementation_for(B=2, T=T, dtype=jnp.float32, segments=True).name == want
+    out, grads, aux = train_call(core, q, k, v, w, key, seg, mask)
+    count, sums, commit, a = 0.0, 0.0, 0.0, 0
+    for n in PACKED:
+        part = lambda x, a=a, n=n: x[..., a:a + n, :] if x.ndim == 4 else x[:, a:a + n]  # noqa: E731
+        o, g, alone = train_call(core, *map(part, (q, k, v, w)), key, None, part(mask))
+        assert maxdiff(part(out), o) < 1e-5, (a, n)
+        for name, gp, ga in zip("qkv", grads, g):
+            assert maxdiff(part(gp), ga) < 1e-5, (name, a, n)
+        count = count + alone["stats"]["codebook"]["count"]
+        sums = sums + alone["stats"]["codebook"]["sum"]
+        commit = commit + alone["losses"]["commit"] * jnp.sum(part(mask))
+        a += n
+    st = aux["stats"]["codebook"]
+    np.testing.assert_array_equal(st["count"], count)  # counts: integers in float32, exact
+    assert float(st["count"].sum()) == 2 * float(mask.sum())  # heads x unmasked tokens
+    assert maxdiff(st["sum"], sums) < 1e-5
+    assert maxdiff(aux["losses"]["commit"], commit / jnp.sum(mask)) < 1e-9
+    assert maxdiff(out, train_call(core, q, k, v, w, key, None, mask)[0]) > 1e-2  # unpacked they see each other
+
+
+def test_packed_rows_refused_where_not_served():
+    """The implementations without a packed form refuse a packed row in one line naming segment ids; 'auto' takes
+    the linear packed form where it serves (a GPU too, a large call included), the quadratic reference on a CPU only
+    (a band longer than a block), and a GPU encoder refuses; a packed call with a carried state is refused in one
+    line; a packed call returns no state."""
+    q, k, v = qkv(12, seed=3)
+    seg = jnp.asarray([[1] * 5 + [2] * 7] * 2, jnp.int32)
+    for causal, name in ((True, "blocks"), (True, "stream"), (True, "xla_cpu"), (False, "encoder"),
+                         (False, "xla_cpu")):
+        with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'") as err:
+            small_core(causal, impl=name)(q, k, v, segment_ids=seg)
+        assert "\n" not in str(err.value)
+    packed = dict(B=2, dtype=jnp.float32, segments=True)
+    with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
+        _kernel_sized(platform="tpu", impl="pallas").implementation_for(T=256, **packed)
+    assert _kernel_sized(platform="cuda").implementation_for(T=1 << 16, **packed).name == "parallel"
+    assert small_core(mem_len=6).implementation_for(T=12, **packed).name == "reference"
+    with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
+        _kernel_sized(causal=False, platform="cuda").implementation_for(T=256, **packed)
+    for name in ("reference", "parallel"):
+        core = small_core(impl=name)
+        with pytest.raises(dispatch.KernelUnsupportedError, match="carried state") as err:
+            core(q, k, v, core.init_state(2), segment_ids=seg)
+        assert "\n" not in str(err.value)
+        assert jcall_packed(core, q, k, v, seg)[1] is None
+
+
+@pytest.mark.parametrize("L,M", [(4, 2), pytest.param(3, 3, marks=pytest.mark.slow), (2, 1)])
+def test_packed_parallel_form_equals_packed_reference(x64, L, M):
+    """The linear packed form (xla.causal_packed) equals the packed quadratic reference in value and gradient
+    (q, k_hat, v) in float64, for documents shorter than, equal to and many blocks longer than the block, cut
+    anywhere on the row's grid (two rows, different layouts)."""
+    d = make_inputs(seed=2, T=29, M=M)
+    q_u, _, bd = derived(d)
+    k_hat, z, _, _ = STVQ(d["k"], d["C"])
+    rows = ((1, 11, 2, 2, 13), (13, 1, L, 11, 4 - L))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, 6), r) for r in rows]), jnp.int32)
+    w = jax.random.normal(jax.random.PRNGKey(3), d["v"].shape, d["v"].dtype)
+
+    def grads(fn):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(
+            q_u, k_hat, d["v"])
+
+    want = grads(lambda q, k, v: reference.packed(q, bd, k, v, L=L, M=M, causal=True, band=True, segment_ids=seg))
+    got = grads(lambda q, k, v: xla.causal_packed(q, bd, k, z, v, d["C"], L=L, M=M, segment_ids=seg))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert maxdiff(a, b) < 1e-10
+
+
+@nnx.jit
+def jcall_packed(core, q, k, v, seg):
+    return core(q, k, v, segment_ids=seg)

@@ -137,13 +137,9 @@ def test_windowed_train_step_reports_each_windows_document_loss(microbatches):
     np.testing.assert_allclose(np.asarray(metrics["ce"]), per_window, rtol=2e-5)
 
 
-@pytest.mark.slow
-def test_packed_eva_rows_score_each_document_as_if_alone():
-    """EVA (its reference serves packed rows; a packed row in one call): every in-document target's nll equals its
-    document's alone, blocks of 8 and chunks of 4 cut by the documents."""
-    cfg = small_model_cfg("rotary")
-    cfg.attention.name = "eva"
-    cfg.attention.eva.update(window_size=8, chunk_size=4)
+def _assert_packed_rows_score_documents_alone(cfg):
+    """A model of ``cfg`` fed the packed batch in one call: every in-document target's nll equals its document's
+    alone, and differs without the segment ids."""
     model = build_model(cfg, seed=1)
     batch = _batch()
     tokens, seg, pos = (batch[k][:, :-1] for k in ("tokens", "segment_ids", "positions"))
@@ -154,6 +150,26 @@ def test_packed_eva_rows_score_each_document_as_if_alone():
     np.testing.assert_allclose(np.asarray(got) * w, want, atol=2e-5, rtol=2e-5)
     plain = nnx.jit(lambda m, t, y: m.nll(m.run(t)[0], y))(model, tokens, batch["tokens"][:, 1:])
     assert np.max(np.abs(np.asarray(plain) * w - want)) > 1e-3
+
+
+@pytest.mark.slow
+def test_packed_eva_rows_score_each_document_as_if_alone():
+    """EVA (its reference serves packed rows; a packed row in one call): every in-document target's nll equals its
+    document's alone, blocks of 8 and chunks of 4 cut by the documents."""
+    cfg = small_model_cfg("rotary")
+    cfg.attention.name = "eva"
+    cfg.attention.eva.update(window_size=8, chunk_size=4)
+    _assert_packed_rows_score_documents_alone(cfg)
+
+
+@pytest.mark.slow
+def test_packed_transformer_vq_gau_rows_score_each_document_as_if_alone():
+    """Transformer-VQ in the paper's GAU block (its reference serves packed rows; a packed row in one call): every
+    in-document target's nll equals its document's alone, blocks of 4 cut by the documents."""
+    cfg = small_model_cfg("sinusoidal", block="gau")
+    cfg.attention.name = "transformer_vq"
+    cfg.attention.transformer_vq.update(block_len=4, codebook_size=8)
+    _assert_packed_rows_score_documents_alone(cfg)
 
 
 def _segments_cfg(**model):

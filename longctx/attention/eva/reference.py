@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention.base import document_starts
 from longctx.attention.eva.common import (
     NEG,
     EVAOptions,
@@ -71,11 +72,8 @@ def document_positions(segment_ids):
     """(start, rel) int32 [B, T] of a packed row: the first position of each token's document (a maximal run of
     equal segment ids) and the token's position inside it. EVA's blocks, chunks, bias, noise and dropout draws
     of a packed row are those of its documents alone: all indexed by ``rel``."""
-    T = segment_ids.shape[1]
-    pos = jnp.arange(T, dtype=jnp.int32)
-    new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
-    return start, pos - start
+    start = document_starts(segment_ids)
+    return start, jnp.arange(segment_ids.shape[1], dtype=jnp.int32) - start
 
 
 def eva_reference_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,

@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_qkv, logical, require
 from longctx.attention.fma import reference, xla
 from longctx.attention.fma.options import FMAOptions
@@ -105,8 +106,6 @@ class FMAAttention(AttentionCore):
         folder declare for this method (``dispatch.declared``): xla (the blocked path), its XLA:CPU form and, for
         FMA, pallas (the block kernel; interpret mode on a CPU), the kernel last. A declaration with ``methods``
         serves only the methods it names. See the module docstring."""
-        from longctx.attention import dispatch
-
         def no_dropout(platform, *, dropout=0.0, **_):
             return ["no attention dropout in the reference (a call with a dropout key)"] if dropout > 0 else []
 
@@ -187,8 +186,6 @@ class FMAAttention(AttentionCore):
             ("downsample_init", ("torch_default", "subinterval_mean")),
         ):
             require(cfg[key] in allowed, f"{pre}.{key}={cfg[key]!r}; allowed: {', '.join(allowed)}")
-        from longctx.attention import dispatch
-
         why = dispatch.impl_problem(cfg.impl, [i.name for i in cls.implementations(causal=causal)])
         require(why is None, f"{pre}.{why}")
         require(0.0 <= cfg.attn_dropout < 1.0, f"{pre}.attn_dropout={cfg.attn_dropout}; must be in [0, 1)")
@@ -300,8 +297,6 @@ class FMAAttention(AttentionCore):
         execution settings resolved for the platform the selection ran on (a knob at 0, ``PLATFORM_DEFAULT``: the
         implementation's default there, so a value tuned for XLA:CPU never drives a GPU path). The implementation's
         ``code(choice, settings)`` gets its resolved knobs (``Implementation.settings``)."""
-        from longctx.attention import dispatch
-
         impls = self.implementations(causal=self.causal)
         choice = dispatch.select(
             self.cfg.impl, impls, method=self.name, platform=self.platform,

@@ -12,6 +12,8 @@ it ("§" below: docs/methods/fma.md §2, numbered as the method's spec).
   ``lagged``); ``per_level`` normalises each level apart and sums (paper eq. (11));
 * §2.6 lengths: ``levels_used`` levels; a bidirectional group that straddles the end is summarised over its
   zero-padded tokens, groups wholly in the padding and padded fine keys are masked.
+* docs/methods/fma.md §2.7 packed rows (:func:`fma_packed_reference`, ours): groups and blocks counted from each
+  document's start, so each document gives what it gives alone.
 
 O(n^2) memory: it runs at test lengths. No attention dropout (the implementation refuses a call that drops).
 """
@@ -23,6 +25,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention.base import document_starts
 from longctx.attention.fma.options import FMAOptions, acc_type, f32, levels_used, pad_to
 from pallas_kernels.precision import acc_einsum
 
@@ -111,7 +114,13 @@ def fma_dense_reference(q, k, v, ds, opts: FMAOptions):
         s = jnp.einsum("bhid,bhjd->bhij", qt * scale, kt)
         S.append(s if opts.multiplicity else s - math.log(ml / p))
         V.append(vt)
-    lev = jnp.asarray(lev)
+    return _joint_softmax(S, V, jnp.asarray(lev), Lu, opts, lambda: release_zero_columns(n, opts)[:, None])
+
+
+def _joint_softmax(S, V, lev, Lu: int, opts: FMAOptions, zero_columns):
+    """§2.3: the scores ``S[l]`` of every level merged by ``lev`` (level of each (query, key) pair, -1: none), one
+    softmax per row (per level for FMA-linear's ``per_level``), applied to the values ``V[l]``. ``zero_columns()``:
+    the release's unmasked zero columns per query (§9.3), read only with ``release_zero_slots``."""
     full = S[0]
     for l in range(1, Lu + 1):
         full = jnp.where(lev == l, S[l], full)
@@ -127,13 +136,89 @@ def fma_dense_reference(q, k, v, ds, opts: FMAOptions):
     if opts.linear and opts.normalization == "per_level":  # paper eq. (11): each level normalised apart
         return sum(softmax_out(lev == l) for l in range(Lu + 1))
     if opts.release_zero_slots:  # §9.3: the release's zero-padded columns, score 0 and value 0, left unmasked
-        zeros = jnp.asarray(release_zero_columns(n, opts))[:, None]  # [n, 1] columns per query
+        zeros = jnp.asarray(zero_columns())  # [n, 1] (or [B, 1, n, 1]) columns per query
         s = jnp.where(lev >= 0, full, NEG)
         M = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), jnp.where(zeros > 0, 0.0, NEG))
         e = jnp.where(lev >= 0, jnp.exp(s - M), 0.0)
         a = e / (jnp.sum(e, axis=-1, keepdims=True) + zeros * jnp.exp(-M))
         return sum(jnp.einsum("bhij,bhjf->bhif", jnp.where(lev == l, a, 0.0), V[l]) for l in range(Lu + 1))
     return softmax_out(lev >= 0)
+
+
+
+
+def _document_summaries(x, prm, ml: int, opts: FMAOptions, start, rel, back: int = 0):
+    """§2.1 on document-relative groups (``ml`` tokens counted from each document's start): at every token ``i``
+    the ``p`` summary rows of the group ``back`` groups before i's own in i's document, [B,H,n,p,f] (zeros where
+    that group would start before the document). A document's last group, cut by its end, sums its own tokens
+    only: the zero padding it would have run alone with."""
+    p = opts.p
+    t = rel % ml  # position inside the group: the conv tap
+    if opts.downsample == "avgpool":  # the mean over sub-interval r of ml/p tokens, as zero-padded alone
+        hot = ((t * p) // ml)[..., None] == jnp.arange(p)  # [B, n, p]
+        contrib = hot[:, None, :, :, None] * (x * (p / ml))[:, :, :, None, :]
+    else:
+        W = prm["kernel"]
+        Wt = W[t][:, None] if opts.shared else jnp.moveaxis(W[:, t], 0, 1)  # [B, 1|H, n, ...]: each token's tap
+        if opts.downsample == "depthwise_conv":  # Wt [..., f, p]
+            contrib = jnp.swapaxes(x[..., None] * Wt, -1, -2)
+        else:  # Wt [..., e, f, p]
+            contrib = jnp.moveaxis(jnp.sum(x[..., None, None] * Wt, axis=-3), -1, -2)
+    G = rel // ml - back
+    member = (start[:, :, None] == start[:, None, :]) & (G[:, :, None] == (rel // ml)[:, None, :])  # [B, i, j]
+    out = jnp.einsum("bij,bhjrf->bhirf", member.astype(contrib.dtype), contrib)
+    if opts.downsample != "avgpool":
+        c = jnp.swapaxes(prm["bias"], -1, -2)  # [p, f] or [H, p, f]
+        out = out + (c if opts.shared else c[:, None, :, :])
+    return jnp.where((G >= 0)[:, None, :, None, None], out, 0.0)
+
+
+def fma_packed_reference(q, k, v, ds, opts: FMAOptions, segment_ids):
+    """:func:`fma_dense_reference` of a packed row (``segment_ids`` [B, n]): every document computed as if it ran
+    alone. Positions, fine blocks and every level's groups count from the document's start (a group never spans two
+    documents: it is its document's group, cut short by the document's end, as it is cut by the zero padding when
+    the document runs alone), each (query, key) pair of a document falls in the set of §2.2 its document-relative
+    positions give, and pairs of two documents in none.
+
+    The coarse columns are the groups' summary rows themselves, held at the group's first token, each with the
+    offset ``beta_l`` (the blocked form's: a group's p rows count m_l/p keys each, also those of a cut group that
+    the document does not fill, as the zero-padded group alone does). O(n^2) memory: tests only."""
+    B, H, n, d = q.shape
+    m, p, Lu = opts.m, opts.p, levels_used(n, opts)
+    q, k, v = (f32(x) for x in (q, k, v))
+    start = document_starts(segment_ids)
+    rel = jnp.arange(n, dtype=jnp.int32)[None, :] - start  # [B, n]
+    ri, rj = rel[:, :, None], rel[:, None, :]
+    keep = start[:, :, None] == start[:, None, :]
+    if opts.causal:
+        keep = keep & (rj <= ri)
+    near = jnp.abs(ri // m - rj // m) <= 1  # I_0
+    scale = d**-0.5
+    levs, scores, vals = [jnp.where(keep & near, 0, -1)], [jnp.einsum("bhid,bhjd->bhij", q * scale, k)], [v]
+    for l in range(1, Lu + 1):
+        ml = opts.m_l(l)
+        D_l, D_up = jnp.abs(ri // ml - rj // ml), jnp.abs(ri // (2 * ml) - rj // (2 * ml))
+        first = (rj % ml) == 0  # column j: the group starting at j (membership in I_l is the group's)
+        lev = jnp.where(keep & first & (D_l >= 2) & (D_up <= 1), l, -1)  # [B, n, n]
+        kh = _document_summaries(k, ds["k"][l - 1], ml, opts, start, rel)  # [B,H,n,p,f]: group at token j
+        vh = _document_summaries(v, ds["v"][l - 1], ml, opts, start, rel)
+        if opts.linear:  # §2.5: the query's own sub-interval row (of the group before, lagged)
+            back = 1 if opts.causal and opts.query_summary == "lagged" else 0
+            qh = _document_summaries(q, ds["q"][l - 1], ml, opts, start, rel, back)
+            hot = ((((rel % ml) * p) // ml)[..., None] == jnp.arange(p))[:, None, :, :, None]
+            qt = jnp.sum(jnp.where(hot, qh, 0.0), axis=3)
+        else:
+            qt = q
+        s = jnp.einsum("bhid,bhjrd->bhijr", qt * scale, kh) + opts.beta(l)
+        levs.append(jnp.repeat(lev, p, axis=-1))  # column j p + r: row r of the group at j
+        scores.append(s.reshape(B, H, n, n * p))
+        vals.append(vh.reshape(B, H, n * p, -1))
+    lev = jnp.concatenate(levs, axis=-1)[:, None]  # [B, 1, n, C]: each column's level, -1 none
+    full = jnp.concatenate(scores, axis=-1)
+    vcat = jnp.concatenate(vals, axis=2)
+    zeros = lambda: jnp.asarray(release_zero_columns(n, opts))[rel][:, None, :, None]  # noqa: E731
+    # every level's columns in one array: level l's scores and values are the whole of it, ``lev`` picks
+    return _joint_softmax([full] * (Lu + 1), [vcat] * (Lu + 1), lev, Lu, opts, zeros)
 
 
 def release_zero_columns(n: int, opts: FMAOptions) -> np.ndarray:
@@ -151,5 +236,5 @@ def release_zero_columns(n: int, opts: FMAOptions) -> np.ndarray:
     return z
 
 
-__all__ = ["NEG", "bias_rows", "fma_dense_reference", "lagged", "level_matrix", "release_zero_columns",
+__all__ = ["NEG", "bias_rows", "fma_dense_reference", "fma_packed_reference", "lagged", "level_matrix", "release_zero_columns",
            "summarize"]

@@ -37,6 +37,7 @@ from longctx.attention.base import (
     NonGradState,
     axes,
     check_qkv,
+    check_segments,
     require,
 )
 from longctx.attention.transformer_vq import reference, xla
@@ -113,11 +114,15 @@ def commit_loss(k, c_z, mask=None):
 
 
 # ----------------------------------------------------------------------------- implementations
-def _run_reference(core, choice, pre, v, C, state):
+def _run_reference(core, choice, pre, v, C, state, segment_ids=None):
+    """The reference's ``run``; with ``segment_ids`` a packed row (``reference.packed``, no state: §2.8)."""
     k_hat, z, err2, c_z = reference.stvq(pre["k"], C)
     dt = float_dtype(pre["q_v"], pre["r"])
     bd = reference.band_scores(pre["q_v"].astype(dt), pre["r"].astype(dt))
-    if core.causal:
+    if segment_ids is not None:
+        o, new = reference.packed(pre["q_u"], bd, k_hat, v, L=core.L, M=core.M, causal=core.causal,
+                                  band=core.cfg.encoder_band, segment_ids=segment_ids), None
+    elif core.causal:
         o, new = reference.causal(pre["q_u"], bd, k_hat, z, v, C, state, L=core.L, M=core.M)
     else:
         o, new = reference.bidirectional(pre["q_u"], bd, k_hat, v, L=core.L, M=core.M,
@@ -128,7 +133,12 @@ def _run_reference(core, choice, pre, v, C, state):
 # what computes the reference (its declaration's ``code``, as each implementation module is its own): ``run(core,
 # choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))`` and the per-code sums of the EMA statistics
 _REFERENCE = types.SimpleNamespace(run=_run_reference, code_sums=code_sums)
-REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=_REFERENCE)
+# 'auto' tries the reference only for a packed row (segment ids) that the linear packed form refuses (a band longer
+# than a block; xla.causal_packed) or that no other implementation serves (the encoder), and only on a CPU: its
+# O(T²) memory at a GPU's or TPU's training lengths is not a default to fall into there (name impl='reference')
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, reasons=xla.packed_state_reasons,
+                                    auto={"cpu": 99}, prefer=lambda platform, segments=False, **_: segments,
+                                    code=_REFERENCE)
 
 
 @functools.cache
@@ -147,6 +157,7 @@ class TransformerVQAttention(AttentionCore):
     """
 
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
+    takes_segments = True  # reference.packed and xla.causal_packed ('parallel'), §2.8; the others refuse them
 
     name = METHOD
     EXECUTION_KEYS = ("impl", "reduction", "keep_budget", "tiled_min_scores", "search_chunk")
@@ -351,31 +362,39 @@ class TransformerVQAttention(AttentionCore):
         vb = tau_m14 * self.v[...].astype(dt)
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
-    def implementation_for(self, *, B: int, T: int, dtype) -> dispatch.Choice:
+    def implementation_for(self, *, B: int, T: int, dtype, segments: bool = False,
+                           carried: bool = False) -> dispatch.Choice:
         """The implementation a call of B x T tokens takes: ``dispatch.select`` of ``impl`` over
         :meth:`implementations`, given the call's shapes, ``reduction`` (which the kernel and the tiled form refuse
-        but for 'serial') and ``tiled_min_scores`` (which the forms' ``prefer`` reads: ``xla.preferred_form``)."""
+        but for 'serial'), ``tiled_min_scores`` (which the forms' ``prefer`` reads: ``xla.preferred_form``),
+        ``segments`` (a packed row: 'parallel' and the reference serve it) and ``carried`` (a state given to the call)."""
         shapes = dict(B=B, H=self.num_heads, T=T, L=self.L, M=self.M, S=self.S, Dk=self.head_dim, Dv=self.value_dim,
-                      dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores)
+                      dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores,
+                      segments=segments, carried=carried)
         return dispatch.select(self.cfg.impl, self.implementations(causal=self.causal), method=METHOD,
                                platform=self.platform, **shapes)
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None):
+    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None, segment_ids=None):
         """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
-        (they still take part in attention, as in the release)."""
+        (they still take part in attention, as in the release). segment_ids: optional [B, T] int32, a packed row:
+        each document (a run of equal ids) computed as if alone ('parallel', 'reference'); a packed call takes no carried
+        state and returns none (docs/methods/transformer_vq.md §2.8)."""
         check_qkv(q, k, v)
+        check_segments(self, q, segment_ids)
         B, H, T, _ = q.shape
         pre = self.prepare(q, k, deterministic=deterministic, key=key)
         C = self.codebook()
         vv = v.astype(compute_dtype(v, pre["q"]))
+        packed, carried = segment_ids is not None, state is not None
         if self.causal:
             state = self.init_state(B) if state is None else state
         elif state is not None:
             raise ValueError(f"{METHOD}: a bidirectional core takes no state")
-        choice = self.implementation_for(B=B, T=T, dtype=vv.dtype)
+        choice = self.implementation_for(B=B, T=T, dtype=vv.dtype, segments=packed, carried=carried)
         code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code
         sums = code.code_sums
-        o, new_state, (z, err2, c_z) = code.run(self, choice, pre, vv, C, state)
+        extra = {"segment_ids": segment_ids} if packed else {}  # only 'parallel' and 'reference' serve a packed row
+        o, new_state, (z, err2, c_z) = code.run(self, choice, pre, vv, C, state, **extra)
         if aux is not None:
             aux.add_loss("commit", self.cfg.beta * commit_loss(pre["k"], c_z, mask))
             aux.add_stats("codebook", vq_stats(pre["k"], z, self.S, mask, sums))

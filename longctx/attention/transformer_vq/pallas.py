@@ -25,10 +25,11 @@ from pallas_kernels import vq_cache
 
 
 def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="float32", reduction: str = "serial",
-            **_) -> list[str]:
-    """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget) and any reduction
-    but the serial one (the one it computes)."""
+            segments: bool = False, **_) -> list[str]:
+    """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget), any reduction
+    but the serial one (the one it computes) and a packed row (``segments``)."""
     extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the kernel computes the serial reduction)"]
+    extra += xla.segments_reasons(platform, segments=segments)
     return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype))
 
 

@@ -9,6 +9,8 @@ log counts added), the carried band (the newest M keys) and the call's own keys.
 * :func:`causal`         -- the causal logits of §2.3 over cache, band and present keys, one softmax (§2.4, §2.6,
                             §2.7): output and the new state
 * :func:`bidirectional`  -- the encoder: all keys, the symmetric band bias where ``band`` (§2.5)
+* :func:`packed`         -- either direction over a packed row (``segment_ids``): each document as if alone
+                            (docs/methods/transformer_vq.md §2.8)
 
 Gradients are the linear forms': a key reached through the cache enters its logit under a stop-gradient (the
 codeword, §2.7: in the causal form every key older than the block before its query's block, relative to the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.base import document_starts
 from pallas_kernels.vq_cache_ref import NEG, cast_state, final_state, float_dtype, log_count
 
 sg = jax.lax.stop_gradient
@@ -100,4 +103,33 @@ def bidirectional(q_u, bd, k_hat, v, *, L: int, M: int, band: bool):
     return _attend(s, jnp.ones((T, T), bool), v)
 
 
-__all__ = ["band_scores", "bidirectional", "causal", "rel_bias", "stvq"]
+
+
+def packed(q_u, bd, k_hat, v, *, L: int, M: int, causal: bool, band: bool, segment_ids):
+    """:func:`causal` from the empty state (``causal``) or :func:`bidirectional` of a packed row (``segment_ids``
+    [B, T]): every document as if alone (§2.8). A query sees only its document's keys; the block grid that decides
+    which keys the linear forms read through the cache (their logits under sg(k_hat)) is the document's, counted
+    from its first token; the band bias is by distance, which two tokens of one document share with the document
+    alone. A document's compressive cache is, as in :func:`causal`, exact softmax over its own older quantized keys
+    (what the code summaries of its earlier blocks hold), so no cache term appears. ``bd``: [B, H, T, M+1]
+    (causal) or [B, H, T, 2M+1] (the signed distances, bidirectional). Quadratic in the row's length."""
+    dt = float_dtype(q_u, v)
+    q_u, bd, k_hat, v = (x.astype(dt) for x in (q_u, bd, k_hat, v))
+    T = q_u.shape[2]
+    start = document_starts(segment_ids.astype(jnp.int32))
+    rel = jnp.arange(T, dtype=jnp.int32) - start  # [B, T] position inside the document
+    i, j = rel[:, None, :, None], rel[:, None, None, :]  # [B, 1, T, T]
+    same = start[:, None, :, None] == start[:, None, None, :]
+    if causal:
+        visible, far = same & (j <= i), j < (i // L) * L - max(L, M)
+    else:
+        visible, far = same, (jnp.abs(i // L - j // L) >= 2) | (not band)
+    s = jnp.where(far, jnp.einsum("bhid,bhjd->bhij", q_u, sg(k_hat)), jnp.einsum("bhid,bhjd->bhij", q_u, k_hat))
+    if causal:
+        s = s + rel_bias(bd, i - j, M)
+    elif band:
+        s = s + rel_bias(bd, i - j + M, 2 * M)
+    return _attend(s, visible, v)
+
+
+__all__ = ["band_scores", "bidirectional", "causal", "packed", "rel_bias", "stvq"]

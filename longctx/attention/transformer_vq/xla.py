@@ -2,7 +2,8 @@
 plain JAX for any backend, each equal to the reference (``reference.py``) in value, state and gradient.
 
 * ``parallel``  -- the block-parallel causal form of §2.6 (``pallas_kernels.vq_cache_ref.causal_parallel``, the
-                   Pallas kernel's reference) under autodiff; its ``reduction`` setting picks the cross-block scan
+                   Pallas kernel's reference) under autodiff; its ``reduction`` setting picks the cross-block scan;
+                   a packed row (segment ids): :func:`causal_packed`, each document on its own block grid (§2.8)
 * ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward
 * ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M)
 * ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5)
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx.attention import dispatch
+from longctx.attention.base import document_starts
 from longctx.attention.dispatch import Implementation
 from pallas_kernels.precision import statistic
 from pallas_kernels.vq_cache_ref import (
@@ -43,6 +45,7 @@ from pallas_kernels.vq_cache_ref import (
     float_dtype,
     log_count,
     merge,
+    pad_left,
     pad_to,
     prefix_reduce,
     skew_bias,
@@ -478,16 +481,108 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
 
 
 
+# ----------------------------------------------------------------------------- packed rows (§2.8)
+def _blocked(x, axis: int, n: int, L: int):
+    """[.., n*L, ..] -> [.., n, L, ..] along ``axis``."""
+    return x.reshape(x.shape[:axis] + (n, L) + x.shape[axis + 1:])
+
+
+def _windows(x, axis: int, R: int, L: int, fill):
+    """[.., R*L, ..] -> [.., R, 3L, ..]: for query block n the row blocks n-2, n-1, n (``fill`` before the row)."""
+    xb = _blocked(pad_left(x, axis, (R + 2) * L, fill), axis, R + 2, L)
+    return jnp.concatenate([jax.lax.slice_in_dim(xb, i, i + R, axis=axis) for i in range(3)], axis=axis + 1)
+
+
+def _take_block(x, m):
+    """x [B, H, R, ...] at block m [B, R] of each batch row and block -> [B, H, R, ...]."""
+    return jnp.take_along_axis(x, m.reshape(m.shape[:1] + (1,) + m.shape[1:] + (1,) * (x.ndim - 3)), axis=2)
+
+
+def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compute=None, ops: Ops = PLAIN):
+    """The causal block-parallel form (§2.6) of a packed row (``segment_ids`` [B, T]) from the empty state: every
+    document on its own block grid from its first token (§2.8); requires 1 <= M <= L. Returns o [B, H, T, Dv].
+
+    A query of relative position i in its document attends exactly to its document's keys from the start of the
+    document block before its own (i - i mod L - L), which lie in the row's blocks n-2..n for a query of row block n
+    (a window of 3L keys, the band bias by distance), and to the compressive cache of its document's older keys. Only
+    the document holding the block's first token can have a cache there (a cache needs i >= 2L), at one of two
+    cut-offs (i // L takes two values in a block): each is that document's running summary up to a row block edge (a
+    serial scan over the row blocks that restarts where a document opens) merged with the summary of the part of
+    the cut-off's row block before it. Memory and time as the one-shot form's, with 3L window keys and 2S codes a
+    query for its 2L and S."""
+    if not 1 <= M <= L:
+        raise ValueError(f"causal_packed needs 1 <= M <= L, got M={M}, L={L}")
+    B, H, T, _ = q_u.shape
+    S = C.shape[1]
+    dt = float_dtype(q_u, v)
+    cd = dt if compute is None else jnp.dtype(compute)
+    R = -(-T // L)
+    Tp = R * L
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), mode="edge")
+    start = document_starts(seg)  # [B, Tp]; the padding joins the last document, after every real query
+    pos = jnp.arange(Tp, dtype=jnp.int32)
+    valid = pos < T
+    rel = pos - start
+    # the exact window: the row's blocks n-2..n, masked to the query's document from its previous document block on
+    qb = _blocked(pad_to(q_u.astype(cd), 2, Tp), 2, R, L)  # [B, H, R, L, Dk]
+    kw, vw = (_windows(pad_to(x.astype(cd), 2, Tp), 2, R, L, 0) for x in (k_hat, v))  # [B, H, R, 3L, .]
+    qstart, qrel = _blocked(start, 1, R, L), _blocked(rel, 1, R, L)  # [B, R, L]
+    dist = 2 * L + jnp.arange(L)[:, None] - jnp.arange(3 * L)[None, :]  # [L, 3L]: query minus key position
+    mask_w = ((_windows(start, 1, R, L, -1)[:, :, None, :] == qstart[..., None])
+              & _windows(valid, 0, R, L, False)[None, :, None, :] & (dist >= 0)
+              & (dist <= qrel[..., None] % L + L))[:, None]  # [B, 1, R, L, 3L]
+    bias = skew_bias(_blocked(pad_to(bd.astype(dt), 2, Tp), 2, R, L), 2 * L, 3 * L)  # bd[i, d] for 0 <= d <= M
+    s_w = ops.qk_dot(qb, kw) + bias
+    # each row block's last document's part, and the running summary of the document open at each block's start
+    zb, vb = _blocked(pad_to(z, 2, Tp), 2, R, L), _blocked(pad_to(v.astype(dt), 2, Tp), 2, R, L)
+    posb, validb = pos.reshape(R, L), valid.reshape(R, L)
+    last = code_summary(zb, vb, ((posb >= qstart[:, :, -1:]) & validb)[:, None], S, ops)  # [B,H,R,S,Dv], [B,H,R,S]
+    goes_on = qstart[:, :, -1] < posb[None, :, 0]  # [B, R]: the block's last document opened before the block
+
+    def step(run, x):
+        mu, n, on = x
+        keep = on[:, None, None]
+        return merge((jnp.where(keep[..., None], run[0], 0.0), jnp.where(keep, run[1], 0.0)), (mu, n)), run
+
+    empty = (jnp.zeros((B, H, S, v.shape[-1]), dt), jnp.zeros((B, H, S), dt))
+    _, runs = jax.lax.scan(step, empty, (jnp.moveaxis(last[0], 2, 0), jnp.moveaxis(last[1], 2, 0), goes_on.T))
+    runs = tuple(jnp.moveaxis(x, 0, 2) for x in runs)  # [B, H, R, ...]: the open document before row block m
+    # the two cut-offs of each query block's first document, and which queries read which
+    d0, k0 = qstart[:, :, 0], qrel[:, :, 0] // L  # [B, R]
+    cache_of = (qstart == d0[..., None]) & (qrel // L >= 2)  # [B, R, L]
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, sg(C).astype(cd))
+    groups = []
+    for j in (0, 1):
+        cut = d0 + (k0 - 1 + j) * L  # [B, R]: keys before it and from d0 on are in the cache
+        m = jnp.clip(cut // L, 0, R - 1)
+        pm = m[..., None] * L + jnp.arange(L)  # [B, R, L]
+        part = code_summary(_take_block(zb, m), _take_block(vb, m),
+                            ((pm >= d0[..., None]) & (pm < cut[..., None]) & (pm < T))[:, None], S, ops)
+        use = ((d0 < m * L) & (cut > d0))[:, None, :, None]
+        mu, n = merge((jnp.where(use[..., None], _take_block(runs[0], m), 0.0),
+                       jnp.where(use, _take_block(runs[1], m), 0.0)), part)
+        reads = (cache_of & (qrel // L == (k0 + j)[..., None]))[:, None, :, :, None]
+        groups.append((s_c + log_count(n)[:, :, :, None, :], reads & (n > 0)[:, :, :, None, :], mu.astype(cd)))
+    o, _ = softmax_mix(groups + [(s_w, mask_w, vw)], ops)
+    return o.reshape(B, H, Tp, -1)[:, :, :T]
+
+
 # ----------------------------------------------------------------------------- running a form
 def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAIN, tiles: TileOps = PLAIN_TILES,
-           quantize: Callable = stvq):
+           quantize: Callable = stvq, segment_ids=None):
     """One call of ``core`` (its L, M and hyperparameters) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
     ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's settings
     as they run on the platform (``Implementation.settings``: ``search_chunk``; ``keep_budget`` for the tiled form,
-    ``reduction`` for the one-shot block-parallel form). Returns (o, new_state, (z, err2, c_z))."""
+    ``reduction`` for the one-shot block-parallel form); ``segment_ids``: a packed row (the 'parallel' form only:
+    :func:`causal_packed`, no state). Returns (o, new_state, (z, err2, c_z))."""
     k_hat, z, err2, c_z = quantize(pre["k"], C, chunk=settings["search_chunk"])
     L, M = core.L, core.M
     bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
+    if segment_ids is not None:
+        if form != "parallel":
+            raise ValueError(f"a packed row runs the 'parallel' form only, not {form!r}")
+        o = causal_packed(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, segment_ids=segment_ids, compute=v.dtype, ops=ops)
+        return o, None, (z, err2, c_z)
     if form == "encoder":
         o = encoder_parallel(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band, ops=ops)
         return o, None, (z, err2, c_z)
@@ -504,26 +599,49 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
     return o, new, (z, err2, c_z)
 
 
-def run(core, choice, pre, v, C, state):
+def run(core, choice, pre, v, C, state, segment_ids=None):
     """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``: each is its form),
-    with the settings they declare as they run on the call's platform."""
+    with the settings they declare as they run on the call's platform; ``segment_ids``: a packed row (``parallel``)."""
     settings = _by_name()[choice.name].settings(core.cfg, choice.platform)
-    return attend(choice.name, core, pre, v, C, state, settings=settings)
+    return attend(choice.name, core, pre, v, C, state, settings=settings, segment_ids=segment_ids)
 
 
 code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the layer's vq_stats)
 
 
 # ----------------------------------------------------------------------------- the declarations
+SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference' and impl='parallel' restart Transformer-VQ's "
+                   "blocks, cache and band at each document")
+PACKED_STATE_REASON = ("packed rows (segment ids) with a carried state: the state keeps no document boundary; feed a "
+                       "packed row in one call")
+
+
+def segments_reasons(platform, *, segments: bool = False, **_) -> list[str]:
+    """What the implementations without a packed form refuse: a packed row (``segments``; their block grid, cache
+    and band are the row's, not each document's)."""
+    return [SEGMENTS_REASON] if segments else []
+
+
+def packed_state_reasons(platform, *, segments: bool = False, carried: bool = False, **_) -> list[str]:
+    """What the packed forms refuse: a packed row given a carried state (``carried``)."""
+    return [PACKED_STATE_REASON] if segments and carried else []
+
+
 def band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
     """What the block-parallel forms refuse: a band longer than a block."""
     return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
 
 
-def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", **_) -> list[str]:
-    """What the tiled form refuses: a band longer than a block, a reduction but the serial one."""
+def parallel_reasons(platform, **shapes) -> list[str]:
+    """What the one-shot block-parallel form refuses: a band longer than a block, a packed row with a carried
+    state."""
+    return band_reasons(platform, **shapes) + packed_state_reasons(platform, **shapes)
+
+
+def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", segments: bool = False, **_) -> list[str]:
+    """What the tiled form refuses: a band longer than a block, a reduction but the serial one, a packed row."""
     extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the tiled form computes the serial one)"]
-    return band_reasons(platform, L=L, M=M) + extra
+    return band_reasons(platform, L=L, M=M) + extra + segments_reasons(platform, segments=segments)
 
 
 def is_form(name: str):
@@ -531,6 +649,12 @@ def is_form(name: str):
     def prefer(platform, **shapes) -> bool:
         return preferred_form(platform, **shapes) == name
     return prefer
+
+
+def prefer_parallel(platform, *, segments: bool = False, **shapes) -> bool:
+    """'auto' tries the one-shot form for every packed row (on a CPU too, where XLA:CPU's forms refuse them), and
+    on a GPU / TPU for the calls :func:`preferred_form` gives it."""
+    return segments or (platform != "cpu" and preferred_form(platform, **shapes) == "parallel")
 
 
 # Per-platform defaults of the execution knobs these forms read (a knob left at dispatch.PLATFORM_DEFAULT takes the
@@ -576,25 +700,27 @@ _self = sys.modules[__name__]
 _SEARCH = {"search_chunk": SEARCH_CHUNK}
 IMPLEMENTATIONS = (
     # the block-parallel form (the kernel's reference) under autodiff, with the reduction it is given
-    Implementation("parallel", reasons=band_reasons, config={"impl": "parallel"}, auto=_AUTO,
-                   prefer=is_form("parallel"), code=_self, directions=("causal",),
+    # (and a packed row, causal_packed: 'auto' on a CPU too, before the quadratic reference)
+    Implementation("parallel", reasons=parallel_reasons, config={"impl": "parallel"}, auto={**_AUTO, "cpu": 98},
+                   prefer=prefer_parallel, code=_self, directions=("causal",),
                    defaults={**_SEARCH, "reduction": REDUCTION}),
     # its tiled form with a recomputing backward ('auto' on a GPU / TPU reads its tiled_min_scores)
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
                    prefer=is_form("blocks"), code=_self, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
-    Implementation("stream", config={"impl": "stream"}, auto=_AUTO, prefer=is_form("stream"), code=_self,
-                   directions=("causal",), defaults=_SEARCH),
+    Implementation("stream", reasons=segments_reasons, config={"impl": "stream"}, auto=_AUTO,
+                   prefer=is_form("stream"), code=_self, directions=("causal",), defaults=_SEARCH),
     # the bidirectional form (§2.5)
-    Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, code=_self, directions=("bidirectional",),
-                   defaults=_SEARCH),
+    Implementation("encoder", reasons=segments_reasons, config={"impl": "encoder"}, auto=_AUTO, code=_self,
+                   directions=("bidirectional",), defaults=_SEARCH),
 )
 
 
 def _by_name() -> dict:
     return dispatch.by_name(IMPLEMENTATIONS)
 
-__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK", "TileOps",
-           "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks", "causal_parallel", "causal_stream",
-           "code_sums", "encoder_parallel", "form_for", "gather_codes", "is_form", "nearest", "preferred_form", "run",
-           "stvq"]
+__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK",
+           "PACKED_STATE_REASON", "SEGMENTS_REASON", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks",
+           "causal_packed", "causal_parallel", "causal_stream", "code_sums", "encoder_parallel", "form_for", "gather_codes", "is_form",
+           "nearest", "packed_state_reasons", "parallel_reasons", "prefer_parallel", "preferred_form", "run",
+           "segments_reasons", "stvq"]

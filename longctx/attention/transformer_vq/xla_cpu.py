@@ -124,7 +124,7 @@ IMPLEMENTATIONS = (
     # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form by its own settings). Test
     # settings: the tiled form (every call of a block or more) with a recomputing backward (its one-shot form, below
     # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
-    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"},
+    Implementation("xla_cpu", platforms=("cpu",), reasons=xla.segments_reasons, config={"impl": "xla_cpu"},
                    test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=sys.modules[__name__],
                    defaults=DEFAULTS),
 )
