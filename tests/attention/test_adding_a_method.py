@@ -84,7 +84,8 @@ def test_the_skeleton_passes_the_implementation_laws(method, direction):
     impls = attention.get_class(method).implementations(causal=direction == "causal")
     assert [i.name for i in impls] == ["reference", "chunked"]
     for impl in impls[1:]:
-        implementation_laws.test_implementation_equals_reference(method, direction, impl.name)
+        for dtype in ("float32", "bfloat16"):
+            implementation_laws.test_implementation_equals_reference(method, direction, impl.name, dtype)
         dtype_laws.test_bf16_reaches_every_matmul_of_the_attention_path(method, direction, impl.name)
     knob_laws.test_numeric_knobs_default_to_the_platform(method)
     knob_laws.test_accelerator_implementations_declare_accelerator_values(method)

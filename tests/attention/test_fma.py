@@ -177,11 +177,13 @@ def test_blocked_equals_dense_reference_variants(name, cfg, causal, n):
 
 
 # ----------------------------------------------------------------------------- packed rows (the reference)
-@pytest.mark.parametrize("name,cfg", [
+@pytest.mark.parametrize("name,cfg", [  # the default suite: each method's default settings; -m slow: the variants
     ("fma", {}), ("fma_linear", {}),
-    ("fma", {"downsample": "dense_conv", "share_downsample_across_heads": False, "multiplicity_weighting": False}),
-    ("fma", {"downsample": "avgpool"}), ("fma_linear", {"fma_linear_normalization": "per_level"}),
-    ("fma", {"release_zero_slots": True}),
+    pytest.param("fma", {"downsample": "dense_conv", "share_downsample_across_heads": False,
+                         "multiplicity_weighting": False}, marks=pytest.mark.slow),
+    pytest.param("fma", {"downsample": "avgpool"}, marks=pytest.mark.slow),
+    pytest.param("fma_linear", {"fma_linear_normalization": "per_level"}, marks=pytest.mark.slow),
+    pytest.param("fma", {"release_zero_slots": True}, marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_reference_equals_each_document_alone(name, cfg, causal):
