@@ -255,8 +255,40 @@ class AttentionCore(nnx.Module):
         must return at least one; each ``impl`` the method offers on CPU gets its own case."""
         return {}
 
-    def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux: Aux | None = None):
+    # -- the call: prepare -> select -> run -> finish, the same for every method ------------------
+    def __call__(self, q, k, v, state=None, *, deterministic: bool = True, key=None, aux: Aux | None = None,
+                 **extra):
+        """Attention of q [B, H, T, d] over k, v (and the carried ``state``): the method's :meth:`prepare` makes the
+        :class:`dispatch.Call` every implementation takes and the shapes the selection reads; :meth:`runner`
+        selects an implementation for the core's platform and builds it with its settings; the runner computes a
+        :class:`dispatch.Result`; :meth:`finish` turns it into ``(out, new_state)`` (and adds aux losses and
+        statistics). ``extra``: the method's own keywords (``segment_ids``, ``mask``, ``key_bias``), which its
+        ``prepare`` names (an unknown one is a TypeError there)."""
+        check_qkv(q, k, v)
+        call, shapes = self.prepare(q, k, v, state, deterministic=deterministic, key=key, **extra)
+        runner, choice = self.runner(**shapes)
+        result = runner(self, dataclasses.replace(call, platform=choice.platform, interpret=choice.interpret))
+        return self.finish(call, result, aux=aux)
+
+    def prepare(self, q, k, v, state, *, deterministic: bool, key, **extra) -> tuple[dispatch.Call, dict]:
+        """``(call, shapes)``: the call's inputs as every implementation of the method takes them (the
+        :class:`dispatch.Call`; its ``platform`` and ``interpret`` are filled in after the selection) and the
+        keywords :func:`dispatch.select` hands every candidate's ``reasons`` and ``prefer``."""
         raise NotImplementedError
+
+    def runner(self, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:
+        """The implementation a call with ``shapes`` runs on the core's platform (:func:`dispatch.select` of
+        ``impl`` over :meth:`implementations`), built with its settings as they run there, and the choice."""
+        impls = self.implementations(causal=self.causal)
+        choice = dispatch.select(self.cfg.impl, impls, method=self.name, platform=self.platform, **shapes)
+        decl = dispatch.by_name(impls)[choice.name]
+        return decl.code.build(decl, self.cfg, choice.platform), choice
+
+    def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux: Aux | None = None):
+        """``(out, new_state)`` from an implementation's result (a method that builds its state, or adds aux
+        losses, from ``result.extras`` overrides it). Default: the output in the values' dtype and the result's
+        state."""
+        return result.out.astype(call.inputs["v"].dtype), result.state
 
     # -- sequence parallelism by composed states (longctx/models/sequence_shard.py) --------------
     def sequence_refusal(self, slice_len: int) -> str | None:

@@ -59,7 +59,8 @@ class Implementation:
     auto:      platform -> rank: where ``'auto'`` tries it, lower ranks first (absent platform: never by 'auto').
     prefer:    ``prefer(platform, **shapes) -> bool``: 'auto' tries it only for calls where this holds (None:
                always). Unlike ``reasons`` this is a preference: a named implementation ignores it.
-    code:      what computes it (a module or a function), for the layer that runs the choice.
+    code:      the :class:`Runner` subclass that computes it (the one calling convention: ``code.build(...)(core,
+               call) -> Result``).
     directions: the attention directions it computes ('causal', 'bidirectional').
     defaults:  execution key -> {platform: value}: the per-platform defaults of the knobs this implementation reads
                (tiles, budgets, chunks). A knob configured as ``0`` (:data:`PLATFORM_DEFAULT`) takes the value for
@@ -134,6 +135,69 @@ class Choice:
     platform: str = "cpu"
     reasons: tuple[str, ...] = ()
     name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call of a core as every implementation of its method receives it (the one calling convention).
+
+    inputs:    the method's prepared arrays and per-call values (a dict; the method's ``AttentionCore.prepare``
+               documents its keys), the same for every implementation of the method.
+    state:     the carried state (None: a pass from the row's start, or a direction without one).
+    platform:  the platform the selection ran on (``'cpu'``, ``'cuda'``, ``'rocm'``, ``'tpu'``): a kernel lowers
+               for it.
+    interpret: a Pallas kernel run in interpret mode (named on a CPU).
+    key:       the call's randomness (None: deterministic).
+    """
+
+    inputs: dict
+    state: Any = None
+    platform: str = "cpu"
+    interpret: bool = False
+    key: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What an implementation returns: the output, the new state (None where the direction has none, or where the
+    method's ``finish`` builds it from ``extras``), and ``extras`` (a dict: what the core's ``finish`` needs
+    beyond the output, e.g. codes and statistics)."""
+
+    out: Any
+    state: Any = None
+    extras: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """An implementation as it runs: a frozen object whose fields are the execution settings it reads (tiles,
+    budgets, routes), built from the method's execution section for the platform the selection ran on
+    (:meth:`build`: a knob at :data:`PLATFORM_DEFAULT` takes its declaration's value there), and one call
+    signature for every implementation of every method: ``runner(core, call) -> Result``. A declaration's
+    ``code`` is a Runner subclass; the core runs prepare -> select -> call -> finish
+    (``AttentionCore.__call__``)."""
+
+    @classmethod
+    def build(cls, declaration: "Implementation", cfg, platform: str) -> "Runner":
+        """The runner with each field read from ``cfg`` (the method's config) as it runs on ``platform``
+        (``declaration.setting``); a field ``cfg`` lacks keeps its default."""
+        kw = {f.name: declaration.setting(f.name, cfg[f.name], platform)
+              for f in dataclasses.fields(cls) if f.name in cfg}
+        return cls(**kw)
+
+    def __call__(self, core, call: Call) -> Result:
+        raise NotImplementedError
+
+
+def run_selected(impl, implementations: Sequence["Implementation"], cfg, core, call: Call, *, method: str,
+                 **shapes) -> Result:
+    """:func:`select` over ``implementations`` for ``impl`` on ``call.platform``, then the chosen declaration's
+    runner built from ``cfg`` and called: the path of a method's function-level entry (one used without a core's
+    ``__call__``, e.g. exact attention inside another method's layer)."""
+    choice = select(impl, implementations, method=method, platform=call.platform, **shapes)
+    decl = by_name(implementations)[choice.name]
+    runner = decl.code.build(decl, cfg, choice.platform)
+    return runner(core, dataclasses.replace(call, platform=choice.platform, interpret=choice.interpret))
 
 
 def current_platform() -> str:
@@ -261,5 +325,5 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
                                  + " | ".join(skipped))
 
 
-__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Choice", "Implementation", "KernelUnsupportedError", "auto_order", "by_name",
+__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
            "current_platform", "declared", "impl_problem", "parse_impl", "select"]
