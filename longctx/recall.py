@@ -254,7 +254,7 @@ def run_summary(workdir) -> dict:
         for line in log.read_text().splitlines():
             if line.startswith("model: ") and " parameters" in line:
                 out["params"] = int(line.split()[1].replace(",", ""))
-    pattern = cfg.get("model", {}).get("attention", {}).get("pattern") if cfg else None
+    pattern = cfg["model"]["attention"]["pattern"] if cfg else None
     if pattern:
         out["pattern"] = list(pattern)
     return out

@@ -50,7 +50,7 @@ def get_block(name: str):
 def layer_methods(cfg) -> tuple[str, ...]:
     """The attention method of each of the ``cfg.num_layers`` layers (``cfg``: the ``model`` section).
 
-    ``model.attention.pattern`` empty (the default, and configs saved before the key existed): every layer
+    ``model.attention.pattern`` empty (the default): every layer
     runs ``model.attention.name``. Otherwise a tuple of method names: exactly ``num_layers`` of them, or a
     group whose length divides ``num_layers``, repeated to the depth (e.g. three layers of one efficient method, then ``'dense'``)."""
     name, L = cfg.attention.name, int(cfg.num_layers)

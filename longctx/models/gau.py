@@ -41,7 +41,7 @@ def _split_key(key, n):
 class GAUBlock(nnx.Module):
     def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
         d, H, Dk = cfg.d_model, cfg.num_heads, cfg.head_dim
-        expansion = float(cfg.get("gau_expansion", 2.0))
+        expansion = float(cfg.gau_expansion)
         dv_total = int(round(expansion * d))
         if dv_total <= 0 or dv_total % H != 0 or abs(dv_total - expansion * d) > 1e-6:
             raise ConfigError(
@@ -51,7 +51,7 @@ class GAUBlock(nnx.Module):
         Dv = dv_total // H
         self.num_heads, self.head_dim, self.value_dim = H, Dk, Dv
         self.dropout_rate = float(cfg.dropout)
-        self.layerdrop = float(cfg.get("gau_layerdrop", 0.0))
+        self.layerdrop = float(cfg.gau_layerdrop)
         if not 0.0 <= self.layerdrop < 1.0:
             raise ConfigError(f"model.gau_layerdrop={self.layerdrop}; allowed: 0 <= p < 1")
         pol = precision.policy(cfg)

@@ -73,11 +73,11 @@ class Policy:
 
 
 def policy(cfg, backend: str | None = None) -> Policy:
-    """The policy of a ``model`` config section (configs saved before the keys existed: float32 throughout)."""
-    param = str(cfg.get("param_dtype", "float32"))
+    """The policy of a ``model`` config section (``dtype``, ``param_dtype``)."""
+    param = str(cfg.param_dtype)
     if param not in PARAM_DTYPES:
         raise ValueError(f"param_dtype {param!r}: allowed: {', '.join(PARAM_DTYPES)}")
-    return Policy(compute=resolve_dtype(str(cfg.get("dtype", "auto")), backend), param=jnp.dtype(param).type)
+    return Policy(compute=resolve_dtype(str(cfg.dtype), backend), param=jnp.dtype(param).type)
 
 
 

@@ -168,16 +168,16 @@ def loss_scaling(inner: optax.GradientTransformation, *, init: float, dynamic: b
 
 
 def loss_scale_setting(cfg) -> tuple[str, float | None]:
-    """('none' | 'dynamic' | 'static', the initial or fixed scale) of a config: ``train.loss_scale`` 'auto'
-    (configs saved before the key existed too) is 'dynamic' for ``model.dtype='float16'``, else 'none'."""
+    """('none' | 'dynamic' | 'static', the initial or fixed scale) of a config: ``train.loss_scale`` 'auto' is
+    'dynamic' for ``model.dtype='float16'``, else 'none'."""
     tc = cfg.train
-    val = str(tc.get("loss_scale", "auto")).strip().lower()
+    val = str(tc.loss_scale).strip().lower()
     if val == "auto":
-        val = "dynamic" if str(cfg.model.get("dtype", "auto")) == "float16" else "none"
+        val = "dynamic" if str(cfg.model.dtype) == "float16" else "none"
     if val == "none":
         return "none", None
     if val == "dynamic":
-        return "dynamic", float(tc.get("loss_scale_init", 2.0 ** 15))
+        return "dynamic", float(tc.loss_scale_init)
     return "static", float(val)
 
 
@@ -187,7 +187,7 @@ def with_loss_scale(tx: optax.GradientTransformation, cfg) -> optax.GradientTran
     kind, scale = loss_scale_setting(cfg)
     if kind == "none":
         return tx
-    return loss_scaling(tx, init=scale, dynamic=kind == "dynamic", period=int(cfg.train.get("loss_scale_period", 2000)))
+    return loss_scaling(tx, init=scale, dynamic=kind == "dynamic", period=int(cfg.train.loss_scale_period))
 
 
 def scaled_value_and_grad(loss_fn):

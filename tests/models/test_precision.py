@@ -144,10 +144,6 @@ def test_float32_stays_the_cpu_default():
     assert precision.resolve_dtype("auto", "gpu") is jnp.bfloat16
     assert precision.resolve_dtype("auto", "tpu") is jnp.bfloat16
     assert precision.policy(m).full  # on this CPU
-    # a model section saved before the keys existed: float32
-    legacy = base_config().model
-    del legacy["dtype"], legacy["param_dtype"]
-    assert precision.policy(legacy, "cpu") == precision.Policy(jnp.float32, jnp.float32)
 
 
 def test_dtype_keys_are_validated():

@@ -1,5 +1,6 @@
-"""The VCC core: configuration, validation, implementations, and the call that asks ``dispatch.select`` for an
-implementation and runs it (the compression itself is the stack wrapper's, ``longctx/attention/vcc/stack.py``).
+"""The VCC core: configuration, validation, implementations, and the inputs of a call (``prepare``: the compressed
+rows and their key bias; ``AttentionCore.__call__`` selects an implementation and runs it). The compression itself is
+the stack wrapper's, ``longctx/attention/vcc/stack.py``.
 
 Implementations (reference first): ``reference`` (:mod:`.reference`, the whole biased softmax at once, in float32)
 and ``chunked`` (:mod:`.xla`, the same softmax in query chunks of ``query_chunk`` rows in the compute dtype, what
@@ -13,18 +14,22 @@ import functools
 import ml_collections
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, check_qkv, require
+from longctx.attention.base import AttentionCore, ContractCase, require
 from longctx.attention.vcc.reference import biased_attention
 
 METHOD = "vcc"
 
 
-def _reference(q, k, v, key_bias, **_):
-    return biased_attention(q, k, v, key_bias)
+class Reference(dispatch.Runner):
+    """The reference: the whole key-biased softmax at once."""
+
+    def __call__(self, core, call):
+        x = call.inputs
+        return dispatch.Result(biased_attention(x["q"], x["k"], x["v"], x["key_bias"]))
 
 
 # named only: 'auto' takes chunked on every platform
-REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=_reference)
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=Reference)
 
 
 @functools.lru_cache(maxsize=None)  # the declarations are module constants: collected once
@@ -42,11 +47,12 @@ def choose(impl, *, platform: str) -> dispatch.Choice:
 
 def attend(q, k, v, key_bias, *, impl="auto", query_chunk: int = dispatch.PLATFORM_DEFAULT,
            platform: str):
-    """Key-biased softmax attention (:func:`reference.biased_attention`) by the implementation :func:`choose` picks,
-    run through its declaration's ``code`` with its settings for the platform (``query_chunk`` 0: the platform's)."""
-    choice = choose(impl, platform=platform)
-    chosen = dispatch.by_name(implementations())[choice.name]
-    return chosen.code(q, k, v, key_bias, query_chunk=chosen.setting("query_chunk", query_chunk, choice.platform))
+    """Key-biased softmax attention (:func:`reference.biased_attention`) without a core: the implementation
+    ``impl`` names (or 'auto' picks) on ``platform``, built with ``query_chunk`` (0: the platform's) and run
+    (``dispatch.run_selected``)."""
+    cfg = {"impl": impl, "query_chunk": query_chunk}
+    call = dispatch.Call({"q": q, "k": k, "v": v, "key_bias": key_bias}, platform=platform)
+    return dispatch.run_selected(impl, implementations(), cfg, None, call, method=METHOD).out
 
 
 class VCCAttention(AttentionCore):
@@ -142,8 +148,7 @@ class VCCAttention(AttentionCore):
     def init_state(self, batch_size: int, max_len: int | None = None):
         raise ValueError("vcc: the state lives in the stack wrapper (Backbone.init_state builds it)")
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, key_bias=None):
-        check_qkv(q, k, v)
+    def prepare(self, q, k, v, state, *, deterministic, key, key_bias=None):
         if key_bias is None:
             raise ValueError(
                 "vcc: the core runs only inside its stack wrapper (longctx.attention.vcc.stack.VCCEncoderStack), "
@@ -151,8 +156,10 @@ class VCCAttention(AttentionCore):
                 "attention in place of VCC")
         if state is not None:
             raise ValueError("vcc: a bidirectional core takes no state")
-        out = attend(q, k, v, key_bias, impl=self.cfg.impl, query_chunk=self.cfg.query_chunk, platform=self.platform)
-        return out, None
+        return dispatch.Call({"q": q, "k": k, "v": v, "key_bias": key_bias}), {}
+
+    def finish(self, call, result, *, aux=None):
+        return result.out, None
 
 
 __all__ = ["METHOD", "REFERENCE", "VCCAttention", "attend", "choose", "implementations"]

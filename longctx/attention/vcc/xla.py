@@ -12,10 +12,12 @@ platform; ``query_chunk`` (0: the platform's default, :data:`QUERY_CHUNK`) is it
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
+from longctx.attention.dispatch import ALL_PLATFORMS, Implementation, Result, Runner
 from pallas_kernels.precision import acc_einsum
 
 # query rows per chunk by platform (0 in the config): the XLA:CPU value measured with the chunked form; the
@@ -53,11 +55,22 @@ def chunked_attention(q, k, v, key_bias, *, query_chunk: int):
     return out.astype(v.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunked(Runner):
+    """``chunked`` with its knob (``query_chunk``, as it runs on the call's platform)."""
+
+    query_chunk: int
+
+    def __call__(self, core, call):
+        x = call.inputs
+        return Result(chunked_attention(x["q"], x["k"], x["v"], x["key_bias"], query_chunk=self.query_chunk))
+
+
 IMPLEMENTATIONS = (
     Implementation("chunked", config={"impl": "chunked"}, test_config={"query_chunk": 16},
-                   auto={p: 0 for p in ALL_PLATFORMS}, code=chunked_attention, directions=("bidirectional",),
+                   auto={p: 0 for p in ALL_PLATFORMS}, code=Chunked, directions=("bidirectional",),
                    defaults={"query_chunk": QUERY_CHUNK}),
 )
 
 
-__all__ = ["IMPLEMENTATIONS", "QUERY_CHUNK", "chunked_attention"]
+__all__ = ["IMPLEMENTATIONS", "QUERY_CHUNK", "Chunked", "chunked_attention"]
