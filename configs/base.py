@@ -18,7 +18,7 @@ def gpu_node(c, *, data: int, tensor: int = 1, remat_policy: str | None = None, 
     ``remat_policy`` when given, ``microbatches`` per update, the softmax NLL over vocabulary chunks of
     ``loss_chunk`` when given."""
     c.model.dtype = "bfloat16"
-    c.model.scan_layers = True
+    c.model.scan_layers = "on"
     if remat_policy:
         c.model.remat = True
         c.model.remat_policy = remat_policy

@@ -96,8 +96,6 @@ _HIDDEN = ("help", "helpfull", "helpshort", "helpxml", "flagfile", "undefok")
 def help_text(prog: str, fv, config: str) -> str:
     """A short ``--help``: usage, what the command does, the config and override syntax, where
     configs live, and the command's own flags (never the flattened config)."""
-    import textwrap
-
     usage, about = ABOUT.get(prog, ("[flags]", ""))
     out = [f"usage: {prog} {usage}", ""]
     if about:
@@ -120,7 +118,16 @@ def help_text(prog: str, fv, config: str) -> str:
                 "e.g. --config.eval.protocol=sliding --config.eval.context=512. Runs are trained with",
                 "longctx-train from these configs:"]
     out += [config_files.listing(), "", "flags:"]
-    for name in sorted(n for n in fv if not n.startswith("config") and n not in _HIDDEN):
+    out += flag_help(fv, sorted(n for n in fv if not n.startswith("config") and n not in _HIDDEN))
+    return "\n".join(out)
+
+
+def flag_help(fv, names) -> list[str]:
+    """One wrapped ``--name: help (default: ...)`` entry per flag of ``names`` (``--[no]name`` for booleans)."""
+    import textwrap
+
+    out = []
+    for name in names:
         f = fv[name]
         if f.boolean:
             head = f"  --[no]{name}"
@@ -129,7 +136,7 @@ def help_text(prog: str, fv, config: str) -> str:
             head = f"  --{name}"
             default = f" (default: {f.default!r})" if f.default not in (None, "", []) else ""
         out.append(textwrap.fill(f"{head}: {f.help}{default}", width=100, subsequent_indent=" " * 6))
-    return "\n".join(out)
+    return out
 
 
 class _ConfigLoadError(Exception):

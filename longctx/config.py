@@ -18,11 +18,12 @@ import os
 import ml_collections
 
 from longctx import attention
+from longctx.attention import dispatch
 from longctx.attention.base import segments_refusal
 from longctx.data import sources, tokenizers
 from longctx.errors import ConfigError
 from longctx.models import blocks
-from longctx.models.backbone import REMAT_POLICIES
+from longctx.models.backbone import REMAT_POLICIES, SCAN_LAYERS, scans_layers
 from longctx.models.backbone import _check_pattern as check_layers
 from longctx.models.blocks import layer_methods, takes_rotary
 from longctx.train import sharding as sharding_lib
@@ -124,10 +125,12 @@ def base_config() -> ml_collections.ConfigDict:
     # waits for the block's cotangent; other backends: jax.checkpoint with 'nothing_saveable'), or one of
     # 'cotangent_tied' | 'nothing_saveable' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
     c.model.remat_policy = "auto"
-    # identical blocks' parameters and per-layer state stacked on a leading 'layers' axis and run by one scan:
-    # compile time flat in depth; False: one module per block (the layout of checkpoints saved without the key;
-    # a checkpoint of either layout restores into the other, longctx/models/backbone.py:relayout)
-    c.model.scan_layers = False
+    # 'on': identical blocks' parameters and per-layer state stacked on a leading 'layers' axis and run by one
+    # scan (compile time flat in depth); 'off': one module per block; 'auto': resolved by validate() to 'on' where
+    # the scan applies (one method in every layer, no stack wrapper, ...: _scan_applies) on a GPU / TPU, and to
+    # CPU_SCAN_LAYERS on a CPU. A checkpoint of either layout restores into the other
+    # (longctx/models/backbone.py:relayout)
+    c.model.scan_layers = "auto"
     # precision policy (longctx/models/precision.py), applied where the backbone and blocks build their layers:
     # 'dtype' is the compute dtype of activations and matmul inputs ('auto': bfloat16 on GPU/TPU, float32 on CPU |
     # 'float32' | 'bfloat16' | 'float16'); 'param_dtype' the dtype of the master weights and so of the optimizer
@@ -145,7 +148,7 @@ def base_config() -> ml_collections.ConfigDict:
     # per-layer methods (a hybrid stack): () = every layer runs `name`; else method names, exactly num_layers of
     # them or a group repeated to the depth, e.g. (A, A, A, "dense") for an efficient method A; each layer takes its method's
     # settings from model.attention.<method> and execution.attention.<method>; `name` must be one of them (the
-    # method logs and reports name). Not with a stack-wrapper method, nor yet with scan_layers or mesh.sequence > 1
+    # method logs and reports name). Not with a stack-wrapper method, nor yet with scan_layers='on' or mesh.sequence > 1
     c.model.attention.pattern = ()
     for name in attention.names():
         c.model.attention[name] = attention.model_config(name)
@@ -255,6 +258,7 @@ _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.mlp": ("gelu", "gelu_exact", "swiglu", "geglu"),
+    "model.scan_layers": SCAN_LAYERS,
     "train.on_nonfinite": ("stop", "skip"),
     "train.task": ("auto", "attention_transfer"),
     "eval.split": ("train", "valid", "test"),
@@ -285,6 +289,8 @@ def check_against_base(cfg: ml_collections.ConfigDict, base: ml_collections.Conf
             if path in ("model.attention", "execution.attention"):
                 continue  # checked by the attention registry
             check_against_base(got, want, prefix=path + ".")
+        elif not _same_kind(want, got) and path in _CHOICES:
+            raise ConfigError(f"config {path}={got!r} is not allowed; choose one of: {', '.join(_CHOICES[path])}")
         elif not _same_kind(want, got):
             raise ConfigError(f"config {path}={got!r}: expected {type(want).__name__}, got {type(got).__name__}")
 
@@ -439,7 +445,7 @@ def _check_transfer(c) -> None:
            f"train.window={c.train.window} < train.seq_len" if c.train.window not in (0, c.train.seq_len) else
            "data.packing='segments'" if c.data.packing == "segments" else
            f"mesh.sequence={c.mesh.sequence}" if c.mesh.sequence > 1 else
-           "model.scan_layers=True" if c.model.scan_layers else
+           "model.scan_layers='on'" if scans_layers(c.model) else
            f"model.block={c.model.block!r}" if c.model.block != "transformer" else None)
     if why is not None:
         raise ConfigError(f"train.task='attention_transfer' takes a decoder (model.block='transformer', unrolled) "
@@ -448,8 +454,9 @@ def _check_transfer(c) -> None:
     if all(attention.get_class(m).exact for m in methods):
         raise ConfigError("train.task='attention_transfer': every layer runs exact attention, so no layer has "
                           "anything to transfer; swap a method into some layers (model.attention.pattern=dense,eva)")
-    if any(attention.get_class(m).stack_wrapper(causal=c.model.causal) for m in methods):
-        raise ConfigError(f"train.task='attention_transfer': {c.model.attention.name!r} runs the blocks in its own "
+    wrapped = [m for m in methods if attention.get_class(m).stack_wrapper(causal=c.model.causal)]
+    if wrapped:
+        raise ConfigError(f"train.task='attention_transfer': {wrapped[0]!r} runs the blocks in its own "
                           "stack wrapper, which hands no layer's q, k, v to a core that could be compared")
 
 
@@ -460,6 +467,11 @@ def _sequence_parallel(c) -> bool:
 def _composed(c) -> bool:
     """Sequence parallelism by composed states (any mode but 'xla')."""
     return c.mesh.sequence > 1 and c.mesh.sequence_mode != "xla"
+
+
+def _composed_windows(c) -> bool:
+    """Composed sequence parallelism over windows that carry state (the hook takes one state per layer)."""
+    return _composed(c) and c.train.window < c.train.seq_len
 
 
 def _loss_scale_ok(c) -> bool:
@@ -494,9 +506,9 @@ def _check_model_vocab(c) -> None:
     _check_vocab(c.model)
 
 
-def _wrapper_takes_post_norm(c) -> bool:
+def _wrapper_takes(c, declaration: str) -> bool:
     """The model's method runs on the plain loop of blocks, or its stack wrapper (for the model's causality: an
-    encoder is bidirectional) declares ``takes_post_norm``."""
+    encoder is bidirectional) declares ``declaration`` (``takes_post_norm``, ``takes_grouped_kv``)."""
     name = c.model.attention.name
     if name not in attention.names():
         return True  # an unknown name is refused by its own rule
@@ -504,7 +516,7 @@ def _wrapper_takes_post_norm(c) -> bool:
     if not wrapper:
         return True
     module_name, cls_name = wrapper.split(":")
-    return bool(getattr(getattr(importlib.import_module(module_name), cls_name), "takes_post_norm", False))
+    return bool(getattr(getattr(importlib.import_module(module_name), cls_name), declaration, False))
 
 
 def _resolve_encoder(c) -> None:
@@ -543,7 +555,7 @@ def _check_attention(c) -> None:
         if key not in attention.names():
             raise ConfigError(f"config key 'execution.attention.{key}' is unknown; allowed: {', '.join(attention.names())}")
 
-    if m.get("remat_policy", "auto") not in REMAT_POLICIES:
+    if m.remat_policy not in REMAT_POLICIES:
         raise ConfigError(f"model.remat_policy={m.remat_policy!r}: allowed: {', '.join(REMAT_POLICIES)}")
 
     rotated = any(takes_rotary(n) for n in methods)  # rotary reaches at least one layer
@@ -581,7 +593,7 @@ def _fit_to_run_length(c) -> None:
 def _resolve_pattern(c) -> None:
     """``model.attention.pattern`` given on the command line as ``eva,dense`` (or ``(eva,dense)``) arrives as one
     string: split it into the method names."""
-    pattern = c.model.attention.get("pattern", ())
+    pattern = c.model.attention.pattern
     if isinstance(pattern, (tuple, list)) and any(isinstance(p, str) and "," in p for p in pattern):
         text = ",".join(p for p in pattern if isinstance(p, str)).strip().strip("()[]")
         c.model.attention.pattern = tuple(p.strip().strip("'\"") for p in text.split(",") if p.strip())
@@ -590,7 +602,7 @@ def _resolve_pattern(c) -> None:
 def attention_label(m) -> str:
     """How logs and ``--check`` name a model's attention (``m``: the ``model`` section): its method, or the
     ``model.attention.pattern`` of a stack of several methods (``eva,dense``)."""
-    pattern = tuple(m.attention.get("pattern", None) or ())
+    pattern = tuple(m.attention.pattern)
     return ",".join(pattern) if len(set(pattern)) > 1 else m.attention.name
 
 
@@ -659,12 +671,11 @@ _VALIDATION = (
                     and not c.model.qkv_bias and not c.model.out_bias and c.model.rope_theta == 10000.0),
          "model.block={model.block!r} has its own projections: model.num_kv_heads, mlp, mlp_bias, qkv_bias, out_bias "
          "and rope_theta apply to model.block='transformer'; leave them at their defaults"),
-    Rule(lambda c: c.model.attention.name in attention.names() and any(
-             attention.get_class(c.model.attention.name).stack_wrapper(causal=x) for x in (True, False)),
+    Rule(lambda c: not _wrapper_takes(c, "takes_grouped_kv"),
          lambda c: c.model.num_kv_heads in (0, c.model.num_heads) and c.model.rope_theta == 10000.0,
          "model.attention.name={model.attention.name!r} runs the blocks in its own stack wrapper, which takes neither "
          "grouped-query attention nor another rotary base; leave model.num_kv_heads=0 and model.rope_theta=10000"),
-    Rule(lambda c: c.model.post_norm, lambda c: c.model.block == "transformer" and _wrapper_takes_post_norm(c),
+    Rule(lambda c: c.model.post_norm, lambda c: c.model.block == "transformer" and _wrapper_takes(c, "takes_post_norm"),
          "model.post_norm=True applies to model.block='transformer' with a method that runs on the plain loop of "
          "blocks or in a stack wrapper that takes post-norm blocks (VCC's encoder stack) (model.block="
          "{model.block!r}, model.attention.name={model.attention.name!r}, model.kind={model.kind!r})"),
@@ -751,29 +762,63 @@ _VALIDATION = (
     Rule(_composed, lambda c: not c.model.remat,
          "model.remat=True with mesh.sequence={mesh.sequence} needs mesh.sequence_mode='xla' (composed prefix states "
          "pass through the blocks as objects the recomputation cannot take); or set model.remat=False"),
-    Rule(lambda c: _composed(c) and c.train.window < c.train.seq_len, lambda c: not c.model.get("scan_layers", False),
-         "model.scan_layers=True with mesh.sequence={mesh.sequence} and windows carrying state needs "
+    Rule(_composed_windows, lambda c: not scans_layers(c.model),
+         "model.scan_layers='on' with mesh.sequence={mesh.sequence} and windows carrying state needs "
          "mesh.sequence_mode='xla' (the composed hook takes one state per layer, not a stacked one)"),
     Rule(_sequence_parallel, lambda c: c.train.window % c.mesh.sequence == 0,
          "mesh.sequence={mesh.sequence} must divide the training window ({train.window} tokens)"),
 )
 
 
-def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def validate(cfg: ml_collections.ConfigDict, platform: str | None = None) -> ml_collections.ConfigDict:
     """Check keys, types, values and combinations; return a resolved frozen copy. The checks are the
-    rows of :data:`_VALIDATION`, run in order on a copy."""
+    rows of :data:`_VALIDATION`, run in order on a copy; then ``model.scan_layers='auto'`` is resolved for
+    ``platform`` (a kernel platform name, 'cpu' | 'cuda' | 'rocm' | 'tpu'; default
+    :func:`longctx.attention.dispatch.current_platform`), :func:`_resolve_scan_layers`."""
     check_against_base(cfg)
     c = ml_collections.ConfigDict(cfg.to_dict())
     for check in _VALIDATION:
         check(c)
+    _resolve_scan_layers(c, platform)
     c.lock()
     return c
+
+
+# model.scan_layers='auto' on a CPU ('on' | 'off'): what the main job's model trains faster with on XLA:CPU, measured
+# on a 2-core CPU shared with other jobs, processes alternated on, off, off, on:
+#   for v in on off off on; do longctx-bench step --config configs/main.py --lengths 1k --window 256 --batch_size 8 \
+#     --repeats 15 --matmul_n 0 --noprogress --config.model.scan_layers=$v; done
+# median step 1.28, 2.33 s scanned against 1.06, 1.21 s unrolled; compile 7.9, 9.8 s against 8.4, 9.9 s (four
+# layers: no compile-time gain to weigh). Over 18 such runs (load average 1 to 16) the scanned step also took more
+# CPU time per step in every round. So 'off'.
+CPU_SCAN_LAYERS = "off"
+
+
+def _scan_applies(c) -> bool:
+    """Whether the layers of ``c`` (checked by :data:`_VALIDATION`) can run under one scan: every layer runs the same
+    method, which runs on the plain loop of blocks (no stack wrapper), the task is not attention transfer and no
+    composed sequence parallelism carries state over windows: the cases an explicit 'on' is refused for."""
+    methods = set(layer_methods(c.model))
+    return (len(methods) == 1 and not any(attention.get_class(n).stack_wrapper(causal=c.model.causal) for n in methods)
+            and not _transfer(c) and not _composed_windows(c))
+
+
+def _resolve_scan_layers(c, platform: str | None) -> None:
+    """``model.scan_layers='auto'`` -> 'on' where the scan applies (:func:`_scan_applies`) on a GPU / TPU, or on a
+    CPU where :data:`CPU_SCAN_LAYERS` says so; else 'off'."""
+    if c.model.scan_layers != "auto":
+        return
+    on = _scan_applies(c)
+    if on:
+        platform = dispatch.current_platform() if platform is None else platform
+        on = platform != "cpu" or CPU_SCAN_LAYERS == "on"
+    c.model.scan_layers = "on" if on else "off"
 
 
 def _check_pattern(c) -> tuple[str, ...]:
     """``model.attention.pattern``'s rules; the distinct methods the layers run (``model.attention.name`` first)."""
     m = c.model
-    name, pattern = m.attention.name, m.attention.get("pattern", ())
+    name, pattern = m.attention.name, m.attention.pattern
     if not pattern:
         return (name,)
     if not isinstance(pattern, (tuple, list)) or not all(isinstance(p, str) for p in pattern):
@@ -784,7 +829,7 @@ def _check_pattern(c) -> tuple[str, ...]:
     if name not in pattern:
         raise ConfigError(f"model.attention.name={name!r} is not in model.attention.pattern={tuple(pattern)}; set it "
                           "to one of the pattern's methods (the one logs and reports name)")
-    check_layers(m, per_layer, bool(m.get("scan_layers", False)))
+    check_layers(m, per_layer, scans_layers(m))
     if c.mesh.sequence > 1 and len(set(per_layer)) > 1:
         raise ConfigError(f"mesh.sequence={c.mesh.sequence} with a pattern of different methods is not supported yet; "
                           "set mesh.sequence=1")
@@ -822,9 +867,9 @@ def _check_method(c, name: str, *, rotated: bool = False):
     if m.remat and attention.get_class(name).stack_wrapper(causal=m.causal):
         raise ConfigError(f"model.remat=True: attention {name!r} runs the blocks inside its own stack wrapper, which "
                           "the per-block remat cannot wrap; set model.remat=False")
-    if m.get("scan_layers", False) and attention.get_class(name).stack_wrapper(causal=m.causal):
-        raise ConfigError(f"model.scan_layers=True: attention {name!r} runs the blocks inside its own stack wrapper, "
-                          "which a scan over stacked layers cannot replace; set model.scan_layers=False")
+    if scans_layers(m) and attention.get_class(name).stack_wrapper(causal=m.causal):
+        raise ConfigError(f"model.scan_layers='on': attention {name!r} runs the blocks inside its own stack wrapper, "
+                          "which a scan over stacked layers cannot replace; set model.scan_layers='off' or 'auto'")
     return method_cfg, exec_keys
 
 
@@ -943,8 +988,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: list[str], *, all
 
 
 def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
-    """A saved (resolved) config merged over the current base, so that validation sees every key
-    (a run saved before a key was added to the base gets the key's default)."""
+    """A config given as a (possibly partial) dict or ConfigDict, merged over the base config so that validation
+    sees every key (a converter's or a benchmark's config names only what differs from the base)."""
 
     merged = json.loads(base_config().to_json())
     saved = json.loads(saved.to_json()) if isinstance(saved, ml_collections.ConfigDict) else saved

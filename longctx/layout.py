@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import math
 
-import jax
+
+def flattens_rows(platform: str) -> bool:
+    """Whether row-wise layers flatten their rows on ``platform`` (a CPU host: yes)."""
+    return platform in ("cpu", "interpret")
 
 
-def rows_apply(fn, x):
-    """``fn`` applied to the rows of ``x [..., d]``: flattened to ``[N, d]`` on a CPU host, as it is elsewhere."""
-    if x.ndim <= 2 or jax.default_backend() != "cpu":
+def rows_apply(fn, x, *, flat: bool):
+    """``fn`` applied to the rows of ``x [..., d]``: flattened to ``[N, d]`` when ``flat`` (the layer was built for
+    a CPU host: :func:`flattens_rows` of its platform), as it is otherwise."""
+    if x.ndim <= 2 or not flat:
         return fn(x)
     lead = x.shape[:-1]
     y = fn(x.reshape(math.prod(lead), x.shape[-1]))
     return y.reshape(*lead, *y.shape[1:])
 
 
-__all__ = ["rows_apply"]
+__all__ = ["flattens_rows", "rows_apply"]

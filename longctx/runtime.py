@@ -23,7 +23,9 @@ from longctx.train import checkpoint
 from longctx.train.step import make_forward, make_mlm_forward, split_model
 
 # what --config.KEY=VALUE may change when a trained run is evaluated or sampled
-RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir")
+# the layer layout may change too: a checkpoint restores into either (checkpoint._saved_layout), and tools that
+# walk the blocks one by one (capture, dropin) ask for the unrolled stack
+RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir", "model.scan_layers")
 
 
 def check_run_overrides(overrides: dict) -> None:
@@ -31,7 +33,8 @@ def check_run_overrides(overrides: dict) -> None:
         if not path.startswith(RUN_OVERRIDABLE):
             raise ConfigError(
                 f"--config.{path}: a trained run's model, data and training settings are fixed; "
-                "allowed here: --config.eval.*, --config.sample.*, --config.data.path, --config.data.cache_dir"
+                "allowed here: --config.eval.*, --config.sample.*, --config.data.path, --config.data.cache_dir, "
+                "--config.model.scan_layers"
             )
 
 

@@ -61,7 +61,7 @@ def settings(spec: str) -> dict:
     mesh = {k: int(c.mesh[k]) for k in ("data", "fsdp", "tensor", "sequence") if k == "data" or int(c.mesh[k]) > 1}
     return {"mesh": mesh, "mesh_rules": c.mesh.rules, "microbatches": int(c.train.microbatches),
             "remat": c.model.remat_policy if c.model.remat else "off", "dtype": c.model.dtype,
-            "param_dtype": c.model.param_dtype, "scan_layers": bool(c.model.scan_layers),
+            "param_dtype": c.model.param_dtype, "scan_layers": c.model.scan_layers,
             "loss_chunk": int(c.model.loss_chunk), "batch_size": int(c.train.batch_size),
             "seq_len": int(c.train.seq_len), "window": int(c.train.window or c.train.seq_len)}
 

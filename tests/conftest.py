@@ -46,6 +46,20 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The cases of ``tests/slow_cases.txt`` (measured longer than ``tests/slow_cases.py``'s limit in a default
+    run) are marked ``slow``: the default run leaves them to ``-m slow``."""
+    from tests.slow_cases import base_id, read_list
+
+    slow = read_list()
+    if not slow:
+        return
+    for item in items:
+        if base_id(item.nodeid) in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_unconfigure(config):
     path = getattr(config, "_longctx_jax_cache", None)
     if path:

@@ -137,7 +137,7 @@ def build(
 
 def methods_of(model_cfg) -> tuple[str, ...]:
     """The attention methods a model's layers use: its ``attention.pattern``'s, else ``attention.name``."""
-    pattern = tuple(model_cfg.attention.get("pattern", None) or ())
+    pattern = tuple(model_cfg.attention.pattern)
     return tuple(dict.fromkeys(pattern)) if pattern else (model_cfg.attention.name,)
 
 

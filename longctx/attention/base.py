@@ -276,12 +276,19 @@ class AttentionCore(nnx.Module):
         keywords :func:`dispatch.select` hands every candidate's ``reasons`` and ``prefer``."""
         raise NotImplementedError
 
+    def select(self, **shapes) -> dispatch.Choice:
+        """The implementation a call with ``shapes`` takes on the core's platform: :func:`dispatch.select` of the
+        configured ``impl`` over :meth:`implementations`. A method whose calls differ in kind may widen the
+        candidates for one kind here, still through :func:`dispatch.select` (dense: a decoding step of a model
+        configured with a fused kernel, which serves full passes only, takes the XLA forms)."""
+        return dispatch.select(self.cfg.impl, self.implementations(causal=self.causal), method=self.name,
+                               platform=self.platform, **shapes)
+
     def runner(self, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:
-        """The implementation a call with ``shapes`` runs on the core's platform (:func:`dispatch.select` of
-        ``impl`` over :meth:`implementations`), built with its settings as they run there, and the choice."""
-        impls = self.implementations(causal=self.causal)
-        choice = dispatch.select(self.cfg.impl, impls, method=self.name, platform=self.platform, **shapes)
-        decl = dispatch.by_name(impls)[choice.name]
+        """The implementation :meth:`select` picks for a call with ``shapes``, built with its settings as they run
+        on the platform the selection ran on, and the choice."""
+        choice = self.select(**shapes)
+        decl = dispatch.by_name(self.implementations(causal=self.causal))[choice.name]
         return decl.code.build(decl, self.cfg, choice.platform), choice
 
     def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux: Aux | None = None):

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from absl import flags
+
 from longctx.bench import common as C
 from longctx.bench import profile_bench
 from longctx.errors import ConfigError
@@ -30,9 +32,9 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from longctx.host_memory import keep_freed_memory
 keep_freed_memory()
-import argparse, jax
+import types, jax
 from longctx.bench import common as C, profile_bench as pb
-a = argparse.Namespace(**json.loads(sys.argv[2]))
+a = types.SimpleNamespace(**json.loads(sys.argv[2]))
 a.set = a.overrides  # the spelling of older trees
 T = C.parse_ints(a.length)[0]
 compiled, call, _, what = (pb._step_target if a.config else pb._core_target)(a, T)
@@ -44,21 +46,14 @@ for line in sys.stdin:
 '''
 
 
-def add_args(p):
-    p.add_argument("tree_a", help="source tree A (a folder holding longctx/)")
-    p.add_argument("tree_b", help="source tree B (a folder holding longctx/)")
-    p.add_argument("--reps", type=int, default=15, help="timed calls per tree (alternated)")
-    p.add_argument("--method", help="an attention core (method or method:variant), as longctx-bench profile")
-    p.add_argument("--config", help="the whole-model training step of this config file instead")
-    p.add_argument("--length", default="8k", help="sequence length (k = 1024)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--window", type=int, default=0, help="--config: train.window (0: the whole row)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--bidirectional", action="store_true")
-    p.add_argument("--forward_only", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+# positional arguments, taken from what is left of the command line after the flags
+POSITIONALS = (("tree_a", "source tree A (a folder holding longctx/)"),
+               ("tree_b", "source tree B (a folder holding longctx/)"))
+
+
+def define_flags(fv) -> None:
+    flags.DEFINE_integer("reps", 15, "timed calls per tree (alternated)", flag_values=fv)
+    profile_bench.define_target_flags(fv)  # the target of longctx-bench profile
 
 
 def validate(args) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from longctx import attention
 from longctx.attention import Aux
@@ -54,44 +55,42 @@ TORCH = "torch_sdpa"
 PARTIAL = "attention.partial.json"  # rows so far and the cell being timed (kept by a run that is killed)
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods or variants (e.g. dense,eva or dense:naive); "
-                   f"default: every registered method (+ {TORCH} when torch is importable)")
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma list of sequence lengths (k = 1024)")
-    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--head_dim", type=int, default=None, help="default 64")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
-    p.add_argument("--calls_per_sample", type=int, default=None,
-                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
-    p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
-    p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed calls per cell after compiling (the second call of a new program can still fault "
-                        "in fresh heap pages: docs/DESIGN.md, Host memory)")
-    p.add_argument("--mem_budget_gb", type=float, default=16.0)
-    p.add_argument("--max_cell_s", type=float, default=120.0,
-                   help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")
-    p.add_argument("--no_backward", action="store_true", help="forward only")
-    p.add_argument("--matmul_n", type=int, default=4096, help="size of the reference f32 matmul (0: skip)")
-    p.add_argument("--no_torch", action="store_true", help=f"do not time {TORCH} even if torch is importable")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no_isolate", dest="isolate", action="store_false",
-                   help="time every variant in this process (default: each variant and direction in a child process "
-                        "of its own; a child killed mid-run, e.g. by the out-of-memory killer, keeps the rows it "
-                        "finished)")
-    p.add_argument("--update", action="store_true",
-                   help="merge into --out's existing attention.json: the variants and directions run here replace "
-                        "theirs, every other row is kept (to rerun one method without the others)")
-    p.add_argument("--group", action="append", default=[],
-                   help="time a stack of layers instead of single cores: a comma list of methods or variants, one a "
-                        "layer (e.g. eva,eva,eva,dense), repeatable; the all-exact group of the same depth "
-                        "(dense,dense,dense,dense) is timed beside it. Writes attention_group.{json,md}; see run_group")
-    p.add_argument("--group_remat", action="store_true",
-                   help="--group: rematerialise each layer in the backward (jax.checkpoint), so the backward holds one "
-                        "layer's residuals at a time (as a model trained with remat)")
+def define_flags(fv) -> None:
+    flags.DEFINE_string("methods", "", "comma list of methods or variants (e.g. dense,eva or dense:naive); default: "
+                        f"every registered method (+ {TORCH} when torch is importable)", flag_values=fv)
+    flags.DEFINE_string("lengths", DEFAULT_LENGTHS, "comma list of sequence lengths (k = 1024)", flag_values=fv)
+    flags.DEFINE_integer("batch", None, "default 1 on a CPU, 8 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_integer("heads", None, "default 4 on a CPU, 8 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_integer("head_dim", None, "default 64", flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                      "default float32 on a CPU, bfloat16 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_integer("calls_per_sample", None, "calls per timing sample (0: as many as fill about 50 ms); "
+                         "default 1 on a CPU, 0 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_bool("causal", False, "causal only (default: both directions)", flag_values=fv)
+    flags.DEFINE_bool("bidirectional", False, "bidirectional only (default: both directions)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed samples per cell", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed calls per cell after compiling (the second call of a new program "
+                         "can still fault in fresh heap pages: docs/DESIGN.md, Host memory)", flag_values=fv)
+    flags.DEFINE_float("mem_budget_gb", 16.0, "skip a cell whose estimated memory exceeds this (GB)", flag_values=fv)
+    flags.DEFINE_float("max_cell_s", 120.0, "skip a cell when its extrapolated time (warm-up + repeats) exceeds "
+                       "this", flag_values=fv)
+    flags.DEFINE_bool("no_backward", False, "forward only", flag_values=fv)
+    flags.DEFINE_integer("matmul_n", 4096, "size of the reference f32 matmul (0: skip)", flag_values=fv)
+    flags.DEFINE_bool("no_torch", False, f"do not time {TORCH} even if torch is importable", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
+    flags.DEFINE_bool("isolate", True, "each variant and direction in a child process of its own (--no_isolate: "
+                      "time every variant in this process); a child killed mid-run, e.g. by the out-of-memory "
+                      "killer, keeps the rows it finished", flag_values=fv)
+    flags.DEFINE_bool("update", False, "merge into --out's existing attention.json: the variants and directions "
+                      "run here replace theirs, every other row is kept (to rerun one method without the others)",
+                      flag_values=fv)
+    flags.DEFINE_multi_string("group", [], "time a stack of layers instead of single cores: a comma list of "
+                              "methods or variants, one a layer (e.g. eva,eva,eva,dense), repeatable; the all-exact "
+                              "group of the same depth (dense,dense,dense,dense) is timed beside it. Writes "
+                              "attention_group.{json,md}; see run_group", flag_values=fv)
+    flags.DEFINE_bool("group_remat", False, "--group: rematerialise each layer in the backward (jax.checkpoint), so "
+                      "the backward holds one layer's residuals at a time (as a model trained with remat)",
+                      flag_values=fv)
 
 
 def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
@@ -637,7 +636,7 @@ def plots(res: dict, out) -> list[str]:
     return files
 
 
-__all__ = ["add_args", "analytic_dense_flops", "markdown", "plots", "run"]
+__all__ = ["define_flags", "analytic_dense_flops", "markdown", "plots", "run"]
 
 
 # ----------------------------------------------------------------------------------------------

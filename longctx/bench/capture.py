@@ -54,7 +54,7 @@ class Capturer:
     def __init__(self, workdir: str | Path, *, layer: int = 0, split: str = "valid"):
         from longctx.runtime import Runner  # deferred: bench --help start-up: no orbax
 
-        self.runner = Runner.from_workdir(workdir)
+        self.runner = Runner.from_workdir(workdir, overrides={"model.scan_layers": "off"})  # block by block
         self.model = self.runner.model()
         self.layer = layer
         blocks = self.model.blocks

@@ -16,15 +16,20 @@ into ``results/``).
     longctx-bench report    --out results --output BENCHMARKS.md   (assembles BENCHMARKS.md)
 
 Config overrides take the form of the other entry points: ``--config.KEY=VALUE`` (quality: of its tiny
-dense run; train: of every method's config; step and profile: of ``--config``). Every bad input is
-answered with one line starting with ``error:`` and exit status 2.
+dense run; train: of every method's config; step and profile: of ``--config``). The flags are absl flags,
+as those of every other longctx command: ``--name value`` or ``--name=value``, a boolean ``--name`` or
+``--noname`` (``--no_progress``, ``--no_isolate``, ``--no_hybrids`` and ``--no_xla_mem`` are read as well).
+Every bad input is answered with one line starting with ``error:`` and exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NoReturn
+
+from absl import flags
 
 from longctx import attention
 from longctx.bench import (
@@ -44,7 +49,7 @@ from longctx.bench import (
 )
 from longctx.bench import common as C
 from longctx.bench.cores import variants
-from longctx.cli import user_errors
+from longctx.cli import flag_help, user_errors
 from longctx.errors import ConfigError
 from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
@@ -52,11 +57,8 @@ from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 TAKES_OVERRIDES = ("quality", "train", "step", "profile", "ab", "dropin", "compare")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad flags: one line on stderr, exit status 2 (as every longctx command)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+PROG = "longctx-bench"
+_HELP = ("-h", "--help", "--helpshort", "--helpfull")
 
 
 def _modules():
@@ -76,25 +78,102 @@ def _modules():
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="longctx-bench", description=__doc__.split("\n\n")[0],
-                epilog="overrides: --config.KEY=VALUE (e.g. --config.model.d_model=128) for "
-                       + ", ".join(TAKES_OVERRIDES) + "; see longctx-bench <command> --help")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, mod, help_ in _modules():
-        sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().split("\n\n")[0],
-                            epilog=("config overrides: --config.KEY=VALUE, repeatable "
-                                    "(e.g. --config.model.d_model=128)") if name in TAKES_OVERRIDES else None)
-        if name == "report":
-            sp.add_argument("--out", default="results", help="folder of the JSON and PNG the report reads")
-        else:
-            sp.add_argument("--out", default="bench_out", help="output folder (JSON, markdown, PNG), relative to "
-                            "the working directory")
-            sp.add_argument("--noprogress", "--no_progress", dest="progress", action="store_false",
-                            help="no progress bar")
-        mod.add_args(sp)
-        sp.set_defaults(func=mod.run, validate=getattr(mod, "validate", None))
-    return p
+def _usage_error(message: str, prog: str = PROG) -> NoReturn:
+    """A command line that does not parse: one line on stderr, exit status 2 (as every longctx command)."""
+    print(f"error: {message}; see {prog} --help", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _absl_spelling(arg: str, fv) -> str:
+    """``--no_NAME`` (the bench's spelling of a boolean NAME that defaults to true) -> absl's ``--noNAME``."""
+    name = arg[len("--no_"):].split("=", 1)[0] if arg.startswith("--no_") else ""
+    if name in fv and fv[name].boolean and f"no_{name}" not in fv:
+        return "--no" + arg[len("--no_"):]
+    return arg
+
+
+class Parser:
+    """``longctx-bench SUBCOMMAND [flags] [ARGS]``, parsed with absl flags: each sub-command's flags live in a
+    ``FlagValues`` of their own, defined by its module's ``define_flags(fv)`` (beside ``--out`` and
+    ``--[no]progress``, common to all but report). A module may name ``POSITIONALS`` (taken, in order, from what
+    is left of the command line after the flags) and ``REQUIRED`` flags.
+    ``--config.KEY=VALUE`` overrides are taken out of the command line before (:func:`split_overrides`)."""
+
+    def __init__(self):
+        self.commands = {name: (mod, help_) for name, mod, help_ in _modules()}
+
+    def flag_values(self, command: str) -> flags.FlagValues:
+        mod, _ = self.commands[command]
+        fv = flags.FlagValues()
+        mod.define_flags(fv)
+        if "out" not in fv:
+            flags.DEFINE_string("out", "bench_out", "output folder (JSON, markdown, PNG), relative to the working "
+                                "directory", flag_values=fv)
+        if command != "report":
+            flags.DEFINE_bool("progress", True, "show the progress bar (--noprogress or --no_progress hides it)",
+                              flag_values=fv)
+        return fv
+
+    def format_help(self, command: str | None = None) -> str:
+        if command is None:
+            width = max(map(len, self.commands))
+            return "\n".join([f"usage: {PROG} COMMAND [flags]", "", __doc__.split("\n\n")[0], "", "commands:",
+                              *(f"  {n:<{width}}  {h}" for n, (_, h) in self.commands.items()), "",
+                              "overrides: --config.KEY=VALUE (e.g. --config.model.d_model=128) for "
+                              + ", ".join(TAKES_OVERRIDES) + f"; see {PROG} COMMAND --help"])
+        mod, help_ = self.commands[command]
+        fv = self.flag_values(command)
+        positionals = getattr(mod, "POSITIONALS", ())
+        out = [f"usage: {PROG} {command} " + "".join(f"{n.upper()} " for n, _ in positionals) + "[flags]", "",
+               (mod.__doc__ or help_).strip().split("\n\n")[0], ""]
+        if command in TAKES_OVERRIDES:
+            out += ["config overrides: --config.KEY=VALUE, repeatable (e.g. --config.model.d_model=128)", ""]
+        if positionals:
+            out += ["arguments:", *(f"  {n.upper()}: {h}" for n, h in positionals), ""]
+        out += ["flags:", *flag_help(fv, sorted(fv))]
+        return "\n".join(out)
+
+    def parse_args(self, argv: list[str]) -> SimpleNamespace:
+        """The flags and arguments of one sub-command (no value checked beyond its type); a command line that
+        does not parse is one ``error:`` line and SystemExit(2); ``--help`` prints the help and exits."""
+        argv = list(argv)
+        if argv and argv[0] in _HELP:
+            print(self.format_help())
+            raise SystemExit(0)
+        if not argv or argv[0].startswith("-"):
+            _usage_error(f"{PROG}: the following arguments are required: command")
+        if argv[0] not in self.commands:
+            _usage_error(f"{PROG}: argument command: invalid choice: {argv[0]!r} (choose from "
+                         + ", ".join(repr(n) for n in self.commands) + ")")
+        command, rest = argv[0], argv[1:]
+        prog = f"{PROG} {command}"
+        if any(a in _HELP for a in rest):
+            print(self.format_help(command))
+            raise SystemExit(0)
+        mod, _ = self.commands[command]
+        fv = self.flag_values(command)
+        try:
+            left = fv([prog, *(_absl_spelling(a, fv) for a in rest)])[1:]
+        except flags.UnrecognizedFlagError as e:
+            import difflib
+
+            close = difflib.get_close_matches(e.flagname, list(fv), n=1)
+            _usage_error(f"{PROG}: unrecognized arguments: --{e.flagname}"
+                         + (f" (did you mean --{close[0]}?)" if close else ""))
+        except flags.Error as e:
+            _usage_error(f"{prog}: {' '.join(str(e).split())}", prog)
+        names = [n for n, _ in getattr(mod, "POSITIONALS", ())]
+        if len(left) > len(names):
+            _usage_error(f"{PROG}: unrecognized arguments: {' '.join(left[len(names):])}")
+        missing = names[len(left):] + [f"--{n}" for n in getattr(mod, "REQUIRED", ()) if fv[n].value is None]
+        if missing:
+            _usage_error(f"{prog}: the following arguments are required: {', '.join(missing)}", prog)
+        return SimpleNamespace(command=command, **dict(zip(names, left)), **{n: fv[n].value for n in fv},
+                               func=mod.run, validate=getattr(mod, "validate", None))
+
+
+def build_parser() -> Parser:
+    return Parser()
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -208,7 +287,7 @@ def validate(args) -> None:
         args.validate(args)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> SimpleNamespace:
     """Parse and check ``longctx-bench`` arguments (program name not included) without running anything:
     bad flags raise SystemExit(2) (one ``error:`` line on stderr), bad values raise ConfigError."""
     overrides, rest = split_overrides(list(argv))

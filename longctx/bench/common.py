@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from longctx import attention
 from longctx.attention.dense.platform import fused_call_flops
@@ -552,6 +553,14 @@ def progress_bar(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def define_qkv_flags(fv, *, note: str = "") -> None:
+    """``--batch``, ``--heads`` and ``--head_dim`` of fixed defaults (1, 4, 64): the q/k/v shape of ``decode`` and
+    ``quality`` (``note``: where the head flags apply)."""
+    flags.DEFINE_integer("batch", 1, "batch", flag_values=fv)
+    flags.DEFINE_integer("heads", 4, "attention heads" + note, flag_values=fv)
+    flags.DEFINE_integer("head_dim", 64, "head size" + note, flag_values=fv)
 
 
 def header(args, command: str) -> dict:

@@ -37,8 +37,10 @@ import statistics
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
+
+from absl import flags
 
 from longctx import attention
 from longctx import config as config_lib
@@ -79,23 +81,27 @@ SCALES = {
 RESULT = "compare_result.json"
 
 
-def add_args(p):
-    p.set_defaults(out="results/compare")
-    p.add_argument("--scale", default="cpu", choices=sorted(SCALES), help="sizes (see SCALES in this module)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list; dense_window = dense over --window")
-    p.add_argument("--contexts", default=None, help="training contexts (k = 1024); default: the scale's")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. seeds-1 per (method, context)")
-    p.add_argument("--no_hybrids", dest="hybrids", action="store_false", help="no hybrid runs")
-    p.add_argument("--window", type=int, default=128, help="dense_window's sliding window (tokens)")
-    p.add_argument("--dense_steps", type=int, default=0, help="updates of the dense run (the FLOP budget); 0: scale's")
-    p.add_argument("--tokens_per_step", type=int, default=0, help="tokens per update at every context; 0: scale's")
-    p.add_argument("--eval_tokens", type=int, default=None, help="bytes scored per split; default: the scale's")
-    p.add_argument("--needle", default=",".join(NEEDLE), help="methods given a needle grid ('' for none)")
-    p.add_argument("--plan", "--dry_run", dest="plan", action="store_true", help="print the plan; run nothing")
-    p.add_argument("--measure", action="store_true", help="time --measure_steps steps of each method and context "
-                   "(written to <out>/sizing.json, read by --plan); no training")
-    p.add_argument("--measure_steps", type=int, default=3)
-    p.add_argument("--report_only", action="store_true", help="rebuild the report from the finished runs")
+
+
+def define_flags(fv) -> None:
+    flags.DEFINE_string("out", "results/compare", "output folder (runs, JSON, markdown, PNG), relative to the "
+                        "working directory", flag_values=fv)
+    flags.DEFINE_enum("scale", "cpu", sorted(SCALES), "sizes (see SCALES in this module)", flag_values=fv)
+    flags.DEFINE_string("methods", ",".join(METHODS), "comma list; dense_window = dense over --window",
+                        flag_values=fv)
+    flags.DEFINE_string("contexts", None, "training contexts (k = 1024); default: the scale's", flag_values=fv)
+    flags.DEFINE_integer("seeds", 3, "seeds 0 .. seeds-1 per (method, context)", flag_values=fv)
+    flags.DEFINE_bool("hybrids", True, "the hybrid runs (--no_hybrids: none)", flag_values=fv)
+    flags.DEFINE_integer("window", 128, "dense_window's sliding window (tokens)", flag_values=fv)
+    flags.DEFINE_integer("dense_steps", 0, "updates of the dense run (the FLOP budget); 0: scale's", flag_values=fv)
+    flags.DEFINE_integer("tokens_per_step", 0, "tokens per update at every context; 0: scale's", flag_values=fv)
+    flags.DEFINE_integer("eval_tokens", None, "bytes scored per split; default: the scale's", flag_values=fv)
+    flags.DEFINE_string("needle", ",".join(NEEDLE), "methods given a needle grid ('' for none)", flag_values=fv)
+    flags.DEFINE_bool("plan", False, "print the plan; run nothing", flag_values=fv)
+    flags.DEFINE_bool("measure", False, "time --measure_steps steps of each method and context (written to "
+                      "<out>/sizing.json, read by --plan); no training", flag_values=fv)
+    flags.DEFINE_integer("measure_steps", 3, "steps timed per method and context by --measure", flag_values=fv)
+    flags.DEFINE_bool("report_only", False, "rebuild the report from the finished runs", flag_values=fv)
 
 
 def validate(args) -> None:
@@ -327,10 +333,11 @@ def decode_costs(args, out: Path) -> None:
         return
     cfg = run_config({"label": EXACT, "method": EXACT, "hybrid": False, "context": 256, "seed": 0}, args)
     methods = sorted({EXACT if m == WINDOW else m for m in C.parse_names(args.methods)})
-    ns = Namespace(out=str(out / "decode"), progress=False, methods=",".join(methods),
-                   positions=",".join(str(t) for t in sizes(args)["contexts"]), batch=1,
-                   heads=cfg.model.num_heads, head_dim=cfg.model.head_dim, dtype="float32", steps=16, warmup=2,
-                   prefill_chunk=1024, mem_budget_gb=8.0, max_prefill_s=120.0, seed=0, command="decode")
+    ns = SimpleNamespace(out=str(out / "decode"), progress=False, methods=",".join(methods),
+                         positions=",".join(str(t) for t in sizes(args)["contexts"]), batch=1,
+                         heads=cfg.model.num_heads, head_dim=cfg.model.head_dim, dtype="float32", steps=16,
+                         warmup=2, prefill_chunk=1024, mem_budget_gb=8.0, max_prefill_s=120.0, seed=0,
+                         command="decode")
     decode_bench.run(ns)
 
 

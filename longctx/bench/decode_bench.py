@@ -21,6 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from longctx import attention
 from longctx.attention import dispatch
@@ -29,19 +30,19 @@ from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods (default: every registered causal method)")
-    p.add_argument("--positions", default="1k,8k,32k,128k", help="context positions (k = 1024)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--steps", type=int, default=32, help="timed single-token calls")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--prefill_chunk", type=int, default=4096)
-    p.add_argument("--mem_budget_gb", type=float, default=16.0)
-    p.add_argument("--max_prefill_s", type=float, default=300.0)
-    p.add_argument("--seed", type=int, default=0)
+def define_flags(fv) -> None:
+    flags.DEFINE_string("methods", "", "comma list of methods (default: every registered causal method)",
+                        flag_values=fv)
+    flags.DEFINE_string("positions", "1k,8k,32k,128k", "context positions (k = 1024)", flag_values=fv)
+    C.define_qkv_flags(fv)
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "compute dtype", flag_values=fv)
+    flags.DEFINE_integer("steps", 32, "timed single-token calls", flag_values=fv)
+    flags.DEFINE_integer("warmup", 3, "untimed single-token calls", flag_values=fv)
+    flags.DEFINE_integer("prefill_chunk", 4096, "tokens per call of the prefill to each position", flag_values=fv)
+    flags.DEFINE_float("mem_budget_gb", 16.0, "skip a position whose estimated memory exceeds this (GB)",
+                       flag_values=fv)
+    flags.DEFINE_float("max_prefill_s", 300.0, "stop a method's prefill past this many seconds", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
 
 
 def _chunk(seed, B, H, T, D, Dv, dtype):

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from absl import flags
 
 from longctx import attention
 from longctx import config as config_lib
@@ -61,14 +62,19 @@ def resolve(method: str, overrides: dict, *, heads: int, head_dim: int, causal: 
 LN2 = math.log(2.0)
 
 
-def add_args(p):
-    p.add_argument("--workdir", required=True, help="a trained or imported run whose every layer runs exact attention")
-    p.add_argument("--method", required=True, help="the method dropped into every layer (e.g. the training-free one)")
-    p.add_argument("--text", default="", help="comma list of text files or folders (their *.md, *.txt, *.py); "
-                   "default: README.md and docs/ of this repository")
-    p.add_argument("--seq_len", type=int, default=0, help="tokens per row (default: the run's train.seq_len)")
-    p.add_argument("--rows", type=int, default=8, help="rows of text scored")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+REQUIRED = ("workdir", "method")  # flags without a default
+
+
+def define_flags(fv) -> None:
+    flags.DEFINE_string("workdir", None, "a trained or imported run whose every layer runs exact attention "
+                        "(required)", flag_values=fv)
+    flags.DEFINE_string("method", None, "the method dropped into every layer (e.g. the training-free one; "
+                        "required)", flag_values=fv)
+    flags.DEFINE_string("text", "", "comma list of text files or folders (their *.md, *.txt, *.py); default: "
+                        "README.md and docs/ of this repository", flag_values=fv)
+    flags.DEFINE_integer("seq_len", 0, "tokens per row (default: the run's train.seq_len)", flag_values=fv)
+    flags.DEFINE_integer("rows", 8, "rows of text scored", flag_values=fv)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)", flag_values=fv)
 
 
 def validate(args) -> None:
@@ -186,7 +192,7 @@ def run(args) -> dict:
 
     from longctx.runtime import Runner  # deferred: bench --help start-up: no orbax
 
-    runner = Runner.from_workdir(args.workdir, step=args.step)
+    runner = Runner.from_workdir(args.workdir, step=args.step, overrides={"model.scan_layers": "off"})  # per layer
     cfg = runner.cfg
     if cfg.model.kind != "decoder":
         raise ConfigError("longctx-bench dropin: bits per byte are scored for a decoder; the run is an encoder")
@@ -197,7 +203,7 @@ def run(args) -> dict:
     # the run's config over the base one (its saved config keeps only the sections its methods read)
     swapped = config_lib.merge_over_base(cfg.to_dict())
     swapped.model.attention.name, swapped.model.attention.pattern = args.method, ()
-    swapped.model.scan_layers = False
+    swapped.model.scan_layers = "off"
     swapped = config_lib.validate(configs.with_overrides(swapped, args.overrides))
     model = build_model(swapped.model, seed=cfg.train.seed, execution=swapped.execution)
     exact_model = runner.model()

@@ -32,6 +32,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from longctx import attention
 from longctx.bench import common as C
@@ -45,31 +46,33 @@ ACCEL_LENGTHS = "8k,16k,32k,64k"
 IMPLS = ("xla", "pallas")
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods (default: every method that declares a kernel)")
-    p.add_argument("--lengths", default=None,
-                   help=f"comma list of sequence lengths (k = 1024); default {CPU_LENGTHS} on cpu "
-                        f"(interpret mode), {ACCEL_LENGTHS} on a GPU or TPU")
-    add_shape_args(p)
-    p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
-    p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max_cell_s", type=float, default=120.0,
-                   help="skip a cell when its extrapolated time (warm-up + repeats) exceeds this")
-    p.add_argument("--no_backward", action="store_true", help="forward only")
-    p.add_argument("--seed", type=int, default=0)
+def define_flags(fv) -> None:
+    flags.DEFINE_string("lengths", None, f"comma list of sequence lengths (k = 1024); default {CPU_LENGTHS} on cpu "
+                        f"(interpret mode), {ACCEL_LENGTHS} on a GPU or TPU", flag_values=fv)
+    define_kernel_flags(fv)
+    flags.DEFINE_bool("causal", False, "causal only (default: both directions)", flag_values=fv)
+    flags.DEFINE_float("max_cell_s", 120.0, "skip a cell when its extrapolated time (warm-up + repeats) exceeds "
+                       "this", flag_values=fv)
 
 
-def add_shape_args(p):
-    """The shape, dtype and timing flags of a kernel cell (defaults by platform: ``common.SHAPE_DEFAULTS``)."""
-    p.add_argument("--batch", type=int, default=None, help="default 1 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--heads", type=int, default=None, help="default 4 on a CPU, 8 on a GPU / TPU")
-    p.add_argument("--head_dim", type=int, default=None, help="default 64")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default float32 on a CPU, bfloat16 on a GPU / TPU")
-    p.add_argument("--calls_per_sample", type=int, default=None,
-                   help="calls per timing sample (0: as many as fill about 50 ms); default 1 on a CPU, 0 on a GPU / TPU")
+def define_kernel_flags(fv) -> None:
+    """The flags of a kernel cell common to ``kernels`` and ``sweep``: methods, shape, dtype, direction and timing
+    (shape defaults by platform: ``common.SHAPE_DEFAULTS``)."""
+    flags.DEFINE_string("methods", "", "comma list of methods (default: every method that declares a kernel)",
+                        flag_values=fv)
+    flags.DEFINE_integer("batch", None, "default 1 on a CPU, 8 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_integer("heads", None, "default 4 on a CPU, 8 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_integer("head_dim", None, "default 64", flag_values=fv)
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "default float32 on a CPU, bfloat16 on a GPU / TPU",
+                      flag_values=fv)
+    flags.DEFINE_integer("calls_per_sample", None, "calls per timing sample (0: as many as fill about 50 ms); "
+                         "default 1 on a CPU, 0 on a GPU / TPU", flag_values=fv)
+    flags.DEFINE_bool("bidirectional", False, "bidirectional only (default: kernels: both directions, sweep: causal)",
+                      flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed samples per cell (sweep: per setting)", flag_values=fv)
+    flags.DEFINE_integer("warmup", 1, "untimed calls per cell (sweep: per setting) after compiling", flag_values=fv)
+    flags.DEFINE_bool("no_backward", False, "time the forward only", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
 
 
 def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.base.KernelBench]]:

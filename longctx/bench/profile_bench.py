@@ -31,9 +31,11 @@ import re
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from longctx import attention
 from longctx.bench import common as C
@@ -47,23 +49,28 @@ from longctx.errors import ConfigError
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def add_args(p):
-    p.add_argument("--method", help="an attention core to profile: a method (its default config) or method:variant "
-                                    "(a variant the attention bench times, e.g. dense:blockwise)")
-    p.add_argument("--config", help="profile the whole-model training step of this config file instead")
-    p.add_argument("--length", default="8k", help="sequence length (k = 1024)")
-    p.add_argument("--batch", type=int, default=1, help="batch (--config: train.batch_size)")
-    p.add_argument("--window", type=int, default=0,
-                   help="--config: train.window, tokens per update with the state carried (0: the whole row)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--bidirectional", action="store_true", help="--method: the bidirectional core (default causal)")
-    p.add_argument("--forward_only", action="store_true", help="--method: the forward alone")
-    p.add_argument("--calls", type=int, default=5, help="calls timed, then traced")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
-    p.add_argument("--top", type=int, default=25, help="rows of the op and source-line tables in profile.md")
-    p.add_argument("--seed", type=int, default=0)
+def define_flags(fv) -> None:
+    define_target_flags(fv)
+    flags.DEFINE_integer("calls", 5, "calls timed, then traced", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed calls after compiling", flag_values=fv)
+    flags.DEFINE_integer("top", 25, "rows of the op and source-line tables in profile.md", flag_values=fv)
+
+
+def define_target_flags(fv) -> None:
+    """What is timed (an attention core or a config's training step) and its shapes: ``profile`` and ``ab``."""
+    flags.DEFINE_string("method", None, "an attention core: a method (its default config) or method:variant (a "
+                        "variant the attention bench times, e.g. dense:blockwise)", flag_values=fv)
+    flags.DEFINE_string("config", None, "the whole-model training step of this config file instead", flag_values=fv)
+    flags.DEFINE_string("length", "8k", "sequence length (k = 1024)", flag_values=fv)
+    flags.DEFINE_integer("batch", 1, "batch (--config: train.batch_size)", flag_values=fv)
+    flags.DEFINE_integer("window", 0, "--config: train.window, tokens per update with the state carried (0: the "
+                         "whole row)", flag_values=fv)
+    flags.DEFINE_integer("heads", 4, "attention heads (--method)", flag_values=fv)
+    flags.DEFINE_integer("head_dim", 64, "head size (--method)", flag_values=fv)
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (--method)", flag_values=fv)
+    flags.DEFINE_bool("bidirectional", False, "--method: the bidirectional core (default causal)", flag_values=fv)
+    flags.DEFINE_bool("forward_only", False, "--method: the forward alone", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
 
 
 # ----------------------------------------------------------------------------- the compiled module's text
@@ -242,10 +249,8 @@ def _core_target(args, T: int):
 
 
 def _step_target(args, T: int):
-    from argparse import Namespace
-
     base = step_bench.base_config(args)
-    cfg = step_bench.length_config(base, T, Namespace(batch_size=args.batch, window=args.window, vocab_size=256))
+    cfg = step_bench.length_config(base, T, SimpleNamespace(batch_size=args.batch, window=args.window, vocab_size=256))
     if cfg.model.kind != "decoder":
         raise ConfigError(f"longctx-bench profile --config profiles decoder training steps; {args.config} has "
                           f"model.kind={cfg.model.kind!r} (profile its attention core with --method instead)")

@@ -21,6 +21,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from longctx.attention.dense import naive_attention
 from longctx.bench import baselines as BL
@@ -30,25 +31,24 @@ from longctx.bench.cores import CoreFns, build_core, variants
 from longctx.errors import ConfigError
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods or variants (default: all registered)")
-    p.add_argument("--lengths", default="1k,2k,4k,8k", help="sequence lengths (k = 1024)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4, help="gaussian source only (captured: the model's)")
-    p.add_argument("--head_dim", type=int, default=64, help="gaussian source only (captured: the model's)")
-    p.add_argument("--causal", action="store_true", help="causal only (default: both directions)")
-    p.add_argument("--bidirectional", action="store_true", help="bidirectional only (default: both directions)")
-    p.add_argument("--seeds", type=int, default=5, help="keys for randomized methods")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sources", default="gaussian,captured", help="gaussian and/or captured")
-    p.add_argument("--workdir", default="runs/bench_quality", help="dense checkpoint to capture q/k/v from "
-                   "(trained here if it holds none)")
-    p.add_argument("--train_steps", type=int, default=300, help="steps of the tiny dense run (if trained)")
-    p.add_argument("--layer", type=int, default=0, help="block whose q/k/v are captured")
-    p.add_argument("--baselines", default="performer,reformer_lsh",
-                   help="benchmark-only bidirectional baselines (longctx/bench/baselines.py); '' for none")
-    p.add_argument("--budget", type=int, default=128,
-                   help="baselines: keys / random features per query (compare methods configured at the same budget)")
+def define_flags(fv) -> None:
+    flags.DEFINE_string("methods", "", "comma list of methods or variants (default: all registered)",
+                        flag_values=fv)
+    flags.DEFINE_string("lengths", "1k,2k,4k,8k", "sequence lengths (k = 1024)", flag_values=fv)
+    C.define_qkv_flags(fv, note="; gaussian source only (captured: the model's)")
+    flags.DEFINE_bool("causal", False, "causal only (default: both directions)", flag_values=fv)
+    flags.DEFINE_bool("bidirectional", False, "bidirectional only (default: both directions)", flag_values=fv)
+    flags.DEFINE_integer("seeds", 5, "keys for randomized methods", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
+    flags.DEFINE_string("sources", "gaussian,captured", "gaussian and/or captured", flag_values=fv)
+    flags.DEFINE_string("workdir", "runs/bench_quality", "dense checkpoint to capture q/k/v from (trained here if "
+                        "it holds none)", flag_values=fv)
+    flags.DEFINE_integer("train_steps", 300, "steps of the tiny dense run (if trained)", flag_values=fv)
+    flags.DEFINE_integer("layer", 0, "block whose q/k/v are captured", flag_values=fv)
+    flags.DEFINE_string("baselines", "performer,reformer_lsh", "benchmark-only bidirectional baselines "
+                        "(longctx/bench/baselines.py); '' for none", flag_values=fv)
+    flags.DEFINE_integer("budget", 128, "baselines: keys / random features per query (compare methods configured "
+                         "at the same budget)", flag_values=fv)
 
 
 def rel_err(a, b) -> float:

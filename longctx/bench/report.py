@@ -28,6 +28,8 @@ import os
 import re
 from pathlib import Path
 
+from absl import flags
+
 from longctx import attention
 from longctx.bench import attention_bench, kernel_bench
 from longctx.bench import common as C
@@ -45,11 +47,13 @@ TITLES = {"attention": "Attention cores: time, memory, FLOP rate (all methods, 1
           "kernels": "Pallas kernels against their XLA paths (CPU, interpret mode)"}
 
 
-def add_args(p):
-    p.add_argument("--output", default="BENCHMARKS.md", help="the markdown file to write (default: ./BENCHMARKS.md)")
-    p.add_argument("--script", default="scripts/bench_all.sh",
-                   help="the script whose commands the report quotes (looked up in the working directory, then "
-                        "in the project's checkout; left out when neither has it)")
+def define_flags(fv) -> None:
+    flags.DEFINE_string("out", "results", "folder of the JSON and PNG the report reads", flag_values=fv)
+    flags.DEFINE_string("output", "BENCHMARKS.md", "the markdown file to write (default: ./BENCHMARKS.md)",
+                        flag_values=fv)
+    flags.DEFINE_string("script", "scripts/bench_all.sh", "the script whose commands the report quotes (looked up "
+                        "in the working directory, then in the project's checkout; left out when neither has it)",
+                        flag_values=fv)
 
 
 def validate(args) -> None:

@@ -40,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from longctx import config as config_lib
 from longctx.bench import common as C
@@ -50,23 +51,23 @@ from longctx.train.optim import make_optimizer
 from longctx.train.step import make_loss_fn, make_train_step, split_model
 
 
-def add_args(p):
-    p.add_argument("--config", default=configs.DEFAULT,
-                   help="config file with get_config() (FILE or FILE.py:variant; default: configs/default.py, "
-                        "found in the working directory or the project)")
-    p.add_argument("--lengths", default="1k,4k,16k", help="comma list of row lengths train.seq_len (k = 1024)")
-    p.add_argument("--batch_size", type=int, default=1, help="rows per step (train.batch_size)")
-    p.add_argument("--window", type=int, default=0,
-                   help="train.window: tokens per update, state carried (0: the whole row, one update)")
-    p.add_argument("--vocab_size", type=int, default=None,
-                   help="the tokenizer's vocabulary (default: the config's model.vocab_size, else 256 for bytes)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per length (interleaved)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per length after compiling")
-    p.add_argument("--matmul_n", type=int, default=4096,
-                   help="on a CPU, MFU's peak is the measured rate of this f32 matmul (n x n; 0: no MFU)")
-    p.add_argument("--peak_tflops", type=float, default=None,
-                   help="the peak FLOP rate MFU divides by, in TFLOP/s (default: measured on a CPU, the device's "
-                        "bf16 peak on a GPU / TPU)")
+def define_flags(fv) -> None:
+    flags.DEFINE_string("config", configs.DEFAULT, "config file with get_config() (FILE or FILE.py:variant; "
+                        "default: configs/default.py, found in the working directory or the project)",
+                        flag_values=fv)
+    flags.DEFINE_string("lengths", "1k,4k,16k", "comma list of row lengths train.seq_len (k = 1024)",
+                        flag_values=fv)
+    flags.DEFINE_integer("batch_size", 1, "rows per step (train.batch_size)", flag_values=fv)
+    flags.DEFINE_integer("window", 0, "train.window: tokens per update, state carried (0: the whole row, one "
+                         "update)", flag_values=fv)
+    flags.DEFINE_integer("vocab_size", None, "the tokenizer's vocabulary (default: the config's model.vocab_size, "
+                         "else 256 for bytes)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed steps per length (interleaved)", flag_values=fv)
+    flags.DEFINE_integer("warmup", 1, "untimed steps per length after compiling", flag_values=fv)
+    flags.DEFINE_integer("matmul_n", 4096, "on a CPU, MFU's peak is the measured rate of this f32 matmul (n x n; "
+                         "0: no MFU)", flag_values=fv)
+    flags.DEFINE_float("peak_tflops", None, "the peak FLOP rate MFU divides by, in TFLOP/s (default: measured on a "
+                       "CPU, the device's bf16 peak on a GPU / TPU)", flag_values=fv)
 
 
 def length_config(base, T: int, args):

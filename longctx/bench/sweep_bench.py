@@ -26,12 +26,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from longctx import attention
 from longctx.attention import dispatch
 from longctx.bench import common as C
 from longctx.bench.cores import build_core
-from longctx.bench.kernel_bench import _error, _fns, add_shape_args, kernel_cells
+from longctx.bench.kernel_bench import _error, _fns, define_kernel_flags, kernel_cells
 from longctx.errors import ConfigError
 
 CPU_LENGTH = "256"
@@ -39,17 +40,11 @@ MIN_GAIN = 1.03  # a setting is proposed only when it beats the declared default
 ACCEL_LENGTH = "32k"
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods (default: every method that declares a kernel)")
-    p.add_argument("--length", default=None, help=f"sequence length (k = 1024); default {CPU_LENGTH} on cpu "
-                                                  f"(interpret mode), {ACCEL_LENGTH} on a GPU or TPU")
-    add_shape_args(p)
-    p.add_argument("--bidirectional", action="store_true", help="the bidirectional direction (default: causal)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max_settings", type=int, default=24, help="at most this many settings timed per kernel")
-    p.add_argument("--no_backward", action="store_true", help="time the forward only")
-    p.add_argument("--seed", type=int, default=0)
+def define_flags(fv) -> None:
+    flags.DEFINE_string("length", None, f"sequence length (k = 1024); default {CPU_LENGTH} on cpu (interpret "
+                        f"mode), {ACCEL_LENGTH} on a GPU or TPU", flag_values=fv)
+    define_kernel_flags(fv)
+    flags.DEFINE_integer("max_settings", 24, "at most this many settings timed per kernel", flag_values=fv)
 
 
 def knobs(method: str, impl_name: str, platform: str) -> dict[str, int]:

@@ -23,27 +23,28 @@ import sys
 import time
 from pathlib import Path
 
+from absl import flags
+
 from longctx import config as config_lib
 from longctx.bench import common as C
 from longctx.bench import configs
 from longctx.errors import ConfigError
 
 
-def add_args(p):
-    p.add_argument("--methods", default="", help="comma list of methods (default: all registered)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seq_len", type=int, default=0, help="context (train.seq_len); 0: the config's")
-    p.add_argument("--batch_size", type=int, default=0, help="0: the config's")
-    p.add_argument("--d_model", type=int, default=0, help="model size; 0: the config's")
-    p.add_argument("--num_layers", type=int, default=0, help="0: the config's")
-    p.add_argument("--eval_tokens", type=int, default=32768, help="tokens scored by the final validation")
-    p.add_argument("--runs", default="runs/bench_train",
-                   help="folder of the training runs, one sub-folder per method (replaced on a rerun only if this "
-                        "command created it)")
-    p.add_argument("--update", action="store_true",
-                   help="merge into <out>/train.json: the rows of the methods run here replace theirs, the rest stay")
-    p.add_argument("--no_xla_mem", dest="xla_mem", action="store_false",
-                   help="skip XLA's memory analysis of the train step (one extra compile per method)")
+def define_flags(fv) -> None:
+    flags.DEFINE_string("methods", "", "comma list of methods (default: all registered)", flag_values=fv)
+    flags.DEFINE_integer("steps", 200, "training steps per method", flag_values=fv)
+    flags.DEFINE_integer("seq_len", 0, "context (train.seq_len); 0: the config's", flag_values=fv)
+    flags.DEFINE_integer("batch_size", 0, "0: the config's", flag_values=fv)
+    flags.DEFINE_integer("d_model", 0, "model size; 0: the config's", flag_values=fv)
+    flags.DEFINE_integer("num_layers", 0, "0: the config's", flag_values=fv)
+    flags.DEFINE_integer("eval_tokens", 32768, "tokens scored by the final validation", flag_values=fv)
+    flags.DEFINE_string("runs", "runs/bench_train", "folder of the training runs, one sub-folder per method "
+                        "(replaced on a rerun only if this command created it)", flag_values=fv)
+    flags.DEFINE_bool("update", False, "merge into <out>/train.json: the rows of the methods run here replace "
+                      "theirs, the rest stay", flag_values=fv)
+    flags.DEFINE_bool("xla_mem", True, "XLA's memory analysis of the train step (one extra compile per method; "
+                      "--no_xla_mem skips it)", flag_values=fv)
 
 
 MARKER = ".longctx_bench_run"  # in every run folder this command creates; only such folders are replaced

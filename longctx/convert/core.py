@@ -30,7 +30,7 @@ from longctx import config as config_lib
 from longctx.convert import families
 from longctx.convert.errors import ConvertError
 from longctx.convert.safetensors import Folder, write
-from longctx.models.backbone import relayout
+from longctx.models.backbone import relayout, scans_layers
 from longctx.models.blocks import get_block, layer_config, layer_methods
 from longctx.models.decoder import build_model, with_execution
 from longctx.runtime import Runner
@@ -80,7 +80,7 @@ def hf_model_config(hf: dict, base=None, log=None):
     cfg.model.output = config_lib.base_config().model.output  # the full softmax over the vocabulary
     exact = exact_method()
     config_lib._resolve_pattern(cfg)  # a pattern from the command line ('dense,eva') arrives as one string
-    pattern = tuple(cfg.model.attention.get("pattern", ()) or ())
+    pattern = tuple(cfg.model.attention.pattern)
     if pattern and cfg.model.attention.name not in pattern:
         cfg.model.attention.name = next((p for p in pattern if p != exact), exact)
     if len(set(pattern)) == 1:
@@ -122,7 +122,7 @@ def abstract_model(cfg):
     from flax import nnx
 
     m = cfg.model.copy_and_resolve_references()
-    m.scan_layers = False
+    m.scan_layers = "off"
     model = nnx.eval_shape(lambda: build_model(m, seed=cfg.train.seed, execution=cfg.get("execution")))
     return split_model(model)
 
@@ -272,7 +272,7 @@ def plan_hf(hf_dir, *, config=None, rope_theta: float | None = None, extend: int
     res = dry_run.plan(cfg, devices)
     log(f"plan of training {hf_dir} ({hf['model_type']}) at train.seq_len={cfg.train.seq_len}, "
         f"train.batch_size={cfg.train.batch_size}, model.remat={cfg.model.remat}, "
-        f"model.scan_layers={cfg.model.get('scan_layers', False)}")
+        f"model.scan_layers={res['scan_layers']!r}")
     log(dry_run.report(res))
     return res
 
@@ -334,7 +334,7 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
     tree = {"params": params, "nongrad": nongrad}
     if optimizer_state:
         tree["opt_state"] = with_loss_scale(make_optimizer(cfg.train), cfg).init(params)
-    if cfg.model.get("scan_layers", False):
+    if scans_layers(cfg.model):
         tree = {k: relayout(v, scanned=True) for k, v in tree.items()}
     save_checkpoint(workdir, tree, cfg)
     (workdir / "config.json").write_text(cfg.to_json(indent=1))
@@ -371,7 +371,7 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
         raise ConvertError(f"the run's layers run {sorted(set(methods))}; transformers computes exact softmax "
                            f"attention, so only a model whose every layer runs {exact!r} exports")
     params = runner.params[0]
-    if m.get("scan_layers", False):
+    if scans_layers(m):
         params = relayout(params, scanned=False)
     pure = nnx.to_pure_dict(params)
     source = Path(workdir) / "hf_config.json"
@@ -393,7 +393,7 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
     hf_dir.mkdir(parents=True, exist_ok=True)
     write(hf_dir / "model.safetensors", items, metadata={"format": "pt"})
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    tok = runner.cfg.data.options.get("tokenizer_file", "") if runner.cfg.data.tokenizer == "hf" else ""
+    tok = runner.cfg.data.options.tokenizer_file if runner.cfg.data.tokenizer == "hf" else ""
     if tok and Path(tok).is_file():
         shutil.copyfile(tok, hf_dir / "tokenizer.json")
     log(f"exported {workdir} (step {runner.step}) to {hf_dir} as a {hf['model_type']} model")

@@ -91,7 +91,7 @@ class AdaptiveSoftmax(nnx.Module):
     """
 
     def __init__(self, d_model: int, vocab_size: int, cutoffs=(20000, 40000, 200000), div_val: float = 4.0, *,
-                 rngs: nnx.Rngs, chunk: int = 8192, param_dtype=jnp.float32, dtype=None):
+                 rngs: nnx.Rngs, chunk: int = 8192, param_dtype=jnp.float32, dtype=None, flat_rows: bool = False):
         cutoffs = [int(c) for c in cutoffs]
         if not cutoffs or any(b <= a for a, b in zip([0] + cutoffs, cutoffs + [vocab_size])):
             raise ValueError(f"cutoffs {cutoffs} must be increasing and inside (0, vocab_size={vocab_size})")
@@ -99,7 +99,7 @@ class AdaptiveSoftmax(nnx.Module):
         self.bounds = [0] + cutoffs + [vocab_size]
         self.n_tails = len(cutoffs)
         init = nnx.initializers.normal(0.02)
-        kw = {"param_dtype": param_dtype, "dtype": dtype}  # dtype: the compute dtype (None: the inputs')
+        kw = {"param_dtype": param_dtype, "dtype": dtype, "flat_rows": flat_rows}  # dtype: the compute dtype (None: the inputs')
         self.head = linear(d_model, cutoffs[0] + self.n_tails, ("embed", "vocab"), kernel_init=init, rngs=rngs, **kw)
         projs, outs = [], []
         for i in range(1, self.n_tails + 1):

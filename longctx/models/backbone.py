@@ -16,7 +16,8 @@ an encoder's masked positions); it reaches every block whose call takes an ``imp
 and the others never see it. ``positions`` / ``segment_ids``: optional [B, T] int32 of a packed row
 (``data.packing='segments'``, :meth:`Backbone.run`).
 
-``model.scan_layers``: the blocks' variables (parameters and non-gradient state such as VQ codebooks) are
+``model.scan_layers='on'`` (:func:`scans_layers`; ``'auto'``, the default, is resolved by
+:func:`longctx.config.validate`): the blocks' variables (parameters and non-gradient state such as VQ codebooks) are
 stacked on a leading ``layers`` axis (:class:`LayerStack`) and one ``jax.lax.scan`` runs them, so a step
 compiles one block whatever the depth. The layout is the only difference: the blocks are built exactly as
 unrolled ones (same initial values for the same seed) and then stacked; per-layer keys are the same
@@ -30,11 +31,15 @@ moments, checkpoints) between the two layouts.
 model section as its layer sees it (``attention.name`` = its method, :func:`longctx.models.blocks.layer_config`),
 so its parameters, non-gradient state, decoding state and stats are that method's, in the same per-layer lists.
 Without a pattern every layer runs ``model.attention.name`` and the model is built exactly as before. A pattern
-refuses stack-wrapper methods and, for now, ``scan_layers`` over different methods (:func:`_check_pattern`).
+refuses a stack-wrapper method whose wrapper cannot run one layer and, for now, ``scan_layers='on'`` over
+different methods (:func:`_check_pattern`).
 
 A method that acts on whole layers rather than on q, k, v (``AttentionCore.stack_wrapper``, e.g.
 VCC's compression) replaces the plain loop over the blocks by its stack wrapper, which runs the
-same blocks (same parameter tree) and always receives ``important``.
+same blocks (same parameter tree) and always receives ``important``. In a pattern, a layer whose method's
+wrapper declares ``per_layer`` (its stack is a loop of independent per-layer calls, e.g. VCC-LM) runs through
+the wrapper's ``layer(block, x, state, deterministic=, key=)`` on its own block, with the state its
+``init_layer_state(block, batch_size, max_len)`` builds, in the model's per-layer state list.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from longctx import attention
-from longctx.attention import Aux
+from longctx.attention import Aux, dispatch
 from longctx.attention.base import axes, logical, segments_refusal
 from longctx.errors import ConfigError
 from longctx.layout import rows_apply
@@ -65,6 +70,17 @@ def takes_keyword(fn, name: str) -> bool:
     """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
     params = inspect.signature(fn).parameters.values()
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+# model.scan_layers: 'auto' is resolved by longctx.config.validate to 'on' or 'off' (longctx/config.py)
+SCAN_LAYERS = ("auto", "on", "off")
+
+
+def scans_layers(model_cfg) -> bool:
+    """Whether a model section (or its saved dict) stacks its blocks under one scan: ``model.scan_layers`` as
+    :func:`longctx.config.validate` resolved it, ``'on'``. A section never validated still holds ``'auto'`` and is
+    built unrolled, as ``'off'``."""
+    return model_cfg["scan_layers"] == "on"
 
 
 REMAT_POLICIES = ("auto", "cotangent_tied", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -341,28 +357,42 @@ class LayerStack(nnx.Module):
         nnx.update(self.layer, jax.vmap(one)(variables, stats))
 
 
+def stack_wrapper_class(name: str, causal: bool):
+    """The class of method ``name``'s stack wrapper for the direction ``causal`` (``AttentionCore.stack_wrapper``),
+    or None where the method runs on the plain loop of blocks."""
+    wrapper = attention.get_class(name).stack_wrapper(causal=causal)
+    if not wrapper:
+        return None
+    module_name, cls_name = wrapper.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
 def _check_pattern(cfg, methods: tuple[str, ...], scan_layers: bool) -> None:
     """The combinations a per-layer pattern of methods (``model.attention.pattern``) cannot run, as one-line
     ConfigErrors (also raised by :func:`longctx.config.validate`)."""
     for name in dict.fromkeys(methods):
-        if attention.get_class(name).stack_wrapper(causal=cfg.causal):
+        wrapper = stack_wrapper_class(name, cfg.causal)
+        if wrapper is not None and not getattr(wrapper, "per_layer", False):
             raise ConfigError(f"model.attention.pattern: {name!r} runs the whole stack of blocks inside its own "
                               "stack wrapper and cannot be one layer of a pattern; use model.attention.name without "
                               "a pattern")
     if scan_layers and len(set(methods)) > 1:
-        raise ConfigError(f"model.scan_layers=True with a pattern of different methods {tuple(dict.fromkeys(methods))} "
-                          "is not supported yet (the scan needs identical blocks); set model.scan_layers=False")
+        raise ConfigError(f"model.scan_layers='on' with a pattern of different methods {tuple(dict.fromkeys(methods))} "
+                          "is not supported yet (the scan needs identical blocks); set model.scan_layers='off' or 'auto'")
 
 
 class Backbone(nnx.Module):
     """Embedding -> positions -> blocks (built with ``cfg.causal``) -> norm, plus the vocabulary head."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, platform: str | None = None):
+        """``platform``: where the model runs (its layers' row layout, its attention cores' implementations); None:
+        the default backend at build time."""
+        platform = platform or dispatch.current_platform()
         self.cfg_positions = cfg.positions
         self.d_model = cfg.d_model
         self.vocab_size = cfg.vocab_size
         # the precision policy, applied here and in the blocks' constructors (longctx/models/precision.py)
-        self.policy = pol = precision.policy(cfg)
+        self.policy = pol = precision.policy(cfg, platform)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
                                embedding_init=logical(nnx.initializers.normal(0.02), "vocab", "embed"), rngs=rngs,
                                **pol.layer_kw)
@@ -385,23 +415,25 @@ class Backbone(nnx.Module):
         post_norm = bool(cfg.post_norm)
         self.embed_norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps)) if post_norm else None
         block_cls = get_block(cfg.block)
-        self.scan_layers = bool(cfg.get("scan_layers", False))  # configs saved before the key existed: unrolled
+        self.scan_layers = scans_layers(cfg)
         methods = layer_methods(cfg)
-        if cfg.attention.get("pattern", None):
+        pattern = bool(cfg.attention.pattern)
+        if pattern:
             _check_pattern(cfg, methods, self.scan_layers)
-        blocks = [block_cls(layer_config(cfg, i), layer_index=i, rngs=rngs) for i in range(cfg.num_layers)]
+        blocks = [block_cls(layer_config(cfg, i), layer_index=i, rngs=rngs, platform=platform)
+                  for i in range(cfg.num_layers)]
         self.blocks = LayerStack(blocks) if self.scan_layers else nnx.List(blocks)
         self._block_takes_important = takes_keyword(block_cls.__call__, "important")
-        wrapper = attention.get_class(methods[0]).stack_wrapper(causal=cfg.causal)
-        if wrapper and self.scan_layers:
-            raise ValueError(f"model.scan_layers=True: attention {cfg.attention.name!r} runs the blocks inside its own "
-                             "stack wrapper; set model.scan_layers=False")
-        self.stack_method = methods[0]
-        if wrapper:
-            module_name, cls_name = wrapper.split(":")
-            self.stack = getattr(importlib.import_module(module_name), cls_name)(cfg, rngs=rngs)
-        else:
-            self.stack = None
+        wrappers = [stack_wrapper_class(m, cfg.causal) for m in methods]
+        self.stack_method = next((m for m, w in zip(methods, wrappers) if w is not None), methods[0])  # for refusals
+        if any(wrappers) and self.scan_layers:
+            raise ValueError(f"model.scan_layers='on': attention {self.stack_method!r} runs the blocks inside its own "
+                             "stack wrapper; set model.scan_layers='off' or 'auto'")
+        # no pattern: the wrapper runs the whole stack; in a pattern: each of its layers (``per_layer``), None where
+        # a layer runs on the plain loop
+        self.stack = wrappers[0](cfg, rngs=rngs) if wrappers[0] is not None and not pattern else None
+        self.layer_stacks = nnx.List([w(layer_config(cfg, i), rngs=rngs) if w is not None else None
+                                      for i, w in enumerate(wrappers)]) if pattern and any(wrappers) else None
         self.norm = make_norm(cfg.norm, cfg.d_model, rngs, pol, eps=float(cfg.norm_eps)) if not post_norm else Identity()
         # model.head_transform, model.head_bias: BERT's masked-LM head (transform, then the tied output plus a bias)
         self.head_transform = HeadTransform(cfg.d_model, norm=cfg.norm, eps=float(cfg.norm_eps), rngs=rngs,
@@ -409,28 +441,35 @@ class Backbone(nnx.Module):
             if cfg.head_transform else None
         self.head_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), pol.param), **axes("vocab")) \
             if cfg.head_bias else None
-        self.remat = bool(cfg.get("remat", False))  # configs saved before the key existed: off
-        self.remat_policy = str(cfg.get("remat_policy", "auto"))
+        self.remat = bool(cfg.remat)
+        # 'auto' resolved for the platform the model is built for (resolve_remat_policy)
+        self.remat_policy = resolve_remat_policy(str(cfg.remat_policy), platform)
         self.output_kind, self.loss_chunk = cfg.output, cfg.loss_chunk
         adaptive = cfg.output == "adaptive"
         self.adaptive = (
             AdaptiveSoftmax(cfg.d_model, cfg.vocab_size, tuple(cfg.adaptive_cutoffs), cfg.adaptive_div, rngs=rngs,
-                            param_dtype=pol.param, dtype=pol.compute)
+                            param_dtype=pol.param, dtype=pol.compute, flat_rows=pol.flat_rows)
             if adaptive
             else None
         )
         self.head = (
-            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs, **pol.layer_kw)
+            linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), use_bias=False, rngs=rngs, **pol.layer_kw,
+                   **pol.rows_kw)
             if not adaptive and not cfg.tie_embeddings
             else None
         )
+
+    def layer_wrappers(self):
+        """Per block: the stack wrapper that runs it as one layer of a pattern, or None (its own call)."""
+        return [None] * len(self.blocks) if self.layer_stacks is None else list(self.layer_stacks)
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         return {
             "pos": jnp.zeros((), jnp.int32),
             "layers": (self.stack.init_state(self.blocks, batch_size, max_len) if self.stack is not None
                        else self.blocks.init_state(batch_size, max_len) if self.scan_layers
-                       else [b.init_state(batch_size, max_len) for b in self.blocks]),
+                       else [b.init_state(batch_size, max_len) if w is None else w.init_layer_state(b, batch_size, max_len)
+                             for b, w in zip(self.blocks, self.layer_wrappers())]),
         }
 
     def embed_tokens(self, tokens, positions):
@@ -464,9 +503,10 @@ class Backbone(nnx.Module):
         if not self.policy.full:  # compute-dtype operands, float32 accumulation and logits (the loss's input)
             W = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
             cd = self.policy.compute
-            return rows_apply(lambda x: precision.einsum_f32("...d,dv->...v", x.astype(cd), W.astype(cd)), h)
+            return rows_apply(lambda x: precision.einsum_f32("...d,dv->...v", x.astype(cd), W.astype(cd)), h,
+                              flat=self.policy.flat_rows)
         if self.head is None:
-            return rows_apply(self.embed.attend, h).astype(jnp.float32)
+            return rows_apply(self.embed.attend, h, flat=self.policy.flat_rows).astype(jnp.float32)
         return self.head(h).astype(jnp.float32)
 
     def nll(self, h, targets):
@@ -497,7 +537,8 @@ class Backbone(nnx.Module):
             raise ValueError(f"positions {positions.shape} must be [batch, length] = {tokens.shape}")
         x = self.embed_tokens(tokens, positions)
         layer_states = [None] * len(self.blocks) if state is None else state["layers"]
-        if self.stack is not None and segment_ids is not None:  # a stack wrapper's call takes no segment ids (yet)
+        if segment_ids is not None and (self.stack is not None or self.layer_stacks is not None):
+            # a stack wrapper's call takes no segment ids (yet)
             raise ConfigError(segments_refusal(self.stack_method))
         if self.stack is not None:
             aux = Aux()
@@ -517,8 +558,12 @@ class Backbone(nnx.Module):
         keys = split_key(key, len(self.blocks))
         new_states, losses, stats, metrics = [], {}, [], {}
         call = _block_call(deterministic, self.remat, self.remat_policy)
-        for i, (block, st, k) in enumerate(zip(self.blocks, layer_states, keys)):
-            x, st, (layer_losses, layer_stats, layer_metrics) = call(block, x, st, positions, k, extra)
+        for i, (block, st, k, wrap) in enumerate(zip(self.blocks, layer_states, keys, self.layer_wrappers())):
+            if wrap is not None:  # a pattern's layer run by its method's stack wrapper (``per_layer``)
+                x, st = wrap.layer(block, x, st, deterministic=deterministic, key=k)
+                layer_losses, layer_stats, layer_metrics = {}, {}, {}
+            else:
+                x, st, (layer_losses, layer_stats, layer_metrics) = call(block, x, st, positions, k, extra)
             new_states.append(st)
             for name, val in layer_losses.items():
                 losses[name] = losses.get(name, 0.0) + val

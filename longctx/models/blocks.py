@@ -54,7 +54,7 @@ def layer_methods(cfg) -> tuple[str, ...]:
     runs ``model.attention.name``. Otherwise a tuple of method names: exactly ``num_layers`` of them, or a
     group whose length divides ``num_layers``, repeated to the depth (e.g. three layers of one efficient method, then ``'dense'``)."""
     name, L = cfg.attention.name, int(cfg.num_layers)
-    pattern = tuple(cfg.attention.get("pattern", None) or ())
+    pattern = tuple(cfg.attention.pattern)
     if not pattern:
         return (name,) * L
     unknown = [p for p in pattern if p not in attention.names()]
@@ -70,7 +70,7 @@ def layer_methods(cfg) -> tuple[str, ...]:
 def layer_config(cfg, layer_index: int):
     """``cfg`` (the ``model`` section) as layer ``layer_index`` sees it: ``attention.name`` is that layer's
     method (:func:`layer_methods`). Without a pattern, ``cfg`` itself."""
-    if not cfg.attention.get("pattern", None):
+    if not cfg.attention.pattern:
         return cfg
     import ml_collections
 
@@ -117,7 +117,7 @@ class TransformerBlock(nnx.Module):
       the same parameters, ``norm1`` after the attention and ``norm2`` after the MLP.
     """
 
-    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs, platform: str | None = None):
         d, H, Dh = cfg.d_model, cfg.num_heads, cfg.head_dim
         Hkv = kv_heads(cfg)
         self.num_heads, self.head_dim, self.num_kv_heads = H, Dh, Hkv
@@ -126,17 +126,17 @@ class TransformerBlock(nnx.Module):
         self.rope_theta = float(cfg.rope_theta)
         self.dropout_rate = cfg.dropout
         self.post_norm = bool(cfg.post_norm)
-        pol = precision.policy(cfg)
+        pol = precision.policy(cfg, platform)
         eps = float(cfg.norm_eps)
         self.norm1 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
         self.norm2 = make_norm(cfg.norm, d, rngs, pol, eps=eps)
         self.qkv = linear(d, (H + 2 * Hkv) * Dh, ("embed", "qkv"), use_bias=bool(cfg.qkv_bias),
-                          rngs=rngs, **pol.layer_kw)
+                          rngs=rngs, **pol.layer_kw, **pol.rows_kw)
         self.out = linear(H * Dh, d, ("qkv", "embed"), use_bias=bool(cfg.out_bias), rngs=rngs,
-                          **pol.layer_kw)
+                          **pol.layer_kw, **pol.rows_kw)
         name = cfg.attention.name
         self.core = attention.build(
-            name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs
+            name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs, platform=platform
         )
         self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.mlp),
                        use_bias=bool(cfg.mlp_bias))

@@ -63,10 +63,12 @@ def with_execution(model_cfg, execution):
     return model_cfg if merged is None else merged
 
 
-def build_model(model_cfg, *, seed: int = 0, execution=None):
+def build_model(model_cfg, *, seed: int = 0, execution=None, platform: str | None = None):
     """``model.kind='decoder'`` -> :class:`DecoderLM`; ``'encoder'`` -> :class:`EncoderMLM`. ``model_cfg``: the
     config's ``model`` section, or the whole config (its ``execution`` section then applies); ``execution``:
-    the config's ``execution`` section (how the attention cores compute; default: each method's defaults)."""
+    the config's ``execution`` section (how the attention cores compute; default: each method's defaults);
+    ``platform``: where the model runs (its row layout and its cores' implementations; None: the default
+    backend)."""
 
     if "model" in model_cfg and "kind" not in model_cfg:  # the whole config
         execution = model_cfg.get("execution") if execution is None else execution
@@ -74,7 +76,7 @@ def build_model(model_cfg, *, seed: int = 0, execution=None):
     model_cfg = with_execution(model_cfg, execution)
 
     if model_cfg.kind == "decoder":
-        return DecoderLM(model_cfg, rngs=nnx.Rngs(seed))
+        return DecoderLM(model_cfg, rngs=nnx.Rngs(seed), platform=platform)
     if model_cfg.kind == "encoder":
-        return EncoderMLM(model_cfg, rngs=nnx.Rngs(seed))
+        return EncoderMLM(model_cfg, rngs=nnx.Rngs(seed), platform=platform)
     raise ConfigError(f"model.kind={model_cfg.kind!r} is unknown; allowed: decoder, encoder")

@@ -30,11 +30,11 @@ from longctx.models.backbone import Backbone
 
 
 class EncoderMLM(Backbone):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, platform: str | None = None):
         if cfg.causal:
             cfg = ml_collections.ConfigDict(cfg.to_dict())
             cfg.causal = False
-        super().__init__(cfg, rngs=rngs)
+        super().__init__(cfg, rngs=rngs, platform=platform)
 
     def hidden(self, tokens, important=None, *, deterministic: bool = True, key=None, positions=None,
                segment_ids=None):

@@ -39,7 +39,7 @@ def _split_key(key, n):
 
 
 class GAUBlock(nnx.Module):
-    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, layer_index: int, rngs: nnx.Rngs, platform: str | None = None):
         d, H, Dk = cfg.d_model, cfg.num_heads, cfg.head_dim
         expansion = float(cfg.gau_expansion)
         dv_total = int(round(expansion * d))
@@ -54,10 +54,11 @@ class GAUBlock(nnx.Module):
         self.layerdrop = float(cfg.gau_layerdrop)
         if not 0.0 <= self.layerdrop < 1.0:
             raise ConfigError(f"model.gau_layerdrop={self.layerdrop}; allowed: 0 <= p < 1")
-        pol = precision.policy(cfg)
-        self.norm = RMSNorm(d, use_bias=True, param_dtype=pol.param)
+        pol = precision.policy(cfg, platform)
+        self.flat_rows = pol.flat_rows
+        self.norm = RMSNorm(d, use_bias=True, param_dtype=pol.param, flat_rows=pol.flat_rows)
         init = fan_in_init()
-        kw = pol.layer_kw
+        kw = {**pol.layer_kw, **pol.rows_kw}
         self.wq = linear(d, H * Dk, ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
         self.wkvg = linear(d, H * (Dk + 2 * Dv), ("embed", "qkv"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
         self.wo = linear(H * Dv, d, ("qkv", "embed"), use_bias=False, kernel_init=init, rngs=rngs, **kw)
@@ -69,7 +70,7 @@ class GAUBlock(nnx.Module):
         # the GAU RMS-normalizes and scales q and k itself (§2.1); the core adapts through its capability
         core_cfg = core_cls.configure_for_block(core_cfg, normalizes_qk=True, d_model=d)
         self.core = attention.build(name, core_cfg, num_heads=H, head_dim=Dk, value_dim=Dv,
-                                    causal=cfg.causal, rngs=rngs)
+                                    causal=cfg.causal, rngs=rngs, platform=platform)
         self._core_takes_mask = bool(core_cls.takes_token_mask)
 
     def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None,
@@ -101,8 +102,8 @@ class GAUBlock(nnx.Module):
         v = jax.nn.silu(kvg[..., H * Dk: H * (Dk + Dv)]).reshape(B, T, H, Dv)
         g = jax.nn.silu(kvg[..., H * (Dk + Dv):])
         scale = Dk ** -0.25  # tau^-1/2, tau = sqrt(Dk)
-        q = scale * _rms(q)
-        k = scale * _rms(k)
+        q = scale * _rms(q, flat=self.flat_rows)
+        k = scale * _rms(k, flat=self.flat_rows)
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         return q, k, v, g
 
@@ -117,8 +118,8 @@ class GAUBlock(nnx.Module):
         self.core.apply_stats(stats)
 
 
-def _rms(x, eps: float = 1e-6):
-    return rows_apply(functools.partial(_rms_rows, eps=eps), x)
+def _rms(x, eps: float = 1e-6, *, flat: bool):
+    return rows_apply(functools.partial(_rms_rows, eps=eps), x, flat=flat)
 
 
 def _rms_rows(x, eps: float):

@@ -14,13 +14,14 @@ class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * g (+ b), computed in fp32."""
 
     def __init__(self, dim: int, *, use_bias: bool = False, eps: float = 1e-6, rngs: nnx.Rngs | None = None,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, flat_rows: bool = False):
+        self.flat_rows = flat_rows
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), **axes("norm"))
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), **axes("norm")) if use_bias else None
         self.eps = eps
 
     def __call__(self, x):
-        return rows_apply(self._rows, x)
+        return rows_apply(self._rows, x, flat=self.flat_rows)
 
     def _rows(self, x):
         xf = x.astype(jnp.float32)
@@ -34,12 +35,12 @@ def make_norm(kind: str, dim: int, rngs: nnx.Rngs, policy=None, *, eps: float = 
     """A norm over the last axis; ``policy`` (:mod:`longctx.models.precision`): parameters in its ``param`` dtype,
     output in its compute dtype, statistics in float32 either way. ``eps`` (``model.norm_eps``): added to the
     variance (LayerNorm) or the mean square (RMSNorm)."""
-    kw = {} if policy is None else policy.layer_kw
+    kw = {} if policy is None else {**policy.layer_kw, **policy.rows_kw}
     if kind == "layernorm":
         return LayerNorm(dim, epsilon=eps, scale_init=logical(nnx.initializers.ones, "norm"),
                          bias_init=logical(nnx.initializers.zeros, "norm"), rngs=rngs, **kw)
     if kind == "rmsnorm":
-        return RMSNorm(dim, eps=eps, **({} if policy is None else {"param_dtype": policy.param}))
+        return RMSNorm(dim, eps=eps, **({} if policy is None else {"param_dtype": policy.param, **policy.rows_kw}))
     raise ValueError(f"unknown norm {kind!r}; allowed: layernorm, rmsnorm")
 
 
@@ -61,7 +62,7 @@ class MLP(nnx.Module):
                  use_bias: bool = True):
         if kind not in MLP_KINDS:
             raise ValueError(f"unknown mlp {kind!r}; allowed: {', '.join(MLP_KINDS)}")
-        kw = {} if policy is None else policy.layer_kw
+        kw = {} if policy is None else {**policy.layer_kw, **policy.rows_kw}
         self.kind = kind
         if kind not in ("gelu", "gelu_exact"):
             self.gate = linear(dim, hidden, ("embed", "mlp"), use_bias=use_bias, rngs=rngs, **kw)
@@ -83,17 +84,27 @@ class MLP(nnx.Module):
 
 
 class LayerNorm(nnx.LayerNorm):
-    """``nnx.LayerNorm`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function)."""
+    """``nnx.LayerNorm`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function);
+    ``flat_rows``: the rows flattened (a CPU host's layout)."""
+
+    def __init__(self, *args, flat_rows: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flat_rows = flat_rows
 
     def __call__(self, x, *args, **kwargs):
-        return rows_apply(lambda rows: super(LayerNorm, self).__call__(rows, *args, **kwargs), x)
+        return rows_apply(lambda rows: super(LayerNorm, self).__call__(rows, *args, **kwargs), x, flat=self.flat_rows)
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function)."""
+    """``nnx.Linear`` applied through :func:`longctx.layout.rows_apply` (same parameters, same function);
+    ``flat_rows``: the rows flattened (a CPU host's layout)."""
+
+    def __init__(self, *args, flat_rows: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flat_rows = flat_rows
 
     def __call__(self, x):
-        return rows_apply(super().__call__, x)
+        return rows_apply(super().__call__, x, flat=self.flat_rows)
 
 
 def linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs,
@@ -116,7 +127,7 @@ class HeadTransform(nnx.Module):
     transform of BERT's and RoBERTa's masked-LM head); ``exact``: the erf GELU, else its tanh form."""
 
     def __init__(self, dim: int, *, norm: str, eps: float, exact: bool, rngs: nnx.Rngs, policy=None):
-        kw = {} if policy is None else policy.layer_kw
+        kw = {} if policy is None else {**policy.layer_kw, **policy.rows_kw}
         self.proj = linear(dim, dim, ("embed", "mlp"), rngs=rngs, **kw)
         self.norm = make_norm(norm, dim, rngs, policy, eps=eps)
         self.exact = exact

@@ -37,6 +37,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from longctx.layout import flattens_rows
 from pallas_kernels.precision import acc_einsum
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +57,17 @@ def resolve_dtype(name: str, backend: str | None = None):
 class Policy:
     compute: type = jnp.float32
     param: type = jnp.float32
+    # where the model runs: row-wise layers flatten their rows on a CPU host (longctx.layout.rows_apply)
+    platform: str = "cpu"
+
+    @property
+    def flat_rows(self) -> bool:
+        return flattens_rows(self.platform)
+
+    @property
+    def rows_kw(self) -> dict:
+        """longctx's row-wise layers' argument (Linear, LayerNorm, RMSNorm): whether they flatten their rows."""
+        return {"flat_rows": self.flat_rows}
 
     @property
     def full(self) -> bool:
@@ -73,11 +85,13 @@ class Policy:
 
 
 def policy(cfg, backend: str | None = None) -> Policy:
-    """The policy of a ``model`` config section (``dtype``, ``param_dtype``)."""
+    """The policy of a ``model`` config section (``dtype``, ``param_dtype``) for the platform ``backend`` (None:
+    the default backend at build time, as an attention core's platform)."""
+    backend = backend or jax.default_backend()
     param = str(cfg.param_dtype)
     if param not in PARAM_DTYPES:
         raise ValueError(f"param_dtype {param!r}: allowed: {', '.join(PARAM_DTYPES)}")
-    return Policy(compute=resolve_dtype(str(cfg.dtype), backend), param=jnp.dtype(param).type)
+    return Policy(compute=resolve_dtype(str(cfg.dtype), backend), param=jnp.dtype(param).type, platform=backend)
 
 
 

@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from longctx import config as config_lib
 from longctx.config import FORMAT_VERSION
 from longctx.errors import CheckpointError
-from longctx.models.backbone import layer_layout, relayout
+from longctx.models.backbone import layer_layout, relayout, scans_layers
 
 # orbax logs a full traceback for a failed async write before re-raising it; we report it in one line
 logging.getLogger("absl").setLevel(logging.CRITICAL)
@@ -167,10 +167,10 @@ def _is_int(x) -> bool:
 
 def verify_meta(meta, step: int) -> None:
     """Types, checksum and step of one checkpoint's metadata, and its config valid; raises
-    ``_Invalid`` with the reason. (Metadata written before the checksum existed has none.)"""
+    ``_Invalid`` with the reason."""
     if not isinstance(meta, dict):
         raise _Invalid(f"metadata is a JSON {type(meta).__name__}, not an object")
-    if META_CRC in meta and (not _is_int(meta[META_CRC]) or meta_checksum(meta) != meta[META_CRC]):
+    if not _is_int(meta.get(META_CRC)) or meta_checksum(meta) != meta[META_CRC]:
         raise _Invalid("metadata do not match the checksum written with them")
     if meta.get("format_version") != FORMAT_VERSION:
         raise _Invalid(f"format {str(meta.get('format_version'))[:20]!r}, this code reads {FORMAT_VERSION}")
@@ -264,12 +264,12 @@ def _restore_one(mngr, step: int, make_target, partial: bool) -> tuple[dict, dic
 
 def _saved_layout(target, meta):
     """(``target`` in the layer layout of the checkpoint, the layout to convert the restored tree back to:
-    True scanned, False unrolled, None no conversion). A checkpoint saved with ``model.scan_layers`` (stacked
-    blocks) restores into an unrolled model and vice versa (:func:`longctx.models.backbone.relayout`)."""
+    True scanned, False unrolled, None no conversion). A checkpoint saved with ``model.scan_layers='on'`` (stacked
+    blocks) restores into an unrolled model and vice versa (:func:`longctx.models.backbone.relayout`); ``meta``'s
+    config (checked by :func:`verify_meta`) is read merged over the base config, as it is validated."""
 
     asked = layer_layout(target)
-    model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
-    saved = "scanned" if isinstance(model_cfg, dict) and model_cfg.get("scan_layers", False) else "unrolled"
+    saved = "scanned" if scans_layers(config_lib.merge_over_base(meta["config"]).model) else "unrolled"
     if asked is None or asked == saved:
         return target, None
     return relayout(target, scanned=saved == "scanned"), asked == "scanned"

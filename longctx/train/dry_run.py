@@ -19,6 +19,7 @@ from flax import nnx
 from longctx import config as config_lib
 from longctx.bench.common import jaxpr_matmul_flops
 from longctx.errors import ConfigError
+from longctx.models.backbone import scans_layers
 from longctx.models.decoder import build_model
 from longctx.models.precision import resolve_dtype
 from longctx.train import sequence_parallel, sharding
@@ -139,7 +140,8 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     out.update(training_flops_per_token(cfg, graphdef, params, nongrad, rest))
     # XLA's cost analysis counts the body of a loop once: scanned layers and micro-batches run it many times
     out["flops_loop_note"] = ("scanned layers / micro-batches: XLA counts a loop body once, so the FLOPs understate "
-                              "the step") if (cfg.model.get("scan_layers", False) or tc.microbatches > 1) else ""
+                              "the step") if (scans_layers(cfg.model) or tc.microbatches > 1) else ""
+    out["scan_layers"] = cfg.model.scan_layers  # as validate resolved it
     # donated inputs are reused for the outputs: peak ~ arguments + temporaries (+ outputs not aliased)
     out["peak_bytes_estimate"] = out["argument_bytes"] + out["temp_bytes"] + max(
         0, out["output_bytes"] - out["alias_bytes"])

@@ -130,9 +130,8 @@ RESUMABLE_MODEL_KEYS = ("scan_layers", "remat", "remat_policy")
 
 
 def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
-    """Refuse to resume a run whose model or data differ from ``cfg``'s. The saved config is brought up to date
-    first (keys added to the base since take their defaults, execution settings move to their section), so a run
-    saved by an earlier version resumes."""
+    """Refuse to resume a run whose model or data differ from ``cfg``'s (both validated, then compared key by key;
+    the keys of :data:`RESUMABLE_MODEL_KEYS` may change)."""
     now = json.loads(cfg.to_json())
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

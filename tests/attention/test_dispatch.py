@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -139,37 +138,3 @@ def test_eva_chunks_declarations():
     assert c.use_kernel
     c = pick("auto", eva_chunks.unsupported_reasons, platform="cuda", P=6, d=64, dv=64)
     assert not c.use_kernel and "power-of-two" in c.reasons[0]
-
-
-def test_every_method_selects_through_the_rule(monkeypatch):
-    """No method has a rule of its own: building and calling each core (its first core-level contract case) asks
-    dispatch.select, and an implementation named there that refuses raises the rule's error."""
-    from flax import nnx
-
-    from longctx import attention
-
-    seen = set()
-    real = dispatch.select
-
-    def spy(impl, implementations, *, method, **kw):
-        seen.add(method.split(" ")[0])
-        return real(impl, implementations, method=method, **kw)
-
-    monkeypatch.setattr(dispatch, "select", spy)
-    expected = set()
-    for name in attention.names():
-        cls = attention.get_class(name)
-        case = next((c for c in cls.contract_cases().values() if c.level == "core"), None)
-        if case is None:
-            continue
-        causal = "causal" in case.directions
-        cfg = attention.default_config(name)
-        cfg.update(case.cfg)
-        core = attention.build(name, cfg, num_heads=case.num_heads, head_dim=case.head_dim,
-                               value_dim=case.value_dim, causal=causal, rngs=nnx.Rngs(0))
-        x = jnp.ones((1, case.num_heads, case.length, case.head_dim))
-        v = jnp.ones((1, case.num_heads, case.length, case.value_dim or case.head_dim))
-        graphdef, state = nnx.split(core)
-        jax.jit(lambda s, x, v, g=graphdef: nnx.merge(g, s)(x, x, v)[0])(state, x, v)  # selected while tracing
-        expected.add(name)
-    assert expected and expected <= seen, f"methods that did not ask dispatch.select: {sorted(expected - seen)}"

@@ -476,8 +476,10 @@ def test_impl_names_and_earlier_values():
     for impl, name in want.items():
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*interpret mode.*")
-            choice = make(window_size=8, chunk_size=4, impl=impl)._select(48, streaming=False)
+            core = make(window_size=8, chunk_size=4, impl=impl)
+            runner, choice = core.runner(**core.call_shapes(48, streaming=False))
         assert choice.name == name and choice.use_kernel == (name == "pallas"), impl
+        assert type(runner) is dispatch.by_name(core.implementations())[name].code, impl
 
 
 @pytest.mark.parametrize("causal,disjoint", [(True, False), (True, True), (False, False), (False, True)])

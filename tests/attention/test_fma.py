@@ -391,21 +391,28 @@ def test_execution_knobs_resolve_for_the_platform_of_the_call(monkeypatch):
     cfg = attention.default_config("fma")
     assert cfg.logit_budget == cfg.kernel_warps_per_64_rows == cfg.kernel_stages == dispatch.PLATFORM_DEFAULT
     core = build("fma", True, impl="xla", platform="cpu")
-    assert core._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cpu"]
-    assert build("fma_linear", True, platform="cpu")._implementation(None)[1].logit_budget == 1 << 24  # xla_cpu
+
+    def runner(core):  # the runner a deterministic call of ``core`` runs (AttentionCore.__call__'s selection)
+        return core.runner(**core._shapes(False))[0]
+
+    assert runner(core).logit_budget == xla.LOGIT_BUDGET["cpu"]
+    lin = runner(build("fma_linear", True, platform="cpu"))
+    assert type(lin) is xla_cpu.XlaCpu and lin.logit_budget == 1 << 24
     gpu, written = (build("fma", True, impl="xla", platform="cuda", **kw) for kw in ({}, {"logit_budget": 5000}))
-    assert gpu._implementation(None)[1].logit_budget == xla.LOGIT_BUDGET["cuda"] != xla.LOGIT_BUDGET["cpu"]
-    assert written._implementation(None)[1].logit_budget == 5000
+    assert runner(gpu).logit_budget == xla.LOGIT_BUDGET["cuda"] != xla.LOGIT_BUDGET["cpu"]
+    assert runner(written).logit_budget == 5000
     # the kernel's tiles on cuda: the rule (4 warps per 64 query rows, 2 stages), or as written
     impl = {i.name: i for i in attention.get_class("fma").implementations()}["pallas"]
     bpp = pallas.TILES["blocks_per_program"]
     assert cfg.blocks_per_program == dispatch.PLATFORM_DEFAULT
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 64) == {"num_warps": 4, "num_stages": 2,
-                                                            "blocks_per_program": bpp["cuda"]}
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 8, "num_stages": 2,
-                                                             "blocks_per_program": bpp["cuda"]}
-    assert pallas._tiles(impl.settings(cfg, "tpu"), 64)["blocks_per_program"] == bpp["tpu"]
-    assert pallas._tiles(impl.settings(cfg, "interpret"), 64)["blocks_per_program"] == bpp["cpu"]
+
+    def tiles(platform, m):
+        return impl.code.build(impl, cfg, platform).tiles(m)
+
+    assert tiles("cuda", 64) == {"num_warps": 4, "num_stages": 2, "blocks_per_program": bpp["cuda"]}
+    assert tiles("cuda", 128) == {"num_warps": 8, "num_stages": 2, "blocks_per_program": bpp["cuda"]}
+    assert tiles("tpu", 64)["blocks_per_program"] == bpp["tpu"]
+    assert tiles("interpret", 64)["blocks_per_program"] == bpp["cpu"]
+    assert impl.code.build(impl, cfg, "cuda").logit_budget == xla.LOGIT_BUDGET["cuda"]
     cfg.update({"kernel_warps_per_64_rows": 2, "kernel_stages": 3, "blocks_per_program": 8})
-    assert pallas._tiles(impl.settings(cfg, "cuda"), 128) == {"num_warps": 4, "num_stages": 3,
-                                                             "blocks_per_program": 8}
+    assert tiles("cuda", 128) == {"num_warps": 4, "num_stages": 3, "blocks_per_program": 8}

@@ -10,6 +10,7 @@ route at 256 tokens, the gradients' documented bias) are tests/fidelity/test_kde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -558,26 +559,36 @@ def test_execution_settings_select_implementations(is_causal, cfg, platform, cac
 
 
 # --------------------------------------------------------------------------- per-platform execution defaults
-KNOBS = {"tile_budget": "tile_budget", "heavy_scores_max_len": "heavy_scores_max_len", "heavy_band_block": "band_block"}
+KNOBS = ("tile_budget", "heavy_scores_max_len", "heavy_band_block")
+
+
+def runner_for(core, dtype, **shapes):
+    """The runner a call with ``shapes`` runs (the base class's selection and build), and the options it computes
+    with (its fields put into the core's options)."""
+    runner, choice = core.runner(**core.selection_shapes(dtype, **shapes))
+    return choice.name, runner, kx.with_knobs(core.causal_opts, runner)
 
 
 @pytest.mark.parametrize("platform,cache_len,want", [("cuda", 64, "xla"), ("tpu", 4096, "xla"), ("cpu", 64, "scores"),
                                                      ("cpu", 2048, "band")])
-def test_the_resolver_runs_the_platforms_knobs(platform, cache_len, want):
+def test_the_selection_runs_the_platforms_knobs(platform, cache_len, want):
     """The config leaves the knobs at PLATFORM_DEFAULT; the selection on ``platform`` picks the implementation and
-    the options it runs with carry that platform's values: a GPU never runs with the CPU's tile budget."""
+    its runner carries that platform's values (and so do the options it computes with): a GPU never runs with the
+    CPU's tile budget."""
     core = make(True, causal=SMALL, platform=platform)
     assert all(core.cfg[key] == dispatch.PLATFORM_DEFAULT for key in KNOBS)
-    impl, opts = core.resolve(jnp.bfloat16, cache_len=cache_len)
-    assert impl.name == want
-    for key, field in KNOBS.items():
-        if key in impl.defaults:
-            assert getattr(opts, field) == kx.DEFAULTS[key][platform], (key, platform)
-    assert opts.tile_budget == kx.DEFAULTS["tile_budget"][platform]
+    name, runner, opts = runner_for(core, jnp.bfloat16, cache_len=cache_len)
+    assert name == want
+    decl = dispatch.by_name(core.implementations(causal=True))[name]
+    assert set(decl.defaults) == set(KNOBS) & {f.name for f in dataclasses.fields(runner)}
+    for key in decl.defaults:
+        assert getattr(runner, key) == kx.DEFAULTS[key][platform], (key, platform)
+    assert opts.tile_budget == runner.tile_budget == kx.DEFAULTS["tile_budget"][platform]
+    assert opts.heavy_scores_max_len == runner.heavy_scores_max_len
     if platform == "cpu":
         assert opts.tile_budget == 1 << 22 and opts.heavy_scores_max_len == 1024  # the CPU's values of before
-        if "heavy_band_block" in impl.defaults:  # 'band' ('scores' reads no block)
-            assert opts.band_block == 64
+        if "heavy_band_block" in decl.defaults:  # 'band' ('scores' reads no block)
+            assert runner.heavy_band_block == opts.band_block == 64
     else:
         assert opts.tile_budget > kx.DEFAULTS["tile_budget"]["cpu"]  # not the CPU budget
         assert (opts.tile_budget, opts.heavy_scores_max_len, opts.band_block) == tuple(
@@ -590,11 +601,25 @@ def test_written_knobs_run_as_written_on_every_platform():
                     platform=platform)
 
     for platform, cache_len in (("cuda", 64), ("cpu", 64), ("cpu", 2048)):
-        _, opts = core(platform).resolve(jnp.float32, cache_len=cache_len)
+        _, _, opts = runner_for(core(platform), jnp.float32, cache_len=cache_len)
         assert (opts.tile_budget, opts.heavy_scores_max_len) == (12345, 77)
-    assert core("cuda").resolve(jnp.float32, cache_len=2048)[1].band_block == 16
+    assert runner_for(core("cuda"), jnp.float32, cache_len=2048)[2].band_block == 16
     # heavy_scores_max_len written: the CPU's 'auto' takes 'band' past 77 keys, not past the CPU default's 1024
     assert core("cpu").implementation_for(jnp.float32, cache_len=128) == "band"
+
+
+def test_the_core_options_leave_the_knobs_to_the_runner():
+    """The core's own options hold no execution knob (each is the runner's field): a tiled form given them without a
+    runner's knobs refuses, so no knob reaches the code except through the runner built for the platform."""
+    core = make(True, causal=SMALL, tile_budget=12345)
+    opts = core.causal_opts
+    assert (opts.tile_budget, opts.heavy_scores_max_len, opts.band_block) == (dispatch.PLATFORM_DEFAULT,) * 3
+    q, k, v = qkv(64, seed=7)
+    W = kd.draw_projections(jax.random.PRNGKey(8), B, 2, D, 3)
+    with pytest.raises(ValueError, match="tile_budget, heavy_scores_max_len left at dispatch.PLATFORM_DEFAULT"):
+        kx.causal(q, k, v, W, jax.random.PRNGKey(9), opts)
+    _, runner, with_runner = runner_for(core, jnp.float32, cache_len=64)
+    assert with_runner.tile_budget == runner.tile_budget == 12345
 
 
 def test_the_tiled_code_refuses_unresolved_knobs():

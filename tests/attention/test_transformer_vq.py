@@ -229,7 +229,7 @@ def test_gau_stack_carry_and_decode():
 
     cfg = ml_collections.ConfigDict(dict(
         d_model=16, num_heads=1, head_dim=8, d_ff=32, norm="rmsnorm", positions="none", dropout=0.0, causal=True,
-        gau_expansion=2.0, gau_layerdrop=0.0,
+        gau_expansion=2.0, gau_layerdrop=0.0, dtype="float32", param_dtype="float32",
         attention=dict(name="transformer_vq", transformer_vq=dict(codebook_size=8, block_len=4))))
     blocks = [get_block("gau")(cfg, layer_index=i, rngs=nnx.Rngs(i)) for i in range(2)]
     for b in blocks:
@@ -584,6 +584,14 @@ def test_numeric_knobs_run_with_the_platform_value():
                                                                                        "reduction": "assoc"}
     assert impls["pallas"].settings(core.cfg, "cuda") == {"search_chunk": 2048}
     assert impls["pallas"].settings(_kernel_sized(search_chunk=64).cfg, "cuda") == {"search_chunk": 64}
+    # the knobs reach the code as the runner's fields, the platform's values
+    build = lambda name, cfg, platform: impls[name].code.build(impls[name], cfg, platform)  # noqa: E731
+    assert build("blocks", core.cfg, "cuda") == xla.Blocks(search_chunk=2048, keep_budget=-1, tiled_min_scores=1 << 26)
+    assert build("xla_cpu", core.cfg, "cpu") == xla_cpu.XlaCpu(search_chunk=512, keep_budget=1 << 26,
+                                                               tiled_min_scores=1 << 23, reduction="serial")
+    assert build("parallel", _kernel_sized(reduction="assoc").cfg, "tpu") == xla.Parallel(search_chunk=2048,
+                                                                                         reduction="assoc")
+    assert build("pallas", core.cfg, "interpret").search_chunk == 512  # a kernel on a CPU: the CPU's value
 
 
 def test_first_argmax_matches_lax_argmax_ties_low_and_stays_in_range():

@@ -3,7 +3,7 @@ tested on the CPU with fake platform names (no accelerator needed)."""
 
 from __future__ import annotations
 
-import argparse
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ from longctx.bench import common as C
 def _ns(**kw):
     base = dict(batch=None, heads=None, head_dim=None, dtype=None, calls_per_sample=None)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return SimpleNamespace(**base)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "gpu", "tpu", "rocm"])
@@ -130,14 +130,12 @@ def test_step_reports_model_flops_and_mfu(tmp_path):
 
 
 def test_step_counts_a_model_with_kernels_as_its_portable_implementation():
-    import argparse
-
     from longctx.bench import configs
     from longctx.bench import step_bench as S
     from longctx.models.decoder import build_model
     from longctx.train.step import split_model
 
-    args = argparse.Namespace(batch_size=1, window=None, vocab_size=None)
+    args = SimpleNamespace(batch_size=1, window=None, vocab_size=None)
 
     def cfg(impl):
         base = configs.with_overrides(configs.load_config_file("configs/enwik8/fma.py:tiny"),

@@ -164,14 +164,14 @@ def test_completed_kernels_run_leaves_no_partial(bench_out):
 
 
 def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch):
-    import argparse
     import sys
+    from types import SimpleNamespace
 
     from longctx.bench import attention_bench as ab
 
-    args = argparse.Namespace(lengths="64,128", batch=1, heads=2, head_dim=16, dtype="float32", repeats=1, warmup=0,
-                              mem_budget_gb=1.0, max_cell_s=5.0, seed=0, causal=True, bidirectional=False,
-                              no_backward=False)
+    args = SimpleNamespace(lengths="64,128", batch=1, heads=2, head_dim=16, dtype="float32", repeats=1, warmup=0,
+                           mem_budget_gb=1.0, max_cell_s=5.0, seed=0, causal=True, bidirectional=False,
+                           no_backward=False)
     argv = ab.child_argv(args, "dense:blockwise", "/tmp/x")
     assert argv[argv.index("--methods") + 1] == "dense:blockwise" and "--no_isolate" in argv
     assert "--no_torch" in argv and "--causal" in argv and "--bidirectional" not in argv
@@ -188,11 +188,11 @@ def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch)
 def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, tmp_path):
     """A child killed mid-run (here SIGKILL after writing its progress file, as the out-of-memory killer would)
     keeps the rows it finished and names the cell it died in; --update replaces only the rows it reran."""
-    import argparse
     import json
     import os
     import signal
     import sys
+    from types import SimpleNamespace
 
     from longctx.bench import attention_bench as ab
 
@@ -203,7 +203,7 @@ def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, t
               f"open(os.path.join(out, {ab.PARTIAL!r}), 'w')); os.kill(os.getpid(), {int(signal.SIGKILL)})")
     monkeypatch.setattr(ab, "child_argv", lambda args, label, out, causal=None: [sys.executable, "-c", script,
                                                                                   "--out", out])
-    res = ab._run_child(argparse.Namespace(), "eva", True)
+    res = ab._run_child(SimpleNamespace(), "eva", True)
     assert res["rows"] == [done]
     (skip,) = res["skipped_variants"]
     assert skip["direction"] == "causal" and "status -9 during fwdbwd at T=2k" in skip["reason"]

@@ -41,6 +41,13 @@ REPO = Path(__file__).resolve().parents[2]
     (["report", "--out", "__EMPTY__"], "no benchmark JSON"),
     (["ab", "nowhere_a", "nowhere_b", "--method", "eva"], "not a source tree"),
     (["attention", "--nosuchflag"], "unrecognized arguments"),
+    (["attention", "--method", "dense"], "did you mean --methods?"),  # absl takes no abbreviations
+    (["attention", "--dtype", "int8"], "--dtype=int8"),
+    (["attention", "--repeats", "x"], "--repeats=x"),
+    (["attention", "stray"], "unrecognized arguments: stray"),
+    (["ab", "nowhere_a", "--method", "eva"], "required: tree_b"),
+    (["dropin", "--method", "eva"], "required: --workdir"),
+    (["speed"], "invalid choice: 'speed'"),
 ])
 def test_bad_inputs_give_one_error_line_and_exit_2(tmp_path, capsys, argv, message):
     f = tmp_path / "a_file"
@@ -66,6 +73,50 @@ def test_parse_args_checks_without_running(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["attention", "--nosuch"])
     assert e.value.code == 2
+
+
+def test_flag_spellings():
+    """absl's spellings (``--name value``, ``--name=value``, ``--noname``) and the bench's own: ``--no_NAME`` of a
+    boolean that defaults to true, a repeatable flag, positional arguments between the flags."""
+    a = cli.parse_args(["attention", "--lengths", "1k,4k", "--no_isolate", "--no_progress", "--no_backward",
+                        "--group", "eva,dense", "--group=dense,dense", "--causal"])
+    assert (a.lengths, a.isolate, a.progress, a.no_backward, a.causal) == ("1k,4k", False, False, True, True)
+    assert a.group == ["eva,dense", "dense,dense"] and a.command == "attention" and a.overrides == []
+    b = cli.parse_args(["attention", "--noisolate", "--noprogress", "--lengths=2k"])
+    assert (b.isolate, b.progress, b.no_backward, b.lengths, b.group) == (False, False, False, "2k", [])
+    c = cli.parse_args(["compare", "--plan", "--no_hybrids", "--seeds", "1"])
+    assert c.plan is True and c.hybrids is False and c.seeds == 1 and c.out == "results/compare"
+    d = cli.parse_args(["ab", str(REPO), "--method", "eva", str(REPO / "."), "--config.model.attention.eva.chunk_size=8"])
+    assert (d.tree_a, d.tree_b, d.method) == (str(REPO), str(REPO / "."), "eva")
+    assert d.overrides == ["model.attention.eva.chunk_size=8"]
+    assert not hasattr(cli.parse_args(["report", "--out", str(REPO / "results")]), "progress")
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["attention", "--lengths"])
+    assert e.value.code == 2
+
+
+def test_help_lists_commands_and_flags(capsys):
+    for argv in (["--help"], ["attention", "--help"], ["ab", "-h"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in ("attention", "decode", "compare", "report"))
+    assert "usage: longctx-bench attention [flags]" in out and "--[no]isolate" in out and "--lengths:" in out
+    assert "usage: longctx-bench ab TREE_A TREE_B [flags]" in out and "--config.KEY=VALUE" in out
+
+
+def test_sub_command_help_imports_no_orbax():
+    """``longctx-bench SUB --help`` starts without the checkpoint library (the ``# deferred:`` imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom longctx.bench import cli\ntry:\n    cli.main(['compare', '--help'])\n"
+            "except SystemExit as e:\n    assert e.code == 0\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'orbax'))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout[-2000:]
 
 
 def test_set_is_no_flag():

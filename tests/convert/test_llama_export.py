@@ -99,12 +99,12 @@ def test_transformers_loads_the_export(exported):
 
 
 def test_scanned_layers_import_and_export(tmp_path):
-    """A run with model.scan_layers (stacked blocks) imports and exports the same tensors."""
+    """A run with model.scan_layers='on' (stacked blocks) imports and exports the same tensors."""
     cfg = config_lib.base_config()
-    cfg.model.scan_layers = True
+    cfg.model.scan_layers = "on"
     run, out = tmp_path / "run", tmp_path / "hf"
     core.import_hf(FIXTURES / "llama_tiny", run, config=cfg, optimizer_state=False, log=lambda *_: None)
-    assert config_lib.merge_over_base(json.loads((run / "config.json").read_text())).model.scan_layers
+    assert config_lib.merge_over_base(json.loads((run / "config.json").read_text())).model.scan_layers == "on"
     core.export_hf(run, out, log=lambda *_: None)
     src, back = Reader(FIXTURES / "llama_tiny" / "model.safetensors"), Reader(out / "model.safetensors")
     assert sorted(back.names()) == sorted(src.names())

@@ -1,10 +1,12 @@
 """Each attention method swapped into layer 1 of the imported tiny Llama-style model (grouped-query attention,
 rotary positions; ``model.attention.pattern=('dense', method)``): the layer keeps the Hugging Face projections,
 MLP and norms, its core starts from the method's own initialisation; the model runs forward, decodes what the
-full forward computes, and takes a training step. A method that runs the whole stack inside its own wrapper
-(VCC) cannot be one layer and is refused in one line, as is the same method in every layer of a model with
-grouped-query attention. Each method brings its settings: its first fast causal contract case (as
-tests/models/test_hybrid.py does), so no method is special-cased here."""
+full forward computes, and takes a training step. A method whose stack wrapper runs one layer (``per_layer``:
+VCC-LM) runs that layer on the layer's own block; the same method in every layer takes the model's grouped-query
+attention too. A method whose wrapper runs only the whole stack (VCC's encoder stack) is refused in a pattern in
+one line. Each method brings its settings: its first fast causal contract case (as tests/models/test_hybrid.py
+does; a model-level case for a method whose core runs only inside its wrapper), so no method is special-cased
+here."""
 
 from __future__ import annotations
 
@@ -23,21 +25,34 @@ from longctx.convert import core
 from longctx.convert.cli import main
 from longctx.convert.safetensors import Folder, Reader
 from longctx.errors import ConfigError
+from longctx.models.backbone import stack_wrapper_class
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama_tiny"
 EXACT = core.exact_method()
 
 
+def _one_layer(name, causal: bool) -> bool:
+    """Whether ``name`` can be one layer of a pattern: it runs on the plain loop, or its stack wrapper declares
+    ``per_layer``."""
+    wrapper = stack_wrapper_class(name, causal)
+    return wrapper is None or bool(getattr(wrapper, "per_layer", False))
+
+
 def _case(name):
-    """The method's first fast causal core-level contract case (None: it has none)."""
+    """The method's first fast causal contract case (None: it has none): core-level, or model-level for a method
+    whose core runs only inside its stack wrapper."""
+    level = "model" if attention.get_class(name).stack_wrapper(causal=True) else "core"
     for case in attention.get_class(name).contract_cases().values():
-        if case.level == "core" and not case.slow and "causal" in case.directions:
+        if case.level == level and not case.slow and "causal" in case.directions:
             return case
     return None
 
 
-SWAPPABLE = [n for n in attention.names() if not attention.get_class(n).stack_wrapper(causal=True)]
-WRAPPED = [n for n in attention.names() if attention.get_class(n).stack_wrapper(causal=True)]
+SWAPPABLE = [n for n in attention.names() if _one_layer(n, causal=True)]
+PER_LAYER = [n for n in SWAPPABLE if attention.get_class(n).stack_wrapper(causal=True)]  # run by their wrapper
+WRAPPED = [n for n in attention.names() if not _one_layer(n, causal=True)]
+ENCODER_WRAPPED = [n for n in attention.names() if attention.get_class(n).supports_bidirectional
+                   and not _one_layer(n, causal=False)]
 
 
 def _config(pattern=None, name=None):
@@ -63,7 +78,8 @@ def swapped(name):
 
 
 def test_every_method_is_covered():
-    assert set(SWAPPABLE) | set(WRAPPED) == set(attention.names()) and len(SWAPPABLE) >= 6 and WRAPPED
+    assert set(SWAPPABLE) | set(WRAPPED) == set(attention.names()) and len(SWAPPABLE) >= 6
+    assert PER_LAYER and (WRAPPED or ENCODER_WRAPPED)  # the one-layer capability, and a refusal to test
 
 
 @pytest.mark.slow
@@ -136,13 +152,44 @@ def test_a_stack_wrapper_method_is_refused_in_one_line(name, tmp_path, capsys):
     out = f"--workdir={tmp_path / 'run'}"
     err = _error(capsys, out, "--dry_run", f"--config.model.attention.pattern={EXACT},{name}")
     assert f"{name!r} runs the whole stack of blocks inside its own stack wrapper and cannot be one layer" in err
-    # in every layer: the stack wrapper takes no grouped-query attention (llama_tiny: 4 query heads, 2 k/v heads)
-    err = _error(capsys, out, "--dry_run", f"--config.model.attention.name={name}")
-    assert f"model.attention.name={name!r} runs the blocks in its own stack wrapper, which takes neither " \
-           "grouped-query attention" in err
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="grouped-query"):
-        config_lib.validate(core.hf_model_config(core.read_hf_config(FIXTURE), _config(name=name))[1])
+
+
+@pytest.mark.parametrize("name", ENCODER_WRAPPED)
+def test_an_encoder_stack_wrapper_is_refused_in_a_pattern(name):
+    c = config_lib.base_config()
+    c.model.kind, c.model.num_layers, c.model.attention.pattern = "encoder", 2, (EXACT, name)
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(c)
+    msg = str(e.value)
+    assert f"{name!r} runs the whole stack of blocks inside its own stack wrapper and cannot be one layer" in msg
+    assert "\n" not in msg
+    c.model.attention.pattern = ()
+    c.model.attention.name = name  # the whole stack: accepted
+    assert config_lib.validate(c).model.attention.name == name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PER_LAYER)
+def test_a_per_layer_wrapper_runs_every_layer_of_the_grouped_query_model(name):
+    """The same method in every layer (no pattern: its wrapper runs the whole stack) takes llama_tiny's
+    grouped-query attention: forward, then chunked decoding equal to it."""
+    c = _config((EXACT, name))
+    c.model.attention.pattern, c.model.attention.name = (), name
+    fam, cfg = core.hf_model_config(core.read_hf_config(FIXTURE), c)
+    cfg = config_lib.validate(cfg)
+    assert 0 < cfg.model.num_kv_heads < cfg.model.num_heads
+    model = nnx.merge(*core.load_params(fam, cfg, Folder(FIXTURE)))
+    case = _case(name)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.model.vocab_size, (2, case.length)), jnp.int32)
+    full = nnx.jit(lambda m, x: m(x)[0])(model, ids)
+    step = nnx.jit(lambda m, x, st: m(x, st)[:2])
+    state, parts, cuts = model.init_state(2, case.length), [], [0, case.length // 3, case.length]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        y, state = step(model, ids[:, lo:hi], state)
+        parts.append(y)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, axis=1)), np.asarray(full),
+                               rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
 
 
 def test_swapped_run_imports_and_export_refuses_it(tmp_path, capsys):

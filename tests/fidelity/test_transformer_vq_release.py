@@ -84,7 +84,7 @@ def run(fx, case, core, monkeypatch, state=None, q=None, k=None, v=None):
 @nnx.jit
 def _codes(core, q, k):
     """The code of every key: nearest codeword of the normalized key (the core's quantizer)."""
-    return reference.stvq(core.prepare(q, k)["k"], core.codebook())[1]
+    return reference.stvq(core.project(q, k)["k"], core.codebook())[1]
 
 
 @nnx.jit(static_argnames=("deterministic",))

@@ -1,6 +1,6 @@
 """What ``impl='auto'`` runs on an NVIDIA GPU for every flagship launch (the ``:node8`` variants of
 scripts/flagship_plans.py): each config's attention core is built abstractly and asked, through its own
-selection function, which implementation it takes on ``platform='cuda'`` at the launch's call shapes (the
+``prepare`` and ``select`` (what every call runs), which implementation it takes on ``platform='cuda'`` at the launch's call shapes (the
 training window, the core's head dims, bfloat16). The Pallas kernel where the method has one, cuDNN for dense,
 except where a kernel refuses the call: those refusals are listed here with the refusing rule's words."""
 
@@ -38,35 +38,32 @@ def _config(spec: str):
     return cfg
 
 
-def _cuda_choice(core, cfg, monkeypatch):
-    """The ``dispatch.Choice`` the core's own selection makes for one training call on 'cuda'."""
-    from longctx.attention import dispatch
+def _cuda_choice(core, cfg):
+    """The ``dispatch.Choice`` the core makes for one training call on 'cuda': its own ``prepare`` and ``select``
+    (the path of every call, ``AttentionCore.__call__``) traced abstractly on the launch's per-device shapes
+    (batch after data sharding, the training window, bfloat16), in training mode (the config's dropout)."""
+    import jax
 
     core.platform = "cuda"  # the core as a GPU run builds it (it selects for the platform it was built for)
-    T, dt = int(cfg.train.window or cfg.train.seq_len), jnp.bfloat16
-    if core.name == "dense":
-        from longctx.attention.dense.layer import choose
+    shards = int(cfg.mesh.data) * int(cfg.mesh.fsdp) * int(cfg.train.microbatches)
+    B, T = max(1, cfg.train.batch_size // shards), int(cfg.train.window or cfg.train.seq_len)
+    q = jax.ShapeDtypeStruct((B, core.num_heads, T, core.head_dim), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, core.num_heads, T, core.value_dim), jnp.bfloat16)
+    graphdef, state = nnx.split(core)
+    seen = []
 
-        return choose(core.cfg.impl, dtype=dt, head_dim=core.head_dim, value_dim=core.value_dim, kv_cache=False,
-                      large=T * T > core.cfg.auto_threshold, platform="cuda", causal=core.causal)
-    if core.name == "transformer_vq":
-        shards = int(cfg.mesh.data) * int(cfg.mesh.fsdp) * int(cfg.train.microbatches)
-        return core.implementation_for(B=max(1, cfg.train.batch_size // shards), T=T, dtype=dt)
-    if core.name == "eva":
-        # a training step: one window per row (the full pass), deterministic=False, so with the config's attention
-        # dropout (WikiText-103: 0.1)
-        return core._select(T, streaming=False, deterministic=False)
-    if core.name == "fma":
-        seen = []
-        select = dispatch.select
-        monkeypatch.setattr(dispatch, "select", lambda *a, **kw: seen.append(select(*a, **kw)) or seen[-1])
-        core._implementation(None)  # no attention dropout in the flagship launch
-        return seen[-1]
-    raise AssertionError(f"no selection rule known for {core.name}")
+    def trace(state, q, k, v):
+        c = nnx.merge(graphdef, state)
+        _, shapes = c.prepare(q, k, v, None, deterministic=False, key=jax.random.key(0))
+        seen.append(c.select(**shapes))
+        return 0
+
+    jax.eval_shape(trace, state, q, q, v)
+    return seen[-1]
 
 
 @pytest.mark.parametrize("name,spec", SPECS, ids=[n for n, _ in SPECS])
-def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec, monkeypatch):
+def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec):
     from longctx.models.decoder import build_model
     from longctx.train.sequence_parallel import attention_cores
 
@@ -77,13 +74,13 @@ def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec, monkeypatc
     # call shapes, not on the depth: two layers stand for the launch's 6-48 (an abstract build costs per layer)
     assert not cfg.model.attention.get("pattern"), name
     cfg.model.num_layers = 2
+    cfg.model.scan_layers = "off"  # the cores one by one (a scanned stack holds each parameter stacked over layers)
     model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, execution=cfg.execution))
     cores = attention_cores(model)
     assert cores, name
     for core in cores:
         assert core.cfg.impl == "auto", (name, core.cfg.impl)
-        choice = _cuda_choice(core, cfg, monkeypatch)
-        monkeypatch.undo()
+        choice = _cuda_choice(core, cfg)
         if name in REFUSED:
             fallback, why = REFUSED[name]
             assert choice.name == fallback, (name, choice)

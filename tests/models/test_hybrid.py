@@ -1,10 +1,11 @@
 """Hybrid stacks (``model.attention.pattern``: each layer its own attention method).
 
 The model-level contract (streamed in uneven chunks == token-by-token == full, no future leak) for a
-2-layer (method, dense) hybrid of every causal method that runs on bare q, k, v, reusing
-tests/models/test_model_contract.py's harness and laws; the pattern's config errors; a pattern-less
-config builds the same parameters as before the key existed. No method name is special-cased in the
-contract cases: each method brings its first fast causal core-level contract case.
+2-layer (method, dense) hybrid of every causal method that can be one layer (it runs on bare q, k, v, or its stack
+wrapper declares ``per_layer``), reusing tests/models/test_model_contract.py's harness and laws; the pattern's
+config errors; a pattern-less config builds the same parameters as before the key existed. No method name is
+special-cased in the contract cases: each method brings its first fast causal contract case (core-level, or
+model-level for a method whose core runs only inside its stack wrapper).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 from longctx import attention
 from longctx.config import base_config, validate
 from longctx.errors import ConfigError
+from longctx.models.backbone import stack_wrapper_class
 from longctx.models.blocks import takes_rotary
 from longctx.models.decoder import build_model
 from tests.models import test_model_contract as contract
@@ -35,10 +37,13 @@ def _hybrid_cases():
     out = []
     for name in attention.names():
         cls = attention.get_class(name)
-        if name == EXACT or not cls.supports_causal or cls.stack_wrapper(causal=True):
+        wrapper = stack_wrapper_class(name, True) if cls.supports_causal else None
+        if name == EXACT or not cls.supports_causal or (wrapper is not None and not getattr(wrapper, "per_layer",
+                                                                                               False)):
             continue
+        level = "core" if wrapper is None else "model"
         for cname, case in cls.contract_cases().items():
-            if case.level == "core" and not case.slow and "causal" in case.directions:
+            if case.level == level and not case.slow and "causal" in case.directions:
                 out.append(pytest.param(name, cname, id=f"{name}-{EXACT}"))
                 break
     return out
@@ -155,8 +160,8 @@ def ml_tiny(v):
 
 
 @pytest.mark.parametrize("pattern,extra,match", [
-    (("eva", "vcc"), {}, "stack wrapper"),
-    (("eva", "dense"), {"scan_layers": True}, "not supported yet"),
+    (("eva", "vcc"), {"kind": "encoder"}, "stack wrapper"),
+    (("eva", "dense"), {"scan_layers": "on"}, "not supported yet"),
     (("eva", "nonesuch"), {}, "unknown method 'nonesuch'"),
     (("eva", "dense", "dense"), {}, "neither equals nor divides"),
     (("dense", "dense"), {}, "not in model.attention.pattern"),
@@ -219,12 +224,12 @@ def test_pattern_refuses_sequence_parallelism_for_now():
 
 
 def test_uniform_pattern_scans_and_wrapper_method_alone_still_validates():
-    validate(_cfg(("eva",), scan_layers=True))
+    assert validate(_cfg(("eva",), scan_layers="on")).model.scan_layers == "on"
     validate(_cfg((), name="vcc"))
 
 
 def test_backbone_refuses_what_validate_refuses():
-    c = ml_tiny(_cfg(("eva", "dense"), scan_layers=True)).model
+    c = ml_tiny(_cfg(("eva", "dense"), scan_layers="on")).model
     with pytest.raises(ConfigError, match="not supported yet"):
         build_model(c)
 
@@ -233,15 +238,11 @@ def _tree(model):
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", ["off", "on"])
 def test_pattern_less_config_builds_the_same_parameters(scan):
     c = ml_tiny(_cfg((), scan_layers=scan)).model
-    before = c.to_dict()
-    del before["attention"]["pattern"]  # a config saved before the key existed
-    import ml_collections
-
-    ref = _tree(build_model(ml_collections.ConfigDict(before)))
-    for pattern in ((), ("eva",), ("eva",) * 4):
+    ref = _tree(build_model(c))
+    for pattern in (("eva",), ("eva",) * 4):
         c.attention.pattern = pattern
         got = _tree(build_model(c))
         assert got.keys() == ref.keys()

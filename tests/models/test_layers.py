@@ -12,7 +12,7 @@ from longctx.models.layers import Linear, linear
 
 @pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 7, 5), (2, 0, 5), (2, 3, 4, 5)])
 def test_linear_matches_nnx_linear(shape):
-    ours = linear(5, 6, ("embed", "mlp"), rngs=nnx.Rngs(0))
+    ours = linear(5, 6, ("embed", "mlp"), rngs=nnx.Rngs(0), flat_rows=True)  # the CPU host's layout
     assert isinstance(ours, Linear)
     ref = nnx.Linear(5, 6, rngs=nnx.Rngs(1))
     ref.kernel[...], ref.bias[...] = ours.kernel[...], jax.random.normal(jax.random.key(2), (6,))
@@ -31,7 +31,6 @@ def test_linear_matches_nnx_linear(shape):
         np.testing.assert_allclose(getattr(g_ours, name)[...], getattr(g_ref, name)[...], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="rows_apply flattens on XLA:CPU only")
 def test_rows_apply_passes_flattened_rows_and_restores_the_shape():
     seen = []
 
@@ -40,6 +39,7 @@ def test_rows_apply_passes_flattened_rows_and_restores_the_shape():
         return jnp.stack([z.sum(-1), z.max(-1)], axis=-1)
 
     x = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
-    y = rows_apply(fn, x)
+    y = rows_apply(fn, x, flat=True)
     assert seen == [(6, 4)] and y.shape == (2, 3, 2)
+    assert rows_apply(fn, x, flat=False).shape == (2, 3, 2) and seen[-1] == (2, 3, 4)
     np.testing.assert_array_equal(y[..., 0], x.sum(-1))

@@ -194,9 +194,9 @@ def _hidden_from_embeddings(model, x):
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)
     if model.stack is not None:
         x, _ = model.stack(model.blocks, x, None, positions=positions)
-    else:
-        for block in model.blocks:
-            x, _ = block(x, None, positions=positions)
+    else:  # each layer through its block or, where its method's stack wrapper runs it as one layer, the wrapper
+        for block, wrap in zip(model.blocks, model.layer_wrappers()):
+            x, _ = block(x, None, positions=positions) if wrap is None else wrap.layer(block, x, None)
     return model.norm(x)
 
 

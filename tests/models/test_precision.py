@@ -87,8 +87,8 @@ def small_config(method: str, dtype: str = "bfloat16"):
     return resolve_vocab(validate(cfg), 256)
 
 
-def lowered_train_step(cfg):
-    model = build_model(cfg, seed=0)
+def lowered_train_step(cfg, platform=None):
+    model = build_model(cfg, seed=0, platform=platform)
     graphdef, params, nongrad, rest = split_model(model)
     tx = make_optimizer(cfg.train)
     t = cfg.train
@@ -196,17 +196,15 @@ def test_bf16_model_keeps_fp32_parameters_optimizer_state_and_statistics(method)
     assert all(x.dtype == jnp.float32 for x in floats(aux["losses"]))
 
 
-def test_bf16_train_step_with_the_accelerator_row_layout(monkeypatch):
-    """On a GPU / TPU ``layout.rows_apply`` hands the row-wise layers ``[B, T, d]`` as they are (a CPU host
-    flattens them to ``[N, d]``): the bf16 output layer must take either (it once assumed two dimensions)."""
-    from types import SimpleNamespace
-
-    from longctx import layout
-
+def test_bf16_train_step_with_the_accelerator_row_layout():
+    """Built for a GPU, the row-wise layers take ``[B, T, d]`` as they are (built for a CPU host they flatten
+    them to ``[N, d]``, ``layout.rows_apply``): the bf16 output layer must take either (it once assumed two
+    dimensions). The model is built for 'cuda' on this CPU, its attention on the portable tiles (cuDNN cannot be
+    lowered here)."""
     cfg = small_config("dense")
-    flat = bf16_train_step_text("dense")
-    monkeypatch.setattr(layout, "jax", SimpleNamespace(default_backend=lambda: "gpu"))
-    as_is = lowered_train_step(cfg).as_text()
+    cfg.execution.attention.dense.impl = "blockwise"
+    flat = lowered_train_step(cfg, platform="cpu").as_text()
+    as_is = lowered_train_step(cfg, platform="cuda").as_text()
     # the same matmul FLOPs either way, and in the accelerator's layout the output layer contracts [B, T, d]
     assert sum(f for f, *_ in dot_flops(as_is)) == sum(f for f, *_ in dot_flops(flat))
     B, T, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size

@@ -44,7 +44,7 @@ def model_cfg(name, block="transformer", *, scan=False, layers=3, **kw):
     c.block = block
     c.attention.name = name
     c.attention[name] = dict(case.cfg)
-    c.scan_layers = scan
+    c.scan_layers = "on" if scan else "off"
     for k, v in kw.items():
         c[k] = v
     return c, case.length
@@ -186,20 +186,57 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scan):
         close(got[name], relayout(tree[name], scanned=not saved_scan), 0.0, name)
 
 
-def test_a_stack_wrapper_method_refuses_scan_layers():
+def _unscannable():
+    """(what, config) for each case the scan does not apply to: 'on' is refused, 'auto' resolves to 'off'."""
+    vcc = base_config()
+    vcc.model.attention.name = "vcc"
+    mixed = base_config()
+    mixed.model.attention.name, mixed.model.attention.pattern = "eva", ("eva", "dense")
+    composed = base_config()
+    composed.mesh.sequence, composed.mesh.sequence_mode = 2, "compose"
+    composed.train.seq_len, composed.train.window = 64, 32
+    transfer = base_config()
+    transfer.train.task, transfer.model.attention.name = "attention_transfer", "eva"
+    return [("scan_layers='on': attention 'vcc' runs the blocks inside its own stack", vcc),
+            ("scan_layers='on' with a pattern of different methods", mixed),
+            ("attention_transfer' takes a decoder .* not model.scan_layers='on'", transfer),
+            ("scan_layers='on' with mesh.sequence=2 and windows carrying state", composed)]
+
+
+def test_scan_layers_on_is_refused_where_the_scan_does_not_apply_and_auto_leaves_it_off():
+    from longctx import config as config_lib
+
+    for match, c in _unscannable():
+        c.model.scan_layers = "on"
+        with pytest.raises(ConfigError, match=match) as err:
+            config_lib.validate(c, platform="cuda")
+        assert "\n" not in str(err.value)
+        c.model.scan_layers = "auto"
+        assert config_lib.validate(c, platform="cuda").model.scan_layers == "off", match
+
+
+def test_scan_layers_auto_resolves_per_platform_and_is_saved_resolved():
     from longctx import config as config_lib
 
     c = base_config()
-    c.model.attention.name = "vcc"
-    c.model.scan_layers = True
-    with pytest.raises(ConfigError, match="scan_layers=True: attention 'vcc' runs the blocks inside its own stack"):
-        config_lib.validate(c)
-    c = base_config()
-    c.model.scan_layers = True
-    c.mesh.sequence, c.mesh.sequence_mode = 2, "compose"
-    c.train.seq_len, c.train.window = 64, 32
-    with pytest.raises(ConfigError, match="scan_layers=True with mesh.sequence=2 and windows carrying state"):
-        config_lib.validate(c)
+    assert c.model.scan_layers == "auto"
+    for platform in ("cuda", "rocm", "tpu"):
+        assert config_lib.validate(c, platform=platform).model.scan_layers == "on"
+    assert config_lib.validate(c, platform="cpu").model.scan_layers == config_lib.CPU_SCAN_LAYERS
+    for given in ("on", "off"):  # an explicit choice is kept on every platform
+        c.model.scan_layers = given
+        assert {config_lib.validate(c, platform=p).model.scan_layers for p in ("cpu", "cuda")} == {given}
+    resolved = config_lib.validate(base_config(), platform="cuda")  # a saved config validates to itself anywhere
+    assert config_lib.validate(config_lib.merge_over_base(resolved.to_dict()), platform="cpu").model.scan_layers == "on"
+
+
+@pytest.mark.parametrize("given", ["True", "false", True, 1])
+def test_scan_layers_takes_only_its_three_names(given):
+    from longctx import config as config_lib
+
+    c = config_lib.merge_over_base({"model": {"scan_layers": given}})
+    with pytest.raises(ConfigError, match=r"model.scan_layers=.* is not allowed; choose one of: auto, on, off$"):
+        config_lib.validate(c, platform="cpu")
 
 
 _SEQUENCE_PARALLEL = """

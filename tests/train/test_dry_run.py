@@ -65,11 +65,12 @@ def test_training_flops_per_token_is_three_forward_matmul_passes(tmp_path):
     graphdef, params, nongrad, rest = split_model(build_model(cfg.model, seed=0, execution=cfg.execution))
     bench = step_bench.forward_matmul_flops(cfg, graphdef, params, nongrad, rest)
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    res = dry_run.plan(_tiny_flops_config(tmp_path))
+    res = dry_run.plan(_tiny_flops_config(tmp_path, scan_layers="off"))
     assert res["training_flops_per_token"] > 0
     assert abs(res["training_flops_per_token"] - 3 * bench["flops"] / tokens) <= 1e-9 * res["training_flops_per_token"]
     assert "training FLOPs per token (3 x forward matmuls)" in dry_run.report(res)
-    scanned = dry_run.plan(_tiny_flops_config(tmp_path, scan_layers=True))
+    scanned = dry_run.plan(_tiny_flops_config(tmp_path, scan_layers="on"))
+    assert (res["scan_layers"], scanned["scan_layers"]) == ("off", "on")
     assert scanned["training_flops_per_token"] == res["training_flops_per_token"]
 
 

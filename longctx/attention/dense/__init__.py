@@ -8,9 +8,10 @@ One function, named implementations (``DenseAttention.implementations()``, the r
   rows);
 * ``cudnn`` (GPU), ``splash`` (TPU) (``platform.py``): the platforms' fused kernels, full passes only.
 
-Each implementation module declares its own (``IMPLEMENTATIONS``: platforms, where ``auto`` takes it, what computes
-it); ``layer.py`` holds the core (config, state, the reference's declaration, the call that selects an
-implementation and runs it).
+Each implementation module declares its own (``IMPLEMENTATIONS``: platforms, where ``auto`` takes it, and its
+runner, a ``dispatch.Runner`` whose fields are the knobs it reads); ``layer.py`` holds the core (config, state, the
+reference's declaration, ``prepare`` / ``finish`` of the call, and the selection with the KV-cache rule for a named
+fused kernel, ``choose``), and ``attend``, the same path without a core.
 """
 
 from longctx.attention.dense.layer import DenseAttention, attend, choose, implementations

@@ -1,5 +1,9 @@
-"""The dense core: configuration, implementations, the KV-cache state, and the call that asks
-``dispatch.select`` for an implementation and runs it.
+"""The dense core: configuration, implementations, the KV-cache state, and the call (``AttentionCore.__call__``):
+``prepare`` builds the inputs every implementation takes (the cache's keys and values then the call's, with their
+positions: :func:`prepared_call`), ``select`` picks the implementation (:func:`select_for`, :func:`choose`:
+``dispatch.select`` with a named fused kernel's KV-cache rule), the base builds its runner, ``finish`` builds the new
+KV cache.
+:func:`attend` runs the same path without a core (exact attention for other code).
 
 The state is a KV cache of fixed capacity (``init_state(batch, max_len)``); slots are right-aligned, so slot j of a
 cache of capacity M that has seen ``length`` tokens holds absolute position ``length - M + j`` (invalid when < 0).
@@ -24,6 +28,7 @@ afresh: the keys of earlier documents stay in the cache but no later query sees 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -35,7 +40,6 @@ from longctx.attention.base import (
     ContractCase,
     DropIn,
     check_capacity,
-    check_qkv,
     check_segments,
     require,
 )
@@ -45,10 +49,19 @@ from longctx.attention.dense.reference import naive_attention
 METHOD = "dense"
 
 
-def _reference(q, k, v, q_pos, k_pos, k_valid, *, causal, window: int = 0, q_segment_ids=None, k_segment_ids=None,
-               **_):
-    return naive_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, window=window, q_segment_ids=q_segment_ids,
-                           k_segment_ids=k_segment_ids)
+@dataclasses.dataclass(frozen=True)
+class Reference(dispatch.Runner):
+    """The reference's runner: :func:`naive_attention` of ``call.inputs`` (dense's ``prepare``). ``auto_threshold``
+    is the knob of its declaration (the Tq*Tk up to which 'auto' prefers the one softmax, ``_short_rows``): the
+    selection reads it before the call (:func:`select_for`); the computation does not."""
+
+    auto_threshold: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        return dispatch.Result(naive_attention(x["q"], x["k"], x["v"], x["q_pos"], x["k_pos"], x["k_valid"],
+                                               causal=x["causal"], window=x["window"],
+                                               q_segment_ids=x["q_segment_ids"], k_segment_ids=x["k_segment_ids"]))
 
 
 def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
@@ -59,7 +72,7 @@ def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
 # 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold, the
 # reference's limit: it materialises the [Tq, Tk] scores; one value on every platform, not yet measured on a GPU)
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
-                                    auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=_reference,
+                                    auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=Reference,
                                     defaults={"auto_threshold": {"default": 4096 * 4096}})
 
 
@@ -84,9 +97,11 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
     device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
     takes the XLA path with one log line, a kernel named alone raises). A KV-cache step (``kv_cache``) is no
-    call for a fused kernel: a kernel named explicitly is passed over for the rest of the list, or for the 'auto'
-    list without the kernels (one log line), unless it cannot serve even a full pass here and nothing else is named
-    (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN refuses."""
+    call for a fused kernel (their declarations' reasons say so): the candidates of a list that names one are the
+    list and then the 'auto' list without the kernels, so the selection passes the kernel over for the rest of the
+    list, or for the XLA forms (one log line, the selection's), unless it cannot serve even a full pass here and
+    nothing else is named (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN
+    refuses."""
     plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)
@@ -98,8 +113,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     if sequence_slice is not None:
         shapes.update(sequence_slice=sequence_slice)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
-        rest = tuple(n for n in names if n not in kernels.FAST_IMPLS)
-        if not rest:
+        if set(names) <= set(kernels.FAST_IMPLS):  # the kernels alone: each must serve this model's full passes
             for n in names:
                 cand = table[n]
                 static = cand.unsupported_reasons("interpret" if cand.kernel and plat == "cpu" else plat, **shapes)
@@ -108,8 +122,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
                         f"{METHOD}: impl={impl!r} cannot use {kernels.KERNEL_NAMES[n]} on {plat}: "
                         + "; ".join(static + [kernels.KV_CACHE_REASON])
                         + ". Use impl='auto' (falls back to the XLA path) or impl='reference' / 'blockwise'.")
-        names = rest or _xla_forms(impls, plat, kv_cache=kv_cache, large=large, **shapes)
-        dispatch._log_once(f"{METHOD}: impl={impl!r} uses {', '.join(names)} for this call: {kernels.KV_CACHE_REASON}")
+            names += _xla_forms(impls, plat, kv_cache=kv_cache, large=large, **shapes)
     try:
         return dispatch.select(",".join(names), impls, method=METHOD, platform=plat, kv_cache=kv_cache, large=large,
                                **shapes)
@@ -118,33 +131,55 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
                                               "impl='reference' / 'blockwise'.") from None
 
 
+def prepared_call(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, full_pass: bool, window: int, q_segment_ids,
+                  k_segment_ids, state=None) -> tuple[dispatch.Call, dict]:
+    """``(call, shapes)`` of one dense call: the :class:`dispatch.Call` every implementation takes (``inputs``: q, k,
+    v, ``q_pos``, ``k_pos``, ``k_valid``, ``q_segment_ids``, ``k_segment_ids``, ``full_pass``, ``window``, ``causal``
+    and ``mesh``: the mesh whose ``sequence`` axis splits a full pass's row, ``platform.active_sequence_mesh``, or
+    None) and the keywords of :func:`select_runner` (those of :func:`choose`, with ``scores`` = Tq*Tk in place of
+    ``large``)."""
+    mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
+    split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
+    inputs = dict(q=q, k=k, v=v, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, q_segment_ids=q_segment_ids,
+                  k_segment_ids=k_segment_ids, full_pass=full_pass, window=window, causal=causal, mesh=mesh)
+    shapes = dict(dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1], value_dim=v.shape[-1],
+                  kv_cache=not full_pass, scores=q.shape[2] * k.shape[2], sequence_slice=split, causal=causal,
+                  window=window, segments=q_segment_ids is not None)
+    return dispatch.Call(inputs, state), shapes
+
+
+def select_for(impl, cfg, platform: str, *, scores: int, **shapes) -> dispatch.Choice:
+    """The :func:`choose` choice of one dense call for ``impl``, ``shapes`` and ``large`` = ``scores`` past
+    ``cfg['auto_threshold']`` as it runs on ``platform`` (the reference's declared default)."""
+    large = scores > REFERENCE.setting("auto_threshold", cfg["auto_threshold"], platform)
+    return choose(impl, platform=platform, large=large, **shapes)
+
+
+def select_runner(impl, cfg, platform: str, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:
+    """The runner of one dense call without a core (its declaration's ``code`` built from ``cfg``, the execution
+    settings, for the selection's platform) and the :func:`select_for` choice."""
+    choice = select_for(impl, cfg, platform, **shapes)
+    decl = dispatch.by_name(implementations())[choice.name]
+    return decl.code.build(decl, cfg, choice.platform), choice
+
+
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
            full_pass: bool = False, platform: str, window: int = 0, q_segment_ids=None,
            k_segment_ids=None):
     """Exact attention of q [B,H,Tq,D], k, v [B,H,Tk,.] with explicit positions, by the implementation
-    :func:`choose` picks for ``impl`` (``platform``: default the running one), run through its declaration's
-    ``code``. ``full_pass`` (static): q_pos = k_pos = arange(T) and every key valid (no cache): the fused kernels
-    and the unrolled tiles serve only that. A full pass traced with its row split over a mesh's ``sequence`` axis
-    (``platform.sequence_mesh``, or jax's ambient mesh) runs a fused kernel in a ``shard_map`` over the mesh
-    (``platform.sequence_parallel_attention``); the XLA paths are left to the partitioner. ``window`` > 0: a sliding
-    window of that many keys (the reference's ``positions_mask``). ``q_segment_ids`` [B, Tq] / ``k_segment_ids``
-    [B, Tk]: a packed row's documents (a query sees only its own document's keys; None: one document)."""
-    mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
-    split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
-    plat = platform
-    threshold = REFERENCE.setting("auto_threshold", auto_threshold, plat)
-    choice = choose(impl, dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1],
-                    value_dim=v.shape[-1], kv_cache=not full_pass, large=q.shape[2] * k.shape[2] > threshold,
-                    platform=plat, sequence_slice=split, causal=causal, window=window,
-                    segments=q_segment_ids is not None)
-    if split is not None and choice.name in kernels.FAST_IMPLS:
-        return kernels.sequence_parallel_attention(choice.name, q, k, v, mesh=mesh, causal=causal,
-                                                   interpret=choice.interpret)
-    chosen = dispatch.by_name(implementations())[choice.name]
-    segs = {} if q_segment_ids is None else {"q_segment_ids": q_segment_ids, "k_segment_ids": k_segment_ids}
-    return chosen.code(q, k, v, q_pos, k_pos, k_valid, causal=causal, full_pass=full_pass, interpret=choice.interpret,
-                       window=window, **segs, **chosen.settings({"block_q": block_q, "block_k": block_k},
-                                                                 choice.platform))
+    :func:`choose` picks for ``impl`` on ``platform``, run through its declaration's runner (the path the core
+    takes: :func:`prepared_call`, :func:`select_runner`; no core needed). ``full_pass`` (static): q_pos = k_pos =
+    arange(T) and every key valid (no cache): the fused kernels and the unrolled tiles serve only that. A full pass
+    traced with its row split over a mesh's ``sequence`` axis (``platform.sequence_mesh``, or jax's ambient mesh)
+    runs a fused kernel in a ``shard_map`` over the mesh (``platform.sequence_parallel_attention``); the XLA paths
+    are left to the partitioner. ``window`` > 0: a sliding window of that many keys (the reference's
+    ``positions_mask``). ``q_segment_ids`` [B, Tq] / ``k_segment_ids`` [B, Tk]: a packed row's documents (a query
+    sees only its own document's keys; None: one document)."""
+    call, shapes = prepared_call(q, k, v, q_pos, k_pos, k_valid, causal=causal, full_pass=full_pass, window=window,
+                                 q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
+    settings = {"block_q": block_q, "block_k": block_k, "auto_threshold": auto_threshold}
+    runner, choice = select_runner(impl, settings, platform, **shapes)
+    return runner(None, dataclasses.replace(call, platform=choice.platform, interpret=choice.interpret)).out
 
 
 class DenseAttention(AttentionCore):
@@ -242,14 +277,6 @@ class DenseAttention(AttentionCore):
     def receptive_window(self) -> int:
         return int(self.cfg.window)
 
-    def _attend(self, q, k, v, q_pos, k_pos, k_valid, full_pass: bool = False, q_seg=None, k_seg=None):
-        c = self.cfg
-        return attend(
-            q, k, v, q_pos, k_pos, k_valid,
-            causal=self.causal, impl=c.impl, block_q=c.block_q, block_k=c.block_k, auto_threshold=c.auto_threshold,
-            full_pass=full_pass, window=c.window, q_segment_ids=q_seg, k_segment_ids=k_seg, platform=self.platform,
-        )
-
     def init_state(self, batch_size: int, max_len: int | None = None):
         """The empty KV cache: ``max_len`` keys, or with a sliding window the window's (whatever ``max_len``), and
         their segment ids (0: no packed row)."""
@@ -288,27 +315,19 @@ class DenseAttention(AttentionCore):
         segs = jnp.where(kept[None, :], jnp.roll(a["segment_ids"], -shift, axis=1), 0) + b["segment_ids"]
         return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "segment_ids": segs, "length": b["length"]}
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, segment_ids=None):
-        """``segment_ids`` [B, T] int32 (optional): the documents of a packed row; a query sees only its own
-        document's keys, in the call and in the cache (module docstring)."""
-        check_qkv(q, k, v)
+    # -- the call: prepare -> select -> run -> finish (AttentionCore.__call__) --------------------------------
+    def prepare(self, q, k, v, state, *, deterministic, key, segment_ids=None):
+        """The call's inputs (:func:`prepared_call`): a full pass (no state) over the row, or the KV cache's keys and
+        values then the call's, with their absolute positions (module docstring). ``segment_ids`` [B, T] int32
+        (optional): the documents of a packed row; a query sees only its own document's keys, in the call and in
+        the cache."""
         check_segments(self, q, segment_ids)
         T = q.shape[2]
         pos = jnp.arange(T, dtype=jnp.int32)
         seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-        kept_seg = jnp.zeros((q.shape[0], T), jnp.int32) if seg is None else seg  # what the cache keeps
+        common = dict(causal=self.causal, window=self.cfg.window, q_segment_ids=seg, state=state)
         if state is None:
-            out = self._attend(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True, q_seg=seg, k_seg=seg)
-            new_state = None
-            if self.causal:
-                W = int(self.cfg.window)
-                if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
-                    edge = lambda x: jnp.pad(x, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
-                    k, v = edge(k), edge(v)
-                    kept_seg = jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:]
-                new_state = {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
-                             "length": jnp.asarray(T, jnp.int32)}
-            return out, new_state
+            return prepared_call(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True, k_segment_ids=seg, **common)
         if not self.causal:
             raise ValueError("dense: a bidirectional core takes no state")
         M = state["k"].shape[2]
@@ -321,15 +340,47 @@ class DenseAttention(AttentionCore):
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
         k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)
         v_all = jnp.concatenate([state["v"].astype(v.dtype), v], axis=2)
-        seg_all = jnp.concatenate([state["segment_ids"], kept_seg], axis=1)
-        out = self._attend(q, k_all, v_all, q_pos, k_pos, k_pos >= 0, q_seg=seg, k_seg=None if seg is None else seg_all)
-        new_state = {
-            "k": k_all[:, :, -M:].astype(jnp.float32),
-            "v": v_all[:, :, -M:].astype(jnp.float32),
+        k_seg = None if seg is None else self._cache_segments(state, seg)
+        return prepared_call(q, k_all, v_all, q_pos, k_pos, k_pos >= 0, full_pass=False, k_segment_ids=k_seg, **common)
+
+    def select(self, **shapes):
+        """:func:`select_for`: the base's selection, with :func:`choose`'s KV-cache rule for a named fused kernel
+        and ``auto_threshold`` resolved for the platform."""
+        return select_for(self.cfg.impl, self.cfg, self.platform, **shapes)
+
+    @staticmethod
+    def _cache_segments(state, kept):
+        """The segment ids of the cache's keys then the call's (``kept``: the call's, or zeros without a packed row)."""
+        return jnp.concatenate([state["segment_ids"], kept], axis=1)
+
+    def finish(self, call, result, *, aux=None):
+        """The output and the new KV cache (None for a bidirectional core): the keys and values the layer was given,
+        with their segment ids (0 where the call had none), right-aligned; a window's state keeps the newest W."""
+        x, state = call.inputs, call.state
+        q = x["q"]
+        T = q.shape[2]
+        seg = x["q_segment_ids"]
+        kept_seg = jnp.zeros((q.shape[0], T), jnp.int32) if seg is None else seg  # what the cache keeps
+        if state is None:
+            if not self.causal:
+                return result.out, None
+            k, v = x["k"], x["v"]
+            W = int(self.cfg.window)
+            if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
+                edge = lambda a: jnp.pad(a, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
+                k, v = edge(k), edge(v)
+                kept_seg = jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:]
+            return result.out, {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
+                                "length": jnp.asarray(T, jnp.int32)}
+        M = state["k"].shape[2]
+        seg_all = self._cache_segments(state, kept_seg)
+        return result.out, {
+            "k": x["k"][:, :, -M:].astype(jnp.float32),
+            "v": x["v"][:, :, -M:].astype(jnp.float32),
             "segment_ids": seg_all[:, -M:],
-            "length": length + T,
+            "length": state["length"] + T,
         }
-        return out, new_state
 
 
-__all__ = ["REFERENCE", "DenseAttention", "attend", "choose", "implementations"]
+__all__ = ["REFERENCE", "DenseAttention", "Reference", "attend", "choose", "implementations", "prepared_call",
+           "select_runner"]

@@ -14,8 +14,9 @@ splash on tpu) wherever it serves the call, then the XLA forms.
 Each declares ``unsupported_reasons(platform, *, dtype, head_dim, value_dim, kv_cache, ...)`` (empty:
 supported). A KV-cache step (a call with a state: positions offset by the cache, the oldest slots empty) is the
 one form neither kernel computes whatever the configuration (cuDNN's causal mask is aligned to the first key and
-its padding to the last; splash's masks are built ahead of the call from static positions): the layer runs it by
-the XLA path under every ``impl``, so a model configured for a kernel still decodes.
+its padding to the last; splash's masks are built ahead of the call from static positions): their reasons refuse it, and the layer's
+selection (``layer.choose``) follows a list that names a kernel with the XLA forms on such a call, so a model
+configured for a kernel still decodes.
 
 Under sequence parallelism (a row split over the mesh's ``sequence`` axis, :func:`sequence_mesh`) a fused kernel
 is a custom call XLA's partitioner cannot split along the row, so :func:`sequence_parallel_attention` runs it in a
@@ -38,7 +39,9 @@ path, which the partitioner splits, with one log line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
 from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, sequence_mesh  # noqa: F401
 
@@ -386,28 +390,58 @@ def sequence_parallel_attention(kernel: str, q, k, v, *, mesh, causal: bool, int
 
 
 # ----------------------------------------------------------------------------------------------------- declarations
-def _run_cudnn(q, k, v, *_, causal: bool, window: int = 0, q_segment_ids=None, **__):
-    if q_segment_ids is not None:  # its reasons refuse packed rows; never attend across documents silently
-        raise ValueError(f"cudnn: {CUDNN_SEGMENTS_REASON}")
-    return _tagged(functools.partial(cudnn_attention, causal=causal, window=window), causal, window)(q, k, v)
+@dataclasses.dataclass(frozen=True)
+class _Fused(dispatch.Runner):
+    """A fused kernel's runner (no knobs: the kernels tile for themselves). It reads dense's ``call.inputs`` (q, k, v,
+    ``causal``, ``window``, ``q_segment_ids``, and ``mesh``: the mesh whose ``sequence`` axis splits the row, or
+    None); under a split row it runs :func:`sequence_parallel_attention`, else the kernel over the whole row. Its
+    declaration's reasons refuse every call that is not a full pass, so the positions are arange(T)."""
+
+    name: ClassVar[str] = ""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        if x["mesh"] is not None:
+            return dispatch.Result(sequence_parallel_attention(self.name, x["q"], x["k"], x["v"], mesh=x["mesh"],
+                                                               causal=x["causal"], interpret=call.interpret))
+        return dispatch.Result(self.whole_row(x, interpret=call.interpret))
 
 
-def _run_splash(q, k, v, *_, causal: bool, interpret: bool = False, window: int = 0, q_segment_ids=None, **__):
-    return splash_attention(q, k, v, causal=causal, interpret=interpret, window=window, segment_ids=q_segment_ids)
+@dataclasses.dataclass(frozen=True)
+class Cudnn(_Fused):
+    name = "cudnn"
+
+    @staticmethod
+    def whole_row(x, *, interpret: bool):
+        if x["q_segment_ids"] is not None:  # its reasons refuse packed rows; never attend across documents silently
+            raise ValueError(f"cudnn: {CUDNN_SEGMENTS_REASON}")
+        causal, window = x["causal"], x["window"]
+        return _tagged(functools.partial(cudnn_attention, causal=causal, window=window), causal, window)(
+            x["q"], x["k"], x["v"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Splash(_Fused):
+    name = "splash"
+
+    @staticmethod
+    def whole_row(x, *, interpret: bool):
+        return splash_attention(x["q"], x["k"], x["v"], causal=x["causal"], interpret=interpret, window=x["window"],
+                                segment_ids=x["q_segment_ids"])
 
 
 # 'auto' tries the platform's fused kernel first (rank 0) wherever it serves the call, long or short
 IMPLEMENTATIONS = (
     Implementation("cudnn", platforms=("cuda",), reasons=cudnn_unsupported_reasons, config={"impl": "cudnn"},
-                   auto={"cuda": 0}, code=_run_cudnn),
+                   auto={"cuda": 0}, code=Cudnn),
     Implementation("splash", platforms=("tpu",), kernel=True, reasons=splash_unsupported_reasons,
-                   config={"impl": "splash"}, auto={"tpu": 0}, code=_run_splash),
+                   config={"impl": "splash"}, auto={"tpu": 0}, code=Splash),
 )
 # the fused kernel 'auto' takes on each platform (from the declarations)
 PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
 
 
-__all__ = ["CUDNN_SEGMENTS_REASON", "FAST_IMPLS", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
+__all__ = ["CUDNN_SEGMENTS_REASON", "FAST_IMPLS", "Cudnn", "Splash", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
            "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
            "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
            "splash_slice_block", "splash_unsupported_reasons"]

@@ -28,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.dense.reference import NEG_INF, visible
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 
@@ -464,10 +466,23 @@ def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
     return large
 
 
-def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-         window: int = 0, q_segment_ids=None, k_segment_ids=None, **_):
-    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
-                  window=window, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
+@dataclasses.dataclass(frozen=True)
+class Tiles(dispatch.Runner):
+    """The ``blockwise`` runner: its knobs are the tiles (``block_q``, ``block_k``, as they run on the selection's
+    platform); it reads everything else from ``call.inputs`` (dense's ``prepare``: q, k, v, positions, validity,
+    segment ids, ``full_pass``, ``window``, ``causal``), so it runs without a core too (``dense.attend``).
+    ``tiled``: the tiled entry it calls (the XLA:CPU form overrides it)."""
+
+    block_q: int
+    block_k: int
+    tiled: ClassVar[Callable] = staticmethod(attend)
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        return dispatch.Result(type(self).tiled(
+            x["q"], x["k"], x["v"], x["q_pos"], x["k_pos"], x["k_valid"], causal=x["causal"], block_q=self.block_q,
+            block_k=self.block_k, full_pass=x["full_pass"], window=x["window"], q_segment_ids=x["q_segment_ids"],
+            k_segment_ids=x["k_segment_ids"]))
 
 
 # query / key blocks by platform (0 in the config). cpu: on a 2-core CPU, 1024x512 was the fastest of 1024x512,
@@ -480,10 +495,10 @@ BLOCKS = {"block_q": {"cpu": 1024, "default": 512}, "block_k": {"cpu": 512, "def
 TILES_RANK = 2
 IMPLEMENTATIONS = (
     Implementation("blockwise", config={"impl": "blockwise"}, test_config={"block_q": 8, "block_k": 8},
-                   auto={p: TILES_RANK for p in ALL_PLATFORMS}, prefer=prefers_long_rows, code=_run,
+                   auto={p: TILES_RANK for p in ALL_PLATFORMS}, prefer=prefers_long_rows, code=Tiles,
                    defaults=BLOCKS),
 )
 
 
-__all__ = ["BLOCKS", "IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
+__all__ = ["BLOCKS", "IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "Tiles", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
            "self_blockwise_attention", "tiled"]

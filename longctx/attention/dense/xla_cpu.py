@@ -42,17 +42,17 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_
                      k_segment_ids=k_segment_ids)
 
 
-def _run(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-         window: int = 0, q_segment_ids=None, k_segment_ids=None, **_):
-    return attend(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k, full_pass=full_pass,
-                  window=window, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
+class Tiles(xla.Tiles):
+    """The ``xla_cpu`` runner: ``blockwise``'s (the same knobs and inputs) calling :func:`attend`."""
+
+    tiled = staticmethod(attend)
 
 
 IMPLEMENTATIONS = (
     Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, test_config={"block_q": 8, "block_k": 8},
-                   auto={"cpu": xla.TILES_RANK - 1}, prefer=xla.prefers_long_rows, code=_run,
+                   auto={"cpu": xla.TILES_RANK - 1}, prefer=xla.prefers_long_rows, code=Tiles,
                    defaults={key: {"cpu": table["cpu"]} for key, table in xla.BLOCKS.items()}),
 )
 
 
-__all__ = ["CPU", "IMPLEMENTATIONS", "attend"]
+__all__ = ["CPU", "IMPLEMENTATIONS", "Tiles", "attend"]

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.base import check_capacity
 from pallas_kernels import eva_attend_ref, hash_dropout
 
@@ -251,6 +252,37 @@ def state_from_forward(extras, L: int, R: int, exact: bool):
         B, H, _, d = kf.shape
         st["mem_kraw"] = kf.reshape(B, H, -1, P, d)
     return st
+
+
+# ---------------------------------------------------------------------------
+# the runners' shared call (each implementation module's dispatch.Runner)
+# ---------------------------------------------------------------------------
+
+# a runner's fields that the tiles read from the options (EVAOptions): its budgets
+OPTION_KNOBS = ("logit_budget", "keep_budget")
+
+
+def runner_arguments(runner: dispatch.Runner, core, call: dispatch.Call) -> tuple:
+    """What every EVA function takes after q, k, v (and a stream's state), from ``call.inputs``
+    (``EVAAttention.prepare``): the chunk parameters, the relative-position table, the noise and dropout keys, and the
+    core's options with the runner's budgets (its fields among :data:`OPTION_KNOBS`, as they run on the platform)."""
+    x = call.inputs
+    knobs = {f.name: getattr(runner, f.name) for f in dataclasses.fields(runner) if f.name in OPTION_KNOBS}
+    return x["params"], x["rpe"], x["noise_key"], x["drop_key"], dataclasses.replace(core.opts, **knobs)
+
+
+def run_pass(runner: dispatch.Runner, core, call: dispatch.Call, forward: Callable, stream: Callable,
+             **kernel) -> dispatch.Result:
+    """An implementation's call: ``forward`` over the whole row without a carried state (the result's ``extras``:
+    what ``EVAAttention.finish`` builds a causal core's state from, :func:`state_from_forward`), else ``stream``, the
+    tokens after ``call.state`` (the result's state); ``kernel``: the keywords both take beyond the shared ones."""
+    x, args, c = call.inputs, runner_arguments(runner, core, call), core.cfg
+    if call.state is None:
+        out, extras = forward(x["q"], x["k"], x["v"], *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks,
+                              **kernel)
+        return dispatch.Result(out, extras=extras)
+    out, state = stream(x["q"], x["k"], x["v"], call.state, *args, P=c.chunk_size, **kernel)
+    return dispatch.Result(out, state)
 
 
 def check_state_capacity(pos, T, P, C_max):

@@ -1,5 +1,5 @@
-"""The EVA core (docs/methods/eva.md): parameters, configuration, decoding state, and the call that asks
-``longctx.attention.dispatch.select`` for one of the implementations and runs it:
+"""The EVA core (docs/methods/eva.md): parameters, configuration, decoding state, and the call's inputs and
+result around one of the implementations:
 
 * ``reference`` (reference.py): the paper's computation over the whole sequence, plain autodiff, O(L²);
 * ``xla`` (xla.py): XLA tiles with plain einsums (portable);
@@ -7,17 +7,19 @@
 * ``pallas`` (pallas.py): the Phase A and Phase B kernels ('auto' on a GPU / TPU where they serve, then ``xla``).
 
 Each implementation module declares itself (its ``IMPLEMENTATIONS``: platforms, limits, where 'auto' tries it, and
-its ``code``, a module with ``eva_forward`` and ``eva_stream``); the layer declares only the reference and runs
-whatever ``dispatch.select`` chooses through that declaration's code. A call with a carried state (decoding,
-streaming) runs the chosen implementation's stream: the XLA tiles (the CPU-tuned ones with their ops; the kernels'
-with Phase A in the kernel; the reference's are the portable ones).
+its ``code``, a ``dispatch.Runner`` whose fields are the execution settings it reads); the layer declares only the
+reference. The base class's call runs :meth:`EVAAttention.prepare` (the inputs every runner takes and the shapes the
+selection reads), the runner ``dispatch.select`` chooses, and :meth:`EVAAttention.finish` (a causal full pass's
+state from the forward's extras). A runner looks at the call itself: without a carried state it runs its full pass,
+with one its stream (the XLA tiles; the CPU-tuned ones with their ops; the kernels' with Phase A in the kernel; the
+reference's are the portable ones), and the reference's runner computes a packed row (``segment_ids``) by its
+packed form.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +33,19 @@ from longctx.attention.base import (
     DropIn,
     KernelBench,
     axes,
-    check_qkv,
     check_segments,
     require,
 )
 from longctx.attention.eva import reference, xla
-from longctx.attention.eva.common import EVAOptions, empty_state, geometry, rpe_num_buckets, state_from_forward
+from longctx.attention.eva.common import (
+    EVAOptions,
+    empty_state,
+    geometry,
+    rpe_num_buckets,
+    run_pass,
+    runner_arguments,
+    state_from_forward,
+)
 from longctx.errors import ConfigError
 
 PACKED_STREAM_REASON = ("packed rows (segment ids) with a carried state: EVA's stream takes no segment ids yet; "
@@ -47,15 +56,30 @@ def _reference_reasons(platform: str, *, segments: bool = False, full: bool = Tr
     return [PACKED_STREAM_REASON] if segments and not full else []
 
 
-# the paper's computation over the whole sequence; a stream after a carried state has no O(L²) form of its own
-# and runs the portable tiles. 'auto' tries it only for a packed row (segment ids), which the tiles and kernels
-# refuse (common.segments_reasons), and only on a CPU: its O(L²) memory at a GPU's or TPU's training lengths is
-# not a default to fall into there (name impl='reference' to take it)
+@dataclasses.dataclass(frozen=True)
+class Reference(dispatch.Runner):
+    """``reference``: the paper's computation over the whole row (``reference.eva_reference``; a packed row,
+    ``segment_ids`` given: ``reference.eva_reference_packed``, which builds no state); a stream after a carried state
+    has no O(L²) form of its own and runs the portable tiles (``xla.eva_stream``, with their logit budget)."""
+
+    logit_budget: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        if call.state is None and x["segment_ids"] is not None:
+            out, _ = reference.eva_reference_packed(x["q"], x["k"], x["v"], *runner_arguments(self, core, call),
+                                                    chunk_size=core.cfg.chunk_size, segment_ids=x["segment_ids"])
+            return dispatch.Result(out)
+        return run_pass(self, core, call, reference.eva_reference, xla.eva_stream)
+
+
+# 'auto' tries the reference only for a packed row (segment ids), which the tiles and kernels refuse
+# (common.segments_reasons), and only on a CPU: its O(L²) memory at a GPU's or TPU's training lengths is not a
+# default to fall into there (name impl='reference' to take it)
 REFERENCE = dispatch.Implementation(
     "reference", config={"impl": "reference"}, defaults={"logit_budget": xla.LOGIT_BUDGET},  # its stream's tiles
     reasons=_reference_reasons, auto={"cpu": 99},
-    prefer=lambda platform, segments=False, **_: segments,
-    code=types.SimpleNamespace(eva_forward=reference.eva_reference, eva_stream=xla.eva_stream))
+    prefer=lambda platform, segments=False, **_: segments, code=Reference)
 
 
 @functools.cache
@@ -233,16 +257,16 @@ class EVAAttention(AttentionCore):
         names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
         return {n: getattr(self, n)[...] for n in names}
 
-    def _select(self, L: int, streaming: bool, deterministic: bool = True, segments: bool = False) -> dispatch.Choice:
-        """The implementation for a call over L tokens (``streaming``: after a carried state; ``deterministic``
-        False: a training call, with attention dropout when ``attn_dropout > 0``), by the shared rule of
-        ``longctx.attention.dispatch``; the kernels declare their limits (pallas.unsupported_reasons)."""
+    def call_shapes(self, L: int, *, streaming: bool, deterministic: bool = True, segments: bool = False) -> dict:
+        """The keywords the selection hands every declaration's ``reasons`` and ``prefer`` for a call over L tokens
+        (``streaming``: after a carried state; ``deterministic`` False: a training call, with attention dropout when
+        ``attn_dropout > 0``; ``segments``: a packed row); the kernels declare their limits
+        (pallas.unsupported_reasons). ``core.runner(**core.call_shapes(...))`` is the call's implementation."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
-        return dispatch.select(c.impl, self.implementations(causal=self.causal), method="eva", platform=self.platform,
-                               P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
-                               chunk_logit=o.chunk_logit, full=not streaming,
-                               dropout=not deterministic and o.attn_dropout > 0.0, segments=segments)
+        return dict(P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
+                    chunk_logit=o.chunk_logit, full=not streaming, dropout=not deterministic and o.attn_dropout > 0.0,
+                    segments=segments)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -285,38 +309,34 @@ class EVAAttention(AttentionCore):
             out[name] = b[name] + jax.lax.dynamic_slice_in_dim(padded, shift, R, axis=2)
         return out
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, segment_ids=None):
+    def prepare(self, q, k, v, state, *, deterministic, key, segment_ids=None):
         """``segment_ids`` [B, T] int32 (optional): a packed row, each document (a run of equal ids) computed as if
-        alone: the reference's full pass; a causal packed call returns no state (docs/methods/eva.md)."""
-        check_qkv(q, k, v)
+        alone: the reference's full pass; a causal packed call returns no state (docs/methods/eva.md).
+
+        The inputs every runner takes: ``q``, ``k``, ``v``; ``params`` (:meth:`chunk_params`); ``rpe`` (the
+        relative-position table, None without one); ``noise_key``, ``drop_key`` (the split of ``key``; None when
+        deterministic); ``segment_ids`` (None: one sequence)."""
         check_segments(self, q, segment_ids)
         c = self.cfg
         if segment_ids is not None and not self.causal and c.num_chunks > 0:
             raise ConfigError(f"eva: packed rows need a fixed chunk_size (num_chunks={c.num_chunks} sizes each "
                               "document's chunks by its length); set num_chunks=0")
         noise_key, drop_key = self._keys(deterministic, key)
-        rpe = self.rpe_table[...] if self.rpe_table is not None else None
-        choice = self._select(q.shape[2], streaming=state is not None, deterministic=deterministic,
-                              segments=segment_ids is not None)
-        kernel = dict(interpret=choice.interpret, platform=choice.platform) if choice.use_kernel else {}
-        impl = dispatch.by_name(self.implementations(causal=self.causal))[choice.name]
-        # the execution knobs as they run on the platform the selection ran on (dispatch.Implementation.setting):
-        # the budgets in the options, the kernel's tiles (pallas) beside the platform
-        knobs = impl.settings(c, choice.platform)
-        o = dataclasses.replace(self.opts, **{k: knobs.pop(k) for k in ("logit_budget", "keep_budget") if k in knobs})
-        kernel.update(knobs)
-        args = (self.chunk_params(), rpe, noise_key, drop_key, o)
-        code = impl.code
-        if state is None and segment_ids is not None:
-            out, _ = reference.eva_reference_packed(q, k, v, *args, chunk_size=c.chunk_size, segment_ids=segment_ids)
-            return out.astype(v.dtype), None
-        if state is None:
-            out, extras = code.eva_forward(q, k, v, *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks, **kernel)
-            new_state = None
-            if self.causal:
-                new_state = state_from_forward(extras, q.shape[2], o.W + o.e_l, o.chunk_logit == "exact_lse")
-            return out.astype(v.dtype), new_state
-        if not self.causal:
+        if state is not None and not self.causal:
             raise ValueError("eva: a bidirectional core takes no state")
-        out, new_state = code.eva_stream(q, k, v, state, *args, P=c.chunk_size, **kernel)
-        return out.astype(v.dtype), new_state
+        rpe = self.rpe_table[...] if self.rpe_table is not None else None
+        inputs = {"q": q, "k": k, "v": v, "params": self.chunk_params(), "rpe": rpe, "noise_key": noise_key,
+                  "drop_key": drop_key, "segment_ids": segment_ids}
+        shapes = self.call_shapes(q.shape[2], streaming=state is not None, deterministic=deterministic,
+                                  segments=segment_ids is not None)
+        return dispatch.Call(inputs, state, key=key), shapes
+
+    def finish(self, call, result, *, aux=None):
+        """The output in the values' dtype; the state: a stream's, or a causal full pass's from the forward's extras
+        (``state_from_forward``); none for a bidirectional core or a packed row."""
+        x = call.inputs
+        out = result.out.astype(x["v"].dtype)
+        if call.state is not None or not self.causal or x["segment_ids"] is not None:
+            return out, result.state
+        o = self.opts
+        return out, state_from_forward(result.extras, x["q"].shape[2], o.W + o.e_l, o.chunk_logit == "exact_lse")

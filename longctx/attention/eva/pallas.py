@@ -15,8 +15,8 @@ relative-position bias; Phase B returns ``o`` in it. Under float32 inputs every 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from longctx.attention.eva.common import (
     dropout_seeds,
     geometry,
     local_bias_tiles,
+    run_pass,
     segments_reasons,
 )
 from pallas_kernels import eva_attend, eva_chunks
@@ -128,12 +129,30 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
 # Phase B's tiles and GPU warps as execution settings (eva_attend.eva_attend's overrides; a sweep writes them)
 TILE_KEYS = ("query_tile", "key_tile", "chunk_tile", "num_warps")
 
+
+@dataclasses.dataclass(frozen=True)
+class Kernels(dispatch.Runner):
+    """``pallas``: :func:`eva_forward` from a row's start, :func:`eva_stream` after a carried state, both lowered for
+    the call's platform (interpret mode on a CPU); the tiles' logit budget serves a stream's XLA tiles."""
+
+    logit_budget: int
+    query_tile: int
+    key_tile: int
+    chunk_tile: int
+    num_warps: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        tiles = {key: getattr(self, key) for key in TILE_KEYS}
+        return run_pass(self, core, call, eva_forward, eva_stream, interpret=call.interpret, platform=call.platform,
+                        **tiles)
+
+
 # 'auto' tries the kernels first on a GPU / TPU (where they serve; rocm has no lowering, so the portable tiles
 # follow), never on a CPU (interpret mode only when named)
 IMPLEMENTATIONS = (
     dispatch.Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=unsupported_reasons,
                             config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                            code=sys.modules[__name__],
+                            code=Kernels,
                             # a stream attends in the XLA tiles: their logit budget ('cpu': interpret mode); Phase B's
                             # tiles and warps take the kernel's plan on every platform unless written
                             defaults={"logit_budget": xla.LOGIT_BUDGET,

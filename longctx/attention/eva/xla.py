@@ -18,7 +18,7 @@ its statistics are float32, and so is the carried state. Under float32 inputs ev
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from longctx.attention.eva.common import (
     geometry,
     local_mask,
     rpe_bias,
+    run_pass,
     segments_reasons,
     uses_fused,
     window_keys,
@@ -299,9 +300,20 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
 # as much for their gradient) on a GPU's 80 GB, 2^27 on a TPU core's 16-32 GB
 LOGIT_BUDGET = {"cpu": 1 << 25, "cuda": 1 << 28, "rocm": 1 << 28, "tpu": 1 << 27}
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles(dispatch.Runner):
+    """``xla``: :func:`eva_forward` from a row's start, :func:`eva_stream` after a carried state."""
+
+    logit_budget: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        return run_pass(self, core, call, eva_forward, eva_stream)
+
+
 # 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
-                            reasons=segments_reasons,
-                            code=sys.modules[__name__], defaults={"logit_budget": LOGIT_BUDGET}),
+                            reasons=segments_reasons, code=Tiles, defaults={"logit_budget": LOGIT_BUDGET}),
 )

@@ -13,8 +13,8 @@ bias gradient are float32. Under float32 inputs every cast is the identity and t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from longctx.attention.eva.common import (
     layer_norm,
     local_mask,
     rpe_bias,
+    run_pass,
     segments_reasons,
 )
 from longctx.xla_cpu import materialized, rowdot, rows_dot, scale_rows, transposed
@@ -383,9 +384,21 @@ def attend_tile(*args, **kwargs):
 # same tuning for any other platform name a caller passes
 DEFAULTS = {"logit_budget": {"cpu": 1 << 25, "default": 1 << 25}, "keep_budget": {"cpu": 1 << 28, "default": 1 << 28}}
 
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUTiles(dispatch.Runner):
+    """``xla_cpu``: :func:`eva_forward` from a row's start, :func:`eva_stream` after a carried state."""
+
+    logit_budget: int
+    keep_budget: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        return run_pass(self, core, call, eva_forward, eva_stream)
+
+
 # the implementation 'auto' runs on a CPU (and only there: it is the whole 'auto' list on a CPU)
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0},
-                            reasons=segments_reasons,
-                            code=sys.modules[__name__], defaults=DEFAULTS),
+                            reasons=segments_reasons, code=CPUTiles, defaults=DEFAULTS),
 )

@@ -22,10 +22,12 @@ corrected set (= the official release, = the paper's Figure 1b), which covers ev
 :func:`pallas_kernels.fma_blocks_ref.level_partners`.
 
 Files: ``reference.py`` (the paper's dense C~, the implementation ``reference``), ``xla.py`` (the blocked
-path), its XLA:CPU form (the CPU-tuned implementation, its own file), ``pallas.py`` (the block kernel),
-``state.py`` (the causal decoding state, §4), ``layer.py`` (the cores: parameters, config, dispatch),
-``options.py``, ``partition.py``. Each implementation module declares its implementation (``IMPLEMENTATIONS``:
-platforms, where ``impl='auto'`` tries it, what computes it); the layer declares only the reference.
+path), its XLA:CPU form (the CPU-tuned implementation, its own file), ``pallas.py`` and ``mosaic_gpu.py`` (the
+block kernels), ``coarse_stats.py`` (FMA-linear's coarse statistics), ``state.py`` (the causal decoding state, §4,
+and ``Blocked``, the runner every implementation subclasses), ``layer.py`` (the cores: parameters, config, the
+call's ``prepare`` and ``finish``), ``options.py``, ``partition.py``. Each implementation module declares its
+implementation (``IMPLEMENTATIONS``: platforms, where ``impl='auto'`` tries it, its runner); the layer declares
+only the reference.
 
 Causal decoding / streaming state (§4, our extension; the paper has no KV cache): the last ``2m`` raw
 keys and values, and per level the partial conv sums of the open group plus a ring of the last 4 finished

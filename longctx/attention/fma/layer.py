@@ -1,20 +1,24 @@
 """The FMA and FMA-linear cores (docs/methods/fma.md): parameters, config, validation, the decoding state, and
-the call that asks ``dispatch.select`` for an implementation and runs it.
+the call's two ends: :meth:`FMAAttention.prepare` (the inputs every implementation takes and what the selection
+reads) and :meth:`FMAAttention.finish` (the state after a full pass, the output's dtype); ``AttentionCore.__call__``
+selects the implementation for the core's platform, builds its runner and runs it between them.
 
 Implementations (reference first, :meth:`FMAAttention.implementations`): the layer declares the reference, each
 implementation module its own (``IMPLEMENTATIONS``, collected by ``dispatch.declared``; where ``impl='auto'``
-tries it and what computes it, its ``code``):
+tries it and what computes it, its ``code``: a runner, a subclass of :class:`~longctx.attention.fma.state.Blocked`
+whose fields are the knobs it reads):
 
 * ``reference`` -- the paper's n x n matrix C~ (``reference.py``; O(n^2), tests and checks);
 * ``xla`` -- the blocked path, portable (``xla.py``);
 * the XLA:CPU implementation -- the blocked path with XLA:CPU's forms of its products and summaries (the
   CPU-tuned implementation, its own file, which declares its name; ``impl='auto'`` on a CPU);
 * ``pallas`` -- the blocked path with the Pallas block kernel (``pallas.py``, ``pallas_kernels/fma_blocks.py``;
-  FMA only; ``impl='auto'`` on GPU and TPU where it serves the call, else ``xla``).
+  FMA only; ``impl='auto'`` on GPU and TPU where it serves the call, else ``xla``);
+* ``mosaic_gpu`` -- the blocked path with the Mosaic GPU kernels (``mosaic_gpu.py``; FMA only; where named).
 
-The decoding state and the streamed step (``state.py``) are shared: a call with a state runs the chosen
-implementation's block function (the reference's: the portable one). The old values of ``impl`` keep their
-meaning: ``'xla'`` the blocked XLA path, ``'pallas'`` the kernel, ``'auto'`` the platform's choice.
+The decoding state and the streamed step (``state.py``) are shared: each runner runs a call with a state as the
+streamed step with its own block function (the reference's: the portable one). The old values of ``impl`` keep
+their meaning: ``'xla'`` the blocked XLA path, ``'pallas'`` the kernel, ``'auto'`` the platform's choice.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import numpy as np
 from flax import nnx
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_qkv, logical, require
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, logical, require
 from longctx.attention.fma import reference, xla
 from longctx.attention.fma.options import FMAOptions
-from longctx.attention.fma.state import RING, empty_state, fma_stream, state_from_forward
+from longctx.attention.fma.state import RING, Blocked, empty_state, state_from_forward
 from longctx.errors import ConfigError
 
 BENCH_MAX_LEN = 131072  # the benchmarks' longest sequence: their untrained cores build levels for it
@@ -78,14 +82,20 @@ class Downsample(nnx.Module):
         return {"kernel": self.kernel[...], "bias": self.bias[...]}
 
 
-def _reference_forward(q, k, v, ds, opts, drop_key=None):
+def _dense_forward(q, k, v, ds, opts, drop_key=None):
     return reference.fma_dense_reference(q, k, v, ds, opts)
 
 
-def _reference_bind(choice, settings=None):
-    """``(forward, attend)`` of the reference: the dense C~ for full passes; streamed steps run the portable block
-    function."""
-    return _reference_forward, xla.attend
+@dataclasses.dataclass(frozen=True)
+class Reference(Blocked):
+    """The implementation ``reference``: the dense C~ (:func:`reference.fma_dense_reference`; no dropout) for a
+    full pass; streamed steps run the portable block function (``xla.attend``), which reads ``logit_budget``."""
+
+    def forward(self, call):
+        return _dense_forward
+
+    def attend(self, call):
+        return xla.attend
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +121,7 @@ class FMAAttention(AttentionCore):
 
         # its streamed steps run the portable block function, which reads logit_budget (xla.py's table)
         ref = dispatch.Implementation("reference", reasons=no_dropout, config={"impl": "reference"},
-                                      code=_reference_bind, defaults={"logit_budget": xla.LOGIT_BUDGET})
+                                      code=Reference, defaults={"logit_budget": xla.LOGIT_BUDGET})
         impls = [i for i in dispatch.declared(__package__, first=(ref,), causal=causal)
                  if cls.name in (getattr(i, "methods", None) or (cls.name,))]
         return tuple(sorted(impls, key=lambda i: i.kernel))  # stable: the portable ones as declared, kernels last
@@ -172,7 +182,7 @@ class FMAAttention(AttentionCore):
         require(m % p == 0, f"{pre}: p={p} must divide m={m}")
         require(n == 0 or (n >= m and n % m == 0 and ((n // m) & (n // m - 1)) == 0),
                 f"{pre}: max_len/m must be a power of two (max_len={n}, m={m}; 0 = the training length)")
-        rz = cfg.get("release_zero_slots", False)
+        rz = not cls.linear and cfg.release_zero_slots  # FMA only
         require(not (rz and not causal), f"{pre}.release_zero_slots: the release is causal only")
         L = cls.derived_levels(cfg)
         if cfg.num_levels is not None and n > 0:
@@ -195,7 +205,7 @@ class FMAAttention(AttentionCore):
         for key in ("kernel_warps_per_64_rows", "kernel_stages", "blocks_per_program"):
             if key in cfg:
                 require(cfg[key] >= 0, f"{pre}.{key} must be positive (0: the platform's default)")
-        bpp = cfg.get("blocks_per_program", 0)
+        bpp = 0 if cls.linear else cfg.blocks_per_program  # FMA only (the kernel's)
         require(bpp & (bpp - 1) == 0, f"{pre}.blocks_per_program={bpp} must be a power of two (0: the platform's)")
         if cls.linear:
             for key, allowed in (("fma_linear_normalization", ("joint", "per_level")),
@@ -235,11 +245,11 @@ class FMAAttention(AttentionCore):
         self.opts = FMAOptions(
             causal=causal, m=c.m, p=c.p, L=L, max_len=c.max_len, linear=self.linear,
             multiplicity=c.multiplicity_weighting,
-            normalization=c.get("fma_linear_normalization", "joint"),
-            query_summary=c.get("causal_query_summary", "lagged"),
+            normalization=c.fma_linear_normalization if self.linear else "joint",
+            query_summary=c.causal_query_summary if self.linear else "lagged",
             downsample=c.downsample, shared=c.share_downsample_across_heads,
             allow_truncated=c.allow_truncated_window, attn_dropout=float(c.attn_dropout),
-            release_zero_slots=bool(c.get("release_zero_slots", False)),
+            release_zero_slots=False if self.linear else bool(c.release_zero_slots),
             logit_budget=int(c.logit_budget),
         )
         heads = None if c.share_downsample_across_heads else num_heads
@@ -291,23 +301,12 @@ class FMAAttention(AttentionCore):
                        for l in range(1, self.opts.L + 1)]
         return out
 
-    def _implementation(self, drop_key):
-        """``((forward, attend), opts)`` of the implementation ``dispatch.select`` picks for ``impl``: the full pass
-        ``forward(q, k, v, ds, opts, drop_key)``, the block function of the streamed steps, and the options with the
-        execution settings resolved for the platform the selection ran on (a knob at 0, ``PLATFORM_DEFAULT``: the
-        implementation's default there, so a value tuned for XLA:CPU never drives a GPU path). The implementation's
-        ``code(choice, settings)`` gets its resolved knobs (``Implementation.settings``)."""
-        impls = self.implementations(causal=self.causal)
-        choice = dispatch.select(
-            self.cfg.impl, impls, method=self.name, platform=self.platform,
-            m=self.opts.m, d=self.head_dim, dv=self.value_dim, coarse_kind="stats" if self.linear else "packed",
-            dropout=self.opts.attn_dropout if drop_key is not None else 0.0,
-            release_zero_slots=self.opts.release_zero_slots,
-        )
-        impl = dispatch.by_name(impls)[choice.name]
-        settings = impl.settings(self.cfg, choice.platform)  # its knobs as they run on this platform
-        budget = int(settings.get("logit_budget", self.cfg.logit_budget))
-        return impl.code(choice, settings), dataclasses.replace(self.opts, logit_budget=budget)
+    def _shapes(self, dropout: bool) -> dict:
+        """What the selection reads of a call (``dispatch.select``'s shapes): ``dropout`` where the call drops."""
+        return {"m": self.opts.m, "d": self.head_dim, "dv": self.value_dim,
+                "coarse_kind": "stats" if self.linear else "packed",
+                "dropout": self.opts.attn_dropout if dropout else 0.0,
+                "release_zero_slots": self.opts.release_zero_slots}
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:
@@ -361,27 +360,34 @@ class FMAAttention(AttentionCore):
             out[name], out[acc_name] = tuple(rings), tuple(accs)
         return out
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
-        check_qkv(q, k, v)
+    # -- the call (AttentionCore.__call__: prepare -> select -> run -> finish) ------------------------
+    def prepare(self, q, k, v, state, *, deterministic, key):
+        """The call every implementation takes (:class:`~longctx.attention.fma.state.Blocked`): inputs ``q, k, v``,
+        ``ds`` (:meth:`ds_params`) and ``opts`` (the layer's options; the runner sets its ``logit_budget``), the
+        carried ``state`` (causal only), and the attention dropout's key as ``key`` (None unless the call drops)."""
         drop_key = None
         if not deterministic and self.opts.attn_dropout > 0.0:
             if key is None:
                 raise ValueError(f"{self.name}: attn_dropout > 0 with deterministic=False needs a PRNG `key`")
             drop_key = key
-        ds = self.ds_params()
-        (forward, attend), opts = self._implementation(drop_key)
-        if state is None:
-            out = forward(q, k, v, ds, opts, drop_key)
-            new_state = None
-            if self.causal and not self.opts.leaky and not self.opts.release_zero_slots:
-                new_state = state_from_forward(q, k, v, ds, self.opts)
-            return out.astype(v.dtype), new_state
-        if not self.causal:
-            raise ValueError(f"{self.name}: a bidirectional core takes no state (state=None only)")
-        if not isinstance(state, dict) or "pos" not in state:
-            raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
-        out, new_state = fma_stream(q, k, v, state, ds, opts, drop_key, attend=attend)
-        return out.astype(v.dtype), new_state
+        if state is not None:
+            if not self.causal:
+                raise ValueError(f"{self.name}: a bidirectional core takes no state (state=None only)")
+            if not isinstance(state, dict) or "pos" not in state:
+                raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
+        inputs = {"q": q, "k": k, "v": v, "ds": self.ds_params(), "opts": self.opts}
+        return dispatch.Call(inputs, state, key=drop_key), self._shapes(drop_key is not None)
+
+    def finish(self, call, result, *, aux=None):
+        """The output in the values' dtype, and the state: the streamed step's, or after a full pass (causal, where
+        the call can be continued) :func:`state_from_forward` of its inputs."""
+        x = call.inputs
+        if call.state is not None:
+            return result.out.astype(x["v"].dtype), result.state
+        new_state = None
+        if self.causal and not self.opts.leaky and not self.opts.release_zero_slots:
+            new_state = state_from_forward(x["q"], x["k"], x["v"], x["ds"], self.opts)
+        return result.out.astype(x["v"].dtype), new_state
 
 
 class FMALinearAttention(FMAAttention):

@@ -9,6 +9,7 @@ each kernel call runs per shard of the batch and heads (a ``shard_map``), as ``p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from longctx.attention import row_split
 from longctx.attention.fma import xla
 from longctx.attention.fma.pallas import MethodImplementation
+from longctx.attention.fma.state import Blocked
 from pallas_kernels import fma_blocks_mgpu
 from pallas_kernels.fma_blocks_ref import attend_blocks
 
@@ -37,10 +39,9 @@ def _blocks(qb, kp, vp, coarse, *, n_valid, causal, interpret):
     return out.reshape(B, H, nb, m, dv)
 
 
-def attend(choice, settings=None):
-    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU); the
-    kernels read no settings."""
-    del settings
+def attend(interpret: bool):
+    """The block function running the kernels (interpret mode on a CPU where ``interpret``); the kernels read no
+    settings."""
 
     def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
         kind = None if coarse is None else coarse[0]
@@ -48,7 +49,7 @@ def attend(choice, settings=None):
                 or not isinstance(n_valid, int) or (drop_key is not None and attn_dropout > 0)):
             return attend_blocks(qb, kp, vp, coarse, q_block0=q_block0, n_valid=n_valid, causal=causal,
                                  drop_key=drop_key, attn_dropout=attn_dropout, **kw)
-        call = functools.partial(_blocks, n_valid=n_valid, causal=causal, interpret=choice.interpret)
+        call = functools.partial(_blocks, n_valid=n_valid, causal=causal, interpret=interpret)
         mesh = row_split.active_mesh(qb, kp, vp)
         bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *qb.shape[:2])
         if bspec is None and hspec is None:
@@ -62,11 +63,17 @@ def attend(choice, settings=None):
     return run
 
 
-def bind(choice, settings=None):
-    """``(forward, attend)`` of this implementation for ``choice``: the full pass and the streamed steps' block
-    function."""
-    block = attend(choice, settings)
-    return functools.partial(xla.fma_forward, attend=block), block
+@dataclasses.dataclass(frozen=True)
+class MosaicGpu(Blocked):
+    """The implementation ``mosaic_gpu``: the blocked path with the kernels as its block function, for full passes
+    and streamed steps alike (the kernels' reference where they do not serve a call: a streamed step, dropout);
+    interpret mode where ``call.interpret``. Its one knob, ``logit_budget``, is read by the reference."""
+
+    def attend(self, call):
+        return attend(call.interpret)
+
+    def forward(self, call):
+        return functools.partial(xla.fma_forward, attend=self.attend(call))
 
 
 def _compute_capability():
@@ -92,8 +99,8 @@ def _reasons(platform, *, release_zero_slots=False, **shapes):
 # block's scores at a time. No auto entry: not yet run on a GPU.
 IMPLEMENTATIONS = (
     MethodImplementation("mosaic_gpu", platforms=("cuda",), kernel=True, reasons=_reasons,
-                         config={"impl": "mosaic_gpu"}, code=bind, methods=("fma",),
+                         config={"impl": "mosaic_gpu"}, code=MosaicGpu, methods=("fma",),
                          defaults={"logit_budget": xla.LOGIT_BUDGET}, slow_in_interpret=True),
 )
 
-__all__ = ["IMPLEMENTATIONS", "attend", "bind"]
+__all__ = ["IMPLEMENTATIONS", "MosaicGpu", "attend"]

@@ -20,20 +20,19 @@ from jax.sharding import PartitionSpec as P
 from longctx.attention import row_split
 from longctx.attention.dispatch import Implementation
 from longctx.attention.fma import xla
+from longctx.attention.fma.state import Blocked
 from pallas_kernels import fma_blocks
 
 unsupported_reasons = fma_blocks.unsupported_reasons
 
 
-def attend(choice, settings=None):
-    """The block function for a ``dispatch.Choice`` of this implementation (interpret mode on a CPU) with its
-    resolved ``settings`` (the kernel's GPU tiles; None: the kernel's rule); the kernel's calls run per shard of the
-    batch and heads under a mesh (module docstring)."""
-    settings = settings or {}
-    platform = "interpret" if choice.interpret else choice.platform
+def attend(platform: str, interpret: bool, tiles):
+    """The block function running the kernel for ``platform`` (``'interpret'``: interpret mode on a CPU, with
+    ``interpret``) with ``tiles(m)`` (the kernel's GPU tiles for fine blocks of ``m`` rows, :meth:`Pallas.tiles`);
+    the kernel's calls run per shard of the batch and heads under a mesh (module docstring)."""
 
     def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
-        inner = fma_blocks.make_attend(interpret=choice.interpret, platform=platform, **_tiles(settings, qb.shape[3]))
+        inner = fma_blocks.make_attend(interpret=interpret, platform=platform, **tiles(qb.shape[3]))
         kind = None if coarse is None else coarse[0]
         kernel = (kind in (None, "packed") and isinstance(q_block0, int) and q_block0 == 0
                   and isinstance(n_valid, int) and not (drop_key is not None and attn_dropout > 0))
@@ -56,25 +55,32 @@ def attend(choice, settings=None):
     return run
 
 
-def _tiles(settings, m: int) -> dict:
-    """The kernel's ``num_warps`` / ``num_stages`` / ``blocks_per_program`` for fine blocks of ``m`` rows from the
-    resolved settings (absent or 0: the kernel's rule, :func:`pallas_kernels.fma_blocks.gpu_tiles`; one block per
-    program). The warps are configured per 64 query rows (a program works on one block of ``m`` rows at a time),
-    so one setting serves every ``m``: 4 gives the rule's 4 warps up to ``m = 64`` and 8 at 128."""
-    warps, stages = settings.get("kernel_warps_per_64_rows"), settings.get("kernel_stages")
-    return {"num_warps": warps * max(1, m // 64) if warps else None, "num_stages": stages or None,
-            "blocks_per_program": settings.get("blocks_per_program") or None}
+@dataclasses.dataclass(frozen=True)
+class Pallas(Blocked):
+    """The implementation ``pallas``: the blocked path with the kernel as its block function, for full passes and
+    streamed steps alike (the kernel falls back to its reference where it does not serve a call: a streamed step,
+    dropout), built for ``call.platform`` (interpret mode where ``call.interpret``). Its knobs beyond
+    ``logit_budget``: the GPU lowering's warps per 64 query rows and pipeline stages, and the fine blocks one
+    program loops over (each 0: the kernel's rule)."""
 
+    kernel_warps_per_64_rows: int = 0
+    kernel_stages: int = 0
+    blocks_per_program: int = 0
 
-def forward(choice, settings=None):
-    """``forward(q, k, v, ds, opts, drop_key=None)`` running the kernel."""
-    return functools.partial(xla.fma_forward, attend=attend(choice, settings))
+    def tiles(self, m: int) -> dict:
+        """The kernel's ``num_warps`` / ``num_stages`` / ``blocks_per_program`` for fine blocks of ``m`` rows (0: the
+        kernel's rule, :func:`pallas_kernels.fma_blocks.gpu_tiles`; one block per program). The warps are
+        configured per 64 query rows (a program works on one block of ``m`` rows at a time), so one setting serves
+        every ``m``: 4 gives the rule's 4 warps up to ``m = 64`` and 8 at 128."""
+        warps, stages = self.kernel_warps_per_64_rows, self.kernel_stages
+        return {"num_warps": warps * max(1, m // 64) if warps else None, "num_stages": stages or None,
+                "blocks_per_program": self.blocks_per_program or None}
 
+    def attend(self, call):
+        return attend("interpret" if call.interpret else call.platform, call.interpret, self.tiles)
 
-def bind(choice, settings=None):
-    """``(forward, attend)`` of this implementation for ``choice`` and its resolved ``settings``: the full pass and
-    the streamed steps' block function."""
-    return forward(choice, settings), attend(choice, settings)
+    def forward(self, call):
+        return functools.partial(xla.fma_forward, attend=self.attend(call))
 
 
 def _reasons(platform, *, release_zero_slots=False, **shapes):
@@ -104,8 +110,8 @@ TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages":
          "blocks_per_program": {"cuda": 2, "tpu": 4, "cpu": 2, "default": 1}}
 IMPLEMENTATIONS = (
     MethodImplementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_reasons,
-                         config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, code=bind,
+                         config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, code=Pallas,
                          methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "MethodImplementation", "attend", "bind", "forward", "unsupported_reasons"]
+__all__ = ["IMPLEMENTATIONS", "MethodImplementation", "Pallas", "attend", "unsupported_reasons"]

@@ -1,6 +1,8 @@
 """Causal FMA's decoding / streaming state (docs/methods/fma.md §4, our extension; the paper has no KV cache),
-shared by every implementation: the state after a full pass (:func:`state_from_forward`) and the streamed step
-(:func:`fma_stream`, run with the implementation's block function).
+shared by every implementation: the state after a full pass (:func:`state_from_forward`), the streamed step
+(:func:`fma_stream`, run with the implementation's block function), and :class:`Blocked`, the runner every
+implementation of the folder subclasses: a full pass with its forward, a call with a state with the streamed step
+and its block function.
 
 The state holds the last ``2m`` raw keys and values, and per level the partial conv sums of the open group
 (``acc_*``) plus a ring of the last 4 finished group summaries (``ring_*``; query i in level group a reads
@@ -14,14 +16,17 @@ window and summaries cast down to it) and accumulate in float32, as the full pas
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longctx.attention import dispatch
 from longctx.attention.base import check_capacity
+from longctx.attention.fma.coarse_stats import combine, row_stats
 from longctx.attention.fma.options import FMAOptions, acc_type, pad_to
 from longctx.attention.fma.reference import bias_rows, summarize
-from longctx.attention.fma.xla import combine, row_stats
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, packed_slots
 from pallas_kernels.precision import acc_einsum, compute_dtype, statistic
 
@@ -223,4 +228,33 @@ def _linear_coarse_stream(qb, blocks, E, pos, drop_key, opts: FMAOptions):
     return acc
 
 
-__all__ = ["RING", "empty_state", "fma_stream", "state_from_forward", "token_contrib"]
+@dataclasses.dataclass(frozen=True)
+class Blocked(dispatch.Runner):
+    """An FMA implementation as it runs (``dispatch.Runner``): ``call.inputs`` holds ``q, k, v`` [B,H,T,d|dv],
+    ``ds`` (the downsampling parameters, ``FMAAttention.ds_params``) and ``opts`` (the layer's
+    :class:`~longctx.attention.fma.options.FMAOptions`); ``call.key`` is the attention dropout's key (None: no
+    dropout). Without a state: the full pass, :meth:`forward`; with one (causal): :func:`fma_stream` with the
+    implementation's block function, :meth:`attend`, and the new state. The options reach the code with this
+    runner's ``logit_budget`` (the value for the platform the selection ran on). The layer's ``finish`` builds a
+    full pass's state (:func:`state_from_forward`) and casts the output."""
+
+    logit_budget: int  # max materialised scores per lax.map step of the block function
+
+    def forward(self, call: dispatch.Call):
+        """``forward(q, k, v, ds, opts, drop_key)``: the full pass."""
+        raise NotImplementedError
+
+    def attend(self, call: dispatch.Call):
+        """The block function of the streamed steps (``pallas_kernels.fma_blocks_ref.attend_blocks``' signature)."""
+        raise NotImplementedError
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        opts = dataclasses.replace(x["opts"], logit_budget=int(self.logit_budget))
+        if call.state is None:
+            return dispatch.Result(self.forward(call)(x["q"], x["k"], x["v"], x["ds"], opts, call.key))
+        out, state = fma_stream(x["q"], x["k"], x["v"], call.state, x["ds"], opts, call.key, attend=self.attend(call))
+        return dispatch.Result(out, state)
+
+
+__all__ = ["RING", "Blocked", "empty_state", "fma_stream", "state_from_forward", "token_contrib"]

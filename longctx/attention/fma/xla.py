@@ -11,13 +11,17 @@ products, ``pallas.py`` the kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
+from longctx.attention.fma.coarse_stats import combine, row_stats
 from longctx.attention.fma.options import FMAOptions, levels_used, pad_to
 from longctx.attention.fma.reference import lagged, summarize
+from longctx.attention.fma.state import Blocked
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, level_partners, packed_slots
 from pallas_kernels.precision import acc_einsum, compute_dtype
 
@@ -35,34 +39,8 @@ def all_level_summaries(x, prms, Lu: int, opts: FMAOptions):
 
 
 # ---------------------------------------------------------------------------
-# FMA-linear coarse statistics (§2.5)
+# FMA-linear coarse part (§2.5; its statistics: coarse_stats.py)
 # ---------------------------------------------------------------------------
-
-
-def combine(acc, stats, opts: FMAOptions):
-    """Fold one level's per-query stats (M, num, den) into the running coarse part."""
-    M, num, den = stats
-    if opts.normalization == "per_level":
-        out = num / jnp.where(den > 0, den, 1.0)[..., None]
-        return ("normed", out) if acc is None else ("normed", acc[1] + out)
-    if acc is None:
-        return ("stats", M, num, den)
-    _, Ma, na, da = acc
-    Mn = jnp.maximum(Ma, M)
-    sa, sb = jnp.exp(Ma - Mn), jnp.exp(M - Mn)
-    return ("stats", Mn, na * sa[..., None] + num * sb[..., None], da * sa + den * sb)
-
-
-def row_stats(s, valid, vc, drop_key, opts: FMAOptions):
-    """Softmax statistics of coarse scores s [..., C] with values vc [..., C, f] (valid: bool mask)."""
-    s = jnp.where(valid, s, NEG)
-    M = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-    e = jnp.where(valid, jnp.exp(s - M[..., None]), 0.0)
-    den = jnp.sum(e, axis=-1)
-    if drop_key is not None and opts.attn_dropout > 0.0:
-        keep = 1.0 - opts.attn_dropout
-        e = jnp.where(jax.random.bernoulli(drop_key, keep, e.shape), e / keep, 0.0)
-    return M, e, den
 
 
 def _repeat_rows(acc, rep: int, n_rows: int):
@@ -208,10 +186,17 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return fma_forward(q, k, v, ds, opts, drop_key)
 
 
-def bind(choice, settings=None):
-    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function (its one
-    knob, ``logit_budget``, reaches them through the options)."""
-    return forward, attend
+@dataclasses.dataclass(frozen=True)
+class Xla(Blocked):
+    """The implementation ``xla``: :func:`forward` for a full pass, the streamed steps with its block function
+    :func:`~pallas_kernels.fma_blocks_ref.attend_blocks` (its one knob, ``logit_budget``, reaches both through the
+    options)."""
+
+    def forward(self, call):
+        return forward
+
+    def attend(self, call):
+        return attend
 
 
 # ``logit_budget`` (materialised scores per ``lax.map`` step of :func:`attend_blocks`) per platform, for the
@@ -226,8 +211,8 @@ LOGIT_BUDGET = {"cpu": 1 << 24, "cuda": 1 << 27, "tpu": 1 << 26, "default": 1 <<
 # where it serves the call); ``test_config`` makes it take several ``lax.map`` steps at test lengths
 IMPLEMENTATIONS = (
     Implementation("xla", config={"impl": "xla"}, test_config={"logit_budget": 2000},
-                   auto={p: 1 for p in ALL_PLATFORMS}, code=bind, defaults={"logit_budget": LOGIT_BUDGET}),
+                   auto={p: 1 for p in ALL_PLATFORMS}, code=Xla, defaults={"logit_budget": LOGIT_BUDGET}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "LOGIT_BUDGET", "all_level_summaries", "attend", "bind", "combine", "fma_forward", "forward",
+__all__ = ["IMPLEMENTATIONS", "LOGIT_BUDGET", "Xla", "all_level_summaries", "attend", "combine", "fma_forward", "forward",
            "level_summaries", "linear_coarse_full", "row_stats"]

@@ -16,6 +16,7 @@ dtype, so they serve float32 and float64 only) and the summaries' multiply-and-r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,7 @@ from longctx.attention.dispatch import Implementation
 from longctx.attention.fma import xla
 from longctx.attention.fma.options import FMAOptions, acc_type, pad_to
 from longctx.attention.fma.reference import bias_rows
+from longctx.attention.fma.state import Blocked
 from longctx.xla_cpu import mix, scale_rows, scores
 from pallas_kernels.fma_blocks_ref import BlockOps, attend_blocks
 from pallas_kernels.precision import acc_einsum
@@ -116,17 +118,23 @@ def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
     return xla.fma_forward(q, k, v, ds, opts, drop_key, attend=attend, summaries=all_level_summaries)
 
 
-def bind(choice, settings=None):
-    """``(forward, attend)`` of this implementation: the full pass and the streamed steps' block function (its one
-    knob, ``logit_budget``, reaches them through the options)."""
-    return forward, attend
+@dataclasses.dataclass(frozen=True)
+class XlaCpu(Blocked):
+    """The implementation ``xla_cpu``: :func:`forward` for a full pass, the streamed steps with its block function
+    (:data:`attend`; its one knob, ``logit_budget``, reaches both through the options)."""
+
+    def forward(self, call):
+        return forward
+
+    def attend(self, call):
+        return attend
 
 
 # the name ``xla_cpu`` (users and saved configs use it); 'auto' on a CPU tries it first, before ``xla``
 # its logit_budget: the XLA:CPU value (it runs on XLA:CPU only; 'default' answers the platforms it never runs on)
 IMPLEMENTATIONS = (
-    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bind,
+    Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=XlaCpu,
                    defaults={"logit_budget": {"cpu": 1 << 24, "default": 1 << 24}}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "OPS", "all_level_summaries", "attend", "bind", "forward"]
+__all__ = ["IMPLEMENTATIONS", "OPS", "XlaCpu", "all_level_summaries", "attend", "forward"]

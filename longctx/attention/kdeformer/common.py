@@ -8,8 +8,9 @@ Nothing here is tuned for a platform: products take the compute dtype with float
 The hash codes of a full pass and of decoding come from the same function on the same vectors.
 
 The execution knobs the tiled implementations read (``tile_budget``, ``heavy_scores_max_len``,
-``heavy_band_block``) are fields of :class:`CausalOptions`; the config leaves them at ``dispatch.PLATFORM_DEFAULT``
-and :func:`platform_options` puts in the values the chosen implementation declares for the platform it runs on.
+``heavy_band_block`` as ``band_block``, the route ``heavy_impl``) are fields of :class:`CausalOptions`; the core's
+options leave them at ``dispatch.PLATFORM_DEFAULT`` and the runner of the chosen implementation puts in its own
+fields, built for the platform it runs on (``xla.with_knobs``).
 """
 
 from __future__ import annotations
@@ -56,20 +57,6 @@ class CausalOptions:
     heavy_impl: str = "auto"  # tiled paths' heavy route: 'gather' | 'scores' | 'band' | 'auto'
     heavy_scores_max_len: int = 1024
     band_block: int = 64  # 'band': sorted queries per tile = sorted keys per block
-
-
-# the execution knobs with per-platform defaults (config key -> CausalOptions field)
-KNOB_FIELDS = {"tile_budget": "tile_budget", "heavy_scores_max_len": "heavy_scores_max_len",
-               "heavy_band_block": "band_block"}
-
-
-def platform_options(opts, impl, platform: str):
-    """``opts`` with every knob that ``impl`` (a ``dispatch.Implementation``) declares a default for at the value it
-    runs with on ``platform`` (``impl.setting``: a knob left at ``dispatch.PLATFORM_DEFAULT`` takes the platform's
-    value, a written one stays). Options without such knobs (the bidirectional ones) are returned as they are."""
-    fields = {f: impl.setting(k, getattr(opts, f), platform) for k, f in KNOB_FIELDS.items()
-              if k in impl.defaults and hasattr(opts, f)}
-    return dataclasses.replace(opts, **fields) if fields else opts
 
 
 # ---------------------------------------------------------------------------
@@ -307,6 +294,6 @@ def next_state(state, k, v, W, compute_dtype):
             "length": jnp.asarray(P0 + T, jnp.int32)}
 
 
-__all__ = ["CUM_SHIFT", "INT_MAX", "KNOB_FIELDS", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions",
+__all__ = ["CUM_SHIFT", "INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions",
            "augmented_gram", "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
-           "next_state", "norm_weights", "platform_options", "power_lambda", "prefix_end", "weight_prefix_sums"]
+           "next_state", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]

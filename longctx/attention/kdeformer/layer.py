@@ -20,11 +20,13 @@ then those each implementation module declares (``IMPLEMENTATIONS``, collected b
     gather, scores, band (CPU: one per heavy route, with XLA:CPU's products). 'auto' is the declarations': on a
     CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``; ``heavy_impl`` is the
     route ``xla`` takes (``auto``: by the cache length).
-:meth:`KDEformerAttention.resolve` returns the choice and the options it runs with: the numeric execution knobs
-(``tile_budget``, ``heavy_scores_max_len``, ``heavy_band_block``) default to ``dispatch.PLATFORM_DEFAULT`` and take
-the values the chosen implementation declares for the platform the selection ran on (``xla.DEFAULTS``: the CPU's
-tuning on a CPU, budgets sized for an 80 GB accelerator on a GPU or TPU); a value written in the config runs as
-written.
+Each declaration's ``code`` is a ``dispatch.Runner`` whose fields are the execution knobs it reads (``tile_budget``,
+``heavy_scores_max_len``, ``heavy_band_block``, and ``heavy_impl`` for ``xla``); the base class's call selects it
+for the core's platform and builds it, each numeric knob left at ``dispatch.PLATFORM_DEFAULT`` taking the value its
+declaration gives that platform (``xla.DEFAULTS``: the CPU's tuning on a CPU, budgets sized for an 80 GB
+accelerator on a GPU or TPU; a value written in the config runs as written), and the runner puts its fields into
+the core's options before calling the math. :meth:`KDEformerAttention.prepare` draws the projections and the
+samples' key and checks the state's capacity; :meth:`KDEformerAttention.finish` builds the next state.
 
 Decoding state (causal): the KV cache, the code cache, the projections ``W`` and the token count
 (``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
@@ -54,25 +56,41 @@ Departures from the paper, the released code and the method notes, named:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, check_qkv, require
+from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, require
 from longctx.attention.kdeformer import reference
 from longctx.attention.kdeformer.common import (
     BidirOptions,
     CausalOptions,
     draw_projections,
     next_state,
-    platform_options,
 )
 
 ROUTES = ("gather", "scores", "band")  # the causal heavy routes (xla.py), each a CPU implementation
 
 CAPACITY_MESSAGE = ("kdeformer: the decoding state holds {capacity} tokens but {needed} were fed; build it with "
                     "core.init_state(batch_size, max_len) with a larger max_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference(dispatch.Runner):
+    """The estimator as math (``reference.py``), either direction; it reads no execution knob."""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        if core.causal:
+            return dispatch.Result(reference.causal(x["q"], x["k"], x["v"], x["W"], call.key, core.causal_opts,
+                                                    call.state))
+        return dispatch.Result(reference.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts))
+
+
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=Reference)
 
 
 class KDEformerAttention(AttentionCore):
@@ -88,9 +106,7 @@ class KDEformerAttention(AttentionCore):
         the direction (``dispatch.declared``): ``xla`` (portable), and the XLA:CPU implementations: bidirectional
         one, causal ``gather``, ``scores``, ``band`` (CPU, one per heavy route; ``band`` gathers in a call with a
         state)."""
-        ref = dispatch.Implementation("reference", config={"impl": "reference"},
-                                      code=reference.causal if causal else reference.bidirectional)
-        return dispatch.declared(__package__, first=(ref,), causal=causal)
+        return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
     @classmethod
     def default_config(cls) -> ml_collections.ConfigDict:
@@ -187,30 +203,27 @@ class KDEformerAttention(AttentionCore):
             bucket_size=c.bucket_size, num_samples=c.num_samples, num_projs=c.num_projs, gray_order=c.gray_order,
             sampling=c.sampling, residual=c.residual, power_iters=c.power_iters, scale=scale)
         cc = c.causal
+        # the execution knobs stay unresolved here: the runner that computes a call puts in its fields (a tiled
+        # form that reads one left at PLATFORM_DEFAULT raises)
         self.causal_opts = CausalOptions(
             chunk_size=cc.chunk_size, local_chunks=cc.local_chunks, heavy_capacity=cc.heavy_capacity,
             num_projs=cc.num_projs, num_samples=cc.num_samples, sampling=cc.sampling, residual=cc.residual,
-            power_iters=c.power_iters, scale=scale, tile_budget=c.tile_budget, heavy_impl=c.heavy_impl,
-            heavy_scores_max_len=c.heavy_scores_max_len, band_block=c.heavy_band_block)
+            power_iters=c.power_iters, scale=scale, tile_budget=dispatch.PLATFORM_DEFAULT, heavy_impl="auto",
+            heavy_scores_max_len=dispatch.PLATFORM_DEFAULT, band_block=dispatch.PLATFORM_DEFAULT)
 
     # -- implementations -------------------------------------------------------------
-    def resolve(self, dtype, *, cache_len: int = 0, full_pass: bool = True):
-        """(declaration, options) of the call: the implementation ``dispatch.select`` picks over
-        :meth:`implementations` (``cache_len``, ``full_pass`` and the causal options are the shapes the
-        declarations' ``prefer`` reads), and the options it runs with: the knobs it declares at their values for
-        the platform the selection ran on (``common.platform_options``)."""
-        impls = self.implementations(causal=self.causal)
-        choice = dispatch.select(self.cfg.impl, impls, method=self.name, platform=self.platform, dtype=dtype,
-                                 cache_len=cache_len, full_pass=full_pass, opts=self.causal_opts)
-        impl = dispatch.by_name(impls)[choice.name]
-        opts = self.causal_opts if self.causal else self.bidir_opts
-        return impl, platform_options(opts, impl, choice.platform)
+    def selection_shapes(self, dtype, *, cache_len: int = 0, full_pass: bool = True) -> dict:
+        """The keywords the selection hands the declarations' ``reasons`` and ``prefer`` (:meth:`prepare`'s
+        ``shapes``): ``cache_len`` the keys a causal call sees (a full pass: its length rounded up to whole chunks;
+        with a state: the cache's capacity), ``full_pass`` whether it has no state, and the configured
+        ``heavy_scores_max_len`` (the CPU routes' ``prefer`` resolves it for the platform)."""
+        return {"dtype": dtype, "cache_len": cache_len, "full_pass": full_pass,
+                "heavy_scores_max_len": self.cfg.heavy_scores_max_len}
 
     def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True) -> str:
-        """The implementation a call runs on the core's platform (:meth:`resolve`): ``cache_len`` the keys a causal
-        call sees (a full pass: its length rounded up to whole chunks; with a state: the cache's capacity),
-        ``full_pass`` whether it has no state."""
-        return self.resolve(dtype, cache_len=cache_len, full_pass=full_pass)[0].name
+        """The name of the implementation a call runs on the core's platform (the base class's :meth:`runner` on
+        :meth:`selection_shapes`)."""
+        return self.runner(**self.selection_shapes(dtype, cache_len=cache_len, full_pass=full_pass))[1].name
 
     # -- randomness -----------------------------------------------------------------
     def _keys(self, deterministic, key):
@@ -242,8 +255,10 @@ class KDEformerAttention(AttentionCore):
             "length": jnp.zeros((), jnp.int32),
         }
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None):
-        check_qkv(q, k, v)
+    def prepare(self, q, k, v, state, *, deterministic: bool, key):
+        """The call every implementation takes: inputs ``q``, ``k``, ``v`` and ``W`` (the stream's projections:
+        drawn from the call's key, or the state's once its stream has begun), ``key`` the samples' key, ``state`` the
+        carried one; the capacity of the state checked before any work."""
         if v.shape[-1] != self.value_dim or q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
             raise ValueError(f"kdeformer: expected {self.num_heads} heads, head_dim {self.head_dim}, value_dim "
                              f"{self.value_dim}; got q {q.shape}, v {v.shape}")
@@ -252,20 +267,26 @@ class KDEformerAttention(AttentionCore):
         if not self.causal:
             if state is not None:
                 raise ValueError("kdeformer: a bidirectional core takes no state")
-            impl, opts = self.resolve(q.dtype)
-            return impl.code(q, k, v, W, k_s, opts).astype(v.dtype), None
-        T, c = q.shape[2], self.causal_opts.chunk_size
-        if state is None:
-            impl, opts = self.resolve(q.dtype, cache_len=-(-T // c) * c)
+            shapes = self.selection_shapes(q.dtype)
+        elif state is None:
+            T, c = q.shape[2], self.causal_opts.chunk_size
+            shapes = self.selection_shapes(q.dtype, cache_len=-(-T // c) * c)
         else:
-            M = state["k"].shape[2]
+            T, M = q.shape[2], state["k"].shape[2]
             if T > M:  # static: more new tokens than the whole state holds
                 raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=T))
             check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
             W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
-            impl, opts = self.resolve(q.dtype, cache_len=M, full_pass=False)
-        out = impl.code(q, k, v, W, k_s, opts, state)
-        return out.astype(v.dtype), next_state(state, k, v, W, q.dtype)
+            shapes = self.selection_shapes(q.dtype, cache_len=M, full_pass=False)
+        return dispatch.Call({"q": q, "k": k, "v": v, "W": W}, state, key=k_s), shapes
+
+    def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux=None):
+        """The output in the values' dtype and, causal, the next state (``common.next_state``)."""
+        x = call.inputs
+        out = result.out.astype(x["v"].dtype)
+        if not self.causal:
+            return out, None
+        return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype)
 
 
-__all__ = ["CAPACITY_MESSAGE", "ROUTES", "KDEformerAttention"]
+__all__ = ["CAPACITY_MESSAGE", "REFERENCE", "ROUTES", "KDEformerAttention", "Reference"]

@@ -29,9 +29,12 @@ defaults of ``tile_budget``, ``heavy_scores_max_len`` and ``heavy_band_block`` (
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer.common import (
     INT_MAX,
@@ -171,14 +174,20 @@ def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = F
 # ---------------------------------------------------------------------------
 
 
-def heavy_route_of(opts: CausalOptions, M: int, full_pass: bool) -> str:
-    """The causal heavy logits' route: 'band' (full passes only), 'scores' or 'gather' (§4.2)."""
-    route = opts.heavy_impl
+def route_for(heavy_impl: str, heavy_scores_max_len: int, M: int, full_pass: bool) -> str:
+    """The causal heavy logits' route for the setting ``heavy_impl`` and a cache of ``M`` keys: 'band' (full passes
+    only), 'scores' or 'gather' (§4.2)."""
+    route = heavy_impl
     if route == "auto":
-        route = "scores" if M <= opts.heavy_scores_max_len else ("band" if full_pass else "gather")
+        route = "scores" if M <= heavy_scores_max_len else ("band" if full_pass else "gather")
     if route == "band" and not full_pass:  # with a cache the band's blocks span the whole cache per query
         route = "gather"
     return route
+
+
+def heavy_route_of(opts: CausalOptions, M: int, full_pass: bool) -> str:
+    """:func:`route_for` of the options' ``heavy_impl`` and ``heavy_scores_max_len``."""
+    return route_for(opts.heavy_impl, opts.heavy_scores_max_len, M, full_pass)
 
 
 def code_sort(HKc, n_valid):
@@ -407,11 +416,11 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
 
 def _check_resolved(opts: CausalOptions, **fields):
     """Raise if a knob the call reads (``fields``: name -> whether it is read) is still ``dispatch.PLATFORM_DEFAULT``
-    (0): the layer resolves them for the platform (``common.platform_options``) before calling."""
+    (0): the implementation's runner puts in its fields, built for the platform, before calling (:func:`with_knobs`)."""
     unresolved = [f for f, read in fields.items() if read and getattr(opts, f) <= 0]
     if unresolved:
         raise ValueError(f"kdeformer: {', '.join(unresolved)} left at dispatch.PLATFORM_DEFAULT; resolve the options "
-                         f"for the platform first (common.platform_options): {opts}")
+                         f"for the platform first (the runner's fields, dispatch.Runner.build): {opts}")
 
 
 def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale):
@@ -474,7 +483,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
 
 
 # ---------------------------------------------------------------------------
-# the implementation 'xla' (the layer's calls)
+# the implementation 'xla' (its runners: the calling convention every implementation shares)
 # ---------------------------------------------------------------------------
 
 
@@ -492,8 +501,45 @@ def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_sca
     return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale)[0]
 
 
+def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
+    """``opts`` (the core's, knobs unresolved) with the knobs that are fields of ``runner`` (a runner of a tiled
+    causal form, built for its platform) at the runner's values; ``heavy_band_block`` is the options'
+    ``band_block``."""
+    names = {f.name for f in dataclasses.fields(runner)}
+    knobs = {("band_block" if n == "heavy_band_block" else n): getattr(runner, n) for n in names}
+    return dataclasses.replace(opts, **knobs)
+
+
+def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale) -> dispatch.Result:
+    """:func:`causal` on ``call`` (inputs q, k, v, W; the samples' key; the carried state) with ``opts``."""
+    x = call.inputs
+    return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(dispatch.Runner):
+    """``xla``, causal: every knob of the tiled form, the heavy route ``heavy_impl`` included."""
+
+    tile_budget: int
+    heavy_scores_max_len: int
+    heavy_band_block: int
+    heavy_impl: str
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        return run_causal(call, with_knobs(core.causal_opts, self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bidirectional(dispatch.Runner):
+    """``xla``, bidirectional: no execution knob (the block size is the method's ``bucket_size``)."""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        return dispatch.Result(bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts))
+
+
 # Per-platform defaults of the knobs the tiled causal forms read (``dispatch.Implementation.defaults``; the config
-# leaves them at dispatch.PLATFORM_DEFAULT and the layer resolves them for the platform the call runs on).
+# leaves them at dispatch.PLATFORM_DEFAULT and the runner is built with the values for the platform the call runs on).
 # cpu: the values XLA:CPU was tuned with (CPU results are those of before the knobs were per platform).
 # cuda / rocm / tpu: sized for an 80 GB accelerator, not yet measured on a GPU:
 #   tile_budget 2^29 logits per lax.map step (~2 GiB per float32 logits array; the checkpointed step's backward
@@ -510,7 +556,7 @@ DEFAULTS = {
 # 'auto' takes the portable implementation off a CPU (on a CPU: the CPU-tuned implementations, their own file)
 _AUTO = {"cuda": 0, "rocm": 0, "tpu": 0}
 IMPLEMENTATIONS = (
-    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=causal, directions=("causal",),
+    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=Causal, directions=("causal",),
                    test_config={"heavy_impl": "band", "heavy_band_block": 8}, defaults=DEFAULTS),
-    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=bidirectional, directions=("bidirectional",)),
+    Implementation("xla", config={"impl": "xla"}, auto=_AUTO, code=Bidirectional, directions=("bidirectional",)),
 )

@@ -6,45 +6,73 @@ Bidirectional: ``xla_cpu``. Causal: one implementation per heavy route (xla.py's
 portable, these are the same routes with XLA:CPU's products), ``gather``, ``scores`` and ``band`` (a call with a
 state gathers); on a CPU ``auto`` takes ``scores`` while the cache holds at most ``heavy_scores_max_len`` tokens,
 else ``band`` for a full pass and ``gather`` for a call with a state (:func:`auto_route`, the ``prefer`` of each
-declaration below: the layer passes ``cache_len``, ``full_pass`` and ``opts`` to ``dispatch.select``).
+declaration below: the layer's selection shapes give ``cache_len``, ``full_pass`` and the configured
+``heavy_scores_max_len``). Each is a runner whose fields are the knobs it reads (:class:`Gather`, :class:`Scores`,
+:class:`Band`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
+from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer import xla
-from longctx.attention.kdeformer.common import BidirOptions, CausalOptions, platform_options
 from longctx.xla_cpu import scale_rows
 
 
-def bidirectional(q, k, v, W, key_s, opts: BidirOptions):
-    return xla.bidirectional(q, k, v, W, key_s, opts, row_scale=scale_rows)
+@dataclasses.dataclass(frozen=True)
+class Bidirectional(dispatch.Runner):
+    """``xla_cpu``: the bidirectional tiled estimator with XLA:CPU's row scaling; no execution knob."""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        return dispatch.Result(xla.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts,
+                                                 row_scale=scale_rows))
 
 
-def _route(name: str):
-    def causal(q, k, v, W, key_s, opts: CausalOptions, state=None):
-        return xla.causal(q, k, v, W, key_s, dataclasses.replace(opts, heavy_impl=name), state, row_scale=scale_rows)
+@dataclasses.dataclass(frozen=True)
+class Gather(dispatch.Runner):
+    """The causal estimator (§4), heavy logits by the 'gather' route. Every route reads ``tile_budget``; 'auto'
+    picks among the routes by ``heavy_scores_max_len`` (the declarations' ``prefer``)."""
 
-    causal.__name__ = causal.__qualname__ = name
-    causal.__doc__ = f"The causal estimator (§4), heavy logits by the '{name}' route."
-    return causal
+    route: ClassVar[str] = "gather"
+    tile_budget: int
+    heavy_scores_max_len: int
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        opts = dataclasses.replace(xla.with_knobs(core.causal_opts, self), heavy_impl=self.route)
+        return xla.run_causal(call, opts, row_scale=scale_rows)
 
 
-gather, scores, band = _route("gather"), _route("scores"), _route("band")
+@dataclasses.dataclass(frozen=True)
+class Scores(Gather):
+    """The causal estimator (§4), heavy logits by the 'scores' route."""
+
+    route: ClassVar[str] = "scores"
 
 
-def auto_route(cache_len: int, full_pass: bool, opts: CausalOptions) -> str:
+@dataclasses.dataclass(frozen=True)
+class Band(Gather):
+    """The causal estimator (§4), heavy logits by the 'band' route (a call with a state gathers), tiles of
+    ``heavy_band_block`` sorted queries."""
+
+    route: ClassVar[str] = "band"
+    heavy_band_block: int
+
+
+def auto_route(cache_len: int, full_pass: bool, heavy_scores_max_len: int) -> str:
     """The route ``auto`` takes on a CPU for a cache of ``cache_len`` tokens (xla.py's 'auto' rule)."""
-    return xla.heavy_route_of(dataclasses.replace(opts, heavy_impl="auto"), cache_len, full_pass)
+    return xla.route_for("auto", heavy_scores_max_len, cache_len, full_pass)
 
 
 def _prefers(name: str):
     """'auto' on a CPU tries the route ``name`` only for the calls whose cache length makes it :func:`auto_route`'s
-    (``heavy_scores_max_len`` at the value the implementation runs with there)."""
-    def prefer(platform, *, cache_len: int, full_pass: bool, opts: CausalOptions, **_) -> bool:
-        return auto_route(cache_len, full_pass, platform_options(opts, _DECLARED[name], platform)) == name
+    (``heavy_scores_max_len`` at the value the implementation runs with there, as its runner is built)."""
+    def prefer(platform, *, cache_len: int, full_pass: bool, heavy_scores_max_len: int, **_) -> bool:
+        max_len = _DECLARED[name].setting("heavy_scores_max_len", heavy_scores_max_len, platform)
+        return auto_route(cache_len, full_pass, max_len) == name
 
     return prefer
 
@@ -56,18 +84,17 @@ def _defaults(*keys):
 
 
 _CPU = ("cpu",)
-# every route reads tile_budget, and 'auto' picks among them by heavy_scores_max_len; 'band' tiles by heavy_band_block
 IMPLEMENTATIONS = (
-    Implementation("xla_cpu", platforms=_CPU, config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=bidirectional,
+    Implementation("xla_cpu", platforms=_CPU, config={"impl": "xla_cpu"}, auto={"cpu": 0}, code=Bidirectional,
                    directions=("bidirectional",)),
     Implementation("gather", platforms=_CPU, config={"impl": "gather"}, auto={"cpu": 0}, prefer=_prefers("gather"),
-                   code=gather, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
+                   code=Gather, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
     Implementation("scores", platforms=_CPU, config={"impl": "scores"}, auto={"cpu": 0}, prefer=_prefers("scores"),
-                   code=scores, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
+                   code=Scores, directions=("causal",), defaults=_defaults("tile_budget", "heavy_scores_max_len")),
     Implementation("band", platforms=_CPU, config={"impl": "band"}, auto={"cpu": 0}, prefer=_prefers("band"),
-                   code=band, directions=("causal",), test_config={"heavy_band_block": 8},
+                   code=Band, directions=("causal",), test_config={"heavy_band_block": 8},
                    defaults=_defaults("tile_budget", "heavy_scores_max_len", "heavy_band_block")),
 )
 _DECLARED = {i.name: i for i in IMPLEMENTATIONS}
 
-__all__ = ["IMPLEMENTATIONS", "auto_route", "band", "bidirectional", "gather", "scores"]
+__all__ = ["IMPLEMENTATIONS", "Band", "Bidirectional", "Gather", "Scores", "auto_route"]

@@ -5,8 +5,8 @@ quantized key is one of S codewords, softmax attention over an arbitrary prefix 
 per-code (mean value, count) summaries: a lossless compressed cache *for the quantized keys*.
 
 * ``reference.py`` -- the paper's computation (quadratic in the call's length): the implementation ``reference``
-* ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, codebook learning, the call (prepare,
-  ``dispatch.select``, run the chosen implementation)
+* ``layer.py``     -- the core :class:`TransformerVQAttention`: parameters, codebook learning, the call's
+  ``prepare`` and ``finish`` (the base class selects and runs the implementation between them)
 * ``state.py``     -- the carried decoding state every implementation returns (empty state, composition)
 * ``xla.py``       -- the portable linear-time forms, one implementation each: ``parallel``, ``blocks``, ``stream``,
   ``encoder``
@@ -14,8 +14,10 @@ per-code (mean value, count) summaries: a lossless compressed cache *for the qua
   CPU)
 * ``pallas.py``    -- the §9 kernel (``pallas_kernels/vq_cache.py``): ``pallas``
 
-Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects; every one
-is called as ``run(core, choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))``.
+Each implementation module declares its implementations (``IMPLEMENTATIONS``), which the core collects; each one's
+``code`` is a ``dispatch.Runner`` (its fields: the execution settings it reads), called as ``runner(core, call) ->
+Result(out, state, extras)`` with the codes ``z``, errors ``err2``, codewords ``c_z`` and its per-code sums
+``code_sums`` in ``extras``.
 Checked against the release (transformer-vq/transformer_vq at 21943e4, ``tests/fidelity/test_transformer_vq_release.py``):
 output, codes and final cache equal a port of the released attention (``agg_cache=1``, sinusoid dropout included),
 in one call and block by block. Remaining differences: the initial band codes (code S in the release, 0 here;

@@ -1,10 +1,14 @@
 """The Transformer-VQ core (Lingle 2023, arXiv 2309.16354; method notes: docs/methods/transformer_vq.md, whose
 sections the § numbers cite): parameters, configuration, the decoding state, the codebook's EMA learning, and
-the call, which prepares q, k and the position terms (§2.1, §2.3), asks ``dispatch.select`` for one of the
-method's implementations and calls it (every implementation's ``run(core, choice, pre, v, C, state) -> (o,
-new_state, (z, err2, c_z))``):
+the call. The call is the base's (``AttentionCore.__call__``): :meth:`TransformerVQAttention.prepare` normalizes q, k
+and forms the position terms (§2.1, §2.3) into the ``dispatch.Call`` every implementation takes, the base selects
+one of the method's implementations for the core's platform and builds its ``dispatch.Runner`` (whose fields are
+the execution settings it reads), the runner returns the output, the new state and the codes
+(``dispatch.Result``), and :meth:`TransformerVQAttention.finish` adds the commit loss, the codebook statistics and
+the quantization error metric:
 
-* ``reference`` (``reference.py``) -- the quadratic softmax over cache, band and present keys: the paper's math;
+* ``reference`` (:class:`Reference`, over ``reference.py``) -- the quadratic softmax over cache, band and present
+  keys: the paper's math;
 * ``parallel``, ``blocks``, ``stream``, ``encoder`` (``xla.py``) -- the portable linear-time forms, each an
   implementation of its own;
 * the XLA:CPU implementation (its own file) -- those forms with products laid out for XLA:CPU, the form by its own
@@ -19,9 +23,9 @@ reference. The carried state of a causal core (constant size, canonical: a funct
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +40,12 @@ from longctx.attention.base import (
     KernelBench,
     NonGradState,
     axes,
-    check_qkv,
     check_segments,
     require,
 )
 from longctx.attention.transformer_vq import reference, xla
 from longctx.attention.transformer_vq.state import compose, empty_state
-from longctx.layout import rows_apply
+from longctx.layout import flattens_rows, rows_apply
 from pallas_kernels.vq_cache_ref import code_sums, compute_dtype, float_dtype
 
 sg = jax.lax.stop_gradient
@@ -50,10 +53,10 @@ METHOD = "transformer_vq"
 
 
 # ----------------------------------------------------------------------------- helpers
-def rms_normalize(x, eps: float = 1e-6):
+def rms_normalize(x, eps: float = 1e-6, *, flat: bool = False):
     """x * rsqrt(mean(x^2) + eps), no gain/bias, computed in >= fp32, cast back (rows flattened on a CPU host:
     its gradient's row sums then meet no size-1 dimension, longctx.layout.rows_apply)."""
-    return rows_apply(functools.partial(_rms_rows, eps=eps), x)
+    return rows_apply(functools.partial(_rms_rows, eps=eps), x, flat=flat)
 
 
 def _rms_rows(x, eps: float):
@@ -114,31 +117,34 @@ def commit_loss(k, c_z, mask=None):
 
 
 # ----------------------------------------------------------------------------- implementations
-def _run_reference(core, choice, pre, v, C, state, segment_ids=None):
-    """The reference's ``run``; with ``segment_ids`` a packed row (``reference.packed``, no state: §2.8)."""
-    k_hat, z, err2, c_z = reference.stvq(pre["k"], C)
-    dt = float_dtype(pre["q_v"], pre["r"])
-    bd = reference.band_scores(pre["q_v"].astype(dt), pre["r"].astype(dt))
-    if segment_ids is not None:
-        o, new = reference.packed(pre["q_u"], bd, k_hat, v, L=core.L, M=core.M, causal=core.causal,
-                                  band=core.cfg.encoder_band, segment_ids=segment_ids), None
-    elif core.causal:
-        o, new = reference.causal(pre["q_u"], bd, k_hat, z, v, C, state, L=core.L, M=core.M)
-    else:
-        o, new = reference.bidirectional(pre["q_u"], bd, k_hat, v, L=core.L, M=core.M,
-                                         band=core.cfg.encoder_band), None
-    return o, new, (z, err2, c_z)
+@dataclasses.dataclass(frozen=True)
+class Reference(dispatch.Runner):
+    """``reference``: the quadratic form (``reference.py``; it reads no execution setting); with segment ids a
+    packed row (``reference.packed``, no state: §2.8)."""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x, state = call.inputs, call.state
+        v, segment_ids = x["v"], x["segment_ids"]
+        k_hat, z, err2, c_z = reference.stvq(x["k"], x["C"])
+        dt = float_dtype(x["q_v"], x["r"])
+        bd = reference.band_scores(x["q_v"].astype(dt), x["r"].astype(dt))
+        if segment_ids is not None:
+            o, new = reference.packed(x["q_u"], bd, k_hat, v, L=core.L, M=core.M, causal=core.causal,
+                                      band=core.cfg.encoder_band, segment_ids=segment_ids), None
+        elif core.causal:
+            o, new = reference.causal(x["q_u"], bd, k_hat, z, v, x["C"], state, L=core.L, M=core.M)
+        else:
+            o, new = reference.bidirectional(x["q_u"], bd, k_hat, v, L=core.L, M=core.M,
+                                             band=core.cfg.encoder_band), None
+        return xla.result(o, new, (z, err2, c_z), code_sums=code_sums)
 
 
-# what computes the reference (its declaration's ``code``, as each implementation module is its own): ``run(core,
-# choice, pre, v, C, state) -> (o, new_state, (z, err2, c_z))`` and the per-code sums of the EMA statistics
-_REFERENCE = types.SimpleNamespace(run=_run_reference, code_sums=code_sums)
 # 'auto' tries the reference only for a packed row (segment ids) that the linear packed form refuses (a band longer
 # than a block; xla.causal_packed) or that no other implementation serves (the encoder), and only on a CPU: its
 # O(T²) memory at a GPU's or TPU's training lengths is not a default to fall into there (name impl='reference')
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, reasons=xla.packed_state_reasons,
                                     auto={"cpu": 99}, prefer=lambda platform, segments=False, **_: segments,
-                                    code=_REFERENCE)
+                                    code=Reference)
 
 
 @functools.cache
@@ -347,14 +353,16 @@ class TransformerVQAttention(AttentionCore):
         self.c_count[...] = c_count
 
     # -- forward -------------------------------------------------------------
-    def prepare(self, q, k, *, deterministic=True, key=None):
-        """Normalized q, k, (u', v') and the projected sinusoid table r'. Returns a dict."""
+    def project(self, q, k, *, deterministic=True, key=None):
+        """Normalized q, k, (u', v') and the projected sinusoid table r'. Returns a dict: ``q``, ``k`` (the keys the
+        codebook quantizes), ``q_u`` = q + u', ``q_v`` = q + v', ``r`` [n, H, Dk]."""
         H, Dk = self.num_heads, self.head_dim
         dt = compute_dtype(q, k)  # the matmul operands (the norms' statistics are float32 inside rms_normalize)
         tau_m14 = Dk ** -0.25  # tau^-1/2 with tau = sqrt(Dk)
         q, k = q.astype(dt), k.astype(dt)
         if self.cfg.qk_norm:
-            q, k = tau_m14 * rms_normalize(q), tau_m14 * rms_normalize(k)
+            flat = flattens_rows(self.platform)
+            q, k = tau_m14 * rms_normalize(q, flat=flat), tau_m14 * rms_normalize(k, flat=flat)
         drop_key = None if (deterministic or key is None) else key
         r = rel_table(self.W_R[...], self.M, signed=not self.causal, base=self.cfg.rel_base, scale=tau_m14,
                       dtype=dt, dropout_key=drop_key, p_drop=self.cfg.p_dropsin).reshape(-1, H, Dk)
@@ -362,27 +370,31 @@ class TransformerVQAttention(AttentionCore):
         vb = tau_m14 * self.v[...].astype(dt)
         return {"q": q, "k": k, "q_u": q + u[None, :, None], "q_v": q + vb[None, :, None], "r": r}
 
+    def _shapes(self, *, B: int, T: int, dtype, segments: bool = False, carried: bool = False) -> dict:
+        """What the selection hands every declaration's ``reasons`` and ``prefer`` for a call of B x T tokens."""
+        return dict(B=B, H=self.num_heads, T=T, L=self.L, M=self.M, S=self.S, Dk=self.head_dim, Dv=self.value_dim,
+                    dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores,
+                    segments=segments, carried=carried)
+
     def implementation_for(self, *, B: int, T: int, dtype, segments: bool = False,
                            carried: bool = False) -> dispatch.Choice:
-        """The implementation a call of B x T tokens takes: ``dispatch.select`` of ``impl`` over
-        :meth:`implementations`, given the call's shapes, ``reduction`` (which the kernel and the tiled form refuse
+        """The implementation a call of B x T tokens takes (the base's :meth:`runner`, which selects ``impl`` over
+        :meth:`implementations`), given the call's shapes, ``reduction`` (which the kernel and the tiled form refuse
         but for 'serial'), ``tiled_min_scores`` (which the forms' ``prefer`` reads: ``xla.preferred_form``),
         ``segments`` (a packed row: 'parallel' and the reference serve it) and ``carried`` (a state given to the call)."""
-        shapes = dict(B=B, H=self.num_heads, T=T, L=self.L, M=self.M, S=self.S, Dk=self.head_dim, Dv=self.value_dim,
-                      dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores,
-                      segments=segments, carried=carried)
-        return dispatch.select(self.cfg.impl, self.implementations(causal=self.causal), method=METHOD,
-                               platform=self.platform, **shapes)
+        return self.runner(**self._shapes(B=B, T=T, dtype=dtype, segments=segments, carried=carried))[1]
 
-    def __call__(self, q, k, v, state=None, *, deterministic=True, key=None, aux=None, mask=None, segment_ids=None):
-        """mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics
-        (they still take part in attention, as in the release). segment_ids: optional [B, T] int32, a packed row:
-        each document (a run of equal ids) computed as if alone ('parallel', 'reference'); a packed call takes no carried
+    def prepare(self, q, k, v, state, *, deterministic=True, key=None, mask=None, segment_ids=None):
+        """The call every implementation takes: ``inputs`` = :meth:`project`'s ``q``, ``k``, ``q_u``, ``q_v``, ``r``;
+        ``v`` (the values in the compute dtype), ``C`` (the codebook), ``mask``, ``segment_ids`` and ``out_dtype``
+        (the values' dtype, the output's); ``state``: the carried state (a causal call without one: the empty
+        state). mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics (they
+        still take part in attention, as in the release). segment_ids: optional [B, T] int32, a packed row: each
+        document (a run of equal ids) computed as if alone ('parallel', 'reference'); a packed call takes no carried
         state and returns none (docs/methods/transformer_vq.md §2.8)."""
-        check_qkv(q, k, v)
         check_segments(self, q, segment_ids)
-        B, H, T, _ = q.shape
-        pre = self.prepare(q, k, deterministic=deterministic, key=key)
+        B, _, T, _ = q.shape
+        pre = self.project(q, k, deterministic=deterministic, key=key)
         C = self.codebook()
         vv = v.astype(compute_dtype(v, pre["q"]))
         packed, carried = segment_ids is not None, state is not None
@@ -390,17 +402,21 @@ class TransformerVQAttention(AttentionCore):
             state = self.init_state(B) if state is None else state
         elif state is not None:
             raise ValueError(f"{METHOD}: a bidirectional core takes no state")
-        choice = self.implementation_for(B=B, T=T, dtype=vv.dtype, segments=packed, carried=carried)
-        code = dispatch.by_name(self.implementations(causal=self.causal))[choice.name].code
-        sums = code.code_sums
-        extra = {"segment_ids": segment_ids} if packed else {}  # only 'parallel' and 'reference' serve a packed row
-        o, new_state, (z, err2, c_z) = code.run(self, choice, pre, vv, C, state, **extra)
+        inputs = {**pre, "v": vv, "C": C, "mask": mask, "segment_ids": segment_ids, "out_dtype": v.dtype}
+        call = dispatch.Call(inputs, state, key=key)
+        return call, self._shapes(B=B, T=T, dtype=vv.dtype, segments=packed, carried=carried)
+
+    def finish(self, call, result, *, aux=None):
+        """The output in the values' dtype and the new state; with ``aux`` the commit loss, the codebook statistics
+        (summed by the running implementation's ``code_sums``) and the relative quantization error, from the codes
+        the implementation returns (``result.extras``)."""
+        x, e = call.inputs, result.extras
         if aux is not None:
-            aux.add_loss("commit", self.cfg.beta * commit_loss(pre["k"], c_z, mask))
-            aux.add_stats("codebook", vq_stats(pre["k"], z, self.S, mask, sums))
-            aux.add_metric("vq_rel_err", jnp.mean(jnp.sqrt(err2)) / jnp.maximum(
-                jnp.mean(jnp.linalg.norm(sg(pre["k"]), axis=-1)), 1e-12))
-        return o.astype(v.dtype), new_state
+            aux.add_loss("commit", self.cfg.beta * commit_loss(x["k"], e["c_z"], x["mask"]))
+            aux.add_stats("codebook", vq_stats(x["k"], e["z"], self.S, x["mask"], e["code_sums"]))
+            aux.add_metric("vq_rel_err", jnp.mean(jnp.sqrt(e["err2"])) / jnp.maximum(
+                jnp.mean(jnp.linalg.norm(sg(x["k"]), axis=-1)), 1e-12))
+        return result.out.astype(x["out_dtype"]), result.state
 
 
 def kmeans(x, S: int, *, iters: int = 10, seed: int = 0):

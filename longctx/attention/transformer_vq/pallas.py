@@ -12,13 +12,13 @@ cannot split, so it runs per shard: a ``shard_map`` with the rows over the batch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from longctx.attention import row_split
+from longctx.attention import dispatch, row_split
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from pallas_kernels import vq_cache
@@ -33,35 +33,39 @@ def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="f
     return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype))
 
 
-def run(core, choice, pre, v, C, state):
-    """One causal call through the kernel (``choice``: interpret mode and the platform it lowers for).
+@dataclasses.dataclass(frozen=True)
+class Pallas(dispatch.Runner):
+    """``pallas``: one causal call through the kernel (``call.interpret``: interpret mode; ``call.platform``: the
+    platform it lowers for); ``search_chunk``: the key quantization before it (:func:`xla.stvq`).
 
     The kernel takes the band scores ``bd = (q + v')·r'ᵀ`` [B, H, T, M+1] (float32) and forms each tile's band bias
     itself. Its matmul operands arrive in the compute dtype (the values' dtype): k̂ (``stvq`` keeps it), the
     codebook (cast here; the EMA statistics it comes from stay float32) and the carried band's keys and values
     (cast here: a band a bfloat16 call wrote holds bfloat16 values, so the cast is exact); the carried cache
     means and counts stay float32 state."""
-    settings = IMPLEMENTATIONS[0].settings(core.cfg, choice.platform)
-    k_hat, z, err2, c_z = xla.stvq(pre["k"], C, chunk=settings["search_chunk"])
-    cd = v.dtype
-    band = {"band_k": state["band_k"].astype(cd), "band_v": state["band_v"].astype(cd)}
-    args = (pre["q_u"], xla.band_scores(pre["q_v"], pre["r"]), k_hat, z, v, jax.lax.stop_gradient(C).astype(cd),
-            {**state, **band})
-    call = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=choice.interpret,
-                             platform=choice.platform)
-    mesh = row_split.active_mesh(*args[:5])
-    bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *v.shape[:2])
-    if bspec is None and hspec is None:
-        o, new = call(*args)
-    else:
-        bh = P(bspec, hspec)
-        state_specs = {name: P() if x.ndim == 0 else bh for name, x in state.items()}  # pos; [B,H,..] the rest
-        o, new = jax.shard_map(call, mesh=mesh, in_specs=(bh,) * 5 + (P(hspec), state_specs),
-                               out_specs=(bh, state_specs), check_vma=False)(*args)
-    return o, new, (z, err2, c_z)
 
+    search_chunk: int
 
-code_sums = xla.code_sums
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x, state = call.inputs, call.state
+        v, C = x["v"], x["C"]
+        k_hat, z, err2, c_z = xla.stvq(x["k"], C, chunk=self.search_chunk)
+        cd = v.dtype
+        band = {"band_k": state["band_k"].astype(cd), "band_v": state["band_v"].astype(cd)}
+        args = (x["q_u"], xla.band_scores(x["q_v"], x["r"]), k_hat, z, v, jax.lax.stop_gradient(C).astype(cd),
+                {**state, **band})
+        kernel = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=call.interpret,
+                                   platform=call.platform)
+        mesh = row_split.active_mesh(*args[:5])
+        bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *v.shape[:2])
+        if bspec is None and hspec is None:
+            o, new = kernel(*args)
+        else:
+            bh = P(bspec, hspec)
+            state_specs = {name: P() if a.ndim == 0 else bh for name, a in state.items()}  # pos; [B,H,..] the rest
+            o, new = jax.shard_map(kernel, mesh=mesh, in_specs=(bh,) * 5 + (P(hspec), state_specs),
+                                   out_specs=(bh, state_specs), check_vma=False)(*args)
+        return xla.result(o, new, (z, err2, c_z), code_sums=xla.code_sums)
 
 
 def prefer(platform, **shapes) -> bool:
@@ -73,8 +77,8 @@ def prefer(platform, **shapes) -> bool:
 IMPLEMENTATIONS = (
     Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=reasons,
                    config={"impl": "pallas", "reduction": "serial"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                   prefer=prefer, code=sys.modules[__name__], directions=("causal",),
+                   prefer=prefer, code=Pallas, directions=("causal",),
                    defaults={"search_chunk": xla.SEARCH_CHUNK}),  # the key quantization before the kernel
 )
 
-__all__ = ["IMPLEMENTATIONS", "code_sums", "prefer", "reasons", "run"]
+__all__ = ["IMPLEMENTATIONS", "Pallas", "prefer", "reasons"]

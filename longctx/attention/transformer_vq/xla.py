@@ -13,16 +13,18 @@ Each form is written with the products of ``vq_cache_ref.Ops`` (``ops``) and the
 with its own. :func:`form_for` is the size rule (which causal form suits a call of a given size); the declarations
 (``IMPLEMENTATIONS``, at the end) make each causal form ``'auto'``'s choice on a GPU / TPU for the calls the rule
 gives it (``prefer``, :func:`preferred_form`: the rule with the tiled form's ``tiled_min_scores`` for the
-platform), after the kernel.
+platform), after the kernel. Each implementation is a ``dispatch.Runner`` (:class:`Parallel`, :class:`Blocks`,
+:class:`Stream`, :class:`Encoder`: a :class:`Form`) whose fields are the settings it reads; it runs its form by
+:func:`attend` over the layer's inputs and returns :func:`result`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import sys
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -572,7 +574,7 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
            quantize: Callable = stvq, segment_ids=None):
     """One call of ``core`` (its L, M and hyperparameters) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
     ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's settings
-    as they run on the platform (``Implementation.settings``: ``search_chunk``; ``keep_budget`` for the tiled form,
+    as they run on the platform (its runner's fields: ``search_chunk``; ``keep_budget`` for the tiled form,
     ``reduction`` for the one-shot block-parallel form); ``segment_ids``: a packed row (the 'parallel' form only:
     :func:`causal_packed`, no state). Returns (o, new_state, (z, err2, c_z))."""
     k_hat, z, err2, c_z = quantize(pre["k"], C, chunk=settings["search_chunk"])
@@ -599,11 +601,62 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
     return o, new, (z, err2, c_z)
 
 
-def run(core, choice, pre, v, C, state, segment_ids=None):
-    """The implementations ``parallel``, ``blocks``, ``stream`` and ``encoder`` (``choice.name``: each is its form),
-    with the settings they declare as they run on the call's platform; ``segment_ids``: a packed row (``parallel``)."""
-    settings = _by_name()[choice.name].settings(core.cfg, choice.platform)
-    return attend(choice.name, core, pre, v, C, state, settings=settings, segment_ids=segment_ids)
+def result(o, new_state, codes, *, code_sums: Callable = PLAIN.code_sums) -> dispatch.Result:
+    """An implementation's :class:`dispatch.Result`: the output, the new state (None: a bidirectional or packed call)
+    and in ``extras`` what the layer's ``finish`` needs: the codes ``z``, the squared quantization errors ``err2``,
+    the codewords ``c_z`` (``codes``, as :func:`attend` returns them) and ``code_sums``, the running
+    implementation's per-code sums of the EMA statistics (``vq_cache_ref.code_sums``' signature)."""
+    z, err2, c_z = codes
+    return dispatch.Result(o, new_state, {"z": z, "err2": err2, "c_z": c_z, "code_sums": code_sums})
+
+
+@dataclasses.dataclass(frozen=True)
+class Form(dispatch.Runner):
+    """A portable form as an implementation: the layer's inputs (``TransformerVQAttention.prepare``) by
+    :func:`attend` with the form :attr:`FORM`, the runner's fields as the settings it reads."""
+
+    FORM: ClassVar[str] = ""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        o, new, codes = attend(self.FORM, core, x, x["v"], x["C"], call.state, settings=dataclasses.asdict(self),
+                               segment_ids=x["segment_ids"])
+        return result(o, new, codes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel(Form):
+    """``parallel``: the one-shot block-parallel form with its ``reduction``; a packed row by :func:`causal_packed`."""
+
+    FORM = "parallel"
+    search_chunk: int
+    reduction: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks(Form):
+    """``blocks``: the tiled form (its ``tiled_min_scores`` is read by 'auto''s preference, :func:`preferred_form`)."""
+
+    FORM = "blocks"
+    search_chunk: int
+    keep_budget: int
+    tiled_min_scores: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream(Form):
+    """``stream``: block by block, as decoding runs."""
+
+    FORM = "stream"
+    search_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoder(Form):
+    """``encoder``: the bidirectional form."""
+
+    FORM = "encoder"
+    search_chunk: int
 
 
 code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the layer's vq_stats)
@@ -696,22 +749,21 @@ REDUCTION = {"default": "serial"}
 
 # 'auto' on a GPU / TPU: the kernel first where it prefers the call (pallas.py, rank 0), then the call's form
 _AUTO = {"cuda": 1, "rocm": 1, "tpu": 1}
-_self = sys.modules[__name__]
 _SEARCH = {"search_chunk": SEARCH_CHUNK}
 IMPLEMENTATIONS = (
     # the block-parallel form (the kernel's reference) under autodiff, with the reduction it is given
     # (and a packed row, causal_packed: 'auto' on a CPU too, before the quadratic reference)
     Implementation("parallel", reasons=parallel_reasons, config={"impl": "parallel"}, auto={**_AUTO, "cpu": 98},
-                   prefer=prefer_parallel, code=_self, directions=("causal",),
+                   prefer=prefer_parallel, code=Parallel, directions=("causal",),
                    defaults={**_SEARCH, "reduction": REDUCTION}),
     # its tiled form with a recomputing backward ('auto' on a GPU / TPU reads its tiled_min_scores)
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
-                   prefer=is_form("blocks"), code=_self, directions=("causal",), defaults=DEFAULTS),
+                   prefer=is_form("blocks"), code=Blocks, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
     Implementation("stream", reasons=segments_reasons, config={"impl": "stream"}, auto=_AUTO,
-                   prefer=is_form("stream"), code=_self, directions=("causal",), defaults=_SEARCH),
+                   prefer=is_form("stream"), code=Stream, directions=("causal",), defaults=_SEARCH),
     # the bidirectional form (§2.5)
-    Implementation("encoder", reasons=segments_reasons, config={"impl": "encoder"}, auto=_AUTO, code=_self,
+    Implementation("encoder", reasons=segments_reasons, config={"impl": "encoder"}, auto=_AUTO, code=Encoder,
                    directions=("bidirectional",), defaults=_SEARCH),
 )
 
@@ -720,7 +772,7 @@ def _by_name() -> dict:
     return dispatch.by_name(IMPLEMENTATIONS)
 
 __all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK",
-           "PACKED_STATE_REASON", "SEGMENTS_REASON", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks",
+           "PACKED_STATE_REASON", "SEGMENTS_REASON", "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks",
            "causal_packed", "causal_parallel", "causal_stream", "code_sums", "encoder_parallel", "form_for", "gather_codes", "is_form",
-           "nearest", "packed_state_reasons", "parallel_reasons", "prefer_parallel", "preferred_form", "run",
+           "nearest", "packed_state_reasons", "parallel_reasons", "prefer_parallel", "preferred_form", "result",
            "segments_reasons", "stvq"]

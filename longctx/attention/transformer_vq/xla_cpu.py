@@ -17,13 +17,14 @@ Same results as the portable forms (tests/attention/test_implementations.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 
+from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
 from longctx.xla_cpu import mix, rowdot, rows_dot, scores, transposed
@@ -100,17 +101,28 @@ causal_stream = functools.partial(xla.causal_stream, ops=OPS)
 encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
 
 
-def run(core, choice, pre, v, C, state):
-    """One call: the encoder, or the causal form :func:`xla.form_for` gives the call's size under this
-    implementation's settings (:data:`DEFAULTS`, as they run on the call's platform)."""
-    settings = IMPLEMENTATIONS[0].settings(core.cfg, choice.platform)
-    if not core.causal:
-        form = "encoder"
-    else:
-        B, H, T, _ = v.shape
-        form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M, reduction=settings["reduction"],
-                            min_scores=settings["tiled_min_scores"])
-    return xla.attend(form, core, pre, v, C, state, settings=settings, ops=OPS, tiles=TILES, quantize=stvq)
+@dataclasses.dataclass(frozen=True)
+class XlaCpu(dispatch.Runner):
+    """``xla_cpu``: the encoder, or the causal form :func:`xla.form_for` gives the call's size under this
+    implementation's settings (its fields, as they run on the call's platform: :data:`DEFAULTS`)."""
+
+    search_chunk: int
+    keep_budget: int
+    tiled_min_scores: int
+    reduction: str
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        x = call.inputs
+        v = x["v"]
+        if not core.causal:
+            form = "encoder"
+        else:
+            B, H, T, _ = v.shape
+            form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M, reduction=self.reduction,
+                                min_scores=self.tiled_min_scores)
+        o, new, codes = xla.attend(form, core, x, v, x["C"], call.state, settings=dataclasses.asdict(self), ops=OPS,
+                                   tiles=TILES, quantize=stvq)
+        return xla.result(o, new, codes, code_sums=code_sums)
 
 
 # The settings this implementation reads, with the XLA:CPU values of the numeric knobs (xla.DEFAULTS' cpu column,
@@ -125,9 +137,9 @@ IMPLEMENTATIONS = (
     # settings: the tiled form (every call of a block or more) with a recomputing backward (its one-shot form, below
     # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
     Implementation("xla_cpu", platforms=("cpu",), reasons=xla.segments_reasons, config={"impl": "xla_cpu"},
-                   test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=sys.modules[__name__],
+                   test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=XlaCpu,
                    defaults=DEFAULTS),
 )
 
-__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "OPS", "TILES", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
-           "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "run", "score_dot", "stvq"]
+__all__ = ["DEFAULTS", "IMPLEMENTATIONS", "OPS", "TILES", "XlaCpu", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
+           "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "score_dot", "stvq"]

@@ -123,14 +123,20 @@ EPS = 1e-5  # ℓ = log(p̄ + EPS) (reference)
 # ----------------------------------------------------------------------------- one pre-LN layer on given rows
 def project(block, y, pos, rotary: bool):
     """q, k, v [B, H, R, Dh] of rows y [B, R, d] at per-row positions pos [B, R] (the block's LN_a, W_qkv; a
-    post-norm block projects the rows themselves, as it does in the plain loop)."""
+    post-norm block projects the rows themselves, as it does in the plain loop), rotated with the block's
+    rotary base. Grouped-query attention (the block's ``num_kv_heads`` < ``num_heads``): the block's own
+    projection, whose k and v heads are repeated to the query heads of their group."""
+    if block.num_kv_heads != block.num_heads:
+        if rotary != block.rotary:
+            raise ValueError(f"vcc: rotary={rotary} but the block's own projection has rotary={block.rotary}")
+        return block.project(y, pos)
     B, R, _ = y.shape
     H, Dh = block.num_heads, block.head_dim
     qkv = block.qkv(y if block.post_norm else block.norm1(y)).reshape(B, R, 3, H, Dh).transpose(2, 0, 3, 1, 4)
     q, k, v = qkv[0], qkv[1], qkv[2]
     if rotary:
-        q = jax.vmap(apply_rotary)(q, pos)
-        k = jax.vmap(apply_rotary)(k, pos)
+        rotate = jax.vmap(lambda a, p: apply_rotary(a, p, block.rope_theta))
+        q, k = rotate(q, pos), rotate(k, pos)
     return q, k, v
 
 
@@ -644,7 +650,15 @@ class VCCDecoderStack(nnx.Module):
     """VCC-LM (§4.2, our causal extension): every block's attention reads the old history
     (before the window's local band) at two resolutions chosen by the window's past anchors; the
     FFN and projections run on every token as in a dense layer. Runs the backbone's own blocks
-    (same parameter tree as dense) and carries one state per layer (:func:`lm_init_state`)."""
+    (same parameter tree as dense) and carries one state per layer (:func:`lm_init_state`).
+
+    Nothing crosses layers (the stack is a loop of independent :func:`lm_layer` calls), so the wrapper
+    also runs **one layer** of a ``model.attention.pattern`` (capability ``per_layer``, DESIGN.md
+    "Capabilities, not names"): :meth:`init_layer_state` and :meth:`layer` on that layer's block alone.
+    ``takes_grouped_kv``: grouped-query blocks (k/v heads repeated, :func:`project`) and any rotary base."""
+
+    per_layer = True
+    takes_grouped_kv = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         name = cfg.attention.name
@@ -653,7 +667,7 @@ class VCCDecoderStack(nnx.Module):
         if not issubclass(get_block(cfg.block), TransformerBlock):
             raise ConfigError(f"model.attention.name={name!r} wraps the pre-LN transformer block; "
                               f"model.block={cfg.block!r} is not one")
-        if cfg.get("post_norm", False):
+        if cfg.post_norm:
             raise ConfigError(f"model.attention.name={name!r}: VCC-LM (the causal stack) wraps pre-LN blocks; "
                               "model.post_norm=True applies to the encoder stack (model.kind='encoder') only")
         lc = vc.causal
@@ -663,21 +677,33 @@ class VCCDecoderStack(nnx.Module):
                               explore_prob=vc.explore_prob)
         self.d_model = cfg.d_model
 
-    def init_state(self, blocks, batch_size: int, max_len: int | None = None):
+    def init_layer_state(self, block, batch_size: int, max_len: int | None = None):
+        """One layer's empty state (:func:`lm_init_state`) for ``max_len`` tokens."""
         if max_len is None or max_len <= 0:
             raise ValueError("vcc: init_state needs max_len (the state's capacity in tokens)")
-        return [lm_init_state(b, self.opts, batch_size, max_len, self.d_model) for b in blocks]
+        return lm_init_state(block, self.opts, batch_size, max_len, self.d_model)
+
+    def init_state(self, blocks, batch_size: int, max_len: int | None = None):
+        return [self.init_layer_state(b, batch_size, max_len) for b in blocks]
+
+    def layer(self, block, x, state=None, *, deterministic=True, key=None, return_info: bool = False):
+        """One VCC-LM layer on x [B, T, d]: (y, new state), and its selection info with ``return_info``.
+        ``state`` None: no prefix (the parallel pass over x, a state for T tokens built here)."""
+        aligned = state is None
+        if aligned:
+            state = self.init_layer_state(block, x.shape[0], x.shape[1])
+        y, state, info = lm_layer(block, x, state, self.opts, deterministic=deterministic, key=key, aligned=aligned)
+        return (y, state, info) if return_info else (y, state)
 
     def __call__(self, blocks, x, states=None, *, positions, important=None, valid=None, deterministic=True,
                  key=None, aux: Aux | None = None, return_info: bool = False):
-        B, T, _ = x.shape
-        aligned = states is None or all(st is None for st in states)
-        if aligned:
-            states = self.init_state(blocks, B, T)
+        if states is not None and any(st is None for st in states) and not all(st is None for st in states):
+            raise ValueError("vcc: the stack takes every layer's state or none")
+        states = [None] * len(blocks) if states is None else states
         keys = split_key(key, len(blocks))
         new_states, infos = [], []
         for block, st, kl in zip(blocks, states, keys):
-            x, st, info = lm_layer(block, x, st, self.opts, deterministic=deterministic, key=kl, aligned=aligned)
+            x, st, info = self.layer(block, x, st, deterministic=deterministic, key=kl, return_info=True)
             new_states.append(st)
             infos.append(info)
         return (x, new_states, infos) if return_info else (x, new_states)
