@@ -155,3 +155,20 @@ def test_license_and_method_pages():
     assert (ROOT / "LICENSE").is_file() and "Apache License" in (ROOT / "LICENSE").read_text()
     missing = [m for m in METHODS if not (ROOT / "docs" / "methods" / f"{m}.md").is_file()]
     assert not missing, f"docs/methods/ lacks {missing}"
+
+
+def test_every_listed_slow_case_names_a_test_that_exists():
+    """``tests/slow_cases.txt`` (the cases the default run leaves to ``-m slow``) names tests by node id: a renamed or
+    removed test would silently drop out of the list's effect, so each entry's file must define its function."""
+    from tests.slow_cases import read_list
+
+    defined = {m for p in (ROOT / "tests").rglob("*.py")  # a test class may inherit its tests from a base class
+               for m in re.findall(r"^\s*def (test\w*)\(", p.read_text(), re.M)}
+    stale = []
+    for nodeid in sorted(read_list()):
+        path, _, rest = nodeid.partition("::")
+        func = rest.split("[", 1)[0].split("::")[-1]
+        if not (ROOT / path).is_file() or func not in defined:
+            stale.append(nodeid)
+    assert not stale, "tests/slow_cases.txt names tests that no longer exist (regenerate it: tests/slow_cases.py): " \
+        + ", ".join(stale[:5])
