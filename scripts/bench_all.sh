@@ -50,12 +50,12 @@ train() {
 precision() {
   for dt in float32 bfloat16; do
     "${BENCH[@]}" train --out "$OUT/precision/$dt" --runs "runs/bench_precision/$dt" --steps 300 --eval_tokens 32768 \
-      --no_xla_mem --config.model.dtype=$dt
+      --noxla_mem --config.model.dtype=$dt
   done
   # more seeds for the methods named here (those whose seed-0 difference is past the tolerance)
   for seed in 1 2; do for dt in float32 bfloat16; do
     "${BENCH[@]}" train --out "$OUT/precision/seed$seed/$dt" --runs "runs/bench_precision/seed$seed/$dt" --steps 300 \
-      --eval_tokens 32768 --no_xla_mem --methods "${PRECISION_SEED_METHODS:-fma_linear}" --config.model.dtype=$dt \
+      --eval_tokens 32768 --noxla_mem --methods "${PRECISION_SEED_METHODS:-fma_linear}" --config.model.dtype=$dt \
       --config.train.seed=$seed
   done; done
 }

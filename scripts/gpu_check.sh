@@ -93,7 +93,7 @@ trap 'rm -rf "$TMP"' EXIT
 if [ "$SMOKE" = 1 ]; then
   LIMIT_DEFAULT=300  # the steps overlap on a CPU that may be busy
   TESTS=(tests/kernels/test_vq_cache.py -k "export_lowering")
-  ISOLATE=(--no_isolate)
+  ISOLATE=(--noisolate)
   ATTN=(--lengths 256 --batch 1 --heads 2 --head_dim 16 --dtype float32
         --repeats 1 --warmup 0)
   ATTN128=(--methods dense:naive --lengths 256 --batch 1 --heads 2 --head_dim 32 --dtype float32 --repeats 1
@@ -124,7 +124,7 @@ else
   fi
   TESTS+=(--maxfail=5)
   # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell
-  ISOLATE=(--no_isolate)
+  ISOLATE=(--noisolate)
   # every method as shipped (the bench lists dense:cudnn on a GPU, dense:splash on a TPU)
   # shapes, dtype and calls per timing sample: the bench's accelerator defaults (B8 H8 d64 bf16)
   ATTN=(--lengths 8k,32k --repeats 3 --warmup 1 --mem_budget_gb 60 --max_cell_s 15)

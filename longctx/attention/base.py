@@ -288,8 +288,7 @@ class AttentionCore(nnx.Module):
         """The implementation :meth:`select` picks for a call with ``shapes``, built with its settings as they run
         on the platform the selection ran on, and the choice."""
         choice = self.select(**shapes)
-        decl = dispatch.by_name(self.implementations(causal=self.causal))[choice.name]
-        return decl.code.build(decl, self.cfg, choice.platform), choice
+        return dispatch.built(self.implementations(causal=self.causal), choice, self.cfg), choice
 
     def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux: Aux | None = None):
         """``(out, new_state)`` from an implementation's result (a method that builds its state, or adds aux

@@ -189,15 +189,20 @@ class Runner:
         raise NotImplementedError
 
 
+def built(implementations: Sequence["Implementation"], choice: "Choice", cfg) -> Runner:
+    """The runner of the implementation ``choice`` names, built from ``cfg`` (the method's execution settings) for
+    the platform the selection ran on."""
+    decl = by_name(implementations)[choice.name]
+    return decl.code.build(decl, cfg, choice.platform)
+
+
 def run_selected(impl, implementations: Sequence["Implementation"], cfg, core, call: Call, *, method: str,
                  **shapes) -> Result:
     """:func:`select` over ``implementations`` for ``impl`` on ``call.platform``, then the chosen declaration's
     runner built from ``cfg`` and called: the path of a method's function-level entry (one used without a core's
     ``__call__``, e.g. exact attention inside another method's layer)."""
     choice = select(impl, implementations, method=method, platform=call.platform, **shapes)
-    decl = by_name(implementations)[choice.name]
-    runner = decl.code.build(decl, cfg, choice.platform)
-    return runner(core, dataclasses.replace(call, platform=choice.platform, interpret=choice.interpret))
+    return built(implementations, choice, cfg)(core, dataclasses.replace(call, platform=choice.platform, interpret=choice.interpret))
 
 
 def current_platform() -> str:
@@ -325,5 +330,5 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
                                  + " | ".join(skipped))
 
 
-__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
+__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "built", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
            "current_platform", "declared", "impl_problem", "parse_impl", "select"]

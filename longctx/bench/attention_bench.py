@@ -24,7 +24,7 @@ Per (variant, direction, length) cell:
   deterministic=False with a key (the training path);
 * peak RSS: the process's resident set sampled every 5 ms during the timed calls. The entry points
   keep freed host memory (longctx/host_memory.py), so it never falls: the largest of the run so far.
-* each variant (and the PyTorch reference) runs in its own child process (``--no_isolate``: all in this
+* each variant (and the PyTorch reference) runs in its own child process (``--noisolate``: all in this
   one): with freed memory kept, the heap a method leaves behind fragments the next one's, whose calls
   then grow the heap and fault in fresh pages part-way through its timed calls (docs/DESIGN.md, "Host memory").
   The peak RSS is then per variant.
@@ -78,7 +78,7 @@ def define_flags(fv) -> None:
     flags.DEFINE_integer("matmul_n", 4096, "size of the reference f32 matmul (0: skip)", flag_values=fv)
     flags.DEFINE_bool("no_torch", False, f"do not time {TORCH} even if torch is importable", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
-    flags.DEFINE_bool("isolate", True, "each variant and direction in a child process of its own (--no_isolate: "
+    flags.DEFINE_bool("isolate", True, "each variant and direction in a child process of its own (--noisolate: "
                       "time every variant in this process); a child killed mid-run, e.g. by the out-of-memory "
                       "killer, keeps the rows it finished", flag_values=fv)
     flags.DEFINE_bool("update", False, "merge into --out's existing attention.json: the variants and directions "
@@ -245,7 +245,7 @@ def method_flops(core, method: str, fargs: dict, seed: int = 0) -> dict:
 def child_argv(args, label: str, out, causal: bool | None = None) -> list[str]:
     """The command line that times one variant (or the PyTorch reference) alone, with this run's settings
     (``causal``: in that direction only)."""
-    argv = [sys.executable, "-m", "longctx.bench.cli", "attention", "--no_isolate", "--no_progress",
+    argv = [sys.executable, "-m", "longctx.bench.cli", "attention", "--noisolate", "--noprogress",
             "--methods", label, "--out", str(out), "--matmul_n", "0"]
     for name in ("lengths", "batch", "heads", "head_dim", "dtype", "repeats", "warmup", "mem_budget_gb",
                  "max_cell_s", "seed", "calls_per_sample"):

@@ -18,7 +18,7 @@ into ``results/``).
 Config overrides take the form of the other entry points: ``--config.KEY=VALUE`` (quality: of its tiny
 dense run; train: of every method's config; step and profile: of ``--config``). The flags are absl flags,
 as those of every other longctx command: ``--name value`` or ``--name=value``, a boolean ``--name`` or
-``--noname`` (``--no_progress``, ``--no_isolate``, ``--no_hybrids`` and ``--no_xla_mem`` are read as well).
+``--noname`` (e.g. ``--noprogress``, ``--noisolate``).
 Every bad input is answered with one line starting with ``error:`` and exit status 2.
 """
 
@@ -84,14 +84,6 @@ def _usage_error(message: str, prog: str = PROG) -> NoReturn:
     raise SystemExit(2)
 
 
-def _absl_spelling(arg: str, fv) -> str:
-    """``--no_NAME`` (the bench's spelling of a boolean NAME that defaults to true) -> absl's ``--noNAME``."""
-    name = arg[len("--no_"):].split("=", 1)[0] if arg.startswith("--no_") else ""
-    if name in fv and fv[name].boolean and f"no_{name}" not in fv:
-        return "--no" + arg[len("--no_"):]
-    return arg
-
-
 class Parser:
     """``longctx-bench SUBCOMMAND [flags] [ARGS]``, parsed with absl flags: each sub-command's flags live in a
     ``FlagValues`` of their own, defined by its module's ``define_flags(fv)`` (beside ``--out`` and
@@ -110,7 +102,7 @@ class Parser:
             flags.DEFINE_string("out", "bench_out", "output folder (JSON, markdown, PNG), relative to the working "
                                 "directory", flag_values=fv)
         if command != "report":
-            flags.DEFINE_bool("progress", True, "show the progress bar (--noprogress or --no_progress hides it)",
+            flags.DEFINE_bool("progress", True, "show the progress bar (--noprogress hides it)",
                               flag_values=fv)
         return fv
 
@@ -153,7 +145,7 @@ class Parser:
         mod, _ = self.commands[command]
         fv = self.flag_values(command)
         try:
-            left = fv([prog, *(_absl_spelling(a, fv) for a in rest)])[1:]
+            left = fv([prog, *rest])[1:]
         except flags.UnrecognizedFlagError as e:
             import difflib
 

@@ -91,7 +91,7 @@ def define_flags(fv) -> None:
                         flag_values=fv)
     flags.DEFINE_string("contexts", None, "training contexts (k = 1024); default: the scale's", flag_values=fv)
     flags.DEFINE_integer("seeds", 3, "seeds 0 .. seeds-1 per (method, context)", flag_values=fv)
-    flags.DEFINE_bool("hybrids", True, "the hybrid runs (--no_hybrids: none)", flag_values=fv)
+    flags.DEFINE_bool("hybrids", True, "the hybrid runs (--nohybrids: none)", flag_values=fv)
     flags.DEFINE_integer("window", 128, "dense_window's sliding window (tokens)", flag_values=fv)
     flags.DEFINE_integer("dense_steps", 0, "updates of the dense run (the FLOP budget); 0: scale's", flag_values=fv)
     flags.DEFINE_integer("tokens_per_step", 0, "tokens per update at every context; 0: scale's", flag_values=fv)

@@ -44,7 +44,7 @@ def define_flags(fv) -> None:
     flags.DEFINE_bool("update", False, "merge into <out>/train.json: the rows of the methods run here replace "
                       "theirs, the rest stay", flag_values=fv)
     flags.DEFINE_bool("xla_mem", True, "XLA's memory analysis of the train step (one extra compile per method; "
-                      "--no_xla_mem skips it)", flag_values=fv)
+                      "--noxla_mem skips it)", flag_values=fv)
 
 
 MARKER = ".longctx_bench_run"  # in every run folder this command creates; only such folders are replaced

@@ -18,7 +18,7 @@ from longctx.errors import ConfigError
 def test_group_rows_and_the_exact_reference(tmp_path):
     out = tmp_path / "out"
     assert cli.main(["attention", "--group", "eva,dense", "--lengths", "64,128", "--causal", "--repeats", "1",
-                     "--warmup", "0", "--heads", "2", "--head_dim", "16", "--out", str(out), "--no_progress"]) == 0
+                     "--warmup", "0", "--heads", "2", "--head_dim", "16", "--out", str(out), "--noprogress"]) == 0
     res = json.loads((out / "attention_group.json").read_text())
     assert [(r["group"], r["length"]) for r in res["rows"]] == [
         ("dense,dense", 64), ("dense,dense", 128), ("eva,dense", 64), ("eva,dense", 128)]

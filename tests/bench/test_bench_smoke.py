@@ -26,7 +26,7 @@ def bench_out(tmp_path_factory):
     corpus = write_corpus(root / "corpus")
     out = root / "out"
     sets = _sets(corpus, root / "cache")
-    common = ["--out", str(out), "--no_progress"]
+    common = ["--out", str(out), "--noprogress"]
     assert cli.main(["attention", *common, "--methods", "dense", "--lengths", "64,128", "--repeats", "1",
                      "--causal", "--matmul_n", "128", "--no_torch"]) == 0
     assert cli.main(["decode", *common, "--methods", "dense", "--positions", "64,128", "--steps", "2",
@@ -34,7 +34,7 @@ def bench_out(tmp_path_factory):
     assert cli.main(["quality", *common, "--methods", "dense,eva", "--lengths", "64", "--seeds", "2", "--causal",
                      "--workdir", str(root / "qrun"), "--train_steps", "2", *sets]) == 0
     assert cli.main(["train", *common, "--methods", "dense", "--steps", "2", "--eval_tokens", "128",
-                     "--runs", str(root / "runs"), "--no_xla_mem", *sets]) == 0
+                     "--runs", str(root / "runs"), "--noxla_mem", *sets]) == 0
     # --matmul_n 128: MFU's CPU peak from a small matmul (the default 4096 x 4096 one costs more than the steps)
     assert cli.main(["step", *common, "--lengths", "32,64", "--batch_size", "2", "--repeats", "2", "--warmup", "0",
                      "--matmul_n", "128",
@@ -129,7 +129,7 @@ def test_report_keeps_what_a_human_wrote(bench_out, tmp_path):
 
 def test_kernels_rejects_a_method_without_a_kernel(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["kernels", "--out", str(tmp_path), "--methods", "dense", "--no_progress"])
+        cli.main(["kernels", "--out", str(tmp_path), "--methods", "dense", "--noprogress"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "dense declare(s) no Pallas kernel" in err and "transformer_vq" in err
@@ -151,7 +151,7 @@ def test_kernels_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kb.C, "time_calls", stop_on_second_length)
     with pytest.raises(KeyboardInterrupt):
-        cli.main(["kernels", "--out", str(tmp_path), "--no_progress", "--methods", "eva", "--lengths", "32,48",
+        cli.main(["kernels", "--out", str(tmp_path), "--noprogress", "--methods", "eva", "--lengths", "32,48",
                   "--causal", "--heads", "2", "--head_dim", "16", "--repeats", "1", "--warmup", "0"])
     part = json.loads((tmp_path / kb.PARTIAL).read_text())
     assert [r["length"] for r in part["rows"]] == [32] and part["rows"][0]["status"] == "ok"
@@ -173,7 +173,7 @@ def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch)
                            mem_budget_gb=1.0, max_cell_s=5.0, seed=0, causal=True, bidirectional=False,
                            no_backward=False)
     argv = ab.child_argv(args, "dense:blockwise", "/tmp/x")
-    assert argv[argv.index("--methods") + 1] == "dense:blockwise" and "--no_isolate" in argv
+    assert argv[argv.index("--methods") + 1] == "dense:blockwise" and "--noisolate" in argv
     assert "--no_torch" in argv and "--causal" in argv and "--bidirectional" not in argv
     assert argv[argv.index("--lengths") + 1] == "64,128" and argv[argv.index("--warmup") + 1] == "0"
     assert "--no_torch" not in ab.child_argv(args, ab.TORCH, "/tmp/x")
@@ -229,7 +229,7 @@ def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, t
 def test_decode_skips_a_core_whose_state_lives_in_its_stack_wrapper(tmp_path):
     """vcc's decoding state is its stack wrapper's: the core-level decode benchmark reports a skip with the
     reason, never an error row."""
-    assert cli.main(["decode", "--out", str(tmp_path), "--no_progress", "--methods", "vcc", "--positions", "64",
+    assert cli.main(["decode", "--out", str(tmp_path), "--noprogress", "--methods", "vcc", "--positions", "64",
                      "--steps", "1", "--warmup", "0"]) == 0
     dec = json.loads((tmp_path / "decode.json").read_text())
     assert dec["rows"] == []
@@ -258,7 +258,7 @@ def test_attention_times_variants_in_the_order_asked_and_keeps_finished_ones(tmp
     from longctx.bench import attention_bench as ab
 
     out = tmp_path / "o"
-    assert cli.main(["attention", "--out", str(out), "--no_progress", "--no_isolate", "--methods",
+    assert cli.main(["attention", "--out", str(out), "--noprogress", "--noisolate", "--methods",
                      "transformer_vq,dense:naive", "--lengths", "32", "--repeats", "1", "--warmup", "0", "--causal",
                      "--matmul_n", "0", "--no_torch", "--no_backward", "--batch", "1", "--heads", "2",
                      "--head_dim", "8"]) == 0
@@ -275,6 +275,6 @@ def test_attention_times_variants_in_the_order_asked_and_keeps_finished_ones(tmp
     out2 = tmp_path / "p"
     monkeypatch.setattr(ab, "_run_child", child)
     monkeypatch.setattr(ab, "plots", lambda *a, **k: None)
-    assert cli.main(["attention", "--out", str(out2), "--no_progress", "--methods", "eva,dense:naive", "--lengths",
+    assert cli.main(["attention", "--out", str(out2), "--noprogress", "--methods", "eva,dense:naive", "--lengths",
                      "32", "--causal", "--matmul_n", "0", "--no_torch"]) == 0
     assert seen == [None, ["eva"]]

@@ -76,15 +76,18 @@ def test_parse_args_checks_without_running(tmp_path):
 
 
 def test_flag_spellings():
-    """absl's spellings (``--name value``, ``--name=value``, ``--noname``) and the bench's own: ``--no_NAME`` of a
-    boolean that defaults to true, a repeatable flag, positional arguments between the flags."""
-    a = cli.parse_args(["attention", "--lengths", "1k,4k", "--no_isolate", "--no_progress", "--no_backward",
+    """absl's spellings (``--name value``, ``--name=value``, ``--noname``; one spelling per flag: the old
+    ``--no_NAME`` of a boolean that defaults to true is refused), a repeatable flag, positional arguments between
+    the flags."""
+    a = cli.parse_args(["attention", "--lengths", "1k,4k", "--noisolate", "--noprogress", "--no_backward",
                         "--group", "eva,dense", "--group=dense,dense", "--causal"])
     assert (a.lengths, a.isolate, a.progress, a.no_backward, a.causal) == ("1k,4k", False, False, True, True)
     assert a.group == ["eva,dense", "dense,dense"] and a.command == "attention" and a.overrides == []
     b = cli.parse_args(["attention", "--noisolate", "--noprogress", "--lengths=2k"])
     assert (b.isolate, b.progress, b.no_backward, b.lengths, b.group) == (False, False, False, "2k", [])
-    c = cli.parse_args(["compare", "--plan", "--no_hybrids", "--seeds", "1"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["attention", "--no_isolate"])
+    c = cli.parse_args(["compare", "--plan", "--nohybrids", "--seeds", "1"])
     assert c.plan is True and c.hybrids is False and c.seeds == 1 and c.out == "results/compare"
     d = cli.parse_args(["ab", str(REPO), "--method", "eva", str(REPO / "."), "--config.model.attention.eva.chunk_size=8"])
     assert (d.tree_a, d.tree_b, d.method) == (str(REPO), str(REPO / "."), "eva")

@@ -72,14 +72,14 @@ def _finished(run: dict, valid: float, test: float) -> None:
 
 
 def test_report_from_what_finished(tmp_path):
-    a = _args(tmp_path, "--methods", "dense,eva", "--contexts", "128", "--seeds", "3", "--no_hybrids")
+    a = _args(tmp_path, "--methods", "dense,eva", "--contexts", "128", "--seeds", "3", "--nohybrids")
     rs = {(r["label"], r["seed"]): r for r in compare.runs(a)}
     dense_valid = [2.0, 2.2, 2.4]
     for s, v in enumerate(dense_valid):
         _finished(rs[("dense", s)], v, v + 0.1)
     _finished(rs[("eva", 1)], 2.5, 2.6)
     res = compare.run(cli.parse_args(["compare", "--out", a.out, "--methods", "dense,eva", "--contexts", "128",
-                                      "--seeds", "3", "--no_hybrids", "--report_only"]))
+                                      "--seeds", "3", "--nohybrids", "--report_only"]))
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["dense"]["valid_bits_per_byte"] == pytest.approx(statistics.fmean(dense_valid))
     assert rows["dense"]["valid_bits_per_byte_sd"] == pytest.approx(statistics.stdev(dense_valid))
@@ -93,7 +93,7 @@ def test_report_from_what_finished(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_end_to_end_and_resume(tmp_path):
-    argv = ["compare", "--scale", "smoke", "--methods", "dense,eva", "--seeds", "1", "--no_hybrids",
+    argv = ["compare", "--scale", "smoke", "--methods", "dense,eva", "--seeds", "1", "--nohybrids",
             "--needle", "eva", "--out", str(tmp_path / "cmp")]
     res = compare.run(cli.parse_args(argv))
     assert not res["missing"] and {r["label"] for r in res["rows"]} == {"dense", "eva"}

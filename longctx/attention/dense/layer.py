@@ -159,8 +159,7 @@ def select_runner(impl, cfg, platform: str, **shapes) -> tuple[dispatch.Runner, 
     """The runner of one dense call without a core (its declaration's ``code`` built from ``cfg``, the execution
     settings, for the selection's platform) and the :func:`select_for` choice."""
     choice = select_for(impl, cfg, platform, **shapes)
-    decl = dispatch.by_name(implementations())[choice.name]
-    return decl.code.build(decl, cfg, choice.platform), choice
+    return dispatch.built(implementations(), choice, cfg), choice
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, impl, block_q: int, block_k: int, auto_threshold: int,
