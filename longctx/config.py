@@ -79,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
         "eval_rows": 256,  # evaluation: rows scored (seed eval_seed, step 0, row i; spread over the bins)
         "eval_seed": 4321,
         "bins": 8,  # evaluation: distance bins
+        # data.packing='segments': each training row packs independent examples of at least this many inputs
+        # (segment ids and positions restart at each; evaluation scores single examples of this length)
+        "example_len": 0,
     })
 
     c.model = ml_collections.ConfigDict()
@@ -417,13 +420,20 @@ def _generated(c) -> bool:
 
 
 def _check_packing(c) -> None:
-    """``data.packing='segments'``: a prepared corpus (a decoder or an encoder) and every layer's method taking
-    segment ids (``AttentionCore.takes_segments``), refused in one line before any work."""
+    """``data.packing='segments'``: a prepared corpus (a decoder or an encoder) or a generated task packing its
+    examples (``data.synthetic.example_len``), and every layer's method taking segment ids
+    (``AttentionCore.takes_segments``), refused in one line before any work."""
     if c.data.packing != "segments":
+        if _generated(c) and c.data.synthetic.example_len:
+            raise ConfigError(f"data.synthetic.example_len={c.data.synthetic.example_len} packs examples into rows "
+                              "with data.packing='segments'; set that, or leave example_len at 0")
         return
-    if _generated(c):
-        raise ConfigError(f"data.packing='segments' applies to prepared corpora; data.source={c.data.source!r} "
-                          "generates whole rows (leave data.packing at its default)")
+    if _generated(c) and not (sources.build(c.data).packs_examples and c.data.synthetic.example_len > 0):
+        why = ("set data.synthetic.example_len (the inputs of one example) to pack its examples"
+               if sources.build(c.data).packs_examples else "it has no examples to keep apart")
+        raise ConfigError(f"data.packing='segments' applies to prepared corpora and packed recall examples; "
+                          f"data.source={c.data.source!r} generates whole rows: {why}, or leave data.packing at "
+                          "its default")
 
     for name in dict.fromkeys(layer_methods(c.model)):
         if not attention.get_class(name).takes_segments:
@@ -534,7 +544,7 @@ def _fits_rows(seq_len_key: str):
     """A generated source's settings fit rows of ``train.<seq_len_key>`` tokens (its own message)."""
     def check(c) -> None:
 
-        sources.build(c.data).check(c.train[seq_len_key])
+        sources.build(c.data).check_rows(c.train[seq_len_key])
     return check
 
 

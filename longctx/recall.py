@@ -89,7 +89,8 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
     for flag, value in (("length", length), ("rows", rows), ("bins", bins)):
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag}={value} must be a positive integer")
-    L = int(cfg.train.seq_len if length is None else length)
+    # default: the rows the run was trained on (packed: one example of data.synthetic.example_len inputs)
+    L = int((source.example_len or cfg.train.seq_len) if length is None else length)
     n_rows, n_bins = int(syn.eval_rows if rows is None else rows), int(syn.bins if bins is None else bins)
     if L <= 0 or n_rows <= 0 or n_bins <= 0:
         raise ConfigError("--length, --rows and --bins must be positive integers")
@@ -106,7 +107,9 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
 
     method = cfg.model.attention.name
     head = {"task": task, "options": source.options(), "trained_on": trained_on, "length": L,
-            "train_seq_len": int(cfg.train.seq_len), "attention": method, "stack": attention_label(cfg.model),
+            "train_seq_len": int(cfg.train.seq_len), **({"train_example_len": source.example_len}
+                                                        if source.example_len else {}),
+            "attention": method, "stack": attention_label(cfg.model),
             "block": cfg.model.block,
             "step": runner.step, "workdir": str(workdir), "split": cfg.eval.split}
     try:
@@ -140,8 +143,10 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
 
 
 def format_recall(res: dict) -> str:
+    trained = (f"examples of {res['train_example_len']} packed in rows of {res['train_seq_len']}"
+               if res.get("train_example_len") else res["train_seq_len"])
     head = (f"{res['task']} {res['options']} @ step {res['step']}, rows of {res['length']} tokens "
-            f"(trained at {res['train_seq_len']}{', on ' + res['trained_on'] if res['trained_on'] else ', on text'}), "
+            f"(trained at {trained}{', on ' + res['trained_on'] if res['trained_on'] else ', on text'}), "
             f"attention={res.get('stack', res['attention'])}")
     if res["status"] != "ok":
         return (f"{head}\n  not measured: the method's state has a static capacity that rows of {res['length']} "

@@ -4,7 +4,17 @@ model's own state (never re-running the prefix), streaming the text.
     longctx-sample --workdir runs/vq --prompt "def " --num_tokens 8192 --temperature 0.8
 
 Each run writes a new ``WORKDIR/samples/step<N>_seed<S>[-<k>].txt`` (and ``.json``); an existing
-sample is never overwritten."""
+sample is never overwritten.
+
+Documents (a tokenizer with an end-of-document token, :func:`document_end_id`: ``sentencepiece`` and ``hf``; a
+prompt holds several where that token is written in it, e.g. ``<|endoftext|>`` for a GPT-2 ``tokenizer.json``): a
+boundary is a fresh start. Each document of the prompt is fed with its own segment id and positions from 0, and a
+token sampled after an end-of-document token opens a new document (the next id, position 0), as packed training
+rows do (``data.packing='segments'``). The first token of a new document is sampled from the end-of-document
+token's logits (there is no start-of-document token); what follows it equals a fresh start from that token, the
+sampling key included (each document's tokens count their keys from its start). Until the first boundary the calls
+are the plain ones (no segment ids), so a sample that never crosses one is unchanged. Where a layer's attention
+method takes no segment ids (``AttentionCore.takes_segments``), documents run on in one context as before."""
 
 from __future__ import annotations
 
@@ -21,7 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longctx import attention
+from longctx.config import attention_label
 from longctx.errors import ConfigError, LongctxError
+from longctx.models.blocks import layer_methods
 from longctx.runtime import Runner
 
 
@@ -41,31 +54,64 @@ def filter_logits(logits, *, temperature: float, top_k: int, top_p: float):
 
 
 def make_decoder(runner, *, temperature: float, top_k: int, top_p: float):
+    """(prefill, step), jitted; ``positions`` / ``segment_ids`` [1, T] int32 of packed calls, or None (plain)."""
     graphdef = runner.graphdef
 
     @jax.jit
-    def prefill(params, tokens, state):
+    def prefill(params, tokens, state, positions=None, segment_ids=None):
         model = nnx.merge(graphdef, *params)
-        logits, state, _ = model(tokens, state, deterministic=True)
+        logits, state, _ = model(tokens, state, deterministic=True, positions=positions, segment_ids=segment_ids)
         return logits[:, -1], state
 
     @jax.jit
-    def step(params, logits, state, key):
+    def step(params, logits, state, key, positions=None, segment_ids=None):
         if temperature == 0:
             tok = jnp.argmax(logits, axis=-1)
         else:
             tok = jax.random.categorical(key, filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p))
         model = nnx.merge(graphdef, *params)
-        new_logits, state, _ = model(tok[:, None].astype(jnp.int32), state, deterministic=True)
+        new_logits, state, _ = model(tok[:, None].astype(jnp.int32), state, deterministic=True, positions=positions,
+                                     segment_ids=segment_ids)
         return tok, new_logits[:, -1], state
 
     return prefill, step
 
 
+def document_end_id(tok) -> int | None:
+    """The token that ends a document in ``tok``'s streams (its end-of-document token), or None: a tokenizer with
+    none (``bytes``), or one whose plain text encodes to it (the ``words`` tokenizer's ``<eos>`` ends every line,
+    not only documents, so it marks no boundary)."""
+    eos = getattr(tok, "eos_id", None)
+    if eos is None or int(eos) < 0:
+        return None
+    return None if int(eos) in np.asarray(tok.encode("\n")).tolist() else int(eos)
+
+
+def keeps_documents_apart(model_cfg) -> bool:
+    """Whether every layer's attention method takes segment ids (``AttentionCore.takes_segments``), so a document
+    boundary can be a fresh start."""
+    return all(attention.get_class(m).takes_segments for m in layer_methods(model_cfg))
+
+
+def documents(ids, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment ids, positions) [T] int32 of a token stream whose documents end with ``eos_id``: 1, 2, 3, ... per
+    document (a document opens at the first token and after every end-of-document token, which closes its own),
+    positions from 0 at each document's first token."""
+    ids = np.asarray(ids)
+    at = np.arange(len(ids))
+    new = np.ones(len(ids), bool)
+    new[1:] = ids[:-1] == eos_id
+    start = np.maximum.accumulate(np.where(new, at, 0))
+    return np.cumsum(new).astype(np.int32), (at - start).astype(np.int32)
+
+
 def generate(runner, prompt_ids: np.ndarray, num_tokens: int, *, temperature=0.8, top_k=0, top_p=1.0, seed=0,
-             on_token=None):
-    """Returns (token ids, per-token seconds). Decoding state capacity = prompt + num_tokens."""
+             on_token=None, eos_id: int | None = None):
+    """Returns (token ids, per-token seconds). Decoding state capacity = prompt + num_tokens. ``eos_id``: the
+    end-of-document token (:func:`document_end_id`); with it, and a model whose methods all take segment ids, each
+    document (of the prompt or sampled) starts afresh (module docstring). None: one context, as before."""
     prefill, step = make_decoder(runner, temperature=temperature, top_k=top_k, top_p=top_p)
+    prompt_ids = np.asarray(prompt_ids)
     n_prompt = len(prompt_ids)
     try:
         state = runner.init_state(1, n_prompt + num_tokens)
@@ -73,13 +119,27 @@ def generate(runner, prompt_ids: np.ndarray, num_tokens: int, *, temperature=0.8
 
         raise ConfigError(f"cannot sample {n_prompt} prompt + {num_tokens} new tokens: {' '.join(str(e).split())}; "
                           "shorten the prompt or lower --num_tokens") from None
-    logits, state = prefill(runner.params, jnp.asarray(prompt_ids[None], jnp.int32), state)
+    apart = eos_id is not None and keeps_documents_apart(runner.cfg.model)
+    seg, pos = documents(prompt_ids, eos_id) if apart else (np.ones(n_prompt, np.int32), np.arange(n_prompt))
+    packed = bool(seg[-1] > 1)  # a boundary crossed: every call from here on carries segment ids and positions
+
+    def packed_args(p, s):
+        return (jnp.asarray(p, jnp.int32).reshape(1, -1), jnp.asarray(s, jnp.int32).reshape(1, -1)) if packed else ()
+
+    logits, state = prefill(runner.params, jnp.asarray(prompt_ids[None], jnp.int32), state, *packed_args(pos, seg))
+    doc, at, last = int(seg[-1]), int(pos[-1]), int(prompt_ids[-1])  # the last token fed: its document, position
     key = jax.random.key(seed)
+    key0 = 0  # the step that first sampled from the current document's context: its keys count from there
     out, times = [], []
     for i in range(num_tokens):
         t0 = time.perf_counter()
-        tok, logits, state = step(runner.params, logits, state, jax.random.fold_in(key, i))
-        tok = int(tok[0])
+        opens = apart and last == eos_id  # the token sampled now (from the closed document's logits) opens the next
+        doc, at = (doc + 1, 0) if opens else (doc, at + 1)
+        packed = packed or opens
+        tok, logits, state = step(runner.params, logits, state, jax.random.fold_in(key, i - key0),
+                                  *packed_args(at, doc))
+        key0 = i + 1 if opens else key0
+        tok = last = int(tok[0])
         times.append(time.perf_counter() - t0)
         out.append(tok)
         if on_token is not None:
@@ -169,10 +229,14 @@ def sample_run(workdir, *, step: int | None = None, overrides: dict | None = Non
         raise ConfigError(f"the prompt ({ids.size} tokens) and num_tokens={n} exceed the model's learned positions "
                           f"(model.max_len={m.max_len}); shorten the prompt or lower --num_tokens")
     settings = {"temperature": sc.temperature, "top_k": sc.top_k, "top_p": sc.top_p, "seed": sc.seed}
+    eos = document_end_id(tok)
+    if eos is not None and not keeps_documents_apart(m) and eos in ids[:-1].tolist():
+        print(f"note: the prompt holds several documents, but {attention_label(m)} takes no segment ids: they run "
+              "on in one context (each would start afresh with methods that take them)", flush=True)
     folder_existed = output is not None or (Path(workdir) / "samples").is_dir()
     out_path = new_output_path(workdir, runner.step, sc.seed, output)
     try:
-        return _sample_to(out_path, runner, tok, prompt, ids, n, settings, quiet=quiet)
+        return _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, quiet=quiet)
     except BaseException:
         out_path.unlink(missing_ok=True)  # no empty or half-written sample is left behind
         out_path.with_suffix(".json").unlink(missing_ok=True)
@@ -197,7 +261,7 @@ def check_sampling(runner) -> None:
                           f"use 0 (no filter) or at most {m.vocab_size}")
 
 
-def _sample_to(out_path, runner, tok, prompt, ids, n, settings, *, quiet):
+def _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, *, quiet):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     one_byte = getattr(tok, "one_token_per_byte", False)
 
@@ -211,7 +275,7 @@ def _sample_to(out_path, runner, tok, prompt, ids, n, settings, *, quiet):
     if not quiet:
         sys.stdout.write(prompt)
     t0 = time.time()
-    out, times = generate(runner, ids, n, on_token=on_token, **settings)
+    out, times = generate(runner, ids, n, on_token=on_token, eos_id=eos, **settings)
     total = time.time() - t0
     text = prompt + (tok.decode_bytes(out).decode("utf-8", errors="replace") if one_byte else tok.decode(out))
     k = max(1, min(256, n // 8))
@@ -221,6 +285,9 @@ def _sample_to(out_path, runner, tok, prompt, ids, n, settings, *, quiet):
         "tokens_per_sec": n / total, "median_token_seconds_start": first, "median_token_seconds_end": last,
         "end_over_start": last / first, "attention": runner.cfg.model.attention.name, **settings,
     }
+    if eos is not None:  # documents of the prompt and the sample, and whether each started afresh
+        report["documents"] = int(documents(np.concatenate([ids, out]), eos)[0][-1])
+        report["documents_apart"] = keeps_documents_apart(runner.cfg.model)
     try:
         out_path.write_text(text)
         out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))

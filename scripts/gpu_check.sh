@@ -15,8 +15,9 @@
 # line), so that one lease leaves time to fix something and run again:
 #   env       jax / jaxlib / plugin versions (and whether jax lies in pyproject's supported range), the
 #             device, driver and cuDNN, the commit
-#   tests     compiled on the device: the compute-dtype test of every implementation (cuDNN's traced there) and one
-#             bfloat16 forward+gradient case per kernel (tests/kernels, interpret mode off on an accelerator);
+#   tests     compiled on the device: the compute-dtype test of every implementation (cuDNN's traced there), one
+#             bfloat16 forward+gradient case per kernel (tests/kernels, interpret mode off on an accelerator) and
+#             cuDNN over packed rows against each document alone (test_dense_platform.py, skipped off Hopper);
 #             STEPS=all runs the whole compiled kernel suite and dense's cuDNN / splash tests instead;
 #             GPU_CHECK_TESTS="PATHS" runs others
 #   attention exact attention (dense:cudnn on a GPU, dense:splash on a TPU; timed first, the baseline of every
@@ -119,8 +120,10 @@ else
     read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py tests/attention/test_compute_dtype.py}"
   elif [ -n "${GPU_CHECK_TESTS:-}" ]; then
     read -r -a TESTS <<< "$GPU_CHECK_TESTS"
-  else  # one bfloat16 forward+gradient case per kernel, and the dtypes every implementation's products take
-    TESTS=(tests/kernels tests/attention/test_compute_dtype.py -k "compute_dtype or (gradient_matches and bfloat16)")
+  else  # one bfloat16 forward+gradient case per kernel, the dtypes every implementation's products take, and
+        # cuDNN's packed layout (segment ids) against each document alone, outputs and gradients
+    TESTS=(tests/kernels tests/attention/test_compute_dtype.py tests/attention/test_dense_platform.py
+           -k "compute_dtype or (gradient_matches and bfloat16) or packed_rows_compiled")
   fi
   TESTS+=(--maxfail=5)
   # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell

@@ -72,6 +72,69 @@ def test_weighted_step_scores_only_the_weighted_targets():
     assert not np.allclose(m5["ce"], mw["ce"])
 
 
+@pytest.mark.parametrize("window", [8, pytest.param(32, marks=pytest.mark.slow)])
+def test_packed_recall_rows_score_each_examples_answers_alone(tiny_corpus, tmp_path, window):
+    """Packed mqar rows (3 examples of 11 tokens a row of 33, data.packing='segments'): the weighted packed step's
+    loss (the whole row in one window, or windows of 8 carrying the state across the examples' boundaries) is the mean nll of the answers of each
+    example run alone; the same rows without segment ids see across examples and score otherwise."""
+    from longctx.data import sources
+    from longctx.data.synthetic import RowBatcher
+
+    c = base_config()
+    c.data.source, c.data.packing, c.data.path = "mqar", "segments", str(tiny_corpus)
+    c.data.cache_dir = str(tmp_path / "cache")
+    c.data.synthetic.update(example_len=10, num_pairs=2, num_keys=8, num_values=8)
+    c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 32, 1, 2, 16, 64
+    c.train.seq_len, c.train.steps, c.train.warmup_steps, c.train.batch_size = 32, 4, 1, 2
+    c = resolve_vocab(validate(c), 256)
+    batch = RowBatcher(sources.build(c.data), row_len=32, batch_size=2, seed=0).batch(0)
+    np.testing.assert_array_equal(batch["segment_ids"][0], np.repeat([1, 2, 3], 11))
+    model = build_model(c.model, seed=0)
+    graphdef, params, nongrad, rest = split_model(model)
+    tx = optax.sgd(0.0)
+    opt = tx.init(params)
+    W = window
+
+    def loss(packed):
+        step = jax.jit(make_train_step(graphdef, tx, seq_len=32, window=W, skip_nonfinite=False, weighted=True,
+                                       packed=packed))
+        keys = ("tokens", "weights") + (("segment_ids", "positions") if packed else ())
+        *_, m = step(params, nongrad, rest, opt, {k: jnp.asarray(batch[k]) for k in keys}, jax.random.key(0))
+        return np.asarray(m["ce"])
+
+    call = nnx.jit(lambda m, x: m(x)[0])
+    nll = np.zeros((2, 32))
+    for b in range(2):
+        for e in range(3):  # each example alone, from a fresh start
+            ex = batch["tokens"][b, 11 * e : 11 * e + 11]
+            logp = jax.nn.log_softmax(call(model, jnp.asarray(ex[None, :-1])), -1)[0]
+            nll[b, 11 * e : 11 * e + 10] = -np.take_along_axis(np.asarray(logp), ex[1:, None], -1)[:, 0]
+    w = batch["weights"]
+    assert w.sum() == 2 * 3 * 2  # two answers per example
+    want = [(nll[:, a:a + W] * w[:, a:a + W]).sum() / max(w[:, a:a + W].sum(), 1e-9) for a in range(0, 32, W)]
+    np.testing.assert_allclose(loss(True), want, rtol=2e-5)
+    assert np.max(np.abs(loss(False) - want)) > 1e-3
+
+
+@pytest.mark.slow
+def test_training_on_packed_examples_and_scoring_them_alone(tmp_path, capsys):
+    """The trainer on packed mqar rows (rows of 64 inputs holding 3 examples of at least 20): it trains and
+    validates, and longctx-recall scores it by default on single examples of 20 inputs."""
+    from longctx.train.loop import train
+
+    cfg = recall_tiny("dense", tmp_path / "cache", steps=2, short_steps=0, warmup_steps=1, eval_every=2,
+                      ckpt_every=2, log_every=1)
+    cfg.data.packing, cfg.data.synthetic.example_len = "segments", 20
+    train(cfg, tmp_path / "run", progress=False)
+    assert "packed: examples of at least 20 inputs back to back, each attended alone" in capsys.readouterr().out
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["split"] == "valid"]
+    assert all(np.isfinite(r["loss"]) for r in records if r["split"] == "train")
+    res = recall_run(tmp_path / "run", rows=8, bins=2, progress=False, write=False)
+    assert res["status"] == "ok" and res["length"] == 20 and res["train_example_len"] == 20
+    assert res["answers"] == 8 * 4
+
+
 def test_every_causal_method_has_a_recall_config_with_the_same_budget():
     from longctx import attention
 

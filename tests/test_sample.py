@@ -1,10 +1,12 @@
-"""Sampling: filters, and stateful decoding equals recomputing the prefix."""
+"""Sampling: filters, stateful decoding equals recomputing the prefix, and a document boundary (of the prompt or
+sampled) is a fresh start."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from longctx.sample import filter_logits, generate
+from longctx.sample import document_end_id, documents, filter_logits, generate
 from tests.test_evaluate import make_runner
 
 
@@ -38,3 +40,61 @@ def test_sampling_is_reproducible_by_seed(tiny_cfg):
     b, _ = generate(runner, prompt, 10, temperature=1.0, seed=3)
     assert a.tolist() == b.tolist()
     _ = jax
+
+
+def _first_new(tokens, prompt, at_least: int = 1):
+    """(index, token): the first sampled token from ``at_least`` on that is neither in the prompt nor sampled
+    before it (as an end-of-document id, it ends a document there and nowhere earlier)."""
+    for j in range(at_least, len(tokens)):
+        if tokens[j] not in prompt.tolist() and tokens[j] not in tokens[:j].tolist():
+            return j, int(tokens[j])
+    raise AssertionError(f"no new token in {tokens}")
+
+
+def test_a_prompt_of_several_documents_continues_its_last_from_a_fresh_start(tiny_cfg):
+    """A prompt of two documents (the first closed by the end-of-document id 10): greedy decoding continues the
+    second exactly as a prompt of the second alone does; in one context (no end-of-document id) it does not."""
+    _, runner, _ = make_runner(tiny_cfg)
+    first, second = np.array([100, 101, 32, 40, 10], np.int32), np.array([104, 105, 33], np.int32)
+    both = np.concatenate([first, second])
+    got, _ = generate(runner, both, 12, temperature=0.0, eos_id=10)
+    fresh, _ = generate(runner, second, 12, temperature=0.0, eos_id=10)
+    assert got.tolist() == fresh.tolist()
+    joined, _ = generate(runner, both, 12, temperature=0.0)
+    assert joined.tolist() != fresh.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampling_past_an_end_of_document_token_starts_a_fresh_document(tiny_cfg, temperature):
+    """A sample that emits the end-of-document id at step j: up to the token after it (sampled from its logits) it
+    is the sample without documents; from there it is the sample of a fresh start from that token with the same key
+    (at temperature 1 the keys too count from the new document's start)."""
+    _, runner, _ = make_runner(tiny_cfg)
+    prompt, n = np.array([100, 101, 32, 40], np.int32), 14
+    plain, _ = generate(runner, prompt, n, temperature=temperature, seed=5)
+    j, eos = _first_new(plain, prompt)
+    got, _ = generate(runner, prompt, n, temperature=temperature, seed=5, eos_id=eos)
+    assert got[: j + 2].tolist() == plain[: j + 2].tolist()  # one document until the boundary: the plain calls
+    fresh, _ = generate(runner, got[j + 1 : j + 2], n - j - 2, temperature=temperature, seed=5, eos_id=eos)
+    assert got[j + 2 :].tolist() == fresh.tolist()
+    if temperature == 0.0:  # the plain sample's context runs across the boundary and continues otherwise
+        assert plain[j + 2 :].tolist() != fresh.tolist()
+
+
+def test_documents_of_a_token_stream():
+    seg, pos = documents(np.array([5, 9, 10, 7, 10, 10, 3]), 10)
+    assert seg.tolist() == [1, 1, 1, 2, 2, 3, 4] and pos.tolist() == [0, 1, 2, 0, 1, 0, 0]
+
+
+def test_the_end_of_document_token_of_a_tokenizer():
+    """A boundary is the tokenizer's end-of-document token, unless it has none (bytes; sentencepiece's -1) or plain
+    text encodes to it (the words tokenizer's <eos> ends every line)."""
+    from types import SimpleNamespace
+
+    def tok(eos, newline):
+        return SimpleNamespace(eos_id=eos, encode=lambda text: np.asarray(newline if text == "\n" else [7]))
+
+    assert document_end_id(tok(2, [13])) == 2
+    assert document_end_id(tok(0, [0])) is None
+    assert document_end_id(tok(-1, [13])) is None
+    assert document_end_id(SimpleNamespace(encode=lambda text: [10])) is None

@@ -411,6 +411,16 @@ def document_starts(segment_ids):
     return jax.lax.cummax(jnp.where(opens, at, 0), axis=1)
 
 
+def continues_state(state_segment, segment_ids):
+    """bool [B, T]: the tokens of a packed call that continue the document its carried state summarizes: the
+    call's leading run of tokens whose id equals ``state_segment`` [B] int32 (the id of the state's document, 0 for
+    none: ``init_state``'s). Every other document of the call starts afresh, whatever its id. A causal core that
+    carries state across packed calls returns the state of the call's last document, with that document's id
+    (``segment_ids[:, -1]``) as the state's ``segment``."""
+    same = (segment_ids == state_segment[:, None]) & (state_segment != 0)[:, None]
+    return jax.lax.cummin(same.astype(jnp.int32), axis=1).astype(bool)
+
+
 def check_segments(core, q, segment_ids) -> None:
     """Refuse ``segment_ids`` where ``core`` does not take them (:class:`ConfigError`, one line), and check their
     shape [B, T] against q [B, H, T, D]. None: nothing to check."""

@@ -31,6 +31,17 @@ weighted mean of the per-token NLL, so only the answers are learned. Rows depend
 (seed, step, row, split) through one NumPy generator, never on the batch size or the host, so a
 resumed run sees the same rows as an uninterrupted one; evaluation uses ``eval_seed``, step 0 and the
 row's index, on the ``valid`` / ``test`` stream (training rows come from the ``train`` stream).
+
+**Packed examples** (``data.packing='segments'`` with ``data.synthetic.example_len = E > 0``): a training
+row of ``row_len`` inputs holds ``k = (row_len + 1) // (E + 1)`` independent examples back to back (at
+least two), each made as the row of a shorter ``make_row`` call, the row's ``row_len + 1`` tokens shared
+between them as evenly as possible (each example at least ``E + 1`` tokens, i.e. ``E`` inputs). Beside the
+tokens the batch carries ``segment_ids`` (1 .. k) and ``positions`` (0 at each example's first token),
+``[B, row_len + 1]`` int32 like the prepared corpora's packed rows (:mod:`longctx.data.batching`), so the
+model attends within each example and no example sees another; the weights mark only the answers (the
+target that crosses into the next example is never one). The examples of a row come one after the other
+from the row's one generator, so a packed row is still a pure function of (seed, step, row, split).
+Evaluation scores examples alone: the fixed evaluation rows are single examples of ``E`` inputs.
 """
 
 from __future__ import annotations
@@ -89,9 +100,16 @@ class SyntheticSource:
     default_tokenizer = "bytes"
     name = "synthetic"
 
+    #: a training row can hold several independent examples (``data.packing='segments'``, module docstring)
+    packs_examples = True
+
     def __init__(self, data_cfg):
         self.data_cfg = data_cfg
         self.s = data_cfg.synthetic
+        # the inputs of one example in a packed row (0: each row is one example)
+        self.example_len = int(self.s.get("example_len", 0)) if data_cfg.get("packing") == "segments" else 0
+        if self.example_len < 0:
+            raise ConfigError(f"data.synthetic.example_len={self.example_len} must be >= 0 (0: one example a row)")
         if data_cfg.tokenizer != "bytes":
             raise ConfigError(f"data.source={self.name!r} generates byte ids; set data.tokenizer='bytes'")
 
@@ -134,22 +152,71 @@ class SyntheticSource:
         if self.controls_distance:
             self.train_distances(row_len)
 
+    def example_lengths(self, row_len: int) -> np.ndarray:
+        """The token counts of the examples a packed row of ``row_len`` inputs holds (module docstring): the
+        row's ``row_len + 1`` tokens shared as evenly as possible between ``(row_len + 1) // (example_len + 1)``
+        examples. ConfigError (one line) where fewer than two fit."""
+        n, e = row_len + 1, self.example_len + 1
+        k = n // e
+        if k < 2:
+            raise ConfigError(f"data.synthetic.example_len={self.example_len}: rows of {row_len} inputs hold {k} "
+                              f"example(s) of {e} tokens; packing needs at least 2 (lower example_len or raise the "
+                              "row length)")
+        return np.full(k, n // k, np.int64) + (np.arange(k) < n % k)
+
+    def check_rows(self, row_len: int) -> None:
+        """Raise ConfigError unless training rows of ``row_len`` inputs hold the task as configured: one example
+        each, or (packed) at least two examples of ``example_len`` inputs or more (what fits the shortest fits the
+        longer: every length check here grows with the row)."""
+        if not self.example_len:
+            return self.check(row_len)
+        self.example_lengths(row_len)
+        self.check(self.example_len)
+
+    def _example(self, rng, row_len: int, split: str, distance=None) -> Row:
+        """One example of ``row_len`` inputs from ``rng``: its answer at ``distance`` (sources that place it;
+        None: drawn from ``rng`` in the training range)."""
+        d = None
+        if self.controls_distance:
+            if distance is None:
+                lo, hi = self.train_distances(row_len)
+                distance = rng.integers(lo, hi + 1)
+            d = int(distance)
+        return self.make_row(rng, row_len, split, d)
+
     def rows(self, *, seed: int, step: int, rows, row_len: int, split: str = "train",
              distances=None) -> dict[str, np.ndarray]:
-        """The batch of global row indices ``rows`` at ``step``: :func:`pack`'s arrays.
+        """The batch of global row indices ``rows`` at ``step``: :func:`pack`'s arrays, one example a row.
         ``distances`` (one per row, or None): place each answer at that distance (sources that
         control it); None draws it from the training range."""
         rows = np.asarray(rows)
         if self.controls_distance and distances is None:
-            lo, hi = self.train_distances(row_len)
-        out = []
-        for i, r in enumerate(rows):
-            rng = row_rng(seed, step, int(r), split)
-            d = None
-            if self.controls_distance:
-                d = int(distances[i]) if distances is not None else int(rng.integers(lo, hi + 1))
-            out.append(self.make_row(rng, row_len, split, d))
+            self.train_distances(row_len)  # a range that does not fit fails before any row is made
+        out = [self._example(row_rng(seed, step, int(r), split), row_len, split,
+                             None if distances is None else distances[i]) for i, r in enumerate(rows)]
         return pack(out, row_len, self.max_answers(row_len))
+
+    def packed_rows(self, *, seed: int, step: int, rows, row_len: int, split: str = "train") -> dict[str, np.ndarray]:
+        """Packed rows (module docstring): :func:`pack`'s arrays over the whole row (answers indexed in the row,
+        the row's examples' answers one after the other) and ``segment_ids`` / ``positions`` [B, row_len + 1]
+        int32 (1 .. k; 0 at each example's first token)."""
+        lengths = self.example_lengths(row_len)
+        out = []
+        for r in np.asarray(rows):
+            rng = row_rng(seed, step, int(r), split)
+            parts, answers, at = [], [], 0
+            for n in lengths:
+                ex = self._example(rng, int(n) - 1, split)
+                parts.append(ex.tokens)
+                answers += [(at + t, m, d) for t, m, d in ex.answers]
+                at += int(n)
+            out.append(Row(np.concatenate(parts), answers))
+        batch = pack(out, row_len, sum(self.max_answers(int(n) - 1) for n in lengths))
+        seg = np.repeat(np.arange(1, len(lengths) + 1, dtype=np.int32), lengths)
+        pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
+        batch["segment_ids"] = np.broadcast_to(seg, batch["tokens"].shape).copy()
+        batch["positions"] = np.broadcast_to(pos, batch["tokens"].shape).copy()
+        return batch
 
     def eval_rows(self, *, row_len: int, n_rows: int, bins: int, split: str, seed: int,
                   distance: tuple[int, int] = (0, 0)) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -353,17 +420,20 @@ class CopySource(SyntheticSource):
 
 class RowBatcher:
     """The stateless batcher of a generated source: the batch of step s is rows 0..B-1 of step s,
-    each a pure function of (seed, s, row); a host takes its slice of the global rows."""
+    each a pure function of (seed, s, row); a host takes its slice of the global rows. A source with
+    ``example_len`` (``data.packing='segments'``) packs several examples a row."""
 
     def __init__(self, source: SyntheticSource, *, row_len: int, batch_size: int, seed: int,
                  shard: tuple[int, int] = (0, 1)):
         self.source, self.row_len, self.batch_size, self.seed = source, row_len, batch_size, seed
         self.shard_index, self.num_shards = shard
-        source.check(row_len)  # fail early on settings that do not fit the rows
+        source.check_rows(row_len)  # fail early on settings that do not fit the rows
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """{'tokens': [B_local, row_len + 1] int32, 'weights': [B_local, row_len] float32}."""
+        """{'tokens': [B_local, row_len + 1] int32, 'weights': [B_local, row_len] float32}; packed, also
+        'segment_ids' and 'positions' [B_local, row_len + 1] int32."""
         lo = self.shard_index * self.batch_size // self.num_shards
         hi = (self.shard_index + 1) * self.batch_size // self.num_shards
-        b = self.source.rows(seed=self.seed, step=step, rows=np.arange(lo, hi), row_len=self.row_len)
-        return {"tokens": b["tokens"], "weights": b["weights"]}
+        make = self.source.packed_rows if self.source.example_len else self.source.rows
+        b = make(seed=self.seed, step=step, rows=np.arange(lo, hi), row_len=self.row_len)
+        return {k: b[k] for k in ("tokens", "weights", "segment_ids", "positions") if k in b}

@@ -429,8 +429,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     (:func:`accumulate_grads`; 1 = the whole batch at once).
     ``packed``: the batch is ``{'tokens', 'segment_ids', 'positions': [B, T+1] int32}`` (``data.packing='segments'``,
     :func:`make_packed_loss_fn`; the windows slice the positions and segment ids with the tokens, so a document
-    that runs on into the next window keeps its cached keys and one that starts there starts afresh; not with
-    ``weighted``).
+    that runs on into the next window keeps its cached keys and one that starts there starts afresh); with
+    ``weighted`` also 'weights' [B, T] (packed recall examples: their answer tokens), applied to the targets inside
+    a document.
     ``tx`` made by :func:`with_loss_scale` / :func:`loss_scaling`: the updates are loss-scaled.
     ``loss``: another loss function of :func:`make_loss_fn`'s signature (attention transfer,
     :func:`make_transfer_loss_fn`); ``trainable``: a static tree of bools over the parameters, only those True
@@ -440,11 +441,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         if weighted or packed:
             raise ValueError("a given loss function takes neither per-target weights nor packed rows")
     elif packed:
-        if weighted:
-            raise ValueError("packed rows take no per-target weights (their weights are the segments')")
         loss = make_packed_loss_fn(graphdef, constrain, hidden)
     else:
         loss = (make_weighted_loss_fn if weighted else make_loss_fn)(graphdef, constrain, hidden)
+    given_weights = weighted  # packed: the batch's weights (else every target inside a document)
     weighted = weighted or packed  # the packed loss's last per-target input is its weights too
 
     def make_update(params, nongrad, rest, batch_size):
@@ -463,8 +463,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         update = make_update(params, nongrad, rest, (tokens["tokens"] if weighted else tokens).shape[0])
         if packed:
             segs, positions = tokens["segment_ids"], tokens["positions"]
+            w = target_weights(segs) * tokens["weights"] if given_weights else target_weights(segs)
             tokens = tokens["tokens"]
-            per_target = (tokens[:, :-1], tokens[:, 1:], positions[:, :-1], segs[:, :-1], target_weights(segs))
+            per_target = (tokens[:, :-1], tokens[:, 1:], positions[:, :-1], segs[:, :-1], w)
         else:
             if weighted:
                 tokens, weights = tokens["tokens"], tokens["weights"]

@@ -24,8 +24,9 @@ The tasks:
   loss is each swapped layer's distance to exact attention on the same q, k, v, and only those layers' cores'
   own parameters train; validation as :class:`LanguageModel`.
 * :class:`Recall`: a decoder on a generated recall task (``data.source`` generated, see
-  :mod:`longctx.data.synthetic`); rows made on the fly, loss on the answer tokens, validation on the
-  task's fixed evaluation rows by :func:`longctx.protocols.score_answers` (answer loss and exact match).
+  :mod:`longctx.data.synthetic`); rows made on the fly (with ``data.packing='segments'``, several examples a row,
+  each attended alone), loss on the answer tokens, validation on the task's fixed evaluation rows (single
+  examples) by :func:`longctx.protocols.score_answers` (answer loss and exact match).
 """
 
 from __future__ import annotations
@@ -236,22 +237,23 @@ class Recall(LanguageModel):
     def make_forward(self, graphdef):
         return make_scored_forward(graphdef)
 
-    def packed(self) -> bool:
-        return False  # generated rows are made whole (config validation refuses data.packing='segments' here)
-
     def summary(self):
-        return (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}), "
+        packed = (f", packed: examples of at least {self.source.example_len} inputs back to back, each attended "
+                  "alone" if self.packed() else "")
+        return (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}){packed}, "
                 "loss on the answer tokens")
 
     def batch(self, at_step):
         batch = self.host_batch(at_step)
-        return {k: sharding.shard_batch(self.mesh, batch[k]) for k in ("tokens", "weights")}
+        keys = ("tokens", "weights") + (("segment_ids", "positions") if self.packed() else ())
+        return {k: sharding.shard_batch(self.mesh, batch[k]) for k in keys}
 
     def evaluate(self, state):
         cfg, fwd = self.cfg, self.forward
         syn = cfg.data.synthetic
         if self.eval_set is None:
-            self.eval_set = self.source.eval_rows(row_len=cfg.train.seq_len, n_rows=syn.eval_rows, bins=syn.bins,
+            self.eval_set = self.source.eval_rows(row_len=self.source.example_len or cfg.train.seq_len,
+                                                  n_rows=syn.eval_rows, bins=syn.bins,
                                                   split=cfg.eval.split, seed=syn.eval_seed)
         return score_answers(
             lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, *self.eval_set,

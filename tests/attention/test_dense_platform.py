@@ -382,6 +382,177 @@ def test_splash_refuses_a_head_dim_tpu_blocks_cannot_take():
         export_fwd_bwd("splash", "tpu", True, qkv(256, B=1, D=96, dtype=BF16))
 
 
+# ------------------------------------------------------------------------------------------------ packed rows
+# rows of 16 tokens: documents of 5, 1, 7, 3, one document, every token its own document (M = T documents: the
+# bound itself), and 1 + 15
+PACKED_ROWS = [[1] * 5 + [2] + [3] * 7 + [4] * 3, [7] * 16, list(range(1, 17)), [4] + [2] * 15]
+# an id that comes back after another starts a new document (longctx.attention.base.document_starts)
+RETURNING_ID = [1] * 5 + [2] + [1] * 7 + [3] * 3
+
+
+def documents(row) -> list[tuple[int, int]]:
+    """(start, length) of each document of one row of segment ids, read with a plain loop."""
+    out = []
+    for i, s in enumerate(row):
+        if i and s == row[i - 1]:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def test_cudnn_packed_layout_matches_a_numpy_reading():
+    """The packed layout computed from segment ids (traced) against a loop's reading of the rows, and what jax's
+    packed entry hands cuDNN from it (its ``_fix_seqlen_offsets``: the B*M sequences flattened, token offsets times
+    the token stride): every document of every row once, in order, then empty sequences."""
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    rows = PACKED_ROWS + [RETURNING_ID]
+    seg = jnp.asarray(rows, jnp.int32)
+    B, T = seg.shape
+    lengths, offsets = jax.jit(dp.cudnn_packed_layout)(seg)
+    assert lengths.shape == (B, T) and offsets.shape == (B, T + 1)
+    want_len, want_off = np.full((B, T), -1), np.full((B, T + 1), -1)
+    for b, row in enumerate(rows):
+        docs = documents(row)
+        want_off[b, :len(docs)] = [s for s, _ in docs]
+        want_len[b, :len(docs)] = [n for _, n in docs]
+    np.testing.assert_array_equal(lengths, want_len)
+    np.testing.assert_array_equal(offsets, want_off)
+    H, D = 3, 8
+    x = jnp.zeros((B, T, H, D), BF16)  # jax's packed layout is [B, T, H, D]
+    q_len, _, q_off, _ = fas._fix_seqlen_offsets(lengths, lengths, offsets, offsets, x, x)
+    flat = [(b * T + s, n) for b, row in enumerate(rows) for s, n in documents(row)]
+    S = len(flat)
+    np.testing.assert_array_equal(np.ravel(q_len)[:S], [n for _, n in flat])
+    assert not np.ravel(q_len)[S:].any()
+    np.testing.assert_array_equal(np.ravel(q_off)[:S], [o * H * D for o, _ in flat])
+    assert (np.ravel(q_off)[S:] == B * T * H * D).all()  # the end of the last sequence, and the empty ones
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_packed_sequences_attend_as_the_packed_reference(causal):
+    """cuDNN's packed semantics read on the CPU: each of the layout's sequences (tokens offsets[m] ..
+    offsets[m] + lengths[m] of its row) attended alone (the reference, causal from its first token) gives, token for
+    token, the reference over the packed row with its segment ids. (That cuDNN computes these sequences is what
+    the compiled test below shows on a lent Hopper GPU.)"""
+    seg = jnp.asarray(PACKED_ROWS, jnp.int32)
+    B, T = seg.shape
+    q, k, v = qkv(T, B=B)
+    lengths, offsets = dp.cudnn_packed_layout(seg)
+    out = np.zeros(q.shape, np.float32)
+    for b in range(B):
+        for m in range(T):
+            if int(lengths[b, m]) < 0:
+                continue
+            sl = slice(int(offsets[b, m]), int(offsets[b, m]) + int(lengths[b, m]))
+            pos = full(sl.stop - sl.start)
+            out[b:b + 1, :, sl] = naive_attention(q[b:b + 1, :, sl], k[b:b + 1, :, sl], v[b:b + 1, :, sl], *pos,
+                                                  causal=causal)
+    pos = full(T)
+    ref = naive_attention(q, k, v, *pos, causal=causal, q_segment_ids=seg, k_segment_ids=seg)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_packed_api_and_the_jax_versions_it_needs(monkeypatch):
+    assert dp.cudnn_packed_api() is not None  # the installed jax has it (0.7.0 or later)
+    monkeypatch.setattr(dp, "_jax_version", lambda: (0, 6, 2))
+    assert dp.cudnn_packed_api() is None
+    (line,) = [r for r in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=64, capability=(9, 0),
+                                                       segments=True)]
+    assert "no cuDNN packed layout" in line and "jax >= 0.7.0" in line and "\n" not in line
+
+
+def test_cudnn_packed_reasons():
+    hopper = dict(dtype=BF16, head_dim=64, capability=(9, 0), segments=True)
+    assert dp.cudnn_unsupported_reasons("cuda", **hopper) == []
+    for kw, why in ((dict(capability=(8, 0)), "Hopper"), (dict(large=True), "auto_threshold"),
+                    (dict(window=16), "window=16"), (dict(sequence_slice=128), "sequence parallelism")):
+        (line,) = dp.cudnn_unsupported_reasons("cuda", **{**hopper, **kw})
+        assert why in line and "packed" in line
+    # no GPU visible (lowering from a CPU): no capability to check the packed layout's against
+    if dp._cuda_capability() is None:
+        assert any("Hopper" in x for x in dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=64,
+                                                                        segments=True))
+
+
+@pytest.fixture
+def fake_hopper(fake_cudnn, monkeypatch):
+    """A CPU-only jaxlib lowering for a Hopper GPU: the packed layout's capability probes (jax's and the
+    declaration's) answered with 9.0; the version probe as in ``fake_cudnn``."""
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    monkeypatch.setattr(fas, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(dp, "_cuda_capability", lambda: (9, 0))
+
+
+def test_auto_takes_cudnn_for_a_packed_row_where_it_serves_it(fake_hopper, fresh_log):
+    kw = dict(platform="cuda", dtype=BF16, head_dim=64, segments=True)
+    assert dense.choose("auto", **kw).name == "cudnn"
+    assert dense.choose("cudnn", **kw).name == "cudnn"
+    c = dense.choose("auto", large=True, **kw)
+    assert c.name == "blockwise" and any("auto_threshold" in r for r in c.reasons)
+    assert len(log_lines(fresh_log)) == 1
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["cudnn", "auto"])
+def test_cudnn_packed_rows_lower_for_cuda(fake_hopper, causal, impl):
+    """Forward and gradient with segment ids lower to cuDNN's packed call: lengths and offsets as its operands
+    4-7, M = T sequences per row (``max_seg_per_batch``), their statistics [B*T, H, T] fp32 in the gradient."""
+    B, H, T = 2, 2, 256
+    q, k, v = qkv(T, B=B, H=H, D=64, dtype=BF16)
+    seg = jnp.asarray(np.repeat([[1, 2, 3, 4], [5, 5, 6, 7]], T // 4, axis=1), jnp.int32)
+    pos = full(T)
+
+    def fwd(q, k, v, seg):
+        return dense.attend(q, k, v, *pos, causal=causal, impl=impl, block_q=64, block_k=64,
+                            auto_threshold=4096 * 4096, full_pass=True, platform="cuda", q_segment_ids=seg,
+                            k_segment_ids=seg)
+
+    g = jax.grad(lambda *a: weighted_sum(fwd(*a)), argnums=(0, 1, 2))
+    for fn, backward in ((fwd, False), (g, True)):
+        mod = export(fn, "cuda", (q, k, v, seg), CUDNN_CHECKS).mlir_module()
+        calls = re.findall(rf"@{re.escape(CUDNN_FWD)}\(([^)]*)\)", mod)
+        assert len(calls) == 1 and len(calls[0].split(",")) == 7, calls  # q, k, v, 2 lengths, 2 offsets
+        assert (f"@{CUDNN_BWD}(" in mod) == backward
+        assert set(re.findall(r"max_seg_per_batch\\22: (\d+)", mod)) == {str(T)}
+        assert set(re.findall(r'mask_type\\22: \\22(\w+)', mod)) == {"CAUSAL" if causal else "NO_MASK"}
+        if backward:
+            assert f"tensor<{B * T}x{H}x{T}xf32>" in mod  # the statistics of B*M sequences
+
+
+@pytest.mark.skipif(dispatch.current_platform() != "cuda", reason="needs an NVIDIA GPU (cuDNN) to run compiled")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_packed_rows_compiled_equal_each_document_alone(causal):
+    """On a GPU: 'cudnn' over packed rows (every document of PACKED_ROWS, 1 to 16 tokens, twice over in a row of
+    32) gives each document's output and q/k/v gradients as that document attended alone (the reference, fp32, on
+    the same bf16 inputs)."""
+    why = dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=64, segments=True)
+    if why:
+        pytest.skip("; ".join(why))
+    rows = [r + [x + 100 for x in r] for r in PACKED_ROWS + [RETURNING_ID]]
+    seg = jnp.asarray(rows, jnp.int32)
+    B, T = seg.shape
+    args = qkv(T, B=B, H=2, D=64, dtype=BF16)
+    pos = full(T)
+    docs = [(b, s, n) for b, row in enumerate(rows) for s, n in documents(row)]
+
+    def fn(q, k, v):
+        return dense.attend(q, k, v, *pos, causal=causal, impl="cudnn", block_q=64, block_k=64,
+                            auto_threshold=4096 * 4096, full_pass=True, platform="cuda", q_segment_ids=seg,
+                            k_segment_ids=seg)
+
+    def alone(q, k, v):
+        out = jnp.zeros(q.shape, F32)
+        for b, s, n in docs:
+            x = [a[b:b + 1, :, s:s + n].astype(F32) for a in (q, k, v)]
+            out = out.at[b:b + 1, :, s:s + n].set(naive_attention(*x, *full(n), causal=causal))
+        return out
+
+    check_values_and_grads(fn, alone, args, (2e-2, 2e-2), (5e-2, 5e-2))
+
+
 # ------------------------------------------------------------------------------------------------ sequence parallelism
 def test_kernels_under_sequence_parallelism_refuse_slices_they_cannot_tile(fresh_log):
     """A row split over mesh.sequence: splash needs whole 128-token blocks per device, cuDNN's bias-masked causal

@@ -194,16 +194,20 @@ def _check_refusal(name, direction, impl, case):
         assert str(err.value) == line
 
 
-def test_cudnn_refuses_packed_calls_so_auto_takes_the_tiles():
-    """cuDNN through jax.nn.dot_product_attention takes no segment ids: its reasons refuse a packed call, and 'auto'
-    on a GPU takes the next implementation (the same call without segment ids takes cuDNN)."""
+def test_cudnn_takes_packed_calls_where_its_packed_layout_serves_them(monkeypatch):
+    """cuDNN takes a packed row through its packed ("THD") layout on Hopper up to auto_threshold scores, so 'auto' on
+    such a GPU takes it; past auto_threshold (its statistics are the score matrix's size) or before Hopper its
+    reasons refuse in one line and 'auto' takes the next implementation."""
     from longctx.attention.dense import choose
-    from longctx.attention.dense.platform import CUDNN_SEGMENTS_REASON, cudnn_unsupported_reasons
+    from longctx.attention.dense import platform as dp
 
     shapes = dict(dtype=jnp.bfloat16, head_dim=64, capability=(9, 0))
-    assert CUDNN_SEGMENTS_REASON in cudnn_unsupported_reasons("cuda", segments=True, **shapes)
-    assert CUDNN_SEGMENTS_REASON not in cudnn_unsupported_reasons("cuda", **shapes)
+    assert dp.cudnn_unsupported_reasons("cuda", segments=True, **shapes) == []
+    assert any("segment ids" in r for r in dp.cudnn_unsupported_reasons("cuda", segments=True,
+                                                                        **{**shapes, "capability": (8, 0)}))
+    monkeypatch.setattr(dp, "_cuda_capability", lambda: (9, 0))  # lowering for a Hopper GPU from here
+    assert choose("auto", dtype=jnp.bfloat16, head_dim=64, platform="cuda", segments=True).name == "cudnn"
     packed = choose("auto", dtype=jnp.bfloat16, head_dim=64, platform="cuda", large=True, segments=True)
     assert packed.name not in ("cudnn", "splash")
     with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
-        choose("cudnn", dtype=jnp.bfloat16, head_dim=64, platform="cuda", segments=True)
+        choose("cudnn", dtype=jnp.bfloat16, head_dim=64, platform="cuda", large=True, segments=True)

@@ -229,3 +229,78 @@ def test_model_finite_gradients(name, cname, direction, dtype):
     leaves = jax.tree.leaves(grads)
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves), f"{name} {dtype}: non-finite"
     assert max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for g in leaves) > 0.0
+
+
+def _packed_rows(T):
+    """Two rows' document lengths: three ragged documents (the first of 3 tokens, shorter than any method's block or
+    chunk), the second row rotated so its boundaries fall elsewhere; and their segment ids and positions [B, T]."""
+    a = 3
+    b = (T - a) // 2 + 1
+    rows = ((a, b, T - a - b), (b, T - a - b, a))
+    seg = np.stack([np.repeat(np.arange(1, 4), r) for r in rows]).astype(np.int32)
+    pos = np.stack([np.concatenate([np.arange(n) for n in r]) for r in rows]).astype(np.int32)
+    return rows, jnp.asarray(seg), jnp.asarray(pos)
+
+
+def _alone(h, rows, tokens, important, params=None):
+    """The logits of each document run alone through the model (the two rows' documents of one length together),
+    laid out as in the packed rows."""
+    out = None
+    starts = [np.concatenate([[0], np.cumsum(r)[:-1]]) for r in rows]
+    for n in sorted(set(rows[0])):
+        where = [int(s[list(r).index(n)]) for r, s in zip(rows, starts)]
+        take = lambda x, n=n, where=where: jnp.stack([x[b, a:a + n] for b, a in enumerate(where)])  # noqa: E731
+        o, _ = h(take(tokens), None if important is None else take(important), params=params)
+        out = jnp.zeros((B, h.T, o.shape[-1]), o.dtype) if out is None else out
+        for b, a in enumerate(where):
+            out = out.at[b, a:a + n].set(o[b])
+    return out
+
+
+@pytest.mark.parametrize("name,cname,direction", ALL)
+def test_model_packed_rows_equal_documents_alone(name, cname, direction):
+    """Packed rows at model level (STYLE rule 11), for every method that takes segment ids: the logits of a packed
+    batch (three ragged documents per row, positions restarting at each) equal each document's run alone, and so
+    does the parameter gradient of the packed loss against the documents' token-weighted loss; causal, the rows are
+    also fed in windows carrying the state, the cuts falling inside documents. Without the segment ids the same
+    rows differ (the law is not met by accident). A method without them refuses in one line
+    (tests/attention/test_packed_law.py)."""
+    h = harness(name, cname, direction)
+    if not h.cls.takes_segments:
+        pytest.skip(f"{name} takes no segment ids (its one-line refusal: tests/attention/test_packed_law.py)")
+    rows, seg, pos = _packed_rows(h.T)
+    tokens, imp = h.inputs(seed=5)
+    want = _alone(h, rows, tokens, imp)
+
+    def packed(params, tokens, important, state, positions, segment_ids):
+        model = nnx.merge(h.graphdef, params, h.rest)
+        if h.causal:
+            logits, state, _ = model(tokens, state, positions=positions, segment_ids=segment_ids)
+            return logits, state
+        return model(tokens, important, positions=positions, segment_ids=segment_ids)[0], None
+
+    run = jax.jit(packed)
+    got, _ = run(h.params, tokens, imp, None, pos, seg)
+    h.close(got, want, "packed rows != each document alone")
+    plain, _ = h(tokens, imp)
+    assert float(jnp.max(jnp.abs(plain - want))) > 1e-4, "the rows without segment ids equal the documents alone"
+    if h.causal:  # windows carrying the state, cut inside documents
+        state, outs, w = h.model.init_state(B, h.T), [], h.T // 3 + 1
+        for a in range(0, h.T, w):
+            sl = slice(a, a + w)
+            o, state = run(h.params, tokens[:, sl], None, state, pos[:, sl], seg[:, sl])
+            outs.append(o)
+        h.close(jnp.concatenate(outs, axis=1), want, "packed rows in windows carrying the state != alone")
+
+    # the parameter gradient of the packed loss (every position's logsumexp-centred logit of its own token)
+    def loss(params, logits_of):
+        logits = logits_of(params).astype(jnp.float32)
+        return jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+
+    def packed_logits(params):
+        return packed(params, tokens, imp, None, pos, seg)[0]
+
+    g_packed = jax.jit(jax.grad(lambda p: loss(p, packed_logits)))(h.params)
+    g_alone = jax.grad(lambda p: loss(p, lambda q: _alone(h, rows, tokens, imp, q)))(h.params)
+    for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_alone)):
+        h.close(a, b, "the packed loss's parameter gradient != the documents' alone")

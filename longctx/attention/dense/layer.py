@@ -20,7 +20,8 @@ bounded state that drops only keys no later query can see.
 
 Packed rows (``segment_ids`` [B, T] int32, ``data.packing='segments'``): a query sees only the keys of its own
 document (``takes_segments``), on every implementation that serves them (the reference's mask, the tiles'
-position-general loop, splash's ``SegmentIds``; cuDNN refuses them, so 'auto' takes the tiles on a GPU). The KV
+position-general loop, splash's ``SegmentIds``, cuDNN's packed layout on Hopper up to ``auto_threshold`` scores,
+past which 'auto' takes the tiles on a GPU: ``platform.cudnn_packed_attention``). The KV
 cache keeps each key's segment id beside it (``state['segment_ids']`` [B, M], right-aligned like the keys; 0 where
 the call had none), so a window or a decoding step carried across a document boundary starts that document
 afresh: the keys of earlier documents stay in the cache but no later query sees them.
@@ -101,7 +102,7 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     list and then the 'auto' list without the kernels, so the selection passes the kernel over for the rest of the
     list, or for the XLA forms (one log line, the selection's), unless it cannot serve even a full pass here and
     nothing else is named (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN
-    refuses."""
+    serves through its packed layout where ``platform.cudnn_packed_reasons`` has none (Hopper, not ``large``)."""
     plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)

@@ -6,7 +6,8 @@ Both are declared here (:data:`IMPLEMENTATIONS`): ``impl='auto'`` tries the plat
 splash on tpu) wherever it serves the call, then the XLA forms.
 
 * ``'cudnn'``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (bf16/fp16; causal or
-  bidirectional; optional per-row key lengths for right-padded batches).
+  bidirectional; optional per-row key lengths for right-padded batches). A packed row (segment ids) goes through
+  cuDNN's packed ("THD") layout, which the public entry does not expose: :func:`cudnn_packed_attention`.
 * ``'splash'``: ``jax.experimental.pallas.ops.tpu.splash_attention`` with a causal or full mask (fp32/bf16;
   sequences padded to whole blocks, the padding masked by segment ids). On the CPU it runs in Pallas interpret
   mode (slow; for tests) when named.
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import re
 from typing import ClassVar
 
 import jax
@@ -56,10 +59,12 @@ from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, seq
 FAST_IMPLS = ("cudnn", "splash")
 KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "Pallas splash attention"}
 
-# jax.nn.dot_product_attention (the public cuDNN entry) takes no segment ids in the installed jax; a dense [T, T]
-# boolean mask would reach cuDNN as a materialised bias, which is not what a fused kernel is for
-CUDNN_SEGMENTS_REASON = ("packed rows (segment ids): jax.nn.dot_product_attention takes no segment ids; the XLA "
-                         "tiles serve them")
+# packed rows reach cuDNN through its packed ("THD") layout, in jax's private cuDNN entry (the public
+# jax.nn.dot_product_attention takes no segment ids; a dense [T, T] boolean mask would reach cuDNN as a
+# materialised bias): jax.__version__ from which it is there with unused entries handled (:func:`cudnn_packed_api`)
+CUDNN_PACKED_JAX = (0, 7, 0)
+# jax's own tests of the packed layout skip below this cuDNN (cudnn_get_version()'s 9.6.0)
+CUDNN_PACKED_CUDNN = 90600
 
 KV_CACHE_REASON = ("a KV-cache step (positions offset by the cache, empty slots) is not a full pass; the fused "
                    "kernels serve full passes only")
@@ -90,6 +95,64 @@ def _cudnn_missing() -> bool:
     return cuda_versions is None
 
 
+def _cudnn_version() -> int | None:
+    """cuDNN's version as jax reads it (e.g. 90800) where this process runs on a GPU with cuDNN, else None."""
+    if jax.default_backend() != "gpu" or _cudnn_missing():
+        return None
+    from jax._src.lib import cuda_versions
+
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])
+
+
+def cudnn_packed_api():
+    """jax's private cuDNN entry that takes the packed layout
+    (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with ``q_seqlen``/``kv_seqlen`` [B, M] and
+    ``q_offsets``/``kv_offsets`` [B, M+1]), or None where this jax has none. It arrived in jax 0.5.1; before 0.7.0
+    the unused entries of a row (``-1``) reached cuDNN as lengths of -1, so the packed path asks for 0.7.0 or later
+    (:data:`CUDNN_PACKED_JAX`; 0.10.2 is the version this was written against)."""
+    if _jax_version() < CUDNN_PACKED_JAX:
+        return None
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fas
+    except ImportError:
+        return None
+    fn = getattr(fas, "dot_product_attention", None)
+    if fn is None or not {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets"} <= set(inspect.signature(fn).parameters):
+        return None
+    return fn
+
+
+def cudnn_packed_reasons(*, capability, large: bool, window: int, sequence_slice: int | None) -> list[str]:
+    """Why cuDNN's packed layout cannot serve a packed row here (:func:`cudnn_packed_attention`; empty: it can)."""
+    out = []
+    if cudnn_packed_api() is None:
+        out.append(f"packed rows (segment ids): jax {jax.__version__} has no cuDNN packed layout (jax's private "
+                   "fused_attention_stablehlo.dot_product_attention with q_offsets, jax >= "
+                   f"{'.'.join(map(str, CUDNN_PACKED_JAX))}); the XLA tiles serve them")
+    if capability is None or capability < (9, 0):
+        out.append("packed rows (segment ids): cuDNN's packed layout needs Hopper (compute capability 9.0) or later"
+                   + ("" if capability is None else f", this GPU is {capability[0]}.{capability[1]}"))
+    version = _cudnn_version()
+    if version is not None and version < CUDNN_PACKED_CUDNN:
+        out.append(f"packed rows (segment ids): cuDNN {version} < {CUDNN_PACKED_CUDNN} (the packed layout)")
+    if large:
+        out.append("packed rows (segment ids) past auto_threshold scores: cuDNN's packed layout runs M = T virtual "
+                   "sequences per row, whose softmax statistics ([B*T, H, T] fp32) are the size of the score matrix")
+    if window:
+        out.append(f"packed rows (segment ids) with window={window}: cuDNN's packed layout with a sliding window is "
+                   "not wired")
+    if sequence_slice is not None:
+        out.append("packed rows (segment ids) under sequence parallelism: the slices' documents are not wired")
+    return out
+
+
 def cudnn_head_dim_max(capability: tuple[int, int] | None) -> int:
     """cuDNN's flash-attention head-dim limit as jax checks it: 256 on Hopper (9.0) or later, else 128
     (also where no device is visible, e.g. lowering for 'cuda' from a CPU)."""
@@ -105,11 +168,13 @@ def cudnn_head_dim(head_dim: int) -> int:
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
                               capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
-                              causal: bool = True, window: int = 0, segments: bool = False, **_) -> list[str]:
+                              causal: bool = True, window: int = 0, segments: bool = False, large: bool = False,
+                              **_) -> list[str]:
     """Why cuDNN flash attention cannot serve this call on ``platform`` ('cuda' | 'rocm' | 'tpu' | 'cpu').
     ``capability``: the GPU's compute capability (default: the running device's, None from a CPU).
     ``sequence_slice``: the tokens per device where the row is split over the mesh's ``sequence`` axis.
-    ``segments``: a packed row (segment ids), refused: :data:`CUDNN_SEGMENTS_REASON`."""
+    ``segments``: a packed row (segment ids), served by cuDNN's packed layout where :func:`cudnn_packed_reasons`
+    has none (``large``: Tq*Tk past auto_threshold)."""
     out = []
     if platform != "cuda":
         out.append(f"cuDNN runs only on NVIDIA GPUs (platform {platform})")
@@ -135,8 +200,9 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
         out.append(f"window={window} bidirectional: cuDNN's sliding window is causal only")
     if window and sequence_slice is not None:
         out.append(f"window={window} under sequence parallelism: the slices' windows are not wired")
-    if segments:
-        out.append(CUDNN_SEGMENTS_REASON)
+    if segments and platform == "cuda":
+        out.extend(cudnn_packed_reasons(capability=capability, large=large, window=window,
+                                        sequence_slice=sequence_slice))
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -248,6 +314,56 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
     out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal, scale=D ** -0.5,
                                        key_value_seq_lengths=kv_lengths, implementation=implementation,
                                        local_window_size=local)
+    return t(out)[..., :Dv].astype(v.dtype)
+
+
+def cudnn_packed_layout(segment_ids):
+    """cuDNN's packed layout of a packed row, computed from ``segment_ids`` [B, T] (traced; a document is a maximal
+    run of equal ids, ``longctx.attention.base.document_starts``): ``(lengths [B, M], offsets [B, M + 1])`` int32
+    with M = T, row b's documents in order (``offsets[b, m]`` the first token of its m-th document, ``lengths[b, m]``
+    its token count) and -1 in every entry past its last document (jax's convention for unused entries).
+
+    M is static and no row can hold more documents than M: a document is at least one token, so a row of T tokens
+    holds at most T. No document is dropped or merged, whatever the ids (``offsets[b, M]`` is always -1)."""
+    from longctx.attention.base import document_starts
+
+    B, T = segment_ids.shape
+    at = jnp.arange(T, dtype=jnp.int32)
+    opens = document_starts(segment_ids.astype(jnp.int32)) == at  # each document's first token
+    doc = jnp.cumsum(opens, axis=1, dtype=jnp.int32) - 1  # each token's document, 0 .. n_b - 1 <= T - 1
+    count = doc[:, -1:] + 1  # [B, 1] the row's documents
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    lengths = jnp.zeros((B, T), jnp.int32).at[rows, doc].add(1)
+    lengths = jnp.where(at[None, :] < count, lengths, -1)
+    # a first token writes its own column; every other token writes -1 to the spare column M (never a document's)
+    offsets = jnp.full((B, T + 1), -1, jnp.int32).at[rows, jnp.where(opens, doc, T)].set(jnp.where(opens, at, -1))
+    return lengths, offsets
+
+
+def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool):
+    """Exact attention of a packed full pass, q, k, v [B,H,T,D] and ``segment_ids`` [B, T] int32 (a query sees only
+    its own document's keys; causal within the document), by cuDNN's packed ("THD") layout through jax's private
+    entry (:func:`cudnn_packed_api`): every document is one of cuDNN's B*M virtual sequences (M = T,
+    :func:`cudnn_packed_layout`), with its own causal mask aligned to its first token. Scale D**-0.5; a head dim off
+    the multiples of 8 is zero-padded as in :func:`cudnn_attention`.
+
+    Cost of M = T (the bound no row can exceed): cuDNN's forward keeps softmax statistics of [B*M, H, T] fp32 for the
+    backward (jax's abstract shape), the size of the fp32 score matrix, and launches its grid over B*M sequences,
+    of which all but the row's documents are empty; hence its reasons refuse rows past ``auto_threshold`` scores."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+
+    api = cudnn_packed_api()
+    if api is None:
+        raise NotImplementedError(cudnn_packed_reasons(capability=(9, 0), large=False, window=0,
+                                                       sequence_slice=None)[0])
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> [B,T,H,D]: jax offsets packed rows by T
+    D, Dv = q.shape[-1], v.shape[-1]
+    pad = cudnn_head_dim(D) - D
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k, v))
+    lengths, offsets = cudnn_packed_layout(segment_ids)
+    out = api(t(q), t(k), t(v), q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+              scale=D ** -0.5, mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")
     return t(out)[..., :Dv].astype(v.dtype)
 
 
@@ -413,9 +529,12 @@ class Cudnn(_Fused):
 
     @staticmethod
     def whole_row(x, *, interpret: bool):
-        if x["q_segment_ids"] is not None:  # its reasons refuse packed rows; never attend across documents silently
-            raise ValueError(f"cudnn: {CUDNN_SEGMENTS_REASON}")
         causal, window = x["causal"], x["window"]
+        if x["q_segment_ids"] is not None:  # a full pass: the keys' documents are the queries'
+            if window:  # its reasons refuse it; never attend past a window silently
+                raise ValueError(f"cudnn: packed rows with window={window} are not wired")
+            return _tagged(functools.partial(cudnn_packed_attention, causal=causal), causal)(
+                x["q"], x["k"], x["v"], x["q_segment_ids"])
         return _tagged(functools.partial(cudnn_attention, causal=causal, window=window), causal, window)(
             x["q"], x["k"], x["v"])
 
@@ -441,7 +560,8 @@ IMPLEMENTATIONS = (
 PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
 
 
-__all__ = ["CUDNN_SEGMENTS_REASON", "FAST_IMPLS", "Cudnn", "Splash", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
-           "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
+__all__ = ["CUDNN_PACKED_CUDNN", "CUDNN_PACKED_JAX", "FAST_IMPLS", "Cudnn", "Splash", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
+           "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_packed_api",
+           "cudnn_packed_attention", "cudnn_packed_layout", "cudnn_packed_reasons", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
            "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
            "splash_slice_block", "splash_unsupported_reasons"]
