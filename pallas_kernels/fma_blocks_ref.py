@@ -131,12 +131,16 @@ def _blocks_of(x, G: int, w: int, m: int):
 
 
 def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=None, attn_dropout: float = 0.0,
-                 ops: BlockOps = PLAIN_OPS):
+                 ops: BlockOps = PLAIN_OPS, docs=None):
     """Outputs [B,H,G,m,dv] (at least f32) of G query blocks; see the module docstring for the operands.
 
     ``coarse`` here is already sliced to these G blocks: None, ("packed", kc [B,H,G,C,d],
     vc [B,H,G,C,dv], bias [G,C]), ("stats", M [B,H,G,m], num [B,H,G,m,dv], den [B,H,G,m]) or
-    ("normed", out [B,H,G,m,dv])."""
+    ("normed", out [B,H,G,m,dv]).
+
+    ``docs`` (packed rows laid out again, docs/methods/fma.md §2.7; None: one sequence): ``(qdoc [B, G m],
+    kdoc [B, (G+w-1) m], sdoc [B, G, C] or None)``, the document of every query, fine key and packed slot; a key or
+    slot counts for a query only where its document is the query's."""
     B, H, G, m, d = qg.shape
     w = kg.shape[2] // m - G + 1
     if coarse is not None and coarse[0] in ("stats", "normed") and coarse[1].shape[3] != m:
@@ -151,12 +155,19 @@ def attend_group(qg, kg, vg, coarse, *, blk0, n_valid, causal: bool, drop_key=No
     valid = ((kpos >= 0) & (kpos < n_valid))[:, None, :]
     if causal:
         valid = valid & (kpos[:, None, :] <= qpos[:, :, None])
+    qdoc = None
+    if docs is not None:  # [B, 1, G, m, w m]: a key of another document is no key
+        qdoc = docs[0].reshape(B, G, m)
+        kdoc = _blocks_of(docs[1][:, None, :, None], G, w, m)[:, 0, :, :, 0]  # [B, G, w m]
+        valid = valid & (qdoc[:, :, :, None] == kdoc[:, :, None, :])[:, None]
     s_f = jnp.where(valid, s_f, NEG)
     mx = jnp.max(s_f, axis=-1)
     kind = None if coarse is None else coarse[0]
     if kind == "packed":
         _, kc, vc, cb = coarse
         valid_c = (cb > NEG / 2)[:, None, :]  # [G,1,C]
+        if qdoc is not None:  # [B, 1, G, m, C]: a slot of another document's group is no slot
+            valid_c = valid_c & (docs[2][:, :, None, :] == qdoc[:, :, :, None])[:, None]
         s_c = ops.qk_dot(qg, kc) + cb[:, None, :]
         s_c = jnp.where(valid_c, s_c, NEG)
         mx = jnp.maximum(mx, jnp.max(s_c, axis=-1))
@@ -205,6 +216,26 @@ def _slice_coarse(coarse, start, G, kall=None, vall=None):
     return (kind,) + tuple(jax.lax.dynamic_slice_in_dim(x, start, G, axis=2) for x in coarse[1:])
 
 
+def _slice_docs(docs, start, G: int, w: int, m: int):
+    """The documents of G query blocks from block ``start`` (:func:`attend_group`'s ``docs``)."""
+    if docs is None:
+        return None
+    qd, kd, sd = docs
+    return (jax.lax.dynamic_slice_in_dim(qd, start * m, G * m, axis=1),
+            jax.lax.dynamic_slice_in_dim(kd, start * m, (G + w - 1) * m, axis=1),
+            None if sd is None else jax.lax.dynamic_slice_in_dim(sd, start, G, axis=1))
+
+
+def _pad_docs(docs, extra: int, m: int):
+    """``docs`` with ``extra`` more (padding) blocks: queries of document -1, keys and slots of -2 (never equal)."""
+    if docs is None or extra == 0:
+        return docs
+    qd, kd, sd = docs
+    return (jnp.pad(qd, ((0, 0), (0, extra * m)), constant_values=-1),
+            jnp.pad(kd, ((0, 0), (0, extra * m)), constant_values=-2),
+            None if sd is None else jnp.pad(sd, ((0, 0), (0, extra), (0, 0)), constant_values=-2))
+
+
 def _pad_blocks(coarse, extra: int):
     if coarse is None or extra == 0:
         return coarse
@@ -223,7 +254,7 @@ def _pad_blocks(coarse, extra: int):
 
 
 def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_key=None,
-                  attn_dropout: float = 0.0, logit_budget: int = 1 << 24, ops: BlockOps = PLAIN_OPS):
+                  attn_dropout: float = 0.0, logit_budget: int = 1 << 24, ops: BlockOps = PLAIN_OPS, docs=None):
     """FMA attention of ``nq`` query blocks (see the module docstring). Returns [B,H,nq,m,dv] f32.
 
     ``kp, vp``: [B,H,(nq+w-1) m, *] with w = 2 (causal) or 3. ``coarse``: None,
@@ -231,7 +262,8 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
     or ("normed", out) with a block axis 2 of size nq. When all blocks' logits exceed
     ``logit_budget`` the blocks are processed in groups under ``lax.map`` with a rematerialised body,
     so peak memory stays O(budget) in the forward and the backward. ``ops``: the three products
-    (:class:`BlockOps`; plain einsums by default)."""
+    (:class:`BlockOps`; plain einsums by default). ``docs``: the documents of a packed row laid out again
+    (:func:`attend_group`; ``qdoc [B, nq m]``, ``kdoc`` like ``kp``'s positions, ``sdoc [B, nq, C]``)."""
     B, H, nq, m, d = qb.shape
     w = 2 if causal else 3
     C = coarse[3].shape[-1] if (coarse is not None and coarse[0] == "packed") else 0
@@ -239,13 +271,14 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
     G = -(-nq // -(-nq // G))  # as many groups as the budget needs, of equal size (least padding)
     if G >= nq:
         return attend_group(qb, kp, vp, _slice_coarse(coarse, 0, nq), blk0=q_block0, n_valid=n_valid,
-                            causal=causal, drop_key=drop_key, attn_dropout=attn_dropout, ops=ops)
+                            causal=causal, drop_key=drop_key, attn_dropout=attn_dropout, ops=ops, docs=docs)
     ng = -(-nq // G)
     extra = ng * G - nq
     qb = jnp.pad(qb, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
     kp = jnp.pad(kp, ((0, 0), (0, 0), (0, extra * m), (0, 0)))
     vp = jnp.pad(vp, ((0, 0), (0, 0), (0, extra * m), (0, 0)))
     coarse = _pad_blocks(coarse, extra)
+    docs = _pad_docs(docs, extra, m)
 
     @jax.checkpoint
     def body(gi):
@@ -254,7 +287,8 @@ def attend_blocks(qb, kp, vp, coarse, *, q_block0, n_valid, causal: bool, drop_k
         vg = jax.lax.dynamic_slice_in_dim(vp, gi * G * m, (G + w - 1) * m, axis=2)
         key = None if drop_key is None else jax.random.fold_in(drop_key, gi)
         return attend_group(qg, kg, vg, _slice_coarse(coarse, gi * G, G), blk0=q_block0 + gi * G,
-                            n_valid=n_valid, causal=causal, drop_key=key, attn_dropout=attn_dropout, ops=ops)
+                            n_valid=n_valid, causal=causal, drop_key=key, attn_dropout=attn_dropout, ops=ops,
+                            docs=_slice_docs(docs, gi * G, G, w, m))
 
     out = jax.lax.map(body, jnp.arange(ng))  # [ng, B, H, G, m, dv]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, ng * G, m, -1)

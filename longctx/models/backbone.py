@@ -537,13 +537,14 @@ class Backbone(nnx.Module):
             raise ValueError(f"positions {positions.shape} must be [batch, length] = {tokens.shape}")
         x = self.embed_tokens(tokens, positions)
         layer_states = [None] * len(self.blocks) if state is None else state["layers"]
-        if segment_ids is not None and (self.stack is not None or self.layer_stacks is not None):
-            # a stack wrapper's call takes no segment ids (yet)
-            raise ConfigError(segments_refusal(self.stack_method))
+        wrappers = [self.stack] if self.stack is not None else [w for w in self.layer_wrappers() if w is not None]
+        if segment_ids is not None and not all(w.takes_segments for w in wrappers):
+            raise ConfigError(segments_refusal(self.stack_method))  # a stack wrapper that takes no segment ids
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         if self.stack is not None:
             aux = Aux()
             x, new_states = self.stack(self.blocks, x, layer_states, positions=positions, important=important,
-                                       deterministic=deterministic, key=key, aux=aux)
+                                       deterministic=deterministic, key=key, aux=aux, **seg)
             h = self.norm(x)
             metrics = {f"stack/{name}": val for name, val in aux.metrics.items()}
             return h, {"pos": pos0 + T, "layers": new_states}, {
@@ -560,7 +561,7 @@ class Backbone(nnx.Module):
         call = _block_call(deterministic, self.remat, self.remat_policy)
         for i, (block, st, k, wrap) in enumerate(zip(self.blocks, layer_states, keys, self.layer_wrappers())):
             if wrap is not None:  # a pattern's layer run by its method's stack wrapper (``per_layer``)
-                x, st = wrap.layer(block, x, st, deterministic=deterministic, key=k)
+                x, st = wrap.layer(block, x, st, deterministic=deterministic, key=k, **seg)
                 layer_losses, layer_stats, layer_metrics = {}, {}, {}
             else:
                 x, st, (layer_losses, layer_stats, layer_metrics) = call(block, x, st, positions, k, extra)

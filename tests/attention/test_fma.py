@@ -220,6 +220,132 @@ def test_packed_reference_equals_each_document_alone(name, cfg, causal):
     np.testing.assert_allclose(one, F.fma_dense_reference(q, k, v, ds, opts), atol=1e-5, rtol=1e-5)
 
 
+PACKED_LENGTHS = (5, 1, 30, 4, 17, 7)  # m = 4: m + 1 (where it falls), 1, long, a block, m 2^2 + 1, m + 3 (aligned)
+
+
+def _packed_seg(lengths, batch=1):
+    rows = [lengths[i:] + lengths[:i] for i in range(batch)]
+    return jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in rows]), jnp.int32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_layout_aligns_every_document_and_fits_its_bound(causal):
+    """The layout of packed rows (packed.py): every document in order, contiguous; one of more than m + 1 tokens
+    starts at a multiple of m 2^L_d, a shorter one spans at most two fine blocks; bidirectional, the next document
+    starts past the top group of the one before; the layout is shorter than its static bound."""
+    from longctx.attention.fma import packed
+
+    opts = build("fma", causal).opts
+    n = 64
+    rng = np.random.default_rng(0)
+    layout = jax.jit(lambda seg: packed.layout(seg, opts))
+    for _ in range(20):
+        lengths = [int(x) for x in rng.choice([1, 2, 4, 5, 6, 9, 13, 17, 33], size=8)]
+        lengths = [x for i, x in enumerate(lengths) if sum(lengths[:i + 1]) < n]
+        lengths.append(n - sum(lengths))
+        dest, docs = layout(_packed_seg(tuple(lengths)))
+        dest, docs = np.asarray(dest[0]), np.asarray(docs[0])
+        assert dest[-1] < packed.layout_size(n, opts) and np.all(np.diff(dest) > 0)
+        assert np.array_equal(docs[dest], np.repeat(np.arange(1, len(lengths) + 1), lengths))
+        assert np.count_nonzero(docs) == n
+        at, end = 0, 0
+        for ln in lengths:
+            d0, d1 = dest[at], dest[at + ln - 1]
+            assert d1 - d0 == ln - 1, lengths
+            Ld = F.options.levels_used(ln, opts)
+            if ln > opts.m + 1:
+                assert d0 % (opts.m << Ld) == 0, (lengths, ln)
+            else:
+                assert d1 // opts.m - d0 // opts.m <= 1, (lengths, ln)
+            assert d0 >= end, lengths
+            end = d1 + 1
+            if not causal and Ld > 0:
+                end = -(-end // (opts.m << (Ld - 1))) * (opts.m << (Ld - 1))
+            at += ln
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,cfg,causal,impl", [
+    *[(nm, {}, c, "xla_cpu") for nm in ("fma", "fma_linear") for c in (True, False)],
+    *[pytest.param(nm, {}, True, "xla", marks=_SLOW) for nm in ("fma", "fma_linear")],
+    *[pytest.param(nm, cfg, c, "xla_cpu", marks=_SLOW) for nm, cfg in (
+        ("fma", {"multiplicity_weighting": False, "downsample": "dense_conv", "share_downsample_across_heads": False}),
+        ("fma", {"downsample": "avgpool"}),
+        ("fma_linear", {"fma_linear_normalization": "per_level"})) for c in (True, False)],
+])
+def test_blocked_packed_rows_equal_the_packed_reference(name, cfg, causal, impl):
+    """The blocked paths of a packed row (documents laid out again, §2.7) equal the packed reference, outputs and
+    q, k, v gradients, on documents of every kind: shorter than a fine block, of m + 1 tokens falling across a block
+    boundary, aligned ones cut by every level's groups (two rows, the documents in another order in each)."""
+    seg = _packed_seg(PACKED_LENGTHS, batch=2)
+    n = seg.shape[1]
+    q, k, v = (jnp.concatenate([x, y], 0) for x, y in zip(qkv(n, dv=6, seed=3), qkv(n, dv=6, seed=4)))
+    w = jax.random.normal(jax.random.PRNGKey(7), v.shape)
+    core = randomize_params(build(name, causal, dv=6, impl=impl, **cfg))
+    ds, opts = core.ds_params(), core.opts
+
+    def run(f):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
+
+    out = jax.jit(lambda q, k, v: core(q, k, v, segment_ids=seg)[0])(q, k, v)
+    want = jax.jit(lambda q, k, v: fma_packed_reference(q, k, v, ds, opts, seg))(q, k, v)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    _, got = run(lambda q, k, v: core(q, k, v, segment_ids=seg)[0])
+    _, ref = run(lambda q, k, v: fma_packed_reference(q, k, v, ds, opts, seg))
+    for nm, g, r in zip("qkv", got, ref):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=2e-5, err_msg=f"d{nm}")
+
+
+@pytest.mark.parametrize("name", ["fma", pytest.param("fma_linear", marks=pytest.mark.slow)])
+def test_packed_decoding_and_streaming_equal_the_packed_pass(name):
+    """Causal packed rows through the carried state: token by token (decoding with segment ids, a new id starting
+    afresh), and in three calls cut inside documents, equal the packed full pass; the state's ``segment`` is the
+    last document's id."""
+    seg = _packed_seg(PACKED_LENGTHS, batch=2)
+    n = seg.shape[1]
+    q, k, v = (jnp.concatenate([x, y], 0) for x, y in zip(qkv(n, dv=6, seed=3), qkv(n, dv=6, seed=4)))
+    core = randomize_params(build(name, True, dv=6))
+    full, last = jax.jit(lambda q, k, v: core(q, k, v, segment_ids=seg))(q, k, v)
+
+    @jax.jit
+    def decode(q, k, v):
+        def step(st, t):
+            x = [jax.lax.dynamic_slice_in_dim(a, t, 1, axis=2) for a in (q, k, v)]
+            out, st = core(*x, st, segment_ids=jax.lax.dynamic_slice_in_dim(seg, t, 1, axis=1))
+            return st, out[:, :, 0]
+        st, outs = jax.lax.scan(step, core.init_state(2, 64), jnp.arange(n))
+        return jnp.moveaxis(outs, 0, 2), st
+
+    out, st = decode(q, k, v)
+    np.testing.assert_allclose(out, full, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(st["segment"], seg[:, -1])
+    for key in ("win_k", "ring_k", "acc_v"):
+        for a, b in zip(jax.tree.leaves(st[key]), jax.tree.leaves(last[key])):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5, err_msg=key)
+
+    @jax.jit
+    def three(q, k, v):
+        st, outs = core.init_state(2, 64), []
+        for a, b in ((0, 9), (9, 40), (40, n)):
+            out, st = core(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], st, segment_ids=seg[:, a:b])
+            outs.append(out)
+        return jnp.concatenate(outs, axis=2)
+
+    np.testing.assert_allclose(three(q, k, v), full, atol=2e-5, rtol=2e-5)
+
+
+def test_packed_rows_refusals():
+    """The kernels refuse a packed row in one line naming segment ids; the release's reproduction refuses them."""
+    core = build("fma", True, impl="pallas")
+    q, k, v = qkv(16)
+    with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
+        core(q, k, v, segment_ids=jnp.ones((1, 16), jnp.int32))
+    with pytest.raises(ConfigError, match="segment ids"):
+        build("fma", True, release_zero_slots=True)(q, k, v, segment_ids=jnp.ones((1, 16), jnp.int32))
+
+
 # ----------------------------------------------------------------------------- 5. the paper's causal leak
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="the paper's causal FMA-linear summarises queries "

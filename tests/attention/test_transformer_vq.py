@@ -640,8 +640,8 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
     """Documents of 3, 10 and 7 tokens in one row (a band of 2 < L = 4), in training mode (sinusoid dropout, the
     same key), with a token mask across a boundary: outputs and q, k, v gradients equal each document's own call
     (which 'auto' runs through XLA:CPU's linear forms), the packed call's codebook statistics are its documents'
-    summed and its commit loss their token-weighted mean; 'auto' takes the linear packed form ('parallel') for the
-    causal packed call, the reference for the bidirectional one."""
+    summed and its commit loss their token-weighted mean; 'auto' takes the XLA:CPU implementation's linear packed
+    forms."""
     core = small_core(causal, mem_len=2, p_dropsin=0.3)
     T = sum(PACKED)
     q, k, v = qkv(T, seed=5)
@@ -649,7 +649,7 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
     seg = jnp.asarray(np.repeat(np.arange(1, 4), PACKED)[None].repeat(2, 0), jnp.int32)
     mask = jnp.ones((2, T), bool).at[1, 2:6].set(False)
     key = jax.random.PRNGKey(4)
-    want = "parallel" if causal else "reference"
+    want = "xla_cpu"
     assert core.implementation_for(B=2, T=T, dtype=jnp.float32, segments=True).name == want
     out, grads, aux = train_call(core, q, k, v, w, key, seg, mask)
     count, sums, commit, a = 0.0, 0.0, 0.0, 0
@@ -673,37 +673,122 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
 
 def test_packed_rows_refused_where_not_served():
     """The implementations without a packed form refuse a packed row in one line naming segment ids; 'auto' takes
-    the linear packed form where it serves (a GPU too, a large call included), the quadratic reference on a CPU only
-    (a band longer than a block), and a GPU encoder refuses; a packed call with a carried state is refused in one
-    line; a packed call returns no state."""
+    the linear packed forms where they serve (a GPU too, a large call included, the encoder too), the quadratic
+    reference on a CPU only (a band longer than a block), the streaming form for a packed decoding step on a GPU;
+    a packed causal call returns the state of its last document under its id."""
     q, k, v = qkv(12, seed=3)
     seg = jnp.asarray([[1] * 5 + [2] * 7] * 2, jnp.int32)
-    for causal, name in ((True, "blocks"), (True, "stream"), (True, "xla_cpu"), (False, "encoder"),
-                         (False, "xla_cpu")):
-        with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'") as err:
-            small_core(causal, impl=name)(q, k, v, segment_ids=seg)
-        assert "\n" not in str(err.value)
+    with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'") as err:
+        small_core(impl="blocks")(q, k, v, segment_ids=seg)
+    assert "\n" not in str(err.value)
     packed = dict(B=2, dtype=jnp.float32, segments=True)
     with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
         _kernel_sized(platform="tpu", impl="pallas").implementation_for(T=256, **packed)
     assert _kernel_sized(platform="cuda").implementation_for(T=1 << 16, **packed).name == "parallel"
+    with pytest.raises(dispatch.KernelUnsupportedError, match="mem_len <= block_len"):  # not the quadratic stream
+        _kernel_sized(platform="cuda", mem_len=256).implementation_for(T=1 << 12, **packed)
+    assert _kernel_sized(platform="cuda").implementation_for(T=1, carried=True, **packed).name == "stream"
     assert small_core(mem_len=6).implementation_for(T=12, **packed).name == "reference"
-    with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
-        _kernel_sized(causal=False, platform="cuda").implementation_for(T=256, **packed)
-    for name in ("reference", "parallel"):
-        core = small_core(impl=name)
-        with pytest.raises(dispatch.KernelUnsupportedError, match="carried state") as err:
-            core(q, k, v, core.init_state(2), segment_ids=seg)
-        assert "\n" not in str(err.value)
-        assert jcall_packed(core, q, k, v, seg)[1] is None
+    assert _kernel_sized(causal=False, platform="cuda").implementation_for(T=256, **packed).name == "encoder"
+    assert small_core(False).implementation_for(T=12, **packed).name == "xla_cpu"
+    assert small_core().implementation_for(T=12, **packed).name == "xla_cpu"  # 'auto' on a CPU
+    for name in ("reference", "parallel", "stream", "xla_cpu"):
+        new = jcall_packed(small_core(impl=name), q, k, v, seg)[1]
+        np.testing.assert_array_equal(new["segment"], [2, 2])
+        np.testing.assert_array_equal(new["seen"], [7, 7])
+        assert int(new["pos"]) == 12
 
 
-@pytest.mark.parametrize("L,M", [(4, 2), pytest.param(3, 3, marks=pytest.mark.slow), (2, 1)])
-def test_packed_parallel_form_equals_packed_reference(x64, L, M):
-    """The linear packed form (xla.causal_packed) equals the packed quadratic reference in value and gradient
-    (q, k_hat, v) in float64, for documents shorter than, equal to and many blocks longer than the block, cut
-    anywhere on the row's grid (two rows, different layouts)."""
-    d = make_inputs(seed=2, T=29, M=M)
+# the packed rows the carried-state checks feed in pieces: documents of 3, 9 (cut mid-block and inside the band of
+# M = 2), 1 and 7 tokens; the second row's last document comes back under its first one's id (a new document)
+CARRY_ROWS = ((1,) * 3 + (2,) * 9 + (3,) + (4,) * 7, (5,) * 6 + (6,) * 2 + (7,) * 11 + (5,))
+
+
+@pytest.mark.parametrize("name,mem_len,cuts", [
+    ("reference", 2, (5, 13)),
+    ("parallel", 2, (5, 13)),
+    ("parallel", 4, (4, 8, 16)),
+    ("stream", 2, (3, 5, 6)),
+    ("xla_cpu", 2, (2, 5, 13)),  # the short form (a call shorter than the block) and the one-shot one
+    pytest.param("stream", 6, (7, 12), marks=pytest.mark.slow),  # a band longer than the block
+    pytest.param("reference", 6, (1, 12), marks=pytest.mark.slow),
+])
+def test_packed_rows_fed_in_pieces_equal_one_call(name, mem_len, cuts):
+    """A packed row fed in pieces, each from the state the previous one left (cuts inside documents, at a document's
+    first token and inside a one-token document), gives the one-call packed outputs (the reference's) and ends in
+    the state of the same last document as the one call: its band, cache, ``seen`` and ``segment``."""
+    seg = jnp.asarray(CARRY_ROWS, jnp.int32)
+    T = seg.shape[1]
+    q, k, v = qkv(T, seed=11)
+    core = small_core(impl=name, mem_len=mem_len)
+    want, want_state = jcall_packed(small_core(impl="reference", mem_len=mem_len), q, k, v, seg)
+    state, outs = core.init_state(2), []
+    for a, b in zip((0,) + cuts, cuts + (T,)):
+        o, state = jcall_packed_from(core, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], seg[:, a:b], state)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, axis=2), want) < 2e-5
+    for key in ("segment", "seen", "agg_n"):
+        np.testing.assert_array_equal(state[key], want_state[key], err_msg=key)
+    valid = (want_state["seen"][:, None] - mem_len + jnp.arange(mem_len) >= 0)[:, None, :, None]
+    for key in ("band_k", "band_v"):  # the band's slots of the last document (the others are never read)
+        assert maxdiff(jnp.where(valid, state[key], 0), jnp.where(valid, want_state[key], 0)) < 2e-5, key
+    assert maxdiff(state["agg_mu"], want_state["agg_mu"]) < 2e-5
+
+
+@pytest.mark.parametrize("impl", ["stream", pytest.param("auto", marks=pytest.mark.slow)])
+def test_packed_decoding_equals_the_packed_call(impl):
+    """Decoding with segment ids (one token a call, from the carried state; the first call of each row without a
+    state, a document's first token starting afresh whatever its id) gives the packed call's outputs."""
+    seg = jnp.asarray(CARRY_ROWS, jnp.int32)
+    T = seg.shape[1]
+    q, k, v = qkv(T, seed=12)
+    core = small_core(impl=impl, mem_len=2)
+    want = jcall_packed(small_core(impl="reference", mem_len=2), q, k, v, seg)[0]
+    state, outs = core.init_state(2), []
+    for t in range(T):
+        o, state = jcall_packed_from(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], seg[:, t:t + 1],
+                                     state)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, axis=2), want) < 2e-5
+
+
+def test_packed_states_compose_as_one_call():
+    """Sequence parallelism's composition of packed states: the state of a packed row's first part composed with
+    that of its second part run from the origin is the one call's (a row cut inside a document that spans the whole
+    second part, a row whose second part opens new documents)."""
+    seg = jnp.asarray([(1,) * 5 + (2,) * 15, (1,) * 5 + (2,) * 7 + (3,) * 8], jnp.int32)
+    q, k, v = qkv(20, seed=14)
+    core = small_core(mem_len=2)
+    want = jcall_packed(core, q, k, v, seg)[1]
+    a = jcall_packed(core, q[:, :, :8], k[:, :, :8], v[:, :, :8], seg[:, :8])[1]
+    b = jcall_packed_from(core, q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], seg[:, 8:], core.sequence_origin(2, 20, 8))[1]
+    got = core.compose_states(a, b)
+    for key in ("pos", "segment", "seen", "agg_n", "band_z"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    for key in ("agg_mu", "band_k", "band_v"):
+        assert maxdiff(got[key], want[key]) < 1e-5, key
+
+
+def test_calls_without_segment_ids_carry_one_document():
+    """A call without segment ids keeps its state's document id and adds its length to ``seen``; its outputs and
+    the forms' state are those of a state without the document counters (``empty_state``)."""
+    q, k, v = qkv(12, seed=13)
+    core = small_core()
+    o, st = jcall(core, q, k, v)[:2]
+    np.testing.assert_array_equal(st["segment"], [0, 0])
+    np.testing.assert_array_equal(st["seen"], [12, 12])
+    bare = {name: x for name, x in core.init_state(2).items() if name not in tvq.DOCUMENT}
+    o2, st2 = jcall(core, q, k, v, bare)[:2]
+    np.testing.assert_array_equal(o, o2)
+    for name in st:
+        np.testing.assert_array_equal(st[name], st2[name])
+
+
+def _packed_forms_agree(L, M, causal, band=True):
+    """The linear packed form of a direction (xla.causal_packed, xla.encoder_packed) and the packed quadratic
+    reference in value and gradient (q, k_hat, v) in float64, for documents shorter than, equal to and many blocks
+    longer than the block, cut anywhere on the row's grid (two rows, different layouts)."""
+    d = make_inputs(seed=2, T=29, M=M, signed=not causal)
     q_u, _, bd = derived(d)
     k_hat, z, _, _ = STVQ(d["k"], d["C"])
     rows = ((1, 11, 2, 2, 13), (13, 1, L, 11, 4 - L))
@@ -714,12 +799,34 @@ def test_packed_parallel_form_equals_packed_reference(x64, L, M):
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2)))(
             q_u, k_hat, d["v"])
 
-    want = grads(lambda q, k, v: reference.packed(q, bd, k, v, L=L, M=M, causal=True, band=True, segment_ids=seg))
-    got = grads(lambda q, k, v: xla.causal_packed(q, bd, k, z, v, d["C"], L=L, M=M, segment_ids=seg))
+    want = grads(lambda q, k, v: reference.packed(q, bd, k, v, L=L, M=M, causal=causal, band=band, segment_ids=seg))
+    if causal:
+        got = grads(lambda q, k, v: xla.causal_packed(q, bd, k, z, v, d["C"], L=L, M=M, segment_ids=seg))
+    else:
+        got = grads(lambda q, k, v: xla.encoder_packed(q, bd, k, z, v, d["C"], L=L, M=M, band=band, segment_ids=seg))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert maxdiff(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("L,M", [(4, 2), pytest.param(3, 3, marks=pytest.mark.slow), (2, 1)])
+def test_packed_parallel_form_equals_packed_reference(x64, L, M):
+    """The linear packed form (xla.causal_packed) equals the packed quadratic reference (:func:`_packed_forms_agree`)."""
+    _packed_forms_agree(L, M, causal=True)
+
+
+@pytest.mark.parametrize("L,M,band", [(4, 2, True), pytest.param(3, 3, True, marks=pytest.mark.slow), (2, 1, True),
+                                       (4, 2, False)])
+def test_packed_encoder_form_equals_packed_reference(x64, L, M, band):
+    """The linear packed encoder (xla.encoder_packed: each document's blocks n-1..n+1 exact, its prefix and suffix
+    through the code summaries) equals the packed quadratic reference, with the band and without it (Thm 3.5)."""
+    _packed_forms_agree(L, M, causal=False, band=band)
 
 
 @nnx.jit
 def jcall_packed(core, q, k, v, seg):
     return core(q, k, v, segment_ids=seg)
+
+
+@nnx.jit
+def jcall_packed_from(core, q, k, v, seg, state):
+    return core(q, k, v, state, segment_ids=seg)

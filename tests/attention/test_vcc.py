@@ -556,3 +556,42 @@ def test_lm_capacity_is_never_exceeded_silently():
     _, state = step(tokens[:, :12], model.init_state(B, 16))
     with pytest.raises(Exception, match="CapacityError|holds 16 tokens"):
         jax.block_until_ready(step(tokens[:, 12:], state))
+
+
+# ----------------------------------------------------------------------------- packed rows (§4.3)
+def test_document_layout_puts_each_document_in_its_own_slot_and_back():
+    """Each document's tokens open its slot in order (padding after them); gathering back is the identity."""
+    rows = ((3, 6, 1), (10, 0, 0))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, 4), r) for r in rows]), jnp.int32)
+    lay = vs.document_layout(seg, 4)
+    a = jnp.arange(20).reshape(2, 10) * 10
+    slots = np.asarray(lay.to_docs(a))
+    assert np.asarray(lay.lengths).tolist() == [[3, 6, 1, 0], [10, 0, 0, 0]]
+    in_doc = np.asarray(lay.in_doc)
+    assert slots[0, 1][in_doc[0, 1]].tolist() == [30, 40, 50, 60, 70, 80]
+    assert slots[1, 0].tolist() == list(range(100, 200, 10)) and not in_doc[1, 1:].any()
+    np.testing.assert_array_equal(np.asarray(lay.from_docs(lay.to_docs(a[..., None])))[..., 0], np.asarray(a))
+    assert np.asarray(vs.document_layout(jnp.asarray([[1, 2, 1]]), 4).lengths).tolist() == [[1, 1, 1]]  # a run, not an id
+    with pytest.raises(CapacityError, match="3 documents"):
+        vs.document_layout(seg, 2)
+
+
+def test_lm_layer_on_a_padded_chunk_leaves_the_state_of_its_real_tokens():
+    """``n_valid``: the first n tokens of a padded chunk give the outputs and the state of those n tokens fed alone
+    (the cache past the state's length is never read)."""
+    model = lm()
+    block, opts = model.blocks[0], model.stack.opts
+    x = jax.random.normal(jax.random.key(2), (B, 20, D_MODEL))
+    layer = jax.jit(lambda x, st, n=None, aligned=False: vs.lm_layer(block, x, st, opts, deterministic=True,
+                                                                     key=None, aligned=aligned, n_valid=n)[:2],
+                    static_argnames="aligned")
+    _, st = layer(x[:, :9], vs.lm_init_state(block, opts, B, 24, D_MODEL), aligned=True)
+    want_y, want = layer(x[:, 9:15], st)
+    got_y, got = layer(x[:, 9:20], st, jnp.int32(6))
+    np.testing.assert_allclose(np.asarray(got_y[:, :6]), np.asarray(want_y), atol=1e-6, rtol=1e-6)
+    upto = opts.local + 15  # cache slots of the 15 tokens fed
+    for name in want:
+        w, g = np.asarray(want[name]), np.asarray(got[name])
+        if name in ("k", "v"):
+            w, g = w[:, :, :upto], g[:, :, :upto]
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6, err_msg=name)

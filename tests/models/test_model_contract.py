@@ -257,6 +257,8 @@ def _alone(h, rows, tokens, important, params=None):
     return out
 
 
+@pytest.mark.slow  # a whole model's forward per document length, windows and two parameter gradients per case;
+# exact attention's packed rows at model level run in the default suite (tests/models/test_packed.py)
 @pytest.mark.parametrize("name,cname,direction", ALL)
 def test_model_packed_rows_equal_documents_alone(name, cname, direction):
     """Packed rows at model level (STYLE rule 11), for every method that takes segment ids: the logits of a packed

@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
+from longctx import attention
 from longctx.config import base_config, validate
 from longctx.data import masking
 from longctx.errors import ConfigError
@@ -180,11 +181,13 @@ def _segments_cfg(**model):
     return c
 
 
-def test_config_refuses_what_cannot_take_packed_rows():
+def test_config_refuses_what_cannot_take_packed_rows(monkeypatch):
     validate(_segments_cfg())  # a dense decoder takes them
     validate(_segments_cfg(kind="encoder", causal=False))  # and a dense encoder (masked LM)
     c = _segments_cfg(kind="encoder", causal=False)
-    c.model.attention.name = "vcc"  # a bidirectional method that takes no segment ids
+    c.model.attention.name = "vcc"
+    validate(c)  # and VCC's encoder stack (docs/methods/vcc.md)
+    monkeypatch.setattr(attention.get_class("vcc"), "takes_segments", False)  # standing in for a method without
     with pytest.raises(ConfigError, match=r"^vcc: packed rows \(data.packing='segments'\) are not supported"):
         validate(c)
     c = _segments_cfg()
@@ -197,8 +200,10 @@ def test_config_refuses_what_cannot_take_packed_rows():
         validate(c)
 
 
-def test_a_block_whose_method_takes_no_segment_ids_refuses_them():
-    """A pattern whose other layers' method takes no segment ids: config validation and the model call refuse."""
+def test_a_block_whose_method_takes_no_segment_ids_refuses_them(monkeypatch):
+    """A pattern whose other layers' method takes no segment ids (every registered method takes them: KDEformer
+    stands in for one without): config validation and the model call refuse."""
+    monkeypatch.setattr(attention.get_class("kdeformer"), "takes_segments", False)
     cfg = small_model_cfg("rotary", num_layers=2)
     cfg.attention.pattern = ("kdeformer", "dense")
     model = build_model(cfg, seed=0)

@@ -23,11 +23,12 @@ corrected set (= the official release, = the paper's Figure 1b), which covers ev
 
 Files: ``reference.py`` (the paper's dense C~, the implementation ``reference``), ``xla.py`` (the blocked
 path), its XLA:CPU form (the CPU-tuned implementation, its own file), ``pallas.py`` and ``mosaic_gpu.py`` (the
-block kernels), ``coarse_stats.py`` (FMA-linear's coarse statistics), ``state.py`` (the causal decoding state, §4,
-and ``Blocked``, the runner every implementation subclasses), ``layer.py`` (the cores: parameters, config, the
-call's ``prepare`` and ``finish``), ``options.py``, ``partition.py``. Each implementation module declares its
-implementation (``IMPLEMENTATIONS``: platforms, where ``impl='auto'`` tries it, its runner); the layer declares
-only the reference.
+block kernels), ``coarse_stats.py`` (FMA-linear's coarse statistics), ``packed.py`` (packed rows, ``segment_ids``:
+the documents laid out again on the block grid, and the carried state of packed calls; docs §2.7), ``state.py``
+(the causal decoding state, §4, and ``Blocked``, the runner every implementation subclasses), ``layer.py`` (the
+cores: parameters, config, the call's ``prepare`` and ``finish``), ``options.py``, ``partition.py``. Each
+implementation module declares its implementation (``IMPLEMENTATIONS``: platforms, where ``impl='auto'`` tries it,
+its runner); the layer declares only the reference.
 
 Causal decoding / streaming state (§4, our extension; the paper has no KV cache): the last ``2m`` raw
 keys and values, and per level the partial conv sums of the open group plus a ring of the last 4 finished

@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, logical, require
-from longctx.attention.fma import reference, xla
+from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_segments, logical, require
+from longctx.attention.fma import packed, reference, xla
 from longctx.attention.fma.options import FMAOptions
 from longctx.attention.fma.state import RING, Blocked, empty_state, state_from_forward
 from longctx.errors import ConfigError
@@ -97,6 +97,12 @@ class Reference(Blocked):
     def attend(self, call):
         return xla.attend
 
+    def packed(self, call):
+        """A packed row's full pass: the paper's matrix of every document alone (:func:`reference.fma_packed_reference`;
+        no dropout)."""
+        return lambda q, k, v, ds, opts, segment_ids, drop_key=None: reference.fma_packed_reference(
+            q, k, v, ds, opts, segment_ids)
+
 
 # ---------------------------------------------------------------------------
 # the cores
@@ -107,6 +113,9 @@ class FMAAttention(AttentionCore):
     """Fast Multipole Attention core (see the module docstring)."""
 
     name = "fma"
+    # packed rows (§2.7): the reference's packed matrix; the blocked paths lay the documents out again (packed.py);
+    # the kernels refuse them (their reasons); the state restarts at a boundary (``segment``, ``doc_len``)
+    takes_segments = True
     EXECUTION_KEYS = ("impl", "logit_budget", "kernel_warps_per_64_rows", "kernel_stages", "blocks_per_program")
     linear = False
 
@@ -301,12 +310,16 @@ class FMAAttention(AttentionCore):
                        for l in range(1, self.opts.L + 1)]
         return out
 
-    def _shapes(self, dropout: bool) -> dict:
-        """What the selection reads of a call (``dispatch.select``'s shapes): ``dropout`` where the call drops."""
-        return {"m": self.opts.m, "d": self.head_dim, "dv": self.value_dim,
-                "coarse_kind": "stats" if self.linear else "packed",
-                "dropout": self.opts.attn_dropout if dropout else 0.0,
-                "release_zero_slots": self.opts.release_zero_slots}
+    def _shapes(self, dropout: bool, segments: bool = False) -> dict:
+        """What the selection reads of a call (``dispatch.select``'s shapes): ``dropout`` where the call drops,
+        ``segments`` where it is a packed row."""
+        out = {"m": self.opts.m, "d": self.head_dim, "dv": self.value_dim,
+               "coarse_kind": "stats" if self.linear else "packed",
+               "dropout": self.opts.attn_dropout if dropout else 0.0,
+               "release_zero_slots": self.opts.release_zero_slots}
+        if segments:
+            out["segments"] = True
+        return out
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:
@@ -342,6 +355,7 @@ class FMAAttention(AttentionCore):
             return new + jax.lax.dynamic_slice_in_dim(padded, jnp.minimum(shift, n), n, axis=2)
 
         out = dict(b)
+        out["doc_len"] = a["doc_len"] + b["doc_len"]  # one sequence: its length so far
         for name in ("win_k", "win_v"):
             out[name] = newest(a[name], b[name], b["pos"] - a["pos"])
         for name in a:
@@ -361,10 +375,15 @@ class FMAAttention(AttentionCore):
         return out
 
     # -- the call (AttentionCore.__call__: prepare -> select -> run -> finish) ------------------------
-    def prepare(self, q, k, v, state, *, deterministic, key):
+    def prepare(self, q, k, v, state, *, deterministic, key, segment_ids=None):
         """The call every implementation takes (:class:`~longctx.attention.fma.state.Blocked`): inputs ``q, k, v``,
         ``ds`` (:meth:`ds_params`) and ``opts`` (the layer's options; the runner sets its ``logit_budget``), the
-        carried ``state`` (causal only), and the attention dropout's key as ``key`` (None unless the call drops)."""
+        carried ``state`` (causal only), the attention dropout's key as ``key`` (None unless the call drops), and
+        ``segment_ids`` [B, T] int32 (a packed row, §2.7; None: one sequence)."""
+        check_segments(self, q, segment_ids)
+        if segment_ids is not None and (self.opts.release_zero_slots or self.opts.leaky):
+            raise ConfigError(f"{self.name}: packed rows (segment ids) with release_zero_slots or paper_leaky: "
+                              "a reproduction of the paper's single sequence; use data.packing='document'")
         drop_key = None
         if not deterministic and self.opts.attn_dropout > 0.0:
             if key is None:
@@ -375,8 +394,8 @@ class FMAAttention(AttentionCore):
                 raise ValueError(f"{self.name}: a bidirectional core takes no state (state=None only)")
             if not isinstance(state, dict) or "pos" not in state:
                 raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
-        inputs = {"q": q, "k": k, "v": v, "ds": self.ds_params(), "opts": self.opts}
-        return dispatch.Call(inputs, state, key=drop_key), self._shapes(drop_key is not None)
+        inputs = {"q": q, "k": k, "v": v, "ds": self.ds_params(), "opts": self.opts, "segment_ids": segment_ids}
+        return dispatch.Call(inputs, state, key=drop_key), self._shapes(drop_key is not None, segment_ids is not None)
 
     def finish(self, call, result, *, aux=None):
         """The output in the values' dtype, and the state: the streamed step's, or after a full pass (causal, where
@@ -386,7 +405,11 @@ class FMAAttention(AttentionCore):
             return result.out.astype(x["v"].dtype), result.state
         new_state = None
         if self.causal and not self.opts.leaky and not self.opts.release_zero_slots:
-            new_state = state_from_forward(x["q"], x["k"], x["v"], x["ds"], self.opts)
+            if x["segment_ids"] is not None:  # a packed row: the state of its last document (§2.7)
+                new_state = packed.last_document_state(x["q"], x["k"], x["v"], x["ds"], self.opts, x["segment_ids"],
+                                                       x["q"].shape[2])
+            else:
+                new_state = state_from_forward(x["q"], x["k"], x["v"], x["ds"], self.opts)
         return result.out.astype(x["v"].dtype), new_state
 
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from longctx.attention import row_split
 from longctx.attention.fma import xla
-from longctx.attention.fma.pallas import MethodImplementation
+from longctx.attention.fma.pallas import SEGMENTS_REASON, MethodImplementation
 from longctx.attention.fma.state import Blocked
 from pallas_kernels import fma_blocks_mgpu
 from pallas_kernels.fma_blocks_ref import attend_blocks
@@ -85,13 +85,15 @@ def _compute_capability():
     return getattr(devices[0], "compute_capability", None) if devices else None
 
 
-def _reasons(platform, *, release_zero_slots=False, **shapes):
+def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
     if platform == "cuda" and shapes.get("compute_capability") is None:
         shapes["compute_capability"] = _compute_capability()  # "needs compute capability 9.0 (Hopper)" if not
     out = list(fma_blocks_mgpu.unsupported_reasons(platform, **shapes))
     if release_zero_slots:
         out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference and the XLA "
                    "paths; the kernels are not tested with the extra slot")
+    if segments:
+        out.append(SEGMENTS_REASON)
     return out
 
 

@@ -83,11 +83,19 @@ class Pallas(Blocked):
         return functools.partial(xla.fma_forward, attend=self.attend(call))
 
 
-def _reasons(platform, *, release_zero_slots=False, **shapes):
+# packed rows (docs/methods/fma.md §2.7): the blocked XLA paths lay the documents out again and mask by document;
+# the kernels have no per-block document masks yet
+SEGMENTS_REASON = ("packed rows (segment ids) are served by the reference and the XLA paths; the kernel has no "
+                   "document masks yet")
+
+
+def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
     out = list(unsupported_reasons(platform, **shapes))
     if release_zero_slots:
         out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference "
                    "and the XLA paths; the kernel is not tested with the extra slot")
+    if segments:
+        out.append(SEGMENTS_REASON)
     return out
 
 
@@ -114,4 +122,4 @@ IMPLEMENTATIONS = (
                          methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "MethodImplementation", "Pallas", "attend", "unsupported_reasons"]
+__all__ = ["IMPLEMENTATIONS", "SEGMENTS_REASON", "MethodImplementation", "Pallas", "attend", "unsupported_reasons"]

@@ -17,6 +17,7 @@ window and summaries cast down to it) and accumulate in float32, as the full pas
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +34,19 @@ from pallas_kernels.precision import acc_einsum, compute_dtype, statistic
 RING = 4  # finished groups kept per level: a query in group a reads a-2, a-3; the lagged query row a-1
 
 
+def _unpacked(B: int, length):
+    """The packed-row fields of a state of one sequence: document 0 (none), its length ``length`` tokens."""
+    return {"segment": jnp.zeros((B,), jnp.int32), "doc_len": jnp.full((B,), length, jnp.int32)}
+
+
 def empty_state(B, H, d, dv, opts: FMAOptions):
+    """The state before any token. Besides the row's position ``pos`` it holds, for packed rows (§2.7), the id of
+    the document it summarizes (``segment`` [B], 0: none) and that document's length so far (``doc_len`` [B]): a
+    packed call continues the document from ``doc_len`` and starts every other one afresh."""
     z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
     st = {
         "pos": jnp.zeros((), jnp.int32),
+        **_unpacked(B, 0),
         "win_k": z(B, H, 2 * opts.m, d),  # the last 2m raw keys, right-aligned (slot u <-> pos - 2m + u)
         "win_v": z(B, H, 2 * opts.m, dv),
         "ring_k": tuple(z(B, H, RING, opts.p, d) for _ in range(opts.L)),  # groups G-4..G-1, G = pos // m_l
@@ -94,7 +104,7 @@ def state_from_forward(q, k, v, ds, opts: FMAOptions):
         x = x[:, :, max(0, n - 2 * m):].astype(acc_type(x))
         return jnp.pad(x, ((0, 0), (0, 0), (2 * m - x.shape[2], 0), (0, 0)))
 
-    st = {"pos": jnp.asarray(n, jnp.int32), "win_k": last(kf), "win_v": last(vf)}
+    st = {"pos": jnp.asarray(n, jnp.int32), "win_k": last(kf), "win_v": last(vf), **_unpacked(B, n)}
     names = (("k", kf), ("v", vf)) + ((("q", qf),) if opts.linear else ())
     for nm, x in names:
         rings, accs = [], []
@@ -248,12 +258,31 @@ class Blocked(dispatch.Runner):
         """The block function of the streamed steps (``pallas_kernels.fma_blocks_ref.attend_blocks``' signature)."""
         raise NotImplementedError
 
+    def packed(self, call: dispatch.Call):
+        """``full(q, k, v, ds, opts, segment_ids, drop_key)``: the full pass of a packed row (§2.7): the documents
+        laid out again for :meth:`forward` (``packed.packed_forward``)."""
+        from longctx.attention.fma import packed  # here: packed.py imports this module (RING, the state)
+
+        return functools.partial(packed.packed_forward, self.forward(call))
+
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
         opts = dataclasses.replace(x["opts"], logit_budget=int(self.logit_budget))
+        seg = x.get("segment_ids")
+        if seg is not None:  # a packed row (§2.7): each document as if alone, the state of the last one
+            from longctx.attention.fma import packed
+
+            args = (x["q"], x["k"], x["v"])
+            if call.state is None:
+                return dispatch.Result(self.packed(call)(*args, x["ds"], opts, seg, call.key))
+            stream = functools.partial(fma_stream, attend=self.attend(call))
+            out, state = packed.packed_stream(stream, self.packed(call), *args, call.state, x["ds"], opts, seg,
+                                              call.key)
+            return dispatch.Result(out, state)
         if call.state is None:
             return dispatch.Result(self.forward(call)(x["q"], x["k"], x["v"], x["ds"], opts, call.key))
         out, state = fma_stream(x["q"], x["k"], x["v"], call.state, x["ds"], opts, call.key, attend=self.attend(call))
+        state = {**state, "segment": call.state["segment"], "doc_len": call.state["doc_len"] + x["q"].shape[2]}
         return dispatch.Result(out, state)
 
 

@@ -86,6 +86,51 @@ def linear_coarse_full(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAO
     return acc  # level 1's rows: p per fine block; attend_group broadcasts them to the block's queries
 
 
+def linear_coarse_docs(qf, kh, vh, qh, n_pad: int, Lu: int, drop_key, opts: FMAOptions, docs):
+    """:func:`linear_coarse_full` of a packed row laid out again (``packed.py``; ``docs`` [B, n]: each token's
+    document, 0: padding), per query [B, H, n_pad, ...]. A level's row (the queries of one sub-interval) may hold
+    queries of several documents (a document ends, or a short one falls, inside it), and at most one of them has
+    slots of its own document at that level (a document with slots at level l starts on a level-l group boundary,
+    and the groups it reads are whole groups of it): a row's slots count where their group's document is one of the
+    row's queries', and each query keeps the row's statistics only where they are of its document. The levels are
+    combined per query (L passes over [n, dv], the price of the packed form)."""
+    B, H = qf.shape[:2]
+    d = qf.shape[-1]
+    p = opts.p
+    scale = d**-0.5
+    acc = None
+    for l in range(Lu, 0, -1):
+        ml = opts.m_l(l)
+        K, V, Q = kh[l - 1], vh[l - 1], qh[l - 1]
+        N = K.shape[2]
+        if opts.causal and opts.query_summary == "lagged":
+            Q = lagged(Q)
+        g, valid = level_partners(np.arange(N), opts.causal, N)  # [N, S]
+        gc = np.clip(g, 0, N - 1)
+        rows = (gc[..., None] * p + np.arange(p)).reshape(N, -1)
+        slot_doc = jnp.repeat(group_docs(docs, ml)[:, gc], p, axis=-1)  # [B, N, C]
+        qd = jnp.pad(docs, ((0, 0), (0, N * ml - docs.shape[1]))).reshape(B, N, p, ml // p)
+        hi = jnp.max(qd, axis=-1)[..., None]  # [B, N, p, 1]: the row's documents are hi's and those down to lo
+        lo = jnp.min(jnp.where(qd > 0, qd, jnp.iinfo(jnp.int32).max), axis=-1)[..., None]
+        sd = slot_doc[:, :, None, :]
+        ok = np.repeat(valid, p, axis=-1)[None, :, None, :] & (sd >= lo) & (sd <= hi)  # [B, N, p, C]
+        owner = jnp.max(jnp.where(ok, sd, -1), axis=-1).reshape(B, N * p)  # the row's document with slots
+        kc = jnp.take(K.reshape(B, H, N * p, d), rows.reshape(-1), axis=2).reshape(B, H, N, -1, d)
+        vc = jnp.take(V.reshape(B, H, N * p, -1), rows.reshape(-1), axis=2).reshape(B, H, N, rows.shape[1], -1)
+        s = acc_einsum("bhard,bhacd->bharc", Q * scale, kc) + opts.beta(l)
+        key = None if drop_key is None else jax.random.fold_in(drop_key, 1000 + l)
+        M, e, den = row_stats(s, ok[:, None], vc, key, opts)
+        num = acc_einsum("bharc,bhacf->bharf", e.astype(vc.dtype), vc)
+        mine = docs == jnp.repeat(owner, ml // p, axis=1)[:, :n_pad]  # [B, n_pad]: the row's stats are the query's
+        M, num, den = (jnp.repeat(x.reshape((B, H, N * p) + x.shape[4:]), ml // p, axis=2)[:, :, :n_pad]
+                       for x in (M, num, den))
+        M = jnp.where(mine[:, None], M, NEG)
+        num = jnp.where(mine[:, None, :, None], num, 0.0)
+        den = jnp.where(mine[:, None], den, 0.0)
+        acc = combine(acc, (M, num, den), opts)
+    return acc
+
+
 def _to_blocks(coarse, nb: int, m: int):
     if coarse is None:
         return None
@@ -102,7 +147,7 @@ def _to_blocks(coarse, nb: int, m: int):
 
 
 def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_blocks,
-                summaries=all_level_summaries):
+                summaries=all_level_summaries, docs=None, levels=None):
     """One full pass over n tokens (no prefix). q, k [B,H,n,d], v [B,H,n,dv] -> out [B,H,n,dv] (the block
     function's dtype: at least float32 from the XLA block functions, the compute dtype from the kernel).
 
@@ -113,13 +158,18 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
     Precision (DESIGN.md §7): q, k, v stay in their (compute) dtype, bfloat16 as given; the summaries are
     accumulated in float32 from compute-dtype operands (the float32 downsampling weights cast down) and cast to
     the compute dtype, so every product of the block function takes compute-dtype operands; float32 and float64
-    inputs run as they are."""
+    inputs run as they are.
+
+    ``docs`` [B, n] int32 (packed rows laid out again, ``packed.py``; None: one sequence): the document of every
+    token (0: padding), with ``levels`` the coarse levels the documents use; a fine key or a packed slot counts for
+    a query only where it is of the query's document (a slot: its group starts on one of the document's tokens
+    and holds no other document's)."""
     B, H, n, d = q.shape
     dv = v.shape[-1]
     m, p = opts.m, opts.p
     nb = -(-n // m)
     n_pad = nb * m
-    Lu = levels_used(n, opts)
+    Lu = levels_used(n, opts) if levels is None else levels
     cdt = compute_dtype(q, k, v)
     qf, kf, vf = (x.astype(cdt) for x in (q, k, v))
     scale = d**-0.5
@@ -146,12 +196,35 @@ def fma_forward(q, k, v, ds, opts: FMAOptions, drop_key=None, *, attend=attend_b
         if opts.release_zero_slots:
             kall, vall, idx, bias = release_zero_slots(kall, vall, idx, bias, nb, Lu, opts)
         coarse = ("packed", kall, vall, jnp.asarray(idx), jnp.asarray(bias))
+        if docs is not None:
+            slot_docs = jnp.concatenate([jnp.repeat(group_docs(docs, opts.m_l(l)), p, axis=1)
+                                         for l in range(1, Lu + 1)], axis=1)
+            docs = (docs, slot_docs[:, idx])
     elif Lu > 0:
         qh = [x.astype(cdt) for x in summaries(qf, ds["q"], Lu, opts)]
-        coarse = _to_blocks(linear_coarse_full(qf, kh, vh, qh, n_pad, Lu, drop_key, opts), nb, m)
+        if docs is None:
+            coarse = linear_coarse_full(qf, kh, vh, qh, n_pad, Lu, drop_key, opts)
+        else:
+            coarse = linear_coarse_docs(qf, kh, vh, qh, n_pad, Lu, drop_key, opts, pad_to(docs[:, None, :, None],
+                                                                                        m)[:, 0, :, 0])
+        coarse = _to_blocks(coarse, nb, m)
+    kw = {}
+    if docs is not None:  # queries, fine keys (laid out as kp: one block in front) and slots of each document
+        qdoc, sdoc = docs if isinstance(docs, tuple) else (docs, None)
+        kw["docs"] = (jnp.pad(qdoc, ((0, 0), (0, n_pad - n)), constant_values=-1),
+                      jnp.pad(qdoc, ((0, 0), (m, back)), constant_values=-2), sdoc)
     out = attend(qb, kp, vp, coarse, q_block0=0, n_valid=n, causal=opts.causal, drop_key=drop_key,
-                 attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget)
+                 attn_dropout=opts.attn_dropout, logit_budget=opts.logit_budget, **kw)
     return out.reshape(B, H, n_pad, dv)[:, :, :n]
+
+
+def group_docs(docs, ml: int):
+    """[B, N_l]: the document of every group of ``ml`` tokens of a laid-out packed row (``docs`` [B, n], 0: padding):
+    the document of its first token where it holds no other document's token, else -1 (no document's)."""
+    g = pad_to(docs[:, None, :, None], ml)[:, 0, :, 0].reshape(docs.shape[0], -1, ml)
+    first = g[:, :, 0]
+    clean = jnp.all((g == first[:, :, None]) | (g == 0), axis=2) & (first > 0)
+    return jnp.where(clean, first, -1)
 
 
 def release_zero_slots(kall, vall, idx, bias, nb: int, Lu: int, opts: FMAOptions):
@@ -181,9 +254,10 @@ def release_zero_slots(kall, vall, idx, bias, nb: int, Lu: int, opts: FMAOptions
     return kall, vall, idx.astype(np.int32), bias.astype(np.float32)
 
 
-def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
-    """The implementation ``xla``: :func:`fma_forward` with the plain products and per-level summaries."""
-    return fma_forward(q, k, v, ds, opts, drop_key)
+def forward(q, k, v, ds, opts: FMAOptions, drop_key=None, **packed):
+    """The implementation ``xla``: :func:`fma_forward` with the plain products and per-level summaries
+    (``packed``: its ``docs`` and ``levels``, for a packed row laid out again)."""
+    return fma_forward(q, k, v, ds, opts, drop_key, **packed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,4 +289,4 @@ IMPLEMENTATIONS = (
 )
 
 __all__ = ["IMPLEMENTATIONS", "LOGIT_BUDGET", "Xla", "all_level_summaries", "attend", "combine", "fma_forward", "forward",
-           "level_summaries", "linear_coarse_full", "row_stats"]
+           "group_docs", "level_summaries", "linear_coarse_docs", "linear_coarse_full", "row_stats"]

@@ -113,9 +113,10 @@ def _depthwise_groups_bwd(res, ct):
 _depthwise_groups.defvjp(_depthwise_groups_fwd, _depthwise_groups_bwd)
 
 
-def forward(q, k, v, ds, opts: FMAOptions, drop_key=None):
-    """The implementation ``xla_cpu``: the blocked path with the CPU products and fused summaries."""
-    return xla.fma_forward(q, k, v, ds, opts, drop_key, attend=attend, summaries=all_level_summaries)
+def forward(q, k, v, ds, opts: FMAOptions, drop_key=None, **packed):
+    """The implementation ``xla_cpu``: the blocked path with the CPU products and fused summaries (``packed``: its
+    ``docs`` and ``levels``, for a packed row laid out again)."""
+    return xla.fma_forward(q, k, v, ds, opts, drop_key, attend=attend, summaries=all_level_summaries, **packed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from longctx.attention.transformer_vq.layer import (
     sinusoid,
     vq_stats,
 )
-from longctx.attention.transformer_vq.state import empty_state
+from longctx.attention.transformer_vq.state import DOCUMENT, empty_state, packed_final_state
 from longctx.attention.transformer_vq.xla import (
     band_scores,
     causal_blocks,
@@ -57,7 +57,9 @@ __all__ = [
     "codebook_from_stats",
     "commit_loss",
     "ema_update",
+    "DOCUMENT",
     "empty_state",
+    "packed_final_state",
     "encoder_parallel",
     "kmeans",
     "merge",

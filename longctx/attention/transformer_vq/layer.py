@@ -41,12 +41,13 @@ from longctx.attention.base import (
     NonGradState,
     axes,
     check_segments,
+    continues_state,
     require,
 )
 from longctx.attention.transformer_vq import reference, xla
-from longctx.attention.transformer_vq.state import compose, empty_state
+from longctx.attention.transformer_vq.state import DOCUMENT, compose, empty_state, packed_final_state
 from longctx.layout import flattens_rows, rows_apply
-from pallas_kernels.vq_cache_ref import code_sums, compute_dtype, float_dtype
+from pallas_kernels.vq_cache_ref import cast_state, code_sums, compute_dtype, float_dtype
 
 sg = jax.lax.stop_gradient
 METHOD = "transformer_vq"
@@ -120,7 +121,7 @@ def commit_loss(k, c_z, mask=None):
 @dataclasses.dataclass(frozen=True)
 class Reference(dispatch.Runner):
     """``reference``: the quadratic form (``reference.py``; it reads no execution setting); with segment ids a
-    packed row (``reference.packed``, no state: §2.8)."""
+    packed row (``reference.packed``: §2.8), causal ones from and to a carried state (``state.packed_final_state``)."""
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x, state = call.inputs, call.state
@@ -128,21 +129,26 @@ class Reference(dispatch.Runner):
         k_hat, z, err2, c_z = reference.stvq(x["k"], x["C"])
         dt = float_dtype(x["q_v"], x["r"])
         bd = reference.band_scores(x["q_v"].astype(dt), x["r"].astype(dt))
+        new = None
         if segment_ids is not None:
-            o, new = reference.packed(x["q_u"], bd, k_hat, v, L=core.L, M=core.M, causal=core.causal,
-                                      band=core.cfg.encoder_band, segment_ids=segment_ids), None
+            carried = (state, x["seen"], x["continues"]) if core.causal else None
+            o = reference.packed(x["q_u"], bd, k_hat, v, L=core.L, M=core.M, causal=core.causal,
+                                 band=core.cfg.encoder_band, segment_ids=segment_ids, C=x["C"], carried=carried)
+            if core.causal:
+                dt = float_dtype(x["q_u"], v)
+                new = packed_final_state(cast_state(state, dt), x["seen"], x["continues"], k_hat.astype(dt), z,
+                                         v.astype(dt), segment_ids, M=core.M, S=core.S)
         elif core.causal:
             o, new = reference.causal(x["q_u"], bd, k_hat, z, v, x["C"], state, L=core.L, M=core.M)
         else:
-            o, new = reference.bidirectional(x["q_u"], bd, k_hat, v, L=core.L, M=core.M,
-                                             band=core.cfg.encoder_band), None
+            o = reference.bidirectional(x["q_u"], bd, k_hat, v, L=core.L, M=core.M, band=core.cfg.encoder_band)
         return xla.result(o, new, (z, err2, c_z), code_sums=code_sums)
 
 
-# 'auto' tries the reference only for a packed row (segment ids) that the linear packed form refuses (a band longer
-# than a block; xla.causal_packed) or that no other implementation serves (the encoder), and only on a CPU: its
-# O(T²) memory at a GPU's or TPU's training lengths is not a default to fall into there (name impl='reference')
-REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, reasons=xla.packed_state_reasons,
+# 'auto' tries the reference only for a packed row (segment ids) that the linear packed forms refuse (a causal row of
+# a block or more with a band longer than a block; xla.causal_packed), and only on a CPU: its O(T²) memory at a GPU's
+# or TPU's training lengths is not a default to fall into there (name impl='reference')
+REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
                                     auto={"cpu": 99}, prefer=lambda platform, segments=False, **_: segments,
                                     code=Reference)
 
@@ -163,7 +169,9 @@ class TransformerVQAttention(AttentionCore):
     """
 
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
-    takes_segments = True  # reference.packed and xla.causal_packed ('parallel'), §2.8; the others refuse them
+    # the reference, 'parallel', 'stream', 'encoder' and the XLA:CPU implementation (xla.attend_packed), §2.8; the
+    # tiled form ('blocks') and the kernel refuse them
+    takes_segments = True
 
     name = METHOD
     EXECUTION_KEYS = ("impl", "reduction", "keep_budget", "tiled_min_scores", "search_chunk")
@@ -329,7 +337,9 @@ class TransformerVQAttention(AttentionCore):
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:
             raise ValueError(f"{METHOD}: a bidirectional core has no prefix state")
-        return empty_state(batch_size, self.num_heads, self.M, self.S, self.head_dim, self.value_dim)
+        zeros = jnp.zeros((batch_size,), jnp.int32)  # no document yet (state.py: DOCUMENT)
+        return {**empty_state(batch_size, self.num_heads, self.M, self.S, self.head_dim, self.value_dim),
+                "segment": zeros, "seen": zeros}
 
     # -- sequence parallelism: the band is the newest M tokens, the cache a count-weighted merge --
     def sequence_refusal(self, slice_len: int) -> str | None:
@@ -374,7 +384,7 @@ class TransformerVQAttention(AttentionCore):
         """What the selection hands every declaration's ``reasons`` and ``prefer`` for a call of B x T tokens."""
         return dict(B=B, H=self.num_heads, T=T, L=self.L, M=self.M, S=self.S, Dk=self.head_dim, Dv=self.value_dim,
                     dtype=dtype, reduction=self.cfg.reduction, tiled_min_scores=self.cfg.tiled_min_scores,
-                    segments=segments, carried=carried)
+                    segments=segments, carried=carried, causal=self.causal)
 
     def implementation_for(self, *, B: int, T: int, dtype, segments: bool = False,
                            carried: bool = False) -> dispatch.Choice:
@@ -390,19 +400,30 @@ class TransformerVQAttention(AttentionCore):
         (the values' dtype, the output's); ``state``: the carried state (a causal call without one: the empty
         state). mask: optional [B, T] bool; False tokens are excluded from the commit loss and EMA statistics (they
         still take part in attention, as in the release). segment_ids: optional [B, T] int32, a packed row: each
-        document (a run of equal ids) computed as if alone ('parallel', 'reference'); a packed call takes no carried
-        state and returns none (docs/methods/transformer_vq.md §2.8)."""
+        document (a run of equal ids) computed as if alone; with a carried state the call's leading tokens under the
+        state's ``segment`` (``continues_state``) continue its document, and the call returns the state of its last
+        document (docs/methods/transformer_vq.md §2.8). ``inputs`` also holds the carried document's ``segment``
+        and ``seen`` [B] and, for a packed call, ``continues`` [B, T] (None where they do not apply); ``state``
+        goes to the implementation without them."""
         check_segments(self, q, segment_ids)
         B, _, T, _ = q.shape
         pre = self.project(q, k, deterministic=deterministic, key=key)
         C = self.codebook()
         vv = v.astype(compute_dtype(v, pre["q"]))
         packed, carried = segment_ids is not None, state is not None
+        doc = {"segment": None, "seen": None, "continues": None}
         if self.causal:
             state = self.init_state(B) if state is None else state
+            # the forms take the state without the core's document counters (state.py: DOCUMENT); a state made by
+            # empty_state alone (no document: one row-long document of pos tokens) takes the empty document's
+            doc["segment"] = state.get("segment", jnp.zeros((B,), jnp.int32))
+            doc["seen"] = state.get("seen", jnp.broadcast_to(state["pos"], (B,)).astype(jnp.int32))
+            state = {name: x for name, x in state.items() if name not in DOCUMENT}
+            if packed:
+                doc["continues"] = continues_state(doc["segment"], segment_ids.astype(jnp.int32))
         elif state is not None:
             raise ValueError(f"{METHOD}: a bidirectional core takes no state")
-        inputs = {**pre, "v": vv, "C": C, "mask": mask, "segment_ids": segment_ids, "out_dtype": v.dtype}
+        inputs = {**pre, "v": vv, "C": C, "mask": mask, "segment_ids": segment_ids, "out_dtype": v.dtype, **doc}
         call = dispatch.Call(inputs, state, key=key)
         return call, self._shapes(B=B, T=T, dtype=vv.dtype, segments=packed, carried=carried)
 
@@ -416,7 +437,18 @@ class TransformerVQAttention(AttentionCore):
             aux.add_stats("codebook", vq_stats(x["k"], e["z"], self.S, x["mask"], e["code_sums"]))
             aux.add_metric("vq_rel_err", jnp.mean(jnp.sqrt(e["err2"])) / jnp.maximum(
                 jnp.mean(jnp.linalg.norm(sg(x["k"]), axis=-1)), 1e-12))
-        return result.out.astype(x["out_dtype"]), result.state
+        return result.out.astype(x["out_dtype"]), _with_document(x, result.state)
+
+
+def _with_document(x, state):
+    """The core's state (state.py: ``DOCUMENT``) from a form's: a packed call's (its ``seen`` from
+    ``packed_final_state``) under the id of the call's last document; a call without segment ids keeps its state's
+    document and adds its length to ``seen``."""
+    if state is None:  # bidirectional
+        return None
+    if x["segment_ids"] is not None:
+        return {**state, "segment": x["segment_ids"][:, -1].astype(jnp.int32)}
+    return {**state, "segment": x["segment"], "seen": x["seen"] + x["v"].shape[2]}
 
 
 def kmeans(x, S: int, *, iters: int = 10, seed: int = 0):

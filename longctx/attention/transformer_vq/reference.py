@@ -105,14 +105,21 @@ def bidirectional(q_u, bd, k_hat, v, *, L: int, M: int, band: bool):
 
 
 
-def packed(q_u, bd, k_hat, v, *, L: int, M: int, causal: bool, band: bool, segment_ids):
+def packed(q_u, bd, k_hat, v, *, L: int, M: int, causal: bool, band: bool, segment_ids, C=None, carried=None):
     """:func:`causal` from the empty state (``causal``) or :func:`bidirectional` of a packed row (``segment_ids``
     [B, T]): every document as if alone (§2.8). A query sees only its document's keys; the block grid that decides
     which keys the linear forms read through the cache (their logits under sg(k_hat)) is the document's, counted
     from its first token; the band bias is by distance, which two tokens of one document share with the document
     alone. A document's compressive cache is, as in :func:`causal`, exact softmax over its own older quantized keys
     (what the code summaries of its earlier blocks hold), so no cache term appears. ``bd``: [B, H, T, M+1]
-    (causal) or [B, H, T, 2M+1] (the signed distances, bidirectional). Quadratic in the row's length."""
+    (causal) or [B, H, T, 2M+1] (the signed distances, bidirectional). Quadratic in the row's length.
+
+    ``carried`` (causal): ``(state, seen, continues)``, the carried state of one document (``seen`` [B] its length
+    so far) and the tokens that continue it (``continues`` [B, T], the call's leading run,
+    ``longctx.attention.base.continues_state``): those queries also attend, as in :func:`causal`, to the state's
+    cache (codebook ``C``) and its band (valid slots: the last ``min(seen, M)``), the call's grid counted from its
+    first token (the continued document's first token here). Returns o [B, H, T, Dv] (the state after the call:
+    :func:`longctx.attention.transformer_vq.state.packed_final_state`)."""
     dt = float_dtype(q_u, v)
     q_u, bd, k_hat, v = (x.astype(dt) for x in (q_u, bd, k_hat, v))
     T = q_u.shape[2]
@@ -129,7 +136,23 @@ def packed(q_u, bd, k_hat, v, *, L: int, M: int, causal: bool, band: bool, segme
         s = s + rel_bias(bd, i - j, M)
     elif band:
         s = s + rel_bias(bd, i - j + M, 2 * M)
-    return _attend(s, visible, v)
+    if carried is None:
+        return _attend(s, visible, v)
+    st, seen, cont = carried
+    st = cast_state(st, dt)
+    on = cont[:, None, :, None]  # [B, 1, T, 1]: the queries that continue the carried document
+    jb = jnp.arange(-M, 0)  # the band's slots, relative to the call's first token
+    far_b = jb < (i // L) * L - max(L, M)
+    s_b = jnp.where(far_b, jnp.einsum("bhid,bhjd->bhij", q_u, sg(st["band_k"])),
+                    jnp.einsum("bhid,bhjd->bhij", q_u, st["band_k"])) + rel_bias(bd, i - jb, M)
+    s_c = jnp.einsum("bhid,hsd->bhis", q_u, sg(C).astype(dt)) + log_count(st["agg_n"])[:, :, None, :]
+    seen_b = on & (seen[:, None, None, None] + jb >= 0)
+    seen_c = on & (st["agg_n"] > 0)[:, :, None, :]
+    o = _attend(jnp.concatenate([s_c, s_b, s], axis=-1),
+                jnp.concatenate([jnp.broadcast_to(x, y.shape) for x, y in
+                                 ((seen_c, s_c), (seen_b, s_b), (visible, s))], axis=-1),
+                jnp.concatenate([st["agg_mu"], st["band_v"], v], axis=2))
+    return o
 
 
 __all__ = ["band_scores", "bidirectional", "causal", "packed", "rel_bias", "stvq"]

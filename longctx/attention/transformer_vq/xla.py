@@ -5,8 +5,11 @@ plain JAX for any backend, each equal to the reference (``reference.py``) in val
                    Pallas kernel's reference) under autodiff; its ``reduction`` setting picks the cross-block scan;
                    a packed row (segment ids): :func:`causal_packed`, each document on its own block grid (§2.8)
 * ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward
-* ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M)
-* ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5)
+* ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M); a packed row:
+                   :func:`causal_packed_short`, one quadratic pass over the call (decoding steps)
+* ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5); a packed row: :func:`encoder_packed`
+
+A causal packed row carries its last document's state (:func:`attend_packed`, ``state.packed_final_state``).
 
 Each form is written with the products of ``vq_cache_ref.Ops`` (``ops``) and the tiled backward with those of
 :class:`TileOps` (``tiles``): plain ones here; the XLA:CPU implementation (its own file) runs the same forms
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 from longctx.attention import dispatch
 from longctx.attention.base import document_starts
 from longctx.attention.dispatch import Implementation
+from longctx.attention.transformer_vq.state import packed_final_state
 from pallas_kernels.precision import statistic
 from pallas_kernels.vq_cache_ref import (
     NEG,
@@ -500,7 +504,8 @@ def _take_block(x, m):
     return jnp.take_along_axis(x, m.reshape(m.shape[:1] + (1,) + m.shape[1:] + (1,) * (x.ndim - 3)), axis=2)
 
 
-def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compute=None, ops: Ops = PLAIN):
+def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compute=None, ops: Ops = PLAIN,
+                  state=None, seen=None, continues=None):
     """The causal block-parallel form (§2.6) of a packed row (``segment_ids`` [B, T]) from the empty state: every
     document on its own block grid from its first token (§2.8); requires 1 <= M <= L. Returns o [B, H, T, Dv].
 
@@ -511,7 +516,10 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
     cut-offs (i // L takes two values in a block): each is that document's running summary up to a row block edge (a
     serial scan over the row blocks that restarts where a document opens) merged with the summary of the part of
     the cut-off's row block before it. Memory and time as the one-shot form's, with 3L window keys and 2S codes a
-    query for its 2L and S."""
+    query for its 2L and S.
+
+    ``state`` (the forms' layout), ``seen`` [B] and ``continues`` [B, T]: a carried document and the call's leading
+    tokens that continue it (:func:`carried_groups`)."""
     if not 1 <= M <= L:
         raise ValueError(f"causal_packed needs 1 <= M <= L, got M={M}, L={L}")
     B, H, T, _ = q_u.shape
@@ -535,9 +543,28 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
               & (dist <= qrel[..., None] % L + L))[:, None]  # [B, 1, R, L, 3L]
     bias = skew_bias(_blocked(pad_to(bd.astype(dt), 2, Tp), 2, R, L), 2 * L, 3 * L)  # bd[i, d] for 0 <= d <= M
     s_w = ops.qk_dot(qb, kw) + bias
-    # each row block's last document's part, and the running summary of the document open at each block's start
     zb, vb = _blocked(pad_to(z, 2, Tp), 2, R, L), _blocked(pad_to(v.astype(dt), 2, Tp), 2, R, L)
-    posb, validb = pos.reshape(R, L), valid.reshape(R, L)
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, sg(C).astype(cd))
+    groups = _prefix_groups(s_c, zb, vb, qstart, qrel, T=T, L=L, S=S, cd=cd, ops=ops)
+    if state is not None:
+        bd0 = _blocked(pad_to(bd.astype(dt), 2, Tp), 2, R, L)[:, :, 0]  # the band bias reaches row block 0 only
+        groups += carried_groups(qb, s_c, bd0, cast_state(state, dt), seen,
+                                 _blocked(pad_to(continues, 1, Tp), 1, R, L), M=M, cd=cd, ops=ops)
+    o, _ = softmax_mix(groups + [(s_w, mask_w, vw)], ops)
+    return o.reshape(B, H, Tp, -1)[:, :, :T]
+
+
+def _prefix_groups(s_c, zb, vb, qstart, qrel, *, T: int, L: int, S: int, cd, ops: Ops = PLAIN):
+    """The cache groups of the packed block-parallel forms (§2.8): a query of document block n >= 2 reads its
+    document's keys before (n-1)L through the code summaries. Only the document holding a row block's first token
+    can (a cache needs a relative position of 2L or more), at one of two cut-offs (n takes two values in a block):
+    each its running summary up to a row block edge (a serial scan over the row blocks that restarts where a
+    document opens) merged with the summary of the part of the cut-off's row block before it. ``s_c``: the code
+    scores [B, H, R, L, S]; ``zb``, ``vb``: codes and values (the statistics' dtype) [B, H, R, L, .]; ``qstart``,
+    ``qrel``: each position's document start and position in it [B, R, L]. Returns two (scores, mask, means)."""
+    B, H, R = vb.shape[:3]
+    pos = jnp.arange(R * L, dtype=jnp.int32)
+    posb, validb = pos.reshape(R, L), pos.reshape(R, L) < T
     last = code_summary(zb, vb, ((posb >= qstart[:, :, -1:]) & validb)[:, None], S, ops)  # [B,H,R,S,Dv], [B,H,R,S]
     goes_on = qstart[:, :, -1] < posb[None, :, 0]  # [B, R]: the block's last document opened before the block
 
@@ -546,13 +573,12 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
         keep = on[:, None, None]
         return merge((jnp.where(keep[..., None], run[0], 0.0), jnp.where(keep, run[1], 0.0)), (mu, n)), run
 
-    empty = (jnp.zeros((B, H, S, v.shape[-1]), dt), jnp.zeros((B, H, S), dt))
+    empty = (jnp.zeros((B, H, S, vb.shape[-1]), vb.dtype), jnp.zeros((B, H, S), vb.dtype))
     _, runs = jax.lax.scan(step, empty, (jnp.moveaxis(last[0], 2, 0), jnp.moveaxis(last[1], 2, 0), goes_on.T))
     runs = tuple(jnp.moveaxis(x, 0, 2) for x in runs)  # [B, H, R, ...]: the open document before row block m
     # the two cut-offs of each query block's first document, and which queries read which
     d0, k0 = qstart[:, :, 0], qrel[:, :, 0] // L  # [B, R]
     cache_of = (qstart == d0[..., None]) & (qrel // L >= 2)  # [B, R, L]
-    s_c = acc_einsum("bhrld,hsd->bhrls", qb, sg(C).astype(cd))
     groups = []
     for j in (0, 1):
         cut = d0 + (k0 - 1 + j) * L  # [B, R]: keys before it and from d0 on are in the cache
@@ -565,8 +591,161 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
                        jnp.where(use, _take_block(runs[1], m), 0.0)), part)
         reads = (cache_of & (qrel // L == (k0 + j)[..., None]))[:, None, :, :, None]
         groups.append((s_c + log_count(n)[:, :, :, None, :], reads & (n > 0)[:, :, :, None, :], mu.astype(cd)))
+    return groups
+
+
+def _suffix_groups(s_c, zb, vb, qstart, qrel, qend, *, T: int, L: int, S: int, cd, ops: Ops = PLAIN):
+    """The encoder's mirror of :func:`_prefix_groups`: a query of document block n reads its document's keys from
+    (n+2)L on through the code summaries. Only the document holding a row block's last token can (it must go on
+    past the block), at one of two cut-offs: each the summary of the cut-off's row block from it merged with the
+    document's running summary from the next row block edge (a reverse serial scan that stops where a document
+    closes). ``qend``: each position's document end (exclusive) [B, R, L]."""
+    B, H, R = vb.shape[:3]
+    pos = jnp.arange(R * L, dtype=jnp.int32)
+    posb, validb = pos.reshape(R, L), pos.reshape(R, L) < T
+    first = code_summary(zb, vb, ((posb < qend[:, :, :1]) & validb)[:, None], S, ops)  # the block's first document
+    comes_in = qstart[:, :, 0] < posb[None, :, 0]  # [B, R]: the block's first document opened before the block
+    spans = qend[:, :, 0] > posb[None, :, -1]  # [B, R]: and covers the whole block
+
+    def step(nxt, x):  # nxt: the next block's first document's summary from that block on, if it comes in
+        mu, n, over, into = x
+        keep = over[:, None, None]
+        g = merge((jnp.where(keep[..., None], nxt[0], 0.0), jnp.where(keep, nxt[1], 0.0)), (mu, n))
+        into = into[:, None, None]
+        out = (jnp.where(into[..., None], g[0], 0.0), jnp.where(into, g[1], 0.0))
+        return out, out
+
+    empty = (jnp.zeros((B, H, S, vb.shape[-1]), vb.dtype), jnp.zeros((B, H, S), vb.dtype))
+    _, runs = jax.lax.scan(step, empty, (jnp.moveaxis(first[0], 2, 0), jnp.moveaxis(first[1], 2, 0), spans.T,
+                                         comes_in.T), reverse=True)
+    # [B, H, R, ...]: the document open at the end of row block m, from block m + 1 on
+    runs = tuple(jnp.concatenate([jnp.moveaxis(x, 0, 2)[:, :, 1:], e[:, :, None]], axis=2) for x, e in zip(runs, empty))
+    d1, e1 = qstart[:, :, -1], qend[:, :, -1]  # [B, R]: the block's last document
+    k1 = (jnp.maximum(posb[None, :, 0], d1) - d1) // L  # its first query's document block in this row block
+    mine = qstart == d1[..., None]
+    groups = []
+    for j in (0, 1):
+        cut = d1 + (k1 + 2 + j) * L  # [B, R]: keys from it to e1 are in the cache
+        m = jnp.clip(cut // L, 0, R - 1)
+        pm = m[..., None] * L + jnp.arange(L)
+        part = code_summary(_take_block(zb, m), _take_block(vb, m),
+                            ((pm >= cut[..., None]) & (pm < e1[..., None]) & (pm < T))[:, None], S, ops)
+        use = ((e1 > (m + 1) * L) & (cut < e1))[:, None, :, None]
+        mu, n = merge((jnp.where(use[..., None], _take_block(runs[0], m), 0.0),
+                       jnp.where(use, _take_block(runs[1], m), 0.0)), part)
+        reads = (mine & (qrel // L == (k1 + j)[..., None]))[:, None, :, :, None]
+        groups.append((s_c + log_count(n)[:, :, :, None, :], reads & (n > 0)[:, :, :, None, :], mu.astype(cd)))
+    return groups
+
+
+def _document_ends(segment_ids):
+    """int32 [B, T]: the row position after the last token of each token's document."""
+    T = segment_ids.shape[1]
+    closes = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones_like(segment_ids[:, :1], bool)], 1)
+    return jax.lax.cummin(jnp.where(closes, jnp.arange(1, T + 1, dtype=jnp.int32), T), axis=1, reverse=True)
+
+
+def encoder_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, segment_ids, ops: Ops = PLAIN):
+    """The bidirectional form (§2.5) of a packed row (``segment_ids`` [B, T]): every document on its own block grid
+    (§2.8); with ``band`` requires 1 <= M <= L. A query of document block n attends exactly to its document's
+    blocks n-1..n+1, which lie in the row's blocks m-2..m+2 for a query of row block m (a window of 5L keys, with
+    the signed band bias ``bd`` [B, H, T, 2M+1] by distance), and to its document's keys before (n-1)L
+    (:func:`_prefix_groups`) and from (n+2)L on (:func:`_suffix_groups`) through the code summaries. Without
+    ``band`` (Thm 3.5) the same split with no bias and the window's keys under sg(k_hat) (every key is read
+    through the code summaries there: the window is their exact equal). Returns o [B, H, T, Dv]."""
+    if band and not 1 <= M <= L:
+        raise ValueError(f"encoder band needs 1 <= M <= L, got M={M}, L={L}")
+    B, H, T, _ = q_u.shape
+    S = C.shape[1]
+    dt = float_dtype(q_u, v)
+    cd = compute_dtype(q_u, v)
+    R = -(-T // L)
+    Tp = R * L
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), mode="edge")
+    start, end = document_starts(seg), _document_ends(seg)  # the padding joins the last document
+    valid = jnp.arange(Tp) < T
+    rel = jnp.arange(Tp, dtype=jnp.int32) - start
+    qb = _blocked(pad_to(q_u.astype(cd), 2, Tp), 2, R, L)
+    kx = k_hat.astype(cd) if band else sg(k_hat.astype(cd))
+    kw, vw = (_span(pad_to(x, 2, Tp), 2, R, L, 0) for x in (kx, v.astype(cd)))  # [B, H, R, 5L, .]
+    qstart, qrel, qend = (_blocked(x, 1, R, L) for x in (start, rel, end))  # [B, R, L]
+    kblock = _span(rel // L, 1, R, L, -3)  # [B, R, 5L]: document block of each window key (-3: before the row)
+    mask_w = ((_span(start, 1, R, L, -1)[:, :, None, :] == qstart[..., None])
+              & _span(valid, 0, R, L, False)[None, :, None, :]
+              & (jnp.abs(kblock[:, :, None, :] - (qrel // L)[..., None]) <= 1))[:, None]  # [B, 1, R, L, 5L]
+    s_w = ops.qk_dot(qb, kw)
+    if band:  # bias[l, c] = bd[l, 2L + M + l - c]: query mL + l, key (m-2)L + c, signed distance 2L + l - c
+        s_w = s_w + skew_bias(_blocked(pad_to(bd.astype(dt), 2, Tp), 2, R, L), 2 * L + M, 5 * L)
+    zb, vb = _blocked(pad_to(z, 2, Tp), 2, R, L), _blocked(pad_to(v.astype(dt), 2, Tp), 2, R, L)
+    s_c = acc_einsum("bhrld,hsd->bhrls", qb, sg(C).astype(cd))
+    kw_ = dict(T=T, L=L, S=S, cd=cd, ops=ops)
+    groups = _prefix_groups(s_c, zb, vb, qstart, qrel, **kw_) + _suffix_groups(s_c, zb, vb, qstart, qrel, qend, **kw_)
     o, _ = softmax_mix(groups + [(s_w, mask_w, vw)], ops)
     return o.reshape(B, H, Tp, -1)[:, :, :T]
+
+
+def _span(x, axis: int, R: int, L: int, fill):
+    """[.., R*L, ..] -> [.., R, 5L, ..]: for query block m the row blocks m-2..m+2 (``fill`` outside the row)."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (2 * L, 2 * L)
+    xb = _blocked(jnp.pad(x, widths, constant_values=fill), axis, R + 4, L)
+    return jnp.concatenate([jax.lax.slice_in_dim(xb, i, i + R, axis=axis) for i in range(5)], axis=axis + 1)
+
+
+def carried_groups(qb, s_c, bd0, state, seen, continues, *, M: int, cd, ops: Ops = PLAIN):
+    """The carried document's two softmax groups for the packed block-parallel form's queries ``qb`` [B, H, R, L,
+    Dk] (``s_c`` their code scores [B, H, R, L, S]): its cache (logit plus log count, value the mean) and its band's
+    M keys (valid slots: the last ``min(seen, M)``), both seen only by the queries that continue it (``continues``
+    [B, R, L], the call's leading run, so row block 0 is their document block 0 and the band bias
+    ``bd0 = bd[:, :, :L]`` reaches that block only: the distance i + M - slot is at most M for i < M <= L). The band
+    is the previous document block of block 0's queries (exact), and in the cache of the later ones, whose logits
+    take sg(band) (§2.7)."""
+    B, H, R, L = qb.shape[:4]
+    on = continues[:, None, :, :, None]  # [B, 1, R, L, 1]
+    mu = jnp.broadcast_to(state["agg_mu"][:, :, None].astype(cd), (B, H, R) + state["agg_mu"].shape[2:])
+    cache = (s_c + log_count(state["agg_n"])[:, :, None, None, :], on & (state["agg_n"] > 0)[:, :, None, None, :], mu)
+    bk = state["band_k"].astype(cd)[:, :, None]  # [B, H, 1, M, Dk]
+    s_b = ops.qk_dot(qb[:, :, :1], bk) + skew_bias(bd0, M, M)[:, :, None]  # bias[i, j] = bd[i, M + i - j]
+    if R > 1:
+        s_b = jnp.concatenate([s_b, ops.qk_dot(qb[:, :, 1:], jnp.broadcast_to(sg(bk), (B, H, R - 1) + bk.shape[3:]))],
+                              axis=2)
+    valid = (seen[:, None] - M + jnp.arange(M)[None, :] >= 0)[:, None, None, None, :]  # [B, 1, 1, 1, M]
+    bv = jnp.broadcast_to(state["band_v"][:, :, None].astype(cd), (B, H, R) + state["band_v"].shape[2:])
+    return [cache, (s_b, on & valid, bv)]
+
+
+def causal_packed_short(q_u, bd, k_hat, v, C, state, seen, continues, *, L: int, M: int, segment_ids,
+                        ops: Ops = PLAIN):
+    """The streaming form's packed row (§2.8) in one quadratic pass over the call (decoding calls are short; any
+    band M): a query attends to the carried cache (the queries that continue the carried document, ``continues``
+    [B, T]), to the carried band (the same queries; valid slots the last ``min(seen, M)``) and to its document's
+    keys of the call, each with the band bias by distance; a key the streaming form would have folded into the
+    cache (older than the band before the query's chunk of L, counted from the document's first token: §2.7) takes
+    sg(k_hat). ``state``: the forms' layout. Returns o [B, H, T, Dv]."""
+    T = q_u.shape[2]
+    dt = float_dtype(q_u, v)
+    cd = compute_dtype(q_u, v)
+    st = cast_state(state, dt)
+    q = q_u.astype(cd)
+    K = jnp.concatenate([st["band_k"].astype(cd), k_hat.astype(cd)], axis=2)  # [B, H, M + T, Dk]
+    V = jnp.concatenate([st["band_v"].astype(cd), v.astype(cd)], axis=2)
+    start = document_starts(segment_ids.astype(jnp.int32))
+    rel = jnp.arange(T, dtype=jnp.int32) - start  # [B, T]
+    B = start.shape[0]
+    kstart = jnp.pad(start, ((0, 0), (M, 0)))  # [B, M + T]; the band's slots are masked by band_ok below
+    krel = jnp.concatenate([jnp.broadcast_to(jnp.arange(-M, 0, dtype=jnp.int32), (B, M)), rel], axis=1)
+    ki = jnp.arange(M + T)[None, None, :] - M  # [1, 1, M + T]: key row position
+    i = jnp.arange(T)[None, :, None]
+    band_ok = continues[:, :, None] & (seen[:, None, None] + ki >= 0)  # [B, T, M + T] for the band slots
+    mine = (kstart[:, None, :] == start[:, :, None]) & (ki <= i)
+    visible = jnp.where(ki < 0, band_ok, mine)[:, None]  # [B, 1, T, M + T]
+    far = (krel[:, None, :] < (rel[:, :, None] // L) * L - M)[:, None]
+    s = jnp.where(far, ops.qk_dot(q, sg(K)), ops.qk_dot(q, K)) + skew_bias(bd.astype(dt), M, M + T)
+    s_c = ops.qk_dot(q, jnp.broadcast_to(sg(C).astype(cd)[None], (q.shape[0],) + C.shape))
+    s_c = s_c + log_count(st["agg_n"])[:, :, None, :]
+    seen_c = continues[:, None, :, None] & (st["agg_n"] > 0)[:, :, None, :]
+    o, _ = softmax_mix([(s_c, seen_c, st["agg_mu"].astype(cd)), (s, visible, V)], ops)
+    return o
 
 
 # ----------------------------------------------------------------------------- running a form
@@ -575,16 +754,14 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
     """One call of ``core`` (its L, M and hyperparameters) by ``form``: 'parallel' | 'blocks' | 'stream' | 'encoder'.
     ``pre``: the core's prepared q_u, q_v, r and normalized keys; ``settings``: the running implementation's settings
     as they run on the platform (its runner's fields: ``search_chunk``; ``keep_budget`` for the tiled form,
-    ``reduction`` for the one-shot block-parallel form); ``segment_ids``: a packed row (the 'parallel' form only:
-    :func:`causal_packed`, no state). Returns (o, new_state, (z, err2, c_z))."""
+    ``reduction`` for the one-shot block-parallel form); ``segment_ids``: a packed row (:func:`attend_packed`).
+    Returns (o, new_state, (z, err2, c_z))."""
     k_hat, z, err2, c_z = quantize(pre["k"], C, chunk=settings["search_chunk"])
     L, M = core.L, core.M
     bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: formed only where needed
     if segment_ids is not None:
-        if form != "parallel":
-            raise ValueError(f"a packed row runs the 'parallel' form only, not {form!r}")
-        o = causal_packed(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, segment_ids=segment_ids, compute=v.dtype, ops=ops)
-        return o, None, (z, err2, c_z)
+        o, new = attend_packed(form, core, pre, k_hat, z, v, C, state, ops=ops, segment_ids=segment_ids)
+        return o, new, (z, err2, c_z)
     if form == "encoder":
         o = encoder_parallel(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band, ops=ops)
         return o, None, (z, err2, c_z)
@@ -599,6 +776,30 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
     else:
         raise ValueError(f"unknown form {form!r}")
     return o, new, (z, err2, c_z)
+
+
+def attend_packed(form: str, core, pre, k_hat, z, v, C, state, *, segment_ids, ops: Ops = PLAIN):
+    """A packed row (§2.8) by ``form`` (quantized keys ``k_hat``, codes ``z``): 'parallel' by
+    :func:`causal_packed`, 'stream' by :func:`causal_packed_short`, each from and to the carried state (``state``
+    without the core's document counters, whose ``seen`` and ``continues`` the core's ``prepare`` puts in ``pre``),
+    'encoder' by :func:`encoder_packed`. Returns (o, the state of the call's last document with its ``seen``:
+    ``state.packed_final_state``; None for the encoder)."""
+    L, M = core.L, core.M
+    bd = band_scores(pre["q_v"], pre["r"])
+    carried = dict(state=state, seen=pre["seen"], continues=pre["continues"])
+    if form == "parallel":
+        o = causal_packed(pre["q_u"], bd, k_hat, z, v, C, L=L, M=M, segment_ids=segment_ids, compute=v.dtype,
+                          ops=ops, **carried)
+    elif form == "stream":
+        o = causal_packed_short(pre["q_u"], bd, k_hat, v, C, L=L, M=M, segment_ids=segment_ids, ops=ops, **carried)
+    elif form == "encoder":
+        return encoder_packed(pre["q_u"], bd, k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band,
+                              segment_ids=segment_ids, ops=ops), None
+    else:
+        raise ValueError(f"a packed row runs the 'parallel', 'stream' or 'encoder' form, not {form!r}")
+    dt = float_dtype(pre["q_u"], v)
+    return o, packed_final_state(cast_state(state, dt), pre["seen"], pre["continues"], k_hat.astype(dt), z,
+                                 v.astype(dt), segment_ids, M=M, S=C.shape[1], ops=ops)
 
 
 def result(o, new_state, codes, *, code_sums: Callable = PLAIN.code_sums) -> dispatch.Result:
@@ -663,10 +864,8 @@ code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the laye
 
 
 # ----------------------------------------------------------------------------- the declarations
-SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference' and impl='parallel' restart Transformer-VQ's "
-                   "blocks, cache and band at each document")
-PACKED_STATE_REASON = ("packed rows (segment ids) with a carried state: the state keeps no document boundary; feed a "
-                       "packed row in one call")
+SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference', 'parallel', 'stream', 'encoder' and the XLA:CPU "
+                   "one restart Transformer-VQ's blocks, cache and band at each document")
 
 
 def segments_reasons(platform, *, segments: bool = False, **_) -> list[str]:
@@ -675,20 +874,14 @@ def segments_reasons(platform, *, segments: bool = False, **_) -> list[str]:
     return [SEGMENTS_REASON] if segments else []
 
 
-def packed_state_reasons(platform, *, segments: bool = False, carried: bool = False, **_) -> list[str]:
-    """What the packed forms refuse: a packed row given a carried state (``carried``)."""
-    return [PACKED_STATE_REASON] if segments and carried else []
-
-
 def band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
     """What the block-parallel forms refuse: a band longer than a block."""
     return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
 
 
 def parallel_reasons(platform, **shapes) -> list[str]:
-    """What the one-shot block-parallel form refuses: a band longer than a block, a packed row with a carried
-    state."""
-    return band_reasons(platform, **shapes) + packed_state_reasons(platform, **shapes)
+    """What the one-shot block-parallel form refuses: a band longer than a block."""
+    return band_reasons(platform, **shapes)
 
 
 def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", segments: bool = False, **_) -> list[str]:
@@ -704,10 +897,21 @@ def is_form(name: str):
     return prefer
 
 
-def prefer_parallel(platform, *, segments: bool = False, **shapes) -> bool:
-    """'auto' tries the one-shot form for every packed row (on a CPU too, where XLA:CPU's forms refuse them), and
-    on a GPU / TPU for the calls :func:`preferred_form` gives it."""
-    return segments or (platform != "cpu" and preferred_form(platform, **shapes) == "parallel")
+def prefer_stream(platform, *, segments: bool = False, T: int = 0, L: int = 1, **shapes) -> bool:
+    """'auto' tries the streaming form on a GPU / TPU for the calls :func:`preferred_form` gives it; a packed row
+    (on a CPU too, where XLA:CPU's forms refuse them) only where it is shorter than a block (decoding: its packed
+    form is quadratic in the call, :func:`causal_packed_short`)."""
+    if segments:
+        return T < L
+    return platform != "cpu" and preferred_form(platform, T=T, L=L, **shapes) == "stream"
+
+
+def prefer_parallel(platform, *, segments: bool = False, T: int = 0, L: int = 1, **shapes) -> bool:
+    """'auto' tries the one-shot form for every packed row of a block or more (on a CPU too, where XLA:CPU's forms
+    refuse them), and on a GPU / TPU for the calls :func:`preferred_form` gives it."""
+    if segments:
+        return T >= L
+    return platform != "cpu" and preferred_form(platform, T=T, L=L, **shapes) == "parallel"
 
 
 # Per-platform defaults of the execution knobs these forms read (a knob left at dispatch.PLATFORM_DEFAULT takes the
@@ -760,10 +964,10 @@ IMPLEMENTATIONS = (
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
                    prefer=is_form("blocks"), code=Blocks, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
-    Implementation("stream", reasons=segments_reasons, config={"impl": "stream"}, auto=_AUTO,
-                   prefer=is_form("stream"), code=Stream, directions=("causal",), defaults=_SEARCH),
+    # (and a packed row shorter than a block: decoding, on a CPU too)
+    Implementation("stream", config={"impl": "stream"}, auto={**_AUTO, "cpu": 97}, prefer=prefer_stream, code=Stream, directions=("causal",), defaults=_SEARCH),
     # the bidirectional form (§2.5)
-    Implementation("encoder", reasons=segments_reasons, config={"impl": "encoder"}, auto=_AUTO, code=Encoder,
+    Implementation("encoder", config={"impl": "encoder"}, auto=_AUTO, code=Encoder,
                    directions=("bidirectional",), defaults=_SEARCH),
 )
 
@@ -772,7 +976,7 @@ def _by_name() -> dict:
     return dispatch.by_name(IMPLEMENTATIONS)
 
 __all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK",
-           "PACKED_STATE_REASON", "SEGMENTS_REASON", "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "band_reasons", "band_scores", "blocks_reasons", "causal_blocks",
-           "causal_packed", "causal_parallel", "causal_stream", "code_sums", "encoder_parallel", "form_for", "gather_codes", "is_form",
-           "nearest", "packed_state_reasons", "parallel_reasons", "prefer_parallel", "preferred_form", "result",
+           "SEGMENTS_REASON", "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "attend_packed", "band_reasons", "carried_groups", "causal_packed_short", "band_scores", "blocks_reasons", "causal_blocks",
+           "causal_packed", "causal_parallel", "causal_stream", "code_sums", "encoder_packed", "encoder_parallel", "form_for", "gather_codes", "is_form",
+           "nearest", "parallel_reasons", "prefer_parallel", "prefer_stream", "preferred_form", "result",
            "segments_reasons", "stvq"]

@@ -104,7 +104,10 @@ encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
 @dataclasses.dataclass(frozen=True)
 class XlaCpu(dispatch.Runner):
     """``xla_cpu``: the encoder, or the causal form :func:`xla.form_for` gives the call's size under this
-    implementation's settings (its fields, as they run on the call's platform: :data:`DEFAULTS`)."""
+    implementation's settings (its fields, as they run on the call's platform: :data:`DEFAULTS`); a causal packed
+    row (§2.8) by :func:`xla.attend_packed`: the one-shot packed form for calls of a block or more (whatever
+    ``tiled_min_scores``: there is no tiled packed form), the short one below (:func:`reasons`); a bidirectional one
+    by :func:`xla.encoder_packed`."""
 
     search_chunk: int
     keep_budget: int
@@ -116,12 +119,14 @@ class XlaCpu(dispatch.Runner):
         v = x["v"]
         if not core.causal:
             form = "encoder"
+        elif x["segment_ids"] is not None:  # a causal packed row: the one-shot packed form, or the short one
+            form = "parallel" if v.shape[2] >= core.L and core.M <= core.L else "stream"
         else:
             B, H, T, _ = v.shape
             form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M, reduction=self.reduction,
                                 min_scores=self.tiled_min_scores)
         o, new, codes = xla.attend(form, core, x, v, x["C"], call.state, settings=dataclasses.asdict(self), ops=OPS,
-                                   tiles=TILES, quantize=stvq)
+                                   tiles=TILES, quantize=stvq, segment_ids=x["segment_ids"])
         return xla.result(o, new, codes, code_sums=code_sums)
 
 
@@ -132,14 +137,21 @@ DEFAULTS = {**{key: {"cpu": table["cpu"], "default": table["cpu"]} for key, tabl
             "reduction": xla.REDUCTION}
 
 
+def reasons(platform, *, segments: bool = False, causal: bool = True, T: int = 0, L: int = 1, M: int = 1,
+            **_) -> list[str]:
+    """What it refuses: a causal packed row of a block or more with a band longer than a block (the one-shot packed
+    form's limit)."""
+    return xla.band_reasons(platform, L=L, M=M) if segments and causal and T >= L else []
+
+
 IMPLEMENTATIONS = (
     # what impl='auto' runs on a CPU (rank 0 there, every call: it picks its form by its own settings). Test
     # settings: the tiled form (every call of a block or more) with a recomputing backward (its one-shot form, below
     # tiled_min_scores, runs in the contract cases and tests/attention/test_transformer_vq.py)
-    Implementation("xla_cpu", platforms=("cpu",), reasons=xla.segments_reasons, config={"impl": "xla_cpu"},
+    Implementation("xla_cpu", platforms=("cpu",), reasons=reasons, config={"impl": "xla_cpu"},
                    test_config={"tiled_min_scores": 1, "keep_budget": -1}, auto={"cpu": 0}, code=XlaCpu,
                    defaults=DEFAULTS),
 )
 
 __all__ = ["DEFAULTS", "IMPLEMENTATIONS", "OPS", "TILES", "XlaCpu", "causal_blocks", "causal_parallel", "causal_stream", "code_sums",
-           "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "score_dot", "stvq"]
+           "code_sums_scatter", "encoder_parallel", "first_argmax", "mix_dot", "nearest", "normalize", "reasons", "score_dot", "stvq"]

@@ -63,6 +63,9 @@ class VCCAttention(AttentionCore):
     EXECUTION_KEYS = ("impl", "query_chunk")
     supports_causal = True  # VCC-LM (§4.2): longctx.attention.vcc.stack.VCCDecoderStack
     supports_bidirectional = True
+    # packed rows: the stack wrappers lay each document out as its own row (stack.DocumentLayout, §4.3); the core
+    # over one row's compressed rows never sees segment ids
+    takes_segments = True
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -84,6 +87,9 @@ class VCCAttention(AttentionCore):
                 "scale_correction": True,  # +log k on the logits of averaged keys
                 "ste_gate": True,  # straight-through gate: gives the selection logits a gradient (training)
                 "levels": None,  # the L-level version (§2.10): not implemented, must stay None
+                # packed rows (data.packing='segments', §4.3): the most documents one row may hold; each is laid
+                # out as a row of its own of the row's length (static: memory and work grow with it)
+                "max_documents": 8,
                 # 'reference' (all rows at once, float32) | 'chunked' | a list | 'auto' (chunked)
                 "impl": "auto",
                 "query_chunk": 0,  # chunked: query rows per chunk over the compressed rows (0: the platform's)
@@ -117,6 +123,7 @@ class VCCAttention(AttentionCore):
         require(lc.num_fine_blocks >= 1, f"{p}.causal.num_fine_blocks={lc.num_fine_blocks}; must be >= 1")
         require(lc.anchors <= max(lc.local, lc.window),
                 f"{p}.causal.anchors={lc.anchors} must be at most max(local, window)")
+        require(cfg.max_documents >= 1, f"{p}.max_documents={cfg.max_documents}; must be >= 1")
         require(cfg.query_chunk >= 0, f"{p}.query_chunk={cfg.query_chunk}; must be >= 0 (0 = the platform's default)")
         problem = dispatch.impl_problem(cfg.impl, tuple(i.name for i in implementations()))
         require(problem is None, f"{p}.{problem}")
@@ -148,7 +155,10 @@ class VCCAttention(AttentionCore):
     def init_state(self, batch_size: int, max_len: int | None = None):
         raise ValueError("vcc: the state lives in the stack wrapper (Backbone.init_state builds it)")
 
-    def prepare(self, q, k, v, state, *, deterministic, key, key_bias=None):
+    def prepare(self, q, k, v, state, *, deterministic, key, key_bias=None, segment_ids=None):
+        if segment_ids is not None:
+            raise ValueError("vcc: segment ids go to the stack wrapper, which lays each document out as its own row; "
+                             "the core over one row's compressed rows takes none")
         if key_bias is None:
             raise ValueError(
                 "vcc: the core runs only inside its stack wrapper (longctx.attention.vcc.stack.VCCEncoderStack), "

@@ -80,6 +80,13 @@ token (history rows are never updated). One function, :func:`lm_layer`, serves t
 and token-by-token decoding; the state (:func:`lm_init_state`) has a static capacity and raises
 :class:`CapacityError` when fed more.
 
+Packed rows (``segment_ids`` [B, T], §4.3, ours): both stacks lay every document out as a row of its own
+(:class:`DocumentLayout`, ``max_documents`` slots per packed row), since every count of the method (VIP slots,
+block grid, fine budget, segment-local layers; VCC-LM's windows, blocks, anchors and state) starts at a row's first
+token. VCC-LM (:func:`lm_layer_packed`) runs the call's leading run that continues the carried document from the
+carried state and every other document from the empty state, and returns the last document's state with its id
+(``segment``) and length (``doc_length``).
+
 Departures from the VCC-LM design of §4.2 (ours):
   * the block accumulator keeps the last k layer inputs ([B, k, d]) instead of a running sum, and the
     anchor ring the last a queries; the key/value cache carries g front and w back padding slots so a
@@ -106,7 +113,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longctx import attention
-from longctx.attention.base import Aux, check_capacity
+from longctx.attention.base import Aux, check_capacity, continues_state
 from longctx.errors import ConfigError
 from longctx.models.blocks import TransformerBlock, get_block, split_key
 from longctx.models.layers import apply_rotary, dropout
@@ -185,6 +192,55 @@ def segment_local_layer(block, x, pos, valid, seg: int, *, rotary: bool, determi
     y = dense_layer(block, xp.reshape(B * G, s, d), pp.reshape(B * G, s), vp.reshape(B * G, s), rotary=rotary,
                     deterministic=deterministic, key=key)
     return y.reshape(B, n + pad, d)[:, :n]
+
+
+# ----------------------------------------------------------------------------- packed rows: documents as rows
+@dataclasses.dataclass(frozen=True)
+class DocumentLayout:
+    """Packed rows (``segment_ids`` [B, T]) laid out with each document as its own row (docs/methods/vcc.md §4.3):
+    document i of row b (``base.document_starts``' runs, numbered from 0) holds the slot ``[b, i]`` of a
+    [B, D, T] layout, its tokens first, then padding. VCC's math has no mid-row restart (its VIP slots, block
+    grid, fine budget and VCC-LM's windows and state all count from a row's first token), so each document runs
+    as a row of its own; ``D`` (``max_documents``) is static."""
+
+    lengths: jax.Array  # [B, D] int32: tokens of each document (0: an unused slot)
+    doc: jax.Array  # [B, T] int32: the slot of each token's document
+    src: jax.Array  # [B, D, T] int32: the packed token at each slot position (clipped where padding)
+    dst: jax.Array  # [B, T] int32: each packed token's place in the flattened [D * T] slots
+
+    @property
+    def in_doc(self):
+        """[B, D, T] bool: the slot position holds one of its document's tokens."""
+        return jnp.arange(self.src.shape[2]) < self.lengths[..., None]
+
+    def to_docs(self, a):
+        """a [B, T, ...] -> [B, D, T, ...] (padding positions hold some other token: mask them with ``in_doc``)."""
+        B, D, T = self.src.shape
+        idx = self.src.reshape((B, D * T) + (1,) * (a.ndim - 2))
+        return jnp.take_along_axis(a, idx, axis=1).reshape((B, D, T) + a.shape[2:])
+
+    def from_docs(self, y):
+        """y [B, D, T, ...] -> [B, T, ...]: each packed token from its document's slot."""
+        B, D, T = y.shape[:3]
+        flat = y.reshape((B, D * T) + y.shape[3:])
+        return jnp.take_along_axis(flat, self.dst.reshape((B, T) + (1,) * (y.ndim - 3)), axis=1)
+
+
+def document_layout(segment_ids, max_documents: int) -> DocumentLayout:
+    """The :class:`DocumentLayout` of ``segment_ids`` [B, T] with ``min(max_documents, T)`` slots; a row with more
+    documents is refused (``check_capacity``: a host error when traced, never a silent merge)."""
+    B, T = segment_ids.shape
+    D = min(max_documents, T)
+    doc = jnp.cumsum(jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                                      (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+    check_capacity(doc[:, -1] + 1, D, "vcc: a packed row holds {needed} documents but the stack lays out at most "
+                   "{capacity} (model.attention.vcc.max_documents, or the row's length); raise max_documents")
+    lengths = jnp.sum(doc[:, :, None] == jnp.arange(D), axis=1).astype(jnp.int32)  # [B, D]
+    starts = jnp.cumsum(lengths, axis=1) - lengths
+    t = jnp.arange(T, dtype=jnp.int32)
+    src = jnp.minimum(starts[:, :, None] + t, T - 1)
+    local = t - jnp.take_along_axis(starts, jnp.minimum(doc, D - 1), axis=1)
+    return DocumentLayout(lengths=lengths, doc=doc, src=src, dst=doc * T + local)
 
 
 # ----------------------------------------------------------------------------- format / T(C) / materialize
@@ -420,6 +476,7 @@ class VCCEncoderStack(nnx.Module):
     """Runs the backbone's blocks as n_dense segment-local layers + VCC layers (module docstring)."""
 
     takes_post_norm = True  # model.post_norm blocks (module docstring); read by the config's rules
+    takes_segments = True  # packed rows: each document laid out as its own row (DocumentLayout)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         name = cfg.attention.name
@@ -438,6 +495,7 @@ class VCCEncoderStack(nnx.Module):
         self.num_dense, self.segment_len = vc.num_dense_layers, vc.dense_segment_len
         self.explore_prob, self.scale_correction, self.ste_gate = vc.explore_prob, vc.scale_correction, vc.ste_gate
         self.rotary = cfg.positions == "rotary"
+        self.max_documents = vc.max_documents
 
     def init_state(self, blocks, batch_size: int, max_len: int | None = None):
         raise ValueError("vcc: the encoder stack (bidirectional) has no prefix state")
@@ -447,7 +505,11 @@ class VCCEncoderStack(nnx.Module):
                     ste_gate=self.ste_gate, explore_prob=self.explore_prob, deterministic=deterministic)
 
     def __call__(self, blocks, x, states=None, *, positions, important=None, valid=None, deterministic=True,
-                 key=None, aux: Aux | None = None, return_info: bool = False):
+                 key=None, aux: Aux | None = None, return_info: bool = False, segment_ids=None):
+        """``segment_ids`` [B, n] int32 (packed rows): every document is encoded as a row of its own
+        (:class:`DocumentLayout`), its positions the packed row's (restarting at each document), so it gets its own
+        VIP slots, blocks, fine budget and segment-local layers, exactly what it gets alone (in training the
+        exploration draws are the laid-out rows' own)."""
         if states is not None and any(s is not None for s in states):
             raise ValueError("vcc: the encoder stack takes no carried state")
         B, n, _ = x.shape
@@ -457,6 +519,23 @@ class VCCEncoderStack(nnx.Module):
             _warn_once("none", f"vcc: important=None: no VIP token in any row; each row's first {self.num_vip} "
                        "tokens act as its VIP queries for the block selection (docs/methods/vcc.md §2.8)")
         vip = jnp.zeros((B, n), bool) if important is None else important.astype(bool)
+        if segment_ids is None:
+            return self._encode(blocks, x, pos, valid, vip, important is not None, deterministic=deterministic,
+                                key=key, aux=aux, return_info=return_info)
+        lay = document_layout(segment_ids, self.max_documents)
+        D = lay.src.shape[1]
+        flat = lambda a: lay.to_docs(a).reshape((B * D, n) + a.shape[2:])  # noqa: E731
+        in_doc = lay.in_doc.reshape(B * D, n)
+        out = self._encode(blocks, flat(x), flat(pos), flat(valid) & in_doc, flat(vip) & in_doc,
+                           important is not None, deterministic=deterministic, key=key, aux=aux,
+                           return_info=return_info)
+        # the selection info (return_info) stays per laid-out row: [B * D, ...], slot-major within a row
+        return (lay.from_docs(out[0].reshape(B, D, n, -1)),) + tuple(out[1:])
+
+    def _encode(self, blocks, x, pos, valid, vip, vips_given: bool, *, deterministic, key, aux, return_info):
+        """The stack on rows x [B, n, d] (positions, validity and VIP flags [B, n]); ``vips_given``: the caller
+        passed ``important``."""
+        B, n, _ = x.shape
         # a row whose rest is not a whole number of blocks is padded with invalid tokens (masked keys,
         # excluded from block means, dropped on output); a row with no more blocks than the fine
         # budget keeps every block at token resolution (nothing to compress: the layer is exact)
@@ -479,7 +558,7 @@ class VCCEncoderStack(nnx.Module):
         y = materialize(st)[:, :n]
         vip_rows = jnp.any(vip & valid, axis=1)
         empty = jnp.sum(~vip_rows & jnp.any(valid, axis=1))  # rows with tokens but no VIP: the slot fallback
-        _report_vips(jnp.sum(overflow), jnp.zeros((), empty.dtype) if important is None else empty, self.num_vip)
+        _report_vips(jnp.sum(overflow), empty if vips_given else jnp.zeros((), empty.dtype), self.num_vip)
         if aux is not None:
             aux.add_metric("vip_overflow", jnp.sum(overflow))
             aux.add_metric("vip_empty_rows", empty)
@@ -524,6 +603,9 @@ def lm_init_state(block, opts: LMOptions, batch_size: int, max_len: int, d_model
         "qbuf": jnp.zeros((B, H, opts.anchors, Dh), jnp.float32),
         "sel": jnp.zeros((B, h), jnp.int32),
         "length": jnp.zeros((), jnp.int32),
+        # packed calls (lm_layer_packed): the id of the document the state summarizes (0: none) and its tokens
+        "segment": jnp.zeros((B,), jnp.int32),
+        "doc_length": jnp.zeros((B,), jnp.int32),
     }
 
 
@@ -545,11 +627,14 @@ def lm_select(anchors, anchor_valid, ck, nb_j, h: int, *, explore_prob: float, d
     return sel, ell
 
 
-def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned: bool):
+def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned: bool, n_valid=None):
     """One VCC-LM layer on a chunk x [B, T, d] that follows the prefix summarized by ``st``: returns
     (y, new state, info). The same function serves the parallel pass (one chunk from an empty state,
     ``aligned``: it starts at a window border), chunked training/evaluation and token-by-token
-    decoding, so they agree up to float summation order (and select the same blocks)."""
+    decoding, so they agree up to float summation order (and select the same blocks).
+
+    ``n_valid`` (int32 scalar, :func:`lm_layer_packed`): only the chunk's first ``n_valid`` tokens are fed (the
+    rest is padding after them: its outputs are garbage and the state is left as the ``n_valid`` tokens leave it)."""
     B, T, d = x.shape
     H, Dh = block.num_heads, block.head_dim
     k, w, g, a = opts.block_size, opts.window, opts.local, opts.anchors
@@ -557,18 +642,22 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
     h = st["sel"].shape[1]
     M = st["k"].shape[2] - g - w
     s = st["length"]
-    check_capacity(s + T, M, "vcc: the VCC-LM state holds {capacity} tokens (init_state max_len) but {needed} "
+    nv = T if n_valid is None else n_valid
+    check_capacity(s + nv, M, "vcc: the VCC-LM state holds {capacity} tokens (init_state max_len) but {needed} "
                    "were fed; build it with a larger max_len")
     k_sel, k_attn, k_mlp, k_res = split_key(key, 4)
     pos = s + jnp.arange(T, dtype=jnp.int32)
     q, kk, v = project(block, x, jnp.broadcast_to(pos, (B, T)), opts.rotary)
-    Kc = jax.lax.dynamic_update_slice(st["k"], kk.astype(jnp.float32), (0, 0, g + s, 0))
-    Vc = jax.lax.dynamic_update_slice(st["v"], v.astype(jnp.float32), (0, 0, g + s, 0))
+    K0, V0 = st["k"], st["v"]
+    if n_valid is not None:  # room for the padding's T slots past the state's capacity (sliced off below)
+        K0, V0 = (jnp.pad(c, ((0, 0), (0, 0), (0, T), (0, 0))) for c in (K0, V0))
+    Kc = jax.lax.dynamic_update_slice(K0, kk.astype(jnp.float32), (0, 0, g + s, 0))
+    Vc = jax.lax.dynamic_update_slice(V0, v.astype(jnp.float32), (0, 0, g + s, 0))
     # blocks completed in this chunk: mean layer input -> the layer's LN, W_K, W_V (RoPE at the centre)
     xcat = jnp.concatenate([st["xbuf"], x.astype(jnp.float32)], axis=1)  # positions [s - k, s + T)
     nc = T // k + 1
     bidx = s // k + jnp.arange(nc, dtype=jnp.int32)
-    complete = ((bidx + 1) * k <= s + T) & ((bidx + 1) * k > s)
+    complete = ((bidx + 1) * k <= s + nv) & ((bidx + 1) * k > s)
     rows = jnp.clip((bidx * k - (s - k))[:, None] + jnp.arange(k), 0, k + T - 1)  # [nc, k]
     xm = jnp.mean(xcat[:, rows], axis=2).astype(x.dtype)  # [B, nc, d]
     centre = (bidx * k).astype(jnp.float32) + (k - 1) / 2.0
@@ -640,10 +729,49 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
     y1 = x + dropout(block.out(o), block.dropout_rate, deterministic, k_attn)
     f = block.mlp(block.norm2(y1), deterministic=deterministic, key=k_mlp)
     y = y1 + dropout(f, block.dropout_rate, deterministic, k_res)
-    last = (offset + T - 1) // w
-    new = {"k": Kc, "v": Vc, "ck": CK, "cv": CV, "xbuf": xcat[:, T:T + k], "qbuf": qcat[:, :, T:T + a],
-           "sel": jax.lax.dynamic_index_in_dim(sels, last, axis=0, keepdims=False), "length": s + T}
+    last = (offset + nv - 1) // w
+    if n_valid is None:
+        xbuf, qbuf = xcat[:, T:T + k], qcat[:, :, T:T + a]
+    else:
+        Kc, Vc = Kc[:, :, :g + M + w], Vc[:, :, :g + M + w]
+        xbuf = jax.lax.dynamic_slice_in_dim(xcat, n_valid, k, axis=1)
+        qbuf = jax.lax.dynamic_slice_in_dim(qcat, n_valid, a, axis=2)
+    new = {**st, "k": Kc, "v": Vc, "ck": CK, "cv": CV, "xbuf": xbuf, "qbuf": qbuf,
+           "sel": jax.lax.dynamic_index_in_dim(sels, last, axis=0, keepdims=False), "length": s + nv}
     return y, new, {"sel": sels}
+
+
+def lm_layer_packed(block, x, st, opts: LMOptions, segment_ids, max_documents: int, *, deterministic: bool, key):
+    """:func:`lm_layer` on packed rows x [B, T, d] with ``segment_ids`` [B, T] (docs/methods/vcc.md §4.3): every
+    document runs as a row of its own (:class:`DocumentLayout`), from the empty state, except the call's leading
+    run of tokens that continues the document ``st`` summarizes (``base.continues_state`` of ``st['segment']``),
+    which runs from ``st`` (its windows, blocks, anchors and positions counted from that document's first token,
+    ``st['doc_length']`` tokens ago). Each document gets the layer's key (in training: the draws of the document
+    alone from a state of the same capacity). Returns (y, the state of each row's last document, info {'sel' per slot})."""
+    B, T, d = x.shape
+    lay = document_layout(segment_ids, max_documents)
+    D = lay.src.shape[1]
+    first = continues_state(st["segment"], segment_ids)[:, 0]  # [B]: slot 0 continues the carried document
+    per_row = {name: leaf for name, leaf in st.items() if name not in ("length", "segment", "doc_length")}
+    carried = {**per_row, "length": jnp.where(first, st["doc_length"], 0)}  # [B] leaves
+    empty = {name: jnp.zeros_like(leaf) for name, leaf in carried.items()}
+    slots = jax.tree.map(lambda c, e: jnp.stack([jnp.where(first.reshape((B,) + (1,) * (c.ndim - 1)), c, e)]
+                                                + [e] * (D - 1), axis=1), carried, empty)  # [B, D, ...]
+
+    def one(xe, ste, n):  # one document: x [T, d], its state's leaves without the batch axis
+        one_row = {name: (leaf if name == "length" else leaf[None]) for name, leaf in ste.items()}
+        y, new, info = lm_layer(block, xe[None], one_row, opts, deterministic=deterministic, key=key, aligned=False,
+                                n_valid=n)
+        return y[0], {name: (leaf if name == "length" else leaf[0]) for name, leaf in new.items()}, info["sel"][:, 0]
+
+    flat = lambda t: t.reshape((B * D,) + t.shape[2:])  # noqa: E731
+    y, new, sels = jax.vmap(one)(flat(lay.to_docs(x)), jax.tree.map(flat, slots), flat(lay.lengths))
+    new = jax.tree.map(lambda t: t.reshape((B, D) + t.shape[1:]), new)
+    last = lay.doc[:, -1]  # each row's last document
+    pick = lambda t: jnp.take_along_axis(t, last.reshape((B, 1) + (1,) * (t.ndim - 2)), axis=1)[:, 0]  # noqa: E731
+    state = {**jax.tree.map(pick, {name: leaf for name, leaf in new.items() if name != "length"}),
+             "length": st["length"] + T, "segment": segment_ids[:, -1], "doc_length": pick(new["length"])}
+    return lay.from_docs(y.reshape(B, D, T, d)), state, {"sel": sels.reshape((B, D) + sels.shape[1:])}
 
 
 class VCCDecoderStack(nnx.Module):
@@ -659,6 +787,7 @@ class VCCDecoderStack(nnx.Module):
 
     per_layer = True
     takes_grouped_kv = True
+    takes_segments = True  # packed rows: lm_layer_packed (each document from its own state)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         name = cfg.attention.name
@@ -676,6 +805,7 @@ class VCCDecoderStack(nnx.Module):
                               scale_correction=vc.scale_correction, ste_gate=vc.ste_gate,
                               explore_prob=vc.explore_prob)
         self.d_model = cfg.d_model
+        self.max_documents = vc.max_documents
 
     def init_layer_state(self, block, batch_size: int, max_len: int | None = None):
         """One layer's empty state (:func:`lm_init_state`) for ``max_len`` tokens."""
@@ -686,29 +816,37 @@ class VCCDecoderStack(nnx.Module):
     def init_state(self, blocks, batch_size: int, max_len: int | None = None):
         return [self.init_layer_state(b, batch_size, max_len) for b in blocks]
 
-    def layer(self, block, x, state=None, *, deterministic=True, key=None, return_info: bool = False):
+    def layer(self, block, x, state=None, *, deterministic=True, key=None, return_info: bool = False,
+              segment_ids=None):
         """One VCC-LM layer on x [B, T, d]: (y, new state), and its selection info with ``return_info``.
-        ``state`` None: no prefix (the parallel pass over x, a state for T tokens built here)."""
+        ``state`` None: no prefix (the parallel pass over x, a state for T tokens built here). ``segment_ids``
+        [B, T] int32: packed rows (:func:`lm_layer_packed`)."""
         aligned = state is None
         if aligned:
             state = self.init_layer_state(block, x.shape[0], x.shape[1])
-        y, state, info = lm_layer(block, x, state, self.opts, deterministic=deterministic, key=key, aligned=aligned)
+        if segment_ids is not None:
+            y, state, info = lm_layer_packed(block, x, state, self.opts, segment_ids, self.max_documents,
+                                             deterministic=deterministic, key=key)
+        else:
+            y, state, info = lm_layer(block, x, state, self.opts, deterministic=deterministic, key=key,
+                                      aligned=aligned)
         return (y, state, info) if return_info else (y, state)
 
     def __call__(self, blocks, x, states=None, *, positions, important=None, valid=None, deterministic=True,
-                 key=None, aux: Aux | None = None, return_info: bool = False):
+                 key=None, aux: Aux | None = None, return_info: bool = False, segment_ids=None):
         if states is not None and any(st is None for st in states) and not all(st is None for st in states):
             raise ValueError("vcc: the stack takes every layer's state or none")
         states = [None] * len(blocks) if states is None else states
         keys = split_key(key, len(blocks))
         new_states, infos = [], []
         for block, st, kl in zip(blocks, states, keys):
-            x, st, info = self.layer(block, x, st, deterministic=deterministic, key=kl, return_info=True)
+            x, st, info = self.layer(block, x, st, deterministic=deterministic, key=kl, return_info=True,
+                                     segment_ids=segment_ids)
             new_states.append(st)
             infos.append(info)
         return (x, new_states, infos) if return_info else (x, new_states)
 
 
-__all__ = ["LMOptions", "VCCDecoderStack", "VCCEncoderStack", "VCCState", "choose_blocks", "compression_matrices",
-           "format_rows", "lm_init_state", "lm_layer", "lm_select", "materialize", "selection_logits", "ste_delta",
-           "tokens_of", "vcc_layer"]
+__all__ = ["DocumentLayout", "LMOptions", "VCCDecoderStack", "VCCEncoderStack", "VCCState", "choose_blocks",
+           "compression_matrices", "document_layout", "format_rows", "lm_init_state", "lm_layer", "lm_layer_packed",
+           "lm_select", "materialize", "selection_logits", "ste_delta", "tokens_of", "vcc_layer"]
