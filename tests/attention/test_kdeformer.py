@@ -669,3 +669,97 @@ def test_a_cpu_route_named_off_a_cpu_raises():
     with pytest.raises(KernelUnsupportedError, match="band runs on cpu"):
         make(True, causal=SMALL, impl="band", platform="cuda").implementation_for(jnp.float32, cache_len=64)
 
+
+# --------------------------------------------------------------------------- §4.6 packed rows
+# (the law, every implementation, fp32 and bf16, gradients and two calls: tests/attention/test_packed_law.py)
+LENGTHS = ((5, 27, 16), (16, 5, 27))  # two rows of three documents (48 tokens), one shorter than a block
+
+
+def packed_ids(rows=LENGTHS):
+    return jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in rows]), jnp.int32)
+
+
+def alone(core, rows, q, k, v, key):
+    """Every document of ``rows`` run alone (the rows' documents of one length together), in the packed layout."""
+    out = jnp.zeros_like(v)
+    starts = [np.concatenate([[0], np.cumsum(r)[:-1]]) for r in rows]
+    for n in sorted(set(rows[0])):
+        at = [int(s[list(r).index(n)]) for r, s in zip(rows, starts)]
+        take = lambda x, n=n, at=at: jnp.stack([x[b, :, a:a + n] for b, a in enumerate(at)])  # noqa: E731
+        o = run(core, take(q), take(k), take(v), deterministic=False, key=key)[0]
+        for b, a in enumerate(at):
+            out = out.at[b, :, a:a + n].set(o[b])
+    return out
+
+
+@nnx.jit
+def run_packed(core, q, k, v, seg, key, state=None):
+    return core(q, k, v, state, deterministic=False, key=key, segment_ids=seg)
+
+
+@pytest.mark.parametrize("sampling", [pytest.param("ref", marks=pytest.mark.slow), "uniform"])
+def test_packed_bidirectional_draws_are_each_documents_own(sampling):
+    """Every token's samples are the columns its document draws alone (shifted to the document's first token):
+    the same indices, and log-weights equal up to the rounding of λ (§4.6)."""
+    opts = bopts(sampling=sampling)
+    _, _, v = qkv(48, seed=31, dv=6)
+    v = v * jnp.linspace(0.2, 3.0, 48)[:, None]  # norms that differ, so 'ref' is not uniform
+    seg = packed_ids()
+    start, n = kd.document_lengths(seg)
+    key = jax.random.PRNGKey(32)
+    idx, omega = jax.jit(kd.packed_bidir_samples, static_argnums=4)(key, v, start, n, opts)
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for length in row:
+            one = jax.jit(kd.bidir_samples, static_argnums=(2, 3))(key, v[:, :, s:s + length], length, opts)
+            for t in (s, s + length - 1):  # the document's first and last tokens draw the same columns
+                np.testing.assert_array_equal(np.asarray(idx[b, :, t]), np.asarray(one[0][b]) + s)
+                np.testing.assert_allclose(np.asarray(omega[b, :, t]), np.asarray(one[1][b]), rtol=1e-5)
+            s += length
+
+
+@pytest.mark.parametrize("causal,settings", [
+    pytest.param(True, {"causal": dict(SMALL, sampling="ref"), "impl": "reference"}, marks=pytest.mark.slow),
+    (False, {"bucket_size": 8, "num_samples": 8, "num_projs": 3, "sampling": "uniform", "impl": "reference"}),
+])
+def test_packed_reference_equals_documents_alone_in_the_other_samplers(causal, settings):
+    """The law's cases sample causally 'uniform' and bidirectionally 'ref'; here the other sampler of each direction:
+    packed rows equal their documents alone (with a random key: every draw the document's own)."""
+    core = make(causal, **settings)
+    q, k, v = qkv(48, seed=33)
+    key = jax.random.PRNGKey(34)
+    got = run_packed(core, q, k, v, packed_ids(), key)[0]
+    assert maxdiff(got, alone(core, LENGTHS, q, k, v, key)) <= 2e-5
+
+
+@pytest.mark.parametrize("impl,sampling", [("reference", "uniform"), ("gather", "uniform"),
+                                           pytest.param("gather", "ref", marks=pytest.mark.slow)])
+def test_packed_decoding_restarts_at_every_new_id(impl, sampling):
+    """Decoding a packed row token by token (T = 1 calls with segment ids through the state) equals its full
+    packed pass: a new id starts a fresh document, the carried one continues (§4.6)."""
+    core = make(True, causal=dict(SMALL, sampling=sampling), impl=impl)
+    q, k, v = qkv(48, seed=35)
+    seg, key = packed_ids(), jax.random.PRNGKey(36)
+    full, full_state = run_packed(core, q, k, v, seg, key)
+    state, outs = core.init_state(B, 48), []
+    step = nnx.jit(lambda core, q, k, v, s, st: core(q, k, v, st, deterministic=False, key=key, segment_ids=s))
+    for t in range(48):
+        o, state = step(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], seg[:, t:t + 1], state)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, 2), full) <= 2e-5
+    np.testing.assert_array_equal(np.asarray(state["segment"]), np.asarray(seg[:, -1]))
+    np.testing.assert_array_equal(np.asarray(state["start"]), [48 - 16, 48 - 27])  # the last documents' starts
+    for name in ("segment", "start", "length"):
+        np.testing.assert_array_equal(np.asarray(state[name]), np.asarray(full_state[name]), err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["gather", "band"])
+def test_packed_tiled_causal_ref_sampler_equals_documents_alone(impl):
+    """The tiled causal forms' 'ref' sampler on a packed row (one draw per document chunk with a prefix, its λ from
+    the row grid's chunk Grams): each document as alone, 48 tokens with documents longer than the local window."""
+    core = make(True, causal=dict(SMALL, sampling="ref"), impl=impl, heavy_band_block=8)
+    q, k, v = qkv(48, seed=37)
+    key = jax.random.PRNGKey(38)
+    got = run_packed(core, q, k, v, packed_ids(), key)[0]
+    assert maxdiff(got, alone(core, LENGTHS, q, k, v, key)) <= 2e-5

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.base import continues_state, document_starts
 from longctx.models.precision import einsum_f32
 from pallas_kernels.precision import statistic
 
@@ -234,27 +235,99 @@ def _uniform_below(key, tot, shape):
     return jnp.where(small, 0, h), jnp.where(small, t_small, lo)
 
 
-def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None):
+def draw_samples(key, m: int, n_prefix, sampling: str, *, cum=None, u=None, lam=None, first=None, before=None,
+                 tot=None):
     """m i.i.d. indices per (b,h) in [0, n_prefix) and their probabilities p.
 
     n_prefix: int32 [B,H] (≥ 1). 'uniform': p = 1/n. 'ref' (needs cum = :func:`weight_prefix_sums` of the
     integer weights u [B,H,M], lam [B,H] = λ): mixture of uniform (prob. π_u = 1/(1 + T 2^-6/λ)) and ∝ u, with
-    T = C[n−1] (exact at any length); p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw."""
+    T = C[n−1] (exact at any length); p = π_u/n + (1−π_u) u_ℓ/T exactly the law of the draw.
+
+    A document of a packed row (§4.6): ``first`` [B,H] the position of its index 0 in the row, ``before`` the
+    words of C just before it and ``tot`` its total (words, [B,H,1] each; ``cum`` and ``u`` the row's). The draws
+    are the document's alone, shifted by ``first`` (the random bits are the same: only the bounds move)."""
     B, H = n_prefix.shape
     nf = n_prefix.astype(jnp.float32)[..., None]
+    shift = (lambda i: i) if first is None else (lambda i: i + first[..., None])
     if sampling == "uniform":
         idx = jax.random.randint(key, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
-        return idx, jnp.broadcast_to(1.0 / nf, (B, H, m))
+        return shift(idx), jnp.broadcast_to(1.0 / nf, (B, H, m))
     k1, k2, k3 = jax.random.split(key, 3)
-    tot = tuple(jnp.take_along_axis(w, (n_prefix - 1)[..., None], axis=-1) for w in cum)  # [B,H,1] each
+    if tot is None:
+        tot = tuple(jnp.take_along_axis(w, (n_prefix - 1)[..., None], axis=-1) for w in cum)  # [B,H,1] each
     totf = tot[0].astype(jnp.float32) * float(1 << CUM_SHIFT) + tot[1].astype(jnp.float32)
     pi_u = 1.0 / (1.0 + totf * 2.0**-NORM_SHIFT / jnp.maximum(lam[..., None], 1e-30))
     bit = jax.random.bernoulli(k1, pi_u, (B, H, m))
-    uni = jax.random.randint(k2, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32)
-    nidx = _search_words_right(cum, _uniform_below(k3, tot, (B, H, m)))
+    uni = shift(jax.random.randint(k2, (B, H, m), 0, n_prefix[..., None], dtype=jnp.int32))
+    t = _uniform_below(k3, tot, (B, H, m))
+    if before is not None:  # the document's C[x] − C[first − 1] ≤ t  ⇔  C[x] ≤ t + C[first − 1]
+        t = _carry(t[0] + before[0], t[1] + before[1])
+    nidx = _search_words_right(cum, t)
     idx = jnp.where(bit, uni, nidx)
     p = pi_u / nf + (1.0 - pi_u) * jnp.take_along_axis(u, idx, axis=-1).astype(jnp.float32) / totf
     return idx, p
+
+
+def words_at(cum, i):
+    """C[i] as words ([..., K] each) for positions i [..., K]; 0 where i < 0."""
+    return tuple(jnp.where(i >= 0, jnp.take_along_axis(w, jnp.maximum(i, 0), axis=-1), 0) for w in cum)
+
+
+def words_sub(a, b):
+    """a − b for (hi, lo) words with a ≥ b (normalised: 0 ≤ lo < 2^30)."""
+    lo = a[1] - b[1]
+    return a[0] - b[0] - (lo < 0), jnp.where(lo < 0, lo + (1 << CUM_SHIFT), lo)
+
+
+def document_lambda(v, valid, doc, iters: int):
+    """λ = ‖Ṽ_doc‖²_op of every token's document (§4.6), [B,H,T]: :func:`power_lambda` run on all documents of
+    each row at once, the Gram never formed (x ← Ṽᵀ(Ṽx) as two segment sums over the document's rows; the same
+    start and iterations as :func:`power_lambda`, whose rounding it shares only up to the order of the sums).
+    v [B,H,T,dv]; valid [B,H,T] or broadcastable; doc [B,T] the document index of each token (< T)."""
+    B, H, T, _ = v.shape
+    va = jnp.concatenate([v.astype(jnp.float32), jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
+    va = jnp.where(jnp.broadcast_to(valid, (B, H, T))[..., None], va, 0.0)
+    e = va.shape[-1]
+    seg = jax.vmap(lambda a, d: jax.vmap(lambda x: jax.ops.segment_sum(x, d, num_segments=T))(a))  # [B,H,T,·]
+    at = jax.vmap(lambda a, d: a[:, d])  # per-document rows back to their tokens
+    gram_x = lambda x: seg(va * jnp.sum(va * at(x, doc), axis=-1, keepdims=True), doc)  # noqa: E731
+
+    def body(_, x):
+        y = gram_x(x)
+        return y / jnp.maximum(jnp.linalg.norm(y, axis=-1, keepdims=True), 1e-30)
+
+    with statistic("kdeformer ref sampler: lambda of every packed document (float32 power iteration, §4.6)"):
+        x = jax.lax.fori_loop(0, iters, body, jnp.full((B, H, T, e), e**-0.5, jnp.float32))
+        lam = seg(jnp.square(jnp.sum(va * at(x, doc), axis=-1)), doc)  # xᵀ G x = Σ_rows (ṽ·x)²
+    return at(lam, doc)
+
+
+def packed_bidir_samples(key_s, v, start, n, opts: BidirOptions):
+    """:func:`bidir_samples` of every token's document in a packed row (§4.6): the ``m`` columns that document
+    draws alone, as row positions, and their log-weights, [B,H,T,m] each. v [B,H,T,dv] (rows ≥ the row's real
+    length are padding: ``n`` 0 there is never asked); start, n [B,T] (:func:`document_lengths`)."""
+    B, H, T = v.shape[:3]
+    m = opts.num_samples
+    tok = lambda x: jnp.broadcast_to(x[:, None], (B, H, T))  # noqa: E731
+    st, nn = tok(start), tok(jnp.maximum(n, 1))
+    if opts.sampling == "uniform":
+        def one(s, k):
+            return draw_samples(key_s, m, k, "uniform", first=s)
+        idx, p = jax.vmap(one, in_axes=2, out_axes=2)(st, nn)
+    else:
+        valid = tok(n > 0)
+        u = norm_weights(v, valid)
+        cum = weight_prefix_sums(u)
+        doc = jnp.cumsum(start == jnp.arange(T, dtype=jnp.int32), axis=1) - 1
+        lam = document_lambda(v, valid, doc, opts.power_iters)
+        before = words_at(cum, st - 1)
+        tot = words_sub(words_at(cum, st + nn - 1), before)
+
+        def one(s, k, lm, b0, b1, t0, t1):
+            return draw_samples(key_s, m, k, "ref", cum=cum, u=u, lam=lm, first=s, before=(b0[..., None], b1[..., None]),
+                                tot=(t0[..., None], t1[..., None]))
+        idx, p = jax.vmap(one, in_axes=2, out_axes=2)(st, nn, lam, *before, *tot)
+    return idx, -jnp.log(m * p)
 
 
 def bidir_samples(key_s, v, n_valid: int, opts: BidirOptions):
@@ -274,26 +347,67 @@ def bidir_samples(key_s, v, n_valid: int, opts: BidirOptions):
 
 
 # ---------------------------------------------------------------------------
+# packed rows (§4.6): every index and draw of a document counted from its first token
+# ---------------------------------------------------------------------------
+
+
+def document_lengths(segment_ids):
+    """A packed row's documents (bidirectional): (start [B,T], n [B,T]) int32, the row position of the first token
+    of each token's document and that document's length."""
+    B, T = segment_ids.shape
+    start = document_starts(segment_ids.astype(jnp.int32))
+    doc = jnp.cumsum(start == jnp.arange(T, dtype=jnp.int32), axis=1) - 1  # the document's index in its row
+    count = jax.vmap(lambda d: jax.ops.segment_sum(jnp.ones((T,), jnp.int32), d, num_segments=T))(doc)
+    return start, jnp.take_along_axis(count, doc, axis=1)
+
+
+def causal_starts(state, segment_ids, T: int, batch: int):
+    """int32 [B,T]: the cache position of the first token of each new token's document (§4.6). Without segment ids
+    0: the whole cache is one stream, as before packed rows. With them, the call's leading tokens that continue
+    the state's document (``base.continues_state``) keep its start (``state['start']``), every other document
+    starts at its first token."""
+    if segment_ids is None:
+        return jnp.zeros((batch, T), jnp.int32)
+    own = document_starts(segment_ids.astype(jnp.int32))
+    if state is None:
+        return own
+    cont = continues_state(state["segment"], segment_ids.astype(jnp.int32))
+    return jnp.where(cont, state["start"][:, None], state["length"] + own)
+
+
+def draw_rows(draw, batch: int):
+    """Row b of ``draw(b)`` for every row b (``draw(b) -> [B, ...]``, a pytree): a draw made for each row at its own
+    document's chunk and start keeps the bits of the full ``[B, ...]`` draw that row takes alone, whichever chunk
+    the other rows are in (B draws of the full shape: a row's key cannot be split from the others')."""
+    return jax.vmap(lambda b: jax.tree.map(lambda x: x[b], draw(b)))(jnp.arange(batch, dtype=jnp.int32))
+
+
+# ---------------------------------------------------------------------------
 # the decoding state (§4.4)
 # ---------------------------------------------------------------------------
 
 
-def next_state(state, k, v, W, compute_dtype):
+def next_state(state, k, v, W, compute_dtype, segment_ids=None):
     """The causal state after a call's keys k [B,H,T,d] and values v [B,H,T,dv] (``state`` None: the first call):
     the KV cache, the code cache h(k) (the keys in the compute dtype, as every implementation hashes them), the
-    stream's projections W and the token count. A full pass's cache is the sequence itself (float32 or wider);
+    stream's projections W, the token count, and the document the state continues (§4.6): ``segment`` [B] its id
+    and ``start`` [B] the cache position of its first token (keys before it belong to finished documents and are
+    never attended again); a call without segment ids leaves 0 in both (the cache is one stream). A full pass's cache is the sequence itself (float32 or wider);
     a decoding cache keeps its dtype and writes the tokens at ``state['length']``."""
     k, v = k.astype(compute_dtype), v.astype(compute_dtype)
-    codes, T = lsh_codes(k, W), k.shape[2]
+    codes, (B, _, T) = lsh_codes(k, W), k.shape[:3]
+    start = causal_starts(state, segment_ids, T, B)[:, -1]
+    segment = jnp.zeros((B,), jnp.int32) if segment_ids is None else segment_ids[:, -1].astype(jnp.int32)
     if state is None:
         sdt = jnp.promote_types(compute_dtype, jnp.float32)
-        return {"k": k.astype(sdt), "v": v.astype(sdt), "codes": codes, "proj": W, "length": jnp.asarray(T, jnp.int32)}
+        return {"k": k.astype(sdt), "v": v.astype(sdt), "codes": codes, "proj": W, "length": jnp.asarray(T, jnp.int32),
+                "segment": segment, "start": start}
     P0 = state["length"]
     put = lambda a, x: jax.lax.dynamic_update_slice(a, x.astype(a.dtype), (0, 0, P0) + (0,) * (a.ndim - 3))  # noqa: E731
     return {"k": put(state["k"], k), "v": put(state["v"], v), "codes": put(state["codes"], codes), "proj": W,
-            "length": jnp.asarray(P0 + T, jnp.int32)}
+            "length": jnp.asarray(P0 + T, jnp.int32), "segment": segment, "start": start}
 
 
 __all__ = ["CUM_SHIFT", "INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions",
-           "augmented_gram", "bidir_samples", "draw_projections", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
+           "augmented_gram", "bidir_samples", "document_lambda", "packed_bidir_samples", "words_at", "words_sub", "causal_starts", "document_lengths", "draw_projections", "draw_rows", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
            "next_state", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]

@@ -28,8 +28,12 @@ accelerator on a GPU or TPU; a value written in the config runs as written), and
 the core's options before calling the math. :meth:`KDEformerAttention.prepare` draws the projections and the
 samples' key and checks the state's capacity; :meth:`KDEformerAttention.finish` builds the next state.
 
-Decoding state (causal): the KV cache, the code cache, the projections ``W`` and the token count
-(``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
+Packed rows (``segment_ids``, §4.6): every implementation, both directions, computes each document as if alone,
+every index and draw counted from its first token. The state then holds the last document's id and start, and the
+next call's leading tokens with that id continue it.
+
+Decoding state (causal): the KV cache, the code cache, the projections ``W``, the token count and the carried
+document (``segment``, ``start``: 0 without segment ids) (``init_state(batch, max_len)``; ``common.next_state``). A call with a state treats the cache as the
 sequence so far, so any split into consecutive chunks equals one full pass. Feeding more tokens than
 ``max_len`` raises (host check when the count is concrete, ``jax.debug.callback`` under jit).
 
@@ -50,6 +54,8 @@ Departures from the paper, the released code and the method notes, named:
   a fresh key per window keeps the code cache consistent. Samples use the current call's key.
 * ``sampling='paper_mc'`` (§2.3i, optional) is not implemented.
 * Cross-attention (``Nq ≠ Nk``) is not offered: the contract is self-attention.
+* Packed rows (§4.6) are ours; a packed document's ``ref`` sampler computes its ``λ`` over other arrays than alone
+  (equal up to the order of the sums), the one draw input that is not exact.
 * Masked logits use a finite ``-1e30`` and an explicit mask (``where``) in the tiled forms, and a row without
   any finite entry outputs 0 (only padded rows can be such), instead of ``-inf``.
 """
@@ -63,7 +69,14 @@ import jax.numpy as jnp
 import ml_collections
 
 from longctx.attention import dispatch
-from longctx.attention.base import AttentionCore, CapacityError, ContractCase, check_capacity, require
+from longctx.attention.base import (
+    AttentionCore,
+    CapacityError,
+    ContractCase,
+    check_capacity,
+    check_segments,
+    require,
+)
 from longctx.attention.kdeformer import reference
 from longctx.attention.kdeformer.common import (
     BidirOptions,
@@ -86,8 +99,9 @@ class Reference(dispatch.Runner):
         x = call.inputs
         if core.causal:
             return dispatch.Result(reference.causal(x["q"], x["k"], x["v"], x["W"], call.key, core.causal_opts,
-                                                    call.state))
-        return dispatch.Result(reference.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts))
+                                                    call.state, x["segment_ids"]))
+        return dispatch.Result(reference.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts,
+                                                       x["segment_ids"]))
 
 
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"}, code=Reference)
@@ -99,6 +113,7 @@ class KDEformerAttention(AttentionCore):
     name = "kdeformer"
     EXECUTION_KEYS = ("impl", "heavy_impl", "heavy_scores_max_len", "heavy_band_block", "tile_budget")
     randomized = True
+    takes_segments = True  # every implementation, both directions: each document as if alone (§4.6)
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -253,12 +268,16 @@ class KDEformerAttention(AttentionCore):
             "codes": jnp.zeros((B, H, max_len), jnp.int32),
             "proj": jnp.zeros((B, H, D, self.causal_opts.num_projs), jnp.float32),
             "length": jnp.zeros((), jnp.int32),
+            "segment": jnp.zeros((B,), jnp.int32),  # the id of the document the state continues (0: none)
+            "start": jnp.zeros((B,), jnp.int32),  # the cache position of that document's first token
         }
 
-    def prepare(self, q, k, v, state, *, deterministic: bool, key):
-        """The call every implementation takes: inputs ``q``, ``k``, ``v`` and ``W`` (the stream's projections:
-        drawn from the call's key, or the state's once its stream has begun), ``key`` the samples' key, ``state`` the
-        carried one; the capacity of the state checked before any work."""
+    def prepare(self, q, k, v, state, *, deterministic: bool, key, segment_ids=None):
+        """The call every implementation takes: inputs ``q``, ``k``, ``v``, ``W`` (the stream's projections:
+        drawn from the call's key, or the state's once its stream has begun) and ``segment_ids`` (a packed row's
+        documents, or None), ``key`` the samples' key, ``state`` the carried one; the capacity of the state checked
+        before any work."""
+        check_segments(self, q, segment_ids)
         if v.shape[-1] != self.value_dim or q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
             raise ValueError(f"kdeformer: expected {self.num_heads} heads, head_dim {self.head_dim}, value_dim "
                              f"{self.value_dim}; got q {q.shape}, v {v.shape}")
@@ -278,7 +297,8 @@ class KDEformerAttention(AttentionCore):
             check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
             W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
             shapes = self.selection_shapes(q.dtype, cache_len=M, full_pass=False)
-        return dispatch.Call({"q": q, "k": k, "v": v, "W": W}, state, key=k_s), shapes
+        inputs = {"q": q, "k": k, "v": v, "W": W, "segment_ids": segment_ids}
+        return dispatch.Call(inputs, state, key=k_s), shapes
 
     def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux=None):
         """The output in the values' dtype and, causal, the next state (``common.next_state``)."""
@@ -286,7 +306,7 @@ class KDEformerAttention(AttentionCore):
         out = result.out.astype(x["v"].dtype)
         if not self.causal:
             return out, None
-        return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype)
+        return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"])
 
 
 __all__ = ["CAPACITY_MESSAGE", "REFERENCE", "ROUTES", "KDEformerAttention", "Reference"]

@@ -13,6 +13,11 @@ recomputed in the backward pass); keys sorted once by ``κ_j = h(k_j)·M + j`` s
 of code-sorted keys their runs touch, as products. 'auto': 'scores' while the cache holds ≤
 ``heavy_scores_max_len`` tokens, else 'band' for a full pass and 'gather' for a call with a state.
 
+Packed rows (§4.6, ``segment_ids``): :func:`bidir_packed` (documents sorted apart, each query block against the
+three key blocks around it) and :func:`causal_forward` with ``starts`` (per-query prefix ends, a local window of
+one more chunk, per-query samples: 'uniform' from a table of every chunk's draws, 'ref' from one draw per
+document chunk, :func:`_packed_ref_draws`).
+
 Gradient policy (§6): the plans (:func:`bidir_plan`, :func:`causal_plan`: hashes, permutations, samples,
 log-weights, masks) are ``stop_gradient``; :func:`bidir_apply` / :func:`causal_apply` are differentiable.
 
@@ -43,16 +48,23 @@ from longctx.attention.kdeformer.common import (
     CausalOptions,
     augmented_gram,
     bidir_samples,
+    causal_starts,
+    document_lengths,
+    draw_rows,
     draw_samples,
     gray_rank,
     inverse_permutation,
     lsh_codes,
     norm_weights,
+    packed_bidir_samples,
     power_lambda,
     prefix_end,
     weight_prefix_sums,
+    words_at,
+    words_sub,
 )
 from longctx.models.precision import einsum_f32
+from pallas_kernels.precision import statistic
 
 
 def row_scale(x, s):
@@ -169,6 +181,83 @@ def bidir_forward(q, k, v, W, key_s, opts: BidirOptions, *, return_lse: bool = F
     return out[:, :, :N]
 
 
+def _doc_sort(rank, start, pos):
+    """Slots ordered by (document start, rank, position): every document's tokens together, in row order, each
+    sorted stably by rank as alone (§4.6). rank [B,H,N]; start [B,N]."""
+    by_rank = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+    st = jnp.broadcast_to(start[:, None, :], rank.shape)
+    by_doc = jnp.argsort(jnp.take_along_axis(st, by_rank, axis=-1), axis=-1, stable=True).astype(jnp.int32)
+    return jnp.take_along_axis(by_rank, by_doc, axis=-1)
+
+
+def bidir_packed(q, k, v, W, key_s, segment_ids, opts: BidirOptions, row_scale=row_scale):
+    """The bidirectional estimator of a packed row (§4.6): every document as if alone. out [B,H,N,dv].
+
+    Queries and keys are sorted by (document, rank, position), so each document fills the slots [s, s + n) of
+    both orders (s its first token, n its length) sorted as alone, and its blocks of b are cut from s: a query at
+    sorted slot t has the document block (t − s) // b, whose keys are the slots [s + b·⌊(t−s)/b⌋, …) (≤ b of them,
+    the document's last block shorter: the padding alone holds no key). Those lie within b − 1 slots of t, so each
+    row block of b sorted queries is scored against the 3 row blocks of sorted keys around it, masked to each
+    query's document block (3x the heavy products of one stream). The samples are every query's own document's
+    (:func:`common.packed_bidir_samples`: the draws that document makes alone), gathered per query."""
+    B, H, N, d = q.shape
+    dv = v.shape[-1]
+    b, r, m = opts.bucket_size, opts.num_projs, opts.num_samples
+    nb = -(-N // b)
+    Np = nb * b
+    pad = ((0, 0), (0, 0), (0, Np - N), (0, 0))
+    q, k, v = (jnp.pad(x.astype(q.dtype), pad) for x in (q, k, v))  # the compute dtype
+    start, n = document_lengths(segment_ids)
+    start = jnp.pad(start, ((0, 0), (0, Np - N)), constant_values=N)  # the padding: a document of its own, last
+    n = jnp.pad(n, ((0, 0), (0, Np - N)))  # ... that draws nothing and is never drawn
+    pos = jnp.arange(Np, dtype=jnp.int32)
+    valid = pos < N
+    stb, nbh = (jnp.broadcast_to(x[:, None, :], (B, H, Np)) for x in (start, n))
+
+    def plan_fn(q, k, v):
+        rank = lambda x: jnp.where(valid, gray_rank(lsh_codes(x, W), r, opts.gray_order), 1 << r)  # noqa: E731
+        perm_q, perm_k = _doc_sort(rank(q), start, pos), _doc_sort(rank(k), start, pos)
+        kblk = (inverse_permutation(perm_k) - stb) // b  # every key's block in its document
+        sq, nq = (jnp.take_along_axis(x, perm_q, axis=-1) for x in (stb, nbh))  # sorted queries' documents
+        lo = sq + (pos - sq) // b * b
+        plan = {"perm_q": perm_q, "perm_k": perm_k, "kblk": kblk, "lo": lo,
+                "hi": jnp.minimum(lo + b, sq + nq), "qblk": (pos - sq) // b, "sq": sq}
+        if m > 0 and opts.residual == "sampled":
+            idx, omega = packed_bidir_samples(key_s, v, start, n, opts)  # [B,H,Np,m], token order
+            plan["idx"] = jnp.take_along_axis(idx, perm_q[..., None], axis=2)
+            plan["omega"] = jnp.take_along_axis(omega, perm_q[..., None], axis=2)
+        return jax.tree.map(jax.lax.stop_gradient, plan)
+
+    plan = plan_fn(*(jax.lax.stop_gradient(x) for x in (q, k, v)))
+    Qs = _take(q, plan["perm_q"]).reshape(B, H, nb, b, d)
+    ext = lambda x: jnp.pad(_take(x, plan["perm_k"]), ((0, 0), (0, 0), (b, b), (0, 0)))  # noqa: E731
+    band = lambda x: jnp.concatenate([x[:, :, o:o + Np].reshape(B, H, nb, b, -1) for o in (0, b, 2 * b)], 3)  # noqa: E731
+    K3, V3 = band(ext(k)), band(ext(v))  # [B,H,nb,3b,·]: the row blocks before, at and after each query block
+    slot = (jnp.arange(nb, dtype=jnp.int32)[:, None] - 1) * b + jnp.arange(3 * b, dtype=jnp.int32)  # [nb,3b]
+    lo, hi = (plan[x].reshape(B, H, nb, b, 1) for x in ("lo", "hi"))
+    hmask = (slot[:, None, :] >= lo) & (slot[:, None, :] < hi)
+    sig = opts.scale
+    s_h = (sig * einsum_f32("bhnqd,bhnkd->bhnqk", Qs, K3)).reshape(B, H, Np, 3 * b)  # rows: sorted queries
+    heavy_v = lambda p: einsum_f32("bhnqk,bhnkd->bhnqd", p.reshape(B, H, nb, b, 3 * b).astype(V3.dtype),  # noqa: E731
+                                   V3).reshape(B, H, Np, dv)
+    parts = [(s_h, hmask.reshape(B, H, Np, 3 * b), heavy_v)]
+    Qf = Qs.reshape(B, H, Np, d)
+    if opts.residual == "exact":  # every other key of the query's document (debug, O(N²))
+        s_r = sig * einsum_f32("bhqd,bhkd->bhqk", Qf, k)
+        mask = ((stb[:, :, None, :] == plan["sq"][..., None]) & (plan["kblk"][:, :, None, :] != plan["qblk"][..., None])
+                & valid)
+        parts.append((s_r, mask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(v.dtype), v)))
+    elif "idx" in plan:
+        flat = plan["idx"].reshape(B, H, -1)
+        Kl, Vl = (_take(x, flat).reshape(B, H, Np, m, -1) for x in (k, v))
+        s_s = sig * jnp.sum((Qf[:, :, :, None, :] * Kl).astype(_ftype(Qf)), axis=-1) + plan["omega"]
+        smask = jnp.take_along_axis(plan["kblk"], flat, axis=-1).reshape(B, H, Np, m) != plan["qblk"][..., None]
+        parts.append((s_s, smask, lambda p: jnp.sum(p[..., None] * Vl, axis=-2)))
+    out_s, _ = _combine(parts, row_scale)
+    out_s = out_s.reshape(B, H, Np, dv)
+    return _take(out_s, inverse_permutation(plan["perm_q"]))[:, :, :N]
+
+
 # ---------------------------------------------------------------------------
 # causal (§4)
 # ---------------------------------------------------------------------------
@@ -199,12 +288,13 @@ def code_sort(HKc, n_valid):
     return order, jnp.take_along_axis(kappa, order, axis=-1), inverse_permutation(order)
 
 
-def heavy_bounds(kappa_s, hq, L, bh: int):
-    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (§4.2 step 2).
-    kappa_s [B,H,M]; hq [B,H,N] query codes; L [N] or [B,H,N] prefix ends. Empty when hi ≤ lo."""
+def heavy_bounds(kappa_s, hq, L, bh: int, start=None):
+    """Hv(i) as a range of sorted slots [lo, hi): the ≤ b_h last keys of code hq_i before L_i (§4.2 step 2), from
+    the query's document's first key ``start`` on (a packed row, §4.6; None: 0). kappa_s [B,H,M]; hq [B,H,N] query
+    codes; L [N] or [B,H,N] prefix ends (or broadcastable, as ``start``). Empty when hi ≤ lo."""
     M = kappa_s.shape[-1]
     hi = _ssorted(kappa_s, hq * M + L).astype(jnp.int32)
-    st = _ssorted(kappa_s, hq * M).astype(jnp.int32)
+    st = _ssorted(kappa_s, hq * M if start is None else hq * M + start).astype(jnp.int32)
     return jnp.maximum(hi - bh, st), hi
 
 
@@ -291,14 +381,17 @@ def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int
 
 
 def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOptions, heavy_sets: bool = True,
-                sorted_keys=None):
+                sorted_keys=None, start_tiles=None):
     """Heavy sets and samples of query tiles (all stop_gradient).
 
     hq_tiles: int32 [n_t,B,H,c] query codes; tile_ids: int32 [n_t] absolute chunk indices.
     Kc, Vc, HKc: the sequence so far [B,H,M,·] (positions ≥ n_valid are not keys yet).
     Returns a dict of [n_t, ...] arrays: hidx/hvalid [B,H,c,b_h] (``heavy_sets``; the 'band' route scores
     the heavy sets from :func:`heavy_bounds` instead), sidx/omega [B,H,m], smask [B,H,c,m].
-    ``sorted_keys``: :func:`code_sort`'s result when the caller has it."""
+    ``sorted_keys``: :func:`code_sort`'s result when the caller has it.
+    ``start_tiles`` (a packed row, §4.6): int32 [n_t,B,c] the cache position of each query's document's first
+    token; every index is then counted from it (:func:`packed_query`) and the samples are the query's own,
+    sidx/omega [B,H,c,m] (a tile's queries may belong to several documents and chunks)."""
     B, H, M = HKc.shape
     c, bh, m = opts.chunk_size, opts.heavy_capacity, opts.num_samples
     if (1 << opts.num_projs) * M >= 2**31:
@@ -316,6 +409,13 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
         vval = jnp.pad(vvalid, (0, Mc - M)).reshape(Mc // c, c)
         grams = augmented_gram(vpad.reshape(B, H, Mc // c, c, -1), vval[None, None])
         gram_cum = jnp.cumsum(grams, axis=2)  # [B,H,Gm,e,e]
+
+    if start_tiles is not None:
+        ref_draws = None
+        if ref:
+            ref_draws = _packed_ref_draws(tile_ids, start_tiles, Vc, n_valid, key_s, opts)
+        return _packed_plan(hq_tiles, tile_ids, start_tiles, HKc, key_s, opts, heavy_sets, (order, kappa_s, spos),
+                            ref_draws)
 
     def one(hq, g):
         L = prefix_end(g, opts)
@@ -353,30 +453,166 @@ def causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts: CausalOpt
     return jax.tree.map(jax.lax.stop_gradient, plan)
 
 
+def packed_query(g, start, opts: CausalOptions):
+    """A packed row's query tile (§4.6): (positions [c], the query's chunk in its document [B,c], its prefix end L
+    as a cache position [B,c]) for the tile at absolute chunk g and the queries' document starts [B,c]."""
+    qpos = g * opts.chunk_size + jnp.arange(opts.chunk_size, dtype=jnp.int32)
+    gd = (qpos[None, :] - start) // opts.chunk_size
+    return qpos, gd, start + prefix_end(gd, opts)
+
+
+def _packed_ref_draws(tile_ids, start_tiles, Vc, n_valid, key_s, opts: CausalOptions):
+    """The ``ref`` sampler's draws of every query of a packed row (§4.6): (sidx, p) [n_t,B,H,c,m], those its
+    document draws alone at its chunk gd (``fold_in(k_S, gd)``), shifted to the document's first key.
+
+    The draws are made once per (document, chunk) with a prefix, an *entry*: such chunks hold c queries apart from
+    the call's first and a document's last, and documents with a prefix are more than c tokens apart, so a row has
+    at most ceil(Q/c) + 1 of them (Q query slots), a static table. Each row draws with its own chunk's key
+    (``common.draw_rows``). An entry's prefix [s, s + L) has the exact integer weight sums of the row's less those
+    before s, and the Gram of its rows: the row grid's chunk Grams inside it (a masked sum over the chunks, no
+    differences of running sums) plus the two partial chunks at its ends; λ is that Gram's power iteration, equal to
+    the document's alone up to the order of the sums (§4.6)."""
+    n_t, B, c = start_tiles.shape
+    H, M = Vc.shape[1], Vc.shape[2]
+    m, Q, E = opts.num_samples, n_t * c, n_t + 1
+    qpos = (tile_ids[:, None] * c + jnp.arange(c, dtype=jnp.int32)).reshape(Q)
+    start = jnp.moveaxis(start_tiles, 1, 0).reshape(B, Q)
+    gd = (qpos - start) // c
+    Lrel = prefix_end(gd, opts)
+    new = jnp.concatenate([jnp.ones((B, 1), bool), (start[:, 1:] != start[:, :-1]) | (gd[:, 1:] != gd[:, :-1])], 1)
+    head = new & (Lrel > 0)
+    ent = jnp.maximum(jnp.cumsum(head, axis=1) - 1, 0)  # [B,Q]: each query's entry (queries with L = 0: unused)
+    hp = jax.vmap(lambda h: jnp.nonzero(h, size=E, fill_value=0)[0])(head).astype(jnp.int32)  # [B,E]
+    s_e, gd_e = (jnp.take_along_axis(x, hp, axis=1) for x in (start, gd))
+    n_e = jnp.maximum(prefix_end(gd_e, opts), 1)  # [B,E]
+    pos = jnp.arange(M, dtype=jnp.int32)
+    u = norm_weights(Vc, pos < n_valid)
+    cum = weight_prefix_sums(u)
+    # the prefixes' Grams: full chunks of the row grid inside [s, s + n), and the partial chunks at both ends
+    Mc = -(-M // c) * c
+    va = jnp.pad(Vc.astype(jnp.float32), ((0, 0), (0, 0), (0, Mc - M + c), (0, 0)))
+    vval = jnp.pad(pos < n_valid, (0, Mc - M)).reshape(Mc // c, c)
+    grams = augmented_gram(va[:, :, :Mc].reshape(B, H, Mc // c, c, -1), vval[None, None])  # [B,H,Gm,e,e]
+    a, z = s_e, s_e + n_e  # [B,E]
+    ka, kz = -(-a // c), z // c
+    k = jnp.arange(Mc // c, dtype=jnp.int32)
+    inside = ((k >= ka[..., None]) & (k < kz[..., None])).astype(jnp.float32)  # [B,E,Gm]
+    with statistic("kdeformer ref sampler: a packed document's prefix Gram (a statistic of lambda, §4.6)"):
+        full = jnp.einsum("bek,bhkxy->bhexy", inside, grams)
+
+    def part(first, upto):  # the Gram of the rows [first, upto) within c rows of first: [B,H,E,e,e]
+        rows = first[..., None] + jnp.arange(c, dtype=jnp.int32)  # [B,E,c]
+        ok = (rows < upto[..., None]) & (rows < n_valid)
+        return augmented_gram(jax.vmap(lambda x, r: x[:, r])(va, rows), ok[:, None])
+
+    gram = full + part(a, jnp.minimum(ka * c, z)) + part(kz * c, z)
+    lam = power_lambda(gram, opts.power_iters)  # [B,H,E]
+    bh = lambda x: jnp.broadcast_to(x[:, None], (B, H) + x.shape[1:])  # noqa: E731
+    before = words_at(cum, bh(s_e - 1))
+    tot = words_sub(words_at(cum, bh(s_e + n_e - 1)), before)
+
+    def entry(e):
+        col = lambda x: x[:, :, e]  # noqa: E731
+        draw = lambda b: draw_samples(jax.random.fold_in(key_s, gd_e[b, e]), m, bh(n_e)[:, :, e], "ref", cum=cum,  # noqa: E731
+                                      u=u, lam=col(lam), first=bh(s_e)[:, :, e],
+                                      before=tuple(col(x)[..., None] for x in before),
+                                      tot=tuple(col(x)[..., None] for x in tot))
+        return draw_rows(draw, B)
+
+    idx, p = jax.vmap(entry, out_axes=2)(jnp.arange(E))  # [B,H,E,m]
+    per_query = lambda x: jnp.moveaxis(  # noqa: E731
+        jnp.take_along_axis(x, bh(ent)[..., None], axis=2).reshape(B, H, n_t, c, m), 2, 0)
+    return per_query(idx), per_query(p)
+
+
+def _packed_plan(hq_tiles, tile_ids, start_tiles, HKc, key_s, opts: CausalOptions, heavy_sets, sorted_keys,
+                 ref_draws=None):
+    """:func:`causal_plan` of a packed row (§4.6): every query's heavy set, samples and masks those of its document
+    alone. 'uniform': its chunk gd in its document picks the draws of ``fold_in(k_S, gd)`` (one table of every
+    chunk's draws, ``[G,B,H,m]``, the draws a full pass of the document alone makes), shifted to the document's
+    first key; 'ref': ``ref_draws`` (:func:`_packed_ref_draws`)."""
+    B, H, M = HKc.shape
+    c, bh, m = opts.chunk_size, opts.heavy_capacity, opts.num_samples
+    order, kappa_s, spos = sorted_keys
+    pos = jnp.arange(M, dtype=jnp.int32)
+    G = -(-M // c)
+    if m > 0 and opts.residual == "sampled" and ref_draws is None:
+        def chunk_draws(g):
+            n = jnp.full((B, H), jnp.maximum(prefix_end(g, opts), 1), jnp.int32)
+            return draw_samples(jax.random.fold_in(key_s, g), m, n, "uniform")[0]
+
+        table = jnp.moveaxis(jax.vmap(chunk_draws)(jnp.arange(G, dtype=jnp.int32)), 0, 2)  # [B,H,G,m]
+
+    def one(hq, g, st, drawn):
+        _, gd, L = packed_query(g, st, opts)
+        Lh, sth = L[:, None, :], st[:, None, :]  # [B,1,c]
+        out = {}
+        if heavy_sets:
+            lo, e = heavy_bounds(kappa_s, hq, Lh, bh, sth)
+            t = e[..., None] - bh + jnp.arange(bh, dtype=jnp.int32)
+            out["hvalid"] = t >= lo[..., None]
+            out["hidx"] = jnp.take_along_axis(order, jnp.clip(t, 0, M - 1).reshape(B, H, -1),
+                                              axis=-1).reshape(t.shape)
+        if m > 0 and opts.residual == "sampled":
+            if drawn is None:
+                local = jnp.take_along_axis(table, jnp.minimum(gd, G - 1)[:, None, :, None], axis=2)  # [B,H,c,m]
+                idx = sth[..., None] + local
+                nf = jnp.maximum(prefix_end(gd, opts), 1).astype(jnp.float32)[:, None, :, None]
+                p = 1.0 / nf
+            else:
+                idx, p = drawn
+            flat = idx.reshape(B, H, -1)
+            hk_l = jnp.take_along_axis(HKc, flat, axis=-1)
+            cnt = (_ssorted(kappa_s, hk_l * M + jnp.broadcast_to(L[:, None, :, None], idx.shape).reshape(B, H, -1))
+                   - jnp.take_along_axis(spos, flat, axis=-1) - 1).reshape(idx.shape)
+            x = jnp.where(cnt < bh, hk_l.reshape(idx.shape), -1)
+            out["sidx"] = idx
+            out["omega"] = jnp.broadcast_to(-jnp.log(m * p), idx.shape)
+            out["smask"] = (Lh > sth)[..., None] & (x != hq[..., None])
+        elif opts.residual == "exact":
+            kap = HKc[:, :, None, :] * M + Lh[..., None]  # [B,H,c,M]
+            cnt = _ssorted(kappa_s, kap.reshape(B, H, -1)).reshape(kap.shape) - spos[:, :, None, :] - 1
+            x = jnp.where(cnt < bh, HKc[:, :, None, :], -1)
+            inside = (pos >= sth[..., None]) & (pos < Lh[..., None])
+            out["rmask"] = inside & (x != hq[..., None])
+        return out
+
+    plan = jax.vmap(one)(hq_tiles, tile_ids, start_tiles, ref_draws)
+    return jax.tree.map(jax.lax.stop_gradient, plan)
+
+
 def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=None, full_pass: bool = False,
-                 row_scale=row_scale):
+                 row_scale=row_scale, start_tiles=None):
     """Differentiable part: (outputs [n_t,B,H,c,dv], lse = log D̃ [n_t,B,H,c]) of query tiles
     [n_t,B,H,c,d] at absolute chunks tile_ids. ``heavy``: the tiles' heavy part already merged
-    ((out [n_t,B,H,c,dv], lse [n_t,B,H,c]) of :func:`heavy_band`; then the plan has no heavy sets)."""
+    ((out [n_t,B,H,c,dv], lse [n_t,B,H,c]) of :func:`heavy_band`; then the plan has no heavy sets).
+    ``start_tiles`` (a packed row, §4.6: [n_t,B,c] each query's document start): a query's local keys
+    [L, i] then lie in the nl + 1 chunks up to its tile's (its document's chunks need not be the row's), and its
+    samples are its own (``sidx`` [B,H,c,m], gathered per query)."""
     n_t, B, H, c, d = q_tiles.shape
     dv = Vc.shape[-1]
     nl, sig = opts.local_chunks, opts.scale
-    w = nl * c
+    nw = nl + (start_tiles is not None)  # chunks of the local window
+    w = nw * c
     M = Kc.shape[2]
     heavy_route = "band" if heavy is not None else heavy_route_of(opts, M, full_pass)
     if heavy_route == "band" and heavy is None and opts.heavy_capacity > 0:
         raise ValueError("kdeformer: the 'band' heavy route needs the heavy part (heavy_band) passed in")
     # front pad so tile g's window [(g−nl+1)c, (g+1)c) starts at index g·c; back pad keeps slices in range
     back = -(-M // c) * c - M + 2 * c
-    Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
-    Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nl - 1) * c, back), (0, 0)))
+    Kf = jnp.pad(Kc, ((0, 0), (0, 0), ((nw - 1) * c, back), (0, 0)))
+    Vf = jnp.pad(Vc, ((0, 0), (0, 0), ((nw - 1) * c, back), (0, 0)))
 
-    def one(qt, g, pl, hv):
+    def one(qt, g, pl, hv, st):
         qpos = g * c + jnp.arange(c, dtype=jnp.int32)
-        kpos = (g - nl + 1) * c + jnp.arange(w, dtype=jnp.int32)
+        kpos = (g - nw + 1) * c + jnp.arange(w, dtype=jnp.int32)
         kl = jax.lax.dynamic_slice_in_dim(Kf, g * c, w, axis=2)
         vl = jax.lax.dynamic_slice_in_dim(Vf, g * c, w, axis=2)
-        lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        if st is None:
+            lmask = (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None])
+        else:  # [L_i, i] of the query's document
+            L = packed_query(g, st, opts)[2]
+            lmask = ((kpos[None, None, :] >= L[..., None]) & (kpos[None, :] <= qpos[:, None]))[:, None]
         s_l = sig * einsum_f32("bhqd,bhkd->bhqk", qt, kl)
         parts = [(s_l, lmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
         if opts.heavy_capacity > 0 and heavy_route == "scores":
@@ -396,7 +632,13 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
             # per-query key sets: elementwise products (batched tiny matvecs are slow on XLA:CPU)
             s_h = sig * jnp.sum((qt[:, :, :, None, :] * kh).astype(_ftype(qt)), axis=-1)
             parts.append((s_h, pl["hvalid"], lambda p: jnp.sum(p[..., None] * vh, axis=-2)))
-        if "sidx" in pl:
+        if "sidx" in pl and pl["sidx"].ndim == 4:  # a packed row: every query its own document's samples
+            sidx = pl["sidx"].reshape(B, H, -1)
+            ks = _take(Kc, sidx).reshape(B, H, c, -1, d)
+            vs = _take(Vc, sidx).reshape(B, H, c, -1, dv)
+            s_s = sig * jnp.sum((qt[:, :, :, None, :] * ks).astype(_ftype(qt)), axis=-1) + pl["omega"]
+            parts.append((s_s, pl["smask"], lambda p: jnp.sum(p[..., None] * vs, axis=-2)))
+        elif "sidx" in pl:
             ks, vs = _take(Kc, pl["sidx"]), _take(Vc, pl["sidx"])
             s_s = sig * einsum_f32("bhqd,bhmd->bhqm", qt, ks) + pl["omega"][:, :, None, :]
             parts.append((s_s, pl["smask"], lambda p: einsum_f32("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
@@ -409,9 +651,10 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
                             + (M if "rmask" in plan or heavy_route == "scores" else 0))
     bs = max(1, opts.tile_budget // max(per_tile, 1))
     if bs >= n_t:
-        return jax.vmap(one)(q_tiles, tile_ids, plan, heavy)
+        return jax.vmap(one)(q_tiles, tile_ids, plan, heavy, start_tiles)
     # long sequences: tiles in groups, each group's logits recomputed in the backward pass
-    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy), batch_size=bs)
+    return jax.lax.map(jax.checkpoint(lambda a: one(*a)), (q_tiles, tile_ids, plan, heavy, start_tiles),
+                       batch_size=bs)
 
 
 def _check_resolved(opts: CausalOptions, **fields):
@@ -423,11 +666,14 @@ def _check_resolved(opts: CausalOptions, **fields):
                          f"for the platform first (the runner's fields, dispatch.Runner.build): {opts}")
 
 
-def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale):
+def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale,
+                   starts=None):
     """Causal estimator over T new tokens at positions [length, length+T).
 
     cache=None: a full pass from position 0 (the sequence itself is the cache). Otherwise
     cache = (K [B,H,M,d], V [B,H,M,dv], HK [B,H,M]) holds positions < length.
+    starts (a packed row, §4.6): int32 [B,T] the cache position of each new token's document's first token
+    (:func:`common.causal_starts`); None: one stream.
     Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
     B, H, T, d = q.shape
     c = opts.chunk_size
@@ -441,6 +687,9 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
         Kc, Vc = jnp.pad(kf, pad + ((0, 0),)), jnp.pad(vf, pad + ((0, 0),))
         HKc = jnp.pad(hk, pad)
         q_buf, hq_buf = jnp.pad(qf, pad + ((0, 0),)), jnp.pad(hq, pad)
+        # padded query slots start a document of their own there (no prefix: nothing drawn for them)
+        st_buf = None if starts is None else jnp.concatenate(
+            [starts, jnp.broadcast_to(jnp.arange(T, Np, dtype=jnp.int32), (B, Np - T))], axis=1)
         g0, r0, n_valid = 0, 0, T
     else:
         K0, V0, HK0 = cache
@@ -452,9 +701,12 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
         g0, r0, n_valid = P0 // c, P0 % c, P0 + T
         q_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c, d), qf.dtype), qf, (0, 0, r0, 0))
         hq_buf = jax.lax.dynamic_update_slice(jnp.zeros((B, H, n_t * c), jnp.int32), hq, (0, 0, r0))
+        st_buf = None if starts is None else jax.lax.dynamic_update_slice(
+            jnp.broadcast_to(g0 * c + jnp.arange(n_t * c, dtype=jnp.int32), (B, n_t * c)), starts, (0, r0))
     tile_ids = (g0 + jnp.arange(n_t)).astype(jnp.int32)
     q_tiles = jnp.moveaxis(q_buf.reshape(B, H, n_t, c, d), 2, 0)
     hq_tiles = jnp.moveaxis(hq_buf.reshape(B, H, n_t, c), 2, 0)
+    st_tiles = None if starts is None else jnp.moveaxis(st_buf.reshape(B, n_t, c), 1, 0)  # [n_t,B,c]
     route = heavy_route_of(opts, Kc.shape[2], full_pass=cache is None)
     _check_resolved(opts, band_block=route == "band")
     sorted_keys = code_sort(HKc, n_valid)
@@ -462,12 +714,16 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
     Kc_state, Vc_state = Kc, Vc  # a decoding cache keeps its dtype; the products take the compute dtype
     Kc, Vc = Kc.astype(qf.dtype), Vc.astype(qf.dtype)
     plan = causal_plan(hq_tiles, tile_ids, Kc, Vc, HKc, n_valid, key_s, opts, heavy_sets=not band,
-                       sorted_keys=sorted_keys)
+                       sorted_keys=sorted_keys, start_tiles=st_tiles)
     heavy = None
     if band:  # full pass: queries at positions 0..Np-1, prefix ends of their chunks
         order, kappa_s, _ = jax.lax.stop_gradient(sorted_keys)
-        L = prefix_end(jnp.arange(n_t * c, dtype=jnp.int32) // c, opts)
-        lo, hi = heavy_bounds(kappa_s, hq_buf, L, opts.heavy_capacity)
+        if starts is None:
+            L = prefix_end(jnp.arange(n_t * c, dtype=jnp.int32) // c, opts)
+            lo, hi = heavy_bounds(kappa_s, hq_buf, L, opts.heavy_capacity)
+        else:  # a packed row: each query's document's prefix end, from its first key (§4.6)
+            L = st_buf + prefix_end((jnp.arange(n_t * c, dtype=jnp.int32) - st_buf) // c, opts)
+            lo, hi = heavy_bounds(kappa_s, hq_buf, L[:, None], opts.heavy_capacity, st_buf[:, None])
         hi = jnp.where(jnp.arange(n_t * c) < T, hi, lo)  # padded queries: empty
         Ks, Vs = _take(Kc, order), _take(Vc, order)
         h_out, h_lse = heavy_band(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
@@ -475,7 +731,7 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
         tiles = lambda x: jnp.moveaxis(x.reshape((B, H, n_t, c) + x.shape[3:]), 2, 0)  # noqa: E731
         heavy = (tiles(h_out), tiles(h_lse))
     out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None,
-                          row_scale=row_scale)
+                          row_scale=row_scale, start_tiles=st_tiles)
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, n_t * c, -1)
     out = jax.lax.dynamic_slice_in_dim(out, r0, T, axis=2)
     return out, (Kc_state, Vc_state, HKc), n_valid
@@ -487,18 +743,23 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
 # ---------------------------------------------------------------------------
 
 
-def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale):
-    """The bidirectional estimator (§2.3): out [B,H,N,dv]."""
+def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale, segment_ids=None):
+    """The bidirectional estimator (§2.3): out [B,H,N,dv]; ``segment_ids`` [B,N]: a packed row, every document as
+    if alone (:func:`bidir_packed`, §4.6)."""
+    if segment_ids is not None:
+        return bidir_packed(q, k, v, W, key_s, segment_ids, opts, row_scale)
     return bidir_forward(q, k, v, W, key_s, opts, row_scale=row_scale)
 
 
-def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale):
+def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale, segment_ids=None):
     """The causal estimator (§4) for the T new tokens after ``state`` (None: a full pass), its heavy logits by
-    ``opts.heavy_impl``: out [B,H,T,dv]. (The state after the call is :func:`common.next_state`'s.)"""
+    ``opts.heavy_impl``: out [B,H,T,dv]; ``segment_ids`` [B,T]: a packed row, every document as if alone (§4.6).
+    (The state after the call is :func:`common.next_state`'s.)"""
+    starts = None if segment_ids is None else causal_starts(state, segment_ids, q.shape[2], q.shape[0])
     if state is None:
-        return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale)[0]
+        return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale, starts=starts)[0]
     cache = (state["k"], state["v"], state["codes"])
-    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale)[0]
+    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale, starts)[0]
 
 
 def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
@@ -513,7 +774,8 @@ def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
 def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale) -> dispatch.Result:
     """:func:`causal` on ``call`` (inputs q, k, v, W; the samples' key; the carried state) with ``opts``."""
     x = call.inputs
-    return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale))
+    return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale,
+                                  x["segment_ids"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,7 +797,8 @@ class Bidirectional(dispatch.Runner):
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
-        return dispatch.Result(bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts))
+        return dispatch.Result(bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts,
+                                             segment_ids=x["segment_ids"]))
 
 
 # Per-platform defaults of the knobs the tiled causal forms read (``dispatch.Implementation.defaults``; the config

@@ -29,7 +29,7 @@ class Bidirectional(dispatch.Runner):
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
         return dispatch.Result(xla.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts,
-                                                 row_scale=scale_rows))
+                                                 row_scale=scale_rows, segment_ids=x["segment_ids"]))
 
 
 @dataclasses.dataclass(frozen=True)
