@@ -153,6 +153,10 @@ class AttentionCore(nnx.Module):
     # the trainer's mesh.sequence_mode='auto' takes composed states for this core (when it composes);
     # False where XLA's partitioner splits the row better (measured: README, sequence parallelism)
     sequence_compose_in_training: bool = True
+    # composed states (sequence parallelism's 'compose') keep packed rows' document boundaries across the slices:
+    # proven at model level against one device (tests/models/test_packed.py); a core without it runs packed rows
+    # split by XLA's partitioner instead, and a composed packed call is refused in one line
+    sequence_compose_packed: bool = False
     # -- execution: keys of default_config() that choose how the method is computed (implementation, tiles,
     # budgets), never what: they live in the config's ``execution.attention.<name>`` section, apart from the
     # model's hyperparameters, and changing one changes no result beyond floating-point rounding

@@ -99,7 +99,8 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     opt_state = jax.eval_shape(tx.init, params)
     p = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
     seq_mode, seq_hidden = sequence_parallel.train_hidden(abstract_model, mesh, window=tc.window, seq_len=tc.seq_len,
-                                                          mode=cfg.mesh.sequence_mode)
+                                                          mode=cfg.mesh.sequence_mode,
+                                                          packed=cfg.data.packing == "segments")
     step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
                                       constrain=p.constrain, hidden=seq_hidden, microbatches=tc.microbatches))
     args = (

@@ -100,13 +100,26 @@ def hidden(graphdef, variables, tokens, mesh, *, max_len: int | None = None, mod
 TRAIN_MODES = ("auto", "compose", "xla")
 
 
-def train_plan(model, mesh, window, mode: str = "auto") -> str:
+def packed_refusals(model) -> list[str]:
+    """Why composed states cannot split a packed row (``data.packing='segments'``): one line per core that does not
+    declare ``sequence_compose_packed``."""
+    out = []
+    for core in attention_cores(model):
+        line = (f"{core.name}: its composed states are not proven to keep packed rows' document boundaries "
+                "(sequence_compose_packed)")
+        if not core.sequence_compose_packed and line not in out:
+            out.append(line)
+    return out
+
+
+def train_plan(model, mesh, window, mode: str = "auto", *, packed: bool = False) -> str:
     """How the train step splits a row over ``mesh.sequence`` (``window``: the row length the step
     sees, or a tuple of them): 'compose' (the composed-state hook of
     :func:`make_hidden`) or 'xla' (tokens constrained to the axis, XLA's partitioner moves the data).
     'auto' takes 'compose' for a causal model whose cores all compose; 'compose' where they do not is
     a ConfigError naming each core and its reason. 'auto' also takes 'xla' where a core says the
-    partitioner splits it better (``AttentionCore.sequence_compose_in_training``)."""
+    partitioner splits it better (``AttentionCore.sequence_compose_in_training``). ``packed``: the rows are packed
+    documents, which compose only where every core declares ``sequence_compose_packed`` (:func:`packed_refusals`)."""
 
     if mode not in TRAIN_MODES:
         raise ConfigError(f"mesh.sequence_mode={mode!r}; allowed: {', '.join(TRAIN_MODES)}")
@@ -115,6 +128,8 @@ def train_plan(model, mesh, window, mode: str = "auto") -> str:
     reasons = []
     for length in ((window,) if isinstance(window, int) else window):  # every row length the step sees
         reasons += [r for r in plan(model, length // mesh.shape[AXIS])[1] if r not in reasons]
+    if packed:
+        reasons += [r for r in packed_refusals(model) if r not in reasons]
     if mode == "auto" and not reasons:
         prefer_xla = sorted({c.name for c in attention_cores(model) if not c.sequence_compose_in_training})
         if prefer_xla:
@@ -125,10 +140,12 @@ def train_plan(model, mesh, window, mode: str = "auto") -> str:
     return "xla" if reasons else "compose"
 
 
-def train_hidden(model, mesh, *, window, seq_len: int, mode: str = "auto", fold_key: bool = True):
+def train_hidden(model, mesh, *, window, seq_len: int, mode: str = "auto", fold_key: bool = True,
+                 packed: bool = False):
     """(the mode, the ``hidden`` hook for ``make_train_step`` or None): what the trainer calls
-    (``window``: the row length(s) the step sees, ``seq_len``: the longest, which sizes the states)."""
-    mode = train_plan(model, mesh, window, mode)
+    (``window``: the row length(s) the step sees, ``seq_len``: the longest, which sizes the states; ``packed``:
+    packed rows, :func:`train_plan`)."""
+    mode = train_plan(model, mesh, window, mode, packed=packed)
     if mode == "compose":
         return mode, make_hidden(mesh, seq_len, fold_key=fold_key)
     return mode, (xla_hidden(mesh) if mesh is not None and mesh.shape[AXIS] > 1 else None)
@@ -169,6 +186,9 @@ def make_hidden(mesh, max_len: int, *, fold_key: bool = True):
         if T % D or T > (max_len or T):
             raise ValueError(f"sequence parallelism: a window of {T} tokens over mesh.sequence={D} with states "
                              f"for {max_len} tokens")
+        if segment_ids is not None and packed_refusals(model):
+            raise ConfigError("sequence parallelism by composed states cannot split packed rows: "
+                              + "; ".join(packed_refusals(model)) + " (use mesh.sequence_mode=xla)")
         graphdef, variables = nnx.split(model)
         has_key = key is not None
         packed = {name: x for name, x in (("positions", positions), ("segment_ids", segment_ids)) if x is not None}

@@ -146,7 +146,7 @@ class LanguageModel(Task):
         tc, mesh = self.cfg.train, plan.mesh
         seq_mode, seq_hidden = sequence_parallel.train_hidden(
             model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if tc.short_steps > 0 else ()),
-            seq_len=tc.seq_len, mode=self.cfg.mesh.sequence_mode)
+            seq_len=tc.seq_len, mode=self.cfg.mesh.sequence_mode, packed=self.packed())
         if mesh.shape["sequence"] > 1:
             print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
         step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,

@@ -389,3 +389,89 @@ def test_packed_rows_under_sequence_parallelism_equal_one_device():
     r = subprocess.run([sys.executable, "-c", SP_SCRIPT], capture_output=True, text=True, timeout=1200, env=env)
     assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout + r.stderr[-4000:]
     assert "MODE (2, 1, 1, 4) xla" in r.stdout and "MODE (1, 1, 1, 8) compose" in r.stdout, r.stdout
+
+
+SP_METHODS_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np, ml_collections
+    from longctx import attention
+    from longctx.config import base_config, validate
+    from longctx.errors import ConfigError
+    from longctx.models.decoder import build_model
+    from longctx.train import sequence_parallel, sharding
+    from longctx.train.optim import make_optimizer
+    from longctx.train.step import make_train_step, split_model
+
+    L, W, B = 64, 32, 4
+    rng = np.random.default_rng(0)
+    seg, pos = np.zeros((B, L + 1), np.int32), np.zeros((B, L + 1), np.int32)
+    for b in range(B):  # documents of 1..19 tokens back to back, crossing the slices and the windows
+        t, d = 0, 1
+        while t < L + 1:
+            n = min(int(rng.integers(1, 20)), L + 1 - t)
+            seg[b, t:t + n], pos[b, t:t + n] = d, np.arange(n)
+            t, d = t + n, d + 1
+    rows = {"tokens": rng.integers(0, 63, (B, L + 1)).astype(np.int32), "segment_ids": seg, "positions": pos}
+
+    for method in attention.names():
+        cls = attention.get_class(method)
+        if not (cls.supports_causal and cls.takes_segments) or cls.stack_wrapper(causal=True):
+            continue
+        case = next(c for c in cls.contract_cases().values() if "causal" in c.directions)
+        c = base_config()
+        c.data.packing = "segments"
+        c.model.vocab_size, c.model.positions, c.model.dropout = 64, "rotary", 0.0
+        c.model.d_model, c.model.num_layers, c.model.d_ff = 32, 2, 64
+        c.model.num_heads, c.model.head_dim = case.num_heads, case.head_dim
+        c.model.attention.name = method
+        c.model.attention[method] = {k: v for k, v in dict(case.cfg).items() if k not in cls.EXECUTION_KEYS}
+        if cls.allowed_positions is not None and c.model.positions not in cls.allowed_positions:
+            c.model.positions = "sinusoidal" if "sinusoidal" in cls.allowed_positions else cls.allowed_positions[0]
+        c.train.seq_len, c.train.batch_size, c.train.steps, c.train.warmup_steps, c.train.window = L, B, 10, 1, W
+        cfg = validate(c)
+        results = []
+        for shape, mode in (((1, 1, 1, 1), "auto"), ((1, 1, 1, 4), "xla"), ((1, 1, 1, 4), "compose")):
+            mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(zip(sharding.AXES, shape))),
+                                      jax.devices()[:int(np.prod(shape))])
+            model = build_model(cfg.model, seed=0, execution=cfg.execution)
+            graphdef, params, nongrad, rest = split_model(model)
+            tx = make_optimizer(cfg.train)
+            opt = tx.init(params)
+            plan = sharding.Plan(mesh, params, nongrad, rest, tx, opt)
+            params, nongrad, rest, opt = plan.put(params, nongrad, rest, opt)
+            try:
+                got, hidden = sequence_parallel.train_hidden(model, mesh, window=W, seq_len=L, mode=mode,
+                                                             fold_key=False, packed=True)
+            except ConfigError as e:
+                assert "\\n" not in str(e) and sequence_parallel.packed_refusals(model), str(e)
+                print("REFUSED", method, mode, flush=True)
+                continue
+            step = make_train_step(graphdef, tx, seq_len=L, window=W, skip_nonfinite=False,
+                                   constrain=plan.constrain, hidden=hidden, packed=True)
+            batch = {k: sharding.shard_batch(mesh, v) for k, v in rows.items()}
+            p, _, _, m = plan.jit_step(step, donate=False)(params, nongrad, rest, opt, batch, jax.random.key(0))
+            results.append((shape, got, jax.device_get(p), np.asarray(m["ce"])))
+        _, _, p1, l1 = results[0]
+        for shape, got, p, l in results[1:]:
+            np.testing.assert_allclose(l, l1, rtol=2e-5, err_msg=f"{method} {shape} {got} loss")
+            for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p1)):
+                np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=f"{method} {shape} {got} params")
+            print("OK", method, got, flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # a subprocess on 4 simulated devices compiling three train steps per method
+def test_every_methods_packed_rows_under_sequence_parallelism_equal_one_device():
+    """Every causal method that takes segment ids (each its contract case's settings): a packed batch's train step
+    (documents of 1-19 tokens, two windows carrying the state) with the rows split over 4 devices by XLA's
+    partitioner updates the parameters as on one device; composed states split them only where the core declares
+    ``sequence_compose_packed``, and refuse in one line otherwise."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    r = subprocess.run([sys.executable, "-c", SP_METHODS_SCRIPT], capture_output=True, text=True, timeout=2400,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    for name in attention.names():
+        cls = attention.get_class(name)
+        if cls.supports_causal and cls.takes_segments and not cls.stack_wrapper(causal=True):
+            assert f"OK {name} xla" in r.stdout, r.stdout

@@ -192,6 +192,7 @@ class DenseAttention(AttentionCore):
     # skip; XLA's partitioner splits the queries and gathers K/V instead, which plans a fraction of the
     # temporaries per device (compare both with `--dry_run` and mesh.sequence > 1)
     sequence_compose_in_training = False
+    sequence_compose_packed = True  # the cache keeps every key's segment id (tests/models/test_packed.py)
     EXECUTION_KEYS = ("impl", "block_q", "block_k", "auto_threshold")
 
     @classmethod
