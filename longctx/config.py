@@ -438,6 +438,9 @@ def _check_packing(c) -> None:
     for name in dict.fromkeys(layer_methods(c.model)):
         if not attention.get_class(name).takes_segments:
             raise ConfigError(segments_refusal(name))
+        why = attention.get_class(name).packed_refusal(c.model.attention[name])
+        if why is not None:
+            raise ConfigError(why)
 
 
 def _transfer(c) -> bool:

@@ -240,6 +240,13 @@ class AttentionCore(nnx.Module):
         return {}
 
     @classmethod
+    def packed_refusal(cls, cfg: ml_collections.ConfigDict) -> str | None:
+        """Why this method's settings ``cfg`` (its ``model.attention.<name>`` section) cannot take packed rows
+        (``data.packing='segments'``), in one line, or None: config validation asks before any work. Default:
+        None (a method without ``takes_segments`` is refused by :func:`segments_refusal`)."""
+        return None
+
+    @classmethod
     def drop_in(cls) -> "DropIn | None":
         """Training-free setting in which the quality benchmark compares this method with exact
         attention on the same q, k, v; None when the method has learned parts and no such setting

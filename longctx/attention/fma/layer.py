@@ -382,8 +382,7 @@ class FMAAttention(AttentionCore):
         ``segment_ids`` [B, T] int32 (a packed row, §2.7; None: one sequence)."""
         check_segments(self, q, segment_ids)
         if segment_ids is not None and (self.opts.release_zero_slots or self.opts.leaky):
-            raise ConfigError(f"{self.name}: packed rows (segment ids) with release_zero_slots or paper_leaky: "
-                              "a reproduction of the paper's single sequence; use data.packing='document'")
+            raise ConfigError(self._packed_refusal_line())
         drop_key = None
         if not deterministic and self.opts.attn_dropout > 0.0:
             if key is None:
@@ -411,6 +410,18 @@ class FMAAttention(AttentionCore):
             else:
                 new_state = state_from_forward(x["q"], x["k"], x["v"], x["ds"], self.opts)
         return result.out.astype(x["v"].dtype), new_state
+
+
+    @classmethod
+    def _packed_refusal_line(cls) -> str:
+        return (f"{cls.name}: packed rows (segment ids) with release_zero_slots or paper_leaky: a reproduction of "
+                "the paper's single sequence; use data.packing='document'")
+
+    @classmethod
+    def packed_refusal(cls, cfg):
+        leaky = cls.linear and cfg.causal_query_summary == "paper_leaky"
+        release = not cls.linear and bool(cfg.release_zero_slots)
+        return cls._packed_refusal_line() if leaky or release else None
 
 
 class FMALinearAttention(FMAAttention):
