@@ -18,6 +18,7 @@ from flax import nnx
 from longctx import attention
 from longctx.attention import Aux, dispatch
 from longctx.attention import transformer_vq as tvq
+from longctx.attention.base import continues_state
 from longctx.attention.transformer_vq import reference, xla, xla_cpu
 from longctx.errors import ConfigError
 from pallas_kernels import vq_cache_ref
@@ -672,19 +673,22 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
 
 
 def test_packed_rows_refused_where_not_served():
-    """The implementations without a packed form refuse a packed row in one line naming segment ids; 'auto' takes
-    the linear packed forms where they serve (a GPU too, a large call included, the encoder too), the quadratic
+    """The implementations without a packed form (the kernel) refuse a packed row in one line naming segment ids;
+    'auto' takes the linear packed forms where they serve (a GPU too: a large call the tiled one, whatever the
+    reduction, a smaller one the one-shot one; the encoder too), the quadratic
     reference on a CPU only (a band longer than a block), the streaming form for a packed decoding step on a GPU;
     a packed causal call returns the state of its last document under its id."""
     q, k, v = qkv(12, seed=3)
     seg = jnp.asarray([[1] * 5 + [2] * 7] * 2, jnp.int32)
     with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'") as err:
-        small_core(impl="blocks")(q, k, v, segment_ids=seg)
+        small_core(impl="pallas")(q, k, v, segment_ids=seg)
     assert "\n" not in str(err.value)
     packed = dict(B=2, dtype=jnp.float32, segments=True)
     with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
         _kernel_sized(platform="tpu", impl="pallas").implementation_for(T=256, **packed)
-    assert _kernel_sized(platform="cuda").implementation_for(T=1 << 16, **packed).name == "parallel"
+    for over in (dict(), dict(reduction="matmul")):
+        assert _kernel_sized(platform="cuda", **over).implementation_for(T=1 << 16, **packed).name == "blocks"
+        assert _kernel_sized(platform="cuda", **over).implementation_for(T=1 << 12, **packed).name == "parallel"
     with pytest.raises(dispatch.KernelUnsupportedError, match="mem_len <= block_len"):  # not the quadratic stream
         _kernel_sized(platform="cuda", mem_len=256).implementation_for(T=1 << 12, **packed)
     assert _kernel_sized(platform="cuda").implementation_for(T=1, carried=True, **packed).name == "stream"
@@ -692,7 +696,7 @@ def test_packed_rows_refused_where_not_served():
     assert _kernel_sized(causal=False, platform="cuda").implementation_for(T=256, **packed).name == "encoder"
     assert small_core(False).implementation_for(T=12, **packed).name == "xla_cpu"
     assert small_core().implementation_for(T=12, **packed).name == "xla_cpu"  # 'auto' on a CPU
-    for name in ("reference", "parallel", "stream", "xla_cpu"):
+    for name in ("reference", "parallel", "blocks", "stream", "xla_cpu"):
         new = jcall_packed(small_core(impl=name), q, k, v, seg)[1]
         np.testing.assert_array_equal(new["segment"], [2, 2])
         np.testing.assert_array_equal(new["seen"], [7, 7])
@@ -709,6 +713,8 @@ CARRY_ROWS = ((1,) * 3 + (2,) * 9 + (3,) + (4,) * 7, (5,) * 6 + (6,) * 2 + (7,) 
     ("parallel", 2, (5, 13)),
     ("parallel", 4, (4, 8, 16)),
     ("stream", 2, (3, 5, 6)),
+    ("blocks", 2, (5, 13)),
+    pytest.param("blocks", 4, (2, 8, 16), marks=pytest.mark.slow),  # a piece shorter than the block
     ("xla_cpu", 2, (2, 5, 13)),  # the short form (a call shorter than the block) and the one-shot one
     pytest.param("stream", 6, (7, 12), marks=pytest.mark.slow),  # a band longer than the block
     pytest.param("reference", 6, (1, 12), marks=pytest.mark.slow),
@@ -830,3 +836,112 @@ def jcall_packed(core, q, k, v, seg):
 @nnx.jit
 def jcall_packed_from(core, q, k, v, seg, state):
     return core(q, k, v, state, segment_ids=seg)
+
+
+@pytest.mark.parametrize("L,M,carried", [(4, 2, True), (2, 1, False), pytest.param(3, 3, True, marks=pytest.mark.slow),
+                                         pytest.param(4, 2, False, marks=pytest.mark.slow)])
+def test_packed_tiled_form_equals_packed_one_shot_form(x64, L, M, carried):
+    """The tiled packed form (xla.causal_packed_blocks: one row block a step, rematerialized; XLA:CPU's products)
+    equals the one-shot packed form (xla.causal_packed, itself the packed reference's equal) in value and in the
+    gradients of q_u, q_v, r, k_hat, v and, ``carried``, the carried cache means and band values, from a carried
+    state whose document the first row's leading run continues (the second row's starts afresh)."""
+    d = make_inputs(seed=2, T=29, M=M, S=6)
+    q_u, q_v, _ = derived(d)
+    k_hat, z, _, _ = STVQ(d["k"], d["C"])
+    rows = ((1, 11, 2, 2, 13), (13, 1, L, 11, 4 - L))
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, 6), r) for r in rows]), jnp.int32)
+    w = jax.random.normal(jax.random.PRNGKey(3), d["v"].shape, d["v"].dtype)
+    B, H, _, Dk = d["q"].shape
+    ks = jax.random.split(jax.random.PRNGKey(4), 5)
+    st = dict(empty(d, M), pos=jnp.asarray(L + 1, jnp.int32), band_k=jax.random.normal(ks[0], (B, H, M, Dk)),
+              band_z=jax.random.randint(ks[2], (B, H, M), 0, 6),
+              agg_n=jax.random.randint(ks[4], (B, H, 6), 0, 3).astype(jnp.float64))
+    seen = jnp.asarray([M + 1, 0], jnp.int32)
+    packed = dict(L=L, M=M, segment_ids=seg)
+    if carried:
+        packed.update(seen=seen, continues=continues_state(jnp.asarray([1, 7], jnp.int32), seg))
+
+    def run(tiled, q_u, q_v, r, k, v, band_v, agg_mu):
+        s = dict(st, band_v=band_v, agg_mu=agg_mu) if carried else None
+        if tiled:
+            o = xla.causal_packed_blocks(q_u, q_v, r, k, z, v, d["C"], ops=xla_cpu.OPS, state=s, **packed)
+        else:
+            o = xla.causal_packed(q_u, tvq.band_scores(q_v, r), k, z, v, d["C"], state=s, **packed)
+        return jnp.sum(o * w), o
+
+    f = jax.jit(jax.value_and_grad(run, argnums=tuple(range(1, 8)), has_aux=True), static_argnums=0,
+                compiler_options=FAST)
+    args = (q_u, q_v, d["r"], k_hat, d["v"], jax.random.normal(ks[1], (B, H, M, 3)),
+            jax.random.normal(ks[3], (B, H, 6, 3)))
+    (_, o1), g1 = f(True, *args)
+    (_, o2), g2 = f(False, *args)
+    assert maxdiff(o1, o2) < 1e-12
+    for name, a, b in zip(("q_u", "q_v", "r", "k_hat", "v", "band_v", "agg_mu"), g1, g2):
+        assert maxdiff(a, b) < 1e-11, name
+        if carried or name not in ("band_v", "agg_mu"):
+            assert float(jnp.abs(b).max()) > 0, name
+
+
+def _largest_value(jaxpr) -> int:
+    """The most elements of any value a jaxpr (its sub-jaxprs included: scan bodies, remat, custom rules) makes."""
+    from test_compute_dtype import _sub_jaxprs
+
+    most = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            most = max(most, int(np.prod(getattr(var.aval, "shape", ()))))
+        for p in eqn.params.values():
+            for sub in _sub_jaxprs(p):
+                most = max(most, _largest_value(sub))
+    return most
+
+
+def test_packed_tiled_form_holds_no_row_by_block_array():
+    """The tiled packed form's forward and backward (traced, not run; with a carried state) make no value larger than
+    the unpacked tiled form's largest (xla.causal_blocks, recomputing, at the same size: the per-code sums' one-hot
+    [T, S]), so none of T * L elements (a [T, M+1] band tensor, a [T, 3L] window; S < L here)."""
+    T, L, S, Dk, Dv = 4096, 128, 32, 8, 8
+    x = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    zs = jax.ShapeDtypeStruct((1, 1, T), jnp.int32)
+    st = {"pos": jax.ShapeDtypeStruct((), jnp.int32), "band_k": x(1, 1, L, Dk), "band_v": x(1, 1, L, Dv),
+          "band_z": jax.ShapeDtypeStruct((1, 1, L), jnp.int32), "agg_mu": x(1, 1, S, Dv), "agg_n": x(1, 1, S)}
+    seg = jnp.asarray(np.repeat([1, 2, 3], [100, 3000, T - 3100])[None], jnp.int32)
+
+    def packed(q_u, q_v, r, k, z, v, C, state):
+        return xla.causal_packed_blocks(q_u, q_v, r, k, z, v, C, L=L, M=L, segment_ids=seg, state=state,
+                                        seen=jnp.asarray([7], jnp.int32), continues=seg == 1)
+
+    def unpacked(q_u, q_v, r, k, z, v, C, state):
+        return xla.causal_blocks(q_u, q_v, r, k, z, v, C, state, L=L, M=L, keep_budget=-1)[0]
+
+    def largest(fn):
+        loss = lambda *a: jnp.sum(fn(*a))  # noqa: E731
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 5))
+        return _largest_value(jax.make_jaxpr(grad)(x(1, 1, T, Dk), x(1, 1, T, Dk), x(L + 1, 1, Dk), x(1, 1, T, Dk),
+                                                   zs, x(1, 1, T, Dv), x(1, S, Dk), st).jaxpr)
+
+    got, unpacked_most = largest(packed), largest(unpacked)
+    assert got <= unpacked_most < T * L // 2, (got, unpacked_most)
+
+
+@pytest.mark.parametrize("impl", ["blocks", pytest.param("parallel", marks=pytest.mark.slow)])
+def test_packed_forms_take_the_compute_dtype(impl):
+    """A bfloat16 packed row (with a carried state) takes bfloat16 into every matmul of its forward and backward
+    (the shared reader of tests/attention/test_compute_dtype.py over the jaxpr): float32 only in the declared
+    statistics."""
+    from test_compute_dtype import defects
+
+    Dk, Dv, T = 8, 12, 21
+    core = small_core(impl=impl, mem_len=2, value_dim=Dv)
+    seg = jnp.asarray(np.repeat([1, 2, 3], [3, 11, 7])[None].repeat(2, 0), jnp.int32)
+    graphdef, params, rest = nnx.split(core, nnx.Param, ...)
+    state = dict(core.init_state(2), segment=jnp.asarray([1, 4], jnp.int32), seen=jnp.asarray([5, 1], jnp.int32))
+
+    def loss(params, q, k, v):
+        out, _ = nnx.merge(graphdef, params, rest)(q, k, v, state, segment_ids=seg)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jnp.ones((2, 2, T, Dk), jnp.bfloat16)
+    v = jnp.ones((2, 2, T, Dv), jnp.bfloat16)
+    found = defects(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, q, v).jaxpr, {Dk, Dv})
+    assert not found, "float32 matmul operands:\n  " + "\n  ".join(found[:8])

@@ -169,8 +169,8 @@ class TransformerVQAttention(AttentionCore):
     """
 
     takes_token_mask = True  # mask=[B, T]: tokens that count in the commit loss and codebook statistics
-    # the reference, 'parallel', 'stream', 'encoder' and the XLA:CPU implementation (xla.attend_packed), §2.8; the
-    # tiled form ('blocks') and the kernel refuse them
+    # the reference, 'parallel', 'blocks', 'stream', 'encoder' and the XLA:CPU implementation (xla.attend_packed),
+    # §2.8; the kernel refuses them
     takes_segments = True
 
     name = METHOD

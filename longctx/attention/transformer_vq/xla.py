@@ -4,7 +4,8 @@ plain JAX for any backend, each equal to the reference (``reference.py``) in val
 * ``parallel``  -- the block-parallel causal form of §2.6 (``pallas_kernels.vq_cache_ref.causal_parallel``, the
                    Pallas kernel's reference) under autodiff; its ``reduction`` setting picks the cross-block scan;
                    a packed row (segment ids): :func:`causal_packed`, each document on its own block grid (§2.8)
-* ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward
+* ``blocks``    -- :func:`causal_blocks`: the same form one tile of queries at a time, with a recomputing backward;
+                   a packed row: :func:`causal_packed_blocks`, the packed form one rematerialized row block at a time
 * ``stream``    -- :func:`causal_stream`: block by block, as decoding runs (§2.7; any band M); a packed row:
                    :func:`causal_packed_short`, one quadratic pass over the call (decoding steps)
 * ``encoder``   -- :func:`encoder_parallel`: the bidirectional form (§2.5); a packed row: :func:`encoder_packed`
@@ -504,6 +505,19 @@ def _take_block(x, m):
     return jnp.take_along_axis(x, m.reshape(m.shape[:1] + (1,) + m.shape[1:] + (1,) * (x.ndim - 3)), axis=2)
 
 
+def _row_grid(segment_ids, L: int):
+    """The row's block grid of a packed row [B, T]: (R blocks, Tp = R*L, each position's document start [B, Tp] (the
+    padding joins the last document, after every real query), the real positions [Tp], each position's place in its
+    document [B, Tp])."""
+    T = segment_ids.shape[1]
+    R = -(-T // L)
+    Tp = R * L
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), mode="edge")
+    start = document_starts(seg)
+    pos = jnp.arange(Tp, dtype=jnp.int32)
+    return R, Tp, start, pos < T, pos - start
+
+
 def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compute=None, ops: Ops = PLAIN,
                   state=None, seen=None, continues=None):
     """The causal block-parallel form (§2.6) of a packed row (``segment_ids`` [B, T]) from the empty state: every
@@ -526,13 +540,7 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
     S = C.shape[1]
     dt = float_dtype(q_u, v)
     cd = dt if compute is None else jnp.dtype(compute)
-    R = -(-T // L)
-    Tp = R * L
-    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), mode="edge")
-    start = document_starts(seg)  # [B, Tp]; the padding joins the last document, after every real query
-    pos = jnp.arange(Tp, dtype=jnp.int32)
-    valid = pos < T
-    rel = pos - start
+    R, Tp, start, valid, rel = _row_grid(segment_ids, L)
     # the exact window: the row's blocks n-2..n, masked to the query's document from its previous document block on
     qb = _blocked(pad_to(q_u.astype(cd), 2, Tp), 2, R, L)  # [B, H, R, L, Dk]
     kw, vw = (_windows(pad_to(x.astype(cd), 2, Tp), 2, R, L, 0) for x in (k_hat, v))  # [B, H, R, 3L, .]
@@ -555,13 +563,21 @@ def causal_packed(q_u, bd, k_hat, z, v, C, *, L: int, M: int, segment_ids, compu
 
 
 def _prefix_groups(s_c, zb, vb, qstart, qrel, *, T: int, L: int, S: int, cd, ops: Ops = PLAIN):
-    """The cache groups of the packed block-parallel forms (§2.8): a query of document block n >= 2 reads its
+    """The cache groups of the packed block-parallel forms (§2.8), :func:`_prefix_caches` with the code scores
+    ``s_c`` [B, H, R, L, S]. Returns two (scores, mask, means)."""
+    return [(s_c + log_count(n)[:, :, :, None, :], reads[:, None, :, :, None] & (n > 0)[:, :, :, None, :],
+             mu.astype(cd)) for mu, n, reads in _prefix_caches(zb, vb, qstart, qrel, T=T, L=L, S=S, ops=ops)]
+
+
+def _prefix_caches(zb, vb, qstart, qrel, *, T: int, L: int, S: int, ops: Ops = PLAIN):
+    """The caches of the packed block-parallel forms (§2.8): a query of document block n >= 2 reads its
     document's keys before (n-1)L through the code summaries. Only the document holding a row block's first token
     can (a cache needs a relative position of 2L or more), at one of two cut-offs (n takes two values in a block):
     each its running summary up to a row block edge (a serial scan over the row blocks that restarts where a
-    document opens) merged with the summary of the part of the cut-off's row block before it. ``s_c``: the code
-    scores [B, H, R, L, S]; ``zb``, ``vb``: codes and values (the statistics' dtype) [B, H, R, L, .]; ``qstart``,
-    ``qrel``: each position's document start and position in it [B, R, L]. Returns two (scores, mask, means)."""
+    document opens) merged with the summary of the part of the cut-off's row block before it. ``zb``, ``vb``: codes
+    and values (the statistics' dtype) [B, H, R, L, .]; ``qstart``, ``qrel``: each position's document start and
+    position in it [B, R, L]. Returns two (means [B, H, R, S, Dv], counts [B, H, R, S], which queries read them
+    [B, R, L])."""
     B, H, R = vb.shape[:3]
     pos = jnp.arange(R * L, dtype=jnp.int32)
     posb, validb = pos.reshape(R, L), pos.reshape(R, L) < T
@@ -589,8 +605,7 @@ def _prefix_groups(s_c, zb, vb, qstart, qrel, *, T: int, L: int, S: int, cd, ops
         use = ((d0 < m * L) & (cut > d0))[:, None, :, None]
         mu, n = merge((jnp.where(use[..., None], _take_block(runs[0], m), 0.0),
                        jnp.where(use, _take_block(runs[1], m), 0.0)), part)
-        reads = (cache_of & (qrel // L == (k0 + j)[..., None]))[:, None, :, :, None]
-        groups.append((s_c + log_count(n)[:, :, :, None, :], reads & (n > 0)[:, :, :, None, :], mu.astype(cd)))
+        groups.append((mu, n, cache_of & (qrel // L == (k0 + j)[..., None])))
     return groups
 
 
@@ -714,6 +729,69 @@ def carried_groups(qb, s_c, bd0, state, seen, continues, *, M: int, cd, ops: Ops
     return [cache, (s_b, on & valid, bv)]
 
 
+def causal_packed_blocks(q_u, q_v, r, k_hat, z, v, C, *, L: int, M: int, segment_ids, ops: Ops = PLAIN, state=None,
+                         seen=None, continues=None):
+    """:func:`causal_packed` one row block of queries at a time (the tiled form of a packed row, §2.8): a
+    ``lax.map`` over the row blocks whose step is rematerialized (``jax.checkpoint``), so autodiff keeps only each
+    step's inputs and the backward recomputes one block's scores at a time, as the unpacked tiled form's recomputing
+    backward does. A step forms its own band scores (q + v')·r'ᵀ [L, M+1] (no [T, M+1] band tensor), its window
+    scores [L, 3L], its two cache groups' code scores [L, S] (the caches themselves, :func:`_prefix_caches`, are
+    [R, S, Dv] summaries, as the unpacked form's) and, with a carried state, the carried cache and band
+    (:func:`_carried_block`). Same arguments as :func:`causal_packed` with q_v [B, H, T, Dk] and r [M+1, H, Dk] for
+    the band scores; requires 1 <= M <= L. Returns o [B, H, T, Dv]."""
+    if not 1 <= M <= L:
+        raise ValueError(f"causal_packed_blocks needs 1 <= M <= L, got M={M}, L={L}")
+    B, H, T, _ = q_u.shape
+    S = C.shape[1]
+    dt = float_dtype(q_u, v)
+    cd = jnp.dtype(v.dtype)
+    R, Tp, start, valid, rel = _row_grid(segment_ids, L)
+    qstart, qrel = _blocked(start, 1, R, L), _blocked(rel, 1, R, L)  # [B, R, L]
+    zb, vb = _blocked(pad_to(z, 2, Tp), 2, R, L), _blocked(pad_to(v.astype(dt), 2, Tp), 2, R, L)
+    caches = _prefix_caches(zb, vb, qstart, qrel, T=T, L=L, S=S, ops=ops)
+    on = jnp.zeros((B, R, L), bool) if state is None else _blocked(pad_to(continues, 1, Tp), 1, R, L)
+    st = None if state is None else cast_state(state, dt)
+    steps = lambda x, axis: jnp.moveaxis(x, axis, 0)  # noqa: E731 -- the row blocks first, as lax.map takes them
+    xs = (tuple(steps(_blocked(pad_to(x, 2, Tp), 2, R, L), 2) for x in (q_u.astype(cd), q_v))
+          + tuple(steps(_windows(pad_to(x.astype(cd), 2, Tp), 2, R, L, 0), 2) for x in (k_hat, v))
+          + (steps(qstart, 1), steps(qrel, 1), steps(_windows(start, 1, R, L, -1), 1), _windows(valid, 0, R, L, False),
+             tuple((steps(mu, 2), steps(n, 2), steps(reads, 1)) for mu, n, reads in caches), steps(on, 1),
+             jnp.arange(R)))
+    Cs = sg(C).astype(cd)
+    dist = 2 * L + jnp.arange(L)[:, None] - jnp.arange(3 * L)[None, :]  # [L, 3L]: query minus key position
+
+    @jax.checkpoint  # its closed-over values passed in: a rematerialized step takes them as arguments
+    def block(consts, x):
+        r, Cs, st, seen = consts
+        q, qv, kw, vw, qs, qr, ws, wv, cs, on_i, i = x
+        bdt = band_scores(qv, r).astype(dt)  # [B, H, L, M+1]
+        mask_w = ((ws[:, None, :] == qs[..., None]) & wv[None, None, :] & (dist >= 0)
+                  & (dist <= qr[..., None] % L + L))[:, None]  # [B, 1, L, 3L]
+        s_w = ops.qk_dot(q, kw) + skew_bias(bdt, 2 * L, 3 * L)
+        s_c = acc_einsum("bhld,hsd->bhls", q, Cs)
+        groups = [(s_c + log_count(n)[:, :, None, :], reads[:, None, :, None] & (n > 0)[:, :, None, :], mu.astype(cd))
+                  for mu, n, reads in cs]
+        if st is not None:
+            groups += _carried_block(q, s_c, bdt, st, seen, on_i, i == 0, M=M, cd=cd, ops=ops)
+        return softmax_mix(groups + [(s_w, mask_w, vw)], ops)[0]
+
+    o = jax.lax.map(functools.partial(block, (r, Cs, st, seen)), xs)  # [R, B, H, L, Dv]
+    return jnp.moveaxis(o, 0, 2).reshape(B, H, Tp, -1)[:, :, :T]
+
+
+def _carried_block(q, s_c, bdt, state, seen, on, first, *, M: int, cd, ops: Ops = PLAIN):
+    """:func:`carried_groups` for one row block of queries ``q`` [B, H, L, Dk] (``s_c`` their code scores, ``bdt``
+    their band scores [B, H, L, M+1], ``on`` [B, L] those that continue the carried document, ``first``: the row
+    block is the call's first, where the band is exact with its bias; later ones read it under sg(band))."""
+    on = on[:, None, :, None]  # [B, 1, L, 1]
+    cache = (s_c + log_count(state["agg_n"])[:, :, None, :], on & (state["agg_n"] > 0)[:, :, None, :],
+             state["agg_mu"].astype(cd))
+    bk = state["band_k"].astype(cd)
+    s_b = ops.qk_dot(q, jnp.where(first, bk, sg(bk))) + jnp.where(first, skew_bias(bdt, M, M), 0.0)
+    valid = (seen[:, None] - M + jnp.arange(M)[None, :] >= 0)[:, None, None, :]  # [B, 1, 1, M]
+    return [cache, (s_b, on & valid, state["band_v"].astype(cd))]
+
+
 def causal_packed_short(q_u, bd, k_hat, v, C, state, seen, continues, *, L: int, M: int, segment_ids,
                         ops: Ops = PLAIN):
     """The streaming form's packed row (§2.8) in one quadratic pass over the call (decoding calls are short; any
@@ -780,23 +858,27 @@ def attend(form: str, core, pre, v, C, state, *, settings: dict, ops: Ops = PLAI
 
 def attend_packed(form: str, core, pre, k_hat, z, v, C, state, *, segment_ids, ops: Ops = PLAIN):
     """A packed row (§2.8) by ``form`` (quantized keys ``k_hat``, codes ``z``): 'parallel' by
-    :func:`causal_packed`, 'stream' by :func:`causal_packed_short`, each from and to the carried state (``state``
+    :func:`causal_packed`, 'blocks' by :func:`causal_packed_blocks`, 'stream' by :func:`causal_packed_short`, each from and to the carried state (``state``
     without the core's document counters, whose ``seen`` and ``continues`` the core's ``prepare`` puts in ``pre``),
     'encoder' by :func:`encoder_packed`. Returns (o, the state of the call's last document with its ``seen``:
     ``state.packed_final_state``; None for the encoder)."""
     L, M = core.L, core.M
-    bd = band_scores(pre["q_v"], pre["r"])
+    bd = lambda: band_scores(pre["q_v"], pre["r"])  # noqa: E731 -- [B,H,T,n]: not by the tiled form
     carried = dict(state=state, seen=pre["seen"], continues=pre["continues"])
     if form == "parallel":
-        o = causal_packed(pre["q_u"], bd, k_hat, z, v, C, L=L, M=M, segment_ids=segment_ids, compute=v.dtype,
+        o = causal_packed(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, segment_ids=segment_ids, compute=v.dtype,
                           ops=ops, **carried)
+    elif form == "blocks":
+        o = causal_packed_blocks(pre["q_u"], pre["q_v"], pre["r"], k_hat, z, v, C, L=L, M=M,
+                                 segment_ids=segment_ids, ops=ops, **carried)
     elif form == "stream":
-        o = causal_packed_short(pre["q_u"], bd, k_hat, v, C, L=L, M=M, segment_ids=segment_ids, ops=ops, **carried)
+        o = causal_packed_short(pre["q_u"], bd(), k_hat, v, C, L=L, M=M, segment_ids=segment_ids, ops=ops,
+                                **carried)
     elif form == "encoder":
-        return encoder_packed(pre["q_u"], bd, k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band,
+        return encoder_packed(pre["q_u"], bd(), k_hat, z, v, C, L=L, M=M, band=core.cfg.encoder_band,
                               segment_ids=segment_ids, ops=ops), None
     else:
-        raise ValueError(f"a packed row runs the 'parallel', 'stream' or 'encoder' form, not {form!r}")
+        raise ValueError(f"a packed row runs the 'parallel', 'blocks', 'stream' or 'encoder' form, not {form!r}")
     dt = float_dtype(pre["q_u"], v)
     return o, packed_final_state(cast_state(state, dt), pre["seen"], pre["continues"], k_hat.astype(dt), z,
                                  v.astype(dt), segment_ids, M=M, S=C.shape[1], ops=ops)
@@ -864,8 +946,8 @@ code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the laye
 
 
 # ----------------------------------------------------------------------------- the declarations
-SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference', 'parallel', 'stream', 'encoder' and the XLA:CPU "
-                   "one restart Transformer-VQ's blocks, cache and band at each document")
+SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference', 'parallel', 'blocks', 'stream', 'encoder' and "
+                   "the XLA:CPU one restart Transformer-VQ's blocks, cache and band at each document")
 
 
 def segments_reasons(platform, *, segments: bool = False, **_) -> list[str]:
@@ -885,9 +967,11 @@ def parallel_reasons(platform, **shapes) -> list[str]:
 
 
 def blocks_reasons(platform, *, L: int, M: int, reduction: str = "serial", segments: bool = False, **_) -> list[str]:
-    """What the tiled form refuses: a band longer than a block, a reduction but the serial one, a packed row."""
-    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the tiled form computes the serial one)"]
-    return band_reasons(platform, L=L, M=M) + extra + segments_reasons(platform, segments=segments)
+    """What the tiled form refuses: a band longer than a block, a reduction but the serial one (an unpacked call:
+    a packed row's cache scan is serial whatever the reduction, :func:`causal_packed_blocks`)."""
+    extra = [] if reduction == "serial" or segments else [
+        f"reduction={reduction!r} (the tiled form computes the serial one)"]
+    return band_reasons(platform, L=L, M=M) + extra
 
 
 def is_form(name: str):
@@ -907,11 +991,20 @@ def prefer_stream(platform, *, segments: bool = False, T: int = 0, L: int = 1, *
 
 
 def prefer_parallel(platform, *, segments: bool = False, T: int = 0, L: int = 1, **shapes) -> bool:
-    """'auto' tries the one-shot form for every packed row of a block or more (on a CPU too, where XLA:CPU's forms
-    refuse them), and on a GPU / TPU for the calls :func:`preferred_form` gives it."""
+    """'auto' tries the one-shot form on a GPU / TPU for the calls :func:`preferred_form` gives it, and for a packed
+    row of a block or more the tiled form is not given (on a CPU every one: XLA:CPU's forms take them first, and
+    refuse a band longer than a block as this form does)."""
     if segments:
-        return T >= L
+        return T >= L and (platform == "cpu" or not prefer_blocks(platform, segments=True, T=T, L=L, **shapes))
     return platform != "cpu" and preferred_form(platform, T=T, L=L, **shapes) == "parallel"
+
+
+def prefer_blocks(platform, **shapes) -> bool:
+    """'auto' tries the tiled form for the calls :func:`preferred_form` gives it, a packed row too (its cache scan is
+    serial whatever the ``reduction``: :func:`causal_packed_blocks`)."""
+    if shapes.get("segments"):
+        shapes = {**shapes, "reduction": "serial"}
+    return preferred_form(platform, **shapes) == "blocks"
 
 
 # Per-platform defaults of the execution knobs these forms read (a knob left at dispatch.PLATFORM_DEFAULT takes the
@@ -962,7 +1055,7 @@ IMPLEMENTATIONS = (
                    defaults={**_SEARCH, "reduction": REDUCTION}),
     # its tiled form with a recomputing backward ('auto' on a GPU / TPU reads its tiled_min_scores)
     Implementation("blocks", reasons=blocks_reasons, config={"impl": "blocks", "reduction": "serial"}, auto=_AUTO,
-                   prefer=is_form("blocks"), code=Blocks, directions=("causal",), defaults=DEFAULTS),
+                   prefer=prefer_blocks, code=Blocks, directions=("causal",), defaults=DEFAULTS),
     # block by block, as decoding runs (any band)
     # (and a packed row shorter than a block: decoding, on a CPU too)
     Implementation("stream", config={"impl": "stream"}, auto={**_AUTO, "cpu": 97}, prefer=prefer_stream, code=Stream, directions=("causal",), defaults=_SEARCH),
@@ -977,6 +1070,6 @@ def _by_name() -> dict:
 
 __all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK",
            "SEGMENTS_REASON", "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "attend_packed", "band_reasons", "carried_groups", "causal_packed_short", "band_scores", "blocks_reasons", "causal_blocks",
-           "causal_packed", "causal_parallel", "causal_stream", "code_sums", "encoder_packed", "encoder_parallel", "form_for", "gather_codes", "is_form",
-           "nearest", "parallel_reasons", "prefer_parallel", "prefer_stream", "preferred_form", "result",
+           "causal_packed", "causal_packed_blocks", "causal_parallel", "causal_stream", "code_sums", "encoder_packed", "encoder_parallel", "form_for", "gather_codes", "is_form",
+           "nearest", "parallel_reasons", "prefer_blocks", "prefer_parallel", "prefer_stream", "preferred_form", "result",
            "segments_reasons", "stvq"]

@@ -105,9 +105,9 @@ encoder_parallel = functools.partial(xla.encoder_parallel, ops=OPS)
 class XlaCpu(dispatch.Runner):
     """``xla_cpu``: the encoder, or the causal form :func:`xla.form_for` gives the call's size under this
     implementation's settings (its fields, as they run on the call's platform: :data:`DEFAULTS`); a causal packed
-    row (§2.8) by :func:`xla.attend_packed`: the one-shot packed form for calls of a block or more (whatever
-    ``tiled_min_scores``: there is no tiled packed form), the short one below (:func:`reasons`); a bidirectional one
-    by :func:`xla.encoder_packed`."""
+    row (§2.8) by :func:`xla.attend_packed` with the form the same rule gives it (the tiled packed form
+    :func:`xla.causal_packed_blocks` from ``tiled_min_scores`` scores on, else the one-shot packed form; the short one
+    below a block; :func:`reasons`); a bidirectional one by :func:`xla.encoder_packed`."""
 
     search_chunk: int
     keep_budget: int
@@ -119,12 +119,11 @@ class XlaCpu(dispatch.Runner):
         v = x["v"]
         if not core.causal:
             form = "encoder"
-        elif x["segment_ids"] is not None:  # a causal packed row: the one-shot packed form, or the short one
-            form = "parallel" if v.shape[2] >= core.L and core.M <= core.L else "stream"
         else:
             B, H, T, _ = v.shape
-            form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M, reduction=self.reduction,
-                                min_scores=self.tiled_min_scores)
+            packed = x["segment_ids"] is not None  # a packed row's cache scan is serial whatever the reduction
+            form = xla.form_for(B=B, H=H, T=T, S=core.S, L=core.L, M=core.M,
+                                reduction="serial" if packed else self.reduction, min_scores=self.tiled_min_scores)
         o, new, codes = xla.attend(form, core, x, v, x["C"], call.state, settings=dataclasses.asdict(self), ops=OPS,
                                    tiles=TILES, quantize=stvq, segment_ids=x["segment_ids"])
         return xla.result(o, new, codes, code_sums=code_sums)
