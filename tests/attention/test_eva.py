@@ -569,7 +569,8 @@ def test_kernel_tiles_are_execution_settings(monkeypatch):
 def test_packed_row_equals_its_documents_alone_in_training_mode(causal, cfg):
     """Documents of 5, 13 and 9 tokens (cut mid-block and mid-chunk) in one row: outputs with the ω draws, dropout,
     the overlapping window and (causal) the exact chunk log-sum-exp and the disjoint partition equal each document's
-    own call with the same key; 'auto' takes the reference for the packed call, the tiles refuse it by name."""
+    own call with the same key; so do the tiles (``xla``, ``xla_cpu``: the documents laid out again on the block
+    grid), which equal the reference's packed form."""
     core = make(causal, window_size=8, chunk_size=4, **cfg)
     lengths = (5, 13, 9)
     q, k, v = qkv(sum(lengths), seed=11, head_dim=D)
@@ -581,19 +582,129 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal, cfg):
         assert maxdiff(packed[:, :, a:a + n], alone) < 1e-5, (a, n)
         a += n
     assert maxdiff(packed, run(core, q, k, v, **TRAIN)[0]) > 1e-2  # the documents do see each other unpacked
+    want = make(causal, window_size=8, chunk_size=4, impl="reference", **cfg)(q, k, v, segment_ids=seg, **TRAIN)[0]
     for name in ("xla", "xla_cpu"):
         named = make(causal, window_size=8, chunk_size=4, impl=name, **cfg)
-        with pytest.raises(dispatch.KernelUnsupportedError, match=r"segment ids.*impl='reference'"):
-            named(q, k, v, segment_ids=seg, **TRAIN)
+        assert maxdiff(named(q, k, v, segment_ids=seg, **TRAIN)[0], want) < 1e-5, name
+
+
+def _packed_rows(lengths, seed=11):
+    """q, k, v and segment ids [B, T] of rows holding documents of ``lengths`` (row b rotated by b)."""
+    rows = [lengths[b:] + lengths[:b] for b in range(B)]
+    q, k, v = qkv(sum(lengths), seed=seed, head_dim=D)
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in rows]), jnp.int32)
+    return rows, q, k, v, seg
+
+
+PACKED_TRAIN = dict(window_size=8, chunk_size=4, overlap_window=True, chunk_logit="exact_lse", attn_dropout=0.3,
+                    partition="disjoint")
+
+
+def _in_two_calls(core, q, k, v, seg, cut):
+    """The packed row (training mode) as tokens [:cut] from the empty state, then the rest from the state they left."""
+    T = seg.shape[1]
+
+    @nnx.jit
+    def both(c, q, k, v, seg):
+        first, st = c(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], c.init_state(B, T), segment_ids=seg[:, :cut],
+                      **TRAIN)
+        second, _ = c(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], st, segment_ids=seg[:, cut:], **TRAIN)
+        return jnp.concatenate([first, second], axis=2)
+
+    return both(core, q, k, v, seg)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_layout_fits_its_static_bound(causal):
+    """The tiles' layout (longctx/attention/eva/packed.py) of rows of worst-case lengths for each rule (documents
+    of P tokens after one of 1, filling a block but for one, longer than a block by one, shorter than P) stays
+    inside its static size, puts every document of P tokens or more on the chunk grid and every one of a block or
+    less inside one block, and the tiles equal the reference on such a row (outputs and the returned state)."""
+    from longctx.attention.eva import packed
+
+    W, P = 8, 4
+    rows = [(1, 7) * 3 + (9, 1, 4), (1, 5) * 6 + (2,), (3,) * 12 + (2,), (1,) * 38]
+    T = 38
+    assert all(sum(r) == T for r in rows)
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in rows]), jnp.int32)
+    lay = np.asarray(packed.document_layout(seg, W, P, causal=causal))
+    size = packed.layout_size(T, W, P, causal=causal)
+    assert lay.max() < size
+    for b, r in enumerate(rows):
+        a = 0
+        for n in r:
+            first, last = lay[b, a], lay[b, a + n - 1]
+            assert last - first == n - 1  # contiguous
+            if n > W:
+                assert first % W == 0
+            else:
+                assert first // W == last // W
+            if n >= P or not causal:
+                assert first % P == 0
+            a += n
+    assert np.all(np.diff(lay, axis=1) > 0)
+    cfg = dict(window_size=W, chunk_size=P, overlap_window=True)
+    q, k, v = qkv(T, seed=5, batch=len(rows))
+    want, want_state = make(causal, impl="reference", **cfg)(q, k, v, segment_ids=seg)
+    got, state = make(causal, impl="xla", **cfg)(q, k, v, segment_ids=seg)
+    assert maxdiff(got, want) < 1e-5
+    for name in (want_state or {}):
+        assert maxdiff(state[name].astype(jnp.float32), want_state[name].astype(jnp.float32)) < 1e-5, name
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "xla_cpu"])
+def test_packed_calls_carry_the_state_of_their_last_document(impl):
+    """A packed row fed in two calls cut inside a chunk of a document equals the packed row in one call, in training
+    mode with the overlapping window, the exact chunk log-sum-exp, dropout and the disjoint partition; the state a
+    packed call returns is its last document's alone (its id, its length, its ring, its unfinished chunk and its
+    finished chunks)."""
+    core = make(**PACKED_TRAIN, impl=impl)
+    rows, q, k, v, seg = _packed_rows((5, 13, 9))
+    T = seg.shape[1]
+    whole = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s, **TRAIN)[0])(core, q, k, v, seg)
+    assert maxdiff(_in_two_calls(core, q, k, v, seg, 7), whole) < 1e-5
+    # deterministic: a batch of one draws other noise than row b of two
+    _, state = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s))(core, q, k, v, seg)
+    np.testing.assert_array_equal(state["segment"], [3, 3])
+    for b, r in enumerate(rows):  # the last document alone: the same state where a full pass's is defined
+        n = r[-1]
+        _, alone = run(core, q[b:b + 1, :, T - n:], k[b:b + 1, :, T - n:], v[b:b + 1, :, T - n:])
+        assert int(state["doc_len"][b]) == n
+        for name in ("win_k", "win_v", "cur_q", "cur_k", "cur_v"):
+            assert maxdiff(state[name][b:b + 1], alone[name]) == 0.0, (b, name)
+        for name in ("mem_khat", "mem_beta", "mem_kraw"):  # its finished chunks
+            assert maxdiff(state[name][b:b + 1, :, :n // 4], alone[name][:, :, :n // 4]) < 1e-5, (b, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_packed_rows_decoded_token_by_token_and_cut_anywhere(impl):
+    """Decoding with segment ids (one token a call, a new id starting a fresh document) and two calls cut at a chunk
+    border or at a document border equal the packed row in one call (training mode, as above)."""
+    core = make(**PACKED_TRAIN, impl=impl)
+    _, q, k, v, seg = _packed_rows((5, 13, 9))
+    T = seg.shape[1]
+    whole = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s, **TRAIN)[0])(core, q, k, v, seg)
+    for cut in (12, 18):  # row 1: a chunk border of its first document; row 0: a document border
+        assert maxdiff(_in_two_calls(core, q, k, v, seg, cut), whole) < 1e-5, cut
+    step = nnx.jit(lambda c, q, k, v, s, st: c(q, k, v, st, segment_ids=s, **TRAIN))
+    st, outs = core.init_state(B, T), []
+    for t in range(T):
+        o, st = step(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], seg[:, t:t + 1], st)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, axis=2), whole) < 1e-5
+    assert [int(x) for x in st["doc_len"]] == [9, 5]
 
 
 def test_packed_rows_refused_where_not_served():
-    """A stream after a carried state and a bidirectional num_chunks layer refuse packed rows in one line."""
+    """A bidirectional num_chunks layer and a slice from a sequence origin (composed states: a document crossing a
+    slice would restart its chunk grid there) refuse packed rows in one line."""
     q, k, v = qkv(12, seed=3, head_dim=D)
     seg = jnp.ones((B, 12), jnp.int32)
-    core = make(window_size=8, chunk_size=4, impl="reference")
-    with pytest.raises(dispatch.KernelUnsupportedError, match="carried state") as err:
-        core(q, k, v, core.init_state(B, 12), segment_ids=seg)
+    core = make(window_size=8, chunk_size=4)
+    with pytest.raises(ConfigError, match="^eva: packed rows cannot run sequence-parallel by composed states") as err:
+        core(q, k, v, core.sequence_origin(B, 24, jnp.asarray(12, jnp.int32)), segment_ids=seg)
     assert "\n" not in str(err.value)
+    core(q, k, v, core.sequence_origin(B, 24, jnp.asarray(12, jnp.int32)))  # without segment ids it composes
     with pytest.raises(ConfigError, match="^eva: packed rows need a fixed chunk_size"):
         make(False, window_size=8, num_chunks=4)(q, k, v, segment_ids=seg)

@@ -11,7 +11,8 @@ combined by one log-sum-exp normalised softmax over ``[local logits ; chunk logi
 
 The package: ``reference.py`` (the paper's computation, the implementation every other one must equal),
 ``xla.py`` (portable XLA tiles), the tiles tuned for XLA:CPU (the CPU-tuned implementation, its own file),
-``pallas.py`` (the kernels), each declaring itself (``IMPLEMENTATIONS``, its code a ``dispatch.Runner``),
+``pallas.py`` (the kernels), ``packed.py`` (a packed row in the tiles: the documents laid out again on the block
+grid), each declaring itself (``IMPLEMENTATIONS``, its code a ``dispatch.Runner``),
 ``common.py`` (options, geometry, masks, bias, random draws and decoding state they share, and the runners' shared
 call) and ``layer.py`` (:class:`EVAAttention`: parameters, configuration, state, a call's inputs and its result).
 Checked against the release (HKUNLP/efficient-attention at 531ff51, ``tests/fidelity/test_eva_release.py``):

@@ -60,8 +60,8 @@ def window_keys(opts: EVAOptions, tile: int) -> int:
     return tile + opts.e_l + opts.e_r if opts.W > 0 else 0
 
 
-SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference' restarts EVA's blocks and chunks at each "
-                   "document (O(L²))")
+SEGMENTS_REASON = ("packed rows (segment ids): the kernels take none; impl='xla', 'xla_cpu' and 'reference' restart "
+                   "EVA's blocks and chunks at each document")
 
 
 def segments_reasons(platform: str, *, segments: bool = False, **_) -> list[str]:
@@ -211,6 +211,10 @@ def empty_state(B, H, d, dv, R, P, C_max, exact: bool):
     z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
     st = {
         "pos": jnp.zeros((), jnp.int32),
+        # packed rows (segment ids): the id of the document the state summarizes (0: none) and its tokens so far;
+        # a packed call's buffers hold that document's positions counted from its first token (doc_len for pos)
+        "segment": jnp.zeros((B,), jnp.int32),
+        "doc_len": jnp.zeros((B,), jnp.int32),
         "win_k": z(B, H, R, d),  # last R tokens, chronological: slot j <-> position pos - R + j
         "win_v": z(B, H, R, dv),
         "cur_q": z(B, H, P, d),  # members of the unfinished chunk ⌊pos/P⌋, slot j <-> ⌊pos/P⌋P + j
@@ -240,8 +244,11 @@ def state_from_forward(extras, L: int, R: int, exact: bool):
     P = extras["P"]
     c_cur = L // P
     cur = [jnp.pad(x, ((0, 0), (0, 0), (0, P), (0, 0)))[:, :, c_cur * P:(c_cur + 1) * P] for x in (qf, kf, vf)]
+    B = qf.shape[0]
     st = {
         "pos": jnp.asarray(L, jnp.int32),
+        "segment": jnp.zeros((B,), jnp.int32),  # one sequence, no document id
+        "doc_len": jnp.full((B,), L, jnp.int32),
         "win_k": _last(kf[:, :, :L], R),
         "win_v": _last(vf[:, :, :L], R),
         "cur_q": cur[0], "cur_k": cur[1], "cur_v": cur[2],
@@ -249,7 +256,7 @@ def state_from_forward(extras, L: int, R: int, exact: bool):
         "mem_beta": extras["beta"],
     }
     if exact:
-        B, H, _, d = kf.shape
+        _, H, _, d = kf.shape
         st["mem_kraw"] = kf.reshape(B, H, -1, P, d)
     return st
 
@@ -272,11 +279,16 @@ def runner_arguments(runner: dispatch.Runner, core, call: dispatch.Call) -> tupl
 
 
 def run_pass(runner: dispatch.Runner, core, call: dispatch.Call, forward: Callable, stream: Callable,
-             **kernel) -> dispatch.Result:
+             packed: Callable | None = None, **kernel) -> dispatch.Result:
     """An implementation's call: ``forward`` over the whole row without a carried state (the result's ``extras``:
     what ``EVAAttention.finish`` builds a causal core's state from, :func:`state_from_forward`), else ``stream``, the
-    tokens after ``call.state`` (the result's state); ``kernel``: the keywords both take beyond the shared ones."""
+    tokens after ``call.state`` (the result's state); a packed row (segment ids) by ``packed``, from a carried state
+    too (the result's state: its last document's); ``kernel``: the keywords both take beyond the shared ones."""
     x, args, c = call.inputs, runner_arguments(runner, core, call), core.cfg
+    if x["segment_ids"] is not None and packed is not None:
+        out, state = packed(x["q"], x["k"], x["v"], *args, chunk_size=c.chunk_size, segment_ids=x["segment_ids"],
+                            state=call.state)
+        return dispatch.Result(out, state)
     if call.state is None:
         out, extras = forward(x["q"], x["k"], x["v"], *args, chunk_size=c.chunk_size, num_chunks=c.num_chunks,
                               **kernel)

@@ -12,8 +12,8 @@ reference. The base class's call runs :meth:`EVAAttention.prepare` (the inputs e
 selection reads), the runner ``dispatch.select`` chooses, and :meth:`EVAAttention.finish` (a causal full pass's
 state from the forward's extras). A runner looks at the call itself: without a carried state it runs its full pass,
 with one its stream (the XLA tiles; the CPU-tuned ones with their ops; the kernels' with Phase A in the kernel; the
-reference's are the portable ones), and the reference's runner computes a packed row (``segment_ids``) by its
-packed form.
+reference's are the portable ones); a packed row (``segment_ids``) runs the reference's packed form or, in the
+tiles, the documents laid out again on the block grid (packed.py), after a carried state too; the kernels refuse it.
 """
 
 from __future__ import annotations
@@ -43,43 +43,28 @@ from longctx.attention.eva.common import (
     geometry,
     rpe_num_buckets,
     run_pass,
-    runner_arguments,
     state_from_forward,
 )
 from longctx.errors import ConfigError
 
-PACKED_STREAM_REASON = ("packed rows (segment ids) with a carried state: EVA's stream takes no segment ids yet; "
-                        "feed a packed row in one call")
-
-
-def _reference_reasons(platform: str, *, segments: bool = False, full: bool = True, **_) -> list[str]:
-    return [PACKED_STREAM_REASON] if segments and not full else []
-
 
 @dataclasses.dataclass(frozen=True)
 class Reference(dispatch.Runner):
-    """``reference``: the paper's computation over the whole row (``reference.eva_reference``; a packed row,
-    ``segment_ids`` given: ``reference.eva_reference_packed``, which builds no state); a stream after a carried state
-    has no O(L²) form of its own and runs the portable tiles (``xla.eva_stream``, with their logit budget)."""
+    """``reference``: the paper's computation over the whole row (``reference.eva_reference``); a packed row
+    (``segment_ids`` given) by ``reference.eva_reference_packed``, from a carried state too (a causal one returns
+    the state of each row's last document); an unpacked stream after a carried state has no O(L²) form of its own
+    and runs the portable tiles (``xla.eva_stream``, with their logit budget)."""
 
     logit_budget: int
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
-        x = call.inputs
-        if call.state is None and x["segment_ids"] is not None:
-            out, _ = reference.eva_reference_packed(x["q"], x["k"], x["v"], *runner_arguments(self, core, call),
-                                                    chunk_size=core.cfg.chunk_size, segment_ids=x["segment_ids"])
-            return dispatch.Result(out)
-        return run_pass(self, core, call, reference.eva_reference, xla.eva_stream)
+        return run_pass(self, core, call, reference.eva_reference, xla.eva_stream, reference.eva_reference_packed)
 
 
-# 'auto' tries the reference only for a packed row (segment ids), which the tiles and kernels refuse
-# (common.segments_reasons), and only on a CPU: its O(L²) memory at a GPU's or TPU's training lengths is not a
-# default to fall into there (name impl='reference' to take it)
+# not in 'auto' (the tiles serve every call, packed rows too)
 REFERENCE = dispatch.Implementation(
     "reference", config={"impl": "reference"}, defaults={"logit_budget": xla.LOGIT_BUDGET},  # its stream's tiles
-    reasons=_reference_reasons, auto={"cpu": 99},
-    prefer=lambda platform, segments=False, **_: segments, code=Reference)
+    code=Reference)
 
 
 @functools.cache
@@ -96,7 +81,7 @@ class EVAAttention(AttentionCore):
     name = "eva"
     EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget", "query_tile", "key_tile", "chunk_tile", "num_warps")
     randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
-    takes_segments = True  # the reference's full pass (reference.eva_reference_packed); the others refuse them
+    takes_segments = True  # the reference and the tiles (packed.py), carried state too; the kernels refuse them
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -293,7 +278,9 @@ class EVAAttention(AttentionCore):
         return None
 
     def sequence_origin(self, batch_size: int, max_len: int, start):
-        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32)}
+        # "origin" marks it (a call from it returns a state without the mark): a packed slice refuses it (prepare)
+        return {**self.init_state(batch_size, max_len), "pos": jnp.asarray(start, jnp.int32),
+                "origin": jnp.ones((), bool)}
 
     def compose_states(self, a, b):
         # b ran from an empty state at a's end (a chunk border): its finished chunks occupy slots a's
@@ -311,7 +298,9 @@ class EVAAttention(AttentionCore):
 
     def prepare(self, q, k, v, state, *, deterministic, key, segment_ids=None):
         """``segment_ids`` [B, T] int32 (optional): a packed row, each document (a run of equal ids) computed as if
-        alone: the reference's full pass; a causal packed call returns no state (docs/methods/eva.md).
+        alone (the reference; the tiles by a layout on the block grid); a causal packed call returns the state of each
+        row's last document, and one given a state continues its document for the tokens ``base.continues_state``
+        marks (docs/methods/eva.md).
 
         The inputs every runner takes: ``q``, ``k``, ``v``; ``params`` (:meth:`chunk_params`); ``rpe`` (the
         relative-position table, None without one); ``noise_key``, ``drop_key`` (the split of ``key``; None when
@@ -321,6 +310,10 @@ class EVAAttention(AttentionCore):
         if segment_ids is not None and not self.causal and c.num_chunks > 0:
             raise ConfigError(f"eva: packed rows need a fixed chunk_size (num_chunks={c.num_chunks} sizes each "
                               "document's chunks by its length); set num_chunks=0")
+        if segment_ids is not None and state is not None and "origin" in state:
+            raise ConfigError("eva: packed rows cannot run sequence-parallel by composed states (a document that "
+                              "crosses a slice continues its chunk grid, noise draws and window there); set "
+                              "mesh.sequence=1 or data.packing='document'")
         noise_key, drop_key = self._keys(deterministic, key)
         if state is not None and not self.causal:
             raise ValueError("eva: a bidirectional core takes no state")
@@ -332,8 +325,8 @@ class EVAAttention(AttentionCore):
         return dispatch.Call(inputs, state, key=key), shapes
 
     def finish(self, call, result, *, aux=None):
-        """The output in the values' dtype; the state: a stream's, or a causal full pass's from the forward's extras
-        (``state_from_forward``); none for a bidirectional core or a packed row."""
+        """The output in the values' dtype; the state: a stream's or a packed call's (its runner's), or a causal full
+        pass's from the forward's extras (``state_from_forward``); none for a bidirectional core."""
         x = call.inputs
         out = result.out.astype(x["v"].dtype)
         if call.state is not None or not self.causal or x["segment_ids"] is not None:

@@ -39,7 +39,6 @@ from longctx.attention.eva.common import (
     local_mask,
     rpe_bias,
     run_pass,
-    segments_reasons,
     uses_fused,
     window_keys,
 )
@@ -73,6 +72,20 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     bias = rpe_bias(rpe_table, q_pos, k_pos, opts, scale) if opts.use_rpe and rpe_table is not None else None
     if ops.fused_tile is not None and uses_fused(seeds, opts):
         return ops.fused_tile(q, q_pos, k, v, k_hat, beta, bias, lmask, cmask, chunk_ids, chunk_valid, P, opts, scale)
+    drop = None
+    if seeds is not None and opts.attn_dropout > 0.0:
+        drop = dropout_multipliers(seeds, opts.attn_dropout, q_pos, k_pos, chunk_ids)
+    return joint_tile(q, k, v, (k_hat, beta, k_raw, k_raw_valid), lmask, cmask, bias, drop, opts, scale, ops)
+
+
+def joint_tile(q, k, v, chunks, lmask, cmask, bias, drop, opts: EVAOptions, scale: float, ops: TileOps = PLAIN):
+    """Eq. 16 of a tile of queries q [B,H,Tq,d] over its local keys k, v [B,H,Tk,*] and the chunks (k̂, β, k_raw,
+    k_raw_valid), all in the compute dtype (q's), given its masks ``lmask`` [..,Tq,Tk], ``cmask`` [..,Tq,C]
+    (broadcastable to the logits), the bias (or None) and the dropout multipliers ``drop`` = (local, chunk) or None
+    (:func:`attend_tile` builds them from absolute positions; a packed row from each document's own,
+    ``packed.py``). Returns float32 outputs [B,H,Tq,dv]."""
+    k_hat, beta, k_raw, k_raw_valid = chunks
+    cd = q.dtype
     a_loc = scale * acc_einsum("bhqd,bhkd->bhqk", q, k)
     if bias is not None:
         a_loc = a_loc + bias
@@ -83,10 +96,9 @@ def attend_tile(q, q_pos, k, v, k_pos, k_valid, chunks, chunk_ids, chunk_valid, 
     p_loc = jnp.where(lmask, jnp.exp(a_loc - m), 0.0)
     p_ch = jnp.where(cmask, jnp.exp(a_ch - m), 0.0)
     denom = jnp.sum(p_loc, axis=-1) + jnp.sum(p_ch, axis=-1)
-    if seeds is not None and opts.attn_dropout > 0.0:
+    if drop is not None:
         # dropout on the joint normalized weights == drop unnormalized p, keep the normalizer (§9.12)
-        d_loc, d_ch = dropout_multipliers(seeds, opts.attn_dropout, q_pos, k_pos, chunk_ids)
-        p_loc, p_ch = p_loc * d_loc, p_ch * d_ch
+        p_loc, p_ch = p_loc * drop[0], p_ch * drop[1]
     num = acc_einsum("bhqk,bhkd->bhqd", p_loc.astype(cd), v)
     num = num + acc_einsum("bhqc,bhcd->bhqd", p_ch.astype(cd), beta)
     return ops.row_scale(num, 1.0 / jnp.maximum(denom, 1e-30))  # empty rows (only if W = 0) give 0
@@ -291,6 +303,8 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     new_state["win_k"] = k_cat[:, :, T:T + R]
     new_state["win_v"] = v_cat[:, :, T:T + R]
     new_state["pos"] = pos + T
+    new_state["segment"] = state["segment"]  # no segment ids: the tokens continue the one sequence
+    new_state["doc_len"] = jnp.broadcast_to(pos + T, (B,))
     return out, new_state
 
 
@@ -309,11 +323,14 @@ class Tiles(dispatch.Runner):
     logit_budget: int
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
-        return run_pass(self, core, call, eva_forward, eva_stream)
+        from longctx.attention.eva.packed import eva_packed  # imports this module
+
+        return run_pass(self, core, call, eva_forward, eva_stream, eva_packed)
 
 
-# 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
+# 'auto' on a GPU / TPU after the kernels (where they do not serve: packed rows among them); on a CPU the CPU-tuned
+# tiles run instead
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
-                            reasons=segments_reasons, code=Tiles, defaults={"logit_budget": LOGIT_BUDGET}),
+                            code=Tiles, defaults={"logit_budget": LOGIT_BUDGET}),
 )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention import dispatch
-from longctx.attention.eva import xla
+from longctx.attention.eva import packed, xla
 from longctx.attention.eva.common import (
     NEG,
     EVAOptions,
@@ -31,7 +31,6 @@ from longctx.attention.eva.common import (
     local_mask,
     rpe_bias,
     run_pass,
-    segments_reasons,
 )
 from longctx.xla_cpu import materialized, rowdot, rows_dot, scale_rows, transposed
 from pallas_kernels.precision import float_dtype
@@ -373,6 +372,15 @@ def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVA
     return xla.eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts, P=P, ops=CPU_OPS)
 
 
+def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int, segment_ids,
+               state=None):
+    """``packed.eva_packed`` (a packed row laid out on the block grid) with the CPU ops' LayerNorm, noise and row
+    scaling (the written-out Phase B of full passes takes per-position masks; a packed row's are per document, so it
+    runs the tiles under autodiff): (out [B,H,T,dv], state)."""
+    return packed.eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=chunk_size,
+                             segment_ids=segment_ids, state=state, ops=CPU_OPS)
+
+
 def attend_tile(*args, **kwargs):
     """``xla.attend_tile`` with the CPU ops."""
     return xla.attend_tile(*args, **kwargs, ops=CPU_OPS)
@@ -394,11 +402,11 @@ class CPUTiles(dispatch.Runner):
     keep_budget: int
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
-        return run_pass(self, core, call, eva_forward, eva_stream)
+        return run_pass(self, core, call, eva_forward, eva_stream, eva_packed)
 
 
 # the implementation 'auto' runs on a CPU (and only there: it is the whole 'auto' list on a CPU)
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla_cpu", platforms=("cpu",), config={"impl": "xla_cpu"}, auto={"cpu": 0},
-                            reasons=segments_reasons, code=CPUTiles, defaults=DEFAULTS),
+                            code=CPUTiles, defaults=DEFAULTS),
 )
