@@ -11,6 +11,11 @@ of each fine block ``idx [nb, C_pad]`` (int32, ``nb = n_pad / m``) and the slots
 previous one and, bidirectional, the next one, all from the same K/V arrays (an out-of-range block is masked), and
 its coarse slots by index from the summaries: no per-block copy of the slots exists outside the kernel.
 
+Packed rows (docs/methods/fma.md §2.7, a row of documents laid out again): ``docs = (qdoc, kdoc, sdoc)``, the
+document of every query row, key and coarse slot's group (int32), are three more inputs read beside the operands
+they mask (:class:`_Docs`: a column per query row, one row of ids per fine key block, the slot table's shape); a
+key or slot counts for a query only where the ids are equal, in the forward, dq and dk/dv kernels alike.
+
 Kernels, each on grid ``(BH, nb / G)``: a program loops over ``G`` consecutive fine blocks (``blocks_per_program``,
 :func:`program_blocks`), reading their rows as one tile and the fine blocks just before and after them as single
 blocks (clamped index maps).
@@ -119,8 +124,9 @@ def _c_pad(C: int, platform: str) -> int:
 
 
 
-def _fine_scores(q, k, qblk, kblk, in_range, *, m: int, causal: bool, n_valid: int):
-    """Scores [m, m] of query block ``qblk`` against key block ``kblk`` (traced ints) and their mask."""
+def _fine_scores(q, k, qblk, kblk, in_range, *, m: int, causal: bool, n_valid: int, same=None):
+    """Scores [m, m] of query block ``qblk`` against key block ``kblk`` (traced ints) and their mask (``same``
+    [m, m]: where the query and the key are of one document, packed rows; None: one sequence)."""
     s = _nt(q, k)
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, m), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (m, m), 1)
@@ -128,14 +134,48 @@ def _fine_scores(q, k, qblk, kblk, in_range, *, m: int, causal: bool, n_valid: i
     valid = (kpos >= 0) & (kpos < n_valid) & in_range
     if causal:
         valid = valid & (kpos <= qblk * m + rows)
+    if same is not None:
+        valid = valid & same
     return jnp.where(valid, s, NEG), valid
 
 
-def _coarse_scores(q, kc, cb):
-    """Scores [m, C_pad] of a query block against its coarse slots (bias ``cb [1, C_pad]``) and their mask."""
+def _coarse_scores(q, kc, cb, same=None):
+    """Scores [m, C_pad] of a query block against its coarse slots (bias ``cb [1, C_pad]``) and their mask
+    (``same`` [m, C_pad]: where the query and the slot's group are of one document, packed rows)."""
     s = _nt(q, kc) + cb
     valid = jnp.broadcast_to(cb > NEG / 2, s.shape)
+    if same is not None:
+        valid = valid & same
     return jnp.where(valid, s, NEG), valid
+
+
+class _Docs:
+    """A program's documents (packed rows laid out again, docs/methods/fma.md §2.7): the document of each query row
+    of its G blocks (``q [G m, 1]`` int32), of each key of its fine key blocks (``k``: {offset: ref}, ``[G, 1, m]``
+    for its own blocks, ``[1, 1, m]`` for the blocks just before and after them) and, with coarse slots, of each
+    slot's group (``s [G, C_pad]``). A key or slot counts for a query only where their documents are equal (the
+    caller's padding never equals: queries -1, keys and slots -2)."""
+
+    def __init__(self, q, k, s=None):
+        self.q, self.k, self.s = q, k, s
+
+    def query(self, g: int, m: int):
+        return self.q[pl.ds(g * m, m), :]  # [m, 1]
+
+    def keys(self, g: int, G: int, off: int):
+        """The documents ``[1, m]`` of fine key block ``g + off`` (as :func:`_tile`)."""
+        t = g + off
+        if t < 0:
+            return self.k[-1][0]
+        if t >= G:
+            return self.k[1][0]
+        return self.k[0][t]
+
+    def same_keys(self, g: int, G: int, off: int, m: int):
+        return self.query(g, m) == self.keys(g, G, off)  # [m, m]
+
+    def same_slots(self, g: int, m: int):
+        return self.query(g, m) == self.s[pl.ds(g, 1), :]  # [m, C_pad]
 
 
 def _tile(cur_ref, prev_ref, next_ref, g: int, G: int, m: int, off: int):
@@ -203,22 +243,27 @@ class _Slots:
                 ref[row, :] = ref[row, :] + val[c:c + 1, :]
 
 
-def _split_q_refs(refs, causal: bool, has_coarse: bool, n_extra: int, gather: bool, n_out: int):
-    """(q, {offset: (k, v)} of the fine segments, _Slots or None, extra inputs, outputs)."""
+def _split_q_refs(refs, causal: bool, has_coarse: bool, n_extra: int, gather: bool, n_out: int,
+                  has_docs: bool = False):
+    """(q, {offset: (k, v)} of the fine segments, _Slots or None, extra inputs, outputs, _Docs or None)."""
     q_ref = refs[0]
     offs = (0, -1) if causal else (0, -1, 1)
     kv = {0: (refs[1], refs[2]), -1: (refs[3], refs[4]), 1: (refs[5], refs[6]) if not causal else (None, None)}
     rest = refs[1 + 2 * len(offs):]
-    slots = None
+    slots = docs = None
     if has_coarse:
         slots, rest = rest[:4], rest[4:]
+    if has_docs:
+        n_doc = 1 + len(offs) + has_coarse
+        d = rest[:n_doc]
+        docs, rest = _Docs(d[0], dict(zip(offs, d[1:1 + len(offs)])), d[-1] if has_coarse else None), rest[n_doc:]
     extra, rest = rest[:n_extra], rest[n_extra:]
     if has_coarse and gather and n_out == 3:
         rest = rest[2:]  # the dq kernel: the zero-filled gradient buffers its outputs alias
     outs, scratch = rest[:n_out], rest[n_out:]
     if has_coarse:
         slots = _Slots(slots, gather, scratch)
-    return q_ref, offs, kv, slots, extra, outs
+    return q_ref, offs, kv, slots, extra, outs, docs
 
 
 def _segment(kv, off, g, G, m):
@@ -231,8 +276,10 @@ def _segment(kv, off, g, G, m):
 
 
 # ----------------------------------------------------------------------------- forward / dq kernels
-def _fwd_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_coarse: bool, gather: bool):
-    q_ref, offs, kv, slots, _, (o_ref, lse_ref) = _split_q_refs(refs, causal, has_coarse, 0, gather, 2)
+def _fwd_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_coarse: bool, gather: bool,
+                has_docs: bool = False):
+    q_ref, offs, kv, slots, _, (o_ref, lse_ref), docs = _split_q_refs(refs, causal, has_coarse, 0, gather, 2,
+                                                                      has_docs)
     pid = pl.program_id(1)
 
     def online(carry, s, valid, vals):
@@ -251,11 +298,11 @@ def _fwd_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_
         for off in offs:  # own block first, so the running max is finite
             k, v = _segment(kv, off, g, G, m)
             s, valid = _fine_scores(q, k, b, b + off, (b + off >= 0) & (b + off < nb), m=m, causal=causal,
-                                    n_valid=n_valid)
+                                    n_valid=n_valid, same=None if docs is None else docs.same_keys(g, G, off, m))
             carry = online(carry, s, valid, v)
         if slots is not None:
             kc, vc = slots.tiles(g)
-            s, valid = _coarse_scores(q, kc, slots.bias(g))
+            s, valid = _coarse_scores(q, kc, slots.bias(g), None if docs is None else docs.same_slots(g, m))
             carry = online(carry, s, valid, vc)
         mi, li, acc = carry
         li = jnp.maximum(li, 1e-30)  # a row with no valid key (none in practice): output 0, as the reference
@@ -263,10 +310,11 @@ def _fwd_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_
         lse_ref[rows, :] = mi + jnp.log(li)
 
 
-def _dq_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_coarse: bool, gather: bool):
+def _dq_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_coarse: bool, gather: bool,
+               has_docs: bool = False):
     n_out = 3 if has_coarse else 1
-    q_ref, offs, kv, slots, (do_ref, lse_ref, dl_ref), outs = _split_q_refs(refs, causal, has_coarse, 3, gather,
-                                                                            n_out)
+    q_ref, offs, kv, slots, (do_ref, lse_ref, dl_ref), outs, docs = _split_q_refs(refs, causal, has_coarse, 3,
+                                                                                  gather, n_out, has_docs)
     dq_ref = outs[0]
     pid = pl.program_id(1)
     if slots is not None and not gather:  # TPU: the summaries' gradients stay resident over the block axis
@@ -289,12 +337,12 @@ def _dq_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_c
         for off in offs:
             k, v = _segment(kv, off, g, G, m)
             s, valid = _fine_scores(q, k, b, b + off, (b + off >= 0) & (b + off < nb), m=m, causal=causal,
-                                    n_valid=n_valid)
+                                    n_valid=n_valid, same=None if docs is None else docs.same_keys(g, G, off, m))
             _, ds = probs_and_ds(s, valid, v)
             dq = dq + _nn(ds.astype(k.dtype), k)
         if slots is not None:
             kc, vc = slots.tiles(g)
-            s, valid = _coarse_scores(q, kc, slots.bias(g))
+            s, valid = _coarse_scores(q, kc, slots.bias(g), None if docs is None else docs.same_slots(g, m))
             p, ds = probs_and_ds(s, valid, vc)
             dq = dq + _nn(ds.astype(kc.dtype), kc)
             slots.add_grads(g, _tn(ds.astype(q.dtype), q), _tn(p.astype(do.dtype), do), outs[1], outs[2])
@@ -302,16 +350,20 @@ def _dq_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_c
 
 
 # ----------------------------------------------------------------------------- dk / dv kernel
-def _dkv_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int):
+def _dkv_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int, has_docs: bool = False):
     """Key blocks ``j = pid G + g``; the query blocks that read block j: j itself (its own block), j + 1 (its
-    previous block) and, bidirectional, j - 1 (its next block)."""
+    previous block) and, bidirectional, j - 1 (its next block). ``has_docs`` (packed rows): the keys' documents
+    ``[G, 1, m]`` follow the keys and values, and each query-side source carries its rows' documents."""
     k_ref, v_ref = refs[0], refs[1]
+    kdoc_ref = refs[2] if has_docs else None
+    refs = refs[3:] if has_docs else refs[2:]
     offs = (0, 1) if causal else (0, 1, -1)
     n_src = 2 if causal else 3  # query-side sources: own G blocks, the block after them, (the block before them)
-    src = [refs[2 + 4 * t: 6 + 4 * t] for t in range(n_src)]
-    dk_ref, dv_ref = refs[2 + 4 * n_src:]
+    ns = 5 if has_docs else 4  # q, dO, lse, delta (and the rows' documents)
+    src = [refs[ns * t: ns * (t + 1)] for t in range(n_src)]
+    dk_ref, dv_ref = refs[ns * n_src:]
     own, after = src[0], src[1]
-    before = src[2] if not causal else (None,) * 4
+    before = src[2] if not causal else (None,) * ns
     pid = pl.program_id(1)
     for g in range(G):
         j = pid * G + g
@@ -320,9 +372,11 @@ def _dkv_kernel(*refs, m: int, G: int, nb: int, causal: bool, n_valid: int):
         dk = jnp.zeros((m, k.shape[-1]), f32)
         dv = jnp.zeros((m, v.shape[-1]), f32)
         for off in offs:
-            q, do, lse, delta = (_tile(c, b_, a, g, G, m, off) for c, b_, a in zip(own, before, after))
+            q, do, lse, delta, *qdoc = (_tile(c, b_, a, g, G, m, off) for c, b_, a in zip(own, before, after))
             i = j + off
-            s, valid = _fine_scores(q, k, i, j, (i >= 0) & (i < nb), m=m, causal=causal, n_valid=n_valid)
+            same = (qdoc[0] == kdoc_ref[g]) if has_docs else None  # [m, 1] == [1, m]
+            s, valid = _fine_scores(q, k, i, j, (i >= 0) & (i < nb), m=m, causal=causal, n_valid=n_valid,
+                                    same=same)
             p = jnp.where(valid, jnp.exp(s - lse), 0.0)
             dv = dv + _tn(p.astype(do.dtype), do)
             ds = p * (_nt(do, v) - delta)
@@ -382,11 +436,34 @@ def _rows_specs(m: int, G: int, nb: int, width: int, offs=(0,)):
     return out
 
 
+def _block_row_specs(m: int, G: int, nb: int, offs=(0,)):
+    """BlockSpecs of a ``[BH, nb, 1, m]`` operand (one row of m per fine block) for programs of G blocks, as
+    :func:`_rows_specs`: ``0`` the program's own G blocks, ``-1`` / ``1`` the blocks just before / after them."""
+    out = []
+    for off in offs:
+        if off == 0:
+            out.append(pl.BlockSpec((None, G, 1, m), lambda bh, i: (bh, i, 0, 0)))
+        elif off < 0:
+            out.append(pl.BlockSpec((None, 1, 1, m), lambda bh, i: (bh, jnp.maximum(i * G - 1, 0), 0, 0)))
+        else:
+            out.append(pl.BlockSpec((None, 1, 1, m), lambda bh, i: (bh, jnp.minimum((i + 1) * G, nb - 1), 0, 0)))
+    return out
+
+
+def _doc_operands(docs, m: int, nb: int):
+    """The kernels' layouts of ``docs = (qdoc [BH, n_pad], kdoc [BH, n_pad], sdoc [BH, nb, C_pad] or None)``: the
+    queries' as a column per row ``[BH, n_pad, 1]``, the keys' as one row per fine block ``[BH, nb, 1, m]``."""
+    qdoc, kdoc, sdoc = docs
+    BH = qdoc.shape[0]
+    return qdoc.reshape(BH, nb * m, 1), kdoc.reshape(BH, nb, 1, m), sdoc
+
+
 def _qside(kernel, q, k, v, coarse, extra, outs, out_specs, *, m, G, causal, n_valid, interpret, platform,
-           tiles=(None, None), grads=False):
+           tiles=(None, None), grads=False, docs=None):
     """Run a kernel on the query side's grid ``(BH, nb / G)``: G query blocks per program, their fine key blocks,
-    the coarse operands ``(kall, vall, idx, cbias)`` (or None) and ``extra`` per-query-row inputs
-    ``[BH, n_pad, *]``. ``grads``: the kernel also writes the summaries' fp32 gradients (the dq kernel)."""
+    the coarse operands ``(kall, vall, idx, cbias)`` (or None), the documents ``docs`` of a packed row
+    (:func:`_doc_operands`; or None) and ``extra`` per-query-row inputs ``[BH, n_pad, *]``. ``grads``: the kernel
+    also writes the summaries' fp32 gradients (the dq kernel)."""
     BH, n_pad, d = q.shape
     dv = v.shape[-1]
     nb = n_pad // m
@@ -412,6 +489,13 @@ def _qside(kernel, q, k, v, coarse, extra, outs, out_specs, *, m, G, causal, n_v
             scratch = [pltpu.VMEM((C, d), kall.dtype), pltpu.VMEM((C, dv), vall.dtype)]
         specs += [whole(d), whole(dv), idx_spec, table]
         args += [kall, vall, idx.reshape(nb // G, G, C), cbias.reshape(nb // G, G, C)]
+    if docs is not None:
+        qdoc, kdoc, sdoc = _doc_operands(docs, m, nb)
+        specs += _rows_specs(m, G, nb, 1) + _block_row_specs(m, G, nb, offs)
+        args += [qdoc] + [kdoc] * len(offs)
+        if has_coarse:
+            specs.append(pl.BlockSpec((None, None, G, C), lambda bh, i: (bh, i, 0, 0)))
+            args.append(sdoc.reshape(BH, nb // G, G, C))
     for arr in extra:
         specs += _rows_specs(m, G, nb, arr.shape[-1])
         args.append(arr)
@@ -428,7 +512,7 @@ def _qside(kernel, q, k, v, coarse, extra, outs, out_specs, *, m, G, causal, n_v
         outs += gshape
         out_specs += gspecs
     body = functools.partial(kernel, m=m, G=G, nb=nb, causal=causal, n_valid=n_valid, has_coarse=has_coarse,
-                             gather=gather)
+                             gather=gather, has_docs=docs is not None)
     call = _call(body, (BH, nb // G), specs, out_specs, outs, interpret, platform, m, tiles, scratch=scratch,
                  aliases=aliases, sequential_blocks=has_coarse and grads and not gather)
     return call(*args)
@@ -450,11 +534,14 @@ def _check(q, v, m, interpret, platform, kall=None):
 
 def fma_blocks_forward(q, k, v, kall, vall, idx, cbias, *, m: int, causal: bool, n_valid: int,
                        interpret: bool = False, platform: str | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None, blocks_per_program: int | None = None):
+                       num_stages: int | None = None, blocks_per_program: int | None = None, docs=None):
     """q, k [BH, n_pad, d] (q pre-scaled), v [BH, n_pad, dv]; the level summaries kall [BH, R, d], vall [BH, R, dv],
     the summary row of every coarse slot ``idx [nb, C_pad]`` (int32, in [0, R)) and its bias ``cbias [nb, C_pad]``
     (or kall = None: fine level only). Returns ``(o [BH, n_pad, dv], lse [BH, n_pad, 1])``: ``o`` in the operands'
     (compute) dtype, ``lse`` f32.
+    ``docs`` (a packed row laid out again, docs/methods/fma.md §2.7; None: one sequence): ``(qdoc [BH, n_pad],
+    kdoc [BH, n_pad], sdoc [BH, nb, C_pad] or None)`` int32, the document of every query, key and coarse slot's
+    group; a key or slot counts for a query only where its document is the query's (the padding's never are).
     ``platform`` ('tpu' | 'cuda'; None: the default backend) picks the lowering (and its compiler parameters:
     ``num_warps``, ``num_stages``, None: :func:`gpu_tiles`' rule); interpret mode runs the GPU form's coarse
     access; ``blocks_per_program``: fine blocks per program (:func:`blocks_per_program`); shapes the kernel does
@@ -468,16 +555,16 @@ def fma_blocks_forward(q, k, v, kall, vall, idx, cbias, *, m: int, causal: bool,
     out_specs = _rows_specs(m, G, nb, dv) + _rows_specs(m, G, nb, 1)
     coarse = None if kall is None else (kall, vall, idx, cbias)
     o, lse = _qside(_fwd_kernel, q, k, v, coarse, [], outs, out_specs, m=m, G=G, causal=causal, n_valid=n_valid,
-                    interpret=interpret, platform=platform, tiles=(num_warps, num_stages))
+                    interpret=interpret, platform=platform, tiles=(num_warps, num_stages), docs=docs)
     return o, lse
 
 
 def fma_blocks_backward(q, k, v, kall, vall, idx, cbias, o, lse, do, *, m: int, causal: bool, n_valid: int,
                         interpret: bool = False, platform: str | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, blocks_per_program: int | None = None):
+                        num_stages: int | None = None, blocks_per_program: int | None = None, docs=None):
     """Gradients ``(dq, dk, dv, dkall, dvall)`` (the operands' dtype; ``dkall = dvall = None`` without coarse
     slots) of the forward's ``o`` for the cotangent ``do [BH, n_pad, dv]``, from its residuals ``o, lse``. The
-    summaries' gradients are accumulated in fp32 inside the dq kernel and rounded once."""
+    summaries' gradients are accumulated in fp32 inside the dq kernel and rounded once. ``docs``: the forward's."""
     platform = _check(q, v, m, interpret, platform, kall)
     BH, n_pad, d = q.shape
     dvd = v.shape[-1]
@@ -490,7 +577,8 @@ def fma_blocks_backward(q, k, v, kall, vall, idx, cbias, o, lse, do, *, m: int, 
     kw = dict(m=m, G=G, causal=causal, n_valid=n_valid, interpret=interpret, platform=platform, tiles=tiles)
     outs = [jax.ShapeDtypeStruct((BH, n_pad, d), q.dtype)]
     coarse = None if kall is None else (kall, vall, idx, cbias)
-    res = _qside(_dq_kernel, q, k, v, coarse, [do, lse, delta], outs, _rows_specs(m, G, nb, d), grads=True, **kw)
+    res = _qside(_dq_kernel, q, k, v, coarse, [do, lse, delta], outs, _rows_specs(m, G, nb, d), grads=True,
+                 docs=docs, **kw)
     dq, dkall, dvall = res[0], None, None
     if kall is not None:
         R = kall.shape[1]
@@ -499,66 +587,81 @@ def fma_blocks_backward(q, k, v, kall, vall, idx, cbias, o, lse, do, *, m: int, 
     offs = (0, 1) if causal else (0, 1, -1)
     specs = _rows_specs(m, G, nb, d) + _rows_specs(m, G, nb, dvd)
     args = [k, v]
+    qside = (q, do, lse, delta)
+    if docs is not None:  # the keys' documents, and each query-side source's rows'
+        qdoc, kdoc, _ = _doc_operands(docs, m, nb)
+        specs += _block_row_specs(m, G, nb)
+        args.append(kdoc)
+        qside += (qdoc,)
     for off in offs:  # the query blocks j + off read key block j
-        for arr in (q, do, lse, delta):
+        for arr in qside:
             specs += _rows_specs(m, G, nb, arr.shape[-1], (off,))
             args.append(arr)
     outs = [jax.ShapeDtypeStruct((BH, n_pad, d), k.dtype), jax.ShapeDtypeStruct((BH, n_pad, dvd), v.dtype)]
     out_specs = _rows_specs(m, G, nb, d) + _rows_specs(m, G, nb, dvd)
-    body = functools.partial(_dkv_kernel, m=m, G=G, nb=nb, causal=causal, n_valid=n_valid)
+    body = functools.partial(_dkv_kernel, m=m, G=G, nb=nb, causal=causal, n_valid=n_valid, has_docs=docs is not None)
     dk, dv = _call(body, (BH, nb // G), specs, out_specs, outs, interpret, platform, m, tiles)(*args)
     return dq, dk, dv, dkall, dvall
 
 
 # ----------------------------------------------------------------------------- differentiable entry
-def _ref_blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, logit_budget):
-    """The reference on the kernel's operands ([BH, ...] layout) -> [BH, n_pad, dv]."""
+def _ref_blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, logit_budget, docs=None):
+    """The reference on the kernel's operands ([BH, ...] layout; ``docs`` as :func:`fma_blocks_forward`'s) ->
+    [BH, n_pad, dv]."""
     BH, n_pad, d = q.shape
     nb = n_pad // m
     back = 0 if causal else m
     kp = jnp.pad(k, ((0, 0), (m, back), (0, 0)))[None]
     vp = jnp.pad(v, ((0, 0), (m, back), (0, 0)))[None]
     coarse = None if kall is None else ("packed", kall[None], vall[None], idx, cbias)
+    if docs is not None:  # each of the BH rows its own batch row (the documents differ per row)
+        qdoc, kdoc, sdoc = docs
+        kd = jnp.pad(kdoc, ((0, 0), (m, back)), constant_values=-2)
+        coarse = None if kall is None else ("packed", kall[:, None], vall[:, None], idx, cbias)
+        out = attend_blocks(q.reshape(BH, 1, nb, m, d), kp[0][:, None], vp[0][:, None], coarse, q_block0=0,
+                            n_valid=n_valid, causal=causal, logit_budget=logit_budget, docs=(qdoc, kd, sdoc))
+        return out.reshape(BH, n_pad, -1)
     out = attend_blocks(q.reshape(1, BH, nb, m, d), kp, vp, coarse, q_block0=0, n_valid=n_valid, causal=causal,
                         logit_budget=logit_budget)
     return out.reshape(BH, n_pad, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, platform, knobs):
-    return _blocks_fwd(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, platform, knobs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _blocks(q, k, v, kall, vall, idx, cbias, docs, m, causal, n_valid, interpret, platform, knobs):
+    return _blocks_fwd(q, k, v, kall, vall, idx, cbias, docs, m, causal, n_valid, interpret, platform, knobs)[0]
 
 
 def _knob_kw(knobs):
     return dict(num_warps=knobs[0], num_stages=knobs[1], blocks_per_program=knobs[2])
 
 
-def _blocks_fwd(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, platform, knobs):
+def _blocks_fwd(q, k, v, kall, vall, idx, cbias, docs, m, causal, n_valid, interpret, platform, knobs):
     o, lse = fma_blocks_forward(q, k, v, kall, vall, idx, cbias, m=m, causal=causal, n_valid=n_valid,
-                                interpret=interpret, platform=platform, **_knob_kw(knobs))
-    return o, (q, k, v, kall, vall, idx, cbias, o, lse)
+                                interpret=interpret, platform=platform, docs=docs, **_knob_kw(knobs))
+    return o, (q, k, v, kall, vall, idx, cbias, docs, o, lse)
 
 
 def _blocks_bwd(m, causal, n_valid, interpret, platform, knobs, res, g):
-    q, k, v, kall, vall, idx, cbias, o, lse = res
+    q, k, v, kall, vall, idx, cbias, docs, o, lse = res
     dq, dk, dv, dkall, dvall = fma_blocks_backward(q, k, v, kall, vall, idx, cbias, o, lse, g, m=m, causal=causal,
                                                    n_valid=n_valid, interpret=interpret, platform=platform,
-                                                   **_knob_kw(knobs))
+                                                   docs=docs, **_knob_kw(knobs))
     cast = lambda x, ref: None if ref is None else x.astype(ref.dtype)  # noqa: E731
     return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dkall, kall), cast(dvall, vall), None,
-            None if cbias is None else jnp.zeros_like(cbias))
+            None if cbias is None else jnp.zeros_like(cbias), None)
 
 
 _blocks.defvjp(_blocks_fwd, _blocks_bwd)
 
 
 def fma_blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, logit_budget=None, platform=None,
-               num_warps=None, num_stages=None, blocks_per_program=None):
+               num_warps=None, num_stages=None, blocks_per_program=None, docs=None):
     """The kernel's output ``o [BH, n_pad, dv]`` (the operands' common dtype), differentiable in q, k, v and the
-    level summaries kall, vall by the backward kernels (operands as :func:`fma_blocks_forward`; mixed dtypes are
-    cast to their common type). ``logit_budget`` is the reference's and unused here (the kernels hold one
-    block's scores at a time); ``num_warps``, ``num_stages``: the GPU lowering's (None: :func:`gpu_tiles`' rule);
-    ``blocks_per_program``: fine blocks per program (:func:`program_blocks`)."""
+    level summaries kall, vall by the backward kernels (operands as :func:`fma_blocks_forward`, ``docs`` the
+    documents of a packed row included; mixed dtypes are cast to their common type). ``logit_budget`` is the
+    reference's and unused here (the kernels hold one block's scores at a time); ``num_warps``, ``num_stages``:
+    the GPU lowering's (None: :func:`gpu_tiles`' rule); ``blocks_per_program``: fine blocks per program
+    (:func:`program_blocks`)."""
     del logit_budget
     ops = [x for x in (q, k, v, kall, vall) if x is not None]
     dt = jnp.result_type(*ops)
@@ -566,7 +669,11 @@ def fma_blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, l
     if kall is not None:
         kall, vall = kall.astype(dt), vall.astype(dt)
         idx, cbias = jnp.asarray(idx, jnp.int32), jnp.asarray(cbias, f32)
-    return _blocks(q, k, v, kall, vall, idx, cbias, m, causal, n_valid, interpret, platform,
+    if docs is not None:
+        docs = tuple(None if x is None else jnp.asarray(x, jnp.int32) for x in docs)
+        if kall is None:
+            docs = docs[:2] + (None,)
+    return _blocks(q, k, v, kall, vall, idx, cbias, docs, m, causal, n_valid, interpret, platform,
                    (num_warps, num_stages, blocks_per_program))
 
 
@@ -578,16 +685,17 @@ def make_attend(*, interpret: bool, platform: str = "interpret", num_warps: int 
     summaries ``kall, vall`` reach the kernel whole, with the slot table ``idx`` (padded for the platform: pad
     slots read row 0 and are masked by their bias); no per-block copy of the slots is made. ``num_warps``,
     ``num_stages``: the GPU lowering's (None: :func:`gpu_tiles`' rule); ``blocks_per_program``: fine blocks per
-    program (:func:`program_blocks`)."""
+    program (:func:`program_blocks`). ``docs`` (a packed row laid out again, :func:`attend_blocks`' ``(qdoc [B,
+    nb m], kdoc like kp's positions, sdoc [B, nb, C])``) reach the kernel per (row, head) on its layout."""
     platform_ = None if platform == "interpret" else platform
 
     def attend(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0,
-               logit_budget=1 << 24):
+               logit_budget=1 << 24, docs=None):
         kind = None if coarse is None else coarse[0]
         if (kind not in (None, "packed") or not isinstance(q_block0, int) or q_block0 != 0
                 or not isinstance(n_valid, int) or (drop_key is not None and attn_dropout > 0)):
             return attend_blocks(qb, kp, vp, coarse, q_block0=q_block0, n_valid=n_valid, causal=causal,
-                                 drop_key=drop_key, attn_dropout=attn_dropout, logit_budget=logit_budget)
+                                 drop_key=drop_key, attn_dropout=attn_dropout, logit_budget=logit_budget, docs=docs)
         B, H, nb, m, d = qb.shape
         dv = vp.shape[-1]
         BH = B * H
@@ -602,12 +710,27 @@ def make_attend(*, interpret: bool, platform: str = "interpret", num_warps: int 
             idx = jnp.pad(jnp.clip(idx, 0, R - 1), ((0, 0), (0, Cp - C)))
             cb = jnp.pad(bias, ((0, 0), (0, Cp - C)), constant_values=NEG)
             kall, vall = kall.reshape(BH, R, d), vall.reshape(BH, R, dv)
+        if docs is not None:
+            docs = kernel_docs(docs, H, m, nb, None if kind != "packed" else idx.shape[1])
         out = fma_blocks(q, k, v, kall, vall, idx, cb, m, causal, n_valid, interpret, logit_budget, platform_,
-                         num_warps, num_stages, blocks_per_program)
+                         num_warps, num_stages, blocks_per_program, docs=docs)
         return out.reshape(B, H, nb, m, dv)
 
     return attend
 
 
+def kernel_docs(docs, H: int, m: int, nb: int, c_pad=None):
+    """:func:`attend_blocks`' ``docs`` (``qdoc [B, nb m]``, ``kdoc`` laid out as ``kp`` with one block in front,
+    ``sdoc [B, nb, C]`` or None) on the kernels' ``[BH, ...]`` layout: ``(qdoc [BH, nb m], kdoc [BH, nb m], sdoc
+    [BH, nb, c_pad])`` (each row's documents repeated over its H heads; the pad slots of document -2)."""
+    qd, kd, sd = docs
+    rep = lambda x: jnp.repeat(x.astype(jnp.int32), H, axis=0)  # noqa: E731
+    kd = kd[:, m:m + nb * m]
+    if sd is None or c_pad is None:
+        return rep(qd), rep(kd), None
+    sd = jnp.pad(sd, ((0, 0), (0, 0), (0, c_pad - sd.shape[-1])), constant_values=-2)
+    return rep(qd), rep(kd), rep(sd)
+
+
 __all__ = ["GPU_M", "SUPPORTED_M", "fma_blocks", "fma_blocks_backward", "fma_blocks_forward", "gpu_tiles",
-           "make_attend", "program_blocks", "unsupported_reasons"]
+           "kernel_docs", "make_attend", "program_blocks", "unsupported_reasons"]

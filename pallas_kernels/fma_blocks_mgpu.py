@@ -41,6 +41,11 @@ in XLA, ``dS = P ⊙ (dP − Δ)``), two kernels on the forward's grid, each a p
 * **dk/dv** (per fine key block ``j``, keys-major): the query blocks that see it (``j + 1``, ``j``, and
   bidirectional ``j − 1``), ``dv += Pᵀ dO``, ``dk += dSᵀ q``.
 
+Packed rows (docs/methods/fma.md §2.7): ``docs``, the document of every query, key and slot (the Triton kernel's
+three vectors, here float32 ids, exact below 2^24), reach shared memory as the statistics do (the queries' with the
+query tile, the keys' and the slots' as one more operand of each pipeline step); a key or slot counts for a query
+only where the ids are equal, compared along the axes each step lays them (query- or keys-major).
+
 Gradients are returned in the compute dtype, each rounded once from its f32 accumulator; the slot bias gets a zero
 gradient (a constant table, as in the Triton kernel).
 
@@ -72,8 +77,9 @@ memory, TMA, barriers and wgmma on a CPU) refuses none of these and runs float32
 
 Tested (tests/kernels/test_fma_blocks_mgpu.py, interpret mode on a CPU): values against ``attend_blocks`` in
 float32 and bfloat16, causal and bidirectional, with and without coarse slots, ragged ``n_valid``; gradients in
-q, k, v, kall, vall against autodiff of the reference; the refusals; ``jax.export`` of forward and gradient for
-``cuda`` on a CPU host (Pallas' Mosaic GPU lowering runs; no GPU compiled or ran them). Nothing here ran on a GPU.
+q, k, v, kall, vall against autodiff of the reference; packed rows (``docs``) in value and gradient; the refusals;
+``jax.export`` of forward and gradient for ``cuda`` on a CPU host (Pallas' Mosaic GPU lowering runs; no GPU
+compiled or ran them). Nothing here ran on a GPU.
 """
 
 from __future__ import annotations
@@ -214,49 +220,74 @@ def _dims(q, v, kct, m: int, causal: bool):
             0 if kct is None else kct.shape[3] // SLOT_TILE)
 
 
-def _forward_call(q, kt, v, kct, vc, cb, *, m: int, causal: bool, n_valid: int, interpret):
+def _same(a_ref, b_ref, shape):
+    """Packed rows: where the documents ``a_ref`` (laid along axis 0 of ``shape``) and ``b_ref`` (along axis 1) are
+    equal (f32 ids in shared memory, one load per use as :func:`_rows`)."""
+    return _rows(a_ref, shape, 0) == _rows(b_ref, shape, 1)
+
+
+def _forward_call(q, kt, v, kct, vc, cb, docs=None, *, m: int, causal: bool, n_valid: int, interpret):
     """q [BH, n_pad, d]; kt [BH, d, n_pad] (the keys transposed); v [BH, n_pad, dv]; kct [BH, nb, d, C_pad],
-    vc [BH, nb, C_pad, dv], cb [nb, C_pad] f32 (or all three None). Returns o [BH, n_pad, dv] (compute dtype),
-    lse [BH, n_pad] f32."""
+    vc [BH, nb, C_pad, dv], cb [nb, C_pad] f32 (or all three None); ``docs`` (packed rows, :func:`_doc_operands`;
+    or None). Returns o [BH, n_pad, dv] (compute dtype), lse [BH, n_pad] f32."""
     BH, n_pad, d, dv, nb, dtype, w, n_c = _dims(q, v, kct, m, causal)
+    has_docs = docs is not None
+    n_docs = (2 + bool(n_c)) * has_docs
 
     def body(q_ref, kt_ref, v_ref, *rest):
-        if n_c:
-            kct_ref, vc_ref, cb_ref, o_ref, lse_ref, q_smem, o_smem, lse_smem, pf_smem, pc_smem, bar = rest
-        else:
-            o_ref, lse_ref, q_smem, o_smem, lse_smem, pf_smem, bar = rest
+        n_in = 3 * bool(n_c) + n_docs
+        ins, (o_ref, lse_ref), scr = rest[:n_in], rest[n_in:n_in + 2], rest[n_in + 2:]
+        kct_ref, vc_ref, cb_ref = ins[:3] if n_c else (None,) * 3
+        doc_refs = ins[3 * bool(n_c):]
+        q_smem, o_smem, lse_smem, pf_smem = scr[:4]
+        pc_smem = scr[4] if n_c else None
+        bar = scr[4 + bool(n_c)]
         blk = jax.lax.axis_index("blk")
         bh = jax.lax.axis_index("bh")
         rows = pl.ds(blk * m, m)
-        plgpu.copy_gmem_to_smem(q_ref.at[bh, rows], q_smem, bar)
-        plgpu.barrier_wait(bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[bh, rows], q_smem, bar.at[0])
+        if has_docs:
+            qd_smem = scr[-1]
+            plgpu.copy_gmem_to_smem(doc_refs[0].at[bh, rows], qd_smem, bar.at[1])
+            plgpu.barrier_wait(bar.at[1])
+        plgpu.barrier_wait(bar.at[0])
         carry = (jnp.zeros((m, dv), f32), jnp.full((m,), NEG, f32), jnp.zeros((m,), f32))
 
         def key_block(s):  # step s reads fine block blk + s - 1 (previous, own, next), clamped into range
             return jnp.clip(blk + s - 1, 0, nb - 1)
 
-        def fine(idx, kt_smem, v_smem, carry):
+        def fine(idx, kt_smem, v_smem, *rest):
+            *kd_smem, carry = rest
             valid = _window_mask(blk, blk + idx[0] - 1, m=m, nb=nb, n_valid=n_valid, causal=causal)
+            if has_docs:
+                valid = valid & _same(qd_smem, kd_smem[0], (m, m))
             return _online_step(carry, _matmul(q_smem, kt_smem, (m, m)), valid, v_smem, pf_smem)
 
         carry = plgpu.emit_pipeline(
             fine, grid=(w,), max_concurrent_steps=min(2, w), init_carry=carry,
             in_specs=[plgpu.BlockSpec((d, m), lambda s: (0, key_block(s))),
-                      plgpu.BlockSpec((m, dv), lambda s: (key_block(s), 0))],
-        )(kt_ref.at[bh], v_ref.at[bh])
+                      plgpu.BlockSpec((m, dv), lambda s: (key_block(s), 0))]
+                     + [plgpu.BlockSpec((m,), lambda s: (key_block(s),))] * has_docs,
+        )(kt_ref.at[bh], v_ref.at[bh], *((doc_refs[1].at[bh],) if has_docs else ()))
 
         if n_c:
-            def coarse(idx, kt_smem, v_smem, b_smem, carry):
+            def coarse(idx, kt_smem, v_smem, b_smem, *rest):
+                *sd_smem, carry = rest
                 bias = _rows(b_smem, (m, SLOT_TILE), 1)
                 s = _matmul(q_smem, kt_smem, (m, SLOT_TILE)) + bias
-                return _online_step(carry, s, bias > NEG / 2, v_smem, pc_smem)
+                valid = bias > NEG / 2
+                if has_docs:
+                    valid = valid & _same(qd_smem, sd_smem[0], (m, SLOT_TILE))
+                return _online_step(carry, s, valid, v_smem, pc_smem)
 
             carry = plgpu.emit_pipeline(
                 coarse, grid=(n_c,), max_concurrent_steps=min(2, n_c), init_carry=carry,
                 in_specs=[plgpu.BlockSpec((d, SLOT_TILE), lambda c: (0, c)),
                           plgpu.BlockSpec((SLOT_TILE, dv), lambda c: (c, 0)),
-                          plgpu.BlockSpec((SLOT_TILE,), lambda c: (c,))],
-            )(kct_ref.at[bh, blk], vc_ref.at[bh, blk], cb_ref.at[blk])
+                          plgpu.BlockSpec((SLOT_TILE,), lambda c: (c,))]
+                         + [plgpu.BlockSpec((SLOT_TILE,), lambda c: (c,))] * has_docs,
+            )(kct_ref.at[bh, blk], vc_ref.at[bh, blk], cb_ref.at[blk],
+              *((doc_refs[2].at[bh, blk],) if has_docs else ()))
 
         acc, m_i, l_i = carry
         l_i = jnp.maximum(l_i, 1e-30)
@@ -267,13 +298,13 @@ def _forward_call(q, kt, v, kct, vc, cb, *, m: int, causal: bool, n_valid: int, 
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    args = (q, kt, v) + ((kct, vc, cb) if n_c else ())
+    args = (q, kt, v) + ((kct, vc, cb) if n_c else ()) + (tuple(docs[:2 + bool(n_c)]) if has_docs else ())
     p_bufs = (plgpu.SMEM((m, m), dtype),) + ((plgpu.SMEM((m, SLOT_TILE), dtype),) if n_c else ())
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((BH, n_pad, dv), dtype), jax.ShapeDtypeStruct((BH, n_pad), f32)),
         scratch_types=(plgpu.SMEM((m, d), dtype), plgpu.SMEM((m, dv), dtype), plgpu.SMEM((m,), f32), *p_bufs,
-                       plgpu.Barrier()),
+                       plgpu.Barrier(num_barriers=2)) + ((plgpu.SMEM((m,), f32),) if has_docs else ()),
         grid=(nb, BH),
         grid_names=("blk", "bh"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -288,23 +319,31 @@ def _rows(ref, shape, axis):
     return jax.lax.broadcast_in_dim(ref[...], shape, [axis])
 
 
-def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, causal, n_valid, interpret):
+def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, docs=None, *, m, causal, n_valid,
+             interpret):
     """The query-side backward, grid ``(nb, BH)`` as the forward: ``dq [BH, n_pad, d]`` and the blocks' slot
     gradients ``dkc [BH, nb, C_pad, d]``, ``dvc [BH, nb, C_pad, dv]`` (all f32; the slot gradients are the
-    per-block copies', so no two programs write one row: no atomics). ``*t`` operands are the transposes."""
+    per-block copies', so no two programs write one row: no atomics). ``*t`` operands are the transposes;
+    ``docs``: the forward's."""
     BH, n_pad, d, dv, nb, dtype, w, n_c = _dims(q, do, kct, m, causal)
     t = SLOT_TILE
+    has_docs = docs is not None
+    n_docs = (2 + bool(n_c)) * has_docs
 
     def body(*refs):
-        n_in = 9 + 5 * bool(n_c)
+        n_in = 9 + 5 * bool(n_c) + n_docs
         ins, outs, scr = refs[:n_in], refs[n_in:n_in + 1 + 2 * bool(n_c)], refs[n_in + 1 + 2 * bool(n_c):]
         q_ref, qt_ref, do_ref, dot_ref, lse_ref, dl_ref, kt_ref, vt_ref, k_ref = ins[:9]
-        q_s, qt_s, do_s, dot_s, lse_s, dl_s, bar = scr  # the phases' own tiles are scoped (shared memory reused)
+        doc_refs = ins[n_in - n_docs:]
+        q_s, qt_s, do_s, dot_s, lse_s, dl_s, bar = scr[:7]  # the phases' own tiles are scoped (shared memory reused)
+        qd_s = scr[7] if has_docs else None
         blk = jax.lax.axis_index("blk")
         bh = jax.lax.axis_index("bh")
         rows = pl.ds(blk * m, m)
         loads = ((q_ref.at[bh, rows], q_s), (qt_ref.at[bh, :, rows], qt_s), (do_ref.at[bh, rows], do_s),
                  (dot_ref.at[bh, :, rows], dot_s), (lse_ref.at[bh, rows], lse_s), (dl_ref.at[bh, rows], dl_s))
+        if has_docs:
+            loads += ((doc_refs[0].at[bh, rows], qd_s),)
         for i, (src, dst) in enumerate(loads):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
         for i in range(len(loads)):
@@ -314,8 +353,11 @@ def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, 
             return jnp.where(valid, jnp.exp(s - _rows(lse_s, shape, axis)), 0.0)
 
         def fine_phase(ds_s):
-            def fine(idx, kt_t, vt_t, k_t, dq):
+            def fine(idx, kt_t, vt_t, k_t, *rest):
+                *kd_t, dq = rest
                 valid = _window_mask(blk, blk + idx[0] - 1, m=m, nb=nb, n_valid=n_valid, causal=causal)
+                if has_docs:
+                    valid = valid & _same(qd_s, kd_t[0], (m, m))
                 p = probs(_matmul(q_s, kt_t, (m, m)), valid, (m, m), 0)
                 ds_s[...] = (p * (_matmul(do_s, vt_t, (m, m)) - _rows(dl_s, (m, m), 0))).astype(dtype)
                 plgpu.commit_smem()
@@ -325,24 +367,30 @@ def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, 
                 fine, grid=(w,), max_concurrent_steps=min(2, w), init_carry=jnp.zeros((m, d), f32),
                 in_specs=[plgpu.BlockSpec((d, m), lambda s: (0, jnp.clip(blk + s - 1, 0, nb - 1))),
                           plgpu.BlockSpec((dv, m), lambda s: (0, jnp.clip(blk + s - 1, 0, nb - 1))),
-                          plgpu.BlockSpec((m, d), lambda s: (jnp.clip(blk + s - 1, 0, nb - 1), 0))],
-            )(kt_ref.at[bh], vt_ref.at[bh], k_ref.at[bh])
+                          plgpu.BlockSpec((m, d), lambda s: (jnp.clip(blk + s - 1, 0, nb - 1), 0))]
+                         + [plgpu.BlockSpec((m,), lambda s: (jnp.clip(blk + s - 1, 0, nb - 1),))] * has_docs,
+            )(kt_ref.at[bh], vt_ref.at[bh], k_ref.at[bh], *((doc_refs[1].at[bh],) if has_docs else ()))
 
         dq = pl.run_scoped(fine_phase, plgpu.SMEM((m, m), dtype))
 
         if n_c:
-            kct_ref, vct_ref, kc_ref, vc_ref, cb_ref = ins[9:]
+            kct_ref, vct_ref, kc_ref, vc_ref, cb_ref = ins[9:14]
             dkc_ref, dvc_ref = outs[1:]
 
             # the slot gradients leave through the step's own TMA stores (the pipeline's out_specs would issue
             # predicated stores, which the interpret mode does not run), waited for before the staging tiles are
             # reused
-            def coarse(idx, kct_t, vct_t, kc_t, vc_t, b_t, dq, pt_s, dst_s, dsc_s, dkc_s, dvc_s):
+            def coarse(idx, kct_t, vct_t, kc_t, vc_t, b_t, *rest):
+                sd_t, (dq, pt_s, dst_s, dsc_s, dkc_s, dvc_s) = rest[:has_docs], rest[has_docs:]
                 bias, bias_t = _rows(b_t, (m, t), 1), _rows(b_t, (t, m), 0)
-                p = probs(_matmul(q_s, kct_t, (m, t)) + bias, bias > NEG / 2, (m, t), 0)
+                valid, valid_t = bias > NEG / 2, bias_t > NEG / 2
+                if has_docs:
+                    valid = valid & _same(qd_s, sd_t[0], (m, t))
+                    valid_t = valid_t & _same(sd_t[0], qd_s, (t, m))
+                p = probs(_matmul(q_s, kct_t, (m, t)) + bias, valid, (m, t), 0)
                 dsc_s[...] = (p * (_matmul(do_s, vct_t, (m, t)) - _rows(dl_s, (m, t), 0))).astype(dtype)
                 # the slots' gradients need Pᵀ and dSᵀ as wgmma's left operand: recomputed keys-major
-                pt = probs(_matmul(kc_t, qt_s, (t, m)) + bias_t, bias_t > NEG / 2, (t, m), 1)
+                pt = probs(_matmul(kc_t, qt_s, (t, m)) + bias_t, valid_t, (t, m), 1)
                 pt_s[...] = pt.astype(dtype)
                 dst_s[...] = (pt * (_matmul(vc_t, dot_s, (t, m)) - _rows(dl_s, (t, m), 1))).astype(dtype)
                 plgpu.commit_smem()
@@ -362,8 +410,10 @@ def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, 
                     init_carry=dq,
                     in_specs=[plgpu.BlockSpec((d, t), lambda c: (0, c)), plgpu.BlockSpec((dv, t), lambda c: (0, c)),
                               plgpu.BlockSpec((t, d), lambda c: (c, 0)), plgpu.BlockSpec((t, dv), lambda c: (c, 0)),
-                              plgpu.BlockSpec((t,), lambda c: (c,))],
-                )(kct_ref.at[bh, blk], vct_ref.at[bh, blk], kc_ref.at[bh, blk], vc_ref.at[bh, blk], cb_ref.at[blk])
+                              plgpu.BlockSpec((t,), lambda c: (c,))]
+                             + [plgpu.BlockSpec((t,), lambda c: (c,))] * has_docs,
+                )(kct_ref.at[bh, blk], vct_ref.at[bh, blk], kc_ref.at[bh, blk], vc_ref.at[bh, blk], cb_ref.at[blk],
+                  *((doc_refs[2].at[bh, blk],) if has_docs else ()))
 
             dq = pl.run_scoped(coarse_phase, plgpu.SMEM((t, m), dtype), plgpu.SMEM((t, m), dtype),
                                plgpu.SMEM((m, t), dtype), plgpu.SMEM((t, d), f32), plgpu.SMEM((t, dv), f32))
@@ -371,11 +421,13 @@ def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, 
         pl.run_scoped(lambda dq_s: _store(dq_s, dq, outs[0].at[bh, rows]), plgpu.SMEM((m, d), f32))
 
     args = (q, qt, do, dot, lse, delta, kt, vt, k) + ((kct, vct, kc, vc, cb) if n_c else ())
+    args += tuple(docs[:2 + bool(n_c)]) if has_docs else ()
     out_type = (jax.ShapeDtypeStruct((BH, n_pad, d), f32),)
     if n_c:
         out_type += (jax.ShapeDtypeStruct(kc.shape, f32), jax.ShapeDtypeStruct(vc.shape, f32))
     scratch = (plgpu.SMEM((m, d), dtype), plgpu.SMEM((d, m), dtype), plgpu.SMEM((m, dv), dtype),
-               plgpu.SMEM((dv, m), dtype), plgpu.SMEM((m,), f32), plgpu.SMEM((m,), f32), plgpu.Barrier(num_barriers=6))
+               plgpu.SMEM((dv, m), dtype), plgpu.SMEM((m,), f32), plgpu.SMEM((m,), f32),
+               plgpu.Barrier(num_barriers=6 + has_docs)) + ((plgpu.SMEM((m,), f32),) if has_docs else ())
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(nb, BH), grid_names=("blk", "bh"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -383,32 +435,39 @@ def _dq_call(q, qt, do, dot, lse, delta, kt, vt, k, kct, vct, kc, vc, cb, *, m, 
     )(*args)
 
 
-def _dkv_call(k, v, qt, q, dot, do, lse, delta, *, m, causal, n_valid, interpret):
+def _dkv_call(k, v, qt, q, dot, do, lse, delta, docs=None, *, m, causal, n_valid, interpret):
     """The key-side backward, grid ``(nb, BH)`` over fine key blocks ``j``: the query blocks that see block ``j``
     (``j + 1`` as its previous block, ``j`` itself, and bidirectional ``j - 1`` as its next block), keys-major
-    (``Sᵀ = k qᵀ``), ``dv = Σ Pᵀ dO``, ``dk = Σ dSᵀ q``, f32."""
+    (``Sᵀ = k qᵀ``), ``dv = Σ Pᵀ dO``, ``dk = Σ dSᵀ q``, f32; ``docs``: the forward's."""
     BH, n_pad, d = k.shape
     dv = v.shape[-1]
     nb = n_pad // m
     dtype = k.dtype
     w = 2 if causal else 3
+    has_docs = docs is not None
 
-    def body(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref,
-             k_s, v_s, pt_s, dst_s, bar):
+    def body(k_ref, v_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, dl_ref, *rest):
+        doc_refs, (dk_ref, dv_ref, k_s, v_s, pt_s, dst_s, bar, *kd_s) = rest[:2 * has_docs], rest[2 * has_docs:]
         j = jax.lax.axis_index("blk")
         bh = jax.lax.axis_index("bh")
         rows = pl.ds(j * m, m)
         plgpu.copy_gmem_to_smem(k_ref.at[bh, rows], k_s, bar.at[0])
         plgpu.copy_gmem_to_smem(v_ref.at[bh, rows], v_s, bar.at[1])
+        if has_docs:
+            plgpu.copy_gmem_to_smem(doc_refs[1].at[bh, rows], kd_s[0], bar.at[2])
+            plgpu.barrier_wait(bar.at[2])
         plgpu.barrier_wait(bar.at[0])
         plgpu.barrier_wait(bar.at[1])
 
         def qblock(r):  # step r reads query block j + 1 - r (whose previous, own, next block j is), clamped
             return jnp.clip(j + 1 - r, 0, nb - 1)
 
-        def step(idx, qt_t, q_t, dot_t, do_t, lse_t, dl_t, carry):
+        def step(idx, qt_t, q_t, dot_t, do_t, lse_t, dl_t, *rest):
+            *qd_t, carry = rest
             dk, dvv = carry
             valid = _window_mask(j + 1 - idx[0], j, m=m, nb=nb, n_valid=n_valid, causal=causal, keys_major=True)
+            if has_docs:
+                valid = valid & _same(kd_s[0], qd_t[0], (m, m))
             pt = jnp.where(valid, jnp.exp(_matmul(k_s, qt_t, (m, m)) - _rows(lse_t, (m, m), 1)), 0.0)
             pt_s[...] = pt.astype(dtype)
             dst_s[...] = (pt * (_matmul(v_s, dot_t, (m, m)) - _rows(dl_t, (m, m), 1))).astype(dtype)
@@ -421,8 +480,10 @@ def _dkv_call(k, v, qt, q, dot, do, lse, delta, *, m, causal, n_valid, interpret
             in_specs=[plgpu.BlockSpec((d, m), lambda r: (0, qblock(r))), plgpu.BlockSpec((m, d), lambda r: (qblock(r), 0)),
                       plgpu.BlockSpec((dv, m), lambda r: (0, qblock(r))),
                       plgpu.BlockSpec((m, dv), lambda r: (qblock(r), 0)),
-                      plgpu.BlockSpec((m,), lambda r: (qblock(r),)), plgpu.BlockSpec((m,), lambda r: (qblock(r),))],
-        )(qt_ref.at[bh], q_ref.at[bh], dot_ref.at[bh], do_ref.at[bh], lse_ref.at[bh], dl_ref.at[bh])
+                      plgpu.BlockSpec((m,), lambda r: (qblock(r),)), plgpu.BlockSpec((m,), lambda r: (qblock(r),))]
+                     + [plgpu.BlockSpec((m,), lambda r: (qblock(r),))] * has_docs,
+        )(qt_ref.at[bh], q_ref.at[bh], dot_ref.at[bh], do_ref.at[bh], lse_ref.at[bh], dl_ref.at[bh],
+          *((doc_refs[0].at[bh],) if has_docs else ()))
         pl.run_scoped(lambda dk_s: _store(dk_s, dk, dk_ref.at[bh, rows]), plgpu.SMEM((m, d), f32))
         pl.run_scoped(lambda dv_s: _store(dv_s, dvv, dv_ref.at[bh, rows]), plgpu.SMEM((m, dv), f32))
 
@@ -431,11 +492,11 @@ def _dkv_call(k, v, qt, q, dot, do, lse, delta, *, m, causal, n_valid, interpret
         out_type=(jax.ShapeDtypeStruct((BH, n_pad, d), f32), jax.ShapeDtypeStruct((BH, n_pad, dv), f32)),
         scratch_types=(plgpu.SMEM((m, d), dtype), plgpu.SMEM((m, dv), dtype), plgpu.SMEM((m, m), dtype),
                        plgpu.SMEM((m, m), dtype),
-                       plgpu.Barrier(num_barriers=2)),
+                       plgpu.Barrier(num_barriers=2 + has_docs)) + ((plgpu.SMEM((m,), f32),) if has_docs else ()),
         grid=(nb, BH), grid_names=("blk", "bh"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret, kernel_name="fma_blocks_mgpu_dkv",
-    )(k, v, qt, q, dot, do, lse, delta)
+    )(k, v, qt, q, dot, do, lse, delta, *(tuple(docs[:2]) if has_docs else ()))
 
 
 def _t(x):
@@ -443,26 +504,28 @@ def _t(x):
     return None if x is None else jnp.swapaxes(x, -1, -2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _blocks(q, k, v, kc, vc, cb, m, causal, n_valid, interpret):
-    return _forward_call(q, _t(k), v, _t(kc), vc, cb, m=m, causal=causal, n_valid=n_valid, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _blocks(q, k, v, kc, vc, cb, docs, m, causal, n_valid, interpret):
+    return _forward_call(q, _t(k), v, _t(kc), vc, cb, docs, m=m, causal=causal, n_valid=n_valid,
+                         interpret=interpret)[0]
 
 
-def _blocks_fwd(q, k, v, kc, vc, cb, m, causal, n_valid, interpret):
-    o, lse = _forward_call(q, _t(k), v, _t(kc), vc, cb, m=m, causal=causal, n_valid=n_valid, interpret=interpret)
-    return o, (q, k, v, kc, vc, cb, o, lse)
+def _blocks_fwd(q, k, v, kc, vc, cb, docs, m, causal, n_valid, interpret):
+    o, lse = _forward_call(q, _t(k), v, _t(kc), vc, cb, docs, m=m, causal=causal, n_valid=n_valid,
+                           interpret=interpret)
+    return o, (q, k, v, kc, vc, cb, docs, o, lse)
 
 
 def _blocks_bwd(m, causal, n_valid, interpret, res, do):
-    q, k, v, kc, vc, cb, o, lse = res
+    q, k, v, kc, vc, cb, docs, o, lse = res
     dt = q.dtype
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1)  # Δ = rowsum(dO ⊙ O)
     do = do.astype(dt)
     kw = dict(m=m, causal=causal, n_valid=n_valid, interpret=interpret)
-    dq, *dslots = _dq_call(q, _t(q), do, _t(do), lse, delta, _t(k), _t(v), k, _t(kc), _t(vc), kc, vc, cb, **kw)
-    dk, dv = _dkv_call(k, v, _t(q), q, _t(do), do, lse, delta, **kw)
+    dq, *dslots = _dq_call(q, _t(q), do, _t(do), lse, delta, _t(k), _t(v), k, _t(kc), _t(vc), kc, vc, cb, docs, **kw)
+    dk, dv = _dkv_call(k, v, _t(q), q, _t(do), do, lse, delta, docs, **kw)
     dkc, dvc = (x.astype(dt) for x in dslots) if dslots else (None, None)
-    return (dq.astype(dt), dk.astype(dt), dv.astype(dt), dkc, dvc, None if cb is None else jnp.zeros_like(cb))
+    return (dq.astype(dt), dk.astype(dt), dv.astype(dt), dkc, dvc, None if cb is None else jnp.zeros_like(cb), None)
 
 
 _blocks.defvjp(_blocks_fwd, _blocks_bwd)
@@ -478,12 +541,27 @@ def _gather_slots(kall, vall, idx, cbias):
     return jnp.take(kall, idx, axis=1), jnp.take(vall, idx, axis=1), cb
 
 
-def fma_blocks_mgpu(q, k, v, kall, vall, idx, cbias, *, m: int, causal: bool, n_valid: int, interpret=False):
+def _doc_operands(docs, C_pad: int):
+    """``docs = (qdoc [BH, n_pad], kdoc [BH, n_pad], sdoc [BH, nb, C] or None)`` (int) as the kernels read them:
+    float32 ids (exact below 2^24; loaded into shared memory as the statistics are), the slots' padded to
+    ``C_pad`` with document -2 (the padding's never equal a query's: queries -1, keys and slots -2)."""
+    qd, kd, sd = docs
+    out = (qd.astype(f32), kd.astype(f32))
+    if sd is not None and C_pad:
+        out += (jnp.pad(sd, ((0, 0), (0, 0), (0, C_pad - sd.shape[-1])), constant_values=-2).astype(f32),)
+    return out
+
+
+def fma_blocks_mgpu(q, k, v, kall, vall, idx, cbias, *, m: int, causal: bool, n_valid: int, interpret=False,
+                    docs=None):
     """FMA attention of the fine blocks on the kernel layout: q, k [BH, n_pad, d] (q pre-scaled), v [BH, n_pad, dv],
     kall [BH, R, d], vall [BH, R, dv], idx [nb, C] int32, cbias [nb, C] (or kall = vall = idx = cbias = None: no
     coarse slots). Returns [BH, n_pad, dv] in the compute dtype (the common dtype of q, k, v and the summaries).
     ``interpret``: True runs Mosaic GPU's interpret mode on any backend (:func:`interpret_params`); an
-    ``InterpretGPUParams`` is passed as given."""
+    ``InterpretGPUParams`` is passed as given. ``docs`` (a packed row laid out again, docs/methods/fma.md §2.7;
+    None: one sequence): ``(qdoc [BH, n_pad], kdoc [BH, n_pad], sdoc [BH, nb, C] or None)``, the document of every
+    query, key and coarse slot's group (:func:`pallas_kernels.fma_blocks.fma_blocks_forward`'s); a key or slot
+    counts for a query only where its document is the query's."""
     BH, n_pad, d = q.shape
     dv = v.shape[-1]
     operands = [q, k, v] + ([] if kall is None else [kall, vall])
@@ -500,7 +578,9 @@ def fma_blocks_mgpu(q, k, v, kall, vall, idx, cbias, *, m: int, causal: bool, n_
     kc = vc = cb = None
     if kall is not None and idx.shape[1]:
         kc, vc, cb = _gather_slots(kall.astype(dt), vall.astype(dt), idx, cbias)
-    return _blocks(q, k, v, kc, vc, cb, m, bool(causal), int(n_valid), interpret or False)
+    if docs is not None:
+        docs = _doc_operands(docs, 0 if kc is None else kc.shape[2])
+    return _blocks(q, k, v, kc, vc, cb, docs, m, bool(causal), int(n_valid), interpret or False)
 
 
 __all__ = ["MGPU_M", "REG_WORDS", "SLOT_TILE", "SMEM_LIMIT_BYTES", "smem_bytes", "fma_blocks_mgpu", "interpret_params", "unsupported_reasons"]

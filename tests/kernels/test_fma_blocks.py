@@ -5,8 +5,10 @@ coarse operands kc, vc (fp32 tight, bf16 loose), a check that the VJP runs Palla
 reference, TPU / CUDA lowering of forward and backward through jax.export (and a clear refusal of shapes a platform
 cannot take), the outputs' dtypes (bf16 activations and gradients, fp32 log-sum-exp) and the GPU lowering's warps and
 stages (the rule, or as given), and the method with impl='pallas' equal to impl='xla' in value and gradient (§6
-check 7). Export at configs/enwik8/fma.py's shapes (n 1024, m 64 and n 2048, m 128; p 4, heads of 64: 24 packed
-coarse slots per block, padded to 24 on TPU and 32 on GPU as the method does)."""
+check 7). Packed rows (docs/methods/fma.md §2.7): the same forward, gradient and export cases with the document of
+every query, key and coarse slot (``docs``) against the reference given them. Export at configs/enwik8/fma.py's
+shapes (n 1024, m 64 and n 2048, m 128; p 4, heads of 64: 24 packed coarse slots per block, padded to 24 on TPU and
+32 on GPU as the method does)."""
 
 from __future__ import annotations
 
@@ -45,20 +47,35 @@ class TestFMABlocks(KernelTestBase):
         "enwik8_paper_cuda": dict(n=1024, m=64, d=64, dv=64, C=32, R=112, causal=True, n_valid=1024, G=2),
         "enwik8_n2048_tpu": dict(n=2048, m=128, d=64, dv=64, C=24, R=112, causal=True, n_valid=2048, G=4),
         "enwik8_n2048_cuda": dict(n=2048, m=128, d=64, dv=64, C=32, R=112, causal=True, n_valid=2048, G=2),
+        # packed rows: documents of every query, key and slot (packed_docs)
+        "causal_packed": dict(n=64, m=8, d=8, dv=6, C=12, R=20, causal=True, n_valid=59, G=2, packed=True),
+        "bidir_packed": dict(n=64, m=8, d=8, dv=8, C=16, R=24, causal=False, n_valid=61, packed=True),
+        "fine_only_packed": dict(n=32, m=8, d=8, dv=8, C=0, R=0, causal=False, n_valid=32, packed=True),
+        "causal_packed_tpu_form": dict(n=64, m=8, d=8, dv=6, C=16, R=20, causal=True, n_valid=59, G=4, form="tpu",
+                                       packed=True),
+        "export_packed": dict(n=512, m=64, d=64, dv=64, C=32, R=56, causal=True, n_valid=509, G=2, packed=True),
+        "export_bidir_packed": dict(n=512, m=64, d=64, dv=64, C=32, R=56, causal=False, n_valid=512, G=4,
+                                    packed=True),
     }
     FORWARD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
                      ("causal_ragged", "bfloat16"), ("causal_ragged_g4", "float32"), ("bidir_ragged_g2", "bfloat16"),
-                     ("causal_ragged_tpu_form", "float32"), ("bidir_ragged_tpu_form", "bfloat16"))
+                     ("causal_ragged_tpu_form", "float32"), ("bidir_ragged_tpu_form", "bfloat16"),
+                     ("causal_packed", "float32"), ("bidir_packed", "bfloat16"), ("fine_only_packed", "float32"),
+                     ("causal_packed_tpu_form", "float32"), ("bidir_packed", "float32"))
     GRAD_CASES = (("causal_ragged", "float32"), ("bidir_ragged", "float32"), ("fine_only", "float32"),
                   ("causal_ragged", "bfloat16"), ("bidir_ragged", "bfloat16"), ("causal_ragged_g4", "float32"),
                   ("bidir_ragged_g2", "float32"), ("causal_ragged_tpu_form", "float32"),
-                  ("bidir_ragged_tpu_form", "float32"))
+                  ("bidir_ragged_tpu_form", "float32"), ("causal_packed", "float32"), ("bidir_packed", "float32"),
+                  ("fine_only_packed", "float32"), ("causal_packed_tpu_form", "float32"),
+                  ("causal_packed", "bfloat16"))
     EXPORT_CASES = (("tpu", "export", "float32"), ("cuda", "export", "float32"), ("tpu", "export_bidir", "float32"),
                     ("cuda", "export_bidir", "float32"), ("cuda", "export_odd_d", "float32"),
                     ("tpu", "enwik8_paper_tpu", "float32"), ("tpu", "enwik8_paper_tpu", "bfloat16"),
                     ("cuda", "enwik8_paper_cuda", "float32"), ("cuda", "enwik8_paper_cuda", "bfloat16"),
                     ("tpu", "enwik8_n2048_tpu", "bfloat16"), ("cuda", "enwik8_n2048_cuda", "bfloat16"),
-                    ("cuda", "causal_ragged", "float32"))  # m = 8: refused on GPU
+                    ("cuda", "causal_ragged", "float32"),  # m = 8: refused on GPU
+                    ("tpu", "export_packed", "float32"), ("cuda", "export_packed", "bfloat16"),
+                    ("tpu", "export_bidir_packed", "bfloat16"), ("cuda", "export_bidir_packed", "float32"))
     # bf16: the probabilities enter the P V product as bf16 (operands are never up-cast before a dot)
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (1e-2, 1e-2)}
     DIFF_ARGNUMS = (0, 1, 2, 3, 4)  # q, k, v and the level summaries kall, vall the coarse slots index
@@ -89,23 +106,57 @@ class TestFMABlocks(KernelTestBase):
             rows = np.where(masked & (rng.random((nb, C)) < 0.5), rows[:, :1], rows)
             idx = jnp.asarray(rows)
             cb = jnp.asarray(np.where(masked, NEG, np.log(4.0)).astype(np.float32))
-        return (q, k, v, kall, vall, idx, cb), dict(m=m, causal=shape["causal"], n_valid=shape["n_valid"],
-                                                      G=shape.get("G", 1), form=shape.get("form"))
+        args = (q, k, v, kall, vall, idx, cb)
+        if shape.get("packed"):
+            args += (packed_docs(n, m, C, BH, seed=n + C),)
+        return args, dict(m=m, causal=shape["causal"], n_valid=shape["n_valid"], G=shape.get("G", 1),
+                          form=shape.get("form"))
 
-    def kernel(self, q, k, v, kall, vall, idx, cb, *, interpret, platform=None, m, causal, n_valid, G, form):
+    def kernel(self, q, k, v, kall, vall, idx, cb, docs=None, *, interpret, platform=None, m, causal, n_valid, G,
+               form):
         return fma_blocks.fma_blocks(q, k, v, kall, vall, idx, cb, m, causal, n_valid, interpret, 1 << 24,
-                                     form if interpret else platform, blocks_per_program=G)
+                                     form if interpret else platform, blocks_per_program=G, docs=docs)
 
-    def reference(self, q, k, v, kall, vall, idx, cb, *, m, causal, n_valid, G, form):
+    def reference(self, q, k, v, kall, vall, idx, cb, docs=None, *, m, causal, n_valid, G, form):
         f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
         return fma_blocks._ref_blocks(f32(q), f32(k), f32(v), f32(kall), f32(vall), idx, cb, m, causal, n_valid,
-                                      1 << 24)
+                                      1 << 24, docs=docs)
 
     def unsupported_reasons(self, platform, shape, dtype):
         return fma_blocks.unsupported_reasons(platform, m=shape["m"], d=shape["d"], dv=shape["dv"])
 
     def export_disabled_checks(self, platform):
         return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
+
+
+def packed_docs(n: int, m: int, C: int, bh: int, seed: int = 0):
+    """Documents of a packed row laid out again (``fma_blocks_forward``'s ``docs``), per row: runs of ids 1, 2, ...
+    of ragged lengths (one shorter than a fine block, ends inside blocks), a gap of layout padding (document 0, as
+    the method's layout leaves between documents) and the tail past the row's tokens (queries -1, keys -2); the
+    coarse slots' groups of random documents among them (-1: a group of no document)."""
+    rng = np.random.default_rng(seed)
+    qd = np.zeros((bh, n), np.int32)
+    for r in range(bh):
+        cuts = np.sort(rng.choice(np.arange(1, n - 1), 5, replace=False))
+        qd[r] = np.searchsorted(cuts, np.arange(n), side="right")  # runs 0 (a gap first), 1, ..., 5
+        qd[r] = np.where(qd[r] == 2, 0, np.where(qd[r] > 2, qd[r] - 1, qd[r] + 1))  # the third run: padding
+    kd = qd.copy()
+    qd[:, -2:], kd[:, -2:] = -1, -2
+    sd = None if C == 0 else jnp.asarray(rng.integers(-1, 5, (bh, n // m, C)).astype(np.int32))
+    return jnp.asarray(qd), jnp.asarray(kd), sd
+
+
+def test_packed_documents_change_the_result():
+    """The packed cases compare something: the documents change the reference's output (so the kernel must read
+    them), and the documents cover queries of several documents in one fine block."""
+    t = TestFMABlocks()
+    for name in ("causal_packed", "bidir_packed", "fine_only_packed"):
+        args, static = t.make_inputs(t.SHAPES[name], jnp.float32)
+        with_docs = t.reference(*args, **static)
+        without = t.reference(*args[:7], **static)
+        assert float(jnp.max(jnp.abs(with_docs - without))) > 0.1, name
+        qd = np.asarray(args[7][0]).reshape(BH, -1, static["m"])
+        assert np.any(qd.min(-1) != qd.max(-1)), name
 
 
 def test_unsupported_reasons():

@@ -3,8 +3,10 @@ interpret mode on a CPU (``interpret=InterpretGPUParams()``: simulated shared me
 values against the pure-JAX reference ``fma_blocks_ref.attend_blocks`` (through the Triton kernel's layout helper
 ``fma_blocks._ref_blocks``) in float32 and bfloat16, causal and bidirectional, with and without packed coarse slots,
 ragged lengths; the backward kernels' gradients (q, k, v and the summaries the slots index) against
-autodiff of the reference; the refusals; and ``jax.export`` of forward and gradient for ``cuda`` (the Mosaic GPU
-lowering runs on a CPU host) at configs/enwik8/fma.py's shapes (m 64 and 128, heads of 64, 24 packed slots)."""
+autodiff of the reference; packed rows (the document of every query, key and coarse slot, ``docs``: values and
+gradients against the reference given them); the refusals; and ``jax.export`` of forward and gradient for
+``cuda`` (the Mosaic GPU lowering runs on a CPU host) at configs/enwik8/fma.py's shapes (m 64 and 128, heads of 64,
+24 packed slots)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from kernel_test_base import assert_close, weighted_sum  # noqa: I001
 from test_fma_blocks import TestFMABlocks as _TritonTest  # not collected here: the alias does not match Test*
+from test_fma_blocks import packed_docs
 
 from pallas_kernels import fma_blocks, fma_blocks_mgpu
 
@@ -36,13 +39,13 @@ def make_inputs(shape, dtype, bh=BH):
     return tuple(None if x is None else (x if i >= 5 else x[:bh]) for i, x in enumerate(args))
 
 
-def _kernel(args, shape, interpret=True):
+def _kernel(args, shape, interpret=True, docs=None):
     return fma_blocks_mgpu.fma_blocks_mgpu(*args, m=shape["m"], causal=shape["causal"], n_valid=shape["n_valid"],
-                                           interpret=interpret)
+                                           interpret=interpret, docs=docs)
 
 
-def _reference(args, shape):
-    return fma_blocks._ref_blocks(*args, shape["m"], shape["causal"], shape["n_valid"], 1 << 24)
+def _reference(args, shape, docs=None):
+    return fma_blocks._ref_blocks(*args, shape["m"], shape["causal"], shape["n_valid"], 1 << 24, docs=docs)
 
 
 SLOW = pytest.mark.slow  # the default suite: each direction, dtype and tile once (interpret mode: ~10-20 s a case)
@@ -100,6 +103,30 @@ def test_gradient_matches_autodiff_of_reference(case):
     assert all(float(jnp.max(jnp.abs(r))) > 1e-3 for r in g_ref)
 
 
+@pytest.mark.parametrize("case", [
+    ("causal_ragged", "float32"),
+    pytest.param(("bidir_ragged", "bfloat16"), marks=SLOW),
+    pytest.param(("fine_only_bidir", "float32"), marks=SLOW),
+], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_packed_rows_match_reference(case):
+    """Packed rows (docs/methods/fma.md §2.7): with the document of every query, key and slot, the kernels' output
+    and gradients (q, k, v, the summaries) equal the reference given the same documents, which change the output."""
+    name, dt = case
+    shape = SHAPES[name]
+    args = make_inputs(shape, jnp.dtype(dt), bh=2)
+    docs = packed_docs(shape["n"], shape["m"], shape["C"], 2, seed=5)
+    up = tuple(None if x is None else (x.astype(jnp.float32) if i < 5 else x) for i, x in enumerate(args))
+    out = jax.jit(lambda a: _kernel(a, shape, docs=docs))(args)
+    ref = _reference(up, shape, docs)
+    assert float(jnp.max(jnp.abs(ref - _reference(up, shape)))) > 0.1  # the documents matter
+    assert_close(ref, out.astype(jnp.float32), TOLERANCES[dt], f"packed {name}/{dt}")
+    g_ker = _grads(args, lambda a: _kernel(a, shape, docs=docs))
+    g_ref = _grads(up, lambda a: _reference(a, shape, docs))
+    for i, (r, g) in enumerate(zip(g_ref, g_ker)):
+        assert g.dtype == jnp.dtype(dt)
+        assert_close(r, g.astype(jnp.float32), GRAD_TOLERANCES[dt], f"packed {name}/{dt} d/d(arg {i})")
+
+
 def test_unsupported_reasons():
     r = fma_blocks_mgpu.unsupported_reasons
     assert r("cuda", m=64, d=64, dv=64, dtype=jnp.bfloat16) == []
@@ -136,6 +163,19 @@ def test_export_cuda(name):
     exp_b = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*args[:5])
     text_b = exp_b.mlir_module()
     assert text_b.count("@mosaic_gpu") == 3 and "triton" not in text_b
+
+
+def test_export_cuda_packed():
+    """Packed rows lower for cuda as well (the documents as the kernels' extra operands): forward and gradient."""
+    shape = SHAPES["enwik8_paper"]
+    args = make_inputs(shape, jnp.bfloat16, bh=2)
+    docs = packed_docs(shape["n"], shape["m"], shape["C"], 2)
+
+    def loss(*diff):
+        return weighted_sum(_kernel(diff + args[5:], shape, interpret=False, docs=docs))
+
+    exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), platforms=["cuda"])(*args[:5])
+    assert exp.mlir_module().count("@mosaic_gpu") == 3
 
 
 def test_compiled_refusal_names_reasons():

@@ -13,19 +13,19 @@ import dataclasses
 import functools
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from longctx.attention import row_split
 from longctx.attention.fma import xla
-from longctx.attention.fma.pallas import SEGMENTS_REASON, MethodImplementation
+from longctx.attention.fma.pallas import MethodImplementation, per_shard
 from longctx.attention.fma.state import Blocked
 from pallas_kernels import fma_blocks_mgpu
+from pallas_kernels.fma_blocks import kernel_docs
 from pallas_kernels.fma_blocks_ref import attend_blocks
 
 
-def _blocks(qb, kp, vp, coarse, *, n_valid, causal, interpret):
+def _blocks(qb, kp, vp, coarse, *, n_valid, causal, interpret, docs=None):
     """The kernels on one full pass's block operands (``attend_blocks``' layout: ``kp, vp`` with one block in
-    front) -> ``[B, H, nb, m, dv]`` in the compute dtype."""
+    front; ``docs`` its documents of a packed row) -> ``[B, H, nb, m, dv]`` in the compute dtype."""
     B, H, nb, m, d = qb.shape
     dv = vp.shape[-1]
 
@@ -33,9 +33,11 @@ def _blocks(qb, kp, vp, coarse, *, n_valid, causal, interpret):
         return x.reshape(B * H, -1, w)
 
     tables = (None,) * 4 if coarse is None else (rows(coarse[1], d), rows(coarse[2], dv), coarse[3], coarse[4])
+    if docs is not None:  # per (row, head), the slots' unpadded (the kernels pad them with their slot tiles)
+        docs = kernel_docs(docs, H, m, nb, None if coarse is None else coarse[3].shape[1])
     out = fma_blocks_mgpu.fma_blocks_mgpu(rows(qb, d), rows(kp[:, :, m:m + nb * m], d),
                                           rows(vp[:, :, m:m + nb * m], dv), *tables, m=m, causal=causal,
-                                          n_valid=n_valid, interpret=interpret)
+                                          n_valid=n_valid, interpret=interpret, docs=docs)
     return out.reshape(B, H, nb, m, dv)
 
 
@@ -43,22 +45,16 @@ def attend(interpret: bool):
     """The block function running the kernels (interpret mode on a CPU where ``interpret``); the kernels read no
     settings."""
 
-    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
+    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, docs=None, **kw):
         kind = None if coarse is None else coarse[0]
         if (kind not in (None, "packed") or not isinstance(q_block0, int) or q_block0 != 0
                 or not isinstance(n_valid, int) or (drop_key is not None and attn_dropout > 0)):
             return attend_blocks(qb, kp, vp, coarse, q_block0=q_block0, n_valid=n_valid, causal=causal,
-                                 drop_key=drop_key, attn_dropout=attn_dropout, **kw)
+                                 drop_key=drop_key, attn_dropout=attn_dropout, docs=docs, **kw)
         call = functools.partial(_blocks, n_valid=n_valid, causal=causal, interpret=interpret)
         mesh = row_split.active_mesh(qb, kp, vp)
         bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *qb.shape[:2])
-        if bspec is None and hspec is None:
-            return call(qb, kp, vp, coarse)
-        bh = P(bspec, hspec)
-        tables = () if coarse is None else tuple(coarse[1:])
-        return jax.shard_map(lambda qb, kp, vp, *t: call(qb, kp, vp, (kind, *t) if t else None), mesh=mesh,
-                             in_specs=(bh, bh, bh) + ((bh, bh, P(), P()) if tables else ()), out_specs=bh,
-                             check_vma=False)(qb, kp, vp, *tables)
+        return per_shard(call, mesh, bspec, hspec, qb, kp, vp, coarse, docs)
 
     return run
 
@@ -92,9 +88,7 @@ def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
     if release_zero_slots:
         out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference and the XLA "
                    "paths; the kernels are not tested with the extra slot")
-    if segments:
-        out.append(SEGMENTS_REASON)
-    return out
+    return out  # packed rows (``segments``): served, the documents reaching the kernels (``fma_blocks_mgpu``' docs)
 
 
 # logit_budget: read by the streamed steps only (the kernels' reference, xla.py's table); the kernels hold one

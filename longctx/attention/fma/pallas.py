@@ -31,7 +31,7 @@ def attend(platform: str, interpret: bool, tiles):
     ``interpret``) with ``tiles(m)`` (the kernel's GPU tiles for fine blocks of ``m`` rows, :meth:`Pallas.tiles`);
     the kernel's calls run per shard of the batch and heads under a mesh (module docstring)."""
 
-    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, **kw):
+    def run(qb, kp, vp, coarse, *, q_block0, n_valid, causal, drop_key=None, attn_dropout=0.0, docs=None, **kw):
         inner = fma_blocks.make_attend(interpret=interpret, platform=platform, **tiles(qb.shape[3]))
         kind = None if coarse is None else coarse[0]
         kernel = (kind in (None, "packed") and isinstance(q_block0, int) and q_block0 == 0
@@ -40,19 +40,31 @@ def attend(platform: str, interpret: bool, tiles):
         bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *qb.shape[:2])
         call = functools.partial(inner, q_block0=q_block0, n_valid=n_valid, causal=causal, drop_key=drop_key,
                                  attn_dropout=attn_dropout, **kw)
-        if bspec is None and hspec is None:
-            return call(qb, kp, vp, coarse)
-        bh = P(bspec, hspec)
-        tables = () if coarse is None else tuple(coarse[1:])
-        table_specs = () if coarse is None else (bh, bh, P(), P())  # kall, vall [B,H,..]; idx, bias per block
-
-        def local(qb, kp, vp, *tables):
-            return call(qb, kp, vp, None if kind is None else (kind, *tables))
-
-        return jax.shard_map(local, mesh=mesh, in_specs=(bh, bh, bh, *table_specs), out_specs=bh,
-                             check_vma=False)(qb, kp, vp, *tables)
+        return per_shard(call, mesh, bspec, hspec, qb, kp, vp, coarse, docs)
 
     return run
+
+
+def per_shard(call, mesh, bspec, hspec, qb, kp, vp, coarse, docs):
+    """``call(qb, kp, vp, coarse, docs=docs)`` (a kernel's block function), under a mesh per shard of the batch
+    (``bspec``) and heads (``hspec``): a ``shard_map`` with the coarse slots' block tables replicated and the
+    documents of a packed row (``[B, ...]``) split with the batch; directly where neither is split."""
+    if bspec is None and hspec is None:
+        return call(qb, kp, vp, coarse, docs=docs)
+    bh = P(bspec, hspec)
+    kind = None if coarse is None else coarse[0]
+    tables = () if coarse is None else tuple(coarse[1:])
+    table_specs = () if coarse is None else (bh, bh, P(), P())  # kall, vall [B,H,..]; idx, bias per block
+    doc_args = () if docs is None else tuple(x for x in docs if x is not None)
+    n_t = len(tables)
+
+    def local(qb, kp, vp, *rest):
+        t, d = rest[:n_t], rest[n_t:]
+        local_docs = None if docs is None else (d[0], d[1], d[2] if len(d) > 2 else None)
+        return call(qb, kp, vp, None if kind is None else (kind, *t), docs=local_docs)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(bh, bh, bh, *table_specs, *(P(bspec),) * len(doc_args)),
+                         out_specs=bh, check_vma=False)(qb, kp, vp, *tables, *doc_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,19 +95,13 @@ class Pallas(Blocked):
         return functools.partial(xla.fma_forward, attend=self.attend(call))
 
 
-# packed rows (docs/methods/fma.md §2.7): the blocked XLA paths lay the documents out again and mask by document;
-# the kernels have no per-block document masks yet
-SEGMENTS_REASON = ("packed rows (segment ids) are served by the reference and the XLA paths; the kernel has no "
-                   "document masks yet")
-
-
 def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
+    # packed rows (docs/methods/fma.md §2.7, ``segments``): served. The blocked path lays the documents out again
+    # and hands the kernel the document of every query, fine key and coarse slot (``fma_blocks``' ``docs``).
     out = list(unsupported_reasons(platform, **shapes))
     if release_zero_slots:
         out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference "
                    "and the XLA paths; the kernel is not tested with the extra slot")
-    if segments:
-        out.append(SEGMENTS_REASON)
     return out
 
 
@@ -122,4 +128,4 @@ IMPLEMENTATIONS = (
                          methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 
-__all__ = ["IMPLEMENTATIONS", "SEGMENTS_REASON", "MethodImplementation", "Pallas", "attend", "unsupported_reasons"]
+__all__ = ["IMPLEMENTATIONS", "MethodImplementation", "Pallas", "attend", "per_shard", "unsupported_reasons"]
