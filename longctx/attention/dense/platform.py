@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from longctx.attention import dispatch
+from longctx.attention.base import document_starts
 from longctx.attention.dispatch import Implementation
 from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, sequence_mesh  # noqa: F401
 
@@ -325,8 +326,6 @@ def cudnn_packed_layout(segment_ids):
 
     M is static and no row can hold more documents than M: a document is at least one token, so a row of T tokens
     holds at most T. No document is dropped or merged, whatever the ids (``offsets[b, M]`` is always -1)."""
-    from longctx.attention.base import document_starts
-
     B, T = segment_ids.shape
     at = jnp.arange(T, dtype=jnp.int32)
     opens = document_starts(segment_ids.astype(jnp.int32)) == at  # each document's first token

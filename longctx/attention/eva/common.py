@@ -60,7 +60,7 @@ def window_keys(opts: EVAOptions, tile: int) -> int:
     return tile + opts.e_l + opts.e_r if opts.W > 0 else 0
 
 
-SEGMENTS_REASON = ("packed rows (segment ids): the kernels take none; impl='xla', 'xla_cpu' and 'reference' restart "
+SEGMENTS_REASON = ("packed rows (segment ids): the kernels take none; the XLA tiles and the reference restart "
                    "EVA's blocks and chunks at each document")
 
 

@@ -52,7 +52,7 @@ from longctx.attention.eva.common import (
     window_keys,
 )
 from longctx.attention.eva.reference import _take, document_positions
-from longctx.attention.eva.xla import joint_tile, map_tiles
+from longctx.attention.eva.tiles import joint_tile, map_tiles
 from pallas_kernels.precision import compute_dtype
 
 

@@ -35,8 +35,8 @@ from flax import nnx
 from longctx.attention import dispatch
 from longctx.attention.base import AttentionCore, ContractCase, DropIn, KernelBench, check_segments, logical, require
 from longctx.attention.fma import packed, reference, xla
-from longctx.attention.fma.options import FMAOptions
-from longctx.attention.fma.state import RING, Blocked, empty_state, state_from_forward
+from longctx.attention.fma.options import RING, FMAOptions
+from longctx.attention.fma.state import Blocked, empty_state, state_from_forward
 from longctx.errors import ConfigError
 
 BENCH_MAX_LEN = 131072  # the benchmarks' longest sequence: their untrained cores build levels for it

@@ -7,6 +7,9 @@ import math
 
 import jax.numpy as jnp
 
+RING = 4  # finished groups kept per level (the decoding state): a query in group a reads a-2, a-3; the lagged query
+# row a-1
+
 
 @dataclasses.dataclass(frozen=True)
 class FMAOptions:

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from longctx.attention.base import check_capacity, continues_state, document_starts
-from longctx.attention.fma.options import FMAOptions, acc_type, levels_used, pad_to
+from longctx.attention.fma.options import RING, FMAOptions, acc_type, levels_used, pad_to
 from longctx.attention.fma.reference import bias_rows, summarize
-from longctx.attention.fma.state import RING
 from pallas_kernels.precision import compute_dtype
 
 

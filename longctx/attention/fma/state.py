@@ -25,13 +25,12 @@ import numpy as np
 
 from longctx.attention import dispatch
 from longctx.attention.base import check_capacity
+from longctx.attention.fma import packed
 from longctx.attention.fma.coarse_stats import combine, row_stats
-from longctx.attention.fma.options import FMAOptions, acc_type, pad_to
+from longctx.attention.fma.options import RING, FMAOptions, acc_type, pad_to
 from longctx.attention.fma.reference import bias_rows, summarize
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks, packed_slots
 from pallas_kernels.precision import acc_einsum, compute_dtype, statistic
-
-RING = 4  # finished groups kept per level: a query in group a reads a-2, a-3; the lagged query row a-1
 
 
 def _unpacked(B: int, length):
@@ -261,8 +260,6 @@ class Blocked(dispatch.Runner):
     def packed(self, call: dispatch.Call):
         """``full(q, k, v, ds, opts, segment_ids, drop_key)``: the full pass of a packed row (§2.7): the documents
         laid out again for :meth:`forward` (``packed.packed_forward``)."""
-        from longctx.attention.fma import packed  # here: packed.py imports this module (RING, the state)
-
         return functools.partial(packed.packed_forward, self.forward(call))
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
@@ -270,8 +267,6 @@ class Blocked(dispatch.Runner):
         opts = dataclasses.replace(x["opts"], logit_budget=int(self.logit_budget))
         seg = x.get("segment_ids")
         if seg is not None:  # a packed row (§2.7): each document as if alone, the state of the last one
-            from longctx.attention.fma import packed
-
             args = (x["q"], x["k"], x["v"])
             if call.state is None:
                 return dispatch.Result(self.packed(call)(*args, x["ds"], opts, seg, call.key))
