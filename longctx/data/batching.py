@@ -16,8 +16,9 @@ Three rules for cutting rows of ``row_len`` tokens from a split's token stream (
   document is trained on as if it were alone. A row's first piece starts afresh at position 0 even where its
   document began in an earlier row: a document longer than a row, or one a row starts inside, is trained on
   as independent pieces (its later pieces without the context of the earlier ones). Every token can be
-  trained on. Refused for a split that is one document (nothing to keep apart). ``'document'`` stays the
-  default until every attention method takes segment ids (``AttentionCore.takes_segments``).
+  trained on. Refused for a split that is one document (nothing to keep apart). Every attention method takes
+  segment ids; ``'document'`` stays the default for now because switching changes every config's data (the
+  published runs among them) and needs a per-source rule (a one-document corpus such as enwik8 refuses it).
 
 Row starts are drawn uniformly among the allowed positions, so resuming at step s reproduces the
 run exactly.
