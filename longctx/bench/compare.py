@@ -19,10 +19,10 @@ context, and each run gets ``round(budget / (FLOPs per token x tokens per update
 counted as ``longctx-bench step`` counts them (3 x the forward's matmul FLOPs in the jaxpr). Wall time is reported
 beside it (measured on a shared machine it is noisy, hence not the budget).
 
-Nothing is lost on interruption: each run is its own folder ``<out>/runs/<label>_ctx<T>_seed<s>`` (the trainer
-resumes from its newest checkpoint) and writes ``compare_result.json`` when trained and scored; a rerun skips
-finished runs. The report (``compare.md``, ``compare.json``, PNGs) is rebuilt from whatever finished and names the
-missing runs. Per run: validation and test bits per byte (``longctx-eval``'s scoring, a bounded number of bytes),
+Nothing is lost on interruption: each run trains in its own folder ``<runs>/<label>_ctx<T>_seed<s>`` (the trainer
+resumes from its newest checkpoint; ``--runs`` defaults to the untracked ``runs/compare``) and its scores are written
+last, to ``<out>/results/<label>_ctx<T>_seed<s>.json``; a rerun skips finished runs. The report (``compare.md``,
+``compare.json``, PNGs) is rebuilt from whatever finished and names the missing runs. Per run: validation and test bits per byte (``longctx-eval``'s scoring, a bounded number of bytes),
 test bits per byte by position in the context, passkey answer loss by distance (``longctx-recall``, zero-shot on
 the text model), training tokens/s. Per method: decoding cost per token of its core (``longctx-bench decode``);
 a needle grid (``longctx-recall`` ``needle_grid``) for dense, dense_window and one efficient method from seed 0 at
@@ -78,7 +78,6 @@ SCALES = {
                         "model.d_ff": 256},
               "contexts": "128", "tokens_per_step": 512, "dense_steps": 6, "eval_tokens": 2048, "valid_every": 2},
 }
-RESULT = "compare_result.json"
 
 
 
@@ -86,6 +85,8 @@ RESULT = "compare_result.json"
 def define_flags(fv) -> None:
     flags.DEFINE_string("out", "results/compare", "output folder (runs, JSON, markdown, PNG), relative to the "
                         "working directory", flag_values=fv)
+    flags.DEFINE_string("runs", "runs/compare", "the runs' training folders (checkpoints; not for the repository), "
+                        "relative to the working directory", flag_values=fv)
     flags.DEFINE_enum("scale", "cpu", sorted(SCALES), "sizes (see SCALES in this module)", flag_values=fv)
     flags.DEFINE_string("methods", ",".join(METHODS), "comma list; dense_window = dense over --window",
                         flag_values=fv)
@@ -145,8 +146,14 @@ def runs(args) -> list[dict]:
                 out.append({"label": f"hybrid_{m}", "method": m, "hybrid": True, "context": max(sz["contexts"]),
                             "seed": 0})
     for r in out:
-        r["dir"] = str(Path(args.out) / "runs" / f"{r['label']}_ctx{r['context']}_seed{r['seed']}")
+        r["dir"] = str(Path(args.runs) / f"{r['label']}_ctx{r['context']}_seed{r['seed']}")
     return out
+
+
+def result_path(args, run: dict) -> Path:
+    """Where a finished run's scores live: ``<out>/results/<run folder name>.json`` (small, kept with the report,
+    so ``--report_only`` rebuilds it without the checkpoints)."""
+    return Path(args.out) / "results" / f"{Path(run['dir']).name}.json"
 
 
 def run_config(run: dict, args, steps: int | None = None):
@@ -273,7 +280,7 @@ def plan(args, rs: list[dict]) -> dict:
         total += est or 0.0
         rows.append([r["label"], r["context"], r["seed"], cost[_key(r)]["params"],
                      cost[_key(r)]["flops_per_token"] / 1e6, n, est / 60 if est else None,
-                     "done" if (Path(r["dir"]) / RESULT).is_file() else "to run"])
+                     "done" if result_path(args, r).is_file() else "to run"])
     text = (f"{len(rs)} runs; training FLOPs per run = the dense run's {sizes(args)['dense_steps']} updates at its "
             f"context; estimated training time {total / 3600:.2f} h"
             + ("" if sizing else " (no --measure yet: unestimated)")
@@ -286,7 +293,7 @@ def plan(args, rs: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- one run
 def train_and_score(run: dict, args, steps: int) -> dict:
     """Train (or resume) one run in a child process (``longctx.bench.train_worker``), then score it; writes
-    ``compare_result.json`` last, so a run without it is resumed by the next call."""
+    its scores (:func:`result_path`) last, so a run without them is resumed by the next call."""
     from longctx.evaluate import evaluate_run, write_json_atomic  # deferred: bench --help start-up: no orbax
     from longctx.recall import recall_run  # deferred: bench --help start-up: no orbax
 
@@ -316,7 +323,8 @@ def train_and_score(run: dict, args, steps: int) -> dict:
     rec = recall_run(wd, task="passkey", length=run["context"], rows=16, bins=4, progress=False,
                      out=wd / "recall")
     res["passkey"] = {k: rec.get(k) for k in ("status", "accuracy", "bits_per_token", "by_distance", "message")}
-    write_json_atomic(wd / RESULT, res)
+    result_path(args, run).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(result_path(args, run), res)
     return res
 
 
@@ -347,7 +355,7 @@ def needle_grids(args, rs: list[dict], out: Path) -> None:
     wanted = C.parse_names(args.needle) or []
     T = max(sizes(args)["contexts"])
     for r in rs:
-        if r["label"] in wanted and r["context"] == T and r["seed"] == 0 and (Path(r["dir"]) / RESULT).is_file():
+        if r["label"] in wanted and r["context"] == T and r["seed"] == 0 and result_path(args, r).is_file():
             folder = out / "needle" / r["label"]
             if not list(folder.glob("needle_grid_*.json")):
                 needle_grid(r["dir"], sorted({max(64, T // 4), max(64, T // 2), T}), task="passkey", rows=16, bins=4,
@@ -365,7 +373,7 @@ def run(args) -> dict:
     if not args.report_only:
         cost = costs(args, rs)
         for i, r in enumerate(rs):
-            if (Path(r["dir"]) / RESULT).is_file():
+            if result_path(args, r).is_file():
                 continue
             print(f"[{i + 1}/{len(rs)}] {r['label']} context {r['context']} seed {r['seed']}", flush=True)
             try:
@@ -411,7 +419,7 @@ def report(out: Path, rs: list[dict], args) -> dict:
     cost = json.loads(cost_path.read_text())["rows"] if cost_path.is_file() else {}
     done, missing = [], []
     for r in rs:
-        p = Path(r["dir"]) / RESULT
+        p = result_path(args, r)
         if p.is_file():
             res = json.loads(p.read_text())
             res["flops_per_token"] = (cost.get(_key(r)) or {}).get("flops_per_token")
@@ -420,7 +428,7 @@ def report(out: Path, rs: list[dict], args) -> dict:
             missing.append(r)
     rows = aggregate(done)
     sz = sizes(args)
-    cmd = (f"longctx-bench compare --scale {args.scale} --out {args.out}"
+    cmd = (f"longctx-bench compare --scale {args.scale} --out {args.out} --runs {args.runs}"
            + "".join(f" --config.{o}" for o in getattr(args, "overrides", [])))
     parts = [f"`{cmd}` (resumable: rerun it to train what is missing). {len(done)} of {len(rs)} runs finished. "
              f"Equal training FLOPs: every run's budget is the dense run's {sz['dense_steps']} updates of "

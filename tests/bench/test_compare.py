@@ -14,7 +14,7 @@ from longctx.errors import ConfigError
 
 
 def _args(tmp_path, *extra):
-    return cli.parse_args(["compare", "--out", str(tmp_path / "cmp"), *extra])
+    return cli.parse_args(["compare", "--out", str(tmp_path / "cmp"), "--runs", str(tmp_path / "runs"), *extra])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -59,10 +59,10 @@ def test_steps_equal_flop_budget(tmp_path):
     assert compare.steps_for(rs["eva"], a, cost) == 200  # 300 x 2/3: the same training FLOPs
 
 
-def _finished(run: dict, valid: float, test: float) -> None:
-    wd = Path(run["dir"])
-    wd.mkdir(parents=True)
-    (wd / compare.RESULT).write_text(json.dumps({
+def _finished(args, run: dict, valid: float, test: float) -> None:
+    p = compare.result_path(args, run)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({
         **run, "steps": 10, "tokens_per_step": 512, "params": 1000, "train_wall_s": 60.0, "tokens_per_s": 100.0,
         "valid_bits_per_byte": valid, "test_bits_per_byte": test, "curve": [[5, valid + 1], [10, valid]],
         "test_by_position": [{"lo": 1, "hi": 1, "tokens": 4, "bits_per_token": test + 0.5},
@@ -76,9 +76,10 @@ def test_report_from_what_finished(tmp_path):
     rs = {(r["label"], r["seed"]): r for r in compare.runs(a)}
     dense_valid = [2.0, 2.2, 2.4]
     for s, v in enumerate(dense_valid):
-        _finished(rs[("dense", s)], v, v + 0.1)
-    _finished(rs[("eva", 1)], 2.5, 2.6)
-    res = compare.run(cli.parse_args(["compare", "--out", a.out, "--methods", "dense,eva", "--contexts", "128",
+        _finished(a, rs[("dense", s)], v, v + 0.1)
+    _finished(a, rs[("eva", 1)], 2.5, 2.6)
+    assert not Path(a.runs).exists()  # the report needs no checkpoints: a fresh clone rebuilds it
+    res = compare.run(cli.parse_args(["compare", "--out", a.out, "--runs", a.runs, "--methods", "dense,eva", "--contexts", "128",
                                       "--seeds", "3", "--nohybrids", "--report_only"]))
     rows = {r["label"]: r for r in res["rows"]}
     assert rows["dense"]["valid_bits_per_byte"] == pytest.approx(statistics.fmean(dense_valid))
@@ -94,7 +95,7 @@ def test_report_from_what_finished(tmp_path):
 @pytest.mark.slow
 def test_smoke_end_to_end_and_resume(tmp_path):
     argv = ["compare", "--scale", "smoke", "--methods", "dense,eva", "--seeds", "1", "--nohybrids",
-            "--needle", "eva", "--out", str(tmp_path / "cmp")]
+            "--needle", "eva", "--out", str(tmp_path / "cmp"), "--runs", str(tmp_path / "runs")]
     res = compare.run(cli.parse_args(argv))
     assert not res["missing"] and {r["label"] for r in res["rows"]} == {"dense", "eva"}
     for r in res["results"]:
@@ -102,7 +103,8 @@ def test_smoke_end_to_end_and_resume(tmp_path):
         assert r["curve"] and r["passkey"]["status"] in ("ok", "capacity")
     out = tmp_path / "cmp"
     assert list(out.glob("needle/eva/needle_grid_*.md")) and (out / "decode" / "decode.json").is_file()
-    done = sorted(out.glob(f"runs/*/{compare.RESULT}"))
+    done = sorted(out.glob("results/*.json"))
+    assert len(done) == 2 and not (out / "runs").exists() and (tmp_path / "runs").is_dir()
     stamps = [p.stat().st_mtime_ns for p in done]
     (done[0]).unlink()  # an unfinished run: scored again from its trained checkpoint, the other skipped
     compare.run(cli.parse_args(argv))
