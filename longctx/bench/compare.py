@@ -12,7 +12,10 @@ tokens, ``model.attention.dense.window``) at each context of ``--contexts`` and 
 with ``--hybrids`` one hybrid per efficient method (its layers with the last one exact, ``model.attention.pattern``)
 at seed 0 and the longest context. Every run is trained from ``configs/builtin/<method>.py`` (or
 configs/default.py) with the scale's sizes, the same tokens per update at every context (batch = tokens / context)
-and ``--config.KEY=VALUE`` overrides (e.g. ``--config.data.source=files --config.data.path=DIR``).
+and ``--config.KEY=VALUE`` overrides (e.g. ``--config.data.source=files --config.data.path=DIR``). Equal parameters
+(``--match_params``, the default): each run's feed-forward width ``model.d_ff`` (GAU blocks: the value width
+``gau_expansion * d_model``) is set so its parameter count is the closest to the exact run's; the rest of each
+method's config (depth, heads, its own attention settings) is its own.
 
 Equal training cost is equal training FLOPs: the budget is the dense run's ``--dense_steps`` updates at that
 context, and each run gets ``round(budget / (FLOPs per token x tokens per update))`` updates, its FLOPs per token
@@ -92,6 +95,9 @@ def define_flags(fv) -> None:
                         flag_values=fv)
     flags.DEFINE_string("contexts", None, "training contexts (k = 1024); default: the scale's", flag_values=fv)
     flags.DEFINE_integer("seeds", 3, "seeds 0 .. seeds-1 per (method, context)", flag_values=fv)
+    flags.DEFINE_bool("match_params", True, "equal parameters: each run's feed-forward (or GAU value) width set so "
+                      "its parameters are closest to the exact run's (--nomatch_params: each config's own widths)",
+                      flag_values=fv)
     flags.DEFINE_bool("hybrids", True, "the hybrid runs (--nohybrids: none)", flag_values=fv)
     flags.DEFINE_integer("window", 128, "dense_window's sliding window (tokens)", flag_values=fv)
     flags.DEFINE_integer("dense_steps", 0, "updates of the dense run (the FLOP budget); 0: scale's", flag_values=fv)
@@ -185,7 +191,54 @@ def run_config(run: dict, args, steps: int | None = None):
     tc.eval_tokens = min(tc.eval_tokens, sz["eval_tokens"])
     cfg.eval.max_tokens = sz["eval_tokens"]
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
-    return config_lib.validate(cfg)
+    cfg = config_lib.validate(cfg)
+    if args.match_params and run["method"] not in (EXACT, WINDOW):
+        exact = {"label": EXACT, "method": EXACT, "hybrid": False, "context": run["context"], "seed": run["seed"]}
+        cfg = match_params(cfg, param_count(run_config(exact, args)))
+    return cfg
+
+
+def _widths(cfg) -> tuple[str, int, int]:
+    """The width that equalises parameters: (its key, its value, its step): the feed-forward width ``model.d_ff``
+    of transformer blocks, or the GAU value width ``gau_expansion * d_model`` (a multiple of the heads)."""
+    m = cfg.model
+    if m.block == "gau":
+        return "model.gau_expansion", int(round(m.gau_expansion * m.d_model)), 8 * m.num_heads
+    return "model.d_ff", int(m.d_ff), 8
+
+
+def _with_width(cfg, key: str, width: int):
+    value = width / cfg.model.d_model if key == "model.gau_expansion" else width
+    return config_lib.validate(configs.with_overrides(cfg, [f"{key}={value}"]))
+
+
+def match_params(cfg, target: int):
+    """``cfg`` with the width of :func:`_widths` set so its parameters are closest to ``target`` (the exact run's):
+    parameters are affine in that width, so two counts give it, rounded to the width's step."""
+    key, w0, step = _widths(cfg)
+    p0, p1 = param_count(cfg), param_count(_with_width(cfg, key, w0 + step))
+    if p1 == p0:
+        return cfg
+    w = max(step, step * round((w0 + (target - p0) * step / (p1 - p0)) / step))
+    return cfg if w == w0 else _with_width(cfg, key, w)
+
+
+_PARAMS: dict[str, int] = {}
+
+
+def param_count(cfg) -> int:
+    """Trainable parameters of ``cfg``'s model (built abstractly; cached per config)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    sig = cfg.model.to_json(sort_keys=True)
+    if sig not in _PARAMS:
+        cfg = _with_vocab(cfg)
+        model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, execution=cfg.execution))
+        params = split_model(model)[1]
+        _PARAMS[sig] = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+    return _PARAMS[sig]
 
 
 def _with_vocab(cfg):
@@ -221,7 +274,7 @@ def costs(args, rs: list[dict]) -> dict:
     path = Path(args.out) / "costs.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
     sig = json.dumps({"sizes": sizes(args), "overrides": list(getattr(args, "overrides", [])),
-                      "window": args.window}, sort_keys=True)
+                      "window": args.window, "match_params": args.match_params}, sort_keys=True)
     if cache.get("signature") != sig:
         cache = {"signature": sig, "rows": {}}
     for r in rs:
@@ -311,7 +364,7 @@ def train_and_score(run: dict, args, steps: int) -> dict:
             raise RuntimeError(f"training exited {rc}: {tail[0][:200]} (see {wd / 'train.log'})")
 
     trained = json.loads((wd / "bench_result.json").read_text())
-    res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+    res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "width": _widths(cfg)[1],
            "params": trained["summary"].get("params"), "train_wall_s": trained.get("train_wall_s"),
            **read_metrics(wd), "curve": _curve(wd)}
     over = {"eval.max_tokens": sizes(args)["eval_tokens"]}
@@ -407,6 +460,7 @@ def aggregate(results: list[dict]) -> list[dict]:
     rows = []
     for (label, T), rs in groups.items():
         row = {"label": label, "context": T, "seeds": sorted(r["seed"] for r in rs), "params": rs[0].get("params"),
+               "width": rs[0].get("width"),
                "steps": rs[0].get("steps")}
         for k in ("valid_bits_per_byte", "test_bits_per_byte", "tokens_per_s", "train_wall_s", "flops_per_token"):
             row[k], row[k + "_sd"] = _mean_sd([r.get(k) for r in rs])
@@ -434,17 +488,20 @@ def report(out: Path, rs: list[dict], args) -> dict:
              f"Equal training FLOPs: every run's budget is the dense run's {sz['dense_steps']} updates of "
              f"{sz['tokens_per_step']} tokens at its context (FLOPs per token = 3 x forward matmul FLOPs, as "
              "`longctx-bench step` counts them); wall time is reported beside it, measured on a shared machine "
-             f"(noisy). Bits per byte: mean ± sample standard deviation (seeds) over {sz['eval_tokens']} bytes of "
+             "(noisy). "
+             + ("Equal parameters: each run's feed-forward width (GAU blocks: value width) is set so its parameters "
+                "are the closest to the exact run's (the FF / GAU width column). " if args.match_params else "")
+             + f"Bits per byte: mean ± sample standard deviation (seeds) over {sz['eval_tokens']} bytes of "
              "each split.\n\n"]
     if missing:
         parts.append("Missing runs: " + ", ".join(f"`{r['label']}` ctx {r['context']} seed {r['seed']}"
                                                    for r in missing) + ".\n\n")
-    table = [[r["label"], r["context"], r["params"], r["steps"],
+    table = [[r["label"], r["context"], r["params"], r["width"], r["steps"],
               r["flops_per_token"] / 1e6 if r["flops_per_token"] else None,
               _pm(r["valid_bits_per_byte"], r["valid_bits_per_byte_sd"], len(r["seeds"])),
               _pm(r["test_bits_per_byte"], r["test_bits_per_byte_sd"], len(r["seeds"])),
               r["tokens_per_s"], r["train_wall_s"] / 60 if r["train_wall_s"] else None] for r in rows]
-    parts.append(C.md_table(["run", "context", "params", "updates", "train MFLOP/token", "valid bits/byte",
+    parts.append(C.md_table(["run", "context", "params", "FF / GAU width", "updates", "train MFLOP/token", "valid bits/byte",
                              "test bits/byte", "train tokens/s", "train min"], table))
     pos = position_table(done)
     if pos:

@@ -109,3 +109,21 @@ def test_smoke_end_to_end_and_resume(tmp_path):
     (done[0]).unlink()  # an unfinished run: scored again from its trained checkpoint, the other skipped
     compare.run(cli.parse_args(argv))
     assert done[0].is_file() and done[1].stat().st_mtime_ns == stamps[1]
+
+
+def test_parameters_matched_to_the_exact_run(tmp_path):
+    """Each method's feed-forward (GAU: value) width is chosen so its parameters are the exact run's within a
+    width step; --nomatch_params keeps each config's own widths (Transformer-VQ's GAUs then differ by far more)."""
+    a = _args(tmp_path, "--scale", "smoke", "--methods", "dense,fma,transformer_vq", "--contexts", "128")
+    rs = {r["label"]: r for r in compare.runs(a) if r["seed"] == 0}
+    exact = compare.param_count(compare.run_config(rs["dense"], a))
+    for label in ("fma", "transformer_vq", "hybrid_fma"):
+        cfg = compare.run_config(rs[label], a)
+        key, width, step = compare._widths(cfg)
+        off = abs(compare.param_count(cfg) - exact)
+        for other in (width - step, width + step):  # no neighbouring width is closer
+            assert off <= abs(compare.param_count(compare._with_width(cfg, key, other)) - exact)
+    own = _args(tmp_path, "--scale", "smoke", "--methods", "dense,transformer_vq", "--contexts", "128",
+                "--nomatch_params")
+    tvq = next(r for r in compare.runs(own) if r["label"] == "transformer_vq")
+    assert abs(compare.param_count(compare.run_config(tvq, own)) - exact) > 0.05 * exact
