@@ -67,6 +67,9 @@ def _hybrid_ok(method: str) -> bool:
     """A hybrid (the method in every layer but the last, exact attention there) needs the plain loop of blocks:
     not the exact baselines, nor a method that runs the blocks in its own stack wrapper."""
     return method not in (EXACT, WINDOW) and not attention.get_class(method).stack_wrapper(causal=True)
+# Every scale: rows inside one document (data.packing='document'), whatever the default: packed rows cost each
+# method its own layout (docs/methods/*.md, "Packed rows"), which the equal-FLOP budget would not see.
+DATA = {"data.packing": "document"}
 # Sizes per scale: model overrides, contexts, tokens per update, the dense run's updates (the FLOP budget),
 # evaluation bytes. cpu: about three hours of a 2-core CPU for 7 methods x 2 contexts x 3 seeds + 6 hybrids
 # (the estimate comes from `--measure`, `--plan` prints it). gpu: about eight minutes of one H100 in bf16.
@@ -168,7 +171,7 @@ def run_config(run: dict, args, steps: int | None = None):
     sz = sizes(args)
     base = EXACT if run["method"] == WINDOW else run["method"]
     cfg, _ = configs.method_config(base)
-    cfg = configs.with_overrides(cfg, [f"{k}={v}" for k, v in sz["model"].items()])
+    cfg = configs.with_overrides(cfg, [f"{k}={v}" for k, v in {**sz["model"], **DATA}.items()])
     if run["method"] == WINDOW:
         cfg.model.attention[EXACT].window = args.window
     if run["hybrid"]:
@@ -273,7 +276,7 @@ def costs(args, rs: list[dict]) -> dict:
     """FLOPs per token and parameters of every (label, context), cached in ``<out>/costs.json``."""
     path = Path(args.out) / "costs.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
-    sig = json.dumps({"sizes": sizes(args), "overrides": list(getattr(args, "overrides", [])),
+    sig = json.dumps({"sizes": sizes(args), "data": DATA, "overrides": list(getattr(args, "overrides", [])),
                       "window": args.window, "match_params": args.match_params}, sort_keys=True)
     if cache.get("signature") != sig:
         cache = {"signature": sig, "rows": {}}
