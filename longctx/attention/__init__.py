@@ -24,6 +24,7 @@ from longctx.errors import ConfigError
 # name -> "module:ClassName". One line per method.
 _METHODS: dict[str, str] = {
     "dense": "longctx.attention.dense:DenseAttention",
+    "swa": "longctx.attention.dense:SlidingWindowAttention",
     "transformer_vq": "longctx.attention.transformer_vq:TransformerVQAttention",
     "eva": "longctx.attention.eva:EVAAttention",
     "fma": "longctx.attention.fma:FMAAttention",

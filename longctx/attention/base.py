@@ -143,6 +143,9 @@ class AttentionCore(nnx.Module):
     randomized: bool = False
     # -- capabilities: what a core needs from its block, model and tools (asked, never its name) --
     exact: bool = False  # computes exact softmax attention: the reference benchmarks compare against
+    # exact softmax attention over a sliding window of ``window`` keys (its config key): the local baseline every
+    # efficient method must beat, and the local layer of a local/global pattern
+    sliding_window: bool = False
     # keys a query sees at most, itself included (a sliding window: the contract checks that nothing older reaches
     # it); 0: unbounded. An instance attribute where it depends on the config.
     receptive_window: int = 0

@@ -7,9 +7,10 @@ training cost on the same corpus, at several training contexts and seeds, then s
     longctx-bench compare --report_only                # the report from whatever finished
     longctx-bench compare --scale gpu --out results/compare_gpu   (sizes for about 8 minutes of one H100)
 
-Runs: each method of ``--methods`` (``dense_window`` is dense attention over a sliding window of ``--window``
-tokens, ``model.attention.dense.window``) at each context of ``--contexts`` and each seed below ``--seeds``, plus
-with ``--hybrids`` one hybrid per efficient method (its layers with the last one exact, ``model.attention.pattern``)
+Runs: each method of ``--methods`` (the registry's causal methods: exact attention, sliding-window attention over
+``--window`` keys, the efficient methods) at each context of ``--contexts`` and each seed below ``--seeds``, plus
+with ``--hybrids`` one hybrid per method but the exact one (its layers with the last one exact,
+``model.attention.pattern``; sliding-window attention's is a local/global model)
 at seed 0 and the longest context. Every run is trained from ``configs/builtin/<method>.py`` (or
 configs/default.py) with the scale's sizes, the same tokens per update at every context (batch = tokens / context)
 and ``--config.KEY=VALUE`` overrides (e.g. ``--config.data.source=files --config.data.path=DIR``). Equal parameters
@@ -28,7 +29,7 @@ last, to ``<out>/results/<label>_ctx<T>_seed<s>.json``; a rerun skips finished r
 ``compare.json``, PNGs) is rebuilt from whatever finished and names the missing runs. Per run: validation and test bits per byte (``longctx-eval``'s scoring, a bounded number of bytes),
 test bits per byte by position in the context, passkey answer loss by distance (``longctx-recall``, zero-shot on
 the text model), training tokens/s. Per method: decoding cost per token of its core (``longctx-bench decode``);
-a needle grid (``longctx-recall`` ``needle_grid``) for dense, dense_window and one efficient method from seed 0 at
+a needle grid (``longctx-recall`` ``needle_grid``) for exact and sliding-window attention and one efficient method from seed 0 at
 the longest context.
 """
 
@@ -55,10 +56,10 @@ from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
 from longctx.train.step import split_model
 
-# the registry's causal methods, the exact one first, its sliding-window run ('<exact>_window') beside it
+# the registry's causal methods: the exact one first, the sliding-window one next, then the efficient ones
 EXACT = next(n for n in attention.names() if attention.get_class(n).exact)
-WINDOW = f"{EXACT}_window"
-CAUSAL = tuple(n for n in attention.names() if attention.get_class(n).supports_causal and n != EXACT)
+WINDOW = next(n for n in attention.names() if attention.get_class(n).sliding_window)
+CAUSAL = tuple(n for n in attention.names() if attention.get_class(n).supports_causal and n not in (EXACT, WINDOW))
 METHODS = (EXACT, WINDOW, *CAUSAL)
 NEEDLE = (EXACT, WINDOW, CAUSAL[0])  # a needle grid for the exact baselines and one efficient method
 
@@ -66,7 +67,7 @@ NEEDLE = (EXACT, WINDOW, CAUSAL[0])  # a needle grid for the exact baselines and
 def _hybrid_ok(method: str) -> bool:
     """A hybrid (the method in every layer but the last, exact attention there) needs the plain loop of blocks:
     not the exact baselines, nor a method that runs the blocks in its own stack wrapper."""
-    return method not in (EXACT, WINDOW) and not attention.get_class(method).stack_wrapper(causal=True)
+    return method != EXACT and not attention.get_class(method).stack_wrapper(causal=True)
 # Every scale: rows inside one document (data.packing='document'), whatever the default: packed rows cost each
 # method its own layout (docs/methods/*.md, "Packed rows"), which the equal-FLOP budget would not see.
 DATA = {"data.packing": "document"}
@@ -94,7 +95,7 @@ def define_flags(fv) -> None:
     flags.DEFINE_string("runs", "runs/compare", "the runs' training folders (checkpoints; not for the repository), "
                         "relative to the working directory", flag_values=fv)
     flags.DEFINE_enum("scale", "cpu", sorted(SCALES), "sizes (see SCALES in this module)", flag_values=fv)
-    flags.DEFINE_string("methods", ",".join(METHODS), "comma list; dense_window = dense over --window",
+    flags.DEFINE_string("methods", ",".join(METHODS), "comma list",
                         flag_values=fv)
     flags.DEFINE_string("contexts", None, "training contexts (k = 1024); default: the scale's", flag_values=fv)
     flags.DEFINE_integer("seeds", 3, "seeds 0 .. seeds-1 per (method, context)", flag_values=fv)
@@ -102,7 +103,7 @@ def define_flags(fv) -> None:
                       "its parameters are closest to the exact run's (--nomatch_params: each config's own widths)",
                       flag_values=fv)
     flags.DEFINE_bool("hybrids", True, "the hybrid runs (--nohybrids: none)", flag_values=fv)
-    flags.DEFINE_integer("window", 128, "dense_window's sliding window (tokens)", flag_values=fv)
+    flags.DEFINE_integer("window", 128, "the sliding-window method's window (keys)", flag_values=fv)
     flags.DEFINE_integer("dense_steps", 0, "updates of the dense run (the FLOP budget); 0: scale's", flag_values=fv)
     flags.DEFINE_integer("tokens_per_step", 0, "tokens per update at every context; 0: scale's", flag_values=fv)
     flags.DEFINE_integer("eval_tokens", None, "bytes scored per split; default: the scale's", flag_values=fv)
@@ -169,11 +170,10 @@ def run_config(run: dict, args, steps: int | None = None):
     """The resolved training config of one run (``steps`` updates; None: one, for counting and timing)."""
 
     sz = sizes(args)
-    base = EXACT if run["method"] == WINDOW else run["method"]
-    cfg, _ = configs.method_config(base)
+    cfg, _ = configs.method_config(run["method"])
     cfg = configs.with_overrides(cfg, [f"{k}={v}" for k, v in {**sz["model"], **DATA}.items()])
     if run["method"] == WINDOW:
-        cfg.model.attention[EXACT].window = args.window
+        cfg.model.attention[WINDOW].window = args.window
     if run["hybrid"]:
         L = cfg.model.num_layers
         cfg.model.attention.pattern = tuple([run["method"]] * (L - 1) + [EXACT])
@@ -195,7 +195,7 @@ def run_config(run: dict, args, steps: int | None = None):
     cfg.eval.max_tokens = sz["eval_tokens"]
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
     cfg = config_lib.validate(cfg)
-    if args.match_params and run["method"] not in (EXACT, WINDOW):
+    if args.match_params and run["method"] != EXACT:
         exact = {"label": EXACT, "method": EXACT, "hybrid": False, "context": run["context"], "seed": run["seed"]}
         cfg = match_params(cfg, param_count(run_config(exact, args)))
     return cfg
@@ -396,7 +396,7 @@ def decode_costs(args, out: Path) -> None:
     if (out / "decode" / "decode.json").is_file():
         return
     cfg = run_config({"label": EXACT, "method": EXACT, "hybrid": False, "context": 256, "seed": 0}, args)
-    methods = sorted({EXACT if m == WINDOW else m for m in C.parse_names(args.methods)})
+    methods = sorted(set(C.parse_names(args.methods)))
     ns = SimpleNamespace(out=str(out / "decode"), progress=False, methods=",".join(methods),
                          positions=",".join(str(t) for t in sizes(args)["contexts"]), batch=1,
                          heads=cfg.model.num_heads, head_dim=cfg.model.head_dim, dtype="float32", steps=16,
@@ -517,7 +517,7 @@ def report(out: Path, rs: list[dict], args) -> dict:
     dec = out / "decode" / "decode.md"
     if dec.is_file():
         parts.append("\nDecoding cost per token of each method's attention core (`longctx-bench decode` at the "
-                     "model's heads and head size; dense_window decodes as dense here):\n\n" + dec.read_text())
+                     "model's heads and head size; the sliding-window method at its default window):\n\n" + dec.read_text())
     for md in sorted(out.glob("needle/*/needle_grid_*.md")):
         parts.append(f"\n`{md.parent.name}`: " + md.read_text())
         parts += [f"\n![{p.stem}]({p.relative_to(out)})\n" for p in sorted(md.parent.glob("needle_grid_*.png"))]

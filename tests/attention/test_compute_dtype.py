@@ -38,7 +38,8 @@ from tests.attention.test_implementations import _case, _model_case
 B = 2
 
 # implementations whose kernel body is a library's: (method, implementation) -> whose
-LIBRARY_KERNELS = {("dense", "splash"): "JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention)"}
+LIBRARY_KERNELS = {(name, "splash"): "JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention)"
+                   for name in ("dense", "swa")}  # exact attention, and over a sliding window
 
 
 def _params(model_level=False):

@@ -1,9 +1,10 @@
-"""Sliding-window exact attention (``attention.dense.window``): every implementation equals the reference with the
-window (values and gradients; the unrolled full pass and the position-general loop), the reference equals a
-float64 NumPy oracle, the tiles never read the key blocks wholly outside the window, cuDNN and splash lower with
+"""Sliding-window exact attention (the method ``swa``, ``attention.swa.window``; dense's core with a window): every
+implementation equals the reference with the window (values and gradients; the unrolled full pass and the
+position-general loop), the reference equals a float64 NumPy oracle, the tiles never read the key blocks wholly outside the window, cuDNN and splash lower with
 their own local masks, a fused kernel refuses what it cannot do (one line), and a FLOP count of a windowed kernel
 counts the pairs the window keeps. The contract laws (streams, decoding through the window's state, composition, no
-key before the window reaching an output) run on the ``window`` contract case of ``DenseAttention``."""
+key before the window reaching an output) run on the contract cases of ``SlidingWindowAttention``; it mixes with
+exact layers in a pattern."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def test_the_window_state_is_the_window_whatever_max_len():
 
     from longctx import attention
 
-    core = attention.build("dense", {"window": 6}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
+    core = attention.build("swa", {"window": 6}, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0))
     state = core.init_state(2, 1000)
     assert state["k"].shape[2] == 6
     q, k, v = qkv(20)
@@ -164,3 +165,25 @@ def test_the_window_state_is_the_window_whatever_max_len():
         outs.append(o)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=2)), np.asarray(full), atol=2e-5, rtol=2e-5)
     assert core.receptive_window == 6
+
+
+@pytest.mark.parametrize("pattern,reaches", [(("swa", "swa"), False), (("swa", "dense"), True)])
+def test_local_and_global_layers_in_one_pattern(pattern, reaches):
+    """A pattern mixes sliding-window and exact layers, each with its own section: two local layers of a 4-key
+    window see at most 7 tokens back, so the first token cannot reach the 20th; one global layer after a local one
+    carries it there."""
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+
+    c = base_config().model
+    c.vocab_size, c.d_model, c.num_layers, c.d_ff, c.num_heads, c.head_dim = 32, 16, 2, 32, 2, 8
+    c.attention.name = "swa"
+    c.attention.pattern = pattern
+    c.attention.swa.window = 4
+    model = build_model(c, seed=0)
+    assert [b.core.window for b in model.blocks] == [4 if p == "swa" else 0 for p in pattern]
+    tokens = jnp.arange(20, dtype=jnp.int32)[None] % 32
+    a, _, _ = model(tokens)
+    b, _, _ = model(tokens.at[0, 0].set(7))
+    assert bool(jnp.any(a[0, -1] != b[0, -1])) == reaches
+    np.testing.assert_array_equal(np.asarray(a[0, 8:-1] != b[0, 8:-1]).any(), reaches)

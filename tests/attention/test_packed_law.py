@@ -125,21 +125,6 @@ def test_packed_rows_equal_documents_alone(name, direction, impl_name):
         _grad_run(core, None)(q, k, v, w)  # while it serves the same call without them
 
 
-@pytest.mark.parametrize("impl_name,direction", [
-    ("reference", "causal"),
-    pytest.param("blockwise", "causal", marks=pytest.mark.slow),
-    pytest.param("reference", "bidirectional", marks=pytest.mark.slow),
-    pytest.param("blockwise", "bidirectional", marks=pytest.mark.slow),
-])
-def test_packed_rows_with_a_sliding_window(impl_name, direction):
-    """Segments and a sliding window together (dense's window case: 12 keys over tiles of 8)."""
-    cls = attention.get_class("dense")
-    case = cls.contract_cases()["window"]
-    impl = dispatch.by_name(cls.implementations())[impl_name]
-    _check_packed(_build("dense", direction, impl, case), case, f"dense window {direction} {impl_name}",
-                  direction == "causal")
-
-
 def _check_packed(core, case, what, causal):
     """Packed rows equal their documents alone (outputs, q/k/v gradients; fp32 and bf16); causal: also fed in two
     calls carrying the state."""

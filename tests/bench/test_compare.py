@@ -29,22 +29,25 @@ def test_bad_flags_refused(tmp_path, argv, message):
 
 
 def test_runs_every_method_context_seed_and_one_hybrid_each(tmp_path):
-    a = _args(tmp_path, "--methods", "dense,dense_window,eva", "--contexts", "128,256", "--seeds", "2")
+    a = _args(tmp_path, "--methods", f"dense,{compare.WINDOW},eva", "--contexts", "128,256", "--seeds", "2")
     rs = compare.runs(a)
     pure = [r for r in rs if not r["hybrid"]]
     assert len(pure) == 3 * 2 * 2
-    assert [r["label"] for r in rs if r["hybrid"]] == ["hybrid_eva"]  # no hybrid of the exact methods
+    assert [r["label"] for r in rs if r["hybrid"]] == [f"hybrid_{compare.WINDOW}", "hybrid_eva"]  # none of exact
     assert all(r["context"] == 256 and r["seed"] == 0 for r in rs if r["hybrid"])
     assert len({r["dir"] for r in rs}) == len(rs)
     assert [r["seed"] for r in pure] == sorted(r["seed"] for r in pure)  # whole seeds first
 
 
 def test_run_config_window_pattern_and_equal_tokens(tmp_path):
-    a = _args(tmp_path, "--scale", "smoke", "--methods", "dense_window,eva", "--contexts", "64,128",
-              "--window", "32")
+    W = compare.WINDOW
+    a = _args(tmp_path, "--scale", "smoke", "--methods", f"{W},eva", "--contexts", "64,128", "--window", "32")
     rs = {(r["label"], r["context"]): r for r in compare.runs(a)}
-    win = compare.run_config(rs[("dense_window", 64)], a, steps=10)
-    assert win.model.attention.name == "dense" and win.model.attention.dense.window == 32
+    win = compare.run_config(rs[(W, 64)], a, steps=10)
+    assert win.model.attention.name == W and win.model.attention[W].window == 32
+    local_global = compare.run_config(rs[(f"hybrid_{W}", 128)], a, steps=10)
+    assert tuple(local_global.model.attention.pattern)[-2:] == (W, "dense")
+    assert local_global.model.attention[W].window == 32
     hyb = compare.run_config(rs[("hybrid_eva", 128)], a, steps=10)
     assert tuple(hyb.model.attention.pattern) == ("eva",) * (hyb.model.num_layers - 1) + ("dense",)
     short, long_ = compare.run_config(rs[("eva", 64)], a), compare.run_config(rs[("eva", 128)], a)

@@ -12,8 +12,8 @@ Feeding more than ``max_len`` tokens in total raises :class:`CapacityError` (und
 older ones are dropped by design (Transformer-XL-style memory, not exact attention). The state is the layer's
 (the keys and values it was given), the same whichever implementation attends.
 
-``window`` W > 0 is exact attention over a sliding window (Longformer's and Mistral's local attention): a query
-sees the keys fewer than W positions away (causal: itself and the W - 1 before it) in training, evaluation and
+A sliding window W > 0 (:attr:`DenseAttention.window`; the method of ``sliding.py``, 0 here) is exact attention
+over the keys fewer than W positions away (causal: itself and the W - 1 before it) in training, evaluation and
 decoding alike, on every implementation (the tiles skip the key blocks wholly outside it; cuDNN and splash take
 their own local masks). Its decoding state is the window (``init_state`` holds W keys whatever ``max_len``): a
 bounded state that drops only keys no later query can see.
@@ -222,9 +222,6 @@ class DenseAttention(AttentionCore):
                 # False: the KV cache is exact and refuses to overflow. True: a sliding window of the
                 # newest init_state(max_len) keys (older keys are dropped on purpose).
                 "kv_window": False,
-                # exact attention over a sliding window of this many keys (causal: the key itself and window - 1
-                # before it; bidirectional: fewer than window positions away on either side); 0: the whole row
-                "window": 0,
             }
         )
 
@@ -236,7 +233,6 @@ class DenseAttention(AttentionCore):
         require(cfg.block_q >= 0 and cfg.block_k >= 0,
                 "attention.dense.block_q/block_k must be positive (0: the platform's default)")
         require(cfg.auto_threshold >= 0, "attention.dense.auto_threshold must be positive (0: the platform's default)")
-        require(cfg.window >= 0, f"attention.dense.window={cfg.window}; must be >= 0 (0: no window)")
 
     @classmethod
     def bench_variants(cls, platform: str):
@@ -267,16 +263,17 @@ class DenseAttention(AttentionCore):
                                                     directions=("bidirectional",), slow=True),
             # the TPU kernel in Pallas interpret mode: full passes by splash, KV-cache steps by the XLA path
             "splash": ContractCase(cfg={"impl": "splash"}, length=40),
-            # a sliding window of 12 keys over whole tiles of 8: blocks wholly inside it, its far edge and the
-            # diagonal; decoding through the window's state
-            "window": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40, directions=("causal",)),
-            "window_bidirectional": ContractCase(cfg={"impl": "blockwise", **tiles, "window": 12}, length=40,
-                                                 directions=("bidirectional",), slow=True),
         }
 
     @property
+    def window(self) -> int:
+        """The sliding window W of keys a query sees (0: the whole row): none for exact attention; the sliding-window
+        core (``sliding.py``) has one."""
+        return 0
+
+    @property
     def receptive_window(self) -> int:
-        return int(self.cfg.window)
+        return self.window
 
     def init_state(self, batch_size: int, max_len: int | None = None):
         """The empty KV cache: ``max_len`` keys, or with a sliding window the window's (whatever ``max_len``), and
@@ -285,8 +282,8 @@ class DenseAttention(AttentionCore):
             raise ValueError("dense: bidirectional attention has no prefix state")
         if max_len is None or max_len <= 0:
             raise ValueError("dense: init_state needs max_len (the KV-cache capacity in tokens)")
-        if self.cfg.window:
-            max_len = int(self.cfg.window)
+        if self.window:
+            max_len = self.window
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         return {
             "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
@@ -326,14 +323,14 @@ class DenseAttention(AttentionCore):
         T = q.shape[2]
         pos = jnp.arange(T, dtype=jnp.int32)
         seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-        common = dict(causal=self.causal, window=self.cfg.window, q_segment_ids=seg, state=state)
+        common = dict(causal=self.causal, window=self.window, q_segment_ids=seg, state=state)
         if state is None:
             return prepared_call(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True, k_segment_ids=seg, **common)
         if not self.causal:
             raise ValueError("dense: a bidirectional core takes no state")
         M = state["k"].shape[2]
         length = state["length"]
-        if not (self.cfg.kv_window or self.cfg.window):  # a window's state holds every key a later query sees
+        if not (self.cfg.kv_window or self.window):  # a window's state holds every key a later query sees
             check_capacity(length + T, M, "dense: the KV cache holds {capacity} tokens (init_state max_len) but "
                            "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
                            "for a sliding window that drops the oldest keys")
@@ -366,7 +363,7 @@ class DenseAttention(AttentionCore):
             if not self.causal:
                 return result.out, None
             k, v = x["k"], x["v"]
-            W = int(self.cfg.window)
+            W = self.window
             if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
                 edge = lambda a: jnp.pad(a, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
                 k, v = edge(k), edge(v)
