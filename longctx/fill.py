@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longctx import config as config_lib
+from longctx.data import masking
 from longctx.errors import ConfigError
 from longctx.runtime import Runner
 
@@ -65,8 +67,12 @@ def masked_bytes(text: str, *, mask_char: str = "_", mask_spans: str | None = No
 
 def fill_bytes(runner, data: bytes, mask: np.ndarray, *, per_pass: int = 1) -> tuple[bytes, int]:
     """Fill the masked bytes of ``data`` with ``runner``'s encoder; returns (filled bytes, passes)."""
-    cfg = runner.cfg
+    tok = runner.tokenizer
+    # the mask id as training resolved it (one beyond the vocabulary, or an import's own <mask> / [MASK]); the
+    # fills are the tokenizer's text ids, never the mask id nor another special token (masking.text_ids)
+    cfg = config_lib.resolve_vocab(runner.cfg, tok.vocab_size, mask_token=masking.own_mask_id(tok))
     T, mask_id = cfg.train.seq_len, cfg.mlm.mask_id
+    allowed = jnp.asarray(masking.text_ids(tok, mask_id, cfg.model.vocab_size))
     if len(data) > T:
         raise ConfigError(f"the text is {len(data)} bytes; this encoder reads rows of {T} bytes (train.seq_len)")
     ids = np.full(T, PAD_BYTE, np.int32)
@@ -79,7 +85,7 @@ def fill_bytes(runner, data: bytes, mask: np.ndarray, *, per_pass: int = 1) -> t
     @jax.jit
     def predict(params, ids, important):
         logits, _ = nnx.merge(graphdef, *params)(ids[None], important[None], deterministic=True)
-        logp = jax.nn.log_softmax(logits[0, :, :mask_id], axis=-1)  # text bytes only, never the mask token
+        logp = jax.nn.log_softmax(jnp.where(allowed, logits[0], -jnp.inf), axis=-1)
         return jnp.argmax(logp, -1), jnp.max(logp, -1)
 
     todo = important.copy()

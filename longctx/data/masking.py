@@ -51,6 +51,29 @@ def own_mask_id(tokenizer) -> int | None:
     return next((int(i) for i in map(token_to_id, MASK_TOKENS) if i is not None), None)
 
 
+def special_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of the tokenizer's special tokens (a Hugging Face ``tokenizer.json``'s added tokens marked special:
+    BERT's ``[PAD]`` ``[UNK]`` ``[CLS]`` ``[SEP]`` ``[MASK]``, RoBERTa's ``<s>`` ``<pad>`` ``</s>`` ``<unk>``
+    ``<mask>``), sorted; () for a tokenizer of another kind (bytes: every id is a byte of text)."""
+    added = getattr(getattr(tokenizer, "tok", None), "get_added_tokens_decoder", None)
+    if added is None:
+        return ()
+    return tuple(sorted(int(i) for i, t in added().items() if getattr(t, "special", False)))
+
+
+def text_ids(tokenizer, mask_id: int, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool (``model.vocab_size``, the logits' width): the ids an encoder may put in place of a masked
+    token, the tokenizer's ids (``[0, tokenizer.vocab_size)``) less ``mask_id`` (wherever it is: one beyond the
+    vocabulary, RoBERTa's last id, BERT's 103) and the tokenizer's other special tokens (:func:`special_ids`); the
+    ids a larger table holds beyond the tokenizer's vocabulary are never text."""
+    ok = np.zeros(int(vocab_size), bool)
+    ok[: min(int(tokenizer.vocab_size), int(vocab_size))] = True
+    for i in (int(mask_id), *special_ids(tokenizer)):
+        if 0 <= i < len(ok):
+            ok[i] = False
+    return ok
+
+
 def num_masked(row_len: int, rate: float) -> int:
     """Predicted positions per row: round(rate * row_len), at least 1 and at most row_len."""
     return int(min(row_len, max(1, round(rate * row_len))))
