@@ -1,6 +1,7 @@
 """Memory and FLOPs plan of a training run before any data is touched (``longctx-train --dry_run``).
 
-The train step is lowered and compiled ahead of time for the configured mesh with abstract
+The train step (a decoder's, or an encoder's masked-LM step, its vocabulary and mask token resolved as the
+training task resolves them) is lowered and compiled ahead of time for the configured mesh with abstract
 inputs (``jax.ShapeDtypeStruct`` carrying the shardings of ``longctx.train.sharding.Plan``);
 XLA's ``memory_analysis`` gives the per-device bytes of arguments, temporaries and outputs,
 and ``cost_analysis`` the FLOPs of one step. The model is built abstractly (``nnx.eval_shape``),
@@ -18,15 +19,27 @@ from flax import nnx
 
 from longctx import config as config_lib
 from longctx.bench.common import jaxpr_matmul_flops
+from longctx.data import masking, tokenizers
 from longctx.errors import ConfigError
 from longctx.models.backbone import scans_layers
 from longctx.models.decoder import build_model
 from longctx.models.precision import resolve_dtype
 from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_loss_fn, make_train_step, split_model
+from longctx.train.step import make_loss_fn, make_mlm_loss_fn, make_mlm_train_step, make_train_step, split_model
 
 MiB = 1 << 20
+
+
+def known_vocab(cfg) -> tuple[int, int | None]:
+    """(the tokenizer's vocabulary size, its own mask token or None) without reading data, as the training task
+    resolves the vocabulary (``longctx.train.tasks.Task``): a tokenizer file (``data.tokenizer='hf'``, an imported
+    model's) is read, whose ``<mask>`` / ``[MASK]`` an encoder takes (:func:`longctx.data.masking.own_mask_id`);
+    otherwise :func:`known_vocab_size`."""
+    if cfg.data.tokenizer == "hf":
+        tok = tokenizers.build("hf", **tokenizers.cache_kwargs("hf", cfg.data))
+        return int(tok.vocab_size), masking.own_mask_id(tok)
+    return known_vocab_size(cfg), None
 
 
 def known_vocab_size(cfg) -> int:
@@ -55,6 +68,12 @@ def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
     tc = cfg.train
     W = tc.window or tc.seq_len
     n_windows = tc.seq_len // W
+    if cfg.model.kind == "encoder":  # one row, its masked tokens
+        mlm_loss = make_mlm_loss_fn(graphdef, masking.num_masked(tc.seq_len, cfg.mlm.rate))
+        res = jaxpr_matmul_flops(lambda p, n, r, b: mlm_loss(p, n, r, b, None, jax.random.key(0))[0],
+                                 params, nongrad, rest, mlm_batch(cfg, 1))
+        return {"training_flops_per_token": 3.0 * res["flops"] / tc.seq_len, "forward_flops_per_row": res["flops"],
+                "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
     loss = make_loss_fn(graphdef)
     toks = jax.ShapeDtypeStruct((1, W), np.int32)
     state = (jax.eval_shape(lambda p, n, r: nnx.merge(graphdef, p, n, r).init_state(1, tc.seq_len),
@@ -64,6 +83,18 @@ def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
     fwd_row = res["flops"] * n_windows
     return {"training_flops_per_token": 3.0 * fwd_row / tc.seq_len, "forward_flops_per_row": fwd_row,
             "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
+
+
+def mlm_batch(cfg, batch_size: int, sharding=None) -> dict:
+    """An encoder's abstract batch (``longctx.train.step.make_mlm_train_step``): inputs, targets and the mask
+    [B, T], with the segment ids and positions of packed rows (``data.packing='segments'``)."""
+    def rows(dtype):
+        return jax.ShapeDtypeStruct((batch_size, cfg.train.seq_len), dtype, sharding=sharding)
+
+    batch = {"inputs": rows(np.int32), "targets": rows(np.int32), "mask": rows(np.bool_)}
+    if cfg.data.packing == "segments":
+        batch.update(segment_ids=rows(np.int32), positions=rows(np.int32))
+    return batch
 
 
 def per_device_bytes(tree, shardings) -> int:
@@ -90,7 +121,8 @@ def sharding_summary(params, shardings) -> list[dict]:
 def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     """Compile one train step for ``cfg``'s mesh; return per-device memory (bytes) and FLOPs."""
     cfg = config_lib.validate(cfg)
-    cfg = config_lib.resolve_vocab(cfg, known_vocab_size(cfg))
+    vocab_size, mask_token = known_vocab(cfg)
+    cfg = config_lib.resolve_vocab(cfg, vocab_size, mask_token=mask_token)
     tc = cfg.train
     mesh = sharding.make_mesh(cfg.mesh, devices)
     abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, seed=tc.seed, execution=cfg.execution))
@@ -98,15 +130,22 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     tx = make_optimizer(tc)
     opt_state = jax.eval_shape(tx.init, params)
     p = sharding.Plan(mesh, params, nongrad, rest, tx, opt_state, sharding.parse_rules(cfg.mesh.rules))
-    seq_mode, seq_hidden = sequence_parallel.train_hidden(abstract_model, mesh, window=tc.window, seq_len=tc.seq_len,
-                                                          mode=cfg.mesh.sequence_mode,
-                                                          packed=cfg.data.packing == "segments")
-    step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
-                                      constrain=p.constrain, hidden=seq_hidden, microbatches=tc.microbatches))
+    if cfg.model.kind == "encoder":  # the masked-LM step, as longctx.train.tasks.MaskedLM compiles it
+        split = mesh.shape.get("sequence", 1) > 1
+        step = p.jit_step(make_mlm_train_step(graphdef, tx, num_masked=masking.num_masked(tc.seq_len, cfg.mlm.rate),
+                                              skip_nonfinite=True, constrain=p.constrain,
+                                              row_mesh=mesh if split else None))
+        batch = mlm_batch(cfg, tc.batch_size, p.batch)
+    else:
+        seq_mode, seq_hidden = sequence_parallel.train_hidden(abstract_model, mesh, window=tc.window,
+                                                              seq_len=tc.seq_len, mode=cfg.mesh.sequence_mode,
+                                                              packed=cfg.data.packing == "segments")
+        step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
+                                          constrain=p.constrain, hidden=seq_hidden, microbatches=tc.microbatches))
+        batch = jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len + 1), np.int32, sharding=p.batch)
     args = (
         _abstract(params, p.params), _abstract(nongrad, p.nongrad), _abstract(rest, p.rest),
-        _abstract(opt_state, p.opt_state),
-        jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len + 1), np.int32, sharding=p.batch),
+        _abstract(opt_state, p.opt_state), batch,
         jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=p.scalar),
     )
     t0 = time.perf_counter()
@@ -143,6 +182,9 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     out["flops_loop_note"] = ("scanned layers / micro-batches: XLA counts a loop body once, so the FLOPs understate "
                               "the step") if (scans_layers(cfg.model) or tc.microbatches > 1) else ""
     out["scan_layers"] = cfg.model.scan_layers  # as validate resolved it
+    out["vocab_size"] = int(cfg.model.vocab_size)  # as the training task resolves it (resolve_vocab)
+    if cfg.model.kind == "encoder":
+        out["mask_id"] = int(cfg.mlm.mask_id)
     # donated inputs are reused for the outputs: peak ~ arguments + temporaries (+ outputs not aliased)
     out["peak_bytes_estimate"] = out["argument_bytes"] + out["temp_bytes"] + max(
         0, out["output_bytes"] - out["alias_bytes"])
@@ -155,6 +197,8 @@ def report(res: dict) -> str:
               for g in res.get("sharding", ())]
     return "\n".join([
         f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
+        *([f"layers: {'scanned' if res['scan_layers'] == 'on' else 'unrolled'} (model.scan_layers="
+           f"{res['scan_layers']!r} as validated for this platform)"] if "scan_layers" in res else []),
         "per device (XLA memory analysis of the compiled train step):",
         f"  arguments    {res['argument_bytes'] / MiB:10.1f} MiB  (parameters, optimizer, non-grad state, batch)",
         f"    parameters ({res.get('param_dtype', '?')}) {res.get('param_bytes', 0) / MiB:.1f} MiB, optimizer state "

@@ -101,3 +101,27 @@ def test_training_flops_per_token_with_windows_carrying_state(tmp_path):
     tokens = cfg.train.batch_size * cfg.train.seq_len
     assert res["training_flops_per_token"] > 0
     assert abs(res["training_flops_per_token"] - 3 * bench["flops"] / tokens) <= 1e-9 * res["training_flops_per_token"]
+
+
+def test_plan_of_an_imported_encoder_takes_its_tokenizers_mask_token(tmp_path):
+    """A freshly imported encoder (its table is its tokenizer's vocabulary, no id beyond it) plans with the
+    tokenizer's own [MASK], read from the tokenizer file as the training task reads it, and compiles the
+    masked-LM step."""
+    import tokenizers
+
+    from longctx.train import dry_run
+
+    V = 120
+    special = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}  # BERT's: [MASK] mid-vocabulary
+    vocab = {**special, **{f"w{i}": i for i in range(V) if i not in special.values()}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(list(special))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache")
+    cfg.model.kind, cfg.model.causal, cfg.model.vocab_size = "encoder", False, V
+    cfg.data.tokenizer, cfg.data.options.tokenizer_file = "hf", str(tmp_path / "tokenizer.json")
+    cfg.mlm.random_prob = 0.0  # random replacements are drawn below the mask id: BERT's [MASK] needs none
+    res = dry_run.plan(cfg)
+    assert (res["mask_id"], res["vocab_size"]) == (103, V)
+    assert res["flops_per_step"] > 0 and res["training_flops_per_token"] > 0
+    assert not (tmp_path / "no-cache").exists()
