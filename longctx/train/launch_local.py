@@ -2,7 +2,8 @@
 distributed runtime, one global mesh over every process's (simulated CPU) devices.
 
 ``python -m longctx.train.launch_local N [--devices K] [--logdir DIR] [--grace S] -- <longctx-train args>``
-(``scripts/multiprocess_local.sh`` wraps it). Each process gets the environment a cluster launcher
+(``scripts/multiprocess_local.sh`` wraps it; absl flags, ``--help`` lists them all, a bad command line is one
+``error:`` line and exit status 2, as for every longctx command). Each process gets the environment a cluster launcher
 would give it: ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``, ``JAX_NUM_PROCESSES=N``,
 ``JAX_PROCESS_ID=i``, ``XLA_FLAGS=--xla_force_host_platform_device_count=K``, CPU collectives over
 gloo, and short distributed time limits (a killed process is noticed within seconds). Process i
@@ -15,7 +16,6 @@ The exit status is the first non-zero one, else 0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from longctx.errors import ConfigError
 
 TRAIN = "import sys; from longctx.cli import train_main; sys.exit(train_main())"
 
@@ -138,24 +140,88 @@ def _follow(path: Path):
     return echo
 
 
+USAGE = "N [--devices K] [--logdir DIR] [--grace S] [--heartbeat S] [--timeout S] -- <longctx-train args>"
+PROG = "launch_local"
+
+
+def define_flags(fv) -> None:
+    from absl import flags
+
+    env = os.environ.get("LONGCTX_LOCAL_DEVICES", "1")
+    try:
+        devices = int(env)
+    except ValueError:
+        raise ConfigError(f"LONGCTX_LOCAL_DEVICES={env!r} must be an integer (simulated CPU devices per "
+                          "process)") from None
+    flags.DEFINE_integer("devices", devices, "simulated CPU devices per process ($LONGCTX_LOCAL_DEVICES sets the "
+                         "default)", flag_values=fv)
+    flags.DEFINE_string("logdir", None, "per-process logs (default: <workdir>/logs, else ./logs)", flag_values=fv)
+    flags.DEFINE_float("grace", 15.0, "seconds the others may take to stop on their own after one fails",
+                       flag_values=fv)
+    flags.DEFINE_integer("heartbeat", 5, "seconds before a silent process counts as lost", flag_values=fv)
+    flags.DEFINE_float("timeout", None, "stop the whole job after this many seconds", flag_values=fv)
+
+
+def help_text(fv) -> str:
+    from longctx.cli import flag_help
+
+    return "\n".join([f"usage: scripts/multiprocess_local.sh {USAGE}", f"   or: python -m longctx.train.{PROG} {USAGE}", "", __doc__.split("\n\n")[0].replace("\n", " "), "",
+                      "arguments:", "  N: the number of processes", "  after --: the longctx-train command line "
+                      "every process runs (without --, the flags this command does not know)", "", "flags:",
+                      *flag_help(fv, ("devices", "logdir", "grace", "heartbeat", "timeout"))])
+
+
+def parse_args(argv: list[str]):
+    """(flags as a namespace with ``num_processes``, longctx-train's arguments) of ``argv`` (without the program
+    name); a bad command line raises ConfigError (one line), ``--help`` prints the help and exits."""
+    from types import SimpleNamespace
+
+    from absl import flags
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    argv = list(argv)
+    at = argv.index("--") if "--" in argv else len(argv)  # the launcher's own flags before it, longctx-train's after
+    own, train_args = argv[:at], argv[at + 1:]
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in own):
+        print(help_text(fv))
+        raise SystemExit(0)
+    try:  # without --, the flags this command does not define are longctx-train's
+        left = fv([PROG, *own], known_only=at == len(argv))[1:]
+    except flags.UnrecognizedFlagError as e:
+        raise ConfigError(f"{PROG}: unknown flag --{e.flagname}; allowed: --devices, --logdir, --grace, "
+                          "--heartbeat, --timeout (longctx-train's flags go after --)") from None
+    except flags.Error as e:
+        raise ConfigError(f"{PROG}: {' '.join(str(e).split())}") from None
+    positional = [a for a in left if not a.startswith("-")]
+    if not positional:
+        raise ConfigError(f"{PROG}: the number of processes N is required: {PROG} {USAGE}")
+    if at < len(argv) and len(positional) > 1:
+        raise ConfigError(f"{PROG}: unexpected argument {positional[1]!r} before --; longctx-train's arguments go "
+                          "after --")
+    left.remove(positional[0])
+    train_args = left + train_args
+    try:
+        n = int(positional[0])
+    except ValueError:
+        raise ConfigError(f"{PROG}: N={positional[0]!r} must be the number of processes, a positive integer") from None
+    a = SimpleNamespace(num_processes=n, **{k: fv[k].value for k in ("devices", "logdir", "grace", "heartbeat",
+                                                                      "timeout")})
+    for name, value, ok in (("N", n, n >= 1), ("--devices", a.devices, a.devices >= 1),
+                            ("--grace", a.grace, a.grace >= 0), ("--heartbeat", a.heartbeat, a.heartbeat >= 1),
+                            ("--timeout", a.timeout, a.timeout is None or a.timeout > 0)):
+        if not ok:
+            raise ConfigError(f"{PROG}: {name}={value} must be "
+                              + ("a positive number of seconds" if name == "--timeout" else
+                                 "a number of seconds >= 0" if name == "--grace" else "a positive integer"))
+    return a, train_args
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="multiprocess_local.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("num_processes", type=int)
-    parser.add_argument("--devices", type=int, default=int(os.environ.get("LONGCTX_LOCAL_DEVICES", "1")),
-                        help="simulated CPU devices per process (default 1)")
-    parser.add_argument("--logdir", default=None, help="per-process logs (default: <workdir>/logs, else ./logs)")
-    parser.add_argument("--grace", type=float, default=15.0,
-                        help="seconds the others may take to stop on their own after one fails")
-    parser.add_argument("--heartbeat", type=int, default=5, help="seconds before a silent process counts as lost")
-    parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:  # the launcher's own options before it, longctx-train's after it
-        at = argv.index("--")
-        a, train_args = parser.parse_args(argv[:at]), argv[at + 1:]
-    else:
-        a, train_args = parser.parse_known_args(argv)
-    if a.num_processes < 1 or a.devices < 1:
-        parser.error("the number of processes and --devices must be >= 1")
+    from longctx.cli import user_errors
+
+    with user_errors():
+        a, train_args = parse_args(sys.argv[1:] if argv is None else argv)
     workdir = next((x.split("=", 1)[1] for x in train_args if x.startswith("--workdir=")), None)
     if a.logdir:
         logdir = Path(a.logdir)

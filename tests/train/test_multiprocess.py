@@ -253,3 +253,35 @@ def test_a_process_killed_during_a_checkpoint_save_leaves_the_previous_one(tmp_p
     _same_run(tmp_path / "ref", wd, steps)
     _only_primary_wrote(wd, tmp_path / "logs2")
 
+
+
+def _launch_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        launch_local.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    (line,) = err.splitlines()  # one line, as every longctx command answers a bad command line
+    assert line.startswith("error: launch_local: "), line
+    return line
+
+
+def test_launcher_flags_are_absl_flags_with_one_line_errors(capsys):
+    """The launcher's command line (absl flags like every longctx command): its own flags before ``--``,
+    longctx-train's after it (without ``--``, the flags it does not define); ``--help``; each bad value one line."""
+    a, train = launch_local.parse_args(["2", "--devices", "4", "--logdir=L", "--grace=3", "--", "--config=c",
+                                        "--workdir", "w"])
+    assert (a.num_processes, a.devices, a.logdir, a.grace, a.heartbeat, a.timeout) == (2, 4, "L", 3.0, 5, None)
+    assert train == ["--config=c", "--workdir", "w"]
+    a, train = launch_local.parse_args(["2", "--devices=4", "--config=c", "--workdir=w", "--timeout=60"])
+    assert (a.devices, a.timeout, train) == (4, 60.0, ["--config=c", "--workdir=w"])
+    with pytest.raises(SystemExit) as e:
+        launch_local.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(f"--{n}" in out for n in ("devices", "logdir", "grace", "heartbeat", "timeout"))
+    for argv, expect in (([], r"N is required"), (["x", "--", "--workdir=w"], r"N='x' must be"),
+                         (["0"], r"N=0 must be a positive"), (["2", "--devices=0"], r"--devices=0 must be"),
+                         (["2", "--devices=abc"], r"--devices=abc"), (["2", "--grace=-1"], r"--grace=-1.0 must be"),
+                         (["2", "--heartbeat=0"], r"--heartbeat=0 must"), (["2", "--timeout=0"], r"--timeout=0.0 must"),
+                         (["2", "--stepz=3", "--", "--workdir=w"], r"unknown flag --stepz; allowed: --devices"),
+                         (["2", "3", "--", "--workdir=w"], r"unexpected argument '3' before --")):
+        assert re.search(expect, _launch_error(argv, capsys)), argv
