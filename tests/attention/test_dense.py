@@ -157,3 +157,76 @@ def test_tiles_run_65536_token_forward():
     for t in (0, 1000, T - 1):
         ref = np_softmax_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], causal=False)
         np.testing.assert_allclose(got[:, :, t:t + 1], ref, atol=2e-5)
+
+
+# a document is a maximal run of equal ids (longctx.attention.base.document_starts): an id that comes back after
+# another document starts a new one, which never sees the first
+RETURNING = [[1, 1, 2, 1, 1, 1, 3, 3, 1, 1, 2, 2, 2, 1, 1, 1], [5] * 4 + [6] * 4 + [5] * 8]
+
+
+def _runs(row) -> list[slice]:
+    """Each maximal run of equal ids of one row, read with a plain loop."""
+    starts = [i for i in range(len(row)) if i == 0 or row[i] != row[i - 1]]
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [len(row)])]
+
+
+def _documents_alone(q, k, v, rows, causal):
+    """Every run of every row attended alone (the reference, no segment ids), put back in its place."""
+    o = jnp.zeros(v.shape, v.dtype)
+    for b, row in enumerate(rows):
+        for sl in _runs(row):
+            n = sl.stop - sl.start
+            pos = jnp.arange(n, dtype=jnp.int32)
+            o = o.at[b:b + 1, :, sl].set(dense.naive_attention(q[b:b + 1, :, sl], k[b:b + 1, :, sl], v[b:b + 1, :, sl],
+                                                               pos, pos, jnp.ones((n,), bool), causal=causal))
+    return o
+
+
+@pytest.mark.parametrize("impl", ("reference", *TILED))
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_returning_id_starts_a_new_document(impl, causal):
+    """Values and gradients of a packed row whose ids come back equal its maximal runs attended alone, and the
+    reference mask itself says so (the last token of [1, 1, 2, 1] sees only itself)."""
+    from longctx.attention.dense.reference import segments_mask
+
+    seen = np.asarray(segments_mask(*(jnp.asarray([[1, 1, 2, 1]], jnp.int32),) * 2))[0, 0]
+    np.testing.assert_array_equal(seen[3], [False, False, False, True])
+    seg = jnp.asarray(RETURNING, jnp.int32)
+    q, k, v = qkv(seg.shape[1], seed=3)
+    core = build("dense", causal, impl=impl, block_q=4, block_k=4)
+
+    def loss(f):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)))(q, k, v)
+
+    want, g_want = loss(lambda *a: _documents_alone(*a, RETURNING, causal))
+    got, g = loss(lambda *a: core(*a, segment_ids=seg)[0])
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for a, b in zip(g_want, g):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ("reference", "blockwise"))
+def test_a_returning_id_across_a_kv_cache_is_a_new_document(impl):
+    """A call whose first id equals an earlier document's, not the cache's last one: a new document (as
+    ``base.continues_state`` rules); a call continuing the cache's last document sees its cached keys."""
+    first, second = [1, 1, 2, 2, 1, 1, 3, 3], [3, 3, 1, 1, 2, 2, 2, 2]  # 3 continues; 1 and 2 come back: new
+    rows = [first + second]
+    q, k, v = qkv(16, seed=5, batch=1)
+    core = build("dense", True, impl=impl, block_q=4, block_k=4)
+    seg = jnp.asarray(rows, jnp.int32)
+    o1, state = core(q[:, :, :8], k[:, :, :8], v[:, :, :8], core.init_state(1, 16), segment_ids=seg[:, :8])
+    o2, _ = core(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], state, segment_ids=seg[:, 8:])
+    want = _documents_alone(q, k, v, rows, True)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate([o1, o2], axis=2)), np.asarray(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_splash_takes_a_returning_id_as_a_new_document(causal):
+    """The TPU kernel (Pallas interpret mode) numbers the documents before its ``SegmentIds``: a returning id is a
+    new document there too. (cuDNN's packed layout reads the maximal runs itself: test_dense_platform.py.)"""
+    from longctx.attention.dense import platform as dp
+
+    seg = jnp.asarray(RETURNING, jnp.int32)
+    q, k, v = qkv(seg.shape[1], seed=4)
+    got = dp.splash_attention(q, k, v, causal=causal, interpret=True, segment_ids=seg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_documents_alone(q, k, v, RETURNING, causal)), atol=1e-5)

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from longctx.attention import dispatch
 from longctx.attention.base import document_starts
+from longctx.attention.dense.reference import document_ids
 from longctx.attention.dispatch import Implementation
 from longctx.attention.row_split import SEQUENCE_AXIS, active_sequence_mesh, sequence_mesh  # noqa: F401
 
@@ -422,7 +423,8 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
                      segment_ids=None):
     """Exact self-attention of a full pass, q, k [B,H,T,D], v [B,H,T,Dv], by the splash kernel (scale D**-0.5;
     ``window`` > 0: its local mask, a sliding window of that many keys; ``segment_ids`` [B, T] int32: a packed
-    row's documents, through the kernel's own ``SegmentIds``). T is padded to whole blocks; padded keys are masked
+    row's documents, maximal runs of equal ids, numbered (``reference.document_ids``) for the kernel's own
+    ``SegmentIds``). T is padded to whole blocks; padded keys are masked
     by segment ids (causally they are never visible; a packed row's padding is a segment of its own)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -434,7 +436,7 @@ def splash_attention(q, k, v, *, causal: bool, interpret: bool = False, block: i
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, 0))) if Tp > T else x  # noqa: E731
         seg = None
         if rows:  # the padding: one more segment, never one of the row's (every padded query sees itself)
-            ids = rows[0].astype(jnp.int32)
+            ids = document_ids(rows[0], rows[0])[0]  # documents are maximal runs: an id that comes back is a new one
             rows = (jnp.pad(ids, ((0, 0), (0, Tp - T)), constant_values=jnp.iinfo(jnp.int32).min),)
         elif Tp > T and not causal:
             ids = jnp.asarray(np.arange(Tp) >= T, jnp.int32)  # 0: a real token, 1: padding

@@ -5,8 +5,10 @@ docs/methods/dense.md "What it computes" states it: for query i, ``o_i = Σ_{j�
 ``s_ij = q_i·k_j / √d`` and ``V(i)`` the valid keys (causal: those at a position not after i's; with a sliding
 ``window`` W > 0 only those fewer than W positions away: causal ``i - W < j <= i``, bidirectional ``|i - j| < W``, as
 Longformer's and Mistral's local attention), and for packed rows (``segment_ids``) only the keys of the query's own
-document: ``seg(j) = seg(i)``, so each document of a row is attended exactly as if it were run alone (its positions
-shifted by a constant, which the causal and window offsets do not see). Visibility comes from
+document: ``doc(j) = doc(i)``, a document being a maximal run of equal segment ids
+(``longctx.attention.base.document_starts``: an id that comes back after another is a new document, as in cuDNN's
+packed layout), so each document of a row is attended exactly as if it were run alone (its positions shifted by a
+constant, which the causal and window offsets do not see). Visibility comes from
 explicit absolute positions, so a slice attended with its KV cache sees exactly what the full pass would. Scores and
 the normaliser are float32 whatever the inputs' dtype; masked scores are a finite ``NEG_INF``, and a query that sees
 no key outputs 0. Every other implementation of ``dense`` equals this one (tests/attention/test_implementations.py).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.base import document_starts
 from longctx.models.precision import einsum_f32
 
 NEG_INF = -1e30
@@ -35,16 +38,37 @@ def positions_mask(q_pos, k_pos, k_valid, causal: bool, window: int = 0):
     return mask
 
 
+def document_ids(q_segment_ids, k_segment_ids):
+    """(q [B, Tq], k [B, Tk]) int32: each token's document in the row of keys, numbered 1, 2, ... by a cumulative count
+    of document starts (a document is a maximal run of equal ids, :func:`document_starts`), so two tokens share a
+    document exactly when their numbers are equal. The queries are the last Tq keys (a full pass, or a KV cache's keys
+    then the call's): their numbers are the keys'; ``q_segment_ids`` only gives Tq."""
+    Tq, Tk = q_segment_ids.shape[1], k_segment_ids.shape[1]
+    if Tq > Tk:
+        raise ValueError(f"dense: {Tq} queries but {Tk} keys; packed queries are the last of the keys")
+    k_segment_ids = k_segment_ids.astype(jnp.int32)
+    opens = document_starts(k_segment_ids) == jnp.arange(Tk, dtype=jnp.int32)
+    k_docs = jnp.cumsum(opens, axis=1, dtype=jnp.int32)
+    return k_docs[:, Tk - Tq:], k_docs
+
+
+def same_document(q_documents, k_documents):
+    """[B, 1, Tq, Tk] boolean: equal document numbers (:func:`document_ids`)."""
+    return q_documents[:, None, :, None] == k_documents[:, None, None, :]
+
+
 def segments_mask(q_segment_ids, k_segment_ids):
-    """[B, 1, Tq, Tk] boolean: key j in query i's document (``q_segment_ids`` [B, Tq], ``k_segment_ids`` [B, Tk])."""
-    return q_segment_ids[:, None, :, None] == k_segment_ids[:, None, None, :]
+    """[B, 1, Tq, Tk] boolean: key j in query i's document (``q_segment_ids`` [B, Tq], ``k_segment_ids`` [B, Tk]; a
+    document is a maximal run of equal ids, :func:`document_ids`)."""
+    return same_document(*document_ids(q_segment_ids, k_segment_ids))
 
 
-def visible(q_pos, k_pos, k_valid, causal: bool, window: int = 0, q_segment_ids=None, k_segment_ids=None):
-    """:func:`positions_mask` ([Tq, Tk]), and with segment ids also :func:`segments_mask` ([B, 1, Tq, Tk])."""
+def visible(q_pos, k_pos, k_valid, causal: bool, window: int = 0, q_documents=None, k_documents=None):
+    """:func:`positions_mask` ([Tq, Tk]), and with document numbers (:func:`document_ids`, of the whole row: the
+    tiles pass a block of them) also :func:`same_document` ([B, 1, Tq, Tk])."""
     mask = positions_mask(q_pos, k_pos, k_valid, causal, window)
-    if q_segment_ids is not None:
-        mask = mask & segments_mask(q_segment_ids, k_segment_ids)
+    if q_documents is not None:
+        mask = mask & same_document(q_documents, k_documents)
     return mask
 
 
@@ -56,7 +80,8 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, window: int
     range (its gradient is zero)."""
     scale = q.shape[-1] ** -0.5
     s = einsum_f32("bhqd,bhkd->bhqk", q, k.astype(q.dtype)) * scale  # compute-dtype operands, fp32 statistics
-    mask = visible(q_pos, k_pos, k_valid, causal, window, q_segment_ids, k_segment_ids)
+    docs = (None, None) if q_segment_ids is None else document_ids(q_segment_ids, k_segment_ids)
+    mask = visible(q_pos, k_pos, k_valid, causal, window, *docs)
     s = jnp.where(mask, s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(m)), 0.0)
@@ -65,4 +90,5 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, window: int
     return out.astype(v.dtype)
 
 
-__all__ = ["NEG_INF", "naive_attention", "positions_mask", "segments_mask", "visible"]
+__all__ = ["NEG_INF", "document_ids", "naive_attention", "positions_mask", "same_document", "segments_mask",
+           "visible"]

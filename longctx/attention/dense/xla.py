@@ -12,7 +12,8 @@ Two structures compute it:
   row that sees them;
 * every other call (a KV-cache step, other lengths, a packed row) by the position-general loop
   (:func:`blockwise_attention`): every key block is visited and masked by positions, and for a packed row
-  (``q_segment_ids`` / ``k_segment_ids``) by the documents too: a pair of blocks whose documents do not meet is
+  (``q_segment_ids`` / ``k_segment_ids``) by the documents too (maximal runs of equal ids, numbered over the whole
+  row before the blocking: ``reference.document_ids``): a pair of blocks whose documents do not meet is
   computed under its mask, not skipped (its share is exp(NEG_INF - m) = 0).
 
 The algorithm takes the few ops it needs as a :class:`TileOps` argument: :data:`PLAIN` here (no branch inside a
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longctx.attention import dispatch
-from longctx.attention.dense.reference import NEG_INF, visible
+from longctx.attention.dense.reference import NEG_INF, document_ids, visible
 from longctx.attention.dispatch import ALL_PLATFORMS, Implementation
 
 
@@ -103,7 +104,7 @@ def _unblocks(x, length: int):
 
 
 def _segment_blocks(ids, block: int):
-    """Segment ids [B, T] padded (0) and blocked as [n, B, block]; None stays None."""
+    """Document numbers [B, T] (``reference.document_ids``) padded (0) and blocked as [n, B, block]; None stays None."""
     if ids is None:
         return None
     ids = _pad_axis(ids.astype(jnp.int32), 1, block)
@@ -160,7 +161,8 @@ def _pair_grads(ops: TileOps, qi, ki, vi, doi, lsei, di, qi_t, doi_t, mask=None)
 def _flash_forward(ops: TileOps, qb, kb, vb, qposb, kposb, kvalb, kmin, causal: bool, window: int = 0, qsegb=None,
                    ksegb=None):
     """Online softmax over key blocks for every query block. qb is pre-scaled, all fp32, blocked; ``qsegb``
-    [nq, B, bq] / ``ksegb`` [nk, B, bk]: a packed row's segment ids (None: one document).
+    [nq, B, bq] / ``ksegb`` [nk, B, bk]: a packed row's document numbers (``reference.document_ids``; None: one
+    document).
     Returns the output blocks [nq, B, H, bq, Dv] and the log-sum-exp [nq, B, H, bq]
     (NEG_INF for a query that sees no key)."""
     _, B, H, bq, _ = qb.shape
@@ -256,12 +258,14 @@ def blockwise_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q
     FlashAttention-2's backward: only the output and the per-query log-sum-exp are saved, and the
     backward recomputes each visited block's probabilities once. ``window`` > 0: the sliding window, by the
     positions' mask (every key block is visited). ``q_segment_ids`` [B, Tq] / ``k_segment_ids`` [B, Tk]: a packed
-    row's documents (a key is visible only from its own document's queries)."""
+    row's documents (a key is visible only from its own document's queries; a document is a maximal run of equal
+    ids, numbered here over the whole row, ``reference.document_ids``)."""
     Tq, Tk = q.shape[2], k.shape[2]
     bq, bk = min(block_q, Tq), min(block_k, Tk)
     cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
+    docs = (None, None) if q_segment_ids is None else document_ids(q_segment_ids, k_segment_ids)  # whole-row numbers
     out = _blockwise(cd(q), cd(k), cd(v), q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool),
-                     causal, bq, bk, ops, window, q_segment_ids, k_segment_ids)
+                     causal, bq, bk, ops, window, *docs)
     return out.astype(v.dtype)
 
 
