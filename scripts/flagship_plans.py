@@ -87,7 +87,17 @@ def parse_report(text: str) -> dict:
         "tokens_per_update": _num(r"tokens per update: ([\d,]+)", text, int),
         "compile_s": _num(r"compile ([\d.]+) s", text),
         "flops_per_token": _num(r"training FLOPs per token \(3 x forward matmuls\): ([\d.e+-]+)", text),
+        # the layers as the plan compiled them (model.scan_layers resolved by validate: 'on' | 'off')
+        **({"scan_layers": m.group(1)} if (m := re.search(r"model\.scan_layers='(\w+)'", text)) else {}),
     }
+
+
+def scan_layers_value(value) -> str:
+    """``model.scan_layers`` as the table shows it: 'on' | 'off' (| 'auto'); a plan written before the setting took
+    those names holds a bool (True: the layers scanned, which 'on' names now)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def run_one(name: str, spec: str) -> dict:
@@ -129,7 +139,7 @@ def markdown(rows: list[dict], meta: dict, *, readme: bool = False) -> str:
             lines.append(f"| `{r['config']}` | error: see plans.json | | | | | | | |")
             continue
         launch = (f"{_mesh(r)}; micro-batches {r['microbatches']}; remat {r['remat']}; {r['dtype']} "
-                  f"({r['param_dtype']} weights); scan_layers {r['scan_layers']}"
+                  f"({r['param_dtype']} weights); scan_layers {scan_layers_value(r['scan_layers'])}"
                   + (f"; loss_chunk {r['loss_chunk']}" if r["loss_chunk"] else ""))
         lines.append(
             f"| `{r['config']}` | {r['parameters'] / 1e6:.1f}M | {r['tokens_per_update']:,} "
@@ -195,6 +205,9 @@ def main(argv=None) -> int:
     meta = json.loads((out / "plans.json").read_text())["meta"] if args.render else {"machine": f"{platform.system()} {platform.machine()} host, {os.cpu_count()} CPUs", "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "budget_gib": BUDGET_GIB}
     rows = [old[n] for n in FLAGSHIP if n in old]
+    for r in rows:  # a plan written when model.scan_layers was a bool: the same setting under its current name
+        if "scan_layers" in r:
+            r["scan_layers"] = scan_layers_value(r["scan_layers"])
     (out / "plans.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / "plans.md").write_text(markdown(rows, meta))
     print(f"wrote {out / 'plans.json'} and {out / 'plans.md'}")

@@ -97,3 +97,25 @@ def test_smallest_flagship_dry_run_fits(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     row = json.loads((tmp_path / "plans.json").read_text())["rows"][0]
     assert row["peak_gib"] <= flagship_plans.BUDGET_GIB and row["flops_per_token"] > 0
+
+
+def test_scan_layers_is_the_planned_setting_by_its_current_name():
+    """``model.scan_layers`` is 'auto' | 'on' | 'off': the dry-run report names it as validate resolved it, the script
+    reads it from there, a plan written when the setting was a bool renders under the current name, and the
+    committed plans say what the launches' configs set."""
+    from longctx.train import dry_run
+
+    res = {"parameters": 1, "devices": 8, "mesh": {"data": 8}, "argument_bytes": 1 << 20, "temp_bytes": 1 << 20,
+           "output_bytes": 0, "alias_bytes": 0, "peak_bytes_estimate": 2 << 20, "flops_per_step": 1.0,
+           "tokens_per_step": 1, "tokens_per_update": 1, "compile_s": 1.0, "training_flops_per_token": 1.0,
+           "scan_layers": "on"}
+    assert flagship_plans.parse_report(dry_run.report(res))["scan_layers"] == "on"
+    assert [flagship_plans.scan_layers_value(v) for v in (True, False, "on", "off")] == ["on", "off", "on", "off"]
+    f = ROOT / "results" / "flagship" / "plans.json"
+    if not f.exists():
+        pytest.skip("results/flagship/plans.json not generated")
+    rows = json.loads(f.read_text())["rows"]
+    for r in rows:
+        assert r["scan_layers"] == flagship_plans.settings(r["config"])["scan_layers"], r["name"]
+    md = (ROOT / "results" / "flagship" / "plans.md").read_text()
+    assert "scan_layers True" not in md and md.count("scan_layers on") == len(rows)
