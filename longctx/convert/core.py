@@ -269,6 +269,10 @@ def plan_hf(hf_dir, *, config=None, rope_theta: float | None = None, extend: int
     :func:`longctx.train.dry_run.plan` (abstract parameters: nothing is allocated). Returns the plan."""
 
     hf, _, cfg, _ = run_config(Path(hf_dir), config, rope_theta=rope_theta, extend=extend, log=log)
+    tokenizer = Path(hf_dir) / "tokenizer.json"
+    if tokenizer.is_file():  # as import_hf: the run reads the import's tokenizer (its vocabulary, its mask token)
+        cfg.data.tokenizer = "hf"
+        cfg.data.options.tokenizer_file = str(tokenizer.resolve())
     res = dry_run.plan(cfg, devices)
     log(f"plan of training {hf_dir} ({hf['model_type']}) at train.seq_len={cfg.train.seq_len}, "
         f"train.batch_size={cfg.train.batch_size}, model.remat={cfg.model.remat}, "

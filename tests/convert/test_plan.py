@@ -78,3 +78,20 @@ def test_llama2_7b_fits_70_gib_per_device_under_fsdp_on_8_devices(tmp_path):
     assert res["temp_bytes"] > 0
     assert res["peak_bytes_estimate"] < 70 * GiB, res["peak_bytes_estimate"] / GiB
     assert "('fsdp', None)" in r.stdout and "peak (est.)" in r.stdout
+
+
+def test_plan_of_an_encoder_reads_its_tokenizers_mask_token(tmp_path):
+    """A folder with config.json and a tokenizer.json whose last id is its own mask token plans with that id, as the
+    import does (without reading the tokenizer, the plan puts the mask one id beyond the model's vocabulary)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    src = ROOT / "tests" / "fixtures" / "hf" / "roberta_tiny"
+    folder = tmp_path / "roberta_cfg_only"
+    folder.mkdir()
+    shutil.copyfile(src / "config.json", folder / "config.json")
+    V = json.loads((src / "config.json").read_text())["vocab_size"]
+    vocab = {**{f"t{i}": i for i in range(V - 2)}, "</s>": V - 2, "<mask>": V - 1}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.add_special_tokens(["</s>", "<mask>"])
+    tok.save(str(folder / "tokenizer.json"))
+    res = core.plan_hf(folder, config="configs/pretrained/roberta_to_vcc.py:tiny", log=lambda *_: None)
+    assert res["vocab_size"] == V and res["mask_id"] == V - 1
