@@ -40,6 +40,14 @@ the keep bit of query ``n`` on local key ``m`` is the counter hash of :mod:`pall
 backward kernels recompute the mask the forward used and plain JAX can draw it too. Backward: ``dV += (P ⊙ D)ᵀ dO``,
 ``dS = P ⊙ (D ⊙ dP − Δ)`` with the same ``Δ = rowsum(dO ⊙ O)``.
 
+Packed rows (``segments``; EVA's ``packed.py`` lays the documents out again on the window grid): the kernels read
+int32 rows beside the operands, each query block's own positions and documents, each local key block's, and the
+chunks' own indices and documents; a key or chunk counts only for a query of its document, causal chunk visibility,
+the disjoint partition and the dropout counters take the documents' own indices, and the window and causal masks of
+local keys stay the layout's (a document keeps its window there). A carried state's chunks come first
+(``chunk_base``): the causal loops take them for every query block. Without segments no such operand exists and
+the programs are those of one sequence.
+
 Tiles: on TPU a local block is one ``[W, W]`` score tile and chunk tiles hold up to 128 chunks; on GPU
 (:func:`gpu_plan`) local blocks are scored in key sub-tiles and chunk tiles of 64 (heads up to 64) or 32 (larger
 heads), and a window block's queries in sub-tiles of ``Tq`` rows (the window, halved while the register estimate
@@ -217,6 +225,19 @@ class _Geo:
     e_r: int
     has_bias: bool
     rate: float  # attention dropout (0: none; then no seed operand)
+    packed: bool = False  # a packed row laid out again: the positions' and chunks' documents and own indices
+    base: int = 0  # packed: chunks before the layout's (a carried state's), all visible to the causal skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seg:
+    """A score tile's packed-row operands (:func:`eva_attend`'s ``segments``): the query rows' own positions and
+    documents ``[Tq, 1]``, and the columns' (keys' or chunks') own indices and documents ``[1, T]``."""
+
+    q_rel: jax.Array
+    q_doc: jax.Array
+    c_rel: jax.Array
+    c_doc: jax.Array
 
 
 def _qpos(g: _Geo, i, r0: int, cols: int):
@@ -224,9 +245,10 @@ def _qpos(g: _Geo, i, r0: int, cols: int):
     return i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, cols), 0)
 
 
-def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int, r0: int):
+def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int, r0: int, seg: _Seg | None = None):
     """Scores and mask of rows ``r0 .. r0+Tq-1`` of query block ``i`` against keys ``c0 .. c0+Tk-1`` of key block
-    ``blk`` (traced ints): [Tq, Tk]."""
+    ``blk`` (traced ints): [Tq, Tk]. ``seg`` (a packed row): only keys of the query's document (the layout keeps a
+    document's window and causal order in layout positions, so the window and causal masks stay those)."""
     W, Tk = g.W, g.Tk
     s = _nt(q, k)
     if bias is not None:
@@ -236,13 +258,26 @@ def _local_scores(g: _Geo, q, k, bias, i, blk, in_range, c0: int, r0: int):
     valid = (kpos >= i * W - g.e_l) & (kpos < (i + 1) * W + g.e_r) & (kpos >= 0) & (kpos < g.L) & in_range
     if g.causal:
         valid = valid & (kpos <= qpos)
+    if seg is not None:
+        valid = valid & (seg.q_doc == seg.c_doc)
     return jnp.where(valid, s, NEG), valid
 
 
-def _chunk_scores(g: _Geo, q, kh, i, c0, r0: int):
-    """Scores and mask of rows ``r0 .. r0+Tq-1`` of query block ``i`` against chunks ``c0 .. c0+Tc-1``: [Tq, Tc]."""
+def _chunk_scores(g: _Geo, q, kh, i, c0, r0: int, seg: _Seg | None = None):
+    """Scores and mask of rows ``r0 .. r0+Tq-1`` of query block ``i`` against chunks ``c0 .. c0+Tc-1``: [Tq, Tc].
+    ``seg`` (a packed row): the chunks of the query's document, by the document's own query position and chunk
+    index."""
     W, Tc, P = g.W, g.Tc, g.P
     s = _nt(q, kh)
+    if seg is not None:
+        valid = seg.q_doc == seg.c_doc
+        if g.causal:
+            valid = valid & ((seg.c_rel + 1) * P <= seg.q_rel)
+        if g.disjoint:
+            blk = _div(seg.q_rel, W)
+            lo, hi = jnp.maximum(blk * W - g.e_l, 0), (blk + 1) * W + g.e_r
+            valid = valid & ~((seg.c_rel * P < hi) & ((seg.c_rel + 1) * P > lo))
+        return jnp.where(valid, s, NEG), valid
     qpos = _qpos(g, i, r0, Tc)
     cid = c0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, Tc), 1)
     valid = cid < g.C
@@ -254,20 +289,25 @@ def _chunk_scores(g: _Geo, q, kh, i, c0, r0: int):
     return jnp.where(valid, s, NEG), valid
 
 
-def _local_drop(g: _Geo, seed, i, r0: int, blk, c0: int):
+def _local_drop(g: _Geo, seed, i, r0: int, blk, c0: int, seg: _Seg | None = None):
     """Dropout multiplier of rows ``r0..`` of query block ``i`` on keys ``c0..`` of key block ``blk`` (key index:
-    the absolute position): [Tq, Tk] fp32, or None without dropout."""
+    the absolute position; a packed row's: the document's own positions): [Tq, Tk] fp32, or None without dropout."""
     if seed is None:
         return None
+    if seg is not None:
+        return hash_dropout.multiplier(seed, seg.q_rel, seg.c_rel, g.rate)
     qpos = i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, 1), 0)
     kpos = blk * g.W + c0 + jax.lax.broadcasted_iota(jnp.int32, (1, g.Tk), 1)
     return hash_dropout.multiplier(seed, qpos, kpos, g.rate)
 
 
-def _chunk_drop(g: _Geo, seed, i, r0: int, c0):
-    """Dropout multiplier on chunks ``c0..`` (key index ``CHUNK_KEY_BASE + c``): [Tq, Tc] fp32, or None."""
+def _chunk_drop(g: _Geo, seed, i, r0: int, c0, seg: _Seg | None = None):
+    """Dropout multiplier on chunks ``c0..`` (key index ``CHUNK_KEY_BASE + c``; a packed row's: the document's own
+    position and chunk index): [Tq, Tc] fp32, or None."""
     if seed is None:
         return None
+    if seg is not None:
+        return hash_dropout.multiplier(seed, seg.q_rel, hash_dropout.CHUNK_KEY_BASE + seg.c_rel, g.rate)
     qpos = i * g.W + r0 + jax.lax.broadcasted_iota(jnp.int32, (g.Tq, 1), 0)
     cid = hash_dropout.CHUNK_KEY_BASE + c0 + jax.lax.broadcasted_iota(jnp.int32, (1, g.Tc), 1)
     return hash_dropout.multiplier(seed, qpos, cid, g.rate)
@@ -277,14 +317,18 @@ def _n_chunk_tiles(g: _Geo, i):
     """Chunk tiles query block ``i`` may see (causal: chunks c < ⌊n/P⌋ for its last query n)."""
     if not g.causal:
         return -(-g.C // g.Tc)
-    nv = jnp.minimum(g.C, _div((i + 1) * g.W - 1, g.P))
+    nv = _div((i + 1) * g.W - 1, g.P)
+    nv = jnp.minimum(g.C, nv if not g.base else g.base + nv)  # a packed row: the carried chunks first
     return _div(nv + g.Tc - 1, g.Tc)
 
 
 def _first_query_block(g: _Geo, j):
-    """The first query block that sees a chunk of tile ``j`` (causal); 0 bidirectional."""
+    """The first query block that sees a chunk of tile ``j`` (causal; a packed row's carried chunks: the first
+    block); 0 bidirectional."""
     if not g.causal:
         return 0
+    if g.base:
+        return _div((jnp.maximum(j * g.Tc - g.base, -1) + 1) * g.P, g.W)
     return _div((j * g.Tc + 1) * g.P, g.W)
 
 
@@ -305,20 +349,48 @@ def _dscores(p, dp, delta, drop):
     return p * ((dp if drop is None else dp * drop) - delta)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SegRefs:
+    """A packed row's operands in a query-side kernel: the query block's own positions and documents ``[W, 1]``,
+    each local key block's ``[(rel, doc)]`` as rows ``[1, W]``, and the chunks' own indices and documents
+    ``[1, Cp]``."""
+
+    q_rel: object
+    q_doc: object
+    keys: list
+    c_rel: object
+    c_doc: object
+
+    def rows(self, rows):
+        return self.q_rel[rows, :], self.q_doc[rows, :]
+
+    def local(self, q, t: int, cols):
+        rel, doc = self.keys[t]
+        return _Seg(q[0], q[1], rel[:, cols], doc[:, cols])
+
+    def chunks(self, q, ch):
+        return _Seg(q[0], q[1], self.c_rel[:, ch], self.c_doc[:, ch])
+
+
 def _split_refs(g: _Geo, refs, n_extra_in: int, n_out: int):
-    """(q, [(k, v) per offset], kh, beta, bias, seed, extra inputs, outputs)."""
+    """(q, [(k, v) per offset], kh, beta, bias, seed, packed-row operands or None, extra inputs, outputs)."""
     n_lt = len(g.offsets)
     q_ref = refs[0]
     kv = [(refs[1 + 2 * t], refs[2 + 2 * t]) for t in range(n_lt)]
     rest = refs[1 + 2 * n_lt:]
     kh_ref, beta_ref = rest[0], rest[1]
     rest = rest[2:]
-    bias_ref = seed = None
+    bias_ref = seed = segs = None
     if g.has_bias:
         bias_ref, rest = rest[0], rest[1:]
     if g.rate > 0:
         seed, rest = rest[0][...], rest[1:]
-    return q_ref, kv, kh_ref, beta_ref, bias_ref, seed, rest[:n_extra_in], rest[n_extra_in:n_extra_in + n_out]
+    if g.packed:
+        keys = [(rest[2 + 2 * t], rest[3 + 2 * t]) for t in range(n_lt)]
+        segs = _SegRefs(rest[0], rest[1], keys, rest[2 + 2 * n_lt], rest[3 + 2 * n_lt])
+        rest = rest[4 + 2 * n_lt:]
+    return (q_ref, kv, kh_ref, beta_ref, bias_ref, seed, segs, rest[:n_extra_in],
+            rest[n_extra_in:n_extra_in + n_out])
 
 
 def _bias(bias_ref, t: int, rows: slice, cols: slice):
@@ -336,22 +408,26 @@ def _row_tiles(g: _Geo):
 
 # ----------------------------------------------------------------------------- forward kernel
 def _fwd_kernel(*refs, g: _Geo):
-    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
+    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, segs, _, (o_ref, lse_ref) = _split_refs(g, refs, 0, 2)
     i = pl.program_id(1)
     dv = o_ref.shape[-1]
     for r0, rows in _row_tiles(g):
         q = q_ref[rows, :]
+        qs = None if segs is None else segs.rows(rows)
         carry = (jnp.full((g.Tq, 1), NEG, f32), jnp.zeros((g.Tq, 1), f32), jnp.zeros((g.Tq, dv), f32))
         for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
             for c0 in range(0, g.W, g.Tk):
                 cols = slice(c0, c0 + g.Tk)
-                s, valid = _local_scores(g, q, k_ref[cols, :], _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0)
-                carry = _online(carry, s, valid, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
+                sg = None if segs is None else segs.local(qs, t, cols)
+                s, valid = _local_scores(g, q, k_ref[cols, :], _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0,
+                                         sg)
+                carry = _online(carry, s, valid, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0, sg))
 
-        def body(j, carry, q=q, r0=r0):
+        def body(j, carry, q=q, r0=r0, qs=qs):
             c0 = pl.multiple_of(j * g.Tc, g.Tc)
-            s, valid = _chunk_scores(g, q, kh_ref[pl.ds(c0, g.Tc), :], i, c0, r0)
-            return _online(carry, s, valid, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0))
+            sg = None if segs is None else segs.chunks(qs, pl.ds(c0, g.Tc))
+            s, valid = _chunk_scores(g, q, kh_ref[pl.ds(c0, g.Tc), :], i, c0, r0, sg)
+            return _online(carry, s, valid, beta_ref[pl.ds(c0, g.Tc), :], _chunk_drop(g, seed, i, r0, c0, sg))
 
         m, lsum, acc = jax.lax.fori_loop(0, _n_chunk_tiles(g, i), body, carry)
         lsum = jnp.maximum(lsum, 1e-30)
@@ -372,7 +448,8 @@ def _dq_kernel(*refs, g: _Geo, chunk_grads: bool):
     query axis ``arbitrary``) also the chunk gradients dk̂, dβ, accumulated across query blocks in resident
     ``[Cp, ·]`` output blocks from the same chunk tile (P and dS computed once for all three)."""
     n_out = 3 if chunk_grads else 1
-    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, (do_ref, lse_ref, dl_ref), outs = _split_refs(g, refs, 3, n_out)
+    q_ref, kv, kh_ref, beta_ref, bias_ref, seed, segs, (do_ref, lse_ref, dl_ref), outs = _split_refs(g, refs, 3,
+                                                                                                      n_out)
     dq_ref = outs[0]
     i = pl.program_id(1)
     if chunk_grads:
@@ -386,21 +463,25 @@ def _dq_kernel(*refs, g: _Geo, chunk_grads: bool):
     for r0, rows in _row_tiles(g):
         q, do = q_ref[rows, :], do_ref[rows, :]
         lse, delta = lse_ref[rows, :], dl_ref[rows, :]
+        qs = None if segs is None else segs.rows(rows)
         dq = jnp.zeros((g.Tq, dq_ref.shape[-1]), f32)
         for t, ((blk, ok), (k_ref, v_ref)) in enumerate(zip(_local_blocks(g, i), kv)):
             for c0 in range(0, g.W, g.Tk):
                 cols = slice(c0, c0 + g.Tk)
                 k = k_ref[cols, :]
-                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0)
-                _, ds = _grad_tile(s, valid, lse, delta, do, v_ref[cols, :], _local_drop(g, seed, i, r0, blk, c0))
+                sg = None if segs is None else segs.local(qs, t, cols)
+                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, blk, ok, c0, r0, sg)
+                _, ds = _grad_tile(s, valid, lse, delta, do, v_ref[cols, :],
+                                   _local_drop(g, seed, i, r0, blk, c0, sg))
                 dq = dq + _nn(ds.astype(k.dtype), k)
 
-        def body(j, dq, q=q, do=do, lse=lse, delta=delta, r0=r0):
+        def body(j, dq, q=q, do=do, lse=lse, delta=delta, r0=r0, qs=qs):
             c0 = pl.multiple_of(j * g.Tc, g.Tc)
             kh = kh_ref[pl.ds(c0, g.Tc), :]
-            s, valid = _chunk_scores(g, q, kh, i, c0, r0)
+            sg = None if segs is None else segs.chunks(qs, pl.ds(c0, g.Tc))
+            s, valid = _chunk_scores(g, q, kh, i, c0, r0, sg)
             pd, ds = _grad_tile(s, valid, lse, delta, do, beta_ref[pl.ds(c0, g.Tc), :],
-                                _chunk_drop(g, seed, i, r0, c0))
+                                _chunk_drop(g, seed, i, r0, c0, sg))
             if chunk_grads:
                 dkh_ref[pl.ds(c0, g.Tc), :] += _tn(ds.astype(q.dtype), q)
                 dbeta_ref[pl.ds(c0, g.Tc), :] += _tn(pd.astype(do.dtype), do)
@@ -412,21 +493,23 @@ def _dq_kernel(*refs, g: _Geo, chunk_grads: bool):
 # ----------------------------------------------------------------------------- key-side backward pass
 def _dkv_tiles(g: _Geo, j, nq, k_at, q_at, bias_ref, seed, emit, db_add):
     """dk, dv of local key block ``j`` over the ≤ 3 query blocks that see it, one key sub-tile at a time; the
-    operands come through ``k_at(c0) -> (k, v)`` and ``q_at(t, i, r0) -> (q, dO, lse, Δ)`` (rows ``r0..`` of query
-    block ``i = j − offsets[t]``, any rows where that block is out of range: masked), the results leave through
+    operands come through ``k_at(c0) -> (k, v, key rows' (rel, doc) or None)`` and ``q_at(t, i, r0) -> (q, dO, lse,
+    Δ, query rows' (rel, doc) or None)`` (rows ``r0..`` of query block ``i = j − offsets[t]``, any rows where that
+    block is out of range: masked; the (rel, doc) pairs of a packed row), the results leave through
     ``emit(c0, dk, dv)`` and, with a bias, each score tile's dS through ``db_add(t, r0, c0, dS)``."""
     for c0 in range(0, g.W, g.Tk):
         cols = slice(c0, c0 + g.Tk)
-        k, v = k_at(c0)
+        k, v, ks = k_at(c0)
         dk = jnp.zeros((g.Tk, k.shape[-1]), f32)
         dv = jnp.zeros((g.Tk, v.shape[-1]), f32)
         for t, o in enumerate(g.offsets):
             i = j - o
             ok = (i >= 0) & (i < nq)
             for r0, rows in _row_tiles(g):
-                q, do, lse, delta = q_at(t, i, r0)
-                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0)
-                pd, ds = _grad_tile(s, valid, lse, delta, do, v, _local_drop(g, seed, i, r0, j, c0))
+                q, do, lse, delta, qs = q_at(t, i, r0)
+                sg = None if qs is None else _Seg(qs[0], qs[1], ks[0], ks[1])
+                s, valid = _local_scores(g, q, k, _bias(bias_ref, t, rows, cols), i, j, ok, c0, r0, sg)
+                pd, ds = _grad_tile(s, valid, lse, delta, do, v, _local_drop(g, seed, i, r0, j, c0, sg))
                 dv = dv + _tn(pd.astype(do.dtype), do)
                 dk = dk + _tn(ds.astype(q.dtype), q)
                 if db_add is not None:
@@ -439,14 +522,17 @@ def _dkey_kernel_tpu(*refs, g: _Geo):
     through clamped index maps) and, with a bias, its gradient summed over the row's key blocks in a resident
     ``[n_lt, W, W]`` output block (key axis ``arbitrary``)."""
     n_lt = len(g.offsets)
+    n_per = 6 if g.packed else 4  # q, dO, lse, Δ (and a packed row's query positions and documents)
     k_ref, v_ref = refs[0], refs[1]
-    per = [refs[2 + 4 * t: 6 + 4 * t] for t in range(n_lt)]
-    rest = refs[2 + 4 * n_lt:]
-    bias_ref = seed = None
+    per = [refs[2 + n_per * t: 2 + n_per * (t + 1)] for t in range(n_lt)]
+    rest = refs[2 + n_per * n_lt:]
+    bias_ref = seed = kseg = None
     if g.has_bias:
         bias_ref, rest = rest[0], rest[1:]
     if g.rate > 0:
         seed, rest = rest[0][...], rest[1:]
+    if g.packed:  # the key block's own positions and documents, rows [1, W]
+        kseg, rest = rest[:2], rest[2:]
     dk_ref, dv_ref = rest[0], rest[1]
     db_ref = rest[2] if g.has_bias else None
     j = pl.program_id(1)
@@ -463,8 +549,15 @@ def _dkey_kernel_tpu(*refs, g: _Geo):
         dk_ref[c0:c0 + g.Tk, :] = dk.astype(dk_ref.dtype)
         dv_ref[c0:c0 + g.Tk, :] = dv.astype(dv_ref.dtype)
 
-    _dkv_tiles(g, j, pl.num_programs(1), lambda c0: (k_ref[c0:c0 + g.Tk, :], v_ref[c0:c0 + g.Tk, :]),
-               lambda t, i, r0: tuple(r[r0:r0 + g.Tq, :] for r in per[t]), bias_ref, seed, emit, db_add)
+    def k_at(c0):
+        ks = None if kseg is None else tuple(r[:, c0:c0 + g.Tk] for r in kseg)
+        return k_ref[c0:c0 + g.Tk, :], v_ref[c0:c0 + g.Tk, :], ks
+
+    def q_at(t, i, r0):
+        got = tuple(r[r0:r0 + g.Tq, :] for r in per[t])
+        return got[:4] + ((got[4:] if g.packed else None),)
+
+    _dkv_tiles(g, j, pl.num_programs(1), k_at, q_at, bias_ref, seed, emit, db_add)
 
 
 def _dkey_kernel_gpu(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_ref, *rest, g: _Geo, nq: int):
@@ -477,18 +570,28 @@ def _dkey_kernel_gpu(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_
     if g.has_bias:
         rest.pop(0)  # the zeros the bias gradient's output aliases
     seed = rest.pop(0)[...] if g.rate > 0 else None
+    segs = None
+    if g.packed:  # whole rows: the queries' (rel, doc) [Lp, 1], the keys' [1, Lp], the chunks' [1, Cp]
+        segs, rest = rest[:6], rest[6:]
     dk_ref, dv_ref, dkh_ref, dbeta_ref = rest[:4]
     db_ref = rest[4] if g.has_bias else None
     j = pl.program_id(1)
+
+    def q_seg(rows):
+        return None if segs is None else (segs[0][rows, :], segs[1][rows, :])
 
     @pl.when(j < nq)
     def _():
         def q_at(t, i, r0):
             rows = pl.ds(pl.multiple_of(jnp.clip(i, 0, nq - 1) * g.W + r0, g.Tq), g.Tq)
-            return q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :], dl_ref[rows, :]
+            return q_ref[rows, :], do_ref[rows, :], lse_ref[rows, :], dl_ref[rows, :], q_seg(rows)
 
         def keys(c0):
             return pl.ds(pl.multiple_of(j * g.W + c0, g.Tk), g.Tk)
+
+        def k_at(c0):
+            ks = None if segs is None else (segs[2][:, keys(c0)], segs[3][:, keys(c0)])
+            return k_ref[keys(c0), :], v_ref[keys(c0), :], ks
 
         def emit(c0, dk, dv):
             dk_ref[keys(c0), :] = dk.astype(dk_ref.dtype)
@@ -497,8 +600,7 @@ def _dkey_kernel_gpu(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_
         def db_add(t, r0, c0, ds):
             pltriton.atomic_add(db_ref, (pl.ds(t, 1), pl.ds(r0, g.Tq), pl.ds(c0, g.Tk)), ds[None])
 
-        _dkv_tiles(g, j, nq, lambda c0: (k_ref[keys(c0), :], v_ref[keys(c0), :]), q_at, bias_ref, seed, emit,
-                   None if db_ref is None else db_add)
+        _dkv_tiles(g, j, nq, k_at, q_at, bias_ref, seed, emit, None if db_ref is None else db_add)
 
     @pl.when(j >= nq)
     def _():
@@ -506,13 +608,17 @@ def _dkey_kernel_gpu(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, kh_ref, beta_
         ch = pl.ds(pl.multiple_of(jc * g.Tc, g.Tc), g.Tc)
         kh, beta = kh_ref[ch, :], beta_ref[ch, :]
 
+        cs = None if segs is None else (segs[4][:, ch], segs[5][:, ch])
+
         def body(i, acc):
             for r0, _ in _row_tiles(g):
                 rows = pl.ds(pl.multiple_of(i * g.W + r0, g.Tq), g.Tq)
                 q, do = q_ref[rows, :], do_ref[rows, :]
-                s, valid = _chunk_scores(g, q, kh, i, jc * g.Tc, r0)
+                qs = q_seg(rows)
+                sg = None if qs is None else _Seg(qs[0], qs[1], cs[0], cs[1])
+                s, valid = _chunk_scores(g, q, kh, i, jc * g.Tc, r0, sg)
                 pd, ds = _grad_tile(s, valid, lse_ref[rows, :], dl_ref[rows, :], do, beta,
-                                    _chunk_drop(g, seed, i, r0, jc * g.Tc))
+                                    _chunk_drop(g, seed, i, r0, jc * g.Tc, sg))
                 acc = (acc[0] + _tn(ds.astype(q.dtype), q), acc[1] + _tn(pd.astype(do.dtype), do))
             return acc
 
@@ -557,11 +663,36 @@ def _row_block(shape):
     return pl.BlockSpec((None,) + tuple(shape[1:]), lambda bh, i: (bh,) + (0,) * (len(shape) - 1))
 
 
-def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, interpret, platform,
+def _batch(bh, heads: int):
+    """The batch row of grid row ``bh`` (a packed row's operands are per batch row, shared by its heads)."""
+    return jax.lax.div(bh, jnp.asarray(heads, jnp.int32))
+
+
+def _seg_query_spec(W: int, heads: int, shift: int = 0, nq: int = 0):
+    """A query block's own positions or documents ``[W, 1]`` of ``[B, Lp, 1]``; ``shift``: block ``i − shift``
+    (clamped to ``[0, nq)``), as the key-side pass takes the query blocks that see its key block."""
+    if not shift:
+        return pl.BlockSpec((None, W, 1), lambda bh, i: (_batch(bh, heads), i, 0))
+    return pl.BlockSpec((None, W, 1), lambda bh, i: (_batch(bh, heads), jnp.clip(i - shift, 0, nq - 1), 0))
+
+
+def _seg_key_spec(W: int, heads: int, offset: int, nq: int):
+    """Key block ``i + offset``'s (clamped) own positions or documents, a row ``[1, W]`` of ``[B, nq, 1, W]``."""
+    return pl.BlockSpec((None, None, 1, W),
+                        lambda bh, i: (_batch(bh, heads), jnp.clip(i + offset, 0, nq - 1), 0, 0))
+
+
+def _seg_row_spec(shape, heads: int):
+    """A batch row's whole block of a ``[B, ·, ·]`` packed-row operand."""
+    return pl.BlockSpec((None,) + tuple(shape[1:]), lambda bh, i: (_batch(bh, heads), 0, 0))
+
+
+def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, seg, heads, extra, kernel, outs, interpret, platform,
            out_specs=None, semantics=("parallel", "parallel")):
     """Run a kernel on grid (BH, nq) with the query block, its local key blocks, the whole chunk summaries,
-    the bias tiles, the row's dropout seed and ``extra`` per-query-block inputs ``[(array, cols)]``; outputs
-    per query block unless ``out_specs`` says otherwise."""
+    the bias tiles, the row's dropout seed, a packed row's operands ``seg`` (:func:`eva_attend`; or None) and
+    ``extra`` per-query-block inputs ``[(array, cols)]``; outputs per query block unless ``out_specs`` says
+    otherwise."""
     BH, Lp, d = q.shape
     dv, W = v.shape[-1], g.W
     nq = Lp // W
@@ -578,6 +709,15 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, 
         args.append(bias)
     specs += _seed_spec(seeds)
     args += [] if seeds is None else [seeds]
+    if seg is not None:
+        q_rel, q_doc, k_rel, k_doc, c_rel, c_doc = seg
+        specs += [_seg_query_spec(W, heads)] * 2
+        args += [q_rel, q_doc]
+        for o in g.offsets:
+            specs += [_seg_key_spec(W, heads, o, nq)] * 2
+            args += [k_rel, k_doc]
+        specs += [_seg_row_spec(c_rel.shape, heads)] * 2
+        args += [c_rel, c_doc]
     for arr in extra:
         specs.append(pl.BlockSpec((None, W, arr.shape[-1]), lambda bh, i: (bh, i, 0)))
         args.append(arr)
@@ -587,13 +727,13 @@ def _qside(g: _Geo, q, k, v, kh, beta, bias, seeds, heads, extra, kernel, outs, 
                  semantics)(*args)
 
 
-def _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform):
+def _forward(g, q, k, v, kh, beta, bias, seeds, seg, heads, interpret, platform):
     BH, Lp, _ = q.shape
     outs = [jax.ShapeDtypeStruct((BH, Lp, v.shape[-1]), v.dtype), jax.ShapeDtypeStruct((BH, Lp, 1), f32)]
-    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [], _fwd_kernel, outs, interpret, platform)
+    return _qside(g, q, k, v, kh, beta, bias, seeds, seg, heads, [], _fwd_kernel, outs, interpret, platform)
 
 
-def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, chunk_grads: bool):
+def _dq(g, q, k, v, kh, beta, bias, seeds, seg, heads, do, lse, delta, interpret, platform, chunk_grads: bool):
     """The query-side pass: dq, and with ``chunk_grads`` (TPU form) dk̂, dβ in fp32."""
     W = g.W
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -601,12 +741,12 @@ def _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, pla
     if chunk_grads:
         outs += [jax.ShapeDtypeStruct(kh.shape, f32), jax.ShapeDtypeStruct(beta.shape, f32)]
         out_specs += [_row_block(kh.shape), _row_block(beta.shape)]
-    return _qside(g, q, k, v, kh, beta, bias, seeds, heads, [do, lse, delta],
+    return _qside(g, q, k, v, kh, beta, bias, seeds, seg, heads, [do, lse, delta],
                   functools.partial(_dq_kernel, chunk_grads=chunk_grads), outs, interpret, platform, out_specs,
                   ("parallel", "arbitrary") if chunk_grads else ("parallel", "parallel"))
 
 
-def _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform):
+def _dkey_tpu(g, q, k, v, bias, seeds, seg, heads, do, lse, delta, interpret, platform):
     """The TPU key-side pass: (dk, dv, bias gradient per row ``[BH, n_lt, W, W]`` fp32 or None)."""
     BH, Lp, d = q.shape
     dv, W = v.shape[-1], g.W
@@ -619,6 +759,9 @@ def _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platfor
         specs += [pl.BlockSpec((None, W, d), blk), pl.BlockSpec((None, W, dv), blk),
                   pl.BlockSpec((None, W, 1), blk), pl.BlockSpec((None, W, 1), blk)]
         args += [q, do, lse, delta]
+        if seg is not None:  # the query blocks' own positions and documents
+            specs += [_seg_query_spec(W, heads, o, nq)] * 2
+            args += [seg[0], seg[1]]
     outs = [jax.ShapeDtypeStruct((BH, Lp, d), k.dtype), jax.ShapeDtypeStruct((BH, Lp, dv), v.dtype)]
     out_specs = [pl.BlockSpec((None, W, d), own), pl.BlockSpec((None, W, dv), own)]
     if bias is not None:
@@ -628,12 +771,15 @@ def _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platfor
         out_specs.append(_row_block(outs[-1].shape))
     specs += _seed_spec(seeds)
     args += [] if seeds is None else [seeds]
+    if seg is not None:  # the key block's own
+        specs += [_seg_key_spec(W, heads, 0, nq)] * 2
+        args += [seg[2], seg[3]]
     res = _call(functools.partial(_dkey_kernel_tpu, g=g), (BH, nq), specs, out_specs, outs, interpret, platform,
                 ("parallel", "arbitrary" if bias is not None else "parallel"))(*args)
     return res[0], res[1], (res[2] if bias is not None else None)
 
 
-def _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform):
+def _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, seg, heads, do, lse, delta, interpret, platform):
     """The GPU key-side pass: (dk, dv, dk̂, dβ, bias gradient per row ``[BH, n_lt, W, W]`` fp32 or None)."""
     BH, Lp, d = q.shape
     dv, Cp = v.shape[-1], kh.shape[1]
@@ -651,6 +797,10 @@ def _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpre
         outs.append(jax.ShapeDtypeStruct(db0.shape, f32))
     specs += _seed_spec(seeds)
     args += [] if seeds is None else [seeds]
+    if seg is not None:  # whole rows: the queries' [Lp, 1], the keys' as one row [1, Lp], the chunks' [1, Cp]
+        rows = (seg[0], seg[1]) + tuple(x.reshape(x.shape[0], 1, Lp) for x in seg[2:4]) + tuple(seg[4:])
+        specs += [_seg_row_spec(x.shape, heads) for x in rows]
+        args += list(rows)
     out_specs = [_row_block(s.shape) for s in outs]
     res = _call(functools.partial(_dkey_kernel_gpu, g=g, nq=nq), (BH, nq + nct), specs, out_specs, outs, interpret,
                 platform, ("parallel", "parallel"), aliases)(*args)
@@ -658,38 +808,39 @@ def _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpre
 
 
 # ----------------------------------------------------------------------------- differentiable entry
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _attend(q, k, v, kh, beta, bias, seeds, g, heads, interpret, platform, form):
-    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _attend(q, k, v, kh, beta, bias, seeds, seg, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, seg, heads, interpret, platform)
     return o, lse
 
 
-def _attend_fwd(q, k, v, kh, beta, bias, seeds, g, heads, interpret, platform, form):
-    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, heads, interpret, platform)
-    return (o, lse), (q, k, v, kh, beta, bias, seeds, o, lse)
+def _attend_fwd(q, k, v, kh, beta, bias, seeds, seg, g, heads, interpret, platform, form):
+    o, lse = _forward(g, q, k, v, kh, beta, bias, seeds, seg, heads, interpret, platform)
+    return (o, lse), (q, k, v, kh, beta, bias, seeds, seg, o, lse)
 
 
 def _attend_bwd(g, heads, interpret, platform, form, res, cts):
-    q, k, v, kh, beta, bias, seeds, o, lse = res
+    q, k, v, kh, beta, bias, seeds, seg, o, lse = res
     do = cts[0].astype(v.dtype)  # dO in the compute dtype (a product operand of every backward kernel)
     # dS = P ⊙ (D ⊙ dP − Δ) + P ⊙ dlse with Δ = rowsum(dO ⊙ O) (O already holds the dropout D): a cotangent on the
     # log-sum-exp enters as a shift of Δ; Δ in fp32 (a statistic)
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1, keepdims=True) - cts[1].astype(f32)
     # two passes (module docstring): query side, then key side
     if form == "tpu":
-        dq, dkh, dbeta = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, True)
-        dk, dv, db = _dkey_tpu(g, q, k, v, bias, seeds, heads, do, lse, delta, interpret, platform)
+        dq, dkh, dbeta = _dq(g, q, k, v, kh, beta, bias, seeds, seg, heads, do, lse, delta, interpret, platform,
+                             True)
+        dk, dv, db = _dkey_tpu(g, q, k, v, bias, seeds, seg, heads, do, lse, delta, interpret, platform)
     else:
-        (dq,) = _dq(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret, platform, False)
-        dk, dv, dkh, dbeta, db = _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, heads, do, lse, delta, interpret,
-                                           platform)
+        (dq,) = _dq(g, q, k, v, kh, beta, bias, seeds, seg, heads, do, lse, delta, interpret, platform, False)
+        dk, dv, dkh, dbeta, db = _dkey_gpu(g, q, k, v, kh, beta, bias, seeds, seg, heads, do, lse, delta,
+                                           interpret, platform)
     dbias = None
     if bias is not None:  # per row [BH, n_lt, W, W] -> per head, or one table shared by the heads
         BH = q.shape[0]
         db = db.reshape((BH // heads, heads) + db.shape[1:]).sum(axis=0)
         dbias = (db if bias.shape[0] > 1 else db.sum(axis=0, keepdims=True)).astype(bias.dtype)
     cast = lambda x, ref: x.astype(ref.dtype)  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -698,7 +849,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
                disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None, interpret: bool = False,
                platform: str | None = None, key_tile: int | None = None, query_tile: int | None = None,
-               chunk_tile: int | None = None, num_warps: int | None = None):
+               chunk_tile: int | None = None, num_warps: int | None = None, segments=None, chunk_base: int = 0):
     """Phase B by the kernels; same contract as :func:`eva_attend_reference` (kernel operands, ``q`` pre-scaled):
     returns ``(o [BH, Lp, dv], lse [BH, Lp])``, ``o`` in the compute dtype (that of q, k, v, to which k̂, β and the
     bias are cast: module docstring) and ``lse`` in fp32, both differentiable in q, k, v, k̂, β and the bias.
@@ -710,10 +861,23 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     (default the TPU form). ``key_tile`` / ``query_tile`` / ``chunk_tile`` / ``num_warps`` (None or <= 0: the plan's)
     override the local key sub-tile, the query sub-tile (both must divide W), the chunk tile (a power of two >= 16)
     and the GPU warps: execution settings for sweeps; an override is not checked against the register or VMEM
-    estimates (the compiler has the last word)."""
+    estimates (the compiler has the last word).
+
+    ``segments`` (a packed row laid out again on the window grid, as EVA's ``packed.py`` lays it out; None: one
+    sequence): int32 ``(rel [B, Lp], q_doc [B, Lp], k_doc [B, Lp], c_rel [B, C], c_doc [B, C])`` with ``B = BH /
+    heads``: each position's own index in its document, its document as a query and as a key, each chunk's own
+    index in its document and its document (negative: none; the reference's ``segments``). A key or chunk counts for a query only
+    where their documents are equal; causal chunk visibility, the disjoint partition and the dropout counters take
+    the documents' own indices; the window and causal masks of local keys stay the layout's (a document keeps its
+    window there). Then ``L`` must be ``Lp`` (the documents mark what is real), all ``C = k_hat.shape[1]`` chunks
+    are given, and ``chunk_base`` of them come first out of the layout's order (a carried state's chunks): the
+    causal loops take them for every query block; layout chunk ``c`` is ``chunk_base + c``. Without ``segments``
+    the kernels take no extra operand (unchanged programs)."""
     BH, Lp, d = q.shape
     dv = v.shape[-1]
-    C = -(-L // P)
+    C = -(-L // P) if segments is None else k_hat.shape[1]
+    if segments is not None and L != Lp:
+        raise ValueError(f"eva_attend: a packed row takes L = Lp (got L={L}, Lp={Lp})")
     if Lp % W or Lp < L:
         raise ValueError(f"eva_attend: padded length {Lp} must be a multiple of W={W} and >= L={L}")
     if not 0.0 <= dropout_rate < 1.0 or (dropout_rate > 0) != (seeds is not None):
@@ -753,11 +917,20 @@ def eva_attend(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int
     Tq = query_tile if query_tile is not None and query_tile > 0 else plan.Tq
     if W % Tk or W % Tq:
         raise ValueError(f"eva_attend: key_tile={Tk} and query_tile={Tq} must divide W={W}")
+    seg = None
+    if segments is not None:  # the kernels' layouts: query columns, key-block rows, chunk rows (padding: no doc)
+        rel, q_doc, k_doc, c_rel, c_doc = (jnp.asarray(x, jnp.int32) for x in segments)
+        B, nq = rel.shape[0], Lp // W
+        # a negative document is none: distinct for queries, keys and chunks, so that none of them ever meet
+        q_doc, k_doc, c_doc = (jnp.where(x < 0, none, x) for x, none in ((q_doc, -2), (k_doc, -1), (c_doc, -3)))
+        pad_c = lambda x: jnp.pad(x[:, :C], ((0, 0), (0, Cp - C)), constant_values=-3)[:, None]  # noqa: E731
+        seg = (rel[..., None], q_doc[..., None], rel.reshape(B, nq, 1, W), k_doc.reshape(B, nq, 1, W),
+               pad_c(c_rel), pad_c(c_doc))
     g = _Geo(W, P, L, C, Tc, Tk, Tq, plan.num_warps, offsets, causal, disjoint, e_l, e_r, bias is not None,
-             float(dropout_rate))
+             float(dropout_rate), segments is not None, int(chunk_base) if segments is not None else 0)
     sd = None if seeds is None else jnp.asarray(seeds, jnp.int32).reshape(BH, 1, 1)
     form = "loop" if gpu else "tpu"
-    o, lse = _attend(q, k, v, kh, bt, bias, sd, g, heads, interpret, None if interpret else plat, form)
+    o, lse = _attend(q, k, v, kh, bt, bias, sd, seg, g, heads, interpret, None if interpret else plat, form)
     return o, lse[..., 0]
 
 

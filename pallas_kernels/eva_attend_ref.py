@@ -121,11 +121,39 @@ def _product_bwd(spec, cd, res, g):
 _product.defvjp(_product_fwd, _product_bwd)
 
 
+def segment_masks(segments, BH: int, heads: int, Cp: int, *, W: int, e_l: int, e_r: int, P: int, causal: bool,
+                  disjoint: bool):
+    """A packed row's masks (``segments`` as :func:`eva_attend_reference` takes them), per flattened row:
+    ``(same [BH, Lp, Lp], cmask [BH, Lp, Cp], rel [BH, Lp], c_rel [BH, Cp])``: a key of the query's document, and a
+    chunk of its document visible by the document's own indices (causal: ``c < ⌊n/P⌋``; disjoint: off the
+    query's window), a negative document being none."""
+    row = jnp.arange(BH) // heads
+    rel, q_doc, k_doc, c_rel, c_doc = (jnp.asarray(x, jnp.int32)[row] for x in segments)
+    C = c_rel.shape[1]
+    c_rel, c_doc = (jnp.pad(x, ((0, 0), (0, Cp - C)), constant_values=-3) for x in (c_rel, c_doc))
+    q_doc, k_doc, c_doc = (jnp.where(x < 0, none, x) for x, none in ((q_doc, -2), (k_doc, -1), (c_doc, -3)))
+    n, c = rel[:, :, None], c_rel[:, None, :]
+    cmask = q_doc[:, :, None] == c_doc[:, None, :]
+    if causal:
+        cmask = cmask & ((c + 1) * P <= n)
+    if disjoint:
+        lo, hi = window_bounds(n, W, e_l, e_r)
+        cmask = cmask & ~((c * P < hi) & ((c + 1) * P > lo))
+    return q_doc[:, :, None] == k_doc[:, None, :], cmask, rel, c_rel
+
+
 def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P: int, L: int, causal: bool,
-                         disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None):
+                         disjoint: bool, heads: int, dropout_rate: float = 0.0, seeds=None, segments=None):
     """Phase B on kernel operands (see the module docstring). Returns ``(o [BH, Lp, dv], lse [BH, Lp])``: the
     normalised output (in the compute dtype) and the log-sum-exp (fp32) of each query's logits over its local and
     chunk candidates.
+
+    ``segments`` (a packed row laid out on the window grid; None: one sequence): int32 ``(rel [B, Lp], q_doc [B,
+    Lp], k_doc [B, Lp], c_rel [B, C], c_doc [B, C])``, ``B = BH / heads``: each position's own index in its
+    document and its document as a query and as a key, each chunk's own index and document (negative: none).
+    Keys and chunks count only for queries of their document; the chunk masks and the dropout counters take the
+    documents' own indices (:func:`segment_masks`), the local window and causal masks the layout's positions.
+    ``L`` is ``Lp`` then; a query that sees nothing (a gap) gives 0.
 
     Precision, as the kernel (DESIGN.md §7): q, k, v, k̂, β and the bias are cast to the compute dtype (that of q,
     k, v), the products take it with fp32 accumulation, the weights are cast to it before their product with the
@@ -145,19 +173,30 @@ def eva_attend_reference(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: i
         head = jnp.arange(BH) % heads if fb.shape[0] > 1 else jnp.zeros((BH,), jnp.int32)
         a_loc = a_loc + fb[head]
     cids = jnp.arange(Cp)
-    cmask = chunk_mask(pos, cids, cids * P < L, P=P, W=W, e_l=e_l, e_r=e_r, causal=causal, disjoint=disjoint)
+    if segments is None:
+        cmask = chunk_mask(pos, cids, cids * P < L, P=P, W=W, e_l=e_l, e_r=e_r, causal=causal, disjoint=disjoint)
+    else:
+        same, cmask, rel, c_rel = segment_masks(segments, BH, heads, Cp, W=W, e_l=e_l, e_r=e_r, P=P, causal=causal,
+                                                disjoint=disjoint)
+        lmask = lmask & same
     a_ch = _product("bqd,bcd->bqc", q, k_hat, cd)
     logits = jnp.concatenate([jnp.where(lmask, a_loc, NEG), jnp.where(cmask, a_ch, NEG)], axis=-1)
     mask = jnp.concatenate([lmask, cmask], axis=-1)
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
+    if segments is not None:
+        den = jnp.maximum(den, 1e-30)  # a gap sees nothing (the kernel's bound)
     lse = (m + jnp.log(den))[..., 0]
-    if dropout_rate > 0:  # on the normalised weights: drop the unnormalised ones, keep the normaliser
+    if dropout_rate > 0 and segments is not None:  # the documents' own counters
+        kidx = jnp.concatenate([rel, hash_dropout.CHUNK_KEY_BASE + c_rel], axis=1)
+        p = p * hash_dropout.multiplier(jnp.asarray(seeds, jnp.int32)[:, None, None], rel[:, :, None],
+                                        kidx[:, None, :], dropout_rate)
+    elif dropout_rate > 0:  # on the normalised weights: drop the unnormalised ones, keep the normaliser
         p = p * dropout_multiplier(seeds, pos, pos, cids, dropout_rate)
     o = _product("bqk,bkd->bqd", p, jnp.concatenate([v, beta], axis=1), cd) / den
     return o.astype(cd), lse
 
 
 __all__ = ["NEG", "chunk_mask", "dropout_multiplier", "eva_attend_reference", "full_bias", "local_mask", "local_offsets",
-           "window_bounds"]
+           "segment_masks", "window_bounds"]

@@ -246,8 +246,28 @@ def _compiler_params(platform, warps: int = 4):
     return None
 
 
+def _valid_spec(valid_rows, T: int):
+    """The tile's validity row: of ``[N/T, 1, T]`` (one for the batch), or of ``[B, N/T, 1, T]`` (per batch row: a
+    packed row's chunk members)."""
+    if valid_rows.ndim == 4:
+        return pl.BlockSpec((None, None, 1, T), lambda b, h, i: (b, i, 0, 0))
+    return pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0))
+
+
+def _valid_rows(k_valid, C: int, C_pad: int, P: int, G: int):
+    """The validity rows of ``k_valid`` ([C, P], or per batch row [B, 1, C, P] / [B, C, P]) padded to C_pad chunks,
+    fp32: ``[C_pad/G, 1, G·P]`` or ``[B, C_pad/G, 1, G·P]``."""
+    if k_valid.ndim <= 2:
+        valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
+        return valid.reshape(C_pad // G, 1, G * P)
+    valid = k_valid.reshape((k_valid.shape[0], C, P))  # a head axis of one is dropped
+    valid = jnp.pad(valid, ((0, 0), (0, C_pad - C), (0, 0))).astype(jnp.float32)
+    return valid.reshape(valid.shape[0], C_pad // G, 1, G * P)
+
+
 def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interpret, platform, save=False):
-    """q, k: [B,H,N,d]; v: [B,H,N,dv]; N = C_pad·P; valid_rows [N/T, 1, T] f32; eps [B,H,C_pad,d]; all but the
+    """q, k: [B,H,N,d]; v: [B,H,N,dv]; N = C_pad·P; valid_rows [N/T, 1, T] or [B, N/T, 1, T] f32 (:func:`_valid_rows`);
+    eps [B,H,C_pad,d]; all but the
     validity rows in one compute dtype (the parameters are cast to it here). -> (k̂, β) fp32 [B,H,C_pad,·], and
     with ``save`` ω [B,H,C_pad,d] in the compute dtype and the log-sum-exps [B,H,C_pad,1] fp32."""
     B, H, N, d = q.shape
@@ -260,7 +280,7 @@ def _pallas_stats(q, k, v, valid_rows, eps, params, *, P, G, scale, opts, interp
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))  # noqa: E731
     order = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
     pr = [params[n].astype(q.dtype).reshape((d, d) if n.endswith("_w") else (1, d)) for n in order]
-    in_specs = [tok(d), tok(d), tok(dv), pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0)), grp(d)]
+    in_specs = [tok(d), tok(d), tok(dv), _valid_spec(valid_rows, T), grp(d)]
     in_specs += [full(x.shape) for x in pr]
     kernel = functools.partial(_kernel, P=P, G=G, scale=scale, opts=opts)
     out_shape = [jax.ShapeDtypeStruct((B, H, C_pad, d), jnp.float32),
@@ -287,8 +307,7 @@ def _run(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpret, pl
     C_pad = -(-C // G) * G
     padc = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, C_pad - C)) + ((0, 0),) * (x.ndim - 3))  # noqa: E731
     flat = lambda x: padc(x).reshape(B, H, C_pad * P, x.shape[-1])  # noqa: E731
-    valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
-    valid_rows = valid.reshape(C_pad // G, 1, G * P)
+    valid_rows = _valid_rows(k_valid, C, C_pad, P, G)
     cd = compute_dtype(q_ch, k_ch, v_ch)  # the reference's: q, k, v, noise and parameters enter in it
     out = _pallas_stats(flat(q_ch.astype(cd)), flat(k_ch.astype(cd)), flat(v_ch.astype(cd)), valid_rows,
                         padc(noise.astype(cd)), params, P=P, G=G, scale=scale, opts=opts, interpret=interpret,
@@ -308,7 +327,7 @@ def _stats_fwd(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale, G, interpr
 
 def _pallas_stats_bwd(k, v, valid_rows, omega, lse, dbeta, *, P, G, scale, opts, interpret, platform):
     """k: [B,H,N,d], v: [B,H,N,dv], omega [B,H,C_pad,d], dbeta [B,H,C_pad,dv] in the compute dtype; lse
-    [B,H,C_pad,1] fp32; valid_rows [N/T, 1, T] -> (dk of the logits [B,H,N,d] fp32, dv [B,H,N,dv],
+    [B,H,C_pad,1] fp32; valid_rows as :func:`_pallas_stats` takes them -> (dk of the logits [B,H,N,d] fp32, dv [B,H,N,dv],
     dω [B,H,C_pad,d] fp32)."""
     B, H, N, d = k.shape
     dv = v.shape[-1]
@@ -322,7 +341,7 @@ def _pallas_stats_bwd(k, v, valid_rows, omega, lse, dbeta, *, P, G, scale, opts,
         out_shape=(jax.ShapeDtypeStruct((B, H, N, d), jnp.float32), jax.ShapeDtypeStruct((B, H, N, dv), v.dtype),
                    jax.ShapeDtypeStruct(omega.shape, jnp.float32)),
         grid=(B, H, N // T),
-        in_specs=[tok(d), tok(dv), pl.BlockSpec((None, 1, T), lambda b, h, i: (i, 0, 0)), grp(d), grp(1), grp(dv)],
+        in_specs=[tok(d), tok(dv), _valid_spec(valid_rows, T), grp(d), grp(1), grp(dv)],
         out_specs=(tok(d), tok(dv), grp(d)),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, warps),
@@ -343,10 +362,9 @@ def _stats_bwd(opts, scale, G, interpret, platform, res, g):
     C_pad = -(-C // G) * G
     padc = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, C_pad - C)) + ((0, 0),) * (x.ndim - 3))  # noqa: E731
     flat = lambda x: padc(x).reshape(B, H, C_pad * P, x.shape[-1])  # noqa: E731
-    valid = jnp.pad(jnp.broadcast_to(k_valid, (C, P)), ((0, C_pad - C), (0, 0))).astype(jnp.float32)
     # the weights from the forward's own ω and log-sum-exps (the kernel's rounding, not XLA's)
     dk_tok, dv, domega = _pallas_stats_bwd(flat(k_ch.astype(cd)), flat(v_ch.astype(cd)),
-                                           valid.reshape(C_pad // G, 1, G * P), omega_k, lse,
+                                           _valid_rows(k_valid, C, C_pad, P, G), omega_k, lse,
                                            padc(dbeta.astype(cd)), P=P, G=G, scale=scale, opts=opts,
                                            interpret=interpret, platform=platform)
     unflat = lambda x: x.reshape(B, H, C_pad, P, x.shape[-1])[:, :, :C]  # noqa: E731
@@ -362,7 +380,8 @@ _stats.defvjp(_stats_fwd, _stats_bwd)
 def eva_chunk_stats(q_ch, k_ch, v_ch, k_valid, params, noise, opts: EVAOptions, scale: float, *,
                     group: int = GROUP, interpret: bool = False, platform: str | None = None):
     """Same contract as :func:`pallas_kernels.eva_chunks_ref.chunk_summaries` (q_ch, k_ch [B,H,C,P,d],
-    v_ch [B,H,C,P,dv], k_valid [C,P], noise [B,H,C,d] or None) -> (k̂ [B,H,C,d], β [B,H,C,dv]).
+    v_ch [B,H,C,P,dv], k_valid [C,P] or per batch row [B,1,C,P] (a packed row's chunk members: the validity
+    rows are then per batch row, the kernels otherwise the same), noise [B,H,C,d] or None) -> (k̂ [B,H,C,d], β [B,H,C,dv]).
 
     ``platform`` ('tpu' | 'cuda' | 'gpu' | 'rocm'; default: the default backend) picks the compiler
     parameters (Mosaic TPU, or Triton on GPU); ignored in interpret mode."""

@@ -683,17 +683,22 @@ def test_packed_rows_decoded_token_by_token_and_cut_anywhere(impl):
     border or at a document border equal the packed row in one call (training mode, as above)."""
     core = make(**PACKED_TRAIN, impl=impl)
     _, q, k, v, seg = _packed_rows((5, 13, 9))
-    T = seg.shape[1]
     whole = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s, **TRAIN)[0])(core, q, k, v, seg)
     for cut in (12, 18):  # row 1: a chunk border of its first document; row 0: a document border
         assert maxdiff(_in_two_calls(core, q, k, v, seg, cut), whole) < 1e-5, cut
+    decoded, st = _decoded(core, q, k, v, seg)
+    assert maxdiff(decoded, whole) < 1e-5
+    assert [int(x) for x in st["doc_len"]] == [9, 5]
+
+
+def _decoded(core, q, k, v, seg):
+    """The packed row (training mode) decoded one token a call with its segment ids: (outputs, the last state)."""
     step = nnx.jit(lambda c, q, k, v, s, st: c(q, k, v, st, segment_ids=s, **TRAIN))
-    st, outs = core.init_state(B, T), []
-    for t in range(T):
+    st, outs = core.init_state(B, seg.shape[1]), []
+    for t in range(seg.shape[1]):
         o, st = step(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], seg[:, t:t + 1], st)
         outs.append(o)
-    assert maxdiff(jnp.concatenate(outs, axis=2), whole) < 1e-5
-    assert [int(x) for x in st["doc_len"]] == [9, 5]
+    return jnp.concatenate(outs, axis=2), st
 
 
 def test_packed_rows_refused_where_not_served():
@@ -708,3 +713,61 @@ def test_packed_rows_refused_where_not_served():
     core(q, k, v, core.sequence_origin(B, 24, jnp.asarray(12, jnp.int32)))  # without segment ids it composes
     with pytest.raises(ConfigError, match="^eva: packed rows need a fixed chunk_size"):
         make(False, window_size=8, num_chunks=4)(q, k, v, segment_ids=seg)
+
+
+def test_auto_takes_the_kernels_for_packed_rows_where_they_serve():
+    """'auto' on a GPU chooses the kernels for a packed row as for an unpacked one, from the empty state and after a
+    carried one (the kernels run the layout: packed.py), and the tiles where the kernels' limits refuse the call; the
+    limits see the layout's chunks (and the state's)."""
+    cls = attention.get_class("eva")
+    core = make(window_size=16, chunk_size=4)
+    for state in (None, core.init_state(B, 64)):
+        shapes = core.call_shapes(40, streaming=state is not None, segments=True, state=state)
+        assert shapes["C"] >= 2 * 40 // 4 + (0 if state is None else 16)  # the layout's chunks, the state's too
+        assert dispatch.select("auto", cls.implementations(), method="eva", platform="cuda", **shapes).name == "pallas"
+    small = make(window_size=8, chunk_size=4)  # a window the GPU blocks refuse (< 16): the tiles
+    shapes = small.call_shapes(40, streaming=False, segments=True)
+    assert dispatch.select("auto", cls.implementations(), method="eva", platform="cuda", **shapes).name == "xla"
+
+
+PACKED_KERNELS = dict(window_size=8, chunk_size=4, overlap_window=True, attn_dropout=0.3, impl="pallas")
+
+
+@pytest.mark.slow  # both kernels in interpret mode
+@pytest.mark.parametrize("causal,cfg", [(True, dict(partition="disjoint")), (False, {})])
+def test_packed_rows_in_the_kernels_equal_the_reference_in_training_mode(causal, cfg):
+    """impl='pallas' on packed rows in training mode (ω draws, dropout, the overlapping window; causal: the disjoint
+    partition) equals the reference's packed form, outputs and q, k, v gradients: the kernels run the tiles' layout
+    with each document's own chunk ids (noise) and dropout counters."""
+    rows, q, k, v, seg = _packed_rows((5, 13, 9))
+    w = jnp.cos(jnp.arange(v.size, dtype=jnp.float32).reshape(v.shape))
+
+    def grads(impl):
+        core = make(causal, **{**PACKED_KERNELS, **cfg, "impl": impl})
+        loss = lambda q, k, v: jnp.sum(core(q, k, v, segment_ids=seg, **TRAIN)[0] * w)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*interpret mode.*")
+        (got, got_g), (want, want_g) = grads("pallas"), grads("reference")
+    assert abs(float(got - want)) < 1e-4 * (1 + abs(float(want)))
+    for a, b in zip(got_g, want_g):
+        assert maxdiff(a, b) < 1e-5
+
+
+@pytest.mark.slow  # both kernels in interpret mode
+def test_packed_rows_in_the_kernels_decoded_and_cut_carry_the_state():
+    """impl='pallas' on a packed row in training mode: two calls cut inside a chunk, and decoding one token a call
+    with segment ids, equal the packed row in one call; the state the kernels' call returns is the tiles'."""
+    cfg = {**PACKED_KERNELS, "partition": "disjoint"}
+    core = make(**cfg)
+    _, q, k, v, seg = _packed_rows((5, 13, 9))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*interpret mode.*")
+        whole = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s, **TRAIN)[0])(core, q, k, v, seg)
+        assert maxdiff(_in_two_calls(core, q, k, v, seg, 7), whole) < 1e-5
+        assert maxdiff(_decoded(core, q, k, v, seg)[0], whole) < 1e-5
+        _, state = nnx.jit(lambda c, q, k, v, s: c(q, k, v, segment_ids=s))(core, q, k, v, seg)
+    _, want = make(**{**cfg, "impl": "xla"})(q, k, v, segment_ids=seg)
+    for name in want:
+        assert maxdiff(state[name].astype(jnp.float32), want[name].astype(jnp.float32)) < 1e-5, name

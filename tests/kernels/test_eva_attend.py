@@ -51,23 +51,38 @@ class TestEVAAttend(KernelTestBase):
         "causal_drop_loop": dict(L=45, W=8, P=4, d=16, dv=16, e_l=8, e_r=0, causal=True, hb=1, form="cuda",
                                  key_tile=4, query_tile=4, rate=0.2),
         "bidir_drop": dict(L=43, W=8, P=2, d=16, dv=8, e_l=4, e_r=4, causal=False, hb=H, form="tpu", rate=0.3),
+        # packed rows laid out on the window grid (_packed_segments: documents with gaps between, one shorter than a
+        # chunk; causal: a carried document first, behind `base` chunks of a state): the GPU form with overlap, sub-tiles
+        # and dropout, the TPU form with the disjoint partition, bidirectional with overlap, per-head bias, dropout
+        "packed_causal_loop": dict(L=48, W=8, P=4, d=16, dv=16, e_l=8, e_r=0, causal=True, hb=1, form="cuda",
+                                   key_tile=4, query_tile=4, rate=0.2, packed=True, base=4),
+        "packed_causal_disjoint": dict(L=48, W=8, P=4, d=16, dv=8, e_l=8, e_r=0, causal=True, hb=0, form="tpu",
+                                       disjoint=True, packed=True, base=4),
+        "packed_bidir_drop": dict(L=48, W=8, P=2, d=16, dv=16, e_l=4, e_r=4, causal=False, hb=H, form="cuda",
+                                  rate=0.3, packed=True),
+        "packed_wt103": dict(L=768, W=128, P=8, d=64, dv=64, e_l=0, e_r=0, causal=True, hb=1, B=1, rate=0.1,
+                             packed=True, base=16),
     }
     FORWARD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
                      ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
                      ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("bidir_overlap_loop", "bfloat16"),
                      ("causal_drop_loop", "float32"), ("bidir_drop", "float32"), ("causal_drop_loop", "bfloat16"),
-                     ("bidir_drop", "bfloat16"))
+                     ("bidir_drop", "bfloat16"), ("packed_causal_loop", "float32"), ("packed_causal_disjoint", "float32"),
+                     ("packed_bidir_drop", "float32"), ("packed_causal_loop", "bfloat16"))
     GRAD_CASES = (("causal_rpe", "float32"), ("causal_overlap_loop", "float32"),
                   ("causal_overlap_disjoint", "float32"), ("bidir_overlap_loop", "float32"),
                   ("bidir_plain", "float32"), ("causal_rpe", "bfloat16"), ("causal_drop_loop", "float32"),
-                  ("bidir_drop", "float32"), ("causal_drop_loop", "bfloat16"), ("bidir_drop", "bfloat16"))
+                  ("bidir_drop", "float32"), ("causal_drop_loop", "bfloat16"), ("bidir_drop", "bfloat16"),
+                  ("packed_causal_loop", "float32"), ("packed_causal_disjoint", "float32"),
+                  ("packed_bidir_drop", "float32"), ("packed_causal_loop", "bfloat16"))
     EXPORT_CASES = (("tpu", "wt103", "float32"), ("cuda", "wt103", "float32"), ("tpu", "wt103", "bfloat16"),
                     ("cuda", "wt103", "bfloat16"), ("tpu", "wt103_bidir_overlap", "float32"),
                     ("cuda", "wt103_bidir_overlap", "float32"), ("tpu", "long_8k", "float32"),
                     ("cuda", "odd_head", "float32"), ("tpu", "wt103_paper", "float32"),
                     ("tpu", "wt103_paper", "bfloat16"), ("cuda", "wt103_paper", "float32"),
                     ("cuda", "wt103_paper", "bfloat16"), ("tpu", "wt103_paper_drop", "bfloat16"),
-                    ("cuda", "wt103_paper_drop", "float32"), ("cuda", "wt103_paper_drop", "bfloat16"))
+                    ("cuda", "wt103_paper_drop", "float32"), ("cuda", "wt103_paper_drop", "bfloat16"),
+                    ("tpu", "packed_wt103", "bfloat16"), ("cuda", "packed_wt103", "bfloat16"))
     PAPER_SHAPES = ("wt103_paper", "wt103_paper_drop")
     # bf16: the reference follows the kernel's precision (bf16 operands, fp32 accumulation, P cast to bf16 before
     # P·V), but the kernel's online softmax rounds P at running maxima, and o is a bf16 output: they agree to about one
@@ -84,7 +99,7 @@ class TestEVAAttend(KernelTestBase):
     def make_inputs(self, shape, dtype):
         L, W, P, d, dv = (shape[k] for k in ("L", "W", "P", "d", "dv"))
         BH = shape.get("B", 2) * H
-        Lp, Cp = -(-L // W) * W, -(-L // W) * W // P
+        Lp, Cp = -(-L // W) * W, -(-L // W) * W // P + shape.get("base", 0)
         ks = jax.random.split(jax.random.PRNGKey(L + 7 * W + P), 6)
         q = (0.5 * jax.random.normal(ks[0], (BH, Lp, d))).astype(dtype)
         k = jax.random.normal(ks[1], (BH, Lp, d)).astype(dtype)
@@ -99,23 +114,66 @@ class TestEVAAttend(KernelTestBase):
                       disjoint=shape.get("disjoint", False), heads=H, form=shape.get("form"),
                       key_tile=shape.get("key_tile"), query_tile=shape.get("query_tile"), dropout_rate=rate,
                       seeds=seeds)
+        if shape.get("packed"):
+            static.update(segments=_packed_segments(Lp, W, P, shape.get("base", 0)), chunk_base=shape.get("base", 0))
         return (q, k, v, kh, beta, bias), static
 
     def kernel(self, q, k, v, kh, beta, bias, *, interpret, platform=None, form=None, **static):
         return eva_attend.eva_attend(q, k, v, kh, beta, bias, **static, interpret=interpret,
                                      platform=platform or (form if interpret else None))
 
-    def reference(self, q, k, v, kh, beta, bias, *, form=None, key_tile=None, query_tile=None, **static):
-        return eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **static)
+    def reference(self, q, k, v, kh, beta, bias, *, form=None, key_tile=None, query_tile=None, chunk_base=0,
+                  **static):
+        return eva_attend_ref.eva_attend_reference(q, k, v, kh, beta, bias, **static)  # chunk_base: loop order only
 
     def unsupported_reasons(self, platform, shape, dtype):
-        C = -(-shape["L"] // shape["P"])
+        C = -(-shape["L"] // shape["P"]) + shape.get("base", 0)
         return eva_attend.unsupported_reasons(platform, W=shape["W"], d=shape["d"], dv=shape["dv"], C=C,
                                               e_l=shape["e_l"], e_r=shape["e_r"], dtype=dtype,
                                               dropout=shape.get("rate", 0.0) > 0)
 
     def export_disabled_checks(self, platform):
         return [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
+
+
+def _packed_segments(Lp: int, W: int, P: int, base: int):
+    """A packed row's kernel operands (eva_attend's ``segments``) for two rows of ``Lp = 6W`` laid-out positions:
+    documents at whole windows or chunks with gaps between (one of 3 tokens, shorter than any chunk here), their
+    positions and chunk indices their own; with ``base`` (causal), each row's first document continues a carried
+    one of ``base·P`` tokens whose ``base`` finished chunks come first (ids 0..base-1)."""
+    assert Lp == 6 * W and base * P % W == 0
+    rows = ([(0, 2 * W + 4), (3 * W, 3), (4 * W, 2 * W - 3)],
+            [(0, W - 2), (W, 2 * W + 6), (4 * W, 5), (5 * W, W)])
+    rel, doc = np.zeros((2, Lp), np.int32), np.full((2, Lp), -1, np.int32)
+    for b, docs in enumerate(rows):
+        for n, (start, length) in enumerate(docs):
+            doc[b, start:start + length] = n
+            rel[b, start:start + length] = np.arange(length) + (base * P if n == 0 else 0)
+    at = np.arange(0, Lp, P)
+    opens = (doc[:, at] >= 0) & (rel[:, at] % P == 0)  # a layout chunk is one where a document's chunk opens
+    c_rel = np.concatenate([np.tile(np.arange(base), (2, 1)), rel[:, at] // P], axis=1).astype(np.int32)
+    c_doc = np.concatenate([np.zeros((2, base), np.int32), np.where(opens, doc[:, at], -1)], axis=1)
+    return tuple(jnp.asarray(x) for x in (rel, doc, doc, c_rel, c_doc))
+
+
+def test_packed_documents_never_meet_in_the_kernel():
+    """A packed row in the kernel (GPU form, causal with a carried document's chunks): changing one document's keys,
+    values and chunk summaries leaves every other document's outputs unchanged, and the gaps (no document) give 0."""
+    t = TestEVAAttend()
+    (q, k, v, kh, beta, bias), st = t.make_inputs(TestEVAAttend.SHAPES["packed_causal_loop"], jnp.float32)
+    run = jax.jit(lambda *a: t.kernel(*a, interpret=True, **st)[0])
+    rel, doc, _, _, c_doc = st["segments"]
+    o1 = run(q, k, v, kh, beta, bias)
+    row = jnp.repeat(doc, H, axis=0)  # [BH, Lp]
+    crow = jnp.repeat(jnp.pad(c_doc, ((0, 0), (0, kh.shape[1] - c_doc.shape[1])), constant_values=-1), H, axis=0)
+    hit, chit = (row == 1)[..., None], (crow == 1)[..., None]
+    o2 = run(q, jnp.where(hit, 9.0, k), jnp.where(hit, 9.0, v), jnp.where(chit, 9.0, kh), jnp.where(chit, 9.0, beta),
+             bias)
+    others = (row >= 0) & (row != 1)
+    np.testing.assert_allclose(np.asarray(jnp.where(others[..., None], o1, 0)),
+                               np.asarray(jnp.where(others[..., None], o2, 0)), atol=1e-6)
+    assert float(jnp.max(jnp.abs(jnp.where((row == 1)[..., None], o1 - o2, 0)))) > 1e-2  # document 1's own changed
+    np.testing.assert_array_equal(np.asarray(jnp.where((row < 0)[..., None], o1, 0)), 0.0)
 
 
 def test_reference_padding_rows_and_chunks_carry_no_weight():
@@ -231,8 +289,13 @@ eva_attend.eva_attend = lambda *a, **k: rows.append(a[0].shape[0]) or real(*a, *
 core = attention.build("eva", {"window_size": 8, "chunk_size": 4, "attn_dropout": 0.2, "impl": "pallas"},
                        num_heads=4, head_dim=16, causal=True, rngs=nnx.Rngs(0))
 q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 4, 29, 16)) for i in range(3))
+seg = {}
+if PACKED:  # two rows of three documents: the kernels on the packed layout, per shard too
+    seg = {"segment_ids": jnp.repeat(jnp.asarray([[1, 2, 3], [1, 2, 3]]), jnp.asarray([3, 15, 11]), axis=1,
+                                     total_repeat_length=29)}
+    seg["segment_ids"] = seg["segment_ids"].at[1].set(jnp.flip(4 - seg["segment_ids"][1]))
 gd, st = nnx.split(core)
-loss = lambda q, k, v: jnp.sum(nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(9))[0]
+loss = lambda q, k, v: jnp.sum(nnx.merge(gd, st)(q, k, v, deterministic=False, key=jax.random.PRNGKey(9), **seg)[0]
                                * jnp.cos(q))
 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 one = step(q, k, v)
@@ -246,9 +309,11 @@ print("ROWS", rows, "ERR", err)
 
 
 @pytest.mark.slow  # a subprocess on 4 simulated devices
-def test_kernel_dropout_per_shard_equals_one_device():
+@pytest.mark.parametrize("packed", [False, True])
+def test_kernel_dropout_per_shard_equals_one_device(packed):
     """impl='pallas' with attention dropout on a data x tensor mesh: the kernel runs per shard of the rows and heads
-    (2 of the 8 rows each) with the row seeds drawn for the whole batch, so the step equals one device's."""
+    (2 of the 8 rows each) with the row seeds drawn for the whole batch, so the step equals one device's; so does a
+    packed row's (its documents and chunk members split with the rows)."""
     import os
     import subprocess
     import sys
@@ -256,7 +321,8 @@ def test_kernel_dropout_per_shard_equals_one_device():
     from conftest import xla_flags
 
     env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", _SHARDED_DROPOUT], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-c", f"PACKED = {packed}\n" + _SHARDED_DROPOUT], capture_output=True,
+                       text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("ROWS"))
     assert "[8, 2]" in line, line  # one device: 8 rows in one call; per shard: 2

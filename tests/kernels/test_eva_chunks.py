@@ -33,17 +33,22 @@ class TestEVAChunkStats(KernelTestBase):
         "export_p6": dict(C=4, P=6, L=20, dv=D, noise=True),
         # configs/wikitext103/eva_16l.py: chunks of 8, heads of 128, 512-token rows (C = 64)
         "wt103_paper": dict(C=64, P=8, L=512, d=128, dv=128, noise=True),
+        # a packed row's chunks (EVA's packed.py layout): members per batch row ([B, 1, C, P]), a chunk cut short by
+        # its document's end or holding no document at all
+        "rows_5x4": dict(C=5, P=4, L=20, dv=D, noise=True, rows=True),
+        "export_rows_16x8": dict(C=16, P=8, L=128, dv=D, noise=True, rows=True),
     }
     FORWARD_CASES = (("ragged_5x4_noise", "float32"), ("noln_half_principled_16x8", "float32"),
                      ("identity_tiny_3x8", "float32"), ("mu_none_5x4_dv8", "float32"),
-                     ("ragged_5x4_noise", "bfloat16"))
+                     ("ragged_5x4_noise", "bfloat16"), ("rows_5x4", "float32"), ("rows_5x4", "bfloat16"))
     GRAD_CASES = (("ragged_5x4_noise", "float32"), ("noln_half_principled_16x8", "float32"),
                   ("identity_tiny_3x8", "float32"), ("mu_none_5x4_dv8", "float32"), ("ragged_5x4_noise", "bfloat16"),
-                  ("noln_half_principled_16x8", "bfloat16"))
+                  ("noln_half_principled_16x8", "bfloat16"), ("rows_5x4", "float32"), ("rows_5x4", "bfloat16"))
     EXPORT_CASES = (("tpu", "export_16x8", "float32"), ("cuda", "export_16x8", "float32"),
                     ("tpu", "export_p6", "float32"), ("cuda", "export_p6", "float32"),
                     ("tpu", "wt103_paper", "float32"), ("cuda", "wt103_paper", "float32"),
-                    ("tpu", "wt103_paper", "bfloat16"), ("cuda", "wt103_paper", "bfloat16"))
+                    ("tpu", "wt103_paper", "bfloat16"), ("cuda", "wt103_paper", "bfloat16"),
+                    ("tpu", "export_rows_16x8", "float32"), ("cuda", "export_rows_16x8", "float32"))
     PAPER_SHAPES = ("wt103_paper",)
     # the kernel follows the reference's precision (bf16 operands, fp32 accumulation, fp32 softmax and LayerNorm)
     TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-5, 2e-5)}
@@ -61,6 +66,9 @@ class TestEVAChunkStats(KernelTestBase):
         q, k = (jax.random.normal(kk, (B, H, C, P, d)) for kk in ks[:2])
         v = jax.random.normal(ks[2], (B, H, C, P, dv))
         valid = (jnp.arange(C * P) < L).reshape(C, P)
+        if shape.get("rows"):  # each row's chunk members: a prefix of each chunk (none for some), per batch row
+            count = jax.random.randint(ks[5], (B, 1, C, 1), 0, P + 1)
+            valid = valid & (jnp.arange(P) < count)
         q, k, v = (jnp.where(valid[..., None], x, 0.0).astype(dtype) for x in (q, k, v))  # padding rows zero
         noise = jax.random.normal(ks[3], (B, H, C, d)) if shape["noise"] else None
         # non-trivial LN affine / biases so every parameter path is exercised

@@ -60,15 +60,6 @@ def window_keys(opts: EVAOptions, tile: int) -> int:
     return tile + opts.e_l + opts.e_r if opts.W > 0 else 0
 
 
-SEGMENTS_REASON = ("packed rows (segment ids): the kernels take none; the XLA tiles and the reference restart "
-                   "EVA's blocks and chunks at each document")
-
-
-def segments_reasons(platform: str, *, segments: bool = False, **_) -> list[str]:
-    """An implementation's refusal of a packed row (``segments``): the tiles and kernels take no segment ids."""
-    return [SEGMENTS_REASON] if segments else []
-
-
 # ---------------------------------------------------------------------------
 # relative position bias (§2.6)
 # ---------------------------------------------------------------------------

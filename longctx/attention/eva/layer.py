@@ -13,7 +13,7 @@ selection reads), the runner ``dispatch.select`` chooses, and :meth:`EVAAttentio
 state from the forward's extras). A runner looks at the call itself: without a carried state it runs its full pass,
 with one its stream (the XLA tiles; the CPU-tuned ones with their ops; the kernels' with Phase A in the kernel; the
 reference's are the portable ones); a packed row (``segment_ids``) runs the reference's packed form or, in the
-tiles, the documents laid out again on the block grid (packed.py), after a carried state too; the kernels refuse it.
+tiles and the kernels, the documents laid out again on the block grid (packed.py), after a carried state too.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from longctx.attention.eva.common import (
     run_pass,
     state_from_forward,
 )
+from longctx.attention.eva.packed import grid_block, layout_size
 from longctx.errors import ConfigError
 
 
@@ -81,7 +82,7 @@ class EVAAttention(AttentionCore):
     name = "eva"
     EXECUTION_KEYS = ("impl", "logit_budget", "keep_budget", "query_tile", "key_tile", "chunk_tile", "num_warps")
     randomized = True  # one ω sample per chunk and attention dropout when deterministic=False
-    takes_segments = True  # the reference and the tiles (packed.py), carried state too; the kernels refuse them
+    takes_segments = True  # every implementation: the reference, the tiles and the kernels (packed.py's layout)
 
     @classmethod
     def implementations(cls, *, causal: bool = True):
@@ -242,13 +243,21 @@ class EVAAttention(AttentionCore):
         names = ("q_w", "q_b", "q_ln_scale", "q_ln_bias", "k_w", "k_b", "k_ln_scale", "k_ln_bias")
         return {n: getattr(self, n)[...] for n in names}
 
-    def call_shapes(self, L: int, *, streaming: bool, deterministic: bool = True, segments: bool = False) -> dict:
+    def call_shapes(self, L: int, *, streaming: bool, deterministic: bool = True, segments: bool = False,
+                    state=None) -> dict:
         """The keywords the selection hands every declaration's ``reasons`` and ``prefer`` for a call over L tokens
-        (``streaming``: after a carried state; ``deterministic`` False: a training call, with attention dropout when
-        ``attn_dropout > 0``; ``segments``: a packed row); the kernels declare their limits
-        (pallas.unsupported_reasons). ``core.runner(**core.call_shapes(...))`` is the call's implementation."""
+        (``streaming``: after a carried state, ``state``; ``deterministic`` False: a training call, with attention
+        dropout when ``attn_dropout > 0``; ``segments``: a packed row, whose chunks ``C`` are its layout's and the
+        carried state's, packed.py); the kernels declare their limits (pallas.unsupported_reasons).
+        ``core.runner(**core.call_shapes(...))`` is the call's implementation."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
+        if segments:
+            P, G = c.chunk_size, grid_block(o, c.chunk_size)
+            prefix, held = 0, 0
+            if state is not None:
+                prefix, held = -(-state["win_k"].shape[2] // G) * G + G - 1, state["mem_khat"].shape[2]
+            C = layout_size(L, G, P, prefix, causal=o.causal) // P + held
         return dict(P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
                     chunk_logit=o.chunk_logit, full=not streaming, dropout=not deterministic and o.attn_dropout > 0.0,
                     segments=segments)
@@ -321,7 +330,7 @@ class EVAAttention(AttentionCore):
         inputs = {"q": q, "k": k, "v": v, "params": self.chunk_params(), "rpe": rpe, "noise_key": noise_key,
                   "drop_key": drop_key, "segment_ids": segment_ids}
         shapes = self.call_shapes(q.shape[2], streaming=state is not None, deterministic=deterministic,
-                                  segments=segment_ids is not None)
+                                  segments=segment_ids is not None, state=state)
         return dispatch.Call(inputs, state, key=key), shapes
 
     def finish(self, call, result, *, aux=None):

@@ -1,5 +1,7 @@
 """EVA of a packed row in XLA tiles (``xla`` and ``xla_cpu`` with ``segment_ids``; docs/methods/eva.md, "Packed
-rows"): the documents laid out again on the block grid, then the tiles of ``xla.py`` with per-document masks.
+rows"): the documents laid out again on the block grid, then the tiles of ``xla.py`` with per-document masks; the
+kernels (``pallas.py``) run the same layout with Phase A and Phase B handed to them (:func:`eva_packed`'s
+``stats_fn`` and ``attend``).
 
 Layout (static size, :func:`layout_size`). EVA's blocks (``G = W``, or ``P`` without a local part) and chunks
 (``P`` divides ``G``) restart at each document. Walking the row in order with a cursor ``x`` (the next free layout
@@ -104,10 +106,16 @@ def _gather(src, idx):
 
 
 def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int, segment_ids,
-               state=None, ops: TileOps = PLAIN):
+               state=None, ops: TileOps = PLAIN, stats_fn=None, attend=None):
     """A packed row (``segment_ids`` [B, T]) in tiles: each document as if alone (module docstring). ``state``
     (causal): a carried one, continued by the tokens ``base.continues_state`` marks. Returns (out [B,H,T,dv]
-    float32, the state of each row's last document (causal) or None), as ``reference.eva_reference_packed``."""
+    float32, the state of each row's last document (causal) or None), as ``reference.eva_reference_packed``.
+
+    The kernels' form (``pallas.py``) runs the same layout: ``stats_fn`` (Phase A, ``chunk_summaries``'s signature
+    with per-row chunk members) and ``attend(q, k, v, k_hat, beta, segments, chunk_base, seeds)`` (Phase B over the
+    laid-out row, [B,H,Lp,·] in the compute dtype; ``segments`` = (each position's own index, its document as a
+    query, as a key, each chunk's own index, its document; negative: none) and ``chunk_base`` the state's chunks
+    ahead of the layout's, as ``pallas_kernels.eva_attend`` takes them) -> [B,H,Lp,dv]."""
     B, H, T, d = q.shape
     dv = v.shape[-1]
     scale = d**-0.5
@@ -179,7 +187,7 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
         drawn = chunk_noise(noise_key, jnp.arange(n_ids), B, H, d)
         noise = ops.noise(jnp.take_along_axis(drawn, jnp.clip(c_id, 0, n_ids - 1)[:, None, :, None], axis=2)
                           .astype(cd))
-    k_hat, beta = ops.summaries()(q_ch, k_ch, v_ch, members[:, None], params, noise, opts, scale)
+    k_hat, beta = ops.summaries(stats_fn)(q_ch, k_ch, v_ch, members[:, None], params, noise, opts, scale)
     exact = opts.chunk_logit == "exact_lse"
     ch = {"hat": k_hat, "beta": beta, "raw": k_ch, "raw_ok": members, "id": c_id, "doc": c_doc, "ok": c_ok}
     if carried:  # the state's finished chunks first: ids 0..C_max-1, visible below the carried document's c0
@@ -193,6 +201,11 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
     chunks = (ch["hat"].astype(cd), ch["beta"].astype(cd), ch["raw"] if exact else None,
               ch["raw_ok"][:, None] if exact else None)
     C_t = ch["id"].shape[1]
+    seeds = dropout_seeds(drop_key, opts, B, H)
+    if attend is not None:  # the kernels: Phase B over the whole layout, every mask from these
+        segments = (p_rel, query_doc, key_doc, ch["id"], jnp.where(ch["ok"], ch["doc"], -1))
+        out = attend(q_l, k_l, v_l, chunks[0], chunks[1], segments, C_max if carried else 0, seeds)
+        return _gather_back(out, lay, seg, rel, cont, n0, (q_l, k_l, v_l), k_ch, k_hat, beta, state, opts, P, T)
 
     # Phase B per layout block of G queries, its window [wG − e_l, (w+1)G + e_r)
     n_tiles = Lp // G
@@ -208,7 +221,6 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
                 for x in (k_l, v_l))
     xs = (q_t, k_t, v_t, jnp.asarray(q_pos), jnp.asarray(k_pos), tile_of(p_rel, q_pos), tile_of(query_doc, q_pos),
           tile_of(p_rel, kidx), _key_docs(key_doc, kidx, k_in))
-    seeds = dropout_seeds(drop_key, opts, B, H)
 
     @jax.checkpoint
     def one(qt, kt, vt, qp, kp, qr, qd, kr, kd):
@@ -228,10 +240,16 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
     cost = B * H * G * (Tk + C_t * (P if exact else 1))
     out = map_tiles(one, xs, n_tiles, cost, opts.logit_budget)  # [n_tiles,B,H,G,dv]
     out = jnp.moveaxis(out, 0, 2).reshape(B, H, Lp, dv)
+    return _gather_back(out, lay, seg, rel, cont, n0, (q_l, k_l, v_l), k_ch, k_hat, beta, state, opts, P, T)
+
+
+def _gather_back(out, lay, seg, rel, cont, n0, laid, k_ch, k_hat, beta, state, opts: EVAOptions, P: int, T: int):
+    """The call's tokens out of the layout's outputs [B,H,Lp,dv], and (causal) the state of each row's last
+    document."""
     out = jnp.take_along_axis(out, lay[:, None, :, None], axis=2)
     if not opts.causal:
         return out, None
-    return out, _last_document_state(state, seg, rel, lay, cont, n0, (q_l, k_l, v_l), k_ch, k_hat, beta, opts, P, T)
+    return out, _last_document_state(state, seg, rel, lay, cont, n0, laid, k_ch, k_hat, beta, opts, P, T)
 
 
 def _key_docs(key_doc, kidx, k_in):

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from longctx.attention import dispatch, row_split
-from longctx.attention.eva import xla
+from longctx.attention.eva import packed, xla
 from longctx.attention.eva.common import (
     EVAOptions,
     chunk_noise,
@@ -32,7 +32,6 @@ from longctx.attention.eva.common import (
     geometry,
     local_bias_tiles,
     run_pass,
-    segments_reasons,
 )
 from pallas_kernels import eva_attend, eva_chunks
 from pallas_kernels.precision import compute_dtype
@@ -41,10 +40,10 @@ from pallas_kernels.precision import compute_dtype
 def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int,
                         chunk_logit: str, full: bool, dropout: bool = False, segments: bool = False, **_) -> list[str]:
     """Why the kernels cannot serve a call: Phase A's limits, and Phase B's for a full pass (``full``; ``dropout``:
-    with attention dropout); a packed row (``segments``)."""
-    out = segments_reasons(platform, segments=segments)
-    out += [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
-    if full:
+    with attention dropout) or a packed row (``segments``: the kernels run its layout, from a carried state too;
+    ``C``: the layout's chunk count)."""
+    out = [f"eva_chunk_stats: {r}" for r in eva_chunks.unsupported_reasons(platform, P=P, d=d, dv=dv)]
+    if full or segments:
         out += [f"eva_attend: {r}" for r in eva_attend.unsupported_reasons(
             platform, W=W, d=d, dv=dv, C=C, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit, dropout=dropout)]
     return out
@@ -60,13 +59,43 @@ def _stats_fn(interpret: bool, platform: str):
         if bspec is None and hspec is None:
             return inner(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale)
         bh = PartitionSpec(bspec, hspec)
-        specs = (bh, bh, bh, PartitionSpec(), jax.tree.map(lambda _: PartitionSpec(), params),
+        ok = PartitionSpec(bspec) if k_valid.ndim > 2 else PartitionSpec()  # a packed row's: per batch row
+        specs = (bh, bh, bh, ok, jax.tree.map(lambda _: PartitionSpec(), params),
                  None if noise is None else bh)
         local = lambda q, k, v, ok, p, n: inner(q, k, v, ok, p, n, opts, scale)  # noqa: E731
         return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(bh, bh), check_vma=False)(
             q_ch, k_ch, v_ch, k_valid, params, noise)
 
     return stats_fn
+
+
+def _attend_fn(opts: EVAOptions, seeds, interpret: bool, platform: str, query_tile: int, key_tile: int,
+               chunk_tile: int, num_warps: int):
+    """``eva_attend.eva_attend`` with the call's platform, dropout rate and Phase B's tiles and warps bound."""
+    return functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
+                             dropout_rate=opts.attn_dropout if seeds is not None else 0.0,
+                             **{name: None if x <= 0 else x for name, x in (
+                                 ("query_tile", query_tile), ("key_tile", key_tile), ("chunk_tile", chunk_tile),
+                                 ("num_warps", num_warps))})
+
+
+def _per_shard(fn, args, specs, out_specs, B: int, H: int):
+    """``fn(*args)``, per shard of the rows (batch axes) and heads (``tensor``) under a train step's mesh (module
+    docstring); ``specs(bh, bspec, hspec)`` and ``out_specs(bh)``: the operands' and results' partition specs."""
+    mesh = row_split.active_mesh(*args[:3])
+    bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, B, H)
+    if bspec is None and hspec is None:
+        return fn(*args)
+    bh = PartitionSpec(bspec, hspec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs(bh, bspec, hspec), out_specs=out_specs(bh),
+                         check_vma=False)(*args)
+
+
+def _bias_spec(bias, H: int, hspec):
+    """The relative-position bias tiles' partition: split by heads where it has one per head."""
+    if bias is None:
+        return None
+    return PartitionSpec(hspec if bias.shape[0] == H > 1 else None)
 
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
@@ -87,11 +116,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
     bias = None if bias is None else bias.astype(cd)  # a kernel operand: the compute dtype (eva_attend)
     seeds = dropout_seeds(drop_key, opts, B, H)  # [B, H]: row b·H + h of the whole batch, sharded like the rows
-    attend = functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
-                               dropout_rate=opts.attn_dropout if seeds is not None else 0.0,
-                               **{name: None if x <= 0 else x for name, x in (
-                                   ("query_tile", query_tile), ("key_tile", key_tile), ("chunk_tile", chunk_tile),
-                                   ("num_warps", num_warps))})
+    attend = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps)
 
     def kernels(qf, kf, vf, params, noise, bias, seeds):
         b, h = qf.shape[:2]
@@ -103,19 +128,47 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
                       disjoint=opts.partition == "disjoint", heads=h, seeds=None if seeds is None else seeds.reshape(b * h))
         return o.reshape(b, h, L_pad, dv), k_hat, beta
 
-    mesh = row_split.active_mesh(qf, kf, vf)
-    bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, B, H)
-    if bspec is None and hspec is None:
-        o, k_hat, beta = kernels(qf, kf, vf, params, noise, bias, seeds)
-    else:
-        bh = PartitionSpec(bspec, hspec)
-        per_head = bias is not None and bias.shape[0] == H > 1  # else one table shared by the heads
-        specs = (bh, bh, bh, jax.tree.map(lambda _: PartitionSpec(), params), None if noise is None else bh,
-                 None if bias is None else PartitionSpec(hspec if per_head else None), None if seeds is None else bh)
-        o, k_hat, beta = jax.shard_map(kernels, mesh=mesh, in_specs=specs, out_specs=(bh, bh, bh),
-                                       check_vma=False)(qf, kf, vf, params, noise, bias, seeds)
+    specs = lambda bh, bspec, hspec: (bh, bh, bh, jax.tree.map(lambda _: PartitionSpec(), params),  # noqa: E731
+                                      None if noise is None else bh, _bias_spec(bias, H, hspec),
+                                      None if seeds is None else bh)
+    o, k_hat, beta = _per_shard(kernels, (qf, kf, vf, params, noise, bias, seeds), specs,
+                                lambda bh: (bh, bh, bh), B, H)
     extras = {"k_hat": k_hat, "beta": beta, "L_pad": L_pad, "P": P, "C": C, "padded": (qf, kf, vf)}
     return o[:, :, :L], extras
+
+
+def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int, segment_ids,
+               state=None, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
+               key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN):
+    """A packed row (from a carried state too) on the layout of ``packed.py`` (the documents laid out again on the
+    window grid), Phase A and Phase B by the kernels: Phase A over the layout's chunks with each row's chunk
+    members, Phase B over the whole layout with each position's and chunk's document and own index
+    (``eva_attend``'s ``segments``); the layout and the state as the tiles'. Returns ``packed.eva_packed``'s."""
+    P = chunk_size
+    scale = q.shape[-1] ** -0.5
+    bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
+    bias = None if bias is None else bias.astype(compute_dtype(q, k, v))
+
+    def attend(q_l, k_l, v_l, k_hat, beta, segments, base, seeds):
+        B, H, Lp, dv = v_l.shape
+        run = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps)
+
+        def kernel(q_l, k_l, v_l, k_hat, beta, bias, seeds, segments):
+            b, h = q_l.shape[:2]
+            flat = lambda x: x.reshape((b * h,) + x.shape[2:])  # noqa: E731
+            o, _ = run(flat(q_l * scale), flat(k_l), flat(v_l), flat(k_hat), flat(beta), bias, W=opts.W,
+                       e_l=opts.e_l, e_r=opts.e_r, P=P, L=Lp, causal=opts.causal,
+                       disjoint=opts.partition == "disjoint", heads=h,
+                       seeds=None if seeds is None else seeds.reshape(b * h), segments=segments, chunk_base=base)
+            return o.reshape(b, h, Lp, dv)
+
+        specs = lambda bh, bspec, hspec: (bh,) * 5 + (  # noqa: E731
+            _bias_spec(bias, H, hspec), None if seeds is None else bh, (PartitionSpec(bspec),) * len(segments))
+        return _per_shard(kernel, (q_l, k_l, v_l, k_hat, beta, bias, seeds, segments), specs, lambda bh: bh, B, H)
+
+    return packed.eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=P,
+                             segment_ids=segment_ids, state=state, stats_fn=_stats_fn(interpret, platform),
+                             attend=attend)
 
 
 def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,
@@ -132,8 +185,9 @@ TILE_KEYS = ("query_tile", "key_tile", "chunk_tile", "num_warps")
 
 @dataclasses.dataclass(frozen=True)
 class Kernels(dispatch.Runner):
-    """``pallas``: :func:`eva_forward` from a row's start, :func:`eva_stream` after a carried state, both lowered for
-    the call's platform (interpret mode on a CPU); the tiles' logit budget serves a stream's XLA tiles."""
+    """``pallas``: :func:`eva_forward` from a row's start, :func:`eva_stream` after a carried state, :func:`eva_packed`
+    for a packed row, all lowered for the call's platform (interpret mode on a CPU); the tiles' logit budget serves a
+    stream's XLA tiles."""
 
     logit_budget: int
     query_tile: int
@@ -143,8 +197,8 @@ class Kernels(dispatch.Runner):
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         tiles = {key: getattr(self, key) for key in TILE_KEYS}
-        return run_pass(self, core, call, eva_forward, eva_stream, interpret=call.interpret, platform=call.platform,
-                        **tiles)
+        kernel = dict(interpret=call.interpret, platform=call.platform, **tiles)
+        return run_pass(self, core, call, eva_forward, eva_stream, functools.partial(eva_packed, **kernel), **kernel)
 
 
 # 'auto' tries the kernels first on a GPU / TPU (where they serve; rocm has no lowering, so the portable tiles

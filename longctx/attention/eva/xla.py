@@ -283,8 +283,7 @@ class Tiles(dispatch.Runner):
         return run_pass(self, core, call, eva_forward, eva_stream, eva_packed)
 
 
-# 'auto' on a GPU / TPU after the kernels (where they do not serve: packed rows among them); on a CPU the CPU-tuned
-# tiles run instead
+# 'auto' on a GPU / TPU after the kernels (where they do not serve); on a CPU the CPU-tuned tiles run instead
 IMPLEMENTATIONS = (
     dispatch.Implementation("xla", config={"impl": "xla"}, auto={"cuda": 1, "rocm": 1, "tpu": 1},
                             code=Tiles, defaults={"logit_budget": LOGIT_BUDGET}),
