@@ -154,9 +154,10 @@ else
            --warmup 1 --mem_budget_gb 60 --max_cell_s 10)
 fi
 
-# exact attention first (a limit may stop the run), then every causal method as shipped, then dense's XLA tiles
+# exact attention first (a limit may stop the run), then every causal method as shipped, sliding-window attention
+# (its default window, cuDNN's local mask) last
 if [ "$SMOKE" = 1 ]; then ATTN_METHODS="$EXACT,transformer_vq"; else
-  ATTN_METHODS="$EXACT,transformer_vq,eva,fma,fma_linear,kdeformer"; fi
+  ATTN_METHODS="$EXACT,transformer_vq,eva,fma,fma_linear,kdeformer,swa"; fi
 
 # the exact row the report compares with: the one this folder's attention step ran with (a report made again
 # elsewhere, STEPS=none, keeps it)

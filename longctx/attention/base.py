@@ -92,11 +92,14 @@ class KernelBench:
     """How ``longctx-bench kernels`` times one Pallas kernel of a method (``AttentionCore.kernel_benches``):
     config overrides that route the core through the kernel (``pallas``) and through the XLA path the
     kernel must match (``xla``), and the directions the kernel serves. Both cores are built with the same
-    seed, so they hold the same parameters."""
+    seed, so they hold the same parameters. ``platforms``: where the benchmark times it (None: everywhere, in
+    interpret mode on a CPU; a Mosaic GPU kernel, whose CPU interpret mode simulates every copy and barrier, is
+    timed on its GPU only)."""
 
     xla: dict
     pallas: dict
     directions: tuple[str, ...] = ("causal", "bidirectional")
+    platforms: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,15 +75,18 @@ def define_kernel_flags(fv) -> None:
     flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
 
 
-def kernel_cells(requested: list[str] | None) -> list[tuple[str, str, attention.base.KernelBench]]:
-    """(method, kernel, KernelBench) of every registered method's declared kernels, in the order ``--methods``
-    names them (a run stopped by a time limit has timed the first); unknown names are an error, a requested
-    method that declares none is reported by the caller."""
+def kernel_cells(requested: list[str] | None, platform: str | None = None
+                 ) -> list[tuple[str, str, attention.base.KernelBench]]:
+    """(method, kernel, KernelBench) of every registered method's declared kernels timed on ``platform`` (None:
+    JAX's default backend), in the order ``--methods`` names them (a run stopped by a time limit has timed the
+    first); unknown names are an error, a requested method that declares none is reported by the caller."""
     methods = C.select_methods(requested)
     if requested:
         order = [r.split(":")[0] for r in requested]
         methods = sorted(methods, key=order.index)
-    return [(m, kname, kb) for m in methods for kname, kb in attention.get_class(m).kernel_benches().items()]
+    plat = platform or jax.default_backend()
+    return [(m, kname, kb) for m in methods for kname, kb in attention.get_class(m).kernel_benches().items()
+            if kb.platforms is None or plat in kb.platforms]
 
 
 def _fns(core):

@@ -278,3 +278,12 @@ def test_attention_times_variants_in_the_order_asked_and_keeps_finished_ones(tmp
     assert cli.main(["attention", "--out", str(out2), "--noprogress", "--methods", "eva,dense:naive", "--lengths",
                      "32", "--causal", "--matmul_n", "0", "--no_torch"]) == 0
     assert seen == [None, ["eva"]]
+
+
+def test_kernel_cells_time_a_gpu_only_kernel_on_its_gpu_only():
+    """A kernel declared for the GPU alone (FMA's Mosaic GPU blocks) is no cell on a CPU, one on cuda."""
+    from longctx.bench import kernel_bench
+
+    names = lambda plat: [k for m, k, _ in kernel_bench.kernel_cells(["fma"], plat)]  # noqa: E731
+    assert names("cpu") == ["fma_blocks"]
+    assert names("cuda") == ["fma_blocks", "fma_blocks_mgpu"]

@@ -290,7 +290,11 @@ class FMAAttention(AttentionCore):
     def kernel_benches(cls):
         # untrained timing cores: levels for the benchmarks' longest sequence
         return {"fma_blocks": KernelBench(xla={"impl": "xla", "max_len": BENCH_MAX_LEN},
-                                          pallas={"impl": "pallas", "max_len": BENCH_MAX_LEN})}
+                                          pallas={"impl": "pallas", "max_len": BENCH_MAX_LEN}),
+                # the Hopper kernel (Mosaic GPU) beside the Triton one, on a GPU only
+                "fma_blocks_mgpu": KernelBench(xla={"impl": "xla", "max_len": BENCH_MAX_LEN},
+                                               pallas={"impl": "mosaic_gpu", "max_len": BENCH_MAX_LEN},
+                                               platforms=("cuda",))}
 
     @classmethod
     def bench_variants(cls, platform: str) -> dict[str, dict]:
