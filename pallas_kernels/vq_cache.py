@@ -41,6 +41,10 @@ casts it to its compute dtype), else fp32 (never rounded). Softmax statistics, t
 the count products with the one-hot are declared statistics (``precision.statistic``). The output and state are in
 ``promote(dtype, float32)`` like the reference.
 
+Packed rows (segment ids): the GPU form serves them (``packed``, see :mod:`pallas_kernels.vq_cache_gpu`); the TPU
+kernels here refuse them (their cache is a running mean folded along the row in VMEM, and the backward steps its
+counts back exactly: neither restarts at a document).
+
 Final state: when ``T % L == 0``, ``M == L`` and the storage is fp32 the kernel's last fold *is* the new carried
 aggregate;
 otherwise the aggregate is computed in XLA by the reference's ``final_state``.
@@ -548,7 +552,7 @@ def _storage_dtype(*xs):
 
 
 def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
-                       platform: str | None = None, block_v: int | None = None):
+                       platform: str | None = None, block_v: int | None = None, packed: dict | None = None):
     """Same contract as ``vq_cache_attention_reference(q_u, bd, k_hat, z, v, C, state, L=L, M=M)``:
     q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T]; v [B,H,T,Dv]; C [H,S,Dk]; state with a band of M
     tokens. Requires 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
@@ -557,12 +561,19 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     Pallas-Triton form of :mod:`pallas_kernels.vq_cache_gpu` (in interpret mode when ``interpret=True``), anything
     else the TPU kernels of this module (Mosaic compiler parameters; interpret mode when ``interpret=True``).
     ``block_v`` (Dv tile) defaults to :func:`choose_block_v` (TPU) or ``vq_cache_gpu.choose_tiles`` (GPU).
-    Forward and backward are Pallas kernels (see the module docstring)."""
+    Forward and backward are Pallas kernels (see the module docstring).
+
+    ``packed``: a packed row's caches and document arrays, served by the GPU form only (see
+    ``vq_cache_gpu.vq_cache_attention``; it returns (o, None)); the TPU form folds its cache along the row inside
+    the kernel and refuses them."""
     platform = platform or jax.default_backend()
     platform = {"gpu": "cuda"}.get(platform, platform)
     if platform == "cuda":
         return vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, state, L=L, M=M, interpret=interpret,
-                                               block_v=block_v)
+                                               block_v=block_v, packed=packed)
+    if packed is not None:
+        raise ValueError("vq_cache_attention: a packed row (segment ids) runs the GPU form only (platform='cuda'); "
+                         "the TPU form folds its cache along the row inside the kernel")
     B, H, T, Dk = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
     dt = float_dtype(q_u, v)

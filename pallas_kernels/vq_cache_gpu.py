@@ -75,6 +75,14 @@ the accumulator traffic above.
 No gradient reaches the codebook, the codes or the counts (as in the TPU kernel and §9). The new carried
 state is computed in XLA by the reference's ``final_state``.
 
+**Packed rows** (``packed``, docs/methods/transformer_vq.md §2.8 and §9): a static switch (an unpacked row's kernels
+are the ones above, unchanged). The caller gives Phase 1's per-block caches itself (each row block's document's own,
+restarting at documents) and per-query / per-key document arrays: every score is masked to the query's document,
+a query reads its block's cache only where that cache is its document's, ``dk̂`` takes ``dS`` only where the key
+lies in the query's own window (``qwin``), and the key-side pass also visits the row block after the next (those
+queries' windows reach two blocks back: ``dk̂`` only, no band bias at that distance). Those visits load the same
+tiles per step as the other two, so :func:`tile_budget` counts them already; the document arrays are int32 vectors.
+
 Dtypes: q_u, k̂, v (and the band) are stored in bf16 when all of them are bf16, otherwise f32 (never round a
 wider input); the custom_vjp takes them in f32 so every cotangent is f32 and rounded once at the input.
 ``q·k̂ᵀ``, ``P·V``, ``P·μ̄``, ``dO·Vᵀ``, ``Pᵀ·dO`` and ``dSᵀ·q`` use storage-dtype operands with f32 accumulation
@@ -309,8 +317,25 @@ def _accumulator(out_ref, n_tv: int, tv: int):
     return None
 
 
-def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, vr_ref, okr_ref, bd_ref,
-                o_ref, lse_ref, *, tq: int, ts: int, tv: int, n_s: int, n_tv: int, nq: int, L: int, M: int):
+def _documents(packed: bool, rest):
+    """A kernel's trailing refs: (the packed row's per-query and per-key document refs, or Nones, and the
+    outputs). Packed: the query's document (``qdoc``), whether it reads its block's cache (``qcache``) and the
+    previous and present key blocks' documents."""
+    if packed:
+        return tuple(rest[:4]), rest[4:]
+    return (None,) * 4, rest
+
+
+def _same_document(valid, qd_ref, kd, rows=slice(None)):
+    """``valid`` and, for a packed row (``qd_ref`` given), the key's document (``kd`` [tk]) the query's."""
+    if qd_ref is None:
+        return valid
+    return valid & (kd[None, :] == qd_ref[rows][:, None])
+
+
+def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, vr_ref, okr_ref, bd_ref, *rest,
+                tq: int, ts: int, tv: int, n_s: int, n_tv: int, nq: int, L: int, M: int, packed: bool = False):
+    (qd_ref, qc_ref, kdp_ref, kdr_ref), (o_ref, lse_ref) = _documents(packed, rest)
     it = jax.lax.rem(pl.program_id(1), nq)  # query tile inside its block
     q = q_ref[...]
     row0 = it * tq
@@ -344,14 +369,15 @@ def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, 
         rows = _ds(c, ts)
         el = ell_ref[rows][None, :]
         s = _dot_nt(*_code_operands(q, c_ref[rows, :])) + el
-        return update(carry, s, el > HALF_NEG, mu_ref, rows)
+        return update(carry, s, _reads_cache(el, qc_ref), mu_ref, rows)
 
-    def local(k_ref, v_ref, ok_ref, off):
+    def local(k_ref, v_ref, ok_ref, kd_ref, off):
         def body(kt, carry):
             b, _, _, _ = _band(bd_ref, row0, kt * tq, off, shape=(tq, tq), M=M, ref_row0=row0)
             valid = ok_ref[_ds(kt, tq)][None, :] > 0.5
             if off == 0:
                 valid = valid & _causal(row0, kt * tq, (tq, tq))
+            valid = _same_document(valid, qd_ref, None if kd_ref is None else kd_ref[_ds(kt, tq)])
             s = _dot_nt(q, k_ref[_ds(kt, tq), :]) + b
             return update(carry, s, valid, v_ref, _ds(kt, tq))
 
@@ -359,8 +385,8 @@ def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, 
 
     carry = (jnp.full((tq,), NEG, f32), jnp.zeros((tq,), f32), _accumulator(o_ref, n_tv, tv))
     carry = jax.lax.fori_loop(0, n_s, cache, carry)
-    carry = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, okp_ref, L), carry)
-    m, l, acc = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, 0), carry)  # up to the diagonal tile
+    carry = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, okp_ref, kdp_ref, L), carry)
+    m, l, acc = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, kdr_ref, 0), carry)  # to the diagonal
     if n_tv == 1:
         o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     else:
@@ -373,10 +399,18 @@ def _fwd_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, 
     lse_ref[...] = m + jnp.log(l)
 
 
+def _reads_cache(el, qc_ref):
+    """The codes a query tile reads: those with a count (``el`` [1, ts], the log counts) and, for a packed row
+    (``qc_ref`` given), only the queries of the document the block's cache is of."""
+    valid = el > HALF_NEG
+    return valid if qc_ref is None else valid & (qc_ref[...][:, None] > 0)
+
+
 def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref, vr_ref, okr_ref, bd_ref,
-                  lse_ref, dl_ref, do_ref, dmu_in_ref, dq_ref, dbd_ref, dmu_ref, *, tq: int, ts: int, tv: int,
-                  n_s: int, nq: int, n_tv: int, L: int, M: int):
+                  lse_ref, dl_ref, do_ref, dmu_in_ref, *rest, tq: int, ts: int, tv: int,
+                  n_s: int, nq: int, n_tv: int, L: int, M: int, packed: bool = False):
     del dmu_in_ref  # the zeros dmu_ref starts from (aliased)
+    (qd_ref, qc_ref, kdp_ref, kdr_ref), (dq_ref, dbd_ref, dmu_ref) = _documents(packed, rest)
     it = jax.lax.rem(pl.program_id(1), nq)
     q = q_ref[...]
     lse = lse_ref[...][:, None]
@@ -387,7 +421,7 @@ def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref
         rows = _ds(c, ts)
         el = ell_ref[rows][None, :]
         qc, ck = _code_operands(q, c_ref[rows, :])
-        p = jnp.where(el > HALF_NEG, jnp.exp(_dot_nt(qc, ck) + el - lse), 0.0)
+        p = jnp.where(_reads_cache(el, qc_ref), jnp.exp(_dot_nt(qc, ck) + el - lse), 0.0)
         pd = p.astype(do_ref.dtype)
 
         def body(j, acc):  # per value-width slice: dμ̄ += Pᵀ·dO (the block's query tiles add up) and dO·μ̄ᵀ
@@ -399,12 +433,13 @@ def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref
         ds = p * (_slices(n_tv, body, jnp.zeros((tq, ts), f32)) - dl)
         return dq + _dot(ds.astype(ck.dtype), ck)
 
-    def local(k_ref, v_ref, ok_ref, off):
+    def local(k_ref, v_ref, ok_ref, kd_ref, off):
         def body(kt, dq):
             b, rows, d, in_band = _band(bd_ref, row0, kt * tq, off, shape=(tq, tq), M=M, ref_row0=row0)
             valid = ok_ref[_ds(kt, tq)][None, :] > 0.5
             if off == 0:
                 valid = valid & _causal(row0, kt * tq, (tq, tq))
+            valid = _same_document(valid, qd_ref, None if kd_ref is None else kd_ref[_ds(kt, tq)])
             keys = _ds(kt, tq)
             k = k_ref[keys, :]
             p = jnp.where(valid, jnp.exp(_dot_nt(q, k) + b - lse), 0.0)
@@ -422,14 +457,22 @@ def _bwd_q_kernel(q_ref, c_ref, mu_ref, ell_ref, kp_ref, vp_ref, okp_ref, kr_ref
         return body
 
     dq = jax.lax.fori_loop(0, n_s, cache, jnp.zeros(dq_ref.shape, f32))
-    dq = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, okp_ref, L), dq)
-    dq = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, 0), dq)
+    dq = jax.lax.fori_loop(0, nq, local(kp_ref, vp_ref, okp_ref, kdp_ref, L), dq)
+    dq = jax.lax.fori_loop(0, it + 1, local(kr_ref, vr_ref, okr_ref, kdr_ref, 0), dq)
     dq_ref[...] = dq
 
 
 def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, qr_ref, lser_ref, dlr_ref,
-                   dor_ref, bdr_ref, dk_ref, dv_ref, *, tq: int, nq: int, R: int, L: int, M: int, tv: int,
-                   n_tv: int):
+                   dor_ref, bdr_ref, *rest, tq: int, nq: int, R: int, L: int, M: int, tv: int,
+                   n_tv: int, packed: bool = False):
+    # packed: the key tile's documents, each role's query documents and window starts, and the queries of the row
+    # block after the next (which see this key tile two blocks back: their window may reach it, their cache holds it)
+    if packed:
+        (kd_ref, qdp_ref, qwp_ref, qdr_ref, qwr_ref, qq_ref, lseq_ref, dlq_ref, doq_ref, qdq_ref, qwq_ref,
+         dk_ref, dv_ref) = rest
+        kd = kd_ref[...]
+    else:
+        (dk_ref, dv_ref), kd, qdp_ref, qwp_ref, qdr_ref, qwr_ref = rest, None, None, None, None, None
     u = pl.program_id(1)
     e = jax.lax.div(u, nq)  # extended block of this key tile (0: the carried band)
     kt = jax.lax.rem(u, nq)
@@ -443,7 +486,15 @@ def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp
 
     # dv [tq, Dv] f32 is in the loop carry where the value width is one slice (n_tv == 1), written once at the
     # end; otherwise (dv None) the f32 dv block is the accumulator, one value-width slice at a time
-    def role(q_ref, lse_ref, dl_ref, do_ref, bd_ref, off):
+    # the keys' extended positions (packed only: an unpacked row's program is unchanged)
+    key_at = u * tq + jax.lax.broadcasted_iota(jnp.int32, (tq, tq), 1) if packed else None
+
+    def own_window(ds, qw_ref, r):
+        """dS where the key is in the query's own window (packed: the keys before it take no dk̂, as in its
+        cache: ``pallas_kernels`` callers' ``qwin``); all of it for an unpacked row."""
+        return ds if qw_ref is None else jnp.where(key_at >= qw_ref[r][:, None], ds, 0.0)
+
+    def role(q_ref, lse_ref, dl_ref, do_ref, bd_ref, off, qd_ref, qw_ref):
         def body(qt, carry):  # one P per query tile for dv and dk
             dk, dv = carry
             r = _ds(qt, tq)
@@ -451,6 +502,7 @@ def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp
             valid = key_ok
             if off == 0:
                 valid = valid & _causal(qt * tq, key0, (tq, tq))
+            valid = _same_document(valid, qd_ref, kd, r)
             q = q_ref[r, :]
             p = jnp.where(valid, jnp.exp(_dot_nt(q, k) + b - lse_ref[r][:, None]), 0.0)
             pd = p.astype(do_ref.dtype)
@@ -469,14 +521,27 @@ def _bwd_kv_kernel(k_ref, v_ref, ok_ref, qp_ref, lsep_ref, dlp_ref, dop_ref, bdp
                     return acc + dp
 
                 dpv = _slices(n_tv, sl, jnp.zeros((tq, tq), f32))
-            ds = p * (dpv - dl_ref[r][:, None])
+            ds = own_window(p * (dpv - dl_ref[r][:, None]), qw_ref, r)
             return dk + _dot_tn(ds.astype(q.dtype), q), dv
 
         return body
 
     carry = (jnp.zeros(dk_ref.shape, f32), _accumulator(dv_ref, n_tv, tv))
-    carry = jax.lax.fori_loop(0, n_prev, role(qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, L), carry)
-    dk, dv = jax.lax.fori_loop(lo_pres, nq, role(qr_ref, lser_ref, dlr_ref, dor_ref, bdr_ref, 0), carry)
+    carry = jax.lax.fori_loop(0, n_prev, role(qp_ref, lsep_ref, dlp_ref, dop_ref, bdp_ref, L, qdp_ref, qwp_ref), carry)
+    dk, dv = jax.lax.fori_loop(lo_pres, nq, role(qr_ref, lser_ref, dlr_ref, dor_ref, bdr_ref, 0, qdr_ref, qwr_ref),
+                               carry)
+    if packed:  # the row block after the next: dk̂ only (no band bias that far; its dv is the cache's)
+        def two_back(qt, dk):
+            r = _ds(qt, tq)
+            q = qq_ref[r, :]
+            valid = _same_document(key_ok, qdq_ref, kd, r)
+            p = jnp.where(valid, jnp.exp(_dot_nt(q, k) - lseq_ref[r][:, None]), 0.0)
+            dpv = _slices(n_tv, lambda j, acc: acc + _dot_nt(doq_ref[r, _ds(j, tv)], v_ref[:, _ds(j, tv)]),
+                          jnp.zeros((tq, tq), f32))
+            ds = own_window(p * (dpv - dlq_ref[r][:, None]), qwq_ref, r)
+            return dk + _dot_tn(ds.astype(q.dtype), q)
+
+        dk = jax.lax.fori_loop(0, nq * jnp.minimum(jnp.maximum(R - 1 - e, 0), 1), two_back, dk)
     dk_ref[...] = dk
     if n_tv == 1:
         dv_ref[...] = dv
@@ -489,7 +554,20 @@ def _params(cfg, kind):
     return pltriton.CompilerParams(num_warps=dict(cfg["warps"]).get(kind, 4), num_stages=cfg["num_stages"])
 
 
-def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg):
+def _doc_specs(tq, L, blk):
+    """BlockSpecs of a packed row's per-query documents (``qdoc``, ``qcache``: [BH, R·L]) at query tile t and of
+    the per-key documents ([BH, (R+1)·L]) of the previous and present blocks of query block ``blk(t)``."""
+    vec = pl.BlockSpec((None, tq), lambda b, t: (b, t))
+    return [vec, vec, pl.BlockSpec((None, L), lambda b, t: (b, blk(t))),
+            pl.BlockSpec((None, L), lambda b, t: (b, blk(t) + 1))]
+
+
+def _doc_args(docs):
+    """The per-query and per-key document arrays the forward and query-side kernels take (none: unpacked)."""
+    return [] if docs is None else [docs["qdoc"], docs["qcache"], docs["kdoc"], docs["kdoc"]]
+
+
+def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg, docs=None):
     """q [BH, R·L, Dk]; C [H, Sp, Dk]; mu [BH, R, Sp, Dv]; ell [BH, R, Sp] f32; kx [BH, (R+1)L, Dk];
     vx [BH, (R+1)L, Dv]; kval [(R+1)L] f32 (1: a valid key); bd [BH, R·L, M+1] f32 (band scores).
     Returns o [BH, R·L, Dv] f32, lse [BH, R·L] f32. Grid (BH, R·L/tq): the value width is a loop in the program."""
@@ -511,10 +589,13 @@ def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg):
         pl.BlockSpec((L,), lambda b, t: (blk(t) + 1,)),
         pl.BlockSpec((None, tq, M + 1), lambda b, t: (b, t, 0)),
     ]
+    if docs is not None:
+        in_specs += _doc_specs(tq, L, blk)
     out_specs = [pl.BlockSpec((None, tq, Dv), lambda b, t: (b, t, 0)),
                  pl.BlockSpec((None, tq), lambda b, t: (b, t))]
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, n_tv=Dv // tv, nq=nq, L=L, M=M),
+        functools.partial(_fwd_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, n_tv=Dv // tv, nq=nq, L=L, M=M,
+                          packed=docs is not None),
         out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, RL), f32)),
         grid=(BH, RL // tq),
         in_specs=in_specs,
@@ -522,10 +603,10 @@ def _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg):
         interpret=cfg["interpret"],
         compiler_params=_params(cfg, "fwd"),
         name="vq_cache_gpu_fwd",
-    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd)
+    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd, *_doc_args(docs))
 
 
-def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg):
+def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg, docs=None):
     """The query-side pass: (dq [BH, R·L, Dk], dbd [BH, R·L, M+1], dμ̄ [BH, R, Sp, Dv]), all f32. The query tiles
     of a block add their share of dμ̄ with atomic adds into a zeros array (aliased to the output)."""
     BH, RL, Dk = q.shape
@@ -549,11 +630,12 @@ def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg):
         pl.BlockSpec((None, L, Dv), lambda b, t: (b, blk(t) + 1, 0)),
         pl.BlockSpec((L,), lambda b, t: (blk(t) + 1,)),
         rows(M + 1), vec, vec, rows(Dv), dmu_spec,
-    ]
+    ] + ([] if docs is None else _doc_specs(tq, L, blk))
     out_specs = [rows(Dk), rows(M + 2), dmu_spec]
     shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
     dq, dbd, dmu = pl.pallas_call(
-        functools.partial(_bwd_q_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, nq=nq, n_tv=Dv // tv, L=L, M=M),
+        functools.partial(_bwd_q_kernel, tq=tq, ts=ts, tv=tv, n_s=Sp // ts, nq=nq, n_tv=Dv // tv, L=L, M=M,
+                          packed=docs is not None),
         out_shape=(shp(BH, RL, Dk), shp(BH, RL, M + 2), shp(BH, R, Sp, Dv)),
         grid=(BH, RL // tq),
         in_specs=in_specs,
@@ -562,11 +644,12 @@ def _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do, cfg):
         interpret=cfg["interpret"],
         compiler_params=_params(cfg, "bwd_q"),
         name="vq_cache_gpu_bwd_q",
-    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd, lse, delta, do, jnp.zeros((BH, R, Sp, Dv), f32))
+    )(q, C, mu, ell, kx, vx, kval, kx, vx, kval, bd, lse, delta, do, jnp.zeros((BH, R, Sp, Dv), f32),
+      *_doc_args(docs))
     return dq, dbd[..., : M + 1], dmu
 
 
-def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg):
+def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg, docs=None):
     """The key-side pass over the extended keys (band prepended): (dk̂ [BH, (R+1)L, Dk], dv [BH, (R+1)L, Dv]),
     f32. Grid (BH, (R+1)·L/tq): the value width is a loop in the program."""
     BH, RL, Dk = q.shape
@@ -587,11 +670,20 @@ def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg):
     in_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u: (b, u, 0)),
                 pl.BlockSpec((None, tq, Dv), lambda b, u: (b, u, 0)),
                 pl.BlockSpec((tq,), lambda b, u: (u,))] + role(prev) + role(pres)
+    args = [kx, vx, kval, q, lse, delta, do, bd, q, lse, delta, do, bd]
+    if docs is not None:  # the key tile's documents; each role's query documents and windows; the two-back role
+        nxt = lambda u: jnp.minimum(jax.lax.div(u, nq) + 1, R - 1)  # noqa: E731  (query block e+1, clamped)
+        per_q = lambda blk: [pl.BlockSpec((None, L), lambda b, u: (b, blk(u)))] * 2  # noqa: E731
+        in_specs += ([pl.BlockSpec((None, tq), lambda b, u: (b, u))] + per_q(prev) + per_q(pres)
+                     + role(nxt)[:4] + per_q(nxt))
+        qd, qw = docs["qdoc"], docs["qwin"]
+        args += [docs["kdoc"], qd, qw, qd, qw, q, lse, delta, do, qd, qw]
     out_specs = [pl.BlockSpec((None, tq, Dk), lambda b, u: (b, u, 0)),
                  pl.BlockSpec((None, tq, Dv), lambda b, u: (b, u, 0))]
     n_ext = RL + L
     return pl.pallas_call(
-        functools.partial(_bwd_kv_kernel, tq=tq, nq=nq, R=R, L=L, M=M, tv=tv, n_tv=Dv // tv),
+        functools.partial(_bwd_kv_kernel, tq=tq, nq=nq, R=R, L=L, M=M, tv=tv, n_tv=Dv // tv,
+                          packed=docs is not None),
         out_shape=(jax.ShapeDtypeStruct((BH, n_ext, Dk), f32), jax.ShapeDtypeStruct((BH, n_ext, Dv), f32)),
         grid=(BH, n_ext // tq),
         in_specs=in_specs,
@@ -599,7 +691,7 @@ def _bwd_kv_call(q, kx, vx, kval, lse, delta, do, bd, cfg):
         interpret=cfg["interpret"],
         compiler_params=_params(cfg, "bwd_kv"),
         name="vq_cache_gpu_bwd_kv",
-    )(kx, vx, kval, q, lse, delta, do, bd, q, lse, delta, do, bd)
+    )(*args)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -616,25 +708,25 @@ def _store(cfg, *xs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attend(q, kx, vx, bd, kval, mu, ell, C, cfg):
+def _attend(q, kx, vx, bd, kval, mu, ell, C, cfg, docs=None):
     q, kx, vx, mu = _store(cfg, q, kx, vx, mu)
-    return _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg)[0]
+    return _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg, docs)[0]
 
 
-def _attend_fwd(q, kx, vx, bd, kval, mu, ell, C, cfg):
+def _attend_fwd(q, kx, vx, bd, kval, mu, ell, C, cfg, docs=None):
     q, kx, vx, mu = _store(cfg, q, kx, vx, mu)
-    o, lse = _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg)
-    return o, (q, kx, vx, bd, kval, mu, ell, C, o, lse)
+    o, lse = _fwd_call(q, C, mu, ell, kx, vx, kval, bd, cfg, docs)
+    return o, (q, kx, vx, bd, kval, mu, ell, C, o, lse, docs)
 
 
 def _attend_bwd(cfg, res, do):
-    q, kx, vx, bd, kval, mu, ell, C, o, lse = res
+    q, kx, vx, bd, kval, mu, ell, C, o, lse, docs = res
     do = do.astype(f32)
     delta = jnp.sum(do * o, axis=-1)  # Δ = rowsum(dO ⊙ O)
     (do_s,) = _store(cfg, do)
-    dq, dbd, dmu = _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do_s, cfg)
-    dkx, dvx = _bwd_kv_call(q, kx, vx, kval, lse, delta, do_s, bd, cfg)
-    return dq, dkx, dvx, dbd, None, dmu, None, None
+    dq, dbd, dmu = _bwd_q_call(q, C, mu, ell, kx, vx, kval, bd, lse, delta, do_s, cfg, docs)
+    dkx, dvx = _bwd_kv_call(q, kx, vx, kval, lse, delta, do_s, bd, cfg, docs)
+    return dq, dkx, dvx, dbd, None, dmu, None, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -645,7 +737,8 @@ def _storage_dtype(*xs):
 
 
 def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
-                       block_q: int | None = None, block_s: int | None = None, block_v: int | None = None):
+                       block_q: int | None = None, block_s: int | None = None, block_v: int | None = None,
+                       packed: dict | None = None):
     """Same contract as ``vq_cache_attention_reference(q_u, bd, k_hat, z, v, C, state, L=L, M=M)`` and
     :func:`pallas_kernels.vq_cache.vq_cache_attention`: q_u, k_hat [B,H,T,Dk]; bd [B,H,T,M+1]; z int32 [B,H,T];
     v [B,H,T,Dv]; C [H,S,Dk]; state with a band of M tokens; 1 <= M <= L. Returns (o [B,H,T,Dv], new_state).
@@ -653,7 +746,15 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     a float32 codebook is used as given.
 
     Compiled for 'cuda' (Triton) unless ``interpret=True`` (Pallas interpret mode, any backend). ``block_q``,
-    ``block_s``, ``block_v`` override the tiles of :func:`choose_tiles`."""
+    ``block_s``, ``block_v`` override the tiles of :func:`choose_tiles`.
+
+    ``packed`` (a packed row, docs/methods/transformer_vq.md §2.8, §9): the caller's per-block caches and document
+    arrays (``longctx.attention.transformer_vq.xla.kernel_packed``: ``cmu``, ``cn``, ``qdoc``, ``qwin``,
+    ``qcache``, ``kdoc``) replace Phase 1's cache and the key validity: every product is masked to the query's
+    document, and ``dk̂`` is taken only from the queries whose own window holds the key (``qwin``; the key-side
+    pass also visits the row block after the next for them). The state's band keys and values still form extended
+    block 0 (``kdoc`` says which of its slots the call continues); its ``pos`` is not read. Returns
+    (o, None): the caller forms the packed row's new state."""
     B, H, T, Dk = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
     dt = float_dtype(q_u, v)
@@ -678,17 +779,24 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     # Stage 0 / Phase 1 (XLA): extended arrays (band = extended block 0), lag-2 per-code cache, key validity.
     kx = jnp.concatenate([pad_left(st["band_k"], 2, L), pad_to(k_hat.astype(dt), 2, Tp)], axis=2)
     vx = jnp.concatenate([pad_left(st["band_v"], 2, L), pad_to(v.astype(dt), 2, Tp)], axis=2)
-    zx = jnp.concatenate([pad_left(st["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
-    band_pos = pos - L + jnp.arange(L)
-    band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
-    validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
-    vb = vx.reshape(B, H, R + 1, L, Dv)[:, :, :R]
-    zb = zx.reshape(B, H, R + 1, L)[:, :, :R]
-    bmu, bn = code_summary(zb, vb, validx[:R], S)  # extended blocks 0..R-1
-    agg_n = jax.lax.stop_gradient(st["agg_n"])
-    items_mu = jnp.concatenate([st["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
-    items_n = jnp.concatenate([agg_n[:, :, None], bn[:, :, : R - 1]], axis=2)
-    cmu, cn = prefix_reduce(items_mu, items_n, "serial")  # [B,H,R,S,Dv], [B,H,R,S]: cache of query block n
+    if packed is None:
+        zx = jnp.concatenate([pad_left(st["band_z"], 2, L), pad_to(z, 2, Tp)], axis=2)
+        band_pos = pos - L + jnp.arange(L)
+        band_valid = (band_pos >= 0) & (jnp.arange(L) >= L - M)  # left padding of the M-slot band is invalid
+        validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).reshape(R + 1, L)
+        vb = vx.reshape(B, H, R + 1, L, Dv)[:, :, :R]
+        zb = zx.reshape(B, H, R + 1, L)[:, :, :R]
+        bmu, bn = code_summary(zb, vb, validx[:R], S)  # extended blocks 0..R-1
+        agg_n = jax.lax.stop_gradient(st["agg_n"])
+        items_mu = jnp.concatenate([st["agg_mu"][:, :, None], bmu[:, :, : R - 1]], axis=2)
+        items_n = jnp.concatenate([agg_n[:, :, None], bn[:, :, : R - 1]], axis=2)
+        cmu, cn = prefix_reduce(items_mu, items_n, "serial")  # [B,H,R,S,Dv], [B,H,R,S]: cache of query block n
+        docs = None
+    else:  # the caller's caches; every key's validity is its document's (kdoc)
+        cmu, cn = packed["cmu"], packed["cn"]
+        validx = jnp.ones((R + 1, L), bool)
+        docs = {name: jnp.broadcast_to(packed[name][:, None], (B, H) + packed[name].shape[1:]).reshape(BH, -1)
+                for name in ("qdoc", "qwin", "qcache", "kdoc")}
     ell = pad_to(log_count(jax.lax.stop_gradient(cn)).astype(f32), 3, Sp, NEG)
     cmu = pad_to(cmu, 3, Sp)
     cdt = C.dtype if C.dtype == sdt else f32  # the cache scores' operands (a float32 codebook is not rounded)
@@ -701,8 +809,10 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     cfg = _Cfg(H=H, L=L, M=M, tq=tq, ts=ts, tv=tv, Sp=Sp, sdt=jnp.dtype(sdt).name, interpret=bool(interpret),
                num_stages=tiles["num_stages"], warps=tuple((k, p["num_warps"]) for k, p in tiles["plan"].items()))
     o = _attend(flat(pad_to(q_u.astype(dt), 2, Tp)), flat(kx), flat(vx), flat(bdp), validx.reshape(-1).astype(f32),
-                flat(cmu.astype(f32)), flat(ell), Cp, cfg)
+                flat(cmu.astype(f32)), flat(ell), Cp, cfg, docs)
     o = o.reshape(B, H, Tp, Dv)[:, :, :T].astype(dt)
+    if packed is not None:
+        return o, None
     new_state = final_state(st, k_hat.astype(dt), z, v.astype(dt), T, M, S)
     return o, new_state
 

@@ -334,8 +334,9 @@ def test_gradients_match_reference(x64, form, L, M):
 @pytest.mark.parametrize("mod", [xla_cpu, pytest.param(xla, marks=pytest.mark.slow)], ids=["xla_cpu", "xla"])
 def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mod):
     """causal_blocks (tiled scan, FlashAttention-style backward) == causal_parallel (serial): output, new state and
-    the gradients of both with respect to the inputs and the carried state, for ragged T and pos > 0 (the shared
-    law differentiates the empty state's calls only)."""
+    the gradients of both with respect to the inputs and the carried state (its counts ``agg_n`` too: they reach the
+    output through the cache's log counts), for ragged T and pos > 0 (the shared law differentiates the empty state's
+    calls only)."""
     keep_budget = 1 << 30 if keep else -1  # causal_blocks keeps at most this many scores (-1: never)
     d = make_inputs(T=T, M=M, S=6, Dv=3)
     B, H, _, Dk = d["q"].shape
@@ -349,8 +350,8 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mo
     q_u, q_v, bd = derived(d)
     k_hat, z, _, _ = tvq.stvq(d["k"], d["C"])
 
-    def run(which, q_u, q_v, r, k_hat, v, band_v, agg_mu):
-        s = dict(st, band_v=band_v, agg_mu=agg_mu)
+    def run(which, q_u, q_v, r, k_hat, v, band_v, agg_mu, agg_n):
+        s = dict(st, band_v=band_v, agg_mu=agg_mu, agg_n=agg_n)
         if which == "blocks":
             o, ns = mod.causal_blocks(q_u, q_v, r, k_hat, z, v, d["C"], s, L=L, M=M, q_tile=q_tile,
                                       keep_budget=keep_budget)
@@ -358,15 +359,15 @@ def test_blocks_equal_parallel_with_carried_state(x64, T, L, M, q_tile, keep, mo
             o, ns = tvq.causal_parallel(q_u, tvq.band_scores(q_v, r), k_hat, z, v, d["C"], s, L=L, M=M)
         return jnp.sum(o * w) + jnp.sum(jnp.sin(ns["agg_mu"])) + jnp.sum(ns["band_v"] ** 2), (o, ns)
 
-    f = jax.jit(jax.value_and_grad(run, argnums=tuple(range(1, 8)), has_aux=True), static_argnums=0,
+    f = jax.jit(jax.value_and_grad(run, argnums=tuple(range(1, 9)), has_aux=True), static_argnums=0,
                 compiler_options=FAST)
-    args = (q_u, q_v, d["r"], k_hat, d["v"], st["band_v"], st["agg_mu"])
+    args = (q_u, q_v, d["r"], k_hat, d["v"], st["band_v"], st["agg_mu"], st["agg_n"])
     (_, (o1, n1)), g1 = f("blocks", *args)
     (_, (o2, n2)), g2 = f("parallel", *args)
     assert maxdiff(o1, o2) < 1e-12
     for key in n1:
         assert maxdiff(n1[key], n2[key]) < 1e-12, key
-    for name, a, b in zip(("q_u", "q_v", "r", "k_hat", "v", "band_v", "agg_mu"), g1, g2):
+    for name, a, b in zip(("q_u", "q_v", "r", "k_hat", "v", "band_v", "agg_mu", "agg_n"), g1, g2):
         assert maxdiff(a, b) < 1e-11, name
         assert float(jnp.abs(b).max()) > 0, name
 
@@ -673,9 +674,10 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
 
 
 def test_packed_rows_refused_where_not_served():
-    """The implementations without a packed form (the kernel) refuse a packed row in one line naming segment ids;
-    'auto' takes the linear packed forms where they serve (a GPU too: a large call the tiled one, whatever the
-    reduction, a smaller one the one-shot one; the encoder too), the quadratic
+    """The kernel's TPU form (and so the kernel on a CPU, which runs that form in interpret mode) refuses a packed
+    row in one line naming segment ids; 'auto' takes the kernel's GPU form for a packed row on a GPU where it takes it
+    for an unpacked one (a block or more: the cache is serial whatever the reduction), elsewhere the linear packed
+    forms where they serve (a large call the tiled one, a smaller one the one-shot one; the encoder too), the quadratic
     reference on a CPU only (a band longer than a block), the streaming form for a packed decoding step on a GPU;
     a packed causal call returns the state of its last document under its id."""
     q, k, v = qkv(12, seed=3)
@@ -687,8 +689,11 @@ def test_packed_rows_refused_where_not_served():
     with pytest.raises(dispatch.KernelUnsupportedError, match="segment ids"):
         _kernel_sized(platform="tpu", impl="pallas").implementation_for(T=256, **packed)
     for over in (dict(), dict(reduction="matmul")):
-        assert _kernel_sized(platform="cuda", **over).implementation_for(T=1 << 16, **packed).name == "blocks"
-        assert _kernel_sized(platform="cuda", **over).implementation_for(T=1 << 12, **packed).name == "parallel"
+        for T in (1 << 16, 1 << 12, 128):
+            assert _kernel_sized(platform="cuda", **over).implementation_for(T=T, **packed).name == "pallas"
+        assert _kernel_sized(platform="tpu", **over).implementation_for(T=1 << 16, **packed).name == "blocks"
+        assert _kernel_sized(platform="tpu", **over).implementation_for(T=1 << 12, **packed).name == "parallel"
+    assert _kernel_sized(platform="cuda").implementation_for(T=64, **packed).name == "stream"  # shorter than a block
     with pytest.raises(dispatch.KernelUnsupportedError, match="mem_len <= block_len"):  # not the quadratic stream
         _kernel_sized(platform="cuda", mem_len=256).implementation_for(T=1 << 12, **packed)
     assert _kernel_sized(platform="cuda").implementation_for(T=1, carried=True, **packed).name == "stream"
@@ -945,3 +950,39 @@ def test_packed_forms_take_the_compute_dtype(impl):
     v = jnp.ones((2, 2, T, Dv), jnp.bfloat16)
     found = defects(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, q, v).jaxpr, {Dk, Dv})
     assert not found, "float32 matmul operands:\n  " + "\n  ".join(found[:8])
+
+
+class _GpuFormInInterpretMode:
+    """A ``pallas`` core whose calls run the kernel's GPU form in interpret mode (the selection's platform is the
+    CPU's, whose kernel is the TPU form): prepare, the ``pallas`` runner with ``platform='cuda'``, finish."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def init_state(self, *args, **kwargs):
+        return self.core.init_state(*args, **kwargs)
+
+    def __call__(self, q, k, v, state=None, **extra):
+        import dataclasses
+
+        core = self.core
+        call, shapes = core.prepare(q, k, v, state, deterministic=True, key=None, **extra)
+        runner, choice = core.runner(**{**shapes, "segments": False})  # the CPU's selection, with no segment ids
+        assert choice.name == "pallas"
+        return core.finish(call, runner(core, dataclasses.replace(call, platform="cuda", interpret=True)))
+
+
+@pytest.mark.slow
+def test_packed_law_through_the_gpu_kernel_in_interpret_mode():
+    """The packed-row law (tests/attention/test_packed_law.py: outputs and q, k, v gradients of each document alone,
+    fp32 and bf16, and the row fed in two calls carrying the state) for ``pallas`` running its GPU form, the form
+    that serves packed rows, through the layer (``xla.kernel_packed``, ``state.packed_final_state``)."""
+    from tests.attention.test_implementations import _build, _case
+    from tests.attention.test_packed_law import _check_packed
+
+    cls = attention.get_class("transformer_vq")
+    impl = dispatch.by_name(cls.implementations(causal=True))["pallas"]
+    case = _case(cls, "causal")
+    core = _build("transformer_vq", "causal", impl, case)
+    assert core.M <= core.L < case.length  # documents open mid-block and span blocks: the kernel's packed path
+    _check_packed(_GpuFormInInterpretMode(core), case, "transformer_vq causal pallas (GPU form)", True)

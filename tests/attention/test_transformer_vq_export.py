@@ -7,7 +7,8 @@ band bias per block, its previous / present halves, or their gradients) may appe
 from the band scores ``[.., T, M+1]`` and scatter its gradient back to that shape.
 
 The codebook has S = 256 codes so that the per-code sums' one-hot ``[.., S, L]`` (not a bias) cannot be mistaken
-for one.
+for one. The same holds for a packed row (segment ids: three documents that open mid-block), whose kernels take
+per-query and per-key document arrays and per-block caches (``xla.kernel_packed``) instead.
 
 The same GPU path, traced at a small shape, takes bfloat16 into every matmul of its kernels (the shared reader of
 tests/attention/test_compute_dtype.py over the jaxpr, kernel bodies included): the CPU run of that test traces the
@@ -19,6 +20,8 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from flax import nnx
 
 from longctx import attention
@@ -26,22 +29,24 @@ from longctx import attention
 T, L, S, H, D = 32768, 512, 256, 2, 64
 
 
-def _exported_text() -> str:
+def _exported_text(packed: bool = False) -> str:
     cfg = attention.default_config("transformer_vq")
     cfg.update({"block_len": L, "codebook_size": S})
     core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=D, causal=True, rngs=nnx.Rngs(0),
                            platform="cuda")  # 'auto' as a GPU run resolves it
-    assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16).name == "pallas"
+    assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16, segments=packed).name == "pallas"
     graphdef, params, rest = nnx.split(core, nnx.Param, ...)
 
-    def loss(params, q, k, v):
-        out, _ = nnx.merge(graphdef, params, rest)(q, k, v)
+    def loss(params, q, k, v, *seg):
+        out, _ = nnx.merge(graphdef, params, rest)(q, k, v, **({"segment_ids": seg[0]} if seg else {}))
         return jnp.sum(out.astype(jnp.float32))
 
     x = jax.ShapeDtypeStruct((1, H, T, D), jnp.bfloat16)
+    # three documents opening mid-block (at 1000 and 20000)
+    seg = (jnp.asarray(np.repeat([1, 2, 3], [1000, 19000, T - 20000])[None], jnp.int32),) if packed else ()
     exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        params, x, x, x)
+        params, x, x, x, *seg)
     return exp.mlir_module()
 
 
@@ -57,8 +62,9 @@ def _bias_shaped(text: str) -> list[str]:
     return sorted(found)
 
 
-def test_gpu_forward_backward_holds_no_band_bias_array():
-    text = _exported_text()
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["row", "packed"])
+def test_gpu_forward_backward_holds_no_band_bias_array(packed):
+    text = _exported_text(packed)
     # the kernels are in the program: the forward and the two backward passes
     assert "__gpu$xla.gpu.triton" in text and "vq_cache_gpu_bwd_q" in text and "vq_cache_gpu_bwd_kv" in text
     assert "tensor<" in text

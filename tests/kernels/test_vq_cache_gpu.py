@@ -9,6 +9,8 @@ and two backward ``pallas_call``s, no value-width grid axis, no read of the outp
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -287,7 +289,8 @@ def test_phase1_cache_is_the_reference_lag2_prefix():
     captured = {}
     orig = vq_cache_gpu._attend
 
-    def spy(q, kx, vx, bp, br, mu, ell, Cp, cfg):  # Phase 2 not run: only its inputs are checked
+    def spy(q, kx, vx, bp, br, mu, ell, Cp, cfg, docs):  # Phase 2 not run: only its inputs are checked
+        assert docs is None  # an unpacked row
         captured.update(mu=mu, ell=ell)
         return jnp.zeros(q.shape[:2] + vx.shape[-1:], jnp.float32)
 
@@ -307,3 +310,78 @@ def test_phase1_cache_is_the_reference_lag2_prefix():
     assert jnp.allclose(ell[..., :S], vq_cache_ref.log_count(p["cn"]))
     assert bool(jnp.all(ell[..., S:] == vq_cache_ref.NEG))  # padded codes are masked
     assert R == 5 and float(jnp.max(p["cn"][:, :, 0])) > 0  # the carried state fills the cache of block 0
+
+
+def _packed_layout(seg, L: int):
+    """(pairs whose key lies two row blocks back yet in the query's own window, pairs whose key lies in the previous
+    row block yet before the query's window): the packed case must have both for its dk̂ to test the window."""
+    seg = jax.device_get(seg)
+    two_back = before = 0
+    for row in seg:
+        starts = [next(j for j in range(i + 1) if all(row[j:i + 1] == row[i])) for i in range(len(row))]
+        for i, s in enumerate(starts):
+            win = s + ((i - s) // L - 1) * L  # the query's window start (row position)
+            for j in range(s, i + 1):
+                two_back += j // L == i // L - 2 and j >= win
+                before += j // L == i // L - 1 and j < win
+    return two_back, before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("M,carried,block_v,dtype", [(3, False, 4, jnp.float32), (4, True, 8, jnp.float32),
+                                                     (3, True, 4, jnp.bfloat16)])
+def test_packed_rows_equal_the_packed_xla_form(M, carried, block_v, dtype):
+    """A packed row (documents of 3, 9 and 6 tokens in two orders; L = 4, so documents open mid-block) through the GPU
+    form in interpret mode (``packed``: ``xla.kernel_packed``'s caches and document arrays) equals the packed
+    one-shot XLA form (``xla.causal_packed``, each document on its own grid): the output and the gradients of q_u,
+    the band scores, k̂ and v, from the empty state and from a carried one that the first row's first document
+    continues (two value-width slices, or one)."""
+    import numpy as np
+
+    from longctx.attention.base import continues_state
+    from longctx.attention.transformer_vq import xla
+
+    B, H, Dk, Dv, S, L, T = 2, 2, 8, 8, 5, 4, 18
+    seg = jnp.asarray(np.stack([np.repeat(np.arange(1, 4), r) for r in ([3, 9, 6], [9, 6, 3])]), jnp.int32)
+    assert all(n > 0 for n in _packed_layout(seg, L))
+    ks = jax.random.split(jax.random.PRNGKey(0), 12)
+    n = lambda i, *s: jax.random.normal(ks[i], s)  # noqa: E731
+    q_u, k, v, C, bd = n(0, B, H, T, Dk), n(1, B, H, T, Dk), n(2, B, H, T, Dv), n(3, H, S, Dk), 0.3 * n(4, B, H, T, M + 1)
+    k_hat, z, _, _ = xla.stvq(k, C)
+    w = n(10, B, H, T, Dv)
+    if carried:  # row 0 continues its carried document (seen = 7 > M: a whole band), row 1 starts afresh
+        state = {"pos": jnp.int32(7), "band_k": n(5, B, H, M, Dk), "band_v": n(6, B, H, M, Dv),
+                 "band_z": jax.random.randint(ks[7], (B, H, M), 0, S), "agg_mu": n(8, B, H, S, Dv),
+                 "agg_n": jax.random.randint(ks[9], (B, H, S), 0, 3).astype(jnp.float32)}
+        doc, seen = jnp.array([1, 0], jnp.int32), jnp.array([7, 0], jnp.int32)
+    else:
+        state = vq_cache_ref.cast_state(jax.tree.map(jnp.zeros_like, {
+            "pos": jnp.int32(0), "band_k": n(5, B, H, M, Dk), "band_v": n(6, B, H, M, Dv),
+            "band_z": jnp.zeros((B, H, M), jnp.int32), "agg_mu": n(8, B, H, S, Dv), "agg_n": n(9, B, H, S)}), jnp.float32)
+        doc, seen = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
+    cont = continues_state(doc, seg)
+    assert bool(cont[0, 0]) == carried and not bool(cont[1, 0])
+
+    def loss(kernel, q_u, bd, k_hat, v):
+        if kernel:
+            packed = xla.kernel_packed(z, v, state, seen, cont, L=L, M=M, S=S, segment_ids=seg)
+            band = {"band_k": state["band_k"].astype(dtype), "band_v": state["band_v"].astype(dtype)}
+            o, new = vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C.astype(dtype), {**state, **band}, L=L,
+                                                     M=M, interpret=True, block_q=2, block_s=4, block_v=block_v,
+                                                     packed=packed)
+            assert new is None
+        else:
+            o = xla.causal_packed(q_u, bd, k_hat, z, v, C, L=L, M=M, segment_ids=seg, state=state, seen=seen,
+                                  continues=cont)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    args = (q_u.astype(dtype), bd, k_hat.astype(dtype), v.astype(dtype))
+    grad = lambda kernel: jax.jit(jax.value_and_grad(functools.partial(loss, kernel), argnums=(0, 1, 2, 3),  # noqa
+                                                     has_aux=True))
+    (_, o1), g1 = grad(True)(*args)
+    (_, o2), g2 = grad(False)(*(x.astype(jnp.float32) for x in args))
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    for name, a, b in zip(("o", "dq_u", "dbd", "dk_hat", "dv"), (o1,) + tuple(g1), (o2,) + tuple(g2)):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        scale = float(jnp.abs(b).max())
+        assert scale > 0 and float(jnp.abs(a - b).max()) <= tol * max(scale, 1.0), name

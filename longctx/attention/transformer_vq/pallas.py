@@ -2,6 +2,10 @@
 (``pallas_kernels/vq_cache.py``: TPU; ``vq_cache_gpu.py``: GPU; interpret mode on a CPU when named) for the causal
 block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9).
 
+A packed row (segment ids, §2.8) runs the GPU form only (``platform='cuda'``), with the per-block caches and
+document arrays of ``xla.kernel_packed`` and the new state of ``state.packed_final_state``; the TPU form (which a
+CPU runs in interpret mode) folds the cache inside its kernel across the row and refuses a packed row in one line.
+
 'auto' tries it first on a GPU / TPU (never on a CPU), for the calls the size rule gives the block-parallel or tiled
 form (:func:`prefer`: ``xla.preferred_form``); :func:`reasons` then says whether it serves the call. Named, it runs
 every causal call it serves (decoding steps shorter than a block too).
@@ -21,15 +25,25 @@ from jax.sharding import PartitionSpec as P
 from longctx.attention import dispatch, row_split
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
+from longctx.attention.transformer_vq.state import packed_final_state
 from pallas_kernels import vq_cache
+from pallas_kernels.vq_cache_ref import cast_state, float_dtype
+
+# the TPU form's cache is a running mean folded inside the kernel along the row (its backward steps the counts back
+# exactly), which does not restart at a document; the GPU form takes its caches from XLA
+TPU_SEGMENTS_REASON = ("packed rows (segment ids): the TPU form of the kernel (a CPU runs it in interpret mode) folds "
+                       "the compressive cache along the row inside the kernel; its GPU form (cuda) serves them, and "
+                       "so do impl='reference', 'parallel', 'blocks', 'stream' and the XLA:CPU one")
 
 
 def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="float32", reduction: str = "serial",
             segments: bool = False, **_) -> list[str]:
     """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget), any reduction
-    but the serial one (the one it computes) and a packed row (``segments``)."""
-    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the kernel computes the serial reduction)"]
-    extra += xla.segments_reasons(platform, segments=segments)
+    but the serial one (the one it computes; a packed row's cache is serial whatever the setting) and a packed row
+    (``segments``) anywhere but on a GPU (:data:`TPU_SEGMENTS_REASON`)."""
+    extra = [] if reduction == "serial" or segments else [
+        f"reduction={reduction!r} (the kernel computes the serial reduction)"]
+    extra += [TPU_SEGMENTS_REASON] if segments and platform != "cuda" else []
     return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype))
 
 
@@ -42,7 +56,11 @@ class Pallas(dispatch.Runner):
     itself. Its matmul operands arrive in the compute dtype (the values' dtype): k̂ (``stvq`` keeps it), the
     codebook (cast here; the EMA statistics it comes from stay float32) and the carried band's keys and values
     (cast here: a band a bfloat16 call wrote holds bfloat16 values, so the cast is exact); the carried cache
-    means and counts stay float32 state."""
+    means and counts stay float32 state.
+
+    A packed row (``segment_ids``): the kernel takes ``xla.kernel_packed``'s caches and document arrays, formed per
+    shard from the shard's rows and heads, and the new state is the call's last document's
+    (``state.packed_final_state``, in XLA, as the packed XLA forms')."""
 
     search_chunk: int
 
@@ -56,21 +74,41 @@ class Pallas(dispatch.Runner):
                 {**state, **band})
         kernel = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=call.interpret,
                                    platform=call.platform)
+        seg = x["segment_ids"]
+        docs = () if seg is None else (x["seen"], x["continues"], seg)
+        if seg is not None:
+            kernel = functools.partial(_packed_kernel, kernel, L=core.L, M=core.M)
         mesh = row_split.active_mesh(*args[:5])
         bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *v.shape[:2])
         if bspec is None and hspec is None:
-            o, new = kernel(*args)
+            o, new = kernel(*args, *docs) if seg is None else (kernel(*args, *docs), None)
         else:
             bh = P(bspec, hspec)
             state_specs = {name: P() if a.ndim == 0 else bh for name, a in state.items()}  # pos; [B,H,..] the rest
-            o, new = jax.shard_map(kernel, mesh=mesh, in_specs=(bh,) * 5 + (P(hspec), state_specs),
-                                   out_specs=(bh, state_specs), check_vma=False)(*args)
+            doc_specs = (P(bspec), P(bspec), P(bspec)) if docs else ()
+            out = jax.shard_map(kernel, mesh=mesh, in_specs=(bh,) * 5 + (P(hspec), state_specs) + doc_specs,
+                                out_specs=(bh, state_specs) if seg is None else bh, check_vma=False)(*args, *docs)
+            o, new = out if seg is None else (out, None)
+        if seg is not None:
+            dt = float_dtype(x["q_u"], v)
+            new = packed_final_state(cast_state(state, dt), x["seen"], x["continues"], k_hat.astype(dt), z,
+                                     v.astype(dt), seg, M=core.M, S=C.shape[1])
         return xla.result(o, new, (z, err2, c_z), code_sums=xla.code_sums)
+
+
+def _packed_kernel(kernel, q_u, bd, k_hat, z, v, C, state, seen, continues, segment_ids, *, L: int, M: int):
+    """``kernel`` (the entry point with its platform) on a packed row: ``xla.kernel_packed``'s inputs from the
+    rows (and heads) it is given. Returns o (the caller forms the new state)."""
+    packed = xla.kernel_packed(z, v, state, seen, continues, L=L, M=M, S=C.shape[1], segment_ids=segment_ids)
+    return kernel(q_u, bd, k_hat, z, v, C, state, packed=packed)[0]
 
 
 def prefer(platform, **shapes) -> bool:
     """'auto' tries the kernel for the calls the size rule gives the block-parallel form (one-shot or tiled), not
-    the streaming ones (shorter than a block, or a band longer than one)."""
+    the streaming ones (shorter than a block, or a band longer than one); a packed row where 'auto' tries the
+    packed one-shot or tiled form (a block or more)."""
+    if shapes.get("segments"):
+        return xla.prefer_parallel(platform, **shapes) or xla.prefer_blocks(platform, **shapes)
     return xla.preferred_form(platform, **shapes) in ("parallel", "blocks")
 
 

@@ -300,7 +300,7 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
         K, V, cm, lcr, valid_p, valid_c = _block_kv(ops, i)
 
         def tile(carry, c):  # c static, as in the forward: keys beyond the tile's last query are not scored
-            dr, dK, dV, dcm = carry
+            dr, dK, dV, dcm, dlc = carry
             qt, qvt, dot = _tile_rows(qb, i, c, Lq), _tile_rows(qvb, i, c, Lq), _tile_rows(do, i, c, Lq)
             delta_t = _tile_rows(delta, i, c, Lq)[..., None]
             if keep:  # unnormalized weights and 1/den from the forward; dp's normalizer goes into do
@@ -329,28 +329,29 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
             dK = dK.at[..., :nk].add(_acc_matmul_tn(t, qt_t, ds_lc))  # the codebook takes no gradient
             dV = dV.at[..., :nk].add(_acc_matmul_tn(t, dow_t, p_l.astype(cd)))
             dcm = dcm + _acc_matmul_tn(t, dow_t, p_c.astype(cd))
+            dlc = dlc + jnp.sum(ds_c, axis=-2)  # the log counts are added to the code scores
             # the bias is linear in bdt: its transpose needs only bdt's shape
             _, bias_t = jax.vjp(lambda b: _tile_bias(b, c * Lq, L), jnp.zeros(bdt_shape, ds_l.dtype))
             (dbd,) = bias_t(ds_l)
             dbd = dbd.astype(cd)
             dqv = _mm("bhln,bhnd->bhld", dbd, r)
             dr = dr + _acc_matmul_tn(t, qvt_t, dbd)  # transposed too: [B, H, Dk, M+1]
-            return (dr, dK, dV, dcm), (dq, dqv)
+            return (dr, dK, dV, dcm, dlc), (dq, dqv)
 
         zt = lambda x: jnp.zeros_like(jnp.swapaxes(x, -1, -2), delta.dtype)  # noqa: E731 -- float32 sums
-        carry = (dr, zt(K), zt(V), zt(cm))
+        carry = (dr, zt(K), zt(V), zt(cm), jnp.zeros_like(lcr, delta.dtype))
         grads = []
         for c in range(L // Lq):
             carry, g = tile(carry, c)
             grads.append(g)
-        dr, dK, dV, dcm = carry
+        dr, dK, dV, dcm, dlc = carry
         dq, dqv = (jnp.stack(x) for x in zip(*grads))
         # the key-side gradients leave the loop as accumulated, [.., D, keys]: each block's swap to keys-major
         # was a transposing write into the stacked outputs (at 16k, 64 blocks, ~7 % of a train step); after
         # the loop one swap per array goes into the pass that adds the blocks' two halves (ext)
-        return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:])
+        return dr, (dq, dqv, dK[..., :L], dK[..., L:], dcm, dV[..., :L], dV[..., L:], dlc)
 
-    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc) = jax.lax.scan(
+    drt, (dq, dqv, dkp, dkc, dcmt, dvp, dvc, dlc) = jax.lax.scan(
         block, jnp.zeros_like(jnp.swapaxes(r, -1, -2), delta.dtype), (jnp.arange(R), kept))
     dr = jnp.swapaxes(drt, -1, -2)
     dcm = jnp.swapaxes(dcmt, -1, -2)
@@ -363,8 +364,10 @@ def _vq_blocks_bwd(t: TileOps, Lq, keep, res, do):
     def rows(x):  # [R, nt, B,H,Lq,.] -> [B,H,R,L,.]
         return jnp.moveaxis(x, (0, 1), (2, 3)).reshape(B, H, R, L, -1)
 
-    cts = (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2))
-    return tuple(g.astype(x.dtype) for g, x in zip(cts, (qb, qvb, r, kx, vx, cmu))) + (None, None, None)
+    # the log counts' cotangent (the code scores' dS summed over the queries) reaches the counts, a carried agg_n's
+    # too, as the one-shot form's autodiff does (a None here also failed the transpose of the cache's serial scan)
+    cts = (rows(dq), rows(dqv), dr, ext(dkp, dkc), ext(dvp, dvc), jnp.moveaxis(dcm, 0, 2), jnp.moveaxis(dlc, 0, 2))
+    return tuple(g.astype(x.dtype) for g, x in zip(cts, (qb, qvb, r, kx, vx, cmu, lc))) + (None, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -569,15 +572,11 @@ def _prefix_groups(s_c, zb, vb, qstart, qrel, *, T: int, L: int, S: int, cd, ops
              mu.astype(cd)) for mu, n, reads in _prefix_caches(zb, vb, qstart, qrel, T=T, L=L, S=S, ops=ops)]
 
 
-def _prefix_caches(zb, vb, qstart, qrel, *, T: int, L: int, S: int, ops: Ops = PLAIN):
-    """The caches of the packed block-parallel forms (§2.8): a query of document block n >= 2 reads its
-    document's keys before (n-1)L through the code summaries. Only the document holding a row block's first token
-    can (a cache needs a relative position of 2L or more), at one of two cut-offs (n takes two values in a block):
-    each its running summary up to a row block edge (a serial scan over the row blocks that restarts where a
-    document opens) merged with the summary of the part of the cut-off's row block before it. ``zb``, ``vb``: codes
-    and values (the statistics' dtype) [B, H, R, L, .]; ``qstart``, ``qrel``: each position's document start and
-    position in it [B, R, L]. Returns two (means [B, H, R, S, Dv], counts [B, H, R, S], which queries read them
-    [B, R, L])."""
+def _open_runs(zb, vb, qstart, *, T: int, L: int, S: int, ops: Ops = PLAIN):
+    """The running code summaries of a packed row's documents at its row block edges: for each row block m, (means
+    [B, H, R, S, Dv], counts [B, H, R, S]) of the document open at the end of row block m-1 over its keys before row
+    block m (a serial scan over the row blocks that restarts where a document opens; empty for m = 0). ``zb``,
+    ``vb``: codes and values [B, H, R, L, .]; ``qstart``: each position's document start [B, R, L]."""
     B, H, R = vb.shape[:3]
     pos = jnp.arange(R * L, dtype=jnp.int32)
     posb, validb = pos.reshape(R, L), pos.reshape(R, L) < T
@@ -591,7 +590,20 @@ def _prefix_caches(zb, vb, qstart, qrel, *, T: int, L: int, S: int, ops: Ops = P
 
     empty = (jnp.zeros((B, H, S, vb.shape[-1]), vb.dtype), jnp.zeros((B, H, S), vb.dtype))
     _, runs = jax.lax.scan(step, empty, (jnp.moveaxis(last[0], 2, 0), jnp.moveaxis(last[1], 2, 0), goes_on.T))
-    runs = tuple(jnp.moveaxis(x, 0, 2) for x in runs)  # [B, H, R, ...]: the open document before row block m
+    return tuple(jnp.moveaxis(x, 0, 2) for x in runs)  # [B, H, R, ...]: the open document before row block m
+
+
+def _prefix_caches(zb, vb, qstart, qrel, *, T: int, L: int, S: int, ops: Ops = PLAIN):
+    """The caches of the packed block-parallel forms (§2.8): a query of document block n >= 2 reads its
+    document's keys before (n-1)L through the code summaries. Only the document holding a row block's first token
+    can (a cache needs a relative position of 2L or more), at one of two cut-offs (n takes two values in a block):
+    each its running summary up to a row block edge (a serial scan over the row blocks that restarts where a
+    document opens) merged with the summary of the part of the cut-off's row block before it. ``zb``, ``vb``: codes
+    and values (the statistics' dtype) [B, H, R, L, .]; ``qstart``, ``qrel``: each position's document start and
+    position in it [B, R, L]. Returns two (means [B, H, R, S, Dv], counts [B, H, R, S], which queries read them
+    [B, R, L])."""
+    R = vb.shape[2]
+    runs = _open_runs(zb, vb, qstart, T=T, L=L, S=S, ops=ops)
     # the two cut-offs of each query block's first document, and which queries read which
     d0, k0 = qstart[:, :, 0], qrel[:, :, 0] // L  # [B, R]
     cache_of = (qstart == d0[..., None]) & (qrel // L >= 2)  # [B, R, L]
@@ -727,6 +739,47 @@ def carried_groups(qb, s_c, bd0, state, seen, continues, *, M: int, cd, ops: Ops
     valid = (seen[:, None] - M + jnp.arange(M)[None, :] >= 0)[:, None, None, None, :]  # [B, 1, 1, 1, M]
     bv = jnp.broadcast_to(state["band_v"][:, :, None].astype(cd), (B, H, R) + state["band_v"].shape[2:])
     return [cache, (s_b, on & valid, bv)]
+
+
+def kernel_packed(z, v, state, seen, continues, *, L: int, M: int, S: int, segment_ids, ops: Ops = PLAIN) -> dict:
+    """What the kernel (``pallas_kernels.vq_cache_gpu``, its ``packed`` argument) takes for a causal packed row
+    (§2.8, §9): the row's own block grid with every attention masked to the query's document, and per row block n
+    one cache, that of the document holding the block's first token over its keys before row block n-1 (lag 2 on
+    the row's grid; :func:`_open_runs`, the packed forms' running summaries), merged after the carried document's
+    cache (and, from row block 1 on, its band) where that document continues. A query attends exactly to its
+    document's keys of the row blocks n-1 and n: forward, the same as its own grid's split into window and cache
+    (a key's logit ``q·k̂`` equals its code's ``q·C``; the band bias reaches distances up to M <= L only, inside
+    both windows), so only the keys' gradients differ: the kernel gives ``dk̂`` only for the keys of the query's
+    own window (from ``qwin`` on, row blocks n-2..n) and takes none from the others.
+
+    ``state``: the forms' layout (the carried document's band and cache), ``seen`` [B] its length so far,
+    ``continues`` [B, T] the tokens that continue it. Returns ``cmu`` [B, H, R, S, Dv] and ``cn`` [B, H, R, S]
+    (each row block's cache, the statistics' dtype), per query [B, R·L] int32 ``qdoc`` (its document's start),
+    ``qwin`` (its window's start, in the kernel's extended positions: the carried band is extended block 0) and
+    ``qcache`` (1: it reads its block's cache), and per extended key [B, (R+1)·L] int32 ``kdoc`` (its document's
+    start; -1: no query's, a padding key or a band slot the call does not continue)."""
+    B, H, T, _ = v.shape
+    dt = float_dtype(v)
+    st = cast_state(state, dt)
+    R, Tp, start, valid, rel = _row_grid(segment_ids, L)
+    qstart = _blocked(start, 1, R, L)
+    zb, vb = _blocked(pad_to(z, 2, Tp), 2, R, L), _blocked(pad_to(v.astype(dt), 2, Tp), 2, R, L)
+    runs = _open_runs(zb, vb, qstart, T=T, L=L, S=S, ops=ops)
+    d0 = qstart[:, :, 0]  # [B, R]: the document of each row block's first token
+    use = (d0 < (jnp.arange(R) - 1) * L)[:, None, :, None]  # it has keys before row block n-1
+    row = tuple(jnp.where(use[..., None] if x.ndim == 5 else use, pad_left(x[:, :, :-1], 2, R), 0.0) for x in runs)
+    first = continues[:, 0]  # [B]: the row opens with the carried document
+    slot_ok = first[:, None] & (seen[:, None] - M + jnp.arange(M)[None, :] >= 0)  # [B, M]: its band's valid slots
+    late = merge((st["agg_mu"], st["agg_n"]), code_summary(st["band_z"], st["band_v"], slot_ok[:, None], S, ops))
+    block0 = (jnp.arange(R) == 0)[:, None]  # row block 0 reads the band exactly (its previous block), not cached
+    carried = (jnp.where(block0[..., None], st["agg_mu"][:, :, None], late[0][:, :, None]),
+               jnp.where(block0, st["agg_n"][:, :, None], late[1][:, :, None]))
+    on = (first[:, None] & (d0 == 0))[:, None, :, None]  # [B, 1, R, 1]
+    cmu, cn = merge((jnp.where(on[..., None], carried[0], 0.0), jnp.where(on, carried[1], 0.0)), row)
+    kband = jnp.where(pad_left(slot_ok, 1, L, False), 0, -1)  # [B, L]: the carried document starts at 0
+    return {"cmu": cmu, "cn": cn, "qdoc": start, "qwin": start + (rel // L) * L,
+            "qcache": (start == jnp.repeat(d0, L, axis=1)).astype(jnp.int32),
+            "kdoc": jnp.concatenate([kband, jnp.where(valid[None], start, -1)], axis=1).astype(jnp.int32)}
 
 
 def causal_packed_blocks(q_u, q_v, r, k_hat, z, v, C, *, L: int, M: int, segment_ids, ops: Ops = PLAIN, state=None,
@@ -946,16 +999,6 @@ code_sums = PLAIN.code_sums  # the per-code sums of the EMA statistics (the laye
 
 
 # ----------------------------------------------------------------------------- the declarations
-SEGMENTS_REASON = ("packed rows (segment ids): only impl='reference', 'parallel', 'blocks', 'stream', 'encoder' and "
-                   "the XLA:CPU one restart Transformer-VQ's blocks, cache and band at each document")
-
-
-def segments_reasons(platform, *, segments: bool = False, **_) -> list[str]:
-    """What the implementations without a packed form refuse: a packed row (``segments``; their block grid, cache
-    and band are the row's, not each document's)."""
-    return [SEGMENTS_REASON] if segments else []
-
-
 def band_reasons(platform, *, L: int, M: int, **_) -> list[str]:
     """What the block-parallel forms refuse: a band longer than a block."""
     return [] if M <= L else [f"the block-parallel form needs mem_len <= block_len (got M={M} > L={L})"]
@@ -1069,7 +1112,7 @@ def _by_name() -> dict:
     return dispatch.by_name(IMPLEMENTATIONS)
 
 __all__ = ["DEFAULTS", "IMPLEMENTATIONS", "PLAIN_TILES", "REDUCTION", "REDUCTIONS", "SEARCH", "SEARCH_CHUNK",
-           "SEGMENTS_REASON", "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "attend_packed", "band_reasons", "carried_groups", "causal_packed_short", "band_scores", "blocks_reasons", "causal_blocks",
+           "Blocks", "Encoder", "Form", "Parallel", "Stream", "TileOps", "attend", "attend_packed", "band_reasons", "carried_groups", "causal_packed_short", "band_scores", "blocks_reasons", "causal_blocks",
            "causal_packed", "causal_packed_blocks", "causal_parallel", "causal_stream", "code_sums", "encoder_packed", "encoder_parallel", "form_for", "gather_codes", "is_form",
-           "nearest", "parallel_reasons", "prefer_blocks", "prefer_parallel", "prefer_stream", "preferred_form", "result",
-           "segments_reasons", "stvq"]
+           "kernel_packed", "nearest", "parallel_reasons", "prefer_blocks", "prefer_parallel", "prefer_stream", "preferred_form", "result",
+           "stvq"]
