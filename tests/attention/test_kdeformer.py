@@ -150,20 +150,49 @@ def _value_and_grads(core, q, k, v, w, key):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
-def test_heavy_band_route_with_one_code_equals_the_reference():
+@pytest.mark.parametrize("impl", ["band", pytest.param("pallas", marks=pytest.mark.slow)])  # pallas: interpret mode
+def test_heavy_band_route_with_one_code_equals_the_reference(impl):
     """'band' scores exactly the heavy sets: with num_projs=0 (one code) every band is the b_h keys before the
-    window and the tiles' spans overlap most; blocks of 8 give several tiles and pairs per tile. (num_projs=3:
-    the shared law, tests/attention/test_implementations.py.)"""
+    window and the tiles' spans overlap most; blocks of 8 give several tiles and pairs per tile; the XLA form
+    (``band``) and the kernel (``pallas``). (num_projs=3: the shared law, tests/attention/test_implementations.py.)"""
     cc = dict(SMALL, num_projs=0)
     q, k, v = qkv(64, seed=47)
     key = jax.random.PRNGKey(48)
     w = jax.random.normal(jax.random.PRNGKey(49), v.shape)
     (_, out_r), grads_r = _value_and_grads(make(True, causal=cc, impl="reference"), q, k, v, w, key)
-    (_, out_b), grads_b = _value_and_grads(make(True, causal=cc, impl="band", heavy_band_block=8), q, k, v, w, key)
+    (_, out_b), grads_b = _value_and_grads(make(True, causal=cc, impl=impl, heavy_band_block=8), q, k, v, w, key)
     assert maxdiff(out_r, out_b) < 1e-5
     for a, b_ in zip(grads_r, grads_b):
         assert maxdiff(a, b_) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(a))))
     assert maxdiff(out_r, dense(q, k, v, True)) > 1e-2
+
+
+@pytest.mark.slow  # interpret mode
+def test_band_kernel_at_256_tokens_equals_the_xla_band():
+    """``pallas`` at 256 tokens: 32 sorted-query tiles against 32 key blocks of 8 (heavy sets of 12 span block
+    edges), 'ref' samples, a packed row of three documents too: equal to the XLA form of the same route in outputs
+    and gradients."""
+    cc = dict(SMALL, chunk_size=16, heavy_capacity=12, num_projs=2, num_samples=8, sampling="ref")
+    q, k, v = qkv(256, seed=61, b=1)
+    key = jax.random.PRNGKey(62)
+    w = jax.random.normal(jax.random.PRNGKey(63), v.shape)
+    seg = jnp.asarray(np.repeat([1, 2, 3], [100, 37, 119])[None], jnp.int32)
+    for segment_ids in (None, seg):
+        outs = []
+        for impl in ("band", "pallas"):
+            core = make(True, causal=cc, impl=impl, heavy_band_block=8, tile_budget=4096)
+            graphdef, st = nnx.split(core)
+
+            def loss(q, k, v, graphdef=graphdef, st=st, segment_ids=segment_ids):
+                o, _ = nnx.merge(graphdef, st)(q, k, v, deterministic=False, key=key, segment_ids=segment_ids)
+                return jnp.sum(o * w), o
+
+            outs.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v))
+        (_, out_x), grads_x = outs[0]
+        (_, out_p), grads_p = outs[1]
+        assert maxdiff(out_x, out_p) < 1e-5
+        for a, b_ in zip(grads_x, grads_p):
+            assert maxdiff(a, b_) < 1e-5 * max(1.0, float(jnp.max(jnp.abs(a))))
 
 
 @pytest.mark.parametrize("codes", ["one", "two", "random", "skewed"])
@@ -526,12 +555,19 @@ def test_padded_keys_get_zero_weight_and_zero_gradient():
 # --------------------------------------------------------------------------- config
 @pytest.mark.parametrize("bad", [{"bucket_size": 0}, {"gray_order": "up"}, {"sampling": "paper_mc"},
                                  {"causal": {"chunk_size": 0}}, {"causal": {"local_chunks": 0}},
-                                 {"causal": {"sampling": "ref2"}}, {"num_projs": 40}, {"impl": "pallas"},
+                                 {"causal": {"sampling": "ref2"}}, {"num_projs": 40}, {"impl": "triton"},
                                  {"impl": "xla_cpu"}, {"heavy_impl": "reference"}, {"tile_budget": -1},
                                  {"heavy_band_block": -1}, {"heavy_scores_max_len": -1}])
 def test_bad_config_raises(bad):
     with pytest.raises(ConfigError):
         make(True, **bad)
+
+
+def test_the_band_kernel_is_causal_only():
+    """``pallas`` (the band kernel) is a causal implementation: a bidirectional core refuses the name."""
+    make(True, impl="pallas")
+    with pytest.raises(ConfigError, match="pallas"):
+        make(False, impl="pallas")
 
 
 def test_bidirectional_core_takes_no_state():
@@ -556,6 +592,35 @@ def test_bidirectional_core_takes_no_state():
 def test_execution_settings_select_implementations(is_causal, cfg, platform, cache_len, full_pass, want):
     core = make(is_causal, causal=SMALL, platform=platform, **cfg)
     assert core.implementation_for(jnp.float32, cache_len=cache_len, full_pass=full_pass) == want
+
+
+@pytest.mark.parametrize("head_dim,cfg,platform,cache_len,full_pass,want", [
+    (64, {}, "cuda", 4096, True, "pallas"),  # a full pass whose route is 'band': the kernel
+    (64, {}, "cuda", 2048, True, "xla"),  # 'scores' up to heavy_scores_max_len (cuda 2048)
+    (64, {}, "cuda", 4096, False, "xla"),  # a call with a state gathers
+    (64, {"heavy_scores_max_len": 77}, "cuda", 128, True, "pallas"),  # the written knob sets where 'band' starts
+    (8, {}, "cuda", 4096, True, "xla"),  # heads of 8: not a Triton block shape (the kernel's reasons)
+    (64, {"heavy_band_block": 8}, "cuda", 4096, True, "xla"),  # a tile below Triton's 16 rows
+    (64, {}, "tpu", 4096, True, "xla"),  # not written for TPU
+    (64, {}, "cpu", 4096, True, "band"),  # 'auto' never takes a kernel on a CPU
+    (8, {"impl": "pallas"}, "cpu", 64, True, "pallas"),  # named: interpret mode
+])
+def test_auto_takes_the_band_kernel_on_cuda_for_band_passes(head_dim, cfg, platform, cache_len, full_pass, want):
+    core = make(True, causal=SMALL, platform=platform, head_dim=head_dim, **cfg)
+    assert core.implementation_for(jnp.bfloat16, cache_len=cache_len, full_pass=full_pass) == want
+
+
+def test_the_band_kernel_runs_its_platforms_knobs():
+    """``pallas`` built for cuda carries the cuda defaults it declares beside itself (pallas.DEFAULTS: the XLA
+    parts' as xla's, the kernel's tile 64)."""
+    from longctx.attention.kdeformer import pallas as kp
+
+    core = make(True, causal=SMALL, platform="cuda", head_dim=64)
+    name, runner, opts = runner_for(core, jnp.bfloat16, cache_len=1 << 15)
+    assert name == "pallas"
+    assert (runner.tile_budget, runner.heavy_scores_max_len, runner.heavy_band_block) == tuple(
+        kp.DEFAULTS[key]["cuda"] for key in KNOBS) == (1 << 29, 2048, 64)
+    assert opts.band_block == 64
 
 
 # --------------------------------------------------------------------------- per-platform execution defaults

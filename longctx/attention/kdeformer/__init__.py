@@ -1,6 +1,7 @@
 """KDEformer attention (docs/methods/kdeformer.md): the core (``layer.py``), the estimator as math
 (``reference.py``), the draws every implementation shares (``common.py``) and the tiled forms (``xla.py``,
-portable; the XLA:CPU implementations in their own file). Each implementation module declares its implementations
+portable; the XLA:CPU implementations in their own file; ``pallas.py``, the 'band' route's heavy part by the
+Pallas kernel ``pallas_kernels/kde_band.py``). Each implementation module declares its implementations
 (``IMPLEMENTATIONS``); the layer collects them (``dispatch.declared``).
 Checked against the release (majid-daliri/kdeformer at 427df2d, ``tests/fidelity/test_kdeformer_release.py``):
 hash codes, bucket order, heavy part and output equal a port of the released (bidirectional) forward given its

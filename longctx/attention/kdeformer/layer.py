@@ -17,9 +17,11 @@ released code does not run it either (§2.3). An O(n²) oracle of ``WExpKDE`` li
 Implementations (``implementations()``; ``impl`` names one, a list, or 'auto'): the reference (declared here),
 then those each implementation module declares (``IMPLEMENTATIONS``, collected by ``dispatch.declared``):
     bidirectional: xla (portable), the XLA:CPU implementation (CPU).  causal: xla (its route by ``heavy_impl``),
-    gather, scores, band (CPU: one per heavy route, with XLA:CPU's products). 'auto' is the declarations': on a
-    CPU the XLA:CPU implementation / the route for the cache length, elsewhere ``xla``; ``heavy_impl`` is the
-    route ``xla`` takes (``auto``: by the cache length).
+    gather, scores, band (CPU: one per heavy route, with XLA:CPU's products), pallas (cuda; interpret mode on a CPU
+    when named: the 'band' route's heavy part by the Pallas kernel ``pallas_kernels/kde_band.py``, ``pallas.py``).
+    'auto' is the declarations': on a CPU the XLA:CPU implementation / the route for the cache length; on cuda
+    ``pallas`` for the full passes whose route is 'band', else ``xla``; on other accelerators ``xla``;
+    ``heavy_impl`` is the route ``xla`` takes (``auto``: by the cache length).
 Each declaration's ``code`` is a ``dispatch.Runner`` whose fields are the execution knobs it reads (``tile_budget``,
 ``heavy_scores_max_len``, ``heavy_band_block``, and ``heavy_impl`` for ``xla``); the base class's call selects it
 for the core's platform and builds it, each numeric knob left at ``dispatch.PLATFORM_DEFAULT`` taking the value its
@@ -73,6 +75,7 @@ from longctx.attention.base import (
     AttentionCore,
     CapacityError,
     ContractCase,
+    KernelBench,
     check_capacity,
     check_segments,
     require,
@@ -120,7 +123,7 @@ class KDEformerAttention(AttentionCore):
         """The reference (``reference.py``) first, then the tiled forms each implementation module declares for
         the direction (``dispatch.declared``): ``xla`` (portable), and the XLA:CPU implementations: bidirectional
         one, causal ``gather``, ``scores``, ``band`` (CPU, one per heavy route; ``band`` gathers in a call with a
-        state)."""
+        state), and causal ``pallas`` (the band kernel; cuda)."""
         return dispatch.declared(__package__, first=(REFERENCE,), causal=causal)
 
     @classmethod
@@ -196,6 +199,12 @@ class KDEformerAttention(AttentionCore):
             require(cc[key] in allowed, f"{p}.causal.{key}={cc[key]!r}; allowed: {', '.join(allowed)}")
 
     @classmethod
+    def kernel_benches(cls):
+        # the band kernel against the XLA form of the same route ('band'; both take 'band' for every full pass)
+        return {"kde_band": KernelBench(xla={"impl": "xla", "heavy_impl": "band"}, pallas={"impl": "pallas"},
+                                        directions=("causal",))}
+
+    @classmethod
     def contract_cases(cls) -> dict[str, ContractCase]:
         small = {"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3, "num_samples": 8}
         return {
@@ -205,6 +214,9 @@ class KDEformerAttention(AttentionCore):
                                         length=64, directions=("causal",), slow=True),
             "causal_ref": ContractCase(cfg={"causal": dict(small, sampling="ref")}, length=64, directions=("causal",),
                                        slow=True),
+            # the band kernel (pallas_kernels/kde_band.py) in interpret mode: full passes; calls with a state gather
+            "causal_pallas": ContractCase(cfg={"causal": dict(small), "impl": "pallas", "heavy_band_block": 8},
+                                          length=64, directions=("causal",), slow=True),
             "bidirectional": ContractCase(cfg={"bucket_size": 8, "num_samples": 8, "num_projs": 3}, length=64,
                                           directions=("bidirectional",)),
         }
@@ -231,9 +243,11 @@ class KDEformerAttention(AttentionCore):
         """The keywords the selection hands the declarations' ``reasons`` and ``prefer`` (:meth:`prepare`'s
         ``shapes``): ``cache_len`` the keys a causal call sees (a full pass: its length rounded up to whole chunks;
         with a state: the cache's capacity), ``full_pass`` whether it has no state, and the configured
-        ``heavy_scores_max_len`` (the CPU routes' ``prefer`` resolves it for the platform)."""
+        ``heavy_scores_max_len`` (the CPU routes' ``prefer`` resolves it for the platform); the head widths and
+        the configured ``heavy_band_block`` (the kernel ``pallas``'s limits, its ``reasons``)."""
         return {"dtype": dtype, "cache_len": cache_len, "full_pass": full_pass,
-                "heavy_scores_max_len": self.cfg.heavy_scores_max_len}
+                "heavy_scores_max_len": self.cfg.heavy_scores_max_len, "head_dim": self.head_dim,
+                "value_dim": self.value_dim, "heavy_band_block": self.cfg.heavy_band_block}
 
     def implementation_for(self, dtype, *, cache_len: int = 0, full_pass: bool = True) -> str:
         """The name of the implementation a call runs on the core's platform (the base class's :meth:`runner` on

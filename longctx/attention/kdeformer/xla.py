@@ -27,7 +27,8 @@ with XLA:CPU's products. The one op the tiled algorithm takes as an argument is 
 (the softmax's division and the band's rescaling): this module's plain multiply is the portable implementation
 ``xla``; the CPU-tuned implementations (their own file) pass the XLA:CPU form of the same product.
 
-Declared here (``IMPLEMENTATIONS``): ``xla``, both directions; 'auto' takes it on GPUs and TPUs. On a CPU 'auto'
+Declared here (``IMPLEMENTATIONS``): ``xla``, both directions; 'auto' takes it on GPUs and TPUs (on cuda after
+``pallas``, ``pallas.py``, for the full causal passes whose route is 'band'). On a CPU 'auto'
 takes the CPU-tuned implementations instead (``xla`` runs there when named). The causal one declares the per-platform
 defaults of ``tile_budget``, ``heavy_scores_max_len`` and ``heavy_band_block`` (:data:`DEFAULTS`).
 """
@@ -319,6 +320,32 @@ def band_pairs(lo, hi, tq: int, kb: int, n_keys: int):
     return b0, cnt, ends
 
 
+def band_sizes(N: int, M: int, block: int, bh: int):
+    """The band's static sizes for N queries, M code-sorted keys, tiles of ``block`` sorted queries against blocks
+    of ``block`` sorted keys and heavy sets of ≤ ``bh`` keys: (query tiles n_t, padded rows Np, key blocks Mb, the
+    static pair count n_pairs of :func:`band_pairs`)."""
+    n_t = -(-N // block)
+    return n_t, n_t * block, -(-M // block), -(-(M + n_t * bh) // block) + 2 * n_t
+
+
+def band_order(lo, hi, Np: int):
+    """One (batch, head)'s queries sorted by their band ends hi (empty rows last), [N] -> (order qord [N], lo_s,
+    hi_s [Np]: the sorted rows' bands, padded rows empty)."""
+    ok = hi > lo
+    qord = jnp.argsort(jnp.where(ok, hi, INT_MAX)).astype(jnp.int32)
+    pad = (0, Np - lo.shape[0])
+    return qord, jnp.pad(lo[qord], pad), jnp.pad(hi[qord], pad)
+
+
+def pair_list(b0, cnt, ends, n_pairs: int):
+    """:func:`band_pairs`' per-tile blocks as a list of n_pairs (tile, block, valid) entries, tile-major (the
+    entries past the pairs needed, ``ends[-1]``, are invalid)."""
+    n_t = b0.shape[0]
+    p = jnp.arange(n_pairs, dtype=jnp.int32)
+    tile = jnp.minimum(jnp.searchsorted(ends, p, side="right"), n_t - 1).astype(jnp.int32)
+    return tile, b0[tile] + p - (ends - cnt)[tile], p < ends[-1]
+
+
 def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int, row_scale=row_scale):
     """The heavy part of a full causal pass (§4.1 'Heavy') as dense blocks of the code-sorted keys.
 
@@ -329,27 +356,20 @@ def heavy_band(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget: int
     entries outside a row's band are masked), a static number of (tile, block) pairs (:func:`band_pairs`).
     The same logits as gathering each query's keys (memory-bound on CPU: ~N·b_h·d gathered rows), about
     4x as many scored, as matmuls. Returns (out [B,H,N,dv], lse [B,H,N]) of the softmax over each row's heavy
-    set (rows without one: out 0, lse NEG), to be merged with the other parts by :func:`_combine`."""
+    set (rows without one: out 0, lse NEG), to be merged with the other parts by :func:`_combine`.
+    The Pallas kernel ``pallas_kernels/kde_band.py`` computes the same (implementation ``pallas``,
+    :func:`longctx.attention.kdeformer.pallas.heavy_band_kernel`)."""
     B, H, N, d = q.shape
     M, dv = Ks.shape[2], Vs.shape[-1]
     tq = kb = block
-    n_t = -(-N // tq)
-    Np, Mb = n_t * tq, -(-M // kb)
-    n_pairs = -(-(M + n_t * bh) // kb) + 2 * n_t
+    n_t, Np, Mb, n_pairs = band_sizes(N, M, block, bh)
 
     def one(q, Ks, Vs, lo, hi):  # one (batch, head)
-        ok = hi > lo
-        qord = jnp.argsort(jnp.where(ok, hi, INT_MAX)).astype(jnp.int32)  # empty rows last
-        pad = (0, Np - N)
-        lo_s, hi_s = jnp.pad(lo[qord], pad), jnp.pad(hi[qord], pad)  # padded rows: empty
-        q_s = jnp.pad(q[qord], (pad, (0, 0))).reshape(n_t, tq, d)
+        qord, lo_s, hi_s = band_order(lo, hi, Np)
+        q_s = jnp.pad(q[qord], ((0, Np - N), (0, 0))).reshape(n_t, tq, d)
         K_b = jnp.pad(Ks, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, d)
         V_b = jnp.pad(Vs, ((0, Mb * kb - M), (0, 0))).reshape(Mb, kb, dv)
-        b0, cnt, ends = band_pairs(lo_s, hi_s, tq, kb, M)
-        p = jnp.arange(n_pairs, dtype=jnp.int32)
-        tile = jnp.minimum(jnp.searchsorted(ends, p, side="right"), n_t - 1).astype(jnp.int32)
-        blk = b0[tile] + p - (ends - cnt)[tile]
-        valid = p < ends[-1]
+        tile, blk, valid = pair_list(*band_pairs(lo_s, hi_s, tq, kb, M), n_pairs)
         lo_t, hi_t = lo_s.reshape(n_t, tq), hi_s.reshape(n_t, tq)
 
         def pair(t, b, v):  # one (tile, block): [tq, kb] logits, their max, exp-sums and exp-weighted values
@@ -667,13 +687,15 @@ def _check_resolved(opts: CausalOptions, **fields):
 
 
 def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=None, row_scale=row_scale,
-                   starts=None):
+                   starts=None, band_fn=heavy_band):
     """Causal estimator over T new tokens at positions [length, length+T).
 
     cache=None: a full pass from position 0 (the sequence itself is the cache). Otherwise
     cache = (K [B,H,M,d], V [B,H,M,dv], HK [B,H,M]) holds positions < length.
     starts (a packed row, §4.6): int32 [B,T] the cache position of each new token's document's first token
     (:func:`common.causal_starts`); None: one stream.
+    band_fn: the function computing the 'band' route's heavy part, :func:`heavy_band`'s signature and results (the
+    implementation ``pallas`` passes the kernel's, ``pallas.heavy_band_kernel``).
     Returns (out [B,H,T,dv] fp32, (K, V, HK) with the new tokens written, n_valid)."""
     B, H, T, d = q.shape
     c = opts.chunk_size
@@ -726,8 +748,8 @@ def causal_forward(q, k, v, W, key_s, opts: CausalOptions, cache=None, length=No
             lo, hi = heavy_bounds(kappa_s, hq_buf, L[:, None], opts.heavy_capacity, st_buf[:, None])
         hi = jnp.where(jnp.arange(n_t * c) < T, hi, lo)  # padded queries: empty
         Ks, Vs = _take(Kc, order), _take(Vc, order)
-        h_out, h_lse = heavy_band(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
-                                  opts.tile_budget, row_scale)
+        h_out, h_lse = band_fn(q_buf, Ks, Vs, lo, hi, opts.scale, opts.heavy_capacity, opts.band_block,
+                               opts.tile_budget, row_scale)
         tiles = lambda x: jnp.moveaxis(x.reshape((B, H, n_t, c) + x.shape[3:]), 2, 0)  # noqa: E731
         heavy = (tiles(h_out), tiles(h_lse))
     out, _ = causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts, heavy=heavy, full_pass=cache is None,
@@ -751,15 +773,17 @@ def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale, se
     return bidir_forward(q, k, v, W, key_s, opts, row_scale=row_scale)
 
 
-def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale, segment_ids=None):
+def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale, segment_ids=None,
+           band_fn=heavy_band):
     """The causal estimator (§4) for the T new tokens after ``state`` (None: a full pass), its heavy logits by
-    ``opts.heavy_impl``: out [B,H,T,dv]; ``segment_ids`` [B,T]: a packed row, every document as if alone (§4.6).
-    (The state after the call is :func:`common.next_state`'s.)"""
+    ``opts.heavy_impl`` (the 'band' route's by ``band_fn``, :func:`causal_forward`): out [B,H,T,dv]; ``segment_ids``
+    [B,T]: a packed row, every document as if alone (§4.6). (The state after the call is
+    :func:`common.next_state`'s.)"""
     starts = None if segment_ids is None else causal_starts(state, segment_ids, q.shape[2], q.shape[0])
     if state is None:
-        return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale, starts=starts)[0]
+        return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale, starts=starts, band_fn=band_fn)[0]
     cache = (state["k"], state["v"], state["codes"])
-    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale, starts)[0]
+    return causal_forward(q, k, v, W, key_s, opts, cache, state["length"], row_scale, starts, band_fn)[0]
 
 
 def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
@@ -771,11 +795,12 @@ def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
     return dataclasses.replace(opts, **knobs)
 
 
-def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale) -> dispatch.Result:
-    """:func:`causal` on ``call`` (inputs q, k, v, W; the samples' key; the carried state) with ``opts``."""
+def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale, band_fn=heavy_band) -> dispatch.Result:
+    """:func:`causal` on ``call`` (inputs q, k, v, W; the samples' key; the carried state) with ``opts`` (the
+    'band' route's heavy part by ``band_fn``)."""
     x = call.inputs
     return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale,
-                                  x["segment_ids"]))
+                                  x["segment_ids"], band_fn))
 
 
 @dataclasses.dataclass(frozen=True)
