@@ -214,6 +214,16 @@ def current_platform() -> str:
     return backend
 
 
+def cuda_compute_capability() -> str | None:
+    """The first local CUDA device's compute capability (a string like ``"9.0"``), None where there is none (a
+    Hopper-only kernel's reasons ask it where the call does not say)."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "compute_capability", None) if devices else None
+
+
 def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)

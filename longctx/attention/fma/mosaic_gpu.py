@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
-
-from longctx.attention import row_split
+from longctx.attention import dispatch, row_split
 from longctx.attention.fma import xla
 from longctx.attention.fma.pallas import MethodImplementation, per_shard
 from longctx.attention.fma.state import Blocked
@@ -72,18 +70,9 @@ class MosaicGpu(Blocked):
         return functools.partial(xla.fma_forward, attend=self.attend(call))
 
 
-def _compute_capability():
-    """The first local CUDA device's compute capability (a string like ``"9.0"``), None where there is none."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    return getattr(devices[0], "compute_capability", None) if devices else None
-
-
 def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
     if platform == "cuda" and shapes.get("compute_capability") is None:
-        shapes["compute_capability"] = _compute_capability()  # "needs compute capability 9.0 (Hopper)" if not
+        shapes["compute_capability"] = dispatch.cuda_compute_capability()  # "needs compute capability 9.0 (Hopper)" if not
     out = list(fma_blocks_mgpu.unsupported_reasons(platform, **shapes))
     if release_zero_slots:
         out.append("release_zero_slots (the release's unmasked zero slots) is served by the reference and the XLA "

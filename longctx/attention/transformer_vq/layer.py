@@ -296,7 +296,10 @@ class TransformerVQAttention(AttentionCore):
     @classmethod
     def kernel_benches(cls):
         # the kernel computes the block-parallel form's serial reduction: time it against that XLA form
-        return {"vq_cache": KernelBench(xla={"impl": "parallel"}, pallas={"impl": "pallas"}, directions=("causal",))}
+        return {"vq_cache": KernelBench(xla={"impl": "parallel"}, pallas={"impl": "pallas"}, directions=("causal",)),
+                # the Hopper kernels (Mosaic GPU) beside the Triton one, on a GPU only
+                "vq_cache_mgpu": KernelBench(xla={"impl": "parallel"}, pallas={"impl": "mosaic_gpu"},
+                                             directions=("causal",), platforms=("cuda",))}
 
     @classmethod
     def drop_in(cls):

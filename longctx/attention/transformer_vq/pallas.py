@@ -72,8 +72,7 @@ class Pallas(dispatch.Runner):
         band = {"band_k": state["band_k"].astype(cd), "band_v": state["band_v"].astype(cd)}
         args = (x["q_u"], xla.band_scores(x["q_v"], x["r"]), k_hat, z, v, jax.lax.stop_gradient(C).astype(cd),
                 {**state, **band})
-        kernel = functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=call.interpret,
-                                   platform=call.platform)
+        kernel = self.kernel(core, call)
         seg = x["segment_ids"]
         docs = () if seg is None else (x["seen"], x["continues"], seg)
         if seg is not None:
@@ -94,6 +93,12 @@ class Pallas(dispatch.Runner):
             new = packed_final_state(cast_state(state, dt), x["seen"], x["continues"], k_hat.astype(dt), z,
                                      v.astype(dt), seg, M=core.M, S=C.shape[1])
         return xla.result(o, new, (z, err2, c_z), code_sums=xla.code_sums)
+
+
+    def kernel(self, core, call: dispatch.Call):
+        """The kernel's entry point for this call (the Pallas one: TPU form, or GPU form on cuda)."""
+        return functools.partial(vq_cache.vq_cache_attention, L=core.L, M=core.M, interpret=call.interpret,
+                                 platform=call.platform)
 
 
 def _packed_kernel(kernel, q_u, bd, k_hat, z, v, C, state, seen, continues, segment_ids, *, L: int, M: int):
