@@ -43,7 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.options = ml_collections.ConfigDict({
         "txl_compat": False,  # enwik8: drop newline bytes (Transformer-XL convention)
         "raw": False,  # wikitext103: read wiki.*.raw instead of wiki.*.tokens
-        "vocab_size": 32000,  # sentencepiece: number of pieces
+        "vocab_size": 0,  # sentencepiece / bpe: ids in the vocabulary (0: the tokenizer's default, 32,000 / 4,096)
         "verify": True,  # check sizes / checksums / official counts of real dataset files
         "tfds": False,  # pg19: read through tensorflow_datasets' pg19 builder
         "spm_max_chars": 1_000_000_000,  # sentencepiece: train on the first N characters of train
@@ -361,7 +361,7 @@ _RANGES = (
     ("sample.seed", lambda v: v >= 0, "an integer >= 0"),
     ("mesh.data", lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (the devices the other axes leave)"),
     *((f"mesh.{k}", lambda v: v >= 1, ">= 1") for k in ("fsdp", "tensor", "sequence")),
-    ("data.options.vocab_size", *_POS),
+    ("data.options.vocab_size", *_NONNEG),
     ("data.options.spm_max_chars", *_POS),
     ("data.options.split_seed", lambda v: v >= 0, "an integer >= 0"),
     ("mlm.rate", lambda v: 0.0 < v < 1.0, "in (0, 1)"),

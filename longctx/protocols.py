@@ -11,6 +11,11 @@ Two protocols, each recorded in every result:
   positions of each window are scored (all of the first window's), so every
   token is again scored exactly once.
 
+Bits per byte, for every lossless tokenizer (one whose ids stand for byte strings: :func:`byte_lengths`):
+the loss summed over the scored tokens divided by the bytes those tokens stand for. A document's first token
+is never scored (it is only read), so its bytes are left out of both sums: one byte with ``bytes``, the
+first token's bytes with ``bpe``. The byte tokenizer's number is the loss per token, unchanged.
+
 Pure functions over a ``forward`` callable: no checkpoints, files or flags. Used by
 ``longctx-eval`` (:mod:`longctx.evaluate`) and by the trainer's periodic validation.
 """
@@ -48,6 +53,37 @@ def unit_ranges(doc_starts: np.ndarray, reset: str) -> list[tuple[int, int]]:
     if reset == "never" or reset == "row":
         return [(0, int(doc_starts[-1]))]
     return [(int(a), int(b)) for a, b in zip(doc_starts[:-1], doc_starts[1:])]
+
+
+def byte_lengths(tokenizer) -> np.ndarray | None:
+    """[vocab] int64 bytes per id of a lossless tokenizer (all ones for ``bytes``; a tokenizer's own
+    ``byte_lengths()`` where it declares one), or None for a tokenizer that does not keep bytes."""
+    if tokenizer is None:
+        return None
+    if getattr(tokenizer, "one_token_per_byte", False):
+        return np.ones(int(tokenizer.vocab_size), np.int64)
+    declared = getattr(tokenizer, "byte_lengths", None)
+    return np.asarray(declared(), np.int64) if declared is not None else None
+
+
+def byte_cut_jobs(doc_starts, token_bytes: np.ndarray, *, row_bytes: int) -> list[Job]:
+    """Stream jobs that reset the state every ``row_bytes`` bytes inside each document, exactly: a document's
+    segment k holds the tokens whose first byte lies in bytes [k * row_bytes, (k + 1) * row_bytes) of the
+    document (``token_bytes`` [N]: the bytes of each token of the split). As in :func:`stream_jobs`, a segment
+    reads its first token and scores the rest and the next segment's first token, so every token but the
+    document's first is scored once. With one byte a token this is ``stream_jobs(reset='document',
+    row_len=row_bytes)``."""
+    if row_bytes <= 0:
+        raise ConfigError(f"a reset every {row_bytes} bytes: give a positive number of bytes")
+    jobs = []
+    for a, b in unit_ranges(doc_starts, "document"):
+        if b - a <= 1:
+            continue
+        starts = np.cumsum(token_bytes[a:b], dtype=np.int64) - token_bytes[a:b]  # each token's first byte
+        k = starts // row_bytes
+        cuts = [a] + [a + int(i) for i in np.flatnonzero(k[1:] != k[:-1]) + 1 if a + i < b - 1] + [b - 1]
+        jobs.extend(Job(c, d - c) for c, d in zip(cuts[:-1], cuts[1:]))
+    return jobs
 
 
 def stream_jobs(doc_starts, *, reset: str, row_len: int) -> list[Job]:
@@ -96,13 +132,23 @@ def limit_jobs(jobs: list[Job], max_tokens: int) -> list[Job]:
 
 
 def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: int, batch_size: int,
-             init_state=None, progress: bool = True, desc: str = "eval"):
-    """Score jobs; returns (nll_sum, count, per-position sums, per-position counts).
+             init_state=None, progress: bool = True, desc: str = "eval", token_bytes: np.ndarray | None = None,
+             pad_to: int = 0):
+    """Score jobs; returns (nll_sum, count, per-position sums, per-position counts, per-position bytes or None).
 
     ``forward(params, inputs[B, W], targets[B, W], state) -> (nll[B, W], state)``; ``init_state(B, max_len)``
-    gives the empty state when a job is longer than one window (state carried)."""
+    gives the empty state when a job is longer than one window (state carried). Positions count tokens of
+    context (position p: the p-th token of the job predicted the next), or, given ``token_bytes`` [N] (the
+    bytes of each token of ``tokens``), bytes of context before the scored token (at least 1), with the bytes
+    scored at each position. ``pad_to`` > 0: a job that fits one call is padded at its end to a multiple of
+    ``pad_to`` tokens (fewer shapes to compile; the padding is never scored)."""
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].n)
-    longest = max((j.n for j in jobs), default=0)
+    if token_bytes is None:
+        longest = max((j.n for j in jobs), default=0)
+        pos_bytes = None
+    else:
+        longest = max((int(token_bytes[j.start : j.start + j.n].sum()) for j in jobs), default=0)
+        pos_bytes = np.zeros(longest, np.int64)
     pos_sum = np.zeros(longest, np.float64)
     pos_cnt = np.zeros(longest, np.int64)
     nll_sum, count = 0.0, 0
@@ -114,6 +160,8 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
         n_max = max(j.n for j in batch)
         n_win = -(-n_max // window) if window > 0 else 1
         width = n_win * window if window > 0 else n_max
+        if pad_to > 0 and n_win == 1:
+            width = -(-n_max // pad_to) * pad_to
         inputs = np.zeros((B, width), np.int32)
         targets = np.zeros((B, width), np.int32)
         mask = np.zeros((B, width), bool)
@@ -131,12 +179,20 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
         nll = np.concatenate(losses, axis=1)
         nll_sum += float(np.sum(nll, where=mask))
         count += int(mask.sum())
-        m = mask[:, :longest]
-        pos_sum[: m.shape[1]] += np.where(m, nll[:, : m.shape[1]], 0).sum(0)
-        pos_cnt[: m.shape[1]] += m.sum(0)
+        if token_bytes is None:
+            m = mask[:, :longest]
+            pos_sum[: m.shape[1]] += np.where(m, nll[:, : m.shape[1]], 0).sum(0)
+            pos_cnt[: m.shape[1]] += m.sum(0)
+        else:
+            for r, j in enumerate(batch):
+                tb = np.asarray(token_bytes[j.start : j.start + j.n + 1], np.int64)
+                at = np.maximum(np.cumsum(tb[:-1])[j.score_from :], 1) - 1  # bytes read before each scored token
+                np.add.at(pos_sum, at, nll[r, j.score_from : j.n])
+                np.add.at(pos_cnt, at, 1)
+                np.add.at(pos_bytes, at, tb[1 + j.score_from :])
         bar.update(int(mask.sum()))
     bar.close()
-    return nll_sum, count, pos_sum, pos_cnt
+    return nll_sum, count, pos_sum, pos_cnt, pos_bytes
 
 
 def compressor_bits_per_byte(data: bytes) -> dict:
@@ -148,7 +204,10 @@ def compressor_bits_per_byte(data: bytes) -> dict:
     }
 
 
-def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol: dict, word_count: int | None = None) -> dict:
+def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol: dict, word_count: int | None = None,
+              bytes_scored: int | None = None) -> dict:
+    """The result of a scoring: loss per token, and bits per byte where the tokens are bytes
+    (``one_token_per_byte``) or ``bytes_scored`` (the bytes the scored tokens stand for) is given."""
     mean = nll_sum / max(count, 1)
     out = {
         "tokens_scored": count,
@@ -160,6 +219,10 @@ def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol:
     }
     if one_token_per_byte:
         out["bits_per_byte"] = mean / LN2
+    elif bytes_scored is not None:
+        out["bits_per_byte"] = nll_sum / max(bytes_scored, 1) / LN2
+    if bytes_scored is not None:
+        out["bytes_scored"] = int(bytes_scored)
     if word_count:
         out["word_count"] = word_count
         out["word_perplexity"] = math.exp(min(nll_sum / word_count, 700.0))
@@ -181,24 +244,59 @@ def make_jobs(ecfg, doc_starts):
     return jobs, window, protocol
 
 
-def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool, word_count: int | None = None,
-                progress: bool = True, desc: str = "eval", compressors: bool = False) -> tuple[dict, tuple]:
+def scored_ids(tokens, jobs: list[Job]) -> np.ndarray:
+    """The scored tokens of ``jobs``, in job order."""
+    parts = [np.asarray(tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs]
+    return np.concatenate(parts) if parts else np.zeros(0, np.asarray(tokens[:0]).dtype)
+
+
+def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool = False, tokenizer=None,
+                word_count: int | None = None, progress: bool = True, desc: str = "eval", compressors: bool = False,
+                row_bytes: int = 0) -> tuple[dict, tuple]:
     """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
-    (a validated ``eval`` section). Returns (result, (loss sum, token count) per position in the context)."""
-    jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
+    (a validated ``eval`` section). Returns (result, (loss sum, token count, bytes or None) per position in the
+    context).
+
+    ``tokenizer`` (lossless: :func:`byte_lengths`) adds bits per byte over the bytes of the scored tokens, the
+    split's bytes (on the full split) and, with ``compressors``, gzip and xz on exactly the scored bytes;
+    positions are then bytes of context. ``row_bytes`` > 0 (a lossless tokenizer): the stream protocol with the
+    state reset at each document start and every ``row_bytes`` bytes inside it (:func:`byte_cut_jobs`) instead
+    of ``ecfg``'s ``reset`` / ``row_len``."""
+    table = byte_lengths(tokenizer)
+    if table is None and one_token_per_byte:
+        table = np.ones(256, np.int64)
+    one_byte = one_token_per_byte or bool(getattr(tokenizer, "one_token_per_byte", False))
+    token_bytes = table[np.asarray(data.tokens)] if table is not None else None
+    if row_bytes > 0:
+        if token_bytes is None:
+            raise ConfigError("a reset every N bytes needs a lossless tokenizer (bytes or bpe): this one does not "
+                              "say how many bytes its tokens stand for")
+        jobs = limit_jobs(byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes), ecfg.max_tokens)
+        window = ecfg.window
+        protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": "document", "row_bytes": row_bytes,
+                    "max_tokens": ecfg.max_tokens or "full split"}
+    else:
+        jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
     t0 = time.time()
-    nll_sum, count, pos_sum, pos_cnt = run_jobs(
+    nll_sum, count, pos_sum, pos_cnt, pos_bytes = run_jobs(
         forward, params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
         init_state=init_state, progress=progress, desc=desc,
+        token_bytes=None if one_byte else token_bytes, pad_to=32 if row_bytes > 0 else 0,
     )
+    if one_byte:
+        pos_bytes = pos_cnt
     # word-level perplexity divides by the split's official word count: only meaningful on the full split
     words = word_count if ecfg.max_tokens == 0 else None
-    res = summarize(nll_sum, count, one_token_per_byte=one_token_per_byte, protocol=protocol, word_count=words)
+    ids = scored_ids(data.tokens, jobs) if token_bytes is not None else None
+    res = summarize(nll_sum, count, one_token_per_byte=one_byte, protocol=protocol, word_count=words,
+                    bytes_scored=None if ids is None else int(table[ids].sum()))
+    if token_bytes is not None and ecfg.max_tokens == 0:
+        res["bytes_in_split"] = int(token_bytes.sum())  # less bytes_scored: the documents' first tokens
     res["seconds"] = time.time() - t0
-    if compressors and one_token_per_byte:
-        scored = np.concatenate([np.asarray(data.tokens[j.start + 1 + j.score_from : j.start + 1 + j.n]) for j in jobs])
-        res["compressors_bits_per_byte"] = compressor_bits_per_byte(scored.astype(np.uint8).tobytes())
-    return res, (pos_sum, pos_cnt)
+    if compressors and ids is not None:
+        scored = ids.astype(np.uint8).tobytes() if one_byte else tokenizer.decode_bytes(ids)
+        res["compressors_bits_per_byte"] = compressor_bits_per_byte(scored)
+    return res, (pos_sum, pos_cnt, pos_bytes)
 
 
 def split_word_count(data) -> int | None:

@@ -223,7 +223,7 @@ CASES = [
         ("eval.max_tokens", "-1", r"max_tokens=-1 must be"),
         ("sample.temperature", "nan", r"temperature=nan must be a finite number"),
         ("sample.num_tokens", "0", r"num_tokens=0 must be a positive integer"),
-        ("data.options.vocab_size", "0", r"options.vocab_size=0 must be a positive integer"),
+        ("data.options.vocab_size", "-1", r"options.vocab_size=-1 must be an integer >= 0"),
         ("mlm.rate", "1.5", r"mlm.rate=1.5 must be in \(0, 1\)"),
         ("mlm.max_span_len", "0", r"max_span_len=0 must be an integer >= 1"),
         ("mlm.mask_id", "-2", r"mask_id=-2 must be an integer >= 0, or -1"),

@@ -1,5 +1,6 @@
 """Evaluation protocols: every token scored once; stream and sliding agree."""
 
+import json
 import math
 
 import ml_collections
@@ -9,17 +10,20 @@ import pytest
 from longctx import runtime
 from longctx.config import resolve_vocab, validate
 from longctx.data.prepare import prepare
-from longctx.evaluate import evaluate_split
+from longctx.evaluate import evaluate_split, position_bins
 from longctx.models.decoder import build_model
 from longctx.protocols import (
     Job,
+    byte_cut_jobs,
     compressor_bits_per_byte,
     limit_jobs,
+    score_split,
     sliding_jobs,
     stream_jobs,
     summarize,
 )
 from longctx.train.step import split_model
+from tests.conftest import tiny_config
 
 
 def scored_positions(jobs):
@@ -100,3 +104,114 @@ def test_stream_and_sliding_agree_with_full_context(tiny_cfg):
     rshort, _ = evaluate_split(runner, data, short, progress=False)
     assert rshort["tokens_scored"] == rs["tokens_scored"]
     assert rshort["loss_nats_per_token"] != pytest.approx(rs["loss_nats_per_token"], rel=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# bits per byte for lossless tokenizers, resets every N bytes
+
+
+def fake_forward(params, inputs, targets, state):
+    """A stand-in model whose loss of a target is 0.01 * (id + 1) nats: every sum can be checked by hand."""
+    return 0.01 * (np.asarray(targets, np.float64) + 1.0), state
+
+
+def stream_cfg(**kw):
+    return ml_collections.ConfigDict({"protocol": "stream", "reset": "document", "row_len": -1, "window": 64,
+                                      "batch_size": 4, "max_tokens": 0, **kw})
+
+
+def bpe_data(corpus, cache, split="valid"):
+    cfg = tiny_config(corpus, cache)
+    cfg.data.tokenizer, cfg.data.options.vocab_size = "bpe", 300
+    tok, data, _ = prepare(cfg.data, [split], progress=False)
+    return tok, data[split]
+
+
+def test_bpe_bits_per_byte_is_the_loss_over_the_scored_bytes(tiny_corpus, tmp_path):
+    tok, data = bpe_data(tiny_corpus, tmp_path / "cache")
+    res, (sums, counts, nbytes) = score_split(fake_forward, None, data, stream_cfg(), init_state=lambda b, n: None,
+                                              tokenizer=tok, compressors=True, progress=False)
+    tokens, starts = np.asarray(data.tokens), data.doc_starts
+    lengths = tok.byte_lengths()
+    nll = n_bytes = first = 0
+    scored = b""
+    h_sum, h_cnt, h_bytes = np.zeros_like(sums), np.zeros_like(counts), np.zeros_like(nbytes)
+    for a, b in zip(starts[:-1], starts[1:]):
+        t = tokens[a + 1 : b]
+        nll += float((0.01 * (t + 1.0)).sum())
+        n_bytes += int(lengths[t].sum())
+        first += int(lengths[tokens[a]])
+        scored += tok.decode_bytes(t)
+        at = np.cumsum(lengths[tokens[a : b - 1]]) - 1  # bytes read before each target, less one
+        np.add.at(h_sum, at, 0.01 * (t + 1.0))
+        np.add.at(h_cnt, at, 1)
+        np.add.at(h_bytes, at, lengths[t])
+    assert res["tokens_scored"] == data.num_tokens - data.num_docs and res["bytes_scored"] == n_bytes
+    assert res["bits_per_byte"] == pytest.approx(nll / n_bytes / math.log(2), rel=1e-12)
+    assert res["bits_per_token"] == pytest.approx(nll / res["tokens_scored"] / math.log(2), rel=1e-12)
+    assert res["bytes_in_split"] - res["bytes_scored"] == first  # each document's first token, unscored
+    assert res["compressors_bits_per_byte"] == compressor_bits_per_byte(scored)
+    np.testing.assert_allclose(sums, h_sum, rtol=1e-12)
+    assert (counts == h_cnt).all() and (nbytes == h_bytes).all()
+    bins = position_bins(sums, counts, byte_counts=nbytes)
+    assert sum(b["bytes"] for b in bins) == n_bytes
+
+
+def test_byte_tokenizer_numbers_unchanged_with_the_byte_table(tiny_cfg):
+    tok, splits, _ = prepare(tiny_cfg.data, ["valid"], progress=False)
+    data = splits["valid"]
+    kw = dict(init_state=lambda b, n: None, progress=False, compressors=True)
+    old, (s0, c0, b0) = score_split(fake_forward, None, data, stream_cfg(), one_token_per_byte=True, **kw)
+    new, (s1, c1, b1) = score_split(fake_forward, None, data, stream_cfg(), one_token_per_byte=True, tokenizer=tok,
+                                    **kw)
+    for res in (old, new):
+        assert res["bits_per_byte"] == res["nll_sum_nats"] / res["tokens_scored"] / math.log(2)  # bit for bit
+        assert res["bits_per_byte"] == res["bits_per_token"] and res["bytes_scored"] == res["tokens_scored"]
+    assert old["bits_per_byte"] == new["bits_per_byte"]
+    assert old["compressors_bits_per_byte"] == new["compressors_bits_per_byte"]
+    assert (s0 == s1).all() and (c0 == c1).all() and (b0 == c0).all()
+
+
+@pytest.mark.parametrize("row_bytes", [1, 5, 7, 64])
+def test_byte_cuts_reset_every_n_bytes_and_score_every_token_once(row_bytes):
+    doc_starts = np.array([0, 10, 11, 30, 52, 53, 90])
+    ones = np.ones(90, np.int64)
+    assert byte_cut_jobs(doc_starts, ones, row_bytes=row_bytes) == stream_jobs(doc_starts, reset="document",
+                                                                               row_len=row_bytes)
+    lengths = np.random.default_rng(row_bytes).integers(1, 9, 90)
+    jobs = byte_cut_jobs(doc_starts, lengths, row_bytes=row_bytes)
+    pos = scored_positions(jobs)
+    assert len(pos) == len(set(pos)) and set(pos) == set(range(90)) - set(doc_starts[:-1].tolist())
+    for j in jobs:  # a job reads the tokens that start inside one span of row_bytes bytes of its document
+        a = doc_starts[np.searchsorted(doc_starts, j.start, side="right") - 1]
+        first_byte = np.cumsum(lengths[a : j.start + j.n]) - lengths[a : j.start + j.n]
+        assert len(set((first_byte[j.start - a :] // row_bytes).tolist())) == 1
+
+
+@pytest.mark.slow  # trains: compile-bound, about 20 s
+def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
+    """End to end: longctx-train with data.tokenizer=bpe, longctx-eval in bits per byte, the reset table."""
+    from longctx import cli
+    from longctx.evaluate import context_main
+
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=2, warmup_steps=1, eval_every=2, ckpt_every=2)
+    cfg.data.options.vocab_size = 300
+    cfg.eval.max_tokens = 0
+    path = tmp_path / "c.py"
+    path.write_text(f"import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({cfg.to_dict()!r})\n")
+    wd = tmp_path / "w"
+    assert cli.train_main(["longctx-train", f"--config={path}", f"--workdir={wd}", "--noprogress",
+                           "--config.data.tokenizer=bpe"]) == 0
+    assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--split=valid",
+                          "--config.eval.row_len=-1"]) == 0
+    ev = json.loads(next((wd / "eval").glob("valid_step2_stream*.json")).read_text())
+    assert ev["bits_per_byte"] < ev["bits_per_token"] and ev["bytes_scored"] > ev["tokens_scored"]
+    assert ev["position_unit"] == "bytes from the file's start" and "bits_per_byte" in ev["by_position"][0]
+    assert context_main(["--workdir", str(wd), "--split", "valid", "--resets", "16,64", "--noprogress"]) == 0
+    table = json.loads((wd / "eval" / "valid_step2_context.json").read_text())
+    carried, r16, r64 = table["rows"]
+    assert carried["bits_per_byte"] == pytest.approx(ev["bits_per_byte"], rel=1e-6)
+    assert carried["bytes_scored"] == r16["bytes_scored"] == r64["bytes_scored"] == ev["bytes_scored"]
+    assert carried["tokens_scored"] == r16["tokens_scored"] and r16["bits_per_byte"] != carried["bits_per_byte"]
+    assert (wd / "eval" / "valid_step2_context.md").read_text().count("| ") >= 3
+    assert (wd / "eval" / "valid_step2_context_bpb_vs_position.png").stat().st_size > 0

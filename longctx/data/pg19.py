@@ -187,7 +187,7 @@ class PG19Source:
     # -- tokenizer hooks ---------------------------------------------------------------------
     def tokenizer_kwargs(self, data_cfg, meta) -> dict:
         if getattr(data_cfg, "tokenizer", "sentencepiece") == "sentencepiece":
-            return {"vocab_size": int(option(data_cfg, "vocab_size", 32000)),
+            return {"vocab_size": int(option(data_cfg, "vocab_size", 0) or spm.DEFAULT_VOCAB),
                     "max_chars": int(option(data_cfg, "spm_max_chars", 10**9))}
         return {}
 

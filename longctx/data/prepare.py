@@ -214,8 +214,10 @@ def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bo
     if not trust_cache_dir and data_cfg.cache_dir:
         if not directory.is_dir():
             directory = cache_path(meta, data_cfg.tokenizer, None, extra=extra)
-    if data_cfg.tokenizer == "hf":  # a tokenizer.json, the same for every source
-        tokenizer = tokenizers.build("hf", **tok_kwargs)
+    if getattr(tokenizers.factory(data_cfg.tokenizer), "cache_kwargs", None) is not None:
+        # a tokenizer built from what its cache_kwargs name (hf: a tokenizer.json; bpe: the BPE trained on this
+        # source's train split), the same way for every source
+        tokenizer = tokenizers.build(data_cfg.tokenizer, **tok_kwargs)
     elif hasattr(source, "build_tokenizer"):
         tokenizer = source.build_tokenizer(data_cfg, directory)
     else:

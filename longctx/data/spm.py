@@ -1,7 +1,7 @@
 """SentencePiece tokenizer trained on a source's train split (PG-19 convention).
 
 Training settings (Transformer-VQ's PG-19 vocabulary; docs/datasets.md, PG-19): BPE,
-``data.options.vocab_size`` pieces (default 32,000), ``character_coverage=1.0``,
+``data.options.vocab_size`` pieces (0, the default: 32,000), ``character_coverage=1.0``,
 pad 0 / eos 1 / unk 2, no BOS, on the first ``data.options.spm_max_chars``
 characters (default 10^9) of the train split, read book by book in the source's
 order and fed line by line (empty lines skipped). Other trainer settings are
@@ -25,6 +25,7 @@ from longctx.data.dsutil import atomic_write, drop_manifests
 from longctx.errors import ConfigError, DataError
 
 MODEL_FILE = "spm.model"
+DEFAULT_VOCAB = 32000  # pieces where data.options.vocab_size is 0
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 
 

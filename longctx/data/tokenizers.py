@@ -39,6 +39,7 @@ _TOKENIZERS: dict = {
     "words": "longctx.data.wordvocab:WordTokenizer",
     "sentencepiece": "longctx.data.spm:SentencePieceTokenizer",
     "hf": "longctx.data.hf:HFTokenizer",  # a Hugging Face tokenizer.json (data.options.tokenizer_file)
+    "bpe": "longctx.data.bpe:BPETokenizer",  # lossless byte-level BPE trained on the train split
 }
 
 

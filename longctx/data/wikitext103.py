@@ -178,7 +178,7 @@ class WikiText103Source:
     def tokenizer_kwargs(self, data_cfg, meta) -> dict:
         tok = getattr(data_cfg, "tokenizer", "words")
         if tok == "sentencepiece":
-            return {"vocab_size": int(option(data_cfg, "vocab_size", 32000)),
+            return {"vocab_size": int(option(data_cfg, "vocab_size", 0) or spm.DEFAULT_VOCAB),
                     "max_chars": int(option(data_cfg, "spm_max_chars", 10**9))}
         return {}
 

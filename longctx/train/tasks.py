@@ -133,7 +133,11 @@ class Task:
         raise NotImplementedError
 
     def valid_record(self, res: dict) -> dict:
-        return {key: res[field] for key, field in self.valid_metrics}
+        """The validation metrics logged, with bits per byte where the tokenizer keeps bytes (bytes, bpe)."""
+        out = {key: res[field] for key, field in self.valid_metrics}
+        if "bits_per_byte" in res:
+            out["bits_per_byte"] = res["bits_per_byte"]
+        return out
 
 
 class LanguageModel(Task):
@@ -172,7 +176,7 @@ class LanguageModel(Task):
         res, _ = score_split(
             lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, self.splits[self.cfg.eval.split],
             self.eval_config(), init_state=self.init_state(state), one_token_per_byte=self.one_token_per_byte(),
-            progress=False,
+            tokenizer=self.tokenizer, progress=False,
         )
         return res
 

@@ -76,8 +76,9 @@ def test_language_model(tiny_corpus, tmp_path):
     assert "packing='document'" in task.summary()
     assert task.checkpoint_extra()["data_dir"]
     res = task.evaluate(one_step(task, state))
-    assert list(task.valid_record(res)) == ["loss", "bits_per_token"]
+    assert list(task.valid_record(res)) == ["loss", "bits_per_token", "bits_per_byte"]  # bytes: lossless
     assert task.valid_record(res)["loss"] == res["loss_nats_per_token"] > 0
+    assert task.valid_record(res)["bits_per_byte"] == res["bits_per_token"]  # one token a byte
 
 
 def test_masked_lm(tiny_corpus, tmp_path):
