@@ -44,7 +44,7 @@ class SlidingWindowAttention(DenseAttention):
         # decoding through the window's state
         return {
             "window": ContractCase(cfg=tiles, length=40, directions=("causal",)),
-            "window_bidirectional": ContractCase(cfg=tiles, length=40, directions=("bidirectional",), slow=True),
+            "window_bidirectional": ContractCase(cfg=tiles, length=40, directions=("bidirectional",)),
         }
 
     @property
