@@ -272,12 +272,35 @@ def _key(run: dict) -> str:
     return f"{run['label']}_ctx{run['context']}"
 
 
+def signature(args) -> str:
+    """What makes two runs of one label, context and seed the same run: the sizes, data rule, overrides, window
+    and parameter matching."""
+    return json.dumps({"sizes": sizes(args), "data": DATA, "overrides": list(getattr(args, "overrides", [])),
+                       "window": args.window, "match_params": args.match_params}, sort_keys=True)
+
+
+def check_signature(args) -> None:
+    """``<out>/signature.json`` holds the signature of the runs the folder's results come from: a command with
+    another one is refused in one line (finished runs are skipped and reported by name, so mixing sizings would
+    mix results silently)."""
+    path = Path(args.out) / "signature.json"
+    sig = json.loads(signature(args))
+    if path.is_file():
+        held = json.loads(path.read_text())
+        if held != sig:
+            diff = sorted(k for k in set(held) | set(sig) if held.get(k) != sig.get(k))
+            raise ConfigError(f"{args.out} holds the results of runs with other settings ({', '.join(diff)} differ): "
+                              "use another --out and --runs, or remove that folder's results")
+    else:
+        C.out_dir(args.out)
+        path.write_text(json.dumps(sig, indent=1, sort_keys=True) + "\n")
+
+
 def costs(args, rs: list[dict]) -> dict:
     """FLOPs per token and parameters of every (label, context), cached in ``<out>/costs.json``."""
     path = Path(args.out) / "costs.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
-    sig = json.dumps({"sizes": sizes(args), "data": DATA, "overrides": list(getattr(args, "overrides", [])),
-                      "window": args.window, "match_params": args.match_params}, sort_keys=True)
+    sig = signature(args)
     if cache.get("signature") != sig:
         cache = {"signature": sig, "rows": {}}
     for r in rs:
@@ -426,6 +449,7 @@ def run(args) -> dict:
         return plan(args, rs)
     if args.measure:
         return measure(args, rs)
+    check_signature(args)
     if not args.report_only:
         cost = costs(args, rs)
         for i, r in enumerate(rs):

@@ -130,3 +130,15 @@ def test_parameters_matched_to_the_exact_run(tmp_path):
                 "--nomatch_params")
     tvq = next(r for r in compare.runs(own) if r["label"] == "transformer_vq")
     assert abs(compare.param_count(compare.run_config(tvq, own)) - exact) > 0.05 * exact
+
+
+def test_results_of_another_sizing_are_refused(tmp_path):
+    """A folder's results come from one sizing: a rerun with other steps is refused in one line, not mixed."""
+    a = _args(tmp_path, "--methods", "dense,eva", "--contexts", "128", "--seeds", "1", "--nohybrids",
+              "--report_only")
+    compare.run(a)
+    compare.run(a)  # the same settings: fine
+    other = _args(tmp_path, "--methods", "dense,eva", "--contexts", "128", "--seeds", "1", "--nohybrids",
+                  "--report_only", "--dense_steps", "999")
+    with pytest.raises(ConfigError, match="other settings \\(sizes differ\\)"):
+        compare.run(other)
