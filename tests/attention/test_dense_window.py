@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from longctx.attention import dense, dispatch
+from longctx.attention.dense import layer as dense_layer
 from longctx.attention.dense import platform as dp
 from longctx.attention.dense import xla
 
@@ -187,3 +188,15 @@ def test_local_and_global_layers_in_one_pattern(pattern, reaches):
     b, _, _ = model(tokens.at[0, 0].set(7))
     assert bool(jnp.any(a[0, -1] != b[0, -1])) == reaches
     np.testing.assert_array_equal(np.asarray(a[0, 8:-1] != b[0, 8:-1]).any(), reaches)
+
+
+def test_auto_takes_the_tiles_for_a_window_of_at_most_half_the_keys():
+    """A short row (Tq*Tk under auto_threshold) takes the one softmax, unless a sliding window leaves at least half
+    the keys out: then the tiles, which skip the key blocks outside it (the one softmax would score every key)."""
+    cfg = {"auto_threshold": 4096 * 4096}
+    pick = lambda T, W: dense_layer.select_for("auto", cfg, "cpu", scores=T * T, keys=T, dtype=F32,  # noqa: E731
+                                         head_dim=32, window=W).name
+    assert pick(1024, 0) == "reference"
+    assert pick(1024, 1000) == "reference"
+    assert pick(1024, 512) != "reference" and pick(1024, 128) != "reference"
+    assert pick(1024, 128) in {i.name for i in dense.implementations() if i.prefer is xla.prefers_long_rows}

@@ -65,9 +65,11 @@ class Reference(dispatch.Runner):
                                                q_segment_ids=x["q_segment_ids"], k_segment_ids=x["k_segment_ids"]))
 
 
-def _short_rows(platform: str, *, large: bool = False, **_) -> bool:
-    """'auto' takes the reference's one softmax up to auto_threshold scores (Tq*Tk), the tiles past it."""
-    return not large
+def _short_rows(platform: str, *, large: bool = False, narrow_window: bool = False, **_) -> bool:
+    """'auto' takes the reference's one softmax up to auto_threshold scores (Tq*Tk), the tiles past it, and the
+    tiles too for a sliding window that leaves key blocks out (``narrow_window``: the tiles skip them, the one
+    softmax would score every key)."""
+    return not (large or narrow_window)
 
 
 # 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold, the
@@ -93,7 +95,8 @@ def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str, sequence_slice: int | None = None,
-           causal: bool = True, window: int = 0, segments: bool = False) -> dispatch.Choice:
+           causal: bool = True, window: int = 0, segments: bool = False, narrow_window: bool = False
+           ) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
     device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
@@ -102,7 +105,9 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     list and then the 'auto' list without the kernels, so the selection passes the kernel over for the rest of the
     list, or for the XLA forms (one log line, the selection's), unless it cannot serve even a full pass here and
     nothing else is named (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN
-    serves through its packed layout where ``platform.cudnn_packed_reasons`` has none (Hopper, not ``large``)."""
+    serves through its packed layout where ``platform.cudnn_packed_reasons`` has none (Hopper, not ``large``).
+    ``narrow_window``: a sliding window of at most half the keys, for which 'auto' prefers the tiles (they skip the
+    key blocks outside it) as it does for ``large`` calls."""
     plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)
@@ -111,6 +116,8 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
                   causal=causal, window=window)
     if segments:
         shapes.update(segments=True)
+    if narrow_window:
+        shapes.update(narrow_window=True)
     if sequence_slice is not None:
         shapes.update(sequence_slice=sequence_slice)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
@@ -144,16 +151,20 @@ def prepared_call(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, full_pass: bo
     inputs = dict(q=q, k=k, v=v, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, q_segment_ids=q_segment_ids,
                   k_segment_ids=k_segment_ids, full_pass=full_pass, window=window, causal=causal, mesh=mesh)
     shapes = dict(dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1], value_dim=v.shape[-1],
-                  kv_cache=not full_pass, scores=q.shape[2] * k.shape[2], sequence_slice=split, causal=causal,
+                  kv_cache=not full_pass, scores=q.shape[2] * k.shape[2], keys=k.shape[2], sequence_slice=split,
+                  causal=causal,
                   window=window, segments=q_segment_ids is not None)
     return dispatch.Call(inputs, state), shapes
 
 
-def select_for(impl, cfg, platform: str, *, scores: int, **shapes) -> dispatch.Choice:
-    """The :func:`choose` choice of one dense call for ``impl``, ``shapes`` and ``large`` = ``scores`` past
-    ``cfg['auto_threshold']`` as it runs on ``platform`` (the reference's declared default)."""
+def select_for(impl, cfg, platform: str, *, scores: int, keys: int | None = None, **shapes) -> dispatch.Choice:
+    """The :func:`choose` choice of one dense call for ``impl``, ``shapes``, ``large`` = ``scores`` past
+    ``cfg['auto_threshold']`` as it runs on ``platform`` (the reference's declared default) and ``narrow_window``
+    = a sliding window (``shapes['window']``) of at most half the call's ``keys``."""
     large = scores > REFERENCE.setting("auto_threshold", cfg["auto_threshold"], platform)
-    return choose(impl, platform=platform, large=large, **shapes)
+    window = shapes.get("window", 0)
+    narrow = bool(window) and keys is not None and 2 * window <= keys
+    return choose(impl, platform=platform, large=large, narrow_window=narrow, **shapes)
 
 
 def select_runner(impl, cfg, platform: str, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:

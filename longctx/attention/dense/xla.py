@@ -464,10 +464,11 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_
                  k_segment_ids=k_segment_ids)
 
 
-def prefers_long_rows(platform: str, *, large: bool = False, **_) -> bool:
-    """Where 'auto' takes tiles: calls with Tq*Tk past ``auto_threshold`` (``large``); shorter ones take the
+def prefers_long_rows(platform: str, *, large: bool = False, narrow_window: bool = False, **_) -> bool:
+    """Where 'auto' takes tiles: calls with Tq*Tk past ``auto_threshold`` (``large``) and sliding windows of at most
+    half the keys (``narrow_window``: the tiles skip the key blocks outside the window); other calls take the
     reference's one softmax."""
-    return large
+    return large or narrow_window
 
 
 @dataclasses.dataclass(frozen=True)
