@@ -925,9 +925,9 @@ def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int,
     An encoder's mask token (``mlm.mask_id``; -1 picks it): one id beyond the tokenizer's vocabulary, or the
     tokenizer's own mask token ``mask_token`` (its ``<mask>`` / ``[MASK]``, :func:`longctx.data.masking.own_mask_id`)
     where ``model.vocab_size`` leaves no id beyond the vocabulary (an imported BERT or RoBERTa, whose vocabulary
-    is its tokenizer's). Random replacement tokens are drawn from the ids below the mask id
-    (:mod:`longctx.data.masking`), so an own mask token must be the tokenizer's last id while
-    ``mlm.random_prob`` > 0 (RoBERTa's ``<mask>`` is; BERT's ``[MASK]`` is not).
+    is its tokenizer's), wherever it is in the vocabulary (RoBERTa's ``<mask>`` is its last id, BERT's ``[MASK]``
+    103 of 30522): random replacement tokens are drawn from the tokenizer's vocabulary less its special ids
+    (:func:`longctx.data.masking.replacement_ids`).
 
     Checks only the rules that involve the vocabulary; the rest was checked by :func:`validate`,
     which runs once on the way into training."""
@@ -937,12 +937,7 @@ def resolve_vocab(cfg: ml_collections.ConfigDict, vocab_size: int,
         if cfg.mlm.mask_id == -1:
             room = cfg.model.vocab_size == 0 or cfg.model.vocab_size > vocab_size  # an id beyond the vocabulary
             cfg.mlm.mask_id = int(mask_token) if own and not room else int(vocab_size)
-        if own and cfg.mlm.mask_id == mask_token:
-            if cfg.mlm.random_prob > 0 and mask_token != vocab_size - 1:
-                raise ConfigError(f"mlm.mask_id={mask_token} is the tokenizer's own mask token but not its last id "
-                                  f"({vocab_size - 1}): random replacement tokens are drawn from the ids below the "
-                                  "mask id; set mlm.random_prob=0")
-        else:
+        if not (own and cfg.mlm.mask_id == mask_token):
             if cfg.model.vocab_size == 0:
                 cfg.model.vocab_size = cfg.mlm.mask_id + 1
             if not vocab_size <= cfg.mlm.mask_id < cfg.model.vocab_size:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from longctx.data import sources
+from longctx.data import masking, sources
 from longctx.errors import ConfigError, LongctxError, WorkdirError
 from longctx.protocols import byte_lengths, score_mlm_split, score_split
 from longctx.runtime import Runner
@@ -32,7 +32,8 @@ def evaluate_split(runner, data, ecfg, *, progress=True, desc="eval", compressor
         cfg = runner.cfg
         res, (sums, counts) = score_mlm_split(
             runner.forward, runner.params, data, ecfg, cfg.mlm, context=ecfg.context, mask_id=cfg.mlm.mask_id,
-            one_token_per_byte=runner.tokenizer_is_bytes, progress=progress, desc=desc)
+            replacement=masking.replacement_vocab(runner.tokenizer), one_token_per_byte=runner.tokenizer_is_bytes,
+            progress=progress, desc=desc)
         return res, (sums, counts, None)
     return score_split(runner.forward, runner.params, data, ecfg, init_state=runner.init_state,
                        one_token_per_byte=runner.tokenizer_is_bytes, tokenizer=getattr(runner, "tokenizer", None),

@@ -334,12 +334,14 @@ def mlm_protocol(ecfg, mcfg, *, context: int, n_rows: int) -> dict:
 
 
 def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id: int, one_token_per_byte: bool,
-                    progress: bool = True, desc: str = "eval") -> tuple[dict, tuple]:
+                    replacement: dict | None = None, progress: bool = True, desc: str = "eval") -> tuple[dict, tuple]:
     """Masked-token loss and accuracy of an encoder on a prepared split.
 
     The split is cut into rows of ``context`` tokens (:func:`mlm_rows`); row i is masked by
     :func:`longctx.data.masking.mask_rows` with seed ``mlm.eval_seed``, step 0 and row i, so every run
-    and method scores the same tokens in the same corrupted contexts, whatever the batch size.
+    and method scores the same tokens in the same corrupted contexts, whatever the batch size. ``replacement``:
+    the tokenizer's vocabulary and special ids the random replacements are drawn from
+    (:func:`longctx.data.masking.replacement_vocab`; None: the ids below the mask id).
     ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
     masked positions). Returns (result, (loss sum, token count) by position in the row)."""
 
@@ -359,7 +361,7 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
         for r, i in enumerate(idx_rows):
             tok[r] = np.asarray(data.tokens[rows[i] : rows[i] + context], np.int32)
         ids = np.concatenate([idx_rows, np.zeros(B - len(idx_rows), idx_rows.dtype)])  # padding rows: not counted
-        batch = mask_rows(tok, mcfg, seed=mcfg.eval_seed, step=0, rows=ids, mask_id=mask_id)
+        batch = mask_rows(tok, mcfg, seed=mcfg.eval_seed, step=0, rows=ids, mask_id=mask_id, **(replacement or {}))
         batch["mask"][len(idx_rows):] = False
         nll, correct, valid, where = (np.asarray(a) for a in forward(
             params, jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]), jnp.asarray(batch["mask"])))

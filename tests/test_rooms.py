@@ -2,6 +2,7 @@
 tests; kernels never import the package that uses them (no import cycle)."""
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +12,22 @@ from longctx import attention
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str) -> tuple[list, frozenset]:
+    """Every node of ``text``'s syntax tree (``ast.walk`` order) and the ids of its docstring constants: each file is
+    parsed and walked once for all the tests of this module (keyed by its text, so a rewritten file is parsed
+    again)."""
+    nodes = list(ast.walk(ast.parse(text)))
+    docs = frozenset(id(n.body[0].value) for n in nodes
+                     if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                     and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant))
+    return nodes, docs
+
+
 def _string_literals(path: Path):
-    tree = ast.parse(path.read_text())
-    doc_nodes = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                doc_nodes.add(id(first.value))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in doc_nodes:
+    nodes, docs = _parsed(path.read_text())
+    for node in nodes:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             yield node.lineno, node.value
 
 
@@ -34,17 +41,16 @@ def test_no_method_name_outside_its_room():
     for path in sorted((ROOT / "longctx").rglob("*.py")):
         if path in (ROOT / "longctx/attention/__init__.py", ROOT / "longctx/config.py"):  # registry, base config
             continue
+        inside = {name for name, room in rooms.items() if path == room or room in path.parents}  # its own rooms
         for lineno, text in _string_literals(path):
-            for name, room in rooms.items():
-                if path != room and room not in path.parents and text == name:
-                    offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {text!r}")
+            if text in rooms and text not in inside:
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {text!r}")
     assert offenders == [], "method names outside their rooms (ask a capability instead):\n" + "\n".join(offenders)
 
 
 def _imports(path: Path):
     """(lineno, dotted module) for every import in ``path`` (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in _parsed(path.read_text())[0]:
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name
@@ -80,11 +86,8 @@ def test_cpu_helpers_only_inside_cpu_implementations():
 def _code_mentions(path, words):
     """(line, what) of every identifier, attribute, import alias or non-docstring string constant of ``path``'s code
     that is one of ``words`` or contains one (comments and docstrings may name a file; code may not use it)."""
-    tree = ast.parse(path.read_text())
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
-                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-    for node in ast.walk(tree):
+    nodes, docstrings = _parsed(path.read_text())
+    for node in nodes:
         text = None
         if isinstance(node, ast.Name):
             text = node.id

@@ -24,8 +24,11 @@ varies), and the encoder sees each document alone.
 Then each predicted position's input is replaced by the mask token with probability
 ``mlm.mask_prob``, by a uniformly random text token with probability ``mlm.random_prob``, and left
 unchanged otherwise (BERT's 80/10/10). The mask token id is ``mask_id``: one beyond the
-tokenizer's vocabulary, or an imported encoder's own mask token (:func:`own_mask_id`, its last id:
-:func:`longctx.config.resolve_vocab`); random tokens are drawn from the ids ``[0, mask_id)``.
+tokenizer's vocabulary, or an imported encoder's own mask token (:func:`own_mask_id`:
+:func:`longctx.config.resolve_vocab`). Random tokens are drawn uniformly from the tokenizer's vocabulary
+``[0, vocab_size)`` less the mask id and the tokenizer's special ids (:func:`replacement_ids`; BERT draws from its
+whole vocabulary, special tokens included); without a vocabulary size, from the ids below the mask id (the byte
+default: mask id 256, the last id, no other special id, which is the same set and the same draws).
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def special_ids(tokenizer) -> tuple[int, ...]:
     if added is None:
         return ()
     return tuple(sorted(int(i) for i, t in added().items() if getattr(t, "special", False)))
+
+
+def replacement_vocab(tokenizer) -> dict:
+    """``vocab_size`` and ``special_ids`` of :func:`mask_rows` for ``tokenizer`` (its ``vocab_size``, its
+    :func:`special_ids`); {} for no tokenizer (the ids below the mask id)."""
+    if tokenizer is None:
+        return {}
+    return {"vocab_size": int(tokenizer.vocab_size), "special_ids": special_ids(tokenizer)}
 
 
 def text_ids(tokenizer, mask_id: int, vocab_size: int) -> np.ndarray:
@@ -129,22 +140,42 @@ def choose_positions(rng, T: int, mcfg) -> np.ndarray:
     return np.sort(pos)
 
 
-def corrupt_row(rng, row: np.ndarray, positions: np.ndarray, mcfg, mask_id: int) -> np.ndarray:
-    """The input row: predicted positions -> mask token / random token / unchanged (80/10/10)."""
+def replacement_ids(mask_id: int, vocab_size: int | None = None, special_ids=()) -> np.ndarray:
+    """The sorted int64 ids a random replacement is drawn from: ``[0, vocab_size)`` (the tokenizer's vocabulary,
+    ``tokenizer.vocab_size``) less ``mask_id`` and ``special_ids`` (:func:`special_ids`: pad, cls, sep, bos, eos,
+    unk, ...); ``vocab_size`` None: ``[0, mask_id)``, less ``special_ids``."""
+    vocab = int(mask_id) if vocab_size is None else int(vocab_size)
+    keep = np.ones(max(vocab, 0), bool)
+    for i in (int(mask_id), *map(int, special_ids)):
+        if 0 <= i < vocab:
+            keep[i] = False
+    return np.flatnonzero(keep)
+
+
+def corrupt_row(rng, row: np.ndarray, positions: np.ndarray, mcfg, mask_id: int,
+                replace_ids: np.ndarray | None = None) -> np.ndarray:
+    """The input row: predicted positions -> mask token / random token / unchanged (80/10/10). The random tokens
+    are drawn uniformly from ``replace_ids`` (:func:`replacement_ids`; None: the ids below ``mask_id``)."""
     out = np.array(row, np.int32, copy=True)
     u = rng.random(len(positions))
     to_mask = positions[u < mcfg.mask_prob]
     to_random = positions[(u >= mcfg.mask_prob) & (u < mcfg.mask_prob + mcfg.random_prob)]
     out[to_mask] = mask_id
-    out[to_random] = rng.integers(0, mask_id, size=len(to_random))
+    if replace_ids is None:
+        replace_ids = replacement_ids(mask_id)
+    # an index into the sorted ids: where they are [0, mask_id) the draws are rng.integers(0, mask_id)'s own
+    out[to_random] = replace_ids[rng.integers(0, len(replace_ids), size=len(to_random))]
     return out
 
 
-def mask_rows(tokens: np.ndarray, mcfg, *, seed: int, step: int, rows, mask_id: int) -> dict[str, np.ndarray]:
+def mask_rows(tokens: np.ndarray, mcfg, *, seed: int, step: int, rows, mask_id: int, vocab_size: int | None = None,
+              special_ids=()) -> dict[str, np.ndarray]:
     """Corrupt a batch of rows.
 
     tokens: [B, T] int token ids; rows: the B global row indices (``row0 + arange(B)`` for a
-    host's shard of a training batch, the row's index in the split for evaluation).
+    host's shard of a training batch, the row's index in the split for evaluation). ``vocab_size`` (the
+    tokenizer's) and ``special_ids`` (its special tokens, :func:`special_ids`) give the ids random replacements are
+    drawn from (:func:`replacement_ids`; ``vocab_size`` None: the ids below ``mask_id``).
     Returns {'inputs': [B, T] int32 corrupted ids, 'targets': [B, T] int32 (= tokens),
     'mask': [B, T] bool predicted positions}.
     """
@@ -153,13 +184,14 @@ def mask_rows(tokens: np.ndarray, mcfg, *, seed: int, step: int, rows, mask_id: 
     rows = np.asarray(rows)
     if rows.shape != (B,):
         raise ValueError(f"rows must hold one index per row ({B}), got shape {rows.shape}")
+    replace = replacement_ids(mask_id, vocab_size, special_ids)
     inputs = np.empty_like(tokens)
     mask = np.zeros((B, T), bool)
     for b in range(B):
         rng = row_rng(seed, step, int(rows[b]))
         pos = choose_positions(rng, T, mcfg)
         mask[b, pos] = True
-        inputs[b] = corrupt_row(rng, tokens[b], pos, mcfg, mask_id)
+        inputs[b] = corrupt_row(rng, tokens[b], pos, mcfg, mask_id, replace)
     return {"inputs": inputs, "targets": tokens, "mask": mask}
 
 

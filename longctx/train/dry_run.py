@@ -1,11 +1,12 @@
 """Memory and FLOPs plan of a training run before any data is touched (``longctx-train --dry_run``).
 
-The train step (a decoder's, or an encoder's masked-LM step, its vocabulary and mask token resolved as the
-training task resolves them) is lowered and compiled ahead of time for the configured mesh with abstract
-inputs (``jax.ShapeDtypeStruct`` carrying the shardings of ``longctx.train.sharding.Plan``);
-XLA's ``memory_analysis`` gives the per-device bytes of arguments, temporaries and outputs,
-and ``cost_analysis`` the FLOPs of one step. The model is built abstractly (``nnx.eval_shape``),
-so even a model that does not fit on the host can be planned.
+The train step the trainer runs (a decoder's, with the segment ids and positions of packed rows
+(``data.packing='segments'``) and a generated task's answer weights where its task's batch carries them; or an
+encoder's masked-LM step, its vocabulary and mask token resolved as the training task resolves them) is lowered
+and compiled ahead of time for the configured mesh with abstract inputs (``jax.ShapeDtypeStruct`` carrying the
+shardings of ``longctx.train.sharding.Plan``); XLA's ``memory_analysis`` gives the per-device bytes of arguments,
+temporaries and outputs, and ``cost_analysis`` the FLOPs of one step. The model is built abstractly
+(``nnx.eval_shape``), so even a model that does not fit on the host can be planned.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ from longctx.errors import ConfigError
 from longctx.models.backbone import scans_layers
 from longctx.models.decoder import build_model
 from longctx.models.precision import resolve_dtype
-from longctx.train import sequence_parallel, sharding
+from longctx.train import sequence_parallel, sharding, tasks
 from longctx.train.optim import make_optimizer
-from longctx.train.step import make_loss_fn, make_mlm_loss_fn, make_mlm_train_step, make_train_step, split_model
+from longctx.train.step import (
+    make_loss_fn,
+    make_mlm_loss_fn,
+    make_mlm_train_step,
+    make_packed_loss_fn,
+    make_train_step,
+    split_model,
+)
 
 MiB = 1 << 20
 
@@ -74,12 +82,17 @@ def training_flops_per_token(cfg, graphdef, params, nongrad, rest) -> dict:
                                  params, nongrad, rest, mlm_batch(cfg, 1))
         return {"training_flops_per_token": 3.0 * res["flops"] / tc.seq_len, "forward_flops_per_row": res["flops"],
                 "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
-    loss = make_loss_fn(graphdef)
     toks = jax.ShapeDtypeStruct((1, W), np.int32)
     state = (jax.eval_shape(lambda p, n, r: nnx.merge(graphdef, p, n, r).init_state(1, tc.seq_len),
                             params, nongrad, rest) if n_windows > 1 else None)
-    res = jaxpr_matmul_flops(lambda p, n, r, s, t: loss(p, n, r, t, t, s, jax.random.key(0))[0],
-                             params, nongrad, rest, state, toks)
+    if packed(cfg):  # the packed loss the step runs: a method may lay the documents out again on its block grid
+        packed_loss = make_packed_loss_fn(graphdef)
+        res = jaxpr_matmul_flops(lambda p, n, r, s, t, w: packed_loss(p, n, r, t, t, t, t, w, s, jax.random.key(0))[0],
+                                 params, nongrad, rest, state, toks, jax.ShapeDtypeStruct((1, W), np.float32))
+    else:
+        loss = make_loss_fn(graphdef)
+        res = jaxpr_matmul_flops(lambda p, n, r, s, t: loss(p, n, r, t, t, s, jax.random.key(0))[0],
+                                 params, nongrad, rest, state, toks)
     fwd_row = res["flops"] * n_windows
     return {"training_flops_per_token": 3.0 * fwd_row / tc.seq_len, "forward_flops_per_row": fwd_row,
             "flops_count_while_loops": res["while_loops"], "flops_count_opaque": res["opaque"]}
@@ -92,9 +105,39 @@ def mlm_batch(cfg, batch_size: int, sharding=None) -> dict:
         return jax.ShapeDtypeStruct((batch_size, cfg.train.seq_len), dtype, sharding=sharding)
 
     batch = {"inputs": rows(np.int32), "targets": rows(np.int32), "mask": rows(np.bool_)}
-    if cfg.data.packing == "segments":
+    if packed(cfg):
         batch.update(segment_ids=rows(np.int32), positions=rows(np.int32))
     return batch
+
+
+def lm_batch(cfg, batch_size: int, sharding=None):
+    """A decoder's abstract batch, as its training task (``longctx.train.tasks.LanguageModel`` / ``Recall``)
+    gives it to ``longctx.train.step.make_train_step``: the tokens [B, T + 1]; a dict with the answer weights
+    [B, T] (a generated task, ``weighted``) and the segment ids and positions [B, T + 1] (``data.packing='segments'``)
+    where the task's rows carry them."""
+    T = cfg.train.seq_len
+
+    def rows(n, dtype=np.int32):
+        return jax.ShapeDtypeStruct((batch_size, n), dtype, sharding=sharding)
+
+    if not (lm_weighted(cfg) or packed(cfg)):
+        return rows(T + 1)
+    batch = {"tokens": rows(T + 1)}
+    if lm_weighted(cfg):
+        batch["weights"] = rows(T, np.float32)
+    if packed(cfg):
+        batch.update(segment_ids=rows(T + 1), positions=rows(T + 1))
+    return batch
+
+
+def packed(cfg) -> bool:
+    """Whether the training rows carry document boundaries (``longctx.train.tasks.LanguageModel.packed``)."""
+    return cfg.data.packing == "segments"
+
+
+def lm_weighted(cfg) -> bool:
+    """Whether the decoder's task weights its targets (a generated recall task: the answer tokens)."""
+    return bool(getattr(tasks.task_class(cfg), "weighted", False))
 
 
 def per_device_bytes(tree, shardings) -> int:
@@ -137,12 +180,14 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
                                               row_mesh=mesh if split else None))
         batch = mlm_batch(cfg, tc.batch_size, p.batch)
     else:
+        # the step longctx.train.tasks.LanguageModel.make_step compiles: packed rows, answer weights as the task's
         seq_mode, seq_hidden = sequence_parallel.train_hidden(abstract_model, mesh, window=tc.window,
                                                               seq_len=tc.seq_len, mode=cfg.mesh.sequence_mode,
-                                                              packed=cfg.data.packing == "segments")
+                                                              packed=packed(cfg))
         step = p.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
-                                          constrain=p.constrain, hidden=seq_hidden, microbatches=tc.microbatches))
-        batch = jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len + 1), np.int32, sharding=p.batch)
+                                          constrain=p.constrain, weighted=lm_weighted(cfg), hidden=seq_hidden,
+                                          microbatches=tc.microbatches, packed=packed(cfg)))
+        batch = lm_batch(cfg, tc.batch_size, p.batch)
     args = (
         _abstract(params, p.params), _abstract(nongrad, p.nongrad), _abstract(rest, p.rest),
         _abstract(opt_state, p.opt_state), batch,
@@ -182,6 +227,7 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     out["flops_loop_note"] = ("scanned layers / micro-batches: XLA counts a loop body once, so the FLOPs understate "
                               "the step") if (scans_layers(cfg.model) or tc.microbatches > 1) else ""
     out["scan_layers"] = cfg.model.scan_layers  # as validate resolved it
+    out["packed"] = packed(cfg)  # the step takes the rows' segment ids and positions
     out["vocab_size"] = int(cfg.model.vocab_size)  # as the training task resolves it (resolve_vocab)
     if cfg.model.kind == "encoder":
         out["mask_id"] = int(cfg.mlm.mask_id)
@@ -197,6 +243,7 @@ def report(res: dict) -> str:
               for g in res.get("sharding", ())]
     return "\n".join([
         f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
+        *(["rows: packed documents (the step takes their segment ids and positions)"] if res.get("packed") else []),
         *([f"layers: {'scanned' if res['scan_layers'] == 'on' else 'unrolled'} (model.scan_layers="
            f"{res['scan_layers']!r} as validated for this platform)"] if "scan_layers" in res else []),
         "per device (XLA memory analysis of the compiled train step):",

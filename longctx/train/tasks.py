@@ -208,7 +208,8 @@ class MaskedLM(Task):
         rows = self.row0 + np.arange(len(tokens))
         mlm = self.cfg.mlm
         corrupted = masking.with_boundaries(masking.mask_rows(tokens, mlm, seed=self.cfg.train.seed, step=at_step,
-                                                              rows=rows, mask_id=mlm.mask_id), host)
+                                                              rows=rows, mask_id=mlm.mask_id,
+                                                              **masking.replacement_vocab(self.tokenizer)), host)
         return {k: sharding.shard_batch(self.mesh, v) for k, v in corrupted.items()}
 
     def evaluate(self, state):
@@ -216,7 +217,8 @@ class MaskedLM(Task):
         res, _ = score_mlm_split(
             lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask), state, self.splits[cfg.eval.split],
             self.eval_config(), cfg.mlm, context=cfg.eval.context, mask_id=cfg.mlm.mask_id,
-            one_token_per_byte=self.one_token_per_byte(), progress=False,
+            replacement=masking.replacement_vocab(self.tokenizer), one_token_per_byte=self.one_token_per_byte(),
+            progress=False,
         )
         return res
 

@@ -27,8 +27,10 @@ def bench_out(tmp_path_factory):
     out = root / "out"
     sets = _sets(corpus, root / "cache")
     common = ["--out", str(out), "--noprogress"]
+    # --noisolate: both variants in this process (a child process per variant costs an interpreter and jax's import
+    # each); the real child path is test_attention_times_a_variant_in_a_child_process's
     assert cli.main(["attention", *common, "--methods", "dense", "--lengths", "64,128", "--repeats", "1",
-                     "--causal", "--matmul_n", "128", "--no_torch"]) == 0
+                     "--causal", "--matmul_n", "128", "--no_torch", "--noisolate"]) == 0
     assert cli.main(["decode", *common, "--methods", "dense", "--positions", "64,128", "--steps", "2",
                      "--warmup", "1", "--prefill_chunk", "64"]) == 0
     assert cli.main(["quality", *common, "--methods", "dense,eva", "--lengths", "64", "--seeds", "2", "--causal",
@@ -183,6 +185,23 @@ def test_attention_isolates_each_variant_and_reports_a_failed_child(monkeypatch)
     res = ab._run_child(args, "eva", True)
     assert res["rows"] == [] and res["skipped_variants"][0]["variant"] == "eva"
     assert "status 1" in res["skipped_variants"][0]["reason"] and "boom: no memory" in res["skipped_variants"][0]["reason"]
+
+
+def test_attention_times_a_variant_in_a_child_process():
+    """The isolated run's real path: child_argv's command line runs in a child process, which writes its rows, and
+    the parent reads them back (one variant, one length, forward only: the child's cost is its start-up)."""
+    from types import SimpleNamespace
+
+    from longctx.bench import attention_bench as ab
+
+    args = SimpleNamespace(lengths="64", batch=1, heads=2, head_dim=16, dtype="float32", repeats=1, warmup=0,
+                           mem_budget_gb=1.0, max_cell_s=5.0, seed=0, causal=True, bidirectional=False,
+                           no_backward=True)
+    res = ab._run_child(args, "dense:naive", True)
+    assert res["skipped_variants"] == []
+    assert [(r["variant"], r["direction"], r["length"], r["fwd_status"]) for r in res["rows"]] == [
+        ("dense:naive", "causal", 64, "ok")]
+    assert res["rows"][0]["fwd_s"] > 0
 
 
 def test_a_killed_child_keeps_its_finished_rows_and_update_merges(monkeypatch, tmp_path):

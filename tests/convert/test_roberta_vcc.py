@@ -58,10 +58,10 @@ def test_the_mlm_task_takes_the_tokenizers_own_mask_token():
     with pytest.raises(ConfigError, match=f"mlm.mask_id={V} must be at least") as e:
         config_lib.resolve_vocab(encoder(V), V)
     assert "\n" not in str(e.value)
-    # BERT: [MASK] not the last id; random replacements are drawn below the mask id
-    with pytest.raises(ConfigError, match="own mask token but not its last id.*mlm.random_prob=0"):
-        config_lib.resolve_vocab(encoder(V), V, mask_token=10)
-    assert config_lib.resolve_vocab(encoder(V, random_prob=0.0), V, mask_token=10).mlm.mask_id == 10
+    # BERT: [MASK] not the last id (random replacements come from the whole vocabulary less the special ids)
+    for random_prob in (0.1, 0.0):
+        r = config_lib.resolve_vocab(encoder(V, random_prob=random_prob), V, mask_token=10)
+        assert (r.mlm.mask_id, r.model.vocab_size) == (10, V)
     # named explicitly
     assert config_lib.resolve_vocab(encoder(0, mask_id=V - 1), V, mask_token=V - 1).model.vocab_size == V
 

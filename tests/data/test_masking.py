@@ -119,3 +119,74 @@ def test_clusters_are_concentrated():
         spread[scheme] = np.median([np.std(np.flatnonzero(r)) for r in out["mask"]])
     # one centre of width 6: the 38 positions sit within a few sigma; uniform ones spread over the row
     assert spread["clustered"] < 20 < 50 < spread["bert"], spread
+
+
+def _old_draw(tok, c, *, seed, step, rows, mask_id):
+    """The inputs as drawn before the replacement ids were the vocabulary less the special ids: the random tokens
+    ``rng.integers(0, mask_id)`` after the positions and the 80/10/10 draw, from the same per-row stream."""
+    from longctx.data.masking import choose_positions, row_rng
+
+    out = np.array(tok, np.int32, copy=True)
+    for b, r in enumerate(rows):
+        rng = row_rng(seed, step, int(r))
+        pos = choose_positions(rng, tok.shape[1], c)
+        u = rng.random(len(pos))
+        out[b, pos[u < c.mask_prob]] = mask_id
+        to_random = pos[(u >= c.mask_prob) & (u < c.mask_prob + c.random_prob)]
+        out[b, to_random] = rng.integers(0, mask_id, size=len(to_random))
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_byte_default_draws_the_rows_it_drew_before(scheme):
+    """Bytes: mask id 256 (the last id), vocabulary 256, no special id: the same replacement set as the ids below
+    the mask id, so the same rng stream gives bit-identical rows, with or without the vocabulary passed."""
+    tok = tokens(32, 128)
+    c = mcfg(masking=scheme, random_prob=0.3)  # more random draws than 10 %: more to compare
+    old = _old_draw(tok, c, seed=5, step=9, rows=np.arange(32), mask_id=MASK_ID)
+    for kw in ({}, dict(vocab_size=256), dict(vocab_size=256, special_ids=())):
+        new = mask_rows(tok, c, seed=5, step=9, rows=np.arange(32), mask_id=MASK_ID, **kw)
+        np.testing.assert_array_equal(new["inputs"], old)
+    assert ((old != tok) & (old != MASK_ID)).sum() > 100  # random replacements were compared
+
+
+def test_bert_layout_draws_the_whole_vocabulary_less_its_special_ids():
+    """BERT's layout: [MASK] = 103 of 30522, special ids [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103. Random
+    replacements come from the whole vocabulary (mostly above the mask id), never a special id."""
+    from longctx.data.masking import replacement_ids
+
+    V, mask, special = 30522, 103, (0, 100, 101, 102, 103)
+    ids = replacement_ids(mask, V, special)
+    assert len(ids) == V - len(special) and not set(special) & set(ids.tolist())
+    tok = np.random.default_rng(0).integers(1000, 2000, size=(64, 256)).astype(np.int32)  # no special id in the text
+    c = mcfg(mask_prob=0.0, random_prob=1.0)  # every predicted position gets a random token
+    out = mask_rows(tok, c, seed=0, step=0, rows=np.arange(64), mask_id=mask, vocab_size=V, special_ids=special)
+    drawn = out["inputs"][out["mask"]]
+    assert len(drawn) == 64 * num_masked(256, c.rate)
+    assert not np.isin(drawn, special).any() and drawn.max() < V and drawn.min() >= 0
+    assert np.mean(drawn > mask) > 0.98  # uniform over 30517 ids: 1 - 99/30517 above the mask id
+    assert np.mean(drawn >= V // 2) > 0.4  # the upper half of the vocabulary too, not only the first ids
+    # the ids below the mask id are drawn too (not only those above it), specials still excluded
+    low = mask_rows(tok, c, seed=0, step=0, rows=np.arange(64), mask_id=mask, vocab_size=120, special_ids=special)
+    drawn = low["inputs"][low["mask"]]
+    assert set(np.unique(drawn).tolist()) == set(range(120)) - set(special)
+
+
+def test_replacement_vocab_of_a_tokenizer(tmp_path):
+    """What the training task and the evaluation pass to mask_rows: the byte tokenizer's 256 ids and no special
+    id (the draws of the ids below mask id 256), a tokenizer file's vocabulary and its special tokens."""
+    import tokenizers
+
+    from longctx.data.hf import HFTokenizer
+    from longctx.data.masking import replacement_vocab
+    from longctx.data.tokenizers import build
+
+    assert replacement_vocab(build("bytes")) == {"vocab_size": 256, "special_ids": ()}
+    assert replacement_vocab(None) == {}
+    special = {"[PAD]": 0, "[UNK]": 7, "[CLS]": 8, "[SEP]": 9, "[MASK]": 10}
+    vocab = {**special, **{f"w{i}": i for i in range(20) if i not in special.values()}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(list(special))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert replacement_vocab(hf) == {"vocab_size": 20, "special_ids": (0, 7, 8, 9, 10)}

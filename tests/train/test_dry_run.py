@@ -120,8 +120,24 @@ def test_plan_of_an_imported_encoder_takes_its_tokenizers_mask_token(tmp_path):
     cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache")
     cfg.model.kind, cfg.model.causal, cfg.model.vocab_size = "encoder", False, V
     cfg.data.tokenizer, cfg.data.options.tokenizer_file = "hf", str(tmp_path / "tokenizer.json")
-    cfg.mlm.random_prob = 0.0  # random replacements are drawn below the mask id: BERT's [MASK] needs none
     res = dry_run.plan(cfg)
     assert (res["mask_id"], res["vocab_size"]) == (103, V)
     assert res["flops_per_step"] > 0 and res["training_flops_per_token"] > 0
+    assert not (tmp_path / "no-cache").exists()
+
+
+def test_plan_of_a_packed_decoder_compiles_the_step_that_takes_segment_ids(tmp_path):
+    """data.packing='segments': the trainer's step takes {'tokens', 'segment_ids', 'positions'} [B, T + 1]
+    (longctx.train.tasks.LanguageModel), so the plan compiles that step: beside the parameters and the optimizer
+    state its arguments hold three int32 arrays of [B, T + 1] (the unpacked step: the tokens alone)."""
+    from longctx.train import dry_run
+
+    cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache", batch_size=2)
+    cfg.model.num_layers, cfg.model.vocab_size, cfg.data.packing = 1, 256, "segments"
+    res = dry_run.plan(cfg)
+    rows = 2 * (cfg.train.seq_len + 1) * 4  # one int32 [B, T + 1] array
+    batch = res["argument_bytes"] - res["param_bytes"] - res["opt_state_bytes"] - res["nongrad_bytes"]
+    assert res["packed"] and 3 * rows <= batch < 4 * rows, (batch, rows)
+    assert res["training_flops_per_token"] > 0 and res["flops_per_step"] > 0
+    assert "packed documents" in dry_run.report(res)
     assert not (tmp_path / "no-cache").exists()
