@@ -200,3 +200,23 @@ def test_auto_takes_the_tiles_for_a_window_of_at_most_half_the_keys():
     assert pick(1024, 1000) == "reference"
     assert pick(1024, 512) != "reference" and pick(1024, 128) != "reference"
     assert pick(1024, 128) in {i.name for i in dense.implementations() if i.prefer is xla.prefers_long_rows}
+
+
+def test_the_tiles_default_blocks_fit_the_window():
+    """swa's tiles with the platform's default blocks (1024 x 512 on a CPU) take blocks no larger than the window
+    rounded up to a power of two, so that they skip the keys outside it; blocks set in the config are kept."""
+    from flax import nnx
+
+    from longctx import attention
+
+    shapes = dict(dtype=F32, head_dim=16, value_dim=16, kv_cache=False, scores=1024 * 1024, keys=1024, causal=True,
+                  window=100)
+
+    def blocks(cfg):
+        core = attention.build("swa", cfg, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0), platform="cpu")
+        runner, choice = core.runner(**shapes)
+        return choice.name, runner.block_q, runner.block_k
+
+    name, bq, bk = blocks({"window": 100})
+    assert name != "reference" and (bq, bk) == (128, 128)
+    assert blocks({"window": 100, "block_q": 256, "block_k": 64})[1:] == (256, 64)
