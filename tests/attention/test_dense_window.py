@@ -202,21 +202,25 @@ def test_auto_takes_the_tiles_for_a_window_of_at_most_half_the_keys():
     assert pick(1024, 128) in {i.name for i in dense.implementations() if i.prefer is xla.prefers_long_rows}
 
 
-def test_the_tiles_default_blocks_fit_the_window():
-    """swa's tiles with the platform's default blocks (1024 x 512 on a CPU) take blocks no larger than the window
-    rounded up to a power of two, so that they skip the keys outside it; blocks set in the config are kept."""
-    from flax import nnx
 
-    from longctx import attention
+def test_the_tiles_blocks_fit_the_window():
+    """The tiles take blocks no larger than the window rounded up to a power of two (the CPU's default 1024 x 512
+    would visit every key of a 1k row for a window of 100), so a windowed full pass counts far fewer matmul FLOPs
+    than the unwindowed one, and both equal the reference."""
+    from longctx.bench.common import jaxpr_matmul_flops
 
-    shapes = dict(dtype=F32, head_dim=16, value_dim=16, kv_cache=False, scores=1024 * 1024, keys=1024, causal=True,
-                  window=100)
+    assert xla.window_blocks(1024, 512, 100) == (128, 128) and xla.window_blocks(64, 32, 100) == (64, 32)
+    assert xla.window_blocks(1024, 512, 0) == (1024, 512)
+    T = 1024
+    q, k, v = qkv(T, B=1, H=1, D=16)
+    pos = jnp.arange(T, dtype=jnp.int32)
 
-    def blocks(cfg):
-        core = attention.build("swa", cfg, num_heads=2, head_dim=16, causal=True, rngs=nnx.Rngs(0), platform="cpu")
-        runner, choice = core.runner(**shapes)
-        return choice.name, runner.block_q, runner.block_k
+    def run(W, impl="xla_cpu"):
+        return lambda q, k, v: dense.attend(q, k, v, pos, pos, jnp.ones((T,), bool), causal=True, impl=impl,
+                                            block_q=1024, block_k=512, auto_threshold=1, full_pass=True,
+                                            platform="cpu", window=W)
 
-    name, bq, bk = blocks({"window": 100})
-    assert name != "reference" and (bq, bk) == (128, 128)
-    assert blocks({"window": 100, "block_q": 256, "block_k": 64})[1:] == (256, 64)
+    windowed, full = (jaxpr_matmul_flops(run(W), q, k, v)["flops"] for W in (100, 0))
+    assert windowed < 0.35 * full
+    np.testing.assert_allclose(np.asarray(run(100)(q, k, v)), np.asarray(run(100, "reference")(q, k, v)),
+                               atol=2e-5, rtol=2e-5)

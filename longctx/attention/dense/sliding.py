@@ -13,14 +13,10 @@ must beat, not the reference they are measured against.
 
 from __future__ import annotations
 
-import dataclasses
-
 import ml_collections
 
-from longctx.attention import dispatch
 from longctx.attention.base import ContractCase, require
 from longctx.attention.dense.layer import DenseAttention
-from longctx.attention.dense.xla import Tiles
 
 
 class SlidingWindowAttention(DenseAttention):
@@ -54,18 +50,6 @@ class SlidingWindowAttention(DenseAttention):
     @property
     def window(self) -> int:
         return int(self.cfg.window)
-
-    def runner(self, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:
-        """dense's runner, with the tiles' platform-default blocks (``block_q`` / ``block_k`` = 0) no larger than
-        the window rounded up to a power of two: a query block then reaches its own key block and the one before,
-        so the tiles skip the rest (the CPU's default 1024 x 512 blocks would visit every key of a 1k row for a
-        window of 128). Blocks set in the config are kept."""
-        runner, choice = super().runner(**shapes)
-        if isinstance(runner, Tiles):
-            fit = 1 << max(0, self.window - 1).bit_length()
-            runner = dataclasses.replace(runner, **{k: min(getattr(runner, k), fit) for k in ("block_q", "block_k")
-                                                    if not self.cfg[k]})
-        return runner, choice
 
 
 __all__ = ["SlidingWindowAttention"]
