@@ -465,7 +465,7 @@ def test_impl_names_and_earlier_values():
     implementations were named keep their meaning: 'xla' = the XLA tiles (no kernel), 'pallas' = the kernels
     (interpret mode on a CPU), 'auto' = on a CPU today's tuned tiles (xla_cpu), 'xla,pallas' = the XLA tiles."""
     cls = attention.get_class("eva")
-    assert [i.name for i in cls.implementations()] == ["reference", "xla", "xla_cpu", "pallas"]
+    assert [i.name for i in cls.implementations()] == ["reference", "xla", "xla_cpu", "mosaic_gpu", "pallas"]
     for impl in ("auto", "xla", "pallas", "xla,pallas", "pallas,xla", "reference", "xla_cpu"):
         cfg = cls.default_config()
         cfg.impl = impl
