@@ -534,6 +534,10 @@ def report(out: Path, rs: list[dict], args) -> dict:
               r["tokens_per_s"], r["train_wall_s"] / 60 if r["train_wall_s"] else None] for r in rows]
     parts.append(C.md_table(["run", "context", "params", "FF / GAU width", "updates", "train MFLOP/token", "valid bits/byte",
                              "test bits/byte", "train tokens/s", "train min"], table))
+    settle = ranking_table(done)
+    if settle:
+        parts.append("\nHas the ranking settled? Validation bits per byte (seed mean) at fractions of each run's "
+                     "FLOP budget, and the order of the runs at each (best first):\n\n" + settle)
     pos = position_table(done)
     if pos:
         parts.append("\nTest bits per byte by position in the context (seed mean; does the method use distant "
@@ -567,6 +571,42 @@ def _avg_bins(lists: list[list[dict]], key: str) -> list[tuple[str, float]]:
             if b.get(key) is not None:
                 out.setdefault((b["lo"], b["hi"]), []).append(b[key])
     return [(f"{lo}-{hi}", statistics.fmean(v)) for (lo, hi), v in sorted(out.items())]
+
+
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _at_fraction(curve: list[list[float]], steps: int, f: float) -> float | None:
+    """The validation point of ``curve`` ([step, bits]) nearest to fraction ``f`` of ``steps`` updates."""
+    if not curve or not steps:
+        return None
+    return min(curve, key=lambda p: abs(p[0] / steps - f))[1]
+
+
+def ranking_table(done: list[dict]) -> str:
+    """Per context: each run's seed-mean validation bits at :data:`FRACTIONS` of its budget, then the order of the
+    runs at each fraction and whether it changed over the last half of the budget."""
+    by: dict[tuple, list[dict]] = {}
+    for r in done:
+        if r.get("curve"):
+            by.setdefault((r["label"], r["context"]), []).append(r)
+    parts = []
+    for T in sorted({t for _, t in by}):
+        labels = sorted(label for label, t in by if t == T)
+        mean = {}
+        for label in labels:
+            for f in FRACTIONS:
+                vals = [v for r in by[(label, T)] if (v := _at_fraction(r["curve"], r["steps"], f)) is not None]
+                mean[(label, f)] = statistics.fmean(vals) if vals else None
+        rows = [[label] + [mean[(label, f)] for f in FRACTIONS] for label in labels]
+        order = {f: [x for x in sorted(labels, key=lambda lb: mean[(lb, f)]) if mean[(x, f)] is not None]
+                 for f in FRACTIONS}
+        lines = [f"- {round(100 * f)} %: " + " < ".join(order[f]) for f in FRACTIONS]
+        same = order[0.5] == order[0.75] == order[1.0]
+        parts.append(f"Context {T}:\n\n" + C.md_table(["run"] + [f"{round(100 * f)} %" for f in FRACTIONS], rows)
+                     + "\n" + "\n".join(lines) + "\n\nThe order over the last half of the budget: "
+                     + ("unchanged." if same else "still changing (more updates could change the ranking).") + "\n")
+    return "\n".join(parts)
 
 
 def position_table(done: list[dict]) -> str:

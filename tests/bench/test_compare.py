@@ -142,3 +142,20 @@ def test_results_of_another_sizing_are_refused(tmp_path):
                   "--report_only", "--dense_steps", "999")
     with pytest.raises(ConfigError, match="other settings \\(sizes differ\\)"):
         compare.run(other)
+
+
+def test_ranking_table_says_whether_the_order_settled():
+    """The order of the runs by validation bits at 25/50/75/100 % of each run's budget (seed means), and whether it
+    changed over the last half: a crossing at 75 % is 'still changing', a fixed order 'unchanged'."""
+    def run(label, curve, steps=8):
+        return {"label": label, "context": 128, "steps": steps, "curve": [[s, b] for s, b in curve]}
+
+    a = run("a", [(2, 3.0), (4, 2.5), (6, 2.2), (8, 2.0)])
+    b = run("b", [(4, 3.2), (8, 2.6), (12, 2.4), (16, 2.3)], steps=16)  # its own steps: fractions of its budget
+    text = compare.ranking_table([a, b])
+    assert "- 25 %: a < b" in text and "- 100 %: a < b" in text and "unchanged." in text
+    late = run("b", [(2, 3.1), (4, 2.4), (6, 2.1), (8, 2.1)])  # ahead of a at 50 % and 75 %, behind at 100 %
+    text = compare.ranking_table([a, late])
+    assert "- 50 %: b < a" in text and "- 100 %: a < b" in text and "still changing" in text
+    seeds = [run("a", [(8, 2.0)]), run("a", [(8, 3.0)]), run("b", [(8, 2.4)])]  # seed means: a 2.5 > b 2.4
+    assert "- 100 %: b < a" in compare.ranking_table(seeds)
