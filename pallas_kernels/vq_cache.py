@@ -41,9 +41,26 @@ casts it to its compute dtype), else fp32 (never rounded). Softmax statistics, t
 the count products with the one-hot are declared statistics (``precision.statistic``). The output and state are in
 ``promote(dtype, float32)`` like the reference.
 
-Packed rows (segment ids): the GPU form serves them (``packed``, see :mod:`pallas_kernels.vq_cache_gpu`); the TPU
-kernels here refuse them (their cache is a running mean folded along the row in VMEM, and the backward steps its
-counts back exactly: neither restarts at a document).
+Packed rows (segment ids, ``packed``; docs/methods/transformer_vq.md §2.8): both forms serve them on the row's own
+block grid, every score masked to the query's document, each row block reading one cache: that of the document
+holding its first token, over its keys before the previous row block (lag 2 on the row's grid), the carried
+document's cache and band merged first where the row opens with it (the split of
+``longctx.attention.transformer_vq.xla.kernel_packed``; forward it equals every document's own grid, and the keys
+take ``dk̂`` only from the queries whose own window holds them). The GPU form takes those caches from XLA
+(:mod:`pallas_kernels.vq_cache_gpu`). The TPU kernels here keep folding the cache inside the kernel and restart it
+at documents instead, from the small int32 document arrays of ``xla.kernel_documents`` (per query block ``[L, 3]``:
+document start, reads-the-cache flag, own window's start; per extended key block ``[3, L]``: document start or -1,
+taken-by-the-fold flag, continue-or-restart flag): a fold that restarts starts from zero means and counts, and only
+the queries of the block's first document read the running cache, where that document began before the previous row
+block. Why this and not the GPU form's caches: those are ``[B, H, R, S, Dv]`` in HBM (a mean per row block, built by
+an XLA scan), which this form never stores, forward or backward; the fold here stays in VMEM, and what a packed row
+adds is O(T) int32 and, per step of pass 1, the counts ``[S]`` its blocks read (pass 2 cannot step the counts back
+across a restart, so it reads them: ``[B·H, R, S]`` f32, less than the band bias ``[B·H, R, L, 2L]`` this form
+already takes; no ``[.., L, L]`` array is added). Pass 1 also visits the row block before the previous one (its
+queries' own windows reach it, while the row's grid holds those keys in the cache): ``dk̂`` only, recomputing
+``P = exp(q·k̂ − lse)`` (no band bias at a distance over L; their ``dv`` is the cache's, pass 2), one more
+``(L, Dk)`` key block, ``(L, tv)`` value tile and ``(L, L)`` f32 scratch, counted in the VMEM estimate. The new
+state of a packed row is formed by the caller (``state.packed_final_state``); the kernel returns ``(o, None)``.
 
 Final state: when ``T % L == 0``, ``M == L`` and the storage is fp32 the kernel's last fold *is* the new carried
 aggregate;
@@ -88,6 +105,10 @@ DTYPES = KERNEL_DTYPES
 f32 = jnp.float32
 # the per-code counts folded and unfolded inside the kernels (products with a one-hot, exact integers): statistics
 COUNTS = "per-code counts of the compressive cache (state)"
+# a packed row's document arrays (longctx.attention.transformer_vq.xla.kernel_documents): per query (columns) its
+# document's start, whether it reads its block's cache, its window's start; per extended key (rows) its document's
+# start, whether its block's fold takes it, whether that fold continues the running cache (every lane)
+QCOLS, KROWS = 3, 3
 
 
 # ----------------------------------------------------------------------------- block plans (VMEM budget)
@@ -102,11 +123,16 @@ def _padded_bytes(shape, dtype) -> int:
     return lead * rows * cols * jnp.dtype(dtype).itemsize
 
 
-def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype):
+def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype, packed: bool = False):
     """(input blocks, output blocks, scratch, temporaries) as lists of (name, shape, dtype) for one kernel.
-    The pallas_calls below build their BlockSpecs and scratch from these same shapes."""
+    The pallas_calls below build their BlockSpecs and scratch from these same shapes. ``packed``: a packed row's
+    kernels (the document arrays; the backward's visit of the row block before the previous one and its per-step
+    counts)."""
     n_tv = Dv // tv
     idt = jnp.dtype(in_dtype)
+    i32 = jnp.int32
+    docs = [("qdocs", (L, QCOLS), i32), ("kdocs_prev", (KROWS, L), i32), ("kdocs_pres", (KROWS, L), i32)]
+    docs = docs if packed else []
     common_in = [("q", (L, Dk), idt), ("k_prev", (L, Dk), idt), ("k_pres", (L, Dk), idt),
                  ("v_prev", (L, tv), idt), ("v_pres", (L, tv), idt), ("z_prev", (1, L), jnp.int32),
                  ("valid_prev", (1, L), jnp.int32), ("valid_pres", (1, L), jnp.int32), ("C", (S, Dk), f32),
@@ -117,29 +143,34 @@ def _plan(kind: str, *, L, S, Dk, Dv, tv, in_dtype):
     logits_tmp = [("logits", (L, S + 2 * L), f32), ("exp", (L, S + 2 * L), f32), ("onehot", (S, L), f32)]
     if kind == "fwd":
         outs = [("o", (L, tv), f32), ("mu_fin", (S, tv), f32), ("n_fin", (SUB, S), f32)]
-        return common_in, outs, state_scratch + probs, logits_tmp + [("acc", (L, tv), f32)]
+        return common_in + docs, outs, state_scratch + probs, logits_tmp + [("acc", (L, tv), f32)]
     if kind == "bwd1":
         ins = common_in + [("do", (L, tv), idt)]
         outs = [("lse", (L, LANES), f32), ("dq", (L, Dk), f32), ("dk_prev", (L, Dk), f32),
                 ("dk_pres", (L, Dk), f32), ("dbias", (L, 2 * L), f32),
                 ("dv_prev", (L, tv), f32), ("dv_pres", (L, tv), f32)]
         dprobs = [("dp_cache", (L, S), f32), ("dp_prev", (L, L), f32), ("dp_pres", (L, L), f32)]
+        if packed:
+            ins += docs + [("k_two", (L, Dk), idt), ("v_two", (L, tv), idt), ("kdocs_two", (KROWS, L), i32)]
+            outs += [("dk_two", (L, Dk), f32), ("n_step_row", (1, S), f32), ("n_step_col", (S, 1), f32)]
+            dprobs += [("dp_two", (L, L), f32)]
         return ins, outs, state_scratch + probs + dprobs, logits_tmp + [("ds", (L, S + 2 * L), f32)]
     if kind == "bwd2":
         ins = [("q", (L, Dk), idt), ("C", (S, Dk), f32), ("z_prev", (1, L), jnp.int32),
                ("valid_prev", (1, L), jnp.int32),
                ("lse", (L, LANES), f32), ("do", (L, tv), idt), ("gmu_fin", (S, tv), idt),
                ("n_fin_row", (SUB, S), f32), ("n_fin_col", (S, LANES), f32)]
+        ins += docs[:2] + [("n_step_row", (1, S), f32), ("n_step_col", (S, 1), f32)] if packed else []
         outs = [("dv_fold", (L, tv), f32), ("dmu0", (S, tv), f32)]
         scratch = [("h", (S, tv), f32), ("n_row", (SUB, S), f32), ("n_col", (S, LANES), f32)]
         return ins, outs, scratch, [("p_cache", (L, S), f32), ("onehot", (S, L), f32), ("dmu", (S, tv), f32)]
     raise ValueError(kind)
 
 
-def vmem_bytes(kind: str, *, L, S, Dk, Dv, tv, in_dtype=f32) -> int:
+def vmem_bytes(kind: str, *, L, S, Dk, Dv, tv, in_dtype=f32, packed: bool = False) -> int:
     """VMEM estimate of one kernel: 2 × (input + output blocks) for double buffering, plus scratch, plus the
     main in-body temporaries (logits, exponentials, one-hot), each padded to the (8, 128) tile."""
-    ins, outs, scratch, tmp = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype)
+    ins, outs, scratch, tmp = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype, packed=packed)
     blocks = sum(_padded_bytes(s, d) for _, s, d in ins + outs)
     return 2 * blocks + sum(_padded_bytes(s, d) for _, s, d in scratch + tmp)
 
@@ -149,13 +180,13 @@ def _tv_options(Dv: int):
     return opts or [Dv]
 
 
-def choose_block_v(*, L, S, Dk, Dv, in_dtype=f32, with_grad=True, limit=VMEM_LIMIT_BYTES):
+def choose_block_v(*, L, S, Dk, Dv, in_dtype=f32, with_grad=True, limit=VMEM_LIMIT_BYTES, packed: bool = False):
     """(tv, bytes): the largest Dv tile whose kernels fit ``limit`` (bytes of the worst kernel), or (None, bytes
-    of the smallest tile) when none fits."""
+    of the smallest tile) when none fits. ``packed``: a packed row's kernels."""
     kinds = ("fwd", "bwd1", "bwd2") if with_grad else ("fwd",)
     best = None
     for tv in _tv_options(Dv):
-        need = max(vmem_bytes(k, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype) for k in kinds)
+        need = max(vmem_bytes(k, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype, packed=packed) for k in kinds)
         best = (tv, need)
         if need <= limit:
             return tv, need
@@ -167,10 +198,11 @@ def _dtype_name(dtype) -> str:
 
 
 def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype=f32,
-                        with_grad: bool = True) -> list[str]:
+                        with_grad: bool = True, packed: bool = False) -> list[str]:
     """Why the kernel cannot serve these shapes on ``platform`` ('tpu' | 'cuda' | 'rocm' | 'interpret');
     empty when it can. 'interpret' (CPU, Pallas interpret mode) checks only what the kernel computes; 'cuda'
-    returns the GPU form's reasons (:func:`pallas_kernels.vq_cache_gpu.unsupported_reasons`)."""
+    returns the GPU form's reasons (:func:`pallas_kernels.vq_cache_gpu.unsupported_reasons`, whose budget a packed
+    row does not change). ``packed``: a packed row (the TPU kernels' budget with their document arrays)."""
     if platform == "cuda":
         return vq_cache_gpu.unsupported_reasons("cuda", L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype, with_grad=with_grad)
     reasons = input_reasons(L=L, M=M, dtype=dtype)
@@ -182,7 +214,7 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
     if L % SUB:
         reasons.append(f"TPU blocks need block_len % 8 == 0 (got L={L})")
     in_dtype = jnp.bfloat16 if _dtype_name(dtype) == "bfloat16" else f32
-    tv, need = choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=in_dtype, with_grad=with_grad)
+    tv, need = choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=in_dtype, with_grad=with_grad, packed=packed)
     if tv is None:
         reasons.append(f"VMEM estimate {need / 2**20:.1f} MiB at the smallest Dv tile exceeds the "
                        f"{VMEM_LIMIT_BYTES / 2**20:.0f} MiB limit (L={L}, S={S}, Dk={Dk}, Dv={Dv}, {_dtype_name(dtype)})")
@@ -210,15 +242,19 @@ def _code_operands(q, c):
     return (q, c) if q.dtype == c.dtype else (q.astype(f32), c.astype(f32))
 
 
-def _cache_logits(q, c, n_row):
+def _cache_logits(q, c, n_row, reads=None):
+    """The cache logits ``q·Cᵀ + log N`` and which are read: the codes with a count (and, for a packed row, only by
+    the queries that read the block's cache: ``reads`` (L, 1))."""
     has = n_row > 0.0  # (1, S)
+    has = has if reads is None else has & reads
     s_c = _nt(*_code_operands(q, c)) + jnp.where(has, jnp.log(jnp.maximum(n_row, 1.0)), NEG)
     return jnp.where(has, s_c, NEG), has
 
 
-def _probs(q, kp, kr, c, bp, br, n_row, valid_p, valid_r, L):
-    """Normalized probabilities of the three groups (same op order as the reference's softmax_mix)."""
-    s_c, has = _cache_logits(q, c, n_row)
+def _probs(q, kp, kr, c, bp, br, n_row, valid_p, valid_r, L, reads=None):
+    """Normalized probabilities of the three groups (same op order as the reference's softmax_mix). ``valid_p``,
+    ``valid_r``: the keys' validity (1, L), or for a packed row the query-key document masks (L, L)."""
+    s_c, has = _cache_logits(q, c, n_row, reads)
     s_p = _nt(q, kp) + bp
     s_r = _nt(q, kr) + br
     row = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
@@ -240,6 +276,39 @@ def _probs(q, kp, kr, c, bp, br, n_row, valid_p, valid_r, L):
 def _onehot(z_row, valid_row, S, L):
     codes = jax.lax.broadcasted_iota(jnp.int32, (S, L), 0)
     return (codes == z_row) & valid_row  # [S, L] bool
+
+
+def _documents(packed: bool, n: int, rest):
+    """A kernel's trailing refs: (its ``n`` document refs, or Nones, and the rest: outputs and scratch)."""
+    return (tuple(rest[:n]), rest[n:]) if packed else ((None,) * n, rest)
+
+
+def _masks(validp_ref, validr_ref, qd_ref, kdp_ref, kdr_ref):
+    """(previous-block mask, the present-block mask's reader (called where the probabilities are formed), the
+    queries that read the cache, the previous block's keys the fold takes, whether the fold continues the running
+    cache). Unpacked: the keys' validity (1, L), every query reads the cache, the fold takes the valid keys and
+    continues. Packed: the query-key document masks (L, L) (a padding key or an uncontinued band slot has document
+    -1), and the document arrays' flags."""
+    if qd_ref is None:
+        valid_p = validp_ref[...] > 0
+        return valid_p, lambda: validr_ref[...] > 0, None, valid_p, None
+    qdoc, kdp = qd_ref[:, 0:1], kdp_ref[...]
+    return (kdp[0:1, :] == qdoc, lambda: kdr_ref[0:1, :] == qd_ref[:, 0:1], qd_ref[:, 1:2] > 0, kdp[1:2, :] > 0,
+            kdp[2:3, 0:1] > 0)
+
+
+def _kept(x, keep):
+    """The running counts a fold starts from: all of them, or none where a packed row's fold restarts."""
+    return x if keep is None else jnp.where(keep, x, 0.0)
+
+
+def _own_window(ds, e, qd_ref, L):
+    """dS for k̂'s gradient: all of it, or for a packed row only where extended block ``e``'s key lies in the
+    query's own window (from ``qwin`` on; the keys before it are in the query's cache in its document's grid)."""
+    if qd_ref is None:
+        return ds
+    key_at = e * L + jax.lax.broadcasted_iota(jnp.int32, ds.shape, 1)
+    return jnp.where(key_at >= qd_ref[:, 2:3], ds, 0.0)
 
 
 def _fold(mu_s, j, onehot, vp, ncol_old):
@@ -265,18 +334,18 @@ def _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref):
 
 
 def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, b_ref,
-                mu0_ref, n0row_ref, n0col_ref,
-                o_ref, mufin_ref, nfin_ref,
-                mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, *, L: int, S: int):
+                mu0_ref, n0row_ref, n0col_ref, *rest, L: int, S: int, packed: bool = False):
+    (qd_ref, kdp_ref, kdr_ref), rest = _documents(packed, 3, rest)
+    o_ref, mufin_ref, nfin_ref, mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s = rest
     r, j = pl.program_id(1), pl.program_id(2)
     last_r, last_j = pl.num_programs(1) - 1, pl.num_programs(2) - 1
     _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
-    valid_p = validp_ref[...] > 0
+    valid_p, valid_r, reads, fold_p, keep = _masks(validp_ref, validr_ref, qd_ref, kdp_ref, kdr_ref)
 
     @pl.when(j == 0)
     def _():
         pc, pp, pr, _ = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], b_ref[:, :L], b_ref[:, L:],
-                               nrow_s[0:1, :], valid_p, validr_ref[...] > 0, L)
+                               nrow_s[0:1, :], valid_p, valid_r(), L, reads)
         pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
 
     vp, vr = vp_ref[...], vr_ref[...]
@@ -284,8 +353,9 @@ def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, valid
     out = (_nn(pc_s[...].astype(cd), mu_s[j].astype(cd)) + _nn(pp_s[...].astype(cd), vp)
            + _nn(pr_s[...].astype(cd), vr))
     o_ref[...] = out.astype(o_ref.dtype)
-    onehot = _onehot(zp_ref[...], valid_p, S, L)
-    cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])  # lag 2: after the output
+    onehot = _onehot(zp_ref[...], fold_p, S, L)
+    ncol_old = _kept(ncol_s[...], keep)
+    cnt_col = _fold(mu_s, j, onehot, vp, ncol_old)  # lag 2: after the output
 
     @pl.when(r == last_r)
     def _():
@@ -293,9 +363,9 @@ def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, valid
 
     @pl.when(j == last_j)
     def _():
-        ncol_s[...] = ncol_s[...] + cnt_col
+        ncol_s[...] = _kept(ncol_s[...], keep) + cnt_col
         with statistic(COUNTS):
-            nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+            nrow_s[...] = _kept(nrow_s[...], keep) + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
 
         @pl.when(r == last_r)
         def _():
@@ -303,23 +373,30 @@ def _fwd_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, valid
 
 
 def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, validr_ref, c_ref, b_ref,
-                 mu0_ref, n0row_ref, n0col_ref, do_ref,
-                 lse_ref, dq_ref, dkp_ref, dkr_ref, db_ref, dvp_ref, dvr_ref,
-                 mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, dpc_s, dpp_s, dpr_s, *, L: int, S: int):
+                 mu0_ref, n0row_ref, n0col_ref, do_ref, *rest, L: int, S: int, packed: bool = False):
+    (qd_ref, kdp_ref, kdr_ref, k2_ref, v2_ref, kd2_ref), rest = _documents(packed, 6, rest)
+    lse_ref, dq_ref, dkp_ref, dkr_ref, db_ref, dvp_ref, dvr_ref = rest[:7]
+    dk2_ref, nsr_ref, nsc_ref = rest[7:10] if packed else (None,) * 3
+    mu_s, nrow_s, ncol_s, pc_s, pp_s, pr_s, dpc_s, dpp_s, dpr_s = rest[10:19] if packed else rest[7:16]
+    dp2_s = rest[19] if packed else None
     r, j = pl.program_id(1), pl.program_id(2)
     last_j = pl.num_programs(2) - 1
     _init_state(r, j, mu_s, nrow_s, ncol_s, mu0_ref, n0row_ref, n0col_ref)
-    valid_p = validp_ref[...] > 0
+    valid_p, valid_r, reads, fold_p, keep = _masks(validp_ref, validr_ref, qd_ref, kdp_ref, kdr_ref)
 
     @pl.when(j == 0)
     def _():
         pc, pp, pr, lse = _probs(q_ref[...], kp_ref[...], kr_ref[...], c_ref[...], b_ref[:, :L], b_ref[:, L:],
-                                 nrow_s[0:1, :], valid_p, validr_ref[...] > 0, L)
+                                 nrow_s[0:1, :], valid_p, valid_r(), L, reads)
         pc_s[...], pp_s[...], pr_s[...] = pc, pp, pr
         lse_ref[...] = jnp.broadcast_to(lse, (L, LANES))
         dpc_s[...] = jnp.zeros_like(pc)
         dpp_s[...] = jnp.zeros_like(pp)
         dpr_s[...] = jnp.zeros_like(pr)
+        if packed:  # the counts this block read (pass 2 cannot step them back across a restart)
+            nsr_ref[...] = nrow_s[0:1, :]
+            nsc_ref[...] = ncol_s[:, 0:1]
+            dp2_s[...] = jnp.zeros_like(pp)
 
     do = do_ref[...]
     vp, vr = vp_ref[...], vr_ref[...]
@@ -327,10 +404,13 @@ def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, vali
     dpc_s[...] += _nt(do, mu_s[j].astype(cd))
     dpp_s[...] += _nt(do, vp.astype(cd))
     dpr_s[...] += _nt(do, vr.astype(cd))
+    if packed:
+        dp2_s[...] += _nt(do, v2_ref[...].astype(cd))
     dvp_ref[...] = _tn(pp_s[...].astype(cd), do)
     dvr_ref[...] = _tn(pr_s[...].astype(cd), do)
-    onehot = _onehot(zp_ref[...], valid_p, S, L)
-    cnt_col = _fold(mu_s, j, onehot, vp, ncol_s[...])
+    onehot = _onehot(zp_ref[...], fold_p, S, L)
+    ncol_old = _kept(ncol_s[...], keep)
+    cnt_col = _fold(mu_s, j, onehot, vp, ncol_old)
 
     @pl.when(j == last_j)
     def _():
@@ -343,18 +423,26 @@ def _bwd1_kernel(q_ref, kp_ref, kr_ref, vp_ref, vr_ref, zp_ref, validp_ref, vali
         _, c = _code_operands(q, c_ref[...])
         kd = kp.dtype
         dq_ref[...] = _nn(dsc.astype(c.dtype), c) + _nn(dsp.astype(kd), kp) + _nn(dsr.astype(kd), kr)
-        dkp_ref[...] = _tn(dsp.astype(q.dtype), q)
-        dkr_ref[...] = _tn(dsr.astype(q.dtype), q)
+        dkp_ref[...] = _tn(_own_window(dsp, r, qd_ref, L).astype(q.dtype), q)
+        dkr_ref[...] = _tn(_own_window(dsr, r + 1, qd_ref, L).astype(q.dtype), q)
         db_ref[:, :L] = dsp
         db_ref[:, L:] = dsr
-        ncol_s[...] = ncol_s[...] + cnt_col
+        if packed:
+            # row block r-2 (extended block r-1; block 0's copy for r = 0, which no window reaches): the keys of
+            # the query's own window there are in this block's cache on the row's grid; they take dk̂ only (no
+            # band bias at a distance over L; their dv is the cache's, pass 2)
+            same = (kd2_ref[0:1, :] == qd_ref[:, 0:1]) & (r > 0)
+            p2 = jnp.where(same, jnp.exp(_nt(q, k2_ref[...]) - lse_ref[:, 0:1]), 0.0)
+            ds2 = _own_window(p2 * (dp2_s[...] - delta), r - 1, qd_ref, L)
+            dk2_ref[...] = _tn(ds2.astype(q.dtype), q)
+        ncol_s[...] = _kept(ncol_s[...], keep) + cnt_col
         with statistic(COUNTS):
-            nrow_s[...] = nrow_s[...] + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
+            nrow_s[...] = _kept(nrow_s[...], keep) + _nt(jnp.ones((SUB, L), f32), onehot.astype(f32))
 
 
-def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nrow_fin_ref, ncol_fin_ref,
-                 dvf_ref, dmu0_ref,
-                 h_s, nrow_s, ncol_s, *, L: int, S: int):
+def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nrow_fin_ref, ncol_fin_ref, *rest,
+                 L: int, S: int, packed: bool = False):
+    (qd_ref, kdp_ref, nsr_ref, nsc_ref), (dvf_ref, dmu0_ref, h_s, nrow_s, ncol_s) = _documents(packed, 4, rest)
     rr = pl.program_id(2)  # query block r = R - 1 - rr
 
     @pl.when(rr == 0)
@@ -363,19 +451,24 @@ def _bwd2_kernel(q_ref, c_ref, zp_ref, validp_ref, lse_ref, do_ref, gmu_ref, nro
         ncol_s[...] = ncol_fin_ref[...]
         h_s[...] = gmu_ref[...].astype(f32) / jnp.maximum(ncol_fin_ref[:, 0:1], 1.0)
 
-    onehot = _onehot(zp_ref[...], validp_ref[...] > 0, S, L).astype(f32)  # block r-1, folded at step r
+    fold = (lambda: validp_ref[...] > 0) if kdp_ref is None else (lambda: kdp_ref[1:2, :] > 0)
+    onehot = _onehot(zp_ref[...], fold(), S, L).astype(f32)  # block r-1, folded at step r
     h_next = h_s[...]  # h_{r+1}
     do = do_ref[...]
     cd = do.dtype  # the products' operands (the one-hot is exact in it; h cast to it)
     dvf_ref[...] = _tn(onehot.astype(cd), h_next.astype(cd))
-    with statistic(COUNTS):
-        nrow_s[...] = nrow_s[...] - _nt(jnp.ones((SUB, L), f32), onehot)  # counts are integers: exact
-        ncol = ncol_s[...] - _nn(onehot, jnp.ones((L, LANES), f32))
-    ncol_s[...] = ncol
-    s_c, has = _cache_logits(q_ref[...], c_ref[...], nrow_s[0:1, :])
+    if packed:  # the counts block r read (pass 1's), and whether the fold at step r continued μ_r
+        ncol, keep, reads = nsc_ref[...], kdp_ref[2:3, 0:1] > 0, qd_ref[:, 1:2] > 0
+    else:
+        with statistic(COUNTS):
+            nrow_s[...] = nrow_s[...] - _nt(jnp.ones((SUB, L), f32), onehot)  # counts are integers: exact
+            ncol = ncol_s[...] - _nn(onehot, jnp.ones((L, LANES), f32))
+        ncol_s[...] = ncol
+        keep, reads = None, None
+    s_c, has = _cache_logits(q_ref[...], c_ref[...], nsr_ref[...] if packed else nrow_s[0:1, :], reads)
     pc = jnp.where(has, jnp.exp(s_c - lse_ref[:, 0:1]), 0.0)
     n_r = ncol[:, 0:1]
-    h = (_tn(pc.astype(cd), do) + n_r * h_next) / jnp.maximum(n_r, 1.0)
+    h = (_tn(pc.astype(cd), do) + _kept(n_r, keep) * h_next) / jnp.maximum(n_r, 1.0)
     h_s[...] = h
 
     @pl.when(rr == pl.num_programs(2) - 1)
@@ -417,30 +510,43 @@ def _in_specs(H, L, S, Dk, R, tv, n_tv):
     ]
 
 
-def _check_plan(kind, specs, *, L, S, Dk, Dv, tv, in_dtype):
+def _doc_specs(H, L, blk):
+    """BlockSpecs of a packed row's document arrays (``qdocs`` [B, R·L, 3], ``kdocs`` [B, R+1, 3, L]; grid axis 0
+    runs over B·H) for the query block ``blk`` of the grid point: its queries' columns and its previous and present
+    extended key blocks' rows."""
+    row = lambda *g: jax.lax.div(g[0], H)  # noqa: E731 -- the batch row of B·H program b
+    return [pl.BlockSpec((None, L, QCOLS), lambda *g: (row(*g), blk(*g), 0)),
+            pl.BlockSpec((None, None, KROWS, L), lambda *g: (row(*g), blk(*g), 0, 0)),
+            pl.BlockSpec((None, None, KROWS, L), lambda *g: (row(*g), blk(*g) + 1, 0, 0))]
+
+
+def _check_plan(kind, specs, *, L, S, Dk, Dv, tv, in_dtype, packed=False):
     """The BlockSpecs passed to pallas_call are exactly the block shapes the VMEM estimate counts."""
-    ins, outs, _, _ = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype)
+    ins, outs, _, _ = _plan(kind, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=in_dtype, packed=packed)
     want = [tuple(s) for _, s, _ in ins + outs]
     got = [tuple(d for d in sp.block_shape if d is not None) for sp in specs]
     if want != got:
         raise AssertionError(f"vq_cache {kind}: BlockSpecs {got} differ from the VMEM plan {want}")
 
 
-def _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, *, H, L, tv, interpret, platform):
+def _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, docs=(), *, H, L, tv, interpret, platform):
     """qb [BH, R·L, Dk]; kx [BH, (R+1)L, Dk]; vx [BH, (R+1)L, Dv]; zx [BH, R+1, 1, L] int32; validx [R+1, 1, L]
     int32; C [H, S, Dk]; bias [BH, R, L, 2L] (previous-block half, present-block half); mu0 [BH, S, Dv];
-    n0row [BH, 8, S]; n0col [BH, S, 128]."""
+    n0row [BH, 8, S]; n0col [BH, S, 128]; ``docs``: () or a packed row's (qdocs, kdocs)."""
     BH, RL, Dk = qb.shape
     R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
     n_tv = Dv // tv
-    in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv)
+    packed = bool(docs)
+    in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv) + (_doc_specs(H, L, lambda b, r, j: r) if packed else [])
     out_specs = [pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j)),
                  pl.BlockSpec((None, S, tv), lambda b, r, j: (b, 0, jnp.where(r == R - 1, j, 0))),
                  pl.BlockSpec((None, SUB, S), lambda b, r, j: (b, 0, 0))]
-    _check_plan("fwd", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
-    _, _, scratch, _ = _plan("fwd", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    plan = dict(L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype, packed=packed)
+    _check_plan("fwd", in_specs + out_specs, **plan)
+    _, _, scratch, _ = _plan("fwd", **plan)
+    doc_args = (docs[0], docs[1], docs[1]) if packed else ()
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, L=L, S=S),
+        functools.partial(_fwd_kernel, L=L, S=S, packed=packed),
         out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, S, Dv), f32),
                    jax.ShapeDtypeStruct((BH, SUB, S), f32)),
         grid=(BH, R, n_tv),
@@ -450,25 +556,39 @@ def _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, *, H, L, tv, i
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
         name="vq_cache_fwd",
-    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col)
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col, *doc_args)
 
 
-def _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, *, H, L, tv, interpret, platform):
+def _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, docs=(), *, H, L, tv, interpret, platform):
     BH, RL, Dk = qb.shape
     R, S, Dv = RL // L, C.shape[1], vx.shape[-1]
     n_tv = Dv // tv
+    packed = bool(docs)
     in_specs = _in_specs(H, L, S, Dk, R, tv, n_tv) + [pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))]
     row = lambda w: pl.BlockSpec((None, L, w), lambda b, r, j: (b, r, 0))  # noqa: E731
     sq = pl.BlockSpec((None, None, L, 2 * L), lambda b, r, j: (b, r, 0, 0))
     tile = pl.BlockSpec((None, L, tv), lambda b, r, j: (b, r, j))
     out_specs = [row(LANES), row(Dk), row(Dk), row(Dk), sq, tile, tile]
-    _check_plan("bwd1", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
-    _, _, scratch, _ = _plan("bwd1", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
     shp = lambda *s: jax.ShapeDtypeStruct(s, f32)  # noqa: E731
+    out_shape = [shp(BH, RL, LANES), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, R, L, 2 * L),
+                 shp(BH, RL, Dv), shp(BH, RL, Dv)]
+    doc_args = ()
+    if packed:  # the documents, extended block r-1 (row block r-2: clamped to 0 at r = 0) and the per-step counts
+        two = lambda b, r, j: jnp.maximum(r - 1, 0)  # noqa: E731
+        in_specs += _doc_specs(H, L, lambda b, r, j: r) + [
+            pl.BlockSpec((None, L, Dk), lambda b, r, j: (b, two(b, r, j), 0)),
+            pl.BlockSpec((None, L, tv), lambda b, r, j: (b, two(b, r, j), j)),
+            _doc_specs(H, L, two)[1]]
+        out_specs += [row(Dk), pl.BlockSpec((None, None, 1, S), lambda b, r, j: (b, r, 0, 0)),
+                      pl.BlockSpec((None, None, S, 1), lambda b, r, j: (b, r, 0, 0))]
+        out_shape += [shp(BH, RL, Dk), shp(BH, R, 1, S), shp(BH, R, S, 1)]
+        doc_args = (docs[0], docs[1], docs[1], kx, vx, docs[1])
+    plan = dict(L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype, packed=packed)
+    _check_plan("bwd1", in_specs + out_specs, **plan)
+    _, _, scratch, _ = _plan("bwd1", **plan)
     return pl.pallas_call(
-        functools.partial(_bwd1_kernel, L=L, S=S),
-        out_shape=(shp(BH, RL, LANES), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, RL, Dk), shp(BH, R, L, 2 * L),
-                   shp(BH, RL, Dv), shp(BH, RL, Dv)),
+        functools.partial(_bwd1_kernel, L=L, S=S, packed=packed),
+        out_shape=tuple(out_shape),
         grid=(BH, R, n_tv),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -476,10 +596,12 @@ def _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, *, H, L, 
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, ("parallel", "arbitrary", "arbitrary")),
         name="vq_cache_bwd_logits",
-    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col, do)
+    )(qb, kx, kx, vx, vx, zx, validx, validx, C, bias, mu0, n0row, n0col, do, *doc_args)
 
 
-def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv, interpret, platform):
+def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, docs=(), steps=(), *, H, L, tv, interpret,
+               platform):
+    """``docs``, ``steps``: () or a packed row's (qdocs, kdocs) and pass 1's per-step counts (row, column)."""
     BH, RL, Dk = qb.shape
     R, S, Dv = RL // L, C.shape[1], do.shape[-1]
     n_tv = Dv // tv
@@ -495,12 +617,18 @@ def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv,
         pl.BlockSpec((None, SUB, S), lambda b, j, rr: (b, 0, 0)),
         pl.BlockSpec((None, S, LANES), lambda b, j, rr: (b, 0, 0)),
     ]
+    packed = bool(docs)
+    if packed:
+        in_specs += _doc_specs(H, L, lambda b, j, rr: rev(rr))[:2] + [
+            pl.BlockSpec((None, None, 1, S), lambda b, j, rr: (b, rev(rr), 0, 0)),
+            pl.BlockSpec((None, None, S, 1), lambda b, j, rr: (b, rev(rr), 0, 0))]
     out_specs = [pl.BlockSpec((None, L, tv), lambda b, j, rr: (b, rev(rr), j)),
                  pl.BlockSpec((None, S, tv), lambda b, j, rr: (b, 0, j))]
-    _check_plan("bwd2", in_specs + out_specs, L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
-    _, _, scratch, _ = _plan("bwd2", L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype)
+    plan = dict(L=L, S=S, Dk=Dk, Dv=Dv, tv=tv, in_dtype=qb.dtype, packed=packed)
+    _check_plan("bwd2", in_specs + out_specs, **plan)
+    _, _, scratch, _ = _plan("bwd2", **plan)
     return pl.pallas_call(
-        functools.partial(_bwd2_kernel, L=L, S=S),
+        functools.partial(_bwd2_kernel, L=L, S=S, packed=packed),
         out_shape=(jax.ShapeDtypeStruct((BH, RL, Dv), f32), jax.ShapeDtypeStruct((BH, S, Dv), f32)),
         grid=(BH, n_tv, R),
         in_specs=in_specs,
@@ -509,39 +637,43 @@ def _bwd2_call(qb, zx, validx, C, lse, do, gmu, nfin_row, nfin_col, *, H, L, tv,
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(platform, ("parallel", "parallel", "arbitrary")),
         name="vq_cache_bwd_fold",
-    )(qb, C, zx, validx, lse, do, gmu, nfin_row, nfin_col)
+    )(qb, C, zx, validx, lse, do, gmu, nfin_row, nfin_col, *docs, *steps)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
+def _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, docs, cfg):
     H, L, tv, interpret, platform = cfg
-    return _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, H=H, L=L, tv=tv, interpret=interpret,
-                     platform=platform)
+    return _fwd_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, docs, H=H, L=L, tv=tv,
+                     interpret=interpret, platform=platform)
 
 
-def _attend_fwd(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg):
-    out = _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, cfg)
-    return out, (qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, out[2])
+def _attend_fwd(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, docs, cfg):
+    out = _attend(qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, docs, cfg)
+    return out, (qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, docs, out[2])
 
 
 def _attend_bwd(cfg, res, g):
     H, L, tv, interpret, platform = cfg
-    qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, nfin = res
+    qb, kx, vx, bias, mu0, zx, validx, C, n0row, n0col, docs, nfin = res
     do, gmu, _ = g
     kw = dict(H=H, L=L, tv=tv, interpret=interpret, platform=platform)
     sdt = qb.dtype  # dO and the final means' cotangent enter in the storage dtype (the products' operands)
     do = do.astype(sdt)
-    lse, dq, dkp, dkr, dbias, dvp, dvr = _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col, do, **kw)
+    lse, dq, dkp, dkr, dbias, dvp, dvr, *extra = _bwd1_call(qb, kx, vx, zx, validx, C, bias, mu0, n0row, n0col,
+                                                            do, docs, **kw)
     BH, S = nfin.shape[0], nfin.shape[2]
     nfin_col = jnp.broadcast_to(nfin[:, 0, :, None], (BH, S, LANES))
-    dvf, dmu0 = _bwd2_call(qb, zx, validx, C, lse, do, gmu.astype(sdt), nfin, nfin_col, **kw)
+    dvf, dmu0 = _bwd2_call(qb, zx, validx, C, lse, do, gmu.astype(sdt), nfin, nfin_col, docs, tuple(extra[1:]),
+                           **kw)
     zeros = jnp.zeros((BH, L) + dkp.shape[2:], f32)
     dkx = jnp.concatenate([dkp, zeros], axis=1) + jnp.concatenate([zeros, dkr], axis=1)
+    if docs:  # query block r's dk̂ for extended block r-1 (none from block 0)
+        dkx = dkx + jnp.concatenate([extra[0][:, L:], zeros, zeros], axis=1)
     zv = jnp.zeros((BH, L, vx.shape[-1]), f32)
     dvx = jnp.concatenate([dvp + dvf, zv], axis=1) + jnp.concatenate([zv, dvr], axis=1)
     return (dq.astype(qb.dtype), dkx.astype(kx.dtype), dvx.astype(vx.dtype), dbias, dmu0.astype(mu0.dtype),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -549,6 +681,12 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def _storage_dtype(*xs):
     return jnp.bfloat16 if all(x.dtype == jnp.bfloat16 for x in xs) else f32
+
+
+def gpu_form(platform: str | None) -> bool:
+    """Whether :func:`vq_cache_attention` runs the GPU form for ``platform`` (None: the default backend)."""
+    platform = platform or jax.default_backend()
+    return {"gpu": "cuda"}.get(platform, platform) == "cuda"
 
 
 def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interpret: bool = False,
@@ -563,28 +701,28 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     ``block_v`` (Dv tile) defaults to :func:`choose_block_v` (TPU) or ``vq_cache_gpu.choose_tiles`` (GPU).
     Forward and backward are Pallas kernels (see the module docstring).
 
-    ``packed``: a packed row's caches and document arrays, served by the GPU form only (see
-    ``vq_cache_gpu.vq_cache_attention``; it returns (o, None)); the TPU form folds its cache along the row inside
-    the kernel and refuses them."""
-    platform = platform or jax.default_backend()
-    platform = {"gpu": "cuda"}.get(platform, platform)
-    if platform == "cuda":
+    ``packed``: a packed row (segment ids): for the GPU form the caches and document arrays of
+    ``longctx.attention.transformer_vq.xla.kernel_packed`` (see ``vq_cache_gpu.vq_cache_attention``), for the TPU
+    form the document arrays of ``xla.kernel_documents`` (module docstring, "Packed rows"); either returns
+    (o, None): the caller forms the packed row's new state. The band's validity is then the documents' (the
+    state's ``pos`` is not read)."""
+    if gpu_form(platform):
         return vq_cache_gpu.vq_cache_attention(q_u, bd, k_hat, z, v, C, state, L=L, M=M, interpret=interpret,
                                                block_v=block_v, packed=packed)
-    if packed is not None:
-        raise ValueError("vq_cache_attention: a packed row (segment ids) runs the GPU form only (platform='cuda'); "
-                         "the TPU form folds its cache along the row inside the kernel")
+    platform = platform or jax.default_backend()
     B, H, T, Dk = q_u.shape
     Dv, S = v.shape[-1], C.shape[1]
     dt = float_dtype(q_u, v)
-    reasons = unsupported_reasons("interpret" if interpret else platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dt)
+    reasons = unsupported_reasons("interpret" if interpret else platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dt,
+                                  packed=packed is not None)
     if not interpret and platform == "cpu":
         reasons = ["Pallas runs on CPU only with interpret=True"] + reasons
     if reasons:
         raise ValueError("vq_cache_attention cannot run: " + "; ".join(reasons))
     sdt = _storage_dtype(q_u, k_hat, v, state["band_k"], state["band_v"])  # never round a wider input
     if block_v is None:
-        block_v = choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=sdt)[0] or _tv_options(Dv)[-1]
+        block_v = (choose_block_v(L=L, S=S, Dk=Dk, Dv=Dv, in_dtype=sdt, packed=packed is not None)[0]
+                   or _tv_options(Dv)[-1])
     if Dv % block_v:
         raise ValueError(f"vq_cache_attention: block_v={block_v} must divide Dv={Dv}")
     R = -(-T // L)
@@ -607,6 +745,11 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     validx = jnp.concatenate([band_valid, jnp.arange(Tp) < T]).astype(jnp.int32).reshape(R + 1, 1, L)
     bdb = pad_to(bd.astype(f32), 2, Tp).reshape(B, H, R, L, bd.shape[-1])
     bias = flat(skew_bias(bdb, L, 2 * L))  # [BH, R, L, 2L]
+    docs = ()
+    if packed is not None:  # the kernel starts from the carried cache only where the row opens with its document
+        first = packed["first"][:, None, None]
+        agg_mu, agg_n = jnp.where(first[..., None], agg_mu, 0.0), jnp.where(first, agg_n, 0.0)
+        docs = (packed["qdocs"], packed["kdocs"])
     n0 = jax.lax.stop_gradient(flat(agg_n.astype(f32)))
     n0row = jnp.broadcast_to(n0[:, None, :], (BH, SUB, S))
     n0col = jnp.broadcast_to(n0[:, :, None], (BH, S, LANES))
@@ -616,8 +759,10 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     # bfloat16 codebook with bfloat16 storage is used as given, any other is float32 (never rounded)
     cdt = C.dtype if C.dtype == sdt else f32
     o, mu_fin, n_fin = _attend(qb, kx, vx, bias, flat(agg_mu.astype(f32)).astype(sdt), zx, validx,
-                               jax.lax.stop_gradient(C).astype(cdt), n0row, n0col, cfg)
+                               jax.lax.stop_gradient(C).astype(cdt), n0row, n0col, docs, cfg)
     o = o.reshape(B, H, Tp, Dv)[:, :, :T].astype(dt)
+    if packed is not None:
+        return o, None
     ek = jnp.concatenate([band_k, k_hat.astype(dt)], axis=2)
     ev = jnp.concatenate([band_v, v.astype(dt)], axis=2)
     ez = jnp.concatenate([state["band_z"], z], axis=2)
@@ -634,5 +779,5 @@ def vq_cache_attention(q_u, bd, k_hat, z, v, C, state, *, L: int, M: int, interp
     return o, new_state
 
 
-__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "choose_block_v", "unsupported_reasons", "vmem_bytes",
-           "vq_cache_attention", "vq_cache_attention_reference"]
+__all__ = ["DTYPES", "PLATFORMS", "VMEM_LIMIT_BYTES", "choose_block_v", "gpu_form", "unsupported_reasons",
+           "vmem_bytes", "vq_cache_attention", "vq_cache_attention_reference"]

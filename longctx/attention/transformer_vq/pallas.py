@@ -2,9 +2,10 @@
 (``pallas_kernels/vq_cache.py``: TPU; ``vq_cache_gpu.py``: GPU; interpret mode on a CPU when named) for the causal
 block-parallel form with the serial reduction, forward and backward (docs/methods/transformer_vq.md §9).
 
-A packed row (segment ids, §2.8) runs the GPU form only (``platform='cuda'``), with the per-block caches and
-document arrays of ``xla.kernel_packed`` and the new state of ``state.packed_final_state``; the TPU form (which a
-CPU runs in interpret mode) folds the cache inside its kernel across the row and refuses a packed row in one line.
+A packed row (segment ids, §2.8) runs both forms, with the new state of ``state.packed_final_state``: the GPU form
+(``platform='cuda'``) takes the per-block caches and document arrays of ``xla.kernel_packed``, the TPU form (which a
+CPU runs in interpret mode) the document arrays of ``xla.kernel_documents``, restarting the cache it folds inside
+the kernel at documents.
 
 'auto' tries it first on a GPU / TPU (never on a CPU), for the calls the size rule gives the block-parallel or tiled
 form (:func:`prefer`: ``xla.preferred_form``); :func:`reasons` then says whether it serves the call. Named, it runs
@@ -29,22 +30,16 @@ from longctx.attention.transformer_vq.state import packed_final_state
 from pallas_kernels import vq_cache
 from pallas_kernels.vq_cache_ref import cast_state, float_dtype
 
-# the TPU form's cache is a running mean folded inside the kernel along the row (its backward steps the counts back
-# exactly), which does not restart at a document; the GPU form takes its caches from XLA
-TPU_SEGMENTS_REASON = ("packed rows (segment ids): the TPU form of the kernel (a CPU runs it in interpret mode) folds "
-                       "the compressive cache along the row inside the kernel; its GPU form (cuda) serves them, and "
-                       "so do impl='reference', 'parallel', 'blocks', 'stream' and the XLA:CPU one")
-
 
 def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="float32", reduction: str = "serial",
             segments: bool = False, **_) -> list[str]:
-    """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget), any reduction
-    but the serial one (the one it computes; a packed row's cache is serial whatever the setting) and a packed row
-    (``segments``) anywhere but on a GPU (:data:`TPU_SEGMENTS_REASON`)."""
+    """What the kernel refuses: its own limits (platforms, shapes, VMEM / shared-memory budget, a packed row's
+    included) and any reduction but the serial one (the one it computes; a packed row's cache is serial whatever
+    the setting)."""
     extra = [] if reduction == "serial" or segments else [
         f"reduction={reduction!r} (the kernel computes the serial reduction)"]
-    extra += [TPU_SEGMENTS_REASON] if segments and platform != "cuda" else []
-    return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype))
+    return extra + list(vq_cache.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype,
+                                                     packed=segments))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +53,9 @@ class Pallas(dispatch.Runner):
     (cast here: a band a bfloat16 call wrote holds bfloat16 values, so the cast is exact); the carried cache
     means and counts stay float32 state.
 
-    A packed row (``segment_ids``): the kernel takes ``xla.kernel_packed``'s caches and document arrays, formed per
-    shard from the shard's rows and heads, and the new state is the call's last document's
-    (``state.packed_final_state``, in XLA, as the packed XLA forms')."""
+    A packed row (``segment_ids``): the GPU form takes ``xla.kernel_packed``'s caches and document arrays, the TPU
+    form ``xla.kernel_documents``' document arrays, formed per shard from the shard's rows (and heads), and the new
+    state is the call's last document's (``state.packed_final_state``, in XLA, as the packed XLA forms')."""
 
     search_chunk: int
 
@@ -76,7 +71,8 @@ class Pallas(dispatch.Runner):
         seg = x["segment_ids"]
         docs = () if seg is None else (x["seen"], x["continues"], seg)
         if seg is not None:
-            kernel = functools.partial(_packed_kernel, kernel, L=core.L, M=core.M)
+            kernel = functools.partial(_packed_kernel, kernel, L=core.L, M=core.M,
+                                       gpu=vq_cache.gpu_form(call.platform))
         mesh = row_split.active_mesh(*args[:5])
         bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *v.shape[:2])
         if bspec is None and hspec is None:
@@ -101,10 +97,15 @@ class Pallas(dispatch.Runner):
                                  platform=call.platform)
 
 
-def _packed_kernel(kernel, q_u, bd, k_hat, z, v, C, state, seen, continues, segment_ids, *, L: int, M: int):
-    """``kernel`` (the entry point with its platform) on a packed row: ``xla.kernel_packed``'s inputs from the
-    rows (and heads) it is given. Returns o (the caller forms the new state)."""
-    packed = xla.kernel_packed(z, v, state, seen, continues, L=L, M=M, S=C.shape[1], segment_ids=segment_ids)
+def _packed_kernel(kernel, q_u, bd, k_hat, z, v, C, state, seen, continues, segment_ids, *, L: int, M: int,
+                   gpu: bool):
+    """``kernel`` (the entry point with its platform) on a packed row: ``xla.kernel_packed``'s inputs (GPU form,
+    ``gpu``) or ``xla.kernel_documents``' (TPU form) from the rows (and heads) it is given. Returns o (the caller
+    forms the new state)."""
+    if gpu:
+        packed = xla.kernel_packed(z, v, state, seen, continues, L=L, M=M, S=C.shape[1], segment_ids=segment_ids)
+    else:
+        packed = xla.kernel_documents(seen, continues, L=L, M=M, segment_ids=segment_ids)
     return kernel(q_u, bd, k_hat, z, v, C, state, packed=packed)[0]
 
 

@@ -782,6 +782,42 @@ def kernel_packed(z, v, state, seen, continues, *, L: int, M: int, S: int, segme
             "kdoc": jnp.concatenate([kband, jnp.where(valid[None], start, -1)], axis=1).astype(jnp.int32)}
 
 
+def kernel_documents(seen, continues, *, L: int, M: int, segment_ids) -> dict:
+    """What the TPU form of the kernel (``pallas_kernels.vq_cache``, its ``packed`` argument) takes for a causal
+    packed row (§2.8, §9): the document arrays that let it restart its folded cache at documents, on the row's own
+    block grid as :func:`kernel_packed` (the same split into window and cache, the same caches), without forming
+    the caches in XLA. The kernel's running cache after its fold of extended block ``e`` (the carried band is
+    extended block 0, row block m is extended block m + 1) is the summary of the document open at the end of that
+    block over its keys up to there (:func:`_open_runs`' runs, the carried document's cache and band merged first
+    where the row opens with it); query block n reads it (lag 2) where its first token's document began before row
+    block n-1 (or is the carried one), and only that document's queries read it.
+
+    ``seen`` [B]: the carried document's length so far; ``continues`` [B, T]: the tokens that continue it. Returns
+    ``qdocs`` int32 [B, R·L, 3] (per query: its document's start, 1 where it reads its block's cache, its window's
+    start in extended positions as ``kernel_packed``'s ``qwin``), ``kdocs`` int32 [B, R+1, 3, L] (per extended key:
+    its document's start or -1 (a padding key, a band slot the call does not continue); 1 where the fold of its
+    block takes it (a valid key of the block's last document); 1 on every lane of a block whose fold continues the
+    running cache, 0 where it restarts it) and ``first`` bool [B] (the row opens with the carried document: the
+    kernel starts from the carried cache)."""
+    B = segment_ids.shape[0]
+    R, Tp, start, valid, rel = _row_grid(segment_ids, L)
+    first = continues[:, 0]
+    slot_ok = pad_left(first[:, None] & (seen[:, None] - M + jnp.arange(M)[None, :] >= 0), 1, L, False)  # [B, L]
+    sb = start.reshape(B, R, L)
+    edge = jnp.arange(R, dtype=jnp.int32) * L  # [R]: each row block's first position
+    last, d0 = sb[:, :, -1], sb[:, :, 0]  # [B, R]: each row block's last and first tokens' documents
+    carried = lambda d: first[:, None] & (d == 0)  # noqa: E731 -- the carried document (it starts at 0)
+    kdoc = jnp.concatenate([jnp.where(slot_ok, 0, -1), jnp.where(valid[None], start, -1)], axis=1)
+    fold = jnp.concatenate([slot_ok, (valid.reshape(R, L)[None] & (sb == last[..., None])).reshape(B, Tp)], axis=1)
+    keep = jnp.concatenate([first[:, None], (last < edge) | carried(last)], axis=1)  # [B, R+1]
+    use = (d0 < edge - L) | carried(d0)  # [B, R]: the block's first document has keys before row block n-1
+    reads = use[..., None] & (sb == d0[..., None])
+    qdocs = jnp.stack([start, reads.reshape(B, Tp), start + (rel // L) * L], axis=-1).astype(jnp.int32)
+    kdocs = jnp.stack([kdoc.reshape(B, R + 1, L), fold.reshape(B, R + 1, L),
+                       jnp.broadcast_to(keep[..., None], (B, R + 1, L))], axis=2).astype(jnp.int32)
+    return {"qdocs": qdocs, "kdocs": kdocs, "first": first}
+
+
 def causal_packed_blocks(q_u, q_v, r, k_hat, z, v, C, *, L: int, M: int, segment_ids, ops: Ops = PLAIN, state=None,
                          seen=None, continues=None):
     """:func:`causal_packed` one row block of queries at a time (the tiled form of a packed row, §2.8): a
