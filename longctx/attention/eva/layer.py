@@ -209,8 +209,11 @@ class EVAAttention(AttentionCore):
 
     @classmethod
     def kernel_benches(cls):
-        # impl='pallas' runs both kernels (chunk statistics and the chunk + local attention)
-        return {"eva_chunk_stats+eva_attend": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"})}
+        # impl='pallas' runs both kernels (chunk statistics and the chunk + local attention); impl='mosaic_gpu' the
+        # Hopper kernels of the chunk + local attention beside them, on a GPU only
+        return {"eva_chunk_stats+eva_attend": KernelBench(xla={"impl": "xla"}, pallas={"impl": "pallas"}),
+                "eva_attend_mgpu": KernelBench(xla={"impl": "xla"}, pallas={"impl": "mosaic_gpu"},
+                                               platforms=("cuda",))}
 
     @classmethod
     def drop_in(cls):
