@@ -5,7 +5,8 @@ CPU when named. It runs as ``pallas`` does (the key quantization and band scores
 step's mesh), with this kernel.
 
 Not in ``impl='auto'``: nothing of it has compiled or run on a GPU; it runs where named (``impl='mosaic_gpu'``).
-Packed rows (segment ids) are refused in one line: the kernels take no document arrays yet."""
+A packed row (segment ids) runs as ``pallas``' GPU form does: ``xla.kernel_packed``'s per-row-block caches and
+document arrays (formed per shard), the kernels masking by query / key documents, the new state in XLA."""
 
 from __future__ import annotations
 
@@ -18,16 +19,14 @@ from longctx.attention.transformer_vq import xla
 from longctx.attention.transformer_vq.pallas import Pallas
 from pallas_kernels import vq_cache_mgpu
 
-SEGMENTS_REASON = ("packed rows (segment ids): the Mosaic GPU kernels take no document arrays yet; impl='pallas' "
-                   "on cuda, 'reference', 'parallel', 'blocks', 'stream' and the XLA:CPU one serve them")
-
 
 def reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: int, dtype="float32", reduction: str = "serial",
             segments: bool = False, **_) -> list[str]:
     """Refusals: the kernels' limits (cuda, compute capability 9.0, 64-row tiles, head widths multiples of 64 with
-    Dk <= 256, bfloat16, shared memory per kernel), any reduction but the serial one, a packed row."""
-    extra = [] if reduction == "serial" else [f"reduction={reduction!r} (the kernel computes the serial reduction)"]
-    extra += [SEGMENTS_REASON] if segments else []
+    Dk <= 256, bfloat16, shared memory per kernel) and any reduction but the serial one (the one it computes; a
+    packed row's cache is serial whatever the setting)."""
+    extra = [] if reduction == "serial" or segments else [
+        f"reduction={reduction!r} (the kernel computes the serial reduction)"]
     cc = dispatch.cuda_compute_capability() if platform == "cuda" else None
     return extra + vq_cache_mgpu.unsupported_reasons(platform, L=L, M=M, S=S, Dk=Dk, Dv=Dv, dtype=dtype,
                                                      compute_capability=cc, block=_tile(platform, L))
@@ -41,6 +40,11 @@ def _tile(platform: str, L: int) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class MosaicGpu(Pallas):
     """``mosaic_gpu``: ``pallas``'s runner with the Mosaic GPU kernels (``call.interpret``: interpret mode)."""
+
+    def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
+        # the kernels are a GPU form whatever platform traces them (interpret mode on a CPU): a packed row takes
+        # ``xla.kernel_packed``'s per-row-block caches and document arrays, as ``pallas``' form for 'cuda' does
+        return super().__call__(core, dataclasses.replace(call, platform="cuda"))
 
     def kernel(self, core, call: dispatch.Call):
         return functools.partial(vq_cache_mgpu.vq_cache_attention, L=core.L, M=core.M, interpret=call.interpret,
