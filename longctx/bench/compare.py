@@ -483,6 +483,37 @@ def _pm(m, sd, n) -> str:
     return f"{m:.4f}" + (f" ± {sd:.4f}" if sd is not None else "") + f" ({n})"
 
 
+def _margin(a: dict, b: dict) -> str:
+    """``b``'s test bits per byte less ``a``'s, and whether it is clear (larger than their seed spreads added)."""
+    d = b["test_bits_per_byte"] - a["test_bits_per_byte"]
+    sa, sb = a.get("test_bits_per_byte_sd"), b.get("test_bits_per_byte_sd")
+    if sa is None or sb is None:
+        return f"{d:+.3f} (one seed)"
+    return f"{d:+.3f} ({'clear' if abs(d) > sa + sb else 'within the spread'})"
+
+
+def pick_table(rows: list[dict]) -> str:
+    """Per context: the runs ranked by test bits per byte (seed means), the best one's margin over the next, over
+    exact attention and over sliding-window attention."""
+    out = []
+    for T in sorted({r["context"] for r in rows}):
+        ranked = sorted((r for r in rows if r["context"] == T and r["test_bits_per_byte"] is not None),
+                        key=lambda r: r["test_bits_per_byte"])
+        if not ranked:
+            continue
+        best = ranked[0]
+        ref = {r["label"]: r for r in ranked}
+        cells = [T, best["label"], _pm(best["test_bits_per_byte"], best["test_bits_per_byte_sd"], len(best["seeds"])),
+                 f"{ranked[1]['label']} {_margin(best, ranked[1])}" if len(ranked) > 1 else "–"]
+        cells += [_margin(best, ref[b]) if b in ref and b != best["label"] else "–" for b in (EXACT, WINDOW)]
+        cells.append(" < ".join(r["label"] for r in ranked))
+        out.append(cells)
+    if not out:
+        return ""
+    return C.md_table(["context", "best", "its test bits/byte", "next, and the margin", f"{EXACT}'s margin",
+                       f"{WINDOW}'s margin", "order (best first)"], out)
+
+
 def aggregate(results: list[dict]) -> list[dict]:
     """One row per (label, context): means and sample standard deviations over the finished seeds."""
     groups: dict[tuple, list[dict]] = {}
@@ -527,6 +558,11 @@ def report(out: Path, rs: list[dict], args) -> dict:
     if missing:
         parts.append("Missing runs: " + ", ".join(f"`{r['label']}` ctx {r['context']} seed {r['seed']}"
                                                    for r in missing) + ".\n\n")
+    pick = pick_table(rows)
+    if pick:
+        parts.append("Which method to pick at this scale (test bits per byte at equal training FLOPs, seed mean ± "
+                     "sample standard deviation; a margin is called clear when it exceeds the two runs' standard "
+                     "deviations added, and needs at least two seeds of each):\n\n" + pick + "\n\n")
     table = [[r["label"], r["context"], r["params"], r["width"], r["steps"],
               r["flops_per_token"] / 1e6 if r["flops_per_token"] else None,
               _pm(r["valid_bits_per_byte"], r["valid_bits_per_byte_sd"], len(r["seeds"])),

@@ -159,3 +159,18 @@ def test_ranking_table_says_whether_the_order_settled():
     assert "- 50 %: b < a" in text and "- 100 %: a < b" in text and "still changing" in text
     seeds = [run("a", [(8, 2.0)]), run("a", [(8, 3.0)]), run("b", [(8, 2.4)])]  # seed means: a 2.5 > b 2.4
     assert "- 100 %: b < a" in compare.ranking_table(seeds)
+
+
+def test_pick_table_names_the_best_and_whether_its_margin_is_clear():
+    def row(label, T, m, sd, n=3):
+        return {"label": label, "context": T, "test_bits_per_byte": m, "test_bits_per_byte_sd": sd,
+                "seeds": list(range(n))}
+
+    rows = [row(compare.EXACT, 256, 3.0, 0.01), row(compare.WINDOW, 256, 2.62, 0.02), row("x", 256, 2.6, 0.02),
+            row("y", 1024, 2.5, None, 1), row(compare.EXACT, 1024, 2.9, None, 1)]
+    lines = compare.pick_table(rows).splitlines()
+    r256 = next(x for x in lines if x.startswith("| 256 |"))
+    assert "| x |" in r256 and f"{compare.WINDOW} +0.020 (within the spread)" in r256 and "+0.400 (clear)" in r256
+    assert f"x < {compare.WINDOW} < {compare.EXACT}" in r256
+    r1k = next(x for x in lines if x.startswith("| 1024 |"))
+    assert "| y |" in r1k and "+0.400 (one seed)" in r1k
