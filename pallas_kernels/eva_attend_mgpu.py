@@ -34,6 +34,14 @@ Design (``t`` = :data:`TILE` = 64 rows, wgmma's granule; in interpret mode ``min
   drawn from iota inside every kernel (the row's seed reaches shared memory beside the query tile), on the
   weights the accumulator takes (the normaliser keeps them all); backward ``dV += (P ⊙ D)ᵀ dO``,
   ``dS = P ⊙ (D ⊙ dP − Δ)``.
+* **packed rows** (``segments``; EVA's ``packed.py`` lays the documents out again on the window grid): the Triton
+  kernel's document operands, int32 rows repeated per head (``[BH, Lp]`` each position's own index and its
+  document as a query and as a key, ``[BH, Cp]`` each chunk's own index and document; none: -2, -1, -3, so they
+  never meet). A query tile's own positions and documents reach shared memory with the tile; each local step's
+  keys' and each chunk step's chunks' come with that step as ``[t]`` TMA blocks; the key side's programs load their
+  own key or chunk tile's once and take the query tiles' with each step. A key or chunk counts only for a query of
+  its document; causal chunk visibility, the disjoint partition and the dropout counters take the documents' own
+  indices; the window and causal masks of local keys stay the layout's (a document keeps its window there).
 
 Departures from the Triton kernel (:mod:`pallas_kernels.eva_attend`), named:
 
@@ -49,7 +57,10 @@ Departures from the Triton kernel (:mod:`pallas_kernels.eva_attend`), named:
   ``dS`` go through shared memory, and ``P V`` is accumulated into a fresh accumulator added to the rescaled one:
   the interpret mode runs wgmma only on untransformed shared-memory operands and not ``pl.run_state`` (as in
   :mod:`pallas_kernels.fma_blocks_mgpu`);
-* one warpgroup a program, no warp specialisation; no packed rows (refused: :func:`unsupported_reasons`).
+* one warpgroup a program, no warp specialisation;
+* packed rows: the document operands are repeated per head in XLA (``[BH, ·]``, where the Triton kernel indexes
+  ``[B, ·]`` by ``bh // heads``), and ``chunk_base`` (a carried state's chunks first) is not read: the static
+  grids have no causal skip for it to order.
 
 Support (:func:`unsupported_reasons`): on ``cuda`` ``W`` a multiple of 64, ``d, dv`` multiples of 64 up to
 :data:`MAX_HEAD`, bfloat16 / float16 operands (float32 would make wgmma round to tf32), shared memory within an
@@ -59,8 +70,8 @@ tiles of ``min(64, W)``.
 
 Tested (tests/kernels/test_eva_attend_mgpu.py, interpret mode on a CPU): values and gradients against the
 reference (fp32, bf16; causal, bidirectional with overlap, shared and per-head bias, the disjoint partition,
-ragged lengths, attention dropout) and ``jax.export`` for ``cuda`` at configs/wikitext103/eva_16l.py's shapes
-(its training step's dropout included). Nothing here has compiled or run on a GPU.
+ragged lengths, attention dropout, packed rows with a carried document's chunks) and ``jax.export`` for ``cuda`` at
+configs/wikitext103/eva_16l.py's shapes (its training step's dropout included; a packed row's). Nothing here has compiled or run on a GPU.
 """
 
 from __future__ import annotations
@@ -97,13 +108,11 @@ def smem_bytes(d: int, dv: int, t: int = TILE, itemsize: int = 2) -> int:
 def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, e_l: int = 0, e_r: int = 0,
                         chunk_logit: str = "rep", dtype=None, segments: bool = False,
                         compute_capability=None, **_) -> list[str]:
-    """Why the kernels cannot serve a call on ``platform`` ('cuda' | 'interpret' | other), one line a reason."""
+    """Why the kernels cannot serve a call on ``platform`` ('cuda' | 'interpret' | other), one line a reason
+    (``segments``: a packed row, served; accepted for the declaration's callers)."""
     # the operands both kernels refuse (no window, the exact chunk log-sum-exp, extensions beyond a window): the
     # Triton kernel's platform-free reasons
     out = eva_attend.unsupported_reasons("interpret", W=W, d=d, dv=dv, C=0, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit)
-    if segments:
-        out.append("packed rows (segment ids): the Mosaic GPU kernels take no document arrays yet "
-                   "(impl='pallas' and the XLA tiles serve them)")
     if platform == "interpret" or out:
         return out
     if platform != "cuda":
@@ -144,10 +153,23 @@ def _dropout(g, seed_ref, n, m):
     return hash_dropout.multiplier(_rows(seed_ref, n.shape, 0), n, m, g["rate"])
 
 
-def _local_valid(g, qt, kt, keys_major: bool = False, seed_ref=None):
+def _documents(seg, shape, keys_major: bool):
+    """A packed row's tile operands ``seg = (query rows' own positions, their documents, the columns' (keys' or
+    chunks') own indices, their documents)``, int32 ``[t]`` refs in shared memory, laid out as the scores (queries
+    along axis 0, or along axis 1 keys-major): ``(own query positions, own column indices, same document)``, one
+    load per use (:func:`pallas_kernels.fma_blocks_mgpu._rows`)."""
+    ax_q, ax_o = (1, 0) if keys_major else (0, 1)
+    q_rel, q_doc, o_rel, o_doc = seg
+    return (_rows(q_rel, shape, ax_q), _rows(o_rel, shape, ax_o),
+            _rows(q_doc, shape, ax_q) == _rows(o_doc, shape, ax_o))
+
+
+def _local_valid(g, qt, kt, keys_major: bool = False, seed_ref=None, seg=None):
     """Which keys of key tile ``kt`` the queries of query tile ``qt`` see (traced tile indices, unclamped):
-    ``[t queries, t keys]`` (or keys-major). In range, valid (``< L``), inside the query block's window, causal.
-    Returns ``(valid, dropout multiplier or None)``."""
+    ``[t queries, t keys]`` (or keys-major). In range, valid (``< L``), inside the query block's window, causal;
+    a packed row (``seg``, :func:`_documents`'s operands): also of the query's document (the layout keeps a
+    document's window and causal order in layout positions, so those masks stay the layout's), the dropout
+    counters at the documents' own positions. Returns ``(valid, dropout multiplier or None)``."""
     t, qpos, kpos = g["t"], *_pos(g, qt, kt, keys_major)
     blk = jax.lax.div(qt * t, jnp.int32(g["W"]))
     lo, hi = blk * g["W"] - g["e_l"], (blk + 1) * g["W"] + g["e_r"]
@@ -155,19 +177,29 @@ def _local_valid(g, qt, kt, keys_major: bool = False, seed_ref=None):
     valid = valid & (kpos < g["L"]) & (kpos >= lo) & (kpos < hi)
     if g["causal"]:
         valid = valid & (kpos <= qpos)
+    if seg is not None:
+        qpos, kpos, same = _documents(seg, qpos.shape, keys_major)
+        valid = valid & same
     return valid, _dropout(g, seed_ref, qpos, kpos)
 
 
-def _chunk_valid(g, qt, ct, keys_major: bool = False, seed_ref=None):
+def _chunk_valid(g, qt, ct, keys_major: bool = False, seed_ref=None, seg=None):
     """Which chunks of chunk tile ``ct`` the queries of query tile ``qt`` see: ``[t, t]`` (or keys-major), and the
-    dropout multiplier (or None)."""
+    dropout multiplier (or None). A packed row (``seg``, :func:`_documents`'s operands): the chunks of the query's
+    document, causal visibility, the disjoint partition and the dropout counters by the document's own query
+    position and chunk index."""
     t, P, W = g["t"], g["P"], g["W"]
     n, c = _pos(g, qt, ct, keys_major)
     valid = (c < g["C"]) & (qt >= 0) & (qt < g["n_t"])
+    if seg is not None:
+        n, c, same = _documents(seg, n.shape, keys_major)
+        valid = valid & same
+        blk = jax.lax.div(n, jnp.int32(W))  # the query's own window block
+    else:
+        blk = jax.lax.div(qt * t, jnp.int32(W))
     if g["causal"]:
         valid = valid & ((c + 1) * P <= n)
     if g["disjoint"]:
-        blk = jax.lax.div(qt * t, jnp.int32(W))
         lo, hi = jnp.maximum(blk * W - g["e_l"], 0), (blk + 1) * W + g["e_r"]
         valid = valid & ~((c * P < hi) & ((c + 1) * P > lo))
     return valid, _dropout(g, seed_ref, n, hash_dropout.CHUNK_KEY_BASE + c)
@@ -210,41 +242,80 @@ def _head(g, bh):
 
 
 # ----------------------------------------------------------------------------- forward
-def _unpack(rest, has_bias: bool, has_seeds: bool, t: int):
-    """A query-side body's refs after its fixed operands: ``(bias ref, seeds ref, outputs and scratch, the seeds'
-    shared-memory tile (last scratch), (query tile, row, the tile's rows))``; absent ones None."""
+def _unpack(rest, has_bias: bool, has_seeds: bool, packed: bool, t: int):
+    """A query-side body's refs after its fixed operands: ``(bias ref, seeds ref, a packed row's five document
+    refs, outputs and scratch, the seeds' shared-memory tile, the query tile's own positions and documents in
+    shared memory (the last scratch), (query tile, row, the tile's rows))``; absent ones None."""
+    n_in = has_bias + has_seeds
     bias_ref = rest[0] if has_bias else None
     sd_ref = rest[has_bias] if has_seeds else None
-    tail = rest[has_bias + has_seeds:]
-    sd_s = tail[-1] if has_seeds else None
+    seg_refs = rest[n_in:n_in + 5] if packed else None
+    tail = rest[n_in + 5 * packed:]
+    n_extra = has_seeds + 2 * packed
+    extra = tail[len(tail) - n_extra:]
+    sd_s = extra[0] if has_seeds else None
+    qseg_s = tuple(extra[has_seeds:]) if packed else None
     qt = jax.lax.axis_index("qt")
-    return bias_ref, sd_ref, tail[:len(tail) - has_seeds], sd_s, (qt, jax.lax.axis_index("bh"), pl.ds(qt * t, t))
+    return (bias_ref, sd_ref, seg_refs, tail[:len(tail) - n_extra], sd_s, qseg_s,
+            (qt, jax.lax.axis_index("bh"), pl.ds(qt * t, t)))
 
 
-def _forward_call(g, q, kt, v, kht, beta, bias, seeds, interpret):
+def _extra_scratch(has_seeds: bool, packed: bool, t: int):
+    """A query-side kernel's scratch after its own: the row's seed tile, the query tile's own positions and
+    documents (int32 ``[t]`` each)."""
+    return (plgpu.SMEM((t,), jnp.int32),) * (has_seeds + 2 * packed)
+
+
+def _query_loads(sd_ref, seg_refs, sd_s, qseg_s, bh, rows):
+    """The copies into shared memory a query-side program starts with beyond its tiles: the row's seed, a packed
+    row's query positions and documents (``(source, destination)`` pairs)."""
+    out = ((sd_ref.at[bh], sd_s),) if sd_s is not None else ()
+    if seg_refs is not None:
+        out += ((seg_refs[0].at[bh, rows], qseg_s[0]), (seg_refs[1].at[bh, rows], qseg_s[1]))
+    return out
+
+
+def _seg_steps(seg_refs, bh, tile, t: int, chunk: bool):
+    """A packed row's per-step operands of a query-side pipeline: the keys' (or the chunks') own indices and
+    documents, ``[t]`` blocks at tile ``tile(step)`` (specs, refs); ``([], [])`` for one sequence."""
+    if seg_refs is None:
+        return [], []
+    rel, doc = (seg_refs[3], seg_refs[4]) if chunk else (seg_refs[0], seg_refs[2])
+    return [plgpu.BlockSpec((t,), lambda s: (tile(s),))] * 2, [rel.at[bh], doc.at[bh]]
+
+
+def _seg_of(qseg_s, step_tiles):
+    """A score tile's packed-row operands (:func:`_documents`) from the query tile's and a step's refs, or None."""
+    return None if qseg_s is None else (qseg_s[0], qseg_s[1], *step_tiles)
+
+
+def _forward_call(g, q, kt, v, kht, beta, bias, seeds, seg, interpret):
     """q [BH, Lp, d]; kt [BH, d, Lp]; v [BH, Lp, dv]; kht [BH, d, Cp]; beta [BH, Cp, dv]; bias [Hb, W, n_lt·W] or
-    None; seeds [BH, t] int32 (dropout) or None. Returns o [BH, Lp, dv] (compute dtype), lse [BH, Lp] f32."""
+    None; seeds [BH, t] int32 (dropout) or None; ``seg`` (a packed row, :func:`eva_attend_mgpu`'s layout) or None.
+    Returns o [BH, Lp, dv] (compute dtype), lse [BH, Lp] f32."""
     BH, Lp, d = q.shape
     dv, t, dtype = v.shape[-1], g["t"], q.dtype
     n_loc, n_c, per = g["n_loc"], kht.shape[-1] // t, g["W"] // t
-    has_bias, has_seeds = bias is not None, seeds is not None
+    has_bias, has_seeds, packed = bias is not None, seeds is not None, seg is not None
 
     def body(q_ref, kt_ref, v_ref, kht_ref, beta_ref, *rest):
-        bias_ref, sd_ref, (o_ref, lse_ref, q_s, o_s, lse_s, p_s, bar), sd_s, (qt, bh, rows) = _unpack(
-            rest, has_bias, has_seeds, t)
-        plgpu.copy_gmem_to_smem(q_ref.at[bh, rows], q_s, bar.at[0])
-        if has_seeds:
-            plgpu.copy_gmem_to_smem(sd_ref.at[bh], sd_s, bar.at[1])
-            plgpu.barrier_wait(bar.at[1])
-        plgpu.barrier_wait(bar.at[0])
+        bias_ref, sd_ref, seg_refs, (o_ref, lse_ref, q_s, o_s, lse_s, p_s, bar), sd_s, qseg_s, (qt, bh, rows) = \
+            _unpack(rest, has_bias, has_seeds, packed, t)
+        loads = ((q_ref.at[bh, rows], q_s),) + _query_loads(sd_ref, seg_refs, sd_s, qseg_s, bh, rows)
+        for i, (src, dst) in enumerate(loads):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+        for i in range(len(loads)):
+            plgpu.barrier_wait(bar.at[i])
         carry = (jnp.zeros((t, dv), f32), jnp.full((t,), NEG, f32), jnp.zeros((t,), f32))
 
         def local(idx, kt_t, v_t, *rest):
-            *b_t, carry = rest
+            *tiles, carry = rest
             s = _matmul(q_s, kt_t, (t, t))
             if has_bias:
-                s = s + b_t[0][...].astype(f32)
-            return _softmax_step(carry, s, *_local_valid(g, qt, _key_tile(g, qt, idx[0]), seed_ref=sd_s), v_t, p_s)
+                s = s + tiles[0][...].astype(f32)
+            valid = _local_valid(g, qt, _key_tile(g, qt, idx[0]), seed_ref=sd_s,
+                                 seg=_seg_of(qseg_s, tiles[has_bias:]))
+            return _softmax_step(carry, s, *valid, v_t, p_s)
 
         key = lambda s: _clamp(_key_tile(g, qt, s), g["n_t"])  # noqa: E731
         specs = [plgpu.BlockSpec((d, t), lambda s: (0, key(s))), plgpu.BlockSpec((t, dv), lambda s: (key(s), 0))]
@@ -252,17 +323,22 @@ def _forward_call(g, q, kt, v, kht, beta, bias, seeds, interpret):
         if has_bias:
             specs.append(plgpu.BlockSpec((t, t), lambda s: (jax.lax.rem(qt, jnp.int32(per)), s)))
             args.append(bias_ref.at[_head(g, bh)])
+        seg_specs, seg_args = _seg_steps(seg_refs, bh, key, t, chunk=False)
         carry = plgpu.emit_pipeline(local, grid=(n_loc,), max_concurrent_steps=min(2, n_loc), init_carry=carry,
-                                    in_specs=specs)(*args)
+                                    in_specs=specs + seg_specs)(*args, *seg_args)
 
-        def chunk(idx, kht_t, beta_t, carry):
+        def chunk(idx, kht_t, beta_t, *rest):
+            *tiles, carry = rest
             s = _matmul(q_s, kht_t, (t, t))
-            return _softmax_step(carry, s, *_chunk_valid(g, qt, idx[0], seed_ref=sd_s), beta_t, p_s)
+            valid = _chunk_valid(g, qt, idx[0], seed_ref=sd_s, seg=_seg_of(qseg_s, tiles))
+            return _softmax_step(carry, s, *valid, beta_t, p_s)
 
+        seg_specs, seg_args = _seg_steps(seg_refs, bh, lambda c: c, t, chunk=True)
         carry = plgpu.emit_pipeline(
             chunk, grid=(n_c,), max_concurrent_steps=min(2, n_c), init_carry=carry,
-            in_specs=[plgpu.BlockSpec((d, t), lambda c: (0, c)), plgpu.BlockSpec((t, dv), lambda c: (c, 0))],
-        )(kht_ref.at[bh], beta_ref.at[bh])
+            in_specs=[plgpu.BlockSpec((d, t), lambda c: (0, c)), plgpu.BlockSpec((t, dv), lambda c: (c, 0))]
+            + seg_specs,
+        )(kht_ref.at[bh], beta_ref.at[bh], *seg_args)
 
         acc, m_i, l_i = carry
         l_i = jnp.maximum(l_i, 1e-30)
@@ -273,11 +349,11 @@ def _forward_call(g, q, kt, v, kht, beta, bias, seeds, interpret):
         body,
         out_type=(jax.ShapeDtypeStruct((BH, Lp, dv), dtype), jax.ShapeDtypeStruct((BH, Lp), f32)),
         scratch_types=(plgpu.SMEM((t, d), dtype), plgpu.SMEM((t, dv), dtype), plgpu.SMEM((t,), f32),
-                       plgpu.SMEM((t, t), dtype), plgpu.Barrier(num_barriers=2))
-                      + ((plgpu.SMEM((t,), jnp.int32),) if has_seeds else ()),
+                       plgpu.SMEM((t, t), dtype), plgpu.Barrier(num_barriers=2 + 2 * packed))
+                      + _extra_scratch(has_seeds, packed, t),
         grid=(Lp // t, BH), grid_names=("qt", "bh"), compiler_params=_SEMANTICS, interpret=interpret,
         kernel_name="eva_attend_mgpu_fwd",
-    )(q, kt, v, kht, beta, *((bias,) if has_bias else ()), *((seeds,) if has_seeds else ()))
+    )(q, kt, v, kht, beta, *((bias,) if has_bias else ()), *((seeds,) if has_seeds else ()), *(seg or ()))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -290,19 +366,19 @@ def _probs(s, valid, mult, lse_ref, dl_ref, dp, axis):
     return p * mult, p * (mult * dp - _rows(dl_ref, s.shape, axis))
 
 
-def _dq_call(g, q, do, lse, delta, kt, vt, k, kht, btt, kh, bias, seeds, interpret):
-    """The query-side backward, the forward's grid: dq [BH, Lp, d] f32. ``*t`` operands are transposes; ``bias``
-    and ``seeds`` as the forward's."""
+def _dq_call(g, q, do, lse, delta, kt, vt, k, kht, btt, kh, bias, seeds, seg, interpret):
+    """The query-side backward, the forward's grid: dq [BH, Lp, d] f32. ``*t`` operands are transposes; ``bias``,
+    ``seeds`` and ``seg`` as the forward's."""
     BH, Lp, d = q.shape
     dv, t, dtype = do.shape[-1], g["t"], q.dtype
     n_loc, n_c, per = g["n_loc"], kh.shape[1] // t, g["W"] // t
-    has_bias, has_seeds = bias is not None, seeds is not None
+    has_bias, has_seeds, packed = bias is not None, seeds is not None, seg is not None
 
     def body(q_ref, do_ref, lse_ref, dl_ref, kt_ref, vt_ref, k_ref, kht_ref, btt_ref, kh_ref, *rest):
-        bias_ref, sd_ref, (dq_ref, q_s, do_s, lse_s, dl_s, ds_s, bar), sd_s, (qt, bh, rows) = _unpack(
-            rest, has_bias, has_seeds, t)
+        bias_ref, sd_ref, seg_refs, (dq_ref, q_s, do_s, lse_s, dl_s, ds_s, bar), sd_s, qseg_s, (qt, bh, rows) = \
+            _unpack(rest, has_bias, has_seeds, packed, t)
         loads = ((q_ref.at[bh, rows], q_s), (do_ref.at[bh, rows], do_s), (lse_ref.at[bh, rows], lse_s),
-                 (dl_ref.at[bh, rows], dl_s)) + (((sd_ref.at[bh], sd_s),) if has_seeds else ())
+                 (dl_ref.at[bh, rows], dl_s)) + _query_loads(sd_ref, seg_refs, sd_s, qseg_s, bh, rows)
         for i, (src, dst) in enumerate(loads):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
         for i in range(len(loads)):
@@ -315,11 +391,13 @@ def _dq_call(g, q, do, lse, delta, kt, vt, k, kht, btt, kh, bias, seeds, interpr
             return dq + _matmul(ds_s, k_t, (t, d))
 
         def local(idx, kt_t, vt_t, k_t, *rest):
-            *b_t, dq = rest
+            *tiles, dq = rest
             s = _matmul(q_s, kt_t, (t, t))
             if has_bias:
-                s = s + b_t[0][...].astype(f32)
-            return step(s, _local_valid(g, qt, _key_tile(g, qt, idx[0]), seed_ref=sd_s), vt_t, k_t, dq)
+                s = s + tiles[0][...].astype(f32)
+            valid = _local_valid(g, qt, _key_tile(g, qt, idx[0]), seed_ref=sd_s,
+                                 seg=_seg_of(qseg_s, tiles[has_bias:]))
+            return step(s, valid, vt_t, k_t, dq)
 
         key = lambda s: _clamp(_key_tile(g, qt, s), g["n_t"])  # noqa: E731
         specs = [plgpu.BlockSpec((d, t), lambda s: (0, key(s))), plgpu.BlockSpec((dv, t), lambda s: (0, key(s))),
@@ -328,70 +406,83 @@ def _dq_call(g, q, do, lse, delta, kt, vt, k, kht, btt, kh, bias, seeds, interpr
         if has_bias:
             specs.append(plgpu.BlockSpec((t, t), lambda s: (jax.lax.rem(qt, jnp.int32(per)), s)))
             args.append(bias_ref.at[_head(g, bh)])
+        seg_specs, seg_args = _seg_steps(seg_refs, bh, key, t, chunk=False)
         dq = plgpu.emit_pipeline(local, grid=(n_loc,), max_concurrent_steps=min(2, n_loc),
-                                 init_carry=jnp.zeros((t, d), f32), in_specs=specs)(*args)
+                                 init_carry=jnp.zeros((t, d), f32), in_specs=specs + seg_specs)(*args, *seg_args)
 
-        def chunk(idx, kht_t, btt_t, kh_t, dq):
-            return step(_matmul(q_s, kht_t, (t, t)), _chunk_valid(g, qt, idx[0], seed_ref=sd_s), btt_t, kh_t, dq)
+        def chunk(idx, kht_t, btt_t, kh_t, *rest):
+            *tiles, dq = rest
+            valid = _chunk_valid(g, qt, idx[0], seed_ref=sd_s, seg=_seg_of(qseg_s, tiles))
+            return step(_matmul(q_s, kht_t, (t, t)), valid, btt_t, kh_t, dq)
 
+        seg_specs, seg_args = _seg_steps(seg_refs, bh, lambda c: c, t, chunk=True)
         dq = plgpu.emit_pipeline(
             chunk, grid=(n_c,), max_concurrent_steps=min(2, n_c), init_carry=dq,
             in_specs=[plgpu.BlockSpec((d, t), lambda c: (0, c)), plgpu.BlockSpec((dv, t), lambda c: (0, c)),
-                      plgpu.BlockSpec((t, d), lambda c: (c, 0))],
-        )(kht_ref.at[bh], btt_ref.at[bh], kh_ref.at[bh])
+                      plgpu.BlockSpec((t, d), lambda c: (c, 0))] + seg_specs,
+        )(kht_ref.at[bh], btt_ref.at[bh], kh_ref.at[bh], *seg_args)
         pl.run_scoped(lambda dq_s: _store(dq_s, dq, dq_ref.at[bh, rows]), plgpu.SMEM((t, d), f32))
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((BH, Lp, d), f32),
         scratch_types=(plgpu.SMEM((t, d), dtype), plgpu.SMEM((t, dv), dtype), plgpu.SMEM((t,), f32),
-                       plgpu.SMEM((t,), f32), plgpu.SMEM((t, t), dtype), plgpu.Barrier(num_barriers=5))
-                      + ((plgpu.SMEM((t,), jnp.int32),) if has_seeds else ()),
+                       plgpu.SMEM((t,), f32), plgpu.SMEM((t, t), dtype), plgpu.Barrier(num_barriers=5 + 2 * packed))
+                      + _extra_scratch(has_seeds, packed, t),
         grid=(Lp // t, BH), grid_names=("qt", "bh"), compiler_params=_SEMANTICS, interpret=interpret,
         kernel_name="eva_attend_mgpu_dq",
-    )(q, do, lse, delta, kt, vt, k, kht, btt, kh, *((bias,) if has_bias else ()), *((seeds,) if has_seeds else ()))
+    )(q, do, lse, delta, kt, vt, k, kht, btt, kh, *((bias,) if has_bias else ()), *((seeds,) if has_seeds else ()),
+      *(seg or ()))
 
 
-def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, interpret):
+def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, seg, interpret):
     """The key-side backward, grid ``(Lp / t + Cp / t, BH)``: key-tile programs (dk, dv and the bias gradient's
     tiles) then chunk-tile programs (dk̂, dβ), keys-major. ``bias_t``: the forward's bias layout transposed
-    ``[Hb, n_lt·W, W]`` or None; ``seeds`` the forward's. Returns f32 ``(dk, dv, dk̂, dβ, dbias tiles [BH, Lp/t, n_loc, t, t] or None)``."""
+    ``[Hb, n_lt·W, W]`` or None; ``seeds`` and ``seg`` the forward's (a packed row: the program's own keys' or
+    chunks' indices and documents reach shared memory once, the query tiles' come with each step). Returns f32 ``(dk, dv, dk̂, dβ, dbias tiles [BH, Lp/t, n_loc, t, t] or None)``."""
     BH, Lp, d = k.shape
     dv, t, dtype = v.shape[-1], g["t"], k.dtype
     n_t, n_loc, n_ct, per = g["n_t"], g["n_loc"], kh.shape[1] // t, g["W"] // t
-    has_bias, has_seeds = bias_t is not None, seeds is not None
+    has_bias, has_seeds, packed = bias_t is not None, seeds is not None, seg is not None
 
     def body(k_ref, v_ref, kh_ref, beta_ref, qt_ref, q_ref, dot_ref, do_ref, lse_ref, dl_ref, *rest):
         bias_ref = rest[0] if has_bias else None
         sd_ref = rest[has_bias] if has_seeds else None
-        outs, bar = rest[has_bias + has_seeds:-1], rest[-1]
+        n_in = has_bias + has_seeds
+        seg_refs = rest[n_in:n_in + 5] if packed else None
+        outs, bar = rest[n_in + 5 * packed:-1], rest[-1]
         dk_ref, dv_ref, dkh_ref, dbeta_ref = outs[:4]
         db_ref = outs[4] if has_bias else None
         j = jax.lax.axis_index("j")
         bh = jax.lax.axis_index("bh")
-        q_specs = lambda tile: [  # noqa: E731  (the query side of a step: qᵀ, q, dOᵀ, dO, lse, Δ)
+        q_specs = lambda tile: [  # noqa: E731  (the query side of a step: qᵀ, q, dOᵀ, dO, lse, Δ; a packed
+            # row's query positions and documents)
             plgpu.BlockSpec((d, t), lambda r: (0, tile(r))), plgpu.BlockSpec((t, d), lambda r: (tile(r), 0)),
-            plgpu.BlockSpec((dv, t), lambda r: (0, tile(r))), plgpu.BlockSpec((t, dv), lambda r: (tile(r), 0)),
-            plgpu.BlockSpec((t,), lambda r: (tile(r),)), plgpu.BlockSpec((t,), lambda r: (tile(r),))]
+            plgpu.BlockSpec((dv, t), lambda r: (0, tile(r))), plgpu.BlockSpec((t, dv), lambda r: (tile(r), 0))
+        ] + [plgpu.BlockSpec((t,), lambda r: (tile(r),))] * (2 + 2 * packed)
         q_args = (qt_ref.at[bh], q_ref.at[bh], dot_ref.at[bh], do_ref.at[bh], lse_ref.at[bh], dl_ref.at[bh])
+        if packed:
+            q_args += (seg_refs[0].at[bh], seg_refs[1].at[bh])
 
-        def program(src_k, src_v, valid_fn, tile, n_steps, bias_spec, dk_out, dv_out, k_s, v_s, pt_s, dst_s,
-                    *rest):
+        def program(src_k, src_v, src_seg, valid_fn, tile, n_steps, bias_spec, dk_out, dv_out, k_s, v_s, pt_s,
+                    dst_s, *rest):
             sd_s = rest[0] if has_seeds else None
-            db_s = rest[has_seeds] if len(rest) > has_seeds else None
-            plgpu.copy_gmem_to_smem(src_k, k_s, bar.at[0])
-            plgpu.copy_gmem_to_smem(src_v, v_s, bar.at[1])
-            if has_seeds:
-                plgpu.copy_gmem_to_smem(sd_ref.at[bh], sd_s, bar.at[2])
-                plgpu.barrier_wait(bar.at[2])
-            plgpu.barrier_wait(bar.at[0])
-            plgpu.barrier_wait(bar.at[1])
+            own_s = rest[has_seeds:has_seeds + 2 * packed]  # a packed row: the program's own indices, documents
+            db_s = rest[-1] if len(rest) > has_seeds + 2 * packed else None
+            loads = ((src_k, k_s), (src_v, v_s)) + (((sd_ref.at[bh], sd_s),) if has_seeds else ())
+            loads += tuple(zip(src_seg, own_s))
+            for i, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
+            for i in range(len(loads)):
+                plgpu.barrier_wait(bar.at[i])
 
             def step(idx, qt_t, q_t, dot_t, do_t, lse_t, dl_t, *rest):
-                *b_t, (dk, dvv) = rest
+                *tiles, (dk, dvv) = rest
+                qseg, b_t = tiles[:2 * packed], tiles[2 * packed:]
                 st = _matmul(k_s, qt_t, (t, t))
                 if b_t:
                     st = st + b_t[0][...].astype(f32)
-                pt, dst = _probs(st, *valid_fn(idx[0], sd_s), lse_t, dl_t, _matmul(v_s, dot_t, (t, t)), 1)
+                seg_t = (*qseg, *own_s) if packed else None
+                pt, dst = _probs(st, *valid_fn(idx[0], sd_s, seg_t), lse_t, dl_t, _matmul(v_s, dot_t, (t, t)), 1)
                 pt_s[...] = pt.astype(dtype)
                 dst_s[...] = dst.astype(dtype)
                 if db_s is not None:
@@ -412,7 +503,7 @@ def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, in
             pl.run_scoped(lambda s: _store(s, dvv, dv_out), plgpu.SMEM((t, dv), f32))
 
         tiles = (plgpu.SMEM((t, d), dtype), plgpu.SMEM((t, dv), dtype), plgpu.SMEM((t, t), dtype),
-                 plgpu.SMEM((t, t), dtype)) + ((plgpu.SMEM((t,), jnp.int32),) if has_seeds else ())
+                 plgpu.SMEM((t, t), dtype)) + (plgpu.SMEM((t,), jnp.int32),) * (has_seeds + 2 * packed)
 
         @pl.when(j < n_t)
         def _keys():  # key tile j of key block kb: the query tiles of blocks kb - offsets (step r: offset r // per)
@@ -431,7 +522,9 @@ def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, in
             rows = pl.ds(j * t, t)
             pl.run_scoped(
                 lambda *s: program(k_ref.at[bh, rows], v_ref.at[bh, rows],
-                                   lambda r, sd: _local_valid(g, qtile(r), j, keys_major=True, seed_ref=sd),
+                                   () if not packed else (seg_refs[0].at[bh, rows], seg_refs[2].at[bh, rows]),
+                                   lambda r, sd, sg: _local_valid(g, qtile(r), j, keys_major=True, seed_ref=sd,
+                                                                  seg=sg),
                                    lambda r: _clamp(qtile(r), n_t), n_loc, bias_spec, dk_ref.at[bh, rows],
                                    dv_ref.at[bh, rows], *s),
                 *tiles, *((plgpu.SMEM((t, t), f32),) if has_bias else ()))
@@ -442,7 +535,9 @@ def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, in
             rows = pl.ds(ct * t, t)
             pl.run_scoped(
                 lambda *s: program(kh_ref.at[bh, rows], beta_ref.at[bh, rows],
-                                   lambda r, sd: _chunk_valid(g, r, ct, keys_major=True, seed_ref=sd), lambda r: r,
+                                   () if not packed else (seg_refs[3].at[bh, rows], seg_refs[4].at[bh, rows]),
+                                   lambda r, sd, sg: _chunk_valid(g, r, ct, keys_major=True, seed_ref=sd, seg=sg),
+                                   lambda r: r,
                                    n_t, [], dkh_ref.at[bh, rows], dbeta_ref.at[bh, rows], *s),
                 *tiles)
 
@@ -452,10 +547,11 @@ def _dkey_call(g, k, v, kh, beta, qt_, q, dot, do, lse, delta, bias_t, seeds, in
     if has_bias:
         out_type += (jax.ShapeDtypeStruct((BH, n_t, n_loc, t, t), f32),)
     res = plgpu.kernel(
-        body, out_type=out_type, scratch_types=(plgpu.Barrier(num_barriers=3),),
+        body, out_type=out_type, scratch_types=(plgpu.Barrier(num_barriers=3 + 2 * packed),),
         grid=(n_t + n_ct, BH), grid_names=("j", "bh"), compiler_params=_SEMANTICS, interpret=interpret,
         kernel_name="eva_attend_mgpu_dkey",
-    )(k, v, kh, beta, qt_, q, dot, do, lse, delta, *((bias_t,) if has_bias else ()), *((seeds,) if has_seeds else ()))
+    )(k, v, kh, beta, qt_, q, dot, do, lse, delta, *((bias_t,) if has_bias else ()), *((seeds,) if has_seeds else ()),
+      *(seg or ()))
     return tuple(res) + ((None,) if not has_bias else ())
 
 
@@ -482,29 +578,29 @@ def _bias_layout(bias, n_lt: int):
     return jnp.transpose(bias, (0, 2, 1, 3)).reshape(Hb, W, n_lt * W)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attend(q, k, v, kh, beta, bias, seeds, g, interpret):
-    return _attend_fwd(q, k, v, kh, beta, bias, seeds, g, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _attend(q, k, v, kh, beta, bias, seeds, seg, g, interpret):
+    return _attend_fwd(q, k, v, kh, beta, bias, seeds, seg, g, interpret)[0]
 
 
-def _attend_fwd(q, k, v, kh, beta, bias, seeds, g, interpret):
+def _attend_fwd(q, k, v, kh, beta, bias, seeds, seg, g, interpret):
     b2 = None if bias is None else _bias_layout(bias, len(g["offsets"]))
-    o, lse = _forward_call(g, q, _t(k), v, _t(kh), beta, b2, seeds, interpret)
-    return (o, lse), (q, k, v, kh, beta, bias, seeds, o, lse)
+    o, lse = _forward_call(g, q, _t(k), v, _t(kh), beta, b2, seeds, seg, interpret)
+    return (o, lse), (q, k, v, kh, beta, bias, seeds, seg, o, lse)
 
 
 def _attend_bwd(g, interpret, res, cts):
-    q, k, v, kh, beta, bias, seeds, o, lse = res
+    q, k, v, kh, beta, bias, seeds, seg, o, lse = res
     do = cts[0].astype(v.dtype)  # dO in the compute dtype (a product operand)
     # Δ = rowsum(dO ⊙ O), less the lse cotangent (it enters as a shift of Δ); f32, a statistic
     delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1) - cts[1].astype(f32)
     b2 = None if bias is None else _bias_layout(bias, len(g["offsets"]))
-    dq = _dq_call(g, q, do, lse, delta, _t(k), _t(v), k, _t(kh), _t(beta), kh, b2, seeds, interpret)
+    dq = _dq_call(g, q, do, lse, delta, _t(k), _t(v), k, _t(kh), _t(beta), kh, b2, seeds, seg, interpret)
     dk, dv, dkh, dbeta, db = _dkey_call(g, k, v, kh, beta, _t(q), q, _t(do), do, lse, delta,
-                                        None if b2 is None else _t(b2), seeds, interpret)
+                                        None if b2 is None else _t(b2), seeds, seg, interpret)
     dbias = None if bias is None else _bias_grad(db, g, q.shape[0], bias.shape[0]).astype(bias.dtype)
     cast = lambda x, ref: x.astype(ref.dtype)  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None
+    return cast(dq, q), cast(dk, k), cast(dv, v), cast(dkh, kh), cast(dbeta, beta), dbias, None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -521,14 +617,24 @@ def eva_attend_mgpu(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P
     ``(o [BH, Lp, dv], lse [BH, Lp])``, differentiable in q, k, v, k̂, β and the bias). ``interpret``: True runs
     Mosaic GPU's interpret mode (any backend); an ``InterpretGPUParams`` is passed as given. ``dropout_rate`` > 0
     with ``seeds`` (int32 ``[BH]``): attention dropout by the Triton kernel's hash mask (absolute query and key
-    indices, chunk ``c`` at ``CHUNK_KEY_BASE + c``) on the normalised weights, the same in the backward. Packed rows
-    (``segments``) are refused; ``_tiles`` (the Triton kernel's tile settings) are not read."""
+    indices, chunk ``c`` at ``CHUNK_KEY_BASE + c``) on the normalised weights, the same in the backward.
+
+    ``segments`` (a packed row laid out again on the window grid by EVA's ``packed.py``; None: one sequence): the
+    Triton kernel's operand, int32 ``(rel [B, Lp], q_doc [B, Lp], k_doc [B, Lp], c_rel [B, C], c_doc [B, C])``
+    with ``B = BH / heads`` (each position's own index in its document, its document as a query and as a key, each
+    chunk's own index and document; negative: none), ``L = Lp`` and all ``C = k_hat.shape[1]`` chunks given; the
+    masks and dropout counters as the Triton kernel takes them. ``chunk_base`` (the carried state's chunks first)
+    only orders the Triton kernel's causal skip: these kernels score every chunk tile, so it is not read; nor are
+    ``_tiles`` (the Triton kernel's tile settings and platform)."""
     BH, Lp, d = q.shape
     dv = v.shape[-1]
-    C = -(-L // P)
+    C = -(-L // P) if segments is None else k_hat.shape[1]
     dtype = compute_dtype(q, k, v)
     reasons = unsupported_reasons("interpret" if interpret else "cuda", W=W, d=d, dv=dv, e_l=e_l, e_r=e_r,
-                                  dtype=dtype, segments=segments is not None)
+                                  dtype=dtype)
+    if segments is not None and (L != Lp or segments[0].shape[0] * heads != BH):
+        reasons.append(f"a packed row takes L = Lp (got L={L}, Lp={Lp}) and segments of BH / heads rows (got "
+                       f"{segments[0].shape[0]} for {BH} / {heads})")
     if not 0.0 <= dropout_rate < 1.0 or (dropout_rate > 0) != (seeds is not None):
         reasons.append(f"dropout_rate={dropout_rate} needs seeds (and seeds a rate in (0, 1))")
     t = min(TILE, W) if interpret else TILE
@@ -550,7 +656,20 @@ def eva_attend_mgpu(q, k, v, k_hat, beta, bias, *, W: int, e_l: int, e_r: int, P
              disjoint=bool(disjoint), e_l=e_l, e_r=e_r, heads=heads, Hb=1 if bias is None else bias.shape[0],
              rate=float(dropout_rate))
     sd = None if seeds is None else jnp.broadcast_to(jnp.asarray(seeds, jnp.int32).reshape(BH, 1), (BH, t))
-    return _attend(q, k, v, kh, bt, bias, sd, _Geo(g), interpret or False)
+    seg = None if segments is None else _seg_operands(segments, heads, C, Cp)
+    return _attend(q, k, v, kh, bt, bias, sd, seg, _Geo(g), interpret or False)
+
+
+def _seg_operands(segments, heads: int, C: int, Cp: int):
+    """:func:`eva_attend_mgpu`'s ``segments`` as the kernels read them: int32 rows per (batch row, head) ``[BH, ·]``
+    (the queries' own positions (also the keys'), the queries' documents, the keys', the chunks' own indices and
+    documents, the chunks' padded to ``Cp``); a negative document is none, distinct for queries (-2), keys (-1)
+    and chunks (-3) so that none of them ever meet (the Triton kernel's)."""
+    rel, q_doc, k_doc, c_rel, c_doc = (jnp.asarray(x, jnp.int32) for x in segments)
+    q_doc, k_doc, c_doc = (jnp.where(x < 0, none, x) for x, none in ((q_doc, -2), (k_doc, -1), (c_doc, -3)))
+    pad_c = lambda x, fill: jnp.pad(x[:, :C], ((0, 0), (0, Cp - C)), constant_values=fill)  # noqa: E731
+    rows = (rel, q_doc, k_doc, pad_c(c_rel, 0), pad_c(c_doc, -3))
+    return tuple(jnp.repeat(x, heads, axis=0) for x in rows)
 
 
 class _Geo(dict):

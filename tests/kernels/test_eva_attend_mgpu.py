@@ -42,6 +42,20 @@ SHAPES = {
     "w128": dict(L=250, W=128, P=2, d=16, dv=16, e_l=0, e_r=0, causal=True, hb=1, B=1),
     # configs/wikitext103/eva_16l.py: window 128 without overlap, chunk 8, heads of 128, shared RPE, 512 tokens
     "wt103_paper": dict(L=512, W=128, P=8, d=128, dv=128, e_l=0, e_r=0, causal=True, hb=1, B=1),
+    # packed rows laid out on the window grid (tests/kernels/test_eva_attend.py's _packed_segments: two rows of six
+    # windows, documents with gaps between, one shorter than a chunk; causal: each row's first document continues a
+    # carried one whose `base` chunks come first): causal with overlap and dropout, the disjoint partition, and
+    # bidirectional with overlap, per-head bias and dropout
+    "packed_causal_drop": dict(L=192, W=32, P=4, d=16, dv=16, e_l=32, e_r=0, causal=True, hb=1, rate=0.2,
+                               packed=True, base=8),
+    "packed_disjoint": dict(L=192, W=32, P=4, d=16, dv=16, e_l=32, e_r=0, causal=True, hb=0, disjoint=True,
+                            packed=True, base=8),
+    "packed_bidir_drop": dict(L=192, W=32, P=2, d=16, dv=32, e_l=16, e_r=16, causal=False, hb=H, rate=0.3,
+                              packed=True),
+    # packed rows at configs/wikitext103/eva_16l.py's shapes (two rows of 768 laid-out positions, 16 carried chunks
+    # first, its training step's dropout)
+    "packed_wt103": dict(L=768, W=128, P=8, d=128, dv=128, e_l=0, e_r=0, causal=True, hb=1, rate=0.1,
+                         packed=True, base=16),
 }
 SLOW = pytest.mark.slow  # interpret mode: ~5-60 s a case; the default suite runs one forward, one gradient
 
@@ -71,6 +85,11 @@ def _reference(args, static):
     pytest.param(("w128", "float32"), marks=SLOW),
     pytest.param(("causal_drop", "bfloat16"), marks=SLOW),
     pytest.param(("bidir_drop", "float32"), marks=SLOW),
+    pytest.param(("packed_causal_drop", "float32"), marks=SLOW),
+    pytest.param(("packed_causal_drop", "bfloat16"), marks=SLOW),
+    pytest.param(("packed_disjoint", "float32"), marks=SLOW),
+    pytest.param(("packed_bidir_drop", "float32"), marks=SLOW),
+    pytest.param(("packed_bidir_drop", "bfloat16"), marks=SLOW),
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_forward_matches_reference(case):
     """o (compute dtype) and lse (f32) against the reference on the same operands, padded query rows included."""
@@ -99,6 +118,11 @@ def _grads(args, fn):
     pytest.param(("bidir_overlap", "bfloat16"), marks=SLOW),
     pytest.param(("causal_disjoint", "float32"), marks=SLOW),
     pytest.param(("w128", "float32"), marks=SLOW),
+    pytest.param(("packed_causal_drop", "float32"), marks=SLOW),
+    pytest.param(("packed_causal_drop", "bfloat16"), marks=SLOW),
+    pytest.param(("packed_disjoint", "float32"), marks=SLOW),
+    pytest.param(("packed_bidir_drop", "float32"), marks=SLOW),
+    pytest.param(("packed_bidir_drop", "bfloat16"), marks=SLOW),
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_gradient_matches_autodiff_of_reference(case):
     """The kernel VJP (dq pass; key side: dk, dv, the bias tiles, dk̂, dβ) against autodiff of the reference, both
@@ -123,7 +147,7 @@ def test_unsupported_reasons():
     assert any("multiples of 64" in x for x in r("cuda", **dict(ok, d=48)))
     assert any("tf32" in x for x in r("cuda", **dict(ok, dtype=jnp.float32)))
     assert any("cuda" in x for x in r("tpu", **ok))
-    assert any("segment ids" in x for x in r("cuda", **ok, segments=True))
+    assert r("cuda", **ok, segments=True) == []  # packed rows are served (the document operands)
     assert any("exact_lse" in x for x in r("cuda", **ok, chunk_logit="exact_lse"))
 
 
@@ -142,12 +166,13 @@ def _export_count(fn, args):
 
 
 @pytest.mark.parametrize("name", ["wt103_paper", pytest.param("bidir_wt103", marks=SLOW),
-                                  pytest.param("wt103_train", marks=SLOW)])
+                                  pytest.param("wt103_train", marks=SLOW),
+                                  pytest.param("packed_wt103", marks=SLOW)])
 def test_export_cuda(name):
     """``jax.export`` for cuda lowers the kernels through Pallas' Mosaic GPU lowering on this CPU host (no GPU
     compiles or runs them here; the lowering checks shared memory): the forward is one ``mosaic_gpu`` custom call,
-    its gradient three (forward, dq, key side), no Triton."""
-    shape = SHAPES["wt103_paper"]
+    its gradient three (forward, dq, key side), no Triton; a packed row's too (its document operands)."""
+    shape = SHAPES["packed_wt103" if name == "packed_wt103" else "wt103_paper"]
     if name == "bidir_wt103":  # bidirectional with overlap (three key blocks a window) and a per-head bias
         shape = dict(shape, causal=False, e_l=64, e_r=64, hb=H)
     if name == "wt103_train":  # the config's training step: attention dropout 0.1

@@ -70,9 +70,11 @@ def _stats_fn(interpret: bool, platform: str):
 
 
 def _attend_fn(opts: EVAOptions, seeds, interpret: bool, platform: str, query_tile: int, key_tile: int,
-               chunk_tile: int, num_warps: int):
-    """``eva_attend.eva_attend`` with the call's platform, dropout rate and Phase B's tiles and warps bound."""
-    return functools.partial(eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
+               chunk_tile: int, num_warps: int, kernel=None):
+    """Phase B's ``kernel`` (None: ``eva_attend.eva_attend``, looked up when called; or a kernel of its contract,
+    e.g. the Mosaic GPU kernels' ``eva_attend_mgpu``, which reads neither the platform nor the tiles) with the
+    call's platform, dropout rate and Phase B's tiles and warps bound."""
+    return functools.partial(kernel or eva_attend.eva_attend, interpret=interpret, platform=None if interpret else platform,
                              dropout_rate=opts.attn_dropout if seeds is not None else 0.0,
                              **{name: None if x <= 0 else x for name, x in (
                                  ("query_tile", query_tile), ("key_tile", key_tile), ("chunk_tile", chunk_tile),
@@ -100,9 +102,11 @@ def _bias_spec(bias, H: int, hspec):
 
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
                 num_chunks: int, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
-                key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN):
+                key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN,
+                kernel=None):
     """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``. ``query_tile``, ``key_tile``, ``chunk_tile``,
-    ``num_warps``: Phase B's tiles and GPU warps (execution settings; ``eva_attend.PLAN``: the kernel's plan)."""
+    ``num_warps``: Phase B's tiles and GPU warps (execution settings; ``eva_attend.PLAN``: the kernel's plan);
+    ``kernel``: Phase B's kernel (:func:`_attend_fn`)."""
     stats_fn = _stats_fn(interpret, platform)
     B, H, L, d = q.shape
     dv = v.shape[-1]
@@ -116,7 +120,7 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
     bias = None if bias is None else bias.astype(cd)  # a kernel operand: the compute dtype (eva_attend)
     seeds = dropout_seeds(drop_key, opts, B, H)  # [B, H]: row b·H + h of the whole batch, sharded like the rows
-    attend = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps)
+    attend = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps, kernel)
 
     def kernels(qf, kf, vf, params, noise, bias, seeds):
         b, h = qf.shape[:2]
@@ -139,11 +143,13 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
 
 def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int, segment_ids,
                state=None, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
-               key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN):
+               key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN,
+               kernel=None):
     """A packed row (from a carried state too) on the layout of ``packed.py`` (the documents laid out again on the
     window grid), Phase A and Phase B by the kernels: Phase A over the layout's chunks with each row's chunk
-    members, Phase B over the whole layout with each position's and chunk's document and own index
-    (``eva_attend``'s ``segments``); the layout and the state as the tiles'. Returns ``packed.eva_packed``'s."""
+    members, Phase B (``kernel``, :func:`_attend_fn`) over the whole layout with each position's and chunk's
+    document and own index (``eva_attend``'s ``segments``); the layout and the state as the tiles'. Returns
+    ``packed.eva_packed``'s."""
     P = chunk_size
     scale = q.shape[-1] ** -0.5
     bias = local_bias_tiles(rpe_table, opts, scale) if opts.use_rpe and rpe_table is not None else None
@@ -151,9 +157,9 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
 
     def attend(q_l, k_l, v_l, k_hat, beta, segments, base, seeds):
         B, H, Lp, dv = v_l.shape
-        run = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps)
+        run = _attend_fn(opts, seeds, interpret, platform, query_tile, key_tile, chunk_tile, num_warps, kernel)
 
-        def kernel(q_l, k_l, v_l, k_hat, beta, bias, seeds, segments):
+        def shard(q_l, k_l, v_l, k_hat, beta, bias, seeds, segments):
             b, h = q_l.shape[:2]
             flat = lambda x: x.reshape((b * h,) + x.shape[2:])  # noqa: E731
             o, _ = run(flat(q_l * scale), flat(k_l), flat(v_l), flat(k_hat), flat(beta), bias, W=opts.W,
@@ -164,7 +170,7 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
 
         specs = lambda bh, bspec, hspec: (bh,) * 5 + (  # noqa: E731
             _bias_spec(bias, H, hspec), None if seeds is None else bh, (PartitionSpec(bspec),) * len(segments))
-        return _per_shard(kernel, (q_l, k_l, v_l, k_hat, beta, bias, seeds, segments), specs, lambda bh: bh, B, H)
+        return _per_shard(shard, (q_l, k_l, v_l, k_hat, beta, bias, seeds, segments), specs, lambda bh: bh, B, H)
 
     return packed.eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=P,
                              segment_ids=segment_ids, state=state, stats_fn=_stats_fn(interpret, platform),
