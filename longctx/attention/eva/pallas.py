@@ -49,9 +49,11 @@ def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: in
     return out
 
 
-def _stats_fn(interpret: bool, platform: str):
-    """Phase A by the kernel, per shard of the batch and heads under a mesh (module docstring)."""
-    inner = eva_chunks.make_stats_fn(interpret=interpret, platform=platform)
+def _stats_fn(interpret: bool, platform: str, make=None):
+    """Phase A by the kernel, per shard of the batch and heads under a mesh (module docstring). ``make``:
+    ``(interpret, platform) -> stats_fn`` of another Phase A kernel of ``eva_chunk_stats``'s contract (default: the
+    Triton kernel's ``eva_chunks.make_stats_fn``)."""
+    inner = (make or (lambda i, p: eva_chunks.make_stats_fn(interpret=i, platform=p)))(interpret, platform)
 
     def stats_fn(q_ch, k_ch, v_ch, k_valid, params, noise, opts, scale):
         mesh = row_split.active_mesh(q_ch, k_ch, v_ch)
@@ -103,11 +105,11 @@ def _bias_spec(bias, H: int, hspec):
 def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int,
                 num_chunks: int, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
                 key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN,
-                kernel=None):
+                kernel=None, stats=None):
     """Full pass: (out [B,H,L,dv], extras), as ``xla.eva_forward``. ``query_tile``, ``key_tile``, ``chunk_tile``,
     ``num_warps``: Phase B's tiles and GPU warps (execution settings; ``eva_attend.PLAN``: the kernel's plan);
-    ``kernel``: Phase B's kernel (:func:`_attend_fn`)."""
-    stats_fn = _stats_fn(interpret, platform)
+    ``kernel``: Phase B's kernel (:func:`_attend_fn`); ``stats``: Phase A's (:func:`_stats_fn`'s ``make``)."""
+    stats_fn = _stats_fn(interpret, platform, stats)
     B, H, L, d = q.shape
     dv = v.shape[-1]
     scale = d**-0.5
@@ -144,11 +146,12 @@ def eva_forward(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOption
 def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, chunk_size: int, segment_ids,
                state=None, interpret: bool, platform: str, query_tile: int = eva_attend.PLAN,
                key_tile: int = eva_attend.PLAN, chunk_tile: int = eva_attend.PLAN, num_warps: int = eva_attend.PLAN,
-               kernel=None):
+               kernel=None, stats=None):
     """A packed row (from a carried state too) on the layout of ``packed.py`` (the documents laid out again on the
     window grid), Phase A and Phase B by the kernels: Phase A over the layout's chunks with each row's chunk
     members, Phase B (``kernel``, :func:`_attend_fn`) over the whole layout with each position's and chunk's
-    document and own index (``eva_attend``'s ``segments``); the layout and the state as the tiles'. Returns
+    document and own index (``eva_attend``'s ``segments``); ``stats``: Phase A's kernel (:func:`_stats_fn`'s
+    ``make``); the layout and the state as the tiles'. Returns
     ``packed.eva_packed``'s."""
     P = chunk_size
     scale = q.shape[-1] ** -0.5
@@ -173,16 +176,16 @@ def eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts: EVAOptions
         return _per_shard(shard, (q_l, k_l, v_l, k_hat, beta, bias, seeds, segments), specs, lambda bh: bh, B, H)
 
     return packed.eva_packed(q, k, v, params, rpe_table, noise_key, drop_key, opts, chunk_size=P,
-                             segment_ids=segment_ids, state=state, stats_fn=_stats_fn(interpret, platform),
+                             segment_ids=segment_ids, state=state, stats_fn=_stats_fn(interpret, platform, stats),
                              attend=attend)
 
 
 def eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts: EVAOptions, *, P: int,
-               interpret: bool, platform: str, **tiles):
-    """Tokens after a carried state: Phase A of the chunks they finish by the kernel, the rest in XLA tiles (Phase B's
-    ``tiles`` unused)."""
+               interpret: bool, platform: str, stats=None, **tiles):
+    """Tokens after a carried state: Phase A of the chunks they finish by the kernel (``stats``: :func:`_stats_fn`'s
+    ``make``), the rest in XLA tiles (Phase B's ``tiles`` unused)."""
     return xla.eva_stream(q, k, v, state, params, rpe_table, noise_key, drop_key, opts, P=P,
-                          stats_fn=_stats_fn(interpret, platform))
+                          stats_fn=_stats_fn(interpret, platform, stats))
 
 
 # Phase B's tiles and GPU warps as execution settings (eva_attend.eva_attend's overrides; a sweep writes them)
