@@ -74,6 +74,12 @@ def _reference(args, static):
     return _TritonTest().reference(*args, **static)
 
 
+# packed rows (segment ids), values and gradients alike: fp32 and bf16, causal with dropout, disjoint, bidirectional
+PACKED_CASES = [pytest.param((name, dt), marks=SLOW) for name, dt in (
+    ("packed_causal_drop", "float32"), ("packed_causal_drop", "bfloat16"), ("packed_disjoint", "float32"),
+    ("packed_bidir_drop", "float32"), ("packed_bidir_drop", "bfloat16"))]
+
+
 @pytest.mark.parametrize("case", [
     ("causal_overlap", "float32"),
     pytest.param(("causal_overlap", "bfloat16"), marks=SLOW),
@@ -85,11 +91,7 @@ def _reference(args, static):
     pytest.param(("w128", "float32"), marks=SLOW),
     pytest.param(("causal_drop", "bfloat16"), marks=SLOW),
     pytest.param(("bidir_drop", "float32"), marks=SLOW),
-    pytest.param(("packed_causal_drop", "float32"), marks=SLOW),
-    pytest.param(("packed_causal_drop", "bfloat16"), marks=SLOW),
-    pytest.param(("packed_disjoint", "float32"), marks=SLOW),
-    pytest.param(("packed_bidir_drop", "float32"), marks=SLOW),
-    pytest.param(("packed_bidir_drop", "bfloat16"), marks=SLOW),
+    *PACKED_CASES,
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_forward_matches_reference(case):
     """o (compute dtype) and lse (f32) against the reference on the same operands, padded query rows included."""
@@ -118,11 +120,7 @@ def _grads(args, fn):
     pytest.param(("bidir_overlap", "bfloat16"), marks=SLOW),
     pytest.param(("causal_disjoint", "float32"), marks=SLOW),
     pytest.param(("w128", "float32"), marks=SLOW),
-    pytest.param(("packed_causal_drop", "float32"), marks=SLOW),
-    pytest.param(("packed_causal_drop", "bfloat16"), marks=SLOW),
-    pytest.param(("packed_disjoint", "float32"), marks=SLOW),
-    pytest.param(("packed_bidir_drop", "float32"), marks=SLOW),
-    pytest.param(("packed_bidir_drop", "bfloat16"), marks=SLOW),
+    *PACKED_CASES,
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_gradient_matches_autodiff_of_reference(case):
     """The kernel VJP (dq pass; key side: dk, dv, the bias tiles, dk̂, dβ) against autodiff of the reference, both
