@@ -80,6 +80,8 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
         allowed = [n for n in sources.names() if sources.is_generated(n)]
         raise ConfigError(f"--task={task!r} is not a generated recall task; allowed: {', '.join(allowed)}")
     dcfg = ml_collections.ConfigDict(cfg.data.to_dict())
+    if cfg.data.source != "builtin":  # the passkey filler is the built-in corpus, not this run's data.path
+        dcfg.path = ""
     dcfg.source = task
     dcfg.synthetic.distance = (0, 0)  # evaluation: every distance that fits, unless asked
     for k, v in syn_over.items():

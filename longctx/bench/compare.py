@@ -14,9 +14,15 @@ with ``--hybrids`` one hybrid per method but the exact one (its layers with the 
 at seed 0 and the longest context. Every run is trained from ``configs/builtin/<method>.py`` (or
 configs/default.py) with the scale's sizes, the same tokens per update at every context (batch = tokens / context)
 and ``--config.KEY=VALUE`` overrides (e.g. ``--config.data.source=files --config.data.path=DIR``). Equal parameters
-(``--match_params``, the default): each run's feed-forward width ``model.d_ff`` (GAU blocks: the value width
-``gau_expansion * d_model``) is set so its parameter count is the closest to the exact run's; the rest of each
-method's config (depth, heads, its own attention settings) is its own.
+(``--match_params``): each run's feed-forward width ``model.d_ff`` (GAU blocks: the value width
+``gau_expansion * d_model``) is set so a count of its parameters is the closest to the exact run's. ``backbone``
+(the default) counts the parameters outside the attention cores (embeddings, projections, feed-forward, norms): every
+run has the exact run's backbone, and a core's own parameters (FMA's downsampling kernels, EVA's feature
+projections, Transformer-VQ's relative-position terms) come on top, reported in their own column and paid for in
+FLOPs. ``total`` counts every parameter: at small widths it takes a method's own parameters out of its feed-forward
+(at the CPU scale fma_linear's would leave it 8 wide), so the method's feed-forward, not its attention, is compared;
+``none`` keeps each config's widths. The rest of each method's config (depth, heads, its own attention settings) is
+its own.
 
 Equal training cost is equal training FLOPs: the budget is the dense run's ``--dense_steps`` updates at that
 context, and each run gets ``round(budget / (FLOPs per token x tokens per update))`` updates, its FLOPs per token
@@ -103,8 +109,9 @@ def define_flags(fv) -> None:
                         flag_values=fv)
     flags.DEFINE_string("contexts", None, "training contexts (k = 1024); default: the scale's", flag_values=fv)
     flags.DEFINE_integer("seeds", 3, "seeds 0 .. seeds-1 per (method, context)", flag_values=fv)
-    flags.DEFINE_bool("match_params", True, "equal parameters: each run's feed-forward (or GAU value) width set so "
-                      "its parameters are closest to the exact run's (--nomatch_params: each config's own widths)",
+    flags.DEFINE_enum("match_params", "backbone", list(MATCH), "equal parameters: each run's feed-forward (or GAU "
+                      "value) width set so its parameters outside the attention cores (backbone) or all of them "
+                      "(total) are closest to the exact run's; none: each config's own widths",
                       flag_values=fv)
     flags.DEFINE_bool("hybrids", True, "the hybrid runs (--nohybrids: none)", flag_values=fv)
     flags.DEFINE_integer("window", 128, "the sliding-window method's window (keys)", flag_values=fv)
@@ -117,6 +124,8 @@ def define_flags(fv) -> None:
                       "<out>/sizing.json, read by --plan); no training", flag_values=fv)
     flags.DEFINE_integer("measure_steps", 3, "steps timed per method and context by --measure", flag_values=fv)
     flags.DEFINE_bool("report_only", False, "rebuild the report from the finished runs", flag_values=fv)
+    flags.DEFINE_string("readme", "", "also write the 'which method to pick' table between this file's "
+                        f"{README_START} and {README_END} markers (README.md's 'Pick a method')", flag_values=fv)
 
 
 def validate(args) -> None:
@@ -146,7 +155,8 @@ def sizes(args) -> dict:
 
 def runs(args) -> list[dict]:
     """Every run of the comparison: ``{label, method, hybrid, context, seed, dir}``, in the order they train (every
-    method once per context before the next seed, so a cut-short comparison has whole seeds)."""
+    method once per context before the next seed, so a cut-short comparison has whole seeds; the hybrids after the
+    second seed, the first with a spread)."""
     sz = sizes(args)
     methods = C.parse_names(args.methods)
     out = []
@@ -154,11 +164,9 @@ def runs(args) -> list[dict]:
         for T in sz["contexts"]:
             for m in methods:
                 out.append({"label": m, "method": m, "hybrid": False, "context": T, "seed": seed})
-    if args.hybrids:
-        for m in methods:
-            if _hybrid_ok(m):
-                out.append({"label": f"hybrid_{m}", "method": m, "hybrid": True, "context": max(sz["contexts"]),
-                            "seed": 0})
+        if args.hybrids and seed == min(args.seeds, 2) - 1:
+            out += [{"label": f"hybrid_{m}", "method": m, "hybrid": True, "context": max(sz["contexts"]), "seed": 0}
+                    for m in methods if _hybrid_ok(m)]
     for r in out:
         r["dir"] = str(Path(args.runs) / f"{r['label']}_ctx{r['context']}_seed{r['seed']}")
     return out
@@ -199,9 +207,10 @@ def run_config(run: dict, args, steps: int | None = None):
     cfg.eval.max_tokens = sz["eval_tokens"]
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
     cfg = config_lib.validate(cfg)
-    if args.match_params and run["method"] != EXACT:
+    if args.match_params != "none" and run["method"] != EXACT:
         exact = {"label": EXACT, "method": EXACT, "hybrid": False, "context": run["context"], "seed": run["seed"]}
-        cfg = match_params(cfg, param_count(run_config(exact, args)))
+        part = MATCH[args.match_params]
+        cfg = match_params(cfg, param_count(run_config(exact, args), part), part)
     return cfg
 
 
@@ -219,22 +228,26 @@ def _with_width(cfg, key: str, width: int):
     return config_lib.validate(configs.with_overrides(cfg, [f"{key}={value}"]))
 
 
-def match_params(cfg, target: int):
-    """``cfg`` with the width of :func:`_widths` set so its parameters are closest to ``target`` (the exact run's):
-    parameters are affine in that width, so two counts give it, rounded to the width's step."""
+def match_params(cfg, target: int, part: str = "all"):
+    """``cfg`` with the width of :func:`_widths` set so its parameters (``part`` of them, :func:`param_count`) are
+    closest to ``target`` (the exact run's): they are affine in that width, so two counts give it, rounded to the
+    width's step."""
     key, w0, step = _widths(cfg)
-    p0, p1 = param_count(cfg), param_count(_with_width(cfg, key, w0 + step))
+    p0, p1 = param_count(cfg, part), param_count(_with_width(cfg, key, w0 + step), part)
     if p1 == p0:
         return cfg
     w = max(step, step * round((w0 + (target - p0) * step / (p1 - p0)) / step))
     return cfg if w == w0 else _with_width(cfg, key, w)
 
 
-_PARAMS: dict[str, int] = {}
+# --match_params: which parameters are made equal (param_count's part)
+MATCH = {"backbone": "backbone", "total": "all", "none": None}
+_PARAMS: dict[str, dict[str, int]] = {}
 
 
-def param_count(cfg) -> int:
-    """Trainable parameters of ``cfg``'s model (built abstractly; cached per config)."""
+def param_count(cfg, part: str = "all") -> int:
+    """Trainable parameters of ``cfg``'s model (built abstractly; cached per config): ``all`` of them, the
+    attention cores' own (``core``: the parameters under a block's ``core``), or the rest (``backbone``)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -243,9 +256,14 @@ def param_count(cfg) -> int:
     if sig not in _PARAMS:
         cfg = _with_vocab(cfg)
         model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, execution=cfg.execution))
-        params = split_model(model)[1]
-        _PARAMS[sig] = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-    return _PARAMS[sig]
+        leaves = jax.tree_util.tree_flatten_with_path(split_model(model)[1])[0]
+        n = {"all": 0, "core": 0}
+        for path, x in leaves:
+            size = int(np.prod(x.shape))
+            n["all"] += size
+            n["core"] += size if any(getattr(k, "key", None) == "core" for k in path) else 0
+        _PARAMS[sig] = {**n, "backbone": n["all"] - n["core"]}
+    return _PARAMS[sig][part]
 
 
 def _with_vocab(cfg):
@@ -395,7 +413,7 @@ def train_and_score(run: dict, args, steps: int) -> dict:
 
     trained = json.loads((wd / "bench_result.json").read_text())
     res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "width": _widths(cfg)[1],
-           "params": trained["summary"].get("params"), "train_wall_s": trained.get("train_wall_s"),
+           "params": trained["summary"].get("params"), "core_params": param_count(cfg, "core"), "train_wall_s": trained.get("train_wall_s"),
            **read_metrics(wd), "curve": _curve(wd)}
     over = {"eval.max_tokens": sizes(args)["eval_tokens"]}
     for split in ("valid", "test"):
@@ -492,6 +510,18 @@ def _margin(a: dict, b: dict) -> str:
     return f"{d:+.3f} ({'clear' if abs(d) > sa + sb else 'within the spread'})"
 
 
+README_START, README_END = "<!-- compare-pick:start -->", "<!-- compare-pick:end -->"
+
+
+def update_readme(path: Path, text: str) -> None:
+    """Replace what lies between ``path``'s compare markers with ``text``; a file without them is refused."""
+    body = path.read_text()
+    if README_START not in body or README_END not in body:
+        raise ConfigError(f"--readme={path}: no {README_START} ... {README_END} markers in it")
+    head, rest = body.split(README_START, 1)
+    path.write_text(head + README_START + "\n" + text.strip() + "\n" + README_END + rest.split(README_END, 1)[1])
+
+
 def pick_table(rows: list[dict]) -> str:
     """Per context: the runs ranked by test bits per byte (seed means), the best one's margin over the next, over
     exact attention and over sliding-window attention."""
@@ -522,12 +552,30 @@ def aggregate(results: list[dict]) -> list[dict]:
     rows = []
     for (label, T), rs in groups.items():
         row = {"label": label, "context": T, "seeds": sorted(r["seed"] for r in rs), "params": rs[0].get("params"),
-               "width": rs[0].get("width"),
+               "core_params": rs[0].get("core_params"), "width": rs[0].get("width"),
                "steps": rs[0].get("steps")}
         for k in ("valid_bits_per_byte", "test_bits_per_byte", "tokens_per_s", "train_wall_s", "flops_per_token"):
             row[k], row[k + "_sd"] = _mean_sd([r.get(k) for r in rs])
         rows.append(row)
     return sorted(rows, key=lambda r: (r["context"], r["label"]))
+
+
+def _scale_line(rows: list[dict], sz: dict) -> str:
+    """The comparison's size in a few words: parameters, tokens of the exact run, contexts."""
+    dense = [r for r in rows if r["label"] == EXACT]
+    params = f"{dense[0]['params'] / 1e6:.2f}M-parameter models, " if dense and dense[0].get("params") else ""
+    return (f"{params}the exact run's {sz['dense_steps']} updates of {sz['tokens_per_step']:,} tokens as every run's "
+            "FLOP budget; other scales can order the methods differently")
+
+
+MATCH_TEXT = {
+    "backbone": "Equal parameters outside the attention cores: each run's feed-forward width (GAU blocks: value width) "
+                "is set so its backbone (embeddings, projections, feed-forward, norms) has the exact run's parameters; "
+                "a core's own parameters come on top (the core params column) and are paid for in FLOPs. ",
+    "total": "Equal parameters: each run's feed-forward width (GAU blocks: value width) is set so all its parameters "
+             "are the closest to the exact run's (the FF / GAU width column). ",
+    "none": "Each config's own widths (parameters not matched). ",
+}
 
 
 def report(out: Path, rs: list[dict], args) -> dict:
@@ -539,36 +587,42 @@ def report(out: Path, rs: list[dict], args) -> dict:
         if p.is_file():
             res = json.loads(p.read_text())
             res["flops_per_token"] = (cost.get(_key(r)) or {}).get("flops_per_token")
+            if "core_params" not in res:  # results written before the column existed
+                res["core_params"] = param_count(run_config(r, args), "core")
             done.append(res)
         else:
             missing.append(r)
     rows = aggregate(done)
     sz = sizes(args)
     cmd = (f"longctx-bench compare --scale {args.scale} --out {args.out} --runs {args.runs}"
+           + (f" --match_params {args.match_params}" if args.match_params != "backbone" else "")
            + "".join(f" --config.{o}" for o in getattr(args, "overrides", [])))
     parts = [f"`{cmd}` (resumable: rerun it to train what is missing). {len(done)} of {len(rs)} runs finished. "
              f"Equal training FLOPs: every run's budget is the dense run's {sz['dense_steps']} updates of "
              f"{sz['tokens_per_step']} tokens at its context (FLOPs per token = 3 x forward matmul FLOPs, as "
              "`longctx-bench step` counts them); wall time is reported beside it, measured on a shared machine "
              "(noisy). "
-             + ("Equal parameters: each run's feed-forward width (GAU blocks: value width) is set so its parameters "
-                "are the closest to the exact run's (the FF / GAU width column). " if args.match_params else "")
+             + MATCH_TEXT[args.match_params]
              + f"Bits per byte: mean ± sample standard deviation (seeds) over {sz['eval_tokens']} bytes of "
              "each split.\n\n"]
     if missing:
         parts.append("Missing runs: " + ", ".join(f"`{r['label']}` ctx {r['context']} seed {r['seed']}"
                                                    for r in missing) + ".\n\n")
     pick = pick_table(rows)
+    pick_text = ("Which method to pick at this scale (test bits per byte at equal training FLOPs, seed mean ± "
+                 "sample standard deviation; a margin is called clear when it exceeds the two runs' standard "
+                 "deviations added, and needs at least two seeds of each):\n\n" + pick + "\n\n")
     if pick:
-        parts.append("Which method to pick at this scale (test bits per byte at equal training FLOPs, seed mean ± "
-                     "sample standard deviation; a margin is called clear when it exceeds the two runs' standard "
-                     "deviations added, and needs at least two seeds of each):\n\n" + pick + "\n\n")
-    table = [[r["label"], r["context"], r["params"], r["width"], r["steps"],
+        parts.append(pick_text)
+    if args.readme and pick:
+        update_readme(Path(args.readme), f"From `{cmd}` ({len(done)} of {len(rs)} runs; "
+                      f"{_scale_line(rows, sz)}). " + pick_text)
+    table = [[r["label"], r["context"], r["params"], r["core_params"], r["width"], r["steps"],
               r["flops_per_token"] / 1e6 if r["flops_per_token"] else None,
               _pm(r["valid_bits_per_byte"], r["valid_bits_per_byte_sd"], len(r["seeds"])),
               _pm(r["test_bits_per_byte"], r["test_bits_per_byte_sd"], len(r["seeds"])),
               r["tokens_per_s"], r["train_wall_s"] / 60 if r["train_wall_s"] else None] for r in rows]
-    parts.append(C.md_table(["run", "context", "params", "FF / GAU width", "updates", "train MFLOP/token", "valid bits/byte",
+    parts.append(C.md_table(["run", "context", "params", "core params", "FF / GAU width", "updates", "train MFLOP/token", "valid bits/byte",
                              "test bits/byte", "train tokens/s", "train min"], table))
     settle = ranking_table(done)
     if settle:

@@ -449,10 +449,17 @@ def compare_section(out: Path, rel: str) -> list[str]:
     if not md.is_file():
         return []
     text = re.sub(r"\]\((?!https?:)([^)]+\.png)\)", lambda m: f"]({rel}/compare/{m.group(1)})", md.read_text())
-    return ["## Which method: equal training cost (`compare/`)\n",
-            "Every causal method trained at equal parameters and equal training FLOPs on the same corpus, several "
-            "contexts and seeds (`bash scripts/bench_all.sh` step `compare`, or `longctx-bench compare --out "
-            f"{rel}/compare`; `--plan` lists the runs and their estimated time).\n", text.strip() + "\n"]
+    parts = ["## Which method: equal training cost (`compare/`)\n",
+             "Every causal method trained at equal parameters and equal training FLOPs on the same corpus, several "
+             "contexts and seeds (`bash scripts/bench_all.sh` step `compare`, or `longctx-bench compare --out "
+             f"{rel}/compare`; `--plan` lists the runs and their estimated time).\n", text.strip() + "\n"]
+    for other in sorted(out.glob("compare_*/compare.md")):  # the same comparison under other settings
+        paras = other.read_text().split("\n\n")
+        pick = [i for i, x in enumerate(paras) if x.startswith("Which method to pick")]
+        parts.append(f"### The same comparison with other settings (`{other.parent.name}/`)\n")
+        parts.append("\n\n".join([paras[0]] + (paras[pick[0]:pick[0] + 2] if pick else [])).strip()
+                     + f"\n\nThe whole report: `{other.parent.name}/compare.md`.\n")
+    return parts
 
 
 def gpu_check_section(out: Path) -> list[str]:

@@ -162,7 +162,7 @@ def test_report_from_results_keeps_the_reading(tmp_path):
     text = report.build(REPO / "results", target, REPO / "scripts" / "bench_all.sh")
     assert text.index("## Summary: causal attention at 32k") < text.index("## How to read this\n\nHand-written.")
     assert "## Old generated section" not in text and "torch_sdpa" in text
-    for folder in ("attention_8k_32k", "peer_eva", "peer_tvq", "recall", "kernels_gpu"):
+    for folder in ("attention_8k_32k", "peer_eva", "peer_tvq", "recall", "kernels_gpu", "compare", "compare_total"):
         assert f"`{folder}/" in text, folder
     import re
 

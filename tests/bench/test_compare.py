@@ -29,10 +29,12 @@ def test_bad_flags_refused(tmp_path, argv, message):
 
 
 def test_runs_every_method_context_seed_and_one_hybrid_each(tmp_path):
-    a = _args(tmp_path, "--methods", f"dense,{compare.WINDOW},eva", "--contexts", "128,256", "--seeds", "2")
+    a = _args(tmp_path, "--methods", f"dense,{compare.WINDOW},eva", "--contexts", "128,256", "--seeds", "3")
     rs = compare.runs(a)
     pure = [r for r in rs if not r["hybrid"]]
-    assert len(pure) == 3 * 2 * 2
+    assert len(pure) == 3 * 2 * 3
+    first = [i for i, r in enumerate(rs) if r["hybrid"]]  # the hybrids train after the second seed
+    assert {r["seed"] for r in rs[:first[0]]} == {0, 1} and {r["seed"] for r in rs[first[-1] + 1:]} == {2}
     assert [r["label"] for r in rs if r["hybrid"]] == [f"hybrid_{compare.WINDOW}", "hybrid_eva"]  # none of exact
     assert all(r["context"] == 256 and r["seed"] == 0 for r in rs if r["hybrid"])
     assert len({r["dir"] for r in rs}) == len(rs)
@@ -115,19 +117,31 @@ def test_smoke_end_to_end_and_resume(tmp_path):
 
 
 def test_parameters_matched_to_the_exact_run(tmp_path):
-    """Each method's feed-forward (GAU: value) width is chosen so its parameters are the exact run's within a
-    width step; --nomatch_params keeps each config's own widths (Transformer-VQ's GAUs then differ by far more)."""
-    a = _args(tmp_path, "--scale", "smoke", "--methods", "dense,fma,transformer_vq", "--contexts", "128")
-    rs = {r["label"]: r for r in compare.runs(a) if r["seed"] == 0}
-    exact = compare.param_count(compare.run_config(rs["dense"], a))
-    for label in ("fma", "transformer_vq", "hybrid_fma"):
-        cfg = compare.run_config(rs[label], a)
-        key, width, step = compare._widths(cfg)
-        off = abs(compare.param_count(cfg) - exact)
-        for other in (width - step, width + step):  # no neighbouring width is closer
-            assert off <= abs(compare.param_count(compare._with_width(cfg, key, other)) - exact)
+    """Each method's feed-forward (GAU: value) width is chosen so its parameters outside the attention cores (the
+    default) or all of them (``total``) are the exact run's within a width step; the cores' own parameters are
+    counted apart (FMA's downsampling kernels: some; exact attention: none); ``none`` keeps each config's own
+    widths (Transformer-VQ's GAUs then differ by far more)."""
+    exact = None
+    for rule, part in (("backbone", "backbone"), ("total", "all")):
+        a = _args(tmp_path, "--scale", "smoke", "--methods", "dense,fma,transformer_vq", "--contexts", "128",
+                  "--match_params", rule)
+        rs = {r["label"]: r for r in compare.runs(a) if r["seed"] == 0}
+        dense = compare.run_config(rs["dense"], a)
+        exact = compare.param_count(dense, part)
+        assert compare.param_count(dense, "core") == 0
+        assert compare.param_count(dense, "all") == compare.param_count(dense, "backbone")
+        for label in ("fma", "transformer_vq", "hybrid_fma"):
+            cfg = compare.run_config(rs[label], a)
+            assert compare.param_count(cfg, "core") > 0
+            key, width, step = compare._widths(cfg)
+            off = abs(compare.param_count(cfg, part) - exact)
+            for other in (width - step, width + step):  # no neighbouring width is closer
+                assert off <= abs(compare.param_count(compare._with_width(cfg, key, other), part) - exact)
+        if rule == "backbone":  # FMA's own parameters come on top of the exact run's backbone
+            fma = compare.run_config(rs["fma"], a)
+            assert compare.param_count(fma, "backbone") == exact < compare.param_count(fma, "all")
     own = _args(tmp_path, "--scale", "smoke", "--methods", "dense,transformer_vq", "--contexts", "128",
-                "--nomatch_params")
+                "--match_params", "none")
     tvq = next(r for r in compare.runs(own) if r["label"] == "transformer_vq")
     assert abs(compare.param_count(compare.run_config(tvq, own)) - exact) > 0.05 * exact
 
@@ -174,3 +188,38 @@ def test_pick_table_names_the_best_and_whether_its_margin_is_clear():
     assert f"x < {compare.WINDOW} < {compare.EXACT}" in r256
     r1k = next(x for x in lines if x.startswith("| 1024 |"))
     assert "| y |" in r1k and "+0.400 (one seed)" in r1k
+
+
+@pytest.mark.slow
+def test_compare_on_a_corpus_of_files(tmp_path):
+    """The same command on the user's own files (``--config.data.source=files``): the runs train and are scored on
+    that corpus, and the report names the override in its command."""
+    import random
+
+    words = "def class return import self value for while if else yield lambda".split()
+    r = random.Random(0)
+    root = tmp_path / "corpus"
+    for i in range(40):
+        f = root / f"doc{i:02d}.txt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(" ".join(r.choice(words) for _ in range(120)) + "\n")  # ~700 bytes: rows of 128 fit
+    argv = ["compare", "--scale", "smoke", "--methods", "dense", "--seeds", "1", "--nohybrids", "--needle", "",
+            "--out", str(tmp_path / "cmp"), "--runs", str(tmp_path / "runs"),
+            "--config.data.source=files", f"--config.data.path={root}", f"--config.data.cache_dir={tmp_path / 'c'}"]
+    res = compare.run(cli.parse_args(argv))
+    assert not res["missing"] and [r["label"] for r in res["rows"]] == ["dense"]
+    held = json.loads((tmp_path / "runs" / "dense_ctx128_seed0" / "compare_config.json").read_text())
+    assert held["data"]["source"] == "files" and held["data"]["path"] == str(root)
+    assert 0 < res["results"][0]["test_bits_per_byte"] < 9
+    assert "--config.data.source=files" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_readme_block_rewritten_between_its_markers(tmp_path):
+    """``--readme`` replaces only what lies between the compare markers; a file without them is refused."""
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\nbefore\n{compare.README_START}\nold table\n{compare.README_END}\nafter\n")
+    compare.update_readme(readme, "new table\n")
+    assert readme.read_text() == f"# t\nbefore\n{compare.README_START}\nnew table\n{compare.README_END}\nafter\n"
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ConfigError, match="no <!-- compare-pick:start -->"):
+        compare.update_readme(tmp_path / "plain.md", "x")
