@@ -153,7 +153,7 @@ def _forward_call(q, k, kt, v, valid, sq, eps, w, vecs, *, P: int, scale: float,
                   interpret):
     """q, k [BH, N, d], kt [BH, d, N], v [BH, N, dv] (compute dtype; N = C_pad·P); valid, sq [BH, N] f32 (each
     token's validity, ½‖k‖²); eps [BH, C_pad, d] (compute dtype); w [2, d, d] (A_q, A_k, compute dtype), vecs
-    [6, d] f32 (q_b, q_ln_scale, q_ln_bias, k_b, k_ln_scale, k_ln_bias, rounded to the compute dtype). Returns
+    [6, d] (q_b, q_ln_scale, q_ln_bias, k_b, k_ln_scale, k_ln_bias; compute dtype, used in f32). Returns
     k̂ [BH, C_pad, d], β [BH, C_pad, dv] f32 and with ``save`` ω [BH, C_pad, d] (compute dtype), lse [BH, C_pad]
     f32."""
     BH, N, d = q.shape
@@ -184,7 +184,7 @@ def _forward_call(q, k, kt, v, valid, sq, eps, w, vecs, *, P: int, scale: float,
             means, grid=(P,), max_concurrent_steps=min(2, P), init_carry=(jnp.zeros((t, d), f32),) * 2,
             in_specs=[plgpu.BlockSpec((t, d), tok)] * 2)(q_ref.at[bh], k_ref.at[bh])
         q_bar, k_bar = qs / P, ks / P
-        vec = lambda i: _rows(vec_s.at[i], (t, d), 1)  # noqa: E731
+        vec = lambda i: _rows(vec_s.at[i], (t, d), 1).astype(f32)  # noqa: E731
 
         def rep(x, w_s, i):  # x̄ A + b (+ LN): the chunk representative, f32
             mean_s[...] = x.astype(dtype)
@@ -230,7 +230,7 @@ def _forward_call(q, k, kt, v, valid, sq, eps, w, vecs, *, P: int, scale: float,
     out_type = (jax.ShapeDtypeStruct((BH, C_pad, d), f32), jax.ShapeDtypeStruct((BH, C_pad, dv), f32))
     if save:
         out_type += (jax.ShapeDtypeStruct((BH, C_pad, d), dtype), jax.ShapeDtypeStruct((BH, C_pad), f32))
-    scratch = (plgpu.SMEM((d, d), dtype), plgpu.SMEM((d, d), dtype), plgpu.SMEM((6, d), f32),
+    scratch = (plgpu.SMEM((d, d), dtype), plgpu.SMEM((d, d), dtype), plgpu.SMEM((6, d), dtype),
                plgpu.SMEM((t, d), dtype), plgpu.SMEM((t, d), dtype), plgpu.SMEM((t, d), dtype),
                plgpu.SMEM((t, t), dtype), plgpu.Barrier(num_barriers=4))
     return plgpu.kernel(
@@ -324,10 +324,10 @@ def _layout(q_ch, k_ch, v_ch, k_valid, noise, cd):
 
 
 def _params(params, d: int, cd):
-    """The projection matrices [2, d, d] (compute dtype) and the six vectors [6, d] f32, rounded to the compute
-    dtype as the Triton kernel casts them."""
+    """The projection matrices [2, d, d] and the six vectors [6, d], in the compute dtype as the Triton kernel casts
+    them (the vectors are added and scaled in f32 inside the kernel: no product takes them)."""
     w = jnp.stack([params[n].astype(cd).reshape(d, d) for n in ("q_w", "k_w")])
-    vecs = jnp.stack([params[n].astype(cd).astype(f32).reshape(d) for n in _PARAMS if not n.endswith("_w")])
+    vecs = jnp.stack([params[n].astype(cd).reshape(d) for n in _PARAMS if not n.endswith("_w")])
     return w, vecs
 
 

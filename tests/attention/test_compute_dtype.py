@@ -3,7 +3,7 @@
 For every method, direction and implementation past the reference (a Pallas kernel as it is traced for interpret
 mode: tracing is what is read, nothing is compiled), the forward and backward of a training-mode call on bfloat16
 q, k, v is traced to a jaxpr, and every equation is read, inside scans, conditionals, custom rules and the kernel
-bodies of ``pallas_call``:
+bodies of ``pallas_call`` (Mosaic GPU kernels: ``mpmd_map``):
 
 * a matrix product (a ``dot_general`` with free axes on both sides; a row of inner products such as
   ``rowsum(dO * O)`` or a matrix-vector product is not tensor-core work) with a float32 operand is a defect unless
@@ -36,6 +36,9 @@ from pallas_kernels.precision import STATISTIC
 from tests.attention.test_implementations import _case, _model_case
 
 B = 2
+# the primitives a Pallas kernel call is traced to: Triton / TPU / interpret-mode kernels, and Mosaic GPU's
+# (``plgpu.kernel``: a ``mpmd_map`` whose ``input_output_aliases`` is a mapping)
+KERNEL_CALLS = ("pallas_call", "mpmd_map")
 
 # implementations whose kernel body is a library's: (method, implementation) -> whose
 LIBRARY_KERNELS = {(name, "splash"): "JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention)"
@@ -96,18 +99,19 @@ def defects(jaxpr, widths, in_kernel=False, library=False):
             dts = [v.aval.dtype for v in eqn.invars[1:3]]
             if any(dt == jnp.float32 for dt in dts):
                 out.append(f"kernel wgmma {[str(d) for d in dts]} at {scope or '(top)'}")
-        if name == "pallas_call":
+        if name in KERNEL_CALLS:
             # an operand an output aliases is a float32 accumulator the kernel adds into (atomics), not a product's
             # operand: its reads inside the kernel are checked like every other equation there
-            aliased = {i for i, _ in eqn.params.get("input_output_aliases", ())}
+            aliases = eqn.params.get("input_output_aliases", ())
+            aliased = set(aliases) if hasattr(aliases, "keys") else {i for i, _ in aliases}
             for i, v in enumerate(eqn.invars):
                 aval = v.aval
                 if (getattr(aval, "dtype", None) == jnp.float32 and aval.shape and aval.shape[-1] in widths
                         and i not in aliased):
-                    out.append(f"pallas_call operand {i} float32 {tuple(aval.shape)}")
+                    out.append(f"{name} operand {i} float32 {tuple(aval.shape)}")
         for p in eqn.params.values():
             for sub in _sub_jaxprs(p):
-                out.extend(defects(sub, widths, in_kernel or name == "pallas_call", library))
+                out.extend(defects(sub, widths, in_kernel or name in KERNEL_CALLS, library))
     return out
 
 
@@ -221,3 +225,23 @@ def test_the_reader_finds_float32_operands_in_kernels_and_scopes():
 
     assert defects(jax.make_jaxpr(g)(a, a).jaxpr, {16}) == []
     assert len(defects(jax.make_jaxpr(lambda a, b: jnp.dot(a, b))(a, a).jaxpr, {16})) == 1
+
+
+def test_the_reader_finds_float32_operands_of_a_mosaic_gpu_kernel():
+    """A Mosaic GPU kernel (``plgpu.kernel``, traced for its interpret mode) is read like a ``pallas_call``: a
+    float32 operand of the head width is found, a bfloat16 one is not."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.fma_blocks_mgpu import interpret_params
+
+    def copy(x):
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,), grid_names=("g",),
+                            interpret=interpret_params())(x)
+
+    x = jnp.ones((16, 16), jnp.float32)
+    found = defects(jax.make_jaxpr(copy)(x).jaxpr, {16})
+    assert found and found[0].startswith("mpmd_map operand 0 float32"), found
+    assert defects(jax.make_jaxpr(copy)(x.astype(jnp.bfloat16)).jaxpr, {16}) == []
