@@ -28,7 +28,8 @@ def get_config(arg: str | None = None):
     c.train.warmup_steps = 50
     c.train.eval_every = 200
     c.train.ckpt_every = 100
-    c.eval.max_tokens = 262144
+    # the test score: the first 262,144 scored bytes of the split, the same bytes for every lossless tokenizer
+    c.eval.max_tokens, c.eval.max_bytes = 0, 262144
     if arg == "tiny":
         tiny(c)
     return c
@@ -39,5 +40,5 @@ def tiny(c):
     c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.head_dim, c.model.d_ff = 64, 2, 2, 32, 256
     c.train.seq_len, c.train.batch_size, c.train.steps, c.train.warmup_steps = 128, 4, 40, 5
     c.train.log_every, c.train.eval_every, c.train.eval_tokens, c.train.ckpt_every = 10, 20, 4096, 20
-    c.eval.max_tokens, c.eval.batch_size = 16384, 4
+    c.eval.max_tokens, c.eval.max_bytes, c.eval.batch_size = 0, 16384, 4
     return c

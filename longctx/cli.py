@@ -234,9 +234,14 @@ def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool =
         raise ConfigError(f"{prog}: unexpected argument {rest[1]!r}; flags look like --name=value ({_flag_names(fv)})")
     if require_workdir and not fv.workdir:
         raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
+    over = dict(config_flags.get_override_values(fv["config"]))
     if config == "file":
+        for key, value in config_lib.one_budget(over).items():  # a budget given alone replaces the file's other
+            if key not in over:
+                section, name = key.split(".")
+                cfg[section][name] = value
         return fv, cfg
-    return fv, dict(config_flags.get_override_values(fv["config"]))
+    return fv, over
 
 
 def _unknown_flag_message(err, argv, fv, prog) -> str:

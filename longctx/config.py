@@ -206,6 +206,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.context = 0  # sliding: context C (0 -> train.seq_len)
     c.eval.stride = 0  # sliding: stride S (0 -> context // 2)
     c.eval.max_tokens = 0  # 0 -> the full split; else score this many tokens (stated in the result)
+    # 0 -> no byte budget; else score the jobs in order until the scored tokens' bytes reach this many (a lossless
+    # tokenizer: the same bytes whatever the tokenizer; stated in the result). At most one of the two budgets
+    c.eval.max_bytes = 0
     c.eval.batch_size = 8
 
     # masked-language-model training and evaluation (model.kind='encoder'); longctx/data/masking.py
@@ -354,6 +357,7 @@ _RANGES = (
     ("eval.context", lambda v: v >= 0, "an integer >= 1, or 0 (= train.seq_len)"),
     ("eval.stride", lambda v: v >= 0, "an integer >= 1, or 0 (= eval.context // 2)"),
     ("eval.max_tokens", lambda v: v >= 0, "an integer >= 0 (0 = the full split)"),
+    ("eval.max_bytes", lambda v: v >= 0, "an integer >= 0 (0 = no byte budget)"),
     ("sample.num_tokens", lambda v: 0 < v <= MAX_SAMPLE_TOKENS, f"a positive integer (at most {MAX_SAMPLE_TOKENS:,})"),
     ("sample.temperature", lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
     ("sample.top_k", lambda v: v >= 0, "an integer >= 0 (0 = no top-k filter)"),
@@ -766,6 +770,12 @@ _VALIDATION = (
          "eval.stride={eval.stride} must be at most eval.context={eval.context}"),
     Rule(lambda c: c.eval.protocol == "stream" and not _encoder(c), lambda c: c.model.causal,
          "eval.protocol='stream' needs a causal model (model.causal=True)"),
+    Rule(_always, lambda c: c.eval.max_tokens == 0 or c.eval.max_bytes == 0,
+         "eval.max_tokens={eval.max_tokens} and eval.max_bytes={eval.max_bytes}: give one budget and set the other "
+         "to 0"),
+    Rule(_encoder, lambda c: c.eval.max_bytes == 0,
+         "eval.max_bytes={eval.max_bytes} is for decoders: an encoder is scored on whole rows of tokens; set "
+         "eval.max_bytes=0 and limit the rows with eval.max_tokens"),
     # the device mesh and sequence parallelism
     _check_mesh_rules,
     Rule(_always, lambda c: c.mesh.sequence_mode in _train_modes(),
@@ -969,6 +979,20 @@ def parse_value(text: str, like):
     if isinstance(like, float):
         return float(text)
     return text
+
+
+BUDGETS = ("eval.max_tokens", "eval.max_bytes")
+
+
+def one_budget(overrides: dict | None) -> dict:
+    """``overrides`` with a scoring budget given alone replacing the run's other one (set to 0): a run trained
+    with ``eval.max_bytes`` scored with ``eval.max_tokens=N`` scores N tokens. Both given: as given (validation
+    refuses two budgets > 0)."""
+    over = dict(overrides or {})
+    given = [k for k in BUDGETS if k in over]
+    if len(given) == 1 and over[given[0]]:
+        over.setdefault(BUDGETS[1 - BUDGETS.index(given[0])], 0)
+    return over
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: list[str], *, allowed_sections=("eval", "sample")):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx import config as config_lib
 from longctx.data import masking, sources
 from longctx.errors import ConfigError, LongctxError, WorkdirError
 from longctx.protocols import byte_lengths, score_mlm_split, score_split
@@ -47,7 +48,7 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
     ``eval.split``), print the result and write ``eval/<split>_step<N>_<protocol>.json`` and its plot (see
     :func:`protocol_tag`)."""
 
-    overrides = dict(overrides or {})
+    overrides = config_lib.one_budget(overrides)
     if split is not None:
         overrides["eval.split"] = split
     runner = Runner.from_workdir(workdir, step=step, overrides=overrides)
@@ -80,8 +81,8 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
 
 def protocol_tag(cfg) -> str:
     """The evaluation protocol of a resolved config in a file name: ``sliding-c512-s128``,
-    ``stream-w256-document256``, ``masked-c256-bert``, with ``-n<max_tokens>`` when the split is cut
-    short (and a sliding window's reset when it is not per document)."""
+    ``stream-w256-document256``, ``masked-c256-bert``, with ``-n<max_tokens>`` / ``-b<max_bytes>`` when the split
+    is cut short (and a sliding window's reset when it is not per document)."""
     e = cfg.eval
     if cfg.model.kind == "encoder":
         tag = f"masked-c{e.context}-{cfg.mlm.masking}"
@@ -89,7 +90,7 @@ def protocol_tag(cfg) -> str:
         tag = f"sliding-c{e.context}-s{e.stride}" + ("" if e.reset == "document" else f"-{e.reset}")
     else:
         tag = f"stream-w{e.window}-{e.reset}" + (f"{e.row_len}" if e.reset != "never" and e.row_len > 0 else "")
-    return tag + (f"-n{e.max_tokens}" if e.max_tokens else "")
+    return tag + (f"-n{e.max_tokens}" if e.max_tokens else "") + (f"-b{e.max_bytes}" if e.max_bytes else "")
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -130,6 +131,8 @@ def format_eval(res: dict) -> str:
     if "bytes_in_split" in res:
         lines.append(f"  bytes scored    {res['bytes_scored']:,} of {res['bytes_in_split']:,} (not scored: the "
                      f"{res['bytes_in_split'] - res['bytes_scored']:,} bytes of each document's first token)")
+    elif "bytes_scored" in res:
+        lines.append(f"  bytes scored    {res['bytes_scored']:,}: {res.get('budget', 'part of the split')}")
     for name, bpb in res.get("compressors_bits_per_byte", {}).items():
         lines.append(f"  {name:<8} {bpb:.4f} bits per byte on the same bytes")
     return "\n".join(lines)
@@ -220,7 +223,7 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
     the same bytes); the carried scoring's loss by position in the file (bytes) comes with it. Needs a lossless
     tokenizer (bits per byte). Writes ``eval/<split>_step<N>_context.json``, a markdown table beside it and the
     position plot; returns the result."""
-    over = {**(overrides or {}), "eval.split": split, "eval.protocol": "stream", "eval.reset": "document",
+    over = {**config_lib.one_budget(overrides), "eval.split": split, "eval.protocol": "stream", "eval.reset": "document",
             "eval.row_len": -1}
     runner = Runner.from_workdir(workdir, step=step, overrides=over)
     if runner.is_encoder or sources.is_generated(runner.cfg.data.source):
@@ -239,6 +242,7 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
         rows.append({"reset": f"every {n} bytes", "row_bytes": int(n), **_row(res)})
     out = {"workdir": str(workdir), "split": split, "step": runner.step, "tokenizer": runner.cfg.data.tokenizer,
            "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
+           **({"budget": carried["budget"]} if "budget" in carried else {}),
            "compressors_bits_per_byte": carried.get("compressors_bits_per_byte", {}),
            "by_position": position_bins(sums, counts, byte_counts=nbytes), "position_unit": "bytes from the file's start"}
     print(format_context([out]), flush=True)
@@ -278,7 +282,7 @@ def format_context(results: list[dict]) -> str:
         comp = ", ".join(f"{k} {v:.4f}" for k, v in r["compressors_bits_per_byte"].items())
         n, scored = r["bytes_in_split"], r["rows"][0]["bytes_scored"]
         size = (f"{n:,} bytes, {n - scored:,} not scored (each file's first token)" if n is not None
-                else f"the first {scored:,} scored bytes (eval.max_tokens)")
+                else f"{scored:,} bytes scored, {r.get('budget', 'part of the split')}")
         lines.append(f"\n{r['workdir']}: {r['split']} split, {size}; on the scored bytes: {comp}")
     return "\n".join(lines)
 
@@ -292,12 +296,15 @@ def context_main(argv=None) -> int:
     p.add_argument("--workdir", action="append", required=True, help="a trained decoder run (repeat for several)")
     p.add_argument("--split", default="test", choices=("train", "valid", "test"))
     p.add_argument("--resets", default=",".join(map(str, CONTEXT_RESETS)), help="bytes between resets, comma-separated")
-    p.add_argument("--max_tokens", type=int, default=0, help="score only the first N tokens (0: the whole split)")
+    p.add_argument("--max_tokens", type=int, default=0, help="score only the first N scored tokens (0: the run's budget)")
+    p.add_argument("--max_bytes", type=int, default=0,
+                   help="score only the tokens within the first N scored bytes, the same bytes whatever the tokenizer "
+                        "(0: the run's budget)")
     p.add_argument("--out", default="", help="folder for the combined table and plot (default: the first run's eval/)")
     p.add_argument("--noprogress", action="store_true")
     a = p.parse_args(argv)
     resets = tuple(int(x) for x in a.resets.split(",") if x.strip())
-    over = {"eval.max_tokens": a.max_tokens} if a.max_tokens else {}
+    over = {key: n for key, n in (("eval.max_tokens", a.max_tokens), ("eval.max_bytes", a.max_bytes)) if n}
     try:
         results = [context_table(wd, split=a.split, resets=resets, overrides=over, progress=not a.noprogress)
                    for wd in a.workdir]

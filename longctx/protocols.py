@@ -16,6 +16,10 @@ the loss summed over the scored tokens divided by the bytes those tokens stand f
 is never scored (it is only read), so its bytes are left out of both sums: one byte with ``bytes``, the
 first token's bytes with ``bpe``. The byte tokenizer's number is the loss per token, unchanged.
 
+A budget scores the jobs in order up to it (:func:`limit_jobs`): ``eval.max_tokens`` scored tokens, or
+``eval.max_bytes`` bytes of scored tokens (a lossless tokenizer: the same bytes whatever the tokenizer; with the
+byte tokenizer the jobs of ``max_tokens``). Without one the whole split is scored.
+
 Pure functions over a ``forward`` callable: no checkpoints, files or flags. Used by
 ``longctx-eval`` (:mod:`longctx.evaluate`) and by the trainer's periodic validation.
 """
@@ -116,19 +120,53 @@ def sliding_jobs(doc_starts, *, reset: str, context: int, stride: int) -> list[J
     return jobs
 
 
-def limit_jobs(jobs: list[Job], max_tokens: int) -> list[Job]:
-    if max_tokens <= 0:
+def limit_jobs(jobs: list[Job], max_tokens: int = 0, *, max_bytes: int = 0,
+               token_bytes: np.ndarray | None = None) -> list[Job]:
+    """The first ``jobs`` in order, the last one cut short, so that exactly ``max_tokens`` tokens are scored
+    (fewer where the jobs hold fewer; 0: no token budget). ``max_bytes`` > 0 counts the scored tokens' bytes
+    instead (``token_bytes`` [N]: the bytes of each token of the split): the last job is cut at the last token
+    whose bytes end within the budget, so bytes scored <= ``max_bytes`` < bytes scored + the longest token's
+    bytes. With one byte a token, ``max_bytes=N`` gives the jobs of ``max_tokens=N``. Both > 0 (a config
+    refuses it; the trainer's validation puts its token budget on top of the config's): the first of the two
+    cuts."""
+    if max_tokens <= 0 and max_bytes <= 0:
         return jobs
-    out, total = [], 0
+    if max_bytes > 0 and token_bytes is None:
+        raise ConfigError(f"eval.max_bytes={max_bytes} counts bytes: it needs a lossless tokenizer (bytes or bpe), "
+                          "and this one does not say how many bytes its tokens stand for; use eval.max_tokens")
+    out, tokens, nbytes = [], 0, 0
     for j in jobs:
         scored = j.n - j.score_from
-        if total + scored >= max_tokens:
-            keep = max_tokens - total
-            out.append(Job(j.start, j.score_from + keep, j.score_from))
+        keep = scored if max_tokens <= 0 else min(scored, max_tokens - tokens)
+        if max_bytes > 0:
+            first = j.start + 1 + j.score_from  # the first scored token (a target)
+            ends = np.cumsum(token_bytes[first : first + keep], dtype=np.int64)  # bytes scored after each
+            keep = int(np.searchsorted(ends, max_bytes - nbytes, side="right"))
+            nbytes += int(ends[keep - 1]) if keep else 0
+        if keep <= 0:
             return out
-        out.append(j)
-        total += scored
+        out.append(j if keep == scored else Job(j.start, j.score_from + keep, j.score_from))
+        tokens += keep
+        if keep < scored:
+            return out
     return out
+
+
+def budget(ecfg) -> dict:
+    """The scoring budget of an ``eval`` section as the protocol records it."""
+    cut = {k: int(ecfg.get(k, 0)) for k in ("max_tokens", "max_bytes") if int(ecfg.get(k, 0)) > 0}
+    return cut or {"max_tokens": "full split"}
+
+
+def budget_text(ecfg) -> str:
+    """The part of the split a budget scores, in words (``'the whole split'`` without one)."""
+    cut = budget(ecfg)
+    if "max_bytes" in cut:
+        return f"the first {cut['max_bytes']:,} scored bytes (eval.max_bytes)" + (
+            f", at most {cut['max_tokens']:,} tokens (eval.max_tokens)" if "max_tokens" in cut else "")
+    if cut["max_tokens"] != "full split":
+        return f"the first {cut['max_tokens']:,} scored tokens (eval.max_tokens)"
+    return "the whole split"
 
 
 def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: int, batch_size: int,
@@ -230,7 +268,9 @@ def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol:
     return out
 
 
-def make_jobs(ecfg, doc_starts):
+def make_jobs(ecfg, doc_starts, token_bytes: np.ndarray | None = None):
+    """(jobs, window, protocol) of a validated ``eval`` section; ``token_bytes`` [N] (each token's bytes) for
+    ``eval.max_bytes`` (:func:`limit_jobs`)."""
     if ecfg.protocol == "stream":
         jobs = stream_jobs(doc_starts, reset=ecfg.reset, row_len=ecfg.row_len)
         protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": ecfg.reset, "row_len": ecfg.row_len}
@@ -239,8 +279,8 @@ def make_jobs(ecfg, doc_starts):
         jobs = sliding_jobs(doc_starts, reset=ecfg.reset, context=ecfg.context, stride=ecfg.stride)
         protocol = {"mode": "sliding-window", "context": ecfg.context, "stride": ecfg.stride, "reset": ecfg.reset}
         window = 0
-    jobs = limit_jobs(jobs, ecfg.max_tokens)
-    protocol["max_tokens"] = ecfg.max_tokens or "full split"
+    jobs = limit_jobs(jobs, ecfg.max_tokens, max_bytes=ecfg.get("max_bytes", 0), token_bytes=token_bytes)
+    protocol.update(budget(ecfg))
     return jobs, window, protocol
 
 
@@ -271,12 +311,13 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
         if token_bytes is None:
             raise ConfigError("a reset every N bytes needs a lossless tokenizer (bytes or bpe): this one does not "
                               "say how many bytes its tokens stand for")
-        jobs = limit_jobs(byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes), ecfg.max_tokens)
+        jobs = limit_jobs(byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes), ecfg.max_tokens,
+                          max_bytes=ecfg.get("max_bytes", 0), token_bytes=token_bytes)
         window = ecfg.window
         protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": "document", "row_bytes": row_bytes,
-                    "max_tokens": ecfg.max_tokens or "full split"}
+                    **budget(ecfg)}
     else:
-        jobs, window, protocol = make_jobs(ecfg, data.doc_starts)
+        jobs, window, protocol = make_jobs(ecfg, data.doc_starts, token_bytes)
     t0 = time.time()
     nll_sum, count, pos_sum, pos_cnt, pos_bytes = run_jobs(
         forward, params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
@@ -286,12 +327,15 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
     if one_byte:
         pos_bytes = pos_cnt
     # word-level perplexity divides by the split's official word count: only meaningful on the full split
-    words = word_count if ecfg.max_tokens == 0 else None
+    whole = budget(ecfg) == {"max_tokens": "full split"}
+    words = word_count if whole else None
     ids = scored_ids(data.tokens, jobs) if token_bytes is not None else None
     res = summarize(nll_sum, count, one_token_per_byte=one_byte, protocol=protocol, word_count=words,
                     bytes_scored=None if ids is None else int(table[ids].sum()))
-    if token_bytes is not None and ecfg.max_tokens == 0:
+    if token_bytes is not None and whole:
         res["bytes_in_split"] = int(token_bytes.sum())  # less bytes_scored: the documents' first tokens
+    if not whole:
+        res["budget"] = budget_text(ecfg)
     res["seconds"] = time.time() - t0
     if compressors and ids is not None:
         scored = ids.astype(np.uint8).tobytes() if one_byte else tokenizer.decode_bytes(ids)
@@ -345,6 +389,9 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
     masked positions). Returns (result, (loss sum, token count) by position in the row)."""
 
+    if ecfg.get("max_bytes", 0) > 0:
+        raise ConfigError(f"eval.max_bytes={ecfg.max_bytes} applies to decoders; an encoder's rows are counted in "
+                          "tokens (eval.max_tokens)")
     rows = mlm_rows(data.doc_starts, context=context, max_tokens=ecfg.max_tokens)
     if len(rows) == 0:
         raise DataError(f"the split has no document of {context} tokens to evaluate an encoder on; "

@@ -215,3 +215,145 @@ def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
     assert carried["tokens_scored"] == r16["tokens_scored"] and r16["bits_per_byte"] != carried["bits_per_byte"]
     assert (wd / "eval" / "valid_step2_context.md").read_text().count("| ") >= 3
     assert (wd / "eval" / "valid_step2_context_bpb_vs_position.png").stat().st_size > 0
+    # a byte budget: the result file says it (-b500), the reset table scores the same bytes in every row
+    assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--split=valid",
+                          "--config.eval.max_bytes=500"]) == 0
+    cut = json.loads(next((wd / "eval").glob("valid_step2_stream*-b500.json")).read_text())
+    assert cut["protocol"]["max_bytes"] == 500 and 0 < cut["bytes_scored"] <= 500
+    assert context_main(["--workdir", str(wd), "--split", "valid", "--resets", "16", "--max_bytes", "500",
+                         "--noprogress"]) == 0
+    table = json.loads((wd / "eval" / "valid_step2_context.json").read_text())
+    assert table["budget"] == "the first 500 scored bytes (eval.max_bytes)" and table["bytes_in_split"] is None
+    assert [r["bytes_scored"] for r in table["rows"]] == [cut["bytes_scored"]] * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# eval.max_bytes: a budget in bytes, the same bytes whatever the tokenizer
+
+
+def scored_in_order(jobs):
+    return [p for j in jobs for p in range(j.start + 1 + j.score_from, j.start + 1 + j.n)]
+
+
+@pytest.mark.parametrize("kind", ["stream", "sliding", "byte_cuts"])
+def test_max_bytes_cuts_at_the_last_token_within_the_budget(kind):
+    doc_starts = np.array([0, 10, 11, 30, 52, 53, 90])
+    lengths = np.random.default_rng(3).integers(1, 9, 90)
+    ones = np.ones(90, np.int64)
+
+    def jobs_of(tb):
+        if kind == "stream":
+            return stream_jobs(doc_starts, reset="document", row_len=7)
+        if kind == "sliding":
+            return sliding_jobs(doc_starts, reset="document", context=8, stride=3)
+        return byte_cut_jobs(doc_starts, tb, row_bytes=13)
+
+    full = scored_in_order(jobs_of(lengths))
+    total = int(lengths[full].sum())
+    for budget in (1, 2, 7, 8, 9, 50, 123, total - 1, total, total + 5):
+        cut = limit_jobs(jobs_of(lengths), max_bytes=budget, token_bytes=lengths)
+        pos = scored_in_order(cut)
+        assert pos == full[: len(pos)]  # the jobs in order, the last one cut
+        scored = int(lengths[pos].sum())
+        assert scored <= budget and (pos == full or scored + lengths[full[len(pos)]] > budget)
+        assert all(j.n > j.score_from for j in cut)
+    for n in (1, 5, 13, 40, 80, 200):  # one byte a token: exactly the jobs of max_tokens
+        assert limit_jobs(jobs_of(ones), max_bytes=n, token_bytes=ones) == limit_jobs(jobs_of(ones), n)
+    assert limit_jobs(jobs_of(lengths), 0, max_bytes=0, token_bytes=lengths) == jobs_of(lengths)
+    both = limit_jobs(jobs_of(lengths), 20, max_bytes=60, token_bytes=lengths)  # the first of the two cuts
+    assert len(scored_in_order(both)) <= 20 and int(lengths[scored_in_order(both)].sum()) <= 60
+    assert scored_in_order(both) in (scored_in_order(limit_jobs(jobs_of(lengths), 20)),
+                                     scored_in_order(limit_jobs(jobs_of(lengths), max_bytes=60, token_bytes=lengths)))
+    for n, m in ((20, 60), (60, 20)):  # the trainer's validation on a byte run: min(tokens, bytes) as before
+        assert limit_jobs(jobs_of(ones), n, max_bytes=m, token_bytes=ones) == limit_jobs(jobs_of(ones), min(n, m))
+
+
+def test_byte_tokenizer_max_bytes_scores_what_max_tokens_did(tiny_cfg):
+    tok, splits, _ = prepare(tiny_cfg.data, ["valid"], progress=False)
+    data = splits["valid"]
+    kw = dict(init_state=lambda b, n: None, progress=False, compressors=True, one_token_per_byte=True, tokenizer=tok)
+    for n, extra in ((300, {}), (301, {}), (1000, {"row_bytes": 16})):
+        by_tok, pos_t = score_split(fake_forward, None, data, stream_cfg(max_tokens=n), **kw, **extra)
+        by_byte, pos_b = score_split(fake_forward, None, data, stream_cfg(max_bytes=n), **kw, **extra)
+        assert by_byte["protocol"].pop("max_bytes") == n and by_tok["protocol"].pop("max_tokens") == n
+        assert by_byte.pop("budget") == f"the first {n:,} scored bytes (eval.max_bytes)"
+        assert by_tok.pop("budget") == f"the first {n:,} scored tokens (eval.max_tokens)"
+        by_tok.pop("seconds"), by_byte.pop("seconds")
+        assert by_tok == by_byte and by_byte["bytes_scored"] == n  # bit for bit
+        assert all((a == b).all() for a, b in zip(pos_t, pos_b))
+
+
+def test_default_config_scores_the_same_bytes_as_before():
+    """configs/default.py moved its test budget from 262,144 tokens to 262,144 bytes: the byte runs built on it
+    (and its :tiny variant) score exactly the jobs they scored before."""
+    from longctx import config_files
+    from longctx.protocols import make_jobs
+
+    doc_starts = np.concatenate([np.arange(0, 400_000, 7_919), [400_000]])
+    ones = np.ones(400_000, np.int64)
+    for spec, n in (("configs/default.py", 262144), ("configs/default.py:tiny", 16384)):
+        cfg = validate(config_files.load(spec))
+        assert cfg.data.tokenizer == "bytes" and (cfg.eval.max_tokens, cfg.eval.max_bytes) == (0, n)
+        before = ml_collections.ConfigDict({**cfg.eval.to_dict(), "max_tokens": n, "max_bytes": 0})
+        for protocol in ("stream", "sliding"):
+            now = ml_collections.ConfigDict({**cfg.eval.to_dict(), "protocol": protocol})
+            then = ml_collections.ConfigDict({**before.to_dict(), "protocol": protocol})
+            jobs, window, _ = make_jobs(now, doc_starts, ones)
+            assert (jobs, window) == make_jobs(then, doc_starts)[:2]
+            assert sum(j.n - j.score_from for j in jobs) == n
+
+
+def test_bpe_max_bytes_and_a_tokenizer_without_bytes(tiny_corpus, tmp_path):
+    from longctx.errors import ConfigError
+
+    tok, data = bpe_data(tiny_corpus, tmp_path / "cache")
+    longest = int(tok.byte_lengths().max())
+    kw = dict(init_state=lambda b, n: None, progress=False, tokenizer=tok)
+    for budget in (100, 1001):
+        res, _ = score_split(fake_forward, None, data, stream_cfg(max_bytes=budget), **kw)
+        assert budget - longest < res["bytes_scored"] <= budget and res["protocol"]["max_bytes"] == budget
+        assert "bytes_in_split" not in res and res["budget"] == f"the first {budget:,} scored bytes (eval.max_bytes)"
+        ctx, _ = score_split(fake_forward, None, data, stream_cfg(max_bytes=budget), row_bytes=32, **kw)
+        assert ctx["bytes_scored"] == res["bytes_scored"] and ctx["tokens_scored"] == res["tokens_scored"]
+    with pytest.raises(ConfigError, match=r"eval.max_bytes=100 counts bytes: it needs a lossless tokenizer"):
+        score_split(fake_forward, None, data, stream_cfg(max_bytes=100), init_state=lambda b, n: None, progress=False)
+
+
+def test_max_bytes_in_the_config_the_file_name_and_the_printout(tiny_cfg):
+    from longctx.config import one_budget
+    from longctx.errors import ConfigError
+    from longctx.evaluate import format_eval, protocol_tag
+
+    c = ml_collections.ConfigDict(tiny_cfg.to_dict())
+    c.eval.max_tokens, c.eval.max_bytes = 0, 4096
+    assert protocol_tag(validate(c)) == "stream-w32-document32-b4096"
+    c.eval.max_tokens = 100
+    with pytest.raises(ConfigError, match=r"^eval.max_tokens=100 and eval.max_bytes=4096: give one budget"):
+        validate(c)
+    c.eval.max_tokens, c.model.kind, c.model.causal = 0, "encoder", False
+    with pytest.raises(ConfigError, match=r"^eval.max_bytes=4096 is for decoders"):
+        validate(c)
+    assert one_budget({"eval.max_tokens": 64}) == {"eval.max_tokens": 64, "eval.max_bytes": 0}
+    assert one_budget({"eval.max_bytes": 64, "eval.split": "test"}) == {"eval.max_bytes": 64, "eval.split": "test",
+                                                                        "eval.max_tokens": 0}
+    assert one_budget({"eval.max_tokens": 1, "eval.max_bytes": 2}) == {"eval.max_tokens": 1, "eval.max_bytes": 2}
+    assert one_budget(None) == {} and one_budget({"eval.max_bytes": 0}) == {"eval.max_bytes": 0}
+    res = summarize(10.0, 20, one_token_per_byte=False, protocol={"mode": "stream-with-state", "max_bytes": 64},
+                    bytes_scored=61)
+    res["budget"] = "the first 64 scored bytes (eval.max_bytes)"
+    assert "bytes scored    61: the first 64 scored bytes (eval.max_bytes)" in format_eval(res)
+
+
+def test_a_budget_given_on_the_command_line_replaces_the_files_other_one():
+    """``--config.eval.max_tokens=N`` on a config file that sets ``eval.max_bytes`` (configs/default.py) scores N
+    tokens: the file's byte budget goes to 0 (two budgets > 0 would be refused); both given: as given."""
+    from longctx import cli
+
+    argv = ["longctx-train", "--config=configs/default.py", "--workdir=/tmp/unused", "--config.eval.max_tokens=100"]
+    _, cfg = cli.parse(argv, "longctx-train", config="file")
+    assert (cfg.eval.max_tokens, cfg.eval.max_bytes) == (100, 0)
+    validate(cfg)
+    _, cfg = cli.parse(argv[:3], "longctx-train", config="file")
+    assert (cfg.eval.max_tokens, cfg.eval.max_bytes) == (0, 262144)
+    _, cfg = cli.parse(argv + ["--config.eval.max_bytes=7"], "longctx-train", config="file")
+    assert (cfg.eval.max_tokens, cfg.eval.max_bytes) == (100, 7)

@@ -36,7 +36,7 @@ def encoder(c, arg=None):
     c.train.eval_every = 200
     c.train.eval_tokens = 16384
     c.train.ckpt_every = 100
-    c.eval.max_tokens = 65536  # 256 rows of 256 bytes: 9,728 masked bytes scored
+    c.eval.max_tokens, c.eval.max_bytes = 65536, 0  # 256 rows of 256 bytes: 9,728 masked bytes scored
     c.mlm.masking = "bert"
     c.mlm.rate = 0.15
     if arg == "tiny":

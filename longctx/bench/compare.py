@@ -204,7 +204,7 @@ def run_config(run: dict, args, steps: int | None = None):
     tc.warmup_steps = max(1, min(tc.warmup_steps, n // 10))
     tc.async_checkpoints = False
     tc.eval_tokens = min(tc.eval_tokens, sz["eval_tokens"])
-    cfg.eval.max_tokens = sz["eval_tokens"]
+    cfg.eval.max_tokens, cfg.eval.max_bytes = 0, sz["eval_tokens"]  # the same bytes whatever the tokenizer
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
     cfg = config_lib.validate(cfg)
     if args.match_params != "none" and run["method"] != EXACT:
@@ -415,7 +415,7 @@ def train_and_score(run: dict, args, steps: int) -> dict:
     res = {**run, "steps": steps, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "width": _widths(cfg)[1],
            "params": trained["summary"].get("params"), "core_params": param_count(cfg, "core"), "train_wall_s": trained.get("train_wall_s"),
            **read_metrics(wd), "curve": _curve(wd)}
-    over = {"eval.max_tokens": sizes(args)["eval_tokens"]}
+    over = {"eval.max_tokens": 0, "eval.max_bytes": sizes(args)["eval_tokens"]}
     for split in ("valid", "test"):
         e = evaluate_run(wd, split=split, overrides=over, progress=False)
         res[f"{split}_bits_per_byte"] = e.get("bits_per_byte", e["bits_per_token"])

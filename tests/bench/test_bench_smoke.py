@@ -13,7 +13,7 @@ from longctx.bench import cli, report, train_bench
 pytestmark = pytest.mark.xdist_group("bench_smoke")  # one shared fixture: keep its tests on one worker
 
 TINY_MODEL = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.d_ff=64",
-              "train.seq_len=32", "train.batch_size=2", "eval.max_tokens=256"]
+              "train.seq_len=32", "train.batch_size=2", "eval.max_bytes=256"]
 
 
 def _sets(corpus, cache):

@@ -92,7 +92,8 @@ def test_masked_lm(tiny_corpus, tmp_path):
     assert any(not np.array_equal(np.asarray(batch[k]), np.asarray(task.batch(1)[k])) for k in batch)
     res = task.evaluate(one_step(task, state))
     rec = task.valid_record(res)
-    assert list(rec) == ["loss", "bits_per_token", "accuracy"] and 0.0 <= rec["accuracy"] <= 1.0
+    assert sorted(rec) == ["accuracy", "bits_per_byte", "bits_per_token", "loss"] and 0.0 <= rec["accuracy"] <= 1.0
+    assert rec["bits_per_byte"] == rec["bits_per_token"]  # one byte a token: the masked bytes' bits
 
 
 def test_recall(tmp_path):
