@@ -121,9 +121,10 @@ else
   elif [ -n "${GPU_CHECK_TESTS:-}" ]; then
     read -r -a TESTS <<< "$GPU_CHECK_TESTS"
   else  # one bfloat16 forward+gradient case per kernel, the dtypes every implementation's products take, and
-        # cuDNN's packed layout (segment ids) against each document alone, outputs and gradients
+        # cuDNN's packed layout (segment ids) against each document alone, outputs and gradients, and cuDNN's
+        # different-value-width form (keys 128, values 384) against the reference, outputs and gradients
     TESTS=(tests/kernels tests/attention/test_compute_dtype.py tests/attention/test_dense_platform.py
-           -k "compute_dtype or (gradient_matches and bfloat16) or packed_rows_compiled")
+           -k "compute_dtype or (gradient_matches and bfloat16) or packed_rows_compiled or value_width_compiled")
   fi
   TESTS+=(--maxfail=5)
   # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell

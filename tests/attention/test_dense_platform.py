@@ -65,7 +65,7 @@ def test_cudnn_serves_bf16_and_fp16_full_passes_on_cuda():
 
 
 def test_cudnn_reasons_name_every_limit():
-    r = dp.cudnn_unsupported_reasons("cuda", dtype=F32, head_dim=260, value_dim=32, kv_cache=True)
+    r = dp.cudnn_unsupported_reasons("cuda", dtype=F32, head_dim=260, value_dim=32, kv_cache=True, capability=(8, 0))
     text = " | ".join(r)
     assert len(r) == 4
     for part in ("float32", "head_dim=260", "value_dim=32", "KV-cache"):
@@ -91,6 +91,60 @@ def test_cudnn_head_dim_limit_follows_the_device():
         int(x) for x in jax.devices()[0].compute_capability.split("."))[:2] >= (9, 0)
     reasons = dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=256)
     assert (reasons == []) if on_hopper else any("up to 128" in x for x in reasons)
+
+
+MLA = dict(dtype=BF16, head_dim=128, value_dim=384)  # Transformer-VQ's exact layers: keys of 128, values of 384
+
+
+def test_cudnn_value_chunks():
+    """A value is padded to a multiple of 8 and split into the fewest chunks of at most 256 columns, as even as the
+    granule of 8 allows; cuDNN's different-value-width form is needed where a chunk is not as wide as the padded key."""
+    assert dp.cudnn_value_chunks(128) == (128,) and dp.cudnn_value_chunks(41) == (48,)
+    assert dp.cudnn_value_chunks(384) == (192, 192) and dp.cudnn_value_chunks(1536) == (256,) * 6
+    assert dp.cudnn_value_chunks(300) == (152, 152) and dp.cudnn_value_chunks(257) == (136, 128)
+    for dv in range(1, 1100):
+        w = dp.cudnn_value_chunks(dv)
+        assert sum(w) == dp.cudnn_head_dim(dv) and all(x % 8 == 0 and 0 < x <= 256 for x in w), dv
+        assert len(w) == -(-dp.cudnn_head_dim(dv) // 256) and max(w) - min(w) <= 8, dv
+    assert not any(dp.cudnn_mla(d, dv) for d, dv in ((128, 128), (128, None), (41, 48), (48, 41), (256, 512)))
+    assert all(dp.cudnn_mla(d, dv) for d, dv in ((128, 384), (128, 64), (64, 128), (128, 1536)))
+
+
+def test_cudnn_takes_a_different_value_width_on_hopper():
+    for dtype in (BF16, F16):
+        for dv in (64, 384, 1536, 300, 41):
+            assert dp.cudnn_unsupported_reasons("cuda", **{**MLA, "dtype": dtype, "value_dim": dv},
+                                                capability=(9, 0)) == [], (dtype, dv)
+    (line,) = dp.cudnn_unsupported_reasons("cuda", **MLA, capability=(8, 0))
+    assert "value_dim=384 != head_dim=128" in line and "Hopper" in line and "8.0" in line and "\n" not in line
+    # a value width that pads to the key's needs no different-value-width form, before Hopper too
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=41, value_dim=48, capability=(8, 0)) == []
+    (line,) = dp.cudnn_unsupported_reasons("cuda", **{**MLA, "dtype": F32}, capability=(9, 0))
+    assert "float32" in line
+    for kw, why in ((dict(window=16), "window=16"), (dict(sequence_slice=128), "sequence parallelism"),
+                    (dict(segments=True), "_fix_seqlen_offsets")):
+        (line,) = dp.cudnn_unsupported_reasons("cuda", **MLA, capability=(9, 0), **kw)
+        assert why in line and "value_dim=384" in line, kw
+    # no GPU visible (lowering from a CPU): no capability to check the form's against, as jax's own check
+    if dp._cuda_capability() is None:
+        (line,) = dp.cudnn_unsupported_reasons("cuda", **MLA)
+        assert "Hopper" in line
+
+
+def test_cudnn_different_value_width_and_the_cudnn_versions_it_needs(monkeypatch):
+    hopper = dict(capability=(9, 0))
+    monkeypatch.setattr(dp, "_cudnn_version", lambda: 90800)
+    (line,) = dp.cudnn_unsupported_reasons("cuda", **MLA, **hopper)
+    assert "90800 < 91000" in line
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=128, value_dim=128, **hopper) == []
+    # 9.11 and 9.12 have no backward for keys of (128, 192] with values of (64, 128], but for 192 with 128
+    monkeypatch.setattr(dp, "_cudnn_version", lambda: 91100)
+    assert dp.cudnn_unsupported_reasons("cuda", **MLA, **hopper) == []
+    (line,) = dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=160, value_dim=128, **hopper)
+    assert "no backward" in line and "91100" in line
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=192, value_dim=128, **hopper) == []
+    monkeypatch.setattr(dp, "_cudnn_version", lambda: 91300)
+    assert dp.cudnn_unsupported_reasons("cuda", dtype=BF16, head_dim=160, value_dim=128, **hopper) == []
 
 
 def test_splash_reasons():
@@ -265,6 +319,36 @@ def test_cudnn_call_on_the_xla_implementation_matches_naive(causal, padded, D):
     check_values_and_grads(fn_rows, ref, args, (2e-5, 2e-5), (2e-5, 2e-5))
 
 
+@pytest.mark.parametrize("D, Dv, form", [(16, 24, "causal"), (16, 300, "padded"), (16, 8, "bidirectional"),
+                                         (41, 7, "window"), (16, 40, "offset")])
+def test_cudnn_call_with_a_value_width_of_its_own_matches_naive(D, Dv, form):
+    """A value width other than the key's, padded on its own and in chunks of at most 256 columns (300: two of
+    152), on jax's XLA implementation (the different-value-width call's CPU stand-in: q, k, v padded to one
+    width), causal, with key lengths, bidirectional, a sliding window, a query offset (a sequence-parallel slice's
+    mask); values and gradients against the reference."""
+    T = 48
+    lengths = np.asarray([T, 29], np.int32)
+    args = qkv(T, D=D, Dv=Dv)
+    causal = form != "bidirectional"
+    kw = dict(kv_lengths=lengths if form == "padded" else None, window=12 if form == "window" else 0,
+              q_offset=16 if form == "offset" else None)
+    pos = full(T)
+
+    def fn(q, k, v):
+        if form == "offset":  # the queries are rows 16 .. 47 of the keys' row
+            q = q[:, :, 16:]
+        return dp.cudnn_attention(q, k, v, causal=causal, implementation="xla", **kw)
+
+    def ref(q, k, v):
+        if form == "padded":
+            return naive_padded(q, k, v, lengths, causal)
+        if form == "offset":
+            return naive_attention(q, k, v, *pos, causal=True)[:, :, 16:]
+        return naive_attention(q, k, v, *pos, causal=causal, window=kw["window"])
+
+    check_values_and_grads(fn, ref, args, (2e-5, 2e-5), (2e-5, 2e-5))
+
+
 @pytest.mark.parametrize("T, Dv, dtype, causal", [(200, None, "float32", True), (200, None, "float32", False),
                                                   (128, 24, "float32", True), (136, None, "bfloat16", False)])
 def test_splash_in_interpret_mode_matches_naive(T, Dv, dtype, causal):
@@ -343,6 +427,69 @@ def test_cudnn_pads_an_odd_head_dim_for_cuda(fake_cudnn):
     assert f"@{CUDNN_FWD}(" in fwd and f"@{CUDNN_BWD}(" in bwd
     assert re.search(r"tensor<2x256x\d+x48xbf16>", fwd), "q, k, v reach cuDNN padded to 48 columns"
     assert re.search(r"fmha_scale\\22: 0?\.15617", fwd), "the scale of the true head dim"
+
+
+CUDNN_BIAS_CHECKS = CUDNN_CHECKS + [jax.export.DisabledSafetyCheck.custom_call(n) for n in
+                                    ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")]
+
+
+@pytest.mark.parametrize("causal, padded, offset, window", [(True, False, False, 0), (False, True, False, 0),
+                                                            (True, True, False, 0), (False, False, True, 0),
+                                                            (True, False, False, 16)])
+def test_cudnn_mla_call_lowers_as_the_public_entry(fake_cudnn, causal, padded, offset, window):
+    """The different-value-width call (jax's private entry given what the public entry would give it) lowers, for
+    a value as wide as the key, to the module the public entry lowers to, forward and gradient: the same mask
+    type, query and key lengths, sliding window and mask."""
+    B, T, H, D = 2, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, H, D)), BF16)
+    n = jnp.asarray([T, 200], jnp.int32)
+    mask = (jnp.arange(T)[None, :] <= 64 + jnp.arange(T)[:, None])[None, None] if offset else None
+
+    def lowered(call, grad):
+        def attn(q, k, v, n):
+            return call(q, k, v, mask=mask, causal=causal, scale=D ** -0.5, kv_lengths=n if padded else None,
+                        window=window, implementation="cudnn")
+
+        fn = jax.grad(lambda *a: weighted_sum(attn(*a)), argnums=(0, 1, 2)) if grad else attn
+        text = export(fn, "cuda", (q, q, q, n), CUDNN_BIAS_CHECKS).mlir_module()
+        return [re.sub(r"\s*loc\(.*\)$", "", x) for x in text.splitlines() if not x.startswith("#loc")]
+
+    for grad in (False, True):
+        public = lowered(dp._cudnn_call, grad)
+        assert any("__cudnn$" in x for x in public)
+        assert lowered(dp._cudnn_mla_call, grad) == public, grad
+
+
+@pytest.fixture
+def fake_hopper_mla(fake_hopper, monkeypatch):
+    """``fake_hopper`` with the version probe answered 9.10, the first cuDNN jax's different-value-width check
+    takes (the version gates that check only and does not enter the lowered module)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    monkeypatch.setattr(fas, "check_cudnn_version", lambda: dp.CUDNN_MLA_CUDNN)
+
+
+def cudnn_operands(mod: str, target: str) -> list[str]:
+    """The operand types of each call of ``target`` in a lowered module's text."""
+    return [x.rsplit(" : (", 1)[1].split(")")[0] for x in mod.splitlines() if f"@{target}(" in x]
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "auto"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_lowers_a_different_value_width_for_hopper(fake_hopper_mla, impl, causal):
+    """Keys of 128 and values of 384 (Transformer-VQ's exact layers), bf16, lowered for a Hopper GPU: the forward is
+    two calls of cuDNN's different-value-width form, one per chunk of 192 value columns, and the gradient adds one
+    backward call per chunk (dq, dk of 128 columns, dv of 192)."""
+    B, H, T = 2, 2, 256
+    assert dense.choose(impl, platform="cuda", **MLA).name == "cudnn"
+    fwd, bwd = export_fwd_bwd(impl, "cuda", causal, qkv(T, B=B, H=H, D=128, Dv=384, dtype=BF16), CUDNN_CHECKS)
+    qk, vc = f"tensor<{B}x{T}x{H}x128xbf16>", f"tensor<{B}x{T}x{H}x192xbf16>"
+    for mod in (fwd, bwd):
+        assert cudnn_operands(mod, CUDNN_FWD) == [f"{qk}, {qk}, {vc}"] * 2
+        assert set(re.findall(r'mask_type\\22: \\22(\w+)', mod)) == {"CAUSAL" if causal else "NO_MASK"}
+    assert cudnn_operands(fwd, CUDNN_BWD) == []
+    stats = f"tensor<{B}x{H}x{T}xf32>"
+    assert cudnn_operands(bwd, CUDNN_BWD) == [f"{qk}, {qk}, {vc}, {stats}, {vc}, {vc}"] * 2
 
 
 def test_cudnn_key_lengths_lower_as_a_padding_mask(fake_cudnn):
@@ -551,6 +698,29 @@ def test_cudnn_packed_rows_compiled_equal_each_document_alone(causal):
         return out
 
     check_values_and_grads(fn, alone, args, (2e-2, 2e-2), (5e-2, 5e-2))
+
+
+@pytest.mark.skipif(dispatch.current_platform() != "cuda", reason="needs an NVIDIA GPU (cuDNN) to run compiled")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_value_width_compiled_matches_the_reference(causal):
+    """On a GPU: keys of 128 and values of 384 (two chunks of 192 through cuDNN's different-value-width form), bf16:
+    'cudnn' gives the reference's output and q/k/v gradients (the reference, fp32, on the same bf16 inputs).
+    Skipped, with the declaration's reasons, where it refuses the form (before Hopper, cuDNN before 9.10)."""
+    why = dp.cudnn_unsupported_reasons("cuda", **MLA)
+    if why:
+        pytest.skip("; ".join(why))
+    T = 512
+    args = qkv(T, D=128, Dv=384, dtype=BF16)
+    pos = full(T)
+
+    def fn(q, k, v):
+        return dense.attend(q, k, v, *pos, causal=causal, impl="cudnn", block_q=128, block_k=128,
+                            auto_threshold=4096 * 4096, full_pass=True, platform="cuda")
+
+    def ref(q, k, v):
+        return naive_attention(*(x.astype(F32) for x in (q, k, v)), *pos, causal=causal)
+
+    check_values_and_grads(fn, ref, args, (2e-2, 2e-2), (5e-2, 5e-2))
 
 
 # ------------------------------------------------------------------------------------------------ sequence parallelism

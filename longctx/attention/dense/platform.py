@@ -7,7 +7,10 @@ splash on tpu) wherever it serves the call, then the XLA forms.
 
 * ``'cudnn'``: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (bf16/fp16; causal or
   bidirectional; optional per-row key lengths for right-padded batches). A packed row (segment ids) goes through
-  cuDNN's packed ("THD") layout, which the public entry does not expose: :func:`cudnn_packed_attention`.
+  cuDNN's packed ("THD") layout, which the public entry does not expose: :func:`cudnn_packed_attention`. A value
+  width other than the key's (an exact layer of a GAU block) goes through cuDNN's different-value-width form (jax
+  calls it MLA; Hopper, cuDNN 9.10 or later), which the public entry does not take either (it wants v shaped as
+  k): jax's private entry, the values in column chunks of at most 256 (:func:`cudnn_value_chunks`).
 * ``'splash'``: ``jax.experimental.pallas.ops.tpu.splash_attention`` with a causal or full mask (fp32/bf16;
   sequences padded to whole blocks, the padding masked by segment ids). On the CPU it runs in Pallas interpret
   mode (slow; for tests) when named.
@@ -67,6 +70,15 @@ KERNEL_NAMES = {"cudnn": "cuDNN flash attention", "splash": "Pallas splash atten
 CUDNN_PACKED_JAX = (0, 7, 0)
 # jax's own tests of the packed layout skip below this cuDNN (cudnn_get_version()'s 9.6.0)
 CUDNN_PACKED_CUDNN = 90600
+
+# a value width other than the key's (jax's "mla" branch): jax's own check asks for cuDNN 9.10 and Hopper
+CUDNN_MLA_CUDNN = 91000
+# cuDNN's head-dim limit on Hopper, for the value's width as for the key's (cudnn-frontend's SDPA checks: both
+# <= 256 and multiples of 8); wider values are split into column chunks of at most this (:func:`cudnn_value_chunks`)
+CUDNN_VALUE_CHUNK = 256
+# cuDNN 9.11 and 9.12 refuse the backward of 128 < d_qk <= 192 with 64 < d_v <= 128 on Hopper except (192, 128)
+# (cudnn-frontend's SDPA backward checks; fixed in 9.13)
+CUDNN_MLA_BWD_GAP = (91100, 91300)
 
 KV_CACHE_REASON = ("a KV-cache step (positions offset by the cache, empty slots) is not a full pass; the fused "
                    "kernels serve full passes only")
@@ -131,9 +143,13 @@ def cudnn_packed_api():
     return fn
 
 
-def cudnn_packed_reasons(*, capability, large: bool, window: int, sequence_slice: int | None) -> list[str]:
+def cudnn_packed_reasons(*, capability, large: bool, window: int, sequence_slice: int | None, head_dim: int = 0,
+                         value_dim: int | None = None) -> list[str]:
     """Why cuDNN's packed layout cannot serve a packed row here (:func:`cudnn_packed_attention`; empty: it can)."""
     out = []
+    if value_dim is not None and cudnn_head_dim(value_dim) != cudnn_head_dim(head_dim):
+        out.append(f"packed rows (segment ids) with value_dim={value_dim} != head_dim={head_dim}: jax's packed layout "
+                   "steps the keys' and values' offsets by the query's head width (_fix_seqlen_offsets)")
     if cudnn_packed_api() is None:
         out.append(f"packed rows (segment ids): jax {jax.__version__} has no cuDNN packed layout (jax's private "
                    "fused_attention_stablehlo.dot_product_attention with q_offsets, jax >= "
@@ -167,6 +183,51 @@ def cudnn_head_dim(head_dim: int) -> int:
     return -(-head_dim // 8) * 8
 
 
+def cudnn_value_chunks(value_dim: int) -> tuple[int, ...]:
+    """The widths of the column chunks :func:`cudnn_attention` gives cuDNN a value of ``value_dim`` columns in:
+    ``value_dim`` zero-padded to a multiple of 8 (:func:`cudnn_head_dim`), split into the fewest chunks of at most
+    :data:`CUDNN_VALUE_CHUNK` columns, multiples of 8 as even as can be (384: 192 + 192; 1536: six of 256).
+    Attention is linear in v column by column, so each chunk's call gives its columns of the output; each call
+    computes the scores and the softmax again (forward and backward), the price of the split."""
+    granules = cudnn_head_dim(value_dim) // 8
+    n = -(-granules * 8 // CUDNN_VALUE_CHUNK)
+    return tuple(8 * (granules // n + (i < granules % n)) for i in range(n))
+
+
+def cudnn_mla(head_dim: int, value_dim: int | None) -> bool:
+    """Whether a call needs cuDNN's different-value-width form: a value chunk (:func:`cudnn_value_chunks`) is not
+    as wide as the padded key (:func:`cudnn_head_dim`)."""
+    return value_dim is not None and any(w != cudnn_head_dim(head_dim) for w in cudnn_value_chunks(value_dim))
+
+
+def cudnn_mla_reasons(*, head_dim: int, value_dim: int, capability, window: int,
+                      sequence_slice: int | None) -> list[str]:
+    """Why cuDNN's different-value-width form cannot serve a call of ``value_dim`` != ``head_dim`` here (empty: it
+    can; none where :func:`cudnn_mla` is False)."""
+    if not cudnn_mla(head_dim, value_dim):
+        return []
+    what = f"value_dim={value_dim} != head_dim={head_dim}"
+    out = []
+    if capability is None or capability < (9, 0):
+        out.append(f"{what}: cuDNN's different-value-width form needs Hopper (compute capability 9.0) or later"
+                   + ("" if capability is None else f", this GPU is {capability[0]}.{capability[1]}"))
+    version = _cudnn_version()
+    if version is not None and version < CUDNN_MLA_CUDNN:
+        out.append(f"{what}: cuDNN {version} < {CUDNN_MLA_CUDNN} (the different-value-width form)")
+    dk = cudnn_head_dim(head_dim)
+    if version is not None and CUDNN_MLA_BWD_GAP[0] <= version < CUDNN_MLA_BWD_GAP[1] and 128 < dk <= 192 and any(
+            64 < w <= 128 and (dk, w) != (192, 128) for w in cudnn_value_chunks(value_dim)):
+        out.append(f"{what}: cuDNN {version} has no backward for key width {dk} with value chunks "
+                   f"{cudnn_value_chunks(value_dim)} (9.11 and 9.12; 9.13 has)")
+    if window:
+        out.append(f"{what} with window={window}: cuDNN's sliding window with a different value width is not "
+                   "wired")
+    if sequence_slice is not None:
+        out.append(f"{what} under sequence parallelism: cuDNN's bias-masked slices with a different value width "
+                   "are not wired")
+    return out
+
+
 def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim: int | None = None,
                               kv_cache: bool = False, k_dtype=None, v_dtype=None,
                               capability: tuple[int, int] | None = None, sequence_slice: int | None = None,
@@ -193,8 +254,9 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
     if cudnn_head_dim(head_dim) > h_max:  # a head dim off the multiples of 8 is zero-padded to one
         out.append(f"head_dim={head_dim}: cuDNN takes head dims up to {h_max}"
                    + ("" if h_max == 256 else " (256 on Hopper or later)"))
-    if value_dim is not None and value_dim != head_dim:
-        out.append(f"value_dim={value_dim} != head_dim={head_dim} (cuDNN's different-value-dim form is not wired)")
+    if value_dim is not None and not segments:
+        out.extend(cudnn_mla_reasons(head_dim=head_dim, value_dim=value_dim, capability=capability, window=window,
+                                     sequence_slice=sequence_slice))
     if sequence_slice is not None and causal and sequence_slice % 2:
         out.append(f"sequence parallelism: a causal slice of {sequence_slice} tokens per device; cuDNN's "
                    "bias-masked form (the slice's causal offset) needs an even slice length")
@@ -204,7 +266,7 @@ def cudnn_unsupported_reasons(platform: str, *, dtype, head_dim: int, value_dim:
         out.append(f"window={window} under sequence parallelism: the slices' windows are not wired")
     if segments and platform == "cuda":
         out.extend(cudnn_packed_reasons(capability=capability, large=large, window=window,
-                                        sequence_slice=sequence_slice))
+                                        sequence_slice=sequence_slice, head_dim=head_dim, value_dim=value_dim))
     if kv_cache:
         out.append(KV_CACHE_REASON)
     return out
@@ -287,7 +349,7 @@ def fused_call_flops(name: str, avals) -> float | None:
 # ----------------------------------------------------------------------------------------------------- cuDNN
 def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: str = "cudnn", q_offset=None,
                     window: int = 0):
-    """Exact attention of q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,D] through ``jax.nn.dot_product_attention``
+    """Exact attention of q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv] through ``jax.nn.dot_product_attention``
     (scale D**-0.5; causal: query i sees keys j <= i). ``kv_lengths`` [B] int32: row b's keys from
     ``kv_lengths[b]`` on are padding. ``q_offset`` (an int or a traced scalar; causal only): the queries are rows
     ``q_offset ..`` of the keys' sequence, masked by a boolean [1,1,Tq,Tk] mask (cuDNN's own causal mask is
@@ -295,12 +357,19 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
     = 41) is zero-padded to :func:`cudnn_head_dim` with the scale of the true one: zero columns add nothing to the
     scores, the padded output columns are sliced off, and their cost is the padded dims' share of the FLOPs.
     ``implementation='xla'`` runs the same call on jax's XLA path (the CPU tests check this wiring against dense's
-    naive path that way). ``window`` > 0 (causal, no ``q_offset``): cuDNN's sliding window of that many keys."""
+    naive path that way). ``window`` > 0 (causal, no ``q_offset``): cuDNN's sliding window of that many keys.
+
+    v is zero-padded on its own to a multiple of 8 and given to cuDNN in the column chunks of
+    :func:`cudnn_value_chunks` (one call each, the outputs concatenated): a chunk as wide as the padded key takes
+    the public entry; any other width takes cuDNN's different-value-width form (:func:`_cudnn_mla_call`)."""
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> jax's [B,T,H,D]
     D, Dv = q.shape[-1], v.shape[-1]
     pad = cudnn_head_dim(D) - D
     if pad:
-        q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k, v))
+        q, k = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k))
+    widths = cudnn_value_chunks(Dv)
+    if sum(widths) > Dv:
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, sum(widths) - Dv),))
     if kv_lengths is not None:
         kv_lengths = jnp.asarray(kv_lengths, jnp.int32)
     mask = None
@@ -308,15 +377,54 @@ def cudnn_attention(q, k, v, *, causal: bool, kv_lengths=None, implementation: s
         rows = q_offset + jnp.arange(q.shape[2], dtype=jnp.int32)
         mask = (jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] <= rows[:, None])[None, None]
         causal = False
-    local = None
-    if window:
-        if not causal or q_offset is not None:
-            raise ValueError("cudnn_attention: a sliding window is wired for causal full passes only")
-        local = (window - 1, 0)  # the key itself and window - 1 before it
-    out = jax.nn.dot_product_attention(t(q), t(k), t(v), mask=mask, is_causal=causal, scale=D ** -0.5,
-                                       key_value_seq_lengths=kv_lengths, implementation=implementation,
-                                       local_window_size=local)
+    if window and (not causal or q_offset is not None):
+        raise ValueError("cudnn_attention: a sliding window is wired for causal full passes only")
+    kw = dict(mask=mask, causal=causal, scale=D ** -0.5, kv_lengths=kv_lengths, window=window,
+              implementation=implementation)
+    outs, at = [], 0
+    for w in widths:
+        vc = v[..., at:at + w] if len(widths) > 1 else v
+        at += w
+        call = _cudnn_call if w == q.shape[-1] else _cudnn_mla_call
+        outs.append(call(t(q), t(k), t(vc), **kw))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
     return t(out)[..., :Dv].astype(v.dtype)
+
+
+def _cudnn_call(q, k, v, *, mask, causal: bool, scale: float, kv_lengths, window: int, implementation: str):
+    """One call of the public entry, q, k, v [B,T,H,D] (v as wide as k): :func:`cudnn_attention`'s call."""
+    local = (window - 1, 0) if window else None  # the key itself and window - 1 before it
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                        key_value_seq_lengths=kv_lengths, implementation=implementation,
+                                        local_window_size=local)
+
+
+def _cudnn_mla_call(q, k, v, *, mask, causal: bool, scale: float, kv_lengths, window: int, implementation: str):
+    """One call of cuDNN's different-value-width form, q, k [B,T,H,D], v [B,T,H,Dv] with Dv != D: jax's private
+    entry (``fused_attention_stablehlo.dot_product_attention``, which takes any v width) given what the public
+    entry gives it for the same arguments (mask type from the causal flag and the key lengths, the query lengths
+    all Tq where key lengths are given, the window as a sliding-window length), as
+    ``test_cudnn_mla_call_lowers_as_the_public_entry`` checks against the public entry's lowering.
+
+    ``implementation='xla'`` (the CPU tests): the public XLA path, which wants v shaped as k, on q, k and v
+    zero-padded to one width (zero columns of q and k add nothing to the scores; the padded output columns are
+    sliced off). Not vmapped: jax's batching rules of this form reshape v to k's shape."""
+    if implementation == "xla":
+        W = max(q.shape[-1], v.shape[-1])
+        wide = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, W - x.shape[-1]),))  # noqa: E731
+        return _cudnn_call(wide(q), wide(k), wide(v), mask=mask, causal=causal, scale=scale, kv_lengths=kv_lengths,
+                           window=window, implementation="xla")[..., :v.shape[-1]]
+    if implementation != "cudnn":
+        raise ValueError(f"cudnn_attention: implementation={implementation!r}; allowed: cudnn, xla")
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as private_entry
+
+    padding = kv_lengths is not None
+    mask_type = {(True, True): MaskType.PADDING_CAUSAL, (True, False): MaskType.CAUSAL,
+                 (False, True): MaskType.PADDING, (False, False): MaskType.NO_MASK}[(causal, padding)]
+    q_lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if padding else None
+    return private_entry(q, k, v, None, mask, q_lengths, kv_lengths, scale=scale, mask_type=mask_type,
+                         sliding_window_length=window or None, qkv_layout="BTNH")
 
 
 def cudnn_packed_layout(segment_ids):
@@ -358,9 +466,11 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool):
                                                        sequence_slice=None)[0])
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B,H,T,D] <-> [B,T,H,D]: jax offsets packed rows by T
     D, Dv = q.shape[-1], v.shape[-1]
+    if cudnn_head_dim(Dv) != cudnn_head_dim(D):  # its reasons refuse it (jax's offsets step by q's width)
+        raise ValueError(f"cudnn: packed rows with value_dim={Dv} != head_dim={D} are not wired")
     pad = cudnn_head_dim(D) - D
     if pad:
-        q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k, v))
+        q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, cudnn_head_dim(D) - x.shape[-1]),)) for x in (q, k, v))
     lengths, offsets = cudnn_packed_layout(segment_ids)
     out = api(t(q), t(k), t(v), q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
               scale=D ** -0.5, mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")
@@ -561,8 +671,9 @@ IMPLEMENTATIONS = (
 PLATFORM_KERNEL = {plat: impl.name for impl in IMPLEMENTATIONS for plat in impl.auto}
 
 
-__all__ = ["CUDNN_PACKED_CUDNN", "CUDNN_PACKED_JAX", "FAST_IMPLS", "Cudnn", "Splash", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
+__all__ = ["CUDNN_MLA_BWD_GAP", "CUDNN_MLA_CUDNN", "CUDNN_PACKED_CUDNN", "CUDNN_PACKED_JAX", "CUDNN_VALUE_CHUNK", "FAST_IMPLS", "Cudnn", "Splash", "FLOPS_TAGS", "IMPLEMENTATIONS", "KERNEL_NAMES", "KV_CACHE_REASON", "PLATFORM_KERNEL",
            "SEQUENCE_AXIS", "active_sequence_mesh", "cudnn_attention", "cudnn_head_dim", "cudnn_packed_api",
-           "cudnn_packed_attention", "cudnn_packed_layout", "cudnn_packed_reasons", "cudnn_head_dim_max", "cudnn_unsupported_reasons",
+           "cudnn_packed_attention", "cudnn_packed_layout", "cudnn_packed_reasons", "cudnn_head_dim_max", "cudnn_mla",
+           "cudnn_mla_reasons", "cudnn_unsupported_reasons", "cudnn_value_chunks",
            "fused_call_flops", "sequence_mesh", "sequence_parallel_attention", "splash_attention", "splash_block",
            "splash_slice_block", "splash_unsupported_reasons"]
