@@ -426,6 +426,16 @@ def extra_sections(out: Path, rel: str) -> list[str]:
                      "on a corpus of short documents (`bash scripts/bench_all.sh` step `packing`).\n")
         parts.append(packing.read_text().strip() + "\n")
     parts += compare_section(out, rel)
+    recipes = out / "main_recipes" / "recipes.md"  # scripts/main_recipes.py
+    if recipes.is_file():
+        parts.append("## The main job's recipe (`main_recipes/`)\n")
+        parts.append("The runs that choose `configs/main.py`, scored on the main job's test bytes (the first 262,144 "
+                     "bytes of the test split, each file streamed whole) with the state carried across each file "
+                     "(the headline protocol) and reset every N bytes (does the carried state help?), xz and gzip on "
+                     "the same bytes. Each row: `.venv/bin/python -m longctx.evaluate --workdir RUN --max_bytes "
+                     "262144`, then `.venv/bin/python scripts/main_recipes.py add NAME --workdir RUN --command "
+                     "'...'`.\n")
+        parts.append(recipes.read_text().strip() + "\n")
     parts += gpu_check_section(out)
     rec = out / "recall"
     if (rec / "recall.md").is_file():
