@@ -5,7 +5,8 @@ training cost on the same corpus, at several training contexts and seeds, then s
     longctx-bench compare --measure                    # time a few steps of each method at the chosen size
     longctx-bench compare                              # train / resume what is missing, then the report
     longctx-bench compare --report_only                # the report from whatever finished
-    longctx-bench compare --scale gpu --out results/compare_gpu   (sizes for about 8 minutes of one H100)
+    longctx-bench compare --scale gpu --seeds 1 --nohybrids --out results/compare_gpu --runs runs/compare_gpu
+                                                       # a lent GPU (sizes by estimate: see SCALES)
 
 Runs: each method of ``--methods`` (the registry's causal methods: exact attention, sliding-window attention over
 ``--window`` keys, the efficient methods) at each context of ``--contexts`` and each seed below ``--seeds``, plus
@@ -82,14 +83,17 @@ DATA = {"data.packing": "document"}
 # one; d_model 64 reached 3.00 validation bits per byte where d_model 128 reached 4.25 at the same training FLOPs),
 # updates of 4096 tokens (2048 ran fewer tokens per second), about three hours of a 2-core CPU for 8 methods x 2
 # contexts x 3 seeds + 6 hybrids
-# (the estimate comes from `--measure`, `--plan` prints it). gpu: about eight minutes of one H100 in bf16.
+# (the estimate comes from `--measure`, `--plan` prints it). gpu: sized by estimate for one lent H100 in bf16, never
+# run on one yet: a 3.2M-parameter model whose dense run at 4k is ~0.2 PFLOP of training (about a second at a third
+# of the bf16 peak), so each run's time is mostly compilation and scoring; with --seeds 1 --nohybrids (16 runs)
+# that is roughly 8-15 minutes. `--measure` on the GPU first says how long, `--plan` then estimates the whole.
 SCALES = {
     "cpu": {"model": {"model.d_model": 64, "model.num_heads": 2, "model.head_dim": 32, "model.d_ff": 256},
             "contexts": "256,1k", "tokens_per_step": 4096, "dense_steps": 300, "eval_tokens": 32768,
             "valid_every": 8},
-    "gpu": {"model": {"model.d_model": 512, "model.num_layers": 8, "model.d_ff": 2048, "model.num_heads": 8,
-                      "model.dtype": "bfloat16"},
-            "contexts": "1k,4k", "tokens_per_step": 65536, "dense_steps": 400, "eval_tokens": 262144,
+    "gpu": {"model": {"model.d_model": 256, "model.num_layers": 4, "model.d_ff": 1024, "model.num_heads": 4,
+                      "model.head_dim": 64, "model.dtype": "bfloat16"},
+            "contexts": "1k,4k", "tokens_per_step": 32768, "dense_steps": 150, "eval_tokens": 65536,
             "valid_every": 8},
     "smoke": {"model": {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 2, "model.head_dim": 32,
                         "model.d_ff": 256},
