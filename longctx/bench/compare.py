@@ -564,10 +564,12 @@ def aggregate(results: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["context"], r["label"]))
 
 
-def _scale_line(rows: list[dict], sz: dict) -> str:
+def _scale_line(rows: list[dict], sz: dict, match: str = "backbone") -> str:
     """The comparison's size in a few words: parameters, tokens of the exact run, contexts."""
     dense = [r for r in rows if r["label"] == EXACT]
-    params = f"{dense[0]['params'] / 1e6:.2f}M-parameter models, " if dense and dense[0].get("params") else ""
+    n = f"{dense[0]['params'] / 1e6:.2f}M" if dense and dense[0].get("params") else ""
+    params = ("" if not n else f"the exact run's {n}-parameter backbone in every run (a method's own parameters "
+              "on top), " if match == "backbone" else f"{n}-parameter models, ")
     return (f"{params}the exact run's {sz['dense_steps']} updates of {sz['tokens_per_step']:,} tokens as every run's "
             "FLOP budget; other scales can order the methods differently")
 
@@ -620,7 +622,7 @@ def report(out: Path, rs: list[dict], args) -> dict:
         parts.append(pick_text)
     if args.readme and pick:
         update_readme(Path(args.readme), f"From `{cmd}` ({len(done)} of {len(rs)} runs; "
-                      f"{_scale_line(rows, sz)}). " + pick_text)
+                      f"{_scale_line(rows, sz, args.match_params)}). " + pick_text)
     table = [[r["label"], r["context"], r["params"], r["core_params"], r["width"], r["steps"],
               r["flops_per_token"] / 1e6 if r["flops_per_token"] else None,
               _pm(r["valid_bits_per_byte"], r["valid_bits_per_byte_sd"], len(r["seeds"])),
