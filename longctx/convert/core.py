@@ -78,7 +78,7 @@ def hf_model_config(hf: dict, base=None, log=None):
     for k, v in fam.model_keys(hf).items():
         cfg.model[k] = v
     cfg.model.output = config_lib.base_config().model.output  # the full softmax over the vocabulary
-    if cfg.model.kind == "encoder" and cfg.eval.get("max_bytes", 0) > 0 and not cfg.eval.max_tokens:
+    if cfg.model.kind == "encoder" and cfg.eval.max_bytes > 0 and not cfg.eval.max_tokens:
         (log or (lambda *_: None))(f"note: eval.max_bytes {cfg.eval.max_bytes} -> eval.max_tokens "
                                    f"{cfg.eval.max_bytes}: an encoder is scored on whole rows of tokens")
         cfg.eval.max_tokens, cfg.eval.max_bytes = cfg.eval.max_bytes, 0
