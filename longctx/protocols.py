@@ -154,7 +154,7 @@ def limit_jobs(jobs: list[Job], max_tokens: int = 0, *, max_bytes: int = 0,
 
 def budget(ecfg) -> dict:
     """The scoring budget of an ``eval`` section as the protocol records it."""
-    cut = {k: int(ecfg.get(k, 0)) for k in ("max_tokens", "max_bytes") if int(ecfg.get(k, 0)) > 0}
+    cut = {k: int(ecfg[k]) for k in ("max_tokens", "max_bytes") if int(ecfg[k]) > 0}
     return cut or {"max_tokens": "full split"}
 
 
@@ -279,7 +279,7 @@ def make_jobs(ecfg, doc_starts, token_bytes: np.ndarray | None = None):
         jobs = sliding_jobs(doc_starts, reset=ecfg.reset, context=ecfg.context, stride=ecfg.stride)
         protocol = {"mode": "sliding-window", "context": ecfg.context, "stride": ecfg.stride, "reset": ecfg.reset}
         window = 0
-    jobs = limit_jobs(jobs, ecfg.max_tokens, max_bytes=ecfg.get("max_bytes", 0), token_bytes=token_bytes)
+    jobs = limit_jobs(jobs, ecfg.max_tokens, max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
     protocol.update(budget(ecfg))
     return jobs, window, protocol
 
@@ -312,7 +312,7 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
             raise ConfigError("a reset every N bytes needs a lossless tokenizer (bytes or bpe): this one does not "
                               "say how many bytes its tokens stand for")
         jobs = limit_jobs(byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes), ecfg.max_tokens,
-                          max_bytes=ecfg.get("max_bytes", 0), token_bytes=token_bytes)
+                          max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
         window = ecfg.window
         protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": "document", "row_bytes": row_bytes,
                     **budget(ecfg)}
@@ -389,7 +389,7 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     ``forward(params, inputs, targets, mask) -> (nll, correct, valid, idx)`` ([B, M] each, at the
     masked positions). Returns (result, (loss sum, token count) by position in the row)."""
 
-    if ecfg.get("max_bytes", 0) > 0:
+    if ecfg.max_bytes > 0:
         raise ConfigError(f"eval.max_bytes={ecfg.max_bytes} applies to decoders; an encoder's rows are counted in "
                           "tokens (eval.max_tokens)")
     rows = mlm_rows(data.doc_starts, context=context, max_tokens=ecfg.max_tokens)

@@ -1,4 +1,4 @@
-"""Dry-run plans of the flagship launches on one node of 8 GPUs (README "Flagship configs on one node").
+"""Dry-run plans of the flagship launches on one node of 8 GPUs (docs/scaling.md, "Flagship configs on one node").
 
 Each flagship config has a ``:node8`` variant (mesh, micro-batches, remat policy, dtype, scan_layers) whose
 module docstring states the launch. This script runs, one after the other, each in its own process,
@@ -7,7 +7,7 @@ module docstring states the launch. This script runs, one after the other, each 
 
 (8 simulated devices: the compiled step's per-device memory is what one GPU of the node would hold), parses
 the report of ``longctx/train/dry_run.py`` and writes ``results/flagship/plans.json`` and
-``results/flagship/plans.md`` (the README table, each row's exact command, the machine and jax version).
+``results/flagship/plans.md`` (the table of docs/scaling.md, each row's exact command, the machine and jax version).
 
     .venv/bin/python scripts/flagship_plans.py                       # all, ~15-30 min on a loaded 2-core CPU
     .venv/bin/python scripts/flagship_plans.py --only enwik8/transformer_vq   # one row, merged into the files
@@ -122,8 +122,8 @@ def _mesh(row) -> str:
     return s + (f" (rules `{row['mesh_rules']}`)" if row.get("mesh_rules") else "")
 
 
-def markdown(rows: list[dict], meta: dict, *, readme: bool = False) -> str:
-    lines = [] if readme else [
+def markdown(rows: list[dict], meta: dict, *, table_only: bool = False) -> str:
+    lines = [] if table_only else [
         f"Dry-run plans of the flagship launches on one node of {DEVICES} GPUs of 80 GB (budget "
         f"{BUDGET_GIB:.0f} GiB per device), {DEVICES} simulated devices; regenerate with "
         "`.venv/bin/python scripts/flagship_plans.py` (results/flagship/plans.json holds every number).",
@@ -146,7 +146,7 @@ def markdown(rows: list[dict], meta: dict, *, readme: bool = False) -> str:
             f"({r['batch_size']} x {r['window']}) | {r['devices']} | {launch} | "
             f"{r['argument_mib'] / 1024:.2f} + {r['temp_mib'] / 1024:.2f} GiB | {r['peak_gib']:.2f} GiB"
             f"{'' if r['fits'] else ' (over budget)'} | {r['flops_per_token']:.3g} | {r['compile_s']:.0f} s |")
-    if readme:
+    if table_only:
         return "\n".join(lines + ["", f"Planned on {meta['machine']} with jax {meta['jax']}, {meta['date']}; "
                                    "each row's command is in results/flagship/plans.md."]) + "\n"
     lines += ["", "Commands (one per row, as run):", ""]
@@ -159,17 +159,17 @@ def markdown(rows: list[dict], meta: dict, *, readme: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-README_START, README_END = "<!-- flagship-plans:start -->", "<!-- flagship-plans:end -->"
+DOC_START, DOC_END = "<!-- flagship-plans:start -->", "<!-- flagship-plans:end -->"
 
 
-def update_readme(rows: list[dict], meta: dict, path: Path = ROOT / "README.md") -> bool:
-    """Replace the table between the README's flagship markers; False when the markers are missing."""
+def update_doc(rows: list[dict], meta: dict, path: Path = ROOT / "docs" / "scaling.md") -> bool:
+    """Replace the table between docs/scaling.md's flagship markers; False when the markers are missing."""
     text = path.read_text()
-    if README_START not in text or README_END not in text:
+    if DOC_START not in text or DOC_END not in text:
         return False
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    path.write_text(head + README_START + "\n" + markdown(rows, meta, readme=True) + README_END + tail)
+    head, rest = text.split(DOC_START, 1)
+    _, tail = rest.split(DOC_END, 1)
+    path.write_text(head + DOC_START + "\n" + markdown(rows, meta, table_only=True) + DOC_END + tail)
     return True
 
 
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", choices=sorted(FLAGSHIP), help="run this config only (repeatable)")
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--no-readme", action="store_true", help="leave README.md's table as it is")
-    ap.add_argument("--render", action="store_true", help="run nothing: rewrite plans.md and the README table "
+    ap.add_argument("--no-doc", action="store_true", help="leave docs/scaling.md's table as it is")
+    ap.add_argument("--render", action="store_true", help="run nothing: rewrite plans.md and docs/scaling.md's table "
                     "from plans.json")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -211,8 +211,8 @@ def main(argv=None) -> int:
     (out / "plans.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / "plans.md").write_text(markdown(rows, meta))
     print(f"wrote {out / 'plans.json'} and {out / 'plans.md'}")
-    if not args.no_readme and out.resolve() == OUT.resolve() and update_readme(rows, meta):
-        print("updated the flagship table in README.md")
+    if not args.no_doc and out.resolve() == OUT.resolve() and update_doc(rows, meta):
+        print("updated the flagship table in docs/scaling.md")
     bad = [r["name"] for r in rows if "error" in r or not r.get("fits")]
     if bad:
         print(f"not within {BUDGET_GIB:.0f} GiB per device (or failed): {', '.join(bad)}")

@@ -117,7 +117,7 @@ def fake_forward(params, inputs, targets, state):
 
 def stream_cfg(**kw):
     return ml_collections.ConfigDict({"protocol": "stream", "reset": "document", "row_len": -1, "window": 64,
-                                      "batch_size": 4, "max_tokens": 0, **kw})
+                                      "batch_size": 4, "max_tokens": 0, "max_bytes": 0, **kw})
 
 
 def bpe_data(corpus, cache, split="valid"):

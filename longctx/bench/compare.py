@@ -486,8 +486,9 @@ def run(args) -> dict:
                 train_and_score(r, args, steps_for(r, args, cost))
             except (RuntimeError, ConfigError) as e:
                 print(f"  failed: {e} (a rerun resumes it)", flush=True)
-        decode_costs(args, out)
+            needle_grids(args, rs, out)  # as soon as a grid's run is scored, not after every seed
         needle_grids(args, rs, out)
+        decode_costs(args, out)
     return report(out, rs, args)
 
 

@@ -1,7 +1,7 @@
-"""The flagship launches (README "Flagship configs on one node"): each paper-scale config has a ``:node8``
+"""The flagship launches (docs/scaling.md, "Flagship configs on one node"): each paper-scale config has a ``:node8``
 variant for one node of 8 GPUs of 80 GB that validates, keeps the config's batch / rows / window, and whose
 module docstring states the launch and the exact dry-run command scripts/flagship_plans.py runs for the
-README table. The dry runs themselves (minutes each) are not part of the default suite; the slow test
+table of docs/scaling.md. The dry runs themselves (minutes each) are not part of the default suite; the slow test
 plans the smallest one."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_plans_json_rows_are_the_documented_commands_and_fit():
     for r in rows:
         assert r["command"] == flagship_plans.command(flagship_plans.FLAGSHIP[r["name"]])
         assert "error" not in r and r["peak_gib"] <= flagship_plans.BUDGET_GIB, r["name"]
-    readme = (ROOT / "README.md").read_text()
-    assert all(f"`{r['config']}`" in readme for r in rows)  # the README carries the generated table
+    doc = (ROOT / "docs" / "scaling.md").read_text()
+    assert all(f"`{r['config']}`" in doc for r in rows)  # docs/scaling.md carries the generated table
 
 
 def test_report_parser_reads_a_dry_run_report():
@@ -92,7 +92,7 @@ def test_smallest_flagship_dry_run_fits(tmp_path):
     """The enwik8 dense launch's dry run on 8 simulated devices, through the script (about a minute)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "flagship_plans.py"), "--only", "enwik8/dense",
-                        "--out", str(tmp_path), "--no-readme"],
+                        "--out", str(tmp_path), "--no-doc"],
                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     row = json.loads((tmp_path / "plans.json").read_text())["rows"][0]
