@@ -10,6 +10,10 @@ compressed cache under stop-gradient (one update per window), batch 8, peak lear
 are scored on. The recipe was chosen by the runs in BENCHMARKS.md's "main job's recipe" table: BPE 4,096 beat
 bytes at the same training time (each update sees about 3.4 times the text), and rows of 4,096 tokens lost
 to rows of 1024.
+
+`bash scripts/main.sh` (train, score the test split, print a sample): test 1.3921 bits per byte after 23.5 min of
+training on a 2-core CPU, 26 min 50 s for the whole command (xz -9e: 1.4000, gzip -9: 1.5848 on the same bytes;
+README's "Results" has the run).
 """
 
 from configs.builtin import transformer_vq

@@ -10,4 +10,4 @@ WORKDIR="${WORKDIR:-runs/main}"
 CONFIG="${CONFIG:-configs/main.py}"
 .venv/bin/longctx-train --config="$CONFIG" --workdir="$WORKDIR" "$@"
 .venv/bin/longctx-eval --workdir="$WORKDIR" --split=test
-.venv/bin/longctx-sample --workdir="$WORKDIR" --prompt="def " --num_tokens=400
+.venv/bin/longctx-sample --workdir="$WORKDIR" --prompt="def" --num_tokens=400

@@ -93,3 +93,24 @@ def test_batcher_rejects_rows_longer_than_every_document(tiny_cfg):
     _, data, _ = prepare(tiny_cfg.data, ["train"], progress=False)
     with pytest.raises(DataError, match="seq_len"):
         Batcher(data["train"], row_len=10**7, batch_size=2, seed=0)
+
+
+def test_no_scored_test_byte_is_in_the_train_split():
+    """The main job's test bytes (the first ``eval.max_bytes`` of the test split, files in order) were never trained
+    on: the splits share no path and no scored test file has the content of a train file (empty files aside). Over
+    the whole test split one 142-byte ``__init__.py`` equals a train file, past the scored bytes."""
+    import hashlib
+
+    from configs import main
+
+    src = builtin.BuiltinSource()
+    assert not set(src.files("test")) & set(src.files("train"))
+    train = {hashlib.sha256(b).digest() for _, b in src.documents("train") if b}
+    budget, seen = main.get_config().eval.max_bytes, 0
+    assert budget > 0
+    for path, text in src.documents("test"):
+        if seen >= budget:
+            break
+        assert not text or hashlib.sha256(text).digest() not in train, path
+        seen += len(text)
+    assert seen >= budget
