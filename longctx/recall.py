@@ -387,8 +387,10 @@ def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None =
         if res["status"] == "ok":
             for b in reversed(res["by_distance"]):  # the farthest needle first: depth 0 % leftmost
                 L = res["length"]
+                loss = b["loss_nats_per_token"]  # None for a bin without answers
                 cells.append({"depth_lo": max(0.0, 1 - (b["hi"] - 1) / L), "depth_hi": min(1.0, 1 - b["lo"] / L),
-                              "accuracy": b["accuracy"], "answers": b["answers"]})
+                              "accuracy": b["accuracy"], "answers": b["answers"],
+                              "loss_bits": None if loss is None else loss / LN2})
         grid.append({"length": res["length"], "status": res["status"], "message": res.get("message"),
                      "cells": cells})
     c = chance(first)
@@ -408,6 +410,11 @@ def needle_grid(workdir, lengths, *, task: str | None = None, rows: int | None =
             continue
         lines.append(f"| {g['length']} | " + " | ".join(
             "-" if x["accuracy"] is None else f"{x['accuracy']:.2f}" for x in g["cells"]) + " |")
+    # the answer loss shows what accuracy cannot where every cell is at chance (a model that half-knows the answer)
+    lines += ["", "Answer loss (bits per answer token) by the same cells:", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += [f"| {g['length']} | " + " | ".join("-" if x["loss_bits"] is None else f"{x['loss_bits']:.2f}"
+                                                 for x in g["cells"]) + " |" for g in grid if g["status"] == "ok"]
     table = "\n".join(lines)
     print(table, flush=True)
     out_dir = Path(out) if out else Path(workdir) / "recall"

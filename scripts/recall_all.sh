@@ -9,6 +9,7 @@
 #   OUT=/tmp/r RUNS=/tmp/runs scripts/recall_all.sh
 #   LM_RUNS="runs/default runs/eva" scripts/recall_all.sh   # + zero-shot passkey probe of text LMs
 #   ONLY="hybrid_eva hybrid_fma" scripts/recall_all.sh      # these runs only, merged into $OUT's table
+#   NEEDLE="dense swa fma" (the default): these runs also get a needle grid in $OUT/needle/<method>/
 #
 # The methods come from the registry (longctx.attention.names(), those with a causal form); a
 # method without configs/recall/<method>.py is reported and skipped. Then every hybrid stack found
@@ -22,6 +23,7 @@ cd "$ROOT"
 PY="${PY:-.venv/bin/python}"
 OUT="${OUT:-results/recall}"
 RUNS="${RUNS:-runs/recall}"
+NEEDLE="${NEEDLE-dense swa fma}"
 mkdir -p "$OUT" "$RUNS"
 # the console scripts, without needing them installed (pip install -e . adds longctx-recall*)
 train() { "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' "$@"; }
@@ -54,6 +56,9 @@ for m in $METHODS $HYBRIDS; do
   echo "$(( $(date +%s) - t )) seconds (wall, this invocation)" > "$wd/recall_train_seconds.txt"
   echo "== $m: scoring"
   recall --workdir="$wd" --noprogress | tee "$wd/recall.log"
+  if [[ " $NEEDLE " == *" $m "* ]]; then  # the needle grid: accuracy by row length x depth of the needle
+    recall --workdir="$wd" --lengths=256,512,1024 --bins=4 --noprogress --out="$OUT/needle/$m" | tee -a "$wd/recall.log"
+  fi
   done_runs+=("$wd")
 done
 runs=$(IFS=,; echo "${done_runs[*]}")

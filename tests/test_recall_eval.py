@@ -212,6 +212,9 @@ def test_passkey_probe_on_a_text_lm_beyond_its_training_length(tiny_corpus, tmp_
     assert cells[0]["depth_lo"] < cells[-1]["depth_lo"] and all(0 <= x["depth_lo"] <= x["depth_hi"] <= 1
                                                                  for x in cells)
     assert grid["chance"] == 10.0 ** -grid["options"]["passkey_len"]
+    for x in cells:  # the answer loss of each cell: the run's bin, in bits
+        assert x["loss_bits"] is None or 0 < x["loss_bits"] < 20
+    assert "Answer loss (bits per answer token)" in (tmp_path / "lm" / "recall" / "needle_grid_passkey_step2.md").read_text()
     for ext in ("json", "md", "png"):
         assert (tmp_path / "lm" / "recall" / f"needle_grid_passkey_step2.{ext}").exists()
 

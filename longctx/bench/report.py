@@ -436,6 +436,15 @@ def extra_sections(out: Path, rel: str) -> list[str]:
                      "262144`, then `.venv/bin/python scripts/main_recipes.py add NAME --workdir RUN --command "
                      "'...'`.\n")
         parts.append(recipes.read_text().strip() + "\n")
+        ctx = out / "main_recipes" / "context"
+        if (ctx / "test_context_compare.md").is_file():
+            parts.append("### Does the context win? The main model against the exact-attention baseline\n")
+            parts.append("Both over the same BPE vocabulary, scored on the main job's test bytes with the state "
+                         "carried across each file and reset every N bytes, and bits per byte by position in the file "
+                         "(log-spaced bins, each with the tokens it scored). `.venv/bin/python -m longctx.evaluate "
+                         "--workdir MAIN --workdir DENSE --max_bytes 262144 --out results/main_recipes/context`.\n")
+            parts.append((ctx / "test_context_compare.md").read_text().strip() + "\n")
+            parts += _pngs(ctx, "test_context_compare", f"{rel}/main_recipes/context")
     parts += gpu_check_section(out)
     rec = out / "recall"
     if (rec / "recall.md").is_file():
@@ -449,6 +458,15 @@ def extra_sections(out: Path, rel: str) -> list[str]:
             parts.append((rec / "seeds.md").read_text().strip().replace("## ", "### ", 1) + "\n")
         for px in sorted(rec.glob("passkey_x*/recall.md")):
             parts.append(px.read_text().strip().replace("## ", "### ", 1) + "\n")
+        grids = sorted(rec.glob("needle/*/needle_grid_*.md"))  # scripts/recall_all.sh's NEEDLE runs
+        if grids:
+            parts.append("### Needle grids: accuracy by row length and depth of the needle\n")
+            parts.append("The recall-trained runs of exact attention, sliding-window attention and one efficient "
+                         "method scored at several row lengths (`longctx-recall --lengths=256,512,1024 --bins=4`).\n")
+        for md in grids:
+            parts.append(md.read_text().strip() + "\n")
+            parts += [f"\n![{png.stem}]({rel}/recall/needle/{md.parent.name}/{png.name})\n"
+                      for png in sorted(md.parent.glob(md.stem + ".png"))]
     return parts
 
 

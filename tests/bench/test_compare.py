@@ -223,3 +223,25 @@ def test_readme_block_rewritten_between_its_markers(tmp_path):
     (tmp_path / "plain.md").write_text("no markers\n")
     with pytest.raises(ConfigError, match="no <!-- compare-pick:start -->"):
         compare.update_readme(tmp_path / "plain.md", "x")
+
+
+def test_report_renders_the_needle_grids_and_the_main_context_evidence(tmp_path):
+    """results/recall/needle/<method>/needle_grid_*.{md,png} (scripts/recall_all.sh's NEEDLE runs) and
+    results/main_recipes/context/test_context_compare.{md,png} each land in BENCHMARKS with their images."""
+    from longctx.bench import report
+
+    assert not any("Needle grids" in p or "Does the context win" in p for p in report.extra_sections(tmp_path, "r"))
+    (tmp_path / "recall" / "needle" / "swa").mkdir(parents=True)
+    (tmp_path / "recall" / "recall.md").write_text("## Recall\n")
+    (tmp_path / "recall" / "needle" / "swa" / "needle_grid_mqar_step300.md").write_text("| length | depth 1/4 |\n")
+    (tmp_path / "recall" / "needle" / "swa" / "needle_grid_mqar_step300.png").write_bytes(b"png")
+    ctx = tmp_path / "main_recipes" / "context"
+    ctx.mkdir(parents=True)
+    (tmp_path / "main_recipes" / "recipes.md").write_text("| recipe |\n")
+    (ctx / "test_context_compare.md").write_text("| run | tokenizer | state |\n")
+    (ctx / "test_context_compare_bpb_vs_position.png").write_bytes(b"png")
+    text = "\n".join(report.extra_sections(tmp_path, "r"))
+    assert text.count("### Needle grids") == 1 and "| length | depth 1/4 |" in text
+    assert "](r/recall/needle/swa/needle_grid_mqar_step300.png)" in text
+    assert "### Does the context win?" in text and "| run | tokenizer | state |" in text
+    assert "](r/main_recipes/context/test_context_compare_bpb_vs_position.png)" in text
