@@ -163,7 +163,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 256
     c.train.window = 0  # 0 -> seq_len (plain full-sequence training)
     # staged training (Shortformer-style length curriculum): the first short_steps updates use rows of
-    # short_seq_len tokens, the rest rows of seq_len; 0 = off. Needs full-row training (window = seq_len).
+    # short_seq_len tokens, the rest rows of seq_len; 0 = off. Trained in windows (window < seq_len), both phases'
+    # rows are cut into the same windows (short_seq_len a multiple of window); decoders only.
     c.train.short_steps = 0
     c.train.short_seq_len = 0
     c.train.lr = 3e-3
@@ -745,7 +746,7 @@ _VALIDATION = (
     Rule(_encoder, lambda c: c.train.microbatches == 1,
          "train.microbatches > 1 (gradient accumulation) is for decoders; an encoder (masked LM) trains on the whole "
          "batch: leave train.microbatches=1"),
-    Rule(_always, lambda c: c.train.steps % n_windows(c) == 0,
+    Rule(lambda c: c.train.short_steps <= 0, lambda c: c.train.steps % n_windows(c) == 0,
          lambda c: f"train.steps={c.train.steps} counts optimizer updates and must be a multiple of "
                    f"seq_len/window={n_windows(c)}"),
     _fit_to_run_length,
@@ -755,8 +756,17 @@ _VALIDATION = (
     Rule(lambda c: c.train.short_steps > 0, lambda c: 0 < c.train.short_seq_len < c.train.seq_len,
          "train.short_seq_len={train.short_seq_len} must be in (0, train.seq_len={train.seq_len}) "
          "when train.short_steps > 0"),
-    Rule(lambda c: c.train.short_steps > 0, lambda c: n_windows(c) == 1 and not _encoder(c),
-         "train.short_steps (staged training) needs a decoder trained on whole rows (train.window = train.seq_len)"),
+    Rule(lambda c: c.train.short_steps > 0, lambda c: not _encoder(c),
+         "train.short_steps (staged training) is for decoders; an encoder trains on one row length"),
+    Rule(lambda c: c.train.short_steps > 0 and n_windows(c) > 1, lambda c: c.train.short_seq_len % c.train.window == 0,
+         "train.short_seq_len={train.short_seq_len} must be a multiple of train.window={train.window} (the short "
+         "rows are trained in the same windows)"),
+    Rule(lambda c: c.train.short_steps > 0, lambda c: c.train.short_steps % short_windows(c.train) == 0,
+         lambda c: f"train.short_steps={c.train.short_steps} counts updates and must be a multiple of "
+                   f"short_seq_len/window={short_windows(c.train)}"),
+    Rule(lambda c: c.train.short_steps > 0, lambda c: (c.train.steps - c.train.short_steps) % n_windows(c) == 0,
+         lambda c: f"train.steps - train.short_steps = {c.train.steps - c.train.short_steps} updates on rows of "
+                   f"train.seq_len must be a multiple of seq_len/window={n_windows(c)}"),
     Rule(lambda c: c.train.short_steps > 0 and _sequence_parallel(c), lambda c: c.train.short_seq_len % c.mesh.sequence == 0,
          "mesh.sequence={mesh.sequence} must divide train.short_seq_len={train.short_seq_len}"),
     When(lambda c: c.train.short_steps > 0 and _generated(c), _fits_rows("short_seq_len")),
@@ -906,8 +916,9 @@ def fit_to_run_length(t, *, say=print) -> list[str]:
         changed.append(f"train.warmup_steps {t.warmup_steps} -> {t.steps // 10}")
         t.warmup_steps = t.steps // 10
     if t.short_steps >= t.steps > 0:
-        changed.append(f"train.short_steps {t.short_steps} -> {t.steps // 2}")
-        t.short_steps = t.steps // 2
+        half = t.steps // 2 // max(1, short_windows(t)) * max(1, short_windows(t))  # whole short rows
+        changed.append(f"train.short_steps {t.short_steps} -> {half}")
+        t.short_steps = half
     for key in ("log_every", "eval_every", "ckpt_every"):
         if t[key] > t.steps > 0:
             changed.append(f"train.{key} {t[key]} -> {t.steps}")
@@ -1038,4 +1049,37 @@ def merge_over_base(saved: ml_collections.ConfigDict | dict) -> ml_collections.C
 
 
 def n_windows(cfg) -> int:
+    """Updates per row of ``train.seq_len`` (its windows)."""
     return cfg.train.seq_len // cfg.train.window
+
+
+def short_windows(t) -> int:
+    """Updates per row of staged training's short phase (``t``: the ``train`` section): one where every row is
+    trained whole (``train.window = train.seq_len``), else the short row's windows of ``train.window``."""
+    if t.short_steps <= 0:
+        return 0
+    return 1 if t.window in (0, t.seq_len) else max(1, t.short_seq_len // t.window)
+
+
+def windows_at(cfg, step: int) -> int:
+    """Updates of the train step that starts at update ``step`` (the windows of its row)."""
+    t = cfg.train
+    return short_windows(t) if step < t.short_steps else n_windows(cfg)
+
+
+def batch_index(cfg, step: int) -> int:
+    """Which batch of rows the train step starting at update ``step`` reads: rows are drawn per index, the short
+    phase's rows (``train.short_steps``) from rows of ``train.short_seq_len``, then the long phase's."""
+    t = cfg.train
+    if t.short_steps <= 0:
+        return step // n_windows(cfg)
+    if step < t.short_steps:
+        return step // short_windows(t)
+    return t.short_steps // short_windows(t) + (step - t.short_steps) // n_windows(cfg)
+
+
+def update_tokens(cfg, step: int) -> int:
+    """Tokens a row contributes to the update at ``step``: its window (the whole short row in a full-row short
+    phase)."""
+    t = cfg.train
+    return t.short_seq_len // short_windows(t) if step < t.short_steps else t.window

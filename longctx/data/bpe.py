@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +92,11 @@ def tokenizer_kwargs(data_cfg) -> dict:
         if "train" not in source.splits:
             raise DataError(f"data.tokenizer='bpe' is trained on the train split; data.source={meta['source']!r} has "
                             f"none (splits: {', '.join(source.splits)})")
+        t0 = time.perf_counter()
+        print(f"learning a byte-level BPE of {kw['vocab_size']:,} tokens on the train split of "
+              f"data.source={meta['source']!r} (once: cached in {path.parent})...", file=sys.stderr, flush=True)
         text = train_model((p for _, p in source.documents("train")), **kw)
+        print(f"learned the BPE in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_with(path, lambda f: f.write(text.encode("utf-8")))
     return {"vocab_size": kw["vocab_size"], "tokenizer_file": str(path), "file_sha256": sha256_file(path)}

@@ -236,7 +236,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     progress = progress and distributed.is_primary()
     task = tasks.from_config(cfg, progress=progress)  # language model, masked LM or a generated recall task
     cfg = task.cfg  # the vocabulary resolved from the task's tokenizer
-    tc, n_win = cfg.train, task.n_windows
+    tc = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
     model = build_model(cfg.model, seed=tc.seed, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
@@ -267,8 +267,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     task.setup(model, graphdef, tx, plan)
     writer = open_metrics(workdir, step)
     base_key = jax.random.key(tc.seed)
-    def tokens_per_step(at_step):
-        return tc.batch_size * (tc.short_seq_len if at_step < tc.short_steps else tc.window)
+    def tokens_per_step(at_step):  # per update
+        return tc.batch_size * config_lib.update_tokens(cfg, at_step)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
     print(f"model: {n_params:,} parameters, attention={config_lib.attention_label(cfg.model)}, block={cfg.model.block}; "
           f"data: {task.summary()}")
@@ -340,10 +340,11 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
             batch = task.batch(step) if step < end else None
             while step < end:
                 key = jax.random.fold_in(base_key, step)
-                shape = tokens_per_step(step)
+                n_win = task.windows_at(step)
+                shape = (tokens_per_step(step), n_win)  # a window's tokens, the row's windows
                 compiling = shape not in compiled
                 if compiling:
-                    tqdm.write(f"compiling the train step (windows of {shape // tc.batch_size} tokens)...")
+                    tqdm.write(f"compiling the train step (windows of {shape[0] // tc.batch_size} tokens)...")
                     t_compile = time.time()
                 params, nongrad, opt_state, metrics = task.train_step(params, nongrad, rest, opt_state, batch, key)
                 prev, step = step, step + n_win

@@ -421,6 +421,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
                     constrain=None, weighted: bool = False, hidden=None, microbatches: int = 1, packed: bool = False,
                     loss=None, trainable=None):
     """Returns step(params, nongrad, rest, opt_state, tokens[B, T+1], key) -> (params, nongrad, opt_state, metrics).
+    A row of T tokens is trained in T // ``window`` windows, one update each, the state carried between them (one
+    window where T < ``window``: a staged short row trained whole); ``seq_len``, the longest row, sizes the state.
     ``constrain``: optional function placing [B, W] token arrays on the mesh inside the step.
     ``weighted``: the batch is ``{'tokens': [B, T+1], 'weights': [B, T]}`` and the loss is the weighted
     mean NLL of the targets (a generated source's scored answer tokens; :func:`make_weighted_loss_fn`).
@@ -436,7 +438,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     ``loss``: another loss function of :func:`make_loss_fn`'s signature (attention transfer,
     :func:`make_transfer_loss_fn`); ``trainable``: a static tree of bools over the parameters, only those True
     are updated (:func:`_frozen`)."""
-    n_windows = seq_len // window
     if loss is not None:
         if weighted or packed:
             raise ValueError("a given loss function takes neither per-target weights nor packed rows")
@@ -447,7 +448,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
     given_weights = weighted  # packed: the batch's weights (else every target inside a document)
     weighted = weighted or packed  # the packed loss's last per-target input is its weights too
 
-    def make_update(params, nongrad, rest, batch_size):
+    def make_update(params, nongrad, rest, batch_size, n_windows):
         if microbatches == 1:
             grad_fn = (scaled_value_and_grad(loss) if isinstance(tx, LossScaling)
                        else jax.value_and_grad(loss, has_aux=True))
@@ -460,7 +461,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         return _make_update(graphdef, tx, grad_fn, skip_nonfinite, trainable)
 
     def step(params, nongrad, rest, opt_state, tokens, key):
-        update = make_update(params, nongrad, rest, (tokens["tokens"] if weighted else tokens).shape[0])
+        rows = tokens["tokens"] if weighted else tokens
+        T = rows.shape[1] - 1
+        # the row's windows: a row of seq_len in windows of `window`; a staged phase's shorter row in the same
+        # windows, or whole where every row is trained whole (window = seq_len)
+        n_windows = T // window if T >= window else 1
+        update = make_update(params, nongrad, rest, rows.shape[0], n_windows)
         if packed:
             segs, positions = tokens["segment_ids"], tokens["positions"]
             w = target_weights(segs) * tokens["weights"] if given_weights else target_weights(segs)
@@ -479,7 +485,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, seq_len: int,
         B = tokens.shape[0]
         state0 = nnx.merge(graphdef, params, nongrad, rest).init_state(B, seq_len)
         xs = (
-            *(a.reshape(B, n_windows, window).transpose(1, 0, 2) for a in per_target),
+            *(a.reshape(B, n_windows, T // n_windows).transpose(1, 0, 2) for a in per_target),
             jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_windows)),
         )
         (params, nongrad, _, opt_state, _), metrics = jax.lax.scan(update, (params, nongrad, rest, opt_state, state0), xs)

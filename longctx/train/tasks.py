@@ -70,7 +70,6 @@ class Task:
         self.tokenizer, self.splits, self.data_dir = self.load(cfg, progress=progress)
         self.cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size,
                                             mask_token=masking.own_mask_id(self.tokenizer))
-        self.n_windows = config_lib.n_windows(self.cfg)
 
     # ---- data
     def load(self, cfg, *, progress: bool):
@@ -108,7 +107,11 @@ class Task:
     def host_batch(self, at_step: int) -> dict:
         """The host rows of the step starting at ``at_step``."""
         batcher = self.short_batcher if at_step < self.cfg.train.short_steps else self.batcher
-        return batcher.batch(at_step // self.n_windows)
+        return batcher.batch(config_lib.batch_index(self.cfg, at_step))
+
+    def windows_at(self, at_step: int) -> int:
+        """The updates of the train step starting at ``at_step`` (its row's windows)."""
+        return config_lib.windows_at(self.cfg, at_step)
 
     def batch(self, at_step: int):
         """The batch of the step starting at ``at_step``, read on the host and sent to the devices."""
@@ -149,7 +152,7 @@ class LanguageModel(Task):
     def make_step(self, model, graphdef, tx, plan):
         tc, mesh = self.cfg.train, plan.mesh
         seq_mode, seq_hidden = sequence_parallel.train_hidden(
-            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if tc.short_steps > 0 else ()),
+            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if config_lib.short_windows(tc) == 1 else ()),
             seq_len=tc.seq_len, mode=self.cfg.mesh.sequence_mode, packed=self.packed())
         if mesh.shape["sequence"] > 1:
             print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")

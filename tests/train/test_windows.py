@@ -4,6 +4,7 @@ one optimizer update per window."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from longctx.config import base_config, validate
 from longctx.models.decoder import build_model
@@ -77,3 +78,53 @@ def test_transformer_vq_windows_apply_one_codebook_update_per_window():
     np.testing.assert_allclose(np.asarray(got.c_count[...]), np.asarray(c_count), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got.c_sum[...]), np.asarray(c_sum), rtol=1e-4, atol=1e-6)
     assert not np.allclose(np.asarray(got.c_count[...]), 1.0)  # moved away from the initial counts
+
+
+def staged(tiny_corpus, tmp_path, **over):
+    from tests.conftest import tiny_config
+
+    c = tiny_config(tiny_corpus, tmp_path / "cache", seq_len=32, window=8, short_steps=6, short_seq_len=16, steps=14,
+                    ckpt_every=2, eval_every=14)
+    c.train.update(over)
+    return c
+
+
+def test_staged_training_in_windows_cuts_both_phases_into_the_same_windows(tiny_corpus, tmp_path):
+    """train.short_steps with train.window < train.seq_len: the short rows (short_seq_len) and the long rows
+    (seq_len) are both trained in windows of train.window, one update each; each step's batch index is a pure
+    function of the update it starts at; misaligned phases are refused in one line."""
+    from longctx import config as config_lib
+    from longctx.errors import ConfigError
+
+    cfg = validate(staged(tiny_corpus, tmp_path))
+    assert [config_lib.windows_at(cfg, s) for s in (0, 2, 4, 6, 10)] == [2, 2, 2, 4, 4]
+    assert [config_lib.batch_index(cfg, s) for s in (0, 2, 4, 6, 10)] == [0, 1, 2, 3, 4]
+    assert [config_lib.update_tokens(cfg, s) for s in (0, 6)] == [8, 8]
+    full = validate(staged(tiny_corpus, tmp_path, window=32, steps=14))  # rows trained whole: one update a row
+    assert [config_lib.windows_at(full, s) for s in (0, 5, 6)] == [1, 1, 1]
+    assert [config_lib.update_tokens(full, s) for s in (0, 6)] == [16, 32]
+    for over, msg in (({"short_seq_len": 12}, "must be a multiple of train.window=8"),
+                      ({"short_steps": 5}, "short_seq_len/window=2"),
+                      ({"steps": 16}, "must be a multiple of seq_len/window=4")):
+        with pytest.raises(ConfigError, match=msg):
+            validate(staged(tiny_corpus, tmp_path, **over))
+
+
+@pytest.mark.slow
+def test_staged_training_in_windows_resumes_to_the_same_losses(tiny_corpus, tmp_path):
+    """A windowed staged run logs one record per row (2 windows, then 4) and, stopped inside the short phase,
+    resumes to the losses of an uninterrupted run."""
+    import json
+
+    from longctx.train.loop import train
+
+    def losses(wd):
+        recs = [json.loads(x) for x in (wd / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
+
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    train(validate(staged(tiny_corpus, tmp_path)), whole, progress=False)
+    assert sorted(losses(whole)) == [2, 4, 6, 10, 14]
+    train(validate(staged(tiny_corpus, tmp_path)), parted, progress=False, max_steps=4)
+    train(validate(staged(tiny_corpus, tmp_path)), parted, progress=False)
+    assert losses(parted) == losses(whole)
