@@ -817,9 +817,9 @@ def validate(cfg: ml_collections.ConfigDict, platform: str | None = None) -> ml_
     return c
 
 
-# model.scan_layers='auto' on a CPU ('on' | 'off'): what the main job's model trains faster with on XLA:CPU, measured
+# model.scan_layers='auto' on a CPU ('on' | 'off'): what the previous main job's model trains faster with on XLA:CPU, measured
 # on a 2-core CPU shared with other jobs, processes alternated on, off, off, on:
-#   for v in on off off on; do longctx-bench step --config configs/main.py --lengths 1k --window 256 --batch_size 8 \
+#   for v in on off off on; do longctx-bench step --config configs/main_transformer_vq.py --lengths 1k --window 256 --batch_size 8 \
 #     --repeats 15 --matmul_n 0 --noprogress --config.model.scan_layers=$v; done
 # median step 1.28, 2.33 s scanned against 1.06, 1.21 s unrolled; compile 7.9, 9.8 s against 8.4, 9.9 s (four
 # layers: no compile-time gain to weigh). Over 18 such runs (load average 1 to 16) the scanned step also took more

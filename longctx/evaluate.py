@@ -18,7 +18,7 @@ from longctx import config as config_lib
 from longctx.data import masking, sources
 from longctx.errors import ConfigError, LongctxError, WorkdirError
 from longctx.protocols import byte_lengths, score_mlm_split, score_split
-from longctx.runtime import Runner
+from longctx.runtime import WINDOW_SWAP, Runner
 
 LN2 = math.log(2.0)
 
@@ -216,15 +216,16 @@ CONTEXT_RESETS = (256, 1024, 4096)  # bytes
 
 
 def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: int | None = None,
-                  overrides: dict | None = None, progress: bool = True) -> dict:
+                  overrides: dict | None = None, progress: bool = True, as_method: str | None = None) -> dict:
     """Score ``split`` of a decoder run with the state carried across each file (the stream protocol,
     ``eval.reset='document'``, ``eval.row_len=-1``) and with it reset every N bytes inside each file for N in
     ``resets`` (:func:`longctx.protocols.byte_cut_jobs`: exact byte cuts, so a BPE run and a byte run reset at
     the same bytes); the carried scoring's loss by position in the file (bytes) comes with it. Needs a lossless
     tokenizer (bits per byte). Writes ``eval/<split>_step<N>_context.json``, a markdown table beside it and the
-    position plot; returns the result."""
+    position plot; returns the result. ``as_method``: score a dense run over its sliding window or a sliding-window
+    run with every key (``dense`` / ``swa``: the same parameters; ``..._context_as_<method>.json``)."""
     over = {**config_lib.one_budget(overrides), "eval.split": split, "eval.protocol": "stream", "eval.reset": "document",
-            "eval.row_len": -1}
+            "eval.row_len": -1, **({"model.attention.name": as_method} if as_method else {})}
     runner = Runner.from_workdir(workdir, step=step, overrides=over)
     if runner.is_encoder or sources.is_generated(runner.cfg.data.source):
         raise ConfigError(f"{workdir}: the context table scores a decoder on a text split; this run is "
@@ -240,14 +241,17 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
     for n in resets:
         res, _ = evaluate_split(runner, data, ecfg, progress=progress, desc=f"{split} reset {n}", row_bytes=int(n))
         rows.append({"reset": f"every {n} bytes", "row_bytes": int(n), **_row(res)})
-    out = {"workdir": str(workdir), "split": split, "step": runner.step, "tokenizer": runner.cfg.data.tokenizer,
+    method = runner.cfg.model.attention.name
+    if method == "swa":
+        method = f"swa, window {runner.cfg.model.attention.swa.window}"
+    out = {"workdir": str(workdir), "label": f"{workdir} ({method})", "method": method, "split": split, "step": runner.step, "tokenizer": runner.cfg.data.tokenizer,
            "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
            **({"budget": carried["budget"]} if "budget" in carried else {}),
            "compressors_bits_per_byte": carried.get("compressors_bits_per_byte", {}),
            "by_position": position_bins(sums, counts, byte_counts=nbytes), "position_unit": "bytes from the file's start"}
     print(format_context([out]), flush=True)
     out_dir = Path(workdir) / "eval"
-    stem = f"{split}_step{int(runner.step)}_context"
+    stem = f"{split}_step{int(runner.step)}_context" + (f"_as_{as_method}" if as_method else "")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_dir / f"{stem}.json", out)
@@ -275,7 +279,7 @@ def format_context(results: list[dict]) -> str:
         base = r["rows"][0]["bits_per_byte"]
         for row in r["rows"]:
             delta = "" if row["row_bytes"] is None else f"{row['bits_per_byte'] - base:+.4f}"
-            lines.append(f"| {r['workdir']} (step {r['step']}) | {r['tokenizer']} | {row['reset']} | "
+            lines.append(f"| {r.get('label', r['workdir'])}, step {r['step']} | {r['tokenizer']} | {row['reset']} | "
                          f"{row['bits_per_byte']:.4f} | {delta} | {row['bits_per_token']:.4f} | "
                          f"{row['tokens_scored']:,} | {row['bytes_scored']:,} |")
     for r in results:
@@ -283,7 +287,7 @@ def format_context(results: list[dict]) -> str:
         n, scored = r["bytes_in_split"], r["rows"][0]["bytes_scored"]
         size = (f"{n:,} bytes, {n - scored:,} not scored (each file's first token)" if n is not None
                 else f"{scored:,} bytes scored, {r.get('budget', 'part of the split')}")
-        lines.append(f"\n{r['workdir']}: {r['split']} split, {size}; on the scored bytes: {comp}")
+        lines.append(f"\n{r.get('label', r['workdir'])}: {r['split']} split, {size}; on the scored bytes: {comp}")
     return "\n".join(lines)
 
 
@@ -301,13 +305,20 @@ def context_main(argv=None) -> int:
                    help="score only the tokens within the first N scored bytes, the same bytes whatever the tokenizer "
                         "(0: the run's budget)")
     p.add_argument("--out", default="", help="folder for the combined table and plot (default: the first run's eval/)")
+    p.add_argument("--also_as", choices=WINDOW_SWAP, default=None,
+                   help="score each dense or swa run a second time as this method (the same parameters: a dense run "
+                        "over a sliding window of its trained length; a sliding-window run with every key)")
     p.add_argument("--noprogress", action="store_true")
     a = p.parse_args(argv)
     resets = tuple(int(x) for x in a.resets.split(",") if x.strip())
     over = {key: n for key, n in (("eval.max_tokens", a.max_tokens), ("eval.max_bytes", a.max_bytes)) if n}
     try:
-        results = [context_table(wd, split=a.split, resets=resets, overrides=over, progress=not a.noprogress)
-                   for wd in a.workdir]
+        results = []
+        for wd in a.workdir:
+            results.append(context_table(wd, split=a.split, resets=resets, overrides=over, progress=not a.noprogress))
+            if a.also_as:
+                results.append(context_table(wd, split=a.split, resets=resets, overrides=over,
+                                             progress=not a.noprogress, as_method=a.also_as))
     except LongctxError as e:  # one line, as the console scripts print it
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -315,7 +326,7 @@ def context_main(argv=None) -> int:
         out = Path(a.out or Path(a.workdir[0]) / "eval")
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{a.split}_context_compare.md").write_text(format_context(results) + "\n")
-        plot_position_curves({f"{r['workdir']} ({r['tokenizer']})": r["by_position"] for r in results},
+        plot_position_curves({f"{r.get('label', r['workdir'])} ({r['tokenizer']})": r["by_position"] for r in results},
                              out / f"{a.split}_context_compare_bpb_vs_position.png",
                              title=f"{a.split}: bits per byte by position in the file", unit="bytes from the file's start")
         print(format_context(results))

@@ -26,16 +26,38 @@ from longctx.train.step import make_forward, make_mlm_forward, split_model
 # the layer layout may change too: a checkpoint restores into either (checkpoint._saved_layout), and tools that
 # walk the blocks one by one (capture, dropin) ask for the unrolled stack
 RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir", "model.scan_layers")
+# exact attention over every key and over a sliding window share every parameter: a run trained with one is
+# scored with the other (a dense run over a window of its trained length, a sliding-window run with every key)
+WINDOW_SWAP = ("dense", "swa")
+WINDOW_KEYS = ("model.attention.name", "model.attention.swa.window")
 
 
 def check_run_overrides(overrides: dict) -> None:
-    for path in overrides:
-        if not path.startswith(RUN_OVERRIDABLE):
+    for path, value in overrides.items():
+        if path == "model.attention.name" and value not in WINDOW_SWAP:
+            raise ConfigError(f"--config.model.attention.name={value}: a trained run's method changes only between "
+                              f"{' and '.join(WINDOW_SWAP)} (they share every parameter)")
+        if not path.startswith(RUN_OVERRIDABLE) and path not in WINDOW_KEYS:
             raise ConfigError(
                 f"--config.{path}: a trained run's model, data and training settings are fixed; "
                 "allowed here: --config.eval.*, --config.sample.*, --config.data.path, --config.data.cache_dir, "
-                "--config.model.scan_layers"
+                "--config.model.scan_layers, and between dense and swa --config.model.attention.name and "
+                "--config.model.attention.swa.window"
             )
+
+
+def _check_window_swap(saved, overrides: dict) -> None:
+    """A run's method changes only from dense or swa in every layer (``model.attention.name``)."""
+    if "model.attention.name" not in overrides:
+        return
+    att = saved.model.attention
+    methods = tuple(att.pattern) or (att.name,)
+    if any(m not in WINDOW_SWAP for m in methods):
+        raise ConfigError(f"--config.model.attention.name={overrides['model.attention.name']}: this run's attention "
+                          f"is {','.join(methods)}; only a dense or swa run is scored with the other")
+    if att.pattern:
+        raise ConfigError("--config.model.attention.name: this run mixes methods by layer "
+                          f"(model.attention.pattern={','.join(att.pattern)}); only a single-method run changes method")
 
 
 class Runner:
@@ -104,12 +126,15 @@ class Runner:
 
         def target(meta):
             cfg = config_lib.merge_over_base(meta["config"])
+            _check_window_swap(cfg, overrides)
             for path, value in overrides.items():
                 node = cfg
                 *parents, key = path.split(".")
                 for p in parents:
                     node = node[p]
                 node[key] = value
+            if overrides.get("model.attention.name") == "swa" and "model.attention.swa.window" not in overrides:
+                cfg.model.attention.swa.window = cfg.train.seq_len  # a dense run's window: its trained length
             cfg = config_lib.validate(cfg)
             model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
             built["cfg"] = cfg

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from longctx import runtime
-from longctx.config import resolve_vocab, validate
+from longctx.config import base_config, resolve_vocab, validate
 from longctx.data.prepare import prepare
+from longctx.errors import ConfigError
 from longctx.evaluate import evaluate_split, position_bins
 from longctx.models.decoder import build_model
 from longctx.protocols import (
@@ -189,10 +190,9 @@ def test_byte_cuts_reset_every_n_bytes_and_score_every_token_once(row_bytes):
 
 
 @pytest.mark.slow  # trains: compile-bound, about 20 s
-def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
-    """End to end: longctx-train with data.tokenizer=bpe, longctx-eval in bits per byte, the reset table."""
+def tiny_bpe_run(tiny_corpus, tmp_path):
+    """A tiny decoder trained 2 steps over a BPE of 300 tokens: (its config, its workdir)."""
     from longctx import cli
-    from longctx.evaluate import context_main
 
     cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=2, warmup_steps=1, eval_every=2, ckpt_every=2)
     cfg.data.options.vocab_size = 300
@@ -202,6 +202,15 @@ def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
     wd = tmp_path / "w"
     assert cli.train_main(["longctx-train", f"--config={path}", f"--workdir={wd}", "--noprogress",
                            "--config.data.tokenizer=bpe"]) == 0
+    return cfg, wd
+
+
+def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
+    """End to end: longctx-train with data.tokenizer=bpe, longctx-eval in bits per byte, the reset table."""
+    from longctx import cli
+    from longctx.evaluate import context_main
+
+    cfg, wd = tiny_bpe_run(tiny_corpus, tmp_path)
     assert cli.eval_main(["longctx-eval", f"--workdir={wd}", "--noprogress", "--split=valid",
                           "--config.eval.row_len=-1"]) == 0
     ev = json.loads(next((wd / "eval").glob("valid_step2_stream*.json")).read_text())
@@ -225,6 +234,28 @@ def test_context_table_of_a_tiny_bpe_run(tiny_corpus, tmp_path):
     table = json.loads((wd / "eval" / "valid_step2_context.json").read_text())
     assert table["budget"] == "the first 500 scored bytes (eval.max_bytes)" and table["bytes_in_split"] is None
     assert [r["bytes_scored"] for r in table["rows"]] == [cut["bytes_scored"]] * 2
+
+
+def test_a_dense_run_scored_over_a_sliding_window(tiny_corpus, tmp_path):
+    """--also_as swa scores a dense run over a window of its trained length with the same parameters: a reset
+    shorter than the window gives dense's numbers; only dense and swa swap, in one line otherwise."""
+    from longctx.evaluate import context_main
+    from longctx.runtime import _check_window_swap, check_run_overrides
+
+    cfg, wd = tiny_bpe_run(tiny_corpus, tmp_path)
+    assert context_main(["--workdir", str(wd), "--split", "valid", "--resets", "16", "--noprogress",
+                         "--also_as", "swa", "--out", str(tmp_path / "cmp")]) == 0
+    dense = json.loads((wd / "eval" / "valid_step2_context.json").read_text())
+    swa = json.loads((wd / "eval" / "valid_step2_context_as_swa.json").read_text())
+    assert dense["method"] == "dense" and swa["method"] == f"swa, window {cfg.train.seq_len}"
+    assert swa["rows"][1]["bits_per_byte"] == pytest.approx(dense["rows"][1]["bits_per_byte"], rel=1e-5)
+    assert "(swa, window" in (tmp_path / "cmp" / "valid_context_compare.md").read_text()
+    with pytest.raises(ConfigError, match="changes only between dense and swa"):
+        check_run_overrides({"model.attention.name": "eva"})
+    tvq = base_config()
+    tvq.model.attention.name = "transformer_vq"
+    with pytest.raises(ConfigError, match="only a dense or swa run"):
+        _check_window_swap(tvq, {"model.attention.name": "swa"})
 
 
 # ----------------------------------------------------------------------------------------------

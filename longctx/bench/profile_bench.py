@@ -1,7 +1,7 @@
 """`longctx-bench profile`: where one compiled call's time goes, by XLA op, op kind and source line.
 
     longctx-bench profile --out bench_out/profile --method eva --length 8k
-    longctx-bench profile --out bench_out/profile_main --config configs/main.py --length 1k --batch 8 --window 256
+    longctx-bench profile --out bench_out/profile_main --config configs/main.py --length 256 --batch 16
     longctx-bench profile --config configs/default.py --config.model.d_model=128 --length 1k
 
 The target is an attention core (``--method``, a registered method or ``method:variant``; random q, k, v;

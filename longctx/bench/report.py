@@ -439,10 +439,13 @@ def extra_sections(out: Path, rel: str) -> list[str]:
         ctx = out / "main_recipes" / "context"
         if (ctx / "test_context_compare.md").is_file():
             parts.append("### Does the context win? The main model against the exact-attention baseline\n")
-            parts.append("Both over the same BPE vocabulary, scored on the main job's test bytes with the state "
-                         "carried across each file and reset every N bytes, and bits per byte by position in the file "
+            parts.append("The main model (a sliding window of 256 tokens, trained on rows of 256) scored with its "
+                         "window and, with the same parameters, with every key (`dense`: the exact-attention baseline "
+                         "past the length it was trained on), on the main job's test bytes with the state carried "
+                         "across each file and reset every N bytes, and bits per byte by position in the file "
                          "(log-spaced bins, each with the tokens it scored). `.venv/bin/python -m longctx.evaluate "
-                         "--workdir MAIN --workdir DENSE --max_bytes 262144 --out results/main_recipes/context`.\n")
+                         "--workdir runs/main_fresh --also_as dense --max_bytes 262144 --out "
+                         "results/main_recipes/context`.\n")
             parts.append((ctx / "test_context_compare.md").read_text().strip() + "\n")
             parts += _pngs(ctx, "test_context_compare", f"{rel}/main_recipes/context")
     parts += gpu_check_section(out)

@@ -1106,7 +1106,7 @@ DEFAULTS = {
     # a GPU)
     "keep_budget": {"cpu": 1 << 26, "cuda": -1, "rocm": -1, "tpu": -1},
     # the size rule (form_for) takes the tiled form for calls with at least this many scores B*H*T*(S+2L) (1: every
-    # call of at least a block). cpu: 2^23 (32 MB in float32): below it the one-shot form is as fast or faster (configs/main.py,
+    # call of at least a block). cpu: 2^23 (32 MB in float32): below it the one-shot form is as fast or faster (configs/main_transformer_vq.py,
     # batch 8, L = S = 64, windows of 256, trains about a sixth slower through the tiles), above it autodiff's
     # [T, S+2L] residuals make it memory-bound. GPU / TPU: 2^26 (256 MiB per float32 score tensor, about 1 GiB of
     # autodiff residuals per layer call): the one-shot form is a few large batched products, while each tile of the
