@@ -224,3 +224,26 @@ def test_the_tiles_blocks_fit_the_window():
     assert windowed < 0.35 * full
     np.testing.assert_allclose(np.asarray(run(100)(q, k, v)), np.asarray(run(100, "reference")(q, k, v)),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_a_window_as_long_as_the_rows_is_exact_attention():
+    """The main job's model: swa with a window of the training rows' length has dense's parameters and dense's
+    output on those rows (training is exact attention); on longer rows the two differ past the window."""
+    from longctx.config import base_config
+    from longctx.models.decoder import build_model
+
+    c = base_config().model
+    c.vocab_size, c.d_model, c.num_layers, c.d_ff, c.num_heads, c.head_dim = 32, 16, 2, 32, 2, 8
+    c.attention.swa.window = 12
+    models = {}
+    for name in ("dense", "swa"):
+        c.attention.name = name
+        models[name] = build_model(c, seed=0)
+    tokens = (jnp.arange(30, dtype=jnp.int32)[None] * 7) % 32
+    d, _, _ = models["dense"](tokens[:, :12])
+    s, _, _ = models["swa"](tokens[:, :12])
+    np.testing.assert_allclose(np.asarray(s), np.asarray(d), atol=1e-6, rtol=1e-6)
+    d, _, _ = models["dense"](tokens)
+    s, _, _ = models["swa"](tokens)
+    np.testing.assert_allclose(np.asarray(s[:, :12]), np.asarray(d[:, :12]), atol=1e-6, rtol=1e-6)
+    assert float(jnp.max(jnp.abs(s[:, 12:] - d[:, 12:]))) > 1e-4
