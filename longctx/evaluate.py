@@ -241,9 +241,10 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
     for n in resets:
         res, _ = evaluate_split(runner, data, ecfg, progress=progress, desc=f"{split} reset {n}", row_bytes=int(n))
         rows.append({"reset": f"every {n} bytes", "row_bytes": int(n), **_row(res)})
-    method = runner.cfg.model.attention.name
-    if method == "swa":
-        method = f"swa, window {runner.cfg.model.attention.swa.window}"
+    att = runner.cfg.model.attention
+    method = ",".join(att.pattern) if att.pattern else att.name
+    if "swa" in method.split(","):
+        method += f", window {att.swa.window}"
     out = {"workdir": str(workdir), "label": f"{workdir} ({method})", "method": method, "split": split, "step": runner.step, "tokenizer": runner.cfg.data.tokenizer,
            "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
            **({"budget": carried["budget"]} if "budget" in carried else {}),
