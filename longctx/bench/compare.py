@@ -611,7 +611,11 @@ def report(out: Path, rs: list[dict], args) -> dict:
              "(noisy). "
              + MATCH_TEXT[args.match_params]
              + f"Bits per byte: mean ± sample standard deviation (seeds) over {sz['eval_tokens']} bytes of "
-             "each split.\n\n"]
+             "each split."
+             + "".join(f" No hybrid_{m}: its blocks run inside the method's own stack wrapper, which a pattern "
+                       "cannot mix." for m in C.parse_names(args.methods)
+                       if getattr(args, "hybrids", True) and m != EXACT and not _hybrid_ok(m))
+             + "\n\n"]
     if missing:
         parts.append("Missing runs: " + ", ".join(f"`{r['label']}` ctx {r['context']} seed {r['seed']}"
                                                    for r in missing) + ".\n\n")
