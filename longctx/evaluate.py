@@ -245,8 +245,8 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
     method = ",".join(att.pattern) if att.pattern else att.name
     if "swa" in method.split(","):
         method += f", window {att.swa.window}"
-    out = {"workdir": str(workdir), "label": f"{workdir} ({method})", "method": method, "split": split, "step": runner.step, "tokenizer": runner.cfg.data.tokenizer,
-           "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
+    out = {"workdir": str(workdir), "label": f"{workdir} ({method})", "method": method, "split": split,
+           "step": runner.step, "tokenizer": runner.cfg.data.tokenizer, "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
            **({"budget": carried["budget"]} if "budget" in carried else {}),
            "compressors_bits_per_byte": carried.get("compressors_bits_per_byte", {}),
            "by_position": position_bins(sums, counts, byte_counts=nbytes), "position_unit": "bytes from the file's start"}

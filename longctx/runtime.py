@@ -127,13 +127,15 @@ class Runner:
         def target(meta):
             cfg = config_lib.merge_over_base(meta["config"])
             _check_window_swap(cfg, overrides)
+            trained_dense = cfg.model.attention.name == "dense"
             for path, value in overrides.items():
                 node = cfg
                 *parents, key = path.split(".")
                 for p in parents:
                     node = node[p]
                 node[key] = value
-            if overrides.get("model.attention.name") == "swa" and "model.attention.swa.window" not in overrides:
+            if (trained_dense and overrides.get("model.attention.name") == "swa"
+                    and "model.attention.swa.window" not in overrides):
                 cfg.model.attention.swa.window = cfg.train.seq_len  # a dense run's window: its trained length
             cfg = config_lib.validate(cfg)
             model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))

@@ -248,6 +248,8 @@ def test_a_dense_run_scored_over_a_sliding_window(tiny_corpus, tmp_path):
     dense = json.loads((wd / "eval" / "valid_step2_context.json").read_text())
     swa = json.loads((wd / "eval" / "valid_step2_context_as_swa.json").read_text())
     assert dense["method"] == "dense" and swa["method"] == f"swa, window {cfg.train.seq_len}"
+    over = {"model.attention.name": "swa", "model.attention.swa.window": 8}
+    assert runtime.Runner.from_workdir(wd, overrides=over).cfg.model.attention.swa.window == 8  # a window given wins
     assert swa["rows"][1]["bits_per_byte"] == pytest.approx(dense["rows"][1]["bits_per_byte"], rel=1e-5)
     assert "(swa, window" in (tmp_path / "cmp" / "valid_context_compare.md").read_text()
     with pytest.raises(ConfigError, match="changes only between dense and swa"):
