@@ -68,9 +68,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import hash_dropout
+from pallas_kernels import lazy_triton as pltriton
 from pallas_kernels.eva_attend_ref import NEG, eva_attend_reference, local_offsets
 from pallas_kernels.precision import compute_dtype
 from pallas_kernels.precision import dot_nn as _nn
@@ -177,6 +177,8 @@ def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, C: int, e_l: 
     if platform not in PLATFORMS:
         out.append(f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})")
         return out
+    if platform in ("cuda", "rocm"):
+        out += pltriton.missing()
     if platform == "cuda":
         for name, x in (("window_size", W), ("head_dim", d), ("value_dim", dv)):
             if x & (x - 1) or not 16 <= x <= 128:

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import lazy_triton
 from pallas_kernels.eva_chunks_ref import LN_EPS, NEG, EVAOptions, chunk_proposals, chunk_summaries
 from pallas_kernels.precision import compute_dtype
 from pallas_kernels.precision import dot_nn as _nn
@@ -112,6 +113,8 @@ def unsupported_reasons(platform: str, *, P: int, d: int, dv: int, dtype=jnp.flo
         return reasons
     if platform not in PLATFORMS:
         return reasons + [f"no {platform} lowering (kernel platforms: {', '.join(PLATFORMS)})"]
+    if platform in ("cuda", "rocm"):
+        reasons += lazy_triton.missing()
     if platform == "cuda" and not (_is_pow2(P) and _is_pow2(d) and _is_pow2(dv)):
         reasons.append(f"GPU (Triton) blocks need power-of-two chunk_size and head dims; got P={P}, d={d}, dv={dv}")
     elif platform == "cuda":
@@ -240,9 +243,7 @@ def _compiler_params(platform, warps: int = 4):
 
         return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     if platform in ("gpu", "cuda", "rocm"):
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+        return lazy_triton.CompilerParams(num_warps=warps, num_stages=2)
     return None
 
 

@@ -64,8 +64,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import lazy_triton as pltriton
 from pallas_kernels.fma_blocks_ref import NEG, attend_blocks
 from pallas_kernels.precision import dot_nn as _nn
 from pallas_kernels.precision import dot_nt as _nt
@@ -98,6 +98,8 @@ def unsupported_reasons(platform: str, *, m: int, d: int, dv: int, coarse_kind=N
         out.append("no attention dropout in the kernel")
     if platform == "interpret":
         return out
+    if platform in ("cuda", "rocm"):
+        out += pltriton.missing()
     if platform == "rocm":
         out.append("not written for ROCm")
     if platform == "cuda":

@@ -127,6 +127,15 @@ def smem_bytes(m: int, d: int, dv: int, itemsize: int = 2, coarse_ring: int = 2)
     return max(fwd, dq_base + max(dq_fine, dq_coarse, m * d * 4), dkv)
 
 
+def hopper_reasons(compute_capability) -> list[str]:
+    """The refusal of a device other than Hopper: ``compute_capability`` ``(major, minor)`` or a string like
+    ``"9.0"`` (None: unknown, served)."""
+    cc = compute_capability
+    if cc is None or (cc[0] if isinstance(cc, tuple) else int(str(cc).split(".")[0])) == 9:
+        return []
+    return [f"needs compute capability 9.0 (Hopper) for wgmma and TMA, got {cc}"]
+
+
 def unsupported_reasons(platform: str, *, m: int, d: int, dv: int, dtype=None, coarse_kind=None,
                         q_block0_static=True, dropout: float = 0.0, compute_capability=None, coarse_slots=None,
                         **_) -> list[str]:
@@ -143,11 +152,7 @@ def unsupported_reasons(platform: str, *, m: int, d: int, dv: int, dtype=None, c
     if platform != "cuda":
         out.append(f"Mosaic GPU kernels run on cuda (Hopper), not {platform}")
         return out
-    if compute_capability is not None:
-        cc = compute_capability
-        major = int(str(cc).split(".")[0]) if not isinstance(cc, tuple) else cc[0]
-        if major != 9:
-            out.append(f"needs compute capability 9.0 (Hopper) for wgmma and TMA, got {cc}")
+    out += hopper_reasons(compute_capability)
     if m not in MGPU_M:
         out.append(f"fine block m={m} not in {MGPU_M} (one wgmma query tile of 64-row granules)")
     if d % 64 or dv % 64 or not (64 <= d <= MAX_HEAD and 64 <= dv <= MAX_HEAD):

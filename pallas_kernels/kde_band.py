@@ -52,8 +52,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import lazy_triton as pltriton
 from pallas_kernels.precision import dot_nn as _nn
 from pallas_kernels.precision import dot_nt as _nt
 from pallas_kernels.precision import dot_tn as _tn
@@ -71,7 +71,7 @@ def unsupported_reasons(platform: str, *, block: int, d: int, dv: int, **_) -> l
         return [] if block >= 1 else [f"block={block} must be >= 1"]
     if platform != "cuda":
         return [f"the KDEformer band kernel is written for cuda (Triton), not {platform}"]
-    out = []
+    out = list(pltriton.missing())
     if block not in GPU_BLOCKS:
         out.append(f"block={block} not in {GPU_BLOCKS} on GPU (Triton dots need >= 16 rows)")
     if d & (d - 1) or dv & (dv - 1) or not (16 <= d <= GPU_MAX_HEAD and 16 <= dv <= GPU_MAX_HEAD):

@@ -128,8 +128,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import lazy_triton as pltriton
 from pallas_kernels.precision import dot_nn as _dot
 from pallas_kernels.precision import dot_nt as _dot_nt
 from pallas_kernels.precision import dot_tn as _dot_tn
@@ -248,6 +248,7 @@ def unsupported_reasons(platform: str, *, L: int, M: int, S: int, Dk: int, Dv: i
     if platform != "cuda":
         reasons.append(f"the GPU form has no {platform} lowering (Pallas-Triton, cuda only)")
         return reasons
+    reasons += pltriton.missing()
     if L % 16:
         reasons.append(f"Triton tiles need block_len % 16 == 0 (got L={L})")
     if Dk < 16 or Dk & (Dk - 1):

@@ -117,14 +117,16 @@ if [ "$SMOKE" = 1 ]; then
 else
   LIMIT_DEFAULT=150
   if [ "$FULL_TESTS" = 1 ]; then
-    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py tests/attention/test_compute_dtype.py}"
+    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/kernels tests/attention/test_dense_platform.py tests/attention/test_compute_dtype.py tests/attention/test_hopper_path.py}"
   elif [ -n "${GPU_CHECK_TESTS:-}" ]; then
     read -r -a TESTS <<< "$GPU_CHECK_TESTS"
-  else  # one bfloat16 forward+gradient case per kernel, the dtypes every implementation's products take, and
-        # cuDNN's packed layout (segment ids) against each document alone, outputs and gradients, and cuDNN's
-        # different-value-width form (keys 128, values 384) against the reference, outputs and gradients
+  else  # one bfloat16 forward+gradient case per kernel (the Mosaic GPU ones compiled on Hopper), the dtypes every
+        # implementation's products take, cuDNN's packed layout (segment ids) against each document alone, outputs
+        # and gradients, cuDNN's different-value-width form (keys 128, values 384) against the reference, and each
+        # layer as 'auto' runs it on Hopper (the Mosaic GPU kernels) against its XLA path
     TESTS=(tests/kernels tests/attention/test_compute_dtype.py tests/attention/test_dense_platform.py
-           -k "compute_dtype or (gradient_matches and bfloat16) or packed_rows_compiled or value_width_compiled")
+           tests/attention/test_hopper_path.py
+           -k "compute_dtype or (gradient_matches and bfloat16) or packed_rows_compiled or value_width_compiled or hopper_compiled")
   fi
   TESTS+=(--maxfail=5)
   # one process for every variant: a process start with CUDA costs seconds, and the rows are kept after each cell

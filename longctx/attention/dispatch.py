@@ -224,6 +224,27 @@ def cuda_compute_capability() -> str | None:
     return getattr(devices[0], "compute_capability", None) if devices else None
 
 
+def hopper(platform: str) -> bool:
+    """Whether ``platform`` is a Hopper GPU (cuda, compute capability 9.x), where ``'auto'`` takes the Mosaic GPU
+    kernels and never a Triton one (JAX deprecated its Pallas Triton backend; a kernel without a Mosaic GPU form
+    leaves the call to XLA there). A cuda call with no device to ask (an export for cuda from a CPU host) counts as
+    Hopper: the GPUs the project's kernels are written for."""
+    if platform != "cuda":
+        return False
+    cc = cuda_compute_capability()
+    return cc is None or str(cc[0] if isinstance(cc, tuple) else cc).split(".")[0] == "9"
+
+
+def not_on_hopper(prefer: Callable[..., bool] | None = None) -> Callable[..., bool]:
+    """A Triton kernel's ``prefer``: never on Hopper (:func:`hopper`; named, it still runs there), elsewhere
+    ``prefer`` (None: always)."""
+
+    def run(platform, **shapes) -> bool:
+        return not hopper(platform) and (prefer is None or prefer(platform, **shapes))
+
+    return run
+
+
 def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
@@ -341,4 +362,4 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
 
 
 __all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "built", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
-           "current_platform", "declared", "impl_problem", "parse_impl", "select"]
+           "current_platform", "declared", "hopper", "not_on_hopper", "impl_problem", "parse_impl", "select"]

@@ -715,10 +715,12 @@ def test_packed_rows_refused_where_not_served():
         make(False, window_size=8, num_chunks=4)(q, k, v, segment_ids=seg)
 
 
-def test_auto_takes_the_kernels_for_packed_rows_where_they_serve():
-    """'auto' on a GPU chooses the kernels for a packed row as for an unpacked one, from the empty state and after a
-    carried one (the kernels run the layout: packed.py), and the tiles where the kernels' limits refuse the call; the
-    limits see the layout's chunks (and the state's)."""
+def test_auto_takes_the_kernels_for_packed_rows_where_they_serve(monkeypatch):
+    """'auto' on a GPU before Hopper (compute capability 8.0, where the Triton kernels serve) chooses the kernels
+    for a packed row as for an unpacked one, from the empty state and after a carried one (the kernels run the
+    layout: packed.py), and the tiles where the kernels' limits refuse the call; the limits see the layout's chunks
+    (and the state's)."""
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "8.0")
     cls = attention.get_class("eva")
     core = make(window_size=16, chunk_size=4)
     for state in (None, core.init_state(B, 64)):
@@ -771,23 +773,3 @@ def test_packed_rows_in_the_kernels_decoded_and_cut_carry_the_state():
     _, want = make(**{**cfg, "impl": "xla"})(q, k, v, segment_ids=seg)
     for name in want:
         assert maxdiff(state[name].astype(jnp.float32), want[name].astype(jnp.float32)) < 1e-5, name
-
-
-def test_mosaic_gpu_layer_lowers_for_cuda_on_mosaic_gpu_alone():
-    """The layer with impl='mosaic_gpu' (bf16, a 128-key window, chunks of 8, heads of 64), forward and gradient,
-    exported for cuda: both phases run the Mosaic GPU kernels, and no Triton call is left in the program (the
-    Pallas Triton backend is deprecated)."""
-    import warnings
-
-    cfg = {"window_size": 128, "chunk_size": 8, "impl": "mosaic_gpu"}
-    core = attention.build("eva", cfg, num_heads=2, head_dim=64, causal=True, rngs=nnx.Rngs(0), platform="cuda")
-    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (1, 2, 512, 64), jnp.bfloat16) for i in range(3))
-
-    def loss(q, k, v):
-        return jnp.sum(core(q, k, v)[0].astype(jnp.float32))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
-                                 platforms=["cuda"])(q, k, v).mlir_module()
-    assert "xla.gpu.triton" not in text and text.count("@mosaic_gpu") >= 4

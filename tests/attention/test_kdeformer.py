@@ -605,14 +605,19 @@ def test_execution_settings_select_implementations(is_causal, cfg, platform, cac
     (64, {}, "cpu", 4096, True, "band"),  # 'auto' never takes a kernel on a CPU
     (8, {"impl": "pallas"}, "cpu", 64, True, "pallas"),  # named: interpret mode
 ])
-def test_auto_takes_the_band_kernel_on_cuda_for_band_passes(head_dim, cfg, platform, cache_len, full_pass, want):
+def test_auto_takes_the_band_kernel_on_cuda_for_band_passes(head_dim, cfg, platform, cache_len, full_pass, want,
+                                                            monkeypatch):
+    """On a GPU before Hopper (compute capability 8.0): on Hopper the Triton kernel steps aside
+    (test_hopper_path.py)."""
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "8.0")
     core = make(True, causal=SMALL, platform=platform, head_dim=head_dim, **cfg)
     assert core.implementation_for(jnp.bfloat16, cache_len=cache_len, full_pass=full_pass) == want
 
 
-def test_the_band_kernel_runs_its_platforms_knobs():
-    """``pallas`` built for cuda carries the cuda defaults it declares beside itself (pallas.DEFAULTS: the XLA
-    parts' as xla's, the kernel's tile 64)."""
+def test_the_band_kernel_runs_its_platforms_knobs(monkeypatch):
+    """``pallas`` built for cuda (before Hopper, where 'auto' takes it) carries the cuda defaults it declares beside
+    itself (pallas.DEFAULTS: the XLA parts' as xla's, the kernel's tile 64)."""
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "8.0")
     from longctx.attention.kdeformer import pallas as kp
 
     core = make(True, causal=SMALL, platform="cuda", head_dim=64)

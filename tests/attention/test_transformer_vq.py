@@ -674,13 +674,19 @@ def test_packed_row_equals_its_documents_alone_in_training_mode(causal):
     assert maxdiff(out, train_call(core, q, k, v, w, key, None, mask)[0]) > 1e-2  # unpacked they see each other
 
 
-def test_packed_rows_served_by_the_kernel_and_the_linear_forms():
+def test_packed_rows_served_by_the_kernel_and_the_linear_forms(monkeypatch):
     """The kernel serves a packed row in both forms (named on a CPU it runs its TPU form in interpret mode and equals
     the one-shot packed form); 'auto' takes the kernel for a packed row on a GPU or TPU where it takes it for an
     unpacked one (a block or more: the cache is serial whatever the reduction), elsewhere the linear packed
     forms where they serve (a large call the tiled one, a smaller one the one-shot one; the encoder too), the quadratic
     reference on a CPU only (a band longer than a block), the streaming form for a packed decoding step on a GPU;
-    a packed causal call returns the state of its last document under its id."""
+    a packed causal call returns the state of its last document under its id. A GPU before Hopper (compute
+    capability 8.0): on Hopper the Mosaic GPU kernels take a bfloat16 packed row, a float32 one the linear forms."""
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "9.0")
+    hop = _kernel_sized(platform="cuda")
+    assert hop.implementation_for(T=1 << 16, **dict(B=2, dtype=jnp.bfloat16, segments=True)).name == "mosaic_gpu"
+    assert hop.implementation_for(T=1 << 16, **dict(B=2, dtype=jnp.float32, segments=True)).name == "blocks"
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "8.0")
     q, k, v = qkv(12, seed=3)
     seg = jnp.asarray([[1] * 5 + [2] * 7] * 2, jnp.int32)
     with warnings.catch_warnings():

@@ -29,12 +29,12 @@ from longctx import attention
 T, L, S, H, D = 32768, 512, 256, 2, 64
 
 
-def _exported_text(packed: bool = False) -> str:
+def _exported_text(packed: bool = False, impl: str = "pallas") -> str:
     cfg = attention.default_config("transformer_vq")
     cfg.update({"block_len": L, "codebook_size": S})
     core = attention.build("transformer_vq", cfg, num_heads=H, head_dim=D, causal=True, rngs=nnx.Rngs(0),
                            platform="cuda")  # 'auto' as a GPU run resolves it
-    assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16, segments=packed).name == "pallas"
+    assert core.implementation_for(B=1, T=T, dtype=jnp.bfloat16, segments=packed).name == impl
     graphdef, params, rest = nnx.split(core, nnx.Param, ...)
 
     def loss(params, q, k, v, *seg):
@@ -62,8 +62,16 @@ def _bias_shaped(text: str) -> list[str]:
     return sorted(found)
 
 
+@pytest.fixture
+def before_hopper(monkeypatch):
+    """A GPU before Hopper (compute capability 8.0), where 'auto' takes the Triton GPU form."""
+    from longctx.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "8.0")
+
+
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["row", "packed"])
-def test_gpu_forward_backward_holds_no_band_bias_array(packed):
+def test_gpu_forward_backward_holds_no_band_bias_array(packed, before_hopper):
     text = _exported_text(packed)
     # the kernels are in the program: the forward and the two backward passes
     assert "__gpu$xla.gpu.triton" in text and "vq_cache_gpu_bwd_q" in text and "vq_cache_gpu_bwd_kv" in text
@@ -72,7 +80,20 @@ def test_gpu_forward_backward_holds_no_band_bias_array(packed):
     assert not found, f"[.., L, L] / [.., L, 2L] values outside the kernels (L = {L}): {found}"
 
 
-def test_gpu_path_takes_the_compute_dtype():
+def test_hopper_forward_backward_holds_no_band_bias_array(monkeypatch):
+    """The same on Hopper, where 'auto' takes the Mosaic GPU kernels (pallas_kernels/vq_cache_mgpu.py): the
+    forward and its three backward kernels in the program, no Triton call."""
+    from longctx.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "9.0")
+    text = _exported_text(impl="mosaic_gpu")
+    assert "triton" not in text and text.count("@mosaic_gpu") >= 4
+    assert "tensor<" in text
+    found = _bias_shaped(text)
+    assert not found, f"[.., L, L] / [.., L, 2L] values outside the kernels (L = {L}): {found}"
+
+
+def test_gpu_path_takes_the_compute_dtype(before_hopper):
     from test_compute_dtype import defects
 
     Dk, Dv = 16, 32  # S = 40 codes (64 after padding), L = 16: no statistic's last axis is a head width

@@ -66,7 +66,10 @@ def make_inputs(shape, dtype):
     return _TritonTest().make_inputs(shape, dtype)
 
 
-def _kernel(args, static, interpret=True):
+INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
+
+
+def _kernel(args, static, interpret=INTERPRET):
     return eva_attend_mgpu.eva_attend_mgpu(*args, **static, interpret=interpret)
 
 

@@ -34,7 +34,10 @@ def make_inputs(name, dtype):
     return _TritonTest().make_inputs(SHAPES[name], dtype)
 
 
-def _kernel(args, static, interpret=True):
+INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
+
+
+def _kernel(args, static, interpret=INTERPRET):
     return eva_chunks_mgpu.eva_chunk_stats_mgpu(*args, **static, interpret=interpret)
 
 

@@ -39,7 +39,10 @@ def make_inputs(shape, dtype, bh=BH):
     return tuple(None if x is None else (x if i >= 5 else x[:bh]) for i, x in enumerate(args))
 
 
-def _kernel(args, shape, interpret=True, docs=None):
+INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
+
+
+def _kernel(args, shape, interpret=INTERPRET, docs=None):
     return fma_blocks_mgpu.fma_blocks_mgpu(*args, m=shape["m"], causal=shape["causal"], n_valid=shape["n_valid"],
                                            interpret=interpret, docs=docs)
 

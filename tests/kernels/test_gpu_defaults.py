@@ -1,8 +1,9 @@
 """What ``impl='auto'`` runs on an NVIDIA GPU for every flagship launch (the ``:node8`` variants of
 scripts/flagship_plans.py): each config's attention core is built abstractly and asked, through its own
 ``prepare`` and ``select`` (what every call runs), which implementation it takes on ``platform='cuda'`` at the launch's call shapes (the
-training window, the core's head dims, bfloat16). The Pallas kernel where the method has one, cuDNN for dense,
-except where a kernel refuses the call: those refusals are listed here with the refusing rule's words."""
+training window, the core's head dims, bfloat16), on Hopper (compute capability 9.0) and before it (8.0). The
+method's Mosaic GPU kernels on Hopper, its Triton kernel before, cuDNN for dense, except where a kernel refuses the
+call: those refusals are listed here with the refusing rule's words."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import flagship_plans  # noqa: E402
 
-# the kernel 'auto' should take on a GPU per method (the method's own Pallas kernel; cuDNN for exact attention)
+# the kernel 'auto' should take on a GPU per method and compute capability (the method's own Pallas kernel: Mosaic
+# GPU on Hopper, Triton before; cuDNN for exact attention)
 KERNEL = {"transformer_vq": "pallas", "eva": "pallas", "fma": "pallas", "dense": "cudnn"}
+HOPPER = {**KERNEL, "transformer_vq": "mosaic_gpu", "eva": "mosaic_gpu", "fma": "mosaic_gpu"}
 
 # launches where the GPU kernel refuses the call: name -> (what 'auto' takes instead, the refusal's words)
 # (none: WikiText-103's dense heads of 42 dims reach cuDNN zero-padded to 48, its EVA heads of 128 the EVA kernels)
@@ -62,9 +65,14 @@ def _cuda_choice(core, cfg):
     return seen[-1]
 
 
+@pytest.mark.parametrize("cc", ["9.0", "8.0"])
 @pytest.mark.parametrize("name,spec", SPECS, ids=[n for n, _ in SPECS])
-def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec):
+def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec, cc, monkeypatch):
+    from longctx.attention import dispatch
     from longctx.models.decoder import build_model
+
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: cc)
+    kernel = HOPPER if cc == "9.0" else KERNEL
     from longctx.train.sequence_parallel import attention_cores
 
     cfg = _config(spec)
@@ -86,7 +94,7 @@ def test_auto_takes_the_gpu_kernel_at_the_flagship_shapes(name, spec):
             assert choice.name == fallback, (name, choice)
             assert any(why in r for r in choice.reasons), (name, choice.reasons)
         else:
-            assert choice.name == KERNEL[core.name], (name, choice)
+            assert choice.name == kernel[core.name], (name, choice)
             assert not choice.interpret and choice.platform == "cuda", (name, choice)
 
 

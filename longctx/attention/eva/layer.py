@@ -247,11 +247,12 @@ class EVAAttention(AttentionCore):
         return {n: getattr(self, n)[...] for n in names}
 
     def call_shapes(self, L: int, *, streaming: bool, deterministic: bool = True, segments: bool = False,
-                    state=None) -> dict:
+                    state=None, dtype=None) -> dict:
         """The keywords the selection hands every declaration's ``reasons`` and ``prefer`` for a call over L tokens
         (``streaming``: after a carried state, ``state``; ``deterministic`` False: a training call, with attention
         dropout when ``attn_dropout > 0``; ``segments``: a packed row, whose chunks ``C`` are its layout's and the
-        carried state's, packed.py); the kernels declare their limits (pallas.unsupported_reasons).
+        carried state's, packed.py; ``dtype``: the inputs', where known); the kernels declare their limits
+        (pallas.unsupported_reasons).
         ``core.runner(**core.call_shapes(...))`` is the call's implementation."""
         o, c = self.opts, self.cfg
         P, C = (c.chunk_size, 0) if streaming else geometry(o, L, c.chunk_size, c.num_chunks)[1:3]
@@ -263,7 +264,7 @@ class EVAAttention(AttentionCore):
             C = layout_size(L, G, P, prefix, causal=o.causal) // P + held
         return dict(P=P, d=self.head_dim, dv=self.value_dim, W=o.W, C=C, e_l=o.e_l, e_r=o.e_r,
                     chunk_logit=o.chunk_logit, full=not streaming, dropout=not deterministic and o.attn_dropout > 0.0,
-                    segments=segments)
+                    segments=segments, dtype=dtype)
 
     def _keys(self, deterministic, key):
         if deterministic:
@@ -333,7 +334,7 @@ class EVAAttention(AttentionCore):
         inputs = {"q": q, "k": k, "v": v, "params": self.chunk_params(), "rpe": rpe, "noise_key": noise_key,
                   "drop_key": drop_key, "segment_ids": segment_ids}
         shapes = self.call_shapes(q.shape[2], streaming=state is not None, deterministic=deterministic,
-                                  segments=segment_ids is not None, state=state)
+                                  segments=segment_ids is not None, state=state, dtype=q.dtype)
         return dispatch.Call(inputs, state, key=key), shapes
 
     def finish(self, call, result, *, aux=None):

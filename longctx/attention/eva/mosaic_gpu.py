@@ -8,7 +8,9 @@ token-level backward); the passes are ``pallas``'s (``pallas.eva_forward``,
 layout (the documents laid out again on the window grid, from a carried state too), the kernels masking by each
 position's and chunk's document and own index. Mosaic GPU's interpret mode (``InterpretGPUParams``) on a CPU when named.
 
-Not in ``impl='auto'``: nothing of it has compiled or run on a GPU; it runs where named (``impl='mosaic_gpu'``).
+``impl='auto'`` tries it first on cuda: it serves Hopper in bf16 / fp16 (its reasons), where ``pallas`` (Triton)
+steps aside (``dispatch.hopper``; a cuda export from a CPU host counts as Hopper). It has not yet compiled on a
+GPU: ``scripts/gpu_check.sh``'s tests step compiles it first; ``impl='pallas'`` (Triton) or ``'xla'`` where it fails.
 Refused, one line each (:func:`reasons`): the kernels' shapes and dtypes, a compute capability other than 9.0;
 float32 operands on cuda are refused by the kernel when called (wgmma would round them to tf32; the selection is not
 told the dtype)."""
@@ -25,14 +27,15 @@ from pallas_kernels import eva_attend_mgpu, eva_chunks_mgpu
 
 
 def reasons(platform: str, *, P: int, d: int, dv: int, W: int, C: int, e_l: int, e_r: int, chunk_logit: str,
-            full: bool, segments: bool = False, **_) -> list[str]:
+            full: bool, segments: bool = False, dtype=None, **_) -> list[str]:
     """Phase A's limits (the Mosaic GPU chunk kernels), then for a full pass or a packed row Phase B's."""
     cc = dispatch.cuda_compute_capability() if platform == "cuda" else None
     out = [f"eva_chunks_mgpu: {r}" for r in eva_chunks_mgpu.unsupported_reasons(
-        platform, P=P, d=d, dv=dv, compute_capability=cc)]
+        platform, P=P, d=d, dv=dv, dtype=dtype, compute_capability=cc)]
     if full or segments:
         out += [f"eva_attend_mgpu: {r}" for r in eva_attend_mgpu.unsupported_reasons(
-            platform, W=W, d=d, dv=dv, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit, compute_capability=cc)]
+            platform, W=W, d=d, dv=dv, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit, dtype=dtype,
+            compute_capability=cc)]
     return out
 
 
@@ -71,10 +74,11 @@ class MosaicGpu(dispatch.Runner):
                         **kernel)
 
 
-# No auto entry: not yet compiled or run on a GPU.
+# 'auto' tries it first on cuda; it serves Hopper only (its reasons), where the Triton kernels step aside
+# (``dispatch.hopper``). Not yet compiled or run on a GPU (gpu_check.sh's tests step compiles it first).
 IMPLEMENTATIONS = (
     dispatch.Implementation("mosaic_gpu", platforms=("cuda",), kernel=True, reasons=reasons,
-                            config={"impl": "mosaic_gpu"}, code=MosaicGpu,
+                            config={"impl": "mosaic_gpu"}, auto={"cuda": -1}, code=MosaicGpu,
                             defaults={"logit_budget": xla.LOGIT_BUDGET}, slow_in_interpret=True),
 )
 

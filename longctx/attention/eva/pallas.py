@@ -211,11 +211,12 @@ class Kernels(dispatch.Runner):
 
 
 # 'auto' tries the kernels first on a GPU / TPU (where they serve; rocm has no lowering, so the portable tiles
-# follow), never on a CPU (interpret mode only when named)
+# follow), never on a CPU (interpret mode only when named), nor on Hopper (mosaic_gpu.py's kernels there: JAX
+# deprecated the Triton backend)
 IMPLEMENTATIONS = (
     dispatch.Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=unsupported_reasons,
                             config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                            code=Kernels,
+                            prefer=dispatch.not_on_hopper(), code=Kernels,
                             # a stream attends in the XLA tiles: their logit budget ('cpu': interpret mode); Phase B's
                             # tiles and warps take the kernel's plan on every platform unless written
                             defaults={"logit_budget": xla.LOGIT_BUDGET,

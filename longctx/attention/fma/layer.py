@@ -314,10 +314,10 @@ class FMAAttention(AttentionCore):
                        for l in range(1, self.opts.L + 1)]
         return out
 
-    def _shapes(self, dropout: bool, segments: bool = False) -> dict:
+    def _shapes(self, dropout: bool, segments: bool = False, dtype=None) -> dict:
         """What the selection reads of a call (``dispatch.select``'s shapes): ``dropout`` where the call drops,
-        ``segments`` where it is a packed row."""
-        out = {"m": self.opts.m, "d": self.head_dim, "dv": self.value_dim,
+        ``segments`` where it is a packed row, ``dtype`` the inputs'."""
+        out = {"m": self.opts.m, "d": self.head_dim, "dv": self.value_dim, "dtype": dtype,
                "coarse_kind": "stats" if self.linear else "packed",
                "dropout": self.opts.attn_dropout if dropout else 0.0,
                "release_zero_slots": self.opts.release_zero_slots}
@@ -398,7 +398,8 @@ class FMAAttention(AttentionCore):
             if not isinstance(state, dict) or "pos" not in state:
                 raise ValueError(f"{self.name}: state must come from init_state() or a previous call")
         inputs = {"q": q, "k": k, "v": v, "ds": self.ds_params(), "opts": self.opts, "segment_ids": segment_ids}
-        return dispatch.Call(inputs, state, key=drop_key), self._shapes(drop_key is not None, segment_ids is not None)
+        return dispatch.Call(inputs, state, key=drop_key), self._shapes(drop_key is not None, segment_ids is not None,
+                                                                        q.dtype)
 
     def finish(self, call, result, *, aux=None):
         """The output in the values' dtype, and the state: the streamed step's, or after a full pass (causal, where

@@ -3,8 +3,10 @@ Pallas Mosaic GPU kernels ``pallas_kernels/fma_blocks_mgpu.py`` (forward and bac
 ``emit_pipeline``) as its block function; interpret mode (Mosaic GPU's, ``InterpretGPUParams``) on a CPU. The
 kernels serve full passes of FMA (packed coarse slots, no dropout); streaming steps run the kernels' reference.
 
-FMA's only (the kernels compute FMA's packed slots, not FMA-linear's statistics). Not in ``impl='auto'``: nothing
-of it has run or been measured on a GPU; it runs where named (``impl='mosaic_gpu'``). Under a train step's mesh
+FMA's only (the kernels compute FMA's packed slots, not FMA-linear's statistics). ``impl='auto'`` tries it first on
+cuda: it serves Hopper in bf16 / fp16 (its reasons), where ``pallas`` (Triton) steps aside (``dispatch.hopper``; a
+cuda export from a CPU host counts as Hopper). It has not yet compiled on a GPU: ``scripts/gpu_check.sh``'s tests
+step compiles it first; ``impl='pallas'`` (Triton) or ``'xla'`` where it fails. Under a train step's mesh
 each kernel call runs per shard of the batch and heads (a ``shard_map``), as ``pallas`` does."""
 
 from __future__ import annotations
@@ -81,10 +83,11 @@ def _reasons(platform, *, release_zero_slots=False, segments=False, **shapes):
 
 
 # logit_budget: read by the streamed steps only (the kernels' reference, xla.py's table); the kernels hold one
-# block's scores at a time. No auto entry: not yet run on a GPU.
+# block's scores at a time. 'auto' tries it first on cuda; it serves Hopper only (its reasons), where ``pallas``
+# steps aside. Not yet compiled on a GPU (gpu_check.sh's tests step compiles it first).
 IMPLEMENTATIONS = (
     MethodImplementation("mosaic_gpu", platforms=("cuda",), kernel=True, reasons=_reasons,
-                         config={"impl": "mosaic_gpu"}, code=MosaicGpu, methods=("fma",),
+                         config={"impl": "mosaic_gpu"}, auto={"cuda": -1}, code=MosaicGpu, methods=("fma",),
                          defaults={"logit_budget": xla.LOGIT_BUDGET}, slow_in_interpret=True),
 )
 

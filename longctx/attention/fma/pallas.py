@@ -3,7 +3,8 @@ Pallas block kernel ``pallas_kernels/fma_blocks.py`` (docs/methods/fma.md §8) a
 serves full passes of FMA (packed coarse slots, no dropout); streaming steps run the kernel's reference.
 
 FMA's only: the kernel computes FMA's packed coarse slots, not FMA-linear's statistics, so the declaration names
-the one method it serves (``methods``); ``impl='auto'`` tries it first on GPU and TPU, before ``xla``.
+the one method it serves (``methods``); ``impl='auto'`` tries it first on GPU and TPU, before ``xla``, except on
+Hopper, where ``mosaic_gpu`` takes its place (JAX deprecated the Triton backend; ``dispatch.hopper``).
 
 Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernel is a call XLA's partitioner
 cannot split, so each kernel call runs per shard: a ``shard_map`` with the rows over the batch axes and the heads
@@ -18,7 +19,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from longctx.attention import row_split
-from longctx.attention.dispatch import Implementation
+from longctx.attention.dispatch import Implementation, not_on_hopper
 from longctx.attention.fma import xla
 from longctx.attention.fma.state import Blocked
 from pallas_kernels import fma_blocks
@@ -124,7 +125,8 @@ TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages":
          "blocks_per_program": {"cuda": 2, "tpu": 4, "cpu": 2, "default": 1}}
 IMPLEMENTATIONS = (
     MethodImplementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_reasons,
-                         config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, code=Pallas,
+                         config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, prefer=not_on_hopper(),
+                         code=Pallas,
                          methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 

@@ -12,8 +12,9 @@ int arrays), the un-sort of the outputs. Everything else of the estimator (local
 Routes: a full pass takes 'band' whatever the cache length (the kernel is what this implementation adds); a call
 with a state gathers (xla.py's rule: with a cache the bands span the whole cache per query). ``auto`` takes it on
 cuda, before ``xla``, for the full passes whose route there is 'band' (cache longer than ``heavy_scores_max_len``,
-:func:`_prefers_band`). Packed rows (§4.6) are served: each query's band ``[lo, hi)`` already starts at its
-document's first key, and the kernel reads nothing else of the document.
+:func:`_prefers_band`), except on Hopper (``dispatch.hopper``), where ``mosaic_gpu`` (the Mosaic GPU kernels) takes
+its place. Packed rows (§4.6) are served: each query's band ``[lo, hi)`` already starts at its document's first
+key, and the kernel reads nothing else of the document.
 
 Under a train step's mesh the kernel runs per shard of the rows and heads (:func:`heavy_band_kernel`).
 
@@ -54,17 +55,18 @@ def band_plan(lo, hi, block: int, bh: int, M: int):
 
 
 def heavy_band_kernel(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budget=None, row_scale=None, *,
-                      interpret: bool, platform: str | None):
+                      interpret: bool, platform: str | None, band_kernel=kde_band.kde_band):
     """:func:`xla.heavy_band` (same arguments and results: (out [B,H,N,dv], lse [B,H,N])) by the kernel; ``budget``
     and ``row_scale`` are the XLA form's and unused (the kernel holds one [block, block] tile at a time). ``out``
     is in the compute dtype (the kernel writes it rounded once), ``lse`` float32.
 
     Under a train step's mesh (``row_split.active_mesh``) the kernel is a call XLA's partitioner cannot split: it
     runs in a ``shard_map``, the rows over the batch axes and the heads over ``tensor`` (every operand is
-    ``[B, H, ...]`` and the band of a (batch, head) is its own)."""
+    ``[B, H, ...]`` and the band of a (batch, head) is its own). ``band_kernel``: the kernel entry
+    (``kde_band.kde_band``'s signature; ``kde_band_mgpu.kde_band_mgpu`` for the implementation ``mosaic_gpu``)."""
     args = (q, Ks, Vs, lo, hi)
     fn = functools.partial(_heavy_band_kernel, scale=scale, bh=bh, block=block, interpret=interpret,
-                           platform=platform)
+                           platform=platform, band_kernel=band_kernel)
     mesh = row_split.active_mesh(q, Ks, Vs)
     bspec, hspec = (None, None) if mesh is None else row_split.batch_heads_specs(mesh, *q.shape[:2])
     if bspec is None and hspec is None:
@@ -73,7 +75,8 @@ def heavy_band_kernel(q, Ks, Vs, lo, hi, scale: float, bh: int, block: int, budg
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec), check_vma=False)(*args)
 
 
-def _heavy_band_kernel(q, Ks, Vs, lo, hi, *, scale: float, bh: int, block: int, interpret: bool, platform):
+def _heavy_band_kernel(q, Ks, Vs, lo, hi, *, scale: float, bh: int, block: int, interpret: bool, platform,
+                       band_kernel=kde_band.kde_band):
     B, H, N, d = q.shape
     M, dv = Ks.shape[2], Vs.shape[-1]
     n_t, Np, Mb, _ = xla.band_sizes(N, M, block, bh)
@@ -84,9 +87,9 @@ def _heavy_band_kernel(q, Ks, Vs, lo, hi, *, scale: float, bh: int, block: int, 
     col = lambda x: flat(x)[..., None]  # noqa: E731
     q_s = jnp.pad(xla._take(q, qord), ((0, 0), (0, 0), (0, Np - N), (0, 0)))
     kp = ((0, 0), (0, 0), (0, Mb * block - M), (0, 0))
-    out_s, lse_s = kde_band.kde_band(flat(q_s), flat(jnp.pad(Ks, kp)), flat(jnp.pad(Vs, kp)), col(lo_s), col(hi_s),
-                                     col(b0), col(cnt), flat(ptile), col(pstart), col(pend), scale=scale, block=block,
-                                     interpret=interpret, platform=platform)
+    out_s, lse_s = band_kernel(flat(q_s), flat(jnp.pad(Ks, kp)), flat(jnp.pad(Vs, kp)), col(lo_s), col(hi_s),
+                               col(b0), col(cnt), flat(ptile), col(pstart), col(pend), scale=scale, block=block,
+                               interpret=interpret, platform=platform)
     back = inverse_permutation(qord)  # the sorted row of every query
     out = xla._take(out_s.reshape(B, H, Np, dv), back)
     lse = jnp.take_along_axis(lse_s.reshape(B, H, Np), back, axis=-1)
@@ -132,7 +135,7 @@ def _prefers_band(platform, *, cache_len: int, full_pass: bool, heavy_scores_max
 DEFAULTS = {key: dict(xla.DEFAULTS[key]) for key in ("tile_budget", "heavy_scores_max_len", "heavy_band_block")}
 _DECLARED = Implementation(
     "pallas", platforms=("cuda",), kernel=True, reasons=_reasons, config={"impl": "pallas"}, auto={"cuda": -1},
-    prefer=_prefers_band, code=Pallas, directions=("causal",), test_config={"heavy_band_block": 8},
+    prefer=dispatch.not_on_hopper(_prefers_band), code=Pallas, directions=("causal",), test_config={"heavy_band_block": 8},
     defaults=DEFAULTS)
 IMPLEMENTATIONS = (_DECLARED,)
 

@@ -4,7 +4,10 @@ the causal block-parallel form with the serial reduction; Mosaic GPU's interpret
 CPU when named. It runs as ``pallas`` does (the key quantization and band scores in XLA, per shard under a train
 step's mesh), with this kernel.
 
-Not in ``impl='auto'``: nothing of it has compiled or run on a GPU; it runs where named (``impl='mosaic_gpu'``).
+``impl='auto'`` tries it first on cuda, for the calls ``pallas.prefer`` gives the kernel: it serves Hopper in bf16
+(its reasons), where ``pallas`` (Triton) steps aside (``dispatch.hopper``; a cuda export from a CPU host counts as
+Hopper). It has not yet compiled on a GPU: ``scripts/gpu_check.sh``'s tests step compiles it first;
+``impl='pallas'`` (Triton) or an XLA form where it fails.
 A packed row (segment ids) runs as ``pallas``' GPU form does: ``xla.kernel_packed``'s per-row-block caches and
 document arrays (formed per shard), the kernels masking by query / key documents, the new state in XLA."""
 
@@ -16,7 +19,7 @@ import functools
 from longctx.attention import dispatch
 from longctx.attention.dispatch import Implementation
 from longctx.attention.transformer_vq import xla
-from longctx.attention.transformer_vq.pallas import Pallas
+from longctx.attention.transformer_vq.pallas import Pallas, prefer
 from pallas_kernels import vq_cache_mgpu
 
 
@@ -53,6 +56,7 @@ class MosaicGpu(Pallas):
 
 IMPLEMENTATIONS = (
     Implementation("mosaic_gpu", platforms=("cuda",), kernel=True, reasons=reasons,
-                   config={"impl": "mosaic_gpu", "reduction": "serial"}, code=MosaicGpu, directions=("causal",),
+                   config={"impl": "mosaic_gpu", "reduction": "serial"}, auto={"cuda": -1}, prefer=prefer,
+                   code=MosaicGpu, directions=("causal",),
                    defaults={"search_chunk": xla.SEARCH_CHUNK}, slow_in_interpret=True),
 )

@@ -7,7 +7,7 @@ A packed row (segment ids, §2.8) runs both forms, with the new state of ``state
 CPU runs in interpret mode) the document arrays of ``xla.kernel_documents``, restarting the cache it folds inside
 the kernel at documents.
 
-'auto' tries it first on a GPU / TPU (never on a CPU), for the calls the size rule gives the block-parallel or tiled
+'auto' tries it first on a GPU / TPU (never on a CPU; on Hopper ``mosaic_gpu`` instead, ``dispatch.hopper``), for the calls the size rule gives the block-parallel or tiled
 form (:func:`prefer`: ``xla.preferred_form``); :func:`reasons` then says whether it serves the call. Named, it runs
 every causal call it serves (decoding steps shorter than a block too).
 
@@ -121,7 +121,7 @@ def prefer(platform, **shapes) -> bool:
 IMPLEMENTATIONS = (
     Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=reasons,
                    config={"impl": "pallas", "reduction": "serial"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
-                   prefer=prefer, code=Pallas, directions=("causal",),
+                   prefer=dispatch.not_on_hopper(prefer), code=Pallas, directions=("causal",),
                    defaults={"search_chunk": xla.SEARCH_CHUNK}),  # the key quantization before the kernel
 )
 
