@@ -63,8 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     # training rows: 'document' (each row inside one document; shorter documents are not trained on),
     # 'pack' (rows of consecutive documents separated by the end-of-document token, attention running across them)
     # or 'segments' (the same rows with segment ids and positions: each document attended alone; methods that take
-    # segment ids only); longctx/data/batching.py
-    c.data.packing = "document"
+    # segment ids only); longctx/data/batching.py. 'auto': 'segments' for a prepared corpus of several documents
+    # whose every layer takes segment ids, else 'document' (packing_rule says which and why, at the start of a run)
+    c.data.packing = "auto"
     # generated recall tasks (data.source = 'mqar' | 'passkey' | 'copy'; longctx/data/synthetic.py)
     c.data.synthetic = ml_collections.ConfigDict({
         "num_pairs": 16,  # mqar: key-value pairs opening each row
@@ -255,7 +256,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 _CHOICES = {
-    "data.packing": ("document", "pack", "segments"),
+    "data.packing": ("auto", "document", "pack", "segments"),
     "data.options.format": ("auto", "text", "jsonl", "parquet"),
     "model.kind": ("decoder", "encoder"),
     "mlm.masking": ("bert", "span", "clustered"),
@@ -424,10 +425,51 @@ def _generated(c) -> bool:
     return sources.is_generated(c.data.source)
 
 
+def packing_rule(c, num_docs: int | None = None) -> tuple[str, str]:
+    """``(rule, why)``: the packing rule a run trains with. A rule given by name is itself (``why`` empty).
+    ``'auto'`` (the default) is ``'segments'`` (every row filled with documents back to back, each attended alone)
+    for a prepared corpus whose every layer takes segment ids, and ``'document'`` where it cannot: a generated task
+    (``'segments'`` where it packs examples, ``data.synthetic.example_len > 0``), an attention transfer (whole
+    unpacked rows), a layer whose method or settings refuse packed rows, or a train split of one document
+    (a source that is one document, enwik8; ``num_docs`` where the data is loaded: no boundary to keep). ``why`` says which, for the run's first lines."""
+    rule = c.data.packing
+    if rule != "auto":
+        return rule, ""
+    if _generated(c):
+        if c.data.synthetic.example_len > 0:
+            return "segments", f"data.synthetic.example_len={c.data.synthetic.example_len} packs examples"
+        return "document", f"data.source={c.data.source!r} generates whole rows"
+    if _transfer(c):
+        return "document", "train.task='attention_transfer' trains on whole unpacked rows"
+    for name in dict.fromkeys(layer_methods(c.model)):
+        cls = attention.get_class(name)
+        if not cls.takes_segments:
+            return "document", f"{name} takes no segment ids"
+        if cls.packed_refusal(c.model.attention[name]) is not None:
+            return "document", f"{name}'s settings refuse packed rows"
+    if (num_docs is not None and num_docs < 2) or sources.single_document(c.data.source):
+        return "document", "the train split is one document"
+    docs = f" of {num_docs:,} documents" if num_docs is not None else ""
+    return "segments", f"a corpus{docs} whose every layer takes segment ids"
+
+
+def resolve_packing(cfg: ml_collections.ConfigDict, num_docs: int | None) -> tuple[ml_collections.ConfigDict, str]:
+    """A copy of ``cfg`` with ``data.packing`` the rule :func:`packing_rule` gives for a train split of
+    ``num_docs`` documents (None: generated rows), and a line for the run's start where it was ``'auto'``
+    (empty otherwise)."""
+    rule, why = packing_rule(cfg, num_docs)
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.data.packing = rule
+    return out, (f"data.packing='auto' -> {rule!r}: {why}" if cfg.data.packing == "auto" else "")
+
+
 def _check_packing(c) -> None:
     """``data.packing='segments'``: a prepared corpus (a decoder or an encoder) or a generated task packing its
     examples (``data.synthetic.example_len``), and every layer's method taking segment ids
-    (``AttentionCore.takes_segments``), refused in one line before any work."""
+    (``AttentionCore.takes_segments``), refused in one line before any work; ``'auto'`` asks none of these
+    (:func:`packing_rule` picks what the config can run)."""
+    if c.data.packing == "auto":
+        return
     if c.data.packing != "segments":
         if _generated(c) and c.data.synthetic.example_len:
             raise ConfigError(f"data.synthetic.example_len={c.data.synthetic.example_len} packs examples into rows "

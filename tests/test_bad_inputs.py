@@ -297,7 +297,7 @@ CASES = [
     Case("vocabulary larger than the model's", "train", (*T, "--config.model.vocab_size=100"),
          r"model.vocab_size=100 is smaller than the tokenizer's 256"),
     Case("unknown packing rule", "train", (*T, "--config.data.packing=greedy"),
-         r"choose one of: document, pack, segments"),
+         r"choose one of: auto, document, pack, segments"),
     Case("packed rows with a method setting that cannot restart at a boundary", "train",
          (*T, "--config.data.packing=segments", "--config.model.attention.name=fma",
           "--config.model.attention.fma.release_zero_slots=true"), r"fma: packed rows .* release_zero_slots"),

@@ -75,8 +75,8 @@ def _hybrid_ok(method: str) -> bool:
     """A hybrid (the method in every layer but the last, exact attention there) needs the plain loop of blocks:
     not the exact baselines, nor a method that runs the blocks in its own stack wrapper."""
     return method != EXACT and not attention.get_class(method).stack_wrapper(causal=True)
-# Every scale: rows inside one document (data.packing='document'), whatever the default: packed rows cost each
-# method its own layout (docs/methods/*.md, "Packed rows"), which the equal-FLOP budget would not see.
+# Every scale: rows inside one document (data.packing='document'), whatever the default ('auto'): packed rows
+# cost each method its own layout (docs/methods/*.md, "Packed rows"), which the equal-FLOP budget would not see.
 DATA = {"data.packing": "document"}
 # Sizes per scale: model overrides, contexts, tokens per update, the dense run's updates (the FLOP budget),
 # evaluation bytes. cpu: a small model (about 0.2M parameters: at a fixed CPU budget it trains further than a wider

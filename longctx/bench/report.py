@@ -422,7 +422,7 @@ def extra_sections(out: Path, rel: str) -> list[str]:
     packing = out / "packing" / "packing.md"  # scripts/packing_bench.py
     if packing.is_file():
         parts.append("## Short documents: packing (`packing/`)\n")
-        parts.append("`data.packing='segments'` against the default `'document'` rule, two otherwise identical runs "
+        parts.append("`data.packing='segments'` against the `'document'` rule, two otherwise identical runs "
                      "on a corpus of short documents (`bash scripts/bench_all.sh` step `packing`).\n")
         parts.append(packing.read_text().strip() + "\n")
     parts += compare_section(out, rel)

@@ -84,6 +84,9 @@ def run_config(method: str, args):
         cfg.model.d_model = args.d_model
     if args.num_layers:
         cfg.model.num_layers = args.num_layers
+    # rows inside one document for every method (like for like: a packed row runs each method's packed path),
+    # whatever the default; --config.data.packing=... sets another rule
+    cfg.data.packing = "document"
     cfg = configs.with_overrides(cfg, getattr(args, "overrides", []))
 
     config_lib.validate(cfg)

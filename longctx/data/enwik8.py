@@ -91,6 +91,7 @@ class Enwik8Source:
     name = "enwik8"
     splits = ("train", "valid", "test")
     default_tokenizer = "bytes"
+    single_document = True  # each split is one stream of bytes (data.packing='auto' trains 'document' rows)
 
     def __init__(self, data_cfg=None, path: str | None = None, *, verify: bool | None = None, txl_compat: bool | None = None):
         self.file, self.kind = locate(path if path is not None else data_path(data_cfg))

@@ -7,6 +7,7 @@ A source is built from the ``data`` config section and offers::
     source.default_tokenizer    # name in longctx.data.tokenizers
     source.metadata()           # dict describing the content, with a 'content_hash'
     source.documents(split)     # iterator of (doc_name, bytes | str)
+    source.single_document      # optional: True where every split is one document (enwik8)
 
 ``longctx.data.prepare`` turns a source into token files once. A *generated* source
 (``source.generated``, :mod:`longctx.data.synthetic`) has no token files: it makes each batch
@@ -46,6 +47,14 @@ def names() -> tuple[str, ...]:
 def is_generated(name: str) -> bool:
     """Whether ``data.source=name`` generates rows on the fly (no token files to prepare)."""
     return _SOURCES.get(name, "").startswith("longctx.data.synthetic:")
+
+
+def single_document(name: str) -> bool:
+    """Whether every split of ``data.source=name`` is one document (the source class's ``single_document``)."""
+    if name not in _SOURCES:
+        return False
+    module_name, cls_name = _SOURCES[name].split(":")
+    return bool(getattr(getattr(importlib.import_module(module_name), cls_name), "single_document", False))
 
 
 def build(data_cfg):

@@ -107,7 +107,7 @@ class SyntheticSource:
         self.data_cfg = data_cfg
         self.s = data_cfg.synthetic
         # the inputs of one example in a packed row (0: each row is one example)
-        self.example_len = int(self.s.get("example_len", 0)) if data_cfg.get("packing") == "segments" else 0
+        self.example_len = int(self.s.get("example_len", 0)) if data_cfg.get("packing") in ("segments", "auto") else 0
         if self.example_len < 0:
             raise ConfigError(f"data.synthetic.example_len={self.example_len} must be >= 0 (0: one example a row)")
         if data_cfg.tokenizer != "bytes":

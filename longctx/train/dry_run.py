@@ -131,8 +131,10 @@ def lm_batch(cfg, batch_size: int, sharding=None):
 
 
 def packed(cfg) -> bool:
-    """Whether the training rows carry document boundaries (``longctx.train.tasks.LanguageModel.packed``)."""
-    return cfg.data.packing == "segments"
+    """Whether the training rows carry document boundaries (``longctx.train.tasks.LanguageModel.packed``):
+    ``data.packing='auto'`` as the config gives it (``config.packing_rule``; a train split of one document, which
+    the plan does not read, trains unpacked rows)."""
+    return config_lib.packing_rule(cfg)[0] == "segments"
 
 
 def lm_weighted(cfg) -> bool:

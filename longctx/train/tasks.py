@@ -68,8 +68,10 @@ class Task:
 
     def __init__(self, cfg: ml_collections.ConfigDict, *, progress: bool = False):
         self.tokenizer, self.splits, self.data_dir = self.load(cfg, progress=progress)
-        self.cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size,
-                                            mask_token=masking.own_mask_id(self.tokenizer))
+        cfg = config_lib.resolve_vocab(cfg, self.tokenizer.vocab_size, mask_token=masking.own_mask_id(self.tokenizer))
+        # data.packing='auto': the rule this corpus and model train with (config.packing_rule), said at the start
+        self.cfg, self.packing_line = config_lib.resolve_packing(
+            cfg, self.splits["train"].num_docs if self.splits else None)
 
     # ---- data
     def load(self, cfg, *, progress: bool):
@@ -82,7 +84,7 @@ class Task:
                        shard=host, packing=self.cfg.data.packing)
 
     def summary(self) -> str:
-        return self.batcher.summary()
+        return "; ".join(x for x in (self.packing_line, self.batcher.summary()) if x)
 
     def checkpoint_extra(self) -> dict:
         return {"data_dir": str(self.data_dir) if self.data_dir is not None else ""}
@@ -249,8 +251,9 @@ class Recall(LanguageModel):
     def summary(self):
         packed = (f", packed: examples of at least {self.source.example_len} inputs back to back, each attended "
                   "alone" if self.packed() else "")
-        return (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}){packed}, "
+        line = (f"{self.cfg.data.source} rows generated on the fly ({self.source.options()}){packed}, "
                 "loss on the answer tokens")
+        return "; ".join(x for x in (self.packing_line, line) if x)
 
     def batch(self, at_step):
         batch = self.host_batch(at_step)

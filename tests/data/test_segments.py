@@ -78,3 +78,48 @@ def test_training_on_packed_rows_runs_and_reports_its_rule(tiny_cfg, tmp_path, k
         summary = train(tiny_cfg, tmp_path / "w", progress=False)
     assert summary["step"] == 2 and np.isfinite(summary["last_valid_bits_per_token"])
     assert "packing='segments'" in out.getvalue() and "(100.00 %)" in out.getvalue()
+
+
+def test_auto_packs_a_corpus_of_documents_and_keeps_the_rest_unpacked():
+    """``data.packing='auto'`` (the default) is 'segments' for a prepared corpus of several documents whose every
+    layer takes segment ids, 'document' where it cannot (a train split of one document, a generated task that does
+    not pack examples, an attention transfer, settings that refuse packed rows), and a rule given by name is
+    itself; the line a run prints says which and why."""
+    from longctx.config import base_config, packing_rule, resolve_packing
+
+    c = base_config()
+    assert c.data.packing == "auto"
+    assert packing_rule(c, 40)[0] == "segments" and packing_rule(c)[0] == "segments"
+    assert packing_rule(c, 1) == ("document", "the train split is one document")
+    for rule in ("document", "pack", "segments"):
+        c.data.packing = rule
+        assert packing_rule(c, 1) == (rule, "")
+    c.data.packing = "auto"
+    out, line = resolve_packing(c, 1484)
+    assert out.data.packing == "segments" and c.data.packing == "auto"
+    assert line == "data.packing='auto' -> 'segments': a corpus of 1,484 documents whose every layer takes segment ids"
+    c.data.source = "mqar"
+    assert packing_rule(c, None) == ("document", "data.source='mqar' generates whole rows")
+    c.data.synthetic.example_len = 40
+    assert packing_rule(c, None)[0] == "segments"
+    c = base_config()
+    c.train.task = "attention_transfer"
+    assert packing_rule(c, 40)[0] == "document"
+    c = base_config()
+    c.model.attention.name = "fma"
+    c.model.attention.fma.release_zero_slots = True
+    assert packing_rule(c, 40) == ("document", "fma's settings refuse packed rows")
+    c = base_config()
+    c.data.source = "enwik8"  # one document a split, known before its data is read (a dry run plans 'document')
+    assert packing_rule(c) == ("document", "the train split is one document")
+
+
+def test_a_run_says_what_auto_chose(tiny_cfg, tmp_path):
+    """The first lines of a run on the built-in corpus name the rule 'auto' chose (segments: its files are
+    documents) and the rows are packed."""
+    from longctx.train.tasks import task_class
+
+    assert tiny_cfg.data.packing == "auto"
+    task = task_class(tiny_cfg)(tiny_cfg)
+    assert task.cfg.data.packing == "segments" and task.packed()
+    assert task.packing_line.startswith("data.packing='auto' -> 'segments': a corpus of ")

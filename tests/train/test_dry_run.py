@@ -91,6 +91,7 @@ def test_training_flops_per_token_with_windows_carrying_state(tmp_path):
         c.model.attention.transformer_vq.block_len = 8
         c.train.window = 16
         c.train.batch_size = 1
+        c.data.packing = "document"  # unpacked rows, as the bench's forward counts them
         return c
 
     cfg = config_lib.validate(windowed())
