@@ -42,6 +42,17 @@ import pytest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+def mosaic_gpu_mode(interpret, dtype) -> bool:
+    """The ``interpret`` flag a Mosaic GPU kernel test runs with: the one given, else Mosaic GPU's interpret mode on
+    a CPU and the compiled kernels on a GPU (gpu_check.sh's tests step), where a float32 case skips (the compiled
+    kernels take bfloat16 / float16, wgmma would round float32 to tf32; their refusal has its own test)."""
+    if interpret is not None:
+        return interpret
+    if jax.default_backend() != "cpu" and jnp.dtype(dtype) == jnp.float32:
+        pytest.skip("compiled Mosaic GPU kernels take bfloat16 / float16 (float32 is refused: tf32)")
+    return jax.default_backend() == "cpu"
+
+
 def _assert_refused(reasons: list[str], run) -> None:
     """``run()`` raises a ValueError whose message names every one of ``reasons``."""
     with pytest.raises(ValueError) as err:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from kernel_test_base import assert_close, weighted_sum  # noqa: I001
+from kernel_test_base import assert_close, mosaic_gpu_mode, weighted_sum  # noqa: I001
 from test_eva_attend import TestEVAAttend as _TritonTest  # not collected here: the alias does not match Test*
 from test_fma_blocks_mgpu import _equations
 
@@ -66,11 +66,9 @@ def make_inputs(shape, dtype):
     return _TritonTest().make_inputs(shape, dtype)
 
 
-INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
 
-
-def _kernel(args, static, interpret=INTERPRET):
-    return eva_attend_mgpu.eva_attend_mgpu(*args, **static, interpret=interpret)
+def _kernel(args, static, interpret=None):
+    return eva_attend_mgpu.eva_attend_mgpu(*args, **static, interpret=mosaic_gpu_mode(interpret, args[0].dtype))
 
 
 def _reference(args, static):

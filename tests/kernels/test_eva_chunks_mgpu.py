@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from kernel_test_base import assert_close, weighted_sum  # noqa: I001
+from kernel_test_base import assert_close, mosaic_gpu_mode, weighted_sum  # noqa: I001
 from test_eva_attend_mgpu import _export_count  # forward/gradient custom calls, no Triton
 from test_eva_chunks import TestEVAChunkStats as _TritonTest  # not collected here: the alias does not match Test*
 from test_fma_blocks_mgpu import _equations
@@ -34,11 +34,10 @@ def make_inputs(name, dtype):
     return _TritonTest().make_inputs(SHAPES[name], dtype)
 
 
-INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
 
-
-def _kernel(args, static, interpret=INTERPRET):
-    return eva_chunks_mgpu.eva_chunk_stats_mgpu(*args, **static, interpret=interpret)
+def _kernel(args, static, interpret=None):
+    return eva_chunks_mgpu.eva_chunk_stats_mgpu(*args, **static,
+                                               interpret=mosaic_gpu_mode(interpret, args[0].dtype))
 
 
 def _reference(args, static):

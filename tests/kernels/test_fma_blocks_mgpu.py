@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from kernel_test_base import assert_close, weighted_sum  # noqa: I001
+from kernel_test_base import assert_close, mosaic_gpu_mode, weighted_sum  # noqa: I001
 from test_fma_blocks import TestFMABlocks as _TritonTest  # not collected here: the alias does not match Test*
 from test_fma_blocks import packed_docs
 
@@ -39,12 +39,10 @@ def make_inputs(shape, dtype, bh=BH):
     return tuple(None if x is None else (x if i >= 5 else x[:bh]) for i, x in enumerate(args))
 
 
-INTERPRET = jax.default_backend() == "cpu"  # interpret mode on a CPU; compiled on a GPU (gpu_check.sh's tests step)
 
-
-def _kernel(args, shape, interpret=INTERPRET, docs=None):
+def _kernel(args, shape, interpret=None, docs=None):
     return fma_blocks_mgpu.fma_blocks_mgpu(*args, m=shape["m"], causal=shape["causal"], n_valid=shape["n_valid"],
-                                           interpret=interpret, docs=docs)
+                                           interpret=mosaic_gpu_mode(interpret, args[0].dtype), docs=docs)
 
 
 def _reference(args, shape, docs=None):
