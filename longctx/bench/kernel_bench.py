@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from longctx import attention
+from longctx.attention import dispatch
 from longctx.bench import common as C
 from longctx.bench.attention_bench import _skip_reason_time
 from longctx.bench.cores import CoreFns, build_core
@@ -78,13 +79,13 @@ def define_kernel_flags(fv) -> None:
 def kernel_cells(requested: list[str] | None, platform: str | None = None
                  ) -> list[tuple[str, str, attention.base.KernelBench]]:
     """(method, kernel, KernelBench) of every registered method's declared kernels timed on ``platform`` (None:
-    JAX's default backend), in the order ``--methods`` names them (a run stopped by a time limit has timed the
+    the default backend as a kernel platform, ``dispatch.current_platform``: 'cuda', not JAX's 'gpu'), in the order ``--methods`` names them (a run stopped by a time limit has timed the
     first); unknown names are an error, a requested method that declares none is reported by the caller."""
     methods = C.select_methods(requested)
     if requested:
         order = [r.split(":")[0] for r in requested]
         methods = sorted(methods, key=order.index)
-    plat = platform or jax.default_backend()
+    plat = platform or dispatch.current_platform()
     return [(m, kname, kb) for m in methods for kname, kb in attention.get_class(m).kernel_benches().items()
             if kb.platforms is None or plat in kb.platforms]
 

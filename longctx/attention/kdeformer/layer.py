@@ -202,7 +202,10 @@ class KDEformerAttention(AttentionCore):
     def kernel_benches(cls):
         # the band kernel against the XLA form of the same route ('band'; both take 'band' for every full pass)
         return {"kde_band": KernelBench(xla={"impl": "xla", "heavy_impl": "band"}, pallas={"impl": "pallas"},
-                                        directions=("causal",))}
+                                        directions=("causal",)),
+                # the Hopper kernels (Mosaic GPU) beside the Triton one, on a GPU only
+                "kde_band_mgpu": KernelBench(xla={"impl": "xla", "heavy_impl": "band"}, pallas={"impl": "mosaic_gpu"},
+                                             directions=("causal",), platforms=("cuda",))}
 
     @classmethod
     def contract_cases(cls) -> dict[str, ContractCase]:
