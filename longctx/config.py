@@ -431,7 +431,8 @@ def packing_rule(c, num_docs: int | None = None) -> tuple[str, str]:
     for a prepared corpus whose every layer takes segment ids, and ``'document'`` where it cannot: a generated task
     (``'segments'`` where it packs examples, ``data.synthetic.example_len > 0``), an attention transfer (whole
     unpacked rows), a layer whose method or settings refuse packed rows, or a train split of one document
-    (a source that is one document, enwik8; ``num_docs`` where the data is loaded: no boundary to keep). ``why`` says which, for the run's first lines."""
+    (a source that is one document, enwik8; ``num_docs`` where the data is loaded: no boundary to keep). ``why``
+    says which, for the run's first lines."""
     rule = c.data.packing
     if rule != "auto":
         return rule, ""

@@ -79,8 +79,9 @@ def define_kernel_flags(fv) -> None:
 def kernel_cells(requested: list[str] | None, platform: str | None = None
                  ) -> list[tuple[str, str, attention.base.KernelBench]]:
     """(method, kernel, KernelBench) of every registered method's declared kernels timed on ``platform`` (None:
-    the default backend as a kernel platform, ``dispatch.current_platform``: 'cuda', not JAX's 'gpu'), in the order ``--methods`` names them (a run stopped by a time limit has timed the
-    first); unknown names are an error, a requested method that declares none is reported by the caller."""
+    the default backend as a kernel platform, ``dispatch.current_platform``: 'cuda', not JAX's 'gpu'), in the order
+    ``--methods`` names them (a run stopped by a time limit has timed the first); unknown names are an error, a
+    requested method that declares none is reported by the caller."""
     methods = C.select_methods(requested)
     if requested:
         order = [r.split(":")[0] for r in requested]

@@ -135,7 +135,8 @@ def _prefers_band(platform, *, cache_len: int, full_pass: bool, heavy_scores_max
 DEFAULTS = {key: dict(xla.DEFAULTS[key]) for key in ("tile_budget", "heavy_scores_max_len", "heavy_band_block")}
 _DECLARED = Implementation(
     "pallas", platforms=("cuda",), kernel=True, reasons=_reasons, config={"impl": "pallas"}, auto={"cuda": -1},
-    prefer=dispatch.not_on_hopper(_prefers_band), code=Pallas, directions=("causal",), test_config={"heavy_band_block": 8},
+    prefer=dispatch.not_on_hopper(_prefers_band), code=Pallas, directions=("causal",),
+    test_config={"heavy_band_block": 8},
     defaults=DEFAULTS)
 IMPLEMENTATIONS = (_DECLARED,)
 

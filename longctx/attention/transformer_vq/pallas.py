@@ -7,9 +7,10 @@ A packed row (segment ids, §2.8) runs both forms, with the new state of ``state
 CPU runs in interpret mode) the document arrays of ``xla.kernel_documents``, restarting the cache it folds inside
 the kernel at documents.
 
-'auto' tries it first on a GPU / TPU (never on a CPU; on Hopper ``mosaic_gpu`` instead, ``dispatch.hopper``), for the calls the size rule gives the block-parallel or tiled
-form (:func:`prefer`: ``xla.preferred_form``); :func:`reasons` then says whether it serves the call. Named, it runs
-every causal call it serves (decoding steps shorter than a block too).
+'auto' tries it first on a GPU / TPU (never on a CPU; on Hopper ``mosaic_gpu`` instead, ``dispatch.hopper``), for
+the calls the size rule gives the block-parallel or tiled form (:func:`prefer`: ``xla.preferred_form``);
+:func:`reasons` then says whether it serves the call. Named, it runs every causal call it serves (decoding steps
+shorter than a block too).
 
 Under a train step's mesh (``longctx.attention.row_split.active_mesh``) the kernel is a call XLA's partitioner
 cannot split, so it runs per shard: a ``shard_map`` with the rows over the batch axes and the heads over
