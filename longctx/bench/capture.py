@@ -36,6 +36,7 @@ def tiny_dense_config(steps: int, sets: list[str] | None = None):
     cfg.train.ckpt_every = steps
     cfg.train.log_every = max(1, steps // 10)
     cfg.train.async_checkpoints = False
+    cfg.data.packing = "document"  # the rule the recorded captures were trained with, whatever the default
     return configs.with_overrides(cfg, sets)
 
 

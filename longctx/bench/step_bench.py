@@ -8,7 +8,9 @@ whole row), is validated, and one jitted training step (loss, gradient and optim
 lengths (round r times every length once), so a slow spell of the machine touches every length
 alike; the result per length is the median, with tokens/s, the CPU time per wall second, minor page
 faults per step (memory churn) and XLA's compiled memory analysis. No data is read: the step's cost
-does not depend on the token values.
+does not depend on the token values. The rows are unpacked (one sequence each) whatever ``data.packing``: a config
+that trains packed rows (``'auto'`` on a corpus of documents) pays its methods' packed layouts on top
+(``longctx-train --dry_run`` counts that step's FLOPs).
 
 Model FLOPs and MFU (the output states both definitions):
 
