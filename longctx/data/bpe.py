@@ -79,15 +79,22 @@ def train_model(payloads, *, vocab_size: int, min_frequency: int = MIN_FREQUENCY
     return tok.to_str()
 
 
+def model_path(data_cfg, source=None, meta=None) -> Path:
+    """Where the model trained for ``data_cfg`` is cached (it may not exist yet)."""
+    kw = settings(data_cfg)
+    meta = meta if meta is not None else (source or sources.build(data_cfg)).metadata()
+    key = hashlib.sha256((meta["content_hash"] + json.dumps(kw, sort_keys=True)).encode()).hexdigest()[:12]
+    root = Path(data_cfg.cache_dir) if getattr(data_cfg, "cache_dir", "") else default_cache_dir()
+    return root / f"{meta['source']}-bpe-vocab-{key}" / MODEL_FILE
+
+
 def tokenizer_kwargs(data_cfg) -> dict:
     """The trained model's file and sha256 (trained on the train split first if absent): what the token cache is
     keyed by."""
     kw = settings(data_cfg)
     source = sources.build(data_cfg)
     meta = source.metadata()
-    key = hashlib.sha256((meta["content_hash"] + json.dumps(kw, sort_keys=True)).encode()).hexdigest()[:12]
-    root = Path(data_cfg.cache_dir) if getattr(data_cfg, "cache_dir", "") else default_cache_dir()
-    path = root / f"{meta['source']}-bpe-vocab-{key}" / MODEL_FILE
+    path = model_path(data_cfg, meta=meta)
     if not path.is_file():
         if "train" not in source.splits:
             raise DataError(f"data.tokenizer='bpe' is trained on the train split; data.source={meta['source']!r} has "

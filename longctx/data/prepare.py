@@ -190,6 +190,29 @@ def tokenizer_kwargs(source, data_cfg, meta) -> dict:
     return {**kw, **tokenizers.cache_kwargs(data_cfg.tokenizer, data_cfg)}
 
 
+def prepared_manifest(data_cfg, split: str = "train") -> dict | None:
+    """The manifest of ``split`` (its ``num_docs``, ``num_tokens``, ``vocab_size``, ...) where it is already
+    prepared in the cache :func:`prepare` would use, else None (not prepared yet, a generated source, or data that
+    cannot be found): nothing is prepared, written or trained (``longctx-train --dry_run`` plans from it)."""
+    if sources.is_generated(data_cfg.source):
+        return None
+    try:
+        source = sources.build(data_cfg)
+        meta = source.metadata()
+        if data_cfg.tokenizer == "bpe":  # its cache key names the trained model: none yet, nothing prepared
+            from longctx.data import bpe
+
+            if not bpe.model_path(data_cfg, meta=meta).is_file():
+                return None
+        extra = json.dumps(tokenizer_kwargs(source, data_cfg, meta), sort_keys=True, default=str)
+        directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=extra)
+        if not is_prepared(directory, split):
+            return None
+        return json.loads((directory / f"{split}.json").read_text())
+    except (LongctxError, OSError, ValueError):
+        return None
+
+
 def prepare(data_cfg, splits=None, *, progress: bool = True, trust_cache_dir: bool = True):
     """Build the source and tokenizer of ``data_cfg``; prepare and load the splits.
 

@@ -20,7 +20,8 @@ from flax import nnx
 
 from longctx import config as config_lib
 from longctx.bench.common import jaxpr_matmul_flops
-from longctx.data import masking, tokenizers
+from longctx.data import bpe, masking, sources, tokenizers
+from longctx.data.prepare import prepared_manifest
 from longctx.errors import ConfigError
 from longctx.models.backbone import scans_layers
 from longctx.models.decoder import build_model
@@ -58,6 +59,8 @@ def known_vocab_size(cfg) -> int:
         return 256
     if cfg.data.tokenizer == "sentencepiece":
         return int(cfg.data.options.vocab_size)
+    if cfg.data.tokenizer == "bpe":  # its ids: data.options.vocab_size whatever the corpus (longctx.data.bpe)
+        return int(bpe.settings(cfg.data)["vocab_size"])
     raise ConfigError(f"--dry_run: data.tokenizer={cfg.data.tokenizer!r} learns its vocabulary from the data; "
                       "set --config.model.vocab_size to plan without reading data")
 
@@ -130,10 +133,27 @@ def lm_batch(cfg, batch_size: int, sharding=None):
     return batch
 
 
+def plan_packing(cfg) -> tuple[ml_collections.ConfigDict, str]:
+    """``cfg`` with ``data.packing='auto'`` resolved as the training task will resolve it
+    (``config.resolve_packing``), and the line saying so: where 'auto' would pack a prepared corpus, the train
+    split's documents are read from the cache when it is prepared (``prepare.prepared_manifest``: a split of one
+    document trains unpacked rows); where it is not prepared yet, the plan is for a corpus of several documents and
+    the line says that the run decides once the data is prepared."""
+    if cfg.data.packing != "auto" or config_lib.packing_rule(cfg)[0] != "segments" or \
+            sources.is_generated(cfg.data.source):
+        return config_lib.resolve_packing(cfg, None)
+    manifest = prepared_manifest(cfg.data)
+    num_docs = manifest["num_docs"] if manifest is not None else None
+    cfg, line = config_lib.resolve_packing(cfg, num_docs)
+    if num_docs is None:
+        line += " (the data is not prepared yet: planned for several documents; a train split of one document " \
+                "trains unpacked rows)"
+    return cfg, line
+
+
 def packed(cfg) -> bool:
     """Whether the training rows carry document boundaries (``longctx.train.tasks.LanguageModel.packed``):
-    ``data.packing='auto'`` as the config gives it (``config.packing_rule``; a train split of one document, which
-    the plan does not read, trains unpacked rows)."""
+    ``data.packing`` as :func:`plan_packing` resolved it."""
     return config_lib.packing_rule(cfg)[0] == "segments"
 
 
@@ -168,6 +188,7 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     cfg = config_lib.validate(cfg)
     vocab_size, mask_token = known_vocab(cfg)
     cfg = config_lib.resolve_vocab(cfg, vocab_size, mask_token=mask_token)
+    cfg, packing_line = plan_packing(cfg)
     tc = cfg.train
     mesh = sharding.make_mesh(cfg.mesh, devices)
     abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, seed=tc.seed, execution=cfg.execution))
@@ -230,6 +251,7 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
                               "the step") if (scans_layers(cfg.model) or tc.microbatches > 1) else ""
     out["scan_layers"] = cfg.model.scan_layers  # as validate resolved it
     out["packed"] = packed(cfg)  # the step takes the rows' segment ids and positions
+    out["packing_line"] = packing_line  # data.packing='auto': which rule, and why
     out["vocab_size"] = int(cfg.model.vocab_size)  # as the training task resolves it (resolve_vocab)
     if cfg.model.kind == "encoder":
         out["mask_id"] = int(cfg.mlm.mask_id)
@@ -245,6 +267,7 @@ def report(res: dict) -> str:
               for g in res.get("sharding", ())]
     return "\n".join([
         f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
+        *([res["packing_line"]] if res.get("packing_line") else []),
         *(["rows: packed documents (the step takes their segment ids and positions)"] if res.get("packed") else []),
         *([f"layers: {'scanned' if res['scan_layers'] == 'on' else 'unrolled'} (model.scan_layers="
            f"{res['scan_layers']!r} as validated for this platform)"] if "scan_layers" in res else []),

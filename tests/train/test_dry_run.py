@@ -142,3 +142,44 @@ def test_plan_of_a_packed_decoder_compiles_the_step_that_takes_segment_ids(tmp_p
     assert res["training_flops_per_token"] > 0 and res["flops_per_step"] > 0
     assert "packed documents" in dry_run.report(res)
     assert not (tmp_path / "no-cache").exists()
+
+
+def test_plan_resolves_auto_packing_as_the_run_will(tmp_path):
+    """data.packing='auto' on a `files` corpus: before the data is prepared the plan is packed and says the run
+    decides once it is; once prepared, the train split's documents decide as the training task decides
+    (config.resolve_packing): one document -> unpacked rows, three -> packed."""
+    from longctx.data.prepare import prepare
+    from longctx.train import dry_run
+
+    def corpus(name, docs):
+        root = tmp_path / name
+        for split, n in (("train", docs), ("valid", 1)):
+            (root / split).mkdir(parents=True)
+            for i in range(n):
+                (root / split / f"{i}.txt").write_text(f"document {i} of {split} " * 40)
+        return root
+
+    for name, docs, want in (("one", 1, False), ("three", 3, True)):
+        cfg = tiny_config(corpus(name, docs), tmp_path / f"cache-{name}", batch_size=2)
+        cfg.data.source, cfg.model.num_layers = "files", 1
+        assert cfg.data.packing == "auto"
+        before = dry_run.plan(cfg)
+        assert before["packed"] and "not prepared yet" in before["packing_line"], before["packing_line"]
+        prepare(cfg.data, ["train"], progress=False)
+        res = dry_run.plan(cfg)
+        assert res["packed"] is want, res["packing_line"]
+        assert res["packing_line"].startswith(f"data.packing='auto' -> {'segments' if want else 'document'!r}")
+        assert ("3 documents" in res["packing_line"]) if want else ("one document" in res["packing_line"])
+        assert res["packing_line"] in dry_run.report(res)
+
+
+def test_plan_of_a_bpe_config_needs_no_vocab_size(tmp_path):
+    """data.tokenizer='bpe' has data.options.vocab_size ids whatever the corpus, so the plan of the main job's
+    config needs no --config.model.vocab_size and neither reads the corpus nor trains the BPE."""
+    from longctx.train import dry_run
+
+    cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache", batch_size=2)
+    cfg.model.num_layers, cfg.data.tokenizer, cfg.data.options.vocab_size = 1, "bpe", 300
+    res = dry_run.plan(cfg)
+    assert res["vocab_size"] == 300
+    assert not (tmp_path / "no-cache").exists()
