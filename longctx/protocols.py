@@ -32,6 +32,7 @@ import lzma
 import math
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -290,18 +291,9 @@ def scored_ids(tokens, jobs: list[Job]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.asarray(tokens[:0]).dtype)
 
 
-def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool = False, tokenizer=None,
-                word_count: int | None = None, progress: bool = True, desc: str = "eval", compressors: bool = False,
-                row_bytes: int = 0) -> tuple[dict, tuple]:
-    """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
-    (a validated ``eval`` section). Returns (result, (loss sum, token count, bytes or None) per position in the
-    context).
-
-    ``tokenizer`` (lossless: :func:`byte_lengths`) adds bits per byte over the bytes of the scored tokens, the
-    split's bytes (on the full split) and, with ``compressors``, gzip and xz on exactly the scored bytes;
-    positions are then bytes of context. ``row_bytes`` > 0 (a lossless tokenizer): the stream protocol with the
-    state reset at each document start and every ``row_bytes`` bytes inside it (:func:`byte_cut_jobs`) instead
-    of ``ecfg``'s ``reset`` / ``row_len``."""
+def split_jobs(data, ecfg, *, tokenizer=None, one_token_per_byte: bool = False, row_bytes: int = 0):
+    """What :func:`score_split` scores: (the tokenizer's byte table or None, whether one token is one byte, each
+    token's bytes or None, the jobs, the window, the protocol record)."""
     table = byte_lengths(tokenizer)
     if table is None and one_token_per_byte:
         table = np.ones(256, np.int64)
@@ -318,6 +310,46 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
                     **budget(ecfg)}
     else:
         jobs, window, protocol = make_jobs(ecfg, data.doc_starts, token_bytes)
+    return table, one_byte, token_bytes, jobs, window, protocol
+
+
+def state_tokens(jobs: list[Job], window: int) -> int:
+    """The most tokens :func:`run_jobs` asks a state to hold for ``jobs`` (a job longer than one window runs in
+    whole windows with the state carried; 0: every job fits one call, no state)."""
+    return max((-(-j.n // window) * window for j in jobs if window > 0 and j.n > window), default=0)
+
+
+def check_state(init_state, jobs: list[Job], *, window: int, batch_size: int, ecfg, row_bytes: int = 0) -> None:
+    """Refuse in one line, before anything is scored, a protocol whose longest stream the model's state cannot
+    hold (a layer's ``init_state`` raises ``ValueError``: e.g. FMA's levels built for a shorter ``max_len``). The
+    state is built abstractly (``jax.eval_shape``): nothing is allocated."""
+    n = state_tokens(jobs, window)
+    if n == 0:
+        return
+    try:
+        jax.eval_shape(lambda: init_state(batch_size, n))
+    except ValueError as e:
+        resets = f"every {row_bytes:,} bytes" if row_bytes > 0 else (
+            f"eval.reset={ecfg.reset!r}, eval.row_len={ecfg.row_len}")
+        raise ConfigError(f"{e} (the evaluation carries the state through {n:,} tokens: {resets}); reset it "
+                          "more often (eval.row_len=N) or give the layer a state that holds the stream") from None
+
+
+def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool = False, tokenizer=None,
+                word_count: int | None = None, progress: bool = True, desc: str = "eval", compressors: bool = False,
+                row_bytes: int = 0) -> tuple[dict, tuple]:
+    """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
+    (a validated ``eval`` section). Returns (result, (loss sum, token count, bytes or None) per position in the
+    context).
+
+    ``tokenizer`` (lossless: :func:`byte_lengths`) adds bits per byte over the bytes of the scored tokens, the
+    split's bytes (on the full split) and, with ``compressors``, gzip and xz on exactly the scored bytes;
+    positions are then bytes of context. ``row_bytes`` > 0 (a lossless tokenizer): the stream protocol with the
+    state reset at each document start and every ``row_bytes`` bytes inside it (:func:`byte_cut_jobs`) instead
+    of ``ecfg``'s ``reset`` / ``row_len``."""
+    table, one_byte, token_bytes, jobs, window, protocol = split_jobs(
+        data, ecfg, tokenizer=tokenizer, one_token_per_byte=one_token_per_byte, row_bytes=row_bytes)
+    check_state(init_state, jobs, window=window, batch_size=ecfg.batch_size, ecfg=ecfg, row_bytes=row_bytes)
     t0 = time.time()
     nll_sum, count, pos_sum, pos_cnt, pos_bytes = run_jobs(
         forward, params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,

@@ -160,6 +160,8 @@ CASES = [
     )),
     Case("sample: an encoder run", "sample", ("--workdir={enc}",), r"encoder .*longctx-fill"),
     Case("sample: the samples folder a file", "sample", ("--workdir={other}",), r"samples is a file, not the folder of samples"),
+    Case("eval: a stream longer than the state holds", "eval", ("--workdir={fma}", "--config.eval.row_len=-1"),
+         r"max_len=64.*the evaluation carries the state through [0-9,]+ tokens.*eval.row_len=N"),
     Case("sample: prompt longer than the state", "sample", ("--workdir={fma}", "--num_tokens=200"),
          r"cannot sample \d+ prompt \+ 200 new tokens: .*max_len=64"),
     # longctx-eval: ranges of the eval settings (a negative stride used to hang), other runs, files
@@ -301,6 +303,9 @@ CASES = [
     Case("packed rows with a method setting that cannot restart at a boundary", "train",
          (*T, "--config.data.packing=segments", "--config.model.attention.name=fma",
           "--config.model.attention.fma.release_zero_slots=true"), r"fma: packed rows .* release_zero_slots"),
+    Case("validation streams longer than the state holds (refused before the first step)", "train",
+         (*T, "--config.model.attention.name=fma", "--config.model.attention.fma.m=8", "--config.model.attention.fma.p=2",
+          "--config.eval.row_len=-1"), r"max_len=32.*the evaluation carries the state through [0-9,]+ tokens"),
     Case("packed rows from a corpus of one document", "train",
          (*T, "--config.data.packing=segments", "--config.data.source=files", "--config.data.options.train_path={tmp}/a.txt",
           "--config.data.options.valid_path={tmp}/a.txt"), r"train split is one document"),

@@ -265,6 +265,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     task.setup(model, graphdef, tx, plan)
+    task.check_evaluation((params, nongrad, rest))  # a validation the model's state cannot run: refused now
     writer = open_metrics(workdir, step)
     base_key = jax.random.key(tc.seed)
     def tokens_per_step(at_step):  # per update

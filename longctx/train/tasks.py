@@ -45,7 +45,7 @@ from longctx.data.synthetic import RowBatcher
 from longctx.errors import ConfigError
 from longctx.models.blocks import layer_methods
 from longctx.models.decoder import with_execution
-from longctx.protocols import score_answers, score_mlm_split, score_split
+from longctx.protocols import check_state, score_answers, score_mlm_split, score_split, split_jobs
 from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import core_mask
 from longctx.train.step import (
@@ -137,6 +137,10 @@ class Task:
         """Score ``state`` = (params, nongrad, rest) on the validation data; the protocol's result."""
         raise NotImplementedError
 
+    def check_evaluation(self, state) -> None:
+        """Refuse in one line, before the first step, a validation the model cannot run (a state that cannot hold
+        the protocol's longest stream); nothing to check by default."""
+
     def valid_record(self, res: dict) -> dict:
         """The validation metrics logged, with bits per byte where the tokenizer keeps bytes (bytes, bpe)."""
         out = {key: res[field] for key, field in self.valid_metrics}
@@ -175,6 +179,12 @@ class LanguageModel(Task):
         if self.packed():
             return {k: sharding.shard_batch(self.mesh, batch[k]) for k in ("tokens", "segment_ids", "positions")}
         return sharding.shard_batch(self.mesh, batch["tokens"])
+
+    def check_evaluation(self, state):
+        ecfg = self.eval_config()
+        jobs, window = split_jobs(self.splits[self.cfg.eval.split], ecfg, tokenizer=self.tokenizer,
+                                  one_token_per_byte=self.one_token_per_byte())[3:5]
+        check_state(self.init_state(state), jobs, window=window, batch_size=ecfg.batch_size, ecfg=ecfg)
 
     def evaluate(self, state):
         fwd = self.forward
@@ -259,6 +269,9 @@ class Recall(LanguageModel):
         batch = self.host_batch(at_step)
         keys = ("tokens", "weights") + (("segment_ids", "positions") if self.packed() else ())
         return {k: sharding.shard_batch(self.mesh, batch[k]) for k in keys}
+
+    def check_evaluation(self, state):
+        """Its validation rows are as long as its training rows."""
 
     def evaluate(self, state):
         cfg, fwd = self.cfg, self.forward
