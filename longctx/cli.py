@@ -194,8 +194,11 @@ def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool =
     else:
         if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
             raise ConfigError(f"{prog} reads the config saved in --workdir; change it with --config.KEY=VALUE")
-        config_flags.DEFINE_config_dict("config", config_lib.base_config(), "overrides of the run's saved config",
-                                        flag_values=fv, lock_config=True, sys_argv=argv)
+        try:  # the --config.* overrides are parsed here, against the base config
+            config_flags.DEFINE_config_dict("config", config_lib.base_config(), "overrides of the run's saved config",
+                                            flag_values=fv, lock_config=True, sys_argv=argv)
+        except (AttributeError, KeyError) as e:
+            raise ConfigError(_unknown_key_message(e, argv, fv, prog)) from None
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, logs, plots)", flag_values=fv)
     flags.DEFINE_bool("progress", True, "show progress bars (--noprogress hides them; log lines are still "
                       "printed)", flag_values=fv)
@@ -214,17 +217,8 @@ def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool =
         raise ConfigError(_unknown_flag_message(e, argv, fv, prog)) from None
     except flags.IllegalFlagValueError as e:
         raise ConfigError(" ".join(str(e).split())) from None
-    except AttributeError as e:
-        import re
-
-        m = re.search(r"'(\w+)'", str(e).replace("\\'", "'"))
-        flag = next((a[2:].split("=", 1)[0] for a in argv if m and a.startswith("--config.")
-                     and a.split("=", 1)[0].endswith("." + m.group(1))), None)
-        if flag:
-            err = flags.UnrecognizedFlagError(flag)
-            raise ConfigError(_unknown_flag_message(err, argv, fv, prog)) from None
-        msg = " ".join(str(e).replace("\\'", "'").strip("'\"").split())
-        raise ConfigError(f"unknown config key: {msg}") from None
+    except (AttributeError, KeyError) as e:
+        raise ConfigError(_unknown_key_message(e, argv, fv, prog)) from None
     except (OSError, ImportError, SyntaxError) as e:
         first = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise ConfigError(f"cannot load the config file: {' '.join(first[-2:])}") from None
@@ -244,6 +238,22 @@ def _parse(argv, prog: str, *, config: str, define=None, require_workdir: bool =
     return fv, over
 
 
+def _unknown_key_message(e: Exception, argv, fv, prog) -> str:
+    """The line for a ``--config.KEY`` the config has no key or section for (ml_collections raises AttributeError
+    or KeyError)."""
+    import re
+
+    from absl import flags
+
+    m = re.search(r"'(\w+)'", str(e).replace("\\'", "'"))
+    flag = next((a[2:].split("=", 1)[0] for a in argv if m and a.startswith("--config.")
+                 and m.group(1) in a.split("=", 1)[0].split(".")[1:]), None)
+    if flag:
+        return _unknown_flag_message(flags.UnrecognizedFlagError(flag), argv, fv, prog)
+    msg = " ".join(str(e).replace("\\'", "'").strip("'\"").split())
+    return f"unknown config key: {msg}"
+
+
 def _unknown_flag_message(err, argv, fv, prog) -> str:
     import difflib
 
@@ -261,13 +271,20 @@ def _unknown_flag_message(err, argv, fv, prog) -> str:
             node = base_config()
         else:
             node = config_files.load(path)
-        for p in parts[:-1]:
-            node = node[p]
+        depth = 0
+        for p in parts[:-1]:  # the first part the config lacks: a section higher up, or the key itself
+            if p not in node.keys():
+                break
+            node, depth = node[p], depth + 1
         keys = sorted(node.keys())
     except Exception:  # noqa: BLE001 -- the key path itself is wrong higher up
         return f"unknown config key {'.'.join(parts)!r}"
-    close = difflib.get_close_matches(parts[-1], keys, n=1)
+    close = difflib.get_close_matches(parts[depth], keys, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if depth < len(parts) - 1:
+        where = f" in {'.'.join(parts[:depth])}" if depth else ""
+        return (f"unknown config key {'.'.join(parts)!r}: no section {parts[depth]!r}{where}{hint}; sections and "
+                f"keys there: {', '.join(keys)}")
     return f"unknown config key {'.'.join(parts)!r}{hint}; allowed keys there: {', '.join(keys)}"
 
 
@@ -314,12 +331,15 @@ def train_main(argv=None) -> int:
             from longctx import attention  # deferred: CLI start-up: no jax at import
             from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
             from longctx.attention import dispatch  # deferred: CLI start-up: no jax at import
+            from longctx.data import sources  # deferred: CLI start-up: no jax at import
 
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
+            sources.build(c.data)  # the data is where the config says (a missing path: one line), not read
+            where = f" ({c.data.path})" if c.data.path and not sources.is_generated(c.data.source) else ""
             print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
-                  f"attention={config_lib.attention_label(c.model)} on {c.data.source}"
-                  + (f" in {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
+                  f"attention={config_lib.attention_label(c.model)} on data.source={c.data.source!r}{where}"
+                  + (f", writing to {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
             return 0
         if fv.dry_run:
             from longctx.train import dry_run  # deferred: CLI start-up: no jax at import

@@ -272,6 +272,16 @@ def summarize(nll_sum: float, count: int, *, one_token_per_byte: bool, protocol:
 def make_jobs(ecfg, doc_starts, token_bytes: np.ndarray | None = None):
     """(jobs, window, protocol) of a validated ``eval`` section; ``token_bytes`` [N] (each token's bytes) for
     ``eval.max_bytes`` (:func:`limit_jobs`)."""
+    jobs, window, protocol = protocol_jobs(ecfg, doc_starts)
+    return limit_jobs(jobs, ecfg.max_tokens, max_bytes=ecfg.max_bytes, token_bytes=token_bytes), window, protocol
+
+
+def scored_count(jobs: list[Job]) -> int:
+    return sum(j.n - j.score_from for j in jobs)
+
+
+def protocol_jobs(ecfg, doc_starts):
+    """(every job of the split, window, protocol) of a validated ``eval`` section, before its budget."""
     if ecfg.protocol == "stream":
         jobs = stream_jobs(doc_starts, reset=ecfg.reset, row_len=ecfg.row_len)
         protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": ecfg.reset, "row_len": ecfg.row_len}
@@ -280,7 +290,6 @@ def make_jobs(ecfg, doc_starts, token_bytes: np.ndarray | None = None):
         jobs = sliding_jobs(doc_starts, reset=ecfg.reset, context=ecfg.context, stride=ecfg.stride)
         protocol = {"mode": "sliding-window", "context": ecfg.context, "stride": ecfg.stride, "reset": ecfg.reset}
         window = 0
-    jobs = limit_jobs(jobs, ecfg.max_tokens, max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
     protocol.update(budget(ecfg))
     return jobs, window, protocol
 
@@ -293,7 +302,8 @@ def scored_ids(tokens, jobs: list[Job]) -> np.ndarray:
 
 def split_jobs(data, ecfg, *, tokenizer=None, one_token_per_byte: bool = False, row_bytes: int = 0):
     """What :func:`score_split` scores: (the tokenizer's byte table or None, whether one token is one byte, each
-    token's bytes or None, the jobs, the window, the protocol record)."""
+    token's bytes or None, the jobs, the window, the protocol record, whether the jobs score the whole split:
+    no budget, or one the split ends within)."""
     table = byte_lengths(tokenizer)
     if table is None and one_token_per_byte:
         table = np.ones(256, np.int64)
@@ -303,14 +313,14 @@ def split_jobs(data, ecfg, *, tokenizer=None, one_token_per_byte: bool = False, 
         if token_bytes is None:
             raise ConfigError("a reset every N bytes needs a lossless tokenizer (bytes or bpe): this one does not "
                               "say how many bytes its tokens stand for")
-        jobs = limit_jobs(byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes), ecfg.max_tokens,
-                          max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
+        every = byte_cut_jobs(data.doc_starts, token_bytes, row_bytes=row_bytes)
         window = ecfg.window
         protocol = {"mode": "stream-with-state", "window": ecfg.window, "reset": "document", "row_bytes": row_bytes,
                     **budget(ecfg)}
     else:
-        jobs, window, protocol = make_jobs(ecfg, data.doc_starts, token_bytes)
-    return table, one_byte, token_bytes, jobs, window, protocol
+        every, window, protocol = protocol_jobs(ecfg, data.doc_starts)
+    jobs = limit_jobs(every, ecfg.max_tokens, max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
+    return table, one_byte, token_bytes, jobs, window, protocol, scored_count(jobs) == scored_count(every)
 
 
 def state_tokens(jobs: list[Job], window: int) -> int:
@@ -347,7 +357,7 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
     positions are then bytes of context. ``row_bytes`` > 0 (a lossless tokenizer): the stream protocol with the
     state reset at each document start and every ``row_bytes`` bytes inside it (:func:`byte_cut_jobs`) instead
     of ``ecfg``'s ``reset`` / ``row_len``."""
-    table, one_byte, token_bytes, jobs, window, protocol = split_jobs(
+    table, one_byte, token_bytes, jobs, window, protocol, whole = split_jobs(
         data, ecfg, tokenizer=tokenizer, one_token_per_byte=one_token_per_byte, row_bytes=row_bytes)
     check_state(init_state, jobs, window=window, batch_size=ecfg.batch_size, ecfg=ecfg, row_bytes=row_bytes)
     t0 = time.time()
@@ -358,8 +368,8 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
     )
     if one_byte:
         pos_bytes = pos_cnt
-    # word-level perplexity divides by the split's official word count: only meaningful on the full split
-    whole = budget(ecfg) == {"max_tokens": "full split"}
+    # word-level perplexity divides by the split's official word count: only meaningful on the full split (no
+    # budget, or one the split ends within: ``whole``)
     words = word_count if whole else None
     ids = scored_ids(data.tokens, jobs) if token_bytes is not None else None
     res = summarize(nll_sum, count, one_token_per_byte=one_byte, protocol=protocol, word_count=words,
