@@ -357,7 +357,9 @@ def train_main(argv=None) -> int:
                   "resume from the last one", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(130)
-        print(f"done: step {summary['step']}, last valid bits/token {summary['last_valid_bits_per_token']}")
+        valid = summary["last_valid_bits_per_token"]
+        print(f"done: step {summary['step']}, " + (f"last valid bits/token {valid}" if valid is not None
+                                                    else "no validation recorded"))
     return 0
 
 

@@ -53,6 +53,16 @@ class Job:
     score_from: int = 0
 
 
+class EvaluationStopped(Exception):
+    """Raised between forward calls when a scoring function's ``stop()`` turns true (a signal asked the trainer to
+    stop: it checkpoints and exits instead of finishing a long validation)."""
+
+
+def _check_stop(stop) -> None:
+    if stop is not None and stop():
+        raise EvaluationStopped
+
+
 def unit_ranges(doc_starts: np.ndarray, reset: str) -> list[tuple[int, int]]:
     """Token ranges that never share context: documents, or the whole stream."""
     if reset == "never" or reset == "row":
@@ -172,7 +182,7 @@ def budget_text(ecfg) -> str:
 
 def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: int, batch_size: int,
              init_state=None, progress: bool = True, desc: str = "eval", token_bytes: np.ndarray | None = None,
-             pad_to: int = 0):
+             pad_to: int = 0, stop=None):
     """Score jobs; returns (nll_sum, count, per-position sums, per-position counts, per-position bytes or None).
 
     ``forward(params, inputs[B, W], targets[B, W], state) -> (nll[B, W], state)``; ``init_state(B, max_len)``
@@ -212,6 +222,7 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
         state = None if n_win == 1 else init_state(B, width)
         losses = []
         for w in range(n_win):
+            _check_stop(stop)
             sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
             nll_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
             losses.append(np.asarray(nll_w))
@@ -347,7 +358,7 @@ def check_state(init_state, jobs: list[Job], *, window: int, batch_size: int, ec
 
 def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: bool = False, tokenizer=None,
                 word_count: int | None = None, progress: bool = True, desc: str = "eval", compressors: bool = False,
-                row_bytes: int = 0) -> tuple[dict, tuple]:
+                row_bytes: int = 0, stop=None) -> tuple[dict, tuple]:
     """Score a prepared split (``data.tokens``, ``data.doc_starts``) under the protocol of ``ecfg``
     (a validated ``eval`` section). Returns (result, (loss sum, token count, bytes or None) per position in the
     context).
@@ -364,7 +375,7 @@ def score_split(forward, params, data, ecfg, *, init_state, one_token_per_byte: 
     nll_sum, count, pos_sum, pos_cnt, pos_bytes = run_jobs(
         forward, params, data.tokens, jobs, window=window, batch_size=ecfg.batch_size,
         init_state=init_state, progress=progress, desc=desc,
-        token_bytes=None if one_byte else token_bytes, pad_to=32 if row_bytes > 0 else 0,
+        token_bytes=None if one_byte else token_bytes, pad_to=32 if row_bytes > 0 else 0, stop=stop,
     )
     if one_byte:
         pos_bytes = pos_cnt
@@ -420,7 +431,8 @@ def mlm_protocol(ecfg, mcfg, *, context: int, n_rows: int) -> dict:
 
 
 def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id: int, one_token_per_byte: bool,
-                    replacement: dict | None = None, progress: bool = True, desc: str = "eval") -> tuple[dict, tuple]:
+                    replacement: dict | None = None, progress: bool = True, desc: str = "eval",
+                    stop=None) -> tuple[dict, tuple]:
     """Masked-token loss and accuracy of an encoder on a prepared split.
 
     The split is cut into rows of ``context`` tokens (:func:`mlm_rows`); row i is masked by
@@ -445,6 +457,7 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
     pos_cnt = np.zeros(context, np.int64)
     bar = tqdm(total=len(rows), desc=desc, unit="row", disable=not progress, leave=False)
     for b0 in range(0, len(rows), B):
+        _check_stop(stop)
         idx_rows = np.arange(b0, min(b0 + B, len(rows)))
         tok = np.zeros((B, context), np.int32)
         for r, i in enumerate(idx_rows):
@@ -474,7 +487,7 @@ def score_mlm_split(forward, params, data, ecfg, mcfg, *, context: int, mask_id:
 
 
 def score_answers(forward, params, rows: dict, edges: np.ndarray, *, window: int, batch_size: int, init_state,
-                  progress: bool = True, desc: str = "recall") -> dict:
+                  progress: bool = True, desc: str = "recall", stop=None) -> dict:
     """Exact match and loss of the answers of generated rows, overall and by distance bin.
 
     ``rows``: :func:`longctx.data.synthetic.pack`'s arrays (tokens [N, L+1], answer [N, L] = the
@@ -503,6 +516,7 @@ def score_answers(forward, params, rows: dict, edges: np.ndarray, *, window: int
         state = None if n_win == 1 else init_state(batch_size, width)
         nlls, oks = [], []
         for w in range(n_win):
+            _check_stop(stop)
             sl = slice(w * window, (w + 1) * window) if n_win > 1 else slice(0, width)
             nll_w, ok_w, state = forward(params, jnp.asarray(inputs[:, sl]), jnp.asarray(targets[:, sl]), state)
             nlls.append(np.asarray(nll_w))

@@ -38,9 +38,10 @@ from longctx.attention import dispatch
 from longctx.data.prepare import default_cache_dir
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
 from longctx.models.decoder import build_model
+from longctx.protocols import EvaluationStopped
 from longctx.train import checkpoint, distributed, sharding, tasks
 from longctx.train.lock import WorkdirLock
-from longctx.train.metrics import MetricsWriter, log_line, plot_losses
+from longctx.train.metrics import MetricsWriter, log_line, plot_losses, read_metrics
 from longctx.train.optim import make_optimizer, schedule
 from longctx.train.step import LossScaleState, loss_scale_setting, split_model, with_loss_scale
 
@@ -375,24 +376,28 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                                      "tok_s": f"{rec['tokens_per_sec']:.0f}" if "tokens_per_sec" in rec else "-",
                                      **({"valid bpt": f"{last_valid:.3f}"} if last_valid is not None else {})})
                 bar.update(n_win)
-                if crossed(prev, step, tc.eval_every) or step >= tc.steps:
-                    settle()
-                    t_eval = time.time()
-                    res = task.evaluate((params, nongrad, rest))
-                    writer.write(step, "valid", task.valid_record(res))
-                    last_valid = res["bits_per_token"]
-                    if print_lines:
-                        tqdm.write(f"step {step}/{tc.steps}: valid {last_valid:.4f} bits/token")
-                    # a disabled bar (--noprogress, non-primary hosts) has no postfix
-                    shown = (getattr(bar, "postfix", None) or "").split(", valid bpt=")[0]
-                    bar.set_postfix_str(", ".join(p for p in (shown, f"valid bpt={last_valid:.3f}") if p))
-                    if distributed.is_primary():
-                        plot_losses(workdir)
-                    t_last += time.time() - t_eval  # tokens/s and step time count training only
-                    bar.unpause()  # and so does the bar's own rate
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
                     settle()  # never a checkpoint of a step not checked
-                    save(step)
+                    save(step)  # before the validation: a validation that fails or is stopped loses no step
+                if (crossed(prev, step, tc.eval_every) or step >= tc.steps) and stop.signum is None:
+                    settle()
+                    t_eval = time.time()
+                    try:  # a signal during a long validation stops it at the next forward call
+                        res = task.evaluate((params, nongrad, rest), stop=lambda: stop.signum is not None)
+                    except EvaluationStopped:
+                        res = None
+                    if res is not None:
+                        writer.write(step, "valid", task.valid_record(res))
+                        last_valid = res["bits_per_token"]
+                        if print_lines:
+                            tqdm.write(f"step {step}/{tc.steps}: valid {last_valid:.4f} bits/token")
+                        # a disabled bar (--noprogress, non-primary hosts) has no postfix
+                        shown = (getattr(bar, "postfix", None) or "").split(", valid bpt=")[0]
+                        bar.set_postfix_str(", ".join(p for p in (shown, f"valid bpt={last_valid:.3f}") if p))
+                        if distributed.is_primary():
+                            plot_losses(workdir)
+                    t_last += time.time() - t_eval  # tokens/s and step time count training only
+                    bar.unpause()  # and so does the bar's own rate
                 if stop.signum is not None:
                     settle()
                     bar.close()
@@ -415,6 +420,9 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         plot_losses(workdir)
     if skips.total:
         skips.warn(f"warning: {skips.total} non-finite update(s) were skipped in this run (train.on_nonfinite=skip)")
+    if last_valid is None:  # nothing trained now (the run had reached train.steps): the run's last validation
+        last_valid = next((r["bits_per_token"] for r in reversed(read_metrics(workdir))
+                           if r.get("split") == "valid" and "bits_per_token" in r), None)
     return {"step": step, "params": n_params, "last_valid_bits_per_token": last_valid, "skipped_updates": skips.total}
 
 

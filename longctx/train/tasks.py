@@ -133,8 +133,9 @@ class Task:
     def one_token_per_byte(self) -> bool:
         return bool(getattr(self.tokenizer, "one_token_per_byte", False))
 
-    def evaluate(self, state) -> dict:
-        """Score ``state`` = (params, nongrad, rest) on the validation data; the protocol's result."""
+    def evaluate(self, state, stop=None) -> dict:
+        """Score ``state`` = (params, nongrad, rest) on the validation data; the protocol's result. ``stop``: a
+        callable checked between forward calls (``protocols.EvaluationStopped`` once it is true)."""
         raise NotImplementedError
 
     def check_evaluation(self, state) -> None:
@@ -186,12 +187,12 @@ class LanguageModel(Task):
                                   one_token_per_byte=self.one_token_per_byte())[3:5]
         check_state(self.init_state(state), jobs, window=window, batch_size=ecfg.batch_size, ecfg=ecfg)
 
-    def evaluate(self, state):
+    def evaluate(self, state, stop=None):
         fwd = self.forward
         res, _ = score_split(
             lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, self.splits[self.cfg.eval.split],
             self.eval_config(), init_state=self.init_state(state), one_token_per_byte=self.one_token_per_byte(),
-            tokenizer=self.tokenizer, progress=False,
+            tokenizer=self.tokenizer, progress=False, stop=stop,
         )
         return res
 
@@ -227,13 +228,13 @@ class MaskedLM(Task):
                                                               **masking.replacement_vocab(self.tokenizer)), host)
         return {k: sharding.shard_batch(self.mesh, v) for k, v in corrupted.items()}
 
-    def evaluate(self, state):
+    def evaluate(self, state, stop=None):
         cfg, fwd = self.cfg, self.forward
         res, _ = score_mlm_split(
             lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask), state, self.splits[cfg.eval.split],
             self.eval_config(), cfg.mlm, context=cfg.eval.context, mask_id=cfg.mlm.mask_id,
             replacement=masking.replacement_vocab(self.tokenizer), one_token_per_byte=self.one_token_per_byte(),
-            progress=False,
+            progress=False, stop=stop,
         )
         return res
 
@@ -273,7 +274,7 @@ class Recall(LanguageModel):
     def check_evaluation(self, state):
         """Its validation rows are as long as its training rows."""
 
-    def evaluate(self, state):
+    def evaluate(self, state, stop=None):
         cfg, fwd = self.cfg, self.forward
         syn = cfg.data.synthetic
         if self.eval_set is None:
@@ -283,6 +284,7 @@ class Recall(LanguageModel):
         return score_answers(
             lambda p, inputs, targets, st: fwd(*p, inputs, targets, st), state, *self.eval_set,
             window=cfg.eval.window, batch_size=cfg.eval.batch_size, init_state=self.init_state(state), progress=False,
+            stop=stop,
         )
 
 

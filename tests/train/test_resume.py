@@ -78,3 +78,36 @@ def test_nonfinite_loss_stops_with_the_step(tiny_corpus, tmp_path):
     assert r.returncode == 2
     line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and "non-finite values at step" in line[0], r.stderr[-2000:]
+
+
+def test_a_signal_during_validation_stops_it_with_the_checkpoint_saved(tiny_corpus, tmp_path, monkeypatch):
+    """A signal that arrives during a validation stops it at the next forward call (a long validation no longer
+    holds the stop back); the step's checkpoint was written before the validation began, so the stop loses nothing
+    and records no partial validation; rerunning finishes the run and says its last validation."""
+    from longctx.train import tasks
+    from longctx.train.loop import train
+
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=4, eval_every=2, ckpt_every=2)
+    cfg.eval.row_len, cfg.eval.window, cfg.train.eval_tokens = -1, 16, 4096  # streams of several windows
+    real = tasks.LanguageModel.evaluate
+    calls = []
+
+    def evaluate(self, state, stop=None):
+        calls.append(stop)
+        os.kill(os.getpid(), signal.SIGINT)  # the StopFlag's handler sets the flag; the validation sees it
+        return real(self, state, stop=stop)
+
+    monkeypatch.setattr(tasks.LanguageModel, "evaluate", evaluate)
+    work = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train(cfg, work, progress=False)
+    assert e.value.code == 128 + signal.SIGINT and len(calls) == 1 and calls[0] is not None
+    assert sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == [2]
+    recs = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in recs if r["split"] == "valid"]
+
+    monkeypatch.undo()
+    summary = train(cfg, work, progress=False)  # resumes at step 2, validates, finishes
+    assert summary["step"] == 4 and summary["last_valid_bits_per_token"] is not None
+    again = train(cfg, work, progress=False)  # nothing left to train: the run's last validation, not None
+    assert again["last_valid_bits_per_token"] == summary["last_valid_bits_per_token"]
