@@ -25,7 +25,7 @@ import contextlib
 import sys
 
 from longctx import config_files
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import ConfigError, DataError, LongctxError
 from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
 
@@ -335,7 +335,10 @@ def train_main(argv=None) -> int:
 
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
-            sources.build(c.data)  # the data is where the config says (a missing path: one line), not read
+            try:  # whether the data is where the config says (not read): a missing corpus is said, not refused
+                sources.build(c.data)
+            except DataError as e:
+                print(f"warning: the data is not there yet: {e}", file=sys.stderr)
             where = f" ({c.data.path})" if c.data.path and not sources.is_generated(c.data.source) else ""
             print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
                   f"attention={config_lib.attention_label(c.model)} on data.source={c.data.source!r}{where}"

@@ -923,6 +923,7 @@ def _check_method(c, name: str, *, rotated: bool = False):
         raise ConfigError(
             f"model.positions={m.positions!r} is not supported with attention {name!r}; allowed: {', '.join(allowed_pos)}"
             + (" (or rotary in a model.attention.pattern whose other layers take it)" if m.positions == "rotary" else "")
+            + f": add --config.model.positions={allowed_pos[0]}"
         )
     method_cfg = attention.default_config(name)
     method_cfg.update(c.execution.attention[name].to_dict() if name in c.execution.attention else {})

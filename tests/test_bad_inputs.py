@@ -311,8 +311,6 @@ CASES = [
     Case("validation streams longer than the state holds (refused before the first step)", "train",
          (*T, "--config.model.attention.name=fma", "--config.model.attention.fma.m=8", "--config.model.attention.fma.p=2",
           "--config.eval.row_len=-1"), r"max_len=32.*the evaluation carries the state through [0-9,]+ tokens"),
-    Case("--check of a corpus that is not there", "train",
-         (*T, "--config.data.source=files", "--config.data.path={tmp}/missing", "--check"), r"does not exist"),
     Case("packed rows from a corpus of one document", "train",
          (*T, "--config.data.packing=segments", "--config.data.source=files", "--config.data.options.train_path={tmp}/a.txt",
           "--config.data.options.valid_path={tmp}/a.txt"), r"train split is one document"),

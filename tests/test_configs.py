@@ -77,7 +77,7 @@ def test_a_pattern_on_the_command_line_is_a_comma_list_and_is_reported(value, ca
     _, cfg = cli.parse(argv, "longctx-train", config="file")
     assert tuple(validate(cfg).model.attention.pattern) == ("dense", "eva")
     assert cli.train_main([*argv, "--check"]) == 0
-    assert "with attention=dense,eva on builtin" in capsys.readouterr().out
+    assert "with attention=dense,eva on data.source='builtin'" in capsys.readouterr().out
 
 
 def test_short_runs_fit_their_staged_phase(capsys):

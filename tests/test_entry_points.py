@@ -117,3 +117,21 @@ def test_noprogress_training_prints_compilation_and_log_lines(tiny_cfg, tmp_path
     train_recs = [r for r in recs if r["split"] == "train"]
     assert all("lr" in r for r in train_recs) and train_recs[0]["lr"] > 0
     assert all(r["step_time"] > 0 and r["tokens_per_sec"] > 0 for r in train_recs[1:])
+
+
+def test_check_says_when_the_corpus_is_not_there(tmp_path, capsys):
+    """``--check`` validates without reading data, and says (exit 0, a warning on stderr) where the corpus the
+    config names is missing, instead of a plain "ok"; the data's place is printed as data.path, not the workdir."""
+    from longctx import cli
+
+    base = ["longctx-train", "--config=configs/default.py:tiny", f"--workdir={tmp_path / 'w'}",
+            "--config.data.source=files", "--check"]
+    assert cli.train_main([*base, f"--config.data.path={tmp_path / 'missing'}"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: the data is not there yet: files: data.path=" in err and "does not exist" in err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("text")
+    assert cli.train_main([*base, f"--config.data.path={tmp_path / 'mine'}"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and f"on data.source='files' ({tmp_path / 'mine'}), writing to {tmp_path / 'w'}" in out
+    assert not (tmp_path / "w").exists()

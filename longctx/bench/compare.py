@@ -377,19 +377,28 @@ def plan(args, rs: list[dict]) -> dict:
     cost = costs(args, rs)
     sizing_path = Path(args.out) / "sizing.json"
     sizing = json.loads(sizing_path.read_text())["rows"] if sizing_path.is_file() else {}
-    rows, total = [], 0.0
+    rows, total, left = [], 0.0, 0
     for r in rs:
         n = steps_for(r, args, cost)
         s = sizing.get(_key(r))
         est = n * s["step_s"] + s["compile_s"] if s else None
-        total += est or 0.0
+        done = result_path(args, r).is_file()
+        left += not done
+        total += 0.0 if done else (est or 0.0)
         rows.append([r["label"], r["context"], r["seed"], cost[_key(r)]["params"],
                      cost[_key(r)]["flops_per_token"] / 1e6, n, est / 60 if est else None,
-                     "done" if result_path(args, r).is_file() else "to run"])
+                     "done" if done else "to run"])
+    where = Path(args.out) / "results"
+    if left == 0:
+        todo = (f"every run has its result in {where} (the results committed there count: --out DIR trains them "
+                "anew in DIR)")
+    else:
+        todo = (f"{len(rs) - left} have their result in {where}; " + (
+            f"estimated training time of the {left} left {total / 3600:.2f} h (scoring adds a few minutes per run; "
+            "timings on a shared machine are noisy)" if sizing else
+            f"{left} left, their training time not estimated yet (--measure times a few steps of each first)"))
     text = (f"{len(rs)} runs; training FLOPs per run = the dense run's {sizes(args)['dense_steps']} updates at its "
-            f"context; estimated training time {total / 3600:.2f} h"
-            + ("" if sizing else " (no --measure yet: unestimated)")
-            + " (scoring adds a few minutes per run; timings on a shared machine are noisy)\n\n"
+            f"context; {todo}\n\n"
             + C.md_table(["run", "context", "seed", "params", "MFLOP/token", "updates", "est. min", "status"], rows))
     print(text)
     return {"rows": rows, "estimated_s": total, "text": text}

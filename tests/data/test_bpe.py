@@ -92,3 +92,23 @@ def test_end_of_document_id_has_no_bytes_and_ends_only_eos_payloads(corpus, tmp_
     assert (lengths[: tok.model.get_vocab_size()] >= 1).all()
     assert all(len(tok.pieces[i]) == lengths[i] for i in range(tok.vocab_size))
     assert sorted(p for p in tok.pieces if len(p) == 1) == [bytes([i]) for i in range(256)]
+
+
+def test_your_own_files_take_the_bpe_too(tmp_path):
+    """data.source='files' with data.tokenizer='bpe': the BPE is learned on the files' train split and every
+    prepared document decodes to its text."""
+    root = tmp_path / "mine"
+    for split, n in (("train", 4), ("valid", 1)):
+        (root / split).mkdir(parents=True)
+        for i in range(n):
+            (root / split / f"{i}.txt").write_text(f"The {split} document number {i}, caf\u00e9 and tea.\n" * (20 + i))
+    cfg = bpe_cfg(root, tmp_path / "cache")
+    cfg.data.source = "files"
+    tok, data, _ = prepare(cfg.data, progress=False)
+    assert tok.vocab_size == 300
+    for split, n in (("train", 4), ("valid", 1)):
+        d = data[split]
+        assert d.num_docs == n and d.num_tokens < sum(len(p.read_bytes()) for p in (root / split).iterdir())
+        texts = sorted(p.read_bytes() for p in (root / split).iterdir())
+        got = sorted(tok.decode_bytes(np.asarray(d.tokens[a:b])) for a, b in zip(d.doc_starts[:-1], d.doc_starts[1:]))
+        assert got == texts
