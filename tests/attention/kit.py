@@ -71,3 +71,15 @@ def out(core, q, k, v, state=None):
 def maxdiff(a, b):
     """The largest absolute difference, in float64."""
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def sub_jaxprs(params):
+    """The jaxprs an equation's ``params`` hold (scan / cond / custom-rule bodies), to walk a traced program."""
+    from jax.extend import core as jex_core
+
+    for v in params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jex_core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jex_core.Jaxpr):
+                yield x

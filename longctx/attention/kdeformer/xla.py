@@ -635,12 +635,15 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
             lmask = ((kpos[None, None, :] >= L[..., None]) & (kpos[None, :] <= qpos[:, None]))[:, None]
         s_l = sig * einsum_f32("bhqd,bhkd->bhqk", qt, kl)
         parts = [(s_l, lmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
+        packed_samples = "sidx" in pl and pl["sidx"].ndim == 4
+        # the 'scores' route's [c, M] logits of every key (short caches), also read by a packed row's samples
+        s_all = sig * einsum_f32("bhqd,bhkd->bhqk", qt, Kc) if heavy_route == "scores" and (
+            opts.heavy_capacity > 0 or packed_samples) else None
         if opts.heavy_capacity > 0 and heavy_route == "scores":
             # same heavy logits, computed as one [c, M] matmul and kept only on Hv(i) (short caches)
             hmask = jax.vmap(jax.vmap(jax.vmap(
                 lambda ix, ok: jnp.zeros((M,), bool).at[ix].max(ok))))(pl["hidx"], pl["hvalid"])
-            s_h = sig * einsum_f32("bhqd,bhkd->bhqk", qt, Kc)
-            parts.append((s_h, hmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
+            parts.append((s_all, hmask, lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(Vc.dtype), Vc)))
         elif opts.heavy_capacity > 0 and heavy_route == "band":
             # each row's heavy softmax as one entry: logit lse_h with value out_h (= Σ_Hv e^{s} v / e^{lse_h})
             h_out, h_lse = hv
@@ -652,7 +655,16 @@ def causal_apply(q_tiles, tile_ids, Kc, Vc, plan, opts: CausalOptions, heavy=Non
             # per-query key sets: elementwise products (batched tiny matvecs are slow on XLA:CPU)
             s_h = sig * jnp.sum((qt[:, :, :, None, :] * kh).astype(_ftype(qt)), axis=-1)
             parts.append((s_h, pl["hvalid"], lambda p: jnp.sum(p[..., None] * vh, axis=-2)))
-        if "sidx" in pl and pl["sidx"].ndim == 4:  # a packed row: every query its own document's samples
+        if packed_samples and s_all is not None:
+            # a packed row's per-query samples on the 'scores' route: their logits read from the [c, M] logits and
+            # their weights spread over the M keys for one product with the values (the same entries as gathering
+            # c * m keys and values per tile, whose gradient is a scatter of c * m rows of keys and values)
+            sidx = pl["sidx"]  # [B,H,c,m]
+            s_s = jnp.take_along_axis(s_all, sidx, axis=-1, mode="clip") + pl["omega"]
+            spread = jax.vmap(jax.vmap(jax.vmap(lambda ix, p: jnp.zeros((M,), p.dtype).at[ix].add(p, mode="clip"))))
+            parts.append((s_s, pl["smask"],
+                          lambda p: einsum_f32("bhqk,bhkd->bhqd", spread(sidx, p).astype(Vc.dtype), Vc)))
+        elif packed_samples:  # a packed row: every query its own document's samples
             sidx = pl["sidx"].reshape(B, H, -1)
             ks = _take(Kc, sidx).reshape(B, H, c, -1, d)
             vs = _take(Vc, sidx).reshape(B, H, c, -1, dv)

@@ -666,17 +666,25 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
     CK = st["ck"].at[:, :, where].set(cK.astype(jnp.float32), mode="drop")
     CV = st["cv"].at[:, :, where].set(cV.astype(jnp.float32), mode="drop")
     qcat = jnp.concatenate([st["qbuf"], q.astype(jnp.float32)], axis=2)  # positions [s - a, s + T)
-    # queries regrouped by window: window j0 + i holds positions [(j0 + i) w, (j0 + i + 1) w)
+    # queries regrouped by window: window j0 + i holds positions [(j0 + i) w, (j0 + i + 1) w), of which the call
+    # holds at most tq = min(w, T), contiguous: each window computes only the tq rows [r_i, r_i + tq) that cover
+    # them (a decoding step one row, not w). An aligned call's rows start at its windows' borders (r_i = 0), so its
+    # band is the g + tq keys before and at them: with T < w the keys past the call's last token, every one
+    # masked, are not scored.
     j0 = s // w
     offset = s - j0 * w
     nwin = -(-T // w) if aligned else -(-(w - 1 + T) // w)
+    tq = min(w, T)
+    nband = g + (tq if aligned else w)
+    r0 = jnp.clip(offset - w * jnp.arange(nwin, dtype=jnp.int32), 0, w - tq)  # [nwin]: each window's first row
     Qp = jax.lax.dynamic_update_slice(jnp.zeros((B, H, nwin * w, Dh), q.dtype), q, (0, 0, offset, 0))
-    Qw = Qp.reshape(B, H, nwin, w, Dh).transpose(2, 0, 1, 3, 4)
+    Qw = jax.vmap(lambda qi, r: jax.lax.dynamic_slice_in_dim(qi, r, tq, axis=2))(
+        Qp.reshape(B, H, nwin, w, Dh).transpose(2, 0, 1, 3, 4), r0)  # [nwin, B, H, tq, Dh]
     logk = math.log(k) if opts.scale_correction else 0.0
     train = not deterministic
 
     def one_window(args):
-        i, qw = args
+        i, qw, r = args
         j = j0 + i
         t0 = j * w
         nb_j = jnp.maximum(0, (t0 - g) // k)
@@ -695,15 +703,16 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
         else:
             delta = jnp.zeros((B, nbmax))
         delta_f = jnp.take_along_axis(delta, sel, axis=1)
-        # keys: coarse blocks (old, unselected) | tokens of the selected blocks | the band [t0 - g, t0 + w)
+        # keys: coarse blocks (old, unselected) | tokens of the selected blocks | the band [t0 - g, t0 + w) (its
+        # first nband keys: those the rows [t0 + r, t0 + r + tq) can see)
         fpos = (sel[:, :, None] * k + jnp.arange(k)).reshape(B, h * k)
         fK = jnp.take_along_axis(Kc, (g + fpos)[:, None, :, None], axis=2)
         fV = jnp.take_along_axis(Vc, (g + fpos)[:, None, :, None], axis=2)
-        bK = jax.lax.dynamic_slice_in_dim(Kc, t0, g + w, axis=2)
-        bV = jax.lax.dynamic_slice_in_dim(Vc, t0, g + w, axis=2)
-        upos = t0 - g + jnp.arange(g + w)
-        tpos = t0 + jnp.arange(w)
-        band = (upos[None, :] <= tpos[:, None]) & (upos[None, :] >= 0)  # [w, g + w]
+        bK = jax.lax.dynamic_slice_in_dim(Kc, t0, nband, axis=2)
+        bV = jax.lax.dynamic_slice_in_dim(Vc, t0, nband, axis=2)
+        upos = t0 - g + jnp.arange(nband)
+        tpos = t0 + r + jnp.arange(tq)
+        band = (upos[None, :] <= tpos[:, None]) & (upos[None, :] >= 0)  # [tq, nband]
         old = jnp.arange(nbmax) < nb_j
         cbias = jnp.where(old & ~selmask, logk + delta, NEG)  # [B, nbmax]
         fbias = jnp.where(jnp.repeat(sel_valid, k, axis=1), jnp.repeat(delta_f, k, axis=1), NEG)  # [B, h k]
@@ -720,11 +729,13 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
         return out, sel
 
     if nwin == 1:
-        outs, sels = jax.tree.map(lambda t: t[None], one_window((jnp.int32(0), Qw[0])))
+        outs, sels = jax.tree.map(lambda t: t[None], one_window((jnp.int32(0), Qw[0], r0[0])))
     else:
-        outs, sels = jax.lax.map(jax.checkpoint(one_window), (jnp.arange(nwin, dtype=jnp.int32), Qw))
-    o = outs.transpose(1, 2, 0, 3, 4).reshape(B, H, nwin * w, Dh)
-    o = jax.lax.dynamic_slice_in_dim(o, offset, T, axis=2).astype(x.dtype)
+        outs, sels = jax.lax.map(jax.checkpoint(one_window), (jnp.arange(nwin, dtype=jnp.int32), Qw, r0))
+    # token t (window position p = offset + t) is row (p // w) tq + p % w - r_{p // w} of the windows' rows
+    wpos = offset + jnp.arange(T, dtype=jnp.int32)
+    o = outs.transpose(1, 2, 0, 3, 4).reshape(B, H, nwin * tq, Dh)
+    o = jnp.take(o, (wpos // w) * tq + wpos % w - r0[wpos // w], axis=2, mode="clip").astype(x.dtype)
     o = o.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
     y1 = x + dropout(block.out(o), block.dropout_rate, deterministic, k_attn)
     f = block.mlp(block.norm2(y1), deterministic=deterministic, key=k_mlp)
@@ -741,13 +752,16 @@ def lm_layer(block, x, st, opts: LMOptions, *, deterministic: bool, key, aligned
     return y, new, {"sel": sels}
 
 
-def lm_layer_packed(block, x, st, opts: LMOptions, segment_ids, max_documents: int, *, deterministic: bool, key):
+def lm_layer_packed(block, x, st, opts: LMOptions, segment_ids, max_documents: int, *, deterministic: bool, key,
+                    aligned: bool = False):
     """:func:`lm_layer` on packed rows x [B, T, d] with ``segment_ids`` [B, T] (docs/methods/vcc.md §4.3): every
     document runs as a row of its own (:class:`DocumentLayout`), from the empty state, except the call's leading
     run of tokens that continues the document ``st`` summarizes (``base.continues_state`` of ``st['segment']``),
     which runs from ``st`` (its windows, blocks, anchors and positions counted from that document's first token,
     ``st['doc_length']`` tokens ago). Each document gets the layer's key (in training: the draws of the document
-    alone from a state of the same capacity). Returns (y, the state of each row's last document, info {'sel' per slot})."""
+    alone from a state of the same capacity). ``aligned``: ``st`` is empty (the parallel pass), so every document
+    starts at a window border (:func:`lm_layer`'s ``aligned``). Returns (y, the state of each row's last document,
+    info {'sel' per slot})."""
     B, T, d = x.shape
     lay = document_layout(segment_ids, max_documents)
     D = lay.src.shape[1]
@@ -760,7 +774,7 @@ def lm_layer_packed(block, x, st, opts: LMOptions, segment_ids, max_documents: i
 
     def one(xe, ste, n):  # one document: x [T, d], its state's leaves without the batch axis
         one_row = {name: (leaf if name == "length" else leaf[None]) for name, leaf in ste.items()}
-        y, new, info = lm_layer(block, xe[None], one_row, opts, deterministic=deterministic, key=key, aligned=False,
+        y, new, info = lm_layer(block, xe[None], one_row, opts, deterministic=deterministic, key=key, aligned=aligned,
                                 n_valid=n)
         return y[0], {name: (leaf if name == "length" else leaf[0]) for name, leaf in new.items()}, info["sel"][:, 0]
 
@@ -826,7 +840,7 @@ class VCCDecoderStack(nnx.Module):
             state = self.init_layer_state(block, x.shape[0], x.shape[1])
         if segment_ids is not None:
             y, state, info = lm_layer_packed(block, x, state, self.opts, segment_ids, self.max_documents,
-                                             deterministic=deterministic, key=key)
+                                             deterministic=deterministic, key=key, aligned=aligned)
         else:
             y, state, info = lm_layer(block, x, state, self.opts, deterministic=deterministic, key=key,
                                       aligned=aligned)
