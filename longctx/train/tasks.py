@@ -58,6 +58,13 @@ from longctx.train.step import (
 )
 
 
+def jit_forward(forward):
+    """The validation's jitted forward(params, nongrad, rest, inputs, targets, state): the carried state is donated
+    (each call's state is the one the previous call returned and is not read again), so a window call does not copy
+    a state sized for the longest stream (VCC-LM's or KDEformer's caches: gigabytes at 32k tokens)."""
+    return jax.jit(forward, donate_argnums=5)
+
+
 class Task:
     """The shared part: a prepared corpus (train and ``eval.split``), a batcher per row length, and
     the staged-training choice of batcher (``train.short_steps``)."""
@@ -166,7 +173,7 @@ class LanguageModel(Task):
         step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
                                              constrain=plan.constrain, weighted=self.weighted, hidden=seq_hidden,
                                              microbatches=tc.microbatches, packed=self.packed()))
-        return step, jax.jit(self.make_forward(graphdef))
+        return step, jit_forward(self.make_forward(graphdef))
 
     def make_forward(self, graphdef):
         return make_forward(graphdef)
@@ -328,7 +335,7 @@ class AttentionTransfer(LanguageModel):
         step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
                                              constrain=plan.constrain, microbatches=tc.microbatches, loss=loss,
                                              trainable=trainable))
-        return step, jax.jit(self.make_forward(graphdef))
+        return step, jit_forward(self.make_forward(graphdef))
 
     def summary(self):
         return (f"{super().summary()}; attention transfer in layer(s) {', '.join(map(str, self.layers))} "

@@ -123,3 +123,27 @@ def test_eval_budget_is_the_periodic_one(tiny_corpus, tmp_path, kind):
     assert task.eval_config().max_tokens == cfg.train.eval_tokens
     cfg.eval.max_tokens = 100
     assert tasks.from_config(config_lib.validate(cfg)).eval_config().max_tokens == 100
+
+
+def test_the_validation_forward_donates_the_carried_state(tmp_path):
+    """Each window call of a stream validation hands its state on (``tasks.jit_forward``): the state passed in is
+    donated, so a call does not copy a state sized for the longest stream; the returned one goes on."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    from longctx.train.step import make_forward
+
+    cfg = tiny_config(tmp_path / "no-corpus", tmp_path / "no-cache")
+    cfg.model.vocab_size = 256
+    cfg = config_lib.validate(cfg)
+    model = build_model(cfg.model, seed=0, execution=cfg.execution)
+    graphdef, params, nongrad, rest = split_model(model)
+    fwd = tasks.jit_forward(make_forward(graphdef))
+    state = model.init_state(2, 128)
+    x = jnp.zeros((2, 32), jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a donation XLA could not use would warn
+        _, state2 = fwd(params, nongrad, rest, x, x, state)
+        nll, _ = fwd(params, nongrad, rest, x, x, state2)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state)) and nll.shape == (2, 32)
