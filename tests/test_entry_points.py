@@ -135,3 +135,14 @@ def test_check_says_when_the_corpus_is_not_there(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "warning" not in err and f"on data.source='files' ({tmp_path / 'mine'}), writing to {tmp_path / 'w'}" in out
     assert not (tmp_path / "w").exists()
+
+
+def test_a_missing_corpus_is_refused_before_the_workdir_is_made(tmp_path, capsys):
+    """``longctx-train`` with a corpus that is not there: one line, exit 2, and no workdir left behind."""
+    from longctx import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.train_main(["longctx-train", "--config=configs/default.py:tiny", f"--workdir={tmp_path / 'w'}",
+                        "--config.data.source=files", f"--config.data.path={tmp_path / 'missing'}"])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from longctx import attention
 from longctx import config as config_lib
 from longctx.attention import dispatch
+from longctx.data import sources
 from longctx.data.prepare import default_cache_dir
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
 from longctx.models.decoder import build_model
@@ -438,6 +439,8 @@ def open_run(cfg, workdir, *, max_steps: int | None, held: list) -> tuple[ml_col
     distributed.initialize_from_env()
     cfg = config_lib.validate(cfg)
     attention.check_execution(cfg, dispatch.current_platform())  # a named implementation that cannot run here
+    if not sources.is_generated(cfg.data.source):
+        sources.build(cfg.data)  # a corpus that is not where the config says: one line, before the workdir exists
     setup_compilation_cache(cfg.train, cfg.data)  # before the first compile
     if max_steps is not None and max_steps <= 0:
         raise ConfigError(f"--max_steps={max_steps} must be a positive integer")
