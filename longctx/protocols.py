@@ -201,7 +201,7 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
     pos_sum = np.zeros(longest, np.float64)
     pos_cnt = np.zeros(longest, np.int64)
     nll_sum, count = 0.0, 0
-    total = sum(j.n - j.score_from for j in jobs)
+    total = scored_count(jobs)
     bar = tqdm(total=total, desc=desc, unit="tok", disable=not progress, leave=False)
     for b0 in range(0, len(order), batch_size):
         batch = [jobs[i] for i in order[b0 : b0 + batch_size]]
