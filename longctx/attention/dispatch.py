@@ -20,6 +20,11 @@ it serves, raises :class:`KernelUnsupportedError` listing each candidate's reaso
 a list skips is logged once (INFO, logger ``longctx.attention.dispatch``) with its reasons. A Pallas kernel on a
 CPU runs only where named (interpret mode, slow, for tests; a warning says so); ``'auto'`` never takes it there.
 
+Determinism: where ``XLA_FLAGS`` asks XLA for deterministic GPU results (``--xla_gpu_deterministic_ops=true`` or
+``--xla_gpu_exclude_nondeterministic_ops=true``, JAX's switch, which also makes cuDNN's attention backward
+deterministic), an implementation that sums with atomic adds on the platform (``atomics``: their float32 order
+varies from run to run) refuses the call: ``'auto'`` takes the next one, a named one raises with the reason.
+
 Exact attention's fused kernels from outside the project (cuDNN on GPUs, splash on TPUs) are dense's
 implementations ``cudnn`` and ``splash``: ``longctx/attention/dense/platform.py``.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +73,9 @@ class Implementation:
                the platform it runs on (:meth:`setting`), so a checkpoint trained on one platform runs with the other
                platform's tuning and a knob tuned for XLA:CPU never drives a GPU path. ``'interpret'`` (a kernel
                on a CPU) takes the ``'cpu'`` value; a platform not listed takes ``'default'``.
+    atomics:   platforms where it adds results with atomic adds (a gradient summed over programs that run
+               concurrently: bitwise results vary from run to run); it refuses there when XLA is asked for
+               deterministic results (:func:`deterministic_requested`).
     slow_in_interpret: a kernel whose interpret mode on a CPU takes a minute or more per test case (Mosaic GPU's
                simulates shared memory and barriers): the shared test suites run it with ``-m slow`` only.
     """
@@ -84,6 +93,7 @@ class Implementation:
     directions: tuple[str, ...] = ("causal", "bidirectional")
     defaults: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     slow_in_interpret: bool = False
+    atomics: tuple[str, ...] = ()
 
     def setting(self, key: str, value, platform: str):
         """The value execution setting ``key`` runs with on ``platform``: ``value`` as configured, or, when it is
@@ -119,9 +129,28 @@ class Implementation:
 
             if np.dtype(dtype).name not in self.dtypes:
                 out.append(f"dtype {np.dtype(dtype).name}: {self.name} takes {', '.join(self.dtypes)}")
+        if platform in self.atomics and deterministic_requested():
+            out.append(f"{self.name} adds its gradients with atomic adds on {platform} (their order varies from run "
+                       f"to run) and XLA_FLAGS asks for deterministic results ({deterministic_requested()})")
         if self.reasons is not None:
             out.extend(self.reasons(platform, **shapes))
         return out
+
+
+DETERMINISM_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
+def deterministic_requested(flags: str | None = None) -> str | None:
+    """The flag of ``flags`` (default: the ``XLA_FLAGS`` environment variable JAX passes to XLA) that asks XLA for
+    deterministic GPU results (``--xla_gpu_deterministic_ops``, ``--xla_gpu_exclude_nondeterministic_ops``, set
+    true or bare), as written; None where none does (the last setting of a flag wins, as in XLA)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    on: dict[str, str | None] = {}
+    for word in flags.split():
+        name, _, value = word.lstrip("-").partition("=")
+        if name in DETERMINISM_FLAGS:
+            on[name] = word if value.lower() in ("", "true", "1") else None
+    return next((w for w in on.values() if w), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,4 +391,4 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
 
 
 __all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "built", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
-           "current_platform", "declared", "hopper", "not_on_hopper", "impl_problem", "parse_impl", "select"]
+           "current_platform", "declared", "deterministic_requested", "hopper", "not_on_hopper", "impl_problem", "parse_impl", "select"]

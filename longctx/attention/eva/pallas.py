@@ -217,6 +217,7 @@ IMPLEMENTATIONS = (
     dispatch.Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=unsupported_reasons,
                             config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
                             prefer=dispatch.not_on_hopper(), code=Kernels,
+                            atomics=("cuda",),  # the RPE bias gradient (eva_attend's key-side pass)
                             # a stream attends in the XLA tiles: their logit budget ('cpu': interpret mode); Phase B's
                             # tiles and warps take the kernel's plan on every platform unless written
                             defaults={"logit_budget": xla.LOGIT_BUDGET,

@@ -126,7 +126,7 @@ TILES = {"kernel_warps_per_64_rows": {"cuda": 4, "default": 4}, "kernel_stages":
 IMPLEMENTATIONS = (
     MethodImplementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=_reasons,
                          config={"impl": "pallas"}, auto={"cuda": 0, "rocm": 0, "tpu": 0}, prefer=not_on_hopper(),
-                         code=Pallas,
+                         code=Pallas, atomics=("cuda",),  # the coarse slots' gradient (fma_blocks' gather form)
                          methods=("fma",), defaults={"logit_budget": xla.LOGIT_BUDGET, **TILES}),
 )
 

@@ -123,6 +123,7 @@ IMPLEMENTATIONS = (
     Implementation("pallas", platforms=("tpu", "cuda"), kernel=True, reasons=reasons,
                    config={"impl": "pallas", "reduction": "serial"}, auto={"cuda": 0, "rocm": 0, "tpu": 0},
                    prefer=dispatch.not_on_hopper(prefer), code=Pallas, directions=("causal",),
+                   atomics=("cuda",),  # the code means' gradient dμ̄ (vq_cache_gpu's backward)
                    defaults={"search_chunk": xla.SEARCH_CHUNK}),  # the key quantization before the kernel
 )
 
