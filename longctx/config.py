@@ -667,6 +667,20 @@ def attention_label(m) -> str:
     return ",".join(pattern) if len(set(pattern)) > 1 else m.attention.name
 
 
+def exact_attention_notes(c) -> list[str]:
+    """A line for each method of a validated config's model that computes exact softmax attention on rows of the
+    run's training length (``AttentionCore.exact_len``): its approximation is never trained there."""
+    m, n_row = c.model, c.train.seq_len
+    out = []
+    for name in dict.fromkeys((m.attention.name, *m.attention.pattern)):
+        n = attention.get_class(name).exact_len(m.attention[name], causal=m.causal)
+        if n and n_row <= n:
+            out.append(f"note: {name} computes exact softmax attention on rows of up to {n:,} tokens and this run "
+                       f"trains on rows of {n_row:,}: its approximation is not trained (only longer evaluation "
+                       f"streams run it); train.seq_len > {n:,} trains it")
+    return out
+
+
 # data keys holding local paths: a relative one that exists (and a relative cache folder) is saved absolute, so
 # that the run's saved config reads the same files from any working directory (longctx-eval, longctx-sample)
 _PATH_KEYS = (("path",), ("cache_dir",), ("options", "train_path"), ("options", "valid_path"),

@@ -226,6 +226,15 @@ class AttentionCore(nnx.Module):
         """Raise ConfigError naming what is wrong and what is allowed."""
 
     @classmethod
+    def exact_len(cls, cfg: ml_collections.ConfigDict, *, causal: bool) -> int | None:
+        """The longest row (from its start) this method computes as exact softmax attention over every key it
+        sees, with ``cfg`` (its config resolved for the run): no key summarised, sampled or quantised. None where
+        it is exact at every length (exact attention, a sliding window); 0 where it approximates at every length.
+        The trainer notes a run whose rows are no longer (its approximation would never be trained);
+        ``tests/attention/test_exact_len.py`` holds every method's value to its outputs. Default: 0."""
+        return 0
+
+    @classmethod
     def configure_for_block(cls, cfg: ml_collections.ConfigDict, *, normalizes_qk: bool,
                             d_model: int) -> ml_collections.ConfigDict:
         """Adjust the method config to the block it sits in: ``normalizes_qk`` when the block

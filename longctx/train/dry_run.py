@@ -252,6 +252,7 @@ def plan(cfg: ml_collections.ConfigDict, devices=None) -> dict:
     out["scan_layers"] = cfg.model.scan_layers  # as validate resolved it
     out["packed"] = packed(cfg)  # the step takes the rows' segment ids and positions
     out["packing_line"] = packing_line  # data.packing='auto': which rule, and why
+    out["exact_notes"] = config_lib.exact_attention_notes(cfg)  # a method computing exactly at the row length
     out["vocab_size"] = int(cfg.model.vocab_size)  # as the training task resolves it (resolve_vocab)
     if cfg.model.kind == "encoder":
         out["mask_id"] = int(cfg.mlm.mask_id)
@@ -268,6 +269,7 @@ def report(res: dict) -> str:
     return "\n".join([
         f"dry run: {res['parameters']:,} parameters on {res['devices']} device(s), mesh {mesh}",
         *([res["packing_line"]] if res.get("packing_line") else []),
+        *res.get("exact_notes", ()),
         *(["rows: packed documents (the step takes their segment ids and positions)"] if res.get("packed") else []),
         *([f"layers: {'scanned' if res['scan_layers'] == 'on' else 'unrolled'} (model.scan_layers="
            f"{res['scan_layers']!r} as validated for this platform)"] if "scan_layers" in res else []),

@@ -275,6 +275,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
     print(f"model: {n_params:,} parameters, attention={config_lib.attention_label(cfg.model)}, block={cfg.model.block}; "
           f"data: {task.summary()}")
+    for note in config_lib.exact_attention_notes(cfg):
+        print(note)
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
 
     def save(at_step):

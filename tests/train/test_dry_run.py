@@ -183,3 +183,27 @@ def test_plan_of_a_bpe_config_needs_no_vocab_size(tmp_path):
     res = dry_run.plan(cfg)
     assert res["vocab_size"] == 300
     assert not (tmp_path / "no-cache").exists()
+
+
+def test_a_method_exact_at_the_run_length_is_noted(tmp_path):
+    """A run whose rows a method computes exactly (``exact_len``: KDEformer's exact window of 2 chunks of 16)
+    says so in one line, in the dry run as in the trainer's start; rows past it, exact methods and methods
+    that approximate at every length say nothing."""
+    from longctx import config as config_lib
+    from longctx.train import dry_run
+
+    def cfg_for(name, seq_len, **method):
+        cfg = tiny_config(tmp_path / "no-such-corpus", tmp_path / "no-cache", seq_len=seq_len)
+        cfg.model.attention.name, cfg.model.num_layers = name, 1
+        cfg.model.attention[name] = method
+        return cfg
+
+    kde = {"causal": {"chunk_size": 16, "local_chunks": 2, "heavy_capacity": 4, "num_samples": 8}}
+    res = dry_run.plan(cfg_for("kdeformer", 32, **kde))
+    assert res["exact_notes"] == ["note: kdeformer computes exact softmax attention on rows of up to 32 tokens and "
+                                  "this run trains on rows of 32: its approximation is not trained (only longer "
+                                  "evaluation streams run it); train.seq_len > 32 trains it"]
+    assert res["exact_notes"][0] in dry_run.report(res)
+    for name, seq_len, method in (("kdeformer", 64, kde), ("swa", 32, {"window": 32}), ("dense", 32, {}),
+                                  ("eva", 32, {"window_size": 16, "chunk_size": 4})):
+        assert config_lib.exact_attention_notes(config_lib.validate(cfg_for(name, seq_len, **method))) == [], name

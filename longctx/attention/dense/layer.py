@@ -241,6 +241,11 @@ class DenseAttention(AttentionCore):
         )
 
     @classmethod
+    def exact_len(cls, cfg, *, causal: bool) -> None:
+        """Exact attention at every length (a sliding window: over the keys it sees)."""
+        return None
+
+    @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
         allowed = tuple(i.name for i in implementations())
         problem = dispatch.impl_problem(cfg.impl, allowed)

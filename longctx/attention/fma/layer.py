@@ -184,6 +184,12 @@ class FMAAttention(AttentionCore):
         return (cfg.max_len // cfg.m).bit_length() - 2  # log2(max_len/m) - 1
 
     @classmethod
+    def exact_len(cls, cfg, *, causal: bool) -> int:
+        """Two fine blocks: a query's own block and its neighbour are attended exactly, every farther key through
+        the coarse levels (both directions, FMA and FMA-linear)."""
+        return 2 * cfg.m
+
+    @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
         pre = f"attention.{cls.name}"
         m, p, n = cfg.m, cfg.p, cfg.max_len

@@ -172,6 +172,16 @@ class KDEformerAttention(AttentionCore):
         )
 
     @classmethod
+    def exact_len(cls, cfg, *, causal: bool) -> int | None:
+        """Causal: the exact window (``local_chunks`` chunks of ``chunk_size``) holding every key before the
+        heavy set and the samples come in; bidirectional: one sorted block holding every key. The debug
+        ``residual='exact'`` weighs every other key at 1: exact at every length."""
+        c = cfg.causal if causal else cfg
+        if c.residual == "exact":
+            return None
+        return cfg.causal.chunk_size * cfg.causal.local_chunks if causal else cfg.bucket_size
+
+    @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
         p = "attention.kdeformer"
         require(cfg.bucket_size > 0, f"{p}.bucket_size={cfg.bucket_size}; must be > 0")

@@ -105,6 +105,19 @@ class VCCAttention(AttentionCore):
         )
 
     @classmethod
+    def exact_len(cls, cfg, *, causal: bool) -> int:
+        """VCC-LM: a window's queries read the ``local`` band before it exactly and choose ``num_fine_blocks``
+        blocks of the older history at token resolution, so every window up to the first whose older history
+        holds more blocks than that is exact: the first window start past ``local + num_fine_blocks *
+        block_size``. The encoder: a row whose non-VIP tokens fit the fine blocks compresses nothing, within one
+        segment of its plain first layers (``dense_segment_len``)."""
+        if causal:
+            c = cfg.causal
+            return (c.local + c.num_fine_blocks * c.block_size) // c.window * c.window + c.window
+        n = cfg.num_vip + cfg.num_fine_blocks * cfg.block_size
+        return min(n, cfg.dense_segment_len) if cfg.num_dense_layers > 0 else n
+
+    @classmethod
     def validate_config(cls, cfg, *, causal: bool) -> None:
         p = "attention.vcc"
         require(cfg.num_vip >= 0, f"{p}.num_vip={cfg.num_vip}; must be >= 0")
