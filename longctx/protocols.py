@@ -190,8 +190,11 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
     context (position p: the p-th token of the job predicted the next), or, given ``token_bytes`` [N] (the
     bytes of each token of ``tokens``), bytes of context before the scored token (at least 1), with the bytes
     scored at each position. ``pad_to`` > 0: a job that fits one call is padded at its end to a multiple of
-    ``pad_to`` tokens (fewer shapes to compile; the padding is never scored)."""
+    ``pad_to`` tokens (fewer shapes to compile; the padding is never scored). A carried state is built for a
+    power of two of windows (at most the longest batch's): streams of many lengths compile a handful of state
+    shapes, not one per length, and the largest state is the one the longest batch needs anyway."""
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].n)
+    most_windows = max((-(-j.n // window) for j in jobs), default=1) if window > 0 else 1
     if token_bytes is None:
         longest = max((j.n for j in jobs), default=0)
         pos_bytes = None
@@ -219,7 +222,7 @@ def run_jobs(forward, params, tokens: np.ndarray, jobs: list[Job], *, window: in
             inputs[r, : j.n] = seg[:-1]
             targets[r, : j.n] = seg[1:]
             mask[r, j.score_from : j.n] = True
-        state = None if n_win == 1 else init_state(B, width)
+        state = None if n_win == 1 else init_state(B, state_windows(n_win, most_windows) * window)
         losses = []
         for w in range(n_win):
             _check_stop(stop)
@@ -332,6 +335,12 @@ def split_jobs(data, ecfg, *, tokenizer=None, one_token_per_byte: bool = False, 
         every, window, protocol = protocol_jobs(ecfg, data.doc_starts)
     jobs = limit_jobs(every, ecfg.max_tokens, max_bytes=ecfg.max_bytes, token_bytes=token_bytes)
     return table, one_byte, token_bytes, jobs, window, protocol, scored_count(jobs) == scored_count(every)
+
+
+def state_windows(n_win: int, most: int) -> int:
+    """The windows a batch's carried state is built for: ``n_win`` rounded up to a power of two, at most ``most``
+    (the longest batch's count), so that a stream's batches share a few state shapes."""
+    return min(1 << (n_win - 1).bit_length(), max(most, n_win))
 
 
 def state_tokens(jobs: list[Job], window: int) -> int:

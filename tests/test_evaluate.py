@@ -18,6 +18,7 @@ from longctx.protocols import (
     byte_cut_jobs,
     compressor_bits_per_byte,
     limit_jobs,
+    run_jobs,
     score_split,
     sliding_jobs,
     stream_jobs,
@@ -114,6 +115,30 @@ def test_stream_and_sliding_agree_with_full_context(tiny_cfg):
 def fake_forward(params, inputs, targets, state):
     """A stand-in model whose loss of a target is 0.01 * (id + 1) nats: every sum can be checked by hand."""
     return 0.01 * (np.asarray(targets, np.float64) + 1.0), state
+
+
+def test_carried_states_of_many_stream_lengths_share_a_few_shapes():
+    """Streams of 1..40 windows, two a batch: each batch's state is built for a power of two of windows (at most
+    the longest batch's 40), holding what it runs: 6 shapes instead of 20; the scores are those of the stand-in."""
+    window, built = 8, []
+
+    def init_state(b, n):
+        built.append(n)
+        return n
+
+    def forward(params, inputs, targets, state):
+        assert state is None or state >= inputs.shape[1], state
+        return fake_forward(params, inputs, targets, state)
+
+    starts = np.cumsum([0] + [w * window + 1 for w in range(1, 41)])
+    jobs = stream_jobs(starts, reset="document", row_len=-1)
+    tokens = np.arange(starts[-1] + 1) % 50
+    nll, count, *_ = run_jobs(forward, None, tokens, jobs, window=window, batch_size=2, init_state=init_state,
+                              progress=False)
+    wins = [w for w in range(40, 0, -2)]  # the batches' windows, longest first: (40, 39), (38, 37), ...
+    assert built == [{40: 40, 38: 40, 36: 40, 34: 40}.get(w, 1 << (w - 1).bit_length()) * window for w in wins]
+    assert sorted(set(built)) == [w * window for w in (2, 4, 8, 16, 32, 40)]  # 6 shapes, not 20
+    assert count == sum(j.n - j.score_from for j in jobs)
 
 
 def stream_cfg(**kw):
