@@ -33,7 +33,7 @@ from longctx.errors import ConfigError, WorkdirError
 from longctx.evaluate import write_json_atomic
 from longctx.protocols import score_answers
 from longctx.runtime import Runner
-from longctx.train.step import make_scored_forward
+from longctx.train.step import jit_forward, make_scored_forward
 
 LN2 = math.log(2.0)
 RUNNER_OVERRIDES = ("eval.", "data.path", "data.cache_dir")  # the rest of --config.* must be data.synthetic.*
@@ -59,7 +59,6 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
     write the result. ``overrides``: ``--config.*`` values (``eval.*``, ``data.path``,
     ``data.cache_dir`` for the run; ``data.synthetic.*`` for the task). ``out``: the folder for the
     JSON and the plot (default ``WORKDIR/recall``)."""
-    import jax
 
     overrides = dict(overrides or {})
     syn_over = {k: v for k, v in overrides.items() if k.startswith("data.synthetic.")}
@@ -99,7 +98,7 @@ def recall_run(workdir, *, task: str | None = None, length: int | None = None, r
     source.check(L) if not source.controls_distance else source.distance_range(L)
     eval_set, edges = source.eval_rows(row_len=L, n_rows=n_rows, bins=n_bins, split=cfg.eval.split,
                                        seed=syn.eval_seed, distance=tuple(syn.distance))
-    fwd = jax.jit(make_scored_forward(runner.graphdef))
+    fwd = jit_forward(make_scored_forward(runner.graphdef))
 
     def init_state(b, n):
         try:

@@ -20,7 +20,7 @@ from longctx.errors import CheckpointError, ConfigError
 from longctx.models.decoder import build_model
 from longctx.protocols import split_word_count
 from longctx.train import checkpoint
-from longctx.train.step import make_forward, make_mlm_forward, split_model
+from longctx.train.step import jit_forward, make_forward, make_mlm_forward, split_model
 
 # what --config.KEY=VALUE may change when a trained run is evaluated or sampled
 # the layer layout may change too: a checkpoint restores into either (checkpoint._saved_layout), and tools that
@@ -76,7 +76,7 @@ class Runner:
             fwd = jax.jit(make_mlm_forward(graphdef, self.num_masked))
             self.forward = lambda p, inputs, targets, mask: fwd(*p, inputs, targets, mask)
         else:
-            fwd = jax.jit(make_forward(graphdef))
+            fwd = jit_forward(make_forward(graphdef))  # the state donated: each call hands on the one it returns
             self.forward = lambda p, inputs, targets, state: fwd(*p, inputs, targets, state)
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import errno
+import functools
 import json
 import os
 import sys
@@ -54,16 +55,18 @@ def filter_logits(logits, *, temperature: float, top_k: int, top_p: float):
 
 
 def make_decoder(runner, *, temperature: float, top_k: int, top_p: float):
-    """(prefill, step), jitted; ``positions`` / ``segment_ids`` [1, T] int32 of packed calls, or None (plain)."""
+    """(prefill, step), jitted; ``positions`` / ``segment_ids`` [1, T] int32 of packed calls, or None (plain). Both
+    take the state donated: :func:`generate` hands each call the state the previous one returned and never reads it
+    again, so a decoding step does not copy a state sized for the whole sample (a KV cache of prompt + new tokens)."""
     graphdef = runner.graphdef
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=2)
     def prefill(params, tokens, state, positions=None, segment_ids=None):
         model = nnx.merge(graphdef, *params)
         logits, state, _ = model(tokens, state, deterministic=True, positions=positions, segment_ids=segment_ids)
         return logits[:, -1], state
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=2)
     def step(params, logits, state, key, positions=None, segment_ids=None):
         if temperature == 0:
             tok = jnp.argmax(logits, axis=-1)

@@ -98,3 +98,25 @@ def test_the_end_of_document_token_of_a_tokenizer():
     assert document_end_id(tok(0, [0])) is None
     assert document_end_id(tok(-1, [13])) is None
     assert document_end_id(SimpleNamespace(encode=lambda text: [10])) is None
+
+
+def test_decoding_calls_donate_the_state(tiny_cfg):
+    """Prefill and every decoding step take the state donated (a step does not copy a KV cache sized for the
+    whole sample): the state handed in is gone after the call, the returned one goes on; longctx-eval's forward
+    likewise."""
+    import warnings
+
+    from longctx.sample import make_decoder
+
+    _, runner, _ = make_runner(tiny_cfg)
+    prefill, step = make_decoder(runner, temperature=0.0, top_k=0, top_p=1.0)
+    state0 = runner.init_state(1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a donation XLA could not use would warn
+        logits, state1 = prefill(runner.params, jnp.asarray([[100, 101]], jnp.int32), state0)
+        _, _, state2 = step(runner.params, logits, state1, jax.random.key(0))
+        x = jnp.zeros((1, 4), jnp.int32)
+        _, state3 = runner.forward(runner.params, x, x, state2)
+    for gone in (state0, state1, state2):
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(gone))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state3))

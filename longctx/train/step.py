@@ -565,6 +565,14 @@ def make_scored_forward(graphdef):
     return forward
 
 
+def jit_forward(forward):
+    """A scoring forward(params, nongrad, rest, inputs, targets, state) jitted with the carried state donated (each
+    call's state is the one the previous call returned and is not read again), so a window call does not copy a
+    state sized for the longest stream (VCC-LM's or KDEformer's caches: gigabytes at 32k tokens): the trainer's
+    validation, ``longctx-eval`` and ``longctx-recall``."""
+    return jax.jit(forward, donate_argnums=5)
+
+
 def make_forward(graphdef):
     """forward(params, nongrad, rest, inputs, targets, state) -> (nll [B, T], new_state), deterministic."""
 

@@ -49,6 +49,7 @@ from longctx.protocols import check_state, score_answers, score_mlm_split, score
 from longctx.train import sequence_parallel, sharding
 from longctx.train.optim import core_mask
 from longctx.train.step import (
+    jit_forward,
     make_forward,
     make_mlm_forward,
     make_mlm_train_step,
@@ -56,13 +57,6 @@ from longctx.train.step import (
     make_train_step,
     make_transfer_loss_fn,
 )
-
-
-def jit_forward(forward):
-    """The validation's jitted forward(params, nongrad, rest, inputs, targets, state): the carried state is donated
-    (each call's state is the one the previous call returned and is not read again), so a window call does not copy
-    a state sized for the longest stream (VCC-LM's or KDEformer's caches: gigabytes at 32k tokens)."""
-    return jax.jit(forward, donate_argnums=5)
 
 
 class Task:

@@ -126,20 +126,21 @@ def test_eval_budget_is_the_periodic_one(tiny_corpus, tmp_path, kind):
 
 
 def test_the_validation_forward_donates_the_carried_state(tmp_path):
-    """Each window call of a stream validation hands its state on (``tasks.jit_forward``): the state passed in is
+    """Each window call of a stream validation hands its state on (``step.jit_forward``; longctx-eval's and longctx-recall's
+    forwards too): the state passed in is
     donated, so a call does not copy a state sized for the longest stream; the returned one goes on."""
     import warnings
 
     import jax.numpy as jnp
 
-    from longctx.train.step import make_forward
+    from longctx.train.step import jit_forward, make_forward
 
     cfg = tiny_config(tmp_path / "no-corpus", tmp_path / "no-cache")
     cfg.model.vocab_size = 256
     cfg = config_lib.validate(cfg)
     model = build_model(cfg.model, seed=0, execution=cfg.execution)
     graphdef, params, nongrad, rest = split_model(model)
-    fwd = tasks.jit_forward(make_forward(graphdef))
+    fwd = jit_forward(make_forward(graphdef))
     state = model.init_state(2, 128)
     x = jnp.zeros((2, 32), jnp.int32)
     with warnings.catch_warnings():
