@@ -45,6 +45,8 @@ ALL_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 PLATFORM_DEFAULT = 0  # an execution knob set to this takes its implementation's default for the platform
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
+# what select chose since the last forget_chosen(): method -> {implementation name: (platform, Pallas kernel)}
+_chosen: dict[str, dict[str, tuple[str, bool]]] = {}
 
 
 class KernelUnsupportedError(ValueError):
@@ -280,6 +282,30 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
+def chosen() -> dict[str, dict[str, tuple[str, bool]]]:
+    """What :func:`select` chose since :func:`forget_chosen` (selection runs when a program is traced): method ->
+    {implementation: (platform, whether it is a Pallas kernel)}. The trainer names them after compiling its step,
+    and names the kernels among them when the step fails to compile."""
+    return {m: dict(v) for m, v in _chosen.items()}
+
+
+def forget_chosen() -> None:
+    _chosen.clear()
+
+
+def kernels_line(choices: dict[str, dict[str, tuple[str, bool]]], others: dict[str, tuple[str, ...]]) -> str | None:
+    """A line naming the Pallas kernels among ``choices`` (:func:`chosen`) compiled for an accelerator and, per
+    method, ``others``: the implementations its ``impl`` can name instead; None where there are none (XLA paths
+    only, or interpret mode)."""
+    named = [(m, n) for m, v in sorted(choices.items()) for n, (plat, kernel) in v.items()
+             if kernel and plat not in ("cpu", "interpret")]
+    if not named:
+        return None
+    ways = "; ".join(f"{m}: {', '.join(others.get(m, ())) or 'none'}" for m in dict.fromkeys(m for m, _ in named))
+    return ("note: the step compiles our Pallas kernels (" + ", ".join(f"{m}: {n}" for m, n in named)
+            + "); --config.execution.attention.<method>.impl names another implementation (" + ways + ")")
+
+
 def parse_impl(impl) -> tuple[str, ...]:
     """``impl`` as an ordered tuple of names: a name, a comma string ``'a,b'`` or a tuple/list of names."""
     if isinstance(impl, str):
@@ -385,10 +411,11 @@ def select(impl, implementations: Sequence[Implementation], *, method: str, plat
         if interpret:
             warnings.warn(f"{method}: impl={impl!r} on cpu runs the Pallas kernel {n} in interpret mode (slow)",
                           stacklevel=3)
+        _chosen.setdefault(method, {})[n] = (plat, cand.kernel)
         return Choice(cand.kernel, interpret=interpret, platform=plat, reasons=tuple(flat), name=n)
     raise KernelUnsupportedError(f"{method}: impl={impl!r}: no implementation serves this call on {plat}: "
                                  + " | ".join(skipped))
 
 
-__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "built", "run_selected", "KernelUnsupportedError", "auto_order", "by_name",
+__all__ = ["ALL_PLATFORMS", "PLATFORM_DEFAULT", "Call", "Choice", "Implementation", "Result", "Runner", "built", "run_selected", "KernelUnsupportedError", "auto_order", "by_name", "chosen", "forget_chosen", "kernels_line",
            "current_platform", "declared", "deterministic_requested", "hopper", "not_on_hopper", "impl_problem", "parse_impl", "select"]

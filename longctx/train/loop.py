@@ -102,6 +102,20 @@ def first_nonfinite_window(metrics: dict) -> int | None:
     return int(bad[0]) if bad.size else None
 
 
+def kernels_note(cfg) -> str | None:
+    """:func:`dispatch.kernels_line` of the implementations the last compile selected, with each method's other
+    implementations on that platform (what ``impl`` can name instead of the kernel)."""
+    choices = dispatch.chosen()
+    others = {}
+    for method, picked in choices.items():
+        if method not in attention.names():
+            continue
+        plat = next(iter(picked.values()))[0]
+        others[method] = tuple(i.name for i in attention.get_class(method).implementations(causal=cfg.model.causal)
+                               if not i.kernel and i.name != "reference" and plat in i.platforms)
+    return dispatch.kernels_line(choices, others)
+
+
 def nonfinite_message(step: int, metrics: dict) -> str | None:
     bad = []
     if not bool(np.all(metrics["loss_finite"])):
@@ -351,7 +365,15 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 if compiling:
                     tqdm.write(f"compiling the train step (windows of {shape[0] // tc.batch_size} tokens)...")
                     t_compile = time.time()
-                params, nongrad, opt_state, metrics = task.train_step(params, nongrad, rest, opt_state, batch, key)
+                    dispatch.forget_chosen()  # the implementations this compile selects
+                try:
+                    params, nongrad, opt_state, metrics = task.train_step(params, nongrad, rest, opt_state, batch,
+                                                                          key)
+                except Exception:
+                    line = kernels_note(cfg) if compiling else None
+                    if line:  # a kernel that failed to compile on this device: the way around it
+                        print(line, file=sys.stderr, flush=True)
+                    raise
                 prev, step = step, step + n_win
                 # the next batch is read and transferred while this step runs
                 batch = task.batch(step) if step < end else None
@@ -359,6 +381,8 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                     jax.block_until_ready(metrics)
                     compiled.add(shape)
                     tqdm.write(f"compiled the train step and ran step {step} in {time.time() - t_compile:.1f} s")
+                    if len(compiled) == 1 and (line := kernels_note(cfg)):
+                        tqdm.write(line)
                     t_last, tok_since, steps_since = time.time(), 0, 0
                 else:
                     tok_since += tokens_per_step(prev) * n_win

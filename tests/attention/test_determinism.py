@@ -14,6 +14,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.attention import dispatch
+from tests.attention import kit
 from tests.attention.kit import sub_jaxprs
 from tests.attention.test_hopper_path import CASES
 
@@ -94,3 +95,31 @@ def test_deterministic_flags_move_auto_off_the_atomic_kernels(monkeypatch, name)
             named.select(**shapes)
     else:
         assert named.select(**shapes).name == "pallas"
+
+
+def test_the_kernels_a_compile_selected_are_named_with_the_other_implementations(monkeypatch):
+    """``dispatch.chosen`` records what selection picked while a program was traced; the trainer's note
+    (``loop.kernels_note``, printed after its first compile and before a compile error) names the Pallas kernels
+    among them compiled for an accelerator and what each method's ``impl`` can name instead; none on a CPU."""
+    from longctx.train.loop import kernels_note
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(dispatch, "cuda_compute_capability", lambda: "9.0")
+    cfg = tiny_config("/no-corpus", "/no-cache")
+    for name, impl, traced in (("eva", "auto", "mosaic_gpu"), ("transformer_vq", "auto", "mosaic_gpu")):
+        dispatch.forget_chosen()
+        core, T = _core(name, impl)
+        q = jnp.zeros((1, 2, T, 64), jnp.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.make_jaxpr(lambda q, core=core: core(q, q, q)[0])(q)
+        assert dispatch.chosen() == {name: {traced: ("cuda", True)}}
+        line = kernels_note(cfg)
+        assert line.startswith(f"note: the step compiles our Pallas kernels ({name}: {traced}); "), line
+        others = {"eva": "xla", "transformer_vq": "parallel, blocks, stream"}[name]
+        assert line.endswith(f"impl names another implementation ({name}: {others})"), line
+    dispatch.forget_chosen()
+    core = kit.build("eva", True, window_size=8, chunk_size=4, platform="cpu")
+    core(*(jnp.zeros((1, 2, 16, 8)),) * 3)
+    assert dispatch.chosen() == {"eva": {"xla_cpu": ("cpu", False)}} and kernels_note(cfg) is None
+    assert dispatch.kernels_line({"eva": {"pallas": ("interpret", True)}}, {}) is None
