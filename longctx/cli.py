@@ -328,13 +328,17 @@ def train_main(argv=None) -> int:
         if fv.max_steps is not None and fv.max_steps <= 0:
             raise ConfigError(f"--max_steps={fv.max_steps} must be a positive integer")
         if fv.check:
+            import jax  # deferred: CLI start-up: no jax at import
+
             from longctx import attention  # deferred: CLI start-up: no jax at import
             from longctx import config as config_lib  # deferred: CLI start-up: no jax at import
             from longctx.attention import dispatch  # deferred: CLI start-up: no jax at import
             from longctx.data import sources  # deferred: CLI start-up: no jax at import
+            from longctx.train import sharding  # deferred: CLI start-up: no jax at import
 
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
+            sharding.check_layout(c, jax.device_count())
             try:  # whether the data is where the config says (not read): a missing corpus is said, not refused
                 sources.build(c.data)
             except DataError as e:

@@ -147,7 +147,7 @@ RESUMABLE_MODEL_KEYS = ("scan_layers", "remat", "remat_policy")
 
 def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
     """Refuse to resume a run whose model or data differ from ``cfg``'s (both validated, then compared key by key;
-    the keys of :data:`RESUMABLE_MODEL_KEYS` may change)."""
+    the keys of :data:`RESUMABLE_MODEL_KEYS` and ``data.packing``, the rows' layout, may change)."""
     now = json.loads(cfg.to_json())
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -156,6 +156,8 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
         saved = {**saved, "data": _over(json.loads(config_lib.base_config().data.to_json()), saved.get("data", {}))}
     for section in ("model", "data"):
         a, b = dict(saved.get(section, {})), dict(now.get(section, {}))
+        if section == "data":  # how rows are laid out may change on resume (resume_changes names it)
+            a.pop("packing", None), b.pop("packing", None)
         if section == "model":
             for k in RESUMABLE_MODEL_KEYS:
                 a.pop(k, None), b.pop(k, None)
@@ -165,6 +167,16 @@ def check_resume_config(saved: dict, cfg: ml_collections.ConfigDict) -> None:
                 f"the workdir holds a run with a different {section} config (differs in {', '.join(keys[:4])}); "
                 "use a new --workdir or the same config"
             )
+
+
+def check_resume_steps(saved: dict, cfg: ml_collections.ConfigDict, step: int, workdir) -> None:
+    """Refuse, before anything is written, a config whose ``train.steps`` was lowered below the checkpoint's step:
+    the run is past it, so nothing would train, and the saved config would record settings the run never trained
+    with."""
+    was = saved.get("train", {}).get("steps")
+    if step > cfg.train.steps and was != cfg.train.steps:
+        raise ConfigError(f"the run in {workdir} is at step {step:,}, past train.steps={cfg.train.steps:,} (it "
+                          f"trained for {was}): raise train.steps to continue it, or use a new --workdir")
 
 
 # train keys that change what the remaining updates compute (the schedule, the batches, the update itself)
@@ -178,9 +190,12 @@ def resume_changes(saved: dict, cfg: ml_collections.ConfigDict, step: int) -> st
     of either config); None when nothing differs."""
     was, now = saved.get("train", {}), cfg.train
     changed = [k for k in TRAINING_KEYS if k in was and was[k] != now[k]]
-    if not changed:
+    # data.packing: a run saved before any corpus was read (an import: 'auto') takes the rule resolved now
+    packing = saved.get("data", {}).get("packing", "auto"), cfg.data.packing
+    moved = [f"data.packing {packing[0]!r} -> {packing[1]!r}"] if packing[0] not in ("auto", packing[1]) else []
+    if not changed and not moved:
         return None
-    what = ", ".join(f"train.{k} {was[k]} -> {now[k]}" for k in changed)
+    what = ", ".join([f"train.{k} {was[k]} -> {now[k]}" for k in changed] + moved)
     lr = ""
     keys = ("steps", "lr", "warmup_steps", "min_lr_ratio")
     if set(keys) & set(changed):
@@ -272,6 +287,7 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
         tree, meta = checkpoint.restore(mngr, target)
         params, nongrad, opt_state = tree["params"], tree["nongrad"], tree["opt_state"]
         step = last_saved = meta["step"]
+        check_resume_steps(meta["config"], cfg, step, workdir)
         scale = f" (loss scale {float(opt_state.scale):g})" if isinstance(opt_state, LossScaleState) else ""
         print(f"resuming from the checkpoint at step {step} in {workdir}{scale}")
         note = resume_changes(meta["config"], cfg, step)
@@ -465,6 +481,7 @@ def open_run(cfg, workdir, *, max_steps: int | None, held: list) -> tuple[ml_col
     distributed.initialize_from_env()
     cfg = config_lib.validate(cfg)
     attention.check_execution(cfg, dispatch.current_platform())  # a named implementation that cannot run here
+    sharding.check_layout(cfg, jax.device_count())  # a mesh or batch the devices cannot take
     if not sources.is_generated(cfg.data.source):
         sources.build(cfg.data)  # a corpus that is not where the config says: one line, before the workdir exists
     setup_compilation_cache(cfg.train, cfg.data)  # before the first compile

@@ -79,6 +79,17 @@ def device_grid(mesh_cfg, devices) -> np.ndarray:
     return grid.reshape(mesh_shape(mesh_cfg, len(devices)))
 
 
+def check_layout(cfg, n_devices: int) -> None:
+    """Refuse, before any work, a mesh that does not use the ``n_devices`` devices or a batch its batch-parallel
+    devices (mesh.data x mesh.fsdp) do not divide (what :func:`make_mesh` and :func:`shard_batch` would refuse
+    once the data is prepared and the model built)."""
+    shape = dict(zip(AXES, mesh_shape(cfg.mesh, n_devices)))
+    dp = shape["data"] * shape["fsdp"]
+    if cfg.train.batch_size % dp:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {dp} batch-parallel "
+                          f"devices (mesh.data={shape['data']} x mesh.fsdp={shape['fsdp']} of {n_devices} devices)")
+
+
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     return Mesh(device_grid(mesh_cfg, jax.devices() if devices is None else devices), AXES)
 

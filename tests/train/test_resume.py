@@ -111,3 +111,39 @@ def test_a_signal_during_validation_stops_it_with_the_checkpoint_saved(tiny_corp
     assert summary["step"] == 4 and summary["last_valid_bits_per_token"] is not None
     again = train(cfg, work, progress=False)  # nothing left to train: the run's last validation, not None
     assert again["last_valid_bits_per_token"] == summary["last_valid_bits_per_token"]
+
+
+def test_a_resume_may_change_how_rows_are_packed_and_says_so():
+    """``data.packing`` may change on resume (attention transfer trains on rows inside one document, the
+    fine-tuning after it packs them; an import saves 'auto' before any corpus is read): the note names a change
+    between two resolved rules, not the resolution of 'auto'; any other data key is still refused."""
+    from longctx.config import base_config, validate
+    from longctx.train.loop import check_resume_config, resume_changes
+
+    cfg = validate(base_config())
+    cfg.data.packing = "segments"
+    saved = json.loads(cfg.to_json())
+    for was, note in (("auto", None), ("segments", None), ("document", "data.packing 'document' -> 'segments'")):
+        saved["data"]["packing"] = was
+        check_resume_config(saved, cfg)
+        line = resume_changes(saved, cfg, 10)
+        assert (line is None) if note is None else (note in line), (was, line)
+    saved["data"]["tokenizer"] = "words"
+    with pytest.raises(Exception, match="different data config"):
+        check_resume_config(saved, cfg)
+
+
+def test_lowering_train_steps_below_the_checkpoint_is_refused_before_anything_is_written(tiny_corpus, tmp_path):
+    """A finished run of 8 steps rerun with train.steps=4: one line, the saved config unchanged; the same config
+    reruns (done) and a larger train.steps continues."""
+    from longctx.errors import ConfigError
+    from longctx.train.loop import train
+
+    cfg = tiny_config(tiny_corpus, tmp_path / "cache", steps=8, eval_every=100, ckpt_every=8)
+    train(cfg, tmp_path / "run", progress=False)
+    before = (tmp_path / "run" / "config.json").read_text()
+    fewer = tiny_config(tiny_corpus, tmp_path / "cache", steps=4, eval_every=100, ckpt_every=8)
+    with pytest.raises(ConfigError, match=r"at step 8, past train.steps=4 \(it trained for 8\): raise train.steps"):
+        train(fewer, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    train(cfg, tmp_path / "run", progress=False)

@@ -197,3 +197,24 @@ def test_indivisible_dimension_is_a_config_error_naming_it():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert "ERR" in r.stdout and "'embed' of size 30" in r.stdout and "fsdp" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_a_mesh_or_batch_the_devices_cannot_take_is_refused_before_any_work(tmp_path):
+    """``sharding.check_layout`` (longctx-train runs it before the data is prepared or the workdir made, and
+    ``--check`` too): a batch the batch-parallel devices do not divide, a mesh of more devices than there are."""
+    from longctx.config import base_config, validate
+    from longctx.errors import ConfigError
+    from longctx.train import sharding
+    from longctx.train.loop import train
+
+    c = base_config()
+    c.train.batch_size, c.mesh.data = 4, 8
+    cfg = validate(c)
+    with pytest.raises(ConfigError, match=r"batch_size=4 must be a multiple of the 8 batch-parallel devices "
+                                          r"\(mesh.data=8 x mesh.fsdp=1 of 8 devices\)"):
+        sharding.check_layout(cfg, 8)
+    cfg.train.batch_size = 16
+    sharding.check_layout(cfg, 8)
+    with pytest.raises(ConfigError, match=r"uses 8 devices; 1 are available"):
+        train(c, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
