@@ -53,6 +53,9 @@ def user_errors():
     except LongctxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C outside the trainer's own handler (which checkpoints): no traceback
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def join_config_flag(argv: list[str]) -> list[str]:

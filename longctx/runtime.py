@@ -26,6 +26,9 @@ from longctx.train.step import jit_forward, make_forward, make_mlm_forward, spli
 # the layer layout may change too: a checkpoint restores into either (checkpoint._saved_layout), and tools that
 # walk the blocks one by one (capture, dropin) ask for the unrolled stack
 RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir", "model.scan_layers")
+# FMA's levels are parameters built for its max_len; a window past it adds none (the layer's own option for
+# streaming past the training length), so a trained run may take it for evaluation and sampling
+TRUNCATED_WINDOW_KEYS = ("model.attention.fma.allow_truncated_window", "model.attention.fma_linear.allow_truncated_window")
 # exact attention over every key and over a sliding window share every parameter: a run trained with one is
 # scored with the other (a dense run over a window of its trained length, a sliding-window run with every key)
 WINDOW_SWAP = ("dense", "swa")
@@ -37,12 +40,12 @@ def check_run_overrides(overrides: dict) -> None:
         if path == "model.attention.name" and value not in WINDOW_SWAP:
             raise ConfigError(f"--config.model.attention.name={value}: a trained run's method changes only between "
                               f"{' and '.join(WINDOW_SWAP)} (they share every parameter)")
-        if not path.startswith(RUN_OVERRIDABLE) and path not in WINDOW_KEYS:
+        if not path.startswith(RUN_OVERRIDABLE) and path not in WINDOW_KEYS + TRUNCATED_WINDOW_KEYS:
             raise ConfigError(
                 f"--config.{path}: a trained run's model, data and training settings are fixed; "
                 "allowed here: --config.eval.*, --config.sample.*, --config.data.path, --config.data.cache_dir, "
-                "--config.model.scan_layers, and between dense and swa --config.model.attention.name and "
-                "--config.model.attention.swa.window"
+                "--config.model.scan_layers, --config.model.attention.<fma|fma_linear>.allow_truncated_window, "
+                "and between dense and swa --config.model.attention.name and --config.model.attention.swa.window"
             )
 
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from longctx import attention
 from longctx.config import attention_label
@@ -239,8 +240,10 @@ def sample_run(workdir, *, step: int | None = None, overrides: dict | None = Non
     folder_existed = output is not None or (Path(workdir) / "samples").is_dir()
     out_path = new_output_path(workdir, runner.step, sc.seed, output)
     try:
-        return _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, quiet=quiet)
-    except BaseException:
+        return _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, quiet=quiet, progress=progress)
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code == 130:  # stopped by Ctrl-C: the tokens so far were written
+            raise
         out_path.unlink(missing_ok=True)  # no empty or half-written sample is left behind
         out_path.with_suffix(".json").unlink(missing_ok=True)
         if not folder_existed:
@@ -264,23 +267,85 @@ def check_sampling(runner) -> None:
                           f"use 0 (no filter) or at most {m.vocab_size}")
 
 
-def _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, *, quiet):
+def continuation(tok, ids, out) -> str:
+    """The text ``out`` adds after ``ids``: decoded in context (a word-level or SentencePiece tokenizer puts the
+    spaces between tokens, which decoding ``out`` alone, or token by token, loses)."""
+    ids, out = [int(t) for t in ids], [int(t) for t in out]
+    base, full = tok.decode(ids), tok.decode(ids + out)
+    return full[len(base):] if full.startswith(base) else tok.decode(out)
+
+
+class TextStream:
+    """Streams tokens as text, each decoded after the last ``context`` tokens (:func:`continuation`); a token whose
+    text is not settled yet (a partial UTF-8 character) waits for the next."""
+
+    def __init__(self, tok, ids, write, context: int = 8):
+        self.tok, self.write, self.context = tok, write, context
+        self.anchor, self.pending = [int(t) for t in ids][-context:], []
+
+    def __call__(self, t: int) -> None:
+        self.pending.append(int(t))
+        base = self.tok.decode(self.anchor)
+        full = self.tok.decode(self.anchor + self.pending)
+        if full.startswith(base) and not full.endswith("\ufffd"):
+            self.write(full[len(base):])
+            self.anchor, self.pending = (self.anchor + self.pending)[-self.context:], []
+
+    def flush(self) -> None:
+        if self.pending:
+            self.write(continuation(self.tok, self.anchor, self.pending))
+            self.anchor, self.pending = (self.anchor + self.pending)[-self.context:], []
+
+
+def _write_sample(out_path, text: str, report: dict) -> None:
+    try:
+        out_path.write_text(text)
+        out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        raise ConfigError(f"could not write the sample to {out_path} ({e.strerror or e})") from None
+
+
+def _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, *, quiet, progress: bool = False):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # quiet: no text on stdout, so a bar on stderr says how far the sample is (progress)
+    bar = tqdm(total=n, desc="sample", unit="tok", disable=not (quiet and progress), leave=False)
     one_byte = getattr(tok, "one_token_per_byte", False)
 
-    def on_token(t):
-        if quiet:
-            return
-        text = decoder.decode(bytes([t])) if one_byte else tok.decode([t])
+    def write(text):
         sys.stdout.write(text)
         sys.stdout.flush()
+
+    stream = TextStream(tok, ids, write)
+    sampled = []  # the tokens so far: a stopped sample keeps them
+
+    def on_token(t):
+        sampled.append(t)
+        if quiet:
+            bar.update(1)
+            return
+        if one_byte:
+            write(decoder.decode(bytes([t])))
+        else:
+            stream(t)
 
     if not quiet:
         sys.stdout.write(prompt)
     t0 = time.time()
-    out, times = generate(runner, ids, n, on_token=on_token, eos_id=eos, **settings)
+    try:
+        with bar:
+            out, times = generate(runner, ids, n, on_token=on_token, eos_id=eos, **settings)
+    except KeyboardInterrupt:  # Ctrl-C: the tokens sampled so far are the sample
+        text = prompt + (bytes(sampled).decode("utf-8", errors="replace") if one_byte else
+                         continuation(tok, ids, sampled))
+        _write_sample(out_path, text, {"step": runner.step, "prompt_tokens": int(ids.size), "num_tokens": len(sampled),
+                                       "requested_tokens": int(n), "stopped": True, **settings})
+        print(f"\n\nstopped after {len(sampled):,} of {n:,} tokens; wrote {out_path}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     total = time.time() - t0
-    text = prompt + (tok.decode_bytes(out).decode("utf-8", errors="replace") if one_byte else tok.decode(out))
+    if not quiet and not one_byte:
+        stream.flush()
+    text = prompt + (tok.decode_bytes(out).decode("utf-8", errors="replace") if one_byte else
+                     continuation(tok, ids, out))
     k = max(1, min(256, n // 8))
     first, last = float(np.median(times[1 : k + 1] if n > k + 1 else times)), float(np.median(times[-k:]))
     report = {
@@ -291,11 +356,7 @@ def _sample_to(out_path, runner, tok, prompt, ids, n, settings, eos, *, quiet):
     if eos is not None:  # documents of the prompt and the sample, and whether each started afresh
         report["documents"] = int(documents(np.concatenate([ids, out]), eos)[0][-1])
         report["documents_apart"] = keeps_documents_apart(runner.cfg.model)
-    try:
-        out_path.write_text(text)
-        out_path.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    except OSError as e:
-        raise ConfigError(f"could not write the sample to {out_path} ({e.strerror or e})") from None
+    _write_sample(out_path, text, report)
     print(f"\n\n[{n} tokens in {total:.1f}s, {report['tokens_per_sec']:.1f} tokens/s with compilation and the "
           f"prompt's prefill; decoding alone (median per token) {first * 1e3:.2f} ms at the start, {last * 1e3:.2f} ms "
           f"at the end (x{report['end_over_start']:.2f}); wrote {out_path}]")

@@ -423,6 +423,20 @@ def test_bad_input_is_one_line_and_exit_2(case, ctx):
     assert row in doc, f"regenerate docs/errors.md (python -m tests.test_bad_inputs > docs/errors.md): {row}"
 
 
+def test_an_fma_run_streams_past_its_levels_with_the_truncated_window(ctx, tmp_path):
+    """The way out the refusals above name: a trained fma run (levels for 64 tokens) takes
+    ``allow_truncated_window`` for sampling and a whole-file stream (no new parameter: each query reaches back 32
+    to 64 tokens); its other settings stay fixed."""
+    wd = str(shutil.copytree(ctx["fma"], tmp_path / "fma"))
+    flag = "--config.model.attention.fma.allow_truncated_window=true"
+    for cmd, args in (("sample", ("--num_tokens=200", "--seed=1")), ("eval", ("--config.eval.row_len=-1",
+                                                                              "--config.eval.max_tokens=300"))):
+        code, err = run_case(Case(f"fma {cmd}", cmd, (f"--workdir={wd}", flag, *args), ""), ctx)
+        assert code in (0, None) and "error" not in err, err[-2000:]
+    code, err = run_case(Case("fma m", "eval", (f"--workdir={wd}", "--config.model.attention.fma.m=4"), ""), ctx)
+    assert code == 2 and "allow_truncated_window" in error_line(err)
+
+
 def test_eval_prints_its_result_before_a_failed_write(ctx, tmp_path):
     """The score is on stdout before the JSON is written; a write that fails (here WORKDIR/eval is a
     file) is one error line, and the JSON is written whole or not at all."""

@@ -146,3 +146,12 @@ def test_a_missing_corpus_is_refused_before_the_workdir_is_made(tmp_path, capsys
                         "--config.data.source=files", f"--config.data.path={tmp_path / 'missing'}"])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(capsys):
+    """Ctrl-C in longctx-eval, -sample, -recall, ... (the trainer checkpoints on its own): no traceback."""
+    from longctx import cli
+
+    with pytest.raises(SystemExit) as e, cli.user_errors():
+        raise KeyboardInterrupt
+    assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"

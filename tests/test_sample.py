@@ -120,3 +120,56 @@ def test_decoding_calls_donate_the_state(tiny_cfg):
     for gone in (state0, state1, state2):
         assert all(leaf.is_deleted() for leaf in jax.tree.leaves(gone))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state3))
+
+
+def test_sampled_text_keeps_the_spaces_a_tokenizer_puts_between_tokens():
+    """A word-level tokenizer joins tokens with spaces, which decoding token by token (or the sample alone) lost
+    (``w5w73w66``); a multi-byte character split over tokens is written once it is whole."""
+    from longctx.sample import TextStream, continuation
+
+    class Words:
+        def decode(self, ids):
+            return " ".join(f"w{int(i)}" for i in ids)
+
+    class Bytes:  # each token one byte of UTF-8
+        def decode(self, ids):
+            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    written = []
+    stream = TextStream(Words(), [5], written.append)
+    for t in (73, 66, 69):
+        stream(t)
+    stream.flush()
+    assert "".join(written) == " w73 w66 w69" == continuation(Words(), [5], [73, 66, 69])
+    written.clear()
+    snow = "a\u2603b".encode()  # a 3-byte character between two ASCII ones
+    stream = TextStream(Bytes(), [ord("x")], written.append)
+    for t in snow:
+        stream(t)
+    stream.flush()
+    assert written == ["a", "\u2603", "b"] and "".join(written) == continuation(Bytes(), [ord("x")], list(snow))
+
+
+def test_ctrl_c_keeps_the_tokens_sampled_so_far(tiny_cfg, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while sampling: the sample so far is written with a report saying it stopped (it was deleted, with
+    a traceback), exit status 130."""
+    import json
+
+    from longctx import sample
+
+    _, runner, _ = make_runner(tiny_cfg)
+
+    def interrupted(runner, ids, n, *, on_token, **kw):
+        for t in b"hi there":
+            on_token(t)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample, "generate", interrupted)
+    out = tmp_path / "s.txt"
+    with pytest.raises(SystemExit) as e:
+        sample._sample_to(out, runner, runner.tokenizer, "ab", np.array([97, 98]), 100,
+                          {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0}, None, quiet=True)
+    assert e.value.code == 130 and out.read_text() == "abhi there"
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["stopped"] and report["num_tokens"] == 8 and report["requested_tokens"] == 100
+    assert f"stopped after 8 of 100 tokens; wrote {out}" in capsys.readouterr().err

@@ -341,7 +341,10 @@ class FMAAttention(AttentionCore):
         if max_len is not None and max_len > self.opts.max_len and not self.opts.allow_truncated:
             raise ValueError(
                 f"{self.name}: a state for {max_len} tokens exceeds the layer's max_len={self.opts.max_len} "
-                "(the levels it was built for); raise max_len or set allow_truncated_window=True"
+                f"(the levels it was built for): build it with a larger attention.{self.name}.max_len, or set "
+                f"attention.{self.name}.allow_truncated_window=True (each query then reaches back "
+                f"{self.opts.max_len // 2} to {self.opts.max_len} tokens; a trained run takes it for evaluation and "
+                "sampling)"
             )
         return empty_state(batch_size, self.num_heads, self.head_dim, self.value_dim, self.opts)
 
