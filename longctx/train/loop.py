@@ -71,6 +71,19 @@ class StopFlag:
             signal.signal(s, h)
 
 
+def agreed_signal(signum: int | None) -> int | None:
+    """The stop signal as every process of the job sees it: this process's (single-process), else the largest any
+    process has received (a signal reaches the processes at different steps; a process that stopped alone would
+    wait in its checkpoint's collectives for the others, which go on training: the job hangs). A multi-process
+    job pays one small all-gather per step for it."""
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    seen = int(np.max(multihost_utils.process_allgather(np.array([signum or 0], np.int32))))
+    return seen or None
+
+
 # train-step metrics the loop reports itself; every other key (the model's aux losses and metrics,
 # e.g. a method's per-layer diagnostics) is logged as it comes, averaged over the step's windows
 _CORE_METRICS = ("loss", "ce", "grad_norm", "loss_finite", "grad_finite", "loss_scale", "loss_scale_overflow")
@@ -422,11 +435,14 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                 if crossed(prev, step, tc.ckpt_every) or step >= tc.steps:
                     settle()  # never a checkpoint of a step not checked
                     save(step)  # before the validation: a validation that fails or is stopped loses no step
-                if (crossed(prev, step, tc.eval_every) or step >= tc.steps) and stop.signum is None:
+                signum = agreed_signal(stop.signum)  # every process stops at the same step (and saves with the others)
+                evaluated = (crossed(prev, step, tc.eval_every) or step >= tc.steps) and signum is None
+                if evaluated:
                     settle()
                     t_eval = time.time()
                     try:  # a signal during a long validation stops it at the next forward call
-                        res = task.evaluate((params, nongrad, rest), stop=lambda: stop.signum is not None)
+                        res = task.evaluate((params, nongrad, rest),
+                                            stop=lambda: agreed_signal(stop.signum) is not None)
                     except EvaluationStopped:
                         res = None
                     if res is not None:
@@ -441,16 +457,18 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
                             plot_losses(workdir)
                     t_last += time.time() - t_eval  # tokens/s and step time count training only
                     bar.unpause()  # and so does the bar's own rate
-                if stop.signum is not None:
+                if evaluated:  # a signal that came during the validation
+                    signum = agreed_signal(stop.signum)
+                if signum is not None:
                     settle()
                     bar.close()
                     if last_saved != step:
                         save(step)
                     checkpoint.wait(mngr)
-                    print(f"stopped by signal {stop.signum} at step {step}; checkpoint saved in {workdir}. "
+                    print(f"stopped by signal {signum} at step {step}; checkpoint saved in {workdir}. "
                           "Run the same command again to resume.")
                     close()
-                    raise SystemExit(128 + stop.signum)
+                    raise SystemExit(128 + signum)
         settle()
         if last_saved != step:
             save(step)

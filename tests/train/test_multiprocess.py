@@ -175,6 +175,37 @@ def test_a_killed_process_stops_the_job_and_the_relaunch_resumes(tmp_path):
     _only_primary_wrote(wd, tmp_path / "logs2")
 
 
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step_with_the_checkpoint(tmp_path):
+    """SIGTERM to process 0 only (a preemption notice reaches the processes at different steps): every process
+    stops after the same step (``loop.agreed_signal``) and the job's checkpoint of it is saved; a process that
+    stopped alone would wait in the save's collectives while the other trained on. The relaunch resumes there."""
+    steps = 400
+    cfg = _config(tmp_path, steps=steps, ckpt_every=steps)
+    wd = tmp_path / "run"
+    procs = _launch(cfg, wd, tmp_path / "logs1")
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240:  # a few steps trained and logged
+            if (wd / "metrics.jsonl").exists() and any(r["step"] >= 2 and r["split"] == "train"
+                                                       for r in _records(wd)):
+                break
+            assert all(p.poll() is None for p in procs), "the job ended before the signal"
+            time.sleep(0.05)
+        else:
+            pytest.fail("the job did not reach the signal")
+        procs[0].send_signal(signal.SIGTERM)
+        t_sig = time.monotonic()
+        while any(p.poll() is None for p in procs) and time.monotonic() - t_sig < 90:
+            time.sleep(0.05)
+    finally:
+        launch_local.stop(procs, grace=0)
+    logs = [(tmp_path / "logs1" / f"process_{i}.log").read_text() for i in range(2)]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [x[-1500:] for x in logs]
+    stopped = [int(re.search(r"stopped by signal 15 at step (\d+)", x).group(1)) for x in logs]
+    assert stopped[0] == stopped[1] < steps
+    assert (wd / "checkpoints" / str(stopped[0])).is_dir()
+
+
 # longctx-train with a test-only pause: process 1 stops inside the save of checkpoint HANG_AT_STEP after
 # writing its part into orbax's temporary directory, before the barrier after which process 0 commits
 # it by renaming that directory to <step>, and writes HANG_MARKER; the test then kills it. Only the
