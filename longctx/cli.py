@@ -341,7 +341,11 @@ def train_main(argv=None) -> int:
 
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
-            sharding.check_layout(c, jax.device_count())
+            sharding.check_layout(c, jax.device_count(), here=False)
+            try:  # a config for another machine's devices is checked, not refused
+                sharding.mesh_shape(c.mesh, jax.device_count())
+            except ConfigError as e:
+                print(f"warning: {e} (here)", file=sys.stderr)
             try:  # whether the data is where the config says (not read): a missing corpus is said, not refused
                 sources.build(c.data)
             except DataError as e:

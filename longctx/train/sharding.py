@@ -79,15 +79,26 @@ def device_grid(mesh_cfg, devices) -> np.ndarray:
     return grid.reshape(mesh_shape(mesh_cfg, len(devices)))
 
 
-def check_layout(cfg, n_devices: int) -> None:
-    """Refuse, before any work, a mesh that does not use the ``n_devices`` devices or a batch its batch-parallel
-    devices (mesh.data x mesh.fsdp) do not divide (what :func:`make_mesh` and :func:`shard_batch` would refuse
-    once the data is prepared and the model built)."""
-    shape = dict(zip(AXES, mesh_shape(cfg.mesh, n_devices)))
+def check_layout(cfg, n_devices: int, *, here: bool = True) -> None:
+    """Refuse, before any work, a batch the batch-parallel devices (mesh.data x mesh.fsdp) do not divide and, where
+    the job runs ``here`` (the trainer), a mesh that does not use the ``n_devices`` devices (what :func:`make_mesh`
+    and :func:`shard_batch` would refuse once the data is prepared and the model built). ``here=False``
+    (``--check`` of a config meant for another machine): the batch against the mesh as configured, its
+    ``mesh.data=-1`` filled from ``n_devices`` where they divide."""
+    if here:
+        shape = dict(zip(AXES, mesh_shape(cfg.mesh, n_devices)))
+    else:
+        shape = {a: int(cfg.mesh.get(a, 1)) for a in AXES}
+        rest = shape["fsdp"] * shape["tensor"] * shape["sequence"]
+        if shape["data"] <= 0:
+            if rest <= 0 or n_devices % rest:
+                return
+            shape["data"] = n_devices // rest
     dp = shape["data"] * shape["fsdp"]
     if cfg.train.batch_size % dp:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {dp} batch-parallel "
-                          f"devices (mesh.data={shape['data']} x mesh.fsdp={shape['fsdp']} of {n_devices} devices)")
+                          f"devices (mesh.data={shape['data']} x mesh.fsdp={shape['fsdp']}"
+                          + (f" of {n_devices} devices)" if here else ")"))
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

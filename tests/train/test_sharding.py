@@ -213,8 +213,11 @@ def test_a_mesh_or_batch_the_devices_cannot_take_is_refused_before_any_work(tmp_
     with pytest.raises(ConfigError, match=r"batch_size=4 must be a multiple of the 8 batch-parallel devices "
                                           r"\(mesh.data=8 x mesh.fsdp=1 of 8 devices\)"):
         sharding.check_layout(cfg, 8)
+    with pytest.raises(ConfigError, match=r"batch_size=4 must be a multiple of the 8 batch-parallel devices"):
+        sharding.check_layout(cfg, 1, here=False)  # --check of a config for an 8-device machine, here on one
     cfg.train.batch_size = 16
     sharding.check_layout(cfg, 8)
+    sharding.check_layout(cfg, 1, here=False)
     with pytest.raises(ConfigError, match=r"uses 8 devices; 1 are available"):
         train(c, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
