@@ -16,8 +16,9 @@ Optimizer as the paper's continued pretraining (Adam betas (0.9, 0.98), eps 1e-6
 with a smaller learning rate and a shorter run.
 
 ``:tiny`` fits the committed fixture (tests/fixtures/hf/roberta_tiny: 2 layers, 32 positions, so 128 after the
-extension) for a CPU smoke run; the fixture has no tokenizer.json: give its folder one whose vocabulary ends in
-``<mask>`` (tests/convert/test_roberta_vcc.py does).
+extension) for a CPU smoke run; the fixture has no tokenizer.json (the import refuses the bytes tokenizer's 256
+ids for its 96): give its folder one whose vocabulary ends in ``<mask>`` (tests/convert/hf_tokenizers.py writes
+one; docs/pretrained.md, "Adapt").
 """
 
 from longctx.config import base_config as base

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from longctx import attention, config_files
@@ -30,8 +31,9 @@ from longctx import config as config_lib
 from longctx.convert import families
 from longctx.convert.errors import ConvertError
 from longctx.convert.safetensors import Folder, write
+from longctx.errors import ConfigError
 from longctx.models.backbone import relayout, scans_layers
-from longctx.models.blocks import get_block, layer_config, layer_methods
+from longctx.models.blocks import get_block, layer_config, layer_methods, takes_rotary
 from longctx.models.decoder import build_model, with_execution
 from longctx.runtime import Runner
 from longctx.train import checkpoint, dry_run
@@ -90,11 +92,65 @@ def hf_model_config(hf: dict, base=None, log=None):
     if len(set(pattern)) == 1:
         cfg.model.attention.name, pattern = pattern[0], ()
     cfg.model.attention.pattern = pattern
+    check_positions(hf, cfg)
     if cfg.model.positions == "learned" and cfg.train.seq_len > cfg.model.max_len:
         (log or (lambda *_: None))(f"note: train.seq_len {cfg.train.seq_len} -> {cfg.model.max_len}, the model's "
                                    "learned positions")
         cfg.train.seq_len = cfg.model.max_len
     return fam, cfg
+
+
+def check_positions(hf: dict, cfg) -> None:
+    """Refuse, in one line that names a way that works, attention no layer of which can take the positions
+    config.json gives: the import sets ``model.positions`` from config.json, so the validation's advice
+    (``--config.model.positions=...``) would be overridden. A rotary model takes such a method in a pattern whose
+    exact layers keep the rotation (the method's layers run unrotated: :func:`longctx.models.blocks.takes_rotary`)."""
+    m = cfg.model
+    try:
+        methods = tuple(dict.fromkeys(layer_methods(m)))
+    except ConfigError:  # an unknown method or a pattern that does not fit the depth: the validation says which
+        return
+    known = set(attention.names())
+    refused = [n for n in methods if n in known and attention.get_class(n).allowed_positions is not None
+               and m.positions not in attention.get_class(n).allowed_positions]
+    if not refused or (m.positions == "rotary" and all(n in known for n in methods)
+                       and any(takes_rotary(n) for n in methods)):
+        return
+    name, mt = refused[0], hf.get("model_type")
+    said = (f"attention {name!r} takes {', '.join(attention.get_class(name).allowed_positions)} positions, and an "
+            f"import takes a {mt} model's from its config.json ({m.positions}; --config.model.positions is "
+            "overridden)")
+    if m.positions == "rotary":
+        exact = exact_method()
+        raise ConvertError(f"{said}: run {name} in a pattern whose {exact} layers keep the rotary positions, e.g. "
+                           f"--config.model.attention.pattern={exact},{name} (layers alternate, {name} unrotated)")
+    raise ConvertError(f"{said}: attention {name!r} cannot run in this model; choose another method")
+
+
+def check_tokenizer(cfg, tokenizer_file: Path | None) -> None:
+    """Refuse, in one line, a tokenizer whose ids do not fit the model's vocabulary (config.json's ``vocab_size``),
+    or an encoder's with no mask id (its own ``<mask>`` / ``[MASK]``, or an id beyond its vocabulary): what
+    training would refuse later (:func:`longctx.config.resolve_vocab`). ``cfg``: the run's validated config;
+    ``tokenizer_file``: the folder's ``tokenizer.json`` (None: the run keeps the config's tokenizer). A
+    tokenizer that learns its vocabulary from the data (``words``) is not checked."""
+    probe = copy.deepcopy(cfg.to_dict())
+    probe["model"]["vocab_size"] = 0  # the tokenizer's own size, not the model's
+    if tokenizer_file is not None:
+        probe["data"]["options"]["tokenizer_file"] = str(tokenizer_file.resolve())
+    elif probe["data"]["tokenizer"] == "words":
+        return
+    n, mask = dry_run.known_vocab(ml_collections.ConfigDict(probe))
+    V = int(cfg.model.vocab_size)
+    which = ("its tokenizer.json" if tokenizer_file is not None else
+             f"data.tokenizer={cfg.data.tokenizer!r} (the folder has no tokenizer.json)")
+    if n > V:
+        raise ConvertError(f"the run's tokenizer, {which}, has {n} ids; the model's vocabulary (config.json's "
+                           f"vocab_size) has {V}: put the model's own tokenizer.json in the folder, or set "
+                           "--config.data.tokenizer to one whose ids fit")
+    try:
+        config_lib.resolve_vocab(cfg, n, mask_token=mask)
+    except ConfigError as e:
+        raise ConvertError(f"the run's tokenizer, {which} ({n} ids), does not fit the model: {e}") from None
 
 
 def check_tensors(fam, m, folder: Folder) -> list:
@@ -317,6 +373,7 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
                "parameters": n_params, "tokenizer": tokenizer.is_file()}
     if dry_run:
         cfg = config_lib.validate(cfg)
+        check_tokenizer(cfg, tokenizer if tokenizer.is_file() else None)
         log(f"{hf_dir}: a {hf['model_type']} model of {n_params:,} parameters, {len(folder.names())} tensors, all "
             f"present with the shapes config.json implies; tokenizer.json: {'yes' if tokenizer.is_file() else 'no'}")
         return summary
@@ -324,6 +381,9 @@ def import_hf(hf_dir, workdir, *, config=None, dry_run: bool = False, optimizer_
         raise ConvertError(f"--workdir {workdir} already holds checkpoints; import into a new folder")
     given = copy.deepcopy(cfg)  # config.py keeps the keys unresolved (train.window=0 follows a new seq_len)
     cfg = config_lib.validate(cfg)  # before anything is written
+    check_tokenizer(cfg, tokenizer if tokenizer.is_file() else None)
+    if extend != 1:  # the source's config, fitted as cfg was (validate says so once, for cfg)
+        config_lib.fit_to_run_length(src_cfg.train, say=lambda *_: None)
     graphdef, params, nongrad, rest = load_params(fam, config_lib.validate(src_cfg) if extend != 1 else cfg, folder)
     if extend != 1:
         from flax import nnx

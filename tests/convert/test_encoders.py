@@ -18,6 +18,7 @@ from longctx import config as config_lib
 from longctx.convert import core
 from longctx.convert.cli import main
 from longctx.convert.safetensors import Folder, Reader
+from tests.convert import hf_tokenizers
 from tests.convert.test_llama_export import import_then_export, transformers_rel_err
 from tests.convert.test_llama_import import _copy_fixture, _error, rel_err
 
@@ -75,10 +76,10 @@ def test_import_writes_an_encoder_run_that_restores(tmp_path, capsys):
     from longctx.runtime import Runner
 
     out = tmp_path / "run"
-    assert main(["longctx-convert", "import", f"--hf_dir={FIXTURES / 'roberta_tiny'}", f"--workdir={out}",
-                 "--nooptimizer_state"]) == 0
-    said = capsys.readouterr().out  # one line each: the missing tokenizer, the positions' offset, the shorter rows
-    assert "no tokenizer.json" in said and "positions start at pad_token_id + 1 = 2" in said
+    src = hf_tokenizers.with_tokenizer("roberta_tiny", tmp_path / "src")  # the fixture has no tokenizer.json
+    assert main(["longctx-convert", "import", f"--hf_dir={src}", f"--workdir={out}", "--nooptimizer_state"]) == 0
+    said = capsys.readouterr().out  # one line each: the positions' offset, the shorter rows
+    assert "positions start at pad_token_id + 1 = 2" in said
     assert "train.seq_len 256 -> 32" in said
     runner = Runner.from_workdir(out)
     assert runner.cfg.model.kind == "encoder" and runner.cfg.train.seq_len <= 32

@@ -16,6 +16,7 @@ from longctx import config as config_lib
 from longctx.convert import core
 from longctx.convert.cli import main
 from longctx.convert.safetensors import Folder, Reader, write
+from tests.convert import hf_tokenizers
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
 
@@ -76,10 +77,16 @@ def test_import_writes_a_run_that_eval_restores(tmp_path, capsys):
 
 
 def _copy_fixture(tmp_path, edit=None, config_edit=None, name="llama_tiny") -> Path:
-    """A fixture copied, its tensors passed through ``edit(dict) -> dict``."""
+    """A fixture copied, its tensors passed through ``edit(dict) -> dict``, with a tokenizer.json whose ids fit
+    the source's vocabulary (the fixture's own where it has one)."""
     src, dst = FIXTURES / name, tmp_path / "hf"
     dst.mkdir(parents=True)
     hf = json.loads((src / "config.json").read_text())
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+    else:
+        hf_tokenizers.write_tokenizer(dst / "tokenizer.json", hf["vocab_size"],
+                                      mask_at=-1 if hf["model_type"] in hf_tokenizers.ENCODER_TYPES else None)
     if config_edit:
         config_edit(hf)
     (dst / "config.json").write_text(json.dumps(hf))
@@ -133,7 +140,8 @@ def test_dry_run_and_sharded_folder(tmp_path, capsys):
     nothing."""
     src, dst = FIXTURES / "llama_tiny", tmp_path / "sharded"
     dst.mkdir()
-    shutil.copyfile(src / "config.json", dst / "config.json")
+    for file in ("config.json", "tokenizer.json"):
+        shutil.copyfile(src / file, dst / file)
     r = Reader(src / "model.safetensors")
     names = r.names()
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}

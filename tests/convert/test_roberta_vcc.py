@@ -14,9 +14,11 @@ import pytest
 
 from longctx import config as config_lib
 from longctx.convert import core
+from longctx.convert.errors import ConvertError
 from longctx.data import masking
 from longctx.data.tokenizers import ByteTokenizer
 from longctx.errors import ConfigError
+from tests.convert import hf_tokenizers
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "roberta_tiny"
@@ -25,17 +27,10 @@ V = json.loads((FIXTURE / "config.json").read_text())["vocab_size"]
 WORDS = [f"w{i}" for i in range(V - 5)]
 
 
-def write_tokenizer(path: Path, mask_at: int = V - 1) -> Path:
+def write_tokenizer(path: Path, mask_at: int | None = V - 1) -> Path:
     """A word-level tokenizer.json of the fixture's V ids: RoBERTa's specials, V - 5 words, ``<mask>`` at
-    ``mask_at`` (RoBERTa: the last id)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    ids = [i for i in range(4, V) if i != mask_at]
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": mask_at, **dict(zip(WORDS, ids))}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    tok.save(str(path))
-    return path
+    ``mask_at`` (RoBERTa: the last id; None: none)."""
+    return hf_tokenizers.write_tokenizer(path, V, mask_at=mask_at)
 
 
 def encoder(vocab_size: int, **mlm):
@@ -75,12 +70,50 @@ def test_own_mask_id_reads_the_tokenizer_json(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["", ":tiny"])
-def test_the_recipe_imports_the_fixture(variant):
+def test_the_recipe_imports_the_fixture(variant, tmp_path):
     """VCC in every post-norm layer of the imported RoBERTa, its positions extended 4x (a dry run: the config
-    validates, every tensor is checked)."""
+    validates, every tensor is checked), given a tokenizer.json of the fixture's ids."""
     notes = []
-    core.import_hf(FIXTURE, "unused", config=RECIPE + variant, extend=4, dry_run=True, log=notes.append)
+    hf = hf_tokenizers.with_tokenizer("roberta_tiny", tmp_path / "roberta")
+    core.import_hf(hf, "unused", config=RECIPE + variant, extend=4, dry_run=True, log=notes.append)
     assert any("learned positions 32 -> 128" in n for n in notes), notes
+
+
+def test_the_import_refuses_a_tokenizer_that_does_not_fit(tmp_path, capsys):
+    """The fixture as committed (no tokenizer.json): the run would keep the bytes tokenizer, whose 256 ids do not
+    fit the 96-id model; an encoder's tokenizer without a mask token and no id beyond it has no mask id. Refused
+    in one line by the import (dry run or not), nothing written, instead of by longctx-train later."""
+    from longctx.convert.cli import main as convert
+
+    run = tmp_path / "run"
+    args = ["longctx-convert", "import", f"--hf_dir={FIXTURE}", f"--workdir={run}", "--extend_positions=4",
+            f"--config={RECIPE}:tiny", "--config.data.path=/tmp/corpus"]
+    for extra in ([], ["--dry_run"]):
+        with pytest.raises(SystemExit) as e:
+            convert(args + extra)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        assert f"data.tokenizer='bytes' (the folder has no tokenizer.json), has 256 ids; the model's vocabulary " \
+               f"(config.json's vocab_size) has {V}" in err, err
+        assert not run.exists()
+    hf = tmp_path / "no_mask"
+    shutil.copytree(FIXTURE, hf)
+    write_tokenizer(hf / "tokenizer.json", mask_at=None)
+    with pytest.raises(ConvertError, match=f"its tokenizer.json \\({V} ids\\), does not fit the model: "
+                                                f"mlm.mask_id={V} must be at least") as e:
+        core.import_hf(hf, run, config=RECIPE + ":tiny", extend=4, log=lambda *_: None)
+    assert "\n" not in str(e.value) and not run.exists()
+
+
+def test_the_import_fits_the_run_to_its_length_once(tmp_path, capsys):
+    """--extend_positions validates the source's config beside the run's: the note on the fitted train section is
+    said once."""
+    hf = hf_tokenizers.with_tokenizer("roberta_tiny", tmp_path / "roberta")
+    core.import_hf(hf, tmp_path / "run", config=RECIPE + ":tiny", extend=4, optimizer_state=False)
+    said = capsys.readouterr().out
+    assert said.count("note: fitted to the run's length") == 1, said
+    assert "imported" in said
 
 
 def _corpus(folder: Path) -> Path:

@@ -11,6 +11,7 @@ here."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import jax
@@ -26,6 +27,7 @@ from longctx.convert.cli import main
 from longctx.convert.safetensors import Folder, Reader
 from longctx.errors import ConfigError
 from longctx.models.backbone import stack_wrapper_class
+from longctx.models.blocks import takes_rotary
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama_tiny"
 EXACT = core.exact_method()
@@ -190,6 +192,30 @@ def test_a_per_layer_wrapper_runs_every_layer_of_the_grouped_query_model(name):
         parts.append(y)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, axis=1)), np.asarray(full),
                                rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
+
+
+UNROTATED = [n for n in attention.names() if not takes_rotary(n)]  # methods with a position signal of their own
+
+
+@pytest.mark.parametrize("name", UNROTATED)
+def test_a_method_without_rotary_in_every_layer_is_refused_with_a_flag_that_works(name, tmp_path, capsys):
+    """llama_tiny's rotary positions come from its config.json: a method that takes none cannot run in every layer,
+    and the refusal gives a pattern (exact layers keep the rotation), not --config.model.positions, which the import
+    overrides (given, the same refusal). The flag it gives imports."""
+    run = tmp_path / "run"
+    for extra in ([], ["--config.model.positions=none"]):
+        err = _error(capsys, f"--workdir={run}", "--dry_run", f"--config.model.attention.name={name}", *extra)
+        assert "--config.model.positions is overridden" in err and "add --config.model.positions" not in err, err
+        flag = re.search(r"--config\.model\.attention\.pattern=\S+", err).group(0)
+        assert flag == f"--config.model.attention.pattern={EXACT},{name}", err
+    assert not run.exists()
+    assert main(["longctx-convert", "import", f"--hf_dir={FIXTURE}", f"--workdir={run}", "--nooptimizer_state",
+                 f"--config.model.attention.name={name}", "--config.model.positions=none", flag]) == 0
+    from longctx.runtime import Runner
+
+    runner = Runner.from_workdir(run)
+    assert runner.cfg.model.positions == "rotary"
+    assert [type(b.core) for b in runner.model().blocks] == [attention.get_class(EXACT), attention.get_class(name)]
 
 
 def test_swapped_run_imports_and_export_refuses_it(tmp_path, capsys):

@@ -23,6 +23,7 @@ from longctx.errors import ConfigError
 from longctx.train import sharding, tasks
 from longctx.train.optim import make_optimizer
 from longctx.train.step import make_forward
+from tests.convert import hf_tokenizers
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama_tiny"
 T, ROWS, STEPS = 48, 8, 30
@@ -114,7 +115,8 @@ def test_extend_positions_copies_the_learned_rows(tmp_path):
     P = hf["max_position_embeddings"] - off
     c = config_lib.base_config()
     c.train.seq_len = 4096
-    core.import_hf(src, tmp_path / "run", config=c, extend=4, optimizer_state=False, log=lambda *_: None)
+    core.import_hf(hf_tokenizers.with_tokenizer("roberta_tiny", tmp_path / "src"), tmp_path / "run", config=c,
+                   extend=4, optimizer_state=False, log=lambda *_: None)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["max_len"] == 4 * P and saved["train"]["seq_len"] == 4 * P
     core.export_hf(tmp_path / "run", tmp_path / "exported", log=lambda *_: None)
