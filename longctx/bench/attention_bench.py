@@ -100,13 +100,14 @@ def analytic_dense_flops(B, H, T, D, causal: bool) -> float:
 
 
 def _torch():
+    """(torch, torch.nn.functional, None), or (None, None, why) where torch cannot be imported."""
     try:
         import torch
         import torch.nn.functional as F
 
-        return torch, F
-    except Exception:
-        return None, None
+        return torch, F, None
+    except Exception as e:
+        return None, None, f"torch is not importable ({type(e).__name__}: {e})"
 
 
 def run(args) -> dict:
@@ -120,9 +121,10 @@ def run(args) -> dict:
     methods = C.select_methods(core_requested) if (core_requested or not requested) else []
     dtype = C.dtype_of(args.dtype)
     budget = args.mem_budget_gb * C.GB
-    torch, F = (None, None) if args.no_torch else _torch()
+    torch, F, no_torch = (None, None, "--no_torch") if args.no_torch else _torch()
     with_torch = torch is not None and (not requested or TORCH in requested
                                         or any(is_exact(r.split(":")[0]) for r in core_requested or ()))
+    torch_missing = TORCH in (requested or ()) and torch is None  # asked for by name: its skip is said
 
     cells = []  # (method, label, overrides)
     for m in methods:
@@ -138,6 +140,10 @@ def run(args) -> dict:
     n_total = len(dirs) * (len(cells) + (1 if with_torch else 0)) * len(lengths)
     bar = C.progress_bar(n_total, "attention", args.progress)
     ran = set()  # (variant, direction) pairs this run measured (or tried to)
+    for causal in dirs if torch_missing else ():
+        ran.add((TORCH, C.dir_name(causal)))
+        res["skipped_variants"].append({"variant": TORCH, "direction": C.dir_name(causal), "reason": no_torch})
+        bar.write(f"skip {TORCH} ({C.dir_name(causal)}): {no_torch}")
 
     def checkpoint(rows, current=None):  # what a killed run leaves behind (read by the parent of a child run)
         C.write_json(out / PARTIAL, {"rows": res["rows"] + rows, "skipped_variants": res["skipped_variants"],

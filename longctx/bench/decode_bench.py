@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,9 @@ def run(args) -> dict:
     B, H, D = args.batch, args.heads, args.head_dim
     budget = args.mem_budget_gb * C.GB
     res = {"header": C.header(args, "decode"), "rows": [], "skipped_methods": []}
+    print(f"decode: {len(methods)} method(s) at positions {', '.join(C.fmt_len(p) for p in positions)}: each "
+          f"prefilled to the position in chunks of {args.prefill_chunk} tokens, then {args.steps} single-token "
+          f"calls timed after {args.warmup} warm-up", flush=True)
     bar = C.progress_bar(len(methods) * len(positions), "decode", args.progress)
     for method in methods:
         try:
@@ -90,8 +94,20 @@ def run(args) -> dict:
     bar.close()
     C.write_json(out / "decode.json", res)
     (out / "decode.md").write_text(markdown(res))
-    plots(res, out)
+    print(summary(res, out, plots(res, out)), flush=True)
     return res
+
+
+def summary(res: dict, out, files: list[str]) -> str:
+    """What a run prints at its end: each position's latency, state size and status, the methods not run, then
+    the files it wrote."""
+    rows = [[r["method"], C.fmt_len(r["position"]), 1e3 * r["per_token_s"] if r.get("per_token_s") else None,
+             r["state_bytes"] / C.MB if r.get("state_bytes") else None, r.get("prefill_s"), r.get("status")]
+            for r in res["rows"]]
+    skipped = [f"not run: {s['method']}: {s['reason']}" for s in res["skipped_methods"]]
+    wrote = ", ".join(str(Path(out) / f) for f in ["decode.json", "decode.md", *files])
+    return "\n".join([C.md_table(["method", "position", "ms / token", "state MB", "prefill s", "status"], rows),
+                      *skipped, f"wrote {wrote}"])
 
 
 def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
@@ -168,7 +184,7 @@ def markdown(res: dict) -> str:
     return "".join(parts)
 
 
-def plots(res: dict, out):
+def plots(res: dict, out) -> list[str]:
     fig, axes = C.new_figure(2)
     for method in dict.fromkeys(r["method"] for r in res["rows"]):
         rs = sorted((r for r in res["rows"] if r["method"] == method and r.get("status") == "ok"),
@@ -188,3 +204,4 @@ def plots(res: dict, out):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     C.save_figure(fig, out / "decode.png")
+    return ["decode.png"]

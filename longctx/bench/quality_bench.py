@@ -17,6 +17,7 @@ deterministic=False) also report the mean / std / min / max error over ``--seeds
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,7 @@ def run(args) -> dict:
         data["gaussian"] = lambda T: (*C.random_qkv(args.seed + T, args.batch, H, T, D),
                                       C.random_qkv(args.seed + 10_000 + T, args.batch, H, T, D)[1])
     if "captured" in sources:
+        print(capture_plan(args), flush=True)
         info = capture.ensure_checkpoint(args.workdir, steps=args.train_steps, sets=args.overrides, progress=args.progress)
         cap = capture.Capturer(args.workdir, layer=args.layer)
         mc = cap.cfg.model
@@ -129,8 +131,26 @@ def run(args) -> dict:
     bar.close()
     C.write_json(out / "quality.json", res)
     (out / "quality.md").write_text(markdown(res))
-    plots(res, out)
+    print(summary(res, out, plots(res, out)), flush=True)
     return res
+
+
+def capture_plan(args) -> str:
+    """The line said before the captured source's work: training the model it captures from (minutes), or reusing
+    the checkpoint an earlier run left in ``--workdir``."""
+    if capture.has_checkpoint(args.workdir):
+        return f"quality: capturing q/k/v from the model already trained in {args.workdir} (reused)"
+    return (f"quality: training the capture model first: {args.train_steps} steps of a tiny dense model into "
+            f"{args.workdir} (reused by later runs; --sources gaussian skips it)")
+
+
+def summary(res: dict, out, files: list[str]) -> str:
+    """What a run prints at its end: each cell's error and status, then the files it wrote."""
+    rows = [[r["variant"], r["direction"], r["source"], C.fmt_len(r["length"]), r.get("rel_err"),
+             r.get("rel_err_mean"), "ok" if r.get("status") == "ok" else r.get("status")] for r in res["rows"]]
+    wrote = ", ".join(str(Path(out) / f) for f in ["quality.json", "quality.md", *files])
+    return "\n".join([C.md_table(["variant", "direction", "source", "T", "rel err (det)", "rel err (seeds mean)",
+                                  "status"], rows), f"wrote {wrote}"])
 
 
 def _one(method, ov, causal, q, k, v, k_fit, ref, args, dropin) -> dict:
@@ -226,7 +246,8 @@ def markdown(res: dict) -> str:
     return "".join(parts)
 
 
-def plots(res: dict, out):
+def plots(res: dict, out) -> list[str]:
+    files = []
     srcs = list(dict.fromkeys(r["source"] for r in res["rows"]))
     for dname in dict.fromkeys(r["direction"] for r in res["rows"]):
         fig, axes = C.new_figure(max(1, len(srcs)))
@@ -250,3 +271,5 @@ def plots(res: dict, out):
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
         C.save_figure(fig, out / f"quality_{dname}.png")
+        files.append(f"quality_{dname}.png")
+    return files

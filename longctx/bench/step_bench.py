@@ -49,6 +49,7 @@ from longctx.bench import common as C
 from longctx.bench import configs
 from longctx.errors import ConfigError
 from longctx.models.decoder import build_model
+from longctx.train.dry_run import known_vocab
 from longctx.train.optim import make_optimizer
 from longctx.train.step import make_loss_fn, make_train_step, split_model
 
@@ -89,16 +90,14 @@ def length_config(base, T: int, args):
 
 
 def vocab_size(cfg, given: int | None) -> int:
-    """The vocabulary the random tokens are drawn from: ``--vocab_size``, else the config's own
-    ``model.vocab_size``, else 256 for a byte-level config; a config whose tokenizer decides it needs the flag."""
+    """The vocabulary the random tokens are drawn from: ``--vocab_size``, else the one ``longctx-train --dry_run``
+    knows without reading data (:func:`longctx.train.dry_run.known_vocab`: the config's own ``model.vocab_size``,
+    256 for bytes, ``data.options.vocab_size`` for BPE, a tokenizer file's size); a tokenizer that learns its
+    vocabulary from the data (``words``) needs the flag."""
     if given:
         return int(given)
-    if cfg.model.vocab_size:
-        return int(cfg.model.vocab_size)
-    if cfg.data.tokenizer == "bytes":
-        return 256
-    raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} decides the vocabulary and model.vocab_size is 0: "
-                      f"give --vocab_size (e.g. 267735 for WikiText-103's words)")
+    example = " (e.g. 267735 for WikiText-103's words)" if cfg.data.tokenizer == "words" else ""
+    return known_vocab(cfg, remedy=f"give --vocab_size{example}")[0]
 
 
 def forward_matmul_flops(cfg, graphdef, params, nongrad, rest, seed: int = 0) -> dict:
@@ -203,6 +202,7 @@ def run(args) -> dict:
     if args.batch_size <= 0 or args.repeats <= 0 or args.warmup < 0:
         raise ConfigError("--batch_size and --repeats must be positive, --warmup >= 0")
     base = base_config(args)
+    cfgs = {T: length_config(base, T, args) for T in lengths}  # every config error before any work
     res = {"header": C.header(args, "step"), "config": _shown(args.config), "sets": list(args.overrides), "rows": []}
     matmul_n = getattr(args, "matmul_n", 4096)
     peak_arg = getattr(args, "peak_tflops", None)
@@ -213,7 +213,7 @@ def run(args) -> dict:
     bar = C.progress_bar(len(lengths) * (1 + args.repeats), "step", args.progress)
     built = {}
     for T in lengths:
-        cfg = length_config(base, T, args)
+        cfg = cfgs[T]
         t0 = time.perf_counter()
         compiled, call_args, mem, n_params, extras = build_step(cfg, with_extras=True)
         extras["build_s"] = time.perf_counter() - t0

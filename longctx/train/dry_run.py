@@ -20,7 +20,8 @@ from flax import nnx
 
 from longctx import config as config_lib
 from longctx.bench.common import jaxpr_matmul_flops
-from longctx.data import bpe, masking, sources, tokenizers
+from longctx.data import bpe, masking, sources, spm, tokenizers
+from longctx.data.dsutil import option
 from longctx.data.prepare import prepared_manifest
 from longctx.errors import ConfigError
 from longctx.models.backbone import scans_layers
@@ -40,7 +41,10 @@ from longctx.train.step import (
 MiB = 1 << 20
 
 
-def known_vocab(cfg) -> tuple[int, int | None]:
+PLAN_REMEDY = "set --config.model.vocab_size for --dry_run to plan without reading data"
+
+
+def known_vocab(cfg, remedy: str = PLAN_REMEDY) -> tuple[int, int | None]:
     """(the tokenizer's vocabulary size, its own mask token or None) without reading data, as the training task
     resolves the vocabulary (``longctx.train.tasks.Task``): a tokenizer file (``data.tokenizer='hf'``, an imported
     model's) is read, whose ``<mask>`` / ``[MASK]`` an encoder takes (:func:`longctx.data.masking.own_mask_id`);
@@ -48,21 +52,22 @@ def known_vocab(cfg) -> tuple[int, int | None]:
     if cfg.data.tokenizer == "hf":
         tok = tokenizers.build("hf", **tokenizers.cache_kwargs("hf", cfg.data))
         return int(tok.vocab_size), masking.own_mask_id(tok)
-    return known_vocab_size(cfg), None
+    return known_vocab_size(cfg, remedy), None
 
 
-def known_vocab_size(cfg) -> int:
-    """The vocabulary size without reading data: from the config, or fixed by the tokenizer."""
+def known_vocab_size(cfg, remedy: str = PLAN_REMEDY) -> int:
+    """The vocabulary size without reading data: from the config, or fixed by the tokenizer; a tokenizer that
+    learns it from the data raises, ``remedy`` saying what the caller can give instead."""
     if cfg.model.vocab_size > 0:
         return int(cfg.model.vocab_size)
     if cfg.data.tokenizer == "bytes":
         return 256
     if cfg.data.tokenizer == "sentencepiece":
-        return int(cfg.data.options.vocab_size)
+        return int(option(cfg.data, "vocab_size", 0) or spm.DEFAULT_VOCAB)  # as the sources train it
     if cfg.data.tokenizer == "bpe":  # its ids: data.options.vocab_size whatever the corpus (longctx.data.bpe)
         return int(bpe.settings(cfg.data)["vocab_size"])
-    raise ConfigError(f"--dry_run: data.tokenizer={cfg.data.tokenizer!r} learns its vocabulary from the data; "
-                      "set --config.model.vocab_size to plan without reading data")
+    raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} learns its vocabulary from the data and "
+                      f"model.vocab_size is 0: {remedy}")
 
 
 def _abstract(tree, shardings):

@@ -257,6 +257,46 @@ def test_decode_skips_a_core_whose_state_lives_in_its_stack_wrapper(tmp_path):
     assert "vcc" in (tmp_path / "decode.md").read_text()
 
 
+def test_quality_says_it_trains_before_it_does_and_prints_its_table(bench_out, tmp_path, monkeypatch, capsys):
+    """`longctx-bench quality` with the captured source says up front whether it trains the capture model (minutes)
+    or reuses --workdir's; like `attention` it ends with its table and a `wrote` line."""
+    from longctx.bench import capture
+
+    _, root = bench_out
+    out = tmp_path / "q"
+    assert cli.main(["quality", "--out", str(out), "--noprogress", "--methods", "eva", "--lengths", "64", "--seeds",
+                     "1", "--causal", "--sources", "captured", "--workdir", str(root / "qrun"), "--baselines="]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"quality: capturing q/k/v from the model already trained in {root / 'qrun'} (reused)"
+    assert lines[1].startswith("| variant | direction | source | T |") and lines[3].startswith("| eva | causal | "
+                                                                                                 "captured | 64 |")
+    assert lines[-1] == f"wrote {out / 'quality.json'}, {out / 'quality.md'}, {out / 'quality_causal.png'}"
+
+    def stop(*a, **k):
+        raise RuntimeError("training would start here")
+
+    monkeypatch.setattr(capture, "ensure_checkpoint", stop)
+    with pytest.raises(RuntimeError, match="training would start here"):
+        cli.main(["quality", "--out", str(out), "--noprogress", "--methods", "eva", "--lengths", "64", "--causal",
+                  "--workdir", str(tmp_path / "fresh"), "--train_steps", "7"])
+    assert capsys.readouterr().out.splitlines() == [
+        f"quality: training the capture model first: 7 steps of a tiny dense model into {tmp_path / 'fresh'} "
+        "(reused by later runs; --sources gaussian skips it)"]
+
+
+def test_decode_says_what_it_times_and_prints_its_table(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["decode", "--out", str(out), "--noprogress", "--methods", "eva,vcc", "--positions", "64",
+                     "--steps", "2", "--warmup", "1", "--prefill_chunk", "32", "--heads", "2", "--head_dim", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("decode: 2 method(s) at positions 64: each prefilled to the position in chunks of 32 tokens, "
+                        "then 2 single-token calls timed after 1 warm-up")
+    assert lines[1].startswith("skip vcc: its decoding state lives")  # said when it happens, and again at the end
+    assert lines[2].startswith("| method | position | ms / token |") and lines[4].startswith("| eva | 64 | ")
+    assert lines[4].endswith("| ok |") and lines[-2].startswith("not run: vcc: its decoding state lives")
+    assert lines[-1] == f"wrote {out / 'decode.json'}, {out / 'decode.md'}, {out / 'decode.png'}"
+
+
 def test_train_update_replaces_only_the_methods_rerun(tmp_path):
     """`longctx-bench train --update`: the rerun methods' rows replace theirs in place, new ones go last, the
     others stay, and the earlier header is kept under merged_into."""
@@ -297,6 +337,41 @@ def test_attention_times_variants_in_the_order_asked_and_keeps_finished_ones(tmp
     assert cli.main(["attention", "--out", str(out2), "--noprogress", "--methods", "eva,dense:naive", "--lengths",
                      "32", "--causal", "--matmul_n", "0", "--no_torch"]) == 0
     assert seen == [None, ["eva"]]
+
+
+def test_attention_says_a_requested_torch_baseline_cannot_run(tmp_path, monkeypatch, capsys):
+    """`--methods ...,torch_sdpa` where torch cannot be imported: one skip line per direction, the same reason in the
+    JSON's skipped variants and in the markdown, the other methods timed; the implicit reference that an exact
+    method brings along is dropped without a skip."""
+    import sys
+
+    from longctx.bench import attention_bench as ab
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises, as where it is not installed
+    assert ab._torch()[0] is None and "torch is not importable (ModuleNotFoundError" in ab._torch()[2]
+    small = ["--lengths", "32", "--repeats", "1", "--warmup", "0", "--matmul_n", "0", "--no_backward", "--batch", "1",
+             "--heads", "2", "--head_dim", "8", "--noisolate"]
+    out = tmp_path / "o"
+    assert cli.main(["attention", "--out", str(out), "--noprogress", "--methods", "dense:naive,torch_sdpa", "--causal",
+                     *small]) == 0
+    said = capsys.readouterr().out
+    assert said.count("skip torch_sdpa (causal): torch is not importable (ModuleNotFoundError") == 1
+    assert "not run: torch_sdpa causal: torch is not importable" in said and f"wrote {out / 'attention.json'}" in said
+    res = json.loads((out / "attention.json").read_text())
+    assert [r["variant"] for r in res["rows"]] == ["dense:naive"]
+    assert [(s["variant"], s["direction"]) for s in res["skipped_variants"]] == [("torch_sdpa", "causal")]
+    assert "torch is not importable" in res["skipped_variants"][0]["reason"]
+    assert "`torch_sdpa` causal: not run — torch is not importable" in (out / "attention.md").read_text()
+
+    assert cli.main(["attention", "--out", str(out), "--noprogress", "--methods", "torch_sdpa", "--no_torch",
+                     "--bidirectional", *small]) == 0
+    res = json.loads((out / "attention.json").read_text())
+    assert res["rows"] == [] and res["skipped_variants"] == [{"variant": "torch_sdpa", "direction": "bidirectional",
+                                                              "reason": "--no_torch"}]
+    assert "skip torch_sdpa (bidirectional): --no_torch" in capsys.readouterr().out
+    assert cli.main(["attention", "--out", str(out), "--noprogress", "--methods", "dense:naive", "--causal", *small]) == 0
+    assert json.loads((out / "attention.json").read_text())["skipped_variants"] == []
+    assert "skip torch_sdpa" not in capsys.readouterr().out
 
 
 def test_kernel_cells_time_a_gpu_only_kernel_on_its_gpu_only():

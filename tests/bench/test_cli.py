@@ -200,11 +200,35 @@ def test_step_draws_tokens_from_the_configs_own_vocabulary():
     from longctx.bench import step_bench
 
     words = config_files.load("configs/wikitext103/eva_16l.py")  # data.tokenizer='words', model.vocab_size 0
-    with pytest.raises(ConfigError, match="give --vocab_size"):
+    with pytest.raises(ConfigError, match=r"'words' learns its vocabulary .*: give --vocab_size \(e.g. 267735"):
         step_bench.vocab_size(words, None)
     assert step_bench.vocab_size(words, 1000) == 1000
     assert step_bench.vocab_size(config_files.load("configs/wikitext103/eva_16l.py:node8"), None) == 267_735
     assert step_bench.vocab_size(config_files.load("configs/enwik8/fma.py"), None) == 256  # bytes
+    spm = config_files.load("configs/pg19/dense.py")  # sentencepiece: data.options.vocab_size pieces, 0: 32,000
+    assert step_bench.vocab_size(spm, None) == 32_000
+    with spm.unlocked():
+        spm.data.options.vocab_size = 0
+    assert step_bench.vocab_size(spm, None) == 32_000
+
+
+def test_step_resolves_the_readme_configs_bpe_vocabulary_without_the_flag():
+    """README's `longctx-bench step --config=configs/main.py --lengths=1k,4k`: a BPE tokenizer has exactly
+    data.options.vocab_size ids (4,096 in configs/main.py), as `longctx-train --dry_run` plans it."""
+    from types import SimpleNamespace
+
+    from longctx.bench import configs, step_bench
+
+    main = configs.load_config_file("configs/main.py")
+    assert main.data.tokenizer == "bpe" and main.model.vocab_size == 0
+    args = SimpleNamespace(batch_size=1, window=0, vocab_size=None)
+    for T in (1024, 4096):
+        assert step_bench.length_config(main, T, args).model.vocab_size == main.data.options.vocab_size == 4096
+    assert step_bench.length_config(main, 1024, SimpleNamespace(batch_size=1, window=0, vocab_size=300)
+                                    ).model.vocab_size == 300
+    with main.unlocked():
+        main.data.options.vocab_size = 0  # the tokenizer's default
+    assert step_bench.vocab_size(main, None) == 4096
 
 
 def test_gpu_check_section_shows_each_accelerator_report(tmp_path):

@@ -340,9 +340,10 @@ class TransformerVQAttention(AttentionCore):
     def init_state(self, batch_size: int, max_len: int | None = None):
         if not self.causal:
             raise ValueError(f"{METHOD}: a bidirectional core has no prefix state")
-        zeros = jnp.zeros((batch_size,), jnp.int32)  # no document yet (state.py: DOCUMENT)
+        # no document yet (state.py: DOCUMENT); one buffer each: the scoring forward donates the state, and a
+        # buffer under two leaves is donated twice (XLA refuses the call)
         return {**empty_state(batch_size, self.num_heads, self.M, self.S, self.head_dim, self.value_dim),
-                "segment": zeros, "seen": zeros}
+                "segment": jnp.zeros((batch_size,), jnp.int32), "seen": jnp.zeros((batch_size,), jnp.int32)}
 
     # -- sequence parallelism: the band is the newest M tokens, the cache a count-weighted merge --
     def sequence_refusal(self, slice_len: int) -> str | None:
@@ -416,7 +417,10 @@ class TransformerVQAttention(AttentionCore):
         packed, carried = segment_ids is not None, state is not None
         doc = {"segment": None, "seen": None, "continues": None}
         if self.causal:
-            state = self.init_state(B) if state is None else state
+            # a call without a state starts from the empty one, behind an optimization barrier (the same values):
+            # as constants, its all-masked band and cache made XLA constant-fold row maxima over [B, H, R, L, L + S]
+            # at compile time (seconds for a call of one block of 512, with a slow_operation_alarm)
+            state = jax.lax.optimization_barrier(self.init_state(B)) if state is None else state
             # the forms take the state without the core's document counters (state.py: DOCUMENT); a state made by
             # empty_state alone (no document: one row-long document of pos tokens) takes the empty document's
             doc["segment"] = state.get("segment", jnp.zeros((B,), jnp.int32))

@@ -478,8 +478,10 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
 
     if R > 2:
         fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))
-    else:
-        fmu, fn = jnp.zeros_like(bmu), jnp.zeros_like(bn)
+    else:  # no block two or more away: empty summaries, behind an optimization barrier (the same values): as
+        # constants, their all-masked group made XLA constant-fold its row maximum over [B, H, R, L, S] at compile
+        # time (seconds at L = S = 512, with a slow_operation_alarm)
+        fmu, fn = jax.lax.optimization_barrier((jnp.zeros_like(bmu), jnp.zeros_like(bn)))
     local_k = jnp.concatenate([kx[:, :, :R], kx[:, :, 1:R + 1], kx[:, :, 2:]], axis=3)  # [B,H,R,3L,Dk]
     local_v = jnp.concatenate([vx[:, :, :R], vx[:, :, 1:R + 1], vx[:, :, 2:]], axis=3)
     local_valid = jnp.concatenate([vpad[:R], vpad[1:R + 1], vpad[2:]], axis=1)  # [R, 3L]
