@@ -476,19 +476,18 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
         n = x.shape[2] - abs(by)
         return jnp.concatenate([z0, x[:, :, :n]], 2) if by < 0 else jnp.concatenate([x[:, :, by:], z0], 2)
 
-    if R > 2:
-        fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))
-    else:  # no block two or more away: empty summaries, behind an optimization barrier (the same values): as
-        # constants, their all-masked group made XLA constant-fold its row maximum over [B, H, R, L, S] at compile
-        # time (seconds at L = S = 512, with a slow_operation_alarm)
-        fmu, fn = jax.lax.optimization_barrier((jnp.zeros_like(bmu), jnp.zeros_like(bn)))
     local_k = jnp.concatenate([kx[:, :, :R], kx[:, :, 1:R + 1], kx[:, :, 2:]], axis=3)  # [B,H,R,3L,Dk]
     local_v = jnp.concatenate([vx[:, :, :R], vx[:, :, 1:R + 1], vx[:, :, 2:]], axis=3)
     local_valid = jnp.concatenate([vpad[:R], vpad[1:R + 1], vpad[2:]], axis=1)  # [R, 3L]
     s_l = acc_einsum("bhrld,bhrjd->bhrlj", qb, local_k) + skew_bias(bdb, L + M, 3 * L)  # bd[i, L+M+i-j]
-    s_c = acc_einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
-    o, _ = softmax_mix([(s_c, (fn > 0)[:, :, :, None, :], fmu.astype(cd)),
-                        (s_l, local_valid[:, None, :], local_v)], ops)
+    groups = [(s_l, local_valid[:, None, :], local_v)]
+    if R > 2:  # blocks two or more away exist: their code summaries are a group of their own
+        fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))
+        s_c = acc_einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
+        groups.insert(0, (s_c, (fn > 0)[:, :, :, None, :], fmu.astype(cd)))
+    # else every key is in the band: an empty summary group adds nothing (computed, it was a [B, H, R, L, S]
+    # all-masked group that XLA constant-folded for seconds and XLA:CPU's jit turned into NaN at R = 2, L = 512)
+    o, _ = softmax_mix(groups, ops)
     return o.reshape(B, H, Tp, Dv)[:, :, :T]
 
 
