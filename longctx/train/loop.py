@@ -203,7 +203,7 @@ def resume_changes(saved: dict, cfg: ml_collections.ConfigDict, step: int) -> st
     of either config); None when nothing differs."""
     was, now = saved.get("train", {}), cfg.train
     changed = [k for k in TRAINING_KEYS if k in was and was[k] != now[k]]
-    # data.packing: a run saved before any corpus was read (an import: 'auto') takes the rule resolved now
+    # data.packing: an import's config holds 'auto' (written with no corpus read): the rule resolved now is no change
     packing = saved.get("data", {}).get("packing", "auto"), cfg.data.packing
     moved = [f"data.packing {packing[0]!r} -> {packing[1]!r}"] if packing[0] not in ("auto", packing[1]) else []
     if not changed and not moved:
