@@ -1,7 +1,7 @@
 """Every causal core's ``init_state`` gives each leaf a buffer of its own: the scoring forward, prefill and decoding
 steps donate the carried state (``longctx/train/step.py::jit_forward``, ``longctx/sample.py``), and XLA refuses a
-call that donates one buffer twice ("Attempt to donate the same buffer twice"); Transformer-VQ's ``segment`` and
-``seen`` once shared one array of zeros, and the validation of every Transformer-VQ run failed on it."""
+call that donates one buffer twice ("Attempt to donate the same buffer twice"); two leaves sharing one array of zeros
+(Transformer-VQ's ``segment`` and ``seen`` did) make a validation with a carried state fail."""
 
 from __future__ import annotations
 

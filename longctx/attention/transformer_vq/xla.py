@@ -485,8 +485,8 @@ def encoder_parallel(q_u, bd, k_hat, z, v, C, *, L: int, M: int, band: bool, val
         fmu, fn = merge((shift(pm, -2), shift(pn, -2)), (shift(sm, 2), shift(sn, 2)))
         s_c = acc_einsum("bhrld,hsd->bhrls", qb, Cs) + log_count(fn)[:, :, :, None, :]
         groups.insert(0, (s_c, (fn > 0)[:, :, :, None, :], fmu.astype(cd)))
-    # else every key is in the band: an empty summary group adds nothing (computed, it was a [B, H, R, L, S]
-    # all-masked group that XLA constant-folded for seconds and XLA:CPU's jit turned into NaN at R = 2, L = 512)
+    # else every key is in the band: an empty summary group adds nothing (computed, it is a [B, H, R, L, S]
+    # all-masked group, which XLA constant-folds for seconds and XLA:CPU's jit turns into NaN at R = 2, L = 512)
     o, _ = softmax_mix(groups, ops)
     return o.reshape(B, H, Tp, Dv)[:, :, :T]
 
