@@ -68,7 +68,9 @@ def test_the_task_is_picked_from_the_config(tiny_corpus, tmp_path):
 
 
 def test_language_model(tiny_corpus, tmp_path):
-    task, state = start(lm_config(tiny_corpus, tmp_path / "cache"))
+    cfg = lm_config(tiny_corpus, tmp_path / "cache")
+    cfg.data.packing = "document"  # rows inside one document: token rows (packed rows: tests/data/test_segments.py)
+    task, state = start(cfg)
     assert task.cfg.model.vocab_size == task.tokenizer.vocab_size  # resolved from the tokenizer
     tokens = task.batch(0)
     assert tokens.shape == (4, 33)  # seq_len + 1: inputs and next-token targets
