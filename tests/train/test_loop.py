@@ -82,6 +82,8 @@ def test_trainer_imports_no_entry_point_or_eval_module():
     banned = {"longctx.cli", "longctx.evaluate", "longctx.sample", "longctx.runtime", "longctx.data.prepare_cli"}
     found = []
     for path in (Path(__file__).resolve().parents[2] / "longctx" / "train").glob("*.py"):
+        if path.name == "launch_local.py":  # an entry point itself (scripts/multiprocess_local.sh): runs the CLI
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
