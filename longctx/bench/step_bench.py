@@ -261,6 +261,7 @@ def run(args) -> dict:
     (out / "step.md").write_text(markdown(res))
     plots(res, out)
     print(markdown(res))
+    print("wrote " + ", ".join(str(out / f) for f in ("step.json", "step.md", "step_tokens_per_s.png")))
     return res
 
 
