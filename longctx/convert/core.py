@@ -305,7 +305,8 @@ def run_config(hf_dir: Path, config=None, *, rope_theta: float | None = None, ex
     hf = read_hf_config(hf_dir)
     base = config_files.load(config) if isinstance(config, str) else copy.deepcopy(config)
     want_len = int(base.train.seq_len) if base is not None else 0
-    fam, cfg = hf_model_config(hf, base, log)
+    # with --extend_positions the extension's note gives the run's seq_len (the source's clamp would say it twice)
+    fam, cfg = hf_model_config(hf, base, log if extend == 1 else None)
     src_cfg = cfg  # the source's positions: what the tensors are checked and read against
     if extend != 1:
         cfg = extend_positions(cfg, int(extend), want_len or cfg.train.seq_len, log)
