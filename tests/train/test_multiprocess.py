@@ -113,6 +113,23 @@ def _same_run(ref: Path, run: Path, steps: int, *, atol: float = 1e-6) -> None:
         np.testing.assert_allclose([v for _, v in g], [r[s] for s, _ in g], rtol=1e-5)
 
 
+def _trained_past(wd: Path, step: int) -> bool:
+    """Whether the job has logged a training step after ``step``."""
+    return (wd / "metrics.jsonl").exists() and any(r["step"] > step and r["split"] == "train" for r in _records(wd))
+
+
+def _wait_for(procs, ready, what: str, limit: float = 240) -> None:
+    """Wait until ``ready()``; fail if the job ends or ``limit`` seconds pass first (``what``: the event that
+    follows)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if ready():
+            return
+        assert all(p.poll() is None for p in procs), f"the job ended before {what}"
+        time.sleep(0.05)
+    pytest.fail(f"the job did not reach {what}")
+
+
 def _only_primary_wrote(wd: Path, logdir: Path) -> None:
     assert len(list((wd / "tb").glob("events.out.tfevents.*"))) >= 1
     assert (wd / "loss.png").exists() and (wd / "config.json").exists()
@@ -142,15 +159,8 @@ def test_a_killed_process_stops_the_job_and_the_relaunch_resumes(tmp_path):
     wd = tmp_path / "run"
     procs = _launch(cfg, wd, tmp_path / "logs1")
     try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 240:  # the checkpoint at `every` committed and a step past it logged
-            if (wd / "checkpoints" / str(every)).is_dir() and (wd / "metrics.jsonl").exists() and any(
-                    r["step"] > every + 1 and r["split"] == "train" for r in _records(wd)):
-                break
-            assert all(p.poll() is None for p in procs), "the job ended before the kill"
-            time.sleep(0.05)
-        else:
-            pytest.fail("the job did not reach the kill point")
+        _wait_for(procs, lambda: (wd / "checkpoints" / str(every)).is_dir() and _trained_past(wd, every + 1),
+                  "the kill")  # the checkpoint at `every` committed and a step past it logged
         procs[1].send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
         while procs[0].poll() is None and time.monotonic() - t_kill < 60:
@@ -178,21 +188,13 @@ def test_a_killed_process_stops_the_job_and_the_relaunch_resumes(tmp_path):
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step_with_the_checkpoint(tmp_path):
     """SIGTERM to process 0 only (a preemption notice reaches the processes at different steps): every process
     stops after the same step (``loop.agreed_signal``) and the job's checkpoint of it is saved; a process that
-    stopped alone would wait in the save's collectives while the other trained on. The relaunch resumes there."""
+    stopped alone would wait in the save's collectives while the other trained on."""
     steps = 400
     cfg = _config(tmp_path, steps=steps, ckpt_every=steps)
     wd = tmp_path / "run"
     procs = _launch(cfg, wd, tmp_path / "logs1")
     try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 240:  # a few steps trained and logged
-            if (wd / "metrics.jsonl").exists() and any(r["step"] >= 2 and r["split"] == "train"
-                                                       for r in _records(wd)):
-                break
-            assert all(p.poll() is None for p in procs), "the job ended before the signal"
-            time.sleep(0.05)
-        else:
-            pytest.fail("the job did not reach the signal")
+        _wait_for(procs, lambda: _trained_past(wd, 1), "the signal")  # a few steps trained and logged
         procs[0].send_signal(signal.SIGTERM)
         t_sig = time.monotonic()
         while any(p.poll() is None for p in procs) and time.monotonic() - t_sig < 90:
