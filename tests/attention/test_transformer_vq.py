@@ -504,6 +504,15 @@ def test_form_is_an_unknown_key():
     assert "\n" not in str(e.value)
 
 
+def test_odd_derived_rel_dim_names_where_it_comes_from():
+    """rel_dim=0 takes num_heads x head_dim: an odd product is refused naming both, not as a rel_dim the user set."""
+    cfg = attention.default_config("transformer_vq")
+    cfg.update(dict(codebook_size=8, block_len=8))
+    with pytest.raises(ConfigError, match=r"rel_dim=0 takes num_heads x head_dim = 3 x 5 = 15") as e:
+        attention.build("transformer_vq", cfg, num_heads=3, head_dim=5, causal=True, rngs=nnx.Rngs(0))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_long_forward_65536():  # ~5 s on CPU
     core = kit.build("transformer_vq", heads=1, head_dim=32, codebook_size=64, block_len=128)

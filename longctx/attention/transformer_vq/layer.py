@@ -273,7 +273,9 @@ class TransformerVQAttention(AttentionCore):
         self.S, self.L = S, c.block_len
         self.M = c.mem_len or c.block_len
         rel_dim = c.rel_dim or H * Dk
-        require(rel_dim % 2 == 0, f"attention.{METHOD}.rel_dim={rel_dim} must be even")
+        require(rel_dim % 2 == 0, f"attention.{METHOD}.rel_dim={rel_dim} must be even" if c.rel_dim else
+                f"attention.{METHOD}.rel_dim=0 takes num_heads x head_dim = {H} x {Dk} = {rel_dim}, which is odd; "
+                "set an even rel_dim")
         self.rel_dim = rel_dim
         # Flax variance scaling, fan-in, on [H, S, Dk]: fan_in = S*H, so var = 1/(S*H).
         self.c_sum = NonGradState(jax.random.normal(rngs.params(), (H, S, Dk), jnp.float32) / math.sqrt(S * H),
