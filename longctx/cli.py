@@ -351,7 +351,8 @@ def train_main(argv=None) -> int:
             except DataError as e:
                 print(f"warning: the data is not there yet: {e}", file=sys.stderr)
             where = f" ({c.data.path})" if c.data.path and not sources.is_generated(c.data.source) else ""
-            print(f"ok: longctx-train would train {c.train.steps} steps of a {c.model.kind} with "
+            print(f"ok: longctx-train would train {c.train.steps} steps of {'an' if c.model.kind[0] in 'aeiou' else 'a'} "
+                  f"{c.model.kind} with "
                   f"attention={config_lib.attention_label(c.model)} on data.source={c.data.source!r}{where}"
                   + (f", writing to {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
             return 0

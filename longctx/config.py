@@ -653,8 +653,12 @@ def _fit_to_run_length(c) -> None:
 
 def _resolve_pattern(c) -> None:
     """``model.attention.pattern`` given on the command line as ``eva,dense`` (or ``(eva,dense)``) arrives as one
-    string: split it into the method names."""
+    string: split it into the method names. An empty one (``''``, ``()``) is no pattern."""
     pattern = c.model.attention.pattern
+    names = [pattern] if isinstance(pattern, str) else list(pattern) if isinstance(pattern, (tuple, list)) else None
+    if names is not None and all(isinstance(p, str) and not p.strip().strip("()[]'\"") for p in names):
+        c.model.attention.pattern = ()
+        return
     if isinstance(pattern, (tuple, list)) and any(isinstance(p, str) and "," in p for p in pattern):
         text = ",".join(p for p in pattern if isinstance(p, str)).strip().strip("()[]")
         c.model.attention.pattern = tuple(p.strip().strip("'\"") for p in text.split(",") if p.strip())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import ml_collections
@@ -228,16 +229,23 @@ def plot_by_distance(results: dict, path: Path, *, title: str) -> bool:
 # several runs: one table and one plot
 
 
-def newest_result(workdir, task: str | None = None, length: int | None = None) -> dict | None:
-    """The newest ``recall/*.json`` of a run (optionally for one task / row length); ``workdir`` may
-    also be a folder of results itself (``longctx-recall --out``)."""
+def _results(workdir) -> list[dict]:
+    """Every recall result of a run, newest first (``recall/*.json``; ``workdir`` may also be a folder of results
+    itself, ``longctx-recall --out``)."""
     wd = Path(workdir)
     folder = wd / "recall" if (wd / "recall").is_dir() else wd if not (wd / "config.json").exists() else None
     files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime) if folder else []
+    out = []
     for p in reversed(files):
         res = json.loads(p.read_text())
-        if "task" not in res or "status" not in res:
-            continue
+        if isinstance(res, dict) and "task" in res and "status" in res:
+            out.append(res)
+    return out
+
+
+def newest_result(workdir, task: str | None = None, length: int | None = None) -> dict | None:
+    """The newest recall result of a run (:func:`_results`), optionally for one task / row length."""
+    for res in _results(workdir):
         if (task is None or res["task"] == task) and (length is None or res["length"] == length):
             return res
     return None
@@ -314,9 +322,19 @@ def report(workdirs: list[str], out: str | Path, *, task: str | None = None, len
     again), so new runs join a table whose runs are gone. Returns the table."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    missing = [wd for wd in workdirs if not Path(wd).is_dir()]
+    if missing:
+        raise ConfigError(f"--runs: no such folder {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                                                                       if len(missing) > 1 else ""))
     rows = _merged_rows(out, workdirs) if merge else []
     for wd in workdirs:
-        rows.append((wd, newest_result(wd, task, length), run_summary(wd)))
+        res = newest_result(wd, task, length)
+        if res is None:
+            held = sorted({f"{r['task']} at {r['length']}" for r in _results(wd)})
+            print(f"warning: {wd}: no recall result" + (f" for task={task}" if task else "")
+                  + (f" at length {length}" if length else "") + "; it holds "
+                  + (", ".join(held) if held else "none (run longctx-recall on it first)"), file=sys.stderr)
+        rows.append((wd, res, run_summary(wd)))
     # each method's pure row, then its hybrid row; runs without a result last
     rows.sort(key=lambda r: (r[1] is None, r[1]["attention"] if r[1] else "", len(set(r[2].get("pattern") or ())) > 1))
     results = {row_label(res, summ, wd): res for wd, res, summ in rows if res and res["status"] == "ok"}

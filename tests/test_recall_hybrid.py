@@ -94,3 +94,16 @@ def test_merge_without_a_table_is_one_line(tmp_path):
         report([str(tmp_path)], tmp_path / "none", merge=True)
     with pytest.raises(SystemExit):
         cli.recall_report_main(["x", f"--runs={tmp_path}", f"--out={tmp_path / 'none'}", "--merge"])
+
+
+def test_a_missing_run_is_refused_and_a_run_without_the_result_is_named(tmp_path, capsys):
+    """A misspelled run folder is one line, not a row "no result"; a run without a result for the task and length
+    asked gets its row and a warning naming the results it holds."""
+    shipped = json.loads((ROOT / "results" / "recall" / "recall.json").read_text())
+    run = _fake_run(tmp_path, "dense", shipped["runs/recall/dense"])
+    with pytest.raises(ConfigError, match="no such folder .*nothere"):
+        report([str(run), str(tmp_path / "nothere")], tmp_path / "out")
+    table = report([str(run)], tmp_path / "out", task="mqar", length=512)
+    assert "no result" in table
+    err = capsys.readouterr().err
+    assert f"{run}: no recall result for task=mqar at length 512; it holds mqar at 1024" in err

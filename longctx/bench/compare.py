@@ -97,8 +97,10 @@ SCALES = {
             "valid_every": 8},
     "smoke": {"model": {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 2, "model.head_dim": 32,
                         "model.d_ff": 256},
-              "contexts": "128", "tokens_per_step": 512, "dense_steps": 6, "eval_tokens": 2048, "valid_every": 2},
+              "contexts": "128", "tokens_per_step": 512, "dense_steps": 6, "eval_tokens": 2048, "valid_every": 2,
+              "window": 64},  # below its context, so the sliding window is not exact attention
 }
+DEFAULT_WINDOW = 128  # the sliding-window method's window where a scale names none
 
 
 
@@ -118,7 +120,8 @@ def define_flags(fv) -> None:
                       "(total) are closest to the exact run's; none: each config's own widths",
                       flag_values=fv)
     flags.DEFINE_bool("hybrids", True, "the hybrid runs (--nohybrids: none)", flag_values=fv)
-    flags.DEFINE_integer("window", 128, "the sliding-window method's window (keys)", flag_values=fv)
+    flags.DEFINE_integer("window", 0, f"the sliding-window method's window (keys); 0: the scale's ({DEFAULT_WINDOW}, "
+                         "smoke: 64)", flag_values=fv)
     flags.DEFINE_integer("dense_steps", 0, "updates of the dense run (the FLOP budget); 0: scale's", flag_values=fv)
     flags.DEFINE_integer("tokens_per_step", 0, "tokens per update at every context; 0: scale's", flag_values=fv)
     flags.DEFINE_integer("eval_tokens", None, "bytes scored per split; default: the scale's", flag_values=fv)
@@ -137,15 +140,29 @@ def validate(args) -> None:
     if bad or not C.parse_names(args.methods):
         raise ConfigError(f"--methods {args.methods!r}: choose from {', '.join(METHODS)}")
     if args.contexts is not None:
-        vals = C.parse_ints(args.contexts)
+        try:
+            vals = C.parse_ints(args.contexts)
+        except ValueError:
+            vals = []
         if not vals or any(v <= 0 for v in vals):
             raise ConfigError(f"--contexts {args.contexts!r}: positive lengths such as 256,1k")
-    for name in ("window", "measure_steps"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} {getattr(args, name)}: must be a positive integer")
-    for name in ("dense_steps", "tokens_per_step"):
+    if args.measure_steps < 1:
+        raise ConfigError(f"--measure_steps {args.measure_steps}: must be a positive integer")
+    for name in ("window", "dense_steps", "tokens_per_step"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be >= 0 (0: the scale's)")
+    if args.readme:  # checked before anything trains: the table is written at the end
+        path = Path(args.readme)
+        if not path.is_file():
+            raise ConfigError(f"--readme={args.readme}: no such file")
+        body = path.read_text()
+        if README_START not in body or README_END not in body:
+            raise ConfigError(f"--readme={args.readme}: no {README_START} ... {README_END} markers in it")
+
+
+def window(args) -> int:
+    """The sliding-window method's window: ``--window``, else the scale's."""
+    return args.window or SCALES[args.scale].get("window", DEFAULT_WINDOW)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -189,7 +206,7 @@ def run_config(run: dict, args, steps: int | None = None):
     cfg, _ = configs.method_config(run["method"])
     cfg = configs.with_overrides(cfg, [f"{k}={v}" for k, v in {**sz["model"], **DATA}.items()])
     if run["method"] == WINDOW:
-        cfg.model.attention[WINDOW].window = args.window
+        cfg.model.attention[WINDOW].window = window(args)
     if run["hybrid"]:
         L = cfg.model.num_layers
         cfg.model.attention.pattern = tuple([run["method"]] * (L - 1) + [EXACT])
@@ -302,7 +319,7 @@ def signature(args) -> str:
     """What makes two runs of one label, context and seed the same run: the sizes, data rule, overrides, window
     and parameter matching."""
     return json.dumps({"sizes": sizes(args), "data": DATA, "overrides": list(getattr(args, "overrides", [])),
-                       "window": args.window, "match_params": args.match_params}, sort_keys=True)
+                       "window": window(args), "match_params": args.match_params}, sort_keys=True)
 
 
 def check_signature(args) -> None:
@@ -322,19 +339,23 @@ def check_signature(args) -> None:
         path.write_text(json.dumps(sig, indent=1, sort_keys=True) + "\n")
 
 
-def costs(args, rs: list[dict]) -> dict:
-    """FLOPs per token and parameters of every (label, context), cached in ``<out>/costs.json``."""
+def costs(args, rs: list[dict], *, write: bool = True) -> dict:
+    """FLOPs per token and parameters of every (label, context), cached in ``<out>/costs.json`` for the settings of
+    its signature (another signature's cache is neither read nor, with ``write=False``, replaced)."""
     path = Path(args.out) / "costs.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
     sig = signature(args)
     if cache.get("signature") != sig:
         cache = {"signature": sig, "rows": {}}
+    added = False
     for r in rs:
         k = _key(r)
         if k not in cache["rows"]:
             cache["rows"][k] = flops_per_token(run_config(r, args))
-    C.out_dir(args.out)
-    path.write_text(json.dumps(cache, indent=1))
+            added = True
+    if write and added:
+        C.out_dir(args.out)
+        path.write_text(json.dumps(cache, indent=1))
     return cache["rows"]
 
 
@@ -374,7 +395,7 @@ def measure(args, rs: list[dict]) -> dict:
 
 
 def plan(args, rs: list[dict]) -> dict:
-    cost = costs(args, rs)
+    cost = costs(args, rs, write=False)  # a plan runs and writes nothing
     sizing_path = Path(args.out) / "sizing.json"
     sizing = json.loads(sizing_path.read_text())["rows"] if sizing_path.is_file() else {}
     rows, total, left = [], 0.0, 0
@@ -478,10 +499,10 @@ def needle_grids(args, rs: list[dict], out: Path) -> None:
 
 # ----------------------------------------------------------------------------- the command
 def run(args) -> dict:
-    out = C.out_dir(args.out)
     rs = runs(args)
     if args.plan:
         return plan(args, rs)
+    out = C.out_dir(args.out)
     if args.measure:
         return measure(args, rs)
     check_signature(args)
@@ -594,9 +615,23 @@ MATCH_TEXT = {
 }
 
 
+def command(args) -> str:
+    """The command that reproduces the comparison: every setting that differs from its default."""
+    flag = {"methods": ",".join(METHODS), "contexts": None, "seeds": 3, "match_params": "backbone", "hybrids": True,
+            "window": 0, "dense_steps": 0, "tokens_per_step": 0, "eval_tokens": None, "needle": ",".join(NEEDLE)}
+    parts = [f"longctx-bench compare --scale {args.scale} --out {args.out} --runs {args.runs}"]
+    for name, default in flag.items():
+        value = getattr(args, name, default)
+        if value != default:
+            parts.append((f"--{name}" if value else f"--no{name}") if isinstance(value, bool) else
+                         f"--{name} {value if value != '' else chr(39) * 2}")
+    return " ".join(parts) + "".join(f" --config.{o}" for o in getattr(args, "overrides", []))
+
+
 def report(out: Path, rs: list[dict], args) -> dict:
     cost_path = out / "costs.json"
-    cost = json.loads(cost_path.read_text())["rows"] if cost_path.is_file() else {}
+    cache = json.loads(cost_path.read_text()) if cost_path.is_file() else {}
+    cost = cache.get("rows", {}) if cache.get("signature") == signature(args) else {}  # only these settings' FLOPs
     done, missing = [], []
     for r in rs:
         p = result_path(args, r)
@@ -610,9 +645,7 @@ def report(out: Path, rs: list[dict], args) -> dict:
             missing.append(r)
     rows = aggregate(done)
     sz = sizes(args)
-    cmd = (f"longctx-bench compare --scale {args.scale} --out {args.out} --runs {args.runs}"
-           + (f" --match_params {args.match_params}" if args.match_params != "backbone" else "")
-           + "".join(f" --config.{o}" for o in getattr(args, "overrides", [])))
+    cmd = command(args)
     parts = [f"`{cmd}` (resumable: rerun it to train what is missing). {len(done)} of {len(rs)} runs finished. "
              f"Equal training FLOPs: every run's budget is the dense run's {sz['dense_steps']} updates of "
              f"{sz['tokens_per_step']} tokens at its context (FLOPs per token = 3 x forward matmul FLOPs, as "
@@ -671,6 +704,10 @@ def report(out: Path, rs: list[dict], args) -> dict:
         text += "\n![bits per byte against cost](compare.png)\n\n![validation curves](compare_curves.png)\n"
     (out / "compare.md").write_text(text)
     print(text)
+    wrote = [out / "compare.md", out / "compare.json"] + ([out / "compare.png", out / "compare_curves.png"] if done
+                                                            else [])
+    print("wrote " + ", ".join(map(str, wrote)) + (f"; the pick table in {args.readme}" if args.readme and pick
+                                                    else ""))
     return res
 
 

@@ -466,6 +466,12 @@ def export_hf(workdir, hf_dir, *, step: int | None = None, log=print) -> dict:
     if tok and Path(tok).is_file():
         shutil.copyfile(tok, hf_dir / "tokenizer.json")
     log(f"exported {workdir} (step {runner.step}) to {hf_dir} as a {hf['model_type']} model")
+    if not (hf_dir / "tokenizer.json").is_file():
+        kind = runner.cfg.data.tokenizer
+        log(f"note: no tokenizer.json written: the run's data.tokenizer={kind!r} is longctx's own "
+            + ("(a token id is a byte value, 0-255)" if kind == "bytes" else
+               "(its vocabulary lives in the run's prepared data, not in Hugging Face's format)")
+            + "; tokenize with longctx, or train with data.tokenizer='hf' to export one")
     return {"step": runner.step, "model_type": hf["model_type"], "tensors": len(items)}
 
 

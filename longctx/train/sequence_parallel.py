@@ -121,10 +121,17 @@ def train_plan(model, mesh, window, mode: str = "auto", *, packed: bool = False)
     partitioner splits it better (``AttentionCore.sequence_compose_in_training``). ``packed``: the rows are packed
     documents, which compose only where every core declares ``sequence_compose_packed`` (:func:`packed_refusals`)."""
 
+    return train_decision(model, mesh, window, mode, packed=packed)[0]
+
+
+def train_decision(model, mesh, window, mode: str = "auto", *, packed: bool = False) -> tuple[str, str]:
+    """:func:`train_plan`'s mode and, in a few words, why (what the trainer's start line says)."""
     if mode not in TRAIN_MODES:
         raise ConfigError(f"mesh.sequence_mode={mode!r}; allowed: {', '.join(TRAIN_MODES)}")
-    if mesh is None or mesh.shape[AXIS] == 1 or mode == "xla":
-        return "xla"
+    if mesh is None or mesh.shape[AXIS] == 1:
+        return "xla", "one device on the sequence axis: nothing to split"
+    if mode == "xla":
+        return "xla", "mesh.sequence_mode='xla'"
     reasons = []
     for length in ((window,) if isinstance(window, int) else window):  # every row length the step sees
         reasons += [r for r in plan(model, length // mesh.shape[AXIS])[1] if r not in reasons]
@@ -132,12 +139,15 @@ def train_plan(model, mesh, window, mode: str = "auto", *, packed: bool = False)
         reasons += [r for r in packed_refusals(model) if r not in reasons]
     if mode == "auto" and not reasons:
         prefer_xla = sorted({c.name for c in attention_cores(model) if not c.sequence_compose_in_training})
-        if prefer_xla:
-            return "xla"  # e.g. exact attention: the partitioner's split of the queries is the better one
+        if prefer_xla:  # e.g. exact attention: the partitioner's split of the queries is the better one
+            return "xla", (f"auto: XLA's partitioner splits {', '.join(prefer_xla)} with less memory than composed "
+                           "states")
     if reasons and mode == "compose":
         raise ConfigError("mesh.sequence_mode='compose' cannot run: " + "; ".join(reasons)
                           + " (use mesh.sequence_mode=auto or xla)")
-    return "xla" if reasons else "compose"
+    if reasons:
+        return "xla", "auto: " + "; ".join(reasons)
+    return "compose", f"{mode}: every layer's state composes"
 
 
 def train_hidden(model, mesh, *, window, seq_len: int, mode: str = "auto", fold_key: bool = True,

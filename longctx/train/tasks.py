@@ -159,11 +159,13 @@ class LanguageModel(Task):
 
     def make_step(self, model, graphdef, tx, plan):
         tc, mesh = self.cfg.train, plan.mesh
-        seq_mode, seq_hidden = sequence_parallel.train_hidden(
-            model, mesh, window=(tc.window,) + ((tc.short_seq_len,) if config_lib.short_windows(tc) == 1 else ()),
-            seq_len=tc.seq_len, mode=self.cfg.mesh.sequence_mode, packed=self.packed())
+        windows = (tc.window,) + ((tc.short_seq_len,) if config_lib.short_windows(tc) == 1 else ())
+        seq_mode, seq_hidden = sequence_parallel.train_hidden(model, mesh, window=windows, seq_len=tc.seq_len,
+                                                              mode=self.cfg.mesh.sequence_mode, packed=self.packed())
         if mesh.shape["sequence"] > 1:
-            print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode}")
+            why = sequence_parallel.train_decision(model, mesh, windows, self.cfg.mesh.sequence_mode,
+                                                   packed=self.packed())[1]
+            print(f"sequence parallelism over {mesh.shape['sequence']} devices: {seq_mode} ({why})")
         step = plan.jit_step(make_train_step(graphdef, tx, seq_len=tc.seq_len, window=tc.window, skip_nonfinite=True,
                                              constrain=plan.constrain, weighted=self.weighted, hidden=seq_hidden,
                                              microbatches=tc.microbatches, packed=self.packed()))

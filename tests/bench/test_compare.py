@@ -4,6 +4,7 @@ spreads over seeds, missing runs named), and (slow) the whole command end to end
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from pathlib import Path
 
@@ -20,8 +21,10 @@ def _args(tmp_path, *extra):
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "nope"], "--methods 'nope'"),
     (["--contexts", "0"], "--contexts '0'"),
-    (["--window", "0"], "--window 0"),
+    (["--window", "-1"], "--window -1"),
     (["--seeds", "0"], "--seeds"),
+    (["--contexts", "abc"], "--contexts 'abc'"),
+    (["--readme", "/nonexistent/README.md"], "--readme=/nonexistent/README.md: no such file"),
 ])
 def test_bad_flags_refused(tmp_path, argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -212,6 +215,33 @@ def test_compare_on_a_corpus_of_files(tmp_path):
     assert held["data"]["source"] == "files" and held["data"]["path"] == str(root)
     assert 0 < res["results"][0]["test_bits_per_byte"] < 9
     assert "--config.data.source=files" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_plan_writes_nothing_and_the_report_quotes_the_command_that_ran(tmp_path, capsys):
+    """``--plan`` leaves the output folder as it was (a committed costs cache included); the report's command
+    carries every setting that differs from its default, so rerunning it plans the same runs; the smoke scale's
+    sliding window is shorter than its context; a README without the markers is refused before anything runs."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "costs.json").write_text('{"signature": "held", "rows": {}}')
+    compare.run(_args(tmp_path, "--scale", "smoke", "--methods", "dense,swa", "--plan"))
+    assert sorted(p.name for p in out.iterdir()) == ["costs.json"]
+    assert json.loads((out / "costs.json").read_text())["signature"] == "held"
+    argv = ["--scale", "smoke", "--methods", "dense,swa", "--seeds", "1", "--nohybrids", "--needle", "",
+            "--window", "32", "--report_only"]
+    a = _args(tmp_path, *argv)
+    assert compare.window(_args(tmp_path, "--scale", "smoke")) < int(compare.SCALES["smoke"]["contexts"])
+    cmd = compare.command(a)
+    assert cmd.endswith("--methods dense,swa --seeds 1 --nohybrids --window 32 --needle ''"), cmd
+    again = cli.parse_args(shlex.split(cmd)[1:])
+    assert compare.runs(again) == compare.runs(a) and compare.signature(again) == compare.signature(a)
+    (out / "costs.json").unlink()
+    compare.run(a)
+    assert cmd in (out / "compare.md").read_text()
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"wrote {out / 'compare.md'}")
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ConfigError, match="no <!-- compare-pick:start -->"):
+        _args(tmp_path, "--readme", str(tmp_path / "plain.md"))
 
 
 def test_readme_block_rewritten_between_its_markers(tmp_path):

@@ -129,3 +129,22 @@ def test_export_refuses_a_model_outside_the_families(tmp_path, capsys):
     assert e.value.code == 2 and "\n" not in err
     assert "no family" in err and "model.norm='layernorm'" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_run_with_longctx_s_own_tokenizer_says_it_writes_none(tmp_path):
+    """A run trained from scratch (bytes, BPE, words...) has no Hugging Face tokenizer: the export says so in one
+    line instead of leaving a folder transformers cannot tokenize for without a word."""
+    from longctx.models.decoder import build_model
+    from longctx.train.step import split_model
+
+    cfg = config_lib.base_config()
+    m = cfg.model
+    m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.head_dim, m.d_ff = 256, 8, 1, 2, 4, 8
+    m.norm, m.mlp, m.positions, m.tie_embeddings = "rmsnorm", "swiglu", "rotary", False
+    cfg = config_lib.validate(cfg)
+    _, params, nongrad, _ = split_model(build_model(cfg.model))
+    core.save_checkpoint(tmp_path / "run", {"params": params, "nongrad": nongrad}, cfg)
+    lines = []
+    core.export_hf(tmp_path / "run", tmp_path / "hf", log=lines.append)
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    assert lines[-1].startswith("note: no tokenizer.json written: the run's data.tokenizer='bytes'"), lines
