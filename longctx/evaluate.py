@@ -64,6 +64,9 @@ def evaluate_run(workdir, *, split: str | None = None, step: int | None = None, 
     res.update({"split": split, "step": runner.step, "workdir": str(workdir),
                 "by_position": position_bins(sums, counts, byte_counts=nbytes),
                 "position_unit": position_unit(runner, ecfg)})
+    if "word_perplexity" in res:  # where the word count comes from: the dataset's official one, or a diagnostic
+        kind = data.manifest.get("source", {}).get("word_counts_kind")
+        res["word_count_kind"] = kind.get(split) if isinstance(kind, dict) else kind
     print(format_eval(res), flush=True)  # the result first: a failed write below cannot lose it
     out_dir = Path(workdir) / "eval"
     stem = f"{split}_step{int(runner.step)}_{protocol_tag(runner.cfg)}"  # another protocol never overwrites it
@@ -127,7 +130,10 @@ def format_eval(res: dict) -> str:
     if "accuracy" in res:
         lines.append(f"  accuracy        {res['accuracy']:.4f}  (argmax at the masked positions)")
     if "word_perplexity" in res:
-        lines.append(f"  word perplexity {res['word_perplexity']:.3f}  ({res['word_count']:,} words, {res['tokens_per_word']:.3f} tokens/word)")
+        kind = res.get("word_count_kind") or ""
+        lines.append(f"  word perplexity {res['word_perplexity']:.3f}  ({res['word_count']:,} words, "
+                     f"{res['tokens_per_word']:.3f} tokens/word"
+                     + ("" if not kind or kind.startswith("official") else f"; word count: {kind}") + ")")
     if "bytes_in_split" in res:
         lines.append(f"  bytes scored    {res['bytes_scored']:,} of {res['bytes_in_split']:,} (not scored: the "
                      f"{res['bytes_in_split'] - res['bytes_scored']:,} bytes of each document's first token)")

@@ -415,3 +415,15 @@ def test_a_budget_given_on_the_command_line_replaces_the_files_other_one():
     assert (cfg.eval.max_tokens, cfg.eval.max_bytes) == (0, 262144)
     _, cfg = cli.parse(argv + ["--config.eval.max_bytes=7"], "longctx-train", config="file")
     assert (cfg.eval.max_tokens, cfg.eval.max_bytes) == (100, 7)
+
+
+def test_a_diagnostic_word_count_is_said_beside_the_word_perplexity():
+    """A copy of PG-19 / WikiText-103 that is not the official split has a counted word total: the printed result
+    says so (the official counts print as before)."""
+    from longctx.evaluate import format_eval
+
+    res = {"protocol": {"mode": "stream"}, "tokens_scored": 10, "bits_per_token": 1.0, "token_perplexity": 2.0,
+           "word_perplexity": 3.0, "word_count": 5, "tokens_per_word": 2.0}
+    diag = "whitespace count of this copy (diagnostic only: not the official PG-19 split)"
+    assert f"word count: {diag})" in format_eval({**res, "word_count_kind": diag})
+    assert "word count:" not in format_eval({**res, "word_count_kind": "official (Rae et al. 2020, Table 2)"})

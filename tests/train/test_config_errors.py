@@ -125,3 +125,13 @@ def test_saved_config_round_trips_through_json():
     again = config_lib.validate(config_lib.merge_over_base(json.loads(cfg.to_json())))
     assert json.loads(again.to_json()) == json.loads(cfg.to_json())
     assert list(again.model.adaptive_cutoffs) == [10, 20]
+
+
+@pytest.mark.parametrize("text", ["", "()", "''"])
+def test_an_empty_pattern_on_the_command_line_is_no_pattern(text):
+    """``--config.model.attention.pattern=`` (or ``()``) clears a config's pattern: every layer runs
+    ``model.attention.name``, not a method named ''."""
+    _, cfg = parse(["longctx-train", "--config=configs/builtin/hybrid_eva.py", "--workdir=/tmp/unused",
+                    f"--config.model.attention.pattern={text}"], "longctx-train", config="file")
+    c = config_lib.validate(cfg)
+    assert tuple(c.model.attention.pattern) == () and c.model.attention.name == "eva"
