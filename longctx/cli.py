@@ -342,10 +342,12 @@ def train_main(argv=None) -> int:
             c = config_lib.validate(cfg)
             attention.check_execution(c, dispatch.current_platform())
             sharding.check_layout(c, jax.device_count(), here=False)
+            elsewhere = ""
             try:  # a config for another machine's devices is checked, not refused
                 sharding.mesh_shape(c.mesh, jax.device_count())
             except ConfigError as e:
                 print(f"warning: {e} (here)", file=sys.stderr)
+                elsewhere = f"; not on this machine's {jax.device_count()} device(s): the mesh above"
             try:  # whether the data is where the config says (not read): a missing corpus is said, not refused
                 sources.build(c.data)
             except DataError as e:
@@ -354,7 +356,8 @@ def train_main(argv=None) -> int:
             print(f"ok: longctx-train would train {c.train.steps} steps of {'an' if c.model.kind[0] in 'aeiou' else 'a'} "
                   f"{c.model.kind} with "
                   f"attention={config_lib.attention_label(c.model)} on data.source={c.data.source!r}{where}"
-                  + (f", writing to {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else ""))
+                  + (f", writing to {fv.workdir}" if fv.workdir else "") + (" (dry run)" if fv.dry_run else "")
+                  + elsewhere)
             return 0
         if fv.dry_run:
             from longctx.train import dry_run  # deferred: CLI start-up: no jax at import

@@ -80,6 +80,18 @@ def test_a_pattern_on_the_command_line_is_a_comma_list_and_is_reported(value, ca
     assert "with attention=dense,eva on data.source='builtin'" in capsys.readouterr().out
 
 
+def test_check_says_when_the_mesh_does_not_fit_this_machine(capsys):
+    """``--check`` checks a config for another machine's devices without refusing it, but its ok line says the
+    mesh does not fit the devices here (training here would refuse it); an encoder is 'an encoder'."""
+    argv = ["x", "--config=configs/default.py:tiny", "--workdir=w", "--check"]
+    assert cli.train_main([*argv, "--config.mesh.fsdp=3"]) == 0
+    out, err = capsys.readouterr()
+    assert "does not divide the 1 devices (here)" in err
+    assert out.strip().endswith("not on this machine's 1 device(s): the mesh above")
+    assert cli.train_main(["x", "--config=configs/builtin/mlm_dense.py:tiny", "--workdir=w", "--check"]) == 0
+    assert "steps of an encoder with" in capsys.readouterr().out
+
+
 def test_short_runs_fit_their_staged_phase(capsys):
     """configs/recall/dense.py (250 of 300 updates on short rows) with 40 steps: the staged phase becomes the
     run's first half, with the note, instead of a refusal."""

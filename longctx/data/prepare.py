@@ -151,9 +151,12 @@ def prepare_split(source, tokenizer, split: str, directory: Path, *, source_meta
                 f.write(b)
                 h.update(b)
                 total += ids.shape[0]
+                bar.set_postfix_str(f"{total:,} tokens", refresh=False)  # moves within a long document too
                 if not isinstance(payload, Continued):  # a piece: the document goes on
                     starts.append(total)
                     bar.update(1)
+                else:
+                    bar.update(0)  # redraws at tqdm's own interval
 
     atomic_write_with(bin_path, write_tokens)
     docs = np.frombuffer(starts, dtype=np.int64).copy()
