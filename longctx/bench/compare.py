@@ -571,7 +571,9 @@ def pick_table(rows: list[dict]) -> str:
         cells = [T, best["label"], _pm(best["test_bits_per_byte"], best["test_bits_per_byte_sd"], len(best["seeds"])),
                  f"{ranked[1]['label']} {_margin(best, ranked[1])}" if len(ranked) > 1 else "–"]
         cells += [_margin(best, ref[b]) if b in ref and b != best["label"] else "–" for b in (EXACT, WINDOW)]
-        cells.append(" < ".join(r["label"] for r in ranked))
+        cells.append(ranked[0]["label"] + "".join(  # equal at the table's 4 decimals: a tie, not an order
+            (" = " if round(b["test_bits_per_byte"], 4) == round(a["test_bits_per_byte"], 4) else " < ") + b["label"]
+            for a, b in zip(ranked, ranked[1:])))
         out.append(cells)
     if not out:
         return ""

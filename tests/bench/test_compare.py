@@ -191,6 +191,8 @@ def test_pick_table_names_the_best_and_whether_its_margin_is_clear():
     assert f"x < {compare.WINDOW} < {compare.EXACT}" in r256
     r1k = next(x for x in lines if x.startswith("| 1024 |"))
     assert "| y |" in r1k and "+0.400 (one seed)" in r1k
+    tie = compare.pick_table([row(compare.EXACT, 128, 2.5, 0.01), row(compare.WINDOW, 128, 2.5, 0.01)])
+    assert f"{compare.EXACT} = {compare.WINDOW}" in tie or f"{compare.WINDOW} = {compare.EXACT}" in tie
 
 
 @pytest.mark.slow
