@@ -10,6 +10,10 @@
 #   LM_RUNS="runs/default runs/eva" scripts/recall_all.sh   # + zero-shot passkey probe of text LMs
 #   ONLY="hybrid_eva hybrid_fma" scripts/recall_all.sh      # these runs only, merged into $OUT's table
 #   NEEDLE="dense swa fma" (the default): these runs also get a needle grid in $OUT/needle/<method>/
+#   VARIANT=:tiny LENGTH=64 OUT=/tmp/r RUNS=/tmp/runs ONLY=dense NEEDLE= scripts/recall_all.sh
+#                                              # a half-minute smoke run of the pipeline: each config's :tiny
+#                                              # variant (rows of 64), the table at that length; TRAIN_ARGS="..."
+#                                              # adds longctx-train flags, e.g. --config.train.steps=20
 #
 # The methods come from the registry (longctx.attention.names(), those with a causal form); a
 # method without configs/recall/<method>.py is reported and skipped. Then every hybrid stack found
@@ -24,6 +28,8 @@ PY="${PY:-.venv/bin/python}"
 OUT="${OUT:-results/recall}"
 RUNS="${RUNS:-runs/recall}"
 NEEDLE="${NEEDLE-dense swa fma}"
+VARIANT="${VARIANT:-}"
+read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:-}"
 mkdir -p "$OUT" "$RUNS"
 # the console scripts, without needing them installed (pip install -e . adds longctx-recall*)
 train() { "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' "$@"; }
@@ -37,7 +43,7 @@ MERGE=()
 if [ -n "${ONLY:-}" ]; then
   METHODS="$ONLY"
   HYBRIDS=""
-  MERGE=(--merge)
+  [ -f "$OUT/recall.json" ] && MERGE=(--merge)  # (a first table: nothing to merge into)
 fi
 T0=$(date +%s)
 done_runs=()
@@ -51,7 +57,7 @@ for m in $METHODS $HYBRIDS; do
   mkdir -p "$wd"
   echo "== $m: training ($cfg)"
   t=$(date +%s)
-  train --config="$cfg" --workdir="$wd" --noprogress 2>&1 | tee "$wd/train.log" | grep -E "^(model|done|error)" || true
+  train --config="$cfg$VARIANT" --workdir="$wd" --noprogress ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} 2>&1 | tee "$wd/train.log" | grep -E "^(model|done|error)" || true
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "training $m failed; see $wd/train.log"; continue; }
   echo "$(( $(date +%s) - t )) seconds (wall, this invocation)" > "$wd/recall_train_seconds.txt"
   echo "== $m: scoring"
@@ -62,8 +68,8 @@ for m in $METHODS $HYBRIDS; do
   done_runs+=("$wd")
 done
 runs=$(IFS=,; echo "${done_runs[*]}")
-report --runs="$runs" --out="$OUT" --task=mqar --length=1024 "${MERGE[@]}" \
-  --title="Associative recall (fused-pair MQAR) at 1,024 tokens, by distance"
+report --runs="$runs" --out="$OUT" --task=mqar --length="${LENGTH:-1024}" "${MERGE[@]}" \
+  --title="Associative recall (fused-pair MQAR) at $(echo "${LENGTH:-1024}" | sed ':a;s/\B[0-9]\{3\}\>/,&/;ta') tokens, by distance"
 
 # optional: zero-shot passkey probe of language models trained on text, at 1x, 2x and 4x their
 # training length (a method whose state cannot hold the row is reported as 'capacity')

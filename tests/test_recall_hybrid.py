@@ -4,6 +4,7 @@ existing table (``--merge``) and compares pure, hybrid and dense."""
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -107,3 +108,19 @@ def test_a_missing_run_is_refused_and_a_run_without_the_result_is_named(tmp_path
     assert "no result" in table
     err = capsys.readouterr().err
     assert f"{run}: no recall result for task=mqar at length 512; it holds mqar at 1024" in err
+
+
+@pytest.mark.slow
+def test_recall_all_smoke_run_of_one_method(tmp_path):
+    """scripts/recall_all.sh's documented smoke run (each config's :tiny variant, the table at its length, one
+    method into a new table): trains, scores and writes the table (~30 s)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "VARIANT": ":tiny", "LENGTH": "64", "OUT": str(tmp_path / "out"),
+           "RUNS": str(tmp_path / "runs"), "ONLY": "dense", "NEEDLE": "", "PY": str(Path(sys.executable))}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "recall_all.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    md = (tmp_path / "out" / "recall.md").read_text()
+    assert "at 64 tokens" in md and "| dense | transformer |" in md and "no result" not in md
