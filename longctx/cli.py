@@ -326,6 +326,10 @@ def train_main(argv=None) -> int:
 
     with user_errors():
         fv, cfg = parse(argv, "longctx-train", config="file", define=define, require_workdir=False)
+        asked = [a for a in (sys.argv if argv is None else argv)[1:] if a.split("=")[0] == "--config.model.causal"]
+        if asked and cfg.model.kind == "encoder" and cfg.model.causal:  # an encoder's blocks are bidirectional
+            raise ConfigError(f"{asked[-1]}: model.kind='encoder' trains bidirectional blocks (model.causal is False "
+                              "for it); drop the flag, or train a causal LM with --config.model.kind=decoder")
         if not fv.dry_run and not fv.workdir:
             raise ConfigError("--workdir is required (where checkpoints, logs and plots go), e.g. --workdir runs/default")
         if fv.max_steps is not None and fv.max_steps <= 0:

@@ -87,6 +87,8 @@ CASES = [
     Case("mesh axis below 1", "train", (*T, "--config.mesh.tensor=0"), r"mesh.tensor=0 must be >= 1"),
     Case("unknown sequence mode", "train", (*T, "--config.mesh.sequence_mode=ring"),
          r"mesh.sequence_mode='ring'; allowed: auto, compose, xla"),
+    Case("a causal encoder", "train", (*T, "--config.model.kind=encoder", "--config.model.causal=true"),
+         r"model.kind='encoder' trains bidirectional blocks"),
     Case("composed states for an encoder", "train",
          (*T, "--config.model.kind=encoder", "--config.model.causal=false", "--config.mesh.sequence_mode=compose"),
          r"an encoder has none"),
