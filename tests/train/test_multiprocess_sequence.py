@@ -35,6 +35,8 @@ def _config(root, *, method: str, block: str, positions: str, steps: int, seq_le
     for k, v in MESH.items():
         c.mesh[k] = v
     c.mesh.sequence_mode = "compose"
+    if method != "dense":  # composed states over packed rows: dense's only (docs/scaling.md); rows inside a document
+        c.data.packing = "document"
     return write_cfg(root / "cfg.py", c)
 
 
