@@ -25,7 +25,7 @@ import contextlib
 import sys
 
 from longctx import config_files
-from longctx.errors import ConfigError, DataError, LongctxError
+from longctx.errors import ConfigError, DataError, LongctxError, capacity_message
 from longctx.host_memory import keep_freed_memory, restart_with_huge_pages
 
 
@@ -56,6 +56,12 @@ def user_errors():
     except KeyboardInterrupt:  # Ctrl-C outside the trainer's own handler (which checkpoints): no traceback
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as e:  # a state given more than it holds: one line, also from inside a compiled program
+        msg = capacity_message(e)
+        if msg is None:
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def join_config_flag(argv: list[str]) -> list[str]:

@@ -23,3 +23,16 @@ class NonFiniteError(LongctxError, FloatingPointError):
 
 class WorkdirError(LongctxError, OSError):
     """The workdir cannot be used: not a writable folder, or another training holds it."""
+
+
+def capacity_message(exc: BaseException) -> str | None:
+    """The message when ``exc`` says a state with a static capacity was given more than it holds
+    (``longctx.attention.base.CapacityError`` raised on the host, or from inside a compiled program through a
+    host callback, where it arrives wrapped in the runtime's multi-line error); else None."""
+    if any(c.__name__ == "CapacityError" for c in type(exc).__mro__):
+        return str(exc)
+    text = str(exc)
+    if "CapacityError" in text:
+        lines = [ln for ln in text.splitlines() if "CapacityError" in ln]
+        return lines[-1].split("CapacityError:", 1)[-1].strip() if lines else text
+    return None

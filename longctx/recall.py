@@ -30,7 +30,7 @@ from longctx.attention.base import CapacityError
 from longctx.bench.capture import exact_method
 from longctx.config import attention_label
 from longctx.data import sources
-from longctx.errors import ConfigError, WorkdirError
+from longctx.errors import ConfigError, WorkdirError, capacity_message
 from longctx.evaluate import write_json_atomic
 from longctx.protocols import score_answers
 from longctx.runtime import Runner
@@ -38,19 +38,6 @@ from longctx.train.step import jit_forward, make_scored_forward
 
 LN2 = math.log(2.0)
 RUNNER_OVERRIDES = ("eval.", "data.path", "data.cache_dir")  # the rest of --config.* must be data.synthetic.*
-
-
-def capacity_message(exc: BaseException) -> str | None:
-    """The message when ``exc`` says a state with a static capacity was given more than it holds
-    (raised on the host, or from inside a compiled program through a host callback)."""
-
-    if isinstance(exc, CapacityError):
-        return str(exc)
-    text = str(exc)
-    if "CapacityError" in text:
-        lines = [ln for ln in text.splitlines() if "CapacityError" in ln]
-        return lines[-1].split("CapacityError:", 1)[-1].strip() if lines else text
-    return None
 
 
 def recall_run(workdir, *, task: str | None = None, length: int | None = None, rows: int | None = None,

@@ -155,3 +155,25 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(capsys):
     with pytest.raises(SystemExit) as e, cli.user_errors():
         raise KeyboardInterrupt
     assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_capacity_error_is_one_line_also_from_inside_a_compiled_program(capsys):
+    """A state given more than it holds stops a command with one line and exit 2, whether it was raised on the host
+    or from a compiled program's host callback (which wraps it in the runtime's multi-line error)."""
+    import jax
+    import jax.numpy as jnp
+
+    from longctx.attention.base import CapacityError, check_capacity
+
+    def over(n):
+        check_capacity(n, 4, "state holds {capacity} tokens, {needed} given")
+        return n
+
+    for call in (lambda: over(5), lambda: jax.block_until_ready(jax.jit(over)(jnp.int32(5)))):
+        with pytest.raises(SystemExit) as e, cli.user_errors():
+            call()
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip() == "error: state holds 4 tokens, 5 given"
+    with pytest.raises(ZeroDivisionError), cli.user_errors():  # anything else is not turned into a line
+        1 / 0
+    assert issubclass(CapacityError, ValueError)

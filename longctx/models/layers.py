@@ -137,9 +137,12 @@ class HeadTransform(nnx.Module):
 
 
 def dropout(x, rate: float, deterministic: bool, key):
-    """Functional dropout driven by an explicit key (None or deterministic: identity)."""
-    if deterministic or rate == 0.0 or key is None:
+    """Functional dropout driven by an explicit key (deterministic or rate 0: identity). Training with a rate and
+    no key is refused, as every method's own randomness is: it would silently train without dropout."""
+    if deterministic or rate == 0.0:
         return x
+    if key is None:
+        raise ValueError(f"dropout rate {rate} with deterministic=False needs a PRNG key (key=None given)")
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 

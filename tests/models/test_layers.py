@@ -43,3 +43,16 @@ def test_rows_apply_passes_flattened_rows_and_restores_the_shape():
     assert seen == [(6, 4)] and y.shape == (2, 3, 2)
     assert rows_apply(fn, x, flat=False).shape == (2, 3, 2) and seen[-1] == (2, 3, 4)
     np.testing.assert_array_equal(y[..., 0], x.sum(-1))
+
+
+def test_dropout_in_training_needs_a_key():
+    """A training call (deterministic=False) with a dropout rate and no key is refused, as every method's own
+    randomness is, instead of silently training without dropout; a rate of 0 or an evaluation needs none."""
+    from longctx.models.layers import dropout
+
+    x = jnp.ones((2, 3))
+    assert dropout(x, 0.5, True, None) is x and dropout(x, 0.0, False, None) is x
+    with pytest.raises(ValueError, match="dropout rate 0.5 with deterministic=False needs a PRNG key"):
+        dropout(x, 0.5, False, None)
+    y = dropout(x, 0.5, False, jax.random.key(0))
+    assert set(np.unique(np.asarray(y)).tolist()) <= {0.0, 2.0}
