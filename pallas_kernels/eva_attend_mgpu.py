@@ -113,6 +113,9 @@ def unsupported_reasons(platform: str, *, W: int, d: int, dv: int, e_l: int = 0,
     # the operands both kernels refuse (no window, the exact chunk log-sum-exp, extensions beyond a window): the
     # Triton kernel's platform-free reasons
     out = eva_attend.unsupported_reasons("interpret", W=W, d=d, dv=dv, C=0, e_l=e_l, e_r=e_r, chunk_logit=chunk_logit)
+    if platform == "interpret" and W > TILE and W % TILE:  # the tile is min(TILE, W) here, which must divide W
+        out.append(f"window_size={W}: a multiple of {TILE} where it exceeds {TILE} (the kernels' query and key "
+                   "tiles)")
     if platform == "interpret" or out:
         return out
     if platform != "cuda":
@@ -159,9 +162,17 @@ def _documents(seg, shape, keys_major: bool):
     along axis 0, or along axis 1 keys-major): ``(own query positions, own column indices, same document)``, one
     load per use (:func:`pallas_kernels.fma_blocks_mgpu._rows`)."""
     ax_q, ax_o = (1, 0) if keys_major else (0, 1)
-    q_rel, q_doc, o_rel, o_doc = seg
-    return (_rows(q_rel, shape, ax_q), _rows(o_rel, shape, ax_o),
-            _rows(q_doc, shape, ax_q) == _rows(o_doc, shape, ax_o))
+    q_rel, _, o_rel, _ = seg
+    return _rows(q_rel, shape, ax_q), _rows(o_rel, shape, ax_o), _same_document(seg, shape, keys_major)
+
+
+def _same_document(seg, shape, keys_major: bool):
+    """Whether each query and column of the tile lie in one document (``seg`` as :func:`_documents`). Used alone
+    where the own positions would be unused: a load whose value nothing reads leaves Mosaic GPU's layout inference
+    without a solution (a packed row without dropout failed to lower)."""
+    ax_q, ax_o = (1, 0) if keys_major else (0, 1)
+    _, q_doc, _, o_doc = seg
+    return _rows(q_doc, shape, ax_q) == _rows(o_doc, shape, ax_o)
 
 
 def _local_valid(g, qt, kt, keys_major: bool = False, seed_ref=None, seg=None):
@@ -177,8 +188,11 @@ def _local_valid(g, qt, kt, keys_major: bool = False, seed_ref=None, seg=None):
     valid = valid & (kpos < g["L"]) & (kpos >= lo) & (kpos < hi)
     if g["causal"]:
         valid = valid & (kpos <= qpos)
-    if seg is not None:
-        qpos, kpos, same = _documents(seg, qpos.shape, keys_major)
+    if seg is not None:  # the documents' own positions feed only the dropout counters
+        if g["rate"]:
+            qpos, kpos, same = _documents(seg, qpos.shape, keys_major)
+        else:
+            same = _same_document(seg, qpos.shape, keys_major)
         valid = valid & same
     return valid, _dropout(g, seed_ref, qpos, kpos)
 
@@ -191,15 +205,16 @@ def _chunk_valid(g, qt, ct, keys_major: bool = False, seed_ref=None, seg=None):
     t, P, W = g["t"], g["P"], g["W"]
     n, c = _pos(g, qt, ct, keys_major)
     valid = (c < g["C"]) & (qt >= 0) & (qt < g["n_t"])
-    if seg is not None:
-        n, c, same = _documents(seg, n.shape, keys_major)
+    if seg is not None:  # the own positions and chunk indices: only where a mask or the dropout reads them
+        if g["causal"] or g["disjoint"] or g["rate"]:
+            n, c, same = _documents(seg, n.shape, keys_major)
+        else:
+            same = _same_document(seg, n.shape, keys_major)
         valid = valid & same
-        blk = jax.lax.div(n, jnp.int32(W))  # the query's own window block
-    else:
-        blk = jax.lax.div(qt * t, jnp.int32(W))
     if g["causal"]:
         valid = valid & ((c + 1) * P <= n)
     if g["disjoint"]:
+        blk = jax.lax.div(n, jnp.int32(W)) if seg is not None else jax.lax.div(qt * t, jnp.int32(W))  # own block
         lo, hi = jnp.maximum(blk * W - g["e_l"], 0), (blk + 1) * W + g["e_r"]
         valid = valid & ~((c * P < hi) & ((c + 1) * P > lo))
     return valid, _dropout(g, seed_ref, n, hash_dropout.CHUNK_KEY_BASE + c)
