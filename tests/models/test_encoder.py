@@ -34,6 +34,18 @@ def bidir_case(method):
     return next(c for c in cases if "bidirectional" in c.directions)
 
 
+def farthest_reached(model, T: int) -> int:
+    """The farthest position of a row of ``T`` the first position's output depends on: the last, or where a core
+    sees a sliding window of W keys (``receptive_window``: fewer than W positions away), W - 1 per layer."""
+    from longctx.train.sequence_parallel import attention_cores
+
+    cores = attention_cores(model)
+    windows = [c.receptive_window for c in cores]
+    if not windows or not all(windows):
+        return T - 1
+    return min(T - 1, sum(w - 1 for w in windows))
+
+
 def model_cfg(method="dense", kind="encoder", block="transformer"):
     c = base_config().model
     c.kind = kind
@@ -68,12 +80,14 @@ def test_build_model_refuses_unknown_kind():
 
 @pytest.mark.parametrize("method", BY_METHOD)
 def test_encoder_sees_the_whole_row(method):
-    """Perturbing the last token changes the first position's output (the decoder's does not move)."""
+    """Perturbing the last token (a sliding window's: the farthest its layers reach) changes the first position's
+    output (the decoder's does not move)."""
     T = bidir_case(method).length
-    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, 60)
-    later = tokens.at[:, -1].set((tokens[:, -1] + 7) % 60)
     call = nnx.jit(lambda m, t: m(t)[0])  # jitted: an eager call compiles op by op
     enc = build_model(model_cfg(method), seed=0)
+    p = farthest_reached(enc, T)
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, 60)
+    later = tokens.at[:, p].set((tokens[:, p] + 7) % 60)
     a = call(enc, tokens)
     b = call(enc, later)
     assert a.shape == (2, T, 64)
