@@ -79,7 +79,7 @@ def run(args) -> dict:
             bar.update(len(positions))
             continue
         fns = CoreFns(core)
-        step = jax.jit(fns.step())
+        step = jax.jit(fns.step(), donate_argnums=5)  # the state donated, as sampling donates it
         Dv = core.value_dim
         hist_L, hist_t = [], []
         for pos in positions:

@@ -5,8 +5,12 @@ positions: :func:`prepared_call`), ``select`` picks the implementation (:func:`s
 KV cache.
 :func:`attend` runs the same path without a core (exact attention for other code).
 
-The state is a KV cache of fixed capacity (``init_state(batch, max_len)``); slots are right-aligned, so slot j of a
-cache of capacity M that has seen ``length`` tokens holds absolute position ``length - M + j`` (invalid when < 0).
+The state is a KV cache of fixed capacity (``init_state(batch, max_len)``), a ring: slot s of a cache of capacity M
+that has seen ``length`` tokens holds the newest position p < ``length`` with p = s (mod M) (:func:`slot_positions`;
+empty, zeros, while p < 0). A decoding step (one token of one stream) writes the token into its slot and attends
+to the written cache, so XLA writes it in place into a donated state (a read of the state before the write, or a
+shifted cache, copies the whole cache every token); a call of several tokens, or with segment ids, attends to the
+cache in position order and then the call's keys (:func:`in_order`), as the cache's keys before the call's.
 Feeding more than ``max_len`` tokens in total raises :class:`CapacityError` (under jit too), unless
 ``kv_window=True`` names the sliding-window cache as a feature: then the cache keeps the newest ``max_len`` keys and
 older ones are dropped by design (Transformer-XL-style memory, not exact attention). The state is the layer's
@@ -22,8 +26,8 @@ Packed rows (``segment_ids`` [B, T] int32, ``data.packing='segments'``): a query
 document (``takes_segments``), on every implementation that serves them (the reference's mask, the tiles'
 position-general loop, splash's ``SegmentIds``, cuDNN's packed layout on Hopper up to ``auto_threshold`` scores,
 past which 'auto' takes the tiles on a GPU: ``platform.cudnn_packed_attention``). The KV
-cache keeps each key's segment id beside it (``state['segment_ids']`` [B, M], right-aligned like the keys; 0 where
-the call had none), so a window or a decoding step carried across a document boundary starts that document
+cache keeps each key's segment id beside it (``state['segment_ids']`` [B, M], in the keys' slots; 0 where the call
+had none), so a window or a decoding step carried across a document boundary starts that document
 afresh: the keys of earlier documents stay in the cache but no later query sees them.
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -50,6 +55,24 @@ from longctx.attention.dense.reference import naive_attention
 METHOD = "dense"
 
 
+def slot_positions(length, M: int):
+    """[M] int32: the position slot s of a ring cache of capacity M holds after ``length`` tokens, the newest
+    p < length with p = s (mod M); < 0 where the slot is still empty."""
+    s = jnp.arange(M, dtype=jnp.int32)
+    return length - 1 - jnp.mod(length - 1 - s, M)
+
+
+def in_order(x, length, axis: int):
+    """A ring cache's slots in position order, the oldest first: slot j of the result holds position
+    ``length - M + j`` (:func:`slot_positions`; < 0: empty)."""
+    return jnp.roll(x, -jnp.mod(length, x.shape[axis]), axis=axis)
+
+
+def to_ring(x, length, axis: int):
+    """The inverse of :func:`in_order`: keys in position order (the last at ``length - 1``) into their slots."""
+    return jnp.roll(x, jnp.mod(length, x.shape[axis]), axis=axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reference(dispatch.Runner):
     """The reference's runner: :func:`naive_attention` of ``call.inputs`` (dense's ``prepare``). ``auto_threshold``
@@ -65,11 +88,13 @@ class Reference(dispatch.Runner):
                                                q_segment_ids=x["q_segment_ids"], k_segment_ids=x["k_segment_ids"]))
 
 
-def _short_rows(platform: str, *, large: bool = False, narrow_window: bool = False, **_) -> bool:
+def _short_rows(platform: str, *, large: bool = False, narrow_window: bool = False, one_query: bool = False,
+                **_) -> bool:
     """'auto' takes the reference's one softmax up to auto_threshold scores (Tq*Tk), the tiles past it, and the
     tiles too for a sliding window that leaves key blocks out (``narrow_window``: the tiles skip them, the one
-    softmax would score every key)."""
-    return not (large or narrow_window)
+    softmax would score every key) and for a decoding step (``one_query``: the tiles read the cache in place,
+    ``xla.one_query_attention``)."""
+    return not (large or narrow_window or one_query)
 
 
 # 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold, the
@@ -99,8 +124,8 @@ def _xla_forms(impls, platform: str, **shapes) -> tuple[str, ...]:
 
 def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache: bool = False, large: bool = False,
            k_dtype=None, v_dtype=None, platform: str, sequence_slice: int | None = None,
-           causal: bool = True, window: int = 0, segments: bool = False, narrow_window: bool = False
-           ) -> dispatch.Choice:
+           causal: bool = True, window: int = 0, segments: bool = False, narrow_window: bool = False,
+           one_query: bool = False) -> dispatch.Choice:
     """The implementation of one dense call: ``dispatch.select`` over :func:`implementations` ('auto': the
     declarations' order on the platform; ``large``: Tq*Tk > auto_threshold; ``sequence_slice``: the tokens per
     device where the row is split over the mesh's ``sequence`` axis, which a fused kernel may refuse: 'auto' then
@@ -111,7 +136,8 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     nothing else is named (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN
     serves through its packed layout where ``platform.cudnn_packed_reasons`` has none (Hopper, not ``large``).
     ``narrow_window``: a sliding window of at most half the keys, for which 'auto' prefers the tiles (they skip the
-    key blocks outside it) as it does for ``large`` calls."""
+    key blocks outside it) as it does for ``large`` calls, and ``one_query``: a KV-cache step of one query without
+    segment ids (a decoding step), for which 'auto' prefers the tiles too (they read the cache in place)."""
     plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)
@@ -122,6 +148,8 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
         shapes.update(segments=True)
     if narrow_window:
         shapes.update(narrow_window=True)
+    if one_query:
+        shapes.update(one_query=True)
     if sequence_slice is not None:
         shapes.update(sequence_slice=sequence_slice)
     if kv_cache and names != ("auto",) and set(names) & set(kernels.FAST_IMPLS):
@@ -164,11 +192,13 @@ def prepared_call(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, full_pass: bo
 def select_for(impl, cfg, platform: str, *, scores: int, keys: int | None = None, **shapes) -> dispatch.Choice:
     """The :func:`choose` choice of one dense call for ``impl``, ``shapes``, ``large`` = ``scores`` past
     ``cfg['auto_threshold']`` as it runs on ``platform`` (the reference's declared default) and ``narrow_window``
-    = a sliding window (``shapes['window']``) of at most half the call's ``keys``."""
+    = a sliding window (``shapes['window']``) of at most half the call's ``keys``; ``one_query`` = a KV-cache call
+    of one query (``scores`` = ``keys``) without segment ids."""
     large = scores > REFERENCE.setting("auto_threshold", cfg["auto_threshold"], platform)
     window = shapes.get("window", 0)
     narrow = bool(window) and keys is not None and 2 * window <= keys
-    return choose(impl, platform=platform, large=large, narrow_window=narrow, **shapes)
+    one = bool(shapes.get("kv_cache")) and keys is not None and scores == keys and not shapes.get("segments")
+    return choose(impl, platform=platform, large=large, narrow_window=narrow, one_query=one, **shapes)
 
 
 def select_runner(impl, cfg, platform: str, **shapes) -> tuple[dispatch.Runner, dispatch.Choice]:
@@ -322,16 +352,14 @@ class DenseAttention(AttentionCore):
         return {**self.init_state(batch_size, max_len), "length": jnp.asarray(start, jnp.int32)}
 
     def compose_states(self, a, b):
-        # both caches are right-aligned (slot j <-> position length - M + j) and zero outside their
-        # own tokens: move a's keys left by the number of b's tokens and add (an exact concatenation);
-        # the keys moved past the front are gone (a window's state keeps the newest M)
-        shift = b["length"] - a["length"]
+        # both caches are rings (slot_positions); b began at a's length and holds its own tokens only: a slot
+        # whose newest position after b is one of b's takes b's key, the others keep a's (each the newest of its
+        # slot before b, still within the newest M: an exact concatenation; a window's state keeps the newest M)
         M = a["k"].shape[2]
-        kept = jnp.arange(M) < M - shift
-        moved = {name: jnp.where(kept[None, None, :, None], jnp.roll(a[name], -shift, axis=2), 0.0)
-                 for name in ("k", "v")}
-        segs = jnp.where(kept[None, :], jnp.roll(a["segment_ids"], -shift, axis=1), 0) + b["segment_ids"]
-        return {"k": moved["k"] + b["k"], "v": moved["v"] + b["v"], "segment_ids": segs, "length": b["length"]}
+        from_b = slot_positions(b["length"], M) >= a["length"]
+        pick = lambda x, y, at: jnp.where(at, y, x)  # noqa: E731
+        return {"k": pick(a["k"], b["k"], from_b[:, None]), "v": pick(a["v"], b["v"], from_b[:, None]),
+                "segment_ids": pick(a["segment_ids"], b["segment_ids"], from_b), "length": b["length"]}
 
     # -- the call: prepare -> select -> run -> finish (AttentionCore.__call__) --------------------------------
     def prepare(self, q, k, v, state, *, deterministic, key, segment_ids=None):
@@ -355,11 +383,33 @@ class DenseAttention(AttentionCore):
                            "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
                            "for a sliding window that drops the oldest keys")
         q_pos = length + pos
+        if self._writes_first(T, seg):  # the token into its slot, then the written cache (module docstring)
+            written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32))
+            k_pos = slot_positions(length + 1, M)
+            call, shapes = prepared_call(q, written["k"].astype(q.dtype), written["v"].astype(v.dtype), q_pos, k_pos,
+                                         k_pos >= 0, full_pass=False, k_segment_ids=None, **common)
+            call.inputs["written"] = written
+            return call, shapes
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
-        k_all = jnp.concatenate([state["k"].astype(q.dtype), k], axis=2)
-        v_all = jnp.concatenate([state["v"].astype(v.dtype), v], axis=2)
+        k_all = jnp.concatenate([in_order(state["k"], length, 2).astype(q.dtype), k], axis=2)
+        v_all = jnp.concatenate([in_order(state["v"], length, 2).astype(v.dtype), v], axis=2)
         k_seg = None if seg is None else self._cache_segments(state, seg)
         return prepared_call(q, k_all, v_all, q_pos, k_pos, k_pos >= 0, full_pass=False, k_segment_ids=k_seg, **common)
+
+    def _writes_first(self, T: int, seg) -> bool:
+        """Whether a call of T tokens after a state writes them into the cache before attending: one token of one
+        stream (no segment ids: their documents are runs of ids in position order), its cache exact or the
+        window's (``kv_window``'s query sees the M cached keys and itself: the slot it would overwrite)."""
+        return T == 1 and seg is None and not self.cfg.kv_window
+
+    @staticmethod
+    def _written(state, k, v, seg):
+        """``state`` with one token's key, value and segment id written into its slot."""
+        M = state["k"].shape[2]
+        slot = jnp.mod(state["length"], M)
+        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), slot, axis=2 if a.ndim == 4 else 1)  # noqa: E731
+        return {"k": put(state["k"], k), "v": put(state["v"], v), "segment_ids": put(state["segment_ids"], seg),
+                "length": state["length"] + 1}
 
     def select(self, **shapes):
         """:func:`select_for`: the base's selection, with :func:`choose`'s KV-cache rule for a named fused kernel
@@ -368,12 +418,14 @@ class DenseAttention(AttentionCore):
 
     @staticmethod
     def _cache_segments(state, kept):
-        """The segment ids of the cache's keys then the call's (``kept``: the call's, or zeros without a packed row)."""
-        return jnp.concatenate([state["segment_ids"], kept], axis=1)
+        """The segment ids of the cache's keys in position order then the call's (``kept``: the call's, or zeros
+        without a packed row)."""
+        return jnp.concatenate([in_order(state["segment_ids"], state["length"], 1), kept], axis=1)
 
     def finish(self, call, result, *, aux=None):
         """The output and the new KV cache (None for a bidirectional core): the keys and values the layer was given,
-        with their segment ids (0 where the call had none), right-aligned; a window's state keeps the newest W."""
+        with their segment ids (0 where the call had none), in their ring slots (a decoding step's: the cache it
+        wrote, ``prepare``); a window's state keeps the newest W."""
         x, state = call.inputs, call.state
         q = x["q"]
         T = q.shape[2]
@@ -384,19 +436,21 @@ class DenseAttention(AttentionCore):
                 return result.out, None
             k, v = x["k"], x["v"]
             W = self.window
-            if W:  # the window's state: the newest W keys, right-aligned (zeros before the first)
+            if W:  # the window's state: the newest W keys (zeros before the first), in their slots
                 edge = lambda a: jnp.pad(a, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
-                k, v = edge(k), edge(v)
-                kept_seg = jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:]
+                k, v = to_ring(edge(k), T, 2), to_ring(edge(v), T, 2)
+                kept_seg = to_ring(jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:], T, 1)
             return result.out, {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
                                 "length": jnp.asarray(T, jnp.int32)}
-        M = state["k"].shape[2]
+        if "written" in x:
+            return result.out, x["written"]
+        M, length = state["k"].shape[2], state["length"] + T
         seg_all = self._cache_segments(state, kept_seg)
         return result.out, {
-            "k": x["k"][:, :, -M:].astype(jnp.float32),
-            "v": x["v"][:, :, -M:].astype(jnp.float32),
-            "segment_ids": seg_all[:, -M:],
-            "length": state["length"] + T,
+            "k": to_ring(x["k"][:, :, -M:], length, 2).astype(jnp.float32),
+            "v": to_ring(x["v"][:, :, -M:], length, 2).astype(jnp.float32),
+            "segment_ids": to_ring(seg_all[:, -M:], length, 1),
+            "length": length,
         }
 
 

@@ -443,12 +443,42 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
     return _self_blocks(cd(q), cd(k), cd(v), causal, bq, bk, ops, window).astype(v.dtype)
 
 
+# ----------------------------------------------------------------------------- one query against a cache
+def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k: int, window: int = 0):
+    """A decoding step's attention: one query q [B,H,1,D] against every key of a cache k, v [B,H,M,.] (positions
+    in any order: a ring cache's), by online softmax over key blocks of ``block_k`` read as slices of the cache
+    (the last block ends at M and skips the keys before it already seen). The cache is read where it lies: the
+    position-general loop's blocked copy of the keys, or one product over the whole cache, made XLA:CPU copy the
+    cache every token (a written, donated state could not be updated in place: ``DenseAttention.prepare``)."""
+    M, D = k.shape[2], q.shape[3]
+    bk = min(block_k, M)
+    cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
+    qs = cd(q * D**-0.5)
+    kpos, kval = k_pos.astype(jnp.int32), k_valid.astype(bool)
+
+    def step(carry, j):
+        start = jnp.minimum(j * bk, M - bk)
+        at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, bk, axis=axis)  # noqa: E731
+        fresh = start + jnp.arange(bk, dtype=jnp.int32) >= j * bk  # the last block's keys not seen before
+        mask = visible(q_pos, at(kpos, 0), at(kval, 0) & fresh, causal, window)
+        return _softmax_step(carry, qs, cd(at(k, 2)), cd(at(v, 2)), mask), None
+
+    B, H = q.shape[:2]
+    init = (jnp.full((B, H, 1), NEG_INF, jnp.float32), jnp.zeros((B, H, 1), jnp.float32),
+            jnp.zeros((B, H, 1, v.shape[-1]), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(-(-M // bk), dtype=jnp.int32))
+    return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(v.dtype)
+
+
 def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
           ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS, window: int = 0, q_segment_ids=None,
           k_segment_ids=None):
     """The tiled algorithm with ``ops``: the unrolled structure for a full pass (``full_pass``, static: q_pos =
-    k_pos = arange(T), every key valid) of one document that whole blocks tile, else the position-general loop (a
-    packed row's too: its visibility is not static)."""
+    k_pos = arange(T), every key valid) of one document that whole blocks tile, one query against a cache
+    (:func:`one_query_attention`: a decoding step of one stream), else the position-general loop (a packed row's
+    too: its visibility is not static)."""
+    if not full_pass and q.shape[2] == 1 and q_segment_ids is None:
+        return one_query_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_k=block_k, window=window)
     if full_pass and q_segment_ids is None and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
         return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k, ops=ops,
                                         window=window)
@@ -464,11 +494,13 @@ def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_
                  k_segment_ids=k_segment_ids)
 
 
-def prefers_long_rows(platform: str, *, large: bool = False, narrow_window: bool = False, **_) -> bool:
-    """Where 'auto' takes tiles: calls with Tq*Tk past ``auto_threshold`` (``large``) and sliding windows of at most
-    half the keys (``narrow_window``: the tiles skip the key blocks outside the window); other calls take the
+def prefers_long_rows(platform: str, *, large: bool = False, narrow_window: bool = False, one_query: bool = False,
+                      **_) -> bool:
+    """Where 'auto' takes tiles: calls with Tq*Tk past ``auto_threshold`` (``large``), sliding windows of at most
+    half the keys (``narrow_window``: the tiles skip the key blocks outside the window) and decoding steps
+    (``one_query``: one query of one stream against a cache, :func:`one_query_attention`); other calls take the
     reference's one softmax."""
-    return large or narrow_window
+    return large or narrow_window or one_query
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,5 +549,5 @@ IMPLEMENTATIONS = (
 )
 
 
-__all__ = ["BLOCKS", "IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "Tiles", "attend", "prefers_long_rows", "blockwise_attention", "self_blocks_apply",
+__all__ = ["BLOCKS", "IMPLEMENTATIONS", "MAX_UNROLLED_BLOCKS", "PLAIN", "TileOps", "Tiles", "attend", "prefers_long_rows", "blockwise_attention", "one_query_attention", "self_blocks_apply",
            "self_blockwise_attention", "tiled", "window_blocks"]

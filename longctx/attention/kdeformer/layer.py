@@ -328,11 +328,14 @@ class KDEformerAttention(AttentionCore):
         return dispatch.Call(inputs, state, key=k_s), shapes
 
     def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux=None):
-        """The output in the values' dtype and, causal, the next state (``common.next_state``)."""
+        """The output in the values' dtype and, causal, the next state: the one the implementation wrote (the
+        one-token decoding step, ``xla.one_token``), else ``common.next_state``'s."""
         x = call.inputs
         out = result.out.astype(x["v"].dtype)
         if not self.causal:
             return out, None
+        if result.state is not None:
+            return out, result.state
         return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"])
 
 

@@ -56,6 +56,7 @@ from longctx.attention.kdeformer.common import (
     gray_rank,
     inverse_permutation,
     lsh_codes,
+    next_state,
     norm_weights,
     packed_bidir_samples,
     power_lambda,
@@ -785,12 +786,71 @@ def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale, se
     return bidir_forward(q, k, v, W, key_s, opts, row_scale=row_scale)
 
 
+def one_token_applies(T: int, opts: CausalOptions, packed: bool) -> bool:
+    """Whether a call of ``T`` tokens after a state takes :func:`one_token` (§4.4's decoding step): one token of one
+    stream (no segment ids), the sampled residual drawn 'uniform' (or no samples). The 'ref' sampler's draw reads
+    the whole prefix's weight sums and Gram, and the 'exact' residual every key: those calls keep the tiled form."""
+    return (T == 1 and not packed and opts.residual == "sampled"
+            and (opts.sampling == "uniform" or opts.num_samples == 0))
+
+
+def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
+    """The causal estimator (§4) for one new token i after a state, as the spec's decoding step computes it (§4.4),
+    read from ``written``, the state with the token's key, value and code written (:func:`common.next_state`):
+    the local keys [L_g, i] as one slice of the cache, Hv(i) as the b_h largest positions j < L_g whose code is
+    the query's (a running count over the code cache: O(M) integer work, no sort), the chunk's samples drawn as
+    the full pass draws them (``fold_in(k_S, g)``) and masked where they lie in Hv(i). The same entries as
+    :func:`causal_forward`'s (the contract's decoding law); no [M, d] array is read whole or copied, where the
+    tiled form sorts the whole code cache and pads the query to a chunk. Reading the written caches (the slots
+    below i are unchanged, slot i holds the token as the compute dtype rounds it) lets XLA write the token in
+    place into a donated state: a read of the state before the write made it copy the whole cache every token.
+    out [B,H,1,dv]."""
+    B, H, _, d = q.shape
+    K, V, HK = written["k"], written["v"], written["codes"]
+    i = written["length"] - 1
+    M = K.shape[2]
+    c, bh, m, sig = opts.chunk_size, opts.heavy_capacity, opts.num_samples, opts.scale
+    hq = lsh_codes(q, W)  # [B,H,1]
+    g = i // c
+    L = prefix_end(g, opts)
+    # local: the slots [lo, lo + w) of the cache hold [L, i]
+    w = min(opts.local_chunks * c, M)
+    lo = jnp.clip(L, 0, M - w)
+    kpos = lo + jnp.arange(w, dtype=jnp.int32)
+    kl = jax.lax.dynamic_slice_in_dim(K, lo, w, axis=2).astype(q.dtype)
+    vl = jax.lax.dynamic_slice_in_dim(V, lo, w, axis=2).astype(q.dtype)
+    s_l = sig * einsum_f32("bhqd,bhkd->bhqk", q, kl)
+    parts = [(s_l, (kpos >= L) & (kpos <= i), lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
+    if bh > 0:  # Hv(i): the most recent keys before L with the query's code (§4.4 step 3)
+        # the j-th such key is the first slot where their running count reaches j (a cumsum and b_h binary
+        # searches: XLA:CPU's top_k over the cache took 20x longer)
+        count = jnp.cumsum(((HK == hq) & (jnp.arange(M, dtype=jnp.int32) < L)).astype(jnp.int32), axis=-1)
+        j = count[..., -1:] - jnp.arange(bh, dtype=jnp.int32)  # [B,H,b_h]: the newest first; < 1: none
+        hidx = _ssorted(count, j).astype(jnp.int32)
+        hvalid = j >= 1
+        kh = _take(K, hidx).astype(q.dtype)
+        vh = _take(V, hidx).astype(q.dtype)
+        s_h = sig * einsum_f32("bhqd,bhkd->bhqk", q, kh)
+        parts.append((s_h, hvalid[:, :, None, :], lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vh.dtype), vh)))
+    if m > 0:  # the chunk's samples (§4.3), masked where they lie in Hv(i) (O(m·b_h) comparisons)
+        n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
+        idx, prob = jax.lax.stop_gradient(draw_samples(jax.random.fold_in(key_s, g), m, n, "uniform"))
+        inside = jnp.any((idx[..., :, None] == hidx[..., None, :]) & hvalid[..., None, :], axis=-1) if bh > 0 \
+            else jnp.zeros(idx.shape, bool)
+        ks, vs = _take(K, idx).astype(q.dtype), _take(V, idx).astype(q.dtype)
+        s_s = sig * einsum_f32("bhqd,bhmd->bhqm", q, ks) - jnp.log(m * prob)[:, :, None, :]
+        parts.append((s_s, ((L > 0) & ~inside)[:, :, None, :],
+                      lambda p: einsum_f32("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
+    return _combine(parts, row_scale)[0]
+
+
 def causal(q, k, v, W, key_s, opts: CausalOptions, state=None, row_scale=row_scale, segment_ids=None,
            band_fn=heavy_band):
     """The causal estimator (§4) for the T new tokens after ``state`` (None: a full pass), its heavy logits by
     ``opts.heavy_impl`` (the 'band' route's by ``band_fn``, :func:`causal_forward`): out [B,H,T,dv]; ``segment_ids``
     [B,T]: a packed row, every document as if alone (§4.6). (The state after the call is
-    :func:`common.next_state`'s.)"""
+    :func:`common.next_state`'s; :func:`run_causal` takes one token of one stream after a state to
+    :func:`one_token`.)"""
     starts = None if segment_ids is None else causal_starts(state, segment_ids, q.shape[2], q.shape[0])
     if state is None:
         return causal_forward(q, k, v, W, key_s, opts, row_scale=row_scale, starts=starts, band_fn=band_fn)[0]
@@ -809,8 +869,12 @@ def with_knobs(opts: CausalOptions, runner) -> CausalOptions:
 
 def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale, band_fn=heavy_band) -> dispatch.Result:
     """:func:`causal` on ``call`` (inputs q, k, v, W; the samples' key; the carried state) with ``opts`` (the
-    'band' route's heavy part by ``band_fn``)."""
+    'band' route's heavy part by ``band_fn``). One token of one stream after a state is §4.4's decoding step
+    (:func:`one_token`, whatever the heavy route), which returns the state it wrote."""
     x = call.inputs
+    if call.state is not None and one_token_applies(x["q"].shape[2], opts, x["segment_ids"] is not None):
+        written = next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype)
+        return dispatch.Result(one_token(x["q"], x["W"], call.key, opts, written, row_scale), state=written)
     return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale,
                                   x["segment_ids"], band_fn))
 

@@ -1,0 +1,77 @@
+"""Dense's decoding step (longctx/attention/dense/layer.py, module docstring): the KV cache is a ring, a step of one
+token writes it into its slot and attends to the written cache (``xla.one_query_attention``: key blocks read as
+slices of the cache), so a donated state is updated in place (the step's XLA temporaries a small fraction of the
+cache); ``kv_window`` keeps its sliding cache. The decoding law (token by token and uneven chunks against the full
+pass, every implementation) is the contract's (tests/attention/test_contract.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longctx.attention.dense import layer as dense_layer
+from longctx.attention.dense import xla as dense_xla
+from longctx.bench.cores import CoreFns
+from tests.attention import kit
+from tests.attention.kit import maxdiff
+
+
+@pytest.mark.parametrize("name,settings", [("dense", {}), ("swa", {"window": 4096})])
+def test_a_decoding_step_writes_the_donated_cache_in_place(name, settings):
+    core = kit.build(name, True, heads=4, head_dim=64, **settings)
+    fns = CoreFns(core)
+    state = core.init_state(1, 4096)  # 8 MiB of keys and values
+    q, k, v = kit.qkv(1, batch=1, heads=4, head_dim=64)
+    args = (fns.params, fns.rest, q, k, v, state)
+    cache = sum(x.nbytes for x in jax.tree.leaves(state))
+    mem = jax.jit(fns.step(), donate_argnums=5).lower(*args).compile().memory_analysis()
+    # a right-aligned cache shifted by concatenate + slice, or one product over the written cache, copied it
+    assert mem.temp_size_in_bytes < cache / 4, (mem.temp_size_in_bytes, cache)
+    assert mem.alias_size_in_bytes >= cache - 64
+
+
+def test_one_query_attention_equals_the_reference_over_a_ring():
+    """Positions in ring order, a block size that does not divide the cache (the last block overlaps the one
+    before it), empty slots, a window, and the causal mask."""
+    M, D = 40, 8
+    q, k, v = kit.qkv(M, batch=2, heads=2, head_dim=D, seed=5)
+    q = q[:, :, :1]
+    for length, window in ((13, 0), (40, 0), (57, 0), (57, 16), (90, 40)):
+        k_pos = dense_layer.slot_positions(jnp.int32(length), M)
+        q_pos = jnp.array([length - 1], jnp.int32)
+        want = dense_layer.naive_attention(q, k, v, q_pos, k_pos, k_pos >= 0, causal=True, window=window)
+        for block in (7, 16, 40, 64):
+            got = dense_xla.one_query_attention(q, k, v, q_pos, k_pos, k_pos >= 0, causal=True, block_k=block,
+                                                window=window)
+            assert maxdiff(got, want) <= 1e-6, (length, window, block)
+
+
+def test_slot_positions_and_the_orders_round_trip():
+    M = 6
+    assert dense_layer.slot_positions(jnp.int32(0), M).tolist() == [-6, -5, -4, -3, -2, -1]
+    assert dense_layer.slot_positions(jnp.int32(4), M).tolist() == [0, 1, 2, 3, -2, -1]
+    assert dense_layer.slot_positions(jnp.int32(9), M).tolist() == [6, 7, 8, 3, 4, 5]
+    x = jnp.arange(M)
+    for length in (0, 4, 9, 12):
+        ordered = dense_layer.in_order(x, jnp.int32(length), 0)
+        # slot j of the ordered cache holds position length - M + j
+        assert np.array_equal(np.asarray(dense_layer.slot_positions(jnp.int32(length), M))[np.asarray(ordered)],
+                              np.arange(length - M, length))
+        assert np.array_equal(dense_layer.to_ring(ordered, jnp.int32(length), 0), x)
+
+
+def test_kv_window_decoding_sees_the_query_and_the_capacity_before_it():
+    """``kv_window=True`` past its capacity M, token by token: each query sees itself and the M keys before it (a
+    sliding window of M + 1), the older keys dropped by design; the step keeps the cache-then-call form."""
+    T, M = 24, 8
+    core = kit.build("dense", True, kv_window=True)
+    q, k, v = kit.qkv(T, seed=9)
+    state, outs = core.init_state(q.shape[0], M), []
+    for t in range(T):
+        o, state = kit.run(core, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+        outs.append(o)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    want = dense_layer.naive_attention(q, k, v, pos, pos, jnp.ones((T,), bool), causal=True, window=M + 1)
+    assert maxdiff(jnp.concatenate(outs, 2), want) <= 1e-5
