@@ -41,6 +41,10 @@
 #   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); STEPS=all
 #   compile   the Transformer-VQ flagship's training step compiled at 4 and at 48 layers (its depth): compile
 #             seconds at each depth, whether depth costs compile time (`longctx-bench step`); STEPS=all
+#   decode    one decoding step of every causal core at 8k and 32k (B1 H8 d64 bf16, the state donated as sampling
+#             donates it): ms per token, state size, and the step's XLA temporaries (dense and KDEformer write the
+#             token into the state in place on XLA:CPU; whether they do on the device) (`longctx-bench decode`);
+#             STEPS=all
 # Per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset,
 # STEPS=all every step (the report is always written, from every step output in the folder). --smoke writes to a
 # scratch folder (printed) unless --out is given.
@@ -79,7 +83,7 @@ WORK="$OUT/$STAMP"
 mkdir -p "$WORK"
 BENCH=("$PY" -m longctx.bench.cli)
 ALL_STEPS="env tests attention attention_128k precision profile_tvq profile_eva kernels sweep step_tvq step_eva
-           step_fma attention_d128 memplan compile"
+           step_fma attention_d128 memplan compile decode"
 ALL_STEPS="$(echo $ALL_STEPS)"
 if [ "$SMOKE" = 1 ]; then STEPS="${STEPS:-all}"; fi
 STEPS="${STEPS:-env tests attention attention_128k precision profile_tvq profile_eva kernels sweep step_tvq step_eva
@@ -112,6 +116,7 @@ if [ "$SMOKE" = 1 ]; then
   STEP_FMA=(--lengths 128 --batch_size 1)
   DEPTHS="1 2"
   COMPILE_DEPTHS="1 3"
+  DECODE=(--methods dense,kdeformer --positions 4k --heads 4 --head_dim 64 --dtype float32 --steps 2 --warmup 1)
   VARIANT=":tiny"
   EXACT="dense:naive"
 else
@@ -149,6 +154,7 @@ else
   STEP_FMA=(--lengths 1k --batch_size 64)
   DEPTHS="2 4"
   COMPILE_DEPTHS="4 48"
+  DECODE=(--positions 8k,32k --heads 8 --head_dim 64 --dtype bfloat16 --steps 16 --warmup 2 --max_prefill_s 20)
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
   # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
@@ -273,6 +279,7 @@ step step_fma "$(limit step_fma 25)" bash "$TMP/model_steps.sh" step_fma "config
   "${STEP[@]}" "${STEP_FMA[@]}"
 step compile "$(limit compile 120)" env DEPTHS_RUN="$COMPILE_DEPTHS" bash "$TMP/model_steps.sh" compile \
   "configs/enwik8/transformer_vq.py$VARIANT" "${STEP[@]}" "${STEP_TVQ[@]}"
+step decode "$(limit decode 60)" "${BENCH[@]}" decode --out "$WORK/decode" --batch 1 --noprogress "${DECODE[@]}"
 step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
@@ -283,7 +290,7 @@ import json, math, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 work, base, exact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 STEPS = ["env", "tests", "attention", "attention_128k", "precision", "profile_tvq", "profile_eva", "kernels",
-         "sweep", "step_tvq", "step_eva", "step_fma", "attention_d128", "memplan", "compile"]
+         "sweep", "step_tvq", "step_eva", "step_fma", "attention_d128", "memplan", "compile", "decode"]
 
 def load(p):
     try:
@@ -548,6 +555,19 @@ if len(comp) >= 2:
         body += ["", f"{hi} layers compile in {b / a:.2f}x the time of {lo} ({'scanned' if b / a < 2 else 'unrolled'}"
                  " layers, judged by the ratio)."]
 section("Flagship compile time against depth", "compile", body)
+
+dec = load(work / "decode" / "decode.json") or {}
+report["decode"] = dec.get("rows", []) if isinstance(dec, dict) else []
+body = ["| method | position | ms / token | state MB | XLA temporaries MB | written in place | status |",
+        "|---|---|---|---|---|---|---|"]
+for r in report["decode"]:
+    mem, state = r.get("decode_xla_mem") or {}, r.get("state_bytes_empty")
+    temp = mem.get("temp")
+    place = None if temp is None or not state else ("yes" if temp < state / 4 else "no")
+    body.append(f"| {r.get('method')} | {r.get('position')} | {fmt(r['per_token_s'] * 1e3 if r.get('per_token_s') else None)} | "
+                f"{fmt(state / 1e6 if state else None)} | {fmt(temp / 1e6 if temp is not None else None)} | "
+                f"{place or '–'} | {r.get('status', '')} |")
+section("Decoding steps", "decode", body)
 
 Path(base + ".md").write_text("\n".join(md) + "\n")
 Path(base + ".json").write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -19,7 +19,8 @@ SECTIONS = ("## Environment", "## Kernel tests, compiled", "## Exact attention a
             "## Exact attention against the methods at head dim 128",
             "## Each kernel against its XLA path", "## Model training steps, reduced depth",
             "### enwik8 Transformer-VQ", "### WikiText-103 EVA", "### enwik8 FMA",
-            "## Kernel knob sweep", "## Flagship memory plan", "## Flagship compile time against depth")
+            "## Kernel knob sweep", "## Flagship memory plan", "## Flagship compile time against depth",
+            "## Decoding steps")
 
 
 # by default the steps that take each kind of command (pytest, an attention and a kernel benchmark, a training step
@@ -64,6 +65,10 @@ def test_gpu_check_smoke_writes_every_section(tmp_path, steps):
                                     for r in kern["rows"])
     if "compile" in ran:
         assert set(report["compile"]) == {"layers_1", "layers_3"}
+    if "decode" in ran:  # both cores write the donated state in place on XLA:CPU
+        assert {r["method"] for r in report["decode"]} == {"dense", "kdeformer"}
+        assert all(r["status"] == "ok" for r in report["decode"])
+        assert "| dense | 4096 |" in text and "| yes |" in text and "| no |" not in text
 
 
 def test_a_smoke_run_without_out_writes_to_a_scratch_folder(tmp_path):
