@@ -75,3 +75,15 @@ def test_kv_window_decoding_sees_the_query_and_the_capacity_before_it():
     pos = jnp.arange(T, dtype=jnp.int32)
     want = dense_layer.naive_attention(q, k, v, pos, pos, jnp.ones((T,), bool), causal=True, window=M + 1)
     assert maxdiff(jnp.concatenate(outs, 2), want) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_cache_refuses_keys_or_values_of_another_width(T):
+    """The one-token step writes into the cache's slot, which would take a narrower value and leave zeros."""
+    core = kit.build("dense", True, heads=2, head_dim=8)
+    q, k, v = kit.qkv(T, heads=2, head_dim=8)
+    state = core.init_state(q.shape[0], 4)
+    with pytest.raises(ValueError, match="values of width 6"):
+        core(q, k, v[..., :6], state)
+    with pytest.raises(ValueError):  # the base refuses keys of another width than the queries'
+        core(q, k[..., :6], v, state)

@@ -378,6 +378,9 @@ class DenseAttention(AttentionCore):
             raise ValueError("dense: a bidirectional core takes no state")
         M = state["k"].shape[2]
         length = state["length"]
+        if k.shape[-1] != state["k"].shape[-1] or v.shape[-1] != state["v"].shape[-1]:
+            raise ValueError(f"dense: keys of width {k.shape[-1]} and values of width {v.shape[-1]} for a KV cache "
+                             f"of widths {state['k'].shape[-1]} and {state['v'].shape[-1]}")
         if not (self.cfg.kv_window or self.window):  # a window's state holds every key a later query sees
             check_capacity(length + T, M, "dense: the KV cache holds {capacity} tokens (init_state max_len) but "
                            "{needed} were fed; build it with a larger max_len, or set attention.dense.kv_window=True "
