@@ -18,12 +18,13 @@ from tests.attention import kit
 from tests.attention.kit import maxdiff
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bf16: the float32 cache is cast block by block
 @pytest.mark.parametrize("name,settings", [("dense", {}), ("swa", {"window": 4096})])
-def test_a_decoding_step_writes_the_donated_cache_in_place(name, settings):
+def test_a_decoding_step_writes_the_donated_cache_in_place(name, settings, dtype):
     core = kit.build(name, True, heads=4, head_dim=64, **settings)
     fns = CoreFns(core)
     state = core.init_state(1, 4096)  # 8 MiB of keys and values
-    q, k, v = kit.qkv(1, batch=1, heads=4, head_dim=64)
+    q, k, v = (x.astype(dtype) for x in kit.qkv(1, batch=1, heads=4, head_dim=64))
     args = (fns.params, fns.rest, q, k, v, state)
     cache = sum(x.nbytes for x in jax.tree.leaves(state))
     mem = jax.jit(fns.step(), donate_argnums=5).lower(*args).compile().memory_analysis()

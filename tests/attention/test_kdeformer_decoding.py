@@ -60,20 +60,21 @@ def test_one_token_equals_the_tiled_form_at_every_position(settings, dtype, tol)
         assert maxdiff(one, tiled) <= tol, (settings, i)
 
 
-def _decoding_step(**settings):
+def _decoding_step(dtype=jnp.float32, **settings):
     """A compiled one-token call of a causal core (uniform samples) after a cache of 4096 tokens, its state
     donated as sampling donates it; (core functions, compiled step, its arguments)."""
     core = kit.build("kdeformer", True, heads=H, head_dim=D,
                      causal={"chunk_size": 64, "heavy_capacity": 16, "num_samples": 32, **settings})
     fns = CoreFns(core)
     state = core.init_state(1, 4096)
-    q, k, v = kit.qkv(1, batch=1, heads=H, head_dim=D)
+    q, k, v = (x.astype(dtype) for x in kit.qkv(1, batch=1, heads=H, head_dim=D))
     step = jax.jit(fns.step(), donate_argnums=5)
     return fns, step, (fns.params, fns.rest, q, k, v, state)
 
 
-def test_a_decoding_step_sorts_nothing_and_writes_the_donated_state_in_place():
-    fns, step, args = _decoding_step()
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_decoding_step_sorts_nothing_and_writes_the_donated_state_in_place(dtype):
+    fns, step, args = _decoding_step(dtype)
     text = str(jax.make_jaxpr(fns.step())(*args))
     assert " sort" not in text and "argsort" not in text  # the tiled form sorts the whole code cache
     cache = sum(x.nbytes for x in jax.tree.leaves(args[-1]))

@@ -389,9 +389,11 @@ class DenseAttention(AttentionCore):
         if self._writes_first(T, seg):  # the token into its slot, then the written cache (module docstring)
             written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32))
             k_pos = slot_positions(length + 1, M)
-            call, shapes = prepared_call(q, written["k"].astype(q.dtype), written["v"].astype(v.dtype), q_pos, k_pos,
-                                         k_pos >= 0, full_pass=False, k_segment_ids=None, **common)
-            call.inputs["written"] = written
+            # the cache as stored (float32): each implementation casts what it reads to the compute dtype (q's),
+            # the tiles block by block; a whole-cache cast here would be a copy of the cache every token
+            call, shapes = prepared_call(q, written["k"], written["v"], q_pos, k_pos, k_pos >= 0, full_pass=False,
+                                         k_segment_ids=None, **common)
+            call.inputs.update(written=written, out_dtype=v.dtype)
             return call, shapes
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
         k_all = jnp.concatenate([in_order(state["k"], length, 2).astype(q.dtype), k], axis=2)
@@ -446,7 +448,7 @@ class DenseAttention(AttentionCore):
             return result.out, {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
                                 "length": jnp.asarray(T, jnp.int32)}
         if "written" in x:
-            return result.out, x["written"]
+            return result.out.astype(x["out_dtype"]), x["written"]
         M, length = state["k"].shape[2], state["length"] + T
         seg_all = self._cache_segments(state, kept_seg)
         return result.out, {

@@ -77,7 +77,8 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, window: int
     """Exact attention of q, k [B, H, T, D], v [B, H, T, Dv] with explicit positions (``q_pos`` [Tq], ``k_pos`` and
     ``k_valid`` [Tk]; ``window``: the sliding window, 0 for none; ``q_segment_ids`` [B, Tq] / ``k_segment_ids``
     [B, Tk]: a packed row's documents, None for one document); the max subtracted inside the exponent is only for
-    range (its gradient is zero)."""
+    range (its gradient is zero). The products take q's dtype (the compute dtype: a KV cache stored wider is cast
+    to it)."""
     scale = q.shape[-1] ** -0.5
     s = einsum_f32("bhqd,bhkd->bhqk", q, k.astype(q.dtype)) * scale  # compute-dtype operands, fp32 statistics
     docs = (None, None) if q_segment_ids is None else document_ids(q_segment_ids, k_segment_ids)
@@ -86,7 +87,7 @@ def naive_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, window: int
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(m)), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
-    out = einsum_f32("bhqk,bhkd->bhqd", p.astype(v.dtype), v) / jnp.maximum(den, 1e-30)
+    out = einsum_f32("bhqk,bhkd->bhqd", p.astype(q.dtype), v.astype(q.dtype)) / jnp.maximum(den, 1e-30)
     return out.astype(v.dtype)
 
 

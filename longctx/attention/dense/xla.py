@@ -449,10 +449,11 @@ def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k
     in any order: a ring cache's), by online softmax over key blocks of ``block_k`` read as slices of the cache
     (the last block ends at M and skips the keys before it already seen). The cache is read where it lies: the
     position-general loop's blocked copy of the keys, or one product over the whole cache, made XLA:CPU copy the
-    cache every token (a written, donated state could not be updated in place: ``DenseAttention.prepare``)."""
+    cache every token (a written, donated state could not be updated in place: ``DenseAttention.prepare``). The
+    cache may be stored wider than the compute dtype (q's): each block is cast as it is read. Output in q's dtype."""
     M, D = k.shape[2], q.shape[3]
     bk = min(block_k, M)
-    cd = lambda x: x.astype(jnp.promote_types(q.dtype, v.dtype))  # noqa: E731  (the compute dtype; statistics fp32)
+    cd = lambda x: x.astype(q.dtype)  # noqa: E731  (the compute dtype; statistics fp32)
     qs = cd(q * D**-0.5)
     kpos, kval = k_pos.astype(jnp.int32), k_valid.astype(bool)
 
@@ -467,7 +468,7 @@ def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k
     init = (jnp.full((B, H, 1), NEG_INF, jnp.float32), jnp.zeros((B, H, 1), jnp.float32),
             jnp.zeros((B, H, 1, v.shape[-1]), jnp.float32))
     (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(-(-M // bk), dtype=jnp.int32))
-    return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(v.dtype)
+    return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype)
 
 
 def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
