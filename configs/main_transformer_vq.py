@@ -5,10 +5,11 @@ Transformer-VQ with GAU blocks (configs/builtin/transformer_vq.py: d_model 256, 
 384, codebook 64, blocks of 64) at 4 GAUs, over the main job's byte-level BPE of 4,096 tokens, trained on rows of
 1024 tokens in windows of 256 that carry the compressed cache under stop-gradient (one update per window), batch 8,
 peak learning rate 3e-3, 3,600 updates. Test bytes are scored as one stream per document with the cache carried.
-Test 1.3921 bits per byte in 26 min 50 s for the whole command (BENCHMARKS.md, "main job's recipe"); reset every
-4 KiB it scores better (1.3666): its carried cache does not yet pay.
 
     CONFIG=configs/main_transformer_vq.py WORKDIR=runs/main_tvq bash scripts/main.sh
+
+Test 1.3921 bits per byte in 26 min 50 s for that whole command (BENCHMARKS.md, "main job's recipe"); reset every
+4 KiB it scores better (1.3666): its carried cache does not yet pay.
 """
 
 from configs.builtin import transformer_vq

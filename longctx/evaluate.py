@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx import attention
 from longctx import config as config_lib
 from longctx.data import masking, sources
 from longctx.errors import ConfigError, LongctxError, WorkdirError
@@ -249,8 +250,9 @@ def context_table(workdir, *, split: str = "test", resets=CONTEXT_RESETS, step: 
         rows.append({"reset": f"every {n} bytes", "row_bytes": int(n), **_row(res)})
     att = runner.cfg.model.attention
     method = ",".join(att.pattern) if att.pattern else att.name
-    if "swa" in method.split(","):
-        method += f", window {att.swa.window}"
+    for name in dict.fromkeys(method.split(",")):
+        if attention.get_class(name).sliding_window:
+            method += f", window {att[name].window}"
     out = {"workdir": str(workdir), "label": f"{workdir} ({method})", "method": method, "split": split,
            "step": runner.step, "tokenizer": runner.cfg.data.tokenizer, "window": ecfg.window, "rows": rows, "bytes_in_split": carried.get("bytes_in_split"),
            **({"budget": carried["budget"]} if "budget" in carried else {}),

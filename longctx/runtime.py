@@ -29,10 +29,13 @@ RUN_OVERRIDABLE = ("eval.", "sample.", "data.path", "data.cache_dir", "model.sca
 # FMA's levels are parameters built for its max_len; a window past it adds none (the layer's own option for
 # streaming past the training length), so a trained run may take it for evaluation and sampling
 TRUNCATED_WINDOW_KEYS = ("model.attention.fma.allow_truncated_window", "model.attention.fma_linear.allow_truncated_window")
-# exact attention over every key and over a sliding window share every parameter: a run trained with one is
-# scored with the other (a dense run over a window of its trained length, a sliding-window run with every key)
-WINDOW_SWAP = ("dense", "swa")
-WINDOW_KEYS = ("model.attention.name", "model.attention.swa.window")
+# exact attention over every key and over a sliding window (the methods that declare ``exact`` or
+# ``sliding_window``) share every parameter: a run trained with one is scored with the other (exact attention over
+# a window of its trained length, a sliding-window run with every key)
+WINDOW_SWAP = tuple(n for n in attention.names()
+                    if attention.get_class(n).exact or attention.get_class(n).sliding_window)
+SLIDING = next(n for n in WINDOW_SWAP if attention.get_class(n).sliding_window)  # the method with the window
+WINDOW_KEYS = ("model.attention.name", f"model.attention.{SLIDING}.window")
 
 
 def check_run_overrides(overrides: dict) -> None:
@@ -130,16 +133,16 @@ class Runner:
         def target(meta):
             cfg = config_lib.merge_over_base(meta["config"])
             _check_window_swap(cfg, overrides)
-            trained_dense = cfg.model.attention.name == "dense"
+            trained_every_key = not attention.get_class(cfg.model.attention.name).sliding_window
             for path, value in overrides.items():
                 node = cfg
                 *parents, key = path.split(".")
                 for p in parents:
                     node = node[p]
                 node[key] = value
-            if (trained_dense and overrides.get("model.attention.name") == "swa"
-                    and "model.attention.swa.window" not in overrides):
-                cfg.model.attention.swa.window = cfg.train.seq_len  # a dense run's window: its trained length
+            if (trained_every_key and overrides.get("model.attention.name") == SLIDING
+                    and WINDOW_KEYS[1] not in overrides):
+                cfg.model.attention[SLIDING].window = cfg.train.seq_len  # an exact run's window: its trained length
             cfg = config_lib.validate(cfg)
             model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
             built["cfg"] = cfg

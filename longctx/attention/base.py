@@ -15,6 +15,12 @@ Packed rows (``data.packing='segments'``): a core that declares ``takes_segments
 document, its carried state starting afresh at each boundary; a block passes the keyword only when it has
 segment ids (:func:`segment_kwargs`), and a core without the capability refuses them in one line.
 
+A scanned stack of layers (``model.scan_layers='on'``) decodes with the layers' states stacked on a leading axis
+and carried through the scan: each layer's core gets a :class:`LayerOfStack` (the stack and its layer's index).
+A core whose :meth:`AttentionCore.steps_in_stack` says so for a call reads and writes its slot of the stack
+itself (a decoding step that writes one token and reads the cache by slices: nothing copied); for every other
+call the block slices the layer's state out and sets the new one back (:func:`longctx.models.sequence_shard.call_core`).
+
 Auxiliary outputs (extra losses, non-gradient statistics such as VQ codebook
 counts) are reported through an optional :class:`Aux` collector, so the
 two-value return of the contract holds for every method.
@@ -130,6 +136,28 @@ class ContractCase:
     rtol: float = 2e-5
     slow: bool = False
     level: str = "core"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOfStack:
+    """One layer's carried state inside a scanned stack's: ``stack`` (every layer's state, each leaf with a leading
+    layer axis) and ``layer`` (int32 scalar, traced: the scan's step). A core that steps in the stack
+    (:meth:`AttentionCore.steps_in_stack`) writes and reads ``stack`` at ``layer`` itself; :meth:`get` / :meth:`put`
+    are the copying form every other call takes."""
+
+    stack: Any
+    layer: Any
+
+    def get(self):
+        """The layer's state (a copy of its slot)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False), self.stack)
+
+    def put(self, state) -> LayerOfStack:
+        """The stack with the layer's slot set to ``state``."""
+        return LayerOfStack(jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype),
+                                                                                         self.layer, 0),
+                                         self.stack, state), self.layer)
 
 
 class AttentionCore(nnx.Module):
@@ -315,6 +343,13 @@ class AttentionCore(nnx.Module):
         on the platform the selection ran on, and the choice."""
         choice = self.select(**shapes)
         return dispatch.built(self.implementations(causal=self.causal), choice, self.cfg), choice
+
+    def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
+        """Whether this call (queries ``q``, the call's keywords) takes its state as a :class:`LayerOfStack` and
+        writes and reads its layer's slot of the stack in place, returning the stack (``prepare`` / ``finish``
+        handle it); else the block hands it the layer's state sliced out and sets the new one back. Default:
+        never."""
+        return False
 
     def finish(self, call: dispatch.Call, result: dispatch.Result, *, aux: Aux | None = None):
         """``(out, new_state)`` from an implementation's result (a method that builds its state, or adds aux

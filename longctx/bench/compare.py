@@ -86,7 +86,8 @@ DATA = {"data.packing": "document"}
 # (the estimate comes from `--measure`, `--plan` prints it). gpu: sized by estimate for one lent H100 in bf16, never
 # run on one yet: a 3.2M-parameter model whose dense run at 4k is ~0.2 PFLOP of training (about a second at a third
 # of the bf16 peak), so each run's time is mostly compilation and scoring; with --seeds 1 --nohybrids (16 runs)
-# that is roughly 8-15 minutes. `--measure` on the GPU first says how long, `--plan` then estimates the whole.
+# that should take minutes, not hours (an estimate, never measured). `--measure` on the GPU first says how long,
+# `--plan` then estimates the whole.
 SCALES = {
     "cpu": {"model": {"model.d_model": 64, "model.num_heads": 2, "model.head_dim": 32, "model.d_ff": 256},
             "contexts": "256,1k", "tokens_per_step": 4096, "dense_steps": 300, "eval_tokens": 32768,

@@ -116,6 +116,11 @@ class BPETokenizer:
     one_token_per_byte = False
     cache_kwargs = staticmethod(tokenizer_kwargs)  # what longctx.data.prepare keys the token cache by
 
+    @staticmethod
+    def is_trained(data_cfg, meta) -> bool:
+        """Whether the model ``data_cfg`` asks for is trained already (``cache_kwargs`` would train it)."""
+        return model_path(data_cfg, meta=meta).is_file()
+
     def __init__(self, tokenizer_file: str = "", vocab_size: int = DEFAULT_VOCAB, **_ignored):
         if not tokenizer_file:
             raise ConfigError("data.tokenizer='bpe' is trained on the train split when the data is prepared; this "

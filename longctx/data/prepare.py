@@ -202,11 +202,8 @@ def prepared_manifest(data_cfg, split: str = "train") -> dict | None:
     try:
         source = sources.build(data_cfg)
         meta = source.metadata()
-        if data_cfg.tokenizer == "bpe":  # its cache key names the trained model: none yet, nothing prepared
-            from longctx.data import bpe
-
-            if not bpe.model_path(data_cfg, meta=meta).is_file():
-                return None
+        if not tokenizers.is_trained(data_cfg.tokenizer, data_cfg, meta):  # its cache key names the trained
+            return None  # model: none yet, nothing prepared
         extra = json.dumps(tokenizer_kwargs(source, data_cfg, meta), sort_keys=True, default=str)
         directory = cache_path(meta, data_cfg.tokenizer, data_cfg.cache_dir, extra=extra)
         if not is_prepared(directory, split):

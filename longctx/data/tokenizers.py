@@ -71,5 +71,12 @@ def cache_kwargs(name: str, data_cfg) -> dict:
     return declared(data_cfg) if declared is not None else {}
 
 
+def is_trained(name: str, data_cfg, meta) -> bool:
+    """Whether a tokenizer of ``name`` that is trained on the data (``is_trained(data_cfg, meta)`` where it declares
+    one) has its model already, so that :func:`cache_kwargs` trains nothing; True for the others."""
+    declared = getattr(factory(name), "is_trained", None)
+    return declared is None or declared(data_cfg, meta)
+
+
 def build(name: str, **kwargs):
     return factory(name)(**kwargs)

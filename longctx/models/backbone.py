@@ -56,7 +56,7 @@ from flax import nnx
 
 from longctx import attention
 from longctx.attention import Aux, dispatch
-from longctx.attention.base import axes, logical, segments_refusal
+from longctx.attention.base import LayerOfStack, axes, logical, segments_refusal
 from longctx.errors import ConfigError
 from longctx.layout import rows_apply
 from longctx.models import precision
@@ -598,7 +598,22 @@ class Backbone(nnx.Module):
             x, st, (losses, stats, metrics) = call(nnx.merge(graphdef, v), x, st, positions, k, extra)
             return x, (st, losses, stats, metrics)
 
-        x, (new_states, losses, stats, metrics) = jax.lax.scan(body, x, (variables, layer_states, keys))
+        if layer_states is not None and shard is None and deterministic:
+            # evaluation and decoding: the stacked states in the carry, each layer's core given its slot of them
+            # (LayerOfStack), so a decoding step writes its token into the donated stack in place (as scan
+            # inputs and outputs, XLA copied the whole stack every step); differentiated calls keep them as scan
+            # inputs and outputs (the carry would be kept per layer for the backward)
+            def carried(carry, xs):
+                x, stack = carry
+                v, k, i = xs
+                x, st, (losses, stats, metrics) = call(nnx.merge(graphdef, v), x, LayerOfStack(stack, i), positions,
+                                                       k, extra)
+                return (x, st.stack), (losses, stats, metrics)
+
+            (x, new_states), (losses, stats, metrics) = jax.lax.scan(
+                carried, (x, layer_states), (variables, keys, jnp.arange(L, dtype=jnp.int32)))
+        else:
+            x, (new_states, losses, stats, metrics) = jax.lax.scan(body, x, (variables, layer_states, keys))
         losses = {name: jnp.sum(val, axis=0) for name, val in losses.items()}
         metrics = {f"layer{i}/{name}": val[i] for i in range(L) for name, val in metrics.items()}
         return x, new_states, {"losses": losses, "stats": stats, "metrics": metrics}

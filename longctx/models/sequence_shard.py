@@ -31,6 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from longctx.attention.base import LayerOfStack
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SequenceShard:
@@ -80,7 +82,15 @@ def refusal(core, slice_len: int) -> str | None:
 
 def call_core(core, q, k, v, state, **kwargs):
     """``core(q, k, v, state, **kwargs)``; with a :class:`SequenceShard` as ``state``, the composed
-    sequence-parallel call described in the module docstring."""
+    sequence-parallel call described in the module docstring; with a :class:`LayerOfStack` (a scanned stack's
+    decoding state), the core's own step in the stack where it takes one (``core.steps_in_stack``), else the
+    layer's state sliced out, the call, and its new state set back."""
+    if isinstance(state, LayerOfStack):
+        extra = {name: val for name, val in kwargs.items() if name not in ("deterministic", "key", "aux")}
+        if core.steps_in_stack(q, **extra):
+            return core(q, k, v, state, **kwargs)
+        out, new = core(q, k, v, state.get(), **kwargs)
+        return out, state.put(new)
     if not isinstance(state, SequenceShard):
         return core(q, k, v, state, **kwargs)
     reason = refusal(core, state.slice_len)

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from longctx.cli import flag_help, user_errors
 from longctx.errors import ConfigError
 
 TRAIN = "import sys; from longctx.cli import train_main; sys.exit(train_main())"
@@ -163,8 +164,6 @@ def define_flags(fv) -> None:
 
 
 def help_text(fv) -> str:
-    from longctx.cli import flag_help
-
     return "\n".join([f"usage: scripts/multiprocess_local.sh {USAGE}", f"   or: python -m longctx.train.{PROG} {USAGE}", "", __doc__.split("\n\n")[0].replace("\n", " "), "",
                       "arguments:", "  N: the number of processes", "  after --: the longctx-train command line "
                       "every process runs (without --, the flags this command does not know)", "", "flags:",
@@ -218,8 +217,6 @@ def parse_args(argv: list[str]):
 
 
 def main(argv=None) -> int:
-    from longctx.cli import user_errors
-
     with user_errors():
         a, train_args = parse_args(sys.argv[1:] if argv is None else argv)
     workdir = next((x.split("=", 1)[1] for x in train_args if x.startswith("--workdir=")), None)

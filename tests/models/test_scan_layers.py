@@ -272,3 +272,44 @@ def test_scanned_model_runs_sequence_parallel_by_composed_states():
     out = subprocess.run([sys.executable, "-c", _SEQUENCE_PARALLEL], capture_output=True, text=True, env=env,
                          cwd=root, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# a decoding step that writes its token into its layer's slot of the stacked states and reads the caches there
+# (AttentionCore.steps_in_stack): dense by the tiles ('auto' takes them for one query), a sliding window, and
+# KDEformer's §4.4 step (its contract case samples 'uniform')
+IN_STACK = [("dense", {"impl": "auto", "block_k": 64}), ("swa", {"impl": "auto", "window": 96}),
+            ("kdeformer", {})]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,settings", IN_STACK, ids=[n for n, _ in IN_STACK])
+def test_a_scanned_stack_decodes_in_place_as_the_unrolled_one(name, settings, dtype):
+    """Token by token after a prefill, the scanned model's logits are the unrolled one's, and its donated
+    decoding step updates the stacked states in place: its XLA temporaries a small part of them (as scan inputs
+    and outputs, XLA copied the whole stack every step: 1.4x of it in temporaries)."""
+    models = []
+    for scan in (False, True):
+        cfg, _ = model_cfg(name, scan=scan, dtype=dtype)
+        cfg.attention[name].update(settings)
+        models.append(build_model(cfg, seed=0))
+    M, T0, steps = 512, 37, 5
+    tokens = jax.random.randint(jax.random.key(3), (B, T0 + steps), 0, V - 1)
+    call = nnx.jit(lambda m, t, s: m(t, s)[:2])
+    logits = []
+    for model in models:
+        out, state = call(model, tokens[:, :T0], model.init_state(B, M))
+        outs = [out[:, -1]]
+        for t in range(T0, T0 + steps):
+            out, state = call(model, tokens[:, t:t + 1], state)
+            outs.append(out[:, -1])
+        logits.append(np.stack([np.asarray(o, np.float32) for o in outs]))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(logits[1], logits[0], atol=tol, rtol=tol)
+
+    scanned = models[1]
+    graphdef, variables = nnx.split(scanned)
+    step = jax.jit(lambda v, t, s: nnx.merge(graphdef, v)(t, s)[1], donate_argnums=2)
+    state = scanned.init_state(B, M)
+    size = sum(x.nbytes for x in jax.tree.leaves(state))
+    temps = step.lower(variables, tokens[:, :1], state).compile().memory_analysis().temp_size_in_bytes
+    assert temps < size / 4, (temps, size)

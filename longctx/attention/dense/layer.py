@@ -45,6 +45,7 @@ from longctx.attention.base import (
     AttentionCore,
     ContractCase,
     DropIn,
+    LayerOfStack,
     check_capacity,
     check_segments,
     require,
@@ -83,7 +84,10 @@ class Reference(dispatch.Runner):
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
-        return dispatch.Result(naive_attention(x["q"], x["k"], x["v"], x["q_pos"], x["k_pos"], x["k_valid"],
+        k, v = x["k"], x["v"]
+        if x.get("layer") is not None:  # a decoding step in a scanned stack's cache: the layer's slot
+            k, v = (jax.lax.dynamic_index_in_dim(a, x["layer"], keepdims=False) for a in (k, v))
+        return dispatch.Result(naive_attention(x["q"], k, v, x["q_pos"], x["k_pos"], x["k_valid"],
                                                causal=x["causal"], window=x["window"],
                                                q_segment_ids=x["q_segment_ids"], k_segment_ids=x["k_segment_ids"]))
 
@@ -98,11 +102,11 @@ def _short_rows(platform: str, *, large: bool = False, narrow_window: bool = Fal
 
 
 # 'auto' on every platform: last, for the calls the tiles are not preferred for (Tq*Tk <= auto_threshold, the
-# reference's limit: it materialises the [Tq, Tk] scores). On a CPU the tuned tiles overtake it near 512 tokens: a
-# training update of 2 x 1024 tokens (4 layers, 2 heads of 32) took 0.74 s with the tiles against 2.18 s with the
-# one softmax, at 512 tokens 0.44 s against 0.41 s, at 256 0.30 s against 0.20 s (`longctx-bench compare --measure
-# --methods dense --contexts 256,512,1k --seeds 1 --nohybrids --needle ''`, with and without
-# `--config.execution.attention.dense.impl=xla_cpu`; a shared 2-core machine). Not yet measured on a GPU or TPU.
+# reference's limit: it materialises the [Tq, Tk] scores). On a CPU the tuned tiles overtake it near 512 tokens
+# (`longctx-bench compare --measure --methods dense --contexts 256,512,1k --seeds 1 --nohybrids --needle ''`, with
+# and without `--config.execution.attention.dense.impl=xla_cpu`; a shared 2-core machine): a training update of
+# 2 x 1024 tokens (4 layers, 2 heads of 32) took 0.74 s with the tiles against 2.18 s with the one softmax, at 512
+# tokens 0.44 s against 0.41 s, at 256 0.30 s against 0.20 s. Not yet measured on a GPU or TPU.
 REFERENCE = dispatch.Implementation("reference", config={"impl": "reference"},
                                     auto={p: 3 for p in dispatch.ALL_PLATFORMS}, prefer=_short_rows, code=Reference,
                                     defaults={"auto_threshold": {"default": 4096 * 4096, "cpu": 512 * 512}})
@@ -172,18 +176,19 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
 
 
 def prepared_call(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, full_pass: bool, window: int, q_segment_ids,
-                  k_segment_ids, state=None) -> tuple[dispatch.Call, dict]:
+                  k_segment_ids, state=None, layer=None) -> tuple[dispatch.Call, dict]:
     """``(call, shapes)`` of one dense call: the :class:`dispatch.Call` every implementation takes (``inputs``: q, k,
-    v, ``q_pos``, ``k_pos``, ``k_valid``, ``q_segment_ids``, ``k_segment_ids``, ``full_pass``, ``window``, ``causal``
-    and ``mesh``: the mesh whose ``sequence`` axis splits a full pass's row, ``platform.active_sequence_mesh``, or
-    None) and the keywords of :func:`select_runner` (those of :func:`choose`, with ``scores`` = Tq*Tk in place of
-    ``large``)."""
+    v, ``q_pos``, ``k_pos``, ``k_valid``, ``q_segment_ids``, ``k_segment_ids``, ``full_pass``, ``window``, ``causal``,
+    ``layer`` and ``mesh``: the mesh whose ``sequence`` axis splits a full pass's row, ``platform.active_sequence_mesh``,
+    or None) and the keywords of :func:`select_runner` (those of :func:`choose`, with ``scores`` = Tq*Tk in place of
+    ``large``). ``layer`` (int32, a decoding step in a scanned stack's cache): k and v are every layer's caches
+    [L, B, H, M, .] and the call attends to this layer's; None: k, v are the call's [B, H, Tk, .]."""
     mesh = kernels.active_sequence_mesh(q.shape[2]) if full_pass else None
     split = None if mesh is None else q.shape[2] // mesh.shape[kernels.SEQUENCE_AXIS]
     inputs = dict(q=q, k=k, v=v, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, q_segment_ids=q_segment_ids,
-                  k_segment_ids=k_segment_ids, full_pass=full_pass, window=window, causal=causal, mesh=mesh)
+                  k_segment_ids=k_segment_ids, full_pass=full_pass, window=window, causal=causal, mesh=mesh, layer=layer)
     shapes = dict(dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, head_dim=q.shape[-1], value_dim=v.shape[-1],
-                  kv_cache=not full_pass, scores=q.shape[2] * k.shape[2], keys=k.shape[2], sequence_slice=split,
+                  kv_cache=not full_pass, scores=q.shape[2] * k.shape[-2], keys=k.shape[-2], sequence_slice=split,
                   causal=causal,
                   window=window, segments=q_segment_ids is not None)
     return dispatch.Call(inputs, state), shapes
@@ -376,8 +381,12 @@ class DenseAttention(AttentionCore):
             return prepared_call(q, k, v, pos, pos, jnp.ones((T,), bool), full_pass=True, k_segment_ids=seg, **common)
         if not self.causal:
             raise ValueError("dense: a bidirectional core takes no state")
-        M = state["k"].shape[2]
-        length = state["length"]
+        layer = None
+        if isinstance(state, LayerOfStack):  # a decoding step in a scanned stack's caches (steps_in_stack)
+            layer, state = state.layer, state.stack
+            common.update(state=state)
+        M = state["k"].shape[-2]
+        length = state["length"] if layer is None else state["length"][layer]
         if k.shape[-1] != state["k"].shape[-1] or v.shape[-1] != state["v"].shape[-1]:
             raise ValueError(f"dense: keys of width {k.shape[-1]} and values of width {v.shape[-1]} for a KV cache "
                              f"of widths {state['k'].shape[-1]} and {state['v'].shape[-1]}")
@@ -387,14 +396,16 @@ class DenseAttention(AttentionCore):
                            "for a sliding window that drops the oldest keys")
         q_pos = length + pos
         if self._writes_first(T, seg):  # the token into its slot, then the written cache (module docstring)
-            written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32))
+            written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32), length, layer)
             k_pos = slot_positions(length + 1, M)
             # the cache as stored (float32): each implementation casts what it reads to the compute dtype (q's),
             # the tiles block by block; a whole-cache cast here would be a copy of the cache every token
             call, shapes = prepared_call(q, written["k"], written["v"], q_pos, k_pos, k_pos >= 0, full_pass=False,
-                                         k_segment_ids=None, **common)
+                                         k_segment_ids=None, layer=layer, **common)
             call.inputs.update(written=written, out_dtype=v.dtype)
             return call, shapes
+        if layer is not None:
+            raise ValueError("dense: only a decoding step takes a scanned stack's caches (steps_in_stack)")
         k_pos = jnp.concatenate([length - M + jnp.arange(M, dtype=jnp.int32), q_pos])
         k_all = jnp.concatenate([in_order(state["k"], length, 2).astype(q.dtype), k], axis=2)
         v_all = jnp.concatenate([in_order(state["v"], length, 2).astype(v.dtype), v], axis=2)
@@ -407,14 +418,27 @@ class DenseAttention(AttentionCore):
         window's (``kv_window``'s query sees the M cached keys and itself: the slot it would overwrite)."""
         return T == 1 and seg is None and not self.cfg.kv_window
 
+    def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
+        """A decoding step (:meth:`_writes_first`) writes its token into its layer's slot of a scanned stack's
+        caches and attends to them there."""
+        return self.causal and self._writes_first(q.shape[2], segment_ids)
+
     @staticmethod
-    def _written(state, k, v, seg):
-        """``state`` with one token's key, value and segment id written into its slot."""
-        M = state["k"].shape[2]
-        slot = jnp.mod(state["length"], M)
-        put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), slot, axis=2 if a.ndim == 4 else 1)  # noqa: E731
+    def _written(state, k, v, seg, length, layer=None):
+        """``state`` with one token's key, value and segment id written into its slot (``length``: the tokens the
+        cache has seen); ``layer``: ``state`` is a scanned stack's caches and the token goes into that layer's."""
+        M = state["k"].shape[-2]
+        slot = jnp.mod(length, M)
+
+        def put(a, x):  # x: the token's [B, H, 1, .] key or value, or its [B, 1] segment id
+            at = (0, 0, slot, 0) if x.ndim == 4 else (0, slot)
+            if layer is not None:
+                x, at = x[None], (layer, *at)
+            return jax.lax.dynamic_update_slice(a, x.astype(a.dtype), at)
+
+        new_length = length + 1 if layer is None else state["length"].at[layer].set(length + 1)
         return {"k": put(state["k"], k), "v": put(state["v"], v), "segment_ids": put(state["segment_ids"], seg),
-                "length": state["length"] + 1}
+                "length": new_length}
 
     def select(self, **shapes):
         """:func:`select_for`: the base's selection, with :func:`choose`'s KV-cache rule for a named fused kernel
@@ -448,7 +472,8 @@ class DenseAttention(AttentionCore):
             return result.out, {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
                                 "length": jnp.asarray(T, jnp.int32)}
         if "written" in x:
-            return result.out.astype(x["out_dtype"]), x["written"]
+            written = x["written"] if x["layer"] is None else LayerOfStack(x["written"], x["layer"])
+            return result.out.astype(x["out_dtype"]), written
         M, length = state["k"].shape[2], state["length"] + T
         seg_all = self._cache_segments(state, kept_seg)
         return result.out, {

@@ -444,25 +444,33 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
 
 
 # ----------------------------------------------------------------------------- one query against a cache
-def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k: int, window: int = 0):
+def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k: int, window: int = 0,
+                        layer=None):
     """A decoding step's attention: one query q [B,H,1,D] against every key of a cache k, v [B,H,M,.] (positions
     in any order: a ring cache's), by online softmax over key blocks of ``block_k`` read as slices of the cache
     (the last block ends at M and skips the keys before it already seen). The cache is read where it lies: the
     position-general loop's blocked copy of the keys, or one product over the whole cache, made XLA:CPU copy the
     cache every token (a written, donated state could not be updated in place: ``DenseAttention.prepare``). The
-    cache may be stored wider than the compute dtype (q's): each block is cast as it is read. Output in q's dtype."""
-    M, D = k.shape[2], q.shape[3]
+    cache may be stored wider than the compute dtype (q's): each block is cast as it is read. Output in q's dtype.
+    ``layer`` (int32): k, v are a scanned stack's caches [L, B, H, M, .] and the query attends to that layer's,
+    read by the same slices (a slice of the layer's cache first would be a copy of it)."""
+    M, D = k.shape[-2], q.shape[3]
     bk = min(block_k, M)
     cd = lambda x: x.astype(q.dtype)  # noqa: E731  (the compute dtype; statistics fp32)
     qs = cd(q * D**-0.5)
     kpos, kval = k_pos.astype(jnp.int32), k_valid.astype(bool)
 
+    def block(x, start):  # keys start..start+bk of the cache [B, H, M, .] (of the layer's, in a stack)
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(x, start, bk, axis=2)
+        return jax.lax.dynamic_slice(x, (layer, 0, 0, start, 0), (1, *x.shape[1:3], bk, x.shape[4]))[0]
+
     def step(carry, j):
         start = jnp.minimum(j * bk, M - bk)
-        at = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, bk, axis=axis)  # noqa: E731
+        at = lambda x: jax.lax.dynamic_slice_in_dim(x, start, bk, axis=0)  # noqa: E731
         fresh = start + jnp.arange(bk, dtype=jnp.int32) >= j * bk  # the last block's keys not seen before
-        mask = visible(q_pos, at(kpos, 0), at(kval, 0) & fresh, causal, window)
-        return _softmax_step(carry, qs, cd(at(k, 2)), cd(at(v, 2)), mask), None
+        mask = visible(q_pos, at(kpos), at(kval) & fresh, causal, window)
+        return _softmax_step(carry, qs, cd(block(k, start)), cd(block(v, start)), mask), None
 
     B, H = q.shape[:2]
     init = (jnp.full((B, H, 1), NEG_INF, jnp.float32), jnp.zeros((B, H, 1), jnp.float32),
@@ -473,13 +481,16 @@ def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k
 
 def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
           ops: TileOps = PLAIN, max_unrolled: int = MAX_UNROLLED_BLOCKS, window: int = 0, q_segment_ids=None,
-          k_segment_ids=None):
+          k_segment_ids=None, layer=None):
     """The tiled algorithm with ``ops``: the unrolled structure for a full pass (``full_pass``, static: q_pos =
     k_pos = arange(T), every key valid) of one document that whole blocks tile, one query against a cache
-    (:func:`one_query_attention`: a decoding step of one stream), else the position-general loop (a packed row's
-    too: its visibility is not static)."""
+    (:func:`one_query_attention`: a decoding step of one stream; ``layer``: in a scanned stack's caches), else the
+    position-general loop (a packed row's too: its visibility is not static)."""
     if not full_pass and q.shape[2] == 1 and q_segment_ids is None:
-        return one_query_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_k=block_k, window=window)
+        return one_query_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_k=block_k, window=window,
+                                   layer=layer)
+    if layer is not None:
+        raise ValueError("dense tiles: a scanned stack's caches are read by a decoding step only")
     if full_pass and q_segment_ids is None and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
         return self_blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k, ops=ops,
                                         window=window)
@@ -488,11 +499,11 @@ def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-           window: int = 0, q_segment_ids=None, k_segment_ids=None):
+           window: int = 0, q_segment_ids=None, k_segment_ids=None, layer=None):
     """The ``blockwise`` implementation: :func:`tiled` with :data:`PLAIN` ops."""
     return tiled(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
                  full_pass=full_pass, ops=PLAIN, window=window, q_segment_ids=q_segment_ids,
-                 k_segment_ids=k_segment_ids)
+                 k_segment_ids=k_segment_ids, layer=layer)
 
 
 def prefers_long_rows(platform: str, *, large: bool = False, narrow_window: bool = False, one_query: bool = False,
@@ -521,7 +532,7 @@ class Tiles(dispatch.Runner):
         return dispatch.Result(type(self).tiled(
             x["q"], x["k"], x["v"], x["q_pos"], x["k_pos"], x["k_valid"], causal=x["causal"], block_q=bq,
             block_k=bk, full_pass=x["full_pass"], window=x["window"], q_segment_ids=x["q_segment_ids"],
-            k_segment_ids=x["k_segment_ids"]))
+            k_segment_ids=x["k_segment_ids"], layer=x.get("layer")))
 
 
 def window_blocks(block_q: int, block_k: int, window: int) -> tuple[int, int]:

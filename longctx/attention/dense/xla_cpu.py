@@ -34,12 +34,12 @@ CPU = xla.TileOps(rowsum_product=rowdot, swap_last=transposed, matmul_tn=rows_do
 
 
 def attend(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k: int, full_pass: bool = False,
-           window: int = 0, q_segment_ids=None, k_segment_ids=None):
+           window: int = 0, q_segment_ids=None, k_segment_ids=None, layer=None):
     """The ``xla_cpu`` implementation: :func:`xla.tiled` with the :data:`CPU` ops (a packed row's segment ids:
     the position-general loop, as ``blockwise``)."""
     return xla.tiled(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_q=block_q, block_k=block_k,
                      full_pass=full_pass, ops=CPU, window=window, q_segment_ids=q_segment_ids,
-                     k_segment_ids=k_segment_ids)
+                     k_segment_ids=k_segment_ids, layer=layer)
 
 
 class Tiles(xla.Tiles):

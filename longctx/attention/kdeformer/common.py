@@ -387,13 +387,23 @@ def draw_rows(draw, batch: int):
 # ---------------------------------------------------------------------------
 
 
-def next_state(state, k, v, W, compute_dtype, segment_ids=None):
+def one_token_applies(T: int, opts: CausalOptions, packed: bool) -> bool:
+    """Whether a call of ``T`` tokens after a state takes ``xla.one_token`` (§4.4's decoding step): one token of one
+    stream (no segment ids), the sampled residual drawn 'uniform' (or no samples). The 'ref' sampler's draw reads
+    the whole prefix's weight sums and Gram, and the 'exact' residual every key: those calls keep the tiled form."""
+    return (T == 1 and not packed and opts.residual == "sampled"
+            and (opts.sampling == "uniform" or opts.num_samples == 0))
+
+
+def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None):
     """The causal state after a call's keys k [B,H,T,d] and values v [B,H,T,dv] (``state`` None: the first call):
     the KV cache, the code cache h(k) (the keys in the compute dtype, as every implementation hashes them), the
     stream's projections W, the token count, and the document the state continues (§4.6): ``segment`` [B] its id
     and ``start`` [B] the cache position of its first token (keys before it belong to finished documents and are
     never attended again); a call without segment ids leaves 0 in both (the cache is one stream). A full pass's cache is the sequence itself (float32 or wider);
-    a decoding cache keeps its dtype and writes the tokens at ``state['length']``."""
+    a decoding cache keeps its dtype and writes the tokens at ``state['length']``. ``layer`` (int32): ``state`` is a
+    scanned stack's states (leaves [L, ...]) and the tokens go into that layer's slot of it (a decoding step in the
+    stack: the rest is left where it lies)."""
     k, v = k.astype(compute_dtype), v.astype(compute_dtype)
     codes, (B, _, T) = lsh_codes(k, W), k.shape[:3]
     start = causal_starts(state, segment_ids, T, B)[:, -1]
@@ -402,6 +412,14 @@ def next_state(state, k, v, W, compute_dtype, segment_ids=None):
         sdt = jnp.promote_types(compute_dtype, jnp.float32)
         return {"k": k.astype(sdt), "v": v.astype(sdt), "codes": codes, "proj": W, "length": jnp.asarray(T, jnp.int32),
                 "segment": segment, "start": start}
+    if layer is not None:
+        P0 = state["length"][layer]
+        put = lambda a, x: jax.lax.dynamic_update_slice(  # noqa: E731
+            a, x.astype(a.dtype)[None], (layer, 0, 0, P0) + (0,) * (a.ndim - 4))
+        at = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, jnp.asarray(x, a.dtype), layer, 0)  # noqa: E731
+        return {"k": put(state["k"], k), "v": put(state["v"], v), "codes": put(state["codes"], codes),
+                "proj": at(state["proj"], W), "length": at(state["length"], P0 + T),
+                "segment": at(state["segment"], segment), "start": at(state["start"], start)}
     P0 = state["length"]
     put = lambda a, x: jax.lax.dynamic_update_slice(a, x.astype(a.dtype), (0, 0, P0) + (0,) * (a.ndim - 3))  # noqa: E731
     return {"k": put(state["k"], k), "v": put(state["v"], v), "codes": put(state["codes"], codes), "proj": W,
@@ -410,4 +428,4 @@ def next_state(state, k, v, W, compute_dtype, segment_ids=None):
 
 __all__ = ["CUM_SHIFT", "INT_MAX", "NEG", "NORM_SHIFT", "U_MAX", "BidirOptions", "CausalOptions",
            "augmented_gram", "bidir_samples", "document_lambda", "packed_bidir_samples", "words_at", "words_sub", "causal_starts", "document_lengths", "draw_projections", "draw_rows", "draw_samples", "gray_rank", "inverse_permutation", "lsh_codes",
-           "next_state", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]
+           "next_state", "one_token_applies", "norm_weights", "power_lambda", "prefix_end", "weight_prefix_sums"]

@@ -76,6 +76,7 @@ from longctx.attention.base import (
     CapacityError,
     ContractCase,
     KernelBench,
+    LayerOfStack,
     check_capacity,
     check_segments,
     require,
@@ -86,6 +87,7 @@ from longctx.attention.kdeformer.common import (
     CausalOptions,
     draw_projections,
     next_state,
+    one_token_applies,
 )
 
 ROUTES = ("gather", "scores", "band")  # the causal heavy routes (xla.py), each a CPU implementation
@@ -100,9 +102,10 @@ class Reference(dispatch.Runner):
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
-        if core.causal:
+        if core.causal:  # in a scanned stack, the layer's state (finish sets the next one back)
+            state = call.state.get() if isinstance(call.state, LayerOfStack) else call.state
             return dispatch.Result(reference.causal(x["q"], x["k"], x["v"], x["W"], call.key, core.causal_opts,
-                                                    call.state, x["segment_ids"]))
+                                                    state, x["segment_ids"]))
         return dispatch.Result(reference.bidirectional(x["q"], x["k"], x["v"], x["W"], call.key, core.bidir_opts,
                                                        x["segment_ids"]))
 
@@ -318,11 +321,15 @@ class KDEformerAttention(AttentionCore):
             T, c = q.shape[2], self.causal_opts.chunk_size
             shapes = self.selection_shapes(q.dtype, cache_len=-(-T // c) * c)
         else:
-            T, M = q.shape[2], state["k"].shape[2]
+            # a scanned stack's states (steps_in_stack): its layer's count and projections, the caches left there
+            at = ((lambda a: jax.lax.dynamic_index_in_dim(a, state.layer, keepdims=False))
+                  if isinstance(state, LayerOfStack) else (lambda a: a))
+            st = state.stack if isinstance(state, LayerOfStack) else state
+            T, M, length = q.shape[2], st["k"].shape[-2], at(st["length"])
             if T > M:  # static: more new tokens than the whole state holds
                 raise CapacityError(CAPACITY_MESSAGE.format(capacity=M, needed=T))
-            check_capacity(state["length"] + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
-            W = jnp.where(state["length"] > 0, state["proj"], W)  # the stream keeps its first call's projections
+            check_capacity(length + T, M, CAPACITY_MESSAGE)  # eager, or a host callback under jit
+            W = jnp.where(length > 0, at(st["proj"]), W)  # the stream keeps its first call's projections
             shapes = self.selection_shapes(q.dtype, cache_len=M, full_pass=False)
         inputs = {"q": q, "k": k, "v": v, "W": W, "segment_ids": segment_ids}
         return dispatch.Call(inputs, state, key=k_s), shapes
@@ -336,7 +343,15 @@ class KDEformerAttention(AttentionCore):
             return out, None
         if result.state is not None:
             return out, result.state
+        if isinstance(call.state, LayerOfStack):  # an implementation that took the layer's state (the reference)
+            return out, call.state.put(next_state(call.state.get(), x["k"], x["v"], x["W"], x["q"].dtype,
+                                                  x["segment_ids"]))
         return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"])
+
+    def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
+        """§4.4's decoding step (``common.one_token_applies``) writes its token into its layer's slot of a scanned
+        stack's states and reads the caches there (``xla.one_token``)."""
+        return self.causal and one_token_applies(q.shape[2], self.causal_opts, segment_ids is not None)
 
 
 __all__ = ["CAPACITY_MESSAGE", "REFERENCE", "ROUTES", "KDEformerAttention", "Reference"]

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from longctx.attention import dispatch
+from longctx.attention.base import LayerOfStack
 from longctx.attention.dispatch import Implementation
 from longctx.attention.kdeformer.common import (
     INT_MAX,
@@ -58,6 +59,7 @@ from longctx.attention.kdeformer.common import (
     lsh_codes,
     next_state,
     norm_weights,
+    one_token_applies,
     packed_bidir_samples,
     power_lambda,
     prefix_end,
@@ -786,15 +788,24 @@ def bidirectional(q, k, v, W, key_s, opts: BidirOptions, row_scale=row_scale, se
     return bidir_forward(q, k, v, W, key_s, opts, row_scale=row_scale)
 
 
-def one_token_applies(T: int, opts: CausalOptions, packed: bool) -> bool:
-    """Whether a call of ``T`` tokens after a state takes :func:`one_token` (§4.4's decoding step): one token of one
-    stream (no segment ids), the sampled residual drawn 'uniform' (or no samples). The 'ref' sampler's draw reads
-    the whole prefix's weight sums and Gram, and the 'exact' residual every key: those calls keep the tiled form."""
-    return (T == 1 and not packed and opts.residual == "sampled"
-            and (opts.sampling == "uniform" or opts.num_samples == 0))
+def _slots(x, lo, w: int, layer):
+    """Slots lo..lo+w of a cache x [B,H,M,.] (``layer``: of that layer's cache in a stack [L,B,H,M,.])."""
+    if layer is None:
+        return jax.lax.dynamic_slice_in_dim(x, lo, w, axis=2)
+    return jax.lax.dynamic_slice(x, (layer, 0, 0, lo, 0), (1, *x.shape[1:3], w, x.shape[4]))[0]
 
 
-def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
+def _take_in(x, idx, layer):
+    """:func:`_take` of a cache x [B,H,M,.] at idx [B,H,K] (``layer``: of that layer's cache in a stack
+    [L,B,H,M,.], gathered from the stack per row as :func:`_take` does: one advanced index over the stack let
+    XLA:CPU's classic emitters fuse the token's write into each gather, which copied the stack)."""
+    if layer is None:
+        return _take(x, idx)
+    rows = lambda a, i: jnp.take(a[layer], i, axis=0, mode="clip")  # noqa: E731  (a [L, M, .], i [K])
+    return jax.vmap(jax.vmap(rows, in_axes=(1, 0)), in_axes=(1, 0))(x, idx)
+
+
+def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale, layer=None):
     """The causal estimator (§4) for one new token i after a state, as the spec's decoding step computes it (§4.4),
     read from ``written``, the state with the token's key, value and code written (:func:`common.next_state`):
     the local keys [L_g, i] as one slice of the cache, Hv(i) as the b_h largest positions j < L_g whose code is
@@ -804,11 +815,15 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
     tiled form sorts the whole code cache and pads the query to a chunk. Reading the written caches (the slots
     below i are unchanged, slot i holds the token as the compute dtype rounds it) lets XLA write the token in
     place into a donated state: a read of the state before the write made it copy the whole cache every token.
-    out [B,H,1,dv]."""
+    ``layer`` (int32): ``written`` is a scanned stack's states (leaves [L, ...]) and the step reads that layer's
+    caches where they lie (a slice of the layer's cache first would copy it). out [B,H,1,dv]."""
     B, H, _, d = q.shape
-    K, V, HK = written["k"], written["v"], written["codes"]
-    i = written["length"] - 1
-    M = K.shape[2]
+    K, V = written["k"], written["v"]
+    if layer is None:
+        HK, i = written["codes"], written["length"] - 1
+    else:  # the codes' slot of the layer (1/d of its keys) is read whole by the running count anyway
+        HK, i = jax.lax.dynamic_index_in_dim(written["codes"], layer, keepdims=False), written["length"][layer] - 1
+    M = K.shape[-2]
     c, bh, m, sig = opts.chunk_size, opts.heavy_capacity, opts.num_samples, opts.scale
     hq = lsh_codes(q, W)  # [B,H,1]
     g = i // c
@@ -817,8 +832,8 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
     w = min(opts.local_chunks * c, M)
     lo = jnp.clip(L, 0, M - w)
     kpos = lo + jnp.arange(w, dtype=jnp.int32)
-    kl = jax.lax.dynamic_slice_in_dim(K, lo, w, axis=2).astype(q.dtype)
-    vl = jax.lax.dynamic_slice_in_dim(V, lo, w, axis=2).astype(q.dtype)
+    kl = _slots(K, lo, w, layer).astype(q.dtype)
+    vl = _slots(V, lo, w, layer).astype(q.dtype)
     s_l = sig * einsum_f32("bhqd,bhkd->bhqk", q, kl)
     parts = [(s_l, (kpos >= L) & (kpos <= i), lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
     if bh > 0:  # Hv(i): the most recent keys before L with the query's code (§4.4 step 3)
@@ -828,8 +843,8 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
         j = count[..., -1:] - jnp.arange(bh, dtype=jnp.int32)  # [B,H,b_h]: the newest first; < 1: none
         hidx = _ssorted(count, j).astype(jnp.int32)
         hvalid = j >= 1
-        kh = _take(K, hidx).astype(q.dtype)
-        vh = _take(V, hidx).astype(q.dtype)
+        kh = _take_in(K, hidx, layer).astype(q.dtype)
+        vh = _take_in(V, hidx, layer).astype(q.dtype)
         s_h = sig * einsum_f32("bhqd,bhkd->bhqk", q, kh)
         parts.append((s_h, hvalid[:, :, None, :], lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vh.dtype), vh)))
     if m > 0:  # the chunk's samples (§4.3), masked where they lie in Hv(i) (O(m·b_h) comparisons)
@@ -837,7 +852,7 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale):
         idx, prob = jax.lax.stop_gradient(draw_samples(jax.random.fold_in(key_s, g), m, n, "uniform"))
         inside = jnp.any((idx[..., :, None] == hidx[..., None, :]) & hvalid[..., None, :], axis=-1) if bh > 0 \
             else jnp.zeros(idx.shape, bool)
-        ks, vs = _take(K, idx).astype(q.dtype), _take(V, idx).astype(q.dtype)
+        ks, vs = _take_in(K, idx, layer).astype(q.dtype), _take_in(V, idx, layer).astype(q.dtype)
         s_s = sig * einsum_f32("bhqd,bhmd->bhqm", q, ks) - jnp.log(m * prob)[:, :, None, :]
         parts.append((s_s, ((L > 0) & ~inside)[:, :, None, :],
                       lambda p: einsum_f32("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
@@ -872,6 +887,11 @@ def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale, ba
     'band' route's heavy part by ``band_fn``). One token of one stream after a state is §4.4's decoding step
     (:func:`one_token`, whatever the heavy route), which returns the state it wrote."""
     x = call.inputs
+    if isinstance(call.state, LayerOfStack):  # a decoding step in a scanned stack's states (steps_in_stack)
+        stack, layer = call.state.stack, call.state.layer
+        written = next_state(stack, x["k"], x["v"], x["W"], x["q"].dtype, layer=layer)
+        out = one_token(x["q"], x["W"], call.key, opts, written, row_scale, layer=layer)
+        return dispatch.Result(out, state=LayerOfStack(written, layer))
     if call.state is not None and one_token_applies(x["q"].shape[2], opts, x["segment_ids"] is not None):
         written = next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype)
         return dispatch.Result(one_token(x["q"], x["W"], call.key, opts, written, row_scale), state=written)
