@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -121,10 +122,13 @@ def build(
     value_dim: int | None = None,
     execution: ml_collections.ConfigDict | dict | None = None,
     platform: str | None = None,
+    cache_dtype=None,
 ) -> AttentionCore:
     """The core of method ``name``: its defaults, then ``execution`` (settings of ``execution.attention.<name>``),
     then ``cfg`` (hyperparameters; execution keys given here too win), validated as one config. ``platform``: where
-    it runs, what its implementations are selected for (default: jax's default backend)."""
+    it runs, what its implementations are selected for (default: jax's default backend). ``cache_dtype``: the dtype
+    its state keeps keys and values in (``AttentionCore.cache_dtype``; a model's blocks give their compute dtype;
+    None: float32)."""
     cls = get_class(name)
     merged = cls.default_config()
     if execution is not None:
@@ -132,8 +136,11 @@ def build(
     if cfg is not None:
         merged.update(cfg)
     validate(name, merged, causal=causal)
-    return cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
+    core = cls(merged, num_heads=num_heads, head_dim=head_dim, causal=causal, rngs=rngs, value_dim=value_dim,
                platform=platform)
+    if cache_dtype is not None:
+        core.cache_dtype = jnp.dtype(cache_dtype)
+    return core
 
 
 def methods_of(model_cfg) -> tuple[str, ...]:

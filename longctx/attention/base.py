@@ -191,6 +191,10 @@ class AttentionCore(nnx.Module):
     # proven at model level against one device (tests/models/test_packed.py); a core without it runs packed rows
     # split by XLA's partitioner instead, and a composed packed call is refused in one line
     sequence_compose_packed: bool = False
+    # the dtype a causal state keeps the keys and values it was given in (a KV cache): the model's compute dtype,
+    # which ``attention.build`` sets (``cache_dtype``); float32 for a core built without one. Its statistics and
+    # summaries stay float32 whatever it is.
+    cache_dtype: Any = jnp.float32
     # -- execution: keys of default_config() that choose how the method is computed (implementation, tiles,
     # budgets), never what: they live in the config's ``execution.attention.<name>`` section, apart from the
     # model's hyperparameters, and changing one changes no result beyond floating-point rounding

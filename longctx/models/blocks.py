@@ -136,8 +136,8 @@ class TransformerBlock(nnx.Module):
                           **pol.layer_kw, **pol.rows_kw)
         name = cfg.attention.name
         self.core = attention.build(
-            name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs, platform=platform
-        )
+            name, cfg.attention.get(name), num_heads=H, head_dim=Dh, causal=cfg.causal, rngs=rngs, platform=platform,
+            cache_dtype=pol.cache)
         self.mlp = MLP(d, cfg.d_ff, dropout=cfg.dropout, rngs=rngs, policy=pol, kind=str(cfg.mlp),
                        use_bias=bool(cfg.mlp_bias))
 

@@ -70,7 +70,7 @@ class GAUBlock(nnx.Module):
         # the GAU RMS-normalizes and scales q and k itself (§2.1); the core adapts through its capability
         core_cfg = core_cls.configure_for_block(core_cfg, normalizes_qk=True, d_model=d)
         self.core = attention.build(name, core_cfg, num_heads=H, head_dim=Dk, value_dim=Dv,
-                                    causal=cfg.causal, rngs=rngs, platform=platform)
+                                    causal=cfg.causal, rngs=rngs, platform=platform, cache_dtype=pol.cache)
         self._core_takes_mask = bool(core_cls.takes_token_mask)
 
     def __call__(self, x, state, *, positions=None, deterministic: bool = True, key=None, aux=None, mask=None,

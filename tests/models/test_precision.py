@@ -146,6 +146,29 @@ def test_float32_stays_the_cpu_default():
     assert precision.policy(m).full  # on this CPU
 
 
+@pytest.mark.parametrize("method", ["dense", "kdeformer"])
+def test_decoding_caches_keep_the_compute_dtype_off_a_cpu(method):
+    """A KV cache holds the keys and values a layer was given: in the compute dtype on a GPU or TPU (half the bytes
+    a decoding step reads under bfloat16), in float32 on a CPU (``Policy.cache``: XLA:CPU converts a bfloat16 cache
+    whole for the step's write); a full pass's state and the empty one agree, so a donated step keeps its dtypes."""
+    for platform, want in (("cuda", jnp.bfloat16), ("tpu", jnp.bfloat16), ("cpu", jnp.float32)):
+        cfg = small_config(method)
+        model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, platform=platform))  # noqa: B023
+        state = jax.eval_shape(lambda: model.init_state(2, 64))  # noqa: B023
+        caches = {name: leaf.dtype for name, leaf in state["layers"][0].items() if name in ("k", "v")}
+        assert caches == {"k": want, "v": want}, (platform, caches)
+    cfg = small_config(method, "float32")
+    model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, platform="cuda"))
+    assert jax.eval_shape(lambda: model.init_state(2, 64))["layers"][0]["k"].dtype == jnp.float32
+    core = build_model(small_config(method).model, seed=0).blocks[0].core  # on this CPU, built for the GPU below
+    core.cache_dtype = jnp.dtype(jnp.bfloat16)
+    q = k = v = jax.random.normal(jax.random.key(0), (2, core.num_heads, 16, core.head_dim), jnp.bfloat16)
+    full = core(q, k, v, None, deterministic=False, key=jax.random.key(1))[1]
+    empty = core.init_state(2, 64)
+    assert jax.tree.map(lambda a: a.dtype, full) == jax.tree.map(lambda a: a.dtype, core(
+        q, k, v, empty, deterministic=False, key=jax.random.key(1))[1]) == jax.tree.map(lambda a: a.dtype, empty)
+
+
 def test_dtype_keys_are_validated():
     from longctx.errors import ConfigError
 

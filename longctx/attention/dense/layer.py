@@ -341,8 +341,8 @@ class DenseAttention(AttentionCore):
             max_len = self.window
         H, D, Dv = self.num_heads, self.head_dim, self.value_dim
         return {
-            "k": jnp.zeros((batch_size, H, max_len, D), jnp.float32),
-            "v": jnp.zeros((batch_size, H, max_len, Dv), jnp.float32),
+            "k": jnp.zeros((batch_size, H, max_len, D), self.cache_dtype),
+            "v": jnp.zeros((batch_size, H, max_len, Dv), self.cache_dtype),
             "segment_ids": jnp.zeros((batch_size, max_len), jnp.int32),
             "length": jnp.zeros((), jnp.int32),
         }
@@ -398,8 +398,9 @@ class DenseAttention(AttentionCore):
         if self._writes_first(T, seg):  # the token into its slot, then the written cache (module docstring)
             written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32), length, layer)
             k_pos = slot_positions(length + 1, M)
-            # the cache as stored (float32): each implementation casts what it reads to the compute dtype (q's),
-            # the tiles block by block; a whole-cache cast here would be a copy of the cache every token
+            # the cache as stored (cache_dtype, float32 for a core built alone): each implementation casts what it
+            # reads to the compute dtype (q's), the tiles block by block; a whole-cache cast here would be a copy of
+            # the cache every token
             call, shapes = prepared_call(q, written["k"], written["v"], q_pos, k_pos, k_pos >= 0, full_pass=False,
                                          k_segment_ids=None, layer=layer, **common)
             call.inputs.update(written=written, out_dtype=v.dtype)
@@ -469,16 +470,16 @@ class DenseAttention(AttentionCore):
                 edge = lambda a: jnp.pad(a, ((0, 0), (0, 0), (max(W - T, 0), 0), (0, 0)))[:, :, -W:]  # noqa: E731
                 k, v = to_ring(edge(k), T, 2), to_ring(edge(v), T, 2)
                 kept_seg = to_ring(jnp.pad(kept_seg, ((0, 0), (max(W - T, 0), 0)))[:, -W:], T, 1)
-            return result.out, {"k": k.astype(jnp.float32), "v": v.astype(jnp.float32), "segment_ids": kept_seg,
-                                "length": jnp.asarray(T, jnp.int32)}
+            return result.out, {"k": k.astype(self.cache_dtype), "v": v.astype(self.cache_dtype),
+                                "segment_ids": kept_seg, "length": jnp.asarray(T, jnp.int32)}
         if "written" in x:
             written = x["written"] if x["layer"] is None else LayerOfStack(x["written"], x["layer"])
             return result.out.astype(x["out_dtype"]), written
         M, length = state["k"].shape[2], state["length"] + T
         seg_all = self._cache_segments(state, kept_seg)
         return result.out, {
-            "k": to_ring(x["k"][:, :, -M:], length, 2).astype(jnp.float32),
-            "v": to_ring(x["v"][:, :, -M:], length, 2).astype(jnp.float32),
+            "k": to_ring(x["k"][:, :, -M:], length, 2).astype(state["k"].dtype),
+            "v": to_ring(x["v"][:, :, -M:], length, 2).astype(state["v"].dtype),
             "segment_ids": to_ring(seg_all[:, -M:], length, 1),
             "length": length,
         }

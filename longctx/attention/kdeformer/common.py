@@ -395,12 +395,13 @@ def one_token_applies(T: int, opts: CausalOptions, packed: bool) -> bool:
             and (opts.sampling == "uniform" or opts.num_samples == 0))
 
 
-def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None):
+def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None, cache_dtype=None):
     """The causal state after a call's keys k [B,H,T,d] and values v [B,H,T,dv] (``state`` None: the first call):
     the KV cache, the code cache h(k) (the keys in the compute dtype, as every implementation hashes them), the
     stream's projections W, the token count, and the document the state continues (§4.6): ``segment`` [B] its id
     and ``start`` [B] the cache position of its first token (keys before it belong to finished documents and are
-    never attended again); a call without segment ids leaves 0 in both (the cache is one stream). A full pass's cache is the sequence itself (float32 or wider);
+    never attended again); a call without segment ids leaves 0 in both (the cache is one stream). A full pass's cache
+    is the sequence itself, in ``cache_dtype`` (the core's, ``AttentionCore.cache_dtype``; None: float32 or wider);
     a decoding cache keeps its dtype and writes the tokens at ``state['length']``. ``layer`` (int32): ``state`` is a
     scanned stack's states (leaves [L, ...]) and the tokens go into that layer's slot of it (a decoding step in the
     stack: the rest is left where it lies)."""
@@ -409,7 +410,7 @@ def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None):
     start = causal_starts(state, segment_ids, T, B)[:, -1]
     segment = jnp.zeros((B,), jnp.int32) if segment_ids is None else segment_ids[:, -1].astype(jnp.int32)
     if state is None:
-        sdt = jnp.promote_types(compute_dtype, jnp.float32)
+        sdt = jnp.promote_types(compute_dtype, jnp.float32) if cache_dtype is None else cache_dtype
         return {"k": k.astype(sdt), "v": v.astype(sdt), "codes": codes, "proj": W, "length": jnp.asarray(T, jnp.int32),
                 "segment": segment, "start": start}
     if layer is not None:

@@ -293,8 +293,8 @@ class KDEformerAttention(AttentionCore):
             raise ValueError("kdeformer: init_state needs max_len (the KV / code cache capacity in tokens)")
         B, H, D, Dv = batch_size, self.num_heads, self.head_dim, self.value_dim
         return {
-            "k": jnp.zeros((B, H, max_len, D), jnp.float32),
-            "v": jnp.zeros((B, H, max_len, Dv), jnp.float32),
+            "k": jnp.zeros((B, H, max_len, D), self.cache_dtype),
+            "v": jnp.zeros((B, H, max_len, Dv), self.cache_dtype),
             "codes": jnp.zeros((B, H, max_len), jnp.int32),
             "proj": jnp.zeros((B, H, D, self.causal_opts.num_projs), jnp.float32),
             "length": jnp.zeros((), jnp.int32),
@@ -346,7 +346,8 @@ class KDEformerAttention(AttentionCore):
         if isinstance(call.state, LayerOfStack):  # an implementation that took the layer's state (the reference)
             return out, call.state.put(next_state(call.state.get(), x["k"], x["v"], x["W"], x["q"].dtype,
                                                   x["segment_ids"]))
-        return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"])
+        return out, next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"],
+                               cache_dtype=self.cache_dtype)
 
     def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
         """§4.4's decoding step (``common.one_token_applies``) writes its token into its layer's slot of a scanned
