@@ -41,10 +41,10 @@
 #   memplan   the flagship config's memory plan compiled on the device (`longctx-train --dry_run`); STEPS=all
 #   compile   the Transformer-VQ flagship's training step compiled at 4 and at 48 layers (its depth): compile
 #             seconds at each depth, whether depth costs compile time (`longctx-bench step`); STEPS=all
-#   decode    one decoding step of every causal core at 8k and 32k (B1 H8 d64 bf16, the state donated as sampling
-#             donates it): ms per token, state size, and the step's XLA temporaries (dense and KDEformer write the
-#             token into the state in place on XLA:CPU; whether they do on the device) (`longctx-bench decode`);
-#             STEPS=all
+#   decode    one decoding step of every causal core at 8k and 32k (B1 H8 d64 bf16, KV caches in bf16 as a
+#             model keeps them on the device, the state donated as sampling donates it): ms per token, state
+#             size, and the step's XLA temporaries (dense and KDEformer write the token into the state in place on
+#             XLA:CPU; whether they do on the device) (`longctx-bench decode`); STEPS=all
 # Per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset,
 # STEPS=all every step (the report is always written, from every step output in the folder). --smoke writes to a
 # scratch folder (printed) unless --out is given.
@@ -558,13 +558,14 @@ section("Flagship compile time against depth", "compile", body)
 
 dec = load(work / "decode" / "decode.json") or {}
 report["decode"] = dec.get("rows", []) if isinstance(dec, dict) else []
-body = ["| method | position | ms / token | state MB | XLA temporaries MB | written in place | status |",
-        "|---|---|---|---|---|---|---|"]
+body = ["| method | position | cache dtype | ms / token | state MB | XLA temporaries MB | written in place | status |",
+        "|---|---|---|---|---|---|---|---|"]
 for r in report["decode"]:
     mem, state = r.get("decode_xla_mem") or {}, r.get("state_bytes_empty")
     temp = mem.get("temp")
     place = None if temp is None or not state else ("yes" if temp < state / 4 else "no")
-    body.append(f"| {r.get('method')} | {r.get('position')} | {fmt(r['per_token_s'] * 1e3 if r.get('per_token_s') else None)} | "
+    body.append(f"| {r.get('method')} | {r.get('position')} | {r.get('cache_dtype', '–')} | "
+                f"{fmt(r['per_token_s'] * 1e3 if r.get('per_token_s') else None)} | "
                 f"{fmt(state / 1e6 if state else None)} | {fmt(temp / 1e6 if temp is not None else None)} | "
                 f"{place or '–'} | {r.get('status', '')} |")
 section("Decoding steps", "decode", body)

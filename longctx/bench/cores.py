@@ -43,12 +43,13 @@ def method_config(name: str, overrides: dict | None = None) -> ml_collections.Co
 
 
 def build_core(name: str, overrides: dict | None, *, heads: int, head_dim: int, causal: bool, seed: int = 0,
-               value_dim: int | None = None):
-    """attention.validate first (raises ConfigError when the method lacks this direction), then build."""
+               value_dim: int | None = None, cache_dtype=None):
+    """attention.validate first (raises ConfigError when the method lacks this direction), then build
+    (``cache_dtype``: the dtype its state keeps keys and values in, as a model's blocks set it; None: float32)."""
     cfg = method_config(name, overrides)
     attention.validate(name, cfg, causal=causal)
     return attention.build(name, cfg, num_heads=heads, head_dim=head_dim, causal=causal, rngs=nnx.Rngs(seed),
-                           value_dim=value_dim)
+                           value_dim=value_dim, cache_dtype=cache_dtype)
 
 
 def has_params(core) -> bool:

@@ -8,7 +8,9 @@ streaming evaluation); then ``--steps`` single-token calls ``core(q1, k1, v1, st
 (jitted, the state fed back) are timed one by one after ``--warmup`` calls (median), so the
 timed tokens are the last ones of a ``position``-token context and a core whose length is
 bounded (fma's levels cover ``max_len`` tokens) is asked for no more than that.
-State size = bytes of every array leaf of the state pytree after the prefill.
+State size = bytes of every array leaf of the state pytree after the prefill; a core keeps its KV cache in the
+dtype a model of ``--dtype`` keeps it in on this platform (``precision.Policy.cache``: the compute dtype on a GPU or
+TPU, float32 on a CPU).
 A position is skipped (and says so) when XLA's compiled memory estimate of the
 single-token call exceeds ``--mem_budget_gb`` or the prefill time extrapolated from
 the shorter positions exceeds ``--max_prefill_s``.
@@ -29,6 +31,7 @@ from longctx.attention import dispatch
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
+from longctx.models import precision
 
 
 def define_flags(fv) -> None:
@@ -55,6 +58,8 @@ def run(args) -> dict:
     methods = C.select_methods(C.parse_names(args.methods))
     positions = C.parse_ints(args.positions)
     dtype = C.dtype_of(args.dtype)
+    # the caches in the dtype a model of this compute dtype keeps them in on this platform (Policy.cache)
+    cache = jnp.dtype(precision.Policy(compute=dtype, platform=dispatch.current_platform()).cache)
     B, H, D = args.batch, args.heads, args.head_dim
     budget = args.mem_budget_gb * C.GB
     res = {"header": C.header(args, "decode"), "rows": [], "skipped_methods": []}
@@ -65,7 +70,7 @@ def run(args) -> dict:
     for method in methods:
         try:
             default = attention.get_class(method).bench_variants(dispatch.current_platform()).get("")  # default variant
-            core = build_core(method, default, heads=H, head_dim=D, causal=True, seed=args.seed)
+            core = build_core(method, default, heads=H, head_dim=D, causal=True, seed=args.seed, cache_dtype=cache)
         except ConfigError as e:
             res["skipped_methods"].append({"method": method, "reason": str(e)})
             bar.write(f"skip {method}: {e}")
@@ -84,7 +89,8 @@ def run(args) -> dict:
         hist_L, hist_t = [], []
         for pos in positions:
             bar.set_postfix_str(f"{method} pos={C.fmt_len(pos)}")
-            row = {"method": method, "position": pos, "batch": B, "heads": H, "head_dim": D, "dtype": args.dtype}
+            row = {"method": method, "position": pos, "batch": B, "heads": H, "head_dim": D, "dtype": args.dtype,
+                   "cache_dtype": cache.name}
             try:
                 row.update(_one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t))
             except Exception as e:  # noqa: BLE001 -- reported, the run goes on
@@ -167,7 +173,9 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
 
 def markdown(res: dict) -> str:
     a = res["header"]["args"]
-    parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']} "
+    cache = next((r["cache_dtype"] for r in res["rows"] if "cache_dtype" in r), None)
+    cached = f", KV caches in {cache} (as a model of that dtype keeps them here)" if cache else ""
+    parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}{cached} "
              f"(one attention core, not a full model); prefill in chunks of {a['prefill_chunk']}; "
              f"per-token latency = median of {a['steps']} single-token calls after {a['warmup']} warm-up, the "
              f"last tokens of a context of `position` tokens (the state is built for exactly that many).\n"]
