@@ -8,6 +8,8 @@ Laws (tolerances from the case; a wrong implementation cannot meet them):
   * shapes and dtypes; jit == eager (on each method's first case); vmap == per-example calls
   * streamed in uneven chunks (1 token, borders that are multiples of no block size) == one full pass
   * token-by-token decoding == full pass, over a length that populates every part of the state
+  * a layer's slot of a scanned stack's states (``base.LayerOfStack``, through ``call_core``) decodes as the
+    layer's state alone, its new state lands in its slot and the other layers' slots are untouched
   * no future leak, by perturbation and by Jacobian, at a late query whose carried state is populated;
     and a query does see the distant past (its gradient reaches the first quarter of the row)
   * bidirectional: a query sees later tokens
@@ -33,7 +35,9 @@ import pytest
 from flax import nnx
 
 from longctx import attention
-from longctx.attention.base import LOGICAL_AXES, AttentionCore, CapacityError
+from longctx.attention.base import LOGICAL_AXES, AttentionCore, CapacityError, LayerOfStack
+from longctx.models.backbone import stack_layers
+from longctx.models.sequence_shard import call_core
 
 B = 2
 SPLIT_SIZES = (13, 1, 7)  # the first chunk spans block borders; no size is a multiple of a block size but 1
@@ -305,6 +309,37 @@ def test_token_by_token_decoding_equals_full(name, cname, direction):
     full = full_output(name, cname, direction, key is not None)
     decoded, _ = h.stream(q, k, v, (1,), key=key)
     h.close(decoded, full, "decoded token by token != full")
+
+
+@pytest.mark.parametrize("name,cname,direction", CAUSAL)
+def test_a_layer_of_a_stack_decodes_as_the_layer_alone(name, cname, direction):
+    """A scanned model's decoding: the core gets its layer's slot of the stacked states (``LayerOfStack``) and
+    either steps in the stack itself (``steps_in_stack``: a decoding step writing its token there) or is handed the
+    slot's state and its new state set back; tokens one at a time and a chunk of two, the layer index traced as in
+    the scan."""
+    h = harness(name, cname, direction)
+    q, k, v = h.qkv()
+    key = h.key()
+    n = h.T - 5
+    _, mine = h.stream(q[:, :, :n], k[:, :, :n], v[:, :, :n], SPLIT_SIZES, key=key, capacity=h.T)
+    _, other = h.stream(*(x[:, :, :9] * 0.5 for x in (q, k, v)), SPLIT_SIZES, key=key, capacity=h.T)
+    stack = stack_layers([other, mine, other])
+
+    @jax.jit
+    def in_stack(variables, q, k, v, stack, layer, key):
+        core = nnx.merge(h.graphdef, variables)
+        out, st = call_core(core, q, k, v, LayerOfStack(stack, layer), deterministic=key is None, key=key)
+        return out, st.stack
+
+    for size in (1, 2, 1, 1):
+        s = slice(n, n + size)
+        want, mine = h(q[:, :, s], k[:, :, s], v[:, :, s], mine, key=key)
+        got, stack = in_stack(h.variables, q[:, :, s], k[:, :, s], v[:, :, s], stack, jnp.int32(1), key)
+        h.close(got, want, f"a stack's layer != the layer alone at tokens {s}")
+        n += size
+    for i, st in ((0, other), (1, mine), (2, other)):
+        for got, want in zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], stack)), jax.tree.leaves(st), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"slot {i} of the stack")
 
 
 @pytest.mark.parametrize("name,cname,direction", CAUSAL)
