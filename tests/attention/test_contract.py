@@ -338,7 +338,7 @@ def test_a_layer_of_a_stack_decodes_as_the_layer_alone(name, cname, direction):
         h.close(got, want, f"a stack's layer != the layer alone at tokens {s}")
         n += size
     for i, st in ((0, other), (1, mine), (2, other)):
-        for got, want in zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], stack)), jax.tree.leaves(st), strict=True):
+        for got, want in zip((a[i] for a in jax.tree.leaves(stack)), jax.tree.leaves(st), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"slot {i} of the stack")
 
 

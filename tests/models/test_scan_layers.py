@@ -313,3 +313,27 @@ def test_a_scanned_stack_decodes_in_place_as_the_unrolled_one(name, settings, dt
     size = sum(x.nbytes for x in jax.tree.leaves(state))
     temps = step.lower(variables, tokens[:, :1], state).compile().memory_analysis().temp_size_in_bytes
     assert temps < size / 4, (temps, size)
+
+
+@pytest.mark.parametrize("name,settings", IN_STACK, ids=[n for n, _ in IN_STACK])
+def test_a_scanned_stack_decodes_packed_documents_as_the_unrolled_one(name, settings):
+    """Decoding steps with segment ids (a sampler crossing a document end): each token starts or continues its
+    document, in the stack (dense, swa) or through the layer's slot sliced out and set back (KDEformer)."""
+    seg = np.array([[1] * 9 + [2] * 4 + [3] * 5, [1] * 3 + [2] * 12 + [3] * 3], np.int32)
+    pos = np.concatenate([np.arange(n) for n in (9, 4, 5)])[None].repeat(2, 0)
+    pos[1] = np.concatenate([np.arange(n) for n in (3, 12, 3)])
+    T = seg.shape[1]
+    tokens = jax.random.randint(jax.random.key(4), (B, T), 0, V - 1)
+    call = nnx.jit(lambda m, t, s, p, g: m(t, s, positions=p, segment_ids=g)[:2])
+    logits = []
+    for scan in (False, True):
+        cfg, _ = model_cfg(name, scan=scan)
+        cfg.attention[name].update(settings)
+        model = build_model(cfg, seed=0)
+        state, outs = model.init_state(B, 64), []
+        for t in range(T):
+            out, state = call(model, tokens[:, t:t + 1], state, jnp.asarray(pos[:, t:t + 1]),
+                              jnp.asarray(seg[:, t:t + 1]))
+            outs.append(np.asarray(out[:, -1]))
+        logits.append(np.stack(outs))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-5, rtol=1e-5)

@@ -7,10 +7,10 @@ KV cache.
 
 The state is a KV cache of fixed capacity (``init_state(batch, max_len)``), a ring: slot s of a cache of capacity M
 that has seen ``length`` tokens holds the newest position p < ``length`` with p = s (mod M) (:func:`slot_positions`;
-empty, zeros, while p < 0). A decoding step (one token of one stream) writes the token into its slot and attends
-to the written cache, so XLA writes it in place into a donated state (a read of the state before the write, or a
-shifted cache, copies the whole cache every token); a call of several tokens, or with segment ids, attends to the
-cache in position order and then the call's keys (:func:`in_order`), as the cache's keys before the call's.
+empty, zeros, while p < 0). A decoding step (one token, with or without segment ids) writes the token into its
+slot and attends to the written cache, so XLA writes it in place into a donated state (a read of the state before
+the write, or a shifted cache, copies the whole cache every token); a call of several tokens attends to the cache
+in position order and then the call's keys (:func:`in_order`), as the cache's keys before the call's.
 Feeding more than ``max_len`` tokens in total raises :class:`CapacityError` (under jit too), unless
 ``kv_window=True`` names the sliding-window cache as a feature: then the cache keeps the newest ``max_len`` keys and
 older ones are dropped by design (Transformer-XL-style memory, not exact attention). The state is the layer's
@@ -84,12 +84,16 @@ class Reference(dispatch.Runner):
 
     def __call__(self, core, call: dispatch.Call) -> dispatch.Result:
         x = call.inputs
-        k, v = x["k"], x["v"]
+        k, v, k_pos, k_valid, k_seg = x["k"], x["v"], x["k_pos"], x["k_valid"], x["k_segment_ids"]
         if x.get("layer") is not None:  # a decoding step in a scanned stack's cache: the layer's slot
             k, v = (jax.lax.dynamic_index_in_dim(a, x["layer"], keepdims=False) for a in (k, v))
-        return dispatch.Result(naive_attention(x["q"], k, v, x["q_pos"], x["k_pos"], x["k_valid"],
+        if "written" in x and k_seg is not None:  # a packed decoding step's ring: the keys in position order (its
+            order = jnp.argsort(k_pos)  # documents are runs of ids in that order; the query's key is the newest)
+            k, v, k_pos, k_valid, k_seg = (jnp.take(a, order, axis=a.ndim - (2 if a.ndim == 4 else 1))
+                                           for a in (k, v, k_pos, k_valid, k_seg))
+        return dispatch.Result(naive_attention(x["q"], k, v, x["q_pos"], k_pos, k_valid,
                                                causal=x["causal"], window=x["window"],
-                                               q_segment_ids=x["q_segment_ids"], k_segment_ids=x["k_segment_ids"]))
+                                               q_segment_ids=x["q_segment_ids"], k_segment_ids=k_seg))
 
 
 def _short_rows(platform: str, *, large: bool = False, narrow_window: bool = False, one_query: bool = False,
@@ -140,8 +144,8 @@ def choose(impl, *, dtype, head_dim: int, value_dim: int | None = None, kv_cache
     nothing else is named (then the error lists its reasons). ``segments``: a packed row (segment ids), which cuDNN
     serves through its packed layout where ``platform.cudnn_packed_reasons`` has none (Hopper, not ``large``).
     ``narrow_window``: a sliding window of at most half the keys, for which 'auto' prefers the tiles (they skip the
-    key blocks outside it) as it does for ``large`` calls, and ``one_query``: a KV-cache step of one query without
-    segment ids (a decoding step), for which 'auto' prefers the tiles too (they read the cache in place)."""
+    key blocks outside it) as it does for ``large`` calls, and ``one_query``: a KV-cache step of one query (a
+    decoding step), for which 'auto' prefers the tiles too (they read the cache in place)."""
     plat = platform
     impls = implementations()
     table = dispatch.by_name(impls)
@@ -198,11 +202,11 @@ def select_for(impl, cfg, platform: str, *, scores: int, keys: int | None = None
     """The :func:`choose` choice of one dense call for ``impl``, ``shapes``, ``large`` = ``scores`` past
     ``cfg['auto_threshold']`` as it runs on ``platform`` (the reference's declared default) and ``narrow_window``
     = a sliding window (``shapes['window']``) of at most half the call's ``keys``; ``one_query`` = a KV-cache call
-    of one query (``scores`` = ``keys``) without segment ids."""
+    of one query (``scores`` = ``keys``)."""
     large = scores > REFERENCE.setting("auto_threshold", cfg["auto_threshold"], platform)
     window = shapes.get("window", 0)
     narrow = bool(window) and keys is not None and 2 * window <= keys
-    one = bool(shapes.get("kv_cache")) and keys is not None and scores == keys and not shapes.get("segments")
+    one = bool(shapes.get("kv_cache")) and keys is not None and scores == keys
     return choose(impl, platform=platform, large=large, narrow_window=narrow, one_query=one, **shapes)
 
 
@@ -396,13 +400,18 @@ class DenseAttention(AttentionCore):
                            "for a sliding window that drops the oldest keys")
         q_pos = length + pos
         if self._writes_first(T, seg):  # the token into its slot, then the written cache (module docstring)
-            written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32), length, layer)
+            written = self._written(state, k, v, jnp.zeros((q.shape[0], 1), jnp.int32) if seg is None else seg,
+                                    length, layer)
             k_pos = slot_positions(length + 1, M)
+            k_seg = None  # a packed call's keys' ids in their slots (the layer's: a small copy of int32 ids)
+            if seg is not None:
+                k_seg = written["segment_ids"] if layer is None else jax.lax.dynamic_index_in_dim(
+                    written["segment_ids"], layer, keepdims=False)
             # the cache as stored (cache_dtype, float32 for a core built alone): each implementation casts what it
             # reads to the compute dtype (q's), the tiles block by block; a whole-cache cast here would be a copy of
             # the cache every token
             call, shapes = prepared_call(q, written["k"], written["v"], q_pos, k_pos, k_pos >= 0, full_pass=False,
-                                         k_segment_ids=None, layer=layer, **common)
+                                         k_segment_ids=k_seg, layer=layer, **common)
             call.inputs.update(written=written, out_dtype=v.dtype)
             return call, shapes
         if layer is not None:
@@ -414,10 +423,11 @@ class DenseAttention(AttentionCore):
         return prepared_call(q, k_all, v_all, q_pos, k_pos, k_pos >= 0, full_pass=False, k_segment_ids=k_seg, **common)
 
     def _writes_first(self, T: int, seg) -> bool:
-        """Whether a call of T tokens after a state writes them into the cache before attending: one token of one
-        stream (no segment ids: their documents are runs of ids in position order), its cache exact or the
-        window's (``kv_window``'s query sees the M cached keys and itself: the slot it would overwrite)."""
-        return T == 1 and seg is None and not self.cfg.kv_window
+        """Whether a call of T tokens after a state writes them into the cache before attending: one token (with
+        segment ids too: the keys of its document are those after the newest key of another id, whatever their
+        slots), its cache exact or the window's (``kv_window``'s query sees the M cached keys and itself: the slot
+        it would overwrite)."""
+        return T == 1 and not self.cfg.kv_window
 
     def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
         """A decoding step (:meth:`_writes_first`) writes its token into its layer's slot of a scanned stack's

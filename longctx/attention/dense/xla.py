@@ -445,7 +445,7 @@ def self_blockwise_attention(q, k, v, *, causal: bool, block_q: int, block_k: in
 
 # ----------------------------------------------------------------------------- one query against a cache
 def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k: int, window: int = 0,
-                        layer=None):
+                        layer=None, q_segment_ids=None, k_segment_ids=None):
     """A decoding step's attention: one query q [B,H,1,D] against every key of a cache k, v [B,H,M,.] (positions
     in any order: a ring cache's), by online softmax over key blocks of ``block_k`` read as slices of the cache
     (the last block ends at M and skips the keys before it already seen). The cache is read where it lies: the
@@ -453,12 +453,18 @@ def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k
     cache every token (a written, donated state could not be updated in place: ``DenseAttention.prepare``). The
     cache may be stored wider than the compute dtype (q's): each block is cast as it is read. Output in q's dtype.
     ``layer`` (int32): k, v are a scanned stack's caches [L, B, H, M, .] and the query attends to that layer's,
-    read by the same slices (a slice of the layer's cache first would be a copy of it)."""
+    read by the same slices (a slice of the layer's cache first would be a copy of it). ``q_segment_ids`` [B, 1],
+    ``k_segment_ids`` [B, M] (a packed row, keys in any order): the query's document is the keys after the newest
+    valid key of another id (a document is a run of equal ids in position order), found in one pass over the ids."""
     M, D = k.shape[-2], q.shape[3]
     bk = min(block_k, M)
     cd = lambda x: x.astype(q.dtype)  # noqa: E731  (the compute dtype; statistics fp32)
     qs = cd(q * D**-0.5)
     kpos, kval = k_pos.astype(jnp.int32), k_valid.astype(bool)
+    doc = None  # [B, 1, 1, 1]: the first position of the query's document
+    if q_segment_ids is not None:
+        other = (k_segment_ids.astype(jnp.int32) != q_segment_ids.astype(jnp.int32)) & kval[None, :]
+        doc = jnp.max(jnp.where(other, kpos[None, :] + 1, jnp.iinfo(jnp.int32).min), axis=1)[:, None, None, None]
 
     def block(x, start):  # keys start..start+bk of the cache [B, H, M, .] (of the layer's, in a stack)
         if layer is None:
@@ -470,6 +476,8 @@ def one_query_attention(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_k
         at = lambda x: jax.lax.dynamic_slice_in_dim(x, start, bk, axis=0)  # noqa: E731
         fresh = start + jnp.arange(bk, dtype=jnp.int32) >= j * bk  # the last block's keys not seen before
         mask = visible(q_pos, at(kpos), at(kval) & fresh, causal, window)
+        if doc is not None:
+            mask = mask & (at(kpos) >= doc)  # [B, 1, 1, bk]
         return _softmax_step(carry, qs, cd(block(k, start)), cd(block(v, start)), mask), None
 
     B, H = q.shape[:2]
@@ -484,11 +492,11 @@ def tiled(q, k, v, q_pos, k_pos, k_valid, *, causal: bool, block_q: int, block_k
           k_segment_ids=None, layer=None):
     """The tiled algorithm with ``ops``: the unrolled structure for a full pass (``full_pass``, static: q_pos =
     k_pos = arange(T), every key valid) of one document that whole blocks tile, one query against a cache
-    (:func:`one_query_attention`: a decoding step of one stream; ``layer``: in a scanned stack's caches), else the
+    (:func:`one_query_attention`: a decoding step; ``layer``: in a scanned stack's caches), else the
     position-general loop (a packed row's too: its visibility is not static)."""
-    if not full_pass and q.shape[2] == 1 and q_segment_ids is None:
+    if not full_pass and q.shape[2] == 1:
         return one_query_attention(q, k, v, q_pos, k_pos, k_valid, causal=causal, block_k=block_k, window=window,
-                                   layer=layer)
+                                   layer=layer, q_segment_ids=q_segment_ids, k_segment_ids=k_segment_ids)
     if layer is not None:
         raise ValueError("dense tiles: a scanned stack's caches are read by a decoding step only")
     if full_pass and q_segment_ids is None and self_blocks_apply(q.shape[2], block_q, block_k, max_unrolled):
