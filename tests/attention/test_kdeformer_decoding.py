@@ -88,3 +88,25 @@ def test_the_ref_sampler_keeps_the_tiled_form():
     """'ref' draws from the whole prefix's weights and Gram: its decoding step stays the tiled one (it sorts)."""
     fns, _, args = _decoding_step(sampling="ref")
     assert " sort" in str(jax.make_jaxpr(fns.step())(*args))
+
+
+@pytest.mark.parametrize("settings", [{}, {"num_projs": 1}, {"heavy_capacity": 0}, {"num_samples": 0},
+                                      {"local_chunks": 1}])
+def test_a_packed_row_decoded_token_by_token_equals_its_full_pass(settings):
+    """Segment ids through §4.4's step (a sampler past a document's end): each document's chunks, prefix end, heavy
+    keys and samples counted from its first key, as the packed full pass (§4.6) has them; rows whose documents
+    differ in length and order, an id that comes back later as a new document."""
+    core = kit.build("kdeformer", True, heads=H, head_dim=D,
+                     causal={"chunk_size": 8, "local_chunks": 2, "heavy_capacity": 4, "num_projs": 3,
+                             "num_samples": 8} | settings)
+    T = 56
+    q, k, v = kit.qkv(T, batch=2, heads=H, head_dim=D, seed=4)
+    seg = jnp.array([[1] * 21 + [2] * 3 + [3] * 25 + [1] * 7, [4] * 2 + [5] * 37 + [6] * 17], jnp.int32)
+    key = jax.random.PRNGKey(9)
+    full, _ = core(q, k, v, None, deterministic=False, key=key, segment_ids=seg)
+    step = jax.jit(lambda q, k, v, s, st: core(q, k, v, st, deterministic=False, key=key, segment_ids=s))
+    state, outs = core.init_state(2, T), []
+    for t in range(T):
+        o, state = step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], seg[:, t:t + 1], state)
+        outs.append(o)
+    assert maxdiff(jnp.concatenate(outs, axis=2), full) <= 2e-6, settings

@@ -387,12 +387,11 @@ def draw_rows(draw, batch: int):
 # ---------------------------------------------------------------------------
 
 
-def one_token_applies(T: int, opts: CausalOptions, packed: bool) -> bool:
-    """Whether a call of ``T`` tokens after a state takes ``xla.one_token`` (§4.4's decoding step): one token of one
-    stream (no segment ids), the sampled residual drawn 'uniform' (or no samples). The 'ref' sampler's draw reads
+def one_token_applies(T: int, opts: CausalOptions) -> bool:
+    """Whether a call of ``T`` tokens after a state takes ``xla.one_token`` (§4.4's decoding step): one token (with
+    segment ids or without), the sampled residual drawn 'uniform' (or no samples). The 'ref' sampler's draw reads
     the whole prefix's weight sums and Gram, and the 'exact' residual every key: those calls keep the tiled form."""
-    return (T == 1 and not packed and opts.residual == "sampled"
-            and (opts.sampling == "uniform" or opts.num_samples == 0))
+    return T == 1 and opts.residual == "sampled" and (opts.sampling == "uniform" or opts.num_samples == 0)
 
 
 def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None, cache_dtype=None):
@@ -407,7 +406,9 @@ def next_state(state, k, v, W, compute_dtype, segment_ids=None, layer=None, cach
     stack: the rest is left where it lies)."""
     k, v = k.astype(compute_dtype), v.astype(compute_dtype)
     codes, (B, _, T) = lsh_codes(k, W), k.shape[:3]
-    start = causal_starts(state, segment_ids, T, B)[:, -1]
+    mine = state if layer is None else {n: jax.lax.dynamic_index_in_dim(state[n], layer, keepdims=False)
+                                        for n in ("length", "segment", "start")}  # the layer's document
+    start = causal_starts(mine, segment_ids, T, B)[:, -1]
     segment = jnp.zeros((B,), jnp.int32) if segment_ids is None else segment_ids[:, -1].astype(jnp.int32)
     if state is None:
         sdt = jnp.promote_types(compute_dtype, jnp.float32) if cache_dtype is None else cache_dtype

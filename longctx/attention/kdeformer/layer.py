@@ -352,7 +352,7 @@ class KDEformerAttention(AttentionCore):
     def steps_in_stack(self, q, *, segment_ids=None, **extra) -> bool:
         """§4.4's decoding step (``common.one_token_applies``) writes its token into its layer's slot of a scanned
         stack's states and reads the caches there (``xla.one_token``)."""
-        return self.causal and one_token_applies(q.shape[2], self.causal_opts, segment_ids is not None)
+        return self.causal and one_token_applies(q.shape[2], self.causal_opts)
 
 
 __all__ = ["CAPACITY_MESSAGE", "REFERENCE", "ROUTES", "KDEformerAttention", "Reference"]

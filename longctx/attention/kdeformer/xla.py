@@ -805,7 +805,7 @@ def _take_in(x, idx, layer):
     return jax.vmap(jax.vmap(rows, in_axes=(1, 0)), in_axes=(1, 0))(x, idx)
 
 
-def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale, layer=None):
+def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale, layer=None, packed: bool = False):
     """The causal estimator (§4) for one new token i after a state, as the spec's decoding step computes it (§4.4),
     read from ``written``, the state with the token's key, value and code written (:func:`common.next_state`):
     the local keys [L_g, i] as one slice of the cache, Hv(i) as the b_h largest positions j < L_g whose code is
@@ -816,30 +816,40 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale, la
     below i are unchanged, slot i holds the token as the compute dtype rounds it) lets XLA write the token in
     place into a donated state: a read of the state before the write made it copy the whole cache every token.
     ``layer`` (int32): ``written`` is a scanned stack's states (leaves [L, ...]) and the step reads that layer's
-    caches where they lie (a slice of the layer's cache first would copy it). out [B,H,1,dv]."""
+    caches where they lie (a slice of the layer's cache first would copy it). ``packed`` (a call with segment ids,
+    §4.6): the token's document starts at ``written['start']`` (per row), its chunk, prefix end, heavy keys and
+    samples counted from there, the samples those its document draws alone at its chunk (``fold_in(k_S, g_d)``,
+    shifted to its first key), as :func:`_packed_plan` has them. out [B,H,1,dv]."""
     B, H, _, d = q.shape
     K, V = written["k"], written["v"]
-    if layer is None:
-        HK, i = written["codes"], written["length"] - 1
-    else:  # the codes' slot of the layer (1/d of its keys) is read whole by the running count anyway
-        HK, i = jax.lax.dynamic_index_in_dim(written["codes"], layer, keepdims=False), written["length"][layer] - 1
+    # the codes' slot of the layer (1/d of its keys) is read whole by the running count anyway
+    at = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
+    HK, i = at(written["codes"]), at(written["length"]) - 1
     M = K.shape[-2]
     c, bh, m, sig = opts.chunk_size, opts.heavy_capacity, opts.num_samples, opts.scale
     hq = lsh_codes(q, W)  # [B,H,1]
-    g = i // c
-    L = prefix_end(g, opts)
-    # local: the slots [lo, lo + w) of the cache hold [L, i]
     w = min(opts.local_chunks * c, M)
-    lo = jnp.clip(L, 0, M - w)
+    if packed:  # per row: the document's start st, the token's chunk g in it and its prefix end L, [B, 1, 1]
+        st = at(written["start"])[:, None, None]
+        g = (i - st) // c
+        L = st + prefix_end(g, opts)
+        lo = jnp.clip(i - w + 1, 0, M - w)  # the slots [lo, lo + w) end at i and hold [L, i] of every row
+    else:
+        st, g = 0, i // c
+        L = prefix_end(g, opts)
+        lo = jnp.clip(L, 0, M - w)  # the slots [lo, lo + w) of the cache hold [L, i]
     kpos = lo + jnp.arange(w, dtype=jnp.int32)
     kl = _slots(K, lo, w, layer).astype(q.dtype)
     vl = _slots(V, lo, w, layer).astype(q.dtype)
     s_l = sig * einsum_f32("bhqd,bhkd->bhqk", q, kl)
-    parts = [(s_l, (kpos >= L) & (kpos <= i), lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
-    if bh > 0:  # Hv(i): the most recent keys before L with the query's code (§4.4 step 3)
+    rows = (lambda x: x[..., None]) if packed else (lambda x: x)  # [B, 1, 1] -> [B, 1, 1, 1] against [B, H, 1, .]
+    parts = [(s_l, (kpos >= rows(L)) & (kpos <= i),
+              lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vl.dtype), vl))]
+    if bh > 0:  # Hv(i): the most recent keys before L (from the document's start) with the query's code (§4.4)
         # the j-th such key is the first slot where their running count reaches j (a cumsum and b_h binary
         # searches: XLA:CPU's top_k over the cache took 20x longer)
-        count = jnp.cumsum(((HK == hq) & (jnp.arange(M, dtype=jnp.int32) < L)).astype(jnp.int32), axis=-1)
+        pos = jnp.arange(M, dtype=jnp.int32)
+        count = jnp.cumsum(((HK == hq) & (pos < L) & (pos >= st)).astype(jnp.int32), axis=-1)
         j = count[..., -1:] - jnp.arange(bh, dtype=jnp.int32)  # [B,H,b_h]: the newest first; < 1: none
         hidx = _ssorted(count, j).astype(jnp.int32)
         hvalid = j >= 1
@@ -848,13 +858,23 @@ def one_token(q, W, key_s, opts: CausalOptions, written, row_scale=row_scale, la
         s_h = sig * einsum_f32("bhqd,bhkd->bhqk", q, kh)
         parts.append((s_h, hvalid[:, :, None, :], lambda p: einsum_f32("bhqk,bhkd->bhqd", p.astype(vh.dtype), vh)))
     if m > 0:  # the chunk's samples (§4.3), masked where they lie in Hv(i) (O(m·b_h) comparisons)
-        n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
-        idx, prob = jax.lax.stop_gradient(draw_samples(jax.random.fold_in(key_s, g), m, n, "uniform"))
+        if packed:  # row b: its document's draw at its chunk, shifted to its first key
+            n = jnp.maximum(prefix_end(g[:, 0, 0], opts), 1)  # [B]
+
+            def draw(b):
+                return draw_samples(jax.random.fold_in(key_s, g[b, 0, 0]), m, jnp.full((B, H), n[b], jnp.int32),
+                                    "uniform")
+
+            idx, prob = jax.lax.stop_gradient(draw_rows(draw, B))
+            idx = idx + st
+        else:
+            n = jnp.full((B, H), jnp.maximum(L, 1), jnp.int32)
+            idx, prob = jax.lax.stop_gradient(draw_samples(jax.random.fold_in(key_s, g), m, n, "uniform"))
         inside = jnp.any((idx[..., :, None] == hidx[..., None, :]) & hvalid[..., None, :], axis=-1) if bh > 0 \
             else jnp.zeros(idx.shape, bool)
         ks, vs = _take_in(K, idx, layer).astype(q.dtype), _take_in(V, idx, layer).astype(q.dtype)
         s_s = sig * einsum_f32("bhqd,bhmd->bhqm", q, ks) - jnp.log(m * prob)[:, :, None, :]
-        parts.append((s_s, ((L > 0) & ~inside)[:, :, None, :],
+        parts.append((s_s, ((L > st) & ~inside)[:, :, None, :],
                       lambda p: einsum_f32("bhqm,bhmd->bhqd", p.astype(vs.dtype), vs)))
     return _combine(parts, row_scale)[0]
 
@@ -887,14 +907,16 @@ def run_causal(call: dispatch.Call, opts: CausalOptions, row_scale=row_scale, ba
     'band' route's heavy part by ``band_fn``). One token of one stream after a state is §4.4's decoding step
     (:func:`one_token`, whatever the heavy route), which returns the state it wrote."""
     x = call.inputs
+    packed = x["segment_ids"] is not None
     if isinstance(call.state, LayerOfStack):  # a decoding step in a scanned stack's states (steps_in_stack)
         stack, layer = call.state.stack, call.state.layer
-        written = next_state(stack, x["k"], x["v"], x["W"], x["q"].dtype, layer=layer)
-        out = one_token(x["q"], x["W"], call.key, opts, written, row_scale, layer=layer)
+        written = next_state(stack, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"], layer=layer)
+        out = one_token(x["q"], x["W"], call.key, opts, written, row_scale, layer=layer, packed=packed)
         return dispatch.Result(out, state=LayerOfStack(written, layer))
-    if call.state is not None and one_token_applies(x["q"].shape[2], opts, x["segment_ids"] is not None):
-        written = next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype)
-        return dispatch.Result(one_token(x["q"], x["W"], call.key, opts, written, row_scale), state=written)
+    if call.state is not None and one_token_applies(x["q"].shape[2], opts):
+        written = next_state(call.state, x["k"], x["v"], x["W"], x["q"].dtype, x["segment_ids"])
+        return dispatch.Result(one_token(x["q"], x["W"], call.key, opts, written, row_scale, packed=packed),
+                               state=written)
     return dispatch.Result(causal(x["q"], x["k"], x["v"], x["W"], call.key, opts, call.state, row_scale,
                                   x["segment_ids"], band_fn))
 
