@@ -151,22 +151,52 @@ def test_decoding_caches_keep_the_compute_dtype_off_a_cpu(method):
     """A KV cache holds the keys and values a layer was given: in the compute dtype on a GPU or TPU (half the bytes
     a decoding step reads under bfloat16), in float32 on a CPU (``Policy.cache``: XLA:CPU converts a bfloat16 cache
     whole for the step's write); a full pass's state and the empty one agree, so a donated step keeps its dtypes."""
+    from tests.models.test_scan_layers import model_cfg
+
     for platform, want in (("cuda", jnp.bfloat16), ("tpu", jnp.bfloat16), ("cpu", jnp.float32)):
-        cfg = small_config(method)
-        model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, platform=platform))  # noqa: B023
+        cfg = model_cfg(method, dtype="bfloat16")[0]
+        model = nnx.eval_shape(lambda: build_model(cfg, seed=0, platform=platform))  # noqa: B023
         state = jax.eval_shape(lambda: model.init_state(2, 64))  # noqa: B023
         caches = {name: leaf.dtype for name, leaf in state["layers"][0].items() if name in ("k", "v")}
         assert caches == {"k": want, "v": want}, (platform, caches)
-    cfg = small_config(method, "float32")
-    model = nnx.eval_shape(lambda: build_model(cfg.model, seed=0, platform="cuda"))
+    cfg = model_cfg(method, dtype="float32")[0]
+    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, platform="cuda"))
     assert jax.eval_shape(lambda: model.init_state(2, 64))["layers"][0]["k"].dtype == jnp.float32
-    core = build_model(small_config(method).model, seed=0).blocks[0].core  # on this CPU, built for the GPU below
+    core = build_model(model_cfg(method, dtype="bfloat16")[0], seed=0).blocks[0].core  # as built for a GPU below
     core.cache_dtype = jnp.dtype(jnp.bfloat16)
     q = k = v = jax.random.normal(jax.random.key(0), (2, core.num_heads, 16, core.head_dim), jnp.bfloat16)
-    full = core(q, k, v, None, deterministic=False, key=jax.random.key(1))[1]
+    new = lambda st: jax.eval_shape(lambda: core(q, k, v, st, deterministic=False, key=jax.random.key(1))[1])  # noqa: E731
+    dtypes = lambda tree: jax.tree.map(lambda a: a.dtype, tree)  # noqa: E731
     empty = core.init_state(2, 64)
-    assert jax.tree.map(lambda a: a.dtype, full) == jax.tree.map(lambda a: a.dtype, core(
-        q, k, v, empty, deterministic=False, key=jax.random.key(1))[1]) == jax.tree.map(lambda a: a.dtype, empty)
+    assert dtypes(new(None)) == dtypes(new(empty)) == dtypes(empty)
+
+
+@pytest.mark.parametrize("method", ["dense", "kdeformer"])
+def test_a_bf16_cache_decodes_exactly_as_a_float32_one(method):
+    """A bfloat16 model whose caches keep bfloat16 (as on a GPU; forced here on the CPU's cores) decodes exactly as
+    with float32 caches: the keys and values they hold are bfloat16 values either way. A scanned stack, a prefill
+    and decoding steps in the stack; the state keeps its dtypes from step to step."""
+    from longctx.attention.base import AttentionCore
+    from tests.models.test_scan_layers import V, model_cfg
+
+    tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, V - 1)
+    call = nnx.jit(lambda m, t, s: m(t, s)[:2])
+    logits = []
+    for cache in (jnp.float32, jnp.bfloat16):
+        model = build_model(model_cfg(method, scan=True, dtype="bfloat16")[0], seed=0)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, AttentionCore):
+                node.cache_dtype = jnp.dtype(cache)
+        out, state = call(model, tokens[:, :30], model.init_state(2, 64))
+        dtypes = jax.tree.map(lambda a: a.dtype, state)
+        assert state["layers"]["k"].dtype == cache
+        outs = [out[:, -1]]
+        for t in range(30, 40):
+            out, state = call(model, tokens[:, t:t + 1], state)
+            outs.append(out[:, -1])
+        assert jax.tree.map(lambda a: a.dtype, state) == dtypes
+        logits.append(np.stack([np.asarray(o, np.float32) for o in outs]))
+    np.testing.assert_array_equal(logits[1], logits[0])
 
 
 def test_dtype_keys_are_validated():
