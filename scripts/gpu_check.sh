@@ -42,9 +42,11 @@
 #   compile   the Transformer-VQ flagship's training step compiled at 4 and at 48 layers (its depth): compile
 #             seconds at each depth, whether depth costs compile time (`longctx-bench step`); STEPS=all
 #   decode    one decoding step of every causal core at 8k and 32k (B1 H8 d64 bf16, KV caches in bf16 as a
-#             model keeps them on the device, the state donated as sampling donates it): ms per token, state
-#             size, and the step's XLA temporaries (dense and KDEformer write the token into the state in place on
-#             XLA:CPU; whether they do on the device) (`longctx-bench decode`); STEPS=all
+#             model keeps them on the device, the state donated as sampling donates it), then of the main config's
+#             whole model with dense, KDEformer and EVA at 32k (its layers scanned as the device resolves it): ms
+#             per token, state size, and the step's XLA temporaries (dense and KDEformer write the token into the
+#             state in place on XLA:CPU, scanned or not; whether they do on the device) (`longctx-bench decode`,
+#             `--model`); STEPS=all
 # Per step: GPU_CHECK_LIMIT_<STEP>=seconds (e.g. GPU_CHECK_LIMIT_ATTENTION=240); STEPS="env tests" runs a subset,
 # STEPS=all every step (the report is always written, from every step output in the folder). --smoke writes to a
 # scratch folder (printed) unless --out is given.
@@ -117,6 +119,7 @@ if [ "$SMOKE" = 1 ]; then
   DEPTHS="1 2"
   COMPILE_DEPTHS="1 3"
   DECODE=(--methods dense,kdeformer --positions 4k --heads 4 --head_dim 64 --dtype float32 --steps 2 --warmup 1)
+  DECODE_MODEL=(--methods dense,kdeformer --positions 4k --dtype float32 --steps 2 --warmup 1 --scan_layers on)
   VARIANT=":tiny"
   EXACT="dense:naive"
 else
@@ -155,6 +158,8 @@ else
   DEPTHS="2 4"
   COMPILE_DEPTHS="4 48"
   DECODE=(--positions 8k,32k --heads 8 --head_dim 64 --dtype bfloat16 --steps 16 --warmup 2 --max_prefill_s 20)
+  DECODE_MODEL=(--methods dense,kdeformer,eva --positions 32k --dtype bfloat16 --steps 16 --warmup 2
+                --max_prefill_s 20)
   VARIANT=""
   EXACT="$("$PY" -c 'from longctx.attention import dispatch; print({"cuda": "dense:cudnn", "tpu": "dense:splash"}.get(dispatch.current_platform(), "dense:naive"))' 2>/dev/null || echo dense:naive)"
   # head dim 128 (the other common training shape): exact attention, its XLA tiles and the causal methods as
@@ -279,7 +284,16 @@ step step_fma "$(limit step_fma 25)" bash "$TMP/model_steps.sh" step_fma "config
   "${STEP[@]}" "${STEP_FMA[@]}"
 step compile "$(limit compile 120)" env DEPTHS_RUN="$COMPILE_DEPTHS" bash "$TMP/model_steps.sh" compile \
   "configs/enwik8/transformer_vq.py$VARIANT" "${STEP[@]}" "${STEP_TVQ[@]}"
-step decode "$(limit decode 60)" "${BENCH[@]}" decode --out "$WORK/decode" --batch 1 --noprogress "${DECODE[@]}"
+# the cores alone, then the main config's whole model with each method (its layers scanned where the platform
+# resolves model.scan_layers on): decode.sh -> WORK/decode/, WORK/decode_model/
+cat > "$TMP/decode.sh" <<DECODE_EOF
+rc=0
+$(printf '%q ' "${BENCH[@]}") decode --out "$WORK/decode" --batch 1 --noprogress $(printf '%q ' "${DECODE[@]}") || rc=\$?
+$(printf '%q ' "${BENCH[@]}") decode --model configs/main.py --out "$WORK/decode_model" --batch 1 --noprogress \
+  $(printf '%q ' "${DECODE_MODEL[@]}") || rc=\$?
+exit \$rc
+DECODE_EOF
+step decode "$(limit decode 120)" bash "$TMP/decode.sh"
 step memplan "$(limit memplan 90)" "$PY" -c 'import sys; from longctx.cli import train_main; sys.exit(train_main())' \
   --config="configs/enwik8/transformer_vq.py$VARIANT" --dry_run --workdir="$TMP/memplan"
 wait
@@ -558,13 +572,18 @@ section("Flagship compile time against depth", "compile", body)
 
 dec = load(work / "decode" / "decode.json") or {}
 report["decode"] = dec.get("rows", []) if isinstance(dec, dict) else []
-body = ["| method | position | cache dtype | ms / token | state MB | XLA temporaries MB | written in place | status |",
-        "|---|---|---|---|---|---|---|---|"]
-for r in report["decode"]:
+dec = load(work / "decode_model" / "decode.json") or {}
+report["decode_model"] = dec.get("rows", []) if isinstance(dec, dict) else []
+body = ["Cores alone, then the main config's whole model with each method as its attention (`model` column: its layers "
+        "and whether they are scanned, the stacked states written in place or not).", "",
+        "| method | model | position | cache dtype | ms / token | state MB | XLA temporaries MB | written in place | status |",
+        "|---|---|---|---|---|---|---|---|---|"]
+for r in report["decode"] + report["decode_model"]:
     mem, state = r.get("decode_xla_mem") or {}, r.get("state_bytes_empty")
     temp = mem.get("temp")
     place = None if temp is None or not state else ("yes" if temp < state / 4 else "no")
-    body.append(f"| {r.get('method')} | {r.get('position')} | {r.get('cache_dtype', '–')} | "
+    where = f"{r['layers']} layers, scan {r.get('scan_layers')}" if r.get("model") else "core alone"
+    body.append(f"| {r.get('method')} | {where} | {r.get('position')} | {r.get('cache_dtype', r.get('state_dtypes', '–'))} | "
                 f"{fmt(r['per_token_s'] * 1e3 if r.get('per_token_s') else None)} | "
                 f"{fmt(state / 1e6 if state else None)} | {fmt(temp / 1e6 if temp is not None else None)} | "
                 f"{place or '–'} | {r.get('status', '')} |")

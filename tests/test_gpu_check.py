@@ -65,10 +65,12 @@ def test_gpu_check_smoke_writes_every_section(tmp_path, steps):
                                     for r in kern["rows"])
     if "compile" in ran:
         assert set(report["compile"]) == {"layers_1", "layers_3"}
-    if "decode" in ran:  # both cores write the donated state in place on XLA:CPU
+    if "decode" in ran:  # both cores, and a scanned model of each, write the donated state in place on XLA:CPU
         assert {r["method"] for r in report["decode"]} == {"dense", "kdeformer"}
-        assert all(r["status"] == "ok" for r in report["decode"])
-        assert "| dense | 4096 |" in text and "| yes |" in text and "| no |" not in text
+        assert {r["method"] for r in report["decode_model"]} == {"dense", "kdeformer"}
+        assert all(r["status"] == "ok" for r in report["decode"] + report["decode_model"])
+        assert "| dense | core alone | 4096 |" in text and "| dense | 4 layers, scan on | 4096 |" in text
+        assert "| yes |" in text and "| no |" not in text
 
 
 def test_a_smoke_run_without_out_writes_to_a_scratch_folder(tmp_path):

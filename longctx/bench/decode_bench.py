@@ -11,6 +11,10 @@ bounded (fma's levels cover ``max_len`` tokens) is asked for no more than that.
 State size = bytes of every array leaf of the state pytree after the prefill; a core keeps its KV cache in the
 dtype a model of ``--dtype`` keeps it in on this platform (``precision.Policy.cache``: the compute dtype on a GPU or
 TPU, float32 on a CPU).
+``--model CONFIG``: the same for a config file's whole model (every layer and the output head; ``model(tokens,
+state)``, random tokens) with each method as its attention, built for this platform (``model.scan_layers`` and
+the caches' dtype as they resolve here): what a sampler's step costs, and whether the stacked states of scanned
+layers are written in place.
 A position is skipped (and says so) when XLA's compiled memory estimate of the
 single-token call exceeds ``--mem_budget_gb`` or the prefill time extrapolated from
 the shorter positions exceeds ``--max_prefill_s``.
@@ -25,13 +29,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from absl import flags
+from flax import nnx
 
-from longctx import attention
+from longctx import attention, config_files
+from longctx import config as config_lib
 from longctx.attention import dispatch
 from longctx.bench import common as C
 from longctx.bench.cores import CoreFns, build_core
 from longctx.errors import ConfigError
 from longctx.models import precision
+from longctx.models.decoder import build_model
 
 
 def define_flags(fv) -> None:
@@ -47,6 +54,11 @@ def define_flags(fv) -> None:
                        flag_values=fv)
     flags.DEFINE_float("max_prefill_s", 300.0, "stop a method's prefill past this many seconds", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "random seed of the inputs", flag_values=fv)
+    flags.DEFINE_string("model", "", "a config file: time its whole model's decoding step (every layer and the output "
+                        "head, the layers laid out as model.scan_layers resolves on this platform) with each method "
+                        "as its attention; '' (default): attention cores alone", flag_values=fv)
+    flags.DEFINE_enum("scan_layers", "auto", ["auto", "on", "off"], "with --model: its layers under one scan or "
+                      "unrolled ('auto': as the platform resolves it)", flag_values=fv)
 
 
 def _chunk(seed, B, H, T, D, Dv, dtype):
@@ -60,39 +72,29 @@ def run(args) -> dict:
     dtype = C.dtype_of(args.dtype)
     # the caches in the dtype a model of this compute dtype keeps them in on this platform (Policy.cache)
     cache = jnp.dtype(precision.Policy(compute=dtype, platform=dispatch.current_platform()).cache)
-    B, H, D = args.batch, args.heads, args.head_dim
+    B = args.batch
     budget = args.mem_budget_gb * C.GB
     res = {"header": C.header(args, "decode"), "rows": [], "skipped_methods": []}
-    print(f"decode: {len(methods)} method(s) at positions {', '.join(C.fmt_len(p) for p in positions)}: each "
+    what = f"the whole model of {args.model} with " if args.model else ""
+    print(f"decode: {what}{len(methods)} method(s) at positions {', '.join(C.fmt_len(p) for p in positions)}: each "
           f"prefilled to the position in chunks of {args.prefill_chunk} tokens, then {args.steps} single-token "
           f"calls timed after {args.warmup} warm-up", flush=True)
     bar = C.progress_bar(len(methods) * len(positions), "decode", args.progress)
     for method in methods:
         try:
-            default = attention.get_class(method).bench_variants(dispatch.current_platform()).get("")  # default variant
-            core = build_core(method, default, heads=H, head_dim=D, causal=True, seed=args.seed, cache_dtype=cache)
-        except ConfigError as e:
-            res["skipped_methods"].append({"method": method, "reason": str(e)})
+            subject = (ModelSubject(args.model, method, args, dtype, max(positions)) if args.model else
+                       CoreSubject(method, args, dtype, cache))
+        except (ConfigError, ValueError) as e:
+            res["skipped_methods"].append({"method": method, "reason": " ".join(str(e).split())})
             bar.write(f"skip {method}: {e}")
             bar.update(len(positions))
             continue
-        wrapper = type(core).stack_wrapper(causal=True)
-        if wrapper is not None:  # the decoding state is the wrapper's, built by the model (Backbone.init_state)
-            reason = f"its decoding state lives in its stack wrapper ({wrapper}); this benchmark times cores alone"
-            res["skipped_methods"].append({"method": method, "reason": reason})
-            bar.write(f"skip {method}: {reason}")
-            bar.update(len(positions))
-            continue
-        fns = CoreFns(core)
-        step = jax.jit(fns.step(), donate_argnums=5)  # the state donated, as sampling donates it
-        Dv = core.value_dim
         hist_L, hist_t = [], []
         for pos in positions:
             bar.set_postfix_str(f"{method} pos={C.fmt_len(pos)}")
-            row = {"method": method, "position": pos, "batch": B, "heads": H, "head_dim": D, "dtype": args.dtype,
-                   "cache_dtype": cache.name}
+            row = {"method": method, "position": pos, "batch": B, "dtype": args.dtype, **subject.describe}
             try:
-                row.update(_one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t))
+                row.update(_one(subject, pos, args, budget, hist_L, hist_t))
             except Exception as e:  # noqa: BLE001 -- reported, the run goes on
                 row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             res["rows"].append(row)
@@ -116,8 +118,72 @@ def summary(res: dict, out, files: list[str]) -> str:
                       *skipped, f"wrote {wrote}"])
 
 
-def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
-    B, H, D = args.batch, args.heads, args.head_dim
+class CoreSubject:
+    """One attention core (the method's default bench variant, ``--heads`` x ``--head_dim``), its KV cache in
+    ``cache`` (the dtype a model keeps it in here): calls of q, k, v [B, H, n, .] on its state, the state donated."""
+
+    def __init__(self, method: str, args, dtype, cache):
+        default = attention.get_class(method).bench_variants(dispatch.current_platform()).get("")  # default variant
+        core = build_core(method, default, heads=args.heads, head_dim=args.head_dim, causal=True, seed=args.seed,
+                          cache_dtype=cache)
+        wrapper = type(core).stack_wrapper(causal=True)
+        if wrapper is not None:  # the decoding state is the wrapper's, built by the model (Backbone.init_state)
+            raise ConfigError(f"its decoding state lives in its stack wrapper ({wrapper}); this benchmark times "
+                              "cores alone (--model times a whole model)")
+        self.core, self.fns, self.args, self.dtype = core, CoreFns(core), args, dtype
+        self.fixed = (self.fns.params, self.fns.rest)
+        self.jitted = jax.jit(self.fns.step(), donate_argnums=5)  # the state donated, as sampling donates it
+        self.describe = {"heads": args.heads, "head_dim": args.head_dim, "cache_dtype": jnp.dtype(cache).name}
+
+    def init_state(self, max_len: int):
+        return self.core.init_state(self.args.batch, max_len)
+
+    def inputs(self, seed: int, n: int) -> tuple:
+        a = self.args
+        return _chunk(seed, a.batch, a.heads, n, a.head_dim, self.core.value_dim, self.dtype)
+
+
+class ModelSubject:
+    """A config file's whole model with ``method`` as its attention and ``--dtype`` as its compute dtype, built for
+    this platform (``model.scan_layers`` and the caches' dtype resolved here): calls of tokens [B, n] on its state,
+    the state donated, the last position's logits returned."""
+
+    def __init__(self, path: str, method: str, args, dtype, max_len: int):
+        cfg = config_files.load(path)
+        cfg.model.attention.name = method
+        cfg.model.attention.pattern = []
+        cfg.model.dtype = jnp.dtype(dtype).name
+        cfg.model.scan_layers = args.scan_layers
+        allowed = attention.get_class(method).allowed_positions
+        if allowed is not None and cfg.model.positions not in allowed:  # the method's own position encoding
+            cfg.model.positions = allowed[0]
+        own = cfg.model.attention.get(method)
+        if own is not None and own.get("max_len", None) == 0:  # 0: the training length; here the longest position
+            own.max_len = max_len
+        cfg = config_lib.resolve_vocab(config_lib.validate(cfg), int(cfg.data.options.get("vocab_size", 0)) or 256)
+        model = build_model(cfg.model, seed=args.seed, execution=cfg.execution)
+        graphdef, params = nnx.split(model)
+
+        def step(params, tokens, state):
+            logits, state, _ = nnx.merge(graphdef, params)(tokens, state, deterministic=True)
+            return logits[:, -1], state
+
+        self.model, self.args, self.vocab = model, args, cfg.model.vocab_size
+        self.fixed, self.jitted = (params,), jax.jit(step, donate_argnums=2)
+        state = jax.eval_shape(lambda: model.init_state(1, 8))
+        caches = {str(a.dtype) for a in jax.tree.leaves(state) if jnp.issubdtype(a.dtype, jnp.floating)}
+        self.describe = {"model": path, "layers": cfg.model.num_layers, "scan_layers": cfg.model.scan_layers,
+                         "heads": cfg.model.num_heads, "head_dim": cfg.model.head_dim, "positions": cfg.model.positions,
+                         "state_dtypes": ",".join(sorted(caches))}
+
+    def init_state(self, max_len: int):
+        return self.model.init_state(self.args.batch, max_len)
+
+    def inputs(self, seed: int, n: int) -> tuple:
+        return (jax.random.randint(jax.random.PRNGKey(seed), (self.args.batch, n), 0, self.vocab, jnp.int32),)
+
+
+def _one(subject, pos, args, budget, hist_L, hist_t) -> dict:
     pred = C.predict_time(hist_L, hist_t, pos, default_exponent=2.0)
     if pred is not None and pred > args.max_prefill_s:
         return {"status": f"skipped: predicted prefill {pred:.0f} s > --max_prefill_s {args.max_prefill_s:g}"}
@@ -125,9 +191,8 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
     n_pre = pos - args.steps - args.warmup  # prefill; the decoded tokens end the context at pos
     if n_pre < 1:
         raise ValueError(f"position {pos} leaves no prefill for --warmup {args.warmup} + --steps {args.steps}")
-    state = core.init_state(B, max_len)
-    q1, k1, v1 = _chunk(args.seed + 1, B, H, 1, D, Dv, dtype)
-    compiled1 = step.lower(fns.params, fns.rest, q1, k1, v1, state).compile()
+    state = subject.init_state(max_len)
+    compiled1 = subject.jitted.lower(*subject.fixed, *subject.inputs(args.seed + 1, 1), state).compile()
     mem = C.memory_stats(compiled1)
     row = {"max_len": max_len, "decode_xla_mem": mem, "state_bytes_empty": C.tree_bytes(state)}
     if mem.get("total", 0) > budget:
@@ -138,16 +203,14 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
     t0 = time.perf_counter()
     compiled = {}  # chunk length -> compiled prefill call (compiled before the prefill is timed)
     for n in {c, n_pre % c} - {0}:
-        qn, kn, vn = _chunk(0, B, H, n, D, Dv, dtype)
-        compiled[n] = step.lower(fns.params, fns.rest, qn, kn, vn, state).compile()
+        compiled[n] = subject.jitted.lower(*subject.fixed, *subject.inputs(0, n), state).compile()
     row["prefill_compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     done, i = 0, 0
     with C.RssSampler() as rss:
         while done < n_pre:
             n = min(c, n_pre - done)
-            q, k, v = _chunk(args.seed + 100 + i, B, H, n, D, Dv, dtype)
-            _, state = compiled[n](fns.params, fns.rest, q, k, v, state)
+            _, state = compiled[n](*subject.fixed, *subject.inputs(args.seed + 100 + i, n), state)
             jax.block_until_ready(state)
             done, i = done + n, i + 1
         prefill_s = time.perf_counter() - t0
@@ -156,10 +219,10 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
         # decode
         times = []
         for j in range(args.warmup + args.steps):
-            qj, kj, vj = _chunk(args.seed + 10_000 + j, B, H, 1, D, Dv, dtype)
-            jax.block_until_ready((qj, kj, vj))
+            inputs = subject.inputs(args.seed + 10_000 + j, 1)
+            jax.block_until_ready(inputs)
             t1 = time.perf_counter()
-            o, state = compiled1(fns.params, fns.rest, qj, kj, vj, state)
+            o, state = compiled1(*subject.fixed, *inputs, state)
             jax.block_until_ready((o, state))
             if j >= args.warmup:
                 times.append(time.perf_counter() - t1)
@@ -173,10 +236,17 @@ def _one(core, fns, step, pos, args, dtype, Dv, budget, hist_L, hist_t) -> dict:
 
 def markdown(res: dict) -> str:
     a = res["header"]["args"]
-    cache = next((r["cache_dtype"] for r in res["rows"] if "cache_dtype" in r), None)
-    cached = f", KV caches in {cache} (as a model of that dtype keeps them here)" if cache else ""
-    parts = [f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}{cached} "
-             f"(one attention core, not a full model); prefill in chunks of {a['prefill_chunk']}; "
+    if a.get("model"):
+        first = next(iter(res["rows"]), {})
+        shapes = (f"The whole model of `{a['model']}` ({first.get('layers', '?')} layers, scan_layers "
+                  f"{first.get('scan_layers', '?')}, states in {first.get('state_dtypes', '?')}) with each method as "
+                  f"its attention: batch {a['batch']}, dtype {a['dtype']}")
+    else:
+        cache = next((r["cache_dtype"] for r in res["rows"] if "cache_dtype" in r), None)
+        cached = f", KV caches in {cache} (as a model of that dtype keeps them here)" if cache else ""
+        shapes = (f"Shapes: batch {a['batch']}, heads {a['heads']}, head_dim {a['head_dim']}, dtype {a['dtype']}"
+                  f"{cached} (one attention core, not a full model)")
+    parts = [f"{shapes}; prefill in chunks of {a['prefill_chunk']}; "
              f"per-token latency = median of {a['steps']} single-token calls after {a['warmup']} warm-up, the "
              f"last tokens of a context of `position` tokens (the state is built for exactly that many).\n"]
     for s in res["skipped_methods"]:

@@ -385,3 +385,21 @@ def test_kernel_cells_time_a_gpu_only_kernel_on_its_gpu_only():
     assert names("cuda") == ["fma_blocks", "fma_blocks_mgpu"]
     assert names("cuda", "kdeformer") == ["kde_band", "kde_band_mgpu"]
     assert names(None) == names(kernel_bench.dispatch.current_platform())
+
+
+def test_decode_times_a_whole_model_with_each_method(tmp_path):
+    """``--model``: the config's model with each method as its attention (its own position encoding where the
+    config's is not one it takes, a length-sized setting at the longest position), its layers scanned when asked;
+    VCC, whose blocks run inside its stack wrapper, cannot be scanned: a skip with the reason."""
+    out = tmp_path / "m"
+    assert cli.main(["decode", "--out", str(out), "--noprogress", "--model", "configs/main.py", "--methods",
+                     "dense,transformer_vq,vcc", "--positions", "96", "--steps", "1", "--warmup", "0",
+                     "--prefill_chunk", "64", "--scan_layers", "on"]) == 0
+    dec = json.loads((out / "decode.json").read_text())
+    (skip,) = dec["skipped_methods"]
+    assert skip["method"] == "vcc" and "stack wrapper" in skip["reason"]
+    rows = {r["method"]: r for r in dec["rows"]}
+    assert set(rows) == {"dense", "transformer_vq"} and all(r["status"] == "ok" for r in rows.values())
+    assert rows["dense"]["scan_layers"] == "on" and rows["dense"]["layers"] == 4
+    assert rows["transformer_vq"]["positions"] != "rotary"
+    assert "The whole model of `configs/main.py` (4 layers, scan_layers on" in (out / "decode.md").read_text()
