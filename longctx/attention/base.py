@@ -478,11 +478,13 @@ def document_starts(segment_ids):
 
 def continues_state(state_segment, segment_ids):
     """bool [B, T]: the tokens of a packed call that continue the document its carried state summarizes: the
-    call's leading run of tokens whose id equals ``state_segment`` [B] int32 (the id of the state's document, 0 for
-    none: ``init_state``'s). Every other document of the call starts afresh, whatever its id. A causal core that
-    carries state across packed calls returns the state of the call's last document, with that document's id
-    (``segment_ids[:, -1]``) as the state's ``segment``."""
-    same = (segment_ids == state_segment[:, None]) & (state_segment != 0)[:, None]
+    call's leading run of tokens whose id equals ``state_segment`` [B] int32 (the id of the state's document; 0 for
+    ``init_state``'s and after calls without segment ids, whose tokens count as id 0: a packed call whose first id
+    is 0 continues them, as the KV caches' runs of equal ids do, and continuing an empty state is starting afresh).
+    Every other document of the call starts afresh, whatever its id. A causal core that carries state across
+    packed calls returns the state of the call's last document, with that document's id (``segment_ids[:, -1]``)
+    as the state's ``segment``."""
+    same = segment_ids == state_segment[:, None]
     return jax.lax.cummin(same.astype(jnp.int32), axis=1).astype(bool)
 
 

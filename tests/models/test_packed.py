@@ -475,3 +475,35 @@ def test_every_methods_packed_rows_under_sequence_parallelism_equal_one_device()
         cls = attention.get_class(name)
         if cls.supports_causal and cls.takes_segments and not cls.stack_wrapper(causal=True):
             assert f"OK {name} xla" in r.stdout, r.stdout
+
+
+# every method whose causal core takes segment ids and carries a state, with its blocks (the paper's GAU for
+# Transformer-VQ)
+CARRIED = [("dense", "transformer"), ("swa", "transformer"), ("transformer_vq", "gau"), ("eva", "transformer"),
+           ("kdeformer", "transformer"), ("fma", "transformer")]
+
+
+@pytest.mark.parametrize("first_id", [0, 1])
+@pytest.mark.parametrize("name,block", CARRIED, ids=[n for n, _ in CARRIED])
+def test_a_packed_row_decoded_token_by_token_scores_its_documents_alone(name, block, first_id):
+    """A packed row fed one token at a time (a sampler past a document's end) with its positions and segment ids:
+    the same logits as the packed full pass. Ids are any int32, 0 included (it also marks a state that has seen no
+    segment ids: continuing an empty state is starting afresh)."""
+    from tests.models.test_scan_layers import V, model_cfg
+
+    cfg, _ = model_cfg(name, block)
+    if name == "swa":
+        cfg.attention.swa.window = 12
+    model = build_model(cfg, seed=0)
+    lengths = (13, 5, 17)
+    T = sum(lengths)
+    seg = jnp.asarray(np.repeat(first_id + np.arange(3), lengths)[None].astype(np.int32))
+    pos = jnp.asarray(np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32))
+    tokens = jax.random.randint(jax.random.key(5), (1, T), 0, V - 1)
+    full = nnx.jit(lambda m: m(tokens, None, positions=pos, segment_ids=seg)[0])(model)
+    step = nnx.jit(lambda m, t, s, p, g: m(t, s, positions=p, segment_ids=g)[:2])
+    state, outs = model.init_state(1, T), []
+    for t in range(T):
+        out, state = step(model, tokens[:, t:t + 1], state, pos[:, t:t + 1], seg[:, t:t + 1])
+        outs.append(out)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), atol=2e-5, rtol=2e-5)
