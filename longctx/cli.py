@@ -124,8 +124,9 @@ def help_text(prog: str, fv, config: str) -> str:
     else:
         out += ["Config: the run's own, saved in WORKDIR/config.json when it trained. Change what this command",
                 "reads with --config.KEY=VALUE for KEY in eval.*, sample.*, data.path, data.cache_dir,",
-                "e.g. --config.eval.protocol=sliding --config.eval.context=512. Runs are trained with",
-                "longctx-train from these configs:"]
+                "model.scan_layers, <fma|fma_linear>.allow_truncated_window, and between dense and swa",
+                "model.attention.name and model.attention.swa.window, e.g. --config.eval.protocol=sliding",
+                "--config.eval.context=512. Runs are trained with longctx-train from these configs:"]
     out += [config_files.listing(), "", "flags:"]
     out += flag_help(fv, sorted(n for n in fv if not n.startswith("config") and n not in _HIDDEN))
     return "\n".join(out)
@@ -307,13 +308,15 @@ def _run_flag(fv, overrides: dict, flag: str, key: str) -> None:
 
 
 def _check_run(prog: str, fv, overrides: dict) -> int:
-    """``--check`` of a command that reads a trained run: the overrides name keys it may change
-    (their types were checked by the flag parser); the run itself is not read."""
-    from longctx.runtime import check_run_overrides  # deferred: CLI start-up: no jax at import
+    """``--check`` of a command that reads a trained run: the overrides name keys it may change (their types were
+    checked by the flag parser), the run exists and its saved config with them validates (``runtime.check_run``);
+    its checkpoint is not restored."""
+    from longctx.runtime import check_run  # deferred: CLI start-up: no jax at import
 
-    check_run_overrides(overrides)
+    checked = check_run(fv.workdir, overrides)
     shown = " ".join(f"{k}={v}" for k, v in overrides.items())
-    print(f"ok: {prog} would read the run in {fv.workdir}" + (f" with {shown}" if shown else ""))
+    print(f"ok: {prog} would read the run in {fv.workdir}" + (f" with {shown}" if shown else "")
+          + f"; checked: {checked}")
     return 0
 
 

@@ -4,6 +4,7 @@ and the benchmarks; the command-line plumbing lives in :mod:`longctx.cli`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -64,6 +65,42 @@ def _check_window_swap(saved, overrides: dict) -> None:
     if att.pattern:
         raise ConfigError("--config.model.attention.name: this run mixes methods by layer "
                           f"(model.attention.pattern={','.join(att.pattern)}); only a single-method run changes method")
+
+
+def run_config(saved, overrides: dict):
+    """A trained run's config (``saved``: the dict it was saved as) with ``overrides`` (checked by
+    :func:`check_run_overrides`) applied, validated once: what a command that reads the run computes with."""
+    cfg = config_lib.merge_over_base(saved)
+    _check_window_swap(cfg, overrides)
+    trained_every_key = not attention.get_class(cfg.model.attention.name).sliding_window
+    for path, value in overrides.items():
+        node = cfg
+        *parents, key = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[key] = value
+    if trained_every_key and overrides.get("model.attention.name") == SLIDING and WINDOW_KEYS[1] not in overrides:
+        cfg.model.attention[SLIDING].window = cfg.train.seq_len  # an exact run's window: its trained length
+    return config_lib.validate(cfg)
+
+
+def check_run(workdir, overrides: dict) -> str:
+    """What ``--check`` of a command that reads a trained run can say without restoring it: the overrides name keys
+    it may change, and where the run exists, its saved config (``WORKDIR/config.json``) with the overrides
+    validates. Returns what was checked, for the ``ok`` line (a run not trained yet: the keys only)."""
+    check_run_overrides(overrides)
+    wd = Path(workdir)
+    if not wd.exists():
+        return "the override keys (no run there yet: train it first, and its config is checked too)"
+    saved = wd / "config.json"
+    if not saved.is_file():
+        raise CheckpointError(f"{wd} holds no config.json: not a run longctx-train wrote (or it is still starting)")
+    try:
+        cfg = json.loads(saved.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{saved} is not valid JSON ({e})") from None
+    run_config(cfg, overrides)
+    return "its saved config with the overrides"
 
 
 class Runner:
@@ -131,19 +168,7 @@ class Runner:
         built = {}
 
         def target(meta):
-            cfg = config_lib.merge_over_base(meta["config"])
-            _check_window_swap(cfg, overrides)
-            trained_every_key = not attention.get_class(cfg.model.attention.name).sliding_window
-            for path, value in overrides.items():
-                node = cfg
-                *parents, key = path.split(".")
-                for p in parents:
-                    node = node[p]
-                node[key] = value
-            if (trained_every_key and overrides.get("model.attention.name") == SLIDING
-                    and WINDOW_KEYS[1] not in overrides):
-                cfg.model.attention[SLIDING].window = cfg.train.seq_len  # an exact run's window: its trained length
-            cfg = config_lib.validate(cfg)
+            cfg = run_config(meta["config"], overrides)
             model = nnx.eval_shape(lambda: build_model(cfg.model, seed=cfg.train.seed, execution=cfg.execution))
             built["cfg"] = cfg
             built["split"] = split_model(model)

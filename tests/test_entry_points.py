@@ -82,6 +82,25 @@ def test_check_stops_after_validation(tmp_path, capsys):
     assert "allowed here: --config.eval.*" in capsys.readouterr().err
 
 
+def test_check_of_a_trained_run_validates_its_config_with_the_overrides(tmp_path, capsys):
+    """Where the run exists, ``--check`` of a command that reads it validates its saved config with the overrides
+    (values too, not only keys), without restoring it."""
+    from longctx import config_files
+    from longctx.config import validate
+
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.json").write_text(validate(config_files.load("configs/default.py:tiny")).to_json())
+    assert cli.eval_main(["x", f"--workdir={wd}", "--config.model.scan_layers=on", "--check"]) == 0
+    assert "checked: its saved config with the overrides" in capsys.readouterr().out
+    for bad, says in (("--config.model.scan_layers=maybe", "scan_layers"), ("--config.eval.protocol=bogus", "protocol")):
+        with pytest.raises(SystemExit) as e:
+            cli.sample_main(["x", f"--workdir={wd}", bad, "--check"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_train_log_line_and_eval_file_names():
     from ml_collections import ConfigDict
 
