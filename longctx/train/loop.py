@@ -28,6 +28,7 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
@@ -38,6 +39,7 @@ from longctx.attention import dispatch
 from longctx.data import sources
 from longctx.data.prepare import default_cache_dir
 from longctx.errors import CheckpointError, ConfigError, NonFiniteError, WorkdirError
+from longctx.models import precision
 from longctx.models.decoder import build_model
 from longctx.protocols import EvaluationStopped
 from longctx.train import checkpoint, distributed, sharding, tasks
@@ -316,8 +318,10 @@ def _train(cfg, workdir, *, progress: bool, max_steps: int | None, held: list) -
     def tokens_per_step(at_step):  # per update
         return tc.batch_size * config_lib.update_tokens(cfg, at_step)
     end = tc.steps if max_steps is None else min(tc.steps, step + max_steps)
-    print(f"model: {n_params:,} parameters, attention={config_lib.attention_label(cfg.model)}, block={cfg.model.block}; "
-          f"data: {task.summary()}")
+    pol = precision.policy(cfg.model)
+    print(f"model: {n_params:,} parameters, attention={config_lib.attention_label(cfg.model)}, block={cfg.model.block}, "
+          f"{jnp.dtype(pol.compute).name} over {jnp.dtype(pol.param).name} weights, {cfg.model.num_layers} layers "
+          f"{'scanned' if cfg.model.scan_layers == 'on' else 'unrolled'}; data: {task.summary()}")
     for note in config_lib.exact_attention_notes(cfg):
         print(note)
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
