@@ -160,7 +160,9 @@ class ModelSubject:
         own = cfg.model.attention.get(method)
         if own is not None and own.get("max_len", None) == 0:  # 0: the training length; here the longest position
             own.max_len = max_len
-        cfg = config_lib.resolve_vocab(config_lib.validate(cfg), int(cfg.data.options.get("vocab_size", 0)) or 256)
+        options = cfg.data.options  # a trained tokenizer's size where the config names one (no data read here)
+        cfg = config_lib.resolve_vocab(config_lib.validate(cfg),
+                                       int(options.vocab_size) if "vocab_size" in options else 256)
         model = build_model(cfg.model, seed=args.seed, execution=cfg.execution)
         graphdef, params = nnx.split(model)
 
