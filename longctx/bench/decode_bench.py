@@ -84,7 +84,7 @@ def run(args) -> dict:
         try:
             subject = (ModelSubject(args.model, method, args, dtype, max(positions)) if args.model else
                        CoreSubject(method, args, dtype, cache))
-        except (ConfigError, ValueError) as e:
+        except ConfigError as e:
             res["skipped_methods"].append({"method": method, "reason": " ".join(str(e).split())})
             bar.write(f"skip {method}: {e}")
             bar.update(len(positions))
@@ -157,9 +157,9 @@ class ModelSubject:
         allowed = attention.get_class(method).allowed_positions
         if allowed is not None and cfg.model.positions not in allowed:  # the method's own position encoding
             cfg.model.positions = allowed[0]
-        own = cfg.model.attention.get(method)
-        if own is not None and own.get("max_len", None) == 0:  # 0: the training length; here the longest position
-            own.max_len = max_len
+        own = cfg.model.attention[method] if method in cfg.model.attention else {}
+        if "max_len" in own and own.max_len == 0:  # a length-sized setting: 0 is the training length; here the longest
+            own.max_len = max_len  # position
         options = cfg.data.options  # a trained tokenizer's size where the config names one (no data read here)
         cfg = config_lib.resolve_vocab(config_lib.validate(cfg),
                                        int(options.vocab_size) if "vocab_size" in options else 256)
